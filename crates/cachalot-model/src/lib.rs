@@ -1,14 +1,17 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Model families of cachalot: `config.json` parsing, safetensors checkpoints, and the
+//! DeepSeek-V3/R1/Kimi-K2 forward pass over a packed batch with a paged latent KV cache.
+//! See `docs/ARCHITECTURE.md` and `shared/specs/deepseek-v3-r1-kimi-k2.md`.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod batch;
+pub mod checkpoint;
+pub mod config;
+pub mod deepseek_v3;
+pub mod error;
+pub mod eval;
+pub mod rope;
+pub mod tokenizer;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use batch::{Batch, BlockAllocator, CacheSpec, KvCache, LogitsWanted};
+pub use config::{DeepseekV3Config, ModelType};
+pub use deepseek_v3::{AttentionPath, DeepseekV3, ForwardOutput, Fp8Mode, LoadOptions};
+pub use error::{ModelError, Result};

@@ -1,3 +1,292 @@
+//! The cachalot command line: `perplexity`, `generate` and `bench` for now (`run`, `chat`,
+//! `serve`, `convert` follow; see README.md).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
+use cachalot_model::eval::{self, BLOCK_SIZE};
+use cachalot_model::tokenizer::Tokenizer;
+use cachalot_model::{AttentionPath, DeepseekV3, Fp8Mode, LoadOptions};
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(name = "cachalot", version, about = "DeepSeek-family inference on CPU")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Fp8Arg {
+    /// Multiply FP8 weights natively (1 byte per weight).
+    Native,
+    /// Dequantize FP8 weights to f32 at load.
+    F32,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum AttnArg {
+    Auto,
+    Naive,
+    Absorbed,
+}
+
+#[derive(clap::Args)]
+struct ModelArgs {
+    /// Hugging Face model directory (config.json, safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// How FP8 weights are held.
+    #[arg(long, value_enum, default_value = "native")]
+    fp8: Fp8Arg,
+    /// MLA form: chosen per step by cost, or forced.
+    #[arg(long, value_enum, default_value = "auto")]
+    attention: AttnArg,
+}
+
+#[derive(clap::Args)]
+#[group(required = true, multiple = false)]
+struct InputArgs {
+    /// Text file, tokenized with the model's tokenizer.json (no special tokens added).
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    token_ids: Option<Vec<u32>>,
+    /// Text given on the command line.
+    #[arg(long)]
+    prompt: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Log-probability of each next token, mean NLL and perplexity.
+    Perplexity {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        input: InputArgs,
+        /// Prefill chunk size in tokens.
+        #[arg(long, default_value_t = 512)]
+        chunk: usize,
+        /// Print one JSON object: {"n_tokens", "logprobs", "nll", "ppl"}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Greedy continuation of a prompt.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        input: InputArgs,
+        /// Tokens to generate.
+        #[arg(long, default_value_t = 32)]
+        max_tokens: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Prefill and decode throughput on one model, as JSON.
+    Bench {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Prompt length (random token ids).
+        #[arg(long, default_value_t = 128)]
+        prompt_len: usize,
+        /// Decode steps after the prompt.
+        #[arg(long, default_value_t = 32)]
+        decode_len: usize,
+        /// Threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+}
+
+fn load(args: &ModelArgs) -> Result<DeepseekV3> {
+    let opts = LoadOptions {
+        fp8: match args.fp8 {
+            Fp8Arg::Native => Fp8Mode::Native,
+            Fp8Arg::F32 => Fp8Mode::DequantizeF32,
+        },
+        load_mtp: false,
+    };
+    let mut model = DeepseekV3::load(&args.model, opts)?;
+    model.attention_path = match args.attention {
+        AttnArg::Auto => AttentionPath::Auto,
+        AttnArg::Naive => AttentionPath::Naive,
+        AttnArg::Absorbed => AttentionPath::Absorbed,
+    };
+    Ok(model)
+}
+
+fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
+    if let Some(ids) = &input.token_ids {
+        return Ok(ids.clone());
+    }
+    let text = match (&input.file, &input.prompt) {
+        (Some(f), _) => {
+            std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?
+        }
+        (None, Some(p)) => p.clone(),
+        (None, None) => bail!("give --file, --prompt or --token-ids"),
+    };
+    Ok(Tokenizer::from_dir(model_dir)?.encode(&text)?)
+}
+
 fn main() {
-    println!("Hello, world!");
+    if let Err(e) = run() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Perplexity {
+            model,
+            input,
+            chunk,
+            json,
+        } => {
+            let ids = tokens(&input, &model.model)?;
+            let m = load(&model)?;
+            let lp = eval::next_token_logprobs(&m, &ids, chunk)?;
+            let (nll, ppl) = eval::nll_ppl(&lp);
+            if json {
+                let v = serde_json::json!({"n_tokens": ids.len(), "logprobs": lp, "nll": nll, "ppl": ppl});
+                println!("{v}");
+            } else {
+                println!(
+                    "tokens: {}\nmean NLL: {nll:.6}\nperplexity: {ppl:.4}",
+                    ids.len()
+                );
+            }
+        }
+        Command::Generate {
+            model,
+            input,
+            max_tokens,
+            json,
+        } => {
+            let ids = tokens(&input, &model.model)?;
+            let m = load(&model)?;
+            let out = eval::greedy(&m, &ids, max_tokens)?;
+            let text = Tokenizer::from_dir(&model.model)
+                .ok()
+                .and_then(|t| t.decode(&out).ok());
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"prompt_ids": ids, "output_ids": out, "text": text})
+                );
+            } else if let Some(t) = text {
+                println!("{t}");
+            } else {
+                println!("{out:?}");
+            }
+        }
+        Command::Bench {
+            model,
+            prompt_len,
+            decode_len,
+            threads,
+        } => {
+            if let Some(n) = threads {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .build_global()?;
+            }
+            bench(&model, prompt_len, decode_len)?;
+        }
+    }
+    Ok(())
+}
+
+fn bench(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
+    let t0 = Instant::now();
+    let m = load(args)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let cfg = m.config();
+    // A deterministic pseudo-random prompt (LCG), avoiding special ids 0 and 1.
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let prompt: Vec<u32> = (0..prompt_len.max(1))
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            2 + ((state >> 33) as usize % (cfg.vocab_size - 2)) as u32
+        })
+        .collect();
+    let total = prompt.len() + decode_len;
+    let blocks = total.div_ceil(BLOCK_SIZE);
+    let mut cache = KvCache::new(m.cache_spec(), BLOCK_SIZE, blocks);
+    let mut alloc = BlockAllocator::new(blocks);
+    let mut table = Vec::new();
+    alloc.ensure(&mut table, total, BLOCK_SIZE)?;
+
+    let mut batch = Batch::default();
+    batch.push_seq(&prompt, 0, table.clone(), LogitsWanted::Last);
+    let t = Instant::now();
+    let out = m.forward(&batch, &mut cache, false)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let mut next = cachalot_kernels::argmax(&out.logits) as u32;
+    let mut step_times = Vec::with_capacity(decode_len);
+    for i in 0..decode_len {
+        let mut b = Batch::default();
+        b.push_seq(&[next], prompt.len() + i, table.clone(), LogitsWanted::Last);
+        let t = Instant::now();
+        let out = m.forward(&b, &mut cache, false)?;
+        step_times.push(t.elapsed().as_secs_f64());
+        next = cachalot_kernels::argmax(&out.logits) as u32;
+    }
+    let decode_s: f64 = step_times.iter().sum();
+    let bytes_per_token = m.decode_bytes_per_token();
+    let tpot = decode_s / decode_len.max(1) as f64;
+    let params = cfg.parameter_counts();
+    let bandwidth = read_bandwidth_gb_s();
+    let v = serde_json::json!({
+        "model": args.model.display().to_string(),
+        "fp8": match args.fp8 { Fp8Arg::Native => "native", Fp8Arg::F32 => "f32" },
+        "threads": rayon::current_num_threads(),
+        "params_total": params.total,
+        "params_active": params.active,
+        "weight_bytes": m.weight_bytes(),
+        "decode_bytes_per_token": bytes_per_token,
+        "load_s": load_s,
+        "prompt_len": prompt.len(),
+        "prefill_s": prefill_s,
+        "prefill_tok_s": prompt.len() as f64 / prefill_s,
+        "ttft_ms": prefill_s * 1e3,
+        "decode_len": decode_len,
+        "tpot_ms": tpot * 1e3,
+        "decode_tok_s": if decode_len > 0 { decode_len as f64 / decode_s } else { 0.0 },
+        "decode_weight_gb_s": bytes_per_token as f64 / tpot / 1e9,
+        "read_bandwidth_gb_s": bandwidth,
+        "decode_fraction_of_bandwidth": bytes_per_token as f64 / tpot / 1e9 / bandwidth,
+        "kv_cache_bytes": cache.bytes(),
+    });
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
+/// Memory read bandwidth of this machine, all threads: the best of a few parallel passes over a
+/// 1 GiB buffer (larger than any cache). Decode's floor is bytes-per-token over this.
+fn read_bandwidth_gb_s() -> f64 {
+    use rayon::prelude::*;
+    let n = (1usize << 30) / 4;
+    let buf: Vec<f32> = (0..n).into_par_iter().map(|i| (i % 7) as f32).collect();
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: f32 = buf
+            .par_chunks(1 << 16)
+            .map(|c| cachalot_kernels::dot(c, c))
+            .sum();
+        let dt = t.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        best = best.max((n * 4) as f64 / dt / 1e9);
+    }
+    best
 }

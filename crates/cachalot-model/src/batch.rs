@@ -1,0 +1,241 @@
+//! The packed batch and the paged latent KV cache the model reads and writes.
+//!
+//! Layout as in `shared/DESIGN.md` ("The seams"): all scheduled tokens of all sequences in one
+//! array with their positions, per-sequence start offsets, each sequence's block table, and the
+//! token indices whose logits are wanted. Prefill, chunked prefill, decode and (later) MTP
+//! verification are all this one shape. The cache is paged (spec `executor.md` paged KV cache;
+//! `deepseek-v3-r1-kimi-k2.md` §3.4: slot = block_table[pos / block_size]·block_size +
+//! pos % block_size); the model declares how many layers and values per token it needs
+//! ([`CacheSpec`]), the owner of the pool hands out blocks.
+
+use crate::error::{ModelError, Result};
+
+/// What a model needs from the cache pool: `layers` caches of `width` f32 values per token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheSpec {
+    pub layers: usize,
+    pub width: usize,
+}
+
+/// A pool of fixed-size blocks, one f32 array per cache layer.
+pub struct KvCache {
+    spec: CacheSpec,
+    block_size: usize,
+    num_blocks: usize,
+    layers: Vec<Vec<f32>>,
+}
+
+impl KvCache {
+    pub fn new(spec: CacheSpec, block_size: usize, num_blocks: usize) -> KvCache {
+        assert!(block_size > 0, "block_size must be positive");
+        let per_layer = block_size * num_blocks * spec.width;
+        KvCache {
+            spec,
+            block_size,
+            num_blocks,
+            layers: (0..spec.layers).map(|_| vec![0.0; per_layer]).collect(),
+        }
+    }
+
+    pub fn spec(&self) -> CacheSpec {
+        self.spec
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.len() * 4).sum()
+    }
+
+    pub fn layer(&self, layer: usize) -> &[f32] {
+        &self.layers[layer]
+    }
+    pub fn layer_mut(&mut self, layer: usize) -> &mut [f32] {
+        &mut self.layers[layer]
+    }
+}
+
+/// Hands out free blocks of a [`KvCache`]. The engine's scheduler will own one of these; the
+/// CLI and tests use it directly.
+pub struct BlockAllocator {
+    free: Vec<u32>,
+}
+
+impl BlockAllocator {
+    pub fn new(num_blocks: usize) -> BlockAllocator {
+        BlockAllocator {
+            free: (0..num_blocks as u32).rev().collect(),
+        }
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Grows `table` so that it covers `n_tokens` positions.
+    pub fn ensure(
+        &mut self,
+        table: &mut Vec<u32>,
+        n_tokens: usize,
+        block_size: usize,
+    ) -> Result<()> {
+        let needed = n_tokens.div_ceil(block_size);
+        while table.len() < needed {
+            let b = self.free.pop().ok_or_else(|| {
+                ModelError::Batch(format!(
+                    "KV cache is full: {n_tokens} tokens need {needed} blocks of {block_size}; \
+                     raise the cache size"
+                ))
+            })?;
+            table.push(b);
+        }
+        Ok(())
+    }
+
+    pub fn release(&mut self, table: &mut Vec<u32>) {
+        self.free.extend(table.drain(..).rev());
+    }
+}
+
+/// All scheduled tokens of all sequences, packed.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<usize>,
+    /// `seq_starts[s]..seq_starts[s+1]` are the tokens of sequence `s` (length = sequences + 1).
+    pub seq_starts: Vec<usize>,
+    /// Per sequence: the cache blocks holding positions `[i·block_size, (i+1)·block_size)`.
+    pub block_tables: Vec<Vec<u32>>,
+    /// Token indices (into `tokens`) whose logits are returned, in this order.
+    pub logits_indices: Vec<usize>,
+}
+
+impl Batch {
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+    pub fn num_seqs(&self) -> usize {
+        self.seq_starts.len().saturating_sub(1)
+    }
+
+    /// Appends one sequence's scheduled tokens at consecutive positions starting at `start_pos`.
+    pub fn push_seq(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        block_table: Vec<u32>,
+        want_logits: LogitsWanted,
+    ) {
+        if self.seq_starts.is_empty() {
+            self.seq_starts.push(0);
+        }
+        let base = self.tokens.len();
+        self.tokens.extend_from_slice(tokens);
+        self.positions
+            .extend((0..tokens.len()).map(|i| start_pos + i));
+        self.seq_starts.push(self.tokens.len());
+        self.block_tables.push(block_table);
+        match want_logits {
+            LogitsWanted::None => {}
+            LogitsWanted::Last => {
+                if !tokens.is_empty() {
+                    self.logits_indices.push(base + tokens.len() - 1)
+                }
+            }
+            LogitsWanted::All => self.logits_indices.extend(base..base + tokens.len()),
+        }
+    }
+
+    /// Checks the invariants the forward pass relies on.
+    pub fn validate(&self, block_size: usize, num_blocks: usize, vocab: usize) -> Result<()> {
+        let err = |m: String| Err(ModelError::Batch(m));
+        if self.positions.len() != self.tokens.len() {
+            return err(format!(
+                "{} tokens but {} positions",
+                self.tokens.len(),
+                self.positions.len()
+            ));
+        }
+        if self.seq_starts.first() != Some(&0)
+            || self.seq_starts.last() != Some(&self.tokens.len())
+            || self.seq_starts.windows(2).any(|w| w[0] > w[1])
+        {
+            return err(format!(
+                "seq_starts {:?} must rise from 0 to the token count {}",
+                self.seq_starts,
+                self.tokens.len()
+            ));
+        }
+        if self.block_tables.len() != self.num_seqs() {
+            return err(format!(
+                "{} block tables for {} sequences",
+                self.block_tables.len(),
+                self.num_seqs()
+            ));
+        }
+        if let Some(&t) = self.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return err(format!("token id {t} is outside the vocabulary of {vocab}"));
+        }
+        if let Some(&i) = self
+            .logits_indices
+            .iter()
+            .find(|&&i| i >= self.tokens.len())
+        {
+            return err(format!(
+                "logits index {i} is past the {} tokens",
+                self.tokens.len()
+            ));
+        }
+        for s in 0..self.num_seqs() {
+            let range = self.seq_starts[s]..self.seq_starts[s + 1];
+            let table = &self.block_tables[s];
+            if let Some(&b) = table.iter().find(|&&b| b as usize >= num_blocks) {
+                return err(format!(
+                    "sequence {s}: block {b} is outside the pool of {num_blocks}"
+                ));
+            }
+            for i in range.clone() {
+                let p = self.positions[i];
+                if p / block_size >= table.len() {
+                    return err(format!(
+                        "sequence {s}: position {p} has no cache block (table of {})",
+                        table.len()
+                    ));
+                }
+            }
+            // Every query attends to positions 0..=p, which must be cached already or be
+            // written by this step: positions of one sequence's new tokens are consecutive.
+            if range.len() > 1
+                && self.positions[range.clone()]
+                    .windows(2)
+                    .any(|w| w[1] != w[0] + 1)
+            {
+                return err(format!(
+                    "sequence {s}: positions of a step must be consecutive"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Cache slot of token `i` of sequence `s`.
+    #[inline]
+    pub fn slot(&self, s: usize, i: usize, block_size: usize) -> usize {
+        slot_of(&self.block_tables[s], self.positions[i], block_size)
+    }
+}
+
+#[inline]
+pub fn slot_of(table: &[u32], position: usize, block_size: usize) -> usize {
+    table[position / block_size] as usize * block_size + position % block_size
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    None,
+    Last,
+    All,
+}

@@ -1,0 +1,336 @@
+//! Safetensors checkpoints: one `model.safetensors`, or `model.safetensors.index.json` + shards.
+//!
+//! Spec: `shared/specs/deepseek-v3-r1-kimi-k2.md` §2 (tensor inventory, FP8 + `weight_scale_inv`
+//! block scales, possibly in another shard; the W8A8 layout of §5). Shards are mmap'd and tensors
+//! are windows into the maps: nothing is read into RAM twice. Every tensor is accounted for: the
+//! model loader `take`s what it uses, and whatever is left at the end is reported by name and
+//! file, so a misnamed or stray tensor is an error rather than silently ignored.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cachalot_kernels::Bytes;
+use safetensors::tensor::Dtype;
+use serde_json::Value;
+
+use crate::error::{ModelError, Result};
+
+struct Shard {
+    path: PathBuf,
+    map: Arc<memmap2::Mmap>,
+}
+
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    shard: usize,
+    /// Absolute byte range within the shard file.
+    start: usize,
+    end: usize,
+}
+
+/// A view of one tensor's bytes, tied to its mmap'd shard.
+pub struct TensorView {
+    pub name: String,
+    pub path: PathBuf,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Bytes,
+}
+
+impl TensorView {
+    pub fn error(&self, message: impl Into<String>) -> ModelError {
+        ModelError::Tensor {
+            tensor: self.name.clone(),
+            path: self.path.clone(),
+            message: message.into(),
+        }
+    }
+
+    /// The values as f32 (for small tensors: norms, biases, scales), from F32, BF16 or F16.
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        let b = self.bytes.as_slice();
+        Ok(match self.dtype {
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|c| cachalot_kernels::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            Dtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+            other => {
+                return Err(self.error(format!("has dtype {other:?}; expected F32, BF16 or F16")))
+            }
+        })
+    }
+
+    pub fn expect_shape(&self, shape: &[usize]) -> Result<()> {
+        if self.shape == shape {
+            Ok(())
+        } else {
+            Err(self.error(format!(
+                "has shape {:?}; the config implies {:?}",
+                self.shape, shape
+            )))
+        }
+    }
+}
+
+/// An opened checkpoint directory.
+pub struct Checkpoint {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    tensors: BTreeMap<String, TensorInfo>,
+    taken: HashSet<String>,
+}
+
+impl Checkpoint {
+    pub fn open(dir: &Path) -> Result<Checkpoint> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let mut shard_names: Vec<String> = Vec::new();
+        let mut index: Option<HashMap<String, String>> = None;
+        if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
+                path: index_path.clone(),
+                source,
+            })?;
+            let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
+                path: index_path.clone(),
+                message: e.to_string(),
+            })?;
+            let Some(Value::Object(map)) = v.get("weight_map") else {
+                return Err(ModelError::Checkpoint {
+                    path: index_path,
+                    message: "no `weight_map` object; expected {\"weight_map\": {tensor: file}}"
+                        .into(),
+                });
+            };
+            let mut m = HashMap::new();
+            for (name, file) in map {
+                let Some(file) = file.as_str() else {
+                    return Err(ModelError::Checkpoint {
+                        path: index_path,
+                        message: format!("weight_map entry `{name}` is not a file name"),
+                    });
+                };
+                if !shard_names.iter().any(|s| s == file) {
+                    shard_names.push(file.to_string());
+                }
+                m.insert(name.clone(), file.to_string());
+            }
+            shard_names.sort();
+            index = Some(m);
+        } else if single.exists() {
+            shard_names.push("model.safetensors".into());
+        } else {
+            return Err(ModelError::Checkpoint {
+                path: dir.to_path_buf(),
+                message: "no model.safetensors.index.json and no model.safetensors; \
+                          is this a Hugging Face model directory?"
+                    .into(),
+            });
+        }
+
+        let mut shards = Vec::new();
+        let mut tensors = BTreeMap::new();
+        for (shard_idx, name) in shard_names.iter().enumerate() {
+            let path = dir.join(name);
+            let file = std::fs::File::open(&path).map_err(|source| ModelError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            // SAFETY: the file is opened read-only and the map is never written; like every
+            // mmap-based loader we rely on checkpoint files not being truncated while loaded.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ModelError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let (header_len, meta) =
+                safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
+                    ModelError::Checkpoint {
+                        path: path.clone(),
+                        message: format!(
+                        "not a valid safetensors file ({e}); the file may be truncated or corrupt"
+                    ),
+                    }
+                })?;
+            let data_start = 8 + header_len;
+            for (tname, info) in meta.tensors() {
+                let (s, e) = info.data_offsets;
+                let start = data_start + s;
+                let end = data_start + e;
+                if end > map.len() {
+                    return Err(ModelError::Tensor {
+                        tensor: tname,
+                        path,
+                        message: format!(
+                            "data ends at byte {end} but the file has {} bytes (truncated shard)",
+                            map.len()
+                        ),
+                    });
+                }
+                if let Some(idx) = &index {
+                    match idx.get(&tname) {
+                        Some(f) if f == name => {}
+                        Some(f) => {
+                            return Err(ModelError::Tensor {
+                                tensor: tname,
+                                path,
+                                message: format!("the index places it in {f}"),
+                            })
+                        }
+                        None => {
+                            return Err(ModelError::Tensor {
+                                tensor: tname,
+                                path,
+                                message: "is not listed in model.safetensors.index.json".into(),
+                            })
+                        }
+                    }
+                }
+                if let Some(prev) = tensors.insert(
+                    tname.clone(),
+                    TensorInfo {
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        shard: shard_idx,
+                        start,
+                        end,
+                    },
+                ) {
+                    return Err(ModelError::Tensor {
+                        tensor: tname,
+                        path,
+                        message: format!("also present in {}", shard_names[prev.shard]),
+                    });
+                }
+            }
+            shards.push(Shard {
+                path,
+                map: Arc::new(map),
+            });
+        }
+        if let Some(idx) = &index {
+            let mut missing: Vec<_> = idx.keys().filter(|n| !tensors.contains_key(*n)).collect();
+            missing.sort();
+            if let Some(first) = missing.first() {
+                return Err(ModelError::Tensor {
+                    tensor: (*first).clone(),
+                    path: dir.join(&idx[*first]),
+                    message: format!(
+                        "listed in the index but absent from the file ({} such tensors)",
+                        missing.len()
+                    ),
+                });
+            }
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            shards,
+            tensors,
+            taken: HashSet::new(),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.get(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    pub fn total_bytes(&self) -> usize {
+        self.tensors.values().map(|t| t.end - t.start).sum()
+    }
+
+    /// The tensor, marked as used. `expected` describes it for the error if it is missing.
+    pub fn take(&mut self, name: &str, expected: &str) -> Result<TensorView> {
+        let Some(info) = self.tensors.get(name) else {
+            return Err(ModelError::MissingTensor {
+                tensor: name.to_string(),
+                dir: self.dir.clone(),
+                expected: expected.to_string(),
+            });
+        };
+        self.taken.insert(name.to_string());
+        let shard = &self.shards[info.shard];
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = shard.map.clone();
+        let bytes = Bytes::from_owner(owner, info.start, info.end - info.start)
+            .map_err(|e| ModelError::Kernel(e.to_string()))?;
+        let elem = dtype_size(info.dtype);
+        let numel: usize = info.shape.iter().product();
+        let view = TensorView {
+            name: name.to_string(),
+            path: shard.path.clone(),
+            dtype: info.dtype,
+            shape: info.shape.clone(),
+            bytes,
+        };
+        if elem.map(|s| s * numel) != Some(info.end - info.start) {
+            return Err(view.error(format!(
+                "holds {} bytes, which does not match dtype {:?} and shape {:?}",
+                info.end - info.start,
+                info.dtype,
+                info.shape
+            )));
+        }
+        Ok(view)
+    }
+
+    /// Marks a tensor as deliberately unused (e.g. `rotary_emb.inv_freq`, or the MTP layer's
+    /// copies of the shared embedding and head).
+    pub fn skip(&mut self, name: &str) {
+        if self.tensors.contains_key(name) {
+            self.taken.insert(name.to_string());
+        }
+    }
+
+    /// Errors on the first tensor no loader took, naming it and its file.
+    pub fn ensure_all_used(&self) -> Result<()> {
+        let unused: Vec<&String> = self
+            .tensors
+            .keys()
+            .filter(|n| !self.taken.contains(*n))
+            .collect();
+        if let Some(first) = unused.first() {
+            let info = &self.tensors[*first];
+            return Err(ModelError::Tensor {
+                tensor: (*first).clone(),
+                path: self.shards[info.shard].path.clone(),
+                message: format!(
+                    "is not part of the model this config describes ({} unexpected tensors in \
+                     all); check that config.json matches the checkpoint",
+                    unused.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+pub fn dtype_size(d: Dtype) -> Option<usize> {
+    Some(match d {
+        Dtype::BOOL | Dtype::U8 | Dtype::I8 | Dtype::F8_E4M3 | Dtype::F8_E5M2 => 1,
+        Dtype::BF16 | Dtype::F16 | Dtype::I16 | Dtype::U16 => 2,
+        Dtype::F32 | Dtype::I32 | Dtype::U32 => 4,
+        Dtype::F64 | Dtype::I64 | Dtype::U64 => 8,
+        _ => return None,
+    })
+}

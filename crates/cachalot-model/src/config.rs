@@ -1,0 +1,759 @@
+//! `config.json` of DeepSeek-V3/R1 and Kimi-K2 checkpoints, as a typed, validated struct.
+//!
+//! Spec: `shared/specs/deepseek-v3-r1-kimi-k2.md` §1 (fields, real values, derived constants) and
+//! §8 (what `transformers`' `DeepseekV3Config` reads). Field names are DeepSeek's official ones
+//! (`rope_scaling`, `num_nextn_predict_layers`); the transformers aliases (`rope_parameters`,
+//! `num_mtp_layers`, `num_local_experts`) are accepted too. Unknown extra fields are ignored, as
+//! real configs carry many informational ones (`ep_size`, `auto_map`, …); a field with the wrong
+//! type or an unsupported value is an error naming the field.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::error::{ModelError, Result};
+
+/// Which checkpoint family a `config.json` describes. Both share one architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelType {
+    DeepseekV3,
+    KimiK2,
+}
+
+impl ModelType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelType::DeepseekV3 => "deepseek_v3",
+            ModelType::KimiK2 => "kimi_k2",
+        }
+    }
+}
+
+/// YaRN parameters (`rope_scaling` with `type`/`rope_type` = `yarn`), spec §3.2.
+#[derive(Clone, Debug, PartialEq)]
+pub struct YarnScaling {
+    pub factor: f64,
+    pub original_max_position_embeddings: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: Option<f64>,
+    pub mscale_all_dim: Option<f64>,
+    /// Explicit cos/sin amplitude (`attention_factor`), rarely present.
+    pub attention_factor: Option<f64>,
+    /// Floor/ceil the correction range (transformers' `truncate`, default true).
+    pub truncate: bool,
+}
+
+/// The weight format declared by `quantization_config`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum QuantizationConfig {
+    /// DeepSeek's FP8 e4m3 checkpoints with `weight_scale_inv` blocks.
+    Fp8Block {
+        block_rows: usize,
+        block_cols: usize,
+    },
+    /// compressed-tensors `int-quantized` (the W8A8 converter's output): int8 weights with
+    /// per-output-row `weight_scale`; `ignore` lists modules kept in BF16.
+    CompressedInt8 {
+        ignore: Vec<String>,
+        kv_cache_int8: bool,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct DeepseekV3Config {
+    pub model_type: ModelType,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub moe_intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub n_routed_experts: Option<usize>,
+    pub n_shared_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f32,
+    pub first_k_dense_replace: usize,
+    pub moe_layer_freq: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<YarnScaling>,
+    /// Checkpoint rope dims are interleaved pairs (DeepSeek's layout; transformers' default).
+    pub rope_interleave: bool,
+    pub max_position_embeddings: usize,
+    pub num_nextn_predict_layers: usize,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub quantization: Option<QuantizationConfig>,
+}
+
+/// The norm epsilon of the latent norms (`q_a_layernorm`, `kv_a_layernorm`): always 1e-6,
+/// not `rms_norm_eps` (spec §1.3).
+pub const LATENT_NORM_EPS: f32 = 1e-6;
+
+struct Fields<'a> {
+    path: &'a Path,
+    map: &'a Map<String, Value>,
+    prefix: &'a str,
+}
+
+impl<'a> Fields<'a> {
+    fn err(&self, field: &str, message: impl Into<String>) -> ModelError {
+        ModelError::Config {
+            path: self.path.to_path_buf(),
+            field: format!("{}{}", self.prefix, field),
+            message: message.into(),
+        }
+    }
+
+    fn get(&self, field: &str) -> Option<&'a Value> {
+        self.map.get(field).filter(|v| !v.is_null())
+    }
+
+    fn usize_opt(&self, field: &str) -> Result<Option<usize>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
+                self.err(field, format!("expected a non-negative integer, found {v}"))
+            }),
+        }
+    }
+
+    fn usize_req(&self, field: &str) -> Result<usize> {
+        self.usize_opt(field)?
+            .ok_or_else(|| self.err(field, "missing; this field is required"))
+    }
+
+    fn usize_or(&self, field: &str, default: usize) -> Result<usize> {
+        Ok(self.usize_opt(field)?.unwrap_or(default))
+    }
+
+    fn f64_opt(&self, field: &str) -> Result<Option<f64>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("expected a number, found {v}"))),
+        }
+    }
+
+    fn f64_or(&self, field: &str, default: f64) -> Result<f64> {
+        Ok(self.f64_opt(field)?.unwrap_or(default))
+    }
+
+    fn bool_or(&self, field: &str, default: bool) -> Result<bool> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.err(field, format!("expected true or false, found {v}"))),
+        }
+    }
+
+    fn str_opt(&self, field: &str) -> Result<Option<&'a str>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("expected a string, found {v}"))),
+        }
+    }
+
+    fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
+        match self.get(field) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or_else(|| self.err(field, format!("expected token ids, found {v}")))
+                })
+                .collect(),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .map(|x| vec![x])
+                .ok_or_else(|| self.err(field, format!("expected a token id, found {v}"))),
+        }
+    }
+}
+
+impl DeepseekV3Config {
+    /// Reads `<dir>/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        Self::from_file(&dir.join("config.json"))
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json_str(&text, path)
+    }
+
+    /// Parses and validates; `path` is used in error messages only.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Json {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let Value::Object(map) = value else {
+            return Err(ModelError::Json {
+                path: path.to_path_buf(),
+                message: "expected a JSON object at the top level".into(),
+            });
+        };
+        let f = Fields {
+            path,
+            map: &map,
+            prefix: "",
+        };
+
+        let model_type = match f.str_opt("model_type")? {
+            Some("deepseek_v3") => ModelType::DeepseekV3,
+            Some("kimi_k2") => ModelType::KimiK2,
+            Some(other) => {
+                return Err(f.err(
+                    "model_type",
+                    format!(
+                        "unsupported model type `{other}`; this loader reads `deepseek_v3` \
+                         (DeepSeek-V3/R1) and `kimi_k2` (Kimi-K2)"
+                    ),
+                ))
+            }
+            None => return Err(f.err("model_type", "missing; expected `deepseek_v3` or `kimi_k2`")),
+        };
+        match f.str_opt("topk_method")? {
+            None | Some("noaux_tc") => {}
+            Some(other) => {
+                return Err(f.err(
+                    "topk_method",
+                    format!("unsupported routing method `{other}`; only `noaux_tc` is implemented"),
+                ))
+            }
+        }
+        match f.str_opt("scoring_func")? {
+            None | Some("sigmoid") => {}
+            Some(other) => {
+                return Err(f.err(
+                    "scoring_func",
+                    format!("unsupported expert scoring `{other}`; only `sigmoid` is implemented"),
+                ))
+            }
+        }
+        match f.str_opt("hidden_act")? {
+            None | Some("silu") => {}
+            Some(other) => {
+                return Err(f.err(
+                    "hidden_act",
+                    format!("unsupported activation `{other}`; only `silu` is implemented"),
+                ))
+            }
+        }
+        if f.bool_or("attention_bias", false)? {
+            return Err(f.err(
+                "attention_bias",
+                "attention biases are not supported (every DeepSeek-V3/Kimi-K2 release has false)",
+            ));
+        }
+
+        let num_attention_heads = f.usize_req("num_attention_heads")?;
+        let n_routed_experts = match f.usize_opt("n_routed_experts")? {
+            Some(e) => Some(e),
+            None => f.usize_opt("num_local_experts")?,
+        };
+        let num_nextn_predict_layers = match f.usize_opt("num_nextn_predict_layers")? {
+            Some(n) => n,
+            None => f.usize_or("num_mtp_layers", 0)?,
+        };
+
+        let (rope_theta, rope_scaling) = parse_rope(&f)?;
+
+        let cfg = DeepseekV3Config {
+            model_type,
+            vocab_size: f.usize_req("vocab_size")?,
+            hidden_size: f.usize_req("hidden_size")?,
+            intermediate_size: f.usize_req("intermediate_size")?,
+            moe_intermediate_size: f.usize_or("moe_intermediate_size", 0)?,
+            num_hidden_layers: f.usize_req("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads: f.usize_or("num_key_value_heads", num_attention_heads)?,
+            q_lora_rank: f.usize_opt("q_lora_rank")?,
+            kv_lora_rank: f.usize_req("kv_lora_rank")?,
+            qk_nope_head_dim: f.usize_req("qk_nope_head_dim")?,
+            qk_rope_head_dim: f.usize_req("qk_rope_head_dim")?,
+            v_head_dim: f.usize_req("v_head_dim")?,
+            n_routed_experts,
+            n_shared_experts: f.usize_or("n_shared_experts", 0)?,
+            num_experts_per_tok: f.usize_or("num_experts_per_tok", 0)?,
+            n_group: f.usize_or("n_group", 1)?,
+            topk_group: f.usize_or("topk_group", 1)?,
+            norm_topk_prob: f.bool_or("norm_topk_prob", true)?,
+            routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)? as f32,
+            first_k_dense_replace: f.usize_or("first_k_dense_replace", 0)?,
+            moe_layer_freq: f.usize_or("moe_layer_freq", 1)?,
+            rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)? as f32,
+            rope_theta,
+            rope_scaling,
+            rope_interleave: f.bool_or("rope_interleave", true)?,
+            max_position_embeddings: f.usize_or("max_position_embeddings", 4096)?,
+            num_nextn_predict_layers,
+            tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids: f.token_ids("eos_token_id")?,
+            quantization: parse_quantization(&f)?,
+        };
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, path: &Path) -> Result<()> {
+        let err = |field: &str, message: String| ModelError::Config {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message,
+        };
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+            ("moe_layer_freq", self.moe_layer_freq),
+            ("n_group", self.n_group),
+        ] {
+            if v == 0 {
+                return Err(err(name, "must be at least 1".into()));
+            }
+        }
+        if self.qk_rope_head_dim == 0 || self.qk_rope_head_dim % 2 != 0 {
+            return Err(err(
+                "qk_rope_head_dim",
+                format!(
+                    "must be a positive even number, found {}",
+                    self.qk_rope_head_dim
+                ),
+            ));
+        }
+        if self.q_lora_rank == Some(0) {
+            return Err(err("q_lora_rank", "must be null or at least 1".into()));
+        }
+        if self.num_key_value_heads != self.num_attention_heads {
+            return Err(err(
+                "num_key_value_heads",
+                format!(
+                    "MLA has one latent KV per token; expected num_key_value_heads = \
+                     num_attention_heads = {}, found {}",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
+            ));
+        }
+        if let Some(e) = self.n_routed_experts {
+            if self.has_moe_layers() {
+                if e == 0 || self.num_experts_per_tok == 0 || self.moe_intermediate_size == 0 {
+                    return Err(err(
+                        "n_routed_experts",
+                        "MoE layers need n_routed_experts, num_experts_per_tok and \
+                         moe_intermediate_size of at least 1"
+                            .into(),
+                    ));
+                }
+                if e % self.n_group != 0 {
+                    return Err(err(
+                        "n_group",
+                        format!(
+                            "n_routed_experts = {e} is not divisible by n_group = {}",
+                            self.n_group
+                        ),
+                    ));
+                }
+                if self.topk_group == 0 || self.topk_group > self.n_group {
+                    return Err(err(
+                        "topk_group",
+                        format!(
+                            "must be in 1..=n_group ({}), found {}",
+                            self.n_group, self.topk_group
+                        ),
+                    ));
+                }
+                let per_group = e / self.n_group;
+                if self.n_group > 1 && per_group < 2 {
+                    return Err(err(
+                        "n_group",
+                        format!("group-limited routing scores groups by their top 2 experts; groups of {per_group} are too small"),
+                    ));
+                }
+                if self.num_experts_per_tok > self.topk_group * per_group {
+                    return Err(err(
+                        "num_experts_per_tok",
+                        format!(
+                            "{} experts per token cannot be picked from {} groups of {per_group}",
+                            self.num_experts_per_tok, self.topk_group
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `i` is MoE iff routed experts exist, `i >= first_k_dense_replace` and
+    /// `i % moe_layer_freq == 0` (spec §1.3). The MTP layer (index `num_hidden_layers`) is MoE.
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        self.n_routed_experts.is_some_and(|e| e > 0)
+            && i >= self.first_k_dense_replace
+            && i % self.moe_layer_freq == 0
+    }
+
+    fn has_moe_layers(&self) -> bool {
+        (0..=self.num_hidden_layers).any(|i| self.is_moe_layer(i))
+    }
+
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// Values per token per layer in the latent KV cache: `kv_lora_rank + qk_rope_head_dim`.
+    pub fn latent_cache_width(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// The attention softmax scale: `qk_head_dim^-0.5 · m²` with `m = 0.1·mscale_all_dim·ln f + 1`
+    /// under YaRN (spec §1.2; transformers' `yarn_apply_mscale`).
+    pub fn softmax_scale(&self) -> f32 {
+        let mut scale = (self.qk_head_dim() as f64).powf(-0.5);
+        if let Some(y) = &self.rope_scaling {
+            if let Some(all) = y.mscale_all_dim.filter(|&m| m != 0.0) {
+                let m = yarn_get_mscale(y.factor, all);
+                scale *= m * m;
+            }
+        }
+        scale as f32
+    }
+
+    /// Total parameters stored, by a count over the shapes this config implies (no MTP layer).
+    pub fn parameter_counts(&self) -> ParameterCounts {
+        let h = self.hidden_size;
+        let n = self.num_attention_heads;
+        let q = match self.q_lora_rank {
+            Some(r) => h * r + r + r * n * self.qk_head_dim(),
+            None => h * n * self.qk_head_dim(),
+        };
+        let attn = q
+            + h * self.latent_cache_width()
+            + self.kv_lora_rank
+            + self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+            + n * self.v_head_dim * h
+            + 2 * h;
+        let mlp = |i: usize| 3 * h * i;
+        let mut total = 2 * self.vocab_size * h + h;
+        let mut active = total;
+        for layer in 0..self.num_hidden_layers {
+            total += attn;
+            active += attn;
+            if self.is_moe_layer(layer) {
+                let e = self.n_routed_experts.unwrap_or(0);
+                let router = e * h + e;
+                let shared = mlp(self.moe_intermediate_size * self.n_shared_experts);
+                total += router + shared + e * mlp(self.moe_intermediate_size);
+                active +=
+                    router + shared + self.num_experts_per_tok * mlp(self.moe_intermediate_size);
+            } else {
+                total += mlp(self.intermediate_size);
+                active += mlp(self.intermediate_size);
+            }
+        }
+        ParameterCounts { total, active }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct ParameterCounts {
+    pub total: usize,
+    /// Parameters touched per token (routed experts counted `num_experts_per_tok` times).
+    pub active: usize,
+}
+
+/// YaRN's magnitude correction `0.1·mscale·ln(scale) + 1` (1 for scale ≤ 1).
+pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+fn parse_rope(f: &Fields) -> Result<(f64, Option<YarnScaling>)> {
+    // Official configs: `rope_theta` + `rope_scaling`; transformers 5 also writes
+    // `rope_parameters` (which carries `rope_theta` inside).
+    let (scaling_field, scaling) = match f.get("rope_scaling") {
+        Some(v) => ("rope_scaling", Some(v)),
+        None => ("rope_parameters", f.get("rope_parameters")),
+    };
+    let mut theta = f.f64_opt("rope_theta")?;
+    let Some(scaling) = scaling else {
+        return Ok((theta.unwrap_or(10000.0), None));
+    };
+    let Value::Object(map) = scaling else {
+        return Err(f.err(
+            scaling_field,
+            format!("expected an object, found {scaling}"),
+        ));
+    };
+    let prefix = format!("{scaling_field}.");
+    let s = Fields {
+        path: f.path,
+        map,
+        prefix: &prefix,
+    };
+    if theta.is_none() {
+        theta = s.f64_opt("rope_theta")?;
+    }
+    let theta = theta.unwrap_or(10000.0);
+    let kind = match s.str_opt("rope_type")? {
+        Some(t) => t,
+        None => s.str_opt("type")?.unwrap_or("default"),
+    };
+    match kind {
+        "default" => Ok((theta, None)),
+        "yarn" => {
+            let factor = s
+                .f64_opt("factor")?
+                .ok_or_else(|| s.err("factor", "missing; YaRN needs a scaling factor"))?;
+            let original = s
+                .usize_opt("original_max_position_embeddings")?
+                .ok_or_else(|| {
+                    s.err(
+                    "original_max_position_embeddings",
+                    "missing; YaRN needs the pre-training context length (4096 for DeepSeek-V3)",
+                )
+                })?;
+            // transformers treats 0/absent betas as their defaults (`or 32`, `or 1`).
+            let beta_fast = s
+                .f64_opt("beta_fast")?
+                .filter(|&b| b != 0.0)
+                .unwrap_or(32.0);
+            let beta_slow = s.f64_opt("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0);
+            if factor <= 0.0 {
+                return Err(s.err("factor", format!("must be positive, found {factor}")));
+            }
+            Ok((
+                theta,
+                Some(YarnScaling {
+                    factor,
+                    original_max_position_embeddings: original,
+                    beta_fast,
+                    beta_slow,
+                    mscale: s.f64_opt("mscale")?,
+                    mscale_all_dim: s.f64_opt("mscale_all_dim")?,
+                    attention_factor: s.f64_opt("attention_factor")?,
+                    truncate: s.bool_or("truncate", true)?,
+                }),
+            ))
+        }
+        other => Err(s.err(
+            "type",
+            format!("unsupported rope scaling `{other}`; DeepSeek-V3/Kimi-K2 use `yarn`"),
+        )),
+    }
+}
+
+fn parse_quantization(f: &Fields) -> Result<Option<QuantizationConfig>> {
+    let Some(v) = f.get("quantization_config") else {
+        return Ok(None);
+    };
+    let Value::Object(map) = v else {
+        return Err(f.err(
+            "quantization_config",
+            format!("expected an object, found {v}"),
+        ));
+    };
+    let q = Fields {
+        path: f.path,
+        map,
+        prefix: "quantization_config.",
+    };
+    match q.str_opt("quant_method")? {
+        Some("fp8") => {
+            if let Some(fmt) = q.str_opt("fmt")? {
+                if fmt != "e4m3" {
+                    return Err(q.err(
+                        "fmt",
+                        format!("unsupported FP8 format `{fmt}`; expected `e4m3`"),
+                    ));
+                }
+            }
+            let (block_rows, block_cols) = match q.get("weight_block_size") {
+                None => (128, 128),
+                Some(Value::Array(items)) if items.len() == 2 => {
+                    let dim = |v: &Value| {
+                        v.as_u64()
+                            .filter(|&x| x > 0)
+                            .map(|x| x as usize)
+                            .ok_or_else(|| {
+                                q.err(
+                                    "weight_block_size",
+                                    format!("expected positive integers, found {v}"),
+                                )
+                            })
+                    };
+                    (dim(&items[0])?, dim(&items[1])?)
+                }
+                Some(other) => {
+                    return Err(q.err(
+                        "weight_block_size",
+                        format!("expected [rows, cols], found {other}"),
+                    ))
+                }
+            };
+            Ok(Some(QuantizationConfig::Fp8Block {
+                block_rows,
+                block_cols,
+            }))
+        }
+        Some("compressed-tensors") => {
+            let format = q.str_opt("format")?.unwrap_or("");
+            if format != "int-quantized" {
+                return Err(q.err(
+                    "format",
+                    format!(
+                        "compressed-tensors format `{format}` is not supported yet; \
+                         `int-quantized` (W8A8, per-channel int8) is"
+                    ),
+                ));
+            }
+            let ignore = match q.get("ignore") {
+                None => Vec::new(),
+                Some(Value::Array(items)) => items
+                    .iter()
+                    .map(|v| {
+                        v.as_str()
+                            .map(str::to_string)
+                            .ok_or_else(|| q.err("ignore", format!("expected strings, found {v}")))
+                    })
+                    .collect::<Result<_>>()?,
+                Some(other) => {
+                    return Err(q.err("ignore", format!("expected a list, found {other}")))
+                }
+            };
+            let kv_cache_int8 = q.get("kv_cache_scheme").is_some();
+            Ok(Some(QuantizationConfig::CompressedInt8 {
+                ignore,
+                kv_cache_int8,
+            }))
+        }
+        Some(other) => Err(q.err(
+            "quant_method",
+            format!("unsupported quantization `{other}`; supported: `fp8`, `compressed-tensors`"),
+        )),
+        None => Err(q.err("quant_method", "missing")),
+    }
+}
+
+/// Convenience for error messages that point at a model directory's config.
+pub fn config_path(dir: &Path) -> PathBuf {
+    dir.join("config.json")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r1_json() -> Value {
+        serde_json::json!({
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+            "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+            "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "norm_topk_prob": true, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+            "moe_layer_freq": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "max_position_embeddings": 163840, "num_nextn_predict_layers": 1,
+            "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+            "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                "quant_method": "fp8", "weight_block_size": [128, 128]}
+        })
+    }
+
+    fn parse(v: &Value) -> Result<DeepseekV3Config> {
+        DeepseekV3Config::from_json_str(&v.to_string(), Path::new("config.json"))
+    }
+
+    #[test]
+    fn r1_constants() {
+        let c = parse(&r1_json()).unwrap();
+        assert_eq!(c.model_type, ModelType::DeepseekV3);
+        assert!((c.softmax_scale() - 0.135_233_78).abs() < 1e-7);
+        assert!(!c.is_moe_layer(2) && c.is_moe_layer(3) && c.is_moe_layer(61));
+        assert_eq!(c.latent_cache_width(), 576);
+        assert_eq!(
+            c.quantization,
+            Some(QuantizationConfig::Fp8Block {
+                block_rows: 128,
+                block_cols: 128
+            })
+        );
+        let p = c.parameter_counts();
+        // DeepSeek-V3: 671 B total without MTP, 37 B activated.
+        assert!((p.total as f64 / 1e9 - 671.0).abs() < 2.0, "{}", p.total);
+        assert!((p.active as f64 / 1e9 - 37.5).abs() < 1.5, "{}", p.active);
+    }
+
+    #[test]
+    fn kimi_and_null_q_lora() {
+        let mut v = r1_json();
+        v["model_type"] = "kimi_k2".into();
+        v["q_lora_rank"] = Value::Null;
+        v["n_group"] = 1.into();
+        v["topk_group"] = 1.into();
+        v["eos_token_id"] = serde_json::json!([163585, 163586]);
+        let c = parse(&v).unwrap();
+        assert_eq!(c.model_type, ModelType::KimiK2);
+        assert_eq!(c.q_lora_rank, None);
+        assert_eq!(c.eos_token_ids, vec![163585, 163586]);
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        for (field, value, expect) in [
+            ("model_type", Value::from("llama"), "model_type"),
+            ("topk_method", Value::from("greedy"), "topk_method"),
+            ("scoring_func", Value::from("softmax"), "scoring_func"),
+            ("hidden_size", Value::from("big"), "hidden_size"),
+            ("n_group", Value::from(3), "n_group"),
+        ] {
+            let mut v = r1_json();
+            v[field] = value;
+            let e = parse(&v).unwrap_err().to_string();
+            assert!(e.contains(expect), "{e}");
+            assert!(e.contains("config.json"), "{e}");
+        }
+        let mut v = r1_json();
+        v["rope_scaling"]["type"] = "ntk".into();
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("rope_scaling.type"), "{e}");
+        let mut v = r1_json();
+        v.as_object_mut().unwrap().remove("kv_lora_rank");
+        assert!(parse(&v).unwrap_err().to_string().contains("kv_lora_rank"));
+    }
+}

@@ -1,0 +1,959 @@
+//! DeepSeek-V3/R1 and Kimi-K2: loading and the forward pass over a packed batch.
+//!
+//! Spec: `shared/specs/deepseek-v3-r1-kimi-k2.md` §2 (tensor names and layouts), §3.1 (RMSNorm,
+//! pre-norm residual stream), §3.2 (YaRN rope, see [`crate::rope`]), §3.3 (MLA, naive form),
+//! §3.4 (absorbed form over the latent cache), §3.5 (noaux_tc sigmoid routing), §3.6 (experts,
+//! shared expert, dense MLP), §3.7 (final norm, lm_head), §8 (transformers' semantics, our
+//! numerical reference). Activations are f32 throughout; weights stay in their stored format and
+//! every product goes through [`cachalot_kernels::Matrix`], so this file never branches on format.
+//!
+//! Attention form: per sequence and layer we pick the naive form (up-project every cached
+//! latent with `kv_b_proj`) or the absorbed form (fold `W_UK` into the query and `W_UV` into the
+//! output, attend over the 576-wide latents) by their multiply-add counts; decode (one query)
+//! always takes the absorbed form, long prefills the naive one. Both are exact rewrites of the
+//! same math; tests check they agree.
+
+use std::path::Path;
+
+use cachalot_kernels::{self as k, Matrix, MatrixData};
+use rayon::prelude::*;
+use safetensors::tensor::Dtype;
+
+use crate::batch::{slot_of, Batch, CacheSpec, KvCache};
+use crate::checkpoint::{Checkpoint, TensorView};
+use crate::config::{DeepseekV3Config, QuantizationConfig, LATENT_NORM_EPS};
+use crate::error::{ModelError, Result};
+use crate::rope::Rope;
+
+/// How FP8 block-scaled weights are held in memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fp8Mode {
+    /// Keep the 1-byte codes and their block scales; decode them inside the matmul (default:
+    /// decode reads a quarter of the bytes of f32, see docs/PERF.md).
+    #[default]
+    Native,
+    /// Dequantize to f32 once at load (4× the memory; for measurement).
+    DequantizeF32,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// Cheapest by multiply-add count, per sequence and step.
+    #[default]
+    Auto,
+    Naive,
+    Absorbed,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    pub fp8: Fp8Mode,
+    /// Load the MTP layer(s) (`model.layers.{num_hidden_layers + j}`), if the checkpoint has them.
+    pub load_mtp: bool,
+}
+
+struct Mlp {
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+}
+
+struct Moe {
+    router: Matrix,
+    bias: Vec<f32>,
+    experts: Vec<Mlp>,
+    shared: Option<Mlp>,
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+enum QProj {
+    Direct(Matrix),
+    Lora {
+        a: Matrix,
+        norm: Vec<f32>,
+        b: Matrix,
+    },
+}
+
+struct Mla {
+    q: QProj,
+    kv_a: Matrix,
+    kv_a_norm: Vec<f32>,
+    kv_b: Matrix,
+    o: Matrix,
+}
+
+struct DecoderLayer {
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    attn: Mla,
+    ffn: Ffn,
+}
+
+/// The multi-token-prediction module (spec §3.8); loaded here, driven by speculative decoding.
+pub struct MtpLayer {
+    pub enorm: Vec<f32>,
+    pub hnorm: Vec<f32>,
+    pub eh_proj: Matrix,
+    pub shared_head_norm: Vec<f32>,
+    layer: DecoderLayer,
+}
+
+pub struct DeepseekV3 {
+    cfg: DeepseekV3Config,
+    embed: Matrix,
+    layers: Vec<DecoderLayer>,
+    norm: Vec<f32>,
+    lm_head: Matrix,
+    mtp: Vec<MtpLayer>,
+    rope: Rope,
+    softmax_scale: f32,
+    pub attention_path: AttentionPath,
+}
+
+/// Logits of the requested tokens, and (when asked) the final-normed hidden state of every token,
+/// which MTP consumes.
+pub struct ForwardOutput {
+    /// `[logits_indices.len(), vocab_size]`.
+    pub logits: Vec<f32>,
+    pub hidden: Option<Vec<f32>>,
+}
+
+struct Loader<'a> {
+    ckpt: &'a mut Checkpoint,
+    opts: LoadOptions,
+    block: (usize, usize),
+}
+
+impl Loader<'_> {
+    fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let v = self.ckpt.take(name, &format!("a vector of {len} values"))?;
+        v.expect_shape(&[len])?;
+        v.to_f32_vec()
+    }
+
+    fn scale_vector(&mut self, view: &TensorView, name: &str, rows: usize) -> Result<Vec<f32>> {
+        let s = self.ckpt.take(
+            name,
+            &format!(
+                "per-row scales [{rows}, 1] for the int8 weight {}",
+                view.name
+            ),
+        )?;
+        if s.shape != [rows, 1] && s.shape != [rows] {
+            return Err(s.error(format!("has shape {:?}; expected [{rows}, 1]", s.shape)));
+        }
+        s.to_f32_vec()
+    }
+
+    /// A linear weight `[rows, cols]` under `prefix` (`prefix.weight` plus its scales).
+    fn linear(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let name = format!("{prefix}.weight");
+        let w = self
+            .ckpt
+            .take(&name, &format!("a [{rows}, {cols}] weight"))?;
+        w.expect_shape(&[rows, cols])?;
+        let data = match w.dtype {
+            Dtype::F32 => MatrixData::F32(w.bytes.clone()),
+            Dtype::BF16 => MatrixData::Bf16(w.bytes.clone()),
+            Dtype::F16 => MatrixData::F16(w.bytes.clone()),
+            Dtype::F8_E4M3 => {
+                let (br, bc) = self.block;
+                let grid = [rows.div_ceil(br), cols.div_ceil(bc)];
+                let sname = format!("{prefix}.weight_scale_inv");
+                let s = self.ckpt.take(
+                    &sname,
+                    &format!("f32 {grid:?} block scales for the FP8 weight {name}"),
+                )?;
+                s.expect_shape(&grid)?;
+                if s.dtype != Dtype::F32 {
+                    return Err(
+                        s.error(format!("has dtype {:?}; FP8 block scales are F32", s.dtype))
+                    );
+                }
+                MatrixData::Fp8Block {
+                    data: w.bytes.clone(),
+                    scale_inv: s.to_f32_vec()?,
+                    block_rows: br,
+                    block_cols: bc,
+                }
+            }
+            Dtype::I8 => {
+                let scale = self.scale_vector(&w, &format!("{prefix}.weight_scale"), rows)?;
+                MatrixData::Int8Row {
+                    data: w.bytes.clone(),
+                    scale,
+                }
+            }
+            other => {
+                return Err(w.error(format!(
+                    "has dtype {other:?}; supported weight dtypes are F8_E4M3 (with \
+                     weight_scale_inv), I8 (with weight_scale), BF16, F16 and F32"
+                )))
+            }
+        };
+        let m = Matrix::new(rows, cols, data).map_err(|e| w.error(e.to_string()))?;
+        Ok(match (self.opts.fp8, w.dtype) {
+            (Fp8Mode::DequantizeF32, Dtype::F8_E4M3) => m.to_f32_matrix(),
+            _ => m,
+        })
+    }
+
+    fn mlp(&mut self, prefix: &str, hidden: usize, inter: usize) -> Result<Mlp> {
+        Ok(Mlp {
+            gate: self.linear(&format!("{prefix}.gate_proj"), inter, hidden)?,
+            up: self.linear(&format!("{prefix}.up_proj"), inter, hidden)?,
+            down: self.linear(&format!("{prefix}.down_proj"), hidden, inter)?,
+        })
+    }
+
+    fn layer(&mut self, cfg: &DeepseekV3Config, i: usize, force_moe: bool) -> Result<DecoderLayer> {
+        let p = format!("model.layers.{i}");
+        let h = cfg.hidden_size;
+        let n = cfg.num_attention_heads;
+        let qk = cfg.qk_head_dim();
+        let q = match cfg.q_lora_rank {
+            Some(r) => QProj::Lora {
+                a: self.linear(&format!("{p}.self_attn.q_a_proj"), r, h)?,
+                norm: self.vector(&format!("{p}.self_attn.q_a_layernorm.weight"), r)?,
+                b: self.linear(&format!("{p}.self_attn.q_b_proj"), n * qk, r)?,
+            },
+            None => QProj::Direct(self.linear(&format!("{p}.self_attn.q_proj"), n * qk, h)?),
+        };
+        let attn = Mla {
+            q,
+            kv_a: self.linear(
+                &format!("{p}.self_attn.kv_a_proj_with_mqa"),
+                cfg.latent_cache_width(),
+                h,
+            )?,
+            kv_a_norm: self.vector(
+                &format!("{p}.self_attn.kv_a_layernorm.weight"),
+                cfg.kv_lora_rank,
+            )?,
+            kv_b: self.linear(
+                &format!("{p}.self_attn.kv_b_proj"),
+                n * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                cfg.kv_lora_rank,
+            )?,
+            o: self.linear(&format!("{p}.self_attn.o_proj"), h, n * cfg.v_head_dim)?,
+        };
+        let ffn = if force_moe || cfg.is_moe_layer(i) {
+            let e = cfg.n_routed_experts.unwrap_or(0);
+            let router = self.linear(&format!("{p}.mlp.gate"), e, h)?;
+            let bias_name = format!("{p}.mlp.gate.e_score_correction_bias");
+            let bias = if self.ckpt.contains(&bias_name) {
+                self.vector(&bias_name, e)?
+            } else {
+                vec![0.0; e]
+            };
+            let experts = (0..e)
+                .map(|j| {
+                    self.mlp(
+                        &format!("{p}.mlp.experts.{j}"),
+                        h,
+                        cfg.moe_intermediate_size,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let shared = if cfg.n_shared_experts > 0 {
+                Some(self.mlp(
+                    &format!("{p}.mlp.shared_experts"),
+                    h,
+                    cfg.moe_intermediate_size * cfg.n_shared_experts,
+                )?)
+            } else {
+                None
+            };
+            Ffn::Moe(Moe {
+                router,
+                bias,
+                experts,
+                shared,
+            })
+        } else {
+            Ffn::Dense(self.mlp(&format!("{p}.mlp"), h, cfg.intermediate_size)?)
+        };
+        self.ckpt
+            .skip(&format!("{p}.self_attn.rotary_emb.inv_freq"));
+        Ok(DecoderLayer {
+            input_norm: self.vector(&format!("{p}.input_layernorm.weight"), h)?,
+            post_norm: self.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            attn,
+            ffn,
+        })
+    }
+}
+
+/// Progress reporting for large loads (hidden when stderr is not a terminal).
+fn progress_bar(len: u64, big: bool) -> indicatif::ProgressBar {
+    if !big {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(len);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} layers {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    pb
+}
+
+impl DeepseekV3 {
+    pub fn load(dir: &Path, opts: LoadOptions) -> Result<DeepseekV3> {
+        let cfg = DeepseekV3Config::from_dir(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        Self::load_from(cfg, &mut ckpt, opts)
+    }
+
+    pub fn load_from(
+        cfg: DeepseekV3Config,
+        ckpt: &mut Checkpoint,
+        opts: LoadOptions,
+    ) -> Result<DeepseekV3> {
+        let block = match &cfg.quantization {
+            Some(QuantizationConfig::Fp8Block {
+                block_rows,
+                block_cols,
+            }) => (*block_rows, *block_cols),
+            _ => (128, 128),
+        };
+        let big = ckpt.total_bytes() > (1 << 30);
+        let pb = progress_bar(
+            (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) as u64,
+            big,
+        );
+        let mut l = Loader { ckpt, opts, block };
+        let h = cfg.hidden_size;
+        let v = cfg.vocab_size;
+        let embed = l.linear("model.embed_tokens", v, h)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            layers.push(l.layer(&cfg, i, false)?);
+            pb.inc(1);
+        }
+        let norm = l.vector("model.norm.weight", h)?;
+        let lm_head = if cfg.tie_word_embeddings && !l.ckpt.contains("lm_head.weight") {
+            l.linear("model.embed_tokens", v, h)?
+        } else {
+            l.linear("lm_head", v, h)?
+        };
+        let mut mtp = Vec::new();
+        for j in 0..cfg.num_nextn_predict_layers {
+            let i = cfg.num_hidden_layers + j;
+            let p = format!("model.layers.{i}");
+            // The MTP copies of the embedding and head are parameter-shared with the main model
+            // (spec §2.1); we use the main ones.
+            l.ckpt.skip(&format!("{p}.embed_tokens.weight"));
+            l.ckpt.skip(&format!("{p}.shared_head.head.weight"));
+            if opts.load_mtp {
+                mtp.push(MtpLayer {
+                    enorm: l.vector(&format!("{p}.enorm.weight"), h)?,
+                    hnorm: l.vector(&format!("{p}.hnorm.weight"), h)?,
+                    eh_proj: l.linear(&format!("{p}.eh_proj"), h, 2 * h)?,
+                    shared_head_norm: l.vector(&format!("{p}.shared_head.norm.weight"), h)?,
+                    layer: l.layer(&cfg, i, true)?,
+                });
+            } else {
+                let names: Vec<String> = l
+                    .ckpt
+                    .names()
+                    .filter(|n| n.starts_with(&format!("{p}.")))
+                    .map(str::to_string)
+                    .collect();
+                for n in names {
+                    l.ckpt.skip(&n);
+                }
+            }
+            pb.inc(1);
+        }
+        pb.finish_and_clear();
+        l.ckpt.ensure_all_used()?;
+        let rope = Rope::new(&cfg);
+        let softmax_scale = cfg.softmax_scale();
+        Ok(DeepseekV3 {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            mtp,
+            rope,
+            softmax_scale,
+            attention_path: AttentionPath::Auto,
+        })
+    }
+
+    pub fn config(&self) -> &DeepseekV3Config {
+        &self.cfg
+    }
+
+    pub fn mtp_layers(&self) -> &[MtpLayer] {
+        &self.mtp
+    }
+
+    /// One latent cache per main layer, then one per loaded MTP layer.
+    pub fn cache_spec(&self) -> CacheSpec {
+        CacheSpec {
+            layers: self.layers.len() + self.mtp.len(),
+            width: self.cfg.latent_cache_width(),
+        }
+    }
+
+    /// Bytes of weights held (mmap'd or owned).
+    pub fn weight_bytes(&self) -> usize {
+        let mlp = |m: &Mlp| m.gate.storage_bytes() + m.up.storage_bytes() + m.down.storage_bytes();
+        let layer = |l: &DecoderLayer| {
+            let a = &l.attn;
+            let q = match &a.q {
+                QProj::Direct(m) => m.storage_bytes(),
+                QProj::Lora { a, b, .. } => a.storage_bytes() + b.storage_bytes(),
+            };
+            let f = match &l.ffn {
+                Ffn::Dense(m) => mlp(m),
+                Ffn::Moe(m) => {
+                    m.router.storage_bytes()
+                        + m.experts.iter().map(mlp).sum::<usize>()
+                        + m.shared.as_ref().map_or(0, mlp)
+                }
+            };
+            q + a.kv_a.storage_bytes() + a.kv_b.storage_bytes() + a.o.storage_bytes() + f
+        };
+        self.embed.storage_bytes()
+            + self.lm_head.storage_bytes()
+            + self.layers.iter().map(layer).sum::<usize>()
+            + self
+                .mtp
+                .iter()
+                .map(|m| layer(&m.layer) + m.eh_proj.storage_bytes())
+                .sum::<usize>()
+    }
+
+    /// Bytes of weights one decode token reads: everything but the unrouted experts and all
+    /// but one embedding row (the floor of decode time at a given memory bandwidth).
+    pub fn decode_bytes_per_token(&self) -> usize {
+        let mlp = |m: &Mlp| m.gate.storage_bytes() + m.up.storage_bytes() + m.down.storage_bytes();
+        let mut total =
+            self.lm_head.storage_bytes() + self.embed.storage_bytes() / self.cfg.vocab_size;
+        for l in &self.layers {
+            let a = &l.attn;
+            total += match &a.q {
+                QProj::Direct(m) => m.storage_bytes(),
+                QProj::Lora { a, b, .. } => a.storage_bytes() + b.storage_bytes(),
+            };
+            total += a.kv_a.storage_bytes() + a.kv_b.storage_bytes() + a.o.storage_bytes();
+            total += match &l.ffn {
+                Ffn::Dense(m) => mlp(m),
+                Ffn::Moe(m) => {
+                    let per_expert = m.experts.first().map_or(0, mlp);
+                    m.router.storage_bytes()
+                        + self.cfg.num_experts_per_tok * per_expert
+                        + m.shared.as_ref().map_or(0, mlp)
+                }
+            };
+        }
+        total
+    }
+
+    /// Forwards a packed batch: writes every token's latent KV into its cache slot, attends
+    /// causally within each sequence over its cache, and returns the requested logits.
+    pub fn forward(
+        &self,
+        batch: &Batch,
+        cache: &mut KvCache,
+        want_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        let cfg = &self.cfg;
+        if cache.spec().width != cfg.latent_cache_width() || cache.spec().layers < self.layers.len()
+        {
+            return Err(ModelError::Batch(format!(
+                "cache of {:?} does not fit this model ({:?})",
+                cache.spec(),
+                self.cache_spec()
+            )));
+        }
+        batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
+        let t_count = batch.num_tokens();
+        let h = cfg.hidden_size;
+        let mut hidden = vec![0.0f32; t_count * h];
+        for (t, &tok) in batch.tokens.iter().enumerate() {
+            self.embed
+                .row_to_f32(tok as usize, &mut hidden[t * h..(t + 1) * h]);
+        }
+        let rope = RopeTable::new(&self.rope, &batch.positions, cfg.qk_rope_head_dim / 2);
+        let block_size = cache.block_size();
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.layer_forward(
+                layer,
+                &mut hidden,
+                batch,
+                &rope,
+                cache.layer_mut(li),
+                block_size,
+            );
+        }
+        let mut normed = vec![0.0f32; t_count * h];
+        k::rms_norm_rows(&hidden, h, &self.norm, cfg.rms_norm_eps, &mut normed);
+        let n_out = batch.logits_indices.len();
+        let mut picked = Vec::with_capacity(n_out * h);
+        for &i in &batch.logits_indices {
+            picked.extend_from_slice(&normed[i * h..(i + 1) * h]);
+        }
+        let mut logits = vec![0.0f32; n_out * cfg.vocab_size];
+        if n_out > 0 {
+            self.lm_head.matmul(&picked, n_out, &mut logits);
+        }
+        Ok(ForwardOutput {
+            logits,
+            hidden: want_hidden.then_some(normed),
+        })
+    }
+
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        hidden: &mut [f32],
+        batch: &Batch,
+        rope: &RopeTable,
+        cache: &mut [f32],
+        block_size: usize,
+    ) {
+        let cfg = &self.cfg;
+        let h = cfg.hidden_size;
+        let t_count = batch.num_tokens();
+        let mut x = vec![0.0f32; t_count * h];
+        k::rms_norm_rows(hidden, h, &layer.input_norm, cfg.rms_norm_eps, &mut x);
+        let attn = self.attention(&layer.attn, &x, batch, rope, cache, block_size);
+        for (a, b) in hidden.iter_mut().zip(&attn) {
+            *a += b;
+        }
+        k::rms_norm_rows(hidden, h, &layer.post_norm, cfg.rms_norm_eps, &mut x);
+        let ffn = match &layer.ffn {
+            Ffn::Dense(m) => mlp_forward(m, &x, t_count),
+            Ffn::Moe(m) => self.moe_forward(m, &x, t_count),
+        };
+        for (a, b) in hidden.iter_mut().zip(&ffn) {
+            *a += b;
+        }
+    }
+
+    fn attention(
+        &self,
+        mla: &Mla,
+        x: &[f32],
+        batch: &Batch,
+        rope: &RopeTable,
+        cache: &mut [f32],
+        block_size: usize,
+    ) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let t_count = batch.num_tokens();
+        let n = cfg.num_attention_heads;
+        let (nope, rd, vd, kvr) = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        );
+        let qk = nope + rd;
+        let width = kvr + rd;
+
+        // Queries: [T, N, nope + rope].
+        let mut q = vec![0.0f32; t_count * n * qk];
+        match &mla.q {
+            QProj::Direct(w) => w.matmul(x, t_count, &mut q),
+            QProj::Lora { a, norm, b } => {
+                let r = a.rows();
+                let mut cq = vec![0.0f32; t_count * r];
+                a.matmul(x, t_count, &mut cq);
+                let mut cqn = vec![0.0f32; t_count * r];
+                k::rms_norm_rows(&cq, r, norm, LATENT_NORM_EPS, &mut cqn);
+                b.matmul(&cqn, t_count, &mut q);
+            }
+        }
+        // Latents: normalised c_kv and roped k^R, written to the cache before attending.
+        let mut kv = vec![0.0f32; t_count * width];
+        mla.kv_a.matmul(x, t_count, &mut kv);
+        for s in 0..batch.num_seqs() {
+            for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
+                let (cos, sin) = rope.get(i);
+                let row = &mut kv[i * width..(i + 1) * width];
+                let mut c = vec![0.0f32; kvr];
+                k::rms_norm(&row[..kvr], &mla.kv_a_norm, LATENT_NORM_EPS, &mut c);
+                row[..kvr].copy_from_slice(&c);
+                self.rope.apply(&mut row[kvr..], cos, sin);
+                for hd in 0..n {
+                    let qr = &mut q[(i * n + hd) * qk + nope..(i * n + hd + 1) * qk];
+                    self.rope.apply(qr, cos, sin);
+                }
+            }
+        }
+        let bs = block_size;
+        for s in 0..batch.num_seqs() {
+            for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
+                let slot = batch.slot(s, i, bs);
+                cache[slot * width..(slot + 1) * width]
+                    .copy_from_slice(&kv[i * width..(i + 1) * width]);
+            }
+        }
+        let cache: &[f32] = cache;
+
+        let mut o = vec![0.0f32; t_count * n * vd];
+        for s in 0..batch.num_seqs() {
+            let range = batch.seq_starts[s]..batch.seq_starts[s + 1];
+            if range.is_empty() {
+                continue;
+            }
+            let tq = range.len();
+            let ctx = batch.positions[range.end - 1] + 1;
+            let path = match self.attention_path {
+                AttentionPath::Auto => {
+                    let (tq, ctx, n, kvr) = (tq as u64, ctx as u64, n as u64, kvr as u64);
+                    let (nope, rd, vd) = (nope as u64, rd as u64, vd as u64);
+                    let naive = ctx * n * (nope + vd) * kvr + tq * ctx * n * (nope + rd + vd);
+                    let absorbed = tq * n * (nope + vd) * kvr + tq * ctx * n * (2 * kvr + rd);
+                    if naive < absorbed {
+                        AttentionPath::Naive
+                    } else {
+                        AttentionPath::Absorbed
+                    }
+                }
+                p => p,
+            };
+            let table = &batch.block_tables[s];
+            let latent = |pos: usize| {
+                let slot = slot_of(table, pos, bs);
+                &cache[slot * width..(slot + 1) * width]
+            };
+            let q_seq = &q[range.start * n * qk..range.end * n * qk];
+            let positions = &batch.positions[range.clone()];
+            let o_seq = &mut o[range.start * n * vd..range.end * n * vd];
+            match path {
+                AttentionPath::Naive | AttentionPath::Auto => {
+                    self.attend_naive(mla, q_seq, positions, ctx, &latent, o_seq)
+                }
+                AttentionPath::Absorbed => {
+                    self.attend_absorbed(mla, q_seq, positions, &latent, o_seq)
+                }
+            }
+        }
+        let mut out = vec![0.0f32; t_count * cfg.hidden_size];
+        mla.o.matmul(&o, t_count, &mut out);
+        out
+    }
+
+    /// Spec §3.3: up-project every cached latent to per-head keys and values.
+    fn attend_naive<'c>(
+        &self,
+        mla: &Mla,
+        q: &[f32],
+        positions: &[usize],
+        ctx: usize,
+        latent: &(dyn Fn(usize) -> &'c [f32] + Sync),
+        o: &mut [f32],
+    ) {
+        let cfg = &self.cfg;
+        let n = cfg.num_attention_heads;
+        let (nope, rd, vd, kvr) = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        );
+        let qk = nope + rd;
+        let kvw = nope + vd;
+        let mut c = Vec::with_capacity(ctx * kvr);
+        for p in 0..ctx {
+            c.extend_from_slice(&latent(p)[..kvr]);
+        }
+        let mut kvf = vec![0.0f32; ctx * n * kvw];
+        mla.kv_b.matmul(&c, ctx, &mut kvf);
+        let scale = self.softmax_scale;
+        let tq = positions.len();
+        let per_head: Vec<Vec<f32>> = (0..n)
+            .into_par_iter()
+            .map(|hd| {
+                let mut out = vec![0.0f32; tq * vd];
+                let mut scores = vec![0.0f32; ctx];
+                for (t, &pos) in positions.iter().enumerate() {
+                    let qn = &q[(t * n + hd) * qk..(t * n + hd) * qk + nope];
+                    let qr = &q[(t * n + hd) * qk + nope..(t * n + hd + 1) * qk];
+                    let sc = &mut scores[..=pos];
+                    for (s, score) in sc.iter_mut().enumerate() {
+                        let kn = &kvf[(s * n + hd) * kvw..(s * n + hd) * kvw + nope];
+                        let kr = &latent(s)[kvr..];
+                        *score = scale * (k::dot(qn, kn) + k::dot(qr, kr));
+                    }
+                    k::softmax_in_place(sc);
+                    let ot = &mut out[t * vd..(t + 1) * vd];
+                    for (s, &p) in sc.iter().enumerate() {
+                        let v = &kvf[(s * n + hd) * kvw + nope..(s * n + hd + 1) * kvw];
+                        k::axpy(p, v, ot);
+                    }
+                }
+                out
+            })
+            .collect();
+        scatter_heads(&per_head, tq, n, vd, o);
+    }
+
+    /// Spec §3.4: fold W_UK into the query and W_UV into the output; attend over the latents.
+    fn attend_absorbed<'c>(
+        &self,
+        mla: &Mla,
+        q: &[f32],
+        positions: &[usize],
+        latent: &(dyn Fn(usize) -> &'c [f32] + Sync),
+        o: &mut [f32],
+    ) {
+        let cfg = &self.cfg;
+        let n = cfg.num_attention_heads;
+        let (nope, rd, vd, kvr) = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        );
+        let qk = nope + rd;
+        let kvw = nope + vd;
+        let scale = self.softmax_scale;
+        let tq = positions.len();
+        let per_head: Vec<Vec<f32>> = (0..n)
+            .into_par_iter()
+            .map(|hd| {
+                let mut qn = Vec::with_capacity(tq * nope);
+                for t in 0..tq {
+                    qn.extend_from_slice(&q[(t * n + hd) * qk..(t * n + hd) * qk + nope]);
+                }
+                // q~ = W_UK,h^T q^C: [tq, kvr]
+                let mut qt = vec![0.0f32; tq * kvr];
+                mla.kv_b
+                    .matmul_t_rows(hd * kvw..hd * kvw + nope, &qn, tq, &mut qt);
+                let mut obar = vec![0.0f32; tq * kvr];
+                let mut scores = Vec::new();
+                for (t, &pos) in positions.iter().enumerate() {
+                    let qtt = &qt[t * kvr..(t + 1) * kvr];
+                    let qr = &q[(t * n + hd) * qk + nope..(t * n + hd + 1) * qk];
+                    scores.clear();
+                    scores.extend((0..=pos).map(|s| {
+                        let l = latent(s);
+                        scale * (k::dot(qtt, &l[..kvr]) + k::dot(qr, &l[kvr..]))
+                    }));
+                    k::softmax_in_place(&mut scores);
+                    let ob = &mut obar[t * kvr..(t + 1) * kvr];
+                    for (s, &p) in scores.iter().enumerate() {
+                        k::axpy(p, &latent(s)[..kvr], ob);
+                    }
+                }
+                // o_h = W_UV,h ō: [tq, vd]
+                let mut out = vec![0.0f32; tq * vd];
+                mla.kv_b
+                    .matmul_rows(hd * kvw + nope..(hd + 1) * kvw, &obar, tq, &mut out);
+                out
+            })
+            .collect();
+        scatter_heads(&per_head, tq, n, vd, o);
+    }
+
+    fn moe_forward(&self, moe: &Moe, x: &[f32], t_count: usize) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let h = cfg.hidden_size;
+        let e = moe.experts.len();
+        let mut logits = vec![0.0f32; t_count * e];
+        moe.router.matmul(x, t_count, &mut logits);
+        // Per expert, the (token, weight) pairs routed to it.
+        let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        for t in 0..t_count {
+            let (ids, ws) = route(
+                &logits[t * e..(t + 1) * e],
+                &moe.bias,
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor,
+            );
+            for (id, w) in ids.into_iter().zip(ws) {
+                assigned[id].push((t, w));
+            }
+        }
+        let mut out = vec![0.0f32; t_count * h];
+        // Experts in id order, so a token's sum has the same order whatever else is batched.
+        for (id, pairs) in assigned.iter().enumerate() {
+            if pairs.is_empty() {
+                continue;
+            }
+            let mut xs = Vec::with_capacity(pairs.len() * h);
+            for &(t, _) in pairs {
+                xs.extend_from_slice(&x[t * h..(t + 1) * h]);
+            }
+            let y = mlp_forward(&moe.experts[id], &xs, pairs.len());
+            for (j, &(t, w)) in pairs.iter().enumerate() {
+                k::axpy(w, &y[j * h..(j + 1) * h], &mut out[t * h..(t + 1) * h]);
+            }
+        }
+        if let Some(shared) = &moe.shared {
+            let y = mlp_forward(shared, x, t_count);
+            for (a, b) in out.iter_mut().zip(&y) {
+                *a += b;
+            }
+        }
+        out
+    }
+}
+
+fn scatter_heads(per_head: &[Vec<f32>], tq: usize, n: usize, vd: usize, o: &mut [f32]) {
+    for (hd, out) in per_head.iter().enumerate() {
+        for t in 0..tq {
+            o[(t * n + hd) * vd..(t * n + hd + 1) * vd].copy_from_slice(&out[t * vd..(t + 1) * vd]);
+        }
+    }
+}
+
+fn mlp_forward(m: &Mlp, x: &[f32], t_count: usize) -> Vec<f32> {
+    let inter = m.gate.rows();
+    let mut g = vec![0.0f32; t_count * inter];
+    let mut u = vec![0.0f32; t_count * inter];
+    m.gate.matmul(x, t_count, &mut g);
+    m.up.matmul(x, t_count, &mut u);
+    let mut a = vec![0.0f32; t_count * inter];
+    k::silu_mul(&g, &u, &mut a);
+    let mut out = vec![0.0f32; t_count * m.down.rows()];
+    m.down.matmul(&a, t_count, &mut out);
+    out
+}
+
+/// noaux_tc routing, spec §3.5: sigmoid scores; the correction bias only for selection;
+/// group-limited top-k (groups scored by their two best, others masked to −∞); weights from the
+/// unbiased scores, renormalised (+1e-20) and scaled. Ties go to the lower index.
+pub fn route(
+    logits: &[f32],
+    bias: &[f32],
+    n_group: usize,
+    topk_group: usize,
+    top_k: usize,
+    norm_topk_prob: bool,
+    scaling: f32,
+) -> (Vec<usize>, Vec<f32>) {
+    let e = logits.len();
+    let scores: Vec<f32> = logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
+    let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+    if n_group > 1 {
+        let per = e / n_group;
+        let group_scores: Vec<f32> = (0..n_group)
+            .map(|g| {
+                let grp = &choice[g * per..(g + 1) * per];
+                let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                for &v in grp {
+                    if v > a {
+                        b = a;
+                        a = v;
+                    } else if v > b {
+                        b = v;
+                    }
+                }
+                a + b
+            })
+            .collect();
+        let keep = top_indices(&group_scores, topk_group);
+        for g in 0..n_group {
+            if !keep.contains(&g) {
+                choice[g * per..(g + 1) * per].fill(f32::NEG_INFINITY);
+            }
+        }
+    }
+    let ids = top_indices(&choice, top_k);
+    let mut weights: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
+    if norm_topk_prob {
+        let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
+        for w in &mut weights {
+            *w /= sum;
+        }
+    }
+    for w in &mut weights {
+        *w *= scaling;
+    }
+    (ids, weights)
+}
+
+/// Indices of the `k` largest values, largest first; ties to the lower index; NaN never wins.
+fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| {
+        let (x, y) = (v[a], v[b]);
+        y.partial_cmp(&x)
+            .unwrap_or_else(|| x.is_nan().cmp(&y.is_nan()))
+            .then(a.cmp(&b))
+    });
+    idx.truncate(k);
+    idx
+}
+
+/// cos/sin per token of a batch, computed once per forward.
+struct RopeTable {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    fn new(rope: &Rope, positions: &[usize], half: usize) -> RopeTable {
+        let mut cos = vec![0.0f32; positions.len() * half];
+        let mut sin = vec![0.0f32; positions.len() * half];
+        for (i, &p) in positions.iter().enumerate() {
+            rope.cos_sin(
+                p,
+                &mut cos[i * half..(i + 1) * half],
+                &mut sin[i * half..(i + 1) * half],
+            );
+        }
+        RopeTable { half, cos, sin }
+    }
+
+    fn get(&self, i: usize) -> (&[f32], &[f32]) {
+        (
+            &self.cos[i * self.half..(i + 1) * self.half],
+            &self.sin[i * self.half..(i + 1) * self.half],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_masks_groups_with_neg_infinity() {
+        // 4 groups of 2; group scores from biased values; keep 2 groups.
+        let logits = [2.0, 1.9, -3.0, -3.0, 0.5, 0.4, 1.0, -5.0];
+        let bias = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -2.0, 0.0];
+        let (ids, ws) = route(&logits, &bias, 4, 2, 3, true, 2.5);
+        // groups: g0 = s(2)+s(1.9) high; g2 = s(.5)+s(.4); g3 = s(1)-2 + s(-5) low; g1 lowest-ish
+        assert_eq!(ids[..2], [0, 1]);
+        assert_eq!(ids[2], 4);
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let sum = sig(2.0) + sig(1.9) + sig(0.5);
+        assert!((ws[0] - sig(2.0) / sum * 2.5).abs() < 1e-6);
+        assert!((ws.iter().sum::<f32>() - 2.5).abs() < 1e-5);
+    }
+
+    #[test]
+    fn routing_ties_pick_lower_index() {
+        let logits = [0.0; 6];
+        let bias = [0.0; 6];
+        let (ids, _) = route(&logits, &bias, 1, 1, 3, true, 1.0);
+        assert_eq!(ids, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn bias_selects_but_does_not_weight() {
+        let logits = [1.0, 0.0, 0.0];
+        let bias = [0.0, 5.0, 0.0];
+        let (ids, ws) = route(&logits, &bias, 1, 1, 1, false, 1.0);
+        assert_eq!(ids, vec![1]);
+        assert!((ws[0] - 0.5).abs() < 1e-6);
+    }
+}

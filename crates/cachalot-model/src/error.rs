@@ -1,0 +1,44 @@
+//! Errors of the model crate. Every variant names the file, tensor or field at fault and, where
+//! one exists, what would fix it.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {message}")]
+    Json { path: PathBuf, message: String },
+    #[error("{path}: field `{field}`: {message}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+    #[error("{path}: {message}")]
+    Checkpoint { path: PathBuf, message: String },
+    #[error("tensor `{tensor}` in {path}: {message}")]
+    Tensor {
+        tensor: String,
+        path: PathBuf,
+        message: String,
+    },
+    #[error("tensor `{tensor}` is missing from the checkpoint in {dir} (expected {expected})")]
+    MissingTensor {
+        tensor: String,
+        dir: PathBuf,
+        expected: String,
+    },
+    #[error("{0}")]
+    Tokenizer(String),
+    #[error("invalid batch: {0}")]
+    Batch(String),
+    #[error("kernel: {0}")]
+    Kernel(String),
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;

@@ -1,0 +1,185 @@
+//! Broken checkpoints give errors that name the tensor and the file, never a panic.
+
+use std::path::{Path, PathBuf};
+
+use cachalot_model::{DeepseekV3, LoadOptions};
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny")
+}
+
+fn copy_fixture() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    tmp
+}
+
+fn index(dir: &Path) -> Value {
+    serde_json::from_str(
+        &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap()
+}
+
+fn shard_of(dir: &Path, tensor: &str) -> String {
+    index(dir)["weight_map"][tensor]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Rewrites the shard holding `tensor` through `edit` (which gets the tensor list) and keeps the
+/// index in step.
+fn rewrite(
+    dir: &Path,
+    shard: &str,
+    edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>),
+) {
+    let path = dir.join(shard);
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    let out = safetensors::serialize(views, None).unwrap();
+    std::fs::write(&path, out).unwrap();
+    let mut idx = index(dir);
+    let map = idx["weight_map"].as_object_mut().unwrap();
+    map.retain(|_, f| f.as_str() != Some(shard));
+    for (n, ..) in &tensors {
+        map.insert(n.clone(), Value::from(shard));
+    }
+    std::fs::write(dir.join("model.safetensors.index.json"), idx.to_string()).unwrap();
+}
+
+fn load_err(dir: &Path) -> String {
+    match DeepseekV3::load(dir, LoadOptions::default()) {
+        Ok(_) => panic!("loading a broken checkpoint succeeded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let tmp = copy_fixture();
+    let name = "model.layers.1.mlp.experts.3.up_proj.weight";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| t.retain(|(n, ..)| n != name));
+    let e = load_err(tmp.path());
+    assert!(e.contains(name) && e.contains("missing"), "{e}");
+}
+
+#[test]
+fn missing_fp8_scale_is_named() {
+    let tmp = copy_fixture();
+    let name = "model.layers.0.self_attn.o_proj.weight_scale_inv";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| t.retain(|(n, ..)| n != name));
+    let e = load_err(tmp.path());
+    assert!(e.contains(name) && e.contains("block scales"), "{e}");
+}
+
+#[test]
+fn unknown_tensor_is_named_with_its_file() {
+    let tmp = copy_fixture();
+    let anchor = "model.norm.weight";
+    let shard = shard_of(tmp.path(), anchor);
+    rewrite(tmp.path(), &shard, |t| {
+        t.push((
+            "model.layers.0.mlp.bogus.weight".into(),
+            Dtype::F32,
+            vec![2],
+            vec![0; 8],
+        ))
+    });
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains("model.layers.0.mlp.bogus.weight") && e.contains(&shard),
+        "{e}"
+    );
+}
+
+#[test]
+fn misshapen_and_mistyped_tensors_are_named() {
+    let tmp = copy_fixture();
+    let name = "model.layers.0.input_layernorm.weight";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| {
+        let e = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+        e.2 = vec![e.2[0] / 2, 2];
+    });
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains(name) && e.contains(&shard) && e.contains("shape"),
+        "{e}"
+    );
+
+    let tmp = copy_fixture();
+    let name = "model.layers.1.self_attn.kv_b_proj.weight";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| {
+        let e = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+        e.1 = Dtype::U8;
+    });
+    let e = load_err(tmp.path());
+    assert!(e.contains(name) && e.contains("dtype"), "{e}");
+}
+
+#[test]
+fn truncated_shard_is_named() {
+    let tmp = copy_fixture();
+    let shard = shard_of(tmp.path(), "lm_head.weight");
+    let path = tmp.path().join(&shard);
+    let len = std::fs::metadata(&path).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(len - 1000).unwrap();
+    let e = load_err(tmp.path());
+    assert!(e.contains(&shard) && e.contains("truncated"), "{e}");
+}
+
+#[test]
+fn bad_index_entries_are_reported() {
+    let tmp = copy_fixture();
+    let mut idx = index(tmp.path());
+    let shard = shard_of(tmp.path(), "lm_head.weight");
+    idx["weight_map"]["model.layers.9.ghost.weight"] = Value::from(shard.clone());
+    std::fs::write(
+        tmp.path().join("model.safetensors.index.json"),
+        idx.to_string(),
+    )
+    .unwrap();
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains("model.layers.9.ghost.weight") && e.contains(&shard),
+        "{e}"
+    );
+
+    let tmp = copy_fixture();
+    std::fs::remove_file(tmp.path().join("model.safetensors.index.json")).unwrap();
+    let e = load_err(tmp.path());
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
+#[test]
+fn config_mismatch_is_reported() {
+    let tmp = copy_fixture();
+    let p = tmp.path().join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    cfg["hidden_size"] = Value::from(cfg["hidden_size"].as_u64().unwrap() + 8);
+    std::fs::write(&p, cfg.to_string()).unwrap();
+    let e = load_err(tmp.path());
+    assert!(e.contains("shape"), "{e}");
+}

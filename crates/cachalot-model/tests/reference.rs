@@ -1,0 +1,253 @@
+//! The forward pass against references computed by transformers 5.24.0 (`DeepseekV3ForCausalLM`,
+//! float32, on exactly the dequantized weights) for the tiny models in `fixtures/v3/`, generated
+//! by `tools/reference/make_fixtures.py`. Also: cache/batching invariants that must hold exactly
+//! in exact arithmetic (prefill-then-decode = full prefill; packed batch = each sequence alone;
+//! naive = absorbed MLA; FP8 native = dequantized at load).
+
+use std::path::PathBuf;
+
+use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
+use cachalot_model::eval::{self, BLOCK_SIZE};
+use cachalot_model::tokenizer::Tokenizer;
+use cachalot_model::{AttentionPath, DeepseekV3, Fp8Mode, LoadOptions};
+use serde_json::Value;
+
+const MODELS: [&str; 3] = ["r1_tiny", "kimi_tiny", "v3_noq_tiny"];
+
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/v3")
+        .join(name)
+}
+
+fn reference(name: &str) -> Value {
+    let p = fixture_dir(name).join("reference.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+fn load(name: &str) -> DeepseekV3 {
+    DeepseekV3::load(&fixture_dir(name), LoadOptions::default()).unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn check_logprobs(name: &str, what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{name} {what}: length");
+    let worst = max_abs_diff(got, want);
+    assert!(
+        worst <= 0.02,
+        "{name} {what}: worst per-token logprob diff {worst}"
+    );
+    let (nll_got, _) = eval::nll_ppl(got);
+    let (nll_want, _) = eval::nll_ppl(want);
+    let rel = ((nll_got - nll_want) / nll_want).abs();
+    assert!(
+        rel <= 0.002,
+        "{name} {what}: mean NLL {nll_got} vs {nll_want}"
+    );
+}
+
+#[test]
+fn logprobs_match_transformers() {
+    for name in MODELS {
+        let m = load(name);
+        let r = reference(name);
+        for (i, seq) in r["sequences"].as_array().unwrap().iter().enumerate() {
+            let toks = ids(&seq["token_ids"]);
+            let got = eval::next_token_logprobs(&m, &toks, 512).unwrap();
+            check_logprobs(
+                name,
+                &format!("sequence {i}"),
+                &got,
+                &floats(&seq["logprobs"]),
+            );
+        }
+    }
+}
+
+#[test]
+fn text_tokenization_and_logprobs_match() {
+    for name in MODELS {
+        let dir = fixture_dir(name);
+        let r = reference(name);
+        let text_path = dir.join(r["text"]["file"].as_str().unwrap());
+        let text = std::fs::read_to_string(text_path).unwrap();
+        let toks = Tokenizer::from_dir(&dir).unwrap().encode(&text).unwrap();
+        assert_eq!(toks, ids(&r["text"]["token_ids"]), "{name}: tokenization");
+        let m = load(name);
+        let got = eval::next_token_logprobs(&m, &toks, 64).unwrap();
+        check_logprobs(name, "text", &got, &floats(&r["text"]["logprobs"]));
+    }
+}
+
+#[test]
+fn greedy_continuations_match() {
+    for name in MODELS {
+        let m = load(name);
+        let r = reference(name);
+        for g in r["greedy"].as_array().unwrap() {
+            let want = ids(&g["continuation"]);
+            let got = eval::greedy(&m, &ids(&g["prompt"]), want.len()).unwrap();
+            assert_eq!(got, want, "{name}: greedy continuation");
+        }
+    }
+}
+
+/// Decoding token by token (absorbed MLA over the cache) equals one full-sequence prefill.
+#[test]
+fn prefill_then_decode_equals_full_prefill() {
+    for name in MODELS {
+        let m = load(name);
+        let toks = ids(&reference(name)["sequences"][2]["token_ids"]);
+        let full = eval::next_token_logprobs(&m, &toks, 4096).unwrap();
+        let stepwise = eval::next_token_logprobs(&m, &toks, 1).unwrap();
+        let chunked = eval::next_token_logprobs(&m, &toks, 7).unwrap();
+        assert!(max_abs_diff(&full, &stepwise) < 1e-4, "{name}: stepwise");
+        assert!(max_abs_diff(&full, &chunked) < 1e-4, "{name}: chunked");
+    }
+}
+
+#[test]
+fn naive_and_absorbed_attention_agree() {
+    for name in MODELS {
+        let mut m = load(name);
+        let toks = ids(&reference(name)["sequences"][1]["token_ids"]);
+        m.attention_path = AttentionPath::Naive;
+        let a = eval::next_token_logprobs(&m, &toks, 4096).unwrap();
+        m.attention_path = AttentionPath::Absorbed;
+        let b = eval::next_token_logprobs(&m, &toks, 4096).unwrap();
+        assert!(max_abs_diff(&a, &b) < 1e-4, "{name}");
+    }
+}
+
+/// Sequences of different lengths, packed into one batch (prefills and decodes mixed, on
+/// interleaved non-contiguous cache blocks), give the logits each gives alone.
+#[test]
+fn packed_batch_equals_each_sequence_alone() {
+    let name = "r1_tiny";
+    let m = load(name);
+    let r = reference(name);
+    let seqs: Vec<Vec<u32>> = r["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| ids(&s["token_ids"]))
+        .collect();
+    let vocab = m.config().vocab_size;
+
+    let alone: Vec<Vec<f32>> = seqs
+        .iter()
+        .map(|s| {
+            let mut cache = KvCache::new(m.cache_spec(), 4, s.len().div_ceil(4));
+            let mut alloc = BlockAllocator::new(cache.num_blocks());
+            let mut table = Vec::new();
+            alloc.ensure(&mut table, s.len(), 4).unwrap();
+            let mut b = Batch::default();
+            b.push_seq(s, 0, table, LogitsWanted::All);
+            m.forward(&b, &mut cache, false).unwrap().logits
+        })
+        .collect();
+
+    // Step 1: prefill all but the last 3 tokens of each; step 2: the rest, 3 tokens each.
+    let total_blocks: usize = seqs.iter().map(|s| s.len().div_ceil(4)).sum();
+    let mut cache = KvCache::new(m.cache_spec(), 4, total_blocks);
+    let mut alloc = BlockAllocator::new(total_blocks);
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); seqs.len()];
+    // Interleave block allocation across sequences.
+    for n in (4..).step_by(4) {
+        let mut any = false;
+        for (s, t) in seqs.iter().zip(tables.iter_mut()) {
+            if n <= s.len().div_ceil(4) * 4 {
+                alloc.ensure(t, n.min(s.len()), 4).unwrap();
+                any = true;
+            }
+        }
+        if !any {
+            break;
+        }
+    }
+    let split: Vec<usize> = seqs.iter().map(|s| s.len().saturating_sub(3)).collect();
+    let mut got: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+    for step in 0..2 {
+        let mut b = Batch::default();
+        for (i, s) in seqs.iter().enumerate() {
+            let (lo, hi) = if step == 0 {
+                (0, split[i])
+            } else {
+                (split[i], s.len())
+            };
+            b.push_seq(&s[lo..hi], lo, tables[i].clone(), LogitsWanted::All);
+        }
+        let out = m.forward(&b, &mut cache, false).unwrap();
+        let mut off = 0;
+        for (i, s) in seqs.iter().enumerate() {
+            let n = if step == 0 {
+                split[i]
+            } else {
+                s.len() - split[i]
+            };
+            got[i].extend_from_slice(&out.logits[off * vocab..(off + n) * vocab]);
+            off += n;
+        }
+    }
+    for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
+        let d = max_abs_diff(g, a);
+        assert!(d < 1e-4, "sequence {i}: packed vs alone differ by {d}");
+    }
+}
+
+#[test]
+fn fp8_native_equals_dequantized_at_load() {
+    let name = "r1_tiny";
+    let native = load(name);
+    let f32m = DeepseekV3::load(
+        &fixture_dir(name),
+        LoadOptions {
+            fp8: Fp8Mode::DequantizeF32,
+            load_mtp: false,
+        },
+    )
+    .unwrap();
+    assert!(f32m.weight_bytes() > 3 * native.weight_bytes() / 2);
+    let toks = ids(&reference(name)["sequences"][1]["token_ids"]);
+    let a = eval::next_token_logprobs(&native, &toks, 4096).unwrap();
+    let b = eval::next_token_logprobs(&f32m, &toks, 4096).unwrap();
+    assert!(max_abs_diff(&a, &b) < 1e-4);
+}
+
+#[test]
+fn mtp_layer_loads_apart() {
+    let m = DeepseekV3::load(
+        &fixture_dir("r1_tiny"),
+        LoadOptions {
+            fp8: Fp8Mode::Native,
+            load_mtp: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(m.mtp_layers().len(), 1);
+    assert_eq!(m.cache_spec().layers, m.config().num_hidden_layers + 1);
+    assert_eq!(BLOCK_SIZE, 128);
+}
