@@ -1,14 +1,29 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! cachalot's numeric library: number formats, weight matrices in their stored formats and
+//! their products with f32 activations, and the vector kernels of the DeepSeek-V3/R1 forward
+//! pass (spec `shared/specs/deepseek-v3-r1-kimi-k2.md`: §2.2 FP8 e4m3fn and 128×128 block
+//! scales, §3 forward math, §4 quantized execution, §5.2 the int8 per-row layout).
+//!
+//! It knows nothing of models or requests. Every SIMD kernel has a scalar twin; the level is
+//! detected once per process ([`simd_level`], overridable with `CACHALOT_SIMD=scalar`).
+//!
+//! Errors: constructors validate and return [`KernelError`]. Kernels do not fail; a slice of
+//! the wrong length is a programmer error and panics with a message.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod bytes;
+mod error;
+mod float16;
+pub mod fp8;
+mod matrix;
+mod parallel;
+mod simd;
+mod vector;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use bytes::{f32s_to_le_bytes, u16s_to_le_bytes, ByteOwner, Bytes};
+pub use error::KernelError;
+pub use float16::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+pub use matrix::{Matrix, MatrixData};
+pub use simd::{simd_level, SimdLevel};
+pub use vector::{
+    argmax, axpy, dot, log_softmax_at, rms_norm, rms_norm_rows, rope_deinterleave_in_place,
+    scale_in_place, silu_mul, softmax_in_place,
+};

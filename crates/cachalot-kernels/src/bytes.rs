@@ -1,0 +1,117 @@
+//! Immutable byte storage for weights: an owned buffer, or a window into a shared owner such as
+//! an mmap'd safetensors shard (spec `deepseek-v3-r1-kimi-k2.md` §2: a 700 GB checkpoint is
+//! mapped, never read into RAM twice).
+//!
+//! Safetensors data offsets carry no alignment guarantee, so every reader of these bytes uses
+//! unaligned little-endian loads.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::KernelError;
+
+/// What a [`Bytes`] window can share: an owned buffer, an mmap'd file, ...
+pub type ByteOwner = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// Immutable byte storage: owned, or a window into a shared owner (e.g. an mmap'd safetensors
+/// shard). Cloning is cheap (a reference count).
+#[derive(Clone)]
+pub struct Bytes {
+    owner: ByteOwner,
+    start: usize,
+    len: usize,
+}
+
+impl Bytes {
+    /// Owns `v`.
+    pub fn from_vec(v: Vec<u8>) -> Bytes {
+        let len = v.len();
+        Bytes {
+            owner: Arc::new(v),
+            start: 0,
+            len,
+        }
+    }
+
+    /// The window `start..start + len` of `owner`, bounds-checked.
+    pub fn from_owner(owner: ByteOwner, start: usize, len: usize) -> Result<Bytes, KernelError> {
+        let owner_len = (*owner).as_ref().len();
+        match start.checked_add(len) {
+            Some(end) if end <= owner_len => Ok(Bytes { owner, start, len }),
+            _ => Err(KernelError::WindowOutOfBounds {
+                start,
+                len,
+                owner_len,
+            }),
+        }
+    }
+
+    /// The sub-window `start..start + len` of this window (sharing the owner), bounds-checked.
+    pub fn window(&self, start: usize, len: usize) -> Result<Bytes, KernelError> {
+        match start.checked_add(len) {
+            Some(end) if end <= self.len => Ok(Bytes {
+                owner: self.owner.clone(),
+                start: self.start + start,
+                len,
+            }),
+            _ => Err(KernelError::WindowOutOfBounds {
+                start,
+                len,
+                owner_len: self.len,
+            }),
+        }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.start..self.start + self.len]
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl AsRef<[u8]> for Bytes {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Bytes({} bytes at offset {})", self.len, self.start)
+    }
+}
+
+/// The little-endian bytes of `values` (to build test and converted matrices).
+pub fn f32s_to_le_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// The little-endian bytes of 16-bit values (bf16 or f16 bit patterns).
+pub fn u16s_to_le_bytes(values: &[u16]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_are_bounds_checked() {
+        let owner: ByteOwner = Arc::new(vec![1u8, 2, 3, 4, 5]);
+        let b = Bytes::from_owner(owner.clone(), 1, 3).unwrap();
+        assert_eq!(b.as_slice(), &[2, 3, 4]);
+        assert_eq!(b.window(1, 2).unwrap().as_slice(), &[3, 4]);
+        assert!(b.window(2, 2).is_err());
+        assert!(Bytes::from_owner(owner.clone(), 3, 3).is_err());
+        assert!(Bytes::from_owner(owner.clone(), usize::MAX, 2).is_err());
+        let e = Bytes::from_owner(owner, 4, 2).unwrap_err().to_string();
+        assert!(e.contains("outside its owner of 5 bytes"), "{e}");
+        assert!(Bytes::from_vec(vec![]).is_empty());
+    }
+}

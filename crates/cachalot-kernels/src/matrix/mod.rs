@@ -1,0 +1,541 @@
+//! Weight matrices in their stored formats and their products with f32 activations.
+//!
+//! Formats (spec `deepseek-v3-r1-kimi-k2.md`):
+//! - f32, bf16, f16: dense (bf16 is the checkpoints' dtype for norms, embeddings, `lm_head`,
+//!   and for everything after the bf16 conversion of §5.1).
+//! - FP8 e4m3fn with one f32 `scale_inv` per 128×128 block (§2.2): W[r,c] = f32(fp8[r,c]) ·
+//!   scale_inv[r div br][c div bc]; the grid is ceil(rows/br)×ceil(cols/bc) and edge blocks are
+//!   partial (kv_a_proj's last row block covers rows 512..575).
+//! - int8 with one f32 scale per output row (§4 W8A8 weights, §5.2 the converter's layout:
+//!   `weight` int8 [out, in], `weight_scale` f32 [out, 1]). The activation stays f32 here (the
+//!   seed's per-token int8 activation quantization is a separate, later kernel).
+//! - int4 with one scale per group of columns (§2.3, Kimi-K2-Thinking's routed experts, run
+//!   W4A16 as the seed does: the activation stays in floating point).
+//!
+//! Products keep the weights in their stored format and convert on the fly, so a decode step
+//! streams each weight byte once per group of up to 4 tokens. Accumulation is f32. For one
+//! output row the columns are cut into segments (the FP8 column blocks; the whole row
+//! otherwise); a segment's dot product is summed in registers, multiplied by its scale and added
+//! to the row total.
+//!
+//! Determinism: every output element is computed by the same sequence of operations whatever
+//! the number of tokens in the call, the row or column sub-range, and the thread count (token
+//! groups and row tiles share no accumulators; task boundaries fall on the same column chunk
+//! grid). Only the SIMD level changes results.
+
+pub(crate) mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+
+#[cfg(test)]
+mod tests;
+
+use std::ops::Range;
+
+use crate::bytes::{f32s_to_le_bytes, Bytes};
+use crate::parallel::{for_each_task, DisjointOut, Split};
+use crate::simd::{simd_level, SimdLevel};
+use crate::KernelError;
+
+/// A weight matrix's stored values. More formats will come (MXFP4, ...), so matches on it need a
+/// wildcard arm.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum MatrixData {
+    /// Little-endian f32.
+    F32(Bytes),
+    /// Little-endian bf16.
+    Bf16(Bytes),
+    /// Little-endian IEEE f16.
+    F16(Bytes),
+    /// FP8 e4m3fn with one f32 scale_inv per (block_rows x block_cols) block; grid
+    /// ceil(rows/br) x ceil(cols/bc), row-major; edge blocks are partial.
+    Fp8Block {
+        data: Bytes,
+        scale_inv: Vec<f32>,
+        block_rows: usize,
+        block_cols: usize,
+    },
+    /// int8 with one f32 scale per output row (the W8A8 converter's layout: weight int8
+    /// [out,in], weight_scale f32 [out,1]).
+    Int8Row { data: Bytes, scale: Vec<f32> },
+    /// Signed 4-bit integers with one f32 scale per `group_size` consecutive columns of a row
+    /// (Kimi-K2-Thinking's compressed-tensors `pack-quantized`, §2.3): column c of a row is the
+    /// low (c even) or high (c odd) nibble of the row's byte c/2 — the little-endian bytes of
+    /// the checkpoint's int32 `weight_packed` words, low nibble first — and a stored nibble n
+    /// means q = n − 8. W[r,c] = q · scale[r·ceil(cols/group_size) + c/group_size]. The
+    /// checkpoint's bf16 `weight_scale` [out, in/group] converts to f32 exactly. `cols` and
+    /// `group_size` must be even.
+    Int4Group {
+        data: Bytes,
+        scale: Vec<f32>,
+        group_size: usize,
+    },
+}
+
+/// How a format's elements are stored, for the kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Format {
+    F32,
+    Bf16,
+    F16,
+    Fp8,
+    Int8,
+    Int4,
+}
+
+impl Format {
+    /// Bytes of a rows x cols matrix (cols even for int4), or None on overflow.
+    pub fn data_bytes(self, rows: usize, cols: usize) -> Option<usize> {
+        let n = rows.checked_mul(cols)?;
+        match self {
+            Format::F32 => n.checked_mul(4),
+            Format::Bf16 | Format::F16 => n.checked_mul(2),
+            Format::Fp8 | Format::Int8 => Some(n),
+            Format::Int4 => Some(n / 2),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::F32 => "f32",
+            Format::Bf16 => "bf16",
+            Format::F16 => "f16",
+            Format::Fp8 => "fp8_e4m3_block",
+            Format::Int8 => "int8_row",
+            Format::Int4 => "int4_group",
+        }
+    }
+}
+
+/// Where a weight's scale comes from, per (row, column segment).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Scales<'a> {
+    /// Dense formats: no scale.
+    One,
+    /// One scale per row (int8).
+    Row(&'a [f32]),
+    /// One scale per block; `grid_cols` blocks per block row.
+    Block {
+        scale: &'a [f32],
+        block_rows: usize,
+        grid_cols: usize,
+    },
+}
+
+impl<'a> Scales<'a> {
+    /// Row `r`'s scales, indexed by column segment (dense formats and int8 have one segment).
+    #[inline]
+    pub fn row(&self, r: usize) -> &'a [f32] {
+        match *self {
+            Scales::One => &[1.0],
+            Scales::Row(s) => std::slice::from_ref(&s[r]),
+            Scales::Block {
+                scale,
+                block_rows,
+                grid_cols,
+            } => {
+                let start = (r / block_rows) * grid_cols;
+                &scale[start..start + grid_cols]
+            }
+        }
+    }
+}
+
+/// A borrowed, validated description of a matrix for the kernels.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WeightsView<'a> {
+    pub format: Format,
+    pub data: &'a [u8],
+    pub cols: usize,
+    /// Width of a column segment: columns `s*segment_cols..` share the scale of segment `s`.
+    pub segment_cols: usize,
+    pub scales: Scales<'a>,
+}
+
+impl WeightsView<'_> {
+    /// Column chunks of 16 start at each segment's first column; in the transposed product a
+    /// task or column block boundary must fall on that grid, so that a column is computed the
+    /// same way whatever the split. Boundaries at multiples of this are on the grid.
+    pub fn column_align(&self) -> usize {
+        if self.segment_cols % CHUNK == 0 || self.segment_cols >= self.cols {
+            CHUNK
+        } else {
+            self.segment_cols
+        }
+    }
+}
+
+/// A weight matrix W [rows = out, cols = in] (PyTorch Linear convention, y = W x), in its stored
+/// format.
+#[derive(Clone, Debug)]
+pub struct Matrix {
+    rows: usize,
+    cols: usize,
+    data: MatrixData,
+}
+
+impl Matrix {
+    /// Validates byte lengths, scale grid sizes, positive dimensions and block sizes, and finite
+    /// scales.
+    pub fn new(rows: usize, cols: usize, data: MatrixData) -> Result<Matrix, KernelError> {
+        let format = format_of(&data);
+        let name = format.name();
+        if rows == 0 || cols == 0 {
+            return Err(KernelError::ZeroDimension {
+                format: name,
+                rows,
+                cols,
+            });
+        }
+        if let MatrixData::Int4Group { group_size, .. } = &data {
+            if cols % 2 != 0 || *group_size == 0 || group_size % 2 != 0 {
+                return Err(KernelError::Int4Layout {
+                    rows,
+                    cols,
+                    group_size: *group_size,
+                });
+            }
+        }
+        let expected = format
+            .data_bytes(rows, cols)
+            .ok_or(KernelError::ShapeOverflow {
+                format: name,
+                rows,
+                cols,
+            })?;
+        let bytes = data_bytes_of(&data);
+        if bytes.len() != expected {
+            return Err(KernelError::ByteLength {
+                format: name,
+                rows,
+                cols,
+                expected,
+                actual: bytes.len(),
+            });
+        }
+        let (scales, grid) = match &data {
+            MatrixData::Fp8Block {
+                scale_inv,
+                block_rows,
+                block_cols,
+                ..
+            } => {
+                if *block_rows == 0 || *block_cols == 0 {
+                    return Err(KernelError::ZeroBlockSize {
+                        format: name,
+                        block_rows: *block_rows,
+                        block_cols: *block_cols,
+                    });
+                }
+                let (gr, gc) = (rows.div_ceil(*block_rows), cols.div_ceil(*block_cols));
+                let grid = format!("a {gr}x{gc} grid of {block_rows}x{block_cols} blocks");
+                (Some((scale_inv, gr * gc)), grid)
+            }
+            MatrixData::Int8Row { scale, .. } => (Some((scale, rows)), "one per row".to_string()),
+            MatrixData::Int4Group {
+                scale, group_size, ..
+            } => {
+                let groups = cols.div_ceil(*group_size);
+                let grid = format!("{groups} groups of {group_size} columns per row");
+                (Some((scale, rows * groups)), grid)
+            }
+            _ => (None, String::new()),
+        };
+        if let Some((scales, expected)) = scales {
+            if scales.len() != expected {
+                return Err(KernelError::ScaleCount {
+                    format: name,
+                    rows,
+                    cols,
+                    grid,
+                    expected,
+                    actual: scales.len(),
+                });
+            }
+            if let Some((index, &value)) = scales.iter().enumerate().find(|(_, s)| !s.is_finite()) {
+                return Err(KernelError::NonFiniteScale {
+                    format: name,
+                    index,
+                    value,
+                });
+            }
+        }
+        Ok(Matrix { rows, cols, data })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn data(&self) -> &MatrixData {
+        &self.data
+    }
+
+    /// "f32", "bf16", "f16", "fp8_e4m3_block", "int8_row" or "int4_group".
+    pub fn format_name(&self) -> &'static str {
+        format_of(&self.data).name()
+    }
+
+    /// Bytes of weights plus scales.
+    pub fn storage_bytes(&self) -> usize {
+        let scales = match &self.data {
+            MatrixData::F32(_) | MatrixData::Bf16(_) | MatrixData::F16(_) => 0,
+            MatrixData::Fp8Block { scale_inv, .. } => scale_inv.len(),
+            MatrixData::Int8Row { scale, .. } | MatrixData::Int4Group { scale, .. } => scale.len(),
+        };
+        data_bytes_of(&self.data).len() + 4 * scales
+    }
+
+    pub(crate) fn view(&self) -> WeightsView<'_> {
+        let format = format_of(&self.data);
+        let (data, segment_cols, scales) = match &self.data {
+            MatrixData::F32(b) | MatrixData::Bf16(b) | MatrixData::F16(b) => {
+                (b.as_slice(), self.cols, Scales::One)
+            }
+            MatrixData::Fp8Block {
+                data,
+                scale_inv,
+                block_rows,
+                block_cols,
+            } => (
+                data.as_slice(),
+                *block_cols,
+                Scales::Block {
+                    scale: scale_inv,
+                    block_rows: *block_rows,
+                    grid_cols: self.cols.div_ceil(*block_cols),
+                },
+            ),
+            MatrixData::Int8Row { data, scale } => (data.as_slice(), self.cols, Scales::Row(scale)),
+            MatrixData::Int4Group {
+                data,
+                scale,
+                group_size,
+            } => (
+                data.as_slice(),
+                *group_size,
+                Scales::Block {
+                    scale,
+                    block_rows: 1,
+                    grid_cols: self.cols.div_ceil(*group_size),
+                },
+            ),
+        };
+        WeightsView {
+            format,
+            data,
+            cols: self.cols,
+            segment_cols,
+            scales,
+        }
+    }
+
+    /// out[t*rows + r] = Σ_c W[r,c]·x[t*cols + c] for t in 0..n_tokens. x: [n_tokens, cols]
+    /// row-major, out: [n_tokens, rows]. Multithreaded over rows when the work is large enough;
+    /// deterministic (see the module documentation); f32 accumulation.
+    pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+        self.matmul_rows(0..self.rows, x, n_tokens, out)
+    }
+
+    /// Same as [`Matrix::matmul`], but only for output rows `rows`; out: [n_tokens, rows.len()].
+    pub fn matmul_rows(&self, rows: Range<usize>, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+        self.matmul_rows_at(simd_level(), rows, x, n_tokens, out)
+    }
+
+    pub(crate) fn matmul_rows_at(
+        &self,
+        level: SimdLevel,
+        rows: Range<usize>,
+        x: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+    ) {
+        assert!(
+            rows.start <= rows.end && rows.end <= self.rows,
+            "matmul_rows: row range {rows:?} is outside 0..{}",
+            self.rows
+        );
+        assert_eq!(
+            x.len(),
+            n_tokens * self.cols,
+            "matmul: x must hold n_tokens ({n_tokens}) x cols ({}) values",
+            self.cols
+        );
+        assert_eq!(
+            out.len(),
+            n_tokens * rows.len(),
+            "matmul: out must hold n_tokens ({n_tokens}) x rows ({}) values",
+            rows.len()
+        );
+        debug_assert!(level.supported());
+        if n_tokens == 0 || rows.is_empty() {
+            return;
+        }
+        let view = self.view();
+        let m = rows.len();
+        let first = rows.start;
+        let out = DisjointOut::new(out);
+        let split = Split {
+            align: 4,
+            min_task: 16,
+            max_task: 64,
+        };
+        for_each_task(m, m * self.cols * n_tokens, split, |task| {
+            let task_rows = first + task.start..first + task.end;
+            let out = OutRows {
+                out: &out,
+                stride: m,
+                first_row: first,
+            };
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `Avx2` is only used where the CPU supports it; the task writes only
+                // its own rows of `out` (`OutRows`), and tasks' row ranges are disjoint.
+                SimdLevel::Avx2 => unsafe {
+                    avx2::matmul_rows(&view, task_rows, x, n_tokens, &out)
+                },
+                _ => scalar::matmul_rows(&view, task_rows, x, n_tokens, &out),
+            }
+        });
+    }
+
+    /// Transposed product over a row sub-range: out[t*cols + c] = Σ_{r in rows} W[r,c]·
+    /// x[t*rows.len() + (r - rows.start)]. out: [n_tokens, cols] (overwritten). Used for MLA
+    /// weight absorption (q̃ = W_UKᵀ q, §3.4).
+    pub fn matmul_t_rows(&self, rows: Range<usize>, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+        self.matmul_t_rows_at(simd_level(), rows, x, n_tokens, out)
+    }
+
+    pub(crate) fn matmul_t_rows_at(
+        &self,
+        level: SimdLevel,
+        rows: Range<usize>,
+        x: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+    ) {
+        assert!(
+            rows.start <= rows.end && rows.end <= self.rows,
+            "matmul_t_rows: row range {rows:?} is outside 0..{}",
+            self.rows
+        );
+        assert_eq!(
+            x.len(),
+            n_tokens * rows.len(),
+            "matmul_t_rows: x must hold n_tokens ({n_tokens}) x rows ({}) values",
+            rows.len()
+        );
+        assert_eq!(
+            out.len(),
+            n_tokens * self.cols,
+            "matmul_t_rows: out must hold n_tokens ({n_tokens}) x cols ({}) values",
+            self.cols
+        );
+        debug_assert!(level.supported());
+        if rows.is_empty() || n_tokens == 0 {
+            out.fill(0.0);
+            return;
+        }
+        let view = self.view();
+        let split = Split {
+            align: view.column_align(),
+            min_task: 64,
+            max_task: 512,
+        };
+        let work = rows.len() * self.cols * n_tokens;
+        let out = DisjointOut::new(out);
+        for_each_task(self.cols, work, split, |cols| {
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `Avx2` is only used where the CPU supports it; the task writes only
+                // out[t*cols + c] for c in its own column range, and tasks' ranges are disjoint.
+                SimdLevel::Avx2 => unsafe {
+                    avx2::matmul_t_cols(&view, rows.clone(), x, n_tokens, cols, &out)
+                },
+                _ => scalar::matmul_t_cols(&view, rows.clone(), x, n_tokens, cols, &out),
+            }
+        });
+    }
+
+    /// Dequantized row r into out[..cols] (embedding lookup): W[r,c] = value · scale in f32.
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        assert!(
+            r < self.rows,
+            "row_to_f32: row {r} is outside 0..{}",
+            self.rows
+        );
+        assert!(
+            out.len() >= self.cols,
+            "row_to_f32: out holds {} values, the row has {}",
+            out.len(),
+            self.cols
+        );
+        scalar::dequantize_row(&self.view(), r, 0..self.cols, &mut out[..self.cols]);
+    }
+
+    /// Full dequantization, row-major [rows, cols].
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.row_to_f32(r, row);
+        }
+        out
+    }
+
+    /// An f32 matrix holding exactly the dequantized values.
+    pub fn to_f32_matrix(&self) -> Matrix {
+        let bytes = Bytes::from_vec(f32s_to_le_bytes(&self.to_f32_vec()));
+        Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data: MatrixData::F32(bytes),
+        }
+    }
+}
+
+/// Column chunk width of the transposed product (two 8-lane vectors).
+pub(crate) const CHUNK: usize = 16;
+
+fn format_of(data: &MatrixData) -> Format {
+    match data {
+        MatrixData::F32(_) => Format::F32,
+        MatrixData::Bf16(_) => Format::Bf16,
+        MatrixData::F16(_) => Format::F16,
+        MatrixData::Fp8Block { .. } => Format::Fp8,
+        MatrixData::Int8Row { .. } => Format::Int8,
+        MatrixData::Int4Group { .. } => Format::Int4,
+    }
+}
+
+fn data_bytes_of(data: &MatrixData) -> &Bytes {
+    match data {
+        MatrixData::F32(b) | MatrixData::Bf16(b) | MatrixData::F16(b) => b,
+        MatrixData::Fp8Block { data, .. }
+        | MatrixData::Int8Row { data, .. }
+        | MatrixData::Int4Group { data, .. } => data,
+    }
+}
+
+/// Where the forward kernels put their results: out[t*stride + (r - first_row)].
+pub(crate) struct OutRows<'a, 'b> {
+    pub out: &'a DisjointOut<'b>,
+    pub stride: usize,
+    pub first_row: usize,
+}
+
+impl OutRows<'_, '_> {
+    /// Stores the result for row `r`, token `t`.
+    ///
+    /// # Safety
+    /// Row `r` belongs to the calling task (see [`DisjointOut`]).
+    #[inline]
+    pub unsafe fn write(&self, t: usize, r: usize, v: f32) {
+        self.out.write(t * self.stride + (r - self.first_row), v);
+    }
+}

@@ -1,0 +1,574 @@
+//! Matrix kernels at every supported level against an f64 product of the exactly dequantized
+//! weights, for every format, odd shapes, 1..=9 tokens and row sub-ranges; bit-exact batch,
+//! sub-range and thread-count invariance; FP8 block dequantization with ragged edges.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::fp8::e4m3_to_f32;
+use crate::{f32_to_bf16, f32_to_f16, u16s_to_le_bytes};
+
+fn levels() -> Vec<SimdLevel> {
+    SimdLevel::ALL
+        .into_iter()
+        .filter(|l| l.supported())
+        .collect()
+}
+
+/// SplitMix64: deterministic data from a proptest-chosen seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [lo, hi).
+    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+    /// Non-zero, magnitude in [0.05, 1), random sign.
+    fn value(&mut self) -> f32 {
+        let m = self.uniform(0.05, 1.0);
+        if self.next_u64() & 1 == 0 {
+            m
+        } else {
+            -m
+        }
+    }
+    /// A finite e4m3 code (never 0x7F/0xFF).
+    fn fp8(&mut self) -> u8 {
+        let b = self.next_u64() as u8;
+        if b & 0x7F == 0x7F {
+            b - 1
+        } else {
+            b
+        }
+    }
+}
+
+const FORMATS: [Format; 6] = [
+    Format::F32,
+    Format::Bf16,
+    Format::F16,
+    Format::Fp8,
+    Format::Int8,
+    Format::Int4,
+];
+
+fn random_matrix(
+    format: Format,
+    rows: usize,
+    cols: usize,
+    block: (usize, usize),
+    rng: &mut Rng,
+) -> Matrix {
+    let n = rows * cols;
+    let data = match format {
+        Format::F32 => MatrixData::F32(Bytes::from_vec(f32s_to_le_bytes(
+            &(0..n).map(|_| rng.value()).collect::<Vec<_>>(),
+        ))),
+        Format::Bf16 => MatrixData::Bf16(Bytes::from_vec(u16s_to_le_bytes(
+            &(0..n).map(|_| f32_to_bf16(rng.value())).collect::<Vec<_>>(),
+        ))),
+        Format::F16 => MatrixData::F16(Bytes::from_vec(u16s_to_le_bytes(
+            &(0..n).map(|_| f32_to_f16(rng.value())).collect::<Vec<_>>(),
+        ))),
+        Format::Fp8 => {
+            let (br, bc) = block;
+            let grid = rows.div_ceil(br) * cols.div_ceil(bc);
+            MatrixData::Fp8Block {
+                data: Bytes::from_vec((0..n).map(|_| rng.fp8()).collect()),
+                scale_inv: (0..grid).map(|_| rng.uniform(2e-4, 4e-3)).collect(),
+                block_rows: br,
+                block_cols: bc,
+            }
+        }
+        Format::Int8 => MatrixData::Int8Row {
+            data: Bytes::from_vec((0..n).map(|_| rng.next_u64() as u8).collect()),
+            scale: (0..rows).map(|_| rng.uniform(1e-3, 1e-2)).collect(),
+        },
+        Format::Int4 => {
+            // Groups along the columns; `block.1` (even) is the group size.
+            let group = block.1;
+            MatrixData::Int4Group {
+                data: Bytes::from_vec((0..n / 2).map(|_| rng.next_u64() as u8).collect()),
+                scale: (0..rows * cols.div_ceil(group))
+                    .map(|_| rng.uniform(1e-3, 1e-2))
+                    .collect(),
+                group_size: group,
+            }
+        }
+    };
+    Matrix::new(rows, cols, data).expect("valid random matrix")
+}
+
+/// (format, rows, cols, n_tokens, fp8 block shape, seed). Block shapes: DeepSeek's 128x128 (a
+/// single partial block at these sizes), or small ones for many ragged edges.
+fn case() -> impl Strategy<Value = (Format, usize, usize, usize, (usize, usize), u64)> {
+    let block = prop_oneof![
+        Just((128usize, 128usize)),
+        Just((1usize, 32usize)),
+        (1usize..40, 1usize..70)
+    ];
+    (
+        0usize..FORMATS.len(),
+        1usize..40,
+        1usize..300,
+        1usize..=9,
+        block,
+        any::<u64>(),
+    )
+        .prop_map(|(f, r, c, t, b, s)| {
+            let format = FORMATS[f];
+            if format == Format::Int4 {
+                // Two columns per byte: even column counts and group sizes.
+                (format, r, c + c % 2, t, (b.0, b.1 + b.1 % 2), s)
+            } else {
+                (format, r, c, t, b, s)
+            }
+        })
+}
+
+/// (Σ W x in f64, Σ |W x|) for output row r and token vector x.
+fn reference_dot(w: &[f32], cols: usize, r: usize, x: &[f32]) -> (f64, f64) {
+    let row = &w[r * cols..(r + 1) * cols];
+    let mut s = 0.0f64;
+    let mut b = 0.0f64;
+    for (a, v) in row.iter().zip(x) {
+        let p = *a as f64 * *v as f64;
+        s += p;
+        b += p.abs();
+    }
+    (s, b)
+}
+
+const REL: f64 = 1e-5;
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn matmul_rows_matches_reference((format, rows, cols, nt, block, seed) in case(), sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
+        let mut rng = Rng(seed);
+        let m = random_matrix(format, rows, cols, block, &mut rng);
+        let w = m.to_f32_vec();
+        let x: Vec<f32> = (0..nt * cols).map(|_| rng.value()).collect();
+        let (a, b) = (sub.0.index(rows + 1), sub.1.index(rows + 1));
+        let range = a.min(b)..a.max(b);
+        for level in levels() {
+            let mut out = vec![f32::NAN; nt * range.len()];
+            m.matmul_rows_at(level, range.clone(), &x, nt, &mut out);
+            for t in 0..nt {
+                for (j, r) in range.clone().enumerate() {
+                    let (want, bound) = reference_dot(&w, cols, r, &x[t * cols..(t + 1) * cols]);
+                    let got = out[t * range.len() + j];
+                    prop_assert!((got as f64 - want).abs() <= REL * bound + 1e-30,
+                        "{level:?} {format:?} {rows}x{cols} block {block:?} t={t} r={r}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_t_rows_matches_reference((format, rows, cols, nt, block, seed) in case(), sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
+        let mut rng = Rng(seed);
+        let m = random_matrix(format, rows, cols, block, &mut rng);
+        let w = m.to_f32_vec();
+        let (a, b) = (sub.0.index(rows + 1), sub.1.index(rows + 1));
+        let range = a.min(b)..a.max(b);
+        let k = range.len();
+        let x: Vec<f32> = (0..nt * k).map(|_| rng.value()).collect();
+        for level in levels() {
+            let mut out = vec![f32::NAN; nt * cols];
+            m.matmul_t_rows_at(level, range.clone(), &x, nt, &mut out);
+            for t in 0..nt {
+                for c in 0..cols {
+                    let (mut want, mut bound) = (0.0f64, 0.0f64);
+                    for (i, r) in range.clone().enumerate() {
+                        let p = w[r * cols + c] as f64 * x[t * k + i] as f64;
+                        want += p;
+                        bound += p.abs();
+                    }
+                    let got = out[t * cols + c];
+                    prop_assert!((got as f64 - want).abs() <= REL * bound + 1e-30,
+                        "{level:?} {format:?} {rows}x{cols} block {block:?} rows {range:?} t={t} c={c}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    /// A token's result is bit-identical alone, inside any batch, and within any row sub-range.
+    #[test]
+    fn results_do_not_depend_on_batching((format, rows, cols, nt, block, seed) in case(), sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
+        let mut rng = Rng(seed);
+        let m = random_matrix(format, rows, cols, block, &mut rng);
+        let x: Vec<f32> = (0..nt * cols).map(|_| rng.value()).collect();
+        let (a, b) = (sub.0.index(rows + 1), sub.1.index(rows + 1));
+        let range = a.min(b)..a.max(b);
+        for level in levels() {
+            let mut batch = vec![f32::NAN; nt * rows];
+            m.matmul_rows_at(level, 0..rows, &x, nt, &mut batch);
+            let mut part = vec![f32::NAN; nt * range.len()];
+            m.matmul_rows_at(level, range.clone(), &x, nt, &mut part);
+            for t in 0..nt {
+                let mut one = vec![f32::NAN; rows];
+                m.matmul_rows_at(level, 0..rows, &x[t * cols..(t + 1) * cols], 1, &mut one);
+                let got = &batch[t * rows..(t + 1) * rows];
+                prop_assert!(got.iter().zip(&one).all(|(p, q)| p.to_bits() == q.to_bits()), "{level:?} token {t}");
+                let got = &part[t * range.len()..(t + 1) * range.len()];
+                prop_assert!(got.iter().zip(&one[range.clone()]).all(|(p, q)| p.to_bits() == q.to_bits()), "{level:?} sub-range");
+            }
+            // Transposed: each token alone equals the batch.
+            let k = range.len();
+            let xt: Vec<f32> = (0..nt * k).map(|_| rng.value()).collect();
+            let mut batch = vec![f32::NAN; nt * cols];
+            m.matmul_t_rows_at(level, range.clone(), &xt, nt, &mut batch);
+            for t in 0..nt {
+                let mut one = vec![f32::NAN; cols];
+                m.matmul_t_rows_at(level, range.clone(), &xt[t * k..(t + 1) * k], 1, &mut one);
+                prop_assert!(batch[t * cols..(t + 1) * cols].iter().zip(&one).all(|(p, q)| p.to_bits() == q.to_bits()), "{level:?} transposed token {t}");
+            }
+        }
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+#[test]
+fn results_do_not_depend_on_thread_count() {
+    // Large enough to be split into tasks; odd sizes and ragged FP8 blocks.
+    let mut rng = Rng(7);
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let three = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for format in FORMATS {
+        for block in [(128, 128), (5, 24), (7, 13)] {
+            let block = if format == Format::Int4 {
+                (block.0, block.1 + block.1 % 2)
+            } else {
+                block
+            };
+            let (rows, cols, nt) = (301, 458, 5);
+            let m = random_matrix(format, rows, cols, block, &mut rng);
+            let x: Vec<f32> = (0..nt * cols).map(|_| rng.value()).collect();
+            let xt: Vec<f32> = (0..nt * 250).map(|_| rng.value()).collect();
+            for level in levels() {
+                let run = |pool: &rayon::ThreadPool| {
+                    pool.install(|| {
+                        let mut out = vec![f32::NAN; nt * rows];
+                        m.matmul_rows_at(level, 0..rows, &x, nt, &mut out);
+                        let mut out_t = vec![f32::NAN; nt * cols];
+                        m.matmul_t_rows_at(level, 40..290, &xt, nt, &mut out_t);
+                        (bits(&out), bits(&out_t))
+                    })
+                };
+                assert_eq!(run(&one), run(&three), "{level:?} {format:?} {block:?}");
+            }
+        }
+    }
+}
+
+/// §2.2's dequantization written out directly.
+fn reference_dequant(
+    codes: &[u8],
+    scales: &[f32],
+    rows: usize,
+    cols: usize,
+    br: usize,
+    bc: usize,
+) -> Vec<f32> {
+    let gc = cols.div_ceil(bc);
+    let mut w = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            w[r * cols + c] = e4m3_to_f32(codes[r * cols + c]) * scales[(r / br) * gc + c / bc];
+        }
+    }
+    w
+}
+
+#[test]
+fn fp8_block_dequant_with_ragged_edges() {
+    // 200x300 with 128x128 blocks: a 2x3 grid with partial last row and column blocks; 80 rows:
+    // one partial block row; 576 rows: kv_a_proj's last block covers rows 512..575.
+    let mut rng = Rng(11);
+    for (rows, cols, br, bc) in [
+        (200usize, 300usize, 128usize, 128usize),
+        (80, 300, 128, 128),
+        (576, 200, 128, 128),
+        (9, 10, 4, 3),
+    ] {
+        let codes: Vec<u8> = (0..rows * cols).map(|_| rng.fp8()).collect();
+        let grid = rows.div_ceil(br) * cols.div_ceil(bc);
+        let scales: Vec<f32> = (0..grid).map(|_| rng.uniform(1e-4, 1e-2)).collect();
+        let m = Matrix::new(
+            rows,
+            cols,
+            MatrixData::Fp8Block {
+                data: Bytes::from_vec(codes.clone()),
+                scale_inv: scales.clone(),
+                block_rows: br,
+                block_cols: bc,
+            },
+        )
+        .unwrap();
+        let want = reference_dequant(&codes, &scales, rows, cols, br, bc);
+        assert_eq!(bits(&m.to_f32_vec()), bits(&want), "{rows}x{cols}");
+        let mut row = vec![f32::NAN; cols + 3];
+        m.row_to_f32(rows - 1, &mut row);
+        assert_eq!(bits(&row[..cols]), bits(&want[(rows - 1) * cols..]));
+        assert!(
+            row[cols..].iter().all(|v| v.is_nan()),
+            "row_to_f32 writes only cols values"
+        );
+        let f = m.to_f32_matrix();
+        assert_eq!(f.format_name(), "f32");
+        assert_eq!(bits(&f.to_f32_vec()), bits(&want));
+    }
+}
+
+#[test]
+fn fp8_scale_grid_shapes() {
+    let m = |rows, cols, br, bc, n| {
+        Matrix::new(
+            rows,
+            cols,
+            MatrixData::Fp8Block {
+                data: Bytes::from_vec(vec![0x38; rows * cols]),
+                scale_inv: vec![1.0; n],
+                block_rows: br,
+                block_cols: bc,
+            },
+        )
+    };
+    assert!(m(200, 300, 128, 128, 6).is_ok());
+    assert!(m(80, 300, 128, 128, 3).is_ok());
+    assert!(m(576, 7168, 128, 128, 5 * 56).is_ok());
+    assert!(m(128, 128, 128, 128, 1).is_ok());
+    assert!(m(129, 128, 128, 128, 2).is_ok());
+    let e = m(200, 300, 128, 128, 4).unwrap_err().to_string();
+    assert!(
+        e.contains("needs 6 scales")
+            && e.contains("2x3 grid of 128x128 blocks")
+            && e.contains("got 4"),
+        "{e}"
+    );
+}
+
+#[test]
+fn int8_dequant_is_value_times_row_scale() {
+    let codes = [127u8, 12, 0xC0, 32, 0x81, 1];
+    let m = Matrix::new(
+        2,
+        3,
+        MatrixData::Int8Row {
+            data: Bytes::from_vec(codes.to_vec()),
+            scale: vec![0.007_873_535, 0.5],
+        },
+    )
+    .unwrap();
+    let w = m.to_f32_vec();
+    let want = [
+        127.0 * 0.007_873_535f32,
+        12.0 * 0.007_873_535,
+        -64.0 * 0.007_873_535,
+        32.0 * 0.5,
+        -127.0 * 0.5,
+        0.5,
+    ];
+    assert_eq!(bits(&w), bits(&want));
+    assert_eq!(m.storage_bytes(), 6 + 8);
+    assert_eq!(m.format_name(), "int8_row");
+}
+
+/// §2.3: int32 words hold 8 columns each, low nibble first, offset by 8; scale per group of 32.
+#[test]
+fn int4_dequant_follows_the_packed_word_layout() {
+    let (rows, cols, group) = (3usize, 72usize, 32usize);
+    let q: Vec<i32> = (0..rows * cols).map(|i| (i * 5 % 16) as i32 - 8).collect();
+    let mut words = Vec::new();
+    for row in q.chunks(cols) {
+        for eight in row.chunks(8) {
+            let word = eight
+                .iter()
+                .enumerate()
+                .fold(0u32, |w, (i, v)| w | (((v + 8) as u32) << (4 * i)));
+            words.push(word);
+        }
+    }
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let groups = cols.div_ceil(group);
+    let scale: Vec<f32> = (0..rows * groups).map(|i| 0.01 * (i + 1) as f32).collect();
+    let m = Matrix::new(
+        rows,
+        cols,
+        MatrixData::Int4Group {
+            data: Bytes::from_vec(bytes),
+            scale: scale.clone(),
+            group_size: group,
+        },
+    )
+    .unwrap();
+    let w = m.to_f32_vec();
+    for r in 0..rows {
+        for c in 0..cols {
+            let want = q[r * cols + c] as f32 * scale[r * groups + c / group];
+            assert_eq!(w[r * cols + c].to_bits(), want.to_bits(), "r={r} c={c}");
+        }
+    }
+    let e = Matrix::new(
+        2,
+        5,
+        MatrixData::Int4Group {
+            data: Bytes::from_vec(vec![0; 5]),
+            scale: vec![1.0; 2],
+            group_size: 32,
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("must be even"), "{e}");
+    let e = Matrix::new(
+        2,
+        64,
+        MatrixData::Int4Group {
+            data: Bytes::from_vec(vec![0; 64]),
+            scale: vec![1.0; 3],
+            group_size: 32,
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("needs 4 scales (2 groups of 32 columns per row), got 3"),
+        "{e}"
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_fp8_decode_matches_the_table_for_all_finite_codes() {
+    if !SimdLevel::Avx2.supported() {
+        return;
+    }
+    for base in (0..256).step_by(16) {
+        let codes: [u8; 16] = std::array::from_fn(|i| (base + i) as u8);
+        // SAFETY: AVX2 support checked above.
+        let got = unsafe { avx2::fp8_decode16(&codes) };
+        for (i, &c) in codes.iter().enumerate() {
+            if c & 0x7F == 0x7F {
+                continue;
+            }
+            assert_eq!(
+                got[i].to_bits(),
+                crate::fp8::e4m3_table()[c as usize].to_bits(),
+                "code {c:#04x}"
+            );
+        }
+    }
+}
+
+#[test]
+fn constructors_reject_malformed_inputs() {
+    let err = |rows, cols, data| Matrix::new(rows, cols, data).unwrap_err().to_string();
+    let b = |n| Bytes::from_vec(vec![1u8; n]);
+    let e = err(3, 4, MatrixData::F32(b(47)));
+    assert!(
+        e.contains("f32 matrix of 3x4 needs 48 bytes") && e.contains("got 47"),
+        "{e}"
+    );
+    let e = err(3, 4, MatrixData::Bf16(b(48)));
+    assert!(e.contains("bf16") && e.contains("needs 24 bytes"), "{e}");
+    let e = err(3, 4, MatrixData::F16(b(23)));
+    assert!(e.contains("f16") && e.contains("needs 24 bytes"), "{e}");
+    let e = err(
+        3,
+        4,
+        MatrixData::Int8Row {
+            data: b(12),
+            scale: vec![1.0; 2],
+        },
+    );
+    assert!(e.contains("needs 3 scales (one per row), got 2"), "{e}");
+    let e = err(
+        3,
+        4,
+        MatrixData::Int8Row {
+            data: b(13),
+            scale: vec![1.0; 3],
+        },
+    );
+    assert!(e.contains("needs 12 bytes"), "{e}");
+    let fp8 = |n, s: Vec<f32>, br, bc| MatrixData::Fp8Block {
+        data: b(n),
+        scale_inv: s,
+        block_rows: br,
+        block_cols: bc,
+    };
+    let e = err(3, 4, fp8(12, vec![1.0], 0, 128));
+    assert!(e.contains("block size must be positive, got 0x128"), "{e}");
+    let e = err(3, 4, fp8(11, vec![1.0], 128, 128));
+    assert!(e.contains("needs 12 bytes"), "{e}");
+    let e = err(3, 4, fp8(12, vec![1.0, 2.0], 128, 128));
+    assert!(e.contains("needs 1 scales"), "{e}");
+    let e = err(3, 4, fp8(12, vec![f32::NAN], 128, 128));
+    assert!(e.contains("scale #0 is NaN"), "{e}");
+    let e = err(0, 4, MatrixData::F32(b(0)));
+    assert!(e.contains("zero dimension"), "{e}");
+    let e = err(usize::MAX, 4, MatrixData::F32(b(0)));
+    assert!(e.contains("too large"), "{e}");
+}
+
+#[test]
+fn names_and_storage() {
+    let mut rng = Rng(3);
+    let names: Vec<_> = FORMATS
+        .iter()
+        .map(|&f| random_matrix(f, 3, 6, (2, 2), &mut rng))
+        .map(|m| (m.format_name(), m.storage_bytes()))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("f32", 72),
+            ("bf16", 36),
+            ("f16", 36),
+            ("fp8_e4m3_block", 18 + 4 * 6),
+            ("int8_row", 18 + 12),
+            ("int4_group", 9 + 4 * 9)
+        ]
+    );
+}
+
+#[test]
+fn empty_token_batches_and_row_ranges() {
+    let mut rng = Rng(5);
+    let m = random_matrix(Format::Fp8, 10, 20, (4, 8), &mut rng);
+    for level in levels() {
+        m.matmul_rows_at(level, 0..10, &[], 0, &mut []);
+        m.matmul_rows_at(level, 3..3, &[1.0; 40], 2, &mut []);
+        let mut out = vec![f32::NAN; 40];
+        m.matmul_t_rows_at(level, 3..3, &[], 2, &mut out);
+        assert!(out.iter().all(|v| *v == 0.0));
+    }
+}
+
+#[test]
+#[should_panic(expected = "x must hold n_tokens (2) x cols (20) values")]
+fn matmul_panics_on_length_mismatch() {
+    let mut rng = Rng(5);
+    let m = random_matrix(Format::F32, 10, 20, (1, 1), &mut rng);
+    let mut out = vec![0.0; 20];
+    m.matmul(&[1.0; 39], 2, &mut out);
+}

@@ -1,0 +1,108 @@
+//! Splitting a kernel's output into rayon tasks, and the shared output those tasks write.
+//!
+//! Determinism: a task boundary never changes how an output element is computed (each element
+//! is produced whole by one task, with the same operations whatever the split), so results do
+//! not depend on the thread count.
+
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+/// Below this many multiply-adds a call runs on the calling thread: rayon's fork/join costs a
+/// few microseconds, about what a 128K-element GEMV takes.
+pub(crate) const PARALLEL_MIN_WORK: usize = 1 << 17;
+
+/// How to cut `0..len` into tasks.
+pub(crate) struct Split {
+    /// Task boundaries fall on multiples of this (measured from 0).
+    pub align: usize,
+    /// Smallest and largest task, before rounding up to `align`.
+    pub min_task: usize,
+    pub max_task: usize,
+}
+
+/// Calls `f` on consecutive sub-ranges covering `0..len`: one range when the work (multiply-adds)
+/// is small or there is one thread, otherwise about four tasks per thread within the split's
+/// bounds, run on rayon's pool.
+pub(crate) fn for_each_task(
+    len: usize,
+    work: usize,
+    split: Split,
+    f: impl Fn(Range<usize>) + Sync,
+) {
+    if len == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    if threads <= 1 || work < PARALLEL_MIN_WORK || len <= split.min_task {
+        f(0..len);
+        return;
+    }
+    let target = len
+        .div_ceil(threads * 4)
+        .clamp(split.min_task, split.max_task.max(split.min_task));
+    let task = target.div_ceil(split.align).max(1) * split.align;
+    let n_tasks = len.div_ceil(task);
+    if n_tasks <= 1 {
+        f(0..len);
+        return;
+    }
+    (0..n_tasks)
+        .into_par_iter()
+        .for_each(|i| f(i * task..((i + 1) * task).min(len)));
+}
+
+/// An output slice that several tasks write at the same time, each to its own elements.
+///
+/// Safety argument: it is built from a `&mut [f32]`, so nothing else can read or write the slice
+/// while it lives (the lifetime ties it to that borrow). Each task writes only the elements that
+/// belong to its own rows (matmul: `out[t*m + r]` for r in the task's row range) or columns
+/// (transposed matmul: `out[t*cols + c]` for c in the task's column range), and the task ranges
+/// are disjoint, so no element is written by two tasks and none is read. Indices are
+/// bounds-checked.
+pub(crate) struct DisjointOut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _borrow: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: see the type's documentation: concurrent writers touch disjoint elements.
+unsafe impl Send for DisjointOut<'_> {}
+unsafe impl Sync for DisjointOut<'_> {}
+
+impl<'a> DisjointOut<'a> {
+    pub fn new(out: &'a mut [f32]) -> Self {
+        DisjointOut {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Writes element `i`.
+    ///
+    /// # Safety
+    /// No other task writes element `i` or holds a slice covering it.
+    #[inline]
+    pub unsafe fn write(&self, i: usize, v: f32) {
+        assert!(i < self.len, "output index {i} out of range {}", self.len);
+        self.ptr.add(i).write(v);
+    }
+
+    /// The elements `start..start + len` for exclusive use by the calling task.
+    ///
+    /// # Safety
+    /// No other task writes these elements or holds a slice overlapping them while the returned
+    /// slice lives.
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "output range {start}..{start}+{len} out of range {}",
+            self.len
+        );
+        std::slice::from_raw_parts_mut(self.ptr.add(start), len)
+    }
+}

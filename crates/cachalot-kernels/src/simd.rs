@@ -1,0 +1,110 @@
+//! Runtime SIMD dispatch.
+//!
+//! The instruction set is detected once per process ([`simd_level`]) and every dispatched kernel
+//! matches on it. Each SIMD kernel has a scalar twin that is the reference in tests and the
+//! fallback on other CPUs and architectures. `CACHALOT_SIMD=scalar` forces the scalar path (for
+//! tests and benchmarks); `CACHALOT_SIMD=avx2` caps the level at AVX2 (for when an AVX-512 path
+//! exists); anything else, or unset, picks the best level the CPU supports.
+//!
+//! Adding a level (AVX-512, NEON): a variant here, its detection in [`SimdLevel::supported`],
+//! and one more arm in each dispatching `match`.
+
+use std::sync::OnceLock;
+
+/// An instruction-set level with its own kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimdLevel {
+    /// Portable Rust; the reference for every SIMD kernel.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C (Haswell, Zen and later).
+    Avx2,
+}
+
+impl SimdLevel {
+    /// Every level, lowest first.
+    pub const ALL: [SimdLevel; 2] = [SimdLevel::Scalar, SimdLevel::Avx2];
+
+    /// Whether this CPU can run this level's kernels.
+    pub fn supported(self) -> bool {
+        match self {
+            SimdLevel::Scalar => true,
+            SimdLevel::Avx2 => avx2_supported(),
+        }
+    }
+
+    /// The best level this CPU supports, ignoring `CACHALOT_SIMD`.
+    pub fn best_supported() -> SimdLevel {
+        SimdLevel::ALL
+            .iter()
+            .rev()
+            .copied()
+            .find(|l| l.supported())
+            .unwrap_or(SimdLevel::Scalar)
+    }
+
+    /// The best supported level not above `self` (what a request for `self` gets on this CPU).
+    pub fn clamp_to_supported(self) -> SimdLevel {
+        SimdLevel::ALL
+            .iter()
+            .rev()
+            .copied()
+            .find(|l| *l <= self && l.supported())
+            .unwrap_or(SimdLevel::Scalar)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+        }
+    }
+
+    /// The level named by a `CACHALOT_SIMD` value, clamped to what this CPU supports; `None`
+    /// for an unknown name (including "auto").
+    pub fn from_name(name: &str) -> Option<SimdLevel> {
+        let wanted = SimdLevel::ALL
+            .iter()
+            .copied()
+            .find(|l| l.name().eq_ignore_ascii_case(name.trim()))?;
+        Some(wanted.clamp_to_supported())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_supported() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx2_supported() -> bool {
+    false
+}
+
+/// The level the dispatched kernels use in this process: `CACHALOT_SIMD` if set to a known
+/// level name (clamped to what the CPU supports), otherwise the best supported level.
+pub fn simd_level() -> SimdLevel {
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        std::env::var("CACHALOT_SIMD")
+            .ok()
+            .and_then(|v| SimdLevel::from_name(&v))
+            .unwrap_or_else(SimdLevel::best_supported)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_clamping() {
+        assert_eq!(SimdLevel::from_name("scalar"), Some(SimdLevel::Scalar));
+        assert_eq!(SimdLevel::from_name(" SCALAR "), Some(SimdLevel::Scalar));
+        assert_eq!(SimdLevel::from_name("auto"), None);
+        assert!(SimdLevel::from_name("avx2").unwrap().supported());
+        assert!(simd_level().supported());
+        assert!(SimdLevel::best_supported() >= simd_level());
+    }
+}

@@ -1,0 +1,199 @@
+//! Vector kernels: dot, axpy, scaling, RMSNorm, SwiGLU, softmax, log-softmax, argmax and the
+//! de-interleaving RoPE rotation (spec `deepseek-v3-r1-kimi-k2.md` §3.1 RMSNorm, §3.2 RoPE with
+//! DeepSeek's interleaved checkpoint layout, §3.6 SwiGLU experts, §3.7 logits).
+//!
+//! Each public function checks its slice lengths (a mismatch is a programmer error and panics
+//! with a message) and dispatches on [`simd_level`] to an AVX2 kernel or its scalar twin.
+//! `argmax` and `log_softmax_at` run once per sequence per step and stay scalar.
+
+pub(crate) mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+
+#[cfg(test)]
+mod tests;
+
+use rayon::prelude::*;
+
+use crate::simd::{simd_level, SimdLevel};
+
+/// Runs `$scalar` or, on an AVX2 level, `$avx2` (an `unsafe` kernel from `vector::avx2`).
+macro_rules! dispatch {
+    ($level:expr, $name:ident ( $($arg:expr),* )) => {{
+        let level: SimdLevel = $level;
+        debug_assert!(level.supported());
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a level is only ever `Avx2` when the CPU supports avx2, fma and f16c
+            // (`simd_level` and the tests check `supported()`); lengths were checked above.
+            SimdLevel::Avx2 => unsafe { avx2::$name($($arg),*) },
+            _ => scalar::$name($($arg),*),
+        }
+    }};
+}
+
+/// Σ a[i]·b[i], f32.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_at(simd_level(), a, b)
+}
+
+pub(crate) fn dot_at(level: SimdLevel, a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot: lengths differ");
+    dispatch!(level, dot(a, b))
+}
+
+/// y += alpha·x.
+pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    axpy_at(simd_level(), alpha, x, y)
+}
+
+pub(crate) fn axpy_at(level: SimdLevel, alpha: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len(), "axpy: x and y lengths differ");
+    dispatch!(level, axpy(alpha, x, y))
+}
+
+/// x *= s.
+pub fn scale_in_place(x: &mut [f32], s: f32) {
+    scale_in_place_at(simd_level(), x, s)
+}
+
+pub(crate) fn scale_in_place_at(level: SimdLevel, x: &mut [f32], s: f32) {
+    dispatch!(level, scale_in_place(x, s))
+}
+
+/// One row of RMSNorm (§3.1): out = x / sqrt(mean(x²) + eps) · weight, in f32, with the
+/// product taken in HF's order (x·rsqrt first, then the weight).
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    rms_norm_at(simd_level(), x, weight, eps, out)
+}
+
+pub(crate) fn rms_norm_at(level: SimdLevel, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(
+        x.len(),
+        weight.len(),
+        "rms_norm: x and weight lengths differ"
+    );
+    assert_eq!(x.len(), out.len(), "rms_norm: x and out lengths differ");
+    if x.is_empty() {
+        return;
+    }
+    dispatch!(level, rms_norm(x, weight, eps, out))
+}
+
+/// RMSNorm of each `dim`-long row of `x` into the same row of `out` (rows in parallel when
+/// there are many).
+pub fn rms_norm_rows(x: &[f32], dim: usize, weight: &[f32], eps: f32, out: &mut [f32]) {
+    rms_norm_rows_at(simd_level(), x, dim, weight, eps, out)
+}
+
+pub(crate) fn rms_norm_rows_at(
+    level: SimdLevel,
+    x: &[f32],
+    dim: usize,
+    weight: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) {
+    assert!(dim > 0, "rms_norm_rows: dim must be positive");
+    assert_eq!(
+        x.len() % dim,
+        0,
+        "rms_norm_rows: x length is not a multiple of dim"
+    );
+    assert_eq!(
+        x.len(),
+        out.len(),
+        "rms_norm_rows: x and out lengths differ"
+    );
+    assert_eq!(
+        weight.len(),
+        dim,
+        "rms_norm_rows: weight length differs from dim"
+    );
+    const PARALLEL_MIN_ELEMENTS: usize = 1 << 16;
+    if x.len() >= PARALLEL_MIN_ELEMENTS && x.len() / dim > 1 {
+        out.par_chunks_mut(dim)
+            .zip(x.par_chunks(dim))
+            .for_each(|(o, r)| rms_norm_at(level, r, weight, eps, o));
+    } else {
+        for (o, r) in out.chunks_mut(dim).zip(x.chunks(dim)) {
+            rms_norm_at(level, r, weight, eps, o);
+        }
+    }
+}
+
+/// out = silu(gate)·up with silu(z) = z / (1 + e^−z) (the SwiGLU of §3.6).
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    silu_mul_at(simd_level(), gate, up, out)
+}
+
+pub(crate) fn silu_mul_at(level: SimdLevel, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert_eq!(gate.len(), up.len(), "silu_mul: gate and up lengths differ");
+    assert_eq!(
+        gate.len(),
+        out.len(),
+        "silu_mul: gate and out lengths differ"
+    );
+    dispatch!(level, silu_mul(gate, up, out))
+}
+
+/// Softmax in place, numerically stable (the maximum is subtracted first), f32. An empty slice
+/// is left alone; a slice that is all −inf (or holds NaN) becomes NaN, as in torch.
+pub fn softmax_in_place(x: &mut [f32]) {
+    softmax_in_place_at(simd_level(), x)
+}
+
+pub(crate) fn softmax_in_place_at(level: SimdLevel, x: &mut [f32]) {
+    if x.is_empty() {
+        return;
+    }
+    dispatch!(level, softmax_in_place(x))
+}
+
+/// log p(index) under softmax(logits), computed stably in f64 (for perplexity).
+pub fn log_softmax_at(logits: &[f32], index: usize) -> f32 {
+    assert!(
+        index < logits.len(),
+        "log_softmax_at: index {index} is out of range for {} logits",
+        logits.len()
+    );
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut sum = 0.0f64;
+    for &v in logits {
+        sum += (v as f64 - max).exp();
+    }
+    (logits[index] as f64 - max - sum.ln()) as f32
+}
+
+/// The index of the largest element; ties go to the lowest index and NaN never wins. Returns 0
+/// for an empty slice or one that is all NaN.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    let mut best_value = f32::NAN;
+    for (i, &v) in x.iter().enumerate() {
+        if v > best_value || (best_value.is_nan() && !v.is_nan()) {
+            best = i;
+            best_value = v;
+        }
+    }
+    best
+}
+
+/// The RoPE rotation for DeepSeek's interleaved layout (HF `rope_interleave=True`, §3.2): for
+/// i < d/2, y[i] = x[2i]·cos[i] − x[2i+1]·sin[i] and y[d/2+i] = x[2i+1]·cos[i] + x[2i]·sin[i],
+/// in place over x (len d = 2·cos.len()).
+pub fn rope_deinterleave_in_place(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    rope_deinterleave_in_place_at(simd_level(), x, cos, sin)
+}
+
+pub(crate) fn rope_deinterleave_in_place_at(
+    level: SimdLevel,
+    x: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+) {
+    assert_eq!(cos.len(), sin.len(), "rope: cos and sin lengths differ");
+    assert_eq!(x.len(), 2 * cos.len(), "rope: x length must be 2·cos.len()");
+    dispatch!(level, rope_deinterleave_in_place(x, cos, sin))
+}

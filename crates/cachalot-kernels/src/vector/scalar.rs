@@ -1,0 +1,82 @@
+//! Scalar twins of the vector kernels: the reference in tests and the fallback elsewhere.
+//!
+//! Reductions keep 8 independent partial sums (lane j takes the elements ≡ j mod 8), which
+//! compilers vectorize on any target and which mirrors the SIMD kernels' summation shape.
+
+const LANES: usize = 8;
+
+fn sum_lanes(acc: [f32; LANES]) -> f32 {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let ca = a.chunks_exact(LANES);
+    let cb = b.chunks_exact(LANES);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for j in 0..LANES {
+            acc[j] += x[j] * y[j];
+        }
+    }
+    for j in 0..ra.len() {
+        acc[j] += ra[j] * rb[j];
+    }
+    sum_lanes(acc)
+}
+
+pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += alpha * xi;
+    }
+}
+
+pub fn scale_in_place(x: &mut [f32], s: f32) {
+    for v in x {
+        *v *= s;
+    }
+}
+
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = 1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt();
+    for ((o, xi), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = (xi * inv) * w;
+    }
+}
+
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
+pub fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut acc = [0.0f32; LANES];
+    for (i, v) in x.iter_mut().enumerate() {
+        *v = (*v - max).exp();
+        acc[i % LANES] += *v;
+    }
+    let inv = 1.0 / sum_lanes(acc);
+    scale_in_place(x, inv);
+}
+
+pub fn rope_deinterleave_in_place(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    // Outputs overwrite inputs that later pairs still need, so read the pairs first (on the
+    // stack for the usual head sizes: DeepSeek's rope dim is 64).
+    let mut stack = [0.0f32; 256];
+    let mut heap = Vec::new();
+    let copy: &[f32] = if x.len() <= stack.len() {
+        stack[..x.len()].copy_from_slice(x);
+        &stack[..x.len()]
+    } else {
+        heap.extend_from_slice(x);
+        &heap
+    };
+    for i in 0..half {
+        let (e, o) = (copy[2 * i], copy[2 * i + 1]);
+        x[i] = e * cos[i] - o * sin[i];
+        x[half + i] = o * cos[i] + e * sin[i];
+    }
+}

@@ -1,0 +1,237 @@
+//! Every vector kernel at every supported level against an f64 reference (which also checks the
+//! scalar twin), on random non-zero inputs, with outputs poisoned by NaN first.
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn levels() -> Vec<SimdLevel> {
+    SimdLevel::ALL
+        .into_iter()
+        .filter(|l| l.supported())
+        .collect()
+}
+
+/// Non-zero values with magnitudes in [lo, hi] and random signs.
+fn values(
+    len: impl Into<proptest::sample::SizeRange>,
+    lo: f32,
+    hi: f32,
+) -> impl Strategy<Value = Vec<f32>> {
+    prop::collection::vec((lo..hi, any::<bool>()), len).prop_map(|v| {
+        v.into_iter()
+            .map(|(m, neg)| if neg { -m } else { m })
+            .collect()
+    })
+}
+
+fn close(got: f32, want: f64, rel: f64, scale: f64) -> bool {
+    (got as f64 - want).abs() <= rel * scale + 1e-30
+}
+
+proptest! {
+    #[test]
+    fn dot_matches_f64((a, b) in (1usize..300).prop_flat_map(|n| (values(n, 0.01, 4.0), values(n, 0.01, 4.0)))) {
+        let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let bound: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
+        for level in levels() {
+            let got = dot_at(level, &a, &b);
+            prop_assert!(close(got, want, 1e-6, bound), "{level:?}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn axpy_matches_f64((x, y) in (1usize..300).prop_flat_map(|n| (values(n, 0.01, 4.0), values(n, 0.01, 4.0))), alpha in -3.0f32..3.0) {
+        for level in levels() {
+            let mut out = y.clone();
+            axpy_at(level, alpha, &x, &mut out);
+            for i in 0..x.len() {
+                let want = y[i] as f64 + alpha as f64 * x[i] as f64;
+                let scale = (y[i] as f64).abs() + (alpha as f64 * x[i] as f64).abs();
+                prop_assert!(close(out[i], want, 2e-7, scale), "{level:?} [{i}]: {} vs {want}", out[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn scale_is_exact_per_element(x in values(1..300, 0.01, 4.0), s in 0.1f32..3.0) {
+        for level in levels() {
+            let mut out = x.clone();
+            scale_in_place_at(level, &mut out, s);
+            for i in 0..x.len() {
+                prop_assert_eq!(out[i].to_bits(), (x[i] * s).to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_f64((x, w) in (1usize..300).prop_flat_map(|n| (values(n, 0.01, 4.0), values(n, 0.1, 2.0))), eps in 1e-6f32..1e-3) {
+        let n = x.len() as f64;
+        let ms: f64 = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / n;
+        let inv = 1.0 / (ms + eps as f64).sqrt();
+        for level in levels() {
+            let mut out = vec![f32::NAN; x.len()];
+            rms_norm_at(level, &x, &w, eps, &mut out);
+            for i in 0..x.len() {
+                let want = x[i] as f64 * inv * w[i] as f64;
+                prop_assert!(close(out[i], want, 1e-5, want.abs()), "{level:?} [{i}]: {} vs {want}", out[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn rms_norm_rows_equals_per_row((dim, rows) in (1usize..100, 1usize..6), seed in any::<u64>()) {
+        let mut rng = seed | 1;
+        let mut next = || { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; (rng % 2000) as f32 / 500.0 - 2.001 };
+        let x: Vec<f32> = (0..dim * rows).map(|_| next()).collect();
+        let w: Vec<f32> = (0..dim).map(|_| next()).collect();
+        for level in levels() {
+            let mut out = vec![f32::NAN; x.len()];
+            rms_norm_rows_at(level, &x, dim, &w, 1e-6, &mut out);
+            for r in 0..rows {
+                let mut one = vec![f32::NAN; dim];
+                rms_norm_at(level, &x[r * dim..(r + 1) * dim], &w, 1e-6, &mut one);
+                prop_assert_eq!(&out[r * dim..(r + 1) * dim], &one[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn silu_mul_matches_f64((g, u) in (1usize..300).prop_flat_map(|n| (values(n, 0.01, 100.0), values(n, 0.01, 4.0)))) {
+        for level in levels() {
+            let mut out = vec![f32::NAN; g.len()];
+            silu_mul_at(level, &g, &u, &mut out);
+            for i in 0..g.len() {
+                let z = g[i] as f64;
+                let want = z / (1.0 + (-z).exp()) * u[i] as f64;
+                prop_assert!(close(out[i], want, 1e-6, want.abs()), "{level:?} [{i}] g={}: {} vs {want}", g[i], out[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_matches_f64(x in values(1..300, 0.01, 60.0)) {
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let sum: f64 = x.iter().map(|v| (*v as f64 - max).exp()).sum();
+        for level in levels() {
+            let mut out = x.clone();
+            softmax_in_place_at(level, &mut out);
+            let mut total = 0.0f64;
+            for i in 0..x.len() {
+                let want = (x[i] as f64 - max).exp() / sum;
+                total += out[i] as f64;
+                prop_assert!(close(out[i], want, 1e-5, want) || (want < 1e-37 && out[i].abs() < 1e-37),
+                    "{level:?} [{i}]: {} vs {want}", out[i]);
+            }
+            prop_assert!((total - 1.0).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn rope_matches_f64((x, angles) in (1usize..80).prop_flat_map(|h| (values(2 * h, 0.01, 4.0), values(h, 0.0, 6.3)))) {
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+        let h = cos.len();
+        for level in levels() {
+            let mut y = x.clone();
+            rope_deinterleave_in_place_at(level, &mut y, &cos, &sin);
+            for i in 0..h {
+                let (e, o, c, s) = (x[2 * i] as f64, x[2 * i + 1] as f64, cos[i] as f64, sin[i] as f64);
+                let scale = e.abs() + o.abs();
+                prop_assert!(close(y[i], e * c - o * s, 1e-6, scale), "{level:?} lo[{i}]");
+                prop_assert!(close(y[h + i], o * c + e * s, 1e-6, scale), "{level:?} hi[{i}]");
+            }
+        }
+    }
+
+    #[test]
+    fn log_softmax_matches_f64(x in values(1..300, 0.01, 60.0), pick in any::<prop::sample::Index>()) {
+        let i = pick.index(x.len());
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = max + x.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln();
+        let want = x[i] as f64 - lse;
+        let got = log_softmax_at(&x, i);
+        prop_assert!(close(got, want, 1e-6, want.abs().max(1.0)));
+    }
+}
+
+#[test]
+fn rope_long_vectors_use_the_heap_copy() {
+    // Longer than the 256-element stack copy, where overwriting would corrupt later pairs.
+    let h = 300;
+    let x: Vec<f32> = (0..2 * h).map(|i| (i as f32 * 0.37).sin() + 1.5).collect();
+    let cos: Vec<f32> = (0..h).map(|i| (i as f32 * 0.1).cos()).collect();
+    let sin: Vec<f32> = (0..h).map(|i| (i as f32 * 0.1).sin()).collect();
+    for level in levels() {
+        let mut y = x.clone();
+        rope_deinterleave_in_place_at(level, &mut y, &cos, &sin);
+        for i in 0..h {
+            let want = x[2 * i] as f64 * cos[i] as f64 - x[2 * i + 1] as f64 * sin[i] as f64;
+            assert!((y[i] as f64 - want).abs() < 1e-5, "{level:?} [{i}]");
+        }
+    }
+}
+
+#[test]
+fn argmax_ties_and_nan() {
+    assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+    assert_eq!(argmax(&[f32::NAN, 1.0, f32::NAN, 5.0, 5.0]), 3);
+    assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+    assert_eq!(argmax(&[]), 0);
+    assert_eq!(argmax(&[f32::NEG_INFINITY, -1e30]), 1);
+    assert_eq!(argmax(&[-2.0, f32::NAN, -1.0]), 2);
+}
+
+#[test]
+fn softmax_edge_cases() {
+    for level in levels() {
+        let mut empty: [f32; 0] = [];
+        softmax_in_place_at(level, &mut empty);
+        let mut x = [f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY, 1.0, -200.0];
+        softmax_in_place_at(level, &mut x);
+        assert_eq!(x[0], 0.0);
+        assert_eq!(x[2], 0.0);
+        assert!(
+            (x[1] + x[3] - 1.0).abs() < 1e-6 && x[4] < 1e-37,
+            "{level:?} {x:?}"
+        );
+    }
+}
+
+#[test]
+fn log_softmax_is_stable_for_large_logits() {
+    let x = [1000.0f32, 1000.0, -1000.0];
+    assert!((log_softmax_at(&x, 0) - (-std::f32::consts::LN_2)).abs() < 1e-6);
+    assert!(log_softmax_at(&x, 2) < -1999.0);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_exp_is_accurate_and_handles_limits() {
+    use std::arch::x86_64::*;
+    if !SimdLevel::Avx2.supported() {
+        return;
+    }
+    let eval = |v: f32| -> f32 {
+        // SAFETY: AVX2 support checked above.
+        unsafe {
+            let mut out = [0.0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), avx2::exp(_mm256_set1_ps(v)));
+            out[0]
+        }
+    };
+    let mut worst = 0.0f64;
+    let mut v = -87.0f32;
+    while v < 88.7 {
+        let want = (v as f64).exp();
+        let err = ((eval(v) as f64 - want) / want).abs() / f32::EPSILON as f64;
+        worst = worst.max(err);
+        v += 0.0137;
+    }
+    assert!(worst < 4.0, "worst relative error {worst} eps");
+    assert_eq!(eval(-100.0), 0.0);
+    assert_eq!(eval(f32::NEG_INFINITY), 0.0);
+    assert_eq!(eval(100.0), f32::INFINITY);
+    assert!(eval(f32::NAN).is_nan());
+    assert_eq!(eval(0.0), 1.0);
+}
