@@ -1,5 +1,7 @@
-//! The cachalot command line: `perplexity`, `generate` and `bench` for now (`run`, `chat`,
-//! `serve`, `convert` follow; see README.md).
+//! The cachalot command line: `perplexity`, `tokenize`, `generate`, `chat` and `bench` for now
+//! (`run`, `serve`, `convert` follow; see README.md).
+
+mod text;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -35,9 +37,10 @@ enum AttnArg {
 
 #[derive(clap::Args)]
 struct ModelArgs {
-    /// Hugging Face model directory (config.json, safetensors, tokenizer.json).
+    /// Hugging Face model directory (config.json, safetensors, tokenizer.json or
+    /// tiktoken.model). Without it, the small model shipped in assets/ (not there yet).
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// How FP8 weights are held.
     #[arg(long, value_enum, default_value = "native")]
     fp8: Fp8Arg,
@@ -75,18 +78,12 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Greedy continuation of a prompt.
-    Generate {
-        #[command(flatten)]
-        model: ModelArgs,
-        #[command(flatten)]
-        input: InputArgs,
-        /// Tokens to generate.
-        #[arg(long, default_value_t = 32)]
-        max_tokens: usize,
-        #[arg(long)]
-        json: bool,
-    },
+    /// Token ids of a text (`--text`), or the text of token ids (`--decode`).
+    Tokenize(text::TokenizeArgs),
+    /// Continue a prompt (or answer it as a chat turn with `--chat`), streaming the text.
+    Generate(text::GenerateArgs),
+    /// Interactive chat on stdin/stdout: /reset, /system TEXT, /exit; Ctrl-C stops an answer.
+    Chat(text::ChatArgs),
     /// Prefill and decode throughput on one model, as JSON.
     Bench {
         #[command(flatten)]
@@ -103,6 +100,17 @@ enum Command {
     },
 }
 
+/// The model directory, or a clear word that the shipped small model is not there yet.
+fn model_dir(args: &ModelArgs) -> Result<&Path> {
+    match &args.model {
+        Some(dir) => Ok(dir),
+        None => bail!(
+            "no --model given, and the small model that will ship in assets/ is not there yet \
+             (issue 4); pass --model DIR (for example --model fixtures/v3/r1_tiny)"
+        ),
+    }
+}
+
 fn load(args: &ModelArgs) -> Result<DeepseekV3> {
     let opts = LoadOptions {
         fp8: match args.fp8 {
@@ -111,7 +119,7 @@ fn load(args: &ModelArgs) -> Result<DeepseekV3> {
         },
         load_mtp: false,
     };
-    let mut model = DeepseekV3::load(&args.model, opts)?;
+    let mut model = DeepseekV3::load(model_dir(args)?, opts)?;
     model.attention_path = match args.attention {
         AttnArg::Auto => AttentionPath::Auto,
         AttnArg::Naive => AttentionPath::Naive,
@@ -150,7 +158,7 @@ fn run() -> Result<()> {
             chunk,
             json,
         } => {
-            let ids = tokens(&input, &model.model)?;
+            let ids = tokens(&input, model_dir(&model)?)?;
             let m = load(&model)?;
             let lp = eval::next_token_logprobs(&m, &ids, chunk)?;
             let (nll, ppl) = eval::nll_ppl(&lp);
@@ -164,29 +172,9 @@ fn run() -> Result<()> {
                 );
             }
         }
-        Command::Generate {
-            model,
-            input,
-            max_tokens,
-            json,
-        } => {
-            let ids = tokens(&input, &model.model)?;
-            let m = load(&model)?;
-            let out = eval::greedy(&m, &ids, max_tokens)?;
-            let text = Tokenizer::from_dir(&model.model)
-                .ok()
-                .and_then(|t| t.decode(&out).ok());
-            if json {
-                println!(
-                    "{}",
-                    serde_json::json!({"prompt_ids": ids, "output_ids": out, "text": text})
-                );
-            } else if let Some(t) = text {
-                println!("{t}");
-            } else {
-                println!("{out:?}");
-            }
-        }
+        Command::Tokenize(args) => text::tokenize(&args)?,
+        Command::Generate(args) => text::generate(&args)?,
+        Command::Chat(args) => text::chat(&args)?,
         Command::Bench {
             model,
             prompt_len,
@@ -247,7 +235,7 @@ fn bench(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
     let params = cfg.parameter_counts();
     let bandwidth = read_bandwidth_gb_s();
     let v = serde_json::json!({
-        "model": args.model.display().to_string(),
+        "model": model_dir(args)?.display().to_string(),
         "fp8": match args.fp8 { Fp8Arg::Native => "native", Fp8Arg::F32 => "f32" },
         "threads": rayon::current_num_threads(),
         "params_total": params.total,

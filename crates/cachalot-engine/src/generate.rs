@@ -1,0 +1,291 @@
+//! One request, start to end: prefill the prompt, then sample one token per step until a stop
+//! token, a stop string, `max_new_tokens` or cancellation, streaming complete UTF-8 text as it
+//! comes. The step loop and scheduler that batch many requests will drive the same pieces
+//! ([`Sampler`], [`TextStream`]) per sequence.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
+use cachalot_model::eval::BLOCK_SIZE;
+use cachalot_model::tokenizer::{StreamDecoder, Tokenizer};
+use cachalot_model::DeepseekV3;
+
+use crate::sampler::{Sampler, SamplingParams};
+use crate::EngineError;
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StopConditions {
+    pub max_new_tokens: usize,
+    /// Tokens that end the answer (EOS and friends); they are kept in the ids, not in the text.
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end the answer; the text stops before them.
+    pub stop_strings: Vec<String>,
+}
+
+impl StopConditions {
+    /// The stop set of spec §7: `config.json`'s `eos_token_id` (one or a list), the
+    /// tokenizer's EOS, and `generation_config.json`'s `eos_token_id` where the directory has one.
+    pub fn model_eos(
+        model: &DeepseekV3,
+        tokenizer: Option<&Tokenizer>,
+        model_dir: &std::path::Path,
+    ) -> Vec<u32> {
+        let mut ids = model.config().eos_token_ids.clone();
+        if let Some(id) = tokenizer.and_then(|t| t.eos_token_id()) {
+            ids.push(id);
+        }
+        if let Ok(text) = std::fs::read_to_string(model_dir.join("generation_config.json")) {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+                match v.get("eos_token_id") {
+                    Some(serde_json::Value::Number(n)) => ids.extend(n.as_u64().map(|x| x as u32)),
+                    Some(serde_json::Value::Array(a)) => {
+                        ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum FinishReason {
+    /// A stop token (EOS or a requested stop id) was generated.
+    StopToken(u32),
+    /// A stop string appeared in the text.
+    StopString(String),
+    /// `max_new_tokens` reached.
+    Length,
+    /// The caller's cancel flag was raised.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// OpenAI's `finish_reason` word.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::StopToken(_) | FinishReason::StopString(_) => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Generated ids, the stop token included when one ended the answer.
+    pub tokens: Vec<u32>,
+    /// The streamed text, exactly the concatenation of what `on_text` received.
+    pub text: String,
+    pub finish: FinishReason,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+}
+
+/// Detokenizes a stream of tokens into complete UTF-8 text, holding back any tail that could
+/// still become a stop string, and cutting the text before a stop string when one appears.
+pub struct TextStream<'t> {
+    decoder: StreamDecoder<'t>,
+    stop_strings: Vec<String>,
+    held: String,
+}
+
+impl<'t> TextStream<'t> {
+    pub fn new(tokenizer: &'t Tokenizer, stop_strings: &[String]) -> Self {
+        TextStream {
+            decoder: tokenizer.stream_decoder(),
+            stop_strings: stop_strings
+                .iter()
+                .filter(|s| !s.is_empty())
+                .cloned()
+                .collect(),
+            held: String::new(),
+        }
+    }
+
+    /// Adds a token; returns the text that can be shown now and, if a stop string appeared,
+    /// which one (the text returned then ends right before it).
+    pub fn push(&mut self, id: u32) -> cachalot_model::Result<(String, Option<String>)> {
+        let piece = self.decoder.push(id)?;
+        Ok(self.release(&piece))
+    }
+
+    /// Everything still held back, at the end of the stream.
+    pub fn finish(&mut self) -> cachalot_model::Result<(String, Option<String>)> {
+        let piece = self.decoder.finish()?;
+        let (mut out, stop) = self.release(&piece);
+        if stop.is_none() {
+            out.push_str(&std::mem::take(&mut self.held));
+        }
+        Ok((out, stop))
+    }
+
+    fn release(&mut self, piece: &str) -> (String, Option<String>) {
+        self.held.push_str(piece);
+        if self.stop_strings.is_empty() {
+            return (std::mem::take(&mut self.held), None);
+        }
+        let first = self
+            .stop_strings
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|(at, _)| *at);
+        if let Some((at, s)) = first {
+            let s = s.clone();
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, Some(s));
+        }
+        // Keep the longest tail that is a prefix of some stop string.
+        let cut = self
+            .held
+            .char_indices()
+            .map(|(i, _)| i)
+            .find(|&i| {
+                let tail = &self.held[i..];
+                self.stop_strings.iter().any(|s| s.starts_with(tail))
+            })
+            .unwrap_or(self.held.len());
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        (out, None)
+    }
+}
+
+/// Generates a continuation of `prompt`. `on_text` receives each piece of complete text as it
+/// is decoded (nothing when `tokenizer` is `None`: then stop strings are not checked either).
+pub fn generate(
+    model: &DeepseekV3,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    params: SamplingParams,
+    stop: &StopConditions,
+    cancel: Option<&AtomicBool>,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<Generation, EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::Request("the prompt is empty".into()));
+    }
+    let vocab = model.config().vocab_size;
+    let mut sampler = Sampler::new(params, prompt)?;
+    let total = prompt.len() + stop.max_new_tokens;
+    let blocks = total.div_ceil(BLOCK_SIZE).max(1);
+    let mut cache = KvCache::new(model.cache_spec(), BLOCK_SIZE, blocks);
+    let mut alloc = BlockAllocator::new(blocks);
+    let mut table = Vec::new();
+    let mut stream = tokenizer.map(|t| TextStream::new(t, &stop.stop_strings));
+
+    let mut tokens = Vec::with_capacity(stop.max_new_tokens);
+    let mut text = String::new();
+    let mut emit = |s: &str, text: &mut String| {
+        if !s.is_empty() {
+            on_text(s);
+            text.push_str(s);
+        }
+    };
+    let mut step_tokens = prompt.to_vec();
+    let mut pos = 0;
+    let (mut prefill_s, mut decode_s) = (0.0, 0.0);
+    let mut finish = FinishReason::Length;
+    while tokens.len() < stop.max_new_tokens {
+        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            finish = FinishReason::Cancelled;
+            break;
+        }
+        let t0 = Instant::now();
+        alloc.ensure(&mut table, pos + step_tokens.len(), BLOCK_SIZE)?;
+        let mut batch = Batch::default();
+        batch.push_seq(&step_tokens, pos, table.clone(), LogitsWanted::Last);
+        let out = model.forward(&batch, &mut cache, false)?;
+        let logits = &out.logits[out.logits.len() - vocab..];
+        let next = sampler.sample(logits);
+        let dt = t0.elapsed().as_secs_f64();
+        if pos == 0 {
+            prefill_s = dt;
+        } else {
+            decode_s += dt;
+        }
+        sampler.accept(next);
+        pos += step_tokens.len();
+        tokens.push(next);
+        step_tokens = vec![next];
+        if stop.stop_token_ids.contains(&next) {
+            finish = FinishReason::StopToken(next);
+            break;
+        }
+        if let Some(s) = stream.as_mut() {
+            let (piece, hit) = s.push(next)?;
+            emit(&piece, &mut text);
+            if let Some(hit) = hit {
+                finish = FinishReason::StopString(hit);
+                break;
+            }
+        }
+    }
+    if !matches!(finish, FinishReason::StopString(_)) {
+        if let Some(s) = stream.as_mut() {
+            let (piece, _) = s.finish()?;
+            emit(&piece, &mut text);
+        }
+    }
+    Ok(Generation {
+        tokens,
+        text,
+        finish,
+        prefill_s,
+        decode_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn r1_style() -> Tokenizer {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/text/r1_style");
+        Tokenizer::from_dir(&dir).unwrap()
+    }
+
+    fn run(tok: &Tokenizer, text: &str, stops: &[&str]) -> (String, Option<String>, Vec<String>) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut s = TextStream::new(tok, &stops);
+        let mut out = String::new();
+        let mut pieces = Vec::new();
+        for id in tok.encode(text).unwrap() {
+            let (p, hit) = s.push(id).unwrap();
+            out.push_str(&p);
+            pieces.push(p);
+            if hit.is_some() {
+                return (out, hit, pieces);
+            }
+        }
+        let (p, hit) = s.finish().unwrap();
+        out.push_str(&p);
+        (out, hit, pieces)
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_before_them() {
+        let tok = r1_style();
+        let (out, hit, _) = run(&tok, "The whale dives. STOP here", &["STOP"]);
+        assert_eq!(out, "The whale dives. ");
+        assert_eq!(hit.as_deref(), Some("STOP"));
+        let (out, hit, _) = run(&tok, "no stop in this 🐋 text", &["STOP", "\n\n"]);
+        assert_eq!(out, "no stop in this 🐋 text");
+        assert_eq!(hit, None);
+    }
+
+    #[test]
+    fn a_possible_stop_prefix_is_held_back_then_released() {
+        let tok = r1_style();
+        let (out, hit, pieces) = run(&tok, "abc ST and more", &["STOP"]);
+        assert_eq!(out, "abc ST and more");
+        assert_eq!(hit, None);
+        assert!(pieces.iter().all(|p| !p.ends_with(" S")), "{pieces:?}");
+    }
+}

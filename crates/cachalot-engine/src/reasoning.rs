@@ -1,0 +1,138 @@
+//! Splits streamed text into reasoning (`<think>…</think>`, as R1 and Kimi-K2-Thinking write
+//! it) and answer, piece by piece, even when a marker arrives split over several pieces.
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Segment {
+    Reasoning(String),
+    Answer(String),
+}
+
+pub const THINK_OPEN: &str = "<think>";
+pub const THINK_CLOSE: &str = "</think>";
+
+pub struct ReasoningSplitter {
+    in_reasoning: bool,
+    held: String,
+}
+
+impl ReasoningSplitter {
+    /// `starts_in_reasoning`: the prompt already opened the block (R1's generation prompt ends
+    /// with `<think>\n`).
+    pub fn new(starts_in_reasoning: bool) -> Self {
+        ReasoningSplitter {
+            in_reasoning: starts_in_reasoning,
+            held: String::new(),
+        }
+    }
+
+    /// Whether a prompt leaves the model inside a reasoning block.
+    pub fn prompt_opens_reasoning(prompt: &str) -> bool {
+        match (prompt.rfind(THINK_OPEN), prompt.rfind(THINK_CLOSE)) {
+            (Some(o), Some(c)) => o > c,
+            (Some(_), None) => true,
+            _ => false,
+        }
+    }
+
+    pub fn in_reasoning(&self) -> bool {
+        self.in_reasoning
+    }
+
+    /// Adds text; returns the segments that are certain now (markers themselves are dropped).
+    pub fn push(&mut self, text: &str) -> Vec<Segment> {
+        self.held.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            let marker = if self.in_reasoning {
+                THINK_CLOSE
+            } else {
+                THINK_OPEN
+            };
+            if let Some(at) = self.held.find(marker) {
+                let before: String = self.held[..at].to_string();
+                self.emit(before, &mut out);
+                self.held.drain(..at + marker.len());
+                self.in_reasoning = !self.in_reasoning;
+                continue;
+            }
+            // Hold back a tail that may be the start of the marker.
+            let cut = self
+                .held
+                .char_indices()
+                .map(|(i, _)| i)
+                .find(|&i| marker.starts_with(&self.held[i..]))
+                .unwrap_or(self.held.len());
+            let ready: String = self.held.drain(..cut).collect();
+            self.emit(ready, &mut out);
+            return out;
+        }
+    }
+
+    /// The rest, at the end of the stream.
+    pub fn finish(&mut self) -> Vec<Segment> {
+        let mut out = Vec::new();
+        let rest = std::mem::take(&mut self.held);
+        self.emit(rest, &mut out);
+        out
+    }
+
+    fn emit(&self, text: String, out: &mut Vec<Segment>) {
+        if text.is_empty() {
+            return;
+        }
+        out.push(if self.in_reasoning {
+            Segment::Reasoning(text)
+        } else {
+            Segment::Answer(text)
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(start: bool, pieces: &[&str]) -> (String, String) {
+        let mut s = ReasoningSplitter::new(start);
+        let mut segs = Vec::new();
+        for p in pieces {
+            segs.extend(s.push(p));
+        }
+        segs.extend(s.finish());
+        let (mut r, mut a) = (String::new(), String::new());
+        for seg in segs {
+            match seg {
+                Segment::Reasoning(t) => r.push_str(&t),
+                Segment::Answer(t) => a.push_str(&t),
+            }
+        }
+        (r, a)
+    }
+
+    #[test]
+    fn markers_split_over_pieces_are_found() {
+        assert_eq!(
+            split(true, &["\nI think", " so.</th", "ink>\n\nYes", "."]),
+            ("\nI think so.".to_string(), "\n\nYes.".to_string())
+        );
+        assert_eq!(
+            split(false, &["<thi", "nk>r</think>a < b"]),
+            ("r".to_string(), "a < b".to_string())
+        );
+        assert_eq!(
+            split(false, &["plain <th"]),
+            (String::new(), "plain <th".to_string())
+        );
+    }
+
+    #[test]
+    fn prompt_state() {
+        assert!(ReasoningSplitter::prompt_opens_reasoning(
+            "<｜Assistant｜><think>\n"
+        ));
+        assert!(!ReasoningSplitter::prompt_opens_reasoning(
+            "<think>x</think>y"
+        ));
+        assert!(!ReasoningSplitter::prompt_opens_reasoning("hello"));
+    }
+}

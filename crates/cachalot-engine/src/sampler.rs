@@ -1,0 +1,460 @@
+//! Per-request sampling: penalties, temperature, top-k, top-p, min-p and a seeded RNG.
+//!
+//! Order of operations on one step's logits (Hugging Face `generate`'s processor order):
+//! 1. penalties on the raw logits —
+//!    - `repetition_penalty` r (CTRL; HF `RepetitionPenaltyLogitsProcessor`, vLLM): every token
+//!      seen in the prompt or the output so far has its logit divided by r if positive,
+//!      multiplied by r if not;
+//!    - `presence_penalty` p and `frequency_penalty` f (OpenAI, vLLM): a token generated c > 0
+//!      times so far has `p + c·f` subtracted (output tokens only, not the prompt);
+//! 2. temperature 0 means greedy: the arg-max of the penalised logits (lowest id on ties);
+//!    otherwise logits are divided by the temperature and soft-maxed;
+//! 3. top-k keeps the k most probable tokens (0 = off);
+//! 4. top-p keeps the smallest most-probable prefix whose mass reaches p (1 = off);
+//! 5. min-p keeps tokens whose probability is at least `min_p` × the top probability (0 = off);
+//! 6. one draw from the renormalised survivors with the request's own ChaCha8 RNG.
+//!
+//! Each request owns its [`Sampler`], so one batch can mix settings, and a seed makes a run
+//! reproducible (ChaCha8's stream is fixed by its seed across platforms and releases).
+
+use std::collections::HashMap;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SamplingError {
+    #[error("sampling parameter `{name}` = {value}: {why}")]
+    BadParam {
+        name: &'static str,
+        value: f64,
+        why: &'static str,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub min_p: f32,
+    /// 1 = off.
+    pub repetition_penalty: f32,
+    /// 0 = off.
+    pub presence_penalty: f32,
+    /// 0 = off.
+    pub frequency_penalty: f32,
+    /// None: seeded from the OS.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let bad = |name, value: f32, why| {
+            Err(SamplingError::BadParam {
+                name,
+                value: value as f64,
+                why,
+            })
+        };
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature", self.temperature, "must be >= 0 (0 = greedy)");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", self.min_p, "must be in [0, 1]");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad("repetition_penalty", self.repetition_penalty, "must be > 0");
+        }
+        if !self.presence_penalty.is_finite() {
+            return bad("presence_penalty", self.presence_penalty, "must be finite");
+        }
+        if !self.frequency_penalty.is_finite() {
+            return bad(
+                "frequency_penalty",
+                self.frequency_penalty,
+                "must be finite",
+            );
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    /// Tokens of the prompt (for the repetition penalty).
+    prompt_tokens: Vec<u32>,
+    /// How often each token has been generated.
+    output_counts: HashMap<u32, u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Result<Sampler, SamplingError> {
+        params.validate()?;
+        let rng = match params.seed {
+            Some(s) => ChaCha8Rng::seed_from_u64(s),
+            None => ChaCha8Rng::from_os_rng(),
+        };
+        let mut prompt_tokens = prompt.to_vec();
+        prompt_tokens.sort_unstable();
+        prompt_tokens.dedup();
+        Ok(Sampler {
+            params,
+            rng,
+            prompt_tokens,
+            output_counts: HashMap::new(),
+        })
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Records a generated token (for the penalties).
+    pub fn accept(&mut self, token: u32) {
+        *self.output_counts.entry(token).or_insert(0) += 1;
+    }
+
+    /// Step 1: the penalties, in place.
+    pub fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            let r = p.repetition_penalty;
+            let seen = self.prompt_tokens.iter().copied().chain(
+                self.output_counts
+                    .keys()
+                    .copied()
+                    .filter(|t| self.prompt_tokens.binary_search(t).is_err()),
+            );
+            for t in seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / r } else { *l * r };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &c) in &self.output_counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= p.presence_penalty + c as f32 * p.frequency_penalty;
+                }
+            }
+        }
+    }
+
+    /// Steps 2-5: the distribution a token is drawn from, as (token, probability) pairs in
+    /// decreasing probability, renormalised. Greedy gives one pair with probability 1.
+    pub fn candidates(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        let mut l = logits.to_vec();
+        self.apply_penalties(&mut l);
+        let p = &self.params;
+        if p.is_greedy() {
+            let best = argmax(&l);
+            return vec![(best as u32, 1.0)];
+        }
+        // Sort by logit, decreasing; ties to the lower id. NaN logits never survive.
+        let mut order: Vec<u32> = (0..l.len() as u32)
+            .filter(|&i| !l[i as usize].is_nan())
+            .collect();
+        let by_logit = |a: &u32, b: &u32| {
+            l[*b as usize]
+                .partial_cmp(&l[*a as usize])
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(a.cmp(b))
+        };
+        if p.top_k > 0 && p.top_k < order.len() {
+            order.select_nth_unstable_by(p.top_k - 1, by_logit);
+            order.truncate(p.top_k);
+        }
+        order.sort_unstable_by(by_logit);
+        if order.is_empty() {
+            return vec![(argmax(&l) as u32, 1.0)];
+        }
+        let max = l[order[0] as usize] / p.temperature;
+        let mut probs: Vec<f32> = order
+            .iter()
+            .map(|&i| (l[i as usize] / p.temperature - max).exp())
+            .collect();
+        let total: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= total);
+        let mut keep = probs.len();
+        if p.top_p < 1.0 {
+            let mut cum = 0.0f32;
+            for (i, &x) in probs.iter().enumerate() {
+                cum += x;
+                if cum >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let threshold = p.min_p * probs[0];
+            keep = keep.min(probs.iter().take_while(|&&x| x >= threshold).count().max(1));
+        }
+        order.truncate(keep);
+        probs.truncate(keep);
+        let total: f32 = probs.iter().sum();
+        order
+            .into_iter()
+            .zip(probs.into_iter().map(|x| x / total))
+            .collect()
+    }
+
+    /// Draws the next token from one step's logits (does not [`accept`](Self::accept) it).
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let cands = self.candidates(logits);
+        if cands.len() == 1 {
+            return cands[0].0;
+        }
+        let u: f32 = self.rng.random();
+        let mut cum = 0.0f32;
+        for &(t, pr) in &cands {
+            cum += pr;
+            if u < cum {
+                return t;
+            }
+        }
+        cands.last().expect("non-empty").0
+    }
+}
+
+/// Index of the largest value, lowest index on ties (NaN never wins).
+fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in x.iter().enumerate() {
+        if v > best_v {
+            best = i;
+            best_v = v;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fixed distribution over 10 tokens: logits ln(p) for p ∝ [30, 20, 15, 10, 8, 7, 5, 3, 1, 1].
+    fn logits() -> Vec<f32> {
+        [30.0f32, 20.0, 15.0, 10.0, 8.0, 7.0, 5.0, 3.0, 1.0, 1.0]
+            .iter()
+            .map(|x| (x / 100.0).ln())
+            .collect()
+    }
+
+    fn draw(params: SamplingParams, n: usize) -> Vec<usize> {
+        let mut s = Sampler::new(params, &[]).unwrap();
+        let l = logits();
+        let mut counts = vec![0; l.len()];
+        for _ in 0..n {
+            counts[s.sample(&l) as usize] += 1;
+        }
+        counts
+    }
+
+    fn seeded(seed: u64) -> SamplingParams {
+        SamplingParams {
+            seed: Some(seed),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_seed_reproduces_a_run_and_another_seed_differs() {
+        let run = |seed| {
+            let mut s = Sampler::new(seeded(seed), &[]).unwrap();
+            (0..200).map(|_| s.sample(&logits())).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn plain_sampling_follows_the_distribution() {
+        let n = 20_000;
+        let counts = draw(seeded(1), n);
+        // Token 0 has p = 0.30: 6000 expected, sd ≈ 65.
+        assert!((counts[0] as f64 - 6000.0).abs() < 400.0, "{counts:?}");
+        assert!(counts[9] > 0);
+    }
+
+    #[test]
+    fn top_k_never_leaves_its_set() {
+        let counts = draw(
+            SamplingParams {
+                top_k: 3,
+                ..seeded(2)
+            },
+            5000,
+        );
+        assert!(counts[3..].iter().all(|&c| c == 0), "{counts:?}");
+        assert!(counts[..3].iter().all(|&c| c > 0), "{counts:?}");
+    }
+
+    #[test]
+    fn top_p_never_leaves_its_set() {
+        // Cumulative: 0.30, 0.50, 0.65, 0.75 -> top_p 0.7 keeps 4 tokens.
+        let counts = draw(
+            SamplingParams {
+                top_p: 0.7,
+                ..seeded(3)
+            },
+            5000,
+        );
+        assert!(counts[4..].iter().all(|&c| c == 0), "{counts:?}");
+        assert!(counts[..4].iter().all(|&c| c > 0), "{counts:?}");
+    }
+
+    #[test]
+    fn min_p_never_leaves_its_set() {
+        // Threshold 0.3 × 0.30 = 0.09: keeps p >= 0.09, tokens 0..=3.
+        let counts = draw(
+            SamplingParams {
+                min_p: 0.3,
+                ..seeded(4)
+            },
+            5000,
+        );
+        assert!(counts[4..].iter().all(|&c| c == 0), "{counts:?}");
+        assert!(counts[..4].iter().all(|&c| c > 0), "{counts:?}");
+    }
+
+    #[test]
+    fn low_temperature_sharpens_and_zero_is_greedy() {
+        let counts = draw(
+            SamplingParams {
+                temperature: 0.1,
+                ..seeded(5)
+            },
+            2000,
+        );
+        assert!(counts[0] > 1900, "{counts:?}");
+        let counts = draw(SamplingParams::greedy(), 100);
+        assert_eq!(counts[0], 100);
+    }
+
+    #[test]
+    fn renormalised_candidates_sum_to_one() {
+        let s = Sampler::new(
+            SamplingParams {
+                top_k: 5,
+                top_p: 0.9,
+                ..seeded(0)
+            },
+            &[],
+        )
+        .unwrap();
+        let c = s.candidates(&logits());
+        // top-p sees the top-k survivors renormalised (mass 0.83): cumulative 0.36, 0.60,
+        // 0.78, 0.90 -> four tokens.
+        assert_eq!(c.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        assert!((c.iter().map(|x| x.1).sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                repetition_penalty: 2.0,
+                ..seeded(0)
+            },
+            &[0, 1],
+        )
+        .unwrap();
+        s.accept(2);
+        let mut l = vec![4.0, -4.0, 3.0, 5.0];
+        s.apply_penalties(&mut l);
+        assert_eq!(l, vec![2.0, -8.0, 1.5, 5.0]);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_subtract_per_output_token() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: 0.5,
+                frequency_penalty: 0.25,
+                ..seeded(0)
+            },
+            &[3],
+        )
+        .unwrap();
+        s.accept(1);
+        s.accept(1);
+        s.accept(2);
+        let mut l = vec![1.0; 4];
+        s.apply_penalties(&mut l);
+        // Token 1: 1 - (0.5 + 2·0.25); token 2: 1 - (0.5 + 0.25); the prompt token 3 untouched.
+        assert_eq!(l, vec![1.0, 0.0, 0.25, 1.0]);
+    }
+
+    #[test]
+    fn penalties_change_the_greedy_choice() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                frequency_penalty: 10.0,
+                ..SamplingParams::greedy()
+            },
+            &[],
+        )
+        .unwrap();
+        let l = logits();
+        assert_eq!(s.sample(&l), 0);
+        s.accept(0);
+        assert_eq!(s.sample(&l), 1);
+    }
+
+    #[test]
+    fn bad_params_are_named() {
+        let e = Sampler::new(
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            &[],
+        )
+        .err()
+        .unwrap();
+        assert!(e.to_string().contains("top_p"), "{e}");
+        assert!(SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+    }
+}

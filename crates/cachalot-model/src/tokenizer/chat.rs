@@ -1,0 +1,445 @@
+//! Chat templates: the Jinja `chat_template` of `tokenizer_config.json`, rendered with
+//! `minijinja` the way `transformers`' `apply_chat_template` renders it (trim_blocks and
+//! lstrip_blocks on, loop controls, Python string methods, `raise_exception`, a Python-style
+//! `tojson`, `strftime_now`, and the special tokens of the config as variables).
+
+use std::path::{Path, PathBuf};
+
+use minijinja::value::Kwargs;
+use minijinja::{Environment, Error, ErrorKind, Value};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+
+/// One chat turn. Richer turns (tool calls) can be passed to [`ChatTemplate::render_json`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: &str, content: impl Into<String>) -> Message {
+        Message {
+            role: role.to_string(),
+            content: content.into(),
+        }
+    }
+}
+
+pub struct ChatTemplate {
+    source: String,
+    /// Where the template came from, for error messages.
+    origin: PathBuf,
+    /// `bos_token`, `eos_token`, `pad_token`, `unk_token` as given in the config.
+    special_tokens: Vec<(&'static str, String)>,
+}
+
+const SPECIAL_TOKEN_FIELDS: [&str; 4] = ["bos_token", "eos_token", "pad_token", "unk_token"];
+
+impl ChatTemplate {
+    /// A template from its source text; `origin` names the file in errors.
+    pub fn new(source: impl Into<String>, origin: impl Into<PathBuf>) -> ChatTemplate {
+        ChatTemplate {
+            source: source.into(),
+            origin: origin.into(),
+            special_tokens: Vec::new(),
+        }
+    }
+
+    /// The `chat_template` field of a parsed `tokenizer_config.json` (`None` if it has none).
+    /// A list of named templates (`[{"name": "default", "template": ...}]`) picks `default`.
+    pub fn from_config_value(config: &serde_json::Value, path: &Path) -> Result<Option<Self>> {
+        let source = match config.get("chat_template") {
+            None | Some(serde_json::Value::Null) => return Ok(None),
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str())
+                .map(str::to_string)
+                .ok_or_else(|| ModelError::Config {
+                    path: path.to_path_buf(),
+                    field: "chat_template".into(),
+                    message: "a list of templates without one named `default`".into(),
+                })?,
+            Some(_) => {
+                return Err(ModelError::Config {
+                    path: path.to_path_buf(),
+                    field: "chat_template".into(),
+                    message: "expected a string".into(),
+                })
+            }
+        };
+        let mut t = ChatTemplate::new(source, path);
+        for field in SPECIAL_TOKEN_FIELDS {
+            if let Some(v) = config.get(field).and_then(super::token_content) {
+                t.special_tokens.push((field, v));
+            }
+        }
+        Ok(Some(t))
+    }
+
+    /// A template file: a `tokenizer_config.json` (its `chat_template`), or Jinja source.
+    pub fn from_file(path: &Path) -> Result<ChatTemplate> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if path.extension().is_some_and(|e| e == "json") {
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| ModelError::Json {
+                    path: path.to_path_buf(),
+                    message: e.to_string(),
+                })?;
+            return ChatTemplate::from_config_value(&v, path)?.ok_or_else(|| ModelError::Config {
+                path: path.to_path_buf(),
+                field: "chat_template".into(),
+                message: "missing".into(),
+            });
+        }
+        Ok(ChatTemplate::new(text, path))
+    }
+
+    /// Sets (or replaces) a special-token variable such as `bos_token`.
+    pub fn set_special_token(&mut self, field: &'static str, value: impl Into<String>) {
+        self.special_tokens.retain(|(f, _)| *f != field);
+        self.special_tokens.push((field, value.into()));
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders a conversation of plain messages.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let messages = serde_json::to_value(messages).expect("messages serialise");
+        self.render_json(
+            &messages,
+            add_generation_prompt,
+            None,
+            &serde_json::Map::new(),
+        )
+    }
+
+    /// Renders a conversation given as JSON (OpenAI-style messages, with tool calls if any),
+    /// with optional `tools` and extra template variables (such as `enable_thinking`).
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let env = environment();
+        let fail = |e: Error| {
+            let line = e
+                .line()
+                .map(|l| format!(" (template line {l})"))
+                .unwrap_or_default();
+            let mut msg = format!(
+                "chat template of {}{line}: {}",
+                self.origin.display(),
+                e.detail().unwrap_or(&e.kind().to_string())
+            );
+            if e.kind() == ErrorKind::SyntaxError {
+                msg.push_str("; the template is not valid Jinja for minijinja");
+            }
+            ModelError::Tokenizer(msg)
+        };
+        let template = env.template_from_str(&self.source).map_err(fail)?;
+        let mut ctx = serde_json::Map::new();
+        for (k, v) in extra {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert("messages".into(), messages.clone());
+        ctx.insert(
+            "add_generation_prompt".into(),
+            serde_json::Value::Bool(add_generation_prompt),
+        );
+        if let Some(t) = tools {
+            ctx.insert("tools".into(), t.clone());
+        }
+        for (field, value) in &self.special_tokens {
+            ctx.insert(field.to_string(), serde_json::Value::String(value.clone()));
+        }
+        template
+            .render(Value::from(minijinja::value::Serde(&ctx)))
+            .map_err(fail)
+    }
+}
+
+/// The environment `transformers` renders chat templates in (`_compile_jinja_template`).
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .expect("default delimiters are valid"),
+    );
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<Value, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, msg))
+        },
+    );
+    env.add_function("strftime_now", |fmt: String| -> String {
+        strftime_utc(&fmt, now_unix())
+    });
+    env.add_filter("tojson", tojson);
+    env
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent,
+/// separators=separators, sort_keys=sort_keys)`, keys in insertion order.
+fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let (item_sep, key_sep) = match separators.as_deref() {
+        Some([a, b]) => (a.clone(), b.clone()),
+        Some(_) => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be a pair",
+            ))
+        }
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+    };
+    let json = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    let style = PyJson {
+        indent,
+        item_sep: &item_sep,
+        key_sep: &key_sep,
+        sort_keys: sort_keys.unwrap_or(false),
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+    };
+    style.write(&json, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+/// Python's `json.dumps` layout.
+struct PyJson<'a> {
+    indent: Option<usize>,
+    item_sep: &'a str,
+    key_sep: &'a str,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl PyJson<'_> {
+    fn newline(&self, depth: usize, out: &mut String) {
+        if let Some(n) = self.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        let quoted = serde_json::to_string(s).expect("strings serialise");
+        if self.ensure_ascii {
+            for c in quoted.chars() {
+                if c.is_ascii() {
+                    out.push(c);
+                } else {
+                    let mut buf = [0u16; 2];
+                    for unit in c.encode_utf16(&mut buf) {
+                        out.push_str(&format!("\\u{unit:04x}"));
+                    }
+                }
+            }
+        } else {
+            out.push_str(&quoted);
+        }
+    }
+
+    fn write(&self, v: &serde_json::Value, depth: usize, out: &mut String) {
+        use serde_json::Value as J;
+        // With an indent, Python puts the newline right after the item separator, so the
+        // separator's trailing space is dropped (json.dumps strips it: ',' not ', ').
+        let item_sep = if self.indent.is_some() {
+            self.item_sep.trim_end()
+        } else {
+            self.item_sep
+        };
+        match v {
+            J::Null => out.push_str("null"),
+            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            J::Number(n) => out.push_str(&n.to_string()),
+            J::String(s) => self.string(s, out),
+            J::Array(items) => {
+                if items.is_empty() {
+                    out.push_str("[]");
+                    return;
+                }
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(item_sep);
+                    }
+                    self.newline(depth + 1, out);
+                    self.write(item, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push(']');
+            }
+            J::Object(map) => {
+                if map.is_empty() {
+                    out.push_str("{}");
+                    return;
+                }
+                let mut entries: Vec<(&String, &J)> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, item)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(item_sep);
+                    }
+                    self.newline(depth + 1, out);
+                    self.string(k, out);
+                    out.push_str(self.key_sep);
+                    self.write(item, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push('}');
+            }
+        }
+    }
+}
+
+fn now_unix() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// `time.strftime` for the directives chat templates use (`%Y %m %d %H %M %S %b %B %a %A %y %j
+/// %%`), in UTC; other directives are kept as written.
+fn strftime_utc(fmt: &str, unix: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
+    let days = unix.div_euclid(86_400);
+    let secs = unix.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    const CUM: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = CUM[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let weekday = DAYS[days.rem_euclid(7) as usize];
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('H') => out.push_str(&format!("{:02}", secs / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", secs / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", secs % 60)),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_known_dates() {
+        assert_eq!(strftime_utc("%Y-%m-%d %H:%M:%S", 0), "1970-01-01 00:00:00");
+        // 2024-02-29 12:34:56 UTC, a Thursday, day 60.
+        assert_eq!(
+            strftime_utc("%d %b %Y %A %j %%", 1_709_210_096),
+            "29 Feb 2024 Thursday 060 %"
+        );
+    }
+
+    #[test]
+    fn a_failing_template_names_its_file() {
+        let t = ChatTemplate::new(
+            "{{ raise_exception('roles must alternate') }}",
+            "/models/x/tokenizer_config.json",
+        );
+        let e = t.render(&[Message::new("user", "hi")], true).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("/models/x/tokenizer_config.json"), "{s}");
+        assert!(s.contains("roles must alternate"), "{s}");
+        let bad = ChatTemplate::new("{% for x in %}", "t.jinja");
+        let s = bad.render(&[], false).unwrap_err().to_string();
+        assert!(s.contains("t.jinja") && s.contains("line 1"), "{s}");
+    }
+
+    #[test]
+    fn tojson_matches_python_layouts() {
+        let t = ChatTemplate::new(
+            "{{ x | tojson }}|{{ x | tojson(separators=(',', ':')) }}|{{ x | tojson(indent=2) }}",
+            "t",
+        );
+        let mut extra = serde_json::Map::new();
+        extra.insert("x".into(), serde_json::json!({"b": [1, "é<"], "a": {}}));
+        let s = t
+            .render_json(&serde_json::json!([]), false, None, &extra)
+            .unwrap();
+        assert_eq!(
+            s,
+            "{\"b\": [1, \"é<\"], \"a\": {}}|{\"b\":[1,\"é<\"],\"a\":{}}|{\n  \"b\": [\n    1,\n    \"é<\"\n  ],\n  \"a\": {}\n}"
+        );
+    }
+}

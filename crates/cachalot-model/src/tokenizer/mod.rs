@@ -1,0 +1,188 @@
+//! Tokenizers of model directories (spec `deepseek-v3-r1-kimi-k2.md` §7). The directory decides
+//! which: `tokenizer.json` (Hugging Face byte-level BPE, DeepSeek-V3/R1) through the `tokenizers`
+//! crate, else `tiktoken.model` (Kimi-K2) through [`tiktoken::TiktokenBpe`]. `tokenizer_config.json`,
+//! where present, gives the BOS/EOS names, Kimi's special-token names and the chat template.
+
+pub mod chat;
+mod stream;
+pub mod tiktoken;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use crate::error::{ModelError, Result};
+
+pub use chat::{ChatTemplate, Message};
+pub use stream::StreamDecoder;
+pub use tiktoken::TiktokenBpe;
+
+enum Backend {
+    HuggingFace(Box<tokenizers::Tokenizer>),
+    Tiktoken(Box<TiktokenBpe>),
+}
+
+pub struct Tokenizer {
+    backend: Backend,
+    dir: PathBuf,
+    /// `tokenizer_config.json`, or an empty object when the file is absent.
+    config: serde_json::Value,
+}
+
+/// Which file a tokenizer was read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenizerKind {
+    /// `tokenizer.json` (Hugging Face `tokenizers`).
+    HuggingFace,
+    /// `tiktoken.model` (Kimi-K2).
+    Tiktoken,
+}
+
+/// A special-token entry of `tokenizer_config.json`: a string, or `{"content": ...}`
+/// (transformers' serialised `AddedToken`).
+fn token_content(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+impl Tokenizer {
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
+        let config_path = dir.join("tokenizer_config.json");
+        let config = if config_path.exists() {
+            let text = std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io {
+                path: config_path.clone(),
+                source,
+            })?;
+            serde_json::from_str(&text).map_err(|e| ModelError::Json {
+                path: config_path.clone(),
+                message: e.to_string(),
+            })?
+        } else {
+            serde_json::json!({})
+        };
+        let hf = dir.join("tokenizer.json");
+        let tt = dir.join("tiktoken.model");
+        let backend = if hf.exists() {
+            let inner = tokenizers::Tokenizer::from_file(&hf)
+                .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", hf.display())))?;
+            Backend::HuggingFace(Box::new(inner))
+        } else if tt.exists() {
+            let mut added = HashMap::new();
+            if let Some(map) = config
+                .get("added_tokens_decoder")
+                .and_then(|v| v.as_object())
+            {
+                for (id, entry) in map {
+                    let id: u32 = id.parse().map_err(|_| ModelError::Config {
+                        path: config_path.clone(),
+                        field: format!("added_tokens_decoder.{id}"),
+                        message: "the key is not a token id".into(),
+                    })?;
+                    let name = token_content(entry).ok_or_else(|| ModelError::Config {
+                        path: config_path.clone(),
+                        field: format!("added_tokens_decoder.{id}"),
+                        message: "no `content` string".into(),
+                    })?;
+                    added.insert(id, name);
+                }
+            }
+            Backend::Tiktoken(Box::new(TiktokenBpe::load(&tt, &added)?))
+        } else {
+            return Err(ModelError::Tokenizer(format!(
+                "{}: neither tokenizer.json nor tiktoken.model is there; text input needs the \
+                 model's tokenizer (or pass token ids)",
+                dir.display()
+            )));
+        };
+        Ok(Tokenizer {
+            backend,
+            dir: dir.to_path_buf(),
+            config,
+        })
+    }
+
+    pub fn kind(&self) -> TokenizerKind {
+        match self.backend {
+            Backend::HuggingFace(_) => TokenizerKind::HuggingFace,
+            Backend::Tiktoken(_) => TokenizerKind::Tiktoken,
+        }
+    }
+
+    /// Token ids of `text`, without added BOS/EOS; special-token strings in the text become
+    /// their single ids (as HF `tokenizers` does for added tokens, and tiktoken with
+    /// `allowed_special="all"`).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match &self.backend {
+            Backend::HuggingFace(t) => {
+                let enc = t
+                    .encode(text, false)
+                    .map_err(|e| ModelError::Tokenizer(format!("encoding failed: {e}")))?;
+                Ok(enc.get_ids().to_vec())
+            }
+            Backend::Tiktoken(t) => Ok(t.encode(text)),
+        }
+    }
+
+    /// Text of `ids`, special tokens included as their names. Bytes that do not form complete
+    /// UTF-8 become U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        match &self.backend {
+            Backend::HuggingFace(t) => t
+                .decode(ids, false)
+                .map_err(|e| ModelError::Tokenizer(format!("decoding failed: {e}"))),
+            Backend::Tiktoken(t) => Ok(String::from_utf8_lossy(&t.decode_bytes(ids)?).into_owned()),
+        }
+    }
+
+    /// An incremental decoder that only hands out complete UTF-8 text.
+    pub fn stream_decoder(&self) -> StreamDecoder<'_> {
+        StreamDecoder::new(self)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        match &self.backend {
+            Backend::HuggingFace(t) => t.token_to_id(token),
+            Backend::Tiktoken(t) => t.token_to_id(token),
+        }
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        match &self.backend {
+            Backend::HuggingFace(t) => t.id_to_token(id),
+            Backend::Tiktoken(t) => t.id_to_token(id),
+        }
+    }
+
+    /// Vocabulary size including added and reserved special tokens.
+    pub fn vocab_size(&self) -> usize {
+        match &self.backend {
+            Backend::HuggingFace(t) => t.get_vocab_size(true),
+            Backend::Tiktoken(t) => t.vocab_size(),
+        }
+    }
+
+    /// A special token named in `tokenizer_config.json` (`bos_token`, `eos_token`, ...).
+    pub fn config_token(&self, field: &str) -> Option<String> {
+        self.config.get(field).and_then(token_content)
+    }
+
+    pub fn bos_token(&self) -> Option<String> {
+        self.config_token("bos_token")
+    }
+
+    pub fn eos_token(&self) -> Option<String> {
+        self.config_token("eos_token")
+    }
+
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.eos_token().and_then(|t| self.token_to_id(&t))
+    }
+
+    /// The chat template of `tokenizer_config.json`, if it has one.
+    pub fn chat_template(&self) -> Result<Option<ChatTemplate>> {
+        let path = self.dir.join("tokenizer_config.json");
+        ChatTemplate::from_config_value(&self.config, &path)
+    }
+}

@@ -1,0 +1,185 @@
+//! Tokenizers and chat templates against references computed by Hugging Face `tokenizers`,
+//! `tiktoken` and `transformers`' `apply_chat_template` (fixtures/text, built by
+//! tools/text/make_text_fixtures.py).
+
+use std::path::PathBuf;
+
+use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer, TokenizerKind};
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn text_fixture(name: &str) -> PathBuf {
+    root().join("fixtures/text").join(name)
+}
+
+fn cases() -> Value {
+    let s = std::fs::read_to_string(text_fixture("tokenizer_cases.json")).unwrap();
+    serde_json::from_str(&s).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn check_tokenizer(tok: &Tokenizer, ids_field: &str, decoded_field: &str) {
+    let all = cases();
+    let cases = all["cases"].as_array().unwrap();
+    assert!(cases.len() >= 200, "{} cases", cases.len());
+    let mut failures = Vec::new();
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let want = ids(&case[ids_field]);
+        let got = tok.encode(text).unwrap();
+        if got != want {
+            failures.push(format!("{text:?}: got {got:?}, want {want:?}"));
+            continue;
+        }
+        let decoded = tok.decode(&got).unwrap();
+        assert_eq!(
+            decoded,
+            case[decoded_field].as_str().unwrap(),
+            "decode of {text:?}"
+        );
+        // Streaming: the pieces add up to the full decode, and none holds half a character.
+        let mut stream = tok.stream_decoder();
+        let mut streamed = String::new();
+        for &id in &got {
+            let piece = stream.push(id).unwrap();
+            assert!(
+                !piece.contains('\u{fffd}') || decoded.contains('\u{fffd}'),
+                "{text:?}: streamed piece {piece:?} holds a broken character"
+            );
+            streamed.push_str(&piece);
+        }
+        streamed.push_str(&stream.finish().unwrap());
+        assert_eq!(streamed, decoded, "streamed decode of {text:?}");
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} differ:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn tokenizer_json_matches_hf_tokenizers() {
+    let tok = Tokenizer::from_dir(&text_fixture("r1_style")).unwrap();
+    assert_eq!(tok.kind(), TokenizerKind::HuggingFace);
+    check_tokenizer(&tok, "hf_ids", "hf_decoded");
+}
+
+#[test]
+fn tiktoken_model_matches_tiktoken() {
+    let tok = Tokenizer::from_dir(&text_fixture("kimi_style")).unwrap();
+    assert_eq!(tok.kind(), TokenizerKind::Tiktoken);
+    check_tokenizer(&tok, "tiktoken_ids", "tiktoken_decoded");
+}
+
+#[test]
+fn kimi_specials_follow_added_tokens_decoder() {
+    let tok = Tokenizer::from_dir(&text_fixture("kimi_style")).unwrap();
+    let n = cases()["kimi_num_base_tokens"].as_u64().unwrap() as u32;
+    assert_eq!(tok.vocab_size(), n as usize + 256);
+    assert_eq!(tok.token_to_id("[BOS]"), Some(n));
+    assert_eq!(tok.token_to_id("<|im_end|>"), Some(n + 2));
+    assert_eq!(tok.token_to_id("<|im_middle|>"), Some(n + 17));
+    assert_eq!(tok.token_to_id("[PAD]"), Some(n + 255));
+    // An id without a name in the config is `<|reserved_token_{id}|>`.
+    let name = format!("<|reserved_token_{}|>", n + 5);
+    assert_eq!(tok.token_to_id(&name), Some(n + 5));
+    assert_eq!(tok.id_to_token(n + 5).as_deref(), Some(name.as_str()));
+    assert_eq!(tok.eos_token_id(), Some(n + 1));
+    assert!(tok.decode(&[n + 256]).is_err());
+}
+
+#[test]
+fn r1_style_specials() {
+    let tok = Tokenizer::from_dir(&text_fixture("r1_style")).unwrap();
+    assert_eq!(tok.token_to_id("<｜begin▁of▁sentence｜>"), Some(0));
+    assert_eq!(tok.eos_token_id(), Some(1));
+    assert!(tok.token_to_id("<think>").is_some());
+}
+
+#[test]
+fn chat_templates_match_transformers() {
+    let s = std::fs::read_to_string(text_fixture("chat_cases.json")).unwrap();
+    let cases: Vec<Value> = serde_json::from_str(&s).unwrap();
+    assert!(cases.len() >= 20);
+    let r1 = Tokenizer::from_dir(&text_fixture("r1_style")).unwrap();
+    let kimi = Tokenizer::from_dir(&text_fixture("kimi_style")).unwrap();
+    let r1_t = r1
+        .chat_template()
+        .unwrap()
+        .expect("r1_style has a template");
+    let kimi_t = kimi
+        .chat_template()
+        .unwrap()
+        .expect("kimi_style has a template");
+    for case in &cases {
+        let t = match case["template"].as_str().unwrap() {
+            "r1_style" => &r1_t,
+            "kimi_style" => &kimi_t,
+            other => panic!("unknown template {other}"),
+        };
+        let tools = case.get("tools").filter(|t| !t.is_null());
+        let got = t
+            .render_json(
+                &case["messages"],
+                case["add_generation_prompt"].as_bool().unwrap(),
+                tools,
+                &serde_json::Map::new(),
+            )
+            .unwrap();
+        assert_eq!(got, case["expected"].as_str().unwrap(), "case {case}");
+    }
+}
+
+#[test]
+fn plain_messages_render_like_json_ones() {
+    let tok = Tokenizer::from_dir(&text_fixture("r1_style")).unwrap();
+    let t = tok.chat_template().unwrap().unwrap();
+    let got = t
+        .render(
+            &[
+                Message::new("system", "S"),
+                Message::new("user", "Q"),
+                Message::new("assistant", "<think>r</think>A"),
+                Message::new("user", "Q2"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert_eq!(
+        got,
+        "<｜begin▁of▁sentence｜>S<｜User｜>Q<｜Assistant｜>A<｜end▁of▁sentence｜><｜User｜>Q2<｜Assistant｜><think>\n"
+    );
+}
+
+#[test]
+fn chat_template_from_file_reads_a_config() {
+    let t = ChatTemplate::from_file(&text_fixture("r1_style/tokenizer_config.json")).unwrap();
+    let got = t.render(&[Message::new("user", "hi")], true).unwrap();
+    assert_eq!(
+        got,
+        "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>\n"
+    );
+}
+
+#[test]
+fn a_directory_without_a_tokenizer_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Tokenizer::from_dir(dir.path()).err().unwrap().to_string();
+    assert!(
+        e.contains("tokenizer.json") && e.contains("tiktoken.model"),
+        "{e}"
+    );
+}

@@ -1,0 +1,289 @@
+//! End-to-end tests of the text commands on the tiny R1-shaped fixture model.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+use cachalot_model::tokenizer::Tokenizer;
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn r1_tiny() -> String {
+    root().join("fixtures/v3/r1_tiny").display().to_string()
+}
+
+fn r1_template() -> String {
+    root()
+        .join("fixtures/text/r1_style/tokenizer_config.json")
+        .display()
+        .to_string()
+}
+
+fn cachalot(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        let mut input = child.stdin.take().unwrap();
+        if let Some(s) = stdin {
+            input.write_all(s.as_bytes()).unwrap();
+        }
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn json(s: &str) -> Value {
+    serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("{e}: {s}"))
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn tokenize_encodes_and_decodes() {
+    let text = "The sperm whale 🐋 dives, 123 metres.";
+    let out = ok(cachalot(
+        &["tokenize", "--model", &r1_tiny(), "--text", text, "--json"],
+        None,
+    ));
+    let got = ids(&json(&out)["ids"]);
+    let tok = Tokenizer::from_dir(&root().join("fixtures/v3/r1_tiny")).unwrap();
+    assert_eq!(got, tok.encode(text).unwrap());
+    let list: Vec<String> = got.iter().map(u32::to_string).collect();
+    let plain = ok(cachalot(
+        &["tokenize", "--model", &r1_tiny(), "--text", text],
+        None,
+    ));
+    assert_eq!(plain.trim_end(), list.join(","));
+    let back = ok(cachalot(
+        &[
+            "tokenize",
+            "--model",
+            &r1_tiny(),
+            "--decode",
+            &list.join(","),
+        ],
+        None,
+    ));
+    assert_eq!(back, format!("{text}\n"));
+}
+
+#[test]
+fn tokenize_reads_a_tiktoken_model() {
+    let dir = root()
+        .join("fixtures/text/kimi_style")
+        .display()
+        .to_string();
+    let out = ok(cachalot(
+        &[
+            "tokenize",
+            "--model",
+            &dir,
+            "--text",
+            "<|im_user|>hi",
+            "--json",
+        ],
+        None,
+    ));
+    let got = ids(&json(&out)["ids"]);
+    let tok = Tokenizer::from_dir(&root().join("fixtures/text/kimi_style")).unwrap();
+    assert_eq!(got[0], tok.token_to_id("<|im_user|>").unwrap());
+    assert_eq!(got, tok.encode("<|im_user|>hi").unwrap());
+}
+
+#[test]
+fn generate_streams_the_same_text_as_the_json_decode() {
+    let base = [
+        "generate",
+        "--model",
+        &r1_tiny(),
+        "--prompt",
+        "The sperm whale",
+        "--max-new-tokens",
+        "24",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "11",
+    ];
+    let streamed = ok(cachalot(&base, None));
+    let mut with_json = base.to_vec();
+    with_json.push("--json");
+    let j = json(&ok(cachalot(&with_json, None)));
+    let text = j["text"].as_str().unwrap();
+    assert_eq!(streamed, format!("{text}\n"));
+    // The text is the decode of the generated ids (less a final stop token).
+    let tok = Tokenizer::from_dir(&root().join("fixtures/v3/r1_tiny")).unwrap();
+    let mut out = ids(&j["output_ids"]);
+    if j["finish_reason"] == "stop" {
+        out.pop();
+    }
+    assert_eq!(tok.decode(&out).unwrap(), text);
+    // Same seed, same output; the tokens/s line goes to stderr.
+    let again = cachalot(&base, None);
+    assert!(String::from_utf8_lossy(&again.stderr).contains("tokens/s"));
+    assert_eq!(ok(again), streamed);
+}
+
+#[test]
+fn greedy_generate_matches_the_library_and_max_tokens_still_works() {
+    let out = json(&ok(cachalot(
+        &[
+            "generate",
+            "--model",
+            &r1_tiny(),
+            "--token-ids",
+            "5,6,7,8",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+        ],
+        None,
+    )));
+    let m = cachalot_model::DeepseekV3::load(
+        &root().join("fixtures/v3/r1_tiny"),
+        cachalot_model::LoadOptions::default(),
+    )
+    .unwrap();
+    let want = cachalot_model::eval::greedy(&m, &[5, 6, 7, 8], 6).unwrap();
+    assert_eq!(ids(&out["output_ids"]), want);
+}
+
+#[test]
+fn chat_keeps_history_and_obeys_commands_on_stdin() {
+    let out = ok(cachalot(
+        &[
+            "chat",
+            "--model",
+            &r1_tiny(),
+            "--chat-template",
+            &r1_template(),
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ],
+        Some("hello\n/system Be brief.\nsecond question\n/reset\nthird\n/exit\nnever read\n"),
+    ));
+    let turns: Vec<Value> = out.lines().map(json).collect();
+    assert_eq!(turns.len(), 3, "{out}");
+    let p: Vec<&str> = turns
+        .iter()
+        .map(|t| t["prompt"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        p[0],
+        "<｜begin▁of▁sentence｜><｜User｜>hello<｜Assistant｜><think>\n"
+    );
+    let first_answer = turns[0]["text"].as_str().unwrap();
+    assert!(p[1].starts_with("<｜begin▁of▁sentence｜>Be brief.<｜User｜>hello<｜Assistant｜>"));
+    assert!(p[1].contains(first_answer));
+    assert!(p[1].ends_with("<｜User｜>second question<｜Assistant｜><think>\n"));
+    assert_eq!(
+        p[2],
+        "<｜begin▁of▁sentence｜>Be brief.<｜User｜>third<｜Assistant｜><think>\n"
+    );
+    // Plain text mode prints one answer per line.
+    let text = ok(cachalot(
+        &[
+            "chat",
+            "--model",
+            &r1_tiny(),
+            "--chat-template",
+            &r1_template(),
+            "--max-new-tokens",
+            "4",
+        ],
+        Some("a\nb\n"),
+    ));
+    assert!(text.ends_with('\n'));
+}
+
+#[test]
+fn generate_chat_renders_the_template() {
+    let out = json(&ok(cachalot(
+        &[
+            "generate",
+            "--model",
+            &r1_tiny(),
+            "--chat",
+            "--system",
+            "Sys",
+            "--prompt",
+            "Hi",
+            "--chat-template",
+            &r1_template(),
+            "--max-new-tokens",
+            "3",
+            "--json",
+        ],
+        None,
+    )));
+    let tok = Tokenizer::from_dir(&root().join("fixtures/v3/r1_tiny")).unwrap();
+    let want = tok
+        .encode("<｜begin▁of▁sentence｜>Sys<｜User｜>Hi<｜Assistant｜><think>\n")
+        .unwrap();
+    assert_eq!(ids(&out["prompt_ids"]), want);
+}
+
+#[test]
+fn without_a_model_the_commands_say_the_small_model_is_not_there_yet() {
+    for cmd in [
+        vec!["generate", "--prompt", "hi"],
+        vec!["chat"],
+        vec!["perplexity", "--prompt", "hi there"],
+    ] {
+        let out = cachalot(&cmd, Some(""));
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("assets/") && err.contains("issue 4"),
+            "{cmd:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_missing_chat_template_is_named() {
+    let out = cachalot(
+        &[
+            "generate",
+            "--model",
+            &r1_tiny(),
+            "--chat",
+            "--prompt",
+            "hi",
+        ],
+        None,
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("chat_template") && err.contains("--chat-template"),
+        "{err}"
+    );
+}
