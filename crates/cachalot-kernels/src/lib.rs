@@ -1,7 +1,16 @@
 //! cachalot's numeric library: number formats, weight matrices in their stored formats and
 //! their products with f32 activations, and the vector kernels of the DeepSeek-V3/R1 forward
 //! pass (spec `shared/specs/deepseek-v3-r1-kimi-k2.md`: §2.2 FP8 e4m3fn and 128×128 block
-//! scales, §3 forward math, §4 quantized execution, §5.2 the int8 per-row layout).
+//! scales, §2.3 Kimi-K2-Thinking's int4 groups, §3 forward math, §4 quantized execution, §5.2
+//! the int8 per-row layout).
+//!
+//! - [`Bytes`]: weight storage, owned or a window into an mmap'd shard (unaligned, LE).
+//! - [`fp8`], [`bf16_to_f32`] / [`f32_to_bf16`], [`f16_to_f32`] / [`f32_to_f16`]: scalar formats.
+//! - [`Matrix`] over [`MatrixData`]: `matmul`, `matmul_rows`, `matmul_t_rows` (MLA
+//!   absorption), `row_to_f32` (embeddings), `to_f32_vec` / `to_f32_matrix`.
+//! - Vector kernels: [`dot`], [`axpy`], [`scale_in_place`], [`rms_norm`], [`rms_norm_rows`],
+//!   [`silu_mul`], [`softmax_in_place`], [`log_softmax_at`], [`argmax`],
+//!   [`rope_deinterleave_in_place`].
 //!
 //! It knows nothing of models or requests. Every SIMD kernel has a scalar twin; the level is
 //! detected once per process ([`simd_level`], overridable with `CACHALOT_SIMD=scalar`).

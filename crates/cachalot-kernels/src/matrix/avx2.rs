@@ -280,15 +280,17 @@ unsafe fn tile<W: Weights16, const R: usize, const NT: usize>(
         let mut a0 = [[zero; NT]; R];
         let mut a1 = [[zero; NT]; R];
         let mut c = c0;
+        let mut wo = bytes_of::<W>(c0);
         while c + 16 <= c1 {
             for i in 0..R {
-                let (w0, w1) = W::load16(wp[i].add(bytes_of::<W>(c)));
+                let (w0, w1) = W::load16(wp[i].add(wo));
                 for t in 0..NT {
                     a0[i][t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[t].add(c)), a0[i][t]);
                     a1[i][t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs[t].add(c + 8)), a1[i][t]);
                 }
             }
             c += 16;
+            wo += W::BYTES16;
         }
         if c < c1 {
             // Ragged segment end: zero-padded copies through the same operations.

@@ -14,8 +14,8 @@
 //!
 //! Products keep the weights in their stored format and convert on the fly, so a decode step
 //! streams each weight byte once per group of up to 4 tokens. Accumulation is f32. For one
-//! output row the columns are cut into segments (the FP8 column blocks; the whole row
-//! otherwise); a segment's dot product is summed in registers, multiplied by its scale and added
+//! output row the columns are cut into segments (the FP8 column blocks, the int4 groups; the
+//! whole row otherwise); a segment's dot product is summed in registers, multiplied by its scale and added
 //! to the row total.
 //!
 //! Determinism: every output element is computed by the same sequence of operations whatever
@@ -58,14 +58,14 @@ pub enum MatrixData {
         block_cols: usize,
     },
     /// int8 with one f32 scale per output row (the W8A8 converter's layout: weight int8
-    /// [out,in], weight_scale f32 [out,1]).
+    /// `[out,in]`, weight_scale f32 `[out,1]`).
     Int8Row { data: Bytes, scale: Vec<f32> },
     /// Signed 4-bit integers with one f32 scale per `group_size` consecutive columns of a row
     /// (Kimi-K2-Thinking's compressed-tensors `pack-quantized`, §2.3): column c of a row is the
     /// low (c even) or high (c odd) nibble of the row's byte c/2 — the little-endian bytes of
     /// the checkpoint's int32 `weight_packed` words, low nibble first — and a stored nibble n
-    /// means q = n − 8. W[r,c] = q · scale[r·ceil(cols/group_size) + c/group_size]. The
-    /// checkpoint's bf16 `weight_scale` [out, in/group] converts to f32 exactly. `cols` and
+    /// means q = n − 8. `W[r,c] = q · scale[r·ceil(cols/group_size) + c/group_size]`. The
+    /// checkpoint's bf16 `weight_scale` `[out, in/group]` converts to f32 exactly. `cols` and
     /// `group_size` must be even.
     Int4Group {
         data: Bytes,
@@ -361,17 +361,17 @@ impl Matrix {
             "matmul_rows: row range {rows:?} is outside 0..{}",
             self.rows
         );
-        assert_eq!(
-            x.len(),
-            n_tokens * self.cols,
-            "matmul: x must hold n_tokens ({n_tokens}) x cols ({}) values",
-            self.cols
+        assert!(
+            n_tokens.checked_mul(self.cols) == Some(x.len()),
+            "matmul: x must hold n_tokens ({n_tokens}) x cols ({}) values, got {}",
+            self.cols,
+            x.len()
         );
-        assert_eq!(
-            out.len(),
-            n_tokens * rows.len(),
-            "matmul: out must hold n_tokens ({n_tokens}) x rows ({}) values",
-            rows.len()
+        assert!(
+            n_tokens.checked_mul(rows.len()) == Some(out.len()),
+            "matmul: out must hold n_tokens ({n_tokens}) x rows ({}) values, got {}",
+            rows.len(),
+            out.len()
         );
         debug_assert!(level.supported());
         if n_tokens == 0 || rows.is_empty() {
@@ -425,17 +425,17 @@ impl Matrix {
             "matmul_t_rows: row range {rows:?} is outside 0..{}",
             self.rows
         );
-        assert_eq!(
-            x.len(),
-            n_tokens * rows.len(),
-            "matmul_t_rows: x must hold n_tokens ({n_tokens}) x rows ({}) values",
-            rows.len()
+        assert!(
+            n_tokens.checked_mul(rows.len()) == Some(x.len()),
+            "matmul_t_rows: x must hold n_tokens ({n_tokens}) x rows ({}) values, got {}",
+            rows.len(),
+            x.len()
         );
-        assert_eq!(
-            out.len(),
-            n_tokens * self.cols,
-            "matmul_t_rows: out must hold n_tokens ({n_tokens}) x cols ({}) values",
-            self.cols
+        assert!(
+            n_tokens.checked_mul(self.cols) == Some(out.len()),
+            "matmul_t_rows: out must hold n_tokens ({n_tokens}) x cols ({}) values, got {}",
+            self.cols,
+            out.len()
         );
         debug_assert!(level.supported());
         if rows.is_empty() || n_tokens == 0 {

@@ -1,14 +1,16 @@
 //! Scalar matrix kernels: the reference for the SIMD kernels, the fallback elsewhere, and the
 //! exact dequantization used by `row_to_f32` / `to_f32_vec`.
 //!
-//! Weights are decoded to their exact values (FP8 through the table, int8 as integers), one row
-//! segment at a time, into a buffer that every token of the call then reuses.
+//! Weights are decoded to their exact values (FP8 through the table, int8/int4 as integers) one
+//! row at a time into a buffer that every token of the call then reuses; scales are applied per
+//! column segment, as in the SIMD kernels.
 
 use std::ops::Range;
 
 use super::{Format, OutRows, Scales, WeightsView};
 use crate::fp8::e4m3_to_f32;
 use crate::parallel::DisjointOut;
+use crate::vector::scalar;
 use crate::{bf16_to_f32, f16_to_f32};
 
 /// The exact stored values W_stored[r, cols] (before any scale) into `out`.
@@ -90,11 +92,6 @@ pub(crate) fn dequantize_row(w: &WeightsView, r: usize, cols: Range<usize>, out:
     }
 }
 
-/// Σ a·b with 8 independent partial sums, combined in a fixed order.
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
-    crate::vector::scalar::dot(a, b)
-}
-
 /// The forward product for rows `rows` (all tokens), written through `out`.
 pub(crate) fn matmul_rows(
     w: &WeightsView,
@@ -111,7 +108,7 @@ pub(crate) fn matmul_rows(
             let xt = &x[t * w.cols..(t + 1) * w.cols];
             let mut total = 0.0f32;
             for (s, seg) in segments(w, 0..w.cols) {
-                let partial = dot_lanes(&buf[seg.clone()], &xt[seg]);
+                let partial = scalar::dot(&buf[seg.clone()], &xt[seg]);
                 total += partial * row_scales[s];
             }
             // SAFETY: row r is in this task's row range.

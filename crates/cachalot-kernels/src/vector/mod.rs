@@ -33,7 +33,7 @@ macro_rules! dispatch {
     }};
 }
 
-/// Σ a[i]·b[i], f32.
+/// Σ a\[i\]·b\[i\], f32.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_at(simd_level(), a, b)
 }
