@@ -467,14 +467,7 @@ impl DeepseekV3 {
         want_hidden: bool,
     ) -> Result<ForwardOutput> {
         let cfg = &self.cfg;
-        if cache.spec().width != cfg.latent_cache_width() || cache.spec().layers < self.layers.len()
-        {
-            return Err(ModelError::Batch(format!(
-                "cache of {:?} does not fit this model ({:?})",
-                cache.spec(),
-                self.cache_spec()
-            )));
-        }
+        self.check_cache(cache, self.layers.len())?;
         batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
         let t_count = batch.num_tokens();
         let h = cfg.hidden_size;
@@ -495,8 +488,83 @@ impl DeepseekV3 {
                 block_size,
             );
         }
-        let mut normed = vec![0.0f32; t_count * h];
-        k::rms_norm_rows(&hidden, h, &self.norm, cfg.rms_norm_eps, &mut normed);
+        Ok(self.head(&hidden, &self.norm, batch, want_hidden))
+    }
+
+    /// One step of MTP module `index` (spec §3.8): row i pairs the embedding of
+    /// `batch.tokens[i]` (the token at position `batch.positions[i] + 1`) with `prev_hidden` row
+    /// i (the final-normed hidden state at `batch.positions[i]` from the main model, or the
+    /// previous MTP step), `eh_proj([enorm(e); hnorm(h)])`, runs the MTP decoder layer at
+    /// `batch.positions[i]` with its own cache layer (`num_hidden_layers + index`), and returns
+    /// logits through `shared_head.norm` and the main `lm_head`; `hidden` (when asked) is the
+    /// `shared_head.norm` output, the `prev_hidden` of a chained next step.
+    pub fn mtp_forward(
+        &self,
+        index: usize,
+        batch: &Batch,
+        prev_hidden: &[f32],
+        cache: &mut KvCache,
+        want_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        let cfg = &self.cfg;
+        let mtp = self.mtp.get(index).ok_or_else(|| {
+            ModelError::Batch(format!(
+                "MTP layer {index} is not loaded ({} loaded; load with load_mtp and a checkpoint \
+                 with num_nextn_predict_layers > {index})",
+                self.mtp.len()
+            ))
+        })?;
+        let cache_layer = self.layers.len() + index;
+        self.check_cache(cache, cache_layer + 1)?;
+        batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
+        let t_count = batch.num_tokens();
+        let h = cfg.hidden_size;
+        if prev_hidden.len() != t_count * h {
+            return Err(ModelError::Batch(format!(
+                "MTP needs one hidden state of {h} per token: got {} values for {t_count} tokens",
+                prev_hidden.len()
+            )));
+        }
+        let mut both = vec![0.0f32; t_count * 2 * h];
+        let mut row = vec![0.0f32; h];
+        for (t, &tok) in batch.tokens.iter().enumerate() {
+            self.embed.row_to_f32(tok as usize, &mut row);
+            let (e, g) = both[t * 2 * h..(t + 1) * 2 * h].split_at_mut(h);
+            k::rms_norm(&row, &mtp.enorm, cfg.rms_norm_eps, e);
+            k::rms_norm(&prev_hidden[t * h..(t + 1) * h], &mtp.hnorm, cfg.rms_norm_eps, g);
+        }
+        let mut hidden = vec![0.0f32; t_count * h];
+        mtp.eh_proj.matmul(&both, t_count, &mut hidden);
+        let rope = RopeTable::new(&self.rope, &batch.positions, cfg.qk_rope_head_dim / 2);
+        let block_size = cache.block_size();
+        self.layer_forward(
+            &mtp.layer,
+            &mut hidden,
+            batch,
+            &rope,
+            cache.layer_mut(cache_layer),
+            block_size,
+        );
+        Ok(self.head(&hidden, &mtp.shared_head_norm, batch, want_hidden))
+    }
+
+    fn check_cache(&self, cache: &KvCache, layers: usize) -> Result<()> {
+        let spec = cache.spec();
+        if spec.width != self.cfg.latent_cache_width() || spec.layers < layers {
+            return Err(ModelError::Batch(format!(
+                "cache of {spec:?} does not fit this model ({:?})",
+                self.cache_spec()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Final norm of every token, then `lm_head` on the tokens whose logits are wanted.
+    fn head(&self, hidden: &[f32], norm: &[f32], batch: &Batch, want_hidden: bool) -> ForwardOutput {
+        let cfg = &self.cfg;
+        let h = cfg.hidden_size;
+        let mut normed = vec![0.0f32; hidden.len()];
+        k::rms_norm_rows(hidden, h, norm, cfg.rms_norm_eps, &mut normed);
         let n_out = batch.logits_indices.len();
         let mut picked = Vec::with_capacity(n_out * h);
         for &i in &batch.logits_indices {
@@ -506,10 +574,10 @@ impl DeepseekV3 {
         if n_out > 0 {
             self.lm_head.matmul(&picked, n_out, &mut logits);
         }
-        Ok(ForwardOutput {
+        ForwardOutput {
             logits,
             hidden: want_hidden.then_some(normed),
-        })
+        }
     }
 
     fn layer_forward(

@@ -251,3 +251,52 @@ fn mtp_layer_loads_apart() {
     assert_eq!(m.cache_spec().layers, m.config().num_hidden_layers + 1);
     assert_eq!(BLOCK_SIZE, 128);
 }
+
+/// The MTP layer against transformers' `MtpModel` (the `mtp` entry of r1_tiny's reference):
+/// row i feeds token i+1 with the main model's hidden state at position i.
+#[test]
+fn mtp_layer_matches_transformers() {
+    let m = DeepseekV3::load(
+        &fixture_dir("r1_tiny"),
+        LoadOptions {
+            fp8: Fp8Mode::Native,
+            load_mtp: true,
+        },
+    )
+    .unwrap();
+    let r = reference("r1_tiny");
+    let mtp = &r["mtp"];
+    let toks = ids(&mtp["token_ids"]);
+    let n = toks.len();
+    let vocab = m.config().vocab_size;
+    let h = m.config().hidden_size;
+    let mut cache = KvCache::new(m.cache_spec(), 16, n.div_ceil(16));
+    let mut alloc = BlockAllocator::new(cache.num_blocks());
+    let mut table = Vec::new();
+    alloc.ensure(&mut table, n, 16).unwrap();
+    let mut b = Batch::default();
+    b.push_seq(&toks, 0, table.clone(), LogitsWanted::None);
+    let hidden = m.forward(&b, &mut cache, true).unwrap().hidden.unwrap();
+
+    let mut b = Batch::default();
+    b.push_seq(&toks[1..], 0, table, LogitsWanted::All);
+    let out = m
+        .mtp_forward(0, &b, &hidden[..(n - 1) * h], &mut cache, false)
+        .unwrap();
+    let rows: Vec<&[f32]> = out.logits.chunks_exact(vocab).collect();
+    assert_eq!(rows.len(), n - 1);
+    let want = floats(&mtp["logprobs"]);
+    let got: Vec<f32> = (0..n - 2)
+        .map(|i| cachalot_kernels::log_softmax_at(rows[i], toks[i + 2] as usize))
+        .collect();
+    check_logprobs("r1_tiny", "mtp", &got, &want);
+    let argmax = ids(&mtp["argmax"]);
+    let margins = floats(&mtp["margins"]);
+    for (i, row) in rows.iter().enumerate() {
+        if margins[i] > 1e-3 {
+            assert_eq!(cachalot_kernels::argmax(row) as u32, argmax[i], "row {i}");
+        }
+    }
+    let d = max_abs_diff(rows[n - 2], &floats(&mtp["last_logits"]));
+    assert!(d < 1e-3, "last logits differ by {d}");
+}
