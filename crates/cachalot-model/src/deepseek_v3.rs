@@ -531,7 +531,12 @@ impl DeepseekV3 {
             self.embed.row_to_f32(tok as usize, &mut row);
             let (e, g) = both[t * 2 * h..(t + 1) * 2 * h].split_at_mut(h);
             k::rms_norm(&row, &mtp.enorm, cfg.rms_norm_eps, e);
-            k::rms_norm(&prev_hidden[t * h..(t + 1) * h], &mtp.hnorm, cfg.rms_norm_eps, g);
+            k::rms_norm(
+                &prev_hidden[t * h..(t + 1) * h],
+                &mtp.hnorm,
+                cfg.rms_norm_eps,
+                g,
+            );
         }
         let mut hidden = vec![0.0f32; t_count * h];
         mtp.eh_proj.matmul(&both, t_count, &mut hidden);
@@ -560,7 +565,13 @@ impl DeepseekV3 {
     }
 
     /// Final norm of every token, then `lm_head` on the tokens whose logits are wanted.
-    fn head(&self, hidden: &[f32], norm: &[f32], batch: &Batch, want_hidden: bool) -> ForwardOutput {
+    fn head(
+        &self,
+        hidden: &[f32],
+        norm: &[f32],
+        batch: &Batch,
+        want_hidden: bool,
+    ) -> ForwardOutput {
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let mut normed = vec![0.0f32; hidden.len()];

@@ -77,3 +77,166 @@ pub fn greedy(model: &DeepseekV3, prompt: &[u32], n_new: usize) -> Result<Vec<u3
     }
     Ok(out)
 }
+
+/// Counts of a speculative run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MtpStats {
+    /// Main-model forward passes (the prefill included).
+    pub main_steps: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+impl MtpStats {
+    pub fn acceptance_rate(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
+}
+
+/// What a drafter sees after each main step of [`speculative_greedy`].
+pub struct DraftContext<'a> {
+    pub model: &'a DeepseekV3,
+    pub cache: &'a mut KvCache,
+    pub alloc: &'a mut BlockAllocator,
+    pub table: &'a mut Vec<u32>,
+    /// The whole sequence so far; its last token was just emitted and is not yet in the cache.
+    pub seq: &'a [u32],
+    /// Positions `first..first + rows` were run by the main model in this step and their next
+    /// tokens are known (`seq[first + 1..=first + rows]`); `hidden` holds their final-normed
+    /// hidden states, `[rows, hidden_size]`.
+    pub first: usize,
+    pub hidden: &'a [f32],
+    /// How many drafts to propose for the positions after `seq`.
+    pub n: usize,
+}
+
+/// Proposes draft tokens for speculative decoding.
+pub trait Drafter {
+    fn draft(&mut self, ctx: DraftContext) -> Result<Vec<u32>>;
+}
+
+/// Drafts with MTP layer 0 (spec §3.8): catches up on the positions the main model just ran
+/// (row j pairs `seq[j + 1]` with the main hidden state at j, overwriting by position whatever
+/// earlier chained drafts wrote there), drafts from the last row, then chains the module on its
+/// own drafts and hidden states.
+pub struct MtpDrafter;
+
+impl Drafter for MtpDrafter {
+    fn draft(&mut self, c: DraftContext) -> Result<Vec<u32>> {
+        let h = c.model.config().hidden_size;
+        let rows = c.hidden.len() / h;
+        let mut batch = Batch::default();
+        batch.push_seq(
+            &c.seq[c.first + 1..c.first + rows + 1],
+            c.first,
+            c.table.clone(),
+            LogitsWanted::Last,
+        );
+        let out = c.model.mtp_forward(0, &batch, c.hidden, c.cache, true)?;
+        let mut drafts = vec![k::argmax(&out.logits) as u32];
+        let mut prev = out.hidden.expect("asked for hidden states")[(rows - 1) * h..].to_vec();
+        let last_pos = c.first + rows - 1;
+        for step in 1..c.n {
+            let pos = last_pos + step;
+            c.alloc.ensure(c.table, pos + 1, BLOCK_SIZE)?;
+            let mut b = Batch::default();
+            b.push_seq(
+                &[drafts[step - 1]],
+                pos,
+                c.table.clone(),
+                LogitsWanted::Last,
+            );
+            let r = c.model.mtp_forward(0, &b, &prev, c.cache, true)?;
+            drafts.push(k::argmax(&r.logits) as u32);
+            prev = r.hidden.expect("asked for hidden states");
+        }
+        Ok(drafts)
+    }
+}
+
+/// Greedy continuation with MTP speculative decoding, `next_n` chained drafts per step.
+pub fn greedy_mtp(
+    model: &DeepseekV3,
+    prompt: &[u32],
+    n_new: usize,
+    next_n: usize,
+) -> Result<(Vec<u32>, MtpStats)> {
+    speculative_greedy(model, prompt, n_new, next_n, &mut MtpDrafter)
+}
+
+/// Greedy continuation with speculative decoding. Each main step verifies `[last, d_1..d_n]`
+/// in one forward, accepts the longest prefix of drafts that match its own argmax, and emits
+/// `a + 1` tokens; then the drafter proposes the next drafts. The output equals [`greedy`]'s:
+/// every emitted token is a main-model argmax.
+pub fn speculative_greedy(
+    model: &DeepseekV3,
+    prompt: &[u32],
+    n_new: usize,
+    next_n: usize,
+    drafter: &mut dyn Drafter,
+) -> Result<(Vec<u32>, MtpStats)> {
+    if prompt.is_empty() {
+        return Err(ModelError::Batch("the prompt is empty".into()));
+    }
+    if next_n == 0 {
+        return Ok((greedy(model, prompt, n_new)?, MtpStats::default()));
+    }
+    let vocab = model.config().vocab_size;
+    let h = model.config().hidden_size;
+    let (mut cache, mut alloc) = cache_for(model, prompt.len() + n_new + next_n + 1);
+    let mut table = Vec::new();
+    let mut stats = MtpStats::default();
+    let mut seq: Vec<u32> = prompt.to_vec();
+    let mut out: Vec<u32> = Vec::with_capacity(n_new + next_n);
+    // Main input of the step: its first position and tokens (the last drafts.len() are drafts).
+    let mut start = 0usize;
+    let mut inputs: Vec<u32> = prompt.to_vec();
+    let mut drafts: Vec<u32> = Vec::new();
+    while out.len() < n_new {
+        alloc.ensure(&mut table, start + inputs.len(), BLOCK_SIZE)?;
+        let mut batch = Batch::default();
+        batch.push_seq(&inputs, start, table.clone(), LogitsWanted::All);
+        let fwd = model.forward(&batch, &mut cache, true)?;
+        stats.main_steps += 1;
+        let argmax: Vec<u32> = fwd
+            .logits
+            .chunks_exact(vocab)
+            .map(|row| k::argmax(row) as u32)
+            .collect();
+        let known = inputs.len() - drafts.len();
+        let mut accepted = 0;
+        while accepted < drafts.len() && drafts[accepted] == argmax[known - 1 + accepted] {
+            accepted += 1;
+        }
+        stats.drafted += drafts.len();
+        stats.accepted += accepted;
+        let emitted = &argmax[known - 1..known + accepted];
+        // Positions start..start+valid now have a known next token.
+        let valid = known + accepted;
+        seq.truncate(start + known);
+        seq.extend_from_slice(&inputs[known..valid]);
+        seq.extend_from_slice(&emitted[accepted..]);
+        out.extend_from_slice(emitted);
+        if out.len() >= n_new {
+            break;
+        }
+        let hidden = fwd.hidden.expect("asked for hidden states");
+        drafts = drafter.draft(DraftContext {
+            model,
+            cache: &mut cache,
+            alloc: &mut alloc,
+            table: &mut table,
+            seq: &seq,
+            first: start,
+            hidden: &hidden[..valid * h],
+            n: next_n,
+        })?;
+        drafts.truncate(next_n);
+        start += valid;
+        inputs = std::iter::once(seq[seq.len() - 1])
+            .chain(drafts.iter().copied())
+            .collect();
+    }
+    out.truncate(n_new);
+    Ok((out, stats))
+}

@@ -300,3 +300,73 @@ fn mtp_layer_matches_transformers() {
     let d = max_abs_diff(rows[n - 2], &floats(&mtp["last_logits"]));
     assert!(d < 1e-3, "last logits differ by {d}");
 }
+
+/// MTP speculative decoding emits exactly the plain greedy tokens, for 1–3 chained drafts.
+#[test]
+fn greedy_with_mtp_equals_greedy() {
+    let m = DeepseekV3::load(
+        &fixture_dir("r1_tiny"),
+        LoadOptions {
+            fp8: Fp8Mode::Native,
+            load_mtp: true,
+        },
+    )
+    .unwrap();
+    let r = reference("r1_tiny");
+    for g in r["greedy"].as_array().unwrap() {
+        let prompt = ids(&g["prompt"]);
+        let want = ids(&g["continuation"]);
+        for next_n in 1..=3 {
+            let (got, stats) = eval::greedy_mtp(&m, &prompt, want.len(), next_n).unwrap();
+            assert_eq!(got, want, "next_n {next_n}");
+            assert_eq!(stats.drafted, (stats.main_steps - 1) * next_n);
+            assert!(stats.accepted + stats.main_steps >= want.len());
+        }
+    }
+}
+
+/// Drafts from a perfect oracle with every third draft corrupted, so that steps accept 0..n
+/// drafts: the output is still exactly greedy, and accepted drafts save main-model steps.
+#[test]
+fn speculative_accept_and_reject_paths_keep_greedy_output() {
+    struct Oracle {
+        truth: Vec<u32>,
+        calls: usize,
+    }
+    impl eval::Drafter for Oracle {
+        fn draft(&mut self, c: eval::DraftContext) -> cachalot_model::Result<Vec<u32>> {
+            let n = c.seq.len();
+            self.calls += 1;
+            Ok((0..c.n)
+                .map(|i| {
+                    let t = self.truth.get(n + i).copied().unwrap_or(2);
+                    if (self.calls + i) % 3 == 2 {
+                        (t + 1) % 512
+                    } else {
+                        t
+                    }
+                })
+                .collect())
+        }
+    }
+    let m = load("r1_tiny");
+    let r = reference("r1_tiny");
+    let g = &r["greedy"][1];
+    let prompt = ids(&g["prompt"]);
+    let want = ids(&g["continuation"]);
+    let truth: Vec<u32> = prompt.iter().chain(&want).copied().collect();
+    for next_n in 1..=3 {
+        let mut oracle = Oracle {
+            truth: truth.clone(),
+            calls: 0,
+        };
+        let (got, stats) =
+            eval::speculative_greedy(&m, &prompt, want.len(), next_n, &mut oracle).unwrap();
+        assert_eq!(got, want, "next_n {next_n}");
+        assert!(
+            stats.accepted > 0 && stats.accepted < stats.drafted,
+            "{stats:?}"
+        );
+        assert!(stats.main_steps < want.len(), "{stats:?}");
+    }
+}
