@@ -45,6 +45,14 @@ fn load(name: &str) -> DeepseekV3 {
     DeepseekV3::load(&fixture_dir(name), LoadOptions::default()).unwrap()
 }
 
+fn load_with_mtp() -> DeepseekV3 {
+    let opts = LoadOptions {
+        fp8: Fp8Mode::Native,
+        load_mtp: true,
+    };
+    DeepseekV3::load(&fixture_dir("r1_tiny"), opts).unwrap()
+}
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
