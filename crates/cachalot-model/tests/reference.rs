@@ -247,14 +247,7 @@ fn fp8_native_equals_dequantized_at_load() {
 
 #[test]
 fn mtp_layer_loads_apart() {
-    let m = DeepseekV3::load(
-        &fixture_dir("r1_tiny"),
-        LoadOptions {
-            fp8: Fp8Mode::Native,
-            load_mtp: true,
-        },
-    )
-    .unwrap();
+    let m = load_with_mtp();
     assert_eq!(m.mtp_layers().len(), 1);
     assert_eq!(m.cache_spec().layers, m.config().num_hidden_layers + 1);
     assert_eq!(BLOCK_SIZE, 128);
@@ -264,14 +257,7 @@ fn mtp_layer_loads_apart() {
 /// row i feeds token i+1 with the main model's hidden state at position i.
 #[test]
 fn mtp_layer_matches_transformers() {
-    let m = DeepseekV3::load(
-        &fixture_dir("r1_tiny"),
-        LoadOptions {
-            fp8: Fp8Mode::Native,
-            load_mtp: true,
-        },
-    )
-    .unwrap();
+    let m = load_with_mtp();
     let r = reference("r1_tiny");
     let mtp = &r["mtp"];
     let toks = ids(&mtp["token_ids"]);
@@ -312,14 +298,7 @@ fn mtp_layer_matches_transformers() {
 /// MTP speculative decoding emits exactly the plain greedy tokens, for 1–3 chained drafts.
 #[test]
 fn greedy_with_mtp_equals_greedy() {
-    let m = DeepseekV3::load(
-        &fixture_dir("r1_tiny"),
-        LoadOptions {
-            fp8: Fp8Mode::Native,
-            load_mtp: true,
-        },
-    )
-    .unwrap();
+    let m = load_with_mtp();
     let r = reference("r1_tiny");
     for g in r["greedy"].as_array().unwrap() {
         let prompt = ids(&g["prompt"]);
