@@ -29,7 +29,8 @@ fn every_shipped_config_parses() {
         let c = RunConfig::from_file(f).unwrap_or_else(|e| panic!("{e}"));
         assert!(
             c.model_config.model_path.starts_with("models/")
-                || c.model_config.model_path.starts_with("assets/"),
+                || c.model_config.model_path.starts_with("assets/")
+                || c.model_config.model_path.starts_with("fixtures/"),
             "{}: model_path {}",
             f.display(),
             c.model_config.model_path
