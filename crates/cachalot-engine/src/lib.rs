@@ -1,12 +1,17 @@
 //! The engine: requests and their sampling, stop conditions and streamed text, driving a model
-//! family's forward pass. Today it runs one request at a time ([`generate::generate`]); the
-//! step loop, scheduler and paged block pool of `shared/DESIGN.md` will drive the same
-//! per-sequence pieces ([`sampler::Sampler`], [`generate::TextStream`]).
+//! family's forward pass. [`engine::Engine`] is the step loop (continuous batching over a paged
+//! KV block pool, [`kv_pool`], planned by the pure-logic [`scheduler`]); [`generate::generate`]
+//! is the one-request loop the CLI's `generate` and `chat` use.
 
+pub mod engine;
 pub mod generate;
+pub mod kv_pool;
+pub mod metrics;
 pub mod reasoning;
 pub mod sampler;
+pub mod scheduler;
 
+pub use engine::{Engine, EngineConfig, Model, Request, RequestOutput, StepReport};
 pub use generate::{generate, FinishReason, Generation, StopConditions, TextStream};
 pub use reasoning::{ReasoningSplitter, Segment};
 pub use sampler::{Sampler, SamplingError, SamplingParams};

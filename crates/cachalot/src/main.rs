@@ -1,6 +1,7 @@
-//! The cachalot command line: `perplexity`, `tokenize`, `generate`, `chat` and `bench` for now
-//! (`run`, `serve`, `convert` follow; see README.md).
+//! The cachalot command line: `run` (offline runs from YAML), `perplexity`, `tokenize`,
+//! `generate`, `chat` and `bench` for now (`serve`, `convert` follow; see README.md).
 
+mod run;
 mod text;
 
 use std::path::{Path, PathBuf};
@@ -65,6 +66,9 @@ struct InputArgs {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Offline run of a YAML config (the seed's schema): a dataset through the engine, figures
+    /// to res/<run-id>/. No arguments: configs/default.yaml.
+    Run(run::RunArgs),
     /// Log-probability of each next token, mean NLL and perplexity.
     Perplexity {
         #[command(flatten)]
@@ -172,6 +176,7 @@ fn run() -> Result<()> {
                 );
             }
         }
+        Command::Run(args) => run::run(&args)?,
         Command::Tokenize(args) => text::tokenize(&args)?,
         Command::Generate(args) => text::generate(&args)?,
         Command::Chat(args) => text::chat(&args)?,

@@ -1,0 +1,85 @@
+//! Per-request timings and run figures (spec `executor.md` §2.9, §6.10): TTFT, TPOT, output
+//! tokens per request; throughput, TPOT mean/p50/p99, prefill tokens/s and KV usage per run.
+
+use serde::Serialize;
+
+/// Times of one request, in seconds from its arrival (`add_request`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RequestTiming {
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    /// Arrival to the first step that computed any of its tokens.
+    pub queue_s: f64,
+    /// Arrival to the first generated token.
+    pub ttft_s: f64,
+    /// Mean time between generated tokens after the first (None with one token).
+    pub tpot_s: Option<f64>,
+    /// Arrival to finish.
+    pub e2e_s: f64,
+    /// Times its KV was dropped and recomputed because the pool was full.
+    pub preemptions: usize,
+}
+
+/// Counters of the engine's steps.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct EngineStats {
+    pub steps: usize,
+    /// Prompt and recompute tokens forwarded.
+    pub prefill_tokens: usize,
+    /// Generated tokens forwarded (one per decoding request per step).
+    pub decode_tokens: usize,
+    /// Tokens sampled.
+    pub sampled_tokens: usize,
+    /// Time in the model's forward pass, all steps.
+    pub forward_s: f64,
+    /// Forward time of steps that carried prefill work (mixed steps included).
+    pub prefill_step_s: f64,
+    /// Forward time of pure decode steps.
+    pub decode_step_s: f64,
+    pub decode_steps: usize,
+    pub preemptions: usize,
+    /// Most KV blocks held at once, and the pool's usable blocks.
+    pub kv_peak_blocks: usize,
+    pub kv_capacity_blocks: usize,
+    pub kv_block_size: usize,
+}
+
+/// Mean, median and 99th percentile (nearest rank) of a list; zeros when it is empty.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Distribution {
+    pub mean: f64,
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+impl Distribution {
+    pub fn of(values: &[f64]) -> Distribution {
+        if values.is_empty() {
+            return Distribution::default();
+        }
+        let mut v = values.to_vec();
+        v.sort_by(f64::total_cmp);
+        let rank = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        Distribution {
+            mean: v.iter().sum::<f64>() / v.len() as f64,
+            p50: rank(0.5),
+            p99: rank(0.99),
+            max: v[v.len() - 1],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let d = Distribution::of(&(1..=100).map(f64::from).collect::<Vec<_>>());
+        assert_eq!((d.p50, d.p99, d.max), (50.0, 99.0, 100.0));
+        assert_eq!(d.mean, 50.5);
+        assert_eq!(Distribution::of(&[3.0]).p99, 3.0);
+        assert_eq!(Distribution::of(&[]), Distribution::default());
+    }
+}

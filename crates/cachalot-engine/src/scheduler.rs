@@ -1,0 +1,522 @@
+//! The scheduler: which tokens of which requests go into the next forward pass. Pure logic over
+//! token counts and the block pool, testable without a model (vLLM v1's shape).
+//!
+//! A request is one growing token list (prompt, then each sampled token) of which the first
+//! `num_computed` have their KV in the cache. Every step schedules, per request, the next
+//! tokens whose KV is missing; when a step covers the last known token, its logits are sampled
+//! and one token is appended. Prefill, chunked prefill, decode and recompute after preemption
+//! are all this one rule.
+//!
+//! Policy of one step:
+//! 1. Running requests first, oldest first. A request in decode gets its one token; one still
+//!    prefilling gets a chunk of at most what is left of the step's prefill budget
+//!    (`max_prefill_tokens`). If the pool cannot cover the new tokens, the newest running
+//!    request is preempted (its blocks freed, its KV to be recomputed later, back to the front
+//!    of the queue) until it can, possibly the request itself.
+//! 2. Then, if nothing was preempted this step, waiting requests are admitted in order while
+//!    fewer than `batch_size` run and budget is left, each with a first chunk. The first that
+//!    does not get blocks stays at the head of the queue and admission stops for this step (the
+//!    seed system spins on it forever — spec `executor.md` §7.1; we don't).
+//!
+//! Progress: a request is accepted only if it fits the pool alone, so the oldest running
+//! request always gets its tokens (by preempting everyone after it if need be), and with no
+//! request running the pool is empty and the queue's head fits. Every step with unfinished
+//! requests therefore schedules at least one token.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::kv_pool::KvBlockManager;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Requests running at once.
+    pub batch_size: usize,
+    /// Prompt (and recompute) tokens per step, over all requests; decode tokens are not counted.
+    pub max_prefill_tokens: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    #[error("request {0} is already known")]
+    Duplicate(u64),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error(
+        "request needs up to {tokens} tokens of KV cache ({blocks} blocks) but the pool holds \
+         {capacity} blocks of {block_size}; shorten the prompt or max_new_tokens, or give the KV \
+         cache more memory"
+    )]
+    TooLong {
+        tokens: usize,
+        blocks: usize,
+        capacity: usize,
+        block_size: usize,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Waiting,
+    Running,
+}
+
+#[derive(Clone, Debug)]
+struct Seq {
+    /// Prompt + generated tokens known so far.
+    num_tokens: usize,
+    /// Tokens whose KV is in the cache.
+    num_computed: usize,
+    prompt_len: usize,
+    phase: Phase,
+    num_preemptions: usize,
+}
+
+/// One request's share of a step: tokens `start..start + len` of its token list, at positions
+/// `start..start + len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scheduled {
+    pub id: u64,
+    pub start: usize,
+    pub len: usize,
+    /// The step covers the last known token: sample one from its logits.
+    pub sample: bool,
+    /// A single generated token (decode), as opposed to prompt or recompute work (prefill).
+    pub decode: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Schedule {
+    pub items: Vec<Scheduled>,
+    /// Requests preempted this step (their KV will be recomputed).
+    pub preempted: Vec<u64>,
+}
+
+impl Schedule {
+    pub fn num_tokens(&self) -> usize {
+        self.items.iter().map(|s| s.len).sum()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    kv: KvBlockManager,
+    waiting: VecDeque<u64>,
+    running: Vec<u64>,
+    seqs: HashMap<u64, Seq>,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, kv: KvBlockManager) -> Scheduler {
+        assert!(cfg.batch_size > 0 && cfg.max_prefill_tokens > 0);
+        Scheduler {
+            cfg,
+            kv,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            seqs: HashMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> SchedulerConfig {
+        self.cfg
+    }
+    pub fn kv(&self) -> &KvBlockManager {
+        &self.kv
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn has_unfinished(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+    pub fn block_table(&self, id: u64) -> &[u32] {
+        self.kv.block_table(id)
+    }
+    pub fn num_preemptions(&self, id: u64) -> usize {
+        self.seqs.get(&id).map_or(0, |s| s.num_preemptions)
+    }
+    pub fn phase(&self, id: u64) -> Option<Phase> {
+        self.seqs.get(&id).map(|s| s.phase)
+    }
+
+    /// Queues a request of `prompt_len` tokens that may grow to `max_len` tokens.
+    pub fn add(
+        &mut self,
+        id: u64,
+        prompt_len: usize,
+        max_len: usize,
+    ) -> Result<(), AdmissionError> {
+        if self.seqs.contains_key(&id) {
+            return Err(AdmissionError::Duplicate(id));
+        }
+        if prompt_len == 0 {
+            return Err(AdmissionError::EmptyPrompt);
+        }
+        let max_len = max_len.max(prompt_len);
+        let blocks = self.kv.blocks_for(max_len);
+        if blocks > self.kv.pool().capacity() {
+            return Err(AdmissionError::TooLong {
+                tokens: max_len,
+                blocks,
+                capacity: self.kv.pool().capacity(),
+                block_size: self.kv.block_size(),
+            });
+        }
+        self.seqs.insert(
+            id,
+            Seq {
+                num_tokens: prompt_len,
+                num_computed: 0,
+                prompt_len,
+                phase: Phase::Waiting,
+                num_preemptions: 0,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Plans the next step; the caller must run it (the scheduled tokens count as cached from
+    /// now on) and then report each sampled token with [`Scheduler::append_token`].
+    pub fn schedule(&mut self) -> Schedule {
+        let mut budget = self.cfg.max_prefill_tokens;
+        let mut out = Schedule::default();
+        let mut i = 0;
+        while i < self.running.len() {
+            let id = self.running[i];
+            let len = self.chunk_len(id, budget);
+            if len == 0 {
+                i += 1;
+                continue;
+            }
+            let cover = self.seqs[&id].num_computed + len;
+            let mut scheduled = false;
+            loop {
+                if self.kv.allocate_slots(id, cover) {
+                    scheduled = true;
+                    break;
+                }
+                let victim = self.running.pop().expect("the request itself is running");
+                self.preempt(victim);
+                out.preempted.push(victim);
+                if victim == id {
+                    break;
+                }
+            }
+            if !scheduled {
+                break;
+            }
+            budget -= self.take(id, len, &mut out);
+            i += 1;
+        }
+        if out.preempted.is_empty() {
+            while self.running.len() < self.cfg.batch_size {
+                let Some(&id) = self.waiting.front() else {
+                    break;
+                };
+                let len = self.chunk_len(id, budget);
+                if len == 0 || !self.kv.allocate_slots(id, len) {
+                    break;
+                }
+                self.waiting.pop_front();
+                self.running.push(id);
+                self.seqs.get_mut(&id).unwrap().phase = Phase::Running;
+                budget -= self.take(id, len, &mut out);
+            }
+        }
+        out
+    }
+
+    /// Tokens of `id` to schedule now given the prefill budget left.
+    fn chunk_len(&self, id: u64, budget: usize) -> usize {
+        let s = &self.seqs[&id];
+        let remaining = s.num_tokens - s.num_computed;
+        if remaining == 1 && s.num_computed >= s.prompt_len {
+            // A decode token: not counted against the prefill budget.
+            1
+        } else {
+            remaining.min(budget)
+        }
+    }
+
+    /// Records `len` tokens of `id` as scheduled; returns the prefill budget they use.
+    fn take(&mut self, id: u64, len: usize, out: &mut Schedule) -> usize {
+        let s = self.seqs.get_mut(&id).unwrap();
+        let start = s.num_computed;
+        s.num_computed += len;
+        let sample = s.num_computed == s.num_tokens;
+        let decode = len == 1 && start >= s.prompt_len;
+        out.items.push(Scheduled {
+            id,
+            start,
+            len,
+            sample,
+            decode,
+        });
+        if decode {
+            0
+        } else {
+            len
+        }
+    }
+
+    fn preempt(&mut self, id: u64) {
+        self.kv.free(id);
+        let s = self.seqs.get_mut(&id).unwrap();
+        s.num_computed = 0;
+        s.phase = Phase::Waiting;
+        s.num_preemptions += 1;
+        self.waiting.push_front(id);
+    }
+
+    /// A token sampled for `id` (after a step that had `sample` set for it).
+    pub fn append_token(&mut self, id: u64) {
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.num_tokens += 1;
+        }
+    }
+
+    /// Removes a request (finished or aborted) and frees its blocks. Unknown ids are ignored.
+    pub fn finish(&mut self, id: u64) {
+        if self.seqs.remove(&id).is_none() {
+            return;
+        }
+        self.kv.free(id);
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+    }
+
+    /// Every block free or owned by exactly one request; running requests hold blocks covering
+    /// their computed tokens, waiting ones none. For tests.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.kv.check_invariants()?;
+        for (&id, _) in self.kv.holders() {
+            if !self.running.contains(&id) {
+                return Err(format!("request {id} holds blocks but is not running"));
+            }
+        }
+        for &id in &self.running {
+            let s = &self.seqs[&id];
+            if self.kv.block_table(id).len() < self.kv.blocks_for(s.num_computed) {
+                return Err(format!(
+                    "request {id}: computed tokens not covered by blocks"
+                ));
+            }
+        }
+        if self.running.len() + self.waiting.len() != self.seqs.len() {
+            return Err("a request is lost or listed twice".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sched(blocks: usize, bs: usize, batch: usize, budget: usize) -> Scheduler {
+        Scheduler::new(
+            SchedulerConfig {
+                batch_size: batch,
+                max_prefill_tokens: budget,
+            },
+            KvBlockManager::new(blocks, bs),
+        )
+    }
+
+    /// Runs steps, sampling a token for every `sample` item and finishing a request once it has
+    /// `out_len` generated tokens. Returns the number of steps.
+    fn drive(s: &mut Scheduler, lens: &HashMap<u64, (usize, usize)>, max_steps: usize) -> usize {
+        let mut generated: HashMap<u64, usize> = HashMap::new();
+        for step in 0..max_steps {
+            if !s.has_unfinished() {
+                return step;
+            }
+            let plan = s.schedule();
+            s.check_invariants().unwrap();
+            assert!(!plan.is_empty(), "step {step} scheduled nothing");
+            for it in &plan.items {
+                if it.sample {
+                    let g = generated.entry(it.id).or_default();
+                    *g += 1;
+                    if *g >= lens[&it.id].1 {
+                        s.finish(it.id);
+                    } else {
+                        s.append_token(it.id);
+                    }
+                }
+            }
+            s.check_invariants().unwrap();
+        }
+        panic!("not done after {max_steps} steps");
+    }
+
+    #[test]
+    fn long_prompt_is_chunked_and_decodes_batch() {
+        let mut s = sched(64, 4, 8, 10);
+        s.add(1, 25, 30).unwrap();
+        s.add(2, 3, 10).unwrap();
+        let p = s.schedule();
+        assert_eq!(p.items.len(), 1, "{p:?}");
+        assert_eq!(
+            (p.items[0].start, p.items[0].len, p.items[0].sample),
+            (0, 10, false)
+        );
+        let p = s.schedule();
+        assert_eq!((p.items[0].start, p.items[0].len), (10, 10));
+        let p = s.schedule();
+        assert_eq!(
+            (p.items[0].start, p.items[0].len, p.items[0].sample),
+            (20, 5, true)
+        );
+        // Request 2 is admitted into the same step with the 5 tokens of budget left.
+        assert_eq!(p.items[1].id, 2);
+        assert_eq!((p.items[1].len, p.items[1].sample), (3, true));
+        s.append_token(1);
+        s.append_token(2);
+        let p = s.schedule();
+        assert!(p.items.iter().all(|i| i.decode && i.len == 1), "{p:?}");
+    }
+
+    #[test]
+    fn too_long_requests_are_refused_up_front() {
+        let mut s = sched(3, 4, 8, 10);
+        assert!(matches!(
+            s.add(1, 5, 9),
+            Err(AdmissionError::TooLong {
+                blocks: 3,
+                capacity: 2,
+                ..
+            })
+        ));
+        s.add(1, 5, 8).unwrap();
+        assert_eq!(s.add(1, 5, 8), Err(AdmissionError::Duplicate(1)));
+        assert_eq!(s.add(2, 0, 8), Err(AdmissionError::EmptyPrompt));
+    }
+
+    #[test]
+    fn full_pool_preempts_the_newest_and_recomputes_it() {
+        // 4 usable blocks of 2 tokens; two requests of 3-token prompts growing to 8.
+        let mut s = sched(5, 2, 4, 100);
+        s.add(1, 3, 8).unwrap();
+        s.add(2, 3, 8).unwrap();
+        let p = s.schedule();
+        assert_eq!(p.items.len(), 2);
+        s.append_token(1);
+        s.append_token(2);
+        // Both now need 4 positions cached = 2 blocks each: fits.
+        let p = s.schedule();
+        assert_eq!(p.items.len(), 2);
+        s.append_token(1);
+        s.append_token(2);
+        // Now 5 positions = 3 blocks each: request 2 is preempted.
+        let p = s.schedule();
+        assert_eq!(p.preempted, vec![2]);
+        assert_eq!(p.items.len(), 1);
+        assert_eq!(s.phase(2), Some(Phase::Waiting));
+        s.check_invariants().unwrap();
+        s.finish(1);
+        // Request 2 comes back and recomputes its 5 known tokens in one chunk, then samples.
+        let p = s.schedule();
+        assert_eq!(p.items[0].id, 2);
+        assert_eq!(
+            (p.items[0].start, p.items[0].len, p.items[0].sample),
+            (0, 5, true)
+        );
+        assert!(!p.items[0].decode);
+        assert_eq!(s.num_preemptions(2), 1);
+    }
+
+    #[test]
+    fn a_full_queue_waits_instead_of_spinning() {
+        let mut s = sched(3, 4, 8, 100);
+        s.add(1, 8, 8).unwrap();
+        s.add(2, 4, 8).unwrap();
+        let p = s.schedule();
+        assert_eq!(p.items.len(), 1);
+        assert_eq!(s.num_waiting(), 1);
+        s.finish(1);
+        let p = s.schedule();
+        assert_eq!(p.items[0].id, 2);
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Add { prompt: usize, out: usize },
+        Step,
+        Abort(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (1usize..40, 1usize..12).prop_map(|(prompt, out)| Op::Add { prompt, out }),
+            Just(Op::Step),
+            Just(Op::Step),
+            Just(Op::Step),
+            (0u64..20).prop_map(Op::Abort),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// After any sequence of admissions, chunked prefills, finishes, aborts and
+        /// preemptions, no block is leaked or owned twice; then everything finishes.
+        #[test]
+        fn blocks_are_never_leaked_or_shared(
+            blocks in 2usize..24,
+            bs in 1usize..6,
+            batch in 1usize..6,
+            budget in 1usize..20,
+            ops in proptest::collection::vec(op(), 1..80),
+        ) {
+            let mut s = sched(blocks, bs, batch, budget);
+            let mut lens = HashMap::new();
+            let mut generated: HashMap<u64, usize> = HashMap::new();
+            let mut next_id = 0u64;
+            for op in ops {
+                match op {
+                    Op::Add { prompt, out } => {
+                        if s.add(next_id, prompt, prompt + out).is_ok() {
+                            lens.insert(next_id, (prompt, out));
+                        }
+                        next_id += 1;
+                    }
+                    Op::Abort(id) => s.finish(id),
+                    Op::Step => {
+                        let plan = s.schedule();
+                        if s.has_unfinished() {
+                            prop_assert!(!plan.is_empty(), "nothing scheduled");
+                        }
+                        for it in &plan.items {
+                            if it.sample {
+                                let g = generated.entry(it.id).or_default();
+                                *g += 1;
+                                if *g >= lens[&it.id].1 {
+                                    s.finish(it.id);
+                                } else {
+                                    s.append_token(it.id);
+                                }
+                            }
+                        }
+                    }
+                }
+                s.check_invariants().map_err(TestCaseError::fail)?;
+            }
+            // Whatever is left finishes: a full pool makes progress.
+            let left: HashMap<u64, (usize, usize)> = lens
+                .iter()
+                .map(|(&id, &(p, o))| (id, (p, o.saturating_sub(generated.get(&id).copied().unwrap_or(0)).max(1))))
+                .collect();
+            drive(&mut s, &left, 10_000);
+            prop_assert_eq!(s.kv().pool().num_free(), s.kv().pool().capacity());
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! End to end on the tiny fixture models: a batched run (continuous batching, mixed prompt
+//! lengths, chunked prefill, preemption) gives each request the greedy tokens it gets alone.
+
+use std::path::PathBuf;
+
+use cachalot_engine::generate::FinishReason;
+use cachalot_engine::{Engine, EngineConfig, Request, SamplingParams, StopConditions};
+use cachalot_model::eval;
+use cachalot_model::{DeepseekV3, Fp8Mode, LoadOptions};
+
+fn load(name: &str) -> DeepseekV3 {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/v3")
+        .join(name);
+    DeepseekV3::load(
+        &dir,
+        LoadOptions {
+            fp8: Fp8Mode::Native,
+            load_mtp: false,
+        },
+    )
+    .unwrap()
+}
+
+/// Deterministic pseudo-random prompts of the given lengths (ids 2.., avoiding BOS/EOS).
+fn prompts(lens: &[usize], vocab: usize) -> Vec<Vec<u32>> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    lens.iter()
+        .map(|&n| {
+            (0..n)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    2 + ((state >> 33) as usize % (vocab - 2)) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn greedy_request(prompt: &[u32], n: usize) -> Request {
+    Request {
+        prompt: prompt.to_vec(),
+        params: SamplingParams::greedy(),
+        stop: StopConditions {
+            max_new_tokens: n,
+            ..Default::default()
+        },
+        ignore_eos: false,
+    }
+}
+
+fn batched_equals_alone(name: &str, cfg: EngineConfig, expect_preemption: bool) {
+    let m = load(name);
+    let vocab = m.config().vocab_size;
+    let lens = [3, 41, 9, 17, 1, 30, 6, 12];
+    let n_new = 10;
+    let ps = prompts(&lens, vocab);
+    let mut engine = Engine::new(&m, None, cfg).unwrap();
+    for p in &ps {
+        engine.add_request(greedy_request(p, n_new)).unwrap();
+    }
+    let mut max_seqs = 0;
+    let mut chunked = false;
+    let outs = engine
+        .run_to_completion(|r, _| {
+            max_seqs = max_seqs.max(r.seqs);
+            chunked |= r.prefill_tokens == cfg.max_prefill_tokens;
+        })
+        .unwrap();
+    assert_eq!(outs.len(), ps.len());
+    assert!(max_seqs > 1, "{name}: never batched");
+    assert!(chunked, "{name}: no step used the whole prefill budget");
+    let stats = engine.stats().clone();
+    assert_eq!(
+        stats.preemptions > 0,
+        expect_preemption,
+        "{name}: {stats:?}"
+    );
+    assert_eq!(engine.scheduler().kv().pool().num_used(), 0);
+    for o in &outs {
+        let alone = eval::greedy(&m, &ps[o.id as usize], n_new).unwrap();
+        assert_eq!(
+            o.tokens, alone,
+            "{name}: request {} (prompt {})",
+            o.id, lens[o.id as usize]
+        );
+        assert_eq!(o.finish, FinishReason::Length);
+        assert_eq!(o.timing.output_tokens, n_new);
+        assert!(o.timing.ttft_s > 0.0 && o.timing.tpot_s.unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn batched_greedy_equals_each_request_alone() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks: 128,
+        batch_size: 4,
+        max_prefill_tokens: 16,
+    };
+    for name in ["r1_tiny", "kimi_tiny", "v3_noq_tiny"] {
+        batched_equals_alone(name, cfg, false);
+    }
+}
+
+#[test]
+fn a_tight_pool_preempts_and_still_equals_alone() {
+    // 20 usable blocks of 4 tokens: the 41-token prompt alone takes 13 with its output.
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks: 21,
+        batch_size: 8,
+        max_prefill_tokens: 16,
+    };
+    batched_equals_alone("r1_tiny", cfg, true);
+}
+
+#[test]
+fn stop_tokens_and_fixed_length_mode() {
+    let m = load("r1_tiny");
+    let p = prompts(&[8], m.config().vocab_size).remove(0);
+    let alone = eval::greedy(&m, &p, 12).unwrap();
+    let stop_at = alone[4];
+    let first = alone.iter().position(|&t| t == stop_at).unwrap();
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks: 16,
+        batch_size: 2,
+        max_prefill_tokens: 64,
+    };
+    let mut engine = Engine::new(&m, None, cfg).unwrap();
+    let mut req = greedy_request(&p, 12);
+    req.stop.stop_token_ids = vec![stop_at];
+    engine.add_request(req.clone()).unwrap();
+    req.ignore_eos = true;
+    engine.add_request(req).unwrap();
+    let mut outs = engine.run_to_completion(|_, _| {}).unwrap();
+    outs.sort_by_key(|o| o.id);
+    assert_eq!(outs[0].tokens, alone[..=first]);
+    assert_eq!(outs[0].finish, FinishReason::StopToken(stop_at));
+    assert_eq!(outs[1].tokens, alone);
+    assert_eq!(outs[1].valid_tokens, first + 1);
+    assert_eq!(outs[1].finish, FinishReason::Length);
+}
+
+#[test]
+fn requests_too_long_for_the_pool_are_refused_and_abort_frees() {
+    let m = load("r1_tiny");
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks: 3,
+        batch_size: 2,
+        max_prefill_tokens: 64,
+    };
+    let mut engine = Engine::new(&m, None, cfg).unwrap();
+    let err = engine
+        .add_request(greedy_request(&[5; 7], 4))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("pool holds 2 blocks of 4"), "{err}");
+    let id = engine.add_request(greedy_request(&[5; 3], 4)).unwrap();
+    engine.step().unwrap();
+    assert!(engine.scheduler().kv().pool().num_used() > 0);
+    engine.abort(id);
+    assert_eq!(engine.scheduler().kv().pool().num_used(), 0);
+    let out = engine.take_finished();
+    assert_eq!(out[0].finish, FinishReason::Cancelled);
+    assert!(!engine.has_unfinished());
+}

@@ -1,0 +1,724 @@
+//! The seed system's YAML run config (spec `executor.md` §1): four sections, `model_config`,
+//! `data_config`, `parallel_config`, `scheduler_config`, each optional, every key optional with
+//! the seed's default. Unlike the seed (which ignores unknown keys silently, §7.10), every key is
+//! checked against the schema below, and all problems are reported at once: unknown keys (with
+//! the valid ones and the closest suggested), wrong types and ranges, and contradictory sizes.
+//! What every key does here is in docs/CONFIG.md (a test keeps it complete).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// The type and range of one key.
+#[derive(Clone, Copy, Debug)]
+pub enum Kind {
+    Bool,
+    /// An integer `>= min`.
+    Int(i64),
+    /// An integer `>= min`, or null.
+    IntOrNull(i64),
+    /// A number in `[min, max]`.
+    Float(f64, f64),
+    Str,
+    /// One of these strings.
+    OneOf(&'static [&'static str]),
+    /// A mapping of anything (model-specific switches).
+    AnyMap,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Key {
+    pub name: &'static str,
+    pub kind: Kind,
+    /// A cachalot addition, not in the seed's schema.
+    pub extension: bool,
+}
+
+const fn k(name: &'static str, kind: Kind) -> Key {
+    Key {
+        name,
+        kind,
+        extension: false,
+    }
+}
+const fn ext(name: &'static str, kind: Kind) -> Key {
+    Key {
+        name,
+        kind,
+        extension: true,
+    }
+}
+
+/// Model names of the seed's registry that this schema knows; the V3 family runs here.
+pub const MODEL_NAMES: &[&str] = &[
+    "deepseek_r1",
+    "deepseek_v3",
+    "kimi_k2",
+    "kimi_k2_thinking",
+    "deepseek_v4",
+];
+/// Of [`MODEL_NAMES`], the ones cachalot runs today.
+pub const MODEL_NAMES_RUNNABLE: &[&str] =
+    &["deepseek_r1", "deepseek_v3", "kimi_k2", "kimi_k2_thinking"];
+pub const DATASETS: &[&str] = &["default", "LongBench", "InfiniteBench"];
+
+const MODEL_KEYS: &[Key] = &[
+    k("model_name", Kind::OneOf(MODEL_NAMES)),
+    k("model_path", Kind::Str),
+    k("output_path", Kind::Str),
+    k("dtype", Kind::Str),
+    k("with_ckpt", Kind::Bool),
+    k("next_n", Kind::Int(0)),
+    k("platform_version", Kind::OneOf(&["A2", "A3", "950"])),
+    k(
+        "exe_mode",
+        Kind::OneOf(&["eager", "ge_graph", "npugraph_ex"]),
+    ),
+    k("enable_cache_compile", Kind::Bool),
+    k("enable_static_kernel", Kind::Bool),
+    k("enable_dynamic_graph", Kind::Bool),
+    k("force_eplb", Kind::Bool),
+    k("enable_profiler", Kind::Bool),
+    k("enable_weight_nz", Kind::Bool),
+    k("enable_hadamard", Kind::Bool),
+    k("hadamard_weight_path", Kind::Str),
+    k("custom_params", Kind::AnyMap),
+];
+const DATA_KEYS: &[Key] = &[
+    k("dataset", Kind::OneOf(DATASETS)),
+    k("dataset_path", Kind::Str),
+    k("input_truncated_len", Kind::Int(1)),
+    k("temperature", Kind::Float(0.0, f64::INFINITY)),
+    k("top_p", Kind::Float(0.0, 1.0)),
+    k("top_k", Kind::Int(0)),
+    k("seed", Kind::IntOrNull(0)),
+    ext("num_requests", Kind::Int(1)),
+    ext("ignore_eos", Kind::Bool),
+];
+const PARALLEL_KEYS: &[Key] = &[
+    k("world_size", Kind::Int(1)),
+    k("attn_tp_size", Kind::Int(1)),
+    k("embed_tp_size", Kind::Int(1)),
+    k("lmhead_tp_size", Kind::Int(1)),
+    k("dense_tp_size", Kind::Int(1)),
+    k("moe_tp_size", Kind::Int(1)),
+    k("shared_tp_size", Kind::Int(1)),
+    k("o_proj_tp_size", Kind::Int(1)),
+    k("cp_size", Kind::Int(1)),
+    k("offline_prefill_dp_group_size", Kind::Int(1)),
+    // Derived by the seed (`world_size / moe_tp_size`) and ignored when given; one of its
+    // shipped configs sets it. Accepted here, and checked against the derived value.
+    k("moe_ep_size", Kind::Int(1)),
+];
+const SCHEDULER_KEYS: &[Key] = &[
+    k("batch_size", Kind::Int(1)),
+    k("max_new_tokens", Kind::Int(1)),
+    k("max_prefill_tokens", Kind::Int(0)),
+    k("mem_fraction_static", Kind::Float(0.0, 1.0)),
+    k("block_size", Kind::Int(1)),
+    k("num_reserved_decode_tokens", Kind::Int(0)),
+    k("cp_mini_batch", Kind::Int(i64::MIN)),
+];
+
+/// The sections and their keys.
+pub const SECTIONS: &[(&str, &[Key])] = &[
+    ("model_config", MODEL_KEYS),
+    ("data_config", DATA_KEYS),
+    ("parallel_config", PARALLEL_KEYS),
+    ("scheduler_config", SCHEDULER_KEYS),
+];
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ModelConfig {
+    pub model_name: String,
+    pub model_path: String,
+    pub output_path: String,
+    pub dtype: String,
+    pub with_ckpt: bool,
+    pub next_n: usize,
+    pub platform_version: Option<String>,
+    pub exe_mode: String,
+    pub enable_cache_compile: bool,
+    pub enable_static_kernel: bool,
+    pub enable_dynamic_graph: bool,
+    pub force_eplb: bool,
+    pub enable_profiler: bool,
+    pub enable_weight_nz: bool,
+    pub enable_hadamard: bool,
+    pub hadamard_weight_path: String,
+    pub custom_params: Map<String, Value>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            model_name: "model".into(),
+            model_path: String::new(),
+            output_path: String::new(),
+            dtype: "bfloat16".into(),
+            with_ckpt: true,
+            next_n: 0,
+            platform_version: None,
+            exe_mode: "eager".into(),
+            enable_cache_compile: false,
+            enable_static_kernel: false,
+            enable_dynamic_graph: true,
+            force_eplb: false,
+            enable_profiler: false,
+            enable_weight_nz: true,
+            enable_hadamard: false,
+            hadamard_weight_path: String::new(),
+            custom_params: Map::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DataConfig {
+    pub dataset: String,
+    pub dataset_path: String,
+    pub input_truncated_len: usize,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: usize,
+    pub seed: Option<u64>,
+    /// cachalot: requests in the run (the prompt list repeated or cut to it); default
+    /// `batch_size`, as the seed.
+    pub num_requests: Option<usize>,
+    /// cachalot: the seed's fixed-length mode (every request generates `max_new_tokens`).
+    pub ignore_eos: bool,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            dataset: "default".into(),
+            dataset_path: String::new(),
+            input_truncated_len: 256,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            num_requests: None,
+            ignore_eos: false,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ParallelConfig {
+    pub world_size: usize,
+    pub attn_tp_size: usize,
+    pub embed_tp_size: usize,
+    pub lmhead_tp_size: usize,
+    pub dense_tp_size: usize,
+    pub moe_tp_size: usize,
+    pub shared_tp_size: usize,
+    pub o_proj_tp_size: usize,
+    pub cp_size: usize,
+    pub offline_prefill_dp_group_size: usize,
+    pub moe_ep_size: Option<usize>,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        ParallelConfig {
+            world_size: 1,
+            attn_tp_size: 1,
+            embed_tp_size: 1,
+            lmhead_tp_size: 1,
+            dense_tp_size: 1,
+            moe_tp_size: 1,
+            shared_tp_size: 1,
+            o_proj_tp_size: 1,
+            cp_size: 1,
+            offline_prefill_dp_group_size: 1,
+            moe_ep_size: None,
+        }
+    }
+}
+
+impl ParallelConfig {
+    /// Independent request shards (`world_size / attn_tp_size`).
+    pub fn attn_dp_size(&self) -> usize {
+        self.world_size / self.attn_tp_size.max(1)
+    }
+    /// Expert-parallel degree (`world_size / moe_tp_size`).
+    pub fn moe_ep_size(&self) -> usize {
+        self.world_size / self.moe_tp_size.max(1)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfig {
+    pub batch_size: usize,
+    pub max_new_tokens: usize,
+    /// 0: derived (`input_truncated_len × batch_size_per_dp_rank`).
+    pub max_prefill_tokens: usize,
+    pub mem_fraction_static: f64,
+    pub block_size: usize,
+    pub num_reserved_decode_tokens: usize,
+    pub cp_mini_batch: i64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            batch_size: 1,
+            max_new_tokens: 32,
+            max_prefill_tokens: 0,
+            mem_fraction_static: 0.85,
+            block_size: 128,
+            num_reserved_decode_tokens: 64,
+            cp_mini_batch: -1,
+        }
+    }
+}
+
+/// A parsed and validated run config.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RunConfig {
+    pub model_config: ModelConfig,
+    pub data_config: DataConfig,
+    pub parallel_config: ParallelConfig,
+    pub scheduler_config: SchedulerConfig,
+}
+
+impl RunConfig {
+    pub fn batch_size_per_dp_rank(&self) -> usize {
+        self.scheduler_config.batch_size / self.parallel_config.attn_dp_size().max(1)
+    }
+
+    /// `max_prefill_tokens`, or the seed's derived value when it is 0 (§1.6).
+    pub fn max_prefill_tokens(&self) -> usize {
+        match self.scheduler_config.max_prefill_tokens {
+            0 => self.data_config.input_truncated_len * self.batch_size_per_dp_rank().max(1),
+            n => n,
+        }
+    }
+
+    /// Longest a request gets offline: prompt + output (+ MTP drafts), §1.6.
+    pub fn max_total_len(&self) -> usize {
+        let n = self.model_config.next_n;
+        self.data_config.input_truncated_len + self.scheduler_config.max_new_tokens * (n + 1) + n
+    }
+
+    /// Requests in the run.
+    pub fn num_requests(&self) -> usize {
+        self.data_config
+            .num_requests
+            .unwrap_or(self.scheduler_config.batch_size)
+    }
+}
+
+/// One problem in a config: where (line, key path) and what.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigIssue {
+    pub line: Option<usize>,
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigIssue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(l) => write!(f, "line {l}: {}: {}", self.path, self.message),
+            None => write!(f, "{}: {}", self.path, self.message),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not valid YAML: {message}")]
+    Syntax { path: PathBuf, message: String },
+    #[error("{}", format_issues(path, issues))]
+    Invalid {
+        path: PathBuf,
+        issues: Vec<ConfigIssue>,
+    },
+}
+
+fn format_issues(path: &Path, issues: &[ConfigIssue]) -> String {
+    let mut s = format!(
+        "{}: {} problem{} in the run config",
+        path.display(),
+        issues.len(),
+        if issues.len() == 1 { "" } else { "s" }
+    );
+    for i in issues {
+        s.push_str("\n  ");
+        s.push_str(&i.to_string());
+    }
+    s
+}
+
+impl RunConfig {
+    /// Reads and validates a YAML file.
+    pub fn from_file(path: &Path) -> Result<RunConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        RunConfig::from_yaml(&text, path)
+    }
+
+    /// Parses and validates YAML text; `origin` names it in errors.
+    pub fn from_yaml(text: &str, origin: &Path) -> Result<RunConfig, ConfigError> {
+        let value: Value = if text.trim().is_empty() {
+            Value::Object(Map::new())
+        } else {
+            serde_saphyr::from_str(text).map_err(|e| ConfigError::Syntax {
+                path: origin.to_path_buf(),
+                message: e.to_string(),
+            })?
+        };
+        let value = match value {
+            Value::Null => Value::Object(Map::new()),
+            v => v,
+        };
+        let mut issues = Vec::new();
+        check_schema(&value, text, &mut issues);
+        if !issues.is_empty() {
+            return Err(ConfigError::Invalid {
+                path: origin.to_path_buf(),
+                issues,
+            });
+        }
+        let cfg: RunConfig = serde_json::from_value(value).map_err(|e| ConfigError::Invalid {
+            path: origin.to_path_buf(),
+            issues: vec![ConfigIssue {
+                line: None,
+                path: "(config)".into(),
+                message: e.to_string(),
+            }],
+        })?;
+        cfg.check_consistency(text, &mut issues);
+        if !issues.is_empty() {
+            return Err(ConfigError::Invalid {
+                path: origin.to_path_buf(),
+                issues,
+            });
+        }
+        Ok(cfg)
+    }
+
+    fn check_consistency(&self, text: &str, issues: &mut Vec<ConfigIssue>) {
+        let mut add = |section: &str, key: &str, message: String| {
+            issues.push(ConfigIssue {
+                line: find_line(text, section, Some(key)),
+                path: format!("{section}.{key}"),
+                message,
+            })
+        };
+        let p = &self.parallel_config;
+        let ws = p.world_size;
+        for (name, size) in [
+            ("attn_tp_size", p.attn_tp_size),
+            ("embed_tp_size", p.embed_tp_size),
+            ("lmhead_tp_size", p.lmhead_tp_size),
+            ("dense_tp_size", p.dense_tp_size),
+            ("moe_tp_size", p.moe_tp_size),
+            ("shared_tp_size", p.shared_tp_size),
+            ("o_proj_tp_size", p.o_proj_tp_size),
+            ("cp_size", p.cp_size),
+            (
+                "offline_prefill_dp_group_size",
+                p.offline_prefill_dp_group_size,
+            ),
+        ] {
+            if ws % size != 0 {
+                add(
+                    "parallel_config",
+                    name,
+                    format!("{size} does not divide world_size {ws}"),
+                );
+            }
+        }
+        if p.cp_size > 1 && (p.cp_size != ws || p.attn_tp_size != 1) {
+            add(
+                "parallel_config",
+                "cp_size",
+                format!(
+                    "context parallelism needs cp_size == world_size ({ws}) and attn_tp_size == 1 \
+                     (got cp_size {}, attn_tp_size {})",
+                    p.cp_size, p.attn_tp_size
+                ),
+            );
+        }
+        if let Some(ep) = p.moe_ep_size {
+            if ws % p.moe_tp_size == 0 && ep != p.moe_ep_size() {
+                add(
+                    "parallel_config",
+                    "moe_ep_size",
+                    format!(
+                        "{ep} contradicts world_size {ws} / moe_tp_size {} = {} (it is derived; \
+                         leave it out)",
+                        p.moe_tp_size,
+                        p.moe_ep_size()
+                    ),
+                );
+            }
+        }
+        let dp = p.attn_dp_size();
+        let s = &self.scheduler_config;
+        if ws % p.attn_tp_size == 0 && p.cp_size == 1 && dp > 1 && s.batch_size % dp != 0 {
+            add(
+                "scheduler_config",
+                "batch_size",
+                format!(
+                    "{} is not a multiple of the attention data-parallel size {dp} \
+                     (world_size {ws} / attn_tp_size {})",
+                    s.batch_size, p.attn_tp_size
+                ),
+            );
+        }
+        let g = p.offline_prefill_dp_group_size;
+        if g > 1 && dp > 0 && (s.batch_size / dp) % g != 0 {
+            add(
+                "parallel_config",
+                "offline_prefill_dp_group_size",
+                format!(
+                    "{g} does not divide batch_size per DP rank {}",
+                    s.batch_size / dp
+                ),
+            );
+        }
+        let m = &self.model_config;
+        if m.enable_static_kernel && m.exe_mode != "npugraph_ex" {
+            add(
+                "model_config",
+                "enable_static_kernel",
+                format!(
+                    "only valid with exe_mode npugraph_ex (exe_mode is {})",
+                    m.exe_mode
+                ),
+            );
+        }
+        if m.next_n > 3 {
+            add(
+                "model_config",
+                "next_n",
+                format!("{} draft tokens; the DeepSeek models allow 0..=3", m.next_n),
+            );
+        }
+        if m.exe_mode == "eager" && m.enable_cache_compile {
+            add(
+                "model_config",
+                "enable_cache_compile",
+                "compile caching needs a graph exe_mode (ge_graph or npugraph_ex), not eager"
+                    .into(),
+            );
+        }
+        if s.mem_fraction_static <= 0.0 {
+            add(
+                "scheduler_config",
+                "mem_fraction_static",
+                format!("{} must be above 0", s.mem_fraction_static),
+            );
+        }
+    }
+}
+
+/// Type and range checks of every key against [`SECTIONS`].
+fn check_schema(value: &Value, text: &str, issues: &mut Vec<ConfigIssue>) {
+    let Value::Object(top) = value else {
+        issues.push(ConfigIssue {
+            line: None,
+            path: "(top level)".into(),
+            message: format!(
+                "expected a mapping of sections ({}), got {}",
+                section_names().join(", "),
+                describe(value)
+            ),
+        });
+        return;
+    };
+    for (name, body) in top {
+        let Some((_, keys)) = SECTIONS.iter().find(|(s, _)| s == name) else {
+            issues.push(ConfigIssue {
+                line: find_line(text, name, None),
+                path: name.clone(),
+                message: unknown(name, &section_names(), "section"),
+            });
+            continue;
+        };
+        let body = match body {
+            Value::Null => continue,
+            Value::Object(m) => m,
+            other => {
+                issues.push(ConfigIssue {
+                    line: find_line(text, name, None),
+                    path: name.clone(),
+                    message: format!("expected a mapping of keys, got {}", describe(other)),
+                });
+                continue;
+            }
+        };
+        let valid: Vec<&str> = keys.iter().map(|k| k.name).collect();
+        for (key, v) in body {
+            let path = format!("{name}.{key}");
+            let line = find_line(text, name, Some(key));
+            let Some(spec) = keys.iter().find(|k| k.name == key) else {
+                issues.push(ConfigIssue {
+                    line,
+                    path,
+                    message: unknown(key, &valid, "key"),
+                });
+                continue;
+            };
+            if let Some(message) = check_value(spec.kind, v) {
+                issues.push(ConfigIssue {
+                    line,
+                    path,
+                    message,
+                });
+            }
+        }
+    }
+}
+
+fn section_names() -> Vec<&'static str> {
+    SECTIONS.iter().map(|(s, _)| *s).collect()
+}
+
+fn unknown(name: &str, valid: &[&str], what: &str) -> String {
+    let closest = valid
+        .iter()
+        .map(|v| (strsim::jaro_winkler(name, v), *v))
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .filter(|(score, _)| *score >= 0.8);
+    let hint = match closest {
+        Some((_, v)) => format!("did you mean `{v}`? "),
+        None => String::new(),
+    };
+    format!("unknown {what}; {hint}valid {what}s: {}", valid.join(", "))
+}
+
+fn describe(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(b) => format!("the boolean {b}"),
+        Value::Number(n) => format!("the number {n}"),
+        Value::String(s) => format!("the string {s:?}"),
+        Value::Array(_) => "a list".into(),
+        Value::Object(_) => "a mapping".into(),
+    }
+}
+
+fn check_value(kind: Kind, v: &Value) -> Option<String> {
+    let got = || describe(v);
+    match kind {
+        Kind::Bool => (!v.is_boolean()).then(|| format!("expected true or false, got {}", got())),
+        Kind::Int(min) | Kind::IntOrNull(min) => {
+            if v.is_null() && matches!(kind, Kind::IntOrNull(_)) {
+                return None;
+            }
+            match v.as_i64() {
+                Some(n) if n >= min => None,
+                Some(n) => Some(format!("{n} is out of range: must be >= {min}")),
+                None => Some(format!(
+                    "expected an integer{}, got {}",
+                    if min > i64::MIN {
+                        format!(" >= {min}")
+                    } else {
+                        String::new()
+                    },
+                    got()
+                )),
+            }
+        }
+        Kind::Float(min, max) => match v.as_f64() {
+            Some(x) if x >= min && x <= max => None,
+            Some(x) if max.is_finite() => {
+                Some(format!("{x} is out of range: must be in [{min}, {max}]"))
+            }
+            Some(x) => Some(format!("{x} is out of range: must be >= {min}")),
+            None => Some(format!("expected a number, got {}", got())),
+        },
+        Kind::Str => (!v.is_string()).then(|| format!("expected a string, got {}", got())),
+        Kind::OneOf(allowed) => match v.as_str() {
+            Some(s) if allowed.contains(&s) => None,
+            _ => Some(format!(
+                "expected one of {}, got {}",
+                allowed.join(", "),
+                got()
+            )),
+        },
+        Kind::AnyMap => {
+            (!v.is_object() && !v.is_null()).then(|| format!("expected a mapping, got {}", got()))
+        }
+    }
+}
+
+/// 1-based line of `section:` (at column 0), or of `key:` indented under it.
+fn find_line(text: &str, section: &str, key: Option<&str>) -> Option<usize> {
+    let mut in_section = false;
+    for (i, line) in text.lines().enumerate() {
+        let indented = line.starts_with(' ') || line.starts_with('\t');
+        let trimmed = line.trim_start();
+        if !indented && !trimmed.is_empty() && !trimmed.starts_with('#') {
+            let is_it = trimmed
+                .strip_prefix(section)
+                .is_some_and(|r| r.trim_start().starts_with(':'));
+            if is_it && key.is_none() {
+                return Some(i + 1);
+            }
+            in_section = is_it;
+        } else if in_section {
+            if let Some(key) = key {
+                if trimmed
+                    .strip_prefix(key)
+                    .is_some_and(|r| r.trim_start().starts_with(':'))
+                {
+                    return Some(i + 1);
+                }
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_config_is_all_defaults() {
+        let c = RunConfig::from_yaml("", Path::new("x.yaml")).unwrap();
+        assert_eq!(c, RunConfig::default());
+        assert_eq!(c.max_prefill_tokens(), 256);
+        assert_eq!(c.max_total_len(), 256 + 32);
+    }
+
+    #[test]
+    fn derived_values_follow_the_seed() {
+        let y = "parallel_config: {world_size: 16, attn_tp_size: 1}\n\
+                 scheduler_config: {batch_size: 64}\nmodel_config: {next_n: 1}\n";
+        let c = RunConfig::from_yaml(y, Path::new("x.yaml")).unwrap();
+        assert_eq!(c.batch_size_per_dp_rank(), 4);
+        assert_eq!(c.max_prefill_tokens(), 1024);
+        assert_eq!(c.max_total_len(), 256 + 64 + 1);
+        assert_eq!(c.num_requests(), 64);
+    }
+
+    #[test]
+    fn lines_are_found() {
+        let y = "a:\n  x: 1\nb:\n  # c\n  x: 2\n";
+        assert_eq!(find_line(y, "b", Some("x")), Some(5));
+        assert_eq!(find_line(y, "b", None), Some(3));
+        assert_eq!(find_line(y, "c", None), None);
+    }
+}

@@ -1,0 +1,339 @@
+//! Prompts of an offline run (spec `executor.md` §2.3): `default` (`default_prompt.json`),
+//! `LongBench` and `InfiniteBench` from local files, the seed's summarisation wrapper for the
+//! long-context sets, the chat template, and right-truncation to `input_truncated_len`.
+
+use std::path::{Path, PathBuf};
+
+use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatasetError {
+    #[error("{path}: {why}")]
+    File { path: PathBuf, why: String },
+    #[error("{0}")]
+    Missing(String),
+    #[error(transparent)]
+    Model(#[from] cachalot_model::ModelError),
+}
+
+/// The seed's LongBench subsets (`data_utils.py`), then the 13 English `_e` ones.
+pub const LONGBENCH_SUBSETS: &[&str] = &[
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "multifieldqa_zh",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "dureader",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "vcsum",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "lsht",
+    "passage_count",
+    "passage_retrieval_en",
+    "passage_retrieval_zh",
+    "lcc",
+    "repobench-p",
+];
+pub const LONGBENCH_E_SUBSETS: &[&str] = &[
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+];
+
+pub const SUMMARY_PREFIX: &str =
+    "Please read a part of the book below, and then give me the summary.\n[start of the book]\n";
+
+pub fn summary_suffix(max_new_tokens: usize) -> String {
+    format!(
+        "[end of the book]\n\nNow you have read it. Please summarize it for me. First, tell me \
+         the title and the author, and then tell the story in {max_new_tokens} words.\n\n "
+    )
+}
+
+/// Prompts as loaded, plus notes for the run log (skipped subsets).
+pub struct Loaded {
+    pub prompts: Vec<String>,
+    pub notes: Vec<String>,
+}
+
+/// Loads the prompts of `dataset` under `base` (the `dataset_path`, or `dataset/`).
+pub fn load(dataset: &str, base: &Path) -> Result<Loaded, DatasetError> {
+    match dataset {
+        "default" => Ok(Loaded {
+            prompts: default_prompts(&base.join("default_prompt.json"))?,
+            notes: Vec::new(),
+        }),
+        "LongBench" => longbench(&base.join("LongBench")),
+        "InfiniteBench" => {
+            let path = base.join("InfiniteBench").join("longbook_qa_eng.jsonl");
+            if !path.is_file() {
+                return Err(DatasetError::Missing(format!(
+                    "InfiniteBench: {} is missing; put longbook_qa_eng.jsonl of the \
+                     InfiniteBench data set (xinrongzhang2022/InfiniteBench) there, or point \
+                     data_config.dataset_path at the directory holding InfiniteBench/",
+                    path.display()
+                )));
+            }
+            Ok(Loaded {
+                prompts: contexts(&path)?,
+                notes: Vec::new(),
+            })
+        }
+        other => Err(DatasetError::Missing(format!(
+            "unknown dataset {other:?}; use default, LongBench or InfiniteBench"
+        ))),
+    }
+}
+
+/// `{"text": "…"}` or `{"text": ["…", …]}`.
+pub fn default_prompts(path: &Path) -> Result<Vec<String>, DatasetError> {
+    let err = |why: String| DatasetError::File {
+        path: path.to_path_buf(),
+        why,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        err(format!(
+            "cannot read the default prompts ({e}); it holds {{\"text\": \"…\"}} or \
+             {{\"text\": [\"…\", …]}} — see dataset/default_prompt.json in the repository"
+        ))
+    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| err(format!("not valid JSON: {e}")))?;
+    let prompts: Vec<String> = match v.get("text") {
+        Some(serde_json::Value::String(s)) => vec![s.clone()],
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                x.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| err(format!("text[{i}] is not a string")))
+            })
+            .collect::<Result<_, _>>()?,
+        _ => {
+            return Err(err(
+                "expected an object with \"text\": a string or a list of strings".into(),
+            ))
+        }
+    };
+    if prompts.is_empty() {
+        return Err(err("\"text\" is an empty list".into()));
+    }
+    Ok(prompts)
+}
+
+fn longbench(dir: &Path) -> Result<Loaded, DatasetError> {
+    let mut prompts = Vec::new();
+    let mut missing = Vec::new();
+    let names = LONGBENCH_SUBSETS
+        .iter()
+        .map(|s| s.to_string())
+        .chain(LONGBENCH_E_SUBSETS.iter().map(|s| format!("{s}_e")));
+    for name in names {
+        let file = format!("{name}.jsonl");
+        match [dir.join(&file), dir.join("data").join(&file)]
+            .into_iter()
+            .find(|p| p.is_file())
+        {
+            Some(p) => prompts.extend(contexts(&p)?),
+            None => missing.push(name),
+        }
+    }
+    if prompts.is_empty() {
+        return Err(DatasetError::Missing(format!(
+            "LongBench: no subset found in {}; unpack THUDM/LongBench's data.zip there (files \
+             like {0}/data/narrativeqa.jsonl or {0}/narrativeqa.jsonl), or point \
+             data_config.dataset_path at the directory holding LongBench/",
+            dir.display()
+        )));
+    }
+    let notes = if missing.is_empty() {
+        Vec::new()
+    } else {
+        vec![format!(
+            "LongBench: {} of {} subsets not found in {} and skipped: {}",
+            missing.len(),
+            LONGBENCH_SUBSETS.len() + LONGBENCH_E_SUBSETS.len(),
+            dir.display(),
+            missing.join(", ")
+        )]
+    };
+    Ok(Loaded { prompts, notes })
+}
+
+/// The `context` field of every line of a JSON-lines file.
+fn contexts(path: &Path) -> Result<Vec<String>, DatasetError> {
+    let text = std::fs::read_to_string(path).map_err(|e| DatasetError::File {
+        path: path.to_path_buf(),
+        why: e.to_string(),
+    })?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| DatasetError::File {
+            path: path.to_path_buf(),
+            why: format!("line {}: not valid JSON: {e}", i + 1),
+        })?;
+        match v.get("context").and_then(|c| c.as_str()) {
+            Some(c) => out.push(c.to_string()),
+            None => {
+                return Err(DatasetError::File {
+                    path: path.to_path_buf(),
+                    why: format!("line {}: no string field \"context\"", i + 1),
+                })
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The list repeated or cut to `n` (the seed's padding of a batch with repeats).
+pub fn repeat_to(prompts: &[String], n: usize) -> Vec<String> {
+    prompts.iter().cycle().take(n).cloned().collect()
+}
+
+/// A prompt ready for the engine: the text sent (after wrapping and templating) and its ids.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prepared {
+    pub text: String,
+    pub ids: Vec<u32>,
+    /// Tokens cut off by `input_truncated_len`.
+    pub truncated: usize,
+}
+
+/// Turns prompts into token ids the seed's way: (for the long-context sets) the context cut to
+/// fit the summarisation wrapper, every prompt a user message through the chat template when
+/// there is one, then right-truncation to `max_len` tokens.
+pub struct PromptBuilder<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub template: Option<&'a ChatTemplate>,
+    pub max_len: usize,
+}
+
+impl PromptBuilder<'_> {
+    fn render(&self, user: &str) -> Result<String, DatasetError> {
+        Ok(match self.template {
+            Some(t) => t.render(&[Message::new("user", user)], true)?,
+            None => user.to_string(),
+        })
+    }
+
+    pub fn prepare(&self, prompt: &str) -> Result<Prepared, DatasetError> {
+        let text = self.render(prompt)?;
+        let mut ids = self.tokenizer.encode(&text)?;
+        let truncated = ids.len().saturating_sub(self.max_len);
+        ids.truncate(self.max_len);
+        Ok(Prepared {
+            text,
+            ids,
+            truncated,
+        })
+    }
+
+    /// The summarisation wrapper around a long context (LongBench, InfiniteBench).
+    pub fn prepare_summary(
+        &self,
+        context: &str,
+        max_new_tokens: usize,
+    ) -> Result<Prepared, DatasetError> {
+        let suffix = summary_suffix(max_new_tokens);
+        let wrapper = self
+            .tokenizer
+            .encode(&self.render(&format!("{SUMMARY_PREFIX}{suffix}"))?)?
+            .len();
+        let keep = self.max_len.saturating_sub(wrapper);
+        let mut ctx = self.tokenizer.encode(context)?;
+        ctx.truncate(keep);
+        let kept = self.tokenizer.decode(&ctx)?;
+        self.prepare(&format!("{SUMMARY_PREFIX}{kept}{suffix}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_prompts_take_a_string_or_a_list() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("default_prompt.json");
+        std::fs::write(&p, r#"{"text": "one"}"#).unwrap();
+        assert_eq!(default_prompts(&p).unwrap(), vec!["one"]);
+        std::fs::write(&p, r#"{"text": ["a", "b"]}"#).unwrap();
+        assert_eq!(default_prompts(&p).unwrap(), vec!["a", "b"]);
+        std::fs::write(&p, r#"{"text": [1]}"#).unwrap();
+        assert!(default_prompts(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("text[0] is not a string"));
+        std::fs::write(&p, r#"{"txt": "x"}"#).unwrap();
+        assert!(default_prompts(&p).is_err());
+    }
+
+    #[test]
+    fn missing_datasets_say_where_to_put_them() {
+        let d = tempfile::tempdir().unwrap();
+        let e = load("default", d.path()).err().unwrap().to_string();
+        assert!(e.contains("default_prompt.json"), "{e}");
+        let e = load("LongBench", d.path()).err().unwrap().to_string();
+        assert!(e.contains("LongBench/data/narrativeqa.jsonl"), "{e}");
+        let e = load("InfiniteBench", d.path()).err().unwrap().to_string();
+        assert!(e.contains("InfiniteBench/longbook_qa_eng.jsonl"), "{e}");
+    }
+
+    #[test]
+    fn longbench_reads_present_subsets_and_notes_the_rest() {
+        let d = tempfile::tempdir().unwrap();
+        let lb = d.path().join("LongBench/data");
+        std::fs::create_dir_all(&lb).unwrap();
+        std::fs::write(
+            lb.join("qasper.jsonl"),
+            "{\"context\": \"c1\", \"input\": \"q\"}\n{\"context\": \"c2\"}\n",
+        )
+        .unwrap();
+        std::fs::write(lb.join("trec_e.jsonl"), "{\"context\": \"c3\"}\n").unwrap();
+        let l = load("LongBench", d.path()).unwrap();
+        assert_eq!(l.prompts, vec!["c1", "c2", "c3"]);
+        assert!(
+            l.notes[0].starts_with("LongBench: 32 of 34 subsets"),
+            "{:?}",
+            l.notes
+        );
+        let ib = d.path().join("InfiniteBench");
+        std::fs::create_dir_all(&ib).unwrap();
+        std::fs::write(
+            ib.join("longbook_qa_eng.jsonl"),
+            "{\"context\": \"book\"}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            load("InfiniteBench", d.path()).unwrap().prompts,
+            vec!["book"]
+        );
+    }
+
+    #[test]
+    fn repeat_to_cycles() {
+        let p: Vec<String> = vec!["a".into(), "b".into()];
+        assert_eq!(repeat_to(&p, 5), vec!["a", "b", "a", "b", "a"]);
+        assert_eq!(repeat_to(&p, 1), vec!["a"]);
+    }
+}

@@ -1,0 +1,512 @@
+//! An offline run (spec `executor.md` §2): a YAML config's model, dataset and scheduler settings
+//! through the engine, with the figures written to `res/<run-id>/`: `summary.json`,
+//! `requests.jsonl` (prompt, output, timings per request) and `run.log` (one line per step).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use cachalot_engine::engine::kv_bytes_per_block;
+use cachalot_engine::metrics::Distribution;
+use cachalot_engine::{
+    Engine, EngineConfig, Model, Request, RequestOutput, SamplingParams, StopConditions,
+};
+use cachalot_model::tokenizer::{ChatTemplate, Tokenizer};
+use cachalot_model::{DeepseekV3, Fp8Mode, LoadOptions};
+use serde::Serialize;
+
+use crate::config::{RunConfig, MODEL_NAMES_RUNNABLE};
+use crate::dataset::{self, PromptBuilder};
+
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// Settings of a run that are not in the YAML.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// The YAML file (names the run and resolves nothing else).
+    pub config_path: PathBuf,
+    /// Where `res/` goes.
+    pub res_dir: PathBuf,
+    /// KV pool size in blocks (null block included), instead of the seed's sizing.
+    pub kv_blocks: Option<usize>,
+    /// Overrides `data_config.num_requests`.
+    pub num_requests: Option<usize>,
+    /// A chat template (tokenizer_config.json or Jinja) instead of the model's.
+    pub chat_template: Option<PathBuf>,
+    pub progress: bool,
+    pub fp8: Fp8Mode,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Throughput {
+    /// Generated tokens over the run's wall time.
+    pub output_tok_s: f64,
+    /// Prompt and generated tokens over the run's wall time.
+    pub total_tok_s: f64,
+    /// `output_tok_s` per rank (one process = one rank here).
+    pub output_tok_s_per_rank: f64,
+    /// Prompt tokens over the forward time of steps that carried prompt work.
+    pub prefill_tok_s: f64,
+    /// Generated tokens per second in pure decode steps (`decode tokens / decode step time`).
+    pub decode_tok_s: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub run_id: String,
+    pub config: String,
+    pub model_name: String,
+    pub model_path: String,
+    pub dataset: String,
+    pub requests: usize,
+    pub batch_size: usize,
+    pub max_prefill_tokens: usize,
+    pub max_new_tokens: usize,
+    pub ignore_eos: bool,
+    /// Processes that ran (the config's `world_size` is recorded beside it).
+    pub ranks: usize,
+    pub world_size_in_config: usize,
+    pub threads: usize,
+    pub load_s: f64,
+    pub wall_s: f64,
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub throughput: Throughput,
+    pub ttft_s: Distribution,
+    pub tpot_s: Distribution,
+    pub e2e_s: Distribution,
+    pub steps: usize,
+    pub mean_decode_step_ms: f64,
+    pub preemptions: usize,
+    pub kv_block_size: usize,
+    pub kv_capacity_blocks: usize,
+    pub kv_peak_blocks: usize,
+    pub kv_peak_fraction: f64,
+    pub kv_cache_bytes: usize,
+    pub finish_reasons: std::collections::BTreeMap<String, usize>,
+}
+
+pub struct RunResult {
+    pub summary: Summary,
+    pub dir: PathBuf,
+    pub outputs: Vec<RequestOutput>,
+}
+
+/// Memory the system reports available (`MemAvailable`), if it says.
+fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// `YYYYMMDD-HHMMSS` in UTC.
+fn timestamp() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+fn new_run_dir(res: &Path, model_name: &str, config: &Path) -> std::io::Result<(String, PathBuf)> {
+    let stem = config
+        .file_stem()
+        .map_or("run".into(), |s| s.to_string_lossy().into_owned());
+    let base = format!("{}_{model_name}_{stem}", timestamp());
+    for n in 0.. {
+        let id = if n == 0 {
+            base.clone()
+        } else {
+            format!("{base}-{n}")
+        };
+        let dir = res.join(&id);
+        if !dir.exists() {
+            std::fs::create_dir_all(&dir)?;
+            return Ok((id, dir));
+        }
+    }
+    unreachable!()
+}
+
+/// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
+pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
+    let m = &cfg.model_config;
+    if !MODEL_NAMES_RUNNABLE.contains(&m.model_name.as_str()) {
+        return Err(format!(
+            "model_config.model_name {:?} does not run here yet (runs: {})",
+            m.model_name,
+            MODEL_NAMES_RUNNABLE.join(", ")
+        )
+        .into());
+    }
+    if !m.with_ckpt {
+        return Err(
+            "model_config.with_ckpt: false (random weights) is not supported; \
+                    point model_path at a checkpoint"
+                .into(),
+        );
+    }
+    let model_dir = PathBuf::from(&m.model_path);
+    if !model_dir.join("config.json").is_file() {
+        let hint = if m.model_path.starts_with("assets/") {
+            " (the small model shipped in assets/ is not there yet — issue 4; the tiny \
+             fixture model runs with `cachalot run --model tiny --yaml r1_tiny.yaml`)"
+        } else {
+            ""
+        };
+        return Err(format!(
+            "model_config.model_path {:?}: no config.json there{hint}",
+            m.model_path
+        )
+        .into());
+    }
+    let (run_id, dir) = new_run_dir(&opts.res_dir, &m.model_name, &opts.config_path)?;
+    let mut log = std::fs::File::create(dir.join("run.log"))?;
+    let t_start = Instant::now();
+    macro_rules! logln {
+        ($($a:tt)*) => {{
+            let line = format!($($a)*);
+            writeln!(log, "[{:9.3}s] {line}", t_start.elapsed().as_secs_f64())?;
+        }};
+    }
+    logln!("config {}", opts.config_path.display());
+    logln!("{}", serde_json::to_string(cfg)?);
+
+    let t_load = Instant::now();
+    let model = DeepseekV3::load(
+        &model_dir,
+        LoadOptions {
+            fp8: opts.fp8,
+            load_mtp: false,
+        },
+    )?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    logln!("loaded {} in {load_s:.2}s", model_dir.display());
+    let tokenizer = Tokenizer::from_dir(&model_dir)?;
+    let template = match &opts.chat_template {
+        Some(f) => Some(ChatTemplate::from_file(f)?),
+        None => tokenizer.chat_template()?,
+    };
+    if template.is_none() {
+        logln!("no chat template: prompts are sent as raw text");
+    }
+
+    // Prompts.
+    let d = &cfg.data_config;
+    let base = if d.dataset_path.is_empty() {
+        PathBuf::from("dataset")
+    } else {
+        PathBuf::from(&d.dataset_path)
+    };
+    let loaded = dataset::load(&d.dataset, &base)?;
+    for n in &loaded.notes {
+        logln!("{n}");
+    }
+    let n_req = opts.num_requests.unwrap_or(cfg.num_requests());
+    let prompts = dataset::repeat_to(&loaded.prompts, n_req);
+    let builder = PromptBuilder {
+        tokenizer: &tokenizer,
+        template: template.as_ref(),
+        max_len: d.input_truncated_len,
+    };
+    let s = &cfg.scheduler_config;
+    let prepared: Vec<dataset::Prepared> = prompts
+        .iter()
+        .map(|p| {
+            if d.dataset == "default" {
+                builder.prepare(p)
+            } else {
+                builder.prepare_summary(p, s.max_new_tokens)
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    let truncated = prepared.iter().filter(|p| p.truncated > 0).count();
+    if truncated > 0 {
+        logln!(
+            "{truncated} prompts cut to input_truncated_len {}",
+            d.input_truncated_len
+        );
+    }
+
+    // KV pool: the seed's offline sizing, capped by the memory budget.
+    let block_size = s.block_size;
+    let per_block = kv_bytes_per_block(Model::cache_spec(&model), block_size);
+    let seed_blocks = cfg.max_total_len().div_ceil(block_size) * s.batch_size + 1;
+    let num_blocks = match opts.kv_blocks {
+        Some(n) => n,
+        None => {
+            let budget = mem_available().map(|b| (b as f64 * s.mem_fraction_static) as u64);
+            let cap = budget.map_or(usize::MAX, |b| {
+                cachalot_engine::kv_pool::blocks_for_budget(b, per_block)
+            });
+            seed_blocks.min(cap)
+        }
+    };
+    logln!(
+        "KV pool: {num_blocks} blocks of {block_size} tokens ({} bytes each; seed sizing {seed_blocks})",
+        per_block
+    );
+
+    let stop_ids = StopConditions::model_eos(&model, Some(&tokenizer), &model_dir);
+    let engine_cfg = EngineConfig {
+        block_size,
+        num_blocks,
+        batch_size: s.batch_size,
+        max_prefill_tokens: cfg.max_prefill_tokens(),
+    };
+    let mut engine = Engine::new(&model, Some(&tokenizer), engine_cfg)?;
+    let mut prompt_tokens = 0;
+    for (i, p) in prepared.iter().enumerate() {
+        prompt_tokens += p.ids.len();
+        let params = SamplingParams {
+            temperature: d.temperature as f32,
+            top_k: d.top_k,
+            top_p: d.top_p as f32,
+            seed: d.seed.map(|s| s.wrapping_add(i as u64)),
+            ..SamplingParams::greedy()
+        };
+        engine.add_request(Request {
+            prompt: p.ids.clone(),
+            params,
+            stop: StopConditions {
+                max_new_tokens: s.max_new_tokens,
+                stop_token_ids: stop_ids.clone(),
+                stop_strings: Vec::new(),
+            },
+            ignore_eos: d.ignore_eos,
+        })?;
+    }
+
+    let bar = if opts.progress {
+        indicatif::ProgressBar::new(n_req as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} requests  {msg}",
+        )?
+        .progress_chars("=> "),
+    );
+    let t_run = Instant::now();
+    let mut outputs = Vec::with_capacity(n_req);
+    let mut step = 0usize;
+    let capacity = engine.stats().kv_capacity_blocks;
+    while engine.has_unfinished() {
+        let r = engine.step()?;
+        step += 1;
+        let done = engine.take_finished();
+        logln!(
+            "step {step}: {} seqs, prefill {} + decode {} tokens, {:.2} ms, KV {}/{capacity}{}",
+            r.seqs,
+            r.prefill_tokens,
+            r.decode_tokens,
+            r.forward_s * 1e3,
+            r.kv_used_blocks,
+            if r.preempted > 0 {
+                format!(", {} preempted", r.preempted)
+            } else {
+                String::new()
+            }
+        );
+        bar.inc(done.len() as u64);
+        let out_tokens: usize = outputs
+            .iter()
+            .chain(done.iter())
+            .map(|o: &RequestOutput| o.tokens.len())
+            .sum();
+        bar.set_message(format!(
+            "{:.1} tok/s, {} running, KV {:.0}%",
+            out_tokens as f64 / t_run.elapsed().as_secs_f64().max(1e-9),
+            engine.scheduler().num_running(),
+            100.0 * r.kv_used_blocks as f64 / capacity as f64
+        ));
+        outputs.extend(done);
+    }
+    bar.finish_and_clear();
+    let wall_s = t_run.elapsed().as_secs_f64();
+    outputs.sort_by_key(|o| o.id);
+
+    // Figures.
+    let stats = engine.stats().clone();
+    let output_tokens: usize = outputs.iter().map(|o| o.tokens.len()).sum();
+    let ttft: Vec<f64> = outputs.iter().map(|o| o.timing.ttft_s).collect();
+    let tpot: Vec<f64> = outputs.iter().filter_map(|o| o.timing.tpot_s).collect();
+    let e2e: Vec<f64> = outputs.iter().map(|o| o.timing.e2e_s).collect();
+    let mut finish_reasons = std::collections::BTreeMap::new();
+    for o in &outputs {
+        *finish_reasons
+            .entry(o.finish.as_str().to_string())
+            .or_insert(0) += 1;
+    }
+    let per = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let output_tok_s = per(output_tokens, wall_s);
+    let summary = Summary {
+        run_id: run_id.clone(),
+        config: opts.config_path.display().to_string(),
+        model_name: m.model_name.clone(),
+        model_path: m.model_path.clone(),
+        dataset: d.dataset.clone(),
+        requests: outputs.len(),
+        batch_size: s.batch_size,
+        max_prefill_tokens: cfg.max_prefill_tokens(),
+        max_new_tokens: s.max_new_tokens,
+        ignore_eos: d.ignore_eos,
+        ranks: 1,
+        world_size_in_config: cfg.parallel_config.world_size,
+        threads: rayon_threads(),
+        load_s,
+        wall_s,
+        prompt_tokens,
+        output_tokens,
+        throughput: Throughput {
+            output_tok_s,
+            total_tok_s: per(output_tokens + prompt_tokens, wall_s),
+            output_tok_s_per_rank: output_tok_s,
+            prefill_tok_s: per(stats.prefill_tokens, stats.prefill_step_s),
+            decode_tok_s: per(stats.decode_tokens, stats.decode_step_s),
+        },
+        ttft_s: Distribution::of(&ttft),
+        tpot_s: Distribution::of(&tpot),
+        e2e_s: Distribution::of(&e2e),
+        steps: stats.steps,
+        mean_decode_step_ms: if stats.decode_steps > 0 {
+            stats.decode_step_s / stats.decode_steps as f64 * 1e3
+        } else {
+            0.0
+        },
+        preemptions: stats.preemptions,
+        kv_block_size: block_size,
+        kv_capacity_blocks: stats.kv_capacity_blocks,
+        kv_peak_blocks: stats.kv_peak_blocks,
+        kv_peak_fraction: stats.kv_peak_blocks as f64 / stats.kv_capacity_blocks as f64,
+        kv_cache_bytes: engine.cache_bytes(),
+        finish_reasons,
+    };
+    std::fs::write(
+        dir.join("summary.json"),
+        serde_json::to_string_pretty(&summary)? + "\n",
+    )?;
+    let mut req_file = std::io::BufWriter::new(std::fs::File::create(dir.join("requests.jsonl"))?);
+    for o in &outputs {
+        let p = &prepared[o.id as usize];
+        let v = serde_json::json!({
+            "id": o.id,
+            "prompt": prompts[o.id as usize],
+            "prompt_text": p.text,
+            "prompt_ids": o.prompt,
+            "prompt_truncated_tokens": p.truncated,
+            "output": o.text,
+            "output_ids": o.tokens,
+            "valid_output_tokens": o.valid_tokens,
+            "finish_reason": o.finish.as_str(),
+            "timing": o.timing,
+        });
+        writeln!(req_file, "{v}")?;
+    }
+    req_file.flush()?;
+    logln!(
+        "done: {} requests, {output_tokens} tokens in {wall_s:.2}s",
+        outputs.len()
+    );
+    Ok(RunResult {
+        summary,
+        dir,
+        outputs,
+    })
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The summary as a small table for the terminal.
+pub fn summary_table(s: &Summary) -> String {
+    let ms = |x: f64| format!("{:.2} ms", x * 1e3);
+    let rows: Vec<(String, String)> = vec![
+        ("run".into(), s.run_id.clone()),
+        (
+            "requests".into(),
+            format!(
+                "{} (batch {}, prefill budget {} tokens)",
+                s.requests, s.batch_size, s.max_prefill_tokens
+            ),
+        ),
+        (
+            "tokens".into(),
+            format!("{} prompt, {} generated", s.prompt_tokens, s.output_tokens),
+        ),
+        ("wall time".into(), format!("{:.2} s", s.wall_s)),
+        (
+            "throughput".into(),
+            format!(
+                "{:.1} generated tok/s ({:.1} per rank, {} rank), {:.1} tok/s with prompts",
+                s.throughput.output_tok_s,
+                s.throughput.output_tok_s_per_rank,
+                s.ranks,
+                s.throughput.total_tok_s
+            ),
+        ),
+        (
+            "prefill".into(),
+            format!("{:.1} tok/s", s.throughput.prefill_tok_s),
+        ),
+        (
+            "TTFT".into(),
+            format!(
+                "mean {}  p50 {}  p99 {}",
+                ms(s.ttft_s.mean),
+                ms(s.ttft_s.p50),
+                ms(s.ttft_s.p99)
+            ),
+        ),
+        (
+            "TPOT".into(),
+            format!(
+                "mean {}  p50 {}  p99 {}",
+                ms(s.tpot_s.mean),
+                ms(s.tpot_s.p50),
+                ms(s.tpot_s.p99)
+            ),
+        ),
+        (
+            "KV peak".into(),
+            format!(
+                "{}/{} blocks of {} ({:.0}%), {} preemptions",
+                s.kv_peak_blocks,
+                s.kv_capacity_blocks,
+                s.kv_block_size,
+                100.0 * s.kv_peak_fraction,
+                s.preemptions
+            ),
+        ),
+        (
+            "finish".into(),
+            s.finish_reasons
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
+    ];
+    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    rows.iter()
+        .map(|(k, v)| format!("{k:<w$}  {v}\n"))
+        .collect()
+}

@@ -1,0 +1,112 @@
+//! Offline runs end to end on the tiny fixture model: the files under res/<run-id>/, and greedy
+//! outputs of a batched run (mixed prompt lengths, chunked prefill, a tight KV pool) equal to
+//! each request run alone.
+
+use std::path::{Path, PathBuf};
+
+use cachalot_model::Fp8Mode;
+use cachalot_run::config::RunConfig;
+use cachalot_run::offline::{run, RunOptions};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn config(batch: usize, budget: usize, dataset_dir: &Path) -> RunConfig {
+    let yaml = format!(
+        "model_config:\n  model_name: deepseek_r1\n  model_path: {}\n\
+         data_config:\n  dataset: default\n  dataset_path: {}\n  input_truncated_len: 48\n  num_requests: 12\n\
+         scheduler_config:\n  block_size: 8\n  batch_size: {batch}\n  max_new_tokens: 12\n  max_prefill_tokens: {budget}\n",
+        root().join("fixtures/v3/r1_tiny").display(),
+        dataset_dir.display(),
+    );
+    RunConfig::from_yaml(&yaml, Path::new("test.yaml")).unwrap()
+}
+
+fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
+    RunOptions {
+        config_path: PathBuf::from("test.yaml"),
+        res_dir: res.to_path_buf(),
+        kv_blocks,
+        num_requests: None,
+        chat_template: Some(root().join("fixtures/text/r1_style/tokenizer_config.json")),
+        progress: false,
+        fp8: Fp8Mode::Native,
+    }
+}
+
+#[test]
+fn batched_run_equals_one_at_a_time_and_writes_results() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = root().join("dataset");
+    let alone = run(&config(1, 4096, &data), &opts(tmp.path(), None)).unwrap();
+    // Batch 6, 20-token prefill budget (prompts are 25..48 tokens: every one is chunked), and
+    // a pool too small for all six at once: preemption and recompute happen.
+    let batched = run(&config(6, 20, &data), &opts(tmp.path(), Some(30))).unwrap();
+    assert!(batched.summary.preemptions > 0, "{:?}", batched.summary);
+    assert_eq!(alone.outputs.len(), 12);
+    for (a, b) in alone.outputs.iter().zip(&batched.outputs) {
+        assert_eq!(a.prompt, b.prompt);
+        assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+    }
+
+    let dir = &batched.dir;
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    for key in [
+        "throughput",
+        "ttft_s",
+        "tpot_s",
+        "kv_peak_blocks",
+        "requests",
+    ] {
+        assert!(summary.get(key).is_some(), "summary.json lacks {key}");
+    }
+    assert!(
+        summary["throughput"]["output_tok_s_per_rank"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert!(summary["tpot_s"]["p99"].as_f64().unwrap() > 0.0);
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("requests.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 12);
+    assert!(lines[0]["prompt_text"]
+        .as_str()
+        .unwrap()
+        .contains("<｜User｜>"));
+    assert!(lines[0]["timing"]["ttft_s"].as_f64().unwrap() > 0.0);
+    let log = std::fs::read_to_string(dir.join("run.log")).unwrap();
+    assert!(log.contains("preempted"), "{log}");
+    assert_ne!(alone.dir, batched.dir);
+}
+
+#[test]
+fn a_missing_model_or_dataset_says_what_to_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(2, 64, tmp.path());
+    let e = run(&cfg, &opts(tmp.path(), None))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("default_prompt.json"), "{e}");
+    cfg.model_config.model_path = "assets/cachalot-tiny-r1-missing".into();
+    let e = run(&cfg, &opts(tmp.path(), None))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("no config.json there") && e.contains("issue 4"),
+        "{e}"
+    );
+    cfg.model_config.model_name = "deepseek_v4".into();
+    let e = run(&cfg, &opts(tmp.path(), None))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("does not run here yet"), "{e}");
+}
