@@ -127,6 +127,9 @@ struct Loader<'a> {
     ckpt: &'a mut Checkpoint,
     opts: LoadOptions,
     block: (usize, usize),
+    /// The checkpoint is compressed-tensors int8 (spec §4): its int8 weights run W8A8, with
+    /// activations quantized per token inside the product.
+    w8a8: bool,
 }
 
 impl Loader<'_> {
@@ -184,9 +187,11 @@ impl Loader<'_> {
             }
             Dtype::I8 => {
                 let scale = self.scale_vector(&w, &format!("{prefix}.weight_scale"), rows)?;
-                MatrixData::Int8Row {
-                    data: w.bytes.clone(),
-                    scale,
+                let data = w.bytes.clone();
+                if self.w8a8 {
+                    MatrixData::W8A8 { data, scale }
+                } else {
+                    MatrixData::Int8Row { data, scale }
                 }
             }
             other => {
@@ -326,7 +331,16 @@ impl DeepseekV3 {
             (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) as u64,
             big,
         );
-        let mut l = Loader { ckpt, opts, block };
+        let w8a8 = matches!(
+            cfg.quantization,
+            Some(QuantizationConfig::CompressedInt8 { .. })
+        );
+        let mut l = Loader {
+            ckpt,
+            opts,
+            block,
+            w8a8,
+        };
         let h = cfg.hidden_size;
         let v = cfg.vocab_size;
         let embed = l.linear("model.embed_tokens", v, h)?;
