@@ -1,6 +1,7 @@
 //! The cachalot command line: `perplexity`, `tokenize`, `generate`, `chat` and `bench` for now
 //! (`run`, `serve`, `convert` follow; see README.md).
 
+mod quant;
 mod text;
 
 use std::path::{Path, PathBuf};
@@ -84,6 +85,8 @@ enum Command {
     Generate(text::GenerateArgs),
     /// Interactive chat on stdin/stdout: /reset, /system TEXT, /exit; Ctrl-C stops an answer.
     Chat(text::ChatArgs),
+    /// Convert an FP8 checkpoint to bfloat16, w8a8c16 or w8a8c8 (the seed's weight_convert.sh).
+    Convert(quant::ConvertArgs),
     /// Prefill and decode throughput on one model, as JSON.
     Bench {
         #[command(flatten)]
@@ -175,6 +178,7 @@ fn run() -> Result<()> {
         Command::Tokenize(args) => text::tokenize(&args)?,
         Command::Generate(args) => text::generate(&args)?,
         Command::Chat(args) => text::chat(&args)?,
+        Command::Convert(args) => quant::run_convert(&args)?,
         Command::Bench {
             model,
             prompt_len,
