@@ -87,6 +87,8 @@ enum Command {
     Chat(text::ChatArgs),
     /// Convert an FP8 checkpoint to bfloat16, w8a8c16 or w8a8c8 (the seed's weight_convert.sh).
     Convert(quant::ConvertArgs),
+    /// C8 latent-cache scales: run a text through a model and record each layer's c_kv range.
+    Calibrate(quant::CalibrateArgs),
     /// Prefill and decode throughput on one model, as JSON.
     Bench {
         #[command(flatten)]
@@ -179,6 +181,7 @@ fn run() -> Result<()> {
         Command::Generate(args) => text::generate(&args)?,
         Command::Chat(args) => text::chat(&args)?,
         Command::Convert(args) => quant::run_convert(&args)?,
+        Command::Calibrate(args) => quant::run_calibrate(&args)?,
         Command::Bench {
             model,
             prompt_len,
