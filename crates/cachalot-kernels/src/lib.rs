@@ -22,6 +22,7 @@ mod bytes;
 mod error;
 mod float16;
 pub mod fp8;
+pub mod int8;
 mod matrix;
 mod parallel;
 mod simd;

@@ -10,30 +10,61 @@
 
 use crate::error::{ModelError, Result};
 
-/// What a model needs from the cache pool: `layers` caches of `width` f32 values per token.
+/// What a model needs from the cache pool: `layers` caches of `width` values per token; the
+/// first `int8_width` of them are stored as int8 (the C8 latent cache, spec §3.4: c_kv in int8
+/// with a per-layer scale the model owns), the rest as f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheSpec {
     pub layers: usize,
     pub width: usize,
+    pub int8_width: usize,
 }
 
-/// A pool of fixed-size blocks, one f32 array per cache layer.
+impl CacheSpec {
+    /// Values per token stored as f32.
+    pub fn f32_width(&self) -> usize {
+        self.width - self.int8_width
+    }
+}
+
+/// A pool of fixed-size blocks: per cache layer, an f32 array (`f32_width` values per slot) and,
+/// for an int8 layout, an int8 array (`int8_width` values per slot).
 pub struct KvCache {
     spec: CacheSpec,
     block_size: usize,
     num_blocks: usize,
     layers: Vec<Vec<f32>>,
+    int8: Vec<Vec<i8>>,
+}
+
+/// One layer of a cache with an int8 part, for writing.
+pub struct LayerMut<'a> {
+    /// `int8_width` values per slot.
+    pub int8: &'a mut [i8],
+    /// `f32_width` values per slot.
+    pub f32: &'a mut [f32],
 }
 
 impl KvCache {
     pub fn new(spec: CacheSpec, block_size: usize, num_blocks: usize) -> KvCache {
         assert!(block_size > 0, "block_size must be positive");
-        let per_layer = block_size * num_blocks * spec.width;
+        assert!(spec.int8_width <= spec.width, "int8_width exceeds width");
+        let slots = block_size * num_blocks;
+        let int8 = if spec.int8_width > 0 {
+            (0..spec.layers)
+                .map(|_| vec![0i8; slots * spec.int8_width])
+                .collect()
+        } else {
+            Vec::new()
+        };
         KvCache {
             spec,
             block_size,
             num_blocks,
-            layers: (0..spec.layers).map(|_| vec![0.0; per_layer]).collect(),
+            layers: (0..spec.layers)
+                .map(|_| vec![0.0; slots * spec.f32_width()])
+                .collect(),
+            int8,
         }
     }
 
@@ -47,14 +78,23 @@ impl KvCache {
         self.num_blocks
     }
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|l| l.len() * 4).sum()
+        self.layers.iter().map(|l| l.len() * 4).sum::<usize>()
+            + self.int8.iter().map(Vec::len).sum::<usize>()
     }
 
+    /// The f32 part of a layer (all of it when the spec has no int8 part).
     pub fn layer(&self, layer: usize) -> &[f32] {
         &self.layers[layer]
     }
     pub fn layer_mut(&mut self, layer: usize) -> &mut [f32] {
         &mut self.layers[layer]
+    }
+    /// Both parts of a layer (`int8` is empty when the spec has no int8 part).
+    pub fn layer_parts_mut(&mut self, layer: usize) -> LayerMut<'_> {
+        LayerMut {
+            int8: self.int8.get_mut(layer).map_or(&mut [], |v| &mut v[..]),
+            f32: &mut self.layers[layer],
+        }
     }
 }
 

@@ -15,11 +15,12 @@
 
 use std::path::Path;
 
+use cachalot_kernels::int8::quantize_static_int8;
 use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
-use crate::batch::{slot_of, Batch, CacheSpec, KvCache};
+use crate::batch::{slot_of, Batch, CacheSpec, KvCache, LayerMut};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config::{DeepseekV3Config, QuantizationConfig, LATENT_NORM_EPS};
 use crate::error::{ModelError, Result};
@@ -85,6 +86,8 @@ struct Mla {
     kv_a_norm: Vec<f32>,
     kv_b: Matrix,
     o: Matrix,
+    /// C8 (spec §3.4): the static scale of this layer's int8 c_kv cache.
+    ckv_scale: Option<f32>,
 }
 
 struct DecoderLayer {
@@ -127,6 +130,11 @@ struct Loader<'a> {
     ckpt: &'a mut Checkpoint,
     opts: LoadOptions,
     block: (usize, usize),
+    /// The checkpoint is compressed-tensors int8 (spec §4): its int8 weights run W8A8, with
+    /// activations quantized per token inside the product.
+    w8a8: bool,
+    /// `kv_cache_scheme` int8 (C8): each layer has a `self_attn.ckv_scale`.
+    c8: bool,
 }
 
 impl Loader<'_> {
@@ -184,9 +192,11 @@ impl Loader<'_> {
             }
             Dtype::I8 => {
                 let scale = self.scale_vector(&w, &format!("{prefix}.weight_scale"), rows)?;
-                MatrixData::Int8Row {
-                    data: w.bytes.clone(),
-                    scale,
+                let data = w.bytes.clone();
+                if self.w8a8 {
+                    MatrixData::W8A8 { data, scale }
+                } else {
+                    MatrixData::Int8Row { data, scale }
                 }
             }
             other => {
@@ -241,6 +251,19 @@ impl Loader<'_> {
                 cfg.kv_lora_rank,
             )?,
             o: self.linear(&format!("{p}.self_attn.o_proj"), h, n * cfg.v_head_dim)?,
+            ckv_scale: if self.c8 {
+                let name = format!("{p}.self_attn.ckv_scale");
+                let s = self.vector(&name, 1)?[0];
+                if !(s.is_finite() && s > 0.0) {
+                    return Err(ModelError::Batch(format!(
+                        "{name} = {s}; a C8 cache scale must be positive (recalibrate and \
+                         convert again)"
+                    )));
+                }
+                Some(s)
+            } else {
+                None
+            },
         };
         let ffn = if force_moe || cfg.is_moe_layer(i) {
             let e = cfg.n_routed_experts.unwrap_or(0);
@@ -326,7 +349,19 @@ impl DeepseekV3 {
             (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) as u64,
             big,
         );
-        let mut l = Loader { ckpt, opts, block };
+        let (w8a8, c8) = match &cfg.quantization {
+            Some(QuantizationConfig::CompressedInt8 { kv_cache_int8, .. }) => {
+                (true, *kv_cache_int8)
+            }
+            _ => (false, false),
+        };
+        let mut l = Loader {
+            ckpt,
+            opts,
+            block,
+            w8a8,
+            c8,
+        };
         let h = cfg.hidden_size;
         let v = cfg.vocab_size;
         let embed = l.linear("model.embed_tokens", v, h)?;
@@ -395,11 +430,17 @@ impl DeepseekV3 {
         &self.mtp
     }
 
-    /// One latent cache per main layer, then one per loaded MTP layer.
+    /// One latent cache per main layer, then one per loaded MTP layer; with C8 the c_kv part
+    /// (`kv_lora_rank` values) is int8 and k^R stays f32.
     pub fn cache_spec(&self) -> CacheSpec {
+        let c8 = self
+            .layers
+            .first()
+            .is_some_and(|l| l.attn.ckv_scale.is_some());
         CacheSpec {
             layers: self.layers.len() + self.mtp.len(),
             width: self.cfg.latent_cache_width(),
+            int8_width: if c8 { self.cfg.kv_lora_rank } else { 0 },
         }
     }
 
@@ -484,7 +525,7 @@ impl DeepseekV3 {
                 &mut hidden,
                 batch,
                 &rope,
-                cache.layer_mut(li),
+                cache.layer_parts_mut(li),
                 block_size,
             );
         }
@@ -547,7 +588,7 @@ impl DeepseekV3 {
             &mut hidden,
             batch,
             &rope,
-            cache.layer_mut(cache_layer),
+            cache.layer_parts_mut(cache_layer),
             block_size,
         );
         Ok(self.head(&hidden, &mtp.shared_head_norm, batch, want_hidden))
@@ -555,7 +596,8 @@ impl DeepseekV3 {
 
     fn check_cache(&self, cache: &KvCache, layers: usize) -> Result<()> {
         let spec = cache.spec();
-        if spec.width != self.cfg.latent_cache_width() || spec.layers < layers {
+        let want = self.cache_spec();
+        if spec.width != want.width || spec.int8_width != want.int8_width || spec.layers < layers {
             return Err(ModelError::Batch(format!(
                 "cache of {spec:?} does not fit this model ({:?})",
                 self.cache_spec()
@@ -597,7 +639,7 @@ impl DeepseekV3 {
         hidden: &mut [f32],
         batch: &Batch,
         rope: &RopeTable,
-        cache: &mut [f32],
+        cache: LayerMut,
         block_size: usize,
     ) {
         let cfg = &self.cfg;
@@ -625,7 +667,7 @@ impl DeepseekV3 {
         x: &[f32],
         batch: &Batch,
         rope: &RopeTable,
-        cache: &mut [f32],
+        cache: LayerMut,
         block_size: usize,
     ) -> Vec<f32> {
         let cfg = &self.cfg;
@@ -671,14 +713,31 @@ impl DeepseekV3 {
             }
         }
         let bs = block_size;
+        let LayerMut {
+            int8: cache_i8,
+            f32: cache_f32,
+        } = cache;
         for s in 0..batch.num_seqs() {
             for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
                 let slot = batch.slot(s, i, bs);
-                cache[slot * width..(slot + 1) * width]
-                    .copy_from_slice(&kv[i * width..(i + 1) * width]);
+                let row = &kv[i * width..(i + 1) * width];
+                match mla.ckv_scale {
+                    None => cache_f32[slot * width..(slot + 1) * width].copy_from_slice(row),
+                    Some(scale) => {
+                        // C8: c_kv as saturate_int8(round(c_kv · (1/s))), k^R in f32.
+                        let inv = 1.0 / scale;
+                        for (q, &v) in cache_i8[slot * kvr..(slot + 1) * kvr]
+                            .iter_mut()
+                            .zip(&row[..kvr])
+                        {
+                            *q = quantize_static_int8(v, inv);
+                        }
+                        cache_f32[slot * rd..(slot + 1) * rd].copy_from_slice(&row[kvr..]);
+                    }
+                }
             }
         }
-        let cache: &[f32] = cache;
+        let (cache_i8, cache_f32): (&[i8], &[f32]) = (cache_i8, cache_f32);
 
         let mut o = vec![0.0f32; t_count * n * vd];
         for s in 0..batch.num_seqs() {
@@ -703,9 +762,38 @@ impl DeepseekV3 {
                 p => p,
             };
             let table = &batch.block_tables[s];
-            let latent = |pos: usize| {
-                let slot = slot_of(table, pos, bs);
-                &cache[slot * width..(slot + 1) * width]
+            // C8: the sequence's latents dequantized (c8 · s) once per layer; the naive path
+            // (prefill) attends to this step's own tokens un-quantized, as the seed does.
+            let dequantized = mla.ckv_scale.map(|scale| {
+                let mut g = vec![0.0f32; ctx * width];
+                for (pos, row) in g.chunks_exact_mut(width).enumerate() {
+                    let slot = slot_of(table, pos, bs);
+                    for (o, &q) in row[..kvr]
+                        .iter_mut()
+                        .zip(&cache_i8[slot * kvr..(slot + 1) * kvr])
+                    {
+                        *o = q as f32 * scale;
+                    }
+                    row[kvr..].copy_from_slice(&cache_f32[slot * rd..(slot + 1) * rd]);
+                }
+                if path == AttentionPath::Naive {
+                    for i in range.clone() {
+                        let pos = batch.positions[i];
+                        g[pos * width..(pos + 1) * width]
+                            .copy_from_slice(&kv[i * width..(i + 1) * width]);
+                    }
+                }
+                g
+            });
+            // The one accessor both attention forms read latents through.
+            let latent = |pos: usize| -> &[f32] {
+                match &dequantized {
+                    Some(g) => &g[pos * width..(pos + 1) * width],
+                    None => {
+                        let slot = slot_of(table, pos, bs);
+                        &cache_f32[slot * width..(slot + 1) * width]
+                    }
+                }
             };
             let q_seq = &q[range.start * n * qk..range.end * n * qk];
             let positions = &batch.positions[range.clone()];

@@ -240,3 +240,54 @@ pub fn speculative_greedy(
     out.truncate(n_new);
     Ok((out, stats))
 }
+
+/// C8 calibration (spec §3.4, §5.4): prefills `tokens` (chunks of at most `chunk`) into an f32
+/// latent cache and returns, per main layer, the largest |c_kv| cached — the values the C8
+/// cache would store. `scale = absmax / 127` then maps the largest calibration value to ±127.
+pub fn latent_absmax(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
+    if tokens.is_empty() {
+        return Err(ModelError::Batch(
+            "calibration needs at least one token".into(),
+        ));
+    }
+    let spec = model.cache_spec();
+    if spec.int8_width > 0 {
+        return Err(ModelError::Batch(
+            "this model already stores its latent cache in int8 (C8); calibrate the FP8, BF16 or \
+             W8A8C16 model instead"
+                .into(),
+        ));
+    }
+    let (mut cache, mut alloc) = cache_for(model, tokens.len());
+    let mut table = Vec::new();
+    let chunk = chunk.max(1);
+    let mut start = 0;
+    while start < tokens.len() {
+        let end = (start + chunk).min(tokens.len());
+        alloc.ensure(&mut table, end, BLOCK_SIZE)?;
+        let mut batch = Batch::default();
+        batch.push_seq(
+            &tokens[start..end],
+            start,
+            table.clone(),
+            LogitsWanted::None,
+        );
+        model.forward(&batch, &mut cache, false)?;
+        start = end;
+    }
+    let kvr = model.config().kv_lora_rank;
+    let layers = model.config().num_hidden_layers;
+    Ok((0..layers)
+        .map(|li| {
+            let layer = cache.layer(li);
+            (0..tokens.len())
+                .map(|pos| {
+                    let slot = crate::batch::slot_of(&table, pos, BLOCK_SIZE);
+                    layer[slot * spec.width..slot * spec.width + kvr]
+                        .iter()
+                        .fold(0.0f32, |m, v| m.max(v.abs()))
+                })
+                .fold(0.0f32, f32::max)
+        })
+        .collect())
+}

@@ -11,7 +11,7 @@ pub mod eval;
 pub mod rope;
 pub mod tokenizer;
 
-pub use batch::{Batch, BlockAllocator, CacheSpec, KvCache, LogitsWanted};
+pub use batch::{Batch, BlockAllocator, CacheSpec, KvCache, LayerMut, LogitsWanted};
 pub use config::{DeepseekV3Config, ModelType};
 pub use deepseek_v3::{AttentionPath, DeepseekV3, ForwardOutput, Fp8Mode, LoadOptions};
 pub use error::{ModelError, Result};

@@ -1,6 +1,7 @@
 //! The cachalot command line: `run` (offline runs from YAML), `perplexity`, `tokenize`,
 //! `generate`, `chat` and `bench` for now (`serve`, `convert` follow; see README.md).
 
+mod quant;
 mod run;
 mod text;
 
@@ -88,6 +89,10 @@ enum Command {
     Generate(text::GenerateArgs),
     /// Interactive chat on stdin/stdout: /reset, /system TEXT, /exit; Ctrl-C stops an answer.
     Chat(text::ChatArgs),
+    /// Convert an FP8 checkpoint to bfloat16, w8a8c16 or w8a8c8 (the seed's weight_convert.sh).
+    Convert(quant::ConvertArgs),
+    /// C8 latent-cache scales: run a text through a model and record each layer's c_kv range.
+    Calibrate(quant::CalibrateArgs),
     /// Prefill and decode throughput on one model, as JSON.
     Bench {
         #[command(flatten)]
@@ -180,6 +185,8 @@ fn run() -> Result<()> {
         Command::Tokenize(args) => text::tokenize(&args)?,
         Command::Generate(args) => text::generate(&args)?,
         Command::Chat(args) => text::chat(&args)?,
+        Command::Convert(args) => quant::run_convert(&args)?,
+        Command::Calibrate(args) => quant::run_calibrate(&args)?,
         Command::Bench {
             model,
             prompt_len,

@@ -6,9 +6,11 @@
 //! - FP8 e4m3fn with one f32 `scale_inv` per 128×128 block (§2.2): W[r,c] = f32(fp8[r,c]) ·
 //!   scale_inv[r div br][c div bc]; the grid is ceil(rows/br)×ceil(cols/bc) and edge blocks are
 //!   partial (kv_a_proj's last row block covers rows 512..575).
-//! - int8 with one f32 scale per output row (§4 W8A8 weights, §5.2 the converter's layout:
-//!   `weight` int8 [out, in], `weight_scale` f32 [out, 1]). The activation stays f32 here (the
-//!   seed's per-token int8 activation quantization is a separate, later kernel).
+//! - int8 with one f32 scale per output row (§5.2 the converter's layout: `weight` int8
+//!   [out, in], `weight_scale` f32 [out, 1]), in two modes: `Int8Row` multiplies f32
+//!   activations (W8A16), `W8A8` quantizes the activations per token to int8 on entry and
+//!   multiplies int8 × int8 → i32 (§4, the seed's W8A8 Linear; see `w8a8.rs`). The transposed
+//!   product and dequantization treat both alike (f32 activations).
 //! - int4 with one scale per group of columns (§2.3, Kimi-K2-Thinking's routed experts, run
 //!   W4A16 as the seed does: the activation stays in floating point).
 //!
@@ -24,6 +26,7 @@
 //! grid). Only the SIMD level changes results.
 
 pub(crate) mod scalar;
+mod w8a8;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
@@ -60,6 +63,11 @@ pub enum MatrixData {
     /// int8 with one f32 scale per output row (the W8A8 converter's layout: weight int8
     /// `[out,in]`, weight_scale f32 `[out,1]`).
     Int8Row { data: Bytes, scale: Vec<f32> },
+    /// The same int8 layout, multiplied as W8A8: `matmul`/`matmul_rows` quantize each token's
+    /// activations to int8 (dynamic, symmetric, sx = max|x|/127, ties to even) and accumulate
+    /// int8 × int8 products in i32, scaled by sw[r]·sx[t]. `matmul_t_rows` and dequantization
+    /// are those of `Int8Row`.
+    W8A8 { data: Bytes, scale: Vec<f32> },
     /// Signed 4-bit integers with one f32 scale per `group_size` consecutive columns of a row
     /// (Kimi-K2-Thinking's compressed-tensors `pack-quantized`, §2.3): column c of a row is the
     /// low (c even) or high (c odd) nibble of the row's byte c/2 — the little-endian bytes of
@@ -233,7 +241,9 @@ impl Matrix {
                 let grid = format!("a {gr}x{gc} grid of {block_rows}x{block_cols} blocks");
                 (Some((scale_inv, gr * gc)), grid)
             }
-            MatrixData::Int8Row { scale, .. } => (Some((scale, rows)), "one per row".to_string()),
+            MatrixData::Int8Row { scale, .. } | MatrixData::W8A8 { scale, .. } => {
+                (Some((scale, rows)), "one per row".to_string())
+            }
             MatrixData::Int4Group {
                 scale, group_size, ..
             } => {
@@ -277,9 +287,12 @@ impl Matrix {
         &self.data
     }
 
-    /// "f32", "bf16", "f16", "fp8_e4m3_block", "int8_row" or "int4_group".
+    /// "f32", "bf16", "f16", "fp8_e4m3_block", "int8_row", "w8a8_int8" or "int4_group".
     pub fn format_name(&self) -> &'static str {
-        format_of(&self.data).name()
+        match self.data {
+            MatrixData::W8A8 { .. } => "w8a8_int8",
+            _ => format_of(&self.data).name(),
+        }
     }
 
     /// Bytes of weights plus scales.
@@ -287,7 +300,9 @@ impl Matrix {
         let scales = match &self.data {
             MatrixData::F32(_) | MatrixData::Bf16(_) | MatrixData::F16(_) => 0,
             MatrixData::Fp8Block { scale_inv, .. } => scale_inv.len(),
-            MatrixData::Int8Row { scale, .. } | MatrixData::Int4Group { scale, .. } => scale.len(),
+            MatrixData::Int8Row { scale, .. }
+            | MatrixData::W8A8 { scale, .. }
+            | MatrixData::Int4Group { scale, .. } => scale.len(),
         };
         data_bytes_of(&self.data).len() + 4 * scales
     }
@@ -312,7 +327,9 @@ impl Matrix {
                     grid_cols: self.cols.div_ceil(*block_cols),
                 },
             ),
-            MatrixData::Int8Row { data, scale } => (data.as_slice(), self.cols, Scales::Row(scale)),
+            MatrixData::Int8Row { data, scale } | MatrixData::W8A8 { data, scale } => {
+                (data.as_slice(), self.cols, Scales::Row(scale))
+            }
             MatrixData::Int4Group {
                 data,
                 scale,
@@ -386,6 +403,8 @@ impl Matrix {
             min_task: 16,
             max_task: 64,
         };
+        let xq = matches!(self.data, MatrixData::W8A8 { .. })
+            .then(|| w8a8::QuantizedTokens::new(x, n_tokens, self.cols));
         for_each_task(m, m * self.cols * n_tokens, split, |task| {
             let task_rows = first + task.start..first + task.end;
             let out = OutRows {
@@ -393,6 +412,17 @@ impl Matrix {
                 stride: m,
                 first_row: first,
             };
+            if let Some(xq) = &xq {
+                match level {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as below.
+                    SimdLevel::Avx2 => unsafe {
+                        w8a8::avx2::matmul_rows(&view, task_rows, xq, n_tokens, &out)
+                    },
+                    _ => w8a8::matmul_rows_scalar(&view, task_rows, xq, n_tokens, &out),
+                }
+                return;
+            }
             match level {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `Avx2` is only used where the CPU supports it; the task writes only
@@ -508,7 +538,7 @@ fn format_of(data: &MatrixData) -> Format {
         MatrixData::Bf16(_) => Format::Bf16,
         MatrixData::F16(_) => Format::F16,
         MatrixData::Fp8Block { .. } => Format::Fp8,
-        MatrixData::Int8Row { .. } => Format::Int8,
+        MatrixData::Int8Row { .. } | MatrixData::W8A8 { .. } => Format::Int8,
         MatrixData::Int4Group { .. } => Format::Int4,
     }
 }
@@ -518,6 +548,7 @@ fn data_bytes_of(data: &MatrixData) -> &Bytes {
         MatrixData::F32(b) | MatrixData::Bf16(b) | MatrixData::F16(b) => b,
         MatrixData::Fp8Block { data, .. }
         | MatrixData::Int8Row { data, .. }
+        | MatrixData::W8A8 { data, .. }
         | MatrixData::Int4Group { data, .. } => data,
     }
 }

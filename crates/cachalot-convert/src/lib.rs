@@ -1,0 +1,852 @@
+//! Offline weight conversion of DeepSeek-V3/R1 and Kimi-K2 FP8 checkpoints to BF16, W8A8C16 and
+//! W8A8C8, producing what the seed's `convert_model.py` produces (spec
+//! `deepseek-v3-r1-kimi-k2.md` §5): the same shard names, tensor names, dtypes, bf16 values,
+//! int8 values and per-row scales bit for bit (the §5.2 bf16 double rounding), the same layers
+//! kept in bf16 (the §5.3 ignore list, matched as substrings), the rewritten index
+//! `{"metadata": {}, "weight_map": ...}` and `quantization_config`, every `*.py`/`*.json` copied.
+//!
+//! Differences from the seed, on purpose (spec §5.5):
+//! - The input is checked first: a missing or misshapen `weight_scale_inv`, an unexpected
+//!   1-byte dtype, an index naming a missing shard or tensor, a truncated shard are errors naming
+//!   the file and tensor (the seed copies an FP8 weight without a scale through, which nothing
+//!   can load).
+//! - C8 scales come from `cachalot calibrate` (a JSON file) instead of a vendor download, and go
+//!   into the last shard as the seed puts them.
+//! - Streaming: one input shard at a time (mmap'd and released), output written in place with
+//!   positioned writes from all cores, so memory stays about one shard plus a few MB per thread;
+//!   everything is written to a temporary directory beside the output and renamed at the end.
+//! - Tensors in a shard are laid out as Python `safetensors` lays them out, but byte-identical
+//!   files are not a goal (§5.5); tensor-level equality is.
+
+mod safetensors_io;
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::{self, File};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use cachalot_kernels::f32_to_bf16;
+use cachalot_kernels::fp8::e4m3_table;
+use cachalot_kernels::int8::quantize_row_bf16_to_int8;
+use rayon::prelude::*;
+use serde_json::{json, Map, Value};
+
+use safetensors_io::{layout, OutTensor};
+pub use safetensors_io::{read_header, TensorInfo};
+
+/// The seed's `--quant_mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantMode {
+    Bfloat16,
+    W8A8C16,
+    W8A8C8,
+}
+
+impl QuantMode {
+    pub fn parse(s: &str) -> Option<QuantMode> {
+        match s.to_ascii_lowercase().as_str() {
+            "bfloat16" | "bf16" => Some(QuantMode::Bfloat16),
+            "w8a8c16" => Some(QuantMode::W8A8C16),
+            "w8a8c8" => Some(QuantMode::W8A8C8),
+            _ => None,
+        }
+    }
+    fn int8(self) -> bool {
+        self != QuantMode::Bfloat16
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ConvertOptions {
+    pub input: PathBuf,
+    pub output: PathBuf,
+    pub mode: QuantMode,
+    /// W8A8C8: the JSON written by `cachalot calibrate`.
+    pub c8_scales: Option<PathBuf>,
+    /// Replace a non-empty output directory.
+    pub force: bool,
+    /// Show a progress bar (on a terminal).
+    pub progress: bool,
+}
+
+/// What a conversion did.
+#[derive(Clone, Debug, Default)]
+pub struct ConvertReport {
+    pub shards: usize,
+    pub tensors_written: usize,
+    pub int8_weights: usize,
+    pub bf16_weights: usize,
+    pub input_bytes: u64,
+    pub output_bytes: u64,
+    pub seconds: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {why}", file.display())]
+    Shard { file: PathBuf, why: String },
+    #[error("tensor {tensor} in {}: {why}", file.display())]
+    Tensor {
+        tensor: String,
+        file: PathBuf,
+        why: String,
+    },
+    #[error("{}: {why}", file.display())]
+    Config { file: PathBuf, why: String },
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl ConvertError {
+    fn io(path: &Path, source: std::io::Error) -> ConvertError {
+        ConvertError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+type Result<T> = std::result::Result<T, ConvertError>;
+
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const CONFIG_FILE: &str = "config.json";
+
+/// The name of the C8 scale tensor of layer `i` (spec §5.4).
+pub fn ckv_scale_name(layer: usize) -> String {
+    format!("model.layers.{layer}.self_attn.ckv_scale")
+}
+
+/// Spec §5.3: the modules kept in bf16 under W8A8, in the seed's order (matched as substrings
+/// of tensor names at conversion time).
+pub fn ignore_list(num_hidden_layers: usize, num_layers: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    for i in 0..num_layers {
+        out.push(format!("model.layers.{i}.self_attn.kv_b_proj"));
+        if i >= 3 {
+            out.push(format!("model.layers.{i}.mlp.gate"));
+        }
+        if i >= num_hidden_layers {
+            out.push(format!("model.layers.{i}.eh_proj"));
+            out.push(format!("model.layers.{i}.shared_head.head"));
+        }
+    }
+    out.push("lm_head".to_string());
+    out
+}
+
+/// Spec §5.3: the compressed-tensors `quantization_config` of the W8A8 modes.
+pub fn w8a8_quantization_config(ignore: &[String], c8: bool) -> Value {
+    let kv = if c8 {
+        json!({"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": false, "symmetric": true})
+    } else {
+        Value::Null
+    };
+    json!({
+        "config_groups": {
+            "group_0": {
+                "input_activations": {
+                    "actorder": null, "block_structure": null, "dynamic": true, "group_size": null,
+                    "num_bits": 8, "observer": "memoryless", "observer_kwargs": {},
+                    "strategy": "token", "symmetric": true, "type": "int"
+                },
+                "output_activations": null,
+                "targets": ["Linear"],
+                "weights": {
+                    "actorder": null, "block_structure": null, "dynamic": false, "group_size": null,
+                    "num_bits": 8, "observer": "minmax", "observer_kwargs": {},
+                    "strategy": "channel", "symmetric": true, "type": "int"
+                }
+            }
+        },
+        "format": "int-quantized",
+        "global_compression_ratio": 1,
+        "ignore": ignore,
+        "kv_cache_scheme": kv,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed"
+    })
+}
+
+/// How one output tensor is made.
+#[derive(Clone, Debug)]
+enum Source {
+    /// Bytes copied from the input shard.
+    Copy { start: u64 },
+    /// FP8 → bf16 with the block scales.
+    Bf16 { start: u64, scale: usize },
+    /// FP8 → bf16 → int8 per row; the scale tensor is written by the same task.
+    Int8 {
+        start: u64,
+        scale: usize,
+        scale_out: usize,
+    },
+    /// Written by its weight's task.
+    Int8Scale,
+    /// A C8 scale.
+    Constant(f32),
+}
+
+struct Planned {
+    out: OutTensor,
+    source: Source,
+}
+
+/// A checked FP8 weight's block scales, read once.
+struct BlockScales {
+    values: Vec<f32>,
+    block: (usize, usize),
+    grid_cols: usize,
+}
+
+struct Input {
+    dir: PathBuf,
+    config: Map<String, Value>,
+    /// Shard file names in sorted order, and each one's tensors.
+    shards: Vec<(String, Vec<(String, TensorInfo)>)>,
+    /// tensor name → shard index.
+    location: HashMap<String, usize>,
+    block: (usize, usize),
+    num_hidden_layers: usize,
+    num_layers: usize,
+}
+
+impl Input {
+    fn open(dir: &Path) -> Result<Input> {
+        let config_path = dir.join(CONFIG_FILE);
+        let text =
+            fs::read_to_string(&config_path).map_err(|e| ConvertError::io(&config_path, e))?;
+        let cfg_err = |why: String| ConvertError::Config {
+            file: config_path.clone(),
+            why,
+        };
+        let config: Map<String, Value> =
+            serde_json::from_str(&text).map_err(|e| cfg_err(format!("is not JSON: {e}")))?;
+        let q = config.get("quantization_config").ok_or_else(|| {
+            cfg_err(
+                "has no quantization_config; the input must be an FP8 checkpoint \
+                 (quant_method \"fp8\") as DeepSeek ships it"
+                    .into(),
+            )
+        })?;
+        if q.get("quant_method").and_then(Value::as_str) != Some("fp8") {
+            return Err(cfg_err(format!(
+                "quantization_config.quant_method is {}; the input must be an FP8 checkpoint \
+                 (\"fp8\")",
+                q.get("quant_method").unwrap_or(&Value::Null)
+            )));
+        }
+        let block = match q.get("weight_block_size").and_then(Value::as_array) {
+            None => (128, 128),
+            Some(a) if a.len() == 2 && a.iter().all(|v| v.as_u64().is_some_and(|x| x > 0)) => (
+                a[0].as_u64().unwrap_or(128) as usize,
+                a[1].as_u64().unwrap_or(128) as usize,
+            ),
+            Some(other) => {
+                return Err(cfg_err(format!(
+                    "quantization_config.weight_block_size is {other:?}; expected [rows, cols]"
+                )))
+            }
+        };
+        let field = |k: &str| config.get(k).and_then(Value::as_u64).map(|v| v as usize);
+        let num_hidden_layers = field("num_hidden_layers")
+            .ok_or_else(|| cfg_err("num_hidden_layers is missing".into()))?;
+        let num_layers = num_hidden_layers + field("num_nextn_predict_layers").unwrap_or(0);
+
+        // The shards: the index's files, or every *.safetensors without one.
+        let index_path = dir.join(INDEX_FILE);
+        let mut indexed: Option<Vec<(String, String)>> = None;
+        let files: BTreeSet<String> = if index_path.exists() {
+            let text =
+                fs::read_to_string(&index_path).map_err(|e| ConvertError::io(&index_path, e))?;
+            let v: Value = serde_json::from_str(&text).map_err(|e| ConvertError::Config {
+                file: index_path.clone(),
+                why: format!("is not JSON: {e}"),
+            })?;
+            let map = v
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| ConvertError::Config {
+                    file: index_path.clone(),
+                    why: "has no weight_map object".into(),
+                })?;
+            let mut pairs = Vec::new();
+            for (name, file) in map {
+                let file = file.as_str().ok_or_else(|| ConvertError::Config {
+                    file: index_path.clone(),
+                    why: format!("weight_map.{name} is not a file name"),
+                })?;
+                pairs.push((name.clone(), file.to_string()));
+            }
+            let files = pairs.iter().map(|(_, f)| f.clone()).collect();
+            indexed = Some(pairs);
+            files
+        } else {
+            let mut files = BTreeSet::new();
+            for e in fs::read_dir(dir).map_err(|e| ConvertError::io(dir, e))? {
+                let e = e.map_err(|e| ConvertError::io(dir, e))?;
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".safetensors") {
+                    files.insert(name);
+                }
+            }
+            files
+        };
+        if files.is_empty() {
+            return Err(ConvertError::Usage(format!(
+                "{}: no safetensors shards (and no {INDEX_FILE})",
+                dir.display()
+            )));
+        }
+        let mut shards = Vec::new();
+        let mut location = HashMap::new();
+        for (i, file) in files.iter().enumerate() {
+            let path = dir.join(file);
+            if !path.is_file() {
+                return Err(ConvertError::Config {
+                    file: index_path.clone(),
+                    why: format!("names the shard {file}, which is not in {}", dir.display()),
+                });
+            }
+            let tensors = read_header(&path)?;
+            for (name, _) in &tensors {
+                if let Some(prev) = location.insert(name.clone(), i) {
+                    return Err(ConvertError::Tensor {
+                        tensor: name.clone(),
+                        file: path.clone(),
+                        why: format!("is also in {}", files.iter().nth(prev).unwrap_or(file)),
+                    });
+                }
+            }
+            shards.push((file.clone(), tensors));
+        }
+        if let Some(pairs) = indexed {
+            for (name, file) in pairs {
+                let i = files.iter().position(|f| *f == file).unwrap_or(usize::MAX);
+                if location.get(&name) != Some(&i) {
+                    return Err(ConvertError::Tensor {
+                        tensor: name,
+                        file: dir.join(&file),
+                        why: format!("is named by {INDEX_FILE} but is not in this shard"),
+                    });
+                }
+            }
+        }
+        Ok(Input {
+            dir: dir.to_path_buf(),
+            config,
+            shards,
+            location,
+            block,
+            num_hidden_layers,
+            num_layers,
+        })
+    }
+
+    fn info(&self, name: &str) -> Option<(&Path, &TensorInfo)> {
+        let &i = self.location.get(name)?;
+        let (_, tensors) = &self.shards[i];
+        tensors
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| (Path::new(&self.shards[i].0), t))
+    }
+
+    fn shard_path(&self, i: usize) -> PathBuf {
+        self.dir.join(&self.shards[i].0)
+    }
+
+    /// Checks an FP8 weight (2-D, F32 scale grid of the right shape somewhere in the index) and
+    /// reads its scales.
+    fn block_scales(&self, shard: usize, name: &str, w: &TensorInfo) -> Result<BlockScales> {
+        let file = self.shard_path(shard);
+        let terr = |why: String| ConvertError::Tensor {
+            tensor: name.to_string(),
+            file: file.clone(),
+            why,
+        };
+        if w.shape.len() != 2 {
+            return Err(terr(format!(
+                "is F8_E4M3 with shape {:?}; FP8 weights are 2-D",
+                w.shape
+            )));
+        }
+        let sname = format!("{name}_scale_inv");
+        let (br, bc) = self.block;
+        let grid = [w.shape[0].div_ceil(br), w.shape[1].div_ceil(bc)];
+        let Some((sfile, s)) = self.info(&sname) else {
+            return Err(terr(format!(
+                "is FP8 but {sname} (f32 {grid:?} block scales) is in no shard; the checkpoint \
+                 is incomplete"
+            )));
+        };
+        let spath = self.dir.join(sfile);
+        if s.dtype != "F32" || s.shape != grid {
+            return Err(ConvertError::Tensor {
+                tensor: sname,
+                file: spath,
+                why: format!(
+                    "is {} {:?}; expected F32 {grid:?} ({br}x{bc} blocks of {name} {:?})",
+                    s.dtype, s.shape, w.shape
+                ),
+            });
+        }
+        let mut bytes = vec![0u8; (s.end - s.start) as usize];
+        File::open(&spath)
+            .and_then(|f| f.read_exact_at(&mut bytes, s.start))
+            .map_err(|e| ConvertError::io(&spath, e))?;
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if let Some(v) = values.iter().find(|v| !v.is_finite()) {
+            return Err(ConvertError::Tensor {
+                tensor: sname,
+                file: spath,
+                why: format!("holds a non-finite scale {v}"),
+            });
+        }
+        Ok(BlockScales {
+            values,
+            block: self.block,
+            grid_cols: grid[1],
+        })
+    }
+}
+
+/// Reads the C8 scales written by `cachalot calibrate`: `{"ckv_scale": [s_0, ..., s_{L-1}]}`
+/// with one positive scale per layer (main layers, then MTP layers).
+pub fn read_c8_scales(path: &Path, num_layers: usize) -> Result<Vec<f32>> {
+    let text = fs::read_to_string(path).map_err(|e| ConvertError::io(path, e))?;
+    let err = |why: String| ConvertError::Config {
+        file: path.to_path_buf(),
+        why,
+    };
+    let v: Value = serde_json::from_str(&text).map_err(|e| err(format!("is not JSON: {e}")))?;
+    let list = v
+        .get("ckv_scale")
+        .and_then(Value::as_array)
+        .ok_or_else(|| {
+            err("has no \"ckv_scale\" list (write it with cachalot calibrate)".into())
+        })?;
+    if list.len() != num_layers {
+        return Err(err(format!(
+            "has {} ckv_scale values; the model has {num_layers} layers (main + MTP), every one \
+             needs a scale",
+            list.len()
+        )));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, s)| {
+            s.as_f64()
+                .map(|s| s as f32)
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .ok_or_else(|| err(format!("ckv_scale[{i}] = {s} is not a positive number")))
+        })
+        .collect()
+}
+
+/// Converts per [`ConvertOptions`]; see the crate documentation.
+pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
+    let t0 = Instant::now();
+    let input = Input::open(&opts.input)?;
+    let c8 =
+        match (opts.mode, &opts.c8_scales) {
+            (QuantMode::W8A8C8, Some(p)) => Some(read_c8_scales(p, input.num_layers)?),
+            (QuantMode::W8A8C8, None) => return Err(ConvertError::Usage(
+                "--quant-mode w8a8c8 needs --c8-scales FILE (make one with `cachalot calibrate \
+                 --model DIR --file TEXT --out FILE` on the FP8 or BF16 model)"
+                    .into(),
+            )),
+            (_, Some(_)) => {
+                return Err(ConvertError::Usage(
+                    "--c8-scales is only for --quant-mode w8a8c8".into(),
+                ))
+            }
+            (_, None) => None,
+        };
+    check_output(&opts.output, opts.force)?;
+    let ignore = ignore_list(input.num_hidden_layers, input.num_layers);
+
+    // Plan every shard (and validate every FP8 weight) before writing anything.
+    let mut plans: Vec<(Vec<Planned>, HashMap<usize, BlockScales>)> = Vec::new();
+    let mut report = ConvertReport::default();
+    let n_shards = input.shards.len();
+    for (si, (_, tensors)) in input.shards.iter().enumerate() {
+        let mut planned: Vec<Planned> = Vec::new();
+        let mut scales = HashMap::new();
+        for (name, t) in tensors {
+            if name.ends_with("_scale_inv") {
+                continue;
+            }
+            report.input_bytes += t.end - t.start;
+            let size = safetensors_io::dtype_size(&t.dtype).unwrap_or(0);
+            if size == 1 && t.dtype != "F8_E4M3" {
+                return Err(ConvertError::Tensor {
+                    tensor: name.clone(),
+                    file: input.shard_path(si),
+                    why: format!(
+                        "has dtype {}; the only 1-byte dtype of an FP8 checkpoint is F8_E4M3 \
+                         (is this checkpoint already converted?)",
+                        t.dtype
+                    ),
+                });
+            }
+            if t.dtype != "F8_E4M3" {
+                planned.push(Planned {
+                    out: out_tensor(name, dtype_static(&t.dtype), &t.shape),
+                    source: Source::Copy { start: t.start },
+                });
+                continue;
+            }
+            let bs = input.block_scales(si, name, t)?;
+            let scale = planned.len();
+            scales.insert(scale, bs);
+            let keep_bf16 = !opts.mode.int8() || ignore.iter().any(|m| name.contains(m.as_str()));
+            if keep_bf16 {
+                report.bf16_weights += 1;
+                planned.push(Planned {
+                    out: out_tensor(name, "BF16", &t.shape),
+                    source: Source::Bf16 {
+                        start: t.start,
+                        scale,
+                    },
+                });
+            } else {
+                report.int8_weights += 1;
+                let sname = name
+                    .strip_suffix("weight")
+                    .map(|p| format!("{p}weight_scale"))
+                    .unwrap_or_else(|| format!("{name}_scale"));
+                planned.push(Planned {
+                    out: out_tensor(name, "I8", &t.shape),
+                    source: Source::Int8 {
+                        start: t.start,
+                        scale,
+                        scale_out: planned.len() + 1,
+                    },
+                });
+                planned.push(Planned {
+                    out: out_tensor(&sname, "F32", &[t.shape[0], 1]),
+                    source: Source::Int8Scale,
+                });
+            }
+        }
+        if si + 1 == n_shards {
+            if let Some(c8) = &c8 {
+                for (i, &s) in c8.iter().enumerate() {
+                    planned.push(Planned {
+                        out: out_tensor(&ckv_scale_name(i), "F32", &[1]),
+                        source: Source::Constant(s),
+                    });
+                }
+            }
+        }
+        plans.push((planned, scales));
+    }
+
+    // Write into a temporary directory beside the output.
+    let tmp = temp_dir_for(&opts.output)?;
+    let result = (|| -> Result<()> {
+        let pb = progress_bar(report.input_bytes, opts.progress);
+        let mut weight_map = Map::new();
+        for (si, (planned, scales)) in plans.into_iter().enumerate() {
+            let (file_name, _) = &input.shards[si];
+            let written = write_shard(
+                &input.shard_path(si),
+                &tmp.join(file_name),
+                planned,
+                &scales,
+                &pb,
+            )?;
+            report.output_bytes += written.1;
+            for name in written.0 {
+                report.tensors_written += 1;
+                weight_map.insert(name, Value::String(file_name.clone()));
+            }
+            report.shards += 1;
+        }
+        pb.finish_and_clear();
+        copy_side_files(&input.dir, &tmp)?;
+        let mut config = input.config.clone();
+        config.remove("quantization_config");
+        if opts.mode.int8() {
+            config.insert(
+                "quantization_config".into(),
+                w8a8_quantization_config(&ignore, opts.mode == QuantMode::W8A8C8),
+            );
+        }
+        write_json(&tmp.join(CONFIG_FILE), &Value::Object(config))?;
+        write_json(
+            &tmp.join(INDEX_FILE),
+            &json!({"metadata": {}, "weight_map": weight_map}),
+        )?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if opts.output.exists() {
+        fs::remove_dir_all(&opts.output).map_err(|e| ConvertError::io(&opts.output, e))?;
+    }
+    fs::rename(&tmp, &opts.output).map_err(|e| ConvertError::io(&opts.output, e))?;
+    report.seconds = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+fn dtype_static(d: &str) -> &'static str {
+    match d {
+        "BOOL" => "BOOL",
+        "U8" => "U8",
+        "I8" => "I8",
+        "F8_E4M3" => "F8_E4M3",
+        "F8_E5M2" => "F8_E5M2",
+        "BF16" => "BF16",
+        "F16" => "F16",
+        "I16" => "I16",
+        "U16" => "U16",
+        "F32" => "F32",
+        "I32" => "I32",
+        "U32" => "U32",
+        "F64" => "F64",
+        "I64" => "I64",
+        _ => "U64",
+    }
+}
+
+fn out_tensor(name: &str, dtype: &'static str, shape: &[usize]) -> OutTensor {
+    OutTensor {
+        name: name.to_string(),
+        dtype,
+        shape: shape.to_vec(),
+        offset: 0,
+    }
+}
+
+fn check_output(out: &Path, force: bool) -> Result<()> {
+    if out.is_file() {
+        return Err(ConvertError::Usage(format!(
+            "{} is a file; the output must be a directory",
+            out.display()
+        )));
+    }
+    if out.is_dir() {
+        let non_empty = fs::read_dir(out)
+            .map_err(|e| ConvertError::io(out, e))?
+            .next()
+            .is_some();
+        if non_empty && !force {
+            return Err(ConvertError::Usage(format!(
+                "{} exists and is not empty; pass --force to replace it",
+                out.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn temp_dir_for(out: &Path) -> Result<PathBuf> {
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    fs::create_dir_all(&parent).map_err(|e| ConvertError::io(&parent, e))?;
+    let base = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into());
+    let tmp = parent.join(format!(".{base}.partial-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| ConvertError::io(&tmp, e))?;
+    }
+    fs::create_dir(&tmp).map_err(|e| ConvertError::io(&tmp, e))?;
+    Ok(tmp)
+}
+
+fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(total);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "converting {bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    pb
+}
+
+fn write_json(path: &Path, v: &Value) -> Result<()> {
+    let mut text = serde_json::to_string_pretty(v).expect("JSON serializes");
+    text.push('\n');
+    fs::write(path, text).map_err(|e| ConvertError::io(path, e))
+}
+
+/// Copies every `*.py` and `*.json` under `from` (recursively, keeping relative paths).
+fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
+    for e in fs::read_dir(from).map_err(|e| ConvertError::io(from, e))? {
+        let e = e.map_err(|e| ConvertError::io(from, e))?;
+        let path = e.path();
+        let name = e.file_name();
+        let name_s = name.to_string_lossy();
+        let ft = e.file_type().map_err(|err| ConvertError::io(&path, err))?;
+        if ft.is_dir() {
+            if name_s.starts_with('.') {
+                continue;
+            }
+            let sub = to.join(&name);
+            copy_side_files(&path, &sub)?;
+        } else if name_s.ends_with(".py") || name_s.ends_with(".json") {
+            fs::create_dir_all(to).map_err(|err| ConvertError::io(to, err))?;
+            fs::copy(&path, to.join(&name)).map_err(|err| ConvertError::io(&path, err))?;
+        }
+    }
+    Ok(())
+}
+
+/// Rows (or bytes, for copies) per work item: a few MB of output each.
+const ITEM_BYTES: usize = 4 << 20;
+
+/// One unit of parallel work: rows `rows` of planned tensor `t`.
+struct Item {
+    t: usize,
+    rows: std::ops::Range<usize>,
+}
+
+/// Writes one output shard; returns the tensor names written and the file's length.
+fn write_shard(
+    input: &Path,
+    output: &Path,
+    mut planned: Vec<Planned>,
+    scales: &HashMap<usize, BlockScales>,
+    pb: &indicatif::ProgressBar,
+) -> Result<(Vec<String>, u64)> {
+    let file = File::open(input).map_err(|e| ConvertError::io(input, e))?;
+    // SAFETY: the input is only read; it is not expected to change during the conversion (a
+    // concurrent writer could make us read torn data, never unsound Rust values: bytes only).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ConvertError::io(input, e))?;
+    let mut outs: Vec<OutTensor> = planned.iter().map(|p| p.out.clone()).collect();
+    let (header, total) = layout(&mut outs);
+    let offsets: HashMap<&str, u64> = outs.iter().map(|o| (o.name.as_str(), o.offset)).collect();
+    for p in planned.iter_mut() {
+        p.out.offset = offsets[p.out.name.as_str()];
+    }
+    let out = File::create(output).map_err(|e| ConvertError::io(output, e))?;
+    out.set_len(total)
+        .map_err(|e| ConvertError::io(output, e))?;
+    out.write_all_at(&header, 0)
+        .map_err(|e| ConvertError::io(output, e))?;
+
+    let mut items = Vec::new();
+    for (t, p) in planned.iter().enumerate() {
+        let (rows, row_bytes) = match p.source {
+            Source::Int8Scale => continue,
+            Source::Constant(_) => (1, 4),
+            Source::Copy { .. } => (p.out.bytes() as usize, 1),
+            _ => (p.out.shape[0], p.out.shape[1] * 2),
+        };
+        let step = (ITEM_BYTES / row_bytes.max(1)).max(1);
+        let mut r = 0;
+        while r < rows {
+            items.push(Item {
+                t,
+                rows: r..(r + step).min(rows),
+            });
+            r += step;
+        }
+        if rows == 0 {
+            items.push(Item { t, rows: 0..0 });
+        }
+    }
+    items.par_iter().try_for_each(|item| -> Result<()> {
+        let p = &planned[item.t];
+        let consumed = run_item(p, item, &planned, scales, &map, &out)
+            .map_err(|e| ConvertError::io(output, e))?;
+        pb.inc(consumed);
+        Ok(())
+    })?;
+    drop(map);
+    out.sync_all().map_err(|e| ConvertError::io(output, e))?;
+    Ok((planned.into_iter().map(|p| p.out.name).collect(), total))
+}
+
+/// Produces and writes one item; returns the input bytes it consumed.
+fn run_item(
+    p: &Planned,
+    item: &Item,
+    planned: &[Planned],
+    scales: &HashMap<usize, BlockScales>,
+    map: &[u8],
+    out: &File,
+) -> std::io::Result<u64> {
+    match p.source {
+        Source::Copy { start } => {
+            let s = start as usize + item.rows.start;
+            let e = start as usize + item.rows.end;
+            out.write_all_at(&map[s..e], p.out.offset + item.rows.start as u64)?;
+            Ok(item.rows.len() as u64)
+        }
+        Source::Constant(v) => {
+            out.write_all_at(&v.to_le_bytes(), p.out.offset)?;
+            Ok(0)
+        }
+        Source::Int8Scale => Ok(0),
+        Source::Bf16 { start, scale } | Source::Int8 { start, scale, .. } => {
+            let cols = p.out.shape[1];
+            let bs = &scales[&scale];
+            let n = item.rows.len();
+            let mut bf = vec![0u16; n * cols];
+            dequantize_rows_to_bf16(&map[start as usize..], cols, item.rows.clone(), bs, &mut bf);
+            match p.source {
+                Source::Bf16 { .. } => {
+                    let bytes: Vec<u8> = bf.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    out.write_all_at(&bytes, p.out.offset + (item.rows.start * cols * 2) as u64)?;
+                }
+                Source::Int8 { scale_out, .. } => {
+                    let mut q = vec![0i8; n * cols];
+                    let mut s = Vec::with_capacity(n * 4);
+                    for (row, qrow) in bf.chunks_exact(cols).zip(q.chunks_exact_mut(cols)) {
+                        s.extend_from_slice(&quantize_row_bf16_to_int8(row, qrow).to_le_bytes());
+                    }
+                    let qb: Vec<u8> = q.iter().map(|&v| v as u8).collect();
+                    out.write_all_at(&qb, p.out.offset + (item.rows.start * cols) as u64)?;
+                    let so = &planned[scale_out].out;
+                    out.write_all_at(&s, so.offset + (item.rows.start * 4) as u64)?;
+                }
+                _ => unreachable!(),
+            }
+            Ok((n * cols) as u64)
+        }
+    }
+}
+
+/// Spec §2.2: bf16(f32(fp8[r, c]) · scale_inv[r / br][c / bc]) for rows `rows`.
+fn dequantize_rows_to_bf16(
+    codes: &[u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    bs: &BlockScales,
+    out: &mut [u16],
+) {
+    let table = e4m3_table();
+    let (br, bc) = bs.block;
+    for (i, r) in rows.enumerate() {
+        let row = &codes[r * cols..(r + 1) * cols];
+        let srow = &bs.values[(r / br) * bs.grid_cols..(r / br + 1) * bs.grid_cols];
+        let o = &mut out[i * cols..(i + 1) * cols];
+        for (b, (chunk, ochunk)) in row.chunks(bc).zip(o.chunks_mut(bc)).enumerate() {
+            let s = srow[b];
+            for (&code, ov) in chunk.iter().zip(ochunk) {
+                *ov = f32_to_bf16(table[code as usize] * s);
+            }
+        }
+    }
+}

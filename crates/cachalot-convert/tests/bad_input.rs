@@ -1,0 +1,207 @@
+//! Bad inputs are reported by file and tensor before anything is written; the output directory
+//! only ever appears complete.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use cachalot_convert::{convert, ConvertOptions, QuantMode};
+use safetensors::tensor::{Dtype, TensorView};
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny")
+}
+
+fn copy_fixture(to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    for e in fs::read_dir(fixture()).unwrap() {
+        let p = e.unwrap().path();
+        fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+    }
+}
+
+fn opts(input: &Path, output: &Path) -> ConvertOptions {
+    ConvertOptions {
+        input: input.to_path_buf(),
+        output: output.to_path_buf(),
+        mode: QuantMode::W8A8C16,
+        c8_scales: None,
+        force: false,
+        progress: false,
+    }
+}
+
+fn expect_error(input: &Path, output: &Path, parts: &[&str]) {
+    let e = convert(&opts(input, output)).expect_err("conversion must fail");
+    let msg = e.to_string();
+    for p in parts {
+        assert!(msg.contains(p), "error `{msg}` does not mention `{p}`");
+    }
+    assert!(
+        !output.exists(),
+        "a failed conversion left {}",
+        output.display()
+    );
+    let parent = output.parent().unwrap();
+    for e in fs::read_dir(parent).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(!name.contains(".partial-"), "temporary {name} left behind");
+    }
+}
+
+/// Rewrites one shard of `dir` with `edit` applied to its (name, dtype, shape, bytes) list.
+fn rewrite_shard(
+    dir: &Path,
+    file: &str,
+    edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>),
+) {
+    let path = dir.join(file);
+    let bytes = fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+}
+
+fn shard_of(dir: &Path, tensor: &str) -> String {
+    let index: serde_json::Value = serde_json::from_str(
+        &fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    index["weight_map"][tensor].as_str().unwrap().to_string()
+}
+
+#[test]
+fn missing_scale_inv_names_the_weight_and_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in");
+    copy_fixture(&input);
+    let scale = "model.layers.1.self_attn.o_proj.weight_scale_inv";
+    let file = shard_of(&input, scale);
+    rewrite_shard(&input, &file, |t| t.retain(|(n, ..)| n != scale));
+    // The index still names it: that alone is reported.
+    expect_error(
+        &input,
+        &tmp.path().join("out"),
+        &[scale, "model.safetensors.index.json", "not in this shard"],
+    );
+    // Without the index entry, the weight is reported.
+    let ip = input.join("model.safetensors.index.json");
+    let mut index: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&ip).unwrap()).unwrap();
+    index["weight_map"].as_object_mut().unwrap().remove(scale);
+    fs::write(&ip, index.to_string()).unwrap();
+    let weight = "model.layers.1.self_attn.o_proj.weight";
+    expect_error(
+        &input,
+        &tmp.path().join("out"),
+        &[weight, scale, "in no shard"],
+    );
+}
+
+#[test]
+fn wrong_dtypes_are_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in");
+    copy_fixture(&input);
+    let name = "model.layers.0.self_attn.q_a_proj.weight";
+    let file = shard_of(&input, name);
+    rewrite_shard(&input, &file, |t| {
+        for x in t.iter_mut().filter(|x| x.0 == name) {
+            x.1 = Dtype::I8;
+        }
+    });
+    expect_error(&input, &tmp.path().join("out"), &[name, &file, "I8"]);
+
+    let input2 = tmp.path().join("in2");
+    copy_fixture(&input2);
+    let scale = "model.layers.0.self_attn.q_a_proj.weight_scale_inv";
+    let file = shard_of(&input2, scale);
+    rewrite_shard(&input2, &file, |t| {
+        for x in t.iter_mut().filter(|x| x.0 == scale) {
+            x.1 = Dtype::BF16;
+            x.2 = vec![x.3.len() / 2];
+        }
+    });
+    expect_error(&input2, &tmp.path().join("out"), &[scale, "expected F32"]);
+}
+
+#[test]
+fn index_naming_a_missing_shard_and_truncated_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in");
+    copy_fixture(&input);
+    let ip = input.join("model.safetensors.index.json");
+    let text = fs::read_to_string(&ip).unwrap();
+    fs::write(
+        &ip,
+        text.replacen(
+            "model-00002-of-00003.safetensors",
+            "model-00009-of-00009.safetensors",
+            1,
+        ),
+    )
+    .unwrap();
+    expect_error(
+        &input,
+        &tmp.path().join("out"),
+        &["model-00009-of-00009.safetensors"],
+    );
+
+    let input2 = tmp.path().join("in2");
+    copy_fixture(&input2);
+    let shard = input2.join("model-00003-of-00003.safetensors");
+    let len = fs::metadata(&shard).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap()
+        .set_len(len - 1000)
+        .unwrap();
+    expect_error(
+        &input2,
+        &tmp.path().join("out"),
+        &["model-00003-of-00003.safetensors", "truncated"],
+    );
+}
+
+#[test]
+fn refuses_a_non_empty_output_without_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    fs::create_dir_all(&out).unwrap();
+    fs::write(out.join("keep.txt"), "mine").unwrap();
+    let e = convert(&opts(&fixture(), &out)).unwrap_err();
+    assert!(e.to_string().contains("--force"), "{e}");
+    assert!(out.join("keep.txt").exists());
+    let mut o = opts(&fixture(), &out);
+    o.force = true;
+    convert(&o).unwrap();
+    assert!(!out.join("keep.txt").exists());
+    assert!(out.join("config.json").exists());
+    // An empty directory is fine without --force.
+    let empty = tmp.path().join("empty");
+    fs::create_dir_all(&empty).unwrap();
+    convert(&opts(&fixture(), &empty)).unwrap();
+}
+
+#[test]
+fn c8_needs_a_scale_per_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let scales = tmp.path().join("s.json");
+    fs::write(&scales, r#"{"ckv_scale": [0.1, 0.2]}"#).unwrap();
+    let mut o = opts(&fixture(), &tmp.path().join("out"));
+    o.mode = QuantMode::W8A8C8;
+    o.c8_scales = Some(scales.clone());
+    let e = convert(&o).unwrap_err().to_string();
+    assert!(e.contains("4 layers") && e.contains("s.json"), "{e}");
+    o.c8_scales = None;
+    assert!(convert(&o).unwrap_err().to_string().contains("calibrate"));
+}

@@ -1,0 +1,114 @@
+//! Symmetric int8 quantization: the converter's per-row weight rule and the runtime's dynamic
+//! per-token activation rule (spec `deepseek-v3-r1-kimi-k2.md` §4 W8A8 Linear, §5.2).
+
+use crate::{bf16_to_f32, f32_to_bf16};
+
+/// The largest int8 magnitude either rule produces (symmetric: −128 is never produced).
+pub const INT8_QMAX: f32 = 127.0;
+
+/// Spec §5.2: one row of a bf16 weight to int8 with one scale, exactly as the seed's converter
+/// does it in torch bf16 tensor arithmetic (every op computes in f32 and rounds to bf16):
+/// `s = bf16(max|w| / 127)`, `t = bf16(w / s)`, `q = clamp(round_half_even(t), −127, 127)`.
+/// The quotient's double rounding (f32 divide → bf16 → integer) is what makes this bit-exact:
+/// [1.0, 0.09033203125, −0.5, 0.25] gives s = 0.00787353515625 and q = [127, 12, −64, 32] (the
+/// exact quotient 11.47 would round to 11). Returns `s` (exactly bf16-representable; stored as
+/// f32). An all-zero row gives s = 0 and q = 0 (torch's 0/0 is undefined there).
+pub fn quantize_row_bf16_to_int8(row: &[u16], q: &mut [i8]) -> f32 {
+    assert_eq!(row.len(), q.len(), "quantize_row: row and output lengths");
+    let amax = row
+        .iter()
+        .map(|&b| bf16_to_f32(b).abs())
+        .fold(0.0f32, f32::max);
+    let s = bf16_to_f32(f32_to_bf16(amax / INT8_QMAX));
+    if s == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
+    for (o, &b) in q.iter_mut().zip(row) {
+        let t = bf16_to_f32(f32_to_bf16(bf16_to_f32(b) / s));
+        *o = t.round_ties_even().clamp(-INT8_QMAX, INT8_QMAX) as i8;
+    }
+    s
+}
+
+/// Spec §4: dynamic per-token symmetric quantization of an f32 activation row. With
+/// `amax = max|x|`, returns `sx = amax / 127` and writes `q = clamp(round_half_even(x · (127 /
+/// amax)), −127, 127)` (multiplying by the reciprocal, as the NPU kernel receives it; the SIMD
+/// products rely on this exact definition). A zero row gives sx = 0 and q = 0.
+pub fn quantize_activation_int8(x: &[f32], q: &mut [i8]) -> f32 {
+    assert_eq!(
+        x.len(),
+        q.len(),
+        "quantize_activation: input and output lengths"
+    );
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 || !amax.is_finite() {
+        q.fill(0);
+        return if amax == 0.0 { 0.0 } else { f32::NAN };
+    }
+    let inv = INT8_QMAX / amax;
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (v * inv).round_ties_even().clamp(-INT8_QMAX, INT8_QMAX) as i8;
+    }
+    amax / INT8_QMAX
+}
+
+/// Static per-tensor quantization with a given scale (the C8 latent cache, spec §3.4:
+/// `saturate_int8(round(x · (1/s)))`, saturating to [−128, 127], ties to even).
+#[inline]
+pub fn quantize_static_int8(x: f32, inv_scale: f32) -> i8 {
+    (x * inv_scale).round_ties_even().clamp(-128.0, 127.0) as i8
+}
+
+#[cfg(test)]
+#[allow(clippy::excessive_precision)] // the spec's exact decimal expansions
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_double_rounding_vector() {
+        let row: Vec<u16> = [1.0f32, 0.09033203125, -0.5, 0.25]
+            .iter()
+            .map(|&v| f32_to_bf16(v))
+            .collect();
+        // All four are bf16 values.
+        for (&b, v) in row.iter().zip([1.0f32, 0.09033203125, -0.5, 0.25]) {
+            assert_eq!(bf16_to_f32(b), v);
+        }
+        let mut q = [0i8; 4];
+        let s = quantize_row_bf16_to_int8(&row, &mut q);
+        assert_eq!(s, 0.00787353515625);
+        assert_eq!(q, [127, 12, -64, 32]);
+        // The intermediate t of the spec.
+        let t: Vec<f32> = row
+            .iter()
+            .map(|&b| bf16_to_f32(f32_to_bf16(bf16_to_f32(b) / s)))
+            .collect();
+        assert_eq!(t, [127.0, 11.5, -63.5, 31.75]);
+    }
+
+    #[test]
+    fn zero_row_and_clamp() {
+        let mut q = [5i8; 3];
+        assert_eq!(quantize_row_bf16_to_int8(&[0, 0x8000, 0], &mut q), 0.0);
+        assert_eq!(q, [0, 0, 0]);
+        // 127.5 must clamp to 127, never wrap to -128.
+        let mut q = [0i8; 2];
+        let x = [1.0f32, -1.0];
+        let s = quantize_activation_int8(&x, &mut q);
+        assert_eq!(q, [127, -127]);
+        assert_eq!(s, 1.0 / 127.0);
+    }
+
+    #[test]
+    fn activation_ties_to_even() {
+        // amax = 127 → inv = 1: 2.5 → 2, 3.5 → 4, -0.5 → -0.
+        let x = [127.0f32, 2.5, 3.5, -0.5, -1.5];
+        let mut q = [0i8; 5];
+        quantize_activation_int8(&x, &mut q);
+        assert_eq!(q, [127, 2, 4, 0, -2]);
+        assert_eq!(quantize_static_int8(300.0, 1.0), 127);
+        assert_eq!(quantize_static_int8(-300.0, 1.0), -128);
+        assert_eq!(quantize_static_int8(2.5, 1.0), 2);
+    }
+}

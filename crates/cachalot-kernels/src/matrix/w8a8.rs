@@ -1,0 +1,342 @@
+//! W8A8 products (spec `deepseek-v3-r1-kimi-k2.md` §4): int8 weights with one scale per output
+//! row times int8 activations quantized per token on entry, accumulated exactly in i32:
+//!
+//!   out[t, r] = f32(Σ_c xq[t, c]·wq[r, c]) · sw[r] · sx[t]
+//!
+//! (evaluated as `(f32(acc) · sw[r]) · sx[t]`). The integer sum is exact, so every level, tile
+//! shape and thread split gives bit-identical results; the SIMD twin is checked equal to the
+//! scalar reference. |acc| ≤ 127·128·cols stays in i32 for cols < 132 000.
+//!
+//! AVX2: `vpmaddubsw` multiplies unsigned by signed bytes, so the weight goes in as |w|
+//! (`vpabsb`; −128 becomes the unsigned 128, still exact) and the activation takes the weight's
+//! sign (`vpsignb(x, w)`: x·sign(w), never −128 because activations are clamped to ±127). Pairs
+//! of products fit i16 (2·128·127 < 32 768); `vpmaddwd` with ones widens them to i32.
+//! AVX-512 VNNI (`vpdpbusd`) and NEON `sdot` slot into the same dispatch later.
+
+use std::ops::Range;
+
+use super::{OutRows, WeightsView};
+use crate::int8::quantize_activation_int8;
+
+/// Activations of a call, quantized per token.
+pub(crate) struct QuantizedTokens {
+    pub q: Vec<i8>,
+    pub scale: Vec<f32>,
+    pub cols: usize,
+}
+
+impl QuantizedTokens {
+    pub fn new(x: &[f32], n_tokens: usize, cols: usize) -> QuantizedTokens {
+        let mut q = vec![0i8; n_tokens * cols];
+        let scale = x
+            .chunks_exact(cols)
+            .zip(q.chunks_exact_mut(cols))
+            .map(|(xt, qt)| quantize_activation_int8(xt, qt))
+            .collect();
+        QuantizedTokens { q, scale, cols }
+    }
+
+    #[inline]
+    pub fn token(&self, t: usize) -> &[i8] {
+        &self.q[t * self.cols..(t + 1) * self.cols]
+    }
+}
+
+#[inline]
+fn weight_row<'a>(w: &'a WeightsView, r: usize) -> &'a [i8] {
+    let bytes = &w.data[r * w.cols..(r + 1) * w.cols];
+    // SAFETY: i8 and u8 have the same size and alignment.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const i8, bytes.len()) }
+}
+
+#[inline]
+pub(crate) fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
+    a.iter().zip(b).map(|(&x, &y)| x as i32 * y as i32).sum()
+}
+
+#[inline]
+fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
+    (acc as f32 * w.scales.row(r)[0]) * sx
+}
+
+/// Scalar reference for rows `rows`, all tokens.
+pub(crate) fn matmul_rows_scalar(
+    w: &WeightsView,
+    rows: Range<usize>,
+    xq: &QuantizedTokens,
+    n_tokens: usize,
+    out: &OutRows,
+) {
+    for r in rows {
+        let wr = weight_row(w, r);
+        for t in 0..n_tokens {
+            let acc = dot_i8(wr, xq.token(t));
+            // SAFETY: row r is in this task's row range.
+            unsafe { out.write(t, r, finish(acc, w, r, xq.scale[t])) };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    #![allow(clippy::needless_range_loop)]
+
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::{dot_i8, finish, weight_row, QuantizedTokens};
+    use crate::matrix::{OutRows, WeightsView};
+
+    /// # Safety
+    /// The CPU supports AVX2; `out` accepts writes for every row in `rows`; `xq` holds
+    /// `n_tokens` tokens of `w.cols` values.
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn matmul_rows(
+        w: &WeightsView,
+        rows: Range<usize>,
+        xq: &QuantizedTokens,
+        n_tokens: usize,
+        out: &OutRows,
+    ) {
+        let mut t0 = 0;
+        while t0 < n_tokens {
+            let nt = (n_tokens - t0).min(4);
+            match nt {
+                1 => row_tiles::<4, 1>(w, rows.clone(), xq, t0, out),
+                2 => row_tiles::<2, 2>(w, rows.clone(), xq, t0, out),
+                3 => row_tiles::<1, 3>(w, rows.clone(), xq, t0, out),
+                _ => row_tiles::<2, 4>(w, rows.clone(), xq, t0, out),
+            }
+            t0 += nt;
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn row_tiles<const R: usize, const NT: usize>(
+        w: &WeightsView,
+        rows: Range<usize>,
+        xq: &QuantizedTokens,
+        t0: usize,
+        out: &OutRows,
+    ) {
+        let mut r = rows.start;
+        while r + R <= rows.end {
+            let acc = tile::<R, NT>(w, r, xq, t0);
+            for i in 0..R {
+                for t in 0..NT {
+                    let v = finish(acc[i][t], w, r + i, xq.scale[t0 + t]);
+                    out.write(t0 + t, r + i, v);
+                }
+            }
+            r += R;
+        }
+        while r < rows.end {
+            let acc = tile::<1, NT>(w, r, xq, t0);
+            for t in 0..NT {
+                out.write(t0 + t, r, finish(acc[0][t], w, r, xq.scale[t0 + t]));
+            }
+            r += 1;
+        }
+    }
+
+    /// Exact i32 dot products of rows row0..row0+R with tokens t0..t0+NT.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn tile<const R: usize, const NT: usize>(
+        w: &WeightsView,
+        row0: usize,
+        xq: &QuantizedTokens,
+        t0: usize,
+    ) -> [[i32; NT]; R] {
+        let cols = w.cols;
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_si256(); NT]; R];
+        let mut wp = [std::ptr::null::<u8>(); R];
+        for i in 0..R {
+            wp[i] = w.data.as_ptr().add((row0 + i) * cols);
+        }
+        let mut xp = [std::ptr::null::<i8>(); NT];
+        for t in 0..NT {
+            xp[t] = xq.token(t0 + t).as_ptr();
+        }
+        let full = cols / 32 * 32;
+        let mut c = 0;
+        while c < full {
+            let mut xs = [_mm256_setzero_si256(); NT];
+            for t in 0..NT {
+                xs[t] = _mm256_loadu_si256(xp[t].add(c) as *const __m256i);
+            }
+            for i in 0..R {
+                let wv = _mm256_loadu_si256(wp[i].add(c) as *const __m256i);
+                let wabs = _mm256_abs_epi8(wv);
+                for t in 0..NT {
+                    let signed = _mm256_sign_epi8(xs[t], wv);
+                    let pairs = _mm256_maddubs_epi16(wabs, signed);
+                    acc[i][t] = _mm256_add_epi32(acc[i][t], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+            c += 32;
+        }
+        let mut res = [[0i32; NT]; R];
+        for i in 0..R {
+            let wtail = &weight_row(w, row0 + i)[full..];
+            for t in 0..NT {
+                res[i][t] = hsum_i32(acc[i][t]) + dot_i8(wtail, &xq.token(t0 + t)[full..]);
+            }
+        }
+        res
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use crate::matrix::{Matrix, MatrixData};
+    use crate::simd::SimdLevel;
+    use crate::Bytes;
+
+    fn levels() -> Vec<SimdLevel> {
+        SimdLevel::ALL
+            .into_iter()
+            .filter(|l| l.supported())
+            .collect()
+    }
+
+    /// SplitMix64 from a proptest seed.
+    fn stream(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+    }
+
+    fn case(rows: usize, cols: usize, n_tokens: usize, seed: u64) -> (Matrix, Vec<f32>) {
+        let mut next = stream(seed);
+        let data: Vec<u8> = (0..rows * cols).map(|_| next() as u8).collect();
+        let scale: Vec<f32> = (0..rows)
+            .map(|_| 1e-3 + (next() >> 40) as f32 / (1u64 << 24) as f32 * 1e-2)
+            .collect();
+        let x: Vec<f32> = (0..n_tokens * cols)
+            .map(|_| {
+                let m = 0.05 + (next() >> 40) as f32 / (1u64 << 24) as f32;
+                if next() & 1 == 0 {
+                    m
+                } else {
+                    -m
+                }
+            })
+            .collect();
+        let m = Matrix::new(
+            rows,
+            cols,
+            MatrixData::W8A8 {
+                data: Bytes::from_vec(data),
+                scale,
+            },
+        )
+        .unwrap();
+        (m, x)
+    }
+
+    /// Independent reference: quantize each token, sum exactly in i64.
+    fn reference(m: &Matrix, x: &[f32], n_tokens: usize) -> Vec<f32> {
+        let MatrixData::W8A8 { data, scale } = m.data() else {
+            unreachable!()
+        };
+        let (rows, cols) = (m.rows(), m.cols());
+        let mut out = vec![0.0f32; n_tokens * rows];
+        for t in 0..n_tokens {
+            let xt = &x[t * cols..(t + 1) * cols];
+            let amax = xt.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let inv = 127.0 / amax;
+            let q: Vec<i64> = xt
+                .iter()
+                .map(|v| (v * inv).round_ties_even().clamp(-127.0, 127.0) as i64)
+                .collect();
+            for r in 0..rows {
+                let w = &data.as_slice()[r * cols..(r + 1) * cols];
+                let acc: i64 = w.iter().zip(&q).map(|(&b, &v)| b as i8 as i64 * v).sum();
+                out[t * rows + r] = (acc as i32 as f32 * scale[r]) * (amax / 127.0);
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn every_level_equals_the_exact_reference(
+            rows in 1usize..40, cols in 1usize..300, n_tokens in 1usize..10, seed in any::<u64>()
+        ) {
+            let (m, x) = case(rows, cols, n_tokens, seed);
+            let want = reference(&m, &x, n_tokens);
+            for level in levels() {
+                let mut out = vec![f32::NAN; n_tokens * rows];
+                m.matmul_rows_at(level, 0..rows, &x, n_tokens, &mut out);
+                prop_assert_eq!(&out, &want, "level {:?}", level);
+                // A row sub-range and one token at a time give the same bits.
+                let sub = rows / 3..rows;
+                for t in 0..n_tokens {
+                    let mut o = vec![f32::NAN; sub.len()];
+                    m.matmul_rows_at(level, sub.clone(), &x[t * cols..(t + 1) * cols], 1, &mut o);
+                    prop_assert_eq!(&o[..], &want[t * rows + sub.start..(t + 1) * rows]);
+                }
+            }
+            // Close to the f32 product of the dequantized weights: the activation rounding
+            // error is at most sx/2 per element.
+            let f = m.to_f32_matrix();
+            let mut exact = vec![0.0f32; n_tokens * rows];
+            f.matmul(&x, n_tokens, &mut exact);
+            let deq = m.to_f32_vec();
+            for t in 0..n_tokens {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let sx = xt.iter().fold(0.0f32, |a, v| a.max(v.abs())) / 127.0;
+                for r in 0..rows {
+                    let l1: f32 = deq[r * cols..(r + 1) * cols].iter().map(|v| v.abs()).sum();
+                    let bound = 0.5 * sx * l1 * 1.001 + 1e-5;
+                    let d = (want[t * rows + r] - exact[t * rows + r]).abs();
+                    prop_assert!(d <= bound, "t {} r {}: {} vs {} (bound {})", t, r,
+                        want[t * rows + r], exact[t * rows + r], bound);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn large_sums_stay_exact() {
+        // Worst-case magnitudes (w = −128, x = ±127) over 4 096 columns.
+        let cols = 4096;
+        let data = Bytes::from_vec(vec![0x80u8; 2 * cols]);
+        let m = Matrix::new(
+            2,
+            cols,
+            MatrixData::W8A8 {
+                data,
+                scale: vec![1.0, 0.5],
+            },
+        )
+        .unwrap();
+        let x = vec![-1.0f32; cols];
+        for level in levels() {
+            let mut out = [f32::NAN; 2];
+            m.matmul_rows_at(level, 0..2, &x, 1, &mut out);
+            let acc = (128 * 127 * cols) as f32;
+            assert_eq!(out, [acc / 127.0, acc * 0.5 / 127.0], "{level:?}");
+        }
+    }
+}
