@@ -291,3 +291,24 @@ pub fn latent_absmax(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> Result
         })
         .collect())
 }
+
+/// Log-probabilities over consecutive, non-overlapping windows of `window` tokens, each its own
+/// causal context from position 0 (how models are scored past their training context); every
+/// token but a window's first is scored. `window = 0` means one context over everything.
+pub fn windowed_logprobs(
+    model: &DeepseekV3,
+    tokens: &[u32],
+    window: usize,
+    chunk: usize,
+) -> Result<Vec<f32>> {
+    if window == 0 || window >= tokens.len() {
+        return next_token_logprobs(model, tokens, chunk);
+    }
+    let mut out = Vec::with_capacity(tokens.len());
+    for w in tokens.chunks(window) {
+        if w.len() >= 2 {
+            out.extend(next_token_logprobs(model, w, chunk)?);
+        }
+    }
+    Ok(out)
+}

@@ -165,8 +165,8 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     let model_dir = PathBuf::from(&m.model_path);
     if !model_dir.join("config.json").is_file() {
         let hint = if m.model_path.starts_with("assets/") {
-            " (the small model shipped in assets/ is not there yet — issue 4; the tiny \
-             fixture model runs with `cachalot run --model tiny --yaml r1_tiny.yaml`)"
+            " (the small model ships in assets/cachalot-tiny-r1; run from the repository \
+             root, or fix model_path)"
         } else {
             ""
         };

@@ -100,7 +100,7 @@ fn a_missing_model_or_dataset_says_what_to_do() {
         .unwrap()
         .to_string();
     assert!(
-        e.contains("no config.json there") && e.contains("issue 4"),
+        e.contains("no config.json there") && e.contains("repository root"),
         "{e}"
     );
     cfg.model_config.model_name = "deepseek_v4".into();

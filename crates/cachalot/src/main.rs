@@ -40,7 +40,7 @@ enum AttnArg {
 #[derive(clap::Args)]
 struct ModelArgs {
     /// Hugging Face model directory (config.json, safetensors, tokenizer.json or
-    /// tiktoken.model). Without it, the small model shipped in assets/ (not there yet).
+    /// tiktoken.model). Without it, the small model shipped in assets/cachalot-tiny-r1.
     #[arg(long)]
     model: Option<PathBuf>,
     /// How FP8 weights are held.
@@ -79,6 +79,10 @@ enum Command {
         /// Prefill chunk size in tokens.
         #[arg(long, default_value_t = 512)]
         chunk: usize,
+        /// Score in consecutive windows of this many tokens, each its own context (0: one
+        /// context over the whole input).
+        #[arg(long, default_value_t = 0)]
+        window: usize,
         /// Print one JSON object: {"n_tokens", "logprobs", "nll", "ppl"}.
         #[arg(long)]
         json: bool,
@@ -109,13 +113,26 @@ enum Command {
     },
 }
 
-/// The model directory, or a clear word that the shipped small model is not there yet.
-fn model_dir(args: &ModelArgs) -> Result<&Path> {
-    match &args.model {
-        Some(dir) => Ok(dir),
+/// The small model shipped with the project, used when no `--model` is given.
+pub const DEFAULT_MODEL: &str = "assets/cachalot-tiny-r1";
+
+/// The model directory: `--model`, else the shipped small model (looked up from the working
+/// directory, then from the source tree this binary was built from).
+fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
+    if let Some(dir) = &args.model {
+        return Ok(dir.clone());
+    }
+    let candidates = [
+        PathBuf::from(DEFAULT_MODEL),
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(DEFAULT_MODEL),
+    ];
+    match candidates.iter().find(|d| d.join("config.json").is_file()) {
+        Some(d) => Ok(d.clone()),
         None => bail!(
-            "no --model given, and the small model that will ship in assets/ is not there yet \
-             (issue 4); pass --model DIR (for example --model fixtures/v3/r1_tiny)"
+            "no --model given and the shipped small model ({DEFAULT_MODEL}) was not found from \
+             here; run from the repository root or pass --model DIR"
         ),
     }
 }
@@ -128,7 +145,7 @@ fn load(args: &ModelArgs) -> Result<DeepseekV3> {
         },
         load_mtp: false,
     };
-    let mut model = DeepseekV3::load(model_dir(args)?, opts)?;
+    let mut model = DeepseekV3::load(&model_dir(args)?, opts)?;
     model.attention_path = match args.attention {
         AttnArg::Auto => AttentionPath::Auto,
         AttnArg::Naive => AttentionPath::Naive,
@@ -165,11 +182,12 @@ fn run() -> Result<()> {
             model,
             input,
             chunk,
+            window,
             json,
         } => {
-            let ids = tokens(&input, model_dir(&model)?)?;
+            let ids = tokens(&input, &model_dir(&model)?)?;
             let m = load(&model)?;
-            let lp = eval::next_token_logprobs(&m, &ids, chunk)?;
+            let lp = eval::windowed_logprobs(&m, &ids, window, chunk)?;
             let (nll, ppl) = eval::nll_ppl(&lp);
             if json {
                 let v = serde_json::json!({"n_tokens": ids.len(), "logprobs": lp, "nll": nll, "ppl": ppl});

@@ -131,7 +131,7 @@ pub struct ChatArgs {
 pub fn tokenize(args: &TokenizeArgs) -> Result<()> {
     let dir = match &args.model {
         Some(d) => d.clone(),
-        None => model_dir(&ModelArgs::none())?.to_path_buf(),
+        None => model_dir(&ModelArgs::none())?,
     };
     let tok = Tokenizer::from_dir(&dir)?;
     if let Some(ids) = &args.decode {
@@ -307,7 +307,7 @@ fn finish_word(f: &FinishReason) -> &'static str {
 }
 
 pub fn generate(args: &GenerateArgs) -> Result<()> {
-    let dir = model_dir(&args.model)?.to_path_buf();
+    let dir = model_dir(&args.model)?;
     let tok = Tokenizer::from_dir(&dir).ok();
     let (prompt_ids, prompt_text) = if args.chat {
         let tok = tok
@@ -328,7 +328,14 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         let text = t.render(&msgs, true)?;
         (tok.encode(&text)?, text)
     } else {
-        let ids = tokens(&args.input, &dir)?;
+        let mut ids = tokens(&args.input, &dir)?;
+        if args.input.token_ids.is_none() {
+            if let Some(bos) = tok.as_ref().and_then(|t| t.prompt_bos_id()) {
+                if ids.first() != Some(&bos) {
+                    ids.insert(0, bos);
+                }
+            }
+        }
         let text = match (&tok, &args.input.token_ids) {
             (Some(t), Some(ids)) => t.decode(ids).unwrap_or_default(),
             _ => args.input.prompt.clone().unwrap_or_default(),
@@ -382,7 +389,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
 }
 
 pub fn chat(args: &ChatArgs) -> Result<()> {
-    let dir = model_dir(&args.model)?.to_path_buf();
+    let dir = model_dir(&args.model)?;
     let tok = Tokenizer::from_dir(&dir)?;
     let template = chat_template(&tok, &dir, args.chat_template.as_deref())?;
     let m = load(&args.model)?;

@@ -251,20 +251,33 @@ fn generate_chat_renders_the_template() {
 }
 
 #[test]
-fn without_a_model_the_commands_say_the_small_model_is_not_there_yet() {
-    for cmd in [
-        vec!["generate", "--prompt", "hi"],
-        vec!["chat"],
-        vec!["perplexity", "--prompt", "hi there"],
-    ] {
-        let out = cachalot(&cmd, Some(""));
-        assert!(!out.status.success());
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            err.contains("assets/") && err.contains("issue 4"),
-            "{cmd:?}: {err}"
-        );
-    }
+fn without_a_model_the_commands_use_the_shipped_small_model() {
+    let out = cachalot(
+        &[
+            "perplexity",
+            "--prompt",
+            "The best way to be happy is to be",
+            "--json",
+        ],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["ppl"].as_f64().unwrap() > 1.0);
+    let out = cachalot(
+        &["generate", "--prompt", "Love is", "--max-new-tokens", "8"],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty());
 }
 
 #[test]

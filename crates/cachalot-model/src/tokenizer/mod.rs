@@ -172,6 +172,17 @@ impl Tokenizer {
         self.config_token("bos_token")
     }
 
+    /// The BOS id to put before a plain-text prompt, when `tokenizer_config.json` says
+    /// `add_bos_token: true` (as DeepSeek-R1's does); chat templates write their own BOS.
+    pub fn prompt_bos_id(&self) -> Option<u32> {
+        let add = self.config.get("add_bos_token").and_then(|v| v.as_bool());
+        if add == Some(true) {
+            self.bos_token().and_then(|t| self.token_to_id(&t))
+        } else {
+            None
+        }
+    }
+
     pub fn eos_token(&self) -> Option<String> {
         self.config_token("eos_token")
     }
