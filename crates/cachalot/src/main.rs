@@ -110,6 +110,14 @@ enum Command {
         /// Threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// Benchmark MTP speculative decoding with this many chained drafts per step against
+        /// plain greedy decode (same prompt, alternating runs).
+        #[arg(long, default_value_t = 0)]
+        mtp: usize,
+        /// Take the prompt from the start of this text file instead of random ids (MTP
+        /// acceptance needs real text).
+        #[arg(long)]
+        prompt_file: Option<PathBuf>,
     },
 }
 
@@ -210,13 +218,19 @@ fn run() -> Result<()> {
             prompt_len,
             decode_len,
             threads,
+            mtp,
+            prompt_file,
         } => {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(n)
                     .build_global()?;
             }
-            bench(&model, prompt_len, decode_len)?;
+            if mtp > 0 {
+                bench_mtp(&model, prompt_file.as_deref(), prompt_len, decode_len, mtp)?;
+            } else {
+                bench(&model, prompt_len, decode_len)?;
+            }
         }
     }
     Ok(())
@@ -307,4 +321,75 @@ fn read_bandwidth_gb_s() -> f64 {
         best = best.max((n * 4) as f64 / dt / 1e9);
     }
     best
+}
+
+/// Plain greedy decode vs MTP speculative decode on one prompt: three alternating runs each,
+/// medians reported, with the acceptance figures of the speculative runs.
+fn bench_mtp(
+    args: &ModelArgs,
+    prompt_file: Option<&Path>,
+    prompt_len: usize,
+    decode_len: usize,
+    next_n: usize,
+) -> Result<()> {
+    let dir = model_dir(args)?;
+    let opts = LoadOptions {
+        fp8: match args.fp8 {
+            Fp8Arg::Native => Fp8Mode::Native,
+            Fp8Arg::F32 => Fp8Mode::DequantizeF32,
+        },
+        load_mtp: true,
+    };
+    let m = DeepseekV3::load(&dir, opts)?;
+    if m.mtp_layers().is_empty() {
+        bail!(
+            "{}: the checkpoint has no MTP layer (num_nextn_predict_layers = 0); --mtp needs one",
+            dir.display()
+        );
+    }
+    let mut prompt = match prompt_file {
+        Some(f) => {
+            let text = std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read {}", f.display()))?;
+            Tokenizer::from_dir(&dir)?.encode(&text)?
+        }
+        None => bail!("--mtp needs --prompt-file TEXT (acceptance on random ids means nothing)"),
+    };
+    prompt.truncate(prompt_len.max(1));
+    let mut plain_s = Vec::new();
+    let mut spec_s = Vec::new();
+    let mut stats = eval::MtpStats::default();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let a = eval::greedy(&m, &prompt, decode_len)?;
+        plain_s.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let (b, st) = eval::greedy_mtp(&m, &prompt, decode_len, next_n)?;
+        spec_s.push(t.elapsed().as_secs_f64());
+        if a != b {
+            bail!("speculative output differs from greedy output; this is a bug");
+        }
+        stats = st;
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (p, s) = (median(&mut plain_s), median(&mut spec_s));
+    let v = serde_json::json!({
+        "model": dir.display().to_string(),
+        "mtp": next_n,
+        "prompt_len": prompt.len(),
+        "decode_len": decode_len,
+        "plain_tok_s": decode_len as f64 / p,
+        "mtp_tok_s": decode_len as f64 / s,
+        "speedup": p / s,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate": stats.acceptance_rate(),
+        "main_steps": stats.main_steps,
+        "tokens_per_main_step": decode_len as f64 / stats.main_steps as f64,
+    });
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
 }
