@@ -50,9 +50,9 @@ impl<T: Model + ?Sized> Model for &T {
     }
 }
 
-/// Bytes one cache block takes over all of a model's cache layers (f32 latents).
+/// Bytes one cache block takes over all of a model's cache layers (int8 c_kv under C8).
 pub fn kv_bytes_per_block(spec: CacheSpec, block_size: usize) -> u64 {
-    (spec.layers * spec.width * block_size * std::mem::size_of::<f32>()) as u64
+    (spec.bytes_per_token() * block_size) as u64
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -25,6 +25,11 @@ impl CacheSpec {
     pub fn f32_width(&self) -> usize {
         self.width - self.int8_width
     }
+
+    /// Bytes one token takes over all cache layers (f32 part plus int8 part).
+    pub fn bytes_per_token(&self) -> usize {
+        self.layers * (self.f32_width() * std::mem::size_of::<f32>() + self.int8_width)
+    }
 }
 
 /// A pool of fixed-size blocks: per cache layer, an f32 array (`f32_width` values per slot) and,
@@ -278,4 +283,22 @@ pub enum LogitsWanted {
     None,
     Last,
     All,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_bytes_match_the_spec() {
+        for int8_width in [0, 512] {
+            let spec = CacheSpec {
+                layers: 3,
+                width: 576,
+                int8_width,
+            };
+            let cache = KvCache::new(spec, 16, 5);
+            assert_eq!(cache.bytes(), spec.bytes_per_token() * 16 * 5);
+        }
+    }
 }
