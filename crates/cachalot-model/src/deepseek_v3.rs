@@ -672,14 +672,15 @@ impl DeepseekV3 {
     ) -> Vec<f32> {
         let cfg = &self.cfg;
         let t_count = batch.num_tokens();
-        let n = cfg.num_attention_heads;
-        let (nope, rd, vd, kvr) = (
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-            cfg.kv_lora_rank,
-        );
-        let qk = nope + rd;
+        let MlaDims {
+            n,
+            nope,
+            rd,
+            vd,
+            kvr,
+            qk,
+            ..
+        } = MlaDims::of(cfg);
         let width = kvr + rd;
 
         // Queries: [T, N, nope + rope].
@@ -823,15 +824,15 @@ impl DeepseekV3 {
         o: &mut [f32],
     ) {
         let cfg = &self.cfg;
-        let n = cfg.num_attention_heads;
-        let (nope, rd, vd, kvr) = (
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-            cfg.kv_lora_rank,
-        );
-        let qk = nope + rd;
-        let kvw = nope + vd;
+        let MlaDims {
+            n,
+            nope,
+            vd,
+            kvr,
+            qk,
+            kvw,
+            ..
+        } = MlaDims::of(cfg);
         let mut c = Vec::with_capacity(ctx * kvr);
         for p in 0..ctx {
             c.extend_from_slice(&latent(p)[..kvr]);
@@ -877,15 +878,15 @@ impl DeepseekV3 {
         o: &mut [f32],
     ) {
         let cfg = &self.cfg;
-        let n = cfg.num_attention_heads;
-        let (nope, rd, vd, kvr) = (
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-            cfg.kv_lora_rank,
-        );
-        let qk = nope + rd;
-        let kvw = nope + vd;
+        let MlaDims {
+            n,
+            nope,
+            vd,
+            kvr,
+            qk,
+            kvw,
+            ..
+        } = MlaDims::of(cfg);
         let scale = self.softmax_scale;
         let tq = positions.len();
         let per_head: Vec<Vec<f32>> = (0..n)
@@ -969,6 +970,35 @@ impl DeepseekV3 {
             }
         }
         out
+    }
+}
+
+/// The MLA head sizes the attention code indexes with.
+struct MlaDims {
+    /// Heads.
+    n: usize,
+    nope: usize,
+    rd: usize,
+    vd: usize,
+    kvr: usize,
+    /// Query/key width per head: `nope + rd`.
+    qk: usize,
+    /// `kv_b_proj` rows per head: `nope + vd`.
+    kvw: usize,
+}
+
+impl MlaDims {
+    fn of(cfg: &DeepseekV3Config) -> MlaDims {
+        let (nope, rd, vd) = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
+        MlaDims {
+            n: cfg.num_attention_heads,
+            nope,
+            rd,
+            vd,
+            kvr: cfg.kv_lora_rank,
+            qk: nope + rd,
+            kvw: nope + vd,
+        }
     }
 }
 
