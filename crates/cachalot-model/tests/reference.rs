@@ -12,6 +12,9 @@ use cachalot_model::tokenizer::Tokenizer;
 use cachalot_model::{AttentionPath, DeepseekV3, Fp8Mode, LoadOptions};
 use serde_json::Value;
 
+mod common;
+use common::{check_logprobs, floats, ids, max_abs_diff, mtp_logprobs, mtp_rows};
+
 const MODELS: [&str; 3] = ["r1_tiny", "kimi_tiny", "v3_noq_tiny"];
 
 fn fixture_dir(name: &str) -> PathBuf {
@@ -23,22 +26,6 @@ fn fixture_dir(name: &str) -> PathBuf {
 fn reference(name: &str) -> Value {
     let p = fixture_dir(name).join("reference.json");
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
 }
 
 fn load(name: &str) -> DeepseekV3 {
@@ -53,30 +40,6 @@ fn load_with_mtp() -> DeepseekV3 {
     DeepseekV3::load(&fixture_dir("r1_tiny"), opts).unwrap()
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
-fn check_logprobs(name: &str, what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{name} {what}: length");
-    let worst = max_abs_diff(got, want);
-    assert!(
-        worst <= 0.02,
-        "{name} {what}: worst per-token logprob diff {worst}"
-    );
-    let (nll_got, _) = eval::nll_ppl(got);
-    let (nll_want, _) = eval::nll_ppl(want);
-    let rel = ((nll_got - nll_want) / nll_want).abs();
-    assert!(
-        rel <= 0.002,
-        "{name} {what}: mean NLL {nll_got} vs {nll_want}"
-    );
-}
-
 #[test]
 fn logprobs_match_transformers() {
     for name in MODELS {
@@ -86,8 +49,7 @@ fn logprobs_match_transformers() {
             let toks = ids(&seq["token_ids"]);
             let got = eval::next_token_logprobs(&m, &toks, 512).unwrap();
             check_logprobs(
-                name,
-                &format!("sequence {i}"),
+                &format!("{name} sequence {i}"),
                 &got,
                 &floats(&seq["logprobs"]),
             );
@@ -106,7 +68,11 @@ fn text_tokenization_and_logprobs_match() {
         assert_eq!(toks, ids(&r["text"]["token_ids"]), "{name}: tokenization");
         let m = load(name);
         let got = eval::next_token_logprobs(&m, &toks, 64).unwrap();
-        check_logprobs(name, "text", &got, &floats(&r["text"]["logprobs"]));
+        check_logprobs(
+            &format!("{name} text"),
+            &got,
+            &floats(&r["text"]["logprobs"]),
+        );
     }
 }
 
@@ -263,27 +229,12 @@ fn mtp_layer_matches_transformers() {
     let toks = ids(&mtp["token_ids"]);
     let n = toks.len();
     let vocab = m.config().vocab_size;
-    let h = m.config().hidden_size;
-    let mut cache = KvCache::new(m.cache_spec(), 16, n.div_ceil(16));
-    let mut alloc = BlockAllocator::new(cache.num_blocks());
-    let mut table = Vec::new();
-    alloc.ensure(&mut table, n, 16).unwrap();
-    let mut b = Batch::default();
-    b.push_seq(&toks, 0, table.clone(), LogitsWanted::None);
-    let hidden = m.forward(&b, &mut cache, true).unwrap().hidden.unwrap();
-
-    let mut b = Batch::default();
-    b.push_seq(&toks[1..], 0, table, LogitsWanted::All);
-    let out = m
-        .mtp_forward(0, &b, &hidden[..(n - 1) * h], &mut cache, false)
-        .unwrap();
-    let rows: Vec<&[f32]> = out.logits.chunks_exact(vocab).collect();
+    let logits = mtp_rows(&m, &toks);
+    let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
     assert_eq!(rows.len(), n - 1);
     let want = floats(&mtp["logprobs"]);
-    let got: Vec<f32> = (0..n - 2)
-        .map(|i| cachalot_kernels::log_softmax_at(rows[i], toks[i + 2] as usize))
-        .collect();
-    check_logprobs("r1_tiny", "mtp", &got, &want);
+    let got = mtp_logprobs(&logits, vocab, &toks);
+    check_logprobs("r1_tiny mtp", &got, &want);
     let argmax = ids(&mtp["argmax"]);
     let margins = floats(&mtp["margins"]);
     for (i, row) in rows.iter().enumerate() {

@@ -10,6 +10,9 @@ use cachalot_model::tokenizer::Tokenizer;
 use cachalot_model::{DeepseekV3, Fp8Mode, LoadOptions};
 use serde_json::Value;
 
+mod common;
+use common::{check_logprobs as check, floats, ids, mtp_logprobs, mtp_rows};
+
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/cachalot-tiny-r1")
 }
@@ -18,41 +21,12 @@ fn reference() -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir().join("reference.json")).unwrap()).unwrap()
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
 fn model(load_mtp: bool) -> DeepseekV3 {
     let opts = LoadOptions {
         fp8: Fp8Mode::Native,
         load_mtp,
     };
     DeepseekV3::load(&dir(), opts).unwrap()
-}
-
-fn check(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    let worst = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
-    assert!(worst <= 0.02, "{what}: worst per-token diff {worst}");
-    let (a, _) = eval::nll_ppl(got);
-    let (b, _) = eval::nll_ppl(want);
-    assert!(((a - b) / b).abs() <= 0.002, "{what}: mean NLL {a} vs {b}");
 }
 
 #[test]
@@ -100,31 +74,8 @@ fn mtp_head_matches_and_speculation_is_accepted() {
     let r = reference();
     let toks = ids(&r["text"]["token_ids"]);
     let mtp = &r["mtp"];
-    // Row i: token i+1 with the main hidden state at i; predicts token i+2.
-    use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
-    let n = toks.len();
-    let h = m.config().hidden_size;
     let vocab = m.config().vocab_size;
-    let mut cache = KvCache::new(m.cache_spec(), 128, n.div_ceil(128));
-    let mut alloc = BlockAllocator::new(cache.num_blocks());
-    let mut table = Vec::new();
-    alloc.ensure(&mut table, n, 128).unwrap();
-    let mut b = Batch::default();
-    b.push_seq(&toks, 0, table.clone(), LogitsWanted::None);
-    let hidden = m.forward(&b, &mut cache, true).unwrap().hidden.unwrap();
-    let mut b = Batch::default();
-    b.push_seq(&toks[1..], 0, table, LogitsWanted::All);
-    let out = m
-        .mtp_forward(0, &b, &hidden[..(n - 1) * h], &mut cache, false)
-        .unwrap();
-    let got: Vec<f32> = (0..n - 2)
-        .map(|i| {
-            cachalot_kernels::log_softmax_at(
-                &out.logits[i * vocab..(i + 1) * vocab],
-                toks[i + 2] as usize,
-            )
-        })
-        .collect();
+    let got = mtp_logprobs(&mtp_rows(&m, &toks), vocab, &toks);
     check("mtp", &got, &floats(&mtp["logprobs"]));
 
     // Speculative decoding emits the plain greedy tokens and accepts a real share of drafts.

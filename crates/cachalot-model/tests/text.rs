@@ -7,6 +7,9 @@ use std::path::PathBuf;
 use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer, TokenizerKind};
 use serde_json::Value;
 
+mod common;
+use common::ids;
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -18,14 +21,6 @@ fn text_fixture(name: &str) -> PathBuf {
 fn cases() -> Value {
     let s = std::fs::read_to_string(text_fixture("tokenizer_cases.json")).unwrap();
     serde_json::from_str(&s).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 fn check_tokenizer(tok: &Tokenizer, ids_field: &str, decoded_field: &str) {
