@@ -333,6 +333,25 @@ mod tests {
 
     /// Runs steps, sampling a token for every `sample` item and finishing a request once it has
     /// `out_len` generated tokens. Returns the number of steps.
+    /// What the engine does after a forward: one token per sampled item; a request that has all
+    /// its tokens (`lens[id].1`) finishes.
+    fn complete_step(
+        s: &mut Scheduler,
+        plan: &Schedule,
+        lens: &HashMap<u64, (usize, usize)>,
+        generated: &mut HashMap<u64, usize>,
+    ) {
+        for it in plan.items.iter().filter(|it| it.sample) {
+            let g = generated.entry(it.id).or_default();
+            *g += 1;
+            if *g >= lens[&it.id].1 {
+                s.finish(it.id);
+            } else {
+                s.append_token(it.id);
+            }
+        }
+    }
+
     fn drive(s: &mut Scheduler, lens: &HashMap<u64, (usize, usize)>, max_steps: usize) -> usize {
         let mut generated: HashMap<u64, usize> = HashMap::new();
         for step in 0..max_steps {
@@ -342,17 +361,7 @@ mod tests {
             let plan = s.schedule();
             s.check_invariants().unwrap();
             assert!(!plan.is_empty(), "step {step} scheduled nothing");
-            for it in &plan.items {
-                if it.sample {
-                    let g = generated.entry(it.id).or_default();
-                    *g += 1;
-                    if *g >= lens[&it.id].1 {
-                        s.finish(it.id);
-                    } else {
-                        s.append_token(it.id);
-                    }
-                }
-            }
+            complete_step(s, &plan, lens, &mut generated);
             s.check_invariants().unwrap();
         }
         panic!("not done after {max_steps} steps");
@@ -495,17 +504,7 @@ mod tests {
                         if s.has_unfinished() {
                             prop_assert!(!plan.is_empty(), "nothing scheduled");
                         }
-                        for it in &plan.items {
-                            if it.sample {
-                                let g = generated.entry(it.id).or_default();
-                                *g += 1;
-                                if *g >= lens[&it.id].1 {
-                                    s.finish(it.id);
-                                } else {
-                                    s.append_token(it.id);
-                                }
-                            }
-                        }
+                        complete_step(&mut s, &plan, &lens, &mut generated);
                     }
                 }
                 s.check_invariants().map_err(TestCaseError::fail)?;

@@ -699,18 +699,16 @@ impl DeepseekV3 {
         // Latents: normalised c_kv and roped k^R, written to the cache before attending.
         let mut kv = vec![0.0f32; t_count * width];
         mla.kv_a.matmul(x, t_count, &mut kv);
-        for s in 0..batch.num_seqs() {
-            for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
-                let (cos, sin) = rope.get(i);
-                let row = &mut kv[i * width..(i + 1) * width];
-                let mut c = vec![0.0f32; kvr];
-                k::rms_norm(&row[..kvr], &mla.kv_a_norm, LATENT_NORM_EPS, &mut c);
-                row[..kvr].copy_from_slice(&c);
-                self.rope.apply(&mut row[kvr..], cos, sin);
-                for hd in 0..n {
-                    let qr = &mut q[(i * n + hd) * qk + nope..(i * n + hd + 1) * qk];
-                    self.rope.apply(qr, cos, sin);
-                }
+        let mut c = vec![0.0f32; kvr];
+        for i in 0..t_count {
+            let (cos, sin) = rope.get(i);
+            let row = &mut kv[i * width..(i + 1) * width];
+            k::rms_norm(&row[..kvr], &mla.kv_a_norm, LATENT_NORM_EPS, &mut c);
+            row[..kvr].copy_from_slice(&c);
+            self.rope.apply(&mut row[kvr..], cos, sin);
+            for hd in 0..n {
+                let qr = &mut q[(i * n + hd) * qk + nope..(i * n + hd + 1) * qk];
+                self.rope.apply(qr, cos, sin);
             }
         }
         let bs = block_size;

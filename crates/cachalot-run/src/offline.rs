@@ -439,6 +439,8 @@ fn rayon_threads() -> usize {
 /// The summary as a small table for the terminal.
 pub fn summary_table(s: &Summary) -> String {
     let ms = |x: f64| format!("{:.2} ms", x * 1e3);
+    let spread =
+        |d: &Distribution| format!("mean {}  p50 {}  p99 {}", ms(d.mean), ms(d.p50), ms(d.p99));
     let rows: Vec<(String, String)> = vec![
         ("run".into(), s.run_id.clone()),
         (
@@ -467,24 +469,8 @@ pub fn summary_table(s: &Summary) -> String {
             "prefill".into(),
             format!("{:.1} tok/s", s.throughput.prefill_tok_s),
         ),
-        (
-            "TTFT".into(),
-            format!(
-                "mean {}  p50 {}  p99 {}",
-                ms(s.ttft_s.mean),
-                ms(s.ttft_s.p50),
-                ms(s.ttft_s.p99)
-            ),
-        ),
-        (
-            "TPOT".into(),
-            format!(
-                "mean {}  p50 {}  p99 {}",
-                ms(s.tpot_s.mean),
-                ms(s.tpot_s.p50),
-                ms(s.tpot_s.p99)
-            ),
-        ),
+        ("TTFT".into(), spread(&s.ttft_s)),
+        ("TPOT".into(), spread(&s.tpot_s)),
         (
             "KV peak".into(),
             format!(
