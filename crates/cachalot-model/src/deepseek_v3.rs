@@ -473,6 +473,22 @@ impl DeepseekV3 {
                 .sum::<usize>()
     }
 
+    /// Bytes of one routed expert (gate + up + down) and the number of MoE layers, so a bench
+    /// can count the experts a step of several tokens reads.
+    pub fn routed_expert_bytes(&self) -> (usize, usize) {
+        let mut per_expert = 0;
+        let mut moe_layers = 0;
+        for l in &self.layers {
+            if let Ffn::Moe(m) = &l.ffn {
+                moe_layers += 1;
+                per_expert = m.experts.first().map_or(0, |e| {
+                    e.gate.storage_bytes() + e.up.storage_bytes() + e.down.storage_bytes()
+                });
+            }
+        }
+        (per_expert, moe_layers)
+    }
+
     /// Bytes of weights one decode token reads: everything but the unrouted experts and all
     /// but one embedding row (the floor of decode time at a given memory bandwidth).
     pub fn decode_bytes_per_token(&self) -> usize {

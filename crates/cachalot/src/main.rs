@@ -1,16 +1,16 @@
 //! The cachalot command line: `run` (offline runs from YAML), `perplexity`, `tokenize`,
 //! `generate`, `chat` and `bench` for now (`serve`, `convert` follow; see README.md).
 
+mod bench;
 mod quant;
+mod random_model;
 mod run;
 mod text;
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
-use cachalot_model::eval::{self, BLOCK_SIZE};
+use cachalot_model::eval;
 use cachalot_model::tokenizer::Tokenizer;
 use cachalot_model::{AttentionPath, DeepseekV3, Fp8Mode, LoadOptions};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -97,28 +97,9 @@ enum Command {
     Convert(quant::ConvertArgs),
     /// C8 latent-cache scales: run a text through a model and record each layer's c_kv range.
     Calibrate(quant::CalibrateArgs),
-    /// Prefill and decode throughput on one model, as JSON.
-    Bench {
-        #[command(flatten)]
-        model: ModelArgs,
-        /// Prompt length (random token ids).
-        #[arg(long, default_value_t = 128)]
-        prompt_len: usize,
-        /// Decode steps after the prompt.
-        #[arg(long, default_value_t = 32)]
-        decode_len: usize,
-        /// Threads (default: all cores).
-        #[arg(long)]
-        threads: Option<usize>,
-        /// Benchmark MTP speculative decoding with this many chained drafts per step against
-        /// plain greedy decode (same prompt, alternating runs).
-        #[arg(long, default_value_t = 0)]
-        mtp: usize,
-        /// Take the prompt from the start of this text file instead of random ids (MTP
-        /// acceptance needs real text).
-        #[arg(long)]
-        prompt_file: Option<PathBuf>,
-    },
+    /// Prefill and decode throughput (batch 1 and N), TTFT, TPOT, peak RSS, weight bytes per
+    /// token, memory bandwidth (`--membw`); or MTP speculative decoding (`--mtp N`).
+    Bench(bench::BenchArgs),
 }
 
 /// The small model shipped with the project, used when no `--model` is given.
@@ -213,183 +194,7 @@ fn run() -> Result<()> {
         Command::Chat(args) => text::chat(&args)?,
         Command::Convert(args) => quant::run_convert(&args)?,
         Command::Calibrate(args) => quant::run_calibrate(&args)?,
-        Command::Bench {
-            model,
-            prompt_len,
-            decode_len,
-            threads,
-            mtp,
-            prompt_file,
-        } => {
-            if let Some(n) = threads {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(n)
-                    .build_global()?;
-            }
-            if mtp > 0 {
-                bench_mtp(&model, prompt_file.as_deref(), prompt_len, decode_len, mtp)?;
-            } else {
-                bench(&model, prompt_len, decode_len)?;
-            }
-        }
+        Command::Bench(args) => bench::run(args)?,
     }
-    Ok(())
-}
-
-fn bench(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
-    let t0 = Instant::now();
-    let m = load(args)?;
-    let load_s = t0.elapsed().as_secs_f64();
-    let cfg = m.config();
-    // A deterministic pseudo-random prompt (LCG), avoiding special ids 0 and 1.
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let prompt: Vec<u32> = (0..prompt_len.max(1))
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            2 + ((state >> 33) as usize % (cfg.vocab_size - 2)) as u32
-        })
-        .collect();
-    let total = prompt.len() + decode_len;
-    let blocks = total.div_ceil(BLOCK_SIZE);
-    let mut cache = KvCache::new(m.cache_spec(), BLOCK_SIZE, blocks);
-    let mut alloc = BlockAllocator::new(blocks);
-    let mut table = Vec::new();
-    alloc.ensure(&mut table, total, BLOCK_SIZE)?;
-
-    let mut batch = Batch::default();
-    batch.push_seq(&prompt, 0, table.clone(), LogitsWanted::Last);
-    let t = Instant::now();
-    let out = m.forward(&batch, &mut cache, false)?;
-    let prefill_s = t.elapsed().as_secs_f64();
-    let mut next = cachalot_kernels::argmax(&out.logits) as u32;
-    let mut step_times = Vec::with_capacity(decode_len);
-    for i in 0..decode_len {
-        let mut b = Batch::default();
-        b.push_seq(&[next], prompt.len() + i, table.clone(), LogitsWanted::Last);
-        let t = Instant::now();
-        let out = m.forward(&b, &mut cache, false)?;
-        step_times.push(t.elapsed().as_secs_f64());
-        next = cachalot_kernels::argmax(&out.logits) as u32;
-    }
-    let decode_s: f64 = step_times.iter().sum();
-    let bytes_per_token = m.decode_bytes_per_token();
-    let tpot = decode_s / decode_len.max(1) as f64;
-    let params = cfg.parameter_counts();
-    let bandwidth = read_bandwidth_gb_s();
-    let v = serde_json::json!({
-        "model": model_dir(args)?.display().to_string(),
-        "fp8": match args.fp8 { Fp8Arg::Native => "native", Fp8Arg::F32 => "f32" },
-        "threads": rayon::current_num_threads(),
-        "params_total": params.total,
-        "params_active": params.active,
-        "weight_bytes": m.weight_bytes(),
-        "decode_bytes_per_token": bytes_per_token,
-        "load_s": load_s,
-        "prompt_len": prompt.len(),
-        "prefill_s": prefill_s,
-        "prefill_tok_s": prompt.len() as f64 / prefill_s,
-        "ttft_ms": prefill_s * 1e3,
-        "decode_len": decode_len,
-        "tpot_ms": tpot * 1e3,
-        "decode_tok_s": if decode_len > 0 { decode_len as f64 / decode_s } else { 0.0 },
-        "decode_weight_gb_s": bytes_per_token as f64 / tpot / 1e9,
-        "read_bandwidth_gb_s": bandwidth,
-        "decode_fraction_of_bandwidth": bytes_per_token as f64 / tpot / 1e9 / bandwidth,
-        "kv_cache_bytes": cache.bytes(),
-    });
-    println!("{}", serde_json::to_string_pretty(&v)?);
-    Ok(())
-}
-
-/// Memory read bandwidth of this machine, all threads: the best of a few parallel passes over a
-/// 1 GiB buffer (larger than any cache). Decode's floor is bytes-per-token over this.
-fn read_bandwidth_gb_s() -> f64 {
-    use rayon::prelude::*;
-    let n = (1usize << 30) / 4;
-    let buf: Vec<f32> = (0..n).into_par_iter().map(|i| (i % 7) as f32).collect();
-    let mut best = 0.0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        let s: f32 = buf
-            .par_chunks(1 << 16)
-            .map(|c| cachalot_kernels::dot(c, c))
-            .sum();
-        let dt = t.elapsed().as_secs_f64();
-        std::hint::black_box(s);
-        best = best.max((n * 4) as f64 / dt / 1e9);
-    }
-    best
-}
-
-/// Plain greedy decode vs MTP speculative decode on one prompt: three alternating runs each,
-/// medians reported, with the acceptance figures of the speculative runs.
-fn bench_mtp(
-    args: &ModelArgs,
-    prompt_file: Option<&Path>,
-    prompt_len: usize,
-    decode_len: usize,
-    next_n: usize,
-) -> Result<()> {
-    let dir = model_dir(args)?;
-    let opts = LoadOptions {
-        fp8: match args.fp8 {
-            Fp8Arg::Native => Fp8Mode::Native,
-            Fp8Arg::F32 => Fp8Mode::DequantizeF32,
-        },
-        load_mtp: true,
-    };
-    let m = DeepseekV3::load(&dir, opts)?;
-    if m.mtp_layers().is_empty() {
-        bail!(
-            "{}: the checkpoint has no MTP layer (num_nextn_predict_layers = 0); --mtp needs one",
-            dir.display()
-        );
-    }
-    let mut prompt = match prompt_file {
-        Some(f) => {
-            let text = std::fs::read_to_string(f)
-                .with_context(|| format!("cannot read {}", f.display()))?;
-            Tokenizer::from_dir(&dir)?.encode(&text)?
-        }
-        None => bail!("--mtp needs --prompt-file TEXT (acceptance on random ids means nothing)"),
-    };
-    prompt.truncate(prompt_len.max(1));
-    let mut plain_s = Vec::new();
-    let mut spec_s = Vec::new();
-    let mut stats = eval::MtpStats::default();
-    for _ in 0..3 {
-        let t = Instant::now();
-        let a = eval::greedy(&m, &prompt, decode_len)?;
-        plain_s.push(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        let (b, st) = eval::greedy_mtp(&m, &prompt, decode_len, next_n)?;
-        spec_s.push(t.elapsed().as_secs_f64());
-        if a != b {
-            bail!("speculative output differs from greedy output; this is a bug");
-        }
-        stats = st;
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (p, s) = (median(&mut plain_s), median(&mut spec_s));
-    let v = serde_json::json!({
-        "model": dir.display().to_string(),
-        "mtp": next_n,
-        "prompt_len": prompt.len(),
-        "decode_len": decode_len,
-        "plain_tok_s": decode_len as f64 / p,
-        "mtp_tok_s": decode_len as f64 / s,
-        "speedup": p / s,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "acceptance_rate": stats.acceptance_rate(),
-        "main_steps": stats.main_steps,
-        "tokens_per_main_step": decode_len as f64 / stats.main_steps as f64,
-    });
-    println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
 }

@@ -1,0 +1,553 @@
+//! `cachalot bench`: prefill and decode throughput of one model (batch 1 and batch N), TTFT,
+//! TPOT, peak RSS, weight bytes read per decoded token, and a memory-bandwidth probe that turns
+//! each decode figure into a fraction of what the memory could deliver; plus the MTP comparison.
+//!
+//! What the figures mean (docs/PERF.md quotes them):
+//! - Prefill: one forward over the whole prompt of one sequence; `prefill_tok_s` = prompt
+//!   tokens / that time; TTFT = that time plus picking the first token.
+//! - Decode (batch 1): `gen_len` steps of one token after the prompt; `decode_tok_s` = steps /
+//!   their total time, `tpot_ms` = the median step. Batch N: N sequences (each with its own
+//!   prompt, prefilled first, untimed), then `gen_len` steps of N tokens; tokens/s counts all N.
+//! - Bytes per decoded token: from the model's matrices as stored — attention, dense/shared
+//!   MLPs, router, lm_head, one embedding row and, per MoE layer, the k routed experts the token
+//!   selects (exact at batch 1: k distinct experts). For a batch-N step the routed part is the
+//!   *expected* number of distinct experts among N·k uniform draws, E·(1 − (1 − k/E)^N) (an
+//!   estimate: real routing is not uniform).
+//! - Bandwidth: `--membw` (or every model bench, afterwards): all threads stream-read a buffer
+//!   far larger than the last-level cache (1 GiB by default) several times; the median pass in
+//!   GB/s. Fraction of bandwidth = (bytes per step / step time) / bandwidth, i.e. the floor time
+//!   (bytes / bandwidth) over the measured time.
+//! - Peak RSS: `VmHWM` of /proc/self/status, read before the bandwidth probe allocates.
+//!
+//! Before timing, a warm-up (a short prefill and two decode steps on a scratch cache) faults in
+//! the mmap'd weights, as llama.cpp's `llama-bench` does with its warm-up run.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
+use cachalot_model::eval::{self, BLOCK_SIZE};
+use cachalot_model::tokenizer::Tokenizer;
+use cachalot_model::{DeepseekV3, Fp8Mode, LoadOptions};
+use serde_json::json;
+
+use crate::{load, model_dir, Fp8Arg, ModelArgs};
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Time a random-weight model of this shape instead of --model: a preset (v3-1b, v3-tiny)
+    /// or a DeepSeek-V3 config.json. Written to a temporary directory, removed afterwards.
+    #[arg(long, conflicts_with = "model")]
+    random_weights: Option<String>,
+    /// How the random model is held: fp8 (as DeepSeek ships it), bfloat16 or w8a8c16 (made by
+    /// the converter, as `cachalot convert` would).
+    #[arg(long, default_value = "fp8", requires = "random_weights")]
+    random_quant: String,
+    /// Where the random model is written (default: the system temporary directory).
+    #[arg(long, requires = "random_weights")]
+    random_dir: Option<PathBuf>,
+    /// Prompt length (random token ids).
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    /// Decode steps after the prompt.
+    #[arg(long, alias = "decode-len", default_value_t = 32)]
+    gen_len: usize,
+    /// Also time decode with this many sequences per step (batch 1 is always timed).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Memory-bandwidth probe only (without --model / --random-weights), or its buffer size
+    /// with one.
+    #[arg(long)]
+    membw: bool,
+    /// Size of the bandwidth probe's buffer in MiB.
+    #[arg(long, default_value_t = 1024)]
+    membw_mib: usize,
+    /// Passes of the bandwidth probe (the median is reported).
+    #[arg(long, default_value_t = 7)]
+    membw_passes: usize,
+    /// Benchmark MTP speculative decoding with this many chained drafts per step against
+    /// plain greedy decode (same prompt, alternating runs).
+    #[arg(long, default_value_t = 0)]
+    mtp: usize,
+    /// Take the prompt from the start of this text file instead of random ids (MTP
+    /// acceptance needs real text).
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+}
+
+pub fn run(mut args: BenchArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()?;
+    }
+    if args.membw && args.model.model.is_none() && args.random_weights.is_none() {
+        let bw = membw(args.membw_mib, args.membw_passes);
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&bw.to_json())?);
+        } else {
+            println!("{}", bw.text());
+        }
+        return Ok(());
+    }
+    // Keeps the random model's directory alive until the bench ends.
+    let random = match &args.random_weights {
+        Some(spec) => {
+            let t = Instant::now();
+            let r =
+                crate::random_model::build(spec, &args.random_quant, args.random_dir.as_deref())?;
+            eprintln!(
+                "random {} model ({}) written to {} in {:.1} s",
+                r.shape,
+                r.quant,
+                r.dir.display(),
+                t.elapsed().as_secs_f64()
+            );
+            args.model.model = Some(r.dir.clone());
+            Some(r)
+        }
+        None => None,
+    };
+    if args.mtp > 0 {
+        return bench_mtp(
+            &args.model,
+            args.prompt_file.as_deref(),
+            args.prompt_len,
+            args.gen_len,
+            args.mtp,
+        );
+    }
+    let report = bench(&args)?;
+    drop(random);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_text(&report);
+    }
+    Ok(())
+}
+
+/// Result of the bandwidth probe.
+pub struct Bandwidth {
+    pub median_gb_s: f64,
+    pub best_gb_s: f64,
+    pub mib: usize,
+    pub passes: usize,
+    pub threads: usize,
+}
+
+impl Bandwidth {
+    fn to_json(&self) -> serde_json::Value {
+        json!({"membw_gb_s": self.median_gb_s, "membw_best_gb_s": self.best_gb_s,
+               "membw_mib": self.mib, "membw_passes": self.passes, "threads": self.threads})
+    }
+    fn text(&self) -> String {
+        format!(
+            "memory read bandwidth: {:.2} GB/s median, {:.2} best ({} passes over {} MiB, {} threads)",
+            self.median_gb_s, self.best_gb_s, self.passes, self.mib, self.threads
+        )
+    }
+}
+
+/// Streaming read bandwidth, all threads: each pass sums a buffer of `mib` MiB (far larger than
+/// any last-level cache) in 256 KiB chunks spread over the rayon pool; the median of `passes`.
+pub fn membw(mib: usize, passes: usize) -> Bandwidth {
+    use rayon::prelude::*;
+    let n = mib.max(1) * (1 << 20) / 4;
+    let buf: Vec<f32> = (0..n).into_par_iter().map(|i| (i % 7) as f32).collect();
+    let mut rates = Vec::with_capacity(passes.max(1));
+    for _ in 0..passes.max(1) {
+        let t = Instant::now();
+        // dot(c, c) reads each element once (both arguments are the same memory).
+        let s: f32 = buf
+            .par_chunks(1 << 16)
+            .map(|c| cachalot_kernels::dot(c, c))
+            .sum();
+        let dt = t.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        rates.push((n * 4) as f64 / dt / 1e9);
+    }
+    let best = rates.iter().copied().fold(0.0, f64::max);
+    Bandwidth {
+        median_gb_s: median(&mut rates),
+        best_gb_s: best,
+        mib: mib.max(1),
+        passes: passes.max(1),
+        threads: rayon::current_num_threads(),
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+/// Peak resident set size of this process (`VmHWM`), in bytes; None where /proc is missing.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// A deterministic pseudo-random prompt (LCG), avoiding special ids 0 and 1.
+fn random_prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut state = 0x2545_f491_4f6c_dd1du64 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (0..len.max(1))
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            2 + ((state >> 33) as usize % (vocab.max(3) - 2)) as u32
+        })
+        .collect()
+}
+
+/// Expected distinct experts among `n` tokens each choosing `k` of `e` uniformly.
+fn expected_distinct_experts(e: usize, k: usize, n: usize) -> f64 {
+    if e == 0 {
+        return 0.0;
+    }
+    e as f64 * (1.0 - (1.0 - k as f64 / e as f64).powi(n as i32))
+}
+
+/// One sequence per entry of `prompts`, all in one cache.
+struct Seqs {
+    cache: KvCache,
+    tables: Vec<Vec<u32>>,
+}
+
+fn new_seqs(m: &DeepseekV3, n: usize, total: usize) -> Result<Seqs> {
+    let per = total.div_ceil(BLOCK_SIZE);
+    let mut alloc = BlockAllocator::new(per * n);
+    let mut tables = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut t = Vec::new();
+        alloc.ensure(&mut t, total, BLOCK_SIZE)?;
+        tables.push(t);
+    }
+    Ok(Seqs {
+        cache: KvCache::new(m.cache_spec(), BLOCK_SIZE, per * n),
+        tables,
+    })
+}
+
+fn prefill(m: &DeepseekV3, s: &mut Seqs, i: usize, prompt: &[u32]) -> Result<u32> {
+    let mut b = Batch::default();
+    b.push_seq(prompt, 0, s.tables[i].clone(), LogitsWanted::Last);
+    let out = m.forward(&b, &mut s.cache, false)?;
+    Ok(cachalot_kernels::argmax(&out.logits) as u32)
+}
+
+/// One decode step of every sequence; returns the next tokens.
+fn decode_step(m: &DeepseekV3, s: &mut Seqs, next: &[u32], pos: usize) -> Result<Vec<u32>> {
+    let mut b = Batch::default();
+    for (i, &t) in next.iter().enumerate() {
+        b.push_seq(&[t], pos, s.tables[i].clone(), LogitsWanted::Last);
+    }
+    let out = m.forward(&b, &mut s.cache, false)?;
+    let v = m.config().vocab_size;
+    Ok(out
+        .logits
+        .chunks(v)
+        .map(|l| cachalot_kernels::argmax(l) as u32)
+        .collect())
+}
+
+struct Decode {
+    tok_s: f64,
+    tpot_ms: f64,
+}
+
+/// `gen_len` steps of all sequences in `s`, starting at position `pos`.
+fn time_decode(
+    m: &DeepseekV3,
+    s: &mut Seqs,
+    mut next: Vec<u32>,
+    pos: usize,
+    gen_len: usize,
+) -> Result<Decode> {
+    let mut steps = Vec::with_capacity(gen_len);
+    for i in 0..gen_len {
+        let t = Instant::now();
+        next = decode_step(m, s, &next, pos + i)?;
+        steps.push(t.elapsed().as_secs_f64());
+    }
+    let total: f64 = steps.iter().sum();
+    let n = s.tables.len();
+    Ok(Decode {
+        tok_s: if gen_len > 0 {
+            (gen_len * n) as f64 / total
+        } else {
+            0.0
+        },
+        tpot_ms: median(&mut steps) * 1e3,
+    })
+}
+
+fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
+    let dir = model_dir(&args.model)?;
+    let t0 = Instant::now();
+    let m = load(&args.model)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let cfg = m.config().clone();
+    let v = cfg.vocab_size;
+    let (p_len, g_len, n) = (args.prompt_len.max(1), args.gen_len, args.batch.max(1));
+
+    // Warm-up: fault the mmap'd weights in (a short prefill routes to most experts).
+    {
+        let warm = random_prompt(p_len.min(64), v, 99);
+        let mut s = new_seqs(&m, 1, warm.len() + 2)?;
+        let first = prefill(&m, &mut s, 0, &warm)?;
+        time_decode(&m, &mut s, vec![first], warm.len(), 2)?;
+    }
+
+    // Batch 1: prefill (TTFT) then decode.
+    let prompt = random_prompt(p_len, v, 0);
+    let mut s = new_seqs(&m, 1, p_len + g_len)?;
+    let t = Instant::now();
+    let first = prefill(&m, &mut s, 0, &prompt)?;
+    let ttft_s = t.elapsed().as_secs_f64();
+    let d1 = time_decode(&m, &mut s, vec![first], p_len, g_len)?;
+    let kv_bytes_b1 = s.cache.bytes();
+    drop(s);
+
+    // Batch N.
+    let dn = if n > 1 {
+        let mut s = new_seqs(&m, n, p_len + g_len)?;
+        let mut next = Vec::with_capacity(n);
+        for i in 0..n {
+            next.push(prefill(
+                &m,
+                &mut s,
+                i,
+                &random_prompt(p_len, v, i as u64 + 1),
+            )?);
+        }
+        Some(time_decode(&m, &mut s, next, p_len, g_len)?)
+    } else {
+        None
+    };
+    let peak_rss = peak_rss_bytes();
+
+    let bytes_b1 = m.decode_bytes_per_token();
+    let (per_expert, moe_layers) = m.routed_expert_bytes();
+    let e = cfg.n_routed_experts.unwrap_or(0);
+    let k = cfg.num_experts_per_tok;
+    let bytes_step_n = bytes_b1 as f64
+        + moe_layers as f64
+            * per_expert as f64
+            * (expected_distinct_experts(e, k, n) - k.min(e) as f64);
+    drop(m);
+
+    let bw = membw(args.membw_mib, args.membw_passes);
+    let frac = |bytes: f64, step_ms: f64| bytes / (step_ms / 1e3) / 1e9 / bw.median_gb_s;
+    let params = cfg.parameter_counts();
+    let mut out = json!({
+        "model": dir.display().to_string(),
+        "random_weights": args.random_weights,
+        "random_quant": args.random_weights.as_ref().map(|_| args.random_quant.clone()),
+        "fp8": match args.model.fp8 { Fp8Arg::Native => "native", Fp8Arg::F32 => "f32" },
+        "threads": rayon::current_num_threads(),
+        "params_total": params.total,
+        "params_active": params.active,
+        "load_s": load_s,
+        "prompt_len": p_len,
+        "gen_len": g_len,
+        "prefill_s": ttft_s,
+        "prefill_tok_s": p_len as f64 / ttft_s,
+        "ttft_ms": ttft_s * 1e3,
+        "decode_tok_s": d1.tok_s,
+        "tpot_ms": d1.tpot_ms,
+        "decode_bytes_per_token": bytes_b1,
+        "decode_bytes_per_token_basis": "exact: attention, dense/shared MLPs, router, lm_head, \
+            one embedding row and the k experts the token selects per MoE layer",
+        "decode_weight_gb_s": bytes_b1 as f64 / (d1.tpot_ms / 1e3) / 1e9,
+        "decode_fraction_of_membw": frac(bytes_b1 as f64, d1.tpot_ms),
+        "kv_cache_bytes": kv_bytes_b1,
+        "peak_rss_bytes": peak_rss,
+        "membw_gb_s": bw.median_gb_s,
+        "membw_best_gb_s": bw.best_gb_s,
+        "membw_passes": bw.passes,
+        "membw_mib": bw.mib,
+    });
+    if let (Some(d), Some(o)) = (dn, out.as_object_mut()) {
+        o.insert("batch".into(), json!(n));
+        o.insert("batch_decode_tok_s".into(), json!(d.tok_s));
+        o.insert("batch_step_ms".into(), json!(d.tpot_ms));
+        o.insert("batch_step_bytes_expected".into(), json!(bytes_step_n));
+        o.insert(
+            "batch_step_bytes_basis".into(),
+            json!("expected: as batch 1, with E(1-(1-k/E)^N) distinct routed experts per MoE layer (uniform routing)"),
+        );
+        o.insert(
+            "batch_fraction_of_membw".into(),
+            json!(frac(bytes_step_n, d.tpot_ms)),
+        );
+    }
+    Ok(out)
+}
+
+fn print_text(r: &serde_json::Value) {
+    let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+    println!("model: {}", r["model"].as_str().unwrap_or("?"));
+    println!(
+        "parameters: {:.3} B total, {:.3} B active; {} threads; load {:.1} s",
+        f("params_total") / 1e9,
+        f("params_active") / 1e9,
+        r["threads"],
+        f("load_s")
+    );
+    println!(
+        "prefill {} tokens: {:.1} tok/s, TTFT {:.1} ms",
+        r["prompt_len"],
+        f("prefill_tok_s"),
+        f("ttft_ms")
+    );
+    println!(
+        "decode batch 1 ({} steps): {:.2} tok/s, TPOT {:.2} ms (median step), {:.1} MB weights/token, \
+         {:.2} GB/s = {:.0}% of memory bandwidth",
+        r["gen_len"],
+        f("decode_tok_s"),
+        f("tpot_ms"),
+        f("decode_bytes_per_token") / 1e6,
+        f("decode_weight_gb_s"),
+        100.0 * f("decode_fraction_of_membw")
+    );
+    if r.get("batch").is_some() {
+        println!(
+            "decode batch {}: {:.2} tok/s, {:.2} ms per step (median), ~{:.1} MB weights/step (expected), \
+             {:.0}% of memory bandwidth",
+            r["batch"],
+            f("batch_decode_tok_s"),
+            f("batch_step_ms"),
+            f("batch_step_bytes_expected") / 1e6,
+            100.0 * f("batch_fraction_of_membw")
+        );
+    }
+    println!(
+        "peak RSS: {:.0} MB; memory read bandwidth: {:.2} GB/s median ({:.2} best) of {} passes over {} MiB",
+        f("peak_rss_bytes") / 1e6,
+        f("membw_gb_s"),
+        f("membw_best_gb_s"),
+        r["membw_passes"],
+        r["membw_mib"]
+    );
+}
+
+/// Plain greedy decode vs MTP speculative decode on one prompt: three alternating runs each,
+/// medians reported, with the acceptance figures of the speculative runs.
+fn bench_mtp(
+    args: &ModelArgs,
+    prompt_file: Option<&Path>,
+    prompt_len: usize,
+    decode_len: usize,
+    next_n: usize,
+) -> Result<()> {
+    let dir = model_dir(args)?;
+    let opts = LoadOptions {
+        fp8: match args.fp8 {
+            Fp8Arg::Native => Fp8Mode::Native,
+            Fp8Arg::F32 => Fp8Mode::DequantizeF32,
+        },
+        load_mtp: true,
+    };
+    let m = DeepseekV3::load(&dir, opts)?;
+    if m.mtp_layers().is_empty() {
+        bail!(
+            "{}: the checkpoint has no MTP layer (num_nextn_predict_layers = 0); --mtp needs one",
+            dir.display()
+        );
+    }
+    let mut prompt = match prompt_file {
+        Some(f) => {
+            let text = std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read {}", f.display()))?;
+            Tokenizer::from_dir(&dir)?.encode(&text)?
+        }
+        None => bail!("--mtp needs --prompt-file TEXT (acceptance on random ids means nothing)"),
+    };
+    prompt.truncate(prompt_len.max(1));
+    let mut plain_s = Vec::new();
+    let mut spec_s = Vec::new();
+    let mut stats = eval::MtpStats::default();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let a = eval::greedy(&m, &prompt, decode_len)?;
+        plain_s.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let (b, st) = eval::greedy_mtp(&m, &prompt, decode_len, next_n)?;
+        spec_s.push(t.elapsed().as_secs_f64());
+        if a != b {
+            bail!("speculative output differs from greedy output; this is a bug");
+        }
+        stats = st;
+    }
+    let (p, s) = (median(&mut plain_s), median(&mut spec_s));
+    let v = json!({
+        "model": dir.display().to_string(),
+        "mtp": next_n,
+        "prompt_len": prompt.len(),
+        "decode_len": decode_len,
+        "plain_tok_s": decode_len as f64 / p,
+        "mtp_tok_s": decode_len as f64 / s,
+        "speedup": p / s,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate": stats.acceptance_rate(),
+        "main_steps": stats.main_steps,
+        "tokens_per_main_step": decode_len as f64 / stats.main_steps as f64,
+    });
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_odd_even_empty() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
+
+    #[test]
+    fn distinct_experts_expectation() {
+        assert!((expected_distinct_experts(64, 6, 1) - 6.0).abs() < 1e-9);
+        let e16 = expected_distinct_experts(64, 6, 16);
+        assert!(e16 > 6.0 && e16 < 64.0);
+        assert!((expected_distinct_experts(64, 64, 3) - 64.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn peak_rss_is_read() {
+        let r = peak_rss_bytes().expect("VmHWM in /proc/self/status");
+        assert!(r > 1 << 20, "{r}");
+    }
+
+    #[test]
+    fn membw_probe_reports_positive_rates() {
+        let b = membw(8, 3);
+        assert!(b.median_gb_s > 0.0 && b.best_gb_s >= b.median_gb_s);
+        assert_eq!(b.passes, 3);
+    }
+}

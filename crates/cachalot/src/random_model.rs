@@ -1,0 +1,461 @@
+//! Random-weight DeepSeek-V3-shaped checkpoints for `cachalot bench --random-weights`, so large
+//! shapes can be timed without a download.
+//!
+//! The same recipe as `tools/random_checkpoint.py` (which documents it in full), ported so the
+//! bench needs no Python: the DeepSeek-R1 release layout of spec
+//! `shared/specs/deepseek-v3-r1-kimi-k2.md` §2 — FP8 e4m3 linears with f32 128×128
+//! `weight_scale_inv` block scales, bf16 norms / embedding / lm_head / router, f32
+//! `e_score_correction_bias` — with FP8 codes drawn from a normal of std 100 code units and block
+//! scales `gain / sqrt(in_features) / 100` (×0.875–1.125 jitter), so dequantized weights look like
+//! N(0, 1/in_features) and activations stay O(1). It is written to a temporary directory (one
+//! shard per layer, with `model.safetensors.index.json`) and, for `bfloat16` or `w8a8c16`,
+//! converted there by the project's own converter (`cachalot_convert`, spec §5), so the model the
+//! bench times is exactly what `cachalot convert` makes of such a checkpoint. Both directories
+//! are removed when the bench ends. No MTP layer is written (the bench does not load one), and no
+//! tokenizer (the bench feeds random ids).
+//!
+//! Values differ from the Python tool's (another generator); shapes, dtypes and scales match.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use cachalot_kernels::f32_to_bf16;
+use cachalot_kernels::fp8::f32_to_e4m3;
+use rayon::prelude::*;
+use safetensors::tensor::{Dtype, TensorView};
+use serde_json::{json, Value};
+
+const BLOCK: usize = 128;
+const SIGMA_CODE: f32 = 100.0;
+
+/// Named shapes (the same as `tools/random_checkpoint.py --preset`).
+pub const PRESETS: &[&str] = &["v3-1b", "v3-tiny"];
+
+fn preset(name: &str) -> Option<Value> {
+    // Fields: vocab, hidden, dense inter, moe inter, layers, first dense, heads, q_lora, kv_lora,
+    // nope, rope, v, experts, top-k, groups, topk groups, shared, max positions.
+    let p = match name {
+        "v3-1b" => [
+            32000, 2048, 8192, 256, 8, 1, 16, 768, 512, 128, 64, 128, 64, 6, 8, 4, 1, 163840,
+        ],
+        "v3-tiny" => [
+            512, 192, 320, 96, 3, 1, 4, 96, 64, 32, 16, 32, 16, 4, 4, 2, 1, 8192,
+        ],
+        _ => return None,
+    };
+    Some(json!({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "attention_bias": false,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "hidden_act": "silu",
+        "vocab_size": p[0],
+        "hidden_size": p[1],
+        "intermediate_size": p[2],
+        "moe_intermediate_size": p[3],
+        "num_hidden_layers": p[4],
+        "first_k_dense_replace": p[5],
+        "moe_layer_freq": 1,
+        "num_attention_heads": p[6],
+        "num_key_value_heads": p[6],
+        "q_lora_rank": p[7],
+        "kv_lora_rank": p[8],
+        "qk_nope_head_dim": p[9],
+        "qk_rope_head_dim": p[10],
+        "v_head_dim": p[11],
+        "n_routed_experts": p[12],
+        "num_experts_per_tok": p[13],
+        "n_group": p[14],
+        "topk_group": p[15],
+        "n_shared_experts": p[16],
+        "max_position_embeddings": p[17],
+        "norm_topk_prob": true,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096, "type": "yarn"
+        },
+        "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16",
+    }))
+}
+
+/// A random checkpoint on disk; its directories are removed on drop.
+pub struct RandomModel {
+    pub dir: PathBuf,
+    pub shape: String,
+    pub quant: String,
+    to_remove: Vec<PathBuf>,
+}
+
+impl Drop for RandomModel {
+    fn drop(&mut self) {
+        for d in &self.to_remove {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// The config of `spec`: a preset name or a `config.json` path, with FP8 block quantization and
+/// no MTP layer.
+fn config_for(spec: &str) -> Result<Value> {
+    let mut cfg = match preset(spec) {
+        Some(c) => c,
+        None => {
+            let p = Path::new(spec);
+            if !p.is_file() {
+                bail!(
+                    "--random-weights {spec}: neither a preset ({}) nor a config.json file",
+                    PRESETS.join(", ")
+                );
+            }
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read {}", p.display()))?;
+            serde_json::from_str::<Value>(&text)
+                .with_context(|| format!("{}: not valid JSON", p.display()))?
+        }
+    };
+    let Some(obj) = cfg.as_object_mut() else {
+        bail!("--random-weights {spec}: the config is not a JSON object");
+    };
+    obj.insert("num_nextn_predict_layers".into(), json!(0));
+    obj.insert(
+        "quantization_config".into(),
+        json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+               "weight_block_size": [BLOCK, BLOCK]}),
+    );
+    Ok(cfg)
+}
+
+fn field(cfg: &Value, key: &str) -> Result<usize> {
+    cfg.get(key)
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .with_context(|| format!("random model config: `{key}` missing or not an integer"))
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    /// FP8 weight (`gain` goes into its scale tensor).
+    Fp8,
+    /// f32 `weight_scale_inv` of the FP8 weight before it, std of the dequantized weight.
+    Scale(f32),
+    /// bf16 RMSNorm weight, 1 + 0.1·N(0,1).
+    Norm,
+    /// bf16 N(0, std²).
+    Bf16(f32),
+    /// f32 N(0, std²).
+    F32(f32),
+}
+
+struct Spec {
+    name: String,
+    kind: Kind,
+    shape: Vec<usize>,
+}
+
+struct Plan {
+    shards: Vec<Vec<Spec>>,
+}
+
+fn plan(cfg: &Value) -> Result<Plan> {
+    let h = field(cfg, "hidden_size")?;
+    let v = field(cfg, "vocab_size")?;
+    let nh = field(cfg, "num_attention_heads")?;
+    let nope = field(cfg, "qk_nope_head_dim")?;
+    let rope = field(cfg, "qk_rope_head_dim")?;
+    let vd = field(cfg, "v_head_dim")?;
+    let kv = field(cfg, "kv_lora_rank")?;
+    let q_lora = cfg.get("q_lora_rank").and_then(Value::as_u64).unwrap_or(0) as usize;
+    let layers = field(cfg, "num_hidden_layers")?;
+    let first_dense = field(cfg, "first_k_dense_replace")?;
+    let freq = cfg
+        .get("moe_layer_freq")
+        .and_then(Value::as_u64)
+        .unwrap_or(1)
+        .max(1) as usize;
+    let inter = field(cfg, "intermediate_size")?;
+    let experts = cfg
+        .get("n_routed_experts")
+        .and_then(Value::as_u64)
+        .unwrap_or(0) as usize;
+    let moe_inter = field(cfg, "moe_intermediate_size")?;
+    let shared = cfg
+        .get("n_shared_experts")
+        .and_then(Value::as_u64)
+        .unwrap_or(0) as usize;
+
+    let lin = |out: &mut Vec<Spec>, name: &str, rows: usize, cols: usize| {
+        out.push(Spec {
+            name: format!("{name}.weight"),
+            kind: Kind::Fp8,
+            shape: vec![rows, cols],
+        });
+        out.push(Spec {
+            name: format!("{name}.weight_scale_inv"),
+            kind: Kind::Scale(1.0 / (cols as f32).sqrt()),
+            shape: vec![rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)],
+        });
+    };
+    let norm = |out: &mut Vec<Spec>, name: &str, dim: usize| {
+        out.push(Spec {
+            name: name.to_string(),
+            kind: Kind::Norm,
+            shape: vec![dim],
+        })
+    };
+    let mut shards = Vec::new();
+    let mut first = Vec::new();
+    first.push(Spec {
+        name: "model.embed_tokens.weight".into(),
+        kind: Kind::Bf16(1.0),
+        shape: vec![v, h],
+    });
+    norm(&mut first, "model.norm.weight", h);
+    first.push(Spec {
+        name: "lm_head.weight".into(),
+        kind: Kind::Bf16(1.0 / (h as f32).sqrt()),
+        shape: vec![v, h],
+    });
+    shards.push(first);
+    for li in 0..layers {
+        let mut s = Vec::new();
+        let p = format!("model.layers.{li}");
+        norm(&mut s, &format!("{p}.input_layernorm.weight"), h);
+        let a = format!("{p}.self_attn");
+        if q_lora == 0 {
+            lin(&mut s, &format!("{a}.q_proj"), nh * (nope + rope), h);
+        } else {
+            lin(&mut s, &format!("{a}.q_a_proj"), q_lora, h);
+            norm(&mut s, &format!("{a}.q_a_layernorm.weight"), q_lora);
+            lin(&mut s, &format!("{a}.q_b_proj"), nh * (nope + rope), q_lora);
+        }
+        lin(&mut s, &format!("{a}.kv_a_proj_with_mqa"), kv + rope, h);
+        norm(&mut s, &format!("{a}.kv_a_layernorm.weight"), kv);
+        lin(&mut s, &format!("{a}.kv_b_proj"), nh * (nope + vd), kv);
+        lin(&mut s, &format!("{a}.o_proj"), h, nh * vd);
+        norm(&mut s, &format!("{p}.post_attention_layernorm.weight"), h);
+        let m = format!("{p}.mlp");
+        let moe = experts > 0 && li >= first_dense && li % freq == 0;
+        let mlp = |s: &mut Vec<Spec>, name: &str, i: usize| {
+            lin(s, &format!("{name}.gate_proj"), i, h);
+            lin(s, &format!("{name}.up_proj"), i, h);
+            lin(s, &format!("{name}.down_proj"), h, i);
+        };
+        if moe {
+            s.push(Spec {
+                name: format!("{m}.gate.weight"),
+                kind: Kind::Bf16(1.0 / (h as f32).sqrt()),
+                shape: vec![experts, h],
+            });
+            s.push(Spec {
+                name: format!("{m}.gate.e_score_correction_bias"),
+                kind: Kind::F32(0.02),
+                shape: vec![experts],
+            });
+            for e in 0..experts {
+                mlp(&mut s, &format!("{m}.experts.{e}"), moe_inter);
+            }
+            if shared > 0 {
+                mlp(&mut s, &format!("{m}.shared_experts"), moe_inter * shared);
+            }
+        } else {
+            mlp(&mut s, &m, inter);
+        }
+        shards.push(s);
+    }
+    Ok(Plan { shards })
+}
+
+/// splitmix64: a small, fast, seedable generator (one stream per tensor).
+struct Rng(u64);
+
+impl Rng {
+    fn for_name(name: &str) -> Rng {
+        // FNV-1a of the tensor name, so every tensor has its own reproducible stream.
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for b in name.bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+        Rng(h)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    }
+    /// N(0, 1) by Box–Muller.
+    fn normal(&mut self) -> f32 {
+        let (u1, u2) = (self.uniform(), self.uniform());
+        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+    }
+}
+
+/// 65536 e4m3 codes of N(0, SIGMA_CODE²) samples (saturated at ±448); a uniform u16 indexes it.
+fn code_table() -> Vec<u8> {
+    let mut rng = Rng(0x5eed);
+    (0..65536)
+        .map(|_| f32_to_e4m3(rng.normal() * SIGMA_CODE))
+        .collect()
+}
+
+fn generate(spec: &Spec, codes: &[u8]) -> (Dtype, Vec<u8>) {
+    let n: usize = spec.shape.iter().product();
+    let mut rng = Rng::for_name(&spec.name);
+    match spec.kind {
+        Kind::Fp8 => {
+            let mut out = Vec::with_capacity(n);
+            while out.len() < n {
+                let r = rng.next();
+                for k in 0..4 {
+                    if out.len() < n {
+                        out.push(codes[((r >> (16 * k)) & 0xffff) as usize]);
+                    }
+                }
+            }
+            (Dtype::F8_E4M3, out)
+        }
+        Kind::Scale(std) => {
+            let base = std / SIGMA_CODE;
+            let v: Vec<f32> = (0..n)
+                .map(|_| base * (1.0 + 0.25 * (rng.uniform() - 0.5)))
+                .collect();
+            (Dtype::F32, cachalot_kernels::f32s_to_le_bytes(&v))
+        }
+        Kind::Norm | Kind::Bf16(_) => {
+            let v: Vec<u16> = (0..n)
+                .map(|_| {
+                    let x = rng.normal();
+                    f32_to_bf16(match spec.kind {
+                        Kind::Bf16(s) => x * s,
+                        _ => 1.0 + 0.1 * x,
+                    })
+                })
+                .collect();
+            (Dtype::BF16, cachalot_kernels::u16s_to_le_bytes(&v))
+        }
+        Kind::F32(s) => {
+            let v: Vec<f32> = (0..n).map(|_| rng.normal() * s).collect();
+            (Dtype::F32, cachalot_kernels::f32s_to_le_bytes(&v))
+        }
+    }
+}
+
+/// Writes the FP8 checkpoint of `cfg` into `dir` (created).
+fn write_fp8(cfg: &Value, dir: &Path) -> Result<()> {
+    let plan = plan(cfg)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let codes = code_table();
+    let n = plan.shards.len();
+    let mut weight_map = serde_json::Map::new();
+    for (i, shard) in plan.shards.iter().enumerate() {
+        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
+        let data: Vec<(Dtype, Vec<u8>)> = shard.par_iter().map(|s| generate(s, &codes)).collect();
+        let mut views = Vec::with_capacity(shard.len());
+        for (s, (dtype, bytes)) in shard.iter().zip(&data) {
+            let view = TensorView::new(*dtype, s.shape.clone(), bytes)
+                .with_context(|| format!("random tensor {}", s.name))?;
+            views.push((s.name.clone(), view));
+            weight_map.insert(s.name.clone(), json!(file));
+        }
+        safetensors::tensor::serialize_to_file(views, None, &dir.join(&file))
+            .with_context(|| format!("cannot write {}", dir.join(&file).display()))?;
+    }
+    let index = json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index)?,
+    )?;
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(cfg)?)?;
+    Ok(())
+}
+
+/// Builds the random model `spec` (preset or config.json) under `parent` (the system temporary
+/// directory if None), held as `quant`: `fp8` (as DeepSeek ships it), `bfloat16` or `w8a8c16`.
+pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomModel> {
+    let mode = match quant {
+        "fp8" => None,
+        q => match cachalot_convert::QuantMode::parse(q) {
+            Some(m @ cachalot_convert::QuantMode::Bfloat16)
+            | Some(m @ cachalot_convert::QuantMode::W8A8C16) => Some(m),
+            _ => bail!("--random-quant {q}: expected fp8, bfloat16 or w8a8c16"),
+        },
+    };
+    let cfg = config_for(spec)?;
+    let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
+    let base = parent.join(format!("cachalot-bench-random-{}", std::process::id()));
+    let fp8_dir = base.join("fp8");
+    let mut model = RandomModel {
+        dir: fp8_dir.clone(),
+        shape: spec.to_string(),
+        quant: quant.to_string(),
+        to_remove: vec![base.clone()],
+    };
+    write_fp8(&cfg, &fp8_dir)?;
+    if let Some(mode) = mode {
+        let out = base.join(quant);
+        cachalot_convert::convert(&cachalot_convert::ConvertOptions {
+            input: fp8_dir.clone(),
+            output: out.clone(),
+            mode,
+            c8_scales: None,
+            force: true,
+            progress: false,
+        })
+        .with_context(|| format!("converting the random model to {quant}"))?;
+        std::fs::remove_dir_all(&fp8_dir).ok();
+        model.dir = out;
+    }
+    Ok(model)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_preset_loads_and_converts() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        for quant in ["fp8", "bfloat16", "w8a8c16"] {
+            let m = build("v3-tiny", quant, Some(tmp.path())).expect("build");
+            let model = cachalot_model::DeepseekV3::load(&m.dir, Default::default())
+                .expect("the random checkpoint loads");
+            assert_eq!(model.config().hidden_size, 192);
+            let dir = m.dir.clone();
+            drop(m);
+            assert!(!dir.exists(), "{} left behind", dir.display());
+        }
+    }
+
+    #[test]
+    fn bad_spec_is_an_error() {
+        let err = build("no-such-preset", "fp8", None)
+            .err()
+            .expect("an error");
+        assert!(err.to_string().contains("neither a preset"), "{err}");
+        let err = build("v3-tiny", "int4", None).err().expect("an error");
+        assert!(err.to_string().contains("--random-quant"), "{err}");
+    }
+
+    #[test]
+    fn fp8_codes_are_finite_and_centred() {
+        let codes = code_table();
+        let t = cachalot_kernels::fp8::e4m3_table();
+        let vals: Vec<f32> = codes.iter().map(|&c| t[c as usize]).collect();
+        assert!(vals.iter().all(|v| v.is_finite()));
+        let mean = vals.iter().sum::<f32>() / vals.len() as f32;
+        let var = vals.iter().map(|v| v * v).sum::<f32>() / vals.len() as f32;
+        assert!(mean.abs() < 2.0, "mean {mean}");
+        assert!((var.sqrt() - SIGMA_CODE).abs() < 5.0, "std {}", var.sqrt());
+    }
+}
