@@ -9,5 +9,5 @@ py=${PYTHON:-python3}
 [ -f "$dir/config.json" ] || "$py" tools/random_checkpoint.py --out "$dir" --preset v3-1b
 cargo build --release -q -p cachalot
 for fp8 in native f32; do
-  ./target/release/cachalot bench --model "$dir" --prompt-len 128 --decode-len 32 --fp8 "$fp8"
+  ./target/release/cachalot bench --model "$dir" --prompt-len 128 --gen-len 32 --fp8 "$fp8" --json
 done

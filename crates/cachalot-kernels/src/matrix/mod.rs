@@ -412,27 +412,18 @@ impl Matrix {
                 stride: m,
                 first_row: first,
             };
-            if let Some(xq) = &xq {
-                match level {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: as below.
-                    SimdLevel::Avx2 => unsafe {
-                        w8a8::avx2::matmul_rows(&view, task_rows, xq, n_tokens, &out)
-                    },
-                    _ => w8a8::matmul_rows_scalar(&view, task_rows, xq, n_tokens, &out),
-                }
-                return;
-            }
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `Avx2` is only used where the CPU supports it; the task writes only
-                // its own rows of `out` (`OutRows`), and tasks' row ranges are disjoint.
-                SimdLevel::Avx2 => unsafe {
-                    avx2::matmul_rows(&view, task_rows, x, n_tokens, &out)
-                },
-                _ => scalar::matmul_rows(&view, task_rows, x, n_tokens, &out),
-            }
+            // SAFETY: the task writes only its own rows of `out`; tasks' ranges are disjoint.
+            unsafe { rows_task(level, &view, xq.as_ref(), task_rows, x, n_tokens, &out) };
         });
+    }
+
+    /// Several products in one parallel region: `jobs[i].out = jobs[i].w · jobs[i].x`, each
+    /// exactly as [`Matrix::matmul`] computes it (bit for bit), but with the rows of all jobs
+    /// cut into one set of tasks, so a step of many small products (a decode step's experts)
+    /// wakes the thread pool once instead of once per matrix. Jobs whose `x` is the same slice
+    /// share one W8A8 activation quantization.
+    pub fn matmul_group(jobs: &mut [MatmulJob<'_>]) {
+        matmul_group_at(simd_level(), jobs)
     }
 
     /// Transposed product over a row sub-range: out[t*cols + c] = Σ_{r in rows} W[r,c]·
@@ -540,6 +531,136 @@ fn format_of(data: &MatrixData) -> Format {
         MatrixData::Fp8Block { .. } => Format::Fp8,
         MatrixData::Int8Row { .. } | MatrixData::W8A8 { .. } => Format::Int8,
         MatrixData::Int4Group { .. } => Format::Int4,
+    }
+}
+
+/// One product of [`Matrix::matmul_group`]: out [n_tokens, w.rows()] = x [n_tokens, w.cols()]
+/// times wᵀ.
+pub struct MatmulJob<'a> {
+    pub w: &'a Matrix,
+    pub x: &'a [f32],
+    pub n_tokens: usize,
+    pub out: &'a mut [f32],
+}
+
+/// Rows `task_rows` of one product, at `level`.
+///
+/// # Safety
+/// `out` accepts writes for every row in `task_rows` (no other task writes them); `level` is
+/// supported; `xq` is `x` quantized when the matrix is W8A8.
+unsafe fn rows_task(
+    level: SimdLevel,
+    view: &WeightsView,
+    xq: Option<&w8a8::QuantizedTokens>,
+    task_rows: Range<usize>,
+    x: &[f32],
+    n_tokens: usize,
+    out: &OutRows,
+) {
+    if let Some(xq) = xq {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below.
+            SimdLevel::Avx2 => unsafe {
+                w8a8::avx2::matmul_rows(view, task_rows, xq, n_tokens, out)
+            },
+            _ => w8a8::matmul_rows_scalar(view, task_rows, xq, n_tokens, out),
+        }
+        return;
+    }
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx2` is only used where the CPU supports it; the task writes only its own
+        // rows of `out` (`OutRows`), and tasks' row ranges are disjoint.
+        SimdLevel::Avx2 => unsafe { avx2::matmul_rows(view, task_rows, x, n_tokens, out) },
+        _ => scalar::matmul_rows(view, task_rows, x, n_tokens, out),
+    }
+}
+
+pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
+    use rayon::prelude::*;
+    debug_assert!(level.supported());
+    for (i, j) in jobs.iter().enumerate() {
+        assert!(
+            j.n_tokens.checked_mul(j.w.cols) == Some(j.x.len()),
+            "matmul_group: job {i}: x must hold n_tokens ({}) x cols ({}) values, got {}",
+            j.n_tokens,
+            j.w.cols,
+            j.x.len()
+        );
+        assert!(
+            j.n_tokens.checked_mul(j.w.rows) == Some(j.out.len()),
+            "matmul_group: job {i}: out must hold n_tokens ({}) x rows ({}) values, got {}",
+            j.n_tokens,
+            j.w.rows,
+            j.out.len()
+        );
+    }
+    // One activation quantization per distinct x among the W8A8 jobs.
+    let mut xqs: Vec<(usize, usize, w8a8::QuantizedTokens)> = Vec::new();
+    let mut xq_of: Vec<Option<usize>> = Vec::with_capacity(jobs.len());
+    for j in jobs.iter() {
+        if !matches!(j.w.data, MatrixData::W8A8 { .. }) || j.n_tokens == 0 {
+            xq_of.push(None);
+            continue;
+        }
+        let key = (j.x.as_ptr() as usize, j.x.len());
+        let found = xqs
+            .iter()
+            .position(|(p, l, q)| (*p, *l) == key && q.cols == j.w.cols);
+        xq_of.push(Some(found.unwrap_or_else(|| {
+            xqs.push((
+                key.0,
+                key.1,
+                w8a8::QuantizedTokens::new(j.x, j.n_tokens, j.w.cols),
+            ));
+            xqs.len() - 1
+        })));
+    }
+    let work: usize = jobs.iter().map(|j| j.w.rows * j.w.cols * j.n_tokens).sum();
+    let threads = rayon::current_num_threads();
+    // About four tasks per thread over all jobs, each 16..64 rows (a multiple of 4).
+    let rows_per_task = |rows: usize, job_work: usize| -> usize {
+        if threads <= 1 || work < crate::parallel::PARALLEL_MIN_WORK {
+            return rows.max(1);
+        }
+        let share = (threads * 4 * job_work).div_ceil(work.max(1)).max(1);
+        rows.div_ceil(share).clamp(16, 64).div_ceil(4) * 4
+    };
+    let mut tasks: Vec<(usize, Range<usize>)> = Vec::new();
+    for (i, j) in jobs.iter().enumerate() {
+        if j.n_tokens == 0 {
+            continue;
+        }
+        let step = rows_per_task(j.w.rows, j.w.rows * j.w.cols * j.n_tokens);
+        let mut r = 0;
+        while r < j.w.rows {
+            tasks.push((i, r..(r + step).min(j.w.rows)));
+            r += step;
+        }
+    }
+    let views: Vec<WeightsView> = jobs.iter().map(|j| j.w.view()).collect();
+    let meta: Vec<(&[f32], usize, usize)> =
+        jobs.iter().map(|j| (j.x, j.n_tokens, j.w.rows)).collect();
+    let outs: Vec<DisjointOut> = jobs
+        .iter_mut()
+        .map(|j| DisjointOut::new(&mut *j.out))
+        .collect();
+    let run = |(i, rows): &(usize, Range<usize>)| {
+        let (x, n_tokens, m) = meta[*i];
+        let out = OutRows {
+            out: &outs[*i],
+            stride: m,
+            first_row: 0,
+        };
+        let xq = xq_of[*i].map(|k| &xqs[k].2);
+        // SAFETY: tasks of one job cover disjoint row ranges, and each job has its own output.
+        unsafe { rows_task(level, &views[*i], xq, rows.clone(), x, n_tokens, &out) };
+    };
+    if tasks.len() <= 1 || threads <= 1 || work < crate::parallel::PARALLEL_MIN_WORK {
+        tasks.iter().for_each(run);
+    } else {
+        tasks.par_iter().for_each(run);
     }
 }
 

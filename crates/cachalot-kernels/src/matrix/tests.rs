@@ -572,3 +572,90 @@ fn matmul_panics_on_length_mismatch() {
     let mut out = vec![0.0; 20];
     m.matmul(&[1.0; 39], 2, &mut out);
 }
+
+fn random_w8a8(rows: usize, cols: usize, rng: &mut Rng) -> Matrix {
+    let data = MatrixData::W8A8 {
+        data: Bytes::from_vec((0..rows * cols).map(|_| rng.next_u64() as u8).collect()),
+        scale: (0..rows).map(|_| rng.uniform(1e-3, 1e-2)).collect(),
+    };
+    Matrix::new(rows, cols, data).expect("valid W8A8 matrix")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// A group of products (mixed formats, W8A8 jobs sharing an activation, sizes on both sides
+    /// of the parallel threshold) equals each product computed alone, bit for bit, on 1 and 3
+    /// threads; outputs are poisoned with NaN first.
+    #[test]
+    fn matmul_group_equals_separate_products(
+        n_jobs in 1usize..6,
+        nt in 1usize..=4,
+        seed in any::<u64>(),
+        big in any::<bool>(),
+    ) {
+        let mut rng = Rng(seed);
+        let cols = if big { 512 + (seed % 200) as usize } else { 3 + (seed % 60) as usize };
+        let cols = cols + cols % 2;
+        let shared_x: Vec<f32> = (0..nt * cols).map(|_| rng.value()).collect();
+        let mut mats = Vec::new();
+        let mut xs = Vec::new();
+        for j in 0..n_jobs {
+            let rows = 1 + (rng.next_u64() % if big { 200 } else { 20 }) as usize;
+            let pick = rng.next_u64() as usize % (FORMATS.len() + 2);
+            let m = if pick >= FORMATS.len() {
+                random_w8a8(rows, cols, &mut rng)
+            } else {
+                random_matrix(FORMATS[pick], rows, cols, (5, 24), &mut rng)
+            };
+            mats.push(m);
+            // Every other job reads the shared activation.
+            xs.push(if j % 2 == 0 { None } else { Some((0..nt * cols).map(|_| rng.value()).collect::<Vec<f32>>()) });
+        }
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for level in levels() {
+                let (grouped, alone) = pool.install(|| {
+                    let mut outs: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; nt * m.rows()]).collect();
+                    let mut jobs: Vec<MatmulJob> = mats
+                        .iter()
+                        .zip(&xs)
+                        .zip(outs.iter_mut())
+                        .map(|((m, x), out)| MatmulJob { w: m, x: x.as_deref().unwrap_or(&shared_x), n_tokens: nt, out })
+                        .collect();
+                    matmul_group_at(level, &mut jobs);
+                    let grouped: Vec<Vec<u32>> = outs.iter().map(|o| bits(o)).collect();
+                    let alone: Vec<Vec<u32>> = mats
+                        .iter()
+                        .zip(&xs)
+                        .map(|(m, x)| {
+                            let mut out = vec![f32::NAN; nt * m.rows()];
+                            m.matmul_rows_at(level, 0..m.rows(), x.as_deref().unwrap_or(&shared_x), nt, &mut out);
+                            bits(&out)
+                        })
+                        .collect();
+                    (grouped, alone)
+                });
+                for (g, a) in grouped.iter().zip(&alone) {
+                    prop_assert!(g.iter().all(|b| !f32::from_bits(*b).is_nan()), "an output was not written");
+                    prop_assert_eq!(g, a);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "matmul_group: job 0")]
+fn matmul_group_panics_on_length_mismatch() {
+    let mut rng = Rng(3);
+    let m = random_w8a8(4, 8, &mut rng);
+    let x = vec![0.0f32; 7];
+    let mut out = vec![0.0f32; 4];
+    Matrix::matmul_group(&mut [MatmulJob {
+        w: &m,
+        x: &x,
+        n_tokens: 1,
+        out: &mut out,
+    }]);
+}
