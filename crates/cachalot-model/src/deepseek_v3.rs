@@ -993,12 +993,10 @@ impl DeepseekV3 {
             .collect();
         let ys = mlp_forward_group(&mlps, &xs, &counts);
         let mut out = vec![0.0f32; t_count * h];
-        let mut i = 0;
-        for pairs in assigned.iter().filter(|p| !p.is_empty()) {
+        for (i, pairs) in assigned.iter().filter(|p| !p.is_empty()).enumerate() {
             for (j, &(t, w)) in pairs.iter().enumerate() {
                 k::axpy(w, &ys[i][j * h..(j + 1) * h], &mut out[t * h..(t + 1) * h]);
             }
-            i += 1;
         }
         if let Some(y) = ys.get(n_routed) {
             for (a, b) in out.iter_mut().zip(y) {
