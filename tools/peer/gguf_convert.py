@@ -6,7 +6,8 @@ with MLA (the converter splits kv_b_proj into k_b/v_b and writes kv_lora_rank, k
 The one change: the vocabulary. Our random benchmark models carry a small fixture tokenizer whose pre-tokenizer
 hash llama.cpp does not know, so the converter's set_vocab would refuse; both benchmarks feed random token
 ids, so we write a synthetic byte-level "gpt2" vocabulary of vocab_size tokens (the 256 byte symbols, then
-<tok_N> fillers) with no merges. Nothing else of the converter is touched.
+<tok_N> fillers) and a single merge (llama.cpp refuses a BPE vocabulary without a merges list). Nothing else of
+the converter is touched.
 
 Usage: gguf_convert.py --llama-src DIR/vendor/llama.cpp --model BF16_DIR --outtype bf16|q8_0 --outfile F.gguf
 """
@@ -51,7 +52,7 @@ def main():
         self.gguf_writer.add_tokenizer_pre("default")
         self.gguf_writer.add_token_list(tokens)
         self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
-        self.gguf_writer.add_token_merges([])
+        self.gguf_writer.add_token_merges([f"{syms[ord('a')]} {syms[ord('b')]}"])
         self.gguf_writer.add_bos_token_id(int(self.hparams.get("bos_token_id", 0)))
         self.gguf_writer.add_eos_token_id(int(self.hparams.get("eos_token_id", 1)))
         self.gguf_writer.add_add_bos_token(False)
