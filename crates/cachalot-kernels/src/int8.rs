@@ -48,9 +48,25 @@ pub fn quantize_activation_int8(x: &[f32], q: &mut [i8]) -> f32 {
     }
     let inv = INT8_QMAX / amax;
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = (v * inv).round_ties_even().clamp(-INT8_QMAX, INT8_QMAX) as i8;
+        *o = round_ties_even_small(v * inv).clamp(-INT8_QMAX, INT8_QMAX) as i8;
     }
     amax / INT8_QMAX
+}
+
+/// `x.round_ties_even()` for |x| < 2^22 (and NaN → NaN), without the libm `rintf` call that
+/// `round_ties_even` becomes on a baseline x86-64 build: adding and subtracting 1.5·2^23 rounds
+/// to an integer in the current (round-to-nearest-even) mode, exactly. Here |x| ≤ 127·(1 + ε).
+#[inline]
+fn round_ties_even_small(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+    let r = (x + MAGIC) - MAGIC;
+    // Keep the sign of a zero result like round_ties_even does (−0.4 → −0.0); it does not
+    // change the i8, but the helper is exact either way.
+    if r == 0.0 {
+        0.0f32.copysign(x)
+    } else {
+        r
+    }
 }
 
 /// Static per-tensor quantization with a given scale (the C8 latent cache, spec §3.4:
@@ -110,5 +126,32 @@ mod tests {
         assert_eq!(quantize_static_int8(300.0, 1.0), 127);
         assert_eq!(quantize_static_int8(-300.0, 1.0), -128);
         assert_eq!(quantize_static_int8(2.5, 1.0), 2);
+    }
+
+    proptest::proptest! {
+        /// The magic-number rounding equals `round_ties_even` over the whole range it is used
+        /// on, ties (k + 0.5) included, and on NaN.
+        #[test]
+        fn small_rounding_equals_round_ties_even(k in -300i32..300, frac in 0.0f32..1.0, tie in proptest::bool::ANY) {
+            let x = k as f32 + if tie { 0.5 } else { frac };
+            let a = round_ties_even_small(x);
+            let b = x.round_ties_even();
+            proptest::prop_assert_eq!(a.to_bits(), b.to_bits(), "x = {}", x);
+        }
+
+        /// Whole-row quantization equals the definition written with `round_ties_even`;
+        /// outputs poisoned first.
+        #[test]
+        fn activation_quantization_matches_definition(xs in proptest::collection::vec(-1e3f32..1e3, 1..300)) {
+            let mut q = vec![0x55u8 as i8; xs.len()];
+            let s = quantize_activation_int8(&xs, &mut q);
+            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let inv = INT8_QMAX / amax;
+            for (o, v) in q.iter().zip(&xs) {
+                let want = if amax == 0.0 { 0 } else { (v * inv).round_ties_even().clamp(-INT8_QMAX, INT8_QMAX) as i8 };
+                proptest::prop_assert_eq!(*o, want);
+            }
+            proptest::prop_assert_eq!(s, amax / INT8_QMAX);
+        }
     }
 }
