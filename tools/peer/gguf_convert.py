@@ -18,16 +18,11 @@ from pathlib import Path
 
 
 def byte_symbols():
-    """GPT-2's byte -> printable unicode map (the byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
+    """GPT-2's byte -> printable unicode map (the byte-level BPE alphabet), from transformers."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    m = bytes_to_unicode()
+    return [m[b] for b in range(256)]
 
 
 def main():

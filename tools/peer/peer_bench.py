@@ -21,8 +21,9 @@ Everything it downloads or builds lives under --work (default /work/peer), never
   all     build + model + run.
 
 Usage:
-  tools/peer/peer_bench.py all [--work /work/peer] [--rounds 3] [--threads 2]
-  tools/peer/peer_bench.py run --rounds 5 --json-out /tmp/peer.json
+  /work/venv/ref/bin/python tools/peer/peer_bench.py all [--work /work/peer] [--rounds 3] [--threads 2]
+  /work/venv/ref/bin/python tools/peer/peer_bench.py run --rounds 5 --json-out /tmp/peer.json
+(any Python with gguf, torch, transformers and numpy)
 """
 
 import argparse
