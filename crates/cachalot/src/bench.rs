@@ -64,8 +64,8 @@ pub struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
-    /// Memory-bandwidth probe only (without --model / --random-weights), or its buffer size
-    /// with one.
+    /// Run only the memory-bandwidth probe (without --model / --random-weights; a model bench
+    /// always runs it after timing the model).
     #[arg(long)]
     membw: bool,
     /// Size of the bandwidth probe's buffer in MiB.
