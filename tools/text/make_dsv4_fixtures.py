@@ -18,6 +18,10 @@ Builds:
                                   BPE vocab and in added_tokens so `tokenizers` keeps those ids
   v4_style/tokenizer_config.json  BOS/EOS names, no chat_template (V4 has none)
   v4_style/config.json            {"model_type": "deepseek_v4"}: what makes cachalot pick the V4 encoder
+  dsv4_random_cases.json          "conversations": random conversations (all roles, tool calls and results with
+                                  shuffled ids, tasks, wo_eos, tools, response formats) under random options with
+                                  encode_messages' prompt; "completions": rendered assistant turns, intact and
+                                  randomly cut or edited, with the parser's result or error
   dsv4_cases.json                 "wrapper": conversations through the seed tokenizer wrapper's apply_chat_template
                                   (tokenize=False -> prompt, tokenize=True -> ids) on v4_style;
                                   "encode": direct encode_messages calls (all options);
@@ -29,6 +33,7 @@ import copy
 import importlib
 import json
 import pathlib
+import random
 import sys
 import types
 
@@ -305,6 +310,88 @@ def parse_cases():
     ]
 
 
+def random_cases(n_conversations=110, n_completions=260, seed=1):
+    """Random conversations and (edited) completions, both through the seed's functions."""
+    rng = random.Random(seed)
+    words = ["a", "b c", "é", "\n", "x\n\ny", "<b>", "\"q\"", "", "tool", "🐋"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+    def text():
+        return "".join(rng.choice(words) for _ in range(rng.randint(0, 3)))
+
+    def arguments():
+        if rng.random() < 0.1:
+            return "not json " + text()
+        values = {"s": text, "n": lambda: rng.randint(-5, 5), "b": lambda: rng.random() < 0.5,
+                  "l": lambda: [1, "x"], "o": lambda: {"k": text()}, "f": lambda: rng.choice([0.5, 1e-7, 3.0, 1e22])}
+        keys = rng.sample(sorted(values), rng.randint(0, 4))
+        return json.dumps({k: values[k]() for k in keys}, ensure_ascii=rng.random() < 0.5)
+
+    conversations, assistants = [], []
+    roles = ["system", "user", "user", "assistant", "assistant", "tool", "tool", "developer", "latest_reminder"]
+    for _ in range(n_conversations):
+        messages, call_ids = [], []
+        for _ in range(rng.randint(0, 8)):
+            role = rng.choice(roles)
+            m = {"role": role}
+            if role == "tool":
+                m["tool_call_id"] = rng.choice(call_ids + ["zz", ""]) if call_ids else "q"
+                m["content"] = text() if rng.random() < 0.8 else [{"type": "text", "text": text()}, {"type": "image"}]
+            else:
+                m["content"] = text() if role != "developer" else "dev" + text()
+            if role == "assistant":
+                if rng.random() < 0.6:
+                    m["reasoning_content"] = text()
+                if rng.random() < 0.4:
+                    calls = []
+                    for _ in range(rng.randint(1, 3)):
+                        cid = f"c{rng.randint(0, 5)}"
+                        call_ids.append(cid)
+                        calls.append(call(cid, rng.choice(["f", "g"]), arguments()))
+                    m["tool_calls"] = calls
+                if rng.random() < 0.1:
+                    m["wo_eos"] = True
+                else:
+                    assistants.append(m)
+            if role in ("system", "developer") and rng.random() < 0.2:
+                m["tools"] = [tool]
+            if role in ("system", "developer") and rng.random() < 0.2:
+                m["response_format"] = {"type": "object"}
+            if rng.random() < 0.12:
+                m["task"] = rng.choice(sorted(enc.VALID_TASKS))
+            messages.append(m)
+        opts = {"thinking_mode": rng.choice(["chat", "thinking"]), "drop_thinking": rng.random() < 0.7,
+                "add_bos": rng.random() < 0.9, "reasoning_effort": rng.choice([None, None, "high", "max"])}
+        prompt = enc.encode_messages(copy.deepcopy(messages), thinking_mode=opts["thinking_mode"],
+                                     drop_thinking=opts["drop_thinking"], add_default_bos_token=opts["add_bos"],
+                                     reasoning_effort=opts["reasoning_effort"])
+        conversations.append({"messages": messages, **opts, "prompt": prompt})
+
+    pieces = ["\n", ">", "<", "\"", " ", "｜DSML｜", "</think>", EOS, 'string="true"', 'name="', "/｜DSML｜parameter"]
+    completions = []
+    while len(completions) < n_completions:
+        m, mode = rng.choice(assistants), rng.choice(["chat", "thinking"])
+        user = [{"role": "user", "content": "q"}]
+        base = enc.encode_messages(user, thinking_mode=mode, drop_thinking=False)
+        full = enc.encode_messages(user + [copy.deepcopy(m)], thinking_mode=mode, drop_thinking=False)
+        t = full[len(base):]
+        k, op = rng.randint(0, len(t)), rng.random()
+        if op < 0.25:
+            pass
+        elif op < 0.5:
+            t = t[:k] + t[k + 1:]
+        elif op < 0.8:
+            t = t[:k] + rng.choice(pieces) + t[k:]
+        else:
+            t = t[:k]
+        try:
+            result, error = enc.parse_message_from_completion_text(t, thinking_mode=mode), None
+        except (AssertionError, ValueError) as e:
+            result, error = None, f"{type(e).__name__}: {e}"
+        completions.append({"text": t, "thinking_mode": mode, "result": result, "python_error": error})
+    return {"conversations": conversations, "completions": completions}
+
+
 def main():
     tok = build_tokenizer()
     hf = PreTrainedTokenizerFast(tokenizer_file=str(OUT / "tokenizer.json"), bos_token=BOS, eos_token=EOS)
@@ -344,8 +431,11 @@ def main():
         assert (error is None) == (not name.startswith("err_")), (name, error)
         out["parse"].append({"name": name, "text": text, "thinking_mode": mode, "result": result, "python_error": error})
     (ROOT / "dsv4_cases.json").write_text(json.dumps(out, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    rand = random_cases()
+    (ROOT / "dsv4_random_cases.json").write_text(json.dumps(rand, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {OUT}/ and {ROOT / 'dsv4_cases.json'}: {len(out['wrapper'])} wrapper, {len(out['encode'])} encode, "
-          f"{len(out['encode_errors'])} encode-error, {len(out['parse'])} parse cases")
+          f"{len(out['encode_errors'])} encode-error, {len(out['parse'])} parse cases; "
+          f"{len(rand['conversations'])} random conversations, {len(rand['completions'])} random completions")
 
 
 if __name__ == "__main__":

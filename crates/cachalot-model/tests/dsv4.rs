@@ -359,3 +359,69 @@ fn assistant_turns_round_trip() {
     }
     assert!(checked >= 20, "{checked} round trips");
 }
+
+fn random_cases() -> Value {
+    let s = std::fs::read_to_string(text_fixture("dsv4_random_cases.json")).unwrap();
+    serde_json::from_str(&s).unwrap()
+}
+
+/// Random conversations (every role, tool results out of call order, tasks, open turns, tools,
+/// response formats) under random options render as the seed renders them.
+#[test]
+fn random_conversations_match_the_seed() {
+    let all = random_cases();
+    let list = all["conversations"].as_array().unwrap();
+    assert!(list.len() >= 100);
+    for (i, case) in list.iter().enumerate() {
+        let got = dsv4::encode_messages(&messages(&case["messages"]), &options(case))
+            .unwrap_or_else(|e| panic!("conversation {i}: {e}"));
+        assert_eq!(
+            got,
+            case["prompt"].as_str().unwrap(),
+            "conversation {i}: {}",
+            case["messages"]
+        );
+    }
+}
+
+/// Rendered assistant turns, intact or randomly edited, parse (or fail) as the seed's parser
+/// does, except that a tool-call block cut off at the end is an error here.
+#[test]
+fn random_completions_parse_like_the_seed() {
+    let all = random_cases();
+    let list = all["completions"].as_array().unwrap();
+    assert!(list.len() >= 200);
+    let (mut accepted, mut stricter) = (0, 0);
+    for (i, case) in list.iter().enumerate() {
+        let text = case["text"].as_str().unwrap();
+        let got = dsv4::parse_completion(text, mode(&case["thinking_mode"]));
+        match (got, case["result"].is_null()) {
+            (Ok(m), false) => {
+                assert_eq!(
+                    serde_json::to_value(&m).unwrap(),
+                    case["result"],
+                    "completion {i}: {text:?}"
+                );
+                accepted += 1;
+            }
+            (Err(_), true) => {}
+            (Err(e), false) => {
+                // Only a block that does not end with `</｜DSML｜tool_calls>` (and EOS) may differ.
+                let cut = !text
+                    .trim_end_matches(dsv4::EOS)
+                    .ends_with("</｜DSML｜tool_calls>");
+                assert!(
+                    cut && matches!(e, CompletionError::ToolCallFormat(_)),
+                    "completion {i}: {text:?}: {e}"
+                );
+                stricter += 1;
+            }
+            (Ok(m), true) => panic!(
+                "completion {i}: {text:?} parsed as {m:?}, the seed says {}",
+                case["python_error"]
+            ),
+        }
+    }
+    assert!(accepted >= 60, "{accepted} accepted");
+    assert!(stricter <= 10, "{stricter} cut-off blocks");
+}
