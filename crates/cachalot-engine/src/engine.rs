@@ -194,6 +194,9 @@ pub struct RequestOutput {
     pub text: String,
     pub finish: FinishReason,
     pub timing: RequestTiming,
+    /// MTP drafts verified for this request, and how many were accepted.
+    pub drafted: usize,
+    pub accepted_drafts: usize,
 }
 
 /// What one step did.
@@ -247,6 +250,8 @@ struct Live<'t> {
     /// MTP catch-up due: the main model's hidden states of positions `first..first + rows`,
     /// whose next tokens are known but whose MTP rows have not run.
     mtp_pending: Option<Pending>,
+    drafted: usize,
+    accepted: usize,
 }
 
 pub struct Engine<'t, M: Model> {
@@ -396,6 +401,8 @@ impl<'t, M: Model> Engine<'t, M> {
                 first_token: None,
                 last_token: None,
                 mtp_pending: None,
+                drafted: 0,
+                accepted: 0,
             },
         );
         Ok(id)
@@ -497,6 +504,9 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.stats.sample_steps += 1;
                 let mut accepted = 0;
                 let mut done = false;
+                if let Some(live) = self.live.get_mut(&it.id) {
+                    live.drafted += ds.len();
+                }
                 for (j, row) in rows.by_ref().take(ds.len() + 1).enumerate() {
                     if done {
                         continue;
@@ -507,14 +517,16 @@ impl<'t, M: Model> Engine<'t, M> {
                         None => (live.sampler.sample(row), false),
                     };
                     report.sampled += 1;
+                    if ok {
+                        accepted += 1;
+                        live.accepted += 1;
+                    }
                     if let Some(reason) = self.push_token(it.id, token, sampled_at)? {
                         self.retire(it.id, reason);
                         report.finished += 1;
                         finished = true;
                         done = true;
-                    } else if ok {
-                        accepted += 1;
-                    } else {
+                    } else if !ok {
                         done = true;
                     }
                 }
@@ -763,6 +775,8 @@ impl<'t, M: Model> Engine<'t, M> {
             text: live.text,
             finish,
             timing,
+            drafted: live.drafted,
+            accepted_drafts: live.accepted,
         });
     }
 
