@@ -110,3 +110,39 @@ fn a_missing_model_or_dataset_says_what_to_do() {
         .to_string();
     assert!(e.contains("does not run here yet"), "{e}");
 }
+
+/// `model_config.next_n` runs MTP speculative decoding in the engine: the same greedy outputs
+/// as without it (batched, chunked, preempting), and the MTP figures in summary.json.
+#[test]
+fn next_n_runs_speculative_decoding_with_the_same_outputs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = root().join("dataset");
+    let plain = run(&config(6, 20, &data), &opts(tmp.path(), Some(30))).unwrap();
+    for next_n in [1, 3] {
+        let mut cfg = config(6, 20, &data);
+        cfg.model_config.next_n = next_n;
+        let spec = run(&cfg, &opts(tmp.path(), Some(30))).unwrap();
+        for (a, b) in plain.outputs.iter().zip(&spec.outputs) {
+            assert_eq!(a.tokens, b.tokens, "next_n {next_n}: request {}", a.id);
+        }
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(spec.dir.join("summary.json")).unwrap())
+                .unwrap();
+        let m = &summary["mtp"];
+        assert_eq!(m["next_n"], next_n);
+        assert!(m["drafted"].as_u64().unwrap() > 0, "{m}");
+        for key in [
+            "acceptance_rate",
+            "mean_accepted_length",
+            "tokens_per_main_step",
+        ] {
+            assert!(m[key].as_f64().is_some(), "summary.json mtp lacks {key}");
+        }
+        assert!(offline_table_mentions_mtp(&spec.summary));
+    }
+    assert!(plain.summary.mtp.is_none());
+}
+
+fn offline_table_mentions_mtp(s: &cachalot_run::offline::Summary) -> bool {
+    cachalot_run::offline::summary_table(s).contains("MTP")
+}

@@ -118,6 +118,13 @@ enum Command {
         /// acceptance needs real text).
         #[arg(long)]
         prompt_file: Option<PathBuf>,
+        /// With --mtp: requests decoded at once through the engine (consecutive slices of the
+        /// prompt file).
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// With --mtp: alternating runs of each kind (medians are reported).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
     },
 }
 
@@ -220,6 +227,8 @@ fn run() -> Result<()> {
             threads,
             mtp,
             prompt_file,
+            batch,
+            runs,
         } => {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new()
@@ -227,7 +236,14 @@ fn run() -> Result<()> {
                     .build_global()?;
             }
             if mtp > 0 {
-                bench_mtp(&model, prompt_file.as_deref(), prompt_len, decode_len, mtp)?;
+                let b = MtpBench {
+                    prompt_len,
+                    decode_len,
+                    next_n: mtp,
+                    batch,
+                    runs,
+                };
+                bench_mtp(&model, prompt_file.as_deref(), &b)?;
             } else {
                 bench(&model, prompt_len, decode_len)?;
             }
@@ -323,15 +339,21 @@ fn read_bandwidth_gb_s() -> f64 {
     best
 }
 
-/// Plain greedy decode vs MTP speculative decode on one prompt: three alternating runs each,
-/// medians reported, with the acceptance figures of the speculative runs.
-fn bench_mtp(
-    args: &ModelArgs,
-    prompt_file: Option<&Path>,
+/// Settings of `bench --mtp`.
+struct MtpBench {
     prompt_len: usize,
     decode_len: usize,
     next_n: usize,
-) -> Result<()> {
+    batch: usize,
+    runs: usize,
+}
+
+/// Plain greedy decode vs MTP speculative decode through the engine, `batch` requests at once
+/// (consecutive slices of the prompt file): alternating runs of each, medians reported, with
+/// the acceptance figures of the speculative runs; the outputs must be equal.
+fn bench_mtp(args: &ModelArgs, prompt_file: Option<&Path>, b: &MtpBench) -> Result<()> {
+    use cachalot_engine::metrics::EngineStats;
+    use cachalot_engine::{Engine, EngineConfig, Request, SamplingParams, StopConditions};
     let dir = model_dir(args)?;
     let opts = LoadOptions {
         fp8: match args.fp8 {
@@ -347,7 +369,10 @@ fn bench_mtp(
             dir.display()
         );
     }
-    let mut prompt = match prompt_file {
+    if b.next_n > 3 || b.batch == 0 || b.runs == 0 {
+        bail!("--mtp takes 1 to 3 drafts, --batch and --runs at least 1");
+    }
+    let ids = match prompt_file {
         Some(f) => {
             let text = std::fs::read_to_string(f)
                 .with_context(|| format!("cannot read {}", f.display()))?;
@@ -355,20 +380,66 @@ fn bench_mtp(
         }
         None => bail!("--mtp needs --prompt-file TEXT (acceptance on random ids means nothing)"),
     };
-    prompt.truncate(prompt_len.max(1));
-    let mut plain_s = Vec::new();
-    let mut spec_s = Vec::new();
-    let mut stats = eval::MtpStats::default();
-    for _ in 0..3 {
+    let len = b.prompt_len.max(1);
+    if ids.len() < len * b.batch {
+        bail!(
+            "--prompt-file has {} tokens; --batch {} prompts of {len} need {}",
+            ids.len(),
+            b.batch,
+            len * b.batch
+        );
+    }
+    let prompts: Vec<&[u32]> = ids.chunks_exact(len).take(b.batch).collect();
+    let total = len + b.decode_len + b.next_n + 1;
+    let cfg = EngineConfig {
+        block_size: BLOCK_SIZE,
+        num_blocks: total.div_ceil(BLOCK_SIZE) * b.batch + 1,
+        batch_size: b.batch,
+        max_prefill_tokens: len * b.batch,
+    };
+    let run = |next_n: usize| -> Result<(f64, Vec<Vec<u32>>, EngineStats)> {
+        let mut engine = Engine::new(&m, None, cfg)?;
+        if next_n > 0 {
+            engine.enable_mtp(next_n)?;
+        }
+        for p in &prompts {
+            engine.add_request(Request {
+                prompt: p.to_vec(),
+                params: SamplingParams::greedy(),
+                stop: StopConditions {
+                    max_new_tokens: b.decode_len,
+                    ..Default::default()
+                },
+                ignore_eos: true,
+            })?;
+        }
         let t = Instant::now();
-        let a = eval::greedy(&m, &prompt, decode_len)?;
-        plain_s.push(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        let (b, st) = eval::greedy_mtp(&m, &prompt, decode_len, next_n)?;
-        spec_s.push(t.elapsed().as_secs_f64());
-        if a != b {
+        // The whole loop on a pool worker: its many small parallel products then fork and
+        // join inside the pool instead of waking the pool from outside for each one.
+        let mut outs = rayon::scope(|_| engine.run_to_completion(|_, _| {}))?;
+        let s = t.elapsed().as_secs_f64();
+        outs.sort_by_key(|o| o.id);
+        Ok((
+            s,
+            outs.into_iter().map(|o| o.tokens).collect(),
+            engine.stats().clone(),
+        ))
+    };
+    let (mut plain_s, mut spec_s) = (Vec::new(), Vec::new());
+    let (mut plain_step, mut spec_step, mut draft_step) = (Vec::new(), Vec::new(), Vec::new());
+    let mut stats = EngineStats::default();
+    for _ in 0..b.runs {
+        let (p, a, ps) = run(0)?;
+        let (s, c, st) = run(b.next_n)?;
+        if a != c {
             bail!("speculative output differs from greedy output; this is a bug");
         }
+        plain_s.push(p);
+        spec_s.push(s);
+        let per = |x: f64, n: usize| x / n.max(1) as f64 * 1e3;
+        plain_step.push(per(ps.decode_step_s, ps.decode_steps));
+        spec_step.push(per(st.decode_step_s, st.decode_steps));
+        draft_step.push(per(st.draft_s, st.steps));
         stats = st;
     }
     let median = |v: &mut Vec<f64>| {
@@ -376,19 +447,25 @@ fn bench_mtp(
         v[v.len() / 2]
     };
     let (p, s) = (median(&mut plain_s), median(&mut spec_s));
+    let tokens = (b.decode_len * b.batch) as f64;
     let v = serde_json::json!({
         "model": dir.display().to_string(),
-        "mtp": next_n,
-        "prompt_len": prompt.len(),
-        "decode_len": decode_len,
-        "plain_tok_s": decode_len as f64 / p,
-        "mtp_tok_s": decode_len as f64 / s,
+        "mtp": b.next_n,
+        "batch": b.batch,
+        "prompt_len": len,
+        "decode_len": b.decode_len,
+        "runs": b.runs,
+        "plain_tok_s": tokens / p,
+        "mtp_tok_s": tokens / s,
         "speedup": p / s,
         "drafted": stats.drafted,
-        "accepted": stats.accepted,
+        "accepted": stats.accepted_drafts,
         "acceptance_rate": stats.acceptance_rate(),
-        "main_steps": stats.main_steps,
-        "tokens_per_main_step": decode_len as f64 / stats.main_steps as f64,
+        "mean_accepted_length": stats.mean_accepted_length(),
+        "tokens_per_main_step": stats.tokens_per_main_step(),
+        "plain_decode_step_ms": median(&mut plain_step),
+        "mtp_decode_step_ms": median(&mut spec_step),
+        "mtp_draft_ms_per_step": median(&mut draft_step),
     });
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
