@@ -416,6 +416,12 @@ impl<'t, M: Model> Engine<'t, M> {
         }
     }
 
+    /// The text a live request has produced so far (it only grows; `None` once finished or
+    /// without a tokenizer it is empty).
+    pub fn text_so_far(&self, id: u64) -> Option<&str> {
+        self.live.get(&id).map(|l| l.text.as_str())
+    }
+
     /// Requests finished since the last call, in the order they finished.
     pub fn take_finished(&mut self) -> Vec<RequestOutput> {
         std::mem::take(&mut self.finished)

@@ -241,6 +241,71 @@ pub fn generate(
     })
 }
 
+/// [`generate`] with MTP speculative decoding (`next_n` drafts per step; spec `executor.md`
+/// §2.8), run as one request through the [`Engine`](crate::Engine) (batch 1): the same tokens
+/// under greedy, the same distribution under sampling. The model must have its MTP layer
+/// loaded. `on_text` receives the text as it grows, a step (up to `next_n + 1` tokens) at a
+/// time.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_mtp<M: crate::Model>(
+    model: M,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    params: SamplingParams,
+    stop: &StopConditions,
+    next_n: usize,
+    cancel: Option<&AtomicBool>,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<Generation, EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::Request("the prompt is empty".into()));
+    }
+    let total = prompt.len() + stop.max_new_tokens + next_n + 1;
+    let cfg = crate::EngineConfig {
+        block_size: BLOCK_SIZE,
+        num_blocks: total.div_ceil(BLOCK_SIZE) + 1,
+        batch_size: 1,
+        max_prefill_tokens: prompt.len(),
+    };
+    let mut engine = crate::Engine::new(model, tokenizer, cfg)?;
+    engine.enable_mtp(next_n)?;
+    let id = engine.add_request(crate::Request {
+        prompt: prompt.to_vec(),
+        params,
+        stop: stop.clone(),
+        ignore_eos: false,
+    })?;
+    let t0 = Instant::now();
+    let mut prefill_s = None;
+    let mut shown = 0;
+    loop {
+        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            engine.abort(id);
+        } else {
+            engine.step()?;
+        }
+        let prefill = *prefill_s.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+        if let Some(text) = engine.text_so_far(id) {
+            if text.len() > shown {
+                on_text(&text[shown..]);
+                shown = text.len();
+            }
+        }
+        if let Some(out) = engine.take_finished().pop() {
+            if out.text.len() > shown {
+                on_text(&out.text[shown..]);
+            }
+            return Ok(Generation {
+                tokens: out.tokens,
+                text: out.text,
+                finish: out.finish,
+                prefill_s: prefill,
+                decode_s: t0.elapsed().as_secs_f64() - prefill,
+            });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -153,14 +153,26 @@ fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
 }
 
 fn load(args: &ModelArgs) -> Result<DeepseekV3> {
+    load_model(args, false)
+}
+
+/// The model, with its MTP layer when `load_mtp` (an error when it has none).
+fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
     let opts = LoadOptions {
         fp8: match args.fp8 {
             Fp8Arg::Native => Fp8Mode::Native,
             Fp8Arg::F32 => Fp8Mode::DequantizeF32,
         },
-        load_mtp: false,
+        load_mtp,
     };
-    let mut model = DeepseekV3::load(&model_dir(args)?, opts)?;
+    let dir = model_dir(args)?;
+    let mut model = DeepseekV3::load(&dir, opts)?;
+    if load_mtp && model.mtp_layers().is_empty() {
+        bail!(
+            "{}: the checkpoint has no MTP layer (num_nextn_predict_layers = 0); --mtp needs one",
+            dir.display()
+        );
+    }
     model.attention_path = match args.attention {
         AttnArg::Auto => AttentionPath::Auto,
         AttnArg::Naive => AttentionPath::Naive,
@@ -355,20 +367,7 @@ fn bench_mtp(args: &ModelArgs, prompt_file: Option<&Path>, b: &MtpBench) -> Resu
     use cachalot_engine::metrics::EngineStats;
     use cachalot_engine::{Engine, EngineConfig, Request, SamplingParams, StopConditions};
     let dir = model_dir(args)?;
-    let opts = LoadOptions {
-        fp8: match args.fp8 {
-            Fp8Arg::Native => Fp8Mode::Native,
-            Fp8Arg::F32 => Fp8Mode::DequantizeF32,
-        },
-        load_mtp: true,
-    };
-    let m = DeepseekV3::load(&dir, opts)?;
-    if m.mtp_layers().is_empty() {
-        bail!(
-            "{}: the checkpoint has no MTP layer (num_nextn_predict_layers = 0); --mtp needs one",
-            dir.display()
-        );
-    }
+    let m = load_model(args, true)?;
     if b.next_n > 3 || b.batch == 0 || b.runs == 0 {
         bail!("--mtp takes 1 to 3 drafts, --batch and --runs at least 1");
     }

@@ -13,7 +13,7 @@ use cachalot_engine::{
 use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer};
 use cachalot_model::DeepseekV3;
 
-use crate::{load, model_dir, tokens, InputArgs, ModelArgs};
+use crate::{load, load_model, model_dir, tokens, InputArgs, ModelArgs};
 
 #[derive(clap::Args)]
 pub struct TokenizeArgs {
@@ -106,6 +106,10 @@ pub struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// MTP speculative decoding with N (1-3) drafts per step (the model's MTP layer; same
+    /// tokens under greedy, same distribution under sampling).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    mtp: usize,
 }
 
 #[derive(clap::Args)]
@@ -342,19 +346,38 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         };
         (ids, text)
     };
-    let m = load(&args.model)?;
+    if args.mtp > 3 {
+        bail!("--mtp {}: 1 to 3 draft tokens per step", args.mtp);
+    }
+    let m = load_model(&args.model, args.mtp > 0)?;
     let stop = stop_conditions(&m, tok.as_ref(), &dir, &args.sampling, args.chat);
     let params = args.sampling.params();
+    let run = |on_text: &mut dyn FnMut(&str)| -> Result<Generation> {
+        Ok(if args.mtp > 0 {
+            cachalot_engine::generate_mtp(
+                &m,
+                tok.as_ref(),
+                &prompt_ids,
+                params.clone(),
+                &stop,
+                args.mtp,
+                None,
+                on_text,
+            )?
+        } else {
+            cachalot_engine::generate(
+                &m,
+                tok.as_ref(),
+                &prompt_ids,
+                params.clone(),
+                &stop,
+                None,
+                on_text,
+            )?
+        })
+    };
     if args.json {
-        let g = cachalot_engine::generate(
-            &m,
-            tok.as_ref(),
-            &prompt_ids,
-            params,
-            &stop,
-            None,
-            &mut |_| {},
-        )?;
+        let g = run(&mut |_| {})?;
         let text = tok.as_ref().map(|_| g.text.clone());
         println!(
             "{}",
@@ -370,15 +393,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         return Ok(());
     }
     let mut printer = Printer::new(&prompt_text, args.hide_reasoning);
-    let g = cachalot_engine::generate(
-        &m,
-        tok.as_ref(),
-        &prompt_ids,
-        params,
-        &stop,
-        None,
-        &mut |t| printer.print(t),
-    )?;
+    let g = run(&mut |t| printer.print(t))?;
     if tok.is_none() {
         let s: Vec<String> = g.tokens.iter().map(u32::to_string).collect();
         print!("{}", s.join(","));

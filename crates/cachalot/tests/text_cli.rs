@@ -300,3 +300,51 @@ fn a_missing_chat_template_is_named() {
         "{err}"
     );
 }
+
+/// `generate --mtp N` (speculative decoding through the engine) gives the same greedy tokens
+/// and text as plain `generate`, on the shipped small model (which has an MTP layer); the same
+/// text streams as in `--json`; a model without an MTP layer is refused by name.
+#[test]
+fn generate_with_mtp_equals_plain_greedy() {
+    let base = [
+        "generate",
+        "--prompt",
+        "The best way to",
+        "--max-new-tokens",
+        "40",
+    ];
+    let plain = json(&ok(cachalot(&[&base[..], &["--json"]].concat(), None)));
+    for n in ["1", "3"] {
+        let spec = json(&ok(cachalot(
+            &[&base[..], &["--json", "--mtp", n]].concat(),
+            None,
+        )));
+        assert_eq!(
+            ids(&plain["output_ids"]),
+            ids(&spec["output_ids"]),
+            "--mtp {n}"
+        );
+        assert_eq!(plain["text"], spec["text"], "--mtp {n}");
+        let streamed = ok(cachalot(&[&base[..], &["--mtp", n]].concat(), None));
+        assert_eq!(
+            streamed.trim_end(),
+            spec["text"].as_str().unwrap().trim_end(),
+            "--mtp {n}"
+        );
+    }
+    let out = cachalot(
+        &[
+            "generate",
+            "--model",
+            &root().join("fixtures/v3/kimi_tiny").display().to_string(),
+            "--token-ids",
+            "5,6",
+            "--mtp",
+            "1",
+        ],
+        None,
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no MTP layer"), "{err}");
+}
