@@ -41,6 +41,10 @@ use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{AdmissionError, Scheduled, Scheduler, SchedulerConfig};
 use crate::EngineError;
 
+fn no_mtp() -> EngineError {
+    EngineError::Request("this model has no MTP layer: it cannot run speculative decoding".into())
+}
+
 /// Logits of the wanted rows and the hidden state of every token of a forward.
 pub struct HiddenForward {
     /// `[batch.logits_indices.len(), vocab_size]`.
@@ -67,9 +71,7 @@ pub trait Model {
         _batch: &Batch,
         _cache: &mut KvCache,
     ) -> Result<HiddenForward, EngineError> {
-        Err(EngineError::Request(
-            "this model has no MTP layer: it cannot run speculative decoding".into(),
-        ))
+        Err(no_mtp())
     }
     /// One step of MTP layer `index`: row i takes `batch.tokens[i]` (the token after
     /// position `batch.positions[i]`) and row i of `prev_hidden` (the hidden state at that
@@ -82,9 +84,7 @@ pub trait Model {
         _prev_hidden: &[f32],
         _cache: &mut KvCache,
     ) -> Result<HiddenForward, EngineError> {
-        Err(EngineError::Request(
-            "this model has no MTP layer: it cannot run speculative decoding".into(),
-        ))
+        Err(no_mtp())
     }
 }
 

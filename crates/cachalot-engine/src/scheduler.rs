@@ -410,42 +410,6 @@ mod tests {
         )
     }
 
-    /// Runs steps, sampling a token for every `sample` item and finishing a request once it has
-    /// `out_len` generated tokens. Returns the number of steps.
-    /// What the engine does after a forward: one token per sampled item; a request that has all
-    /// its tokens (`lens[id].1`) finishes.
-    fn complete_step(
-        s: &mut Scheduler,
-        plan: &Schedule,
-        lens: &HashMap<u64, (usize, usize)>,
-        generated: &mut HashMap<u64, usize>,
-    ) {
-        for it in plan.items.iter().filter(|it| it.sample) {
-            let g = generated.entry(it.id).or_default();
-            *g += 1;
-            if *g >= lens[&it.id].1 {
-                s.finish(it.id);
-            } else {
-                s.append_token(it.id);
-            }
-        }
-    }
-
-    fn drive(s: &mut Scheduler, lens: &HashMap<u64, (usize, usize)>, max_steps: usize) -> usize {
-        let mut generated: HashMap<u64, usize> = HashMap::new();
-        for step in 0..max_steps {
-            if !s.has_unfinished() {
-                return step;
-            }
-            let plan = s.schedule();
-            s.check_invariants().unwrap();
-            assert!(!plan.is_empty(), "step {step} scheduled nothing");
-            complete_step(s, &plan, lens, &mut generated);
-            s.check_invariants().unwrap();
-        }
-        panic!("not done after {max_steps} steps");
-    }
-
     #[test]
     fn long_prompt_is_chunked_and_decodes_batch() {
         let mut s = sched(64, 4, 8, 10);
@@ -552,9 +516,9 @@ mod tests {
         ]
     }
 
-    /// What the engine does after a speculative step: for every sampled item, `accept(drafts)`
-    /// of its drafts are kept and one more token is sampled; a request stops at its output
-    /// length (possibly in the middle of the accepted drafts).
+    /// What the engine does after a forward: for every sampled item, `accept(drafts)` of its
+    /// drafts are kept (none without speculation) and one more token is sampled; a request
+    /// stops once it has all its tokens (`lens[id].1`), possibly among the accepted drafts.
     fn complete_spec_step(
         s: &mut Scheduler,
         plan: &Schedule,
@@ -642,6 +606,66 @@ mod tests {
         assert_eq!(s.kv().pool().num_free(), 1);
     }
 
+    /// Applies `ops` (steps completed by [`complete_spec_step`] with `accept`), checking the
+    /// invariants after every schedule and every operation; then finishes whatever is left (a
+    /// full pool makes progress) and checks every block is back.
+    fn run_ops(
+        mut s: Scheduler,
+        lookahead: usize,
+        ops: Vec<Op>,
+        accept: &mut dyn FnMut(usize) -> usize,
+    ) -> Result<(), TestCaseError> {
+        s.set_lookahead(lookahead);
+        let mut lens = HashMap::new();
+        let mut generated: HashMap<u64, usize> = HashMap::new();
+        let mut next_id = 0u64;
+        for op in ops {
+            match op {
+                Op::Add { prompt, out } => {
+                    if s.add(next_id, prompt, prompt + out).is_ok() {
+                        lens.insert(next_id, (prompt, out));
+                    }
+                    next_id += 1;
+                }
+                Op::Abort(id) => s.finish(id),
+                Op::Step => {
+                    let plan = s.schedule();
+                    s.check_invariants().map_err(TestCaseError::fail)?;
+                    if s.has_unfinished() {
+                        prop_assert!(!plan.is_empty(), "nothing scheduled");
+                    }
+                    for it in &plan.items {
+                        prop_assert!(it.drafts == 0 || it.decode, "{:?}", it);
+                        prop_assert!(it.drafts <= lookahead);
+                    }
+                    complete_spec_step(&mut s, &plan, &lens, &mut generated, &mut *accept);
+                }
+            }
+            s.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        let left: HashMap<u64, (usize, usize)> = lens
+            .iter()
+            .map(|(&id, &(p, o))| {
+                let done = generated.get(&id).copied().unwrap_or(0);
+                (id, (p, o.saturating_sub(done).max(1)))
+            })
+            .collect();
+        let mut generated = HashMap::new();
+        for step in 0..10_000 {
+            if !s.has_unfinished() {
+                break;
+            }
+            let plan = s.schedule();
+            s.check_invariants().map_err(TestCaseError::fail)?;
+            prop_assert!(!plan.is_empty(), "step {} scheduled nothing", step);
+            complete_spec_step(&mut s, &plan, &left, &mut generated, &mut *accept);
+            s.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        prop_assert!(!s.has_unfinished(), "not done after 10 000 steps");
+        prop_assert_eq!(s.kv().pool().num_free(), s.kv().pool().capacity());
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
 
@@ -659,57 +683,12 @@ mod tests {
             ops in proptest::collection::vec(op(), 1..80),
             accepts in proptest::collection::vec(0usize..4, 1..64),
         ) {
-            let mut s = sched(blocks, bs, batch, budget);
-            s.set_lookahead(lookahead);
-            let mut lens = HashMap::new();
-            let mut generated: HashMap<u64, usize> = HashMap::new();
-            let mut next_id = 0u64;
             let mut k = 0usize;
             let mut accept = |n: usize| {
                 k += 1;
                 accepts[k % accepts.len()].min(n)
             };
-            for op in ops {
-                match op {
-                    Op::Add { prompt, out } => {
-                        if s.add(next_id, prompt, prompt + out).is_ok() {
-                            lens.insert(next_id, (prompt, out));
-                        }
-                        next_id += 1;
-                    }
-                    Op::Abort(id) => s.finish(id),
-                    Op::Step => {
-                        let plan = s.schedule();
-                        s.check_invariants().map_err(TestCaseError::fail)?;
-                        if s.has_unfinished() {
-                            prop_assert!(!plan.is_empty(), "nothing scheduled");
-                        }
-                        for it in &plan.items {
-                            prop_assert!(it.drafts == 0 || it.decode, "{:?}", it);
-                            prop_assert!(it.drafts <= lookahead);
-                        }
-                        complete_spec_step(&mut s, &plan, &lens, &mut generated, &mut accept);
-                    }
-                }
-                s.check_invariants().map_err(TestCaseError::fail)?;
-            }
-            let left: HashMap<u64, (usize, usize)> = lens
-                .iter()
-                .map(|(&id, &(p, o))| (id, (p, o.saturating_sub(generated.get(&id).copied().unwrap_or(0)).max(1))))
-                .collect();
-            let mut gen2: HashMap<u64, usize> = HashMap::new();
-            for _ in 0..10_000 {
-                if !s.has_unfinished() {
-                    break;
-                }
-                let plan = s.schedule();
-                s.check_invariants().map_err(TestCaseError::fail)?;
-                prop_assert!(!plan.is_empty());
-                complete_spec_step(&mut s, &plan, &left, &mut gen2, &mut accept);
-                s.check_invariants().map_err(TestCaseError::fail)?;
-            }
-            prop_assert!(!s.has_unfinished(), "not done");
-            prop_assert_eq!(s.kv().pool().num_free(), s.kv().pool().capacity());
+            run_ops(sched(blocks, bs, batch, budget), lookahead, ops, &mut accept)?;
         }
 
         /// After any sequence of admissions, chunked prefills, finishes, aborts and
@@ -722,36 +701,7 @@ mod tests {
             budget in 1usize..20,
             ops in proptest::collection::vec(op(), 1..80),
         ) {
-            let mut s = sched(blocks, bs, batch, budget);
-            let mut lens = HashMap::new();
-            let mut generated: HashMap<u64, usize> = HashMap::new();
-            let mut next_id = 0u64;
-            for op in ops {
-                match op {
-                    Op::Add { prompt, out } => {
-                        if s.add(next_id, prompt, prompt + out).is_ok() {
-                            lens.insert(next_id, (prompt, out));
-                        }
-                        next_id += 1;
-                    }
-                    Op::Abort(id) => s.finish(id),
-                    Op::Step => {
-                        let plan = s.schedule();
-                        if s.has_unfinished() {
-                            prop_assert!(!plan.is_empty(), "nothing scheduled");
-                        }
-                        complete_step(&mut s, &plan, &lens, &mut generated);
-                    }
-                }
-                s.check_invariants().map_err(TestCaseError::fail)?;
-            }
-            // Whatever is left finishes: a full pool makes progress.
-            let left: HashMap<u64, (usize, usize)> = lens
-                .iter()
-                .map(|(&id, &(p, o))| (id, (p, o.saturating_sub(generated.get(&id).copied().unwrap_or(0)).max(1))))
-                .collect();
-            drive(&mut s, &left, 10_000);
-            prop_assert_eq!(s.kv().pool().num_free(), s.kv().pool().capacity());
+            run_ops(sched(blocks, bs, batch, budget), 0, ops, &mut |_| 0)?;
         }
     }
 }

@@ -1,6 +1,8 @@
 //! End to end on the tiny fixture models: a batched run (continuous batching, mixed prompt
 //! lengths, chunked prefill, preemption) gives each request the greedy tokens it gets alone.
 
+mod common;
+
 use std::path::PathBuf;
 
 use cachalot_engine::generate::FinishReason;
@@ -22,23 +24,6 @@ fn load(name: &str) -> DeepseekV3 {
     .unwrap()
 }
 
-/// Deterministic pseudo-random prompts of the given lengths (ids 2.., avoiding BOS/EOS).
-fn prompts(lens: &[usize], vocab: usize) -> Vec<Vec<u32>> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    lens.iter()
-        .map(|&n| {
-            (0..n)
-                .map(|_| {
-                    state = state
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    2 + ((state >> 33) as usize % (vocab - 2)) as u32
-                })
-                .collect()
-        })
-        .collect()
-}
-
 fn greedy_request(prompt: &[u32], n: usize) -> Request {
     Request {
         prompt: prompt.to_vec(),
@@ -56,7 +41,7 @@ fn batched_equals_alone(name: &str, cfg: EngineConfig, expect_preemption: bool) 
     let vocab = m.config().vocab_size;
     let lens = [3, 41, 9, 17, 1, 30, 6, 12];
     let n_new = 10;
-    let ps = prompts(&lens, vocab);
+    let ps = common::prompts(&lens, vocab);
     let mut engine = Engine::new(&m, None, cfg).unwrap();
     for p in &ps {
         engine.add_request(greedy_request(p, n_new)).unwrap();
@@ -120,7 +105,7 @@ fn a_tight_pool_preempts_and_still_equals_alone() {
 #[test]
 fn stop_tokens_and_fixed_length_mode() {
     let m = load("r1_tiny");
-    let p = prompts(&[8], m.config().vocab_size).remove(0);
+    let p = common::prompts(&[8], m.config().vocab_size).remove(0);
     let alone = eval::greedy(&m, &p, 12).unwrap();
     let stop_at = alone[4];
     let first = alone.iter().position(|&t| t == stop_at).unwrap();

@@ -7,6 +7,8 @@
 //!   model whose MTP layer proposes from a different law; chi-square bound derived below).
 
 use std::collections::HashMap;
+mod common;
+
 use std::path::PathBuf;
 
 use cachalot_engine::engine::HiddenForward;
@@ -31,23 +33,6 @@ fn load(dir: &str) -> DeepseekV3 {
         },
     )
     .unwrap()
-}
-
-/// Deterministic pseudo-random prompts of the given lengths (ids 2.., avoiding BOS/EOS).
-fn random_prompts(lens: &[usize], vocab: usize) -> Vec<Vec<u32>> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    lens.iter()
-        .map(|&n| {
-            (0..n)
-                .map(|_| {
-                    state = state
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    2 + ((state >> 33) as usize % (vocab - 2)) as u32
-                })
-                .collect()
-        })
-        .collect()
 }
 
 fn run(
@@ -147,7 +132,7 @@ fn mtp_equals_plain(model: &DeepseekV3, cfg: EngineConfig, prompts: &[Vec<u32>],
 #[test]
 fn fixture_greedy_with_mtp_equals_without_in_batches_with_chunked_prefill() {
     let m = load("fixtures/v3/r1_tiny");
-    let ps = random_prompts(&[3, 41, 9, 17, 1, 30, 6, 12], m.config().vocab_size);
+    let ps = common::prompts(&[3, 41, 9, 17, 1, 30, 6, 12], m.config().vocab_size);
     let cfg = EngineConfig {
         block_size: 4,
         num_blocks: 128,
@@ -160,7 +145,7 @@ fn fixture_greedy_with_mtp_equals_without_in_batches_with_chunked_prefill() {
 #[test]
 fn fixture_greedy_with_mtp_equals_without_under_preemption() {
     let m = load("fixtures/v3/r1_tiny");
-    let ps = random_prompts(&[3, 41, 9, 17, 1, 30, 6, 12], m.config().vocab_size);
+    let ps = common::prompts(&[3, 41, 9, 17, 1, 30, 6, 12], m.config().vocab_size);
     // 20 usable blocks of 4: the 41-token prompt alone takes 13 with its output.
     let cfg = EngineConfig {
         block_size: 4,
