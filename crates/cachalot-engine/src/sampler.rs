@@ -496,16 +496,20 @@ mod tests {
         assert_eq!(l, vec![1.0, 0.0, 0.25, 1.0]);
     }
 
-    #[test]
-    fn penalties_change_the_greedy_choice() {
-        let mut s = Sampler::new(
+    fn greedy_with_frequency_penalty() -> Sampler {
+        Sampler::new(
             SamplingParams {
                 frequency_penalty: 10.0,
                 ..SamplingParams::greedy()
             },
             &[],
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn penalties_change_the_greedy_choice() {
+        let mut s = greedy_with_frequency_penalty();
         let l = logits();
         assert_eq!(s.sample(&l), 0);
         s.accept(0);
@@ -566,14 +570,7 @@ mod tests {
         assert_eq!(s.verify(0, &[(0, 1.0)], &l), (0, true));
         assert_eq!(s.verify(3, &[(3, 1.0)], &l), (0, false));
         // Penalties move the argmax, and verification sees them.
-        let mut s = Sampler::new(
-            SamplingParams {
-                frequency_penalty: 10.0,
-                ..SamplingParams::greedy()
-            },
-            &[],
-        )
-        .unwrap();
+        let mut s = greedy_with_frequency_penalty();
         s.accept(0);
         assert_eq!(s.verify(0, &[(0, 1.0)], &l), (1, false));
         let p = [(2u32, 1.0f32)];
