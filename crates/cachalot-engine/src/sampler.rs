@@ -25,7 +25,9 @@
 //! with probability p(x); otherwise a draw from p without x). We draw drafts from q instead of
 //! taking the MTP argmax when sampling, which keeps the output exact and accepts more often
 //! when p is spread out. Under greedy (temperature 0) both p and q are one-hot and the rule is
-//! exact-match acceptance with the main model's argmax, no random number drawn.
+//! exact-match acceptance with the main model's argmax, no random number drawn. With a seed, a
+//! speculative run is reproducible, but it consumes random numbers differently from a plain
+//! run, so its sampled tokens differ from the plain run's (their law does not).
 //!
 //! Each request owns its [`Sampler`], so one batch can mix settings, and a seed makes a run
 //! reproducible (ChaCha8's stream is fixed by its seed across platforms and releases).
