@@ -13,7 +13,7 @@ use cachalot_engine::{
 use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer};
 use cachalot_model::DeepseekV3;
 
-use crate::{load, load_model, model_dir, tokens, InputArgs, ModelArgs};
+use crate::{load_model, model_dir, tokens, InputArgs, ModelArgs};
 
 #[derive(clap::Args)]
 pub struct TokenizeArgs {
@@ -66,9 +66,47 @@ pub struct SamplingArgs {
     /// Keep going past EOS (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+    /// MTP speculative decoding with N (1-3) drafts per step (the model's MTP layer; same
+    /// tokens under greedy, same distribution under sampling).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    mtp: usize,
 }
 
 impl SamplingArgs {
+    /// The model of `args`, with its MTP layer when `--mtp` asks for it.
+    fn load(&self, args: &ModelArgs) -> Result<DeepseekV3> {
+        if self.mtp > 3 {
+            bail!("--mtp {}: 1 to 3 draft tokens per step", self.mtp);
+        }
+        load_model(args, self.mtp > 0)
+    }
+
+    /// One answer: plain decoding, or MTP speculative decoding with `--mtp`.
+    fn generate(
+        &self,
+        m: &DeepseekV3,
+        tok: Option<&Tokenizer>,
+        prompt: &[u32],
+        stop: &StopConditions,
+        cancel: Option<&AtomicBool>,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Generation, cachalot_engine::EngineError> {
+        if self.mtp > 0 {
+            cachalot_engine::generate_mtp(
+                m,
+                tok,
+                prompt,
+                self.params(),
+                stop,
+                self.mtp,
+                cancel,
+                on_text,
+            )
+        } else {
+            cachalot_engine::generate(m, tok, prompt, self.params(), stop, cancel, on_text)
+        }
+    }
+
     fn params(&self) -> SamplingParams {
         SamplingParams {
             temperature: self.temperature,
@@ -106,10 +144,6 @@ pub struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
-    /// MTP speculative decoding with N (1-3) drafts per step (the model's MTP layer; same
-    /// tokens under greedy, same distribution under sampling).
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    mtp: usize,
 }
 
 #[derive(clap::Args)]
@@ -346,35 +380,12 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         };
         (ids, text)
     };
-    if args.mtp > 3 {
-        bail!("--mtp {}: 1 to 3 draft tokens per step", args.mtp);
-    }
-    let m = load_model(&args.model, args.mtp > 0)?;
+    let m = args.sampling.load(&args.model)?;
     let stop = stop_conditions(&m, tok.as_ref(), &dir, &args.sampling, args.chat);
-    let params = args.sampling.params();
     let run = |on_text: &mut dyn FnMut(&str)| -> Result<Generation> {
-        Ok(if args.mtp > 0 {
-            cachalot_engine::generate_mtp(
-                &m,
-                tok.as_ref(),
-                &prompt_ids,
-                params.clone(),
-                &stop,
-                args.mtp,
-                None,
-                on_text,
-            )?
-        } else {
-            cachalot_engine::generate(
-                &m,
-                tok.as_ref(),
-                &prompt_ids,
-                params.clone(),
-                &stop,
-                None,
-                on_text,
-            )?
-        })
+        Ok(args
+            .sampling
+            .generate(&m, tok.as_ref(), &prompt_ids, &stop, None, on_text)?)
     };
     if args.json {
         let g = run(&mut |_| {})?;
@@ -407,7 +418,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
     let tok = Tokenizer::from_dir(&dir)?;
     let template = chat_template(&tok, &dir, args.chat_template.as_deref())?;
-    let m = load(&args.model)?;
+    let m = args.sampling.load(&args.model)?;
     let stop = stop_conditions(&m, Some(&tok), &dir, &args.sampling, true);
 
     // Ctrl-C stops the answer being written; at the prompt it leaves.
@@ -476,11 +487,10 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
         let mut printer = (!args.json).then(|| Printer::new(&prompt_text, args.hide_reasoning));
-        let result = cachalot_engine::generate(
+        let result = args.sampling.generate(
             &m,
             Some(&tok),
             &prompt_ids,
-            args.sampling.params(),
             &stop,
             Some(&cancel),
             &mut |t| {

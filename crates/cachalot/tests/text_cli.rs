@@ -303,7 +303,8 @@ fn a_missing_chat_template_is_named() {
 
 /// `generate --mtp N` (speculative decoding through the engine) gives the same greedy tokens
 /// and text as plain `generate`, on the shipped small model (which has an MTP layer); the same
-/// text streams as in `--json`; a model without an MTP layer is refused by name.
+/// text streams as in `--json`; `chat --mtp` answers as plain `chat`; a model without an MTP
+/// layer is refused by name.
 #[test]
 fn generate_with_mtp_equals_plain_greedy() {
     let base = [
@@ -332,6 +333,11 @@ fn generate_with_mtp_equals_plain_greedy() {
             "--mtp {n}"
         );
     }
+    let chat = |extra: &[&str]| {
+        let args = [&["chat", "--max-new-tokens", "20", "--json"][..], extra].concat();
+        json(&ok(cachalot(&args, Some("Hello there\n/exit\n"))))
+    };
+    assert_eq!(chat(&[]), chat(&["--mtp", "2"]), "chat --mtp 2");
     let out = cachalot(
         &[
             "generate",
