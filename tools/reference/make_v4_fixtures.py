@@ -54,6 +54,7 @@ import torch
 
 import transformers
 from transformers.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 from safetensors.torch import save_file
 
@@ -65,6 +66,10 @@ OUT_ROOT = REPO / "fixtures" / "v4"
 BLOCK = 128
 FP8_MAX = 448.0
 MIN_MARGIN = 1e-3
+# Smallest allowed relative gap (to the larger magnitude) between the k-th and (k+1)-th indexer score / biased
+# router score: discrete choices closer than this could flip under float32 rounding differences (exact ties happen
+# in the indexer when ReLU zeroes every head of several entries).
+MIN_DECISION_GAP = 2e-5
 E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 COMMON = {
@@ -91,7 +96,7 @@ COMMON = {
     "topk_method": "noaux_tc",
     "norm_topk_prob": True,
     "num_hash_layers": 3,
-    "index_n_heads": 4,
+    "index_n_heads": 8,
     "index_head_dim": 128,
     "index_topk": 8,
     "hc_mult": 4,
@@ -468,6 +473,46 @@ def greedy(model, prompt, n_new=32):
     return ids[len(prompt):], margins
 
 
+@torch.no_grad()
+def decision_gaps(model, c, seqs):
+    """Smallest gap between the k-th and (k+1)-th candidate of every indexer top-k and every (non-hash) router
+    top-k over `seqs`, read from transformers' own scores."""
+    caps = {"indexer": [], "router": []}
+    scorer_fwd = hf_v4.DeepseekV4IndexerScorer.forward
+    router_fwd = hf_v4.DeepseekV4TopKRouter.forward
+
+    def scorer(self, q, kv, h):
+        out = scorer_fwd(self, q, kv, h)
+        caps["indexer"].append(out[0].clone())
+        return out
+
+    def router(self, h):
+        flat = h.reshape(-1, self.hidden_dim)
+        caps["router"].append(self.score_fn(torch.nn.functional.linear(flat, self.weight)) + self.e_score_correction_bias)
+        return router_fwd(self, h)
+
+    hf_v4.DeepseekV4IndexerScorer.forward, hf_v4.DeepseekV4TopKRouter.forward = scorer, router
+    try:
+        for ids in seqs:
+            logits_of(model, ids)
+    finally:
+        hf_v4.DeepseekV4IndexerScorer.forward, hf_v4.DeepseekV4TopKRouter.forward = scorer_fwd, router_fwd
+    k, K = c["index_topk"], c["num_experts_per_tok"]
+    gi = float("inf")
+    for sc in caps["indexer"]:
+        for p in range(sc.shape[0]):
+            nc = (p + 1) // 4
+            if nc > k:
+                v = sc[p, :nc].sort(descending=True).values
+                gi = min(gi, float((v[k - 1] - v[k]) / max(abs(v[k - 1]), abs(v[k]), 1e-30)))
+    gr = float("inf")
+    for sc in caps["router"]:
+        v = sc.sort(dim=-1, descending=True).values
+        rel = (v[:, K - 1] - v[:, K]) / torch.maximum(v[:, K - 1].abs(), v[:, K].abs()).clamp_min(1e-30)
+        gr = min(gr, float(rel.min()))
+    return gi, gr
+
+
 def ref_yarn_inv_freq(c):
     """[REF] precompute_freqs_cis for compressed layers (rope_scaling.factor, floor/ceil correction range)."""
     rs = c["rope_scaling"]
@@ -630,12 +675,15 @@ def generate_model(name, spec, tok, text_ids, out_dir: Path, max_attempts=10):
             cont, margins = greedy(model, p)
             greedy_out.append(dict(prompt=p, continuation=cont, margins=margins))
             min_margin = min(min_margin, min(margins))
-        if min_margin > MIN_MARGIN:
+        gap_i, gap_r = decision_gaps(model, c, seqs + [text_ids] + [g["prompt"] + g["continuation"] for g in greedy_out])
+        if min_margin > MIN_MARGIN and min(gap_i, gap_r) > MIN_DECISION_GAP:
             break
-        print(f"  [{name}] seed {seed}: min greedy margin {min_margin:.2e}, trying next seed")
+        print(f"  [{name}] seed {seed}: min greedy margin {min_margin:.2e}, indexer gap {gap_i:.2e}, router gap "
+              f"{gap_r:.2e}; trying next seed")
     else:
         raise SystemExit(f"{name}: no seed with greedy margins > {MIN_MARGIN}")
-    print(f"  [{name}] weight seed {seed}, min greedy margin {min_margin:.4f}")
+    print(f"  [{name}] weight seed {seed}, min greedy margin {min_margin:.4f}, min relative indexer top-k gap "
+          f"{gap_i:.2e}, router top-k gap {gap_r:.2e}")
 
     if out_dir.exists():
         shutil.rmtree(out_dir)
