@@ -60,6 +60,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_tokenizer  # noqa: E402
+from make_fixtures import greedy, logits_of, logprobs_of, to_bf16  # noqa: E402  (the V3 generator's generic helpers)
 
 REPO = Path(__file__).resolve().parents[2]
 OUT_ROOT = REPO / "fixtures" / "v4"
@@ -223,11 +224,6 @@ def quantize_mxfp4(w: torch.Tensor):
         torch.from_numpy((e + 127).astype(np.uint8)).view(torch.float8_e8m0fnu).contiguous(),
         torch.from_numpy(deq),
     )
-
-
-def to_bf16(x: torch.Tensor):
-    b = x.to(torch.bfloat16)
-    return b, b.to(torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -448,29 +444,6 @@ def build_hf_model(c, ref):
 # ------------------------------------------------------------------------------------------------
 # Reference computations
 # ------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def logits_of(model, ids):
-    out = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)
-    return out.logits[0].to(torch.float32)
-
-
-def logprobs_of(logits, ids):
-    lp = torch.log_softmax(logits.double(), dim=-1)
-    return [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
-
-
-@torch.no_grad()
-def greedy(model, prompt, n_new=32):
-    ids = list(prompt)
-    margins = []
-    for _ in range(n_new):
-        lg = logits_of(model, ids)[-1]
-        top2 = torch.topk(lg, 2)
-        margins.append(float(top2.values[0] - top2.values[1]))
-        ids.append(int(top2.indices[0]))
-    return ids[len(prompt):], margins
 
 
 @torch.no_grad()

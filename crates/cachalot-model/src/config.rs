@@ -207,16 +207,7 @@ impl DeepseekV3Config {
 
     /// Parses and validates; `path` is used in error messages only.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Json {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        let Value::Object(map) = value else {
-            return Err(ModelError::Json {
-                path: path.to_path_buf(),
-                message: "expected a JSON object at the top level".into(),
-            });
-        };
+        let map = json_object(text, path)?;
         let f = Fields {
             path,
             map: &map,
@@ -663,6 +654,21 @@ fn parse_quantization(f: &Fields) -> Result<Option<QuantizationConfig>> {
             format!("unsupported quantization `{other}`; supported: `fp8`, `compressed-tensors`"),
         )),
         None => Err(q.err("quant_method", "missing")),
+    }
+}
+
+/// Parses `text` (the contents of `path`) as a JSON object.
+pub(crate) fn json_object(text: &str, path: &Path) -> Result<Map<String, Value>> {
+    let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    match value {
+        Value::Object(map) => Ok(map),
+        _ => Err(ModelError::Json {
+            path: path.to_path_buf(),
+            message: "expected a JSON object at the top level".into(),
+        }),
     }
 }
 

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::config::Fields;
+use crate::config::{json_object, Fields};
 use crate::error::{ModelError, Result};
 
 /// Which forward pass a model directory needs.
@@ -35,10 +35,7 @@ pub fn detect_family(dir: &Path) -> Result<ModelFamily> {
 }
 
 pub fn family_from_json_str(text: &str, path: &Path) -> Result<ModelFamily> {
-    let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Json {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
+    let value = Value::Object(json_object(text, path)?);
     let err = |field: &str, message: String| ModelError::Config {
         path: path.to_path_buf(),
         field: field.into(),
@@ -163,16 +160,7 @@ impl DeepseekV4Config {
 
     /// Parses and validates; `path` is used in error messages only.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Json {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        let Value::Object(map) = value else {
-            return Err(ModelError::Json {
-                path: path.to_path_buf(),
-                message: "expected a JSON object at the top level".into(),
-            });
-        };
+        let map = json_object(text, path)?;
         let f = Fields {
             path,
             map: &map,
