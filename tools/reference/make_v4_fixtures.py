@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import transformers
 from transformers.models.deepseek_v4 import DeepseekV4Config, DeepseekV4ForCausalLM
@@ -486,6 +487,96 @@ def decision_gaps(model, c, seqs):
     return gi, gr
 
 
+def pow2_ceil(v):
+    """2^ceil(log2 v) exactly (v > 0 normal): frexp gives v = m·2^e, m in [0.5, 1)."""
+    m, e = torch.frexp(v)
+    return torch.ldexp(torch.ones_like(v), torch.where(m == 0.5, e - 1, e))
+
+
+def sim_fp8(x, block):
+    """[REF] act_quant round trip (ue8m0, e4m3 RNE) over blocks of `block` (or the whole last axis if shorter)."""
+    shp = x.shape
+    b = min(block, shp[-1])
+    v = x.float().reshape(*shp[:-1], shp[-1] // b, b)
+    a = v.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    sc = pow2_ceil(a * torch.tensor(1.0 / 448.0, dtype=torch.float32))
+    q = (v / sc).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sc
+    return q.reshape(shp).to(x.dtype)
+
+
+def sim_fp4(x, block):
+    """[REF] FP4 round trip (ue8m0, e2m1 nearest-even) over blocks of `block`."""
+    shp = x.shape
+    v = x.float().reshape(*shp[:-1], shp[-1] // block, block)
+    a = v.abs().amax(-1, keepdim=True).clamp_min(6 * 2.0**-126)
+    sc = pow2_ceil(a / 6)
+    y = (v / sc).clamp(-6, 6)
+    codes = torch.from_numpy(e2m1_code(y.double().numpy()).astype(np.int64))
+    grid = torch.tensor(E2M1_GRID + [-g for g in E2M1_GRID], dtype=torch.float32)
+    return (grid[codes] * sc).reshape(shp).to(x.dtype)
+
+
+def hadamard(x):
+    n = x.shape[-1]
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return x @ h / math.sqrt(n)
+
+
+@torch.no_grad()
+def ref_sim_logprobs(model, c, ids):
+    """Log-probs with DeepSeek's quantisation sims (spec §2.12) patched into transformers' model as [REF] places
+    them: act_quant (1x128) on the input of every FP8/FP4 linear (q_a, q_b, kv, o_b, indexer q_b, shared and routed
+    experts incl. w2's input after the routing weight, which [REF] applies before w2), FP8 1x64 round trip of the
+    window / compressed KV nope dims, Hadamard + FP4 1x32 round trip of indexer queries and keys."""
+    nope = c["head_dim"] - c["qk_rope_head_dim"]
+    hooks = []
+
+    def pre(mod, args):
+        return (sim_fp8(args[0], 128),) + tuple(args[1:])
+
+    def kv_sim(mod, args, out):
+        return torch.cat([sim_fp8(out[..., :nope], 64), out[..., nope:]], -1)
+
+    for layer in model.model.layers:
+        at = layer.self_attn
+        for m in (at.q_a_proj, at.q_b_proj, at.kv_proj, at.o_b_proj, layer.mlp.shared_experts.gate_proj,
+                  layer.mlp.shared_experts.up_proj, layer.mlp.shared_experts.down_proj):
+            hooks.append(m.register_forward_pre_hook(pre))
+        hooks.append(at.kv_norm.register_forward_hook(kv_sim))
+        if at.compressor is not None:
+            hooks.append(at.compressor.kv_norm.register_forward_hook(kv_sim))
+            if hasattr(at.compressor, "indexer"):
+                hooks.append(at.compressor.indexer.q_b_proj.register_forward_pre_hook(pre))
+
+    def experts_fwd(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            tok, pos = torch.where(top_k_index == e)
+            if tok.numel() == 0:
+                continue
+            h = self._apply_gate(F.linear(sim_fp8(hidden_states[tok], 128), self.gate_up_proj[e]))
+            h = h * top_k_weights[tok, pos, None]
+            final.index_add_(0, tok, F.linear(sim_fp8(h, 128), self.down_proj[e]))
+        return final
+
+    def scorer_fwd(self, q, kv, h):
+        return scorer_orig(self, sim_fp4(hadamard(q.float()), 32), sim_fp4(hadamard(kv.float()), 32), h)
+
+    experts_orig = hf_v4.DeepseekV4Experts.forward
+    scorer_orig = hf_v4.DeepseekV4IndexerScorer.forward
+    hf_v4.DeepseekV4Experts.forward = experts_fwd
+    hf_v4.DeepseekV4IndexerScorer.forward = scorer_fwd
+    try:
+        return logprobs_of(logits_of(model, ids), ids)
+    finally:
+        hf_v4.DeepseekV4Experts.forward = experts_orig
+        hf_v4.DeepseekV4IndexerScorer.forward = scorer_orig
+        for h in hooks:
+            h.remove()
+
+
 def ref_yarn_inv_freq(c):
     """[REF] precompute_freqs_cis for compressed layers (rope_scaling.factor, floor/ceil correction range)."""
     rs = c["rope_scaling"]
@@ -738,6 +829,16 @@ def generate_model(name, spec, tok, text_ids, out_dir: Path, max_attempts=10):
     for k, v in rep.items():
         print(f"  [{name}] sensitivity (max |dlogprob| on a {len(long)}-token sequence): {k}: {v:.4f}")
     assert rep["index_topk -> all entries"] > 0.01 and rep["no attention sink"] > 0.05 and rep["window 128 -> 127"] > 0.001
+
+    sim = ref_sim_logprobs(model, c, seqs[3])
+    ref["quant_sim"] = {
+        "description": "sequences[3] with DeepSeek's activation/KV quantisation sims (spec 2.12) patched in "
+        "(ref_sim_logprobs); the engine's DeepseekV4::quant_sim",
+        "token_ids": seqs[3],
+        "logprobs": sim,
+    }
+    dsim = np.abs(np.array(sim) - np.array(ref["sequences"][3]["logprobs"]))
+    print(f"  [{name}] quantisation sims vs exact: mean |dlogprob| {dsim.mean():.4f}, max {dsim.max():.3f}")
 
     if c["num_nextn_predict_layers"] > 0:
         ref["mtp"] = mtp_reference(model, c, b.ref, seqs[2])

@@ -7,9 +7,9 @@
 //! (checkpoint layout), §4.7 (dispatch on tensor dtypes). The maths of each rule lives in
 //! [`crate::v4_ops`]; this file wires weights, cache slots and batches.
 //!
-//! Activations are f32 throughout; [REF]'s bf16 roundings and its activation/KV quantisation
-//! sims (§2.12) are not applied (the reference fixtures are float32 without them; see
-//! docs/ARCHITECTURE.md "DeepSeek-V4").
+//! Activations are f32 throughout; [REF]'s bf16 roundings are not reproduced, and its
+//! activation/KV quantisation sims (§2.12) are off unless [`DeepseekV4::quant_sim`] is set (the
+//! reference fixtures are float32 without them; see docs/ARCHITECTURE.md "DeepSeek-V4").
 //!
 //! **Cache design (position-addressable).** Every piece of per-sequence state lives in the
 //! paged [`KvCache`] at the slot of the token that produced it, so chunked prefill, decode,
@@ -25,6 +25,7 @@
 //! 2^(b−127)); routed experts (MXFP4) are dequantized to bf16 at load by
 //! [`mxfp4_to_bf16_matrix`], the one place to switch to a native MXFP4 format.
 
+use std::borrow::Cow;
 use std::path::Path;
 
 use cachalot_kernels::{self as k, Bytes, Matrix, MatrixData};
@@ -203,6 +204,11 @@ pub struct DeepseekV4 {
     rope_window: V4Rope,
     rope_compressed: V4Rope,
     cache_width: usize,
+    /// Apply [REF]'s quantisation sims (spec §2.12): FP8 act_quant (1×128, ue8m0) on the input of
+    /// every FP8/FP4 linear, FP8 round trip (1×64) of the window and compressed KV nope dims,
+    /// FP4 round trip (1×32) of the indexer queries and keys. Off by default: the reference
+    /// fixtures (transformers, float32) have none of them.
+    pub quant_sim: bool,
 }
 
 /// The one place a routed expert's MXFP4 tensor pair becomes a [`Matrix`]: e2m1 nibbles `[rows,
@@ -658,6 +664,7 @@ impl DeepseekV4 {
             rope_window,
             rope_compressed,
             cache_width,
+            quant_sim: false,
         })
     }
 
@@ -783,11 +790,12 @@ impl DeepseekV4 {
             k::rms_norm(&row, &mtp.enorm, eps, &mut e[t * h..(t + 1) * h]);
         }
         let mut ep = vec![0.0f32; t_count * h];
-        mtp.e_proj.matmul(&e, t_count, &mut ep);
+        mtp.e_proj.matmul(&self.act_in(&e, h), t_count, &mut ep);
         let mut hn = vec![0.0f32; t_count * hc * h];
         k::rms_norm_rows(prev_streams, h, &mtp.hnorm, eps, &mut hn);
         let mut x = vec![0.0f32; t_count * hc * h];
-        mtp.h_proj.matmul(&hn, t_count * hc, &mut x);
+        mtp.h_proj
+            .matmul(&self.act_in(&hn, h), t_count * hc, &mut x);
         for t in 0..t_count {
             for s in 0..hc {
                 for (o, &v) in x[(t * hc + s) * h..(t * hc + s + 1) * h]
@@ -801,6 +809,19 @@ impl DeepseekV4 {
         let ropes = BatchRopes::new(self, &batch.positions);
         self.block_forward(&mtp.block, &mut x, batch, &ropes, cache, cache_layer);
         Ok(self.output(&x, &mtp.hc_head, &mtp.norm, batch, want_hidden))
+    }
+
+    /// The input of an FP8/FP4 linear as [REF] feeds it: with the sims on, each `width`-long row
+    /// goes through act_quant in blocks of 128.
+    fn act_in<'a>(&self, x: &'a [f32], width: usize) -> Cow<'a, [f32]> {
+        if !self.quant_sim {
+            return Cow::Borrowed(x);
+        }
+        let mut v = x.to_vec();
+        for row in v.chunks_exact_mut(width) {
+            ops::fp8_round_trip(row, 128);
+        }
+        Cow::Owned(v)
     }
 
     /// hc_head collapse, final norm and head for the wanted tokens (spec §2.10).
@@ -986,6 +1007,11 @@ impl DeepseekV4 {
         V4Rope::apply(&mut out[d - 2 * half..], &cos, &sin, false);
         if rotate {
             ops::hadamard_in_place(out);
+            if self.quant_sim {
+                ops::fp4_round_trip(out, 32);
+            }
+        } else if self.quant_sim {
+            ops::fp8_round_trip(&mut out[..d - 2 * half], 64);
         }
     }
 
@@ -1009,12 +1035,14 @@ impl DeepseekV4 {
         let compressed = at.ratio > 0;
 
         // Query path (§2.6): c = q_norm(wq_a x); q = wq_b c; weightless per-head RMS; RoPE.
+        let xq = self.act_in(x, cfg.hidden_size);
         let mut tmp = vec![0.0f32; t_count * ql];
-        at.wq_a.matmul(x, t_count, &mut tmp);
+        at.wq_a.matmul(&xq, t_count, &mut tmp);
         let mut qr = vec![0.0f32; t_count * ql];
         k::rms_norm_rows(&tmp, ql, &at.q_norm, eps, &mut qr);
+        let qrq = self.act_in(&qr, ql);
         let mut q = vec![0.0f32; t_count * nh * dh];
-        at.wq_b.matmul(&qr, t_count, &mut q);
+        at.wq_b.matmul(&qrq, t_count, &mut q);
         for t in 0..t_count {
             let (cos, sin) = ropes.get(compressed, t);
             for qh in q[t * nh * dh..(t + 1) * nh * dh].chunks_exact_mut(dh) {
@@ -1025,7 +1053,7 @@ impl DeepseekV4 {
         }
         // KV path: kv_norm(wkv x), RoPE; into the window slot of its position.
         let mut kvraw = vec![0.0f32; t_count * dh];
-        at.wkv.matmul(x, t_count, &mut kvraw);
+        at.wkv.matmul(&xq, t_count, &mut kvraw);
         let mut kv = vec![0.0f32; t_count * dh];
         k::rms_norm_rows(&kvraw, dh, &at.kv_norm, eps, &mut kv);
         for s in 0..batch.num_seqs() {
@@ -1033,6 +1061,9 @@ impl DeepseekV4 {
                 let (cos, sin) = ropes.get(compressed, i);
                 let row = &mut kv[i * dh..(i + 1) * dh];
                 V4Rope::apply(&mut row[nope..], cos, sin, false);
+                if self.quant_sim {
+                    ops::fp8_round_trip(&mut row[..nope], 64);
+                }
                 let slot = batch.slot(s, i, bs) * width;
                 cache[slot..slot + dh].copy_from_slice(row);
             }
@@ -1097,12 +1128,15 @@ impl DeepseekV4 {
             if let Some(ix) = &at.indexer {
                 let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
                 iq = vec![0.0f32; t_count * hi * di];
-                ix.wq_b.matmul(&qr, t_count, &mut iq);
+                ix.wq_b.matmul(&qrq, t_count, &mut iq);
                 for t in 0..t_count {
                     let (cos, sin) = ropes.get(true, t);
                     for qh in iq[t * hi * di..(t + 1) * hi * di].chunks_exact_mut(di) {
                         V4Rope::apply(&mut qh[di - rd..], cos, sin, false);
                         ops::hadamard_in_place(qh);
+                        if self.quant_sim {
+                            ops::fp4_round_trip(qh, 32);
+                        }
                     }
                 }
                 iw = vec![0.0f32; t_count * hi];
@@ -1191,7 +1225,7 @@ impl DeepseekV4 {
             }
         }
         let mut out = vec![0.0f32; t_count * cfg.hidden_size];
-        at.wo_b.matmul(&z, t_count, &mut out);
+        at.wo_b.matmul(&self.act_in(&z, g * ol), t_count, &mut out);
         out
     }
 
@@ -1199,8 +1233,9 @@ impl DeepseekV4 {
         let f = e.w1.rows();
         let mut g = vec![0.0f32; n * f];
         let mut u = vec![0.0f32; n * f];
-        e.w1.matmul(x, n, &mut g);
-        e.w3.matmul(x, n, &mut u);
+        let xq = self.act_in(x, e.w1.cols());
+        e.w1.matmul(&xq, n, &mut g);
+        e.w3.matmul(&xq, n, &mut u);
         let mut hid = vec![0.0f32; n * f];
         ops::swiglu_clamped(&mut g, &mut u, self.cfg.swiglu_limit, &mut hid);
         if let Some(w) = weights {
@@ -1209,7 +1244,7 @@ impl DeepseekV4 {
             }
         }
         let mut y = vec![0.0f32; n * e.w2.rows()];
-        e.w2.matmul(&hid, n, &mut y);
+        e.w2.matmul(&self.act_in(&hid, f), n, &mut y);
         y
     }
 

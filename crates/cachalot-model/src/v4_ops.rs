@@ -7,6 +7,7 @@
 //! - §2.6 attention with a sink: [`attend_with_sink`].
 //! - §2.7 compressor pooling: [`pool_compressed`]; §2.8 Hadamard: [`hadamard_in_place`].
 //! - §2.9 MoE: [`route_v4`], [`swiglu_clamped`].
+//! - §2.12 [REF]'s quantisation sims (optional): [`fp8_round_trip`], [`fp4_round_trip`].
 //!
 //! All arithmetic is f32 (the reference fixtures are float32; [REF]'s bf16 roundings are not
 //! reproduced, see docs/ARCHITECTURE.md).
@@ -337,6 +338,55 @@ pub fn swiglu_clamped(g: &mut [f32], u: &mut [f32], limit: f32, out: &mut [f32])
         }
     }
     k::silu_mul(g, u, out);
+}
+
+/// 2^ceil(log2 v) for a positive normal f32, from its bits (exponent − 127, plus 1 if any
+/// mantissa bit is set), as [REF]'s ue8m0 scales (spec §2.12).
+fn pow2_ceil(v: f32) -> f32 {
+    let bits = v.to_bits();
+    let e = ((bits >> 23) & 0xFF) as i32 - 127 + i32::from(bits & 0x7F_FFFF != 0);
+    2f32.powi(e)
+}
+
+/// [REF] `act_quant` round trip with ue8m0 scales (spec §2.12): per block of `block` values,
+/// `s = 2^ceil(log2(max(amax, 1e-4) · f32(1/448)))`, `x ← e4m3_RNE(clamp(x/s, ±448)) · s`.
+pub fn fp8_round_trip(x: &mut [f32], block: usize) {
+    for b in x.chunks_mut(block) {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-4);
+        let s = pow2_ceil(amax * (1.0f32 / 448.0));
+        for v in b.iter_mut() {
+            let q = k::fp8::f32_to_e4m3((*v / s).clamp(-448.0, 448.0));
+            *v = k::fp8::e4m3_to_f32(q) * s;
+        }
+    }
+}
+
+/// e2m1 value nearest to `v` (|v| ≤ 6), ties to the even code.
+pub fn e2m1_round(v: f32) -> f32 {
+    let a = v.abs();
+    let mut best = 0usize;
+    for i in 1..8 {
+        let (d, db) = ((E2M1_VALUES[i] - a).abs(), (E2M1_VALUES[best] - a).abs());
+        if d < db || (d == db && i % 2 == 0) {
+            best = i;
+        }
+    }
+    E2M1_VALUES[best].copysign(v)
+}
+
+/// [REF] FP4 round trip (spec §2.12): per block of `block` values, `a = max(amax, 6·2^−126)`,
+/// `s = 2^ceil(log2(a/6))`, `x ← e2m1_RNE(clamp(x/s, ±6)) · s`.
+pub fn fp4_round_trip(x: &mut [f32], block: usize) {
+    for b in x.chunks_mut(block) {
+        let amax = b
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()))
+            .max(6.0 * f32::MIN_POSITIVE);
+        let s = pow2_ceil(amax / 6.0);
+        for v in b.iter_mut() {
+            *v = e2m1_round((*v / s).clamp(-6.0, 6.0)) * s;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -684,5 +734,51 @@ mod tests {
         let mut u = vec![20.0];
         swiglu_clamped(&mut g, &mut u, 0.0, &mut out[..1]);
         assert_eq!((g[0], u[0]), (12.0, 20.0));
+    }
+    #[test]
+    fn fp8_round_trip_matches_ref_act_quant() {
+        // amax 1.0: s = 2^ceil(log2(1/448)) = 2^-8; 0.3 / 2^-8 = 76.8 → e4m3 (step 8 in
+        // [64, 128)) 80 → 80·2^-8 = 0.3125.
+        let mut x = vec![1.0, 0.3, -0.001, 0.0];
+        fp8_round_trip(&mut x, 4);
+        assert_eq!(x[0], 1.0);
+        assert_eq!(x[1], 0.3125);
+        assert_eq!(x[3], 0.0);
+        // -0.001 / 2^-8 = -0.256 → e4m3 step 2^-5 in [0.25, 0.5): -0.25 → ×2^-8.
+        assert_eq!(x[2], -0.25 / 256.0);
+        // Idempotent, and every block's values are e4m3 codes times one power of two.
+        let mut seed = 9;
+        let mut y = rand_vec(300, &mut seed, 3.0);
+        fp8_round_trip(&mut y, 128);
+        let z = y.clone();
+        fp8_round_trip(&mut y, 128);
+        assert_eq!(y, z);
+        // Tiny blocks use the 1e-4 floor: s = 2^ceil(log2(1e-4/448)) = 2^-22, and 1e-9/s =
+        // 0.0042 rounds to the e4m3 subnormal 2·2^-9.
+        let mut t = vec![1e-9f32, 0.0];
+        fp8_round_trip(&mut t, 2);
+        assert_eq!(t[0], 2f32.powi(-30));
+    }
+
+    #[test]
+    fn fp4_round_trip_grid_and_ties() {
+        assert_eq!(e2m1_round(0.25), 0.0);
+        assert_eq!(e2m1_round(0.75), 1.0);
+        assert_eq!(e2m1_round(1.25), 1.0);
+        assert_eq!(e2m1_round(1.75), 2.0);
+        assert_eq!(e2m1_round(2.5), 2.0);
+        assert_eq!(e2m1_round(3.5), 4.0);
+        assert_eq!(e2m1_round(5.0), 4.0);
+        assert_eq!(e2m1_round(-5.1), -6.0);
+        // amax 3: s = 2^ceil(log2(0.5)) = 0.5; 3/0.5 = 6; 1.1/0.5 = 2.2 → 2 → 1.0.
+        let mut x = vec![3.0, 1.1, -0.2, 0.0];
+        fp4_round_trip(&mut x, 4);
+        assert_eq!(x, vec![3.0, 1.0, -0.25, 0.0]);
+        let mut seed = 4;
+        let mut y = rand_vec(128, &mut seed, 2.0);
+        fp4_round_trip(&mut y, 32);
+        let z = y.clone();
+        fp4_round_trip(&mut y, 32);
+        assert_eq!(y, z);
     }
 }
