@@ -365,8 +365,8 @@ pub fn fp8_round_trip(x: &mut [f32], block: usize) {
 pub fn e2m1_round(v: f32) -> f32 {
     let a = v.abs();
     let mut best = 0usize;
-    for i in 1..8 {
-        let (d, db) = ((E2M1_VALUES[i] - a).abs(), (E2M1_VALUES[best] - a).abs());
+    for (i, &g) in E2M1_VALUES[..8].iter().enumerate().skip(1) {
+        let (d, db) = ((g - a).abs(), (E2M1_VALUES[best] - a).abs());
         if d < db || (d == db && i % 2 == 0) {
             best = i;
         }
