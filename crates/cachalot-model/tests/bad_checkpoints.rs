@@ -3,9 +3,11 @@
 use std::path::{Path, PathBuf};
 
 use cachalot_model::{DeepseekV3, DeepseekV4, LoadOptions, V4LoadOptions};
-use safetensors::tensor::{Dtype, TensorView};
-use safetensors::SafeTensors;
+use safetensors::tensor::Dtype;
 use serde_json::Value;
+
+mod common;
+use common::{copy_dir, index, rewrite, shard_of};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny")
@@ -18,60 +20,6 @@ fn copy_fixture() -> tempfile::TempDir {
 /// A copy of the tiny DeepSeek-V4 Flash-like fixture.
 fn copy_v4() -> tempfile::TempDir {
     copy_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny"))
-}
-
-fn copy_dir(src: &Path) -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(src).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
-    }
-    tmp
-}
-
-fn index(dir: &Path) -> Value {
-    serde_json::from_str(
-        &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
-    )
-    .unwrap()
-}
-
-fn shard_of(dir: &Path, tensor: &str) -> String {
-    index(dir)["weight_map"][tensor]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
-/// Rewrites the shard holding `tensor` through `edit` (which gets the tensor list) and keeps the
-/// index in step.
-fn rewrite(
-    dir: &Path,
-    shard: &str,
-    edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>),
-) {
-    let path = dir.join(shard);
-    let bytes = std::fs::read(&path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
-        .collect();
-    edit(&mut tensors);
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    let out = safetensors::serialize(views, None).unwrap();
-    std::fs::write(&path, out).unwrap();
-    let mut idx = index(dir);
-    let map = idx["weight_map"].as_object_mut().unwrap();
-    map.retain(|_, f| f.as_str() != Some(shard));
-    for (n, ..) in &tensors {
-        map.insert(n.clone(), Value::from(shard));
-    }
-    std::fs::write(dir.join("model.safetensors.index.json"), idx.to_string()).unwrap();
 }
 
 fn load_err(dir: &Path) -> String {

@@ -14,7 +14,7 @@ use cachalot_model::{detect_family, DeepseekV4, ModelFamily, V4LoadOptions};
 use serde_json::Value;
 
 mod common;
-use common::{floats, ids, max_abs_diff};
+use common::{copy_dir, floats, ids, index, max_abs_diff, rewrite};
 
 const MODELS: [&str; 2] = ["flash_tiny", "pro_tiny"];
 const BS: usize = 16;
@@ -343,4 +343,78 @@ fn quant_sims_match_the_patched_reference() {
             "{name}: prefill+decode with sims"
         );
     }
+}
+
+/// `convert_model --quant_type bfloat16` (spec §4.2): every FP8 and MXFP4 weight dequantized to
+/// bf16, `.scale` tensors dropped, config.json unchanged (it still says fp8). The loader goes by
+/// the dtypes, and the values are exact in bf16, so the logits equal the native load's up to
+/// summation order.
+#[test]
+fn bf16_converted_checkpoint_matches_native() {
+    use cachalot_kernels::{f32_to_bf16, fp8::e4m3_to_f32};
+    use cachalot_model::v4_ops::{decode_mxfp4, e8m0_to_f32};
+    use safetensors::tensor::Dtype;
+    let tmp = copy_dir(&fixture_dir("flash_tiny"));
+    let shards: std::collections::BTreeSet<String> = index(tmp.path())["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    // Scales may sit in another shard than their weight: read them all first.
+    let mut scales = std::collections::HashMap::new();
+    for sh in &shards {
+        rewrite(tmp.path(), sh, |t| {
+            for (n, _, shape, b) in t.iter() {
+                if n.ends_with(".scale") {
+                    scales.insert(n.clone(), (shape.clone(), b.clone()));
+                }
+            }
+        });
+    }
+    let mut converted = 0;
+    for sh in &shards {
+        rewrite(tmp.path(), sh, |t| {
+            t.retain(|(n, ..)| !n.ends_with(".scale"));
+            for (n, d, shape, b) in t.iter_mut() {
+                let sname = n.replace(".weight", ".scale");
+                let vals: Vec<f32> = match *d {
+                    Dtype::F8_E4M3 => {
+                        let (sshape, sb) = &scales[&sname];
+                        let cols = shape[1];
+                        b.iter()
+                            .enumerate()
+                            .map(|(i, &q)| {
+                                let (r, c) = (i / cols, i % cols);
+                                let s = sb[(r / 128) * sshape[1] + c / 128];
+                                e4m3_to_f32(q) * e8m0_to_f32(s).unwrap()
+                            })
+                            .collect()
+                    }
+                    Dtype::I8 => {
+                        let (rows, cols) = (shape[0], shape[1] * 2);
+                        let mut v = vec![0.0; rows * cols];
+                        decode_mxfp4(b, &scales[&sname].1, rows, cols, &mut v).unwrap();
+                        shape[1] = cols;
+                        v
+                    }
+                    _ => continue,
+                };
+                *d = Dtype::BF16;
+                *b = vals
+                    .iter()
+                    .flat_map(|&v| f32_to_bf16(v).to_le_bytes())
+                    .collect();
+                converted += 1;
+            }
+        });
+    }
+    assert!(converted > 100, "{converted} tensors converted");
+    let native = load("flash_tiny", true);
+    let bf16 = DeepseekV4::load(tmp.path(), V4LoadOptions { load_mtp: true }).unwrap();
+    let toks = ids(&reference("flash_tiny")["sequences"][3]["token_ids"]);
+    let a = logits_in_steps(&native, &toks, &[toks.len()]);
+    let b = logits_in_steps(&bf16, &toks, &[toks.len()]);
+    let d = max_abs_diff(&a, &b);
+    assert!(d < 1e-3, "bf16-converted vs native logits: max |Δ| {d}");
 }
