@@ -32,8 +32,8 @@ transformers 5.24.0 vs DeepSeek's inference code ([REF], which the spec follows)
   * Window (128 keys incl. the query), compressed-entry visibility floor((p+1)/r), compressor overlap and -inf
     init, RoPE at the block start, YaRN only in compressed layers with no mscale, sink, inverse RoPE, grouped
     wo_a, sqrt-softplus, hash routing, SwiGLU clamp (routed and shared experts, as [REF]) agree with [REF].
-  * transformers derives the YaRN factor as max_position_embeddings / original_max_position_embeddings; [REF]
-    reads rope_scaling.factor. The fixtures keep the two equal, so both give the same table.
+  * YaRN factor: both use rope_scaling.factor (transformers falls back to max_position_embeddings /
+    original_max_position_embeddings only when the factor is absent); the fixtures keep the two equal anyway.
   * transformers does not run the MTP layer (mtp.* is ignored on load); step 5 follows [REF] instead.
 
 Run:  /work/venv/ref/bin/python tools/reference/make_v4_fixtures.py      (CPU, deterministic)
