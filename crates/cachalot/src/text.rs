@@ -343,46 +343,43 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         };
         (ids, text)
     };
+    let ctx = GenerateInput {
+        args,
+        dir: &dir,
+        tok: tok.as_ref(),
+        prompt_ids: &prompt_ids,
+        prompt_text: &prompt_text,
+    };
     match detect_family(&dir)? {
         ModelFamily::DeepseekV3 => {
             let m = load(&args.model)?;
-            let eos = m.config().eos_token_ids.clone();
-            generate_with(
-                &m,
-                &eos,
-                args,
-                &dir,
-                tok.as_ref(),
-                &prompt_ids,
-                &prompt_text,
-            )
+            generate_with(&m, &m.config().eos_token_ids, &ctx)
         }
         ModelFamily::DeepseekV4 => {
             let m = DeepseekV4::load(&dir, V4LoadOptions::default())?;
-            let eos = m.config().eos_token_ids.clone();
-            generate_with(
-                &m,
-                &eos,
-                args,
-                &dir,
-                tok.as_ref(),
-                &prompt_ids,
-                &prompt_text,
-            )
+            generate_with(&m, &m.config().eos_token_ids, &ctx)
         }
     }
 }
 
+/// What `generate` has prepared before loading the model.
+struct GenerateInput<'a> {
+    args: &'a GenerateArgs,
+    dir: &'a Path,
+    tok: Option<&'a Tokenizer>,
+    prompt_ids: &'a [u32],
+    prompt_text: &'a str,
+}
+
 /// The rest of `generate` once the model is loaded (any family the engine runs).
-fn generate_with<M: Model>(
-    m: &M,
-    config_eos: &[u32],
-    args: &GenerateArgs,
-    dir: &Path,
-    tok: Option<&Tokenizer>,
-    prompt_ids: &[u32],
-    prompt_text: &str,
-) -> Result<()> {
+fn generate_with<M: Model>(m: &M, config_eos: &[u32], ctx: &GenerateInput) -> Result<()> {
+    let GenerateInput {
+        args,
+        dir,
+        tok,
+        prompt_ids,
+        prompt_text,
+    } = *ctx;
     let stop = stop_conditions(config_eos, tok, dir, &args.sampling, args.chat);
     let params = args.sampling.params();
     if args.json {
