@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use cachalot_model::batch::{Batch, CacheSpec, KvCache, LogitsWanted};
 use cachalot_model::tokenizer::Tokenizer;
-use cachalot_model::DeepseekV3;
+use cachalot_model::{DeepseekV3, DeepseekV4};
 
 use crate::generate::{FinishReason, StopConditions, TextStream};
 use crate::kv_pool::KvBlockManager;
@@ -124,6 +124,18 @@ impl Model for DeepseekV3 {
             logits: out.logits,
             hidden: out.hidden.expect("asked for hidden states"),
         })
+    }
+}
+
+impl Model for DeepseekV4 {
+    fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
+        Ok(DeepseekV4::forward(self, batch, cache, false)?.logits)
+    }
+    fn cache_spec(&self) -> CacheSpec {
+        DeepseekV4::cache_spec(self)
+    }
+    fn vocab_size(&self) -> usize {
+        self.config().vocab_size
     }
 }
 

@@ -6,9 +6,9 @@ mod common;
 use std::path::PathBuf;
 
 use cachalot_engine::generate::FinishReason;
-use cachalot_engine::{Engine, EngineConfig, Request, SamplingParams, StopConditions};
-use cachalot_model::eval;
-use cachalot_model::{DeepseekV3, Fp8Mode, LoadOptions};
+use cachalot_engine::{Engine, EngineConfig, Model, Request, SamplingParams, StopConditions};
+use cachalot_model::eval::{self, CausalLm};
+use cachalot_model::{DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, V4LoadOptions};
 
 fn load(name: &str) -> DeepseekV3 {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -37,12 +37,21 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
 }
 
 fn batched_equals_alone(name: &str, cfg: EngineConfig, expect_preemption: bool) {
-    let m = load(name);
-    let vocab = m.config().vocab_size;
     let lens = [3, 41, 9, 17, 1, 30, 6, 12];
+    batched_equals_alone_with(name, &load(name), &lens, cfg, expect_preemption);
+}
+
+fn batched_equals_alone_with<M: Model + CausalLm>(
+    name: &str,
+    m: &M,
+    lens: &[usize],
+    cfg: EngineConfig,
+    expect_preemption: bool,
+) {
+    let vocab = Model::vocab_size(m);
     let n_new = 10;
-    let ps = common::prompts(&lens, vocab);
-    let mut engine = Engine::new(&m, None, cfg).unwrap();
+    let ps = common::prompts(lens, vocab);
+    let mut engine = Engine::new(m, None, cfg).unwrap();
     for p in &ps {
         engine.add_request(greedy_request(p, n_new)).unwrap();
     }
@@ -65,7 +74,7 @@ fn batched_equals_alone(name: &str, cfg: EngineConfig, expect_preemption: bool) 
     );
     assert_eq!(engine.scheduler().kv().pool().num_used(), 0);
     for o in &outs {
-        let alone = eval::greedy(&m, &ps[o.id as usize], n_new).unwrap();
+        let alone = eval::greedy(m, &ps[o.id as usize], n_new).unwrap();
         assert_eq!(
             o.tokens, alone,
             "{name}: request {} (prompt {})",
@@ -88,6 +97,30 @@ fn batched_greedy_equals_each_request_alone() {
     for name in ["r1_tiny", "kimi_tiny", "v3_noq_tiny"] {
         batched_equals_alone(name, cfg, false);
     }
+}
+
+/// DeepSeek-V4 (position-addressable window and compressor state in the paged cache): prompts
+/// past the 128-token window and the first ratio-128 block, chunked prefill mixed with decode,
+/// and a pool tight enough to preempt and recompute.
+#[test]
+fn v4_batched_and_preempted_greedy_equals_each_request_alone() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
+    let m = DeepseekV4::load(&dir, V4LoadOptions::default()).unwrap();
+    let lens = [140, 7, 131, 45, 3, 60];
+    let roomy = EngineConfig {
+        block_size: 16,
+        num_blocks: 64,
+        batch_size: 4,
+        max_prefill_tokens: 64,
+    };
+    batched_equals_alone_with("flash_tiny", &m, &lens, roomy, false);
+    let tight = EngineConfig {
+        block_size: 16,
+        num_blocks: 16,
+        batch_size: 6,
+        max_prefill_tokens: 64,
+    };
+    batched_equals_alone_with("flash_tiny", &m, &lens, tight, true);
 }
 
 #[test]

@@ -1114,7 +1114,7 @@ pub fn route(
 }
 
 /// Indices of the `k` largest values, largest first; ties to the lower index; NaN never wins.
-fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
+pub(crate) fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..v.len()).collect();
     idx.sort_by(|&a, &b| {
         let (x, y) = (v[a], v[b]);

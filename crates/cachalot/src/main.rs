@@ -10,9 +10,13 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
+use cachalot_model::eval::CausalLm;
 use cachalot_model::eval::{self, BLOCK_SIZE};
 use cachalot_model::tokenizer::Tokenizer;
-use cachalot_model::{AttentionPath, DeepseekV3, Fp8Mode, LoadOptions};
+use cachalot_model::{
+    detect_family, AttentionPath, DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, ModelFamily,
+    V4LoadOptions,
+};
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -212,9 +216,17 @@ fn run() -> Result<()> {
             window,
             json,
         } => {
-            let ids = tokens(&input, &model_dir(&model)?)?;
-            let m = load(&model)?;
-            let lp = eval::windowed_logprobs(&m, &ids, window, chunk)?;
+            let dir = model_dir(&model)?;
+            let ids = tokens(&input, &dir)?;
+            let lp = match detect_family(&dir)? {
+                ModelFamily::DeepseekV3 => {
+                    eval::windowed_logprobs(&load(&model)?, &ids, window, chunk)?
+                }
+                ModelFamily::DeepseekV4 => {
+                    let m = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+                    eval::windowed_logprobs(&m, &ids, window, chunk)?
+                }
+            };
             let (nll, ppl) = eval::nll_ppl(&lp);
             if json {
                 let v = serde_json::json!({"n_tokens": ids.len(), "logprobs": lp, "nll": nll, "ppl": ppl});
@@ -264,43 +276,87 @@ fn run() -> Result<()> {
     Ok(())
 }
 
-fn bench(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
-    let t0 = Instant::now();
-    let m = load(args)?;
-    let load_s = t0.elapsed().as_secs_f64();
-    let cfg = m.config();
-    // A deterministic pseudo-random prompt (LCG), avoiding special ids 0 and 1.
+/// A deterministic pseudo-random prompt (LCG), avoiding special ids 0 and 1.
+fn bench_prompt(vocab: usize, len: usize) -> Vec<u32> {
     let mut state = 0x2545_f491_4f6c_dd1du64;
-    let prompt: Vec<u32> = (0..prompt_len.max(1))
+    (0..len.max(1))
         .map(|_| {
             state = state
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            2 + ((state >> 33) as usize % (cfg.vocab_size - 2)) as u32
+            2 + ((state >> 33) as usize % (vocab - 2)) as u32
         })
-        .collect();
+        .collect()
+}
+
+/// Prefill `prompt` then greedy-decode `decode_len` tokens: (prefill seconds, per-step decode
+/// seconds, cache bytes).
+fn time_prefill_decode<M: CausalLm>(
+    m: &M,
+    prompt: &[u32],
+    decode_len: usize,
+) -> Result<(f64, Vec<f64>, usize)> {
     let total = prompt.len() + decode_len;
     let blocks = total.div_ceil(BLOCK_SIZE);
     let mut cache = KvCache::new(m.cache_spec(), BLOCK_SIZE, blocks);
     let mut alloc = BlockAllocator::new(blocks);
     let mut table = Vec::new();
     alloc.ensure(&mut table, total, BLOCK_SIZE)?;
-
     let mut batch = Batch::default();
-    batch.push_seq(&prompt, 0, table.clone(), LogitsWanted::Last);
+    batch.push_seq(prompt, 0, table.clone(), LogitsWanted::Last);
     let t = Instant::now();
-    let out = m.forward(&batch, &mut cache, false)?;
+    let logits = m.logits(&batch, &mut cache)?;
     let prefill_s = t.elapsed().as_secs_f64();
-    let mut next = cachalot_kernels::argmax(&out.logits) as u32;
+    let mut next = cachalot_kernels::argmax(&logits) as u32;
     let mut step_times = Vec::with_capacity(decode_len);
     for i in 0..decode_len {
         let mut b = Batch::default();
         b.push_seq(&[next], prompt.len() + i, table.clone(), LogitsWanted::Last);
         let t = Instant::now();
-        let out = m.forward(&b, &mut cache, false)?;
+        let logits = m.logits(&b, &mut cache)?;
         step_times.push(t.elapsed().as_secs_f64());
-        next = cachalot_kernels::argmax(&out.logits) as u32;
+        next = cachalot_kernels::argmax(&logits) as u32;
     }
+    Ok((prefill_s, step_times, cache.bytes()))
+}
+
+/// `bench` for a DeepSeek-V4 model directory: load, prefill and decode timings.
+fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
+    let dir = model_dir(args)?;
+    let t0 = Instant::now();
+    let m = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let prompt = bench_prompt(m.config().vocab_size, prompt_len);
+    let (prefill_s, step_times, kv_bytes) = time_prefill_decode(&m, &prompt, decode_len)?;
+    let decode_s: f64 = step_times.iter().sum();
+    let v = serde_json::json!({
+        "model": dir.display().to_string(),
+        "family": "deepseek_v4",
+        "threads": rayon::current_num_threads(),
+        "decode_bytes_per_token": m.decode_bytes_per_token(),
+        "load_s": load_s,
+        "prompt_len": prompt.len(),
+        "prefill_s": prefill_s,
+        "prefill_tok_s": prompt.len() as f64 / prefill_s,
+        "decode_len": decode_len,
+        "tpot_ms": decode_s / decode_len.max(1) as f64 * 1e3,
+        "decode_tok_s": if decode_len > 0 { decode_len as f64 / decode_s } else { 0.0 },
+        "kv_cache_bytes": kv_bytes,
+    });
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
+fn bench(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
+    if detect_family(&model_dir(args)?)? == ModelFamily::DeepseekV4 {
+        return bench_v4(args, prompt_len, decode_len);
+    }
+    let t0 = Instant::now();
+    let m = load(args)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let cfg = m.config();
+    let prompt = bench_prompt(cfg.vocab_size, prompt_len);
+    let (prefill_s, step_times, kv_bytes) = time_prefill_decode(&m, &prompt, decode_len)?;
     let decode_s: f64 = step_times.iter().sum();
     let bytes_per_token = m.decode_bytes_per_token();
     let tpot = decode_s / decode_len.max(1) as f64;
@@ -325,7 +381,7 @@ fn bench(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
         "decode_weight_gb_s": bytes_per_token as f64 / tpot / 1e9,
         "read_bandwidth_gb_s": bandwidth,
         "decode_fraction_of_bandwidth": bytes_per_token as f64 / tpot / 1e9 / bandwidth,
-        "kv_cache_bytes": cache.bytes(),
+        "kv_cache_bytes": kv_bytes,
     });
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())

@@ -7,11 +7,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use cachalot_engine::Model;
 use cachalot_engine::{
     FinishReason, Generation, ReasoningSplitter, SamplingParams, Segment, StopConditions,
 };
 use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer};
-use cachalot_model::DeepseekV3;
+use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, ModelFamily, V4LoadOptions};
 
 use crate::{load_model, model_dir, tokens, InputArgs, ModelArgs};
 
@@ -82,9 +83,9 @@ impl SamplingArgs {
     }
 
     /// One answer: plain decoding, or MTP speculative decoding with `--mtp`.
-    fn generate(
+    fn generate<M: Model>(
         &self,
-        m: &DeepseekV3,
+        m: &M,
         tok: Option<&Tokenizer>,
         prompt: &[u32],
         stop: &StopConditions,
@@ -225,7 +226,7 @@ fn chat_template(tok: &Tokenizer, dir: &Path, file: Option<&Path>) -> Result<Cha
 /// Stop ids: the model's EOS set, plus the end-of-turn tokens of the chat formats we know
 /// (R1's EOS is its end of turn; Kimi-K2 ends a turn with `<|im_end|>`).
 fn stop_conditions(
-    m: &DeepseekV3,
+    config_eos: &[u32],
     tok: Option<&Tokenizer>,
     dir: &Path,
     s: &SamplingArgs,
@@ -234,7 +235,7 @@ fn stop_conditions(
     let mut ids = if s.ignore_eos {
         Vec::new()
     } else {
-        StopConditions::model_eos(m, tok, dir)
+        StopConditions::eos_ids(config_eos, tok, dir)
     };
     if chat && !s.ignore_eos {
         if let Some(t) = tok {
@@ -380,16 +381,49 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         };
         (ids, text)
     };
-    let m = args.sampling.load(&args.model)?;
-    let stop = stop_conditions(&m, tok.as_ref(), &dir, &args.sampling, args.chat);
-    let run = |on_text: &mut dyn FnMut(&str)| -> Result<Generation> {
-        Ok(args
-            .sampling
-            .generate(&m, tok.as_ref(), &prompt_ids, &stop, None, on_text)?)
+    let ctx = GenerateInput {
+        args,
+        dir: &dir,
+        tok: tok.as_ref(),
+        prompt_ids: &prompt_ids,
+        prompt_text: &prompt_text,
     };
+    match detect_family(&dir)? {
+        ModelFamily::DeepseekV3 => {
+            let m = args.sampling.load(&args.model)?;
+            generate_with(&m, &m.config().eos_token_ids, &ctx)
+        }
+        ModelFamily::DeepseekV4 => {
+            let m = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+            generate_with(&m, &m.config().eos_token_ids, &ctx)
+        }
+    }
+}
+
+/// What `generate` has prepared before loading the model.
+struct GenerateInput<'a> {
+    args: &'a GenerateArgs,
+    dir: &'a Path,
+    tok: Option<&'a Tokenizer>,
+    prompt_ids: &'a [u32],
+    prompt_text: &'a str,
+}
+
+/// The rest of `generate` once the model is loaded (any family the engine runs).
+fn generate_with<M: Model>(m: &M, config_eos: &[u32], ctx: &GenerateInput) -> Result<()> {
+    let GenerateInput {
+        args,
+        dir,
+        tok,
+        prompt_ids,
+        prompt_text,
+    } = *ctx;
+    let stop = stop_conditions(config_eos, tok, dir, &args.sampling, args.chat);
     if args.json {
-        let g = run(&mut |_| {})?;
-        let text = tok.as_ref().map(|_| g.text.clone());
+        let g = args
+            .sampling
+            .generate(m, tok, prompt_ids, &stop, None, &mut |_| {})?;
+        let text = tok.map(|_| g.text.clone());
         println!(
             "{}",
             serde_json::json!({
@@ -403,8 +437,10 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         );
         return Ok(());
     }
-    let mut printer = Printer::new(&prompt_text, args.hide_reasoning);
-    let g = run(&mut |t| printer.print(t))?;
+    let mut printer = Printer::new(prompt_text, args.hide_reasoning);
+    let g = args
+        .sampling
+        .generate(m, tok, prompt_ids, &stop, None, &mut |t| printer.print(t))?;
     if tok.is_none() {
         let s: Vec<String> = g.tokens.iter().map(u32::to_string).collect();
         print!("{}", s.join(","));
@@ -419,7 +455,13 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
     let tok = Tokenizer::from_dir(&dir)?;
     let template = chat_template(&tok, &dir, args.chat_template.as_deref())?;
     let m = args.sampling.load(&args.model)?;
-    let stop = stop_conditions(&m, Some(&tok), &dir, &args.sampling, true);
+    let stop = stop_conditions(
+        &m.config().eos_token_ids,
+        Some(&tok),
+        &dir,
+        &args.sampling,
+        true,
+    );
 
     // Ctrl-C stops the answer being written; at the prompt it leaves.
     let cancel = Arc::new(AtomicBool::new(false));

@@ -354,3 +354,42 @@ fn generate_with_mtp_equals_plain_greedy() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no MTP layer"), "{err}");
 }
+
+/// A DeepSeek-V4 directory is recognised from its config.json: `generate` reproduces the
+/// reference greedy continuation and `perplexity` the reference NLL of the text.
+#[test]
+fn v4_model_directories_run_generate_and_perplexity() {
+    let dir = root().join("fixtures/v4/flash_tiny");
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let d = dir.display().to_string();
+    let out = json(&ok(cachalot(
+        &[
+            "generate",
+            "--model",
+            &d,
+            "--token-ids",
+            "0",
+            "--max-new-tokens",
+            "32",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ],
+        None,
+    )));
+    assert_eq!(
+        ids(&out["output_ids"]),
+        ids(&r["greedy"][0]["continuation"])
+    );
+    let text = root().join("fixtures/v4/text.txt").display().to_string();
+    let out = json(&ok(cachalot(
+        &["perplexity", "--model", &d, "--file", &text, "--json"],
+        None,
+    )));
+    let nll = out["nll"].as_f64().unwrap();
+    let want = r["text"]["nll"].as_f64().unwrap();
+    assert!((nll - want).abs() < 1e-4, "nll {nll} vs {want}");
+}
