@@ -14,10 +14,12 @@ use cachalot_engine::{
     Engine, EngineConfig, Model, Request, RequestOutput, SamplingParams, StopConditions,
 };
 use cachalot_model::tokenizer::{ChatTemplate, Tokenizer};
-use cachalot_model::{DeepseekV3, Fp8Mode, LoadOptions};
+use cachalot_model::{
+    detect_family, DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, ModelFamily, V4LoadOptions,
+};
 use serde::Serialize;
 
-use crate::config::{RunConfig, MODEL_NAMES_RUNNABLE};
+use crate::config::RunConfig;
 use crate::dataset::{self, PromptBuilder};
 
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -169,14 +171,6 @@ fn new_run_dir(res: &Path, model_name: &str, config: &Path) -> std::io::Result<(
 /// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     let m = &cfg.model_config;
-    if !MODEL_NAMES_RUNNABLE.contains(&m.model_name.as_str()) {
-        return Err(format!(
-            "model_config.model_name {:?} does not run here yet (runs: {})",
-            m.model_name,
-            MODEL_NAMES_RUNNABLE.join(", ")
-        )
-        .into());
-    }
     if !m.with_ckpt {
         return Err(
             "model_config.with_ckpt: false (random weights) is not supported; \
@@ -211,13 +205,48 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     logln!("{}", serde_json::to_string(cfg)?);
 
     let t_load = Instant::now();
-    let model = DeepseekV3::load(
-        &model_dir,
-        LoadOptions {
-            fp8: opts.fp8,
-            load_mtp: m.next_n > 0,
-        },
-    )?;
+    // The checkpoint decides the family; model_name must agree with it.
+    let family = detect_family(&model_dir)?;
+    let named_v4 = m.model_name == "deepseek_v4";
+    if named_v4 != (family == ModelFamily::DeepseekV4) {
+        return Err(format!(
+            "model_config.model_name {:?} does not match the checkpoint in {} ({family:?}); \
+             use model_name \"{}\"",
+            m.model_name,
+            model_dir.display(),
+            if family == ModelFamily::DeepseekV4 {
+                "deepseek_v4"
+            } else {
+                "deepseek_r1"
+            }
+        )
+        .into());
+    }
+    let (v3, v4);
+    let (model, config_eos): (&(dyn Model + Sync), Vec<u32>) = match family {
+        ModelFamily::DeepseekV3 => {
+            v3 = DeepseekV3::load(
+                &model_dir,
+                LoadOptions {
+                    fp8: opts.fp8,
+                    load_mtp: m.next_n > 0,
+                },
+            )?;
+            (&v3, v3.config().eos_token_ids.clone())
+        }
+        ModelFamily::DeepseekV4 => {
+            if m.next_n > 0 {
+                return Err(format!(
+                    "model_config.next_n {}: MTP speculative decoding is not implemented for \
+                     DeepSeek-V4 yet (README, missing); set next_n: 0",
+                    m.next_n
+                )
+                .into());
+            }
+            v4 = DeepseekV4::load(&model_dir, V4LoadOptions { load_mtp: false })?;
+            (&v4, v4.config().eos_token_ids.clone())
+        }
+    };
     let load_s = t_load.elapsed().as_secs_f64();
     logln!("loaded {} in {load_s:.2}s", model_dir.display());
     let tokenizer = Tokenizer::from_dir(&model_dir)?;
@@ -268,7 +297,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
 
     // KV pool: the seed's offline sizing, capped by the memory budget.
     let block_size = s.block_size;
-    let per_block = kv_bytes_per_block(Model::cache_spec(&model), block_size);
+    let per_block = kv_bytes_per_block(model.cache_spec(), block_size);
     let seed_blocks = cfg.max_total_len().div_ceil(block_size) * s.batch_size + 1;
     let num_blocks = match opts.kv_blocks {
         Some(n) => n,
@@ -285,14 +314,14 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         per_block
     );
 
-    let stop_ids = StopConditions::model_eos(&model, Some(&tokenizer), &model_dir);
+    let stop_ids = StopConditions::eos_ids(&config_eos, Some(&tokenizer), &model_dir);
     let engine_cfg = EngineConfig {
         block_size,
         num_blocks,
         batch_size: s.batch_size,
         max_prefill_tokens: cfg.max_prefill_tokens(),
     };
-    let mut engine = Engine::new(&model, Some(&tokenizer), engine_cfg)?;
+    let mut engine = Engine::new(model, Some(&tokenizer), engine_cfg)?;
     if m.next_n > 0 {
         engine.enable_mtp(m.next_n).map_err(|e| {
             format!(

@@ -454,14 +454,18 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
     let tok = Tokenizer::from_dir(&dir)?;
     let template = chat_template(&tok, &dir, args.chat_template.as_deref())?;
-    let m = args.sampling.load(&args.model)?;
-    let stop = stop_conditions(
-        &m.config().eos_token_ids,
-        Some(&tok),
-        &dir,
-        &args.sampling,
-        true,
-    );
+    let (v3, v4);
+    let (m, eos): (&(dyn Model + Sync), &[u32]) = match detect_family(&dir)? {
+        ModelFamily::DeepseekV3 => {
+            v3 = args.sampling.load(&args.model)?;
+            (&v3, &v3.config().eos_token_ids)
+        }
+        ModelFamily::DeepseekV4 => {
+            v4 = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+            (&v4, &v4.config().eos_token_ids)
+        }
+    };
+    let stop = stop_conditions(eos, Some(&tok), &dir, &args.sampling, true);
 
     // Ctrl-C stops the answer being written; at the prompt it leaves.
     let cancel = Arc::new(AtomicBool::new(false));

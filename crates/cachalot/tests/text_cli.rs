@@ -392,4 +392,23 @@ fn v4_model_directories_run_generate_and_perplexity() {
     let nll = out["nll"].as_f64().unwrap();
     let want = r["text"]["nll"].as_f64().unwrap();
     assert!((nll - want).abs() < 1e-4, "nll {nll} vs {want}");
+    // chat renders with V4's encoder (chat mode: the prompt ends in `<｜Assistant｜></think>`).
+    let out = json(&ok(cachalot(
+        &[
+            "chat",
+            "--model",
+            &d,
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+        ],
+        Some("Hi\n"),
+    )));
+    let prompt = out["prompt"].as_str().unwrap();
+    assert!(
+        prompt.ends_with("<｜User｜>Hi<｜Assistant｜></think>"),
+        "{prompt}"
+    );
+    assert_eq!(ids(&out["output_ids"]).len(), 6);
 }
