@@ -49,7 +49,8 @@ fn no_mtp() -> EngineError {
 pub struct HiddenForward {
     /// `[batch.logits_indices.len(), vocab_size]`.
     pub logits: Vec<f32>,
-    /// `[batch.num_tokens(), hidden_size]`: what an MTP layer takes as `prev_hidden`.
+    /// `[batch.num_tokens(), width]`: what an MTP layer takes as `prev_hidden` (V3: the hidden
+    /// state, width `hidden_size`; V4: the `hc_mult` residual streams, width `hc_mult·hidden_size`).
     pub hidden: Vec<f32>,
 }
 
@@ -127,6 +128,8 @@ impl Model for DeepseekV3 {
     }
 }
 
+/// V4's hidden state per token is the last block's `hc_mult` residual streams (`[hc, D]`,
+/// before the hc_head collapse), which is what its MTP block takes (spec `deepseek-v4.md` §2.11).
 impl Model for DeepseekV4 {
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
         Ok(DeepseekV4::forward(self, batch, cache, false)?.logits)
@@ -136,6 +139,33 @@ impl Model for DeepseekV4 {
     }
     fn vocab_size(&self) -> usize {
         self.config().vocab_size
+    }
+    fn num_mtp_layers(&self) -> usize {
+        DeepseekV4::num_mtp_layers(self)
+    }
+    fn forward_with_hidden(
+        &self,
+        batch: &Batch,
+        cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        let out = DeepseekV4::forward(self, batch, cache, true)?;
+        Ok(HiddenForward {
+            logits: out.logits,
+            hidden: out.hidden.expect("asked for hidden states"),
+        })
+    }
+    fn mtp_forward(
+        &self,
+        index: usize,
+        batch: &Batch,
+        prev_hidden: &[f32],
+        cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        let out = DeepseekV4::mtp_forward(self, index, batch, prev_hidden, cache, true)?;
+        Ok(HiddenForward {
+            logits: out.logits,
+            hidden: out.hidden.expect("asked for hidden states"),
+        })
     }
 }
 

@@ -235,15 +235,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
             (&v3, v3.config().eos_token_ids.clone())
         }
         ModelFamily::DeepseekV4 => {
-            if m.next_n > 0 {
-                return Err(format!(
-                    "model_config.next_n {}: MTP speculative decoding is not implemented for \
-                     DeepSeek-V4 yet (README, missing); set next_n: 0",
-                    m.next_n
-                )
-                .into());
-            }
-            v4 = DeepseekV4::load(&model_dir, V4LoadOptions { load_mtp: false })?;
+            v4 = DeepseekV4::load(
+                &model_dir,
+                V4LoadOptions {
+                    load_mtp: m.next_n > 0,
+                },
+            )?;
             (&v4, v4.config().eos_token_ids.clone())
         }
     };

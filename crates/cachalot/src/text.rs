@@ -394,7 +394,12 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             generate_with(&m, &m.config().eos_token_ids, &ctx)
         }
         ModelFamily::DeepseekV4 => {
-            let m = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+            let m = DeepseekV4::load(
+                &dir,
+                V4LoadOptions {
+                    load_mtp: args.sampling.mtp > 0,
+                },
+            )?;
             generate_with(&m, &m.config().eos_token_ids, &ctx)
         }
     }
@@ -461,7 +466,12 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             (&v3, &v3.config().eos_token_ids)
         }
         ModelFamily::DeepseekV4 => {
-            v4 = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+            v4 = DeepseekV4::load(
+                &dir,
+                V4LoadOptions {
+                    load_mtp: args.sampling.mtp > 0,
+                },
+            )?;
             (&v4, &v4.config().eos_token_ids)
         }
     };
