@@ -3,27 +3,90 @@
 //! request whose step ended its known tokens, applies stop rules, and finished requests come out
 //! of [`Engine::take_finished`]. The offline `run` feeds a dataset through it; the online
 //! server will feed HTTP requests through the same calls.
+//!
+//! MTP speculative decoding ([`Engine::enable_mtp`]; spec `executor.md` §2.8,
+//! `deepseek-v3-r1-kimi-k2.md` §3.8). Each step of a decoding request then verifies up to
+//! `next_n` draft tokens:
+//! 1. after scheduling, the MTP layer catches up, in one batched forward over all requests, on
+//!    every position the main model ran in the previous step whose next token is now known
+//!    (row at position i pairs token i+1 with the main hidden state at i, writing the MTP
+//!    layer's own cache at i); each decoding request's last row gives draft 1;
+//! 2. drafts 2..n chain the MTP layer on its own draft and hidden state (one batched forward per
+//!    draft, only the requests that get that many);
+//! 3. one main forward over the whole batch, every decoding request contributing
+//!    `[last token, draft 1..k]` with logits for each, prefill chunks beside them;
+//! 4. per request, drafts are verified in order ([`Sampler::verify`]: exact match under greedy,
+//!    rejection sampling otherwise) and the first rejection ends them; the emitted tokens are
+//!    the accepted drafts plus one token from the main model (correction or bonus), stop rules
+//!    applied token by token;
+//! 5. the scheduler counts the accepted drafts' KV as computed and takes back blocks held only
+//!    for rejected ones ([`Scheduler::accept_drafts`]); their KV (main and MTP layers) beyond
+//!    the computed length is never read before it is overwritten.
+//!
+//! Requests in one batch accept different numbers of drafts; prefill (chunked), preemption and
+//! plain decoding go on beside them unchanged. The [`Model`] trait stays family-agnostic: the
+//! MTP methods have defaults meaning "no MTP layer".
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use cachalot_model::batch::{Batch, CacheSpec, KvCache, LogitsWanted};
 use cachalot_model::tokenizer::Tokenizer;
-use cachalot_model::DeepseekV3;
+use cachalot_model::{DeepseekV3, DeepseekV4};
 
 use crate::generate::{FinishReason, StopConditions, TextStream};
 use crate::kv_pool::KvBlockManager;
 use crate::metrics::{EngineStats, RequestTiming};
 use crate::sampler::{Sampler, SamplingParams};
-use crate::scheduler::{AdmissionError, Scheduler, SchedulerConfig};
+use crate::scheduler::{AdmissionError, Scheduled, Scheduler, SchedulerConfig};
 use crate::EngineError;
 
+fn no_mtp() -> EngineError {
+    EngineError::Request("this model has no MTP layer: it cannot run speculative decoding".into())
+}
+
+/// Logits of the wanted rows and the hidden state of every token of a forward.
+pub struct HiddenForward {
+    /// `[batch.logits_indices.len(), vocab_size]`.
+    pub logits: Vec<f32>,
+    /// `[batch.num_tokens(), width]`: what an MTP layer takes as `prev_hidden` (V3: the hidden
+    /// state, width `hidden_size`; V4: the `hc_mult` residual streams, width `hc_mult·hidden_size`).
+    pub hidden: Vec<f32>,
+}
+
 /// What the engine needs of a model family: forward a packed batch through a paged cache and
-/// return the logits of `batch.logits_indices`, row after row.
+/// return the logits of `batch.logits_indices`, row after row. A family with MTP (draft)
+/// layers also implements the three optional methods; the defaults say it has none.
 pub trait Model {
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError>;
+    /// Everything the cache pool must hold, MTP layers' caches included.
     fn cache_spec(&self) -> CacheSpec;
     fn vocab_size(&self) -> usize;
+    /// MTP layers loaded (0: no speculative decoding).
+    fn num_mtp_layers(&self) -> usize {
+        0
+    }
+    /// [`Model::forward`], also returning every token's hidden state for the MTP layer.
+    fn forward_with_hidden(
+        &self,
+        _batch: &Batch,
+        _cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        Err(no_mtp())
+    }
+    /// One step of MTP layer `index`: row i takes `batch.tokens[i]` (the token after
+    /// position `batch.positions[i]`) and row i of `prev_hidden` (the hidden state at that
+    /// position, from [`Model::forward_with_hidden`] or a previous MTP step), writes the MTP
+    /// layer's cache at that position and predicts the token two places after it.
+    fn mtp_forward(
+        &self,
+        _index: usize,
+        _batch: &Batch,
+        _prev_hidden: &[f32],
+        _cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        Err(no_mtp())
+    }
 }
 
 impl Model for DeepseekV3 {
@@ -36,6 +99,74 @@ impl Model for DeepseekV3 {
     fn vocab_size(&self) -> usize {
         self.config().vocab_size
     }
+    fn num_mtp_layers(&self) -> usize {
+        self.mtp_layers().len()
+    }
+    fn forward_with_hidden(
+        &self,
+        batch: &Batch,
+        cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        let out = DeepseekV3::forward(self, batch, cache, true)?;
+        Ok(HiddenForward {
+            logits: out.logits,
+            hidden: out.hidden.expect("asked for hidden states"),
+        })
+    }
+    fn mtp_forward(
+        &self,
+        index: usize,
+        batch: &Batch,
+        prev_hidden: &[f32],
+        cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        let out = DeepseekV3::mtp_forward(self, index, batch, prev_hidden, cache, true)?;
+        Ok(HiddenForward {
+            logits: out.logits,
+            hidden: out.hidden.expect("asked for hidden states"),
+        })
+    }
+}
+
+/// V4's hidden state per token is the last block's `hc_mult` residual streams (`[hc, D]`,
+/// before the hc_head collapse), which is what its MTP block takes (spec `deepseek-v4.md` §2.11).
+impl Model for DeepseekV4 {
+    fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
+        Ok(DeepseekV4::forward(self, batch, cache, false)?.logits)
+    }
+    fn cache_spec(&self) -> CacheSpec {
+        DeepseekV4::cache_spec(self)
+    }
+    fn vocab_size(&self) -> usize {
+        self.config().vocab_size
+    }
+    fn num_mtp_layers(&self) -> usize {
+        DeepseekV4::num_mtp_layers(self)
+    }
+    fn forward_with_hidden(
+        &self,
+        batch: &Batch,
+        cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        let out = DeepseekV4::forward(self, batch, cache, true)?;
+        Ok(HiddenForward {
+            logits: out.logits,
+            hidden: out.hidden.expect("asked for hidden states"),
+        })
+    }
+    fn mtp_forward(
+        &self,
+        index: usize,
+        batch: &Batch,
+        prev_hidden: &[f32],
+        cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        let out = DeepseekV4::mtp_forward(self, index, batch, prev_hidden, cache, true)?;
+        Ok(HiddenForward {
+            logits: out.logits,
+            hidden: out.hidden.expect("asked for hidden states"),
+        })
+    }
 }
 
 impl<T: Model + ?Sized> Model for &T {
@@ -47,6 +178,25 @@ impl<T: Model + ?Sized> Model for &T {
     }
     fn vocab_size(&self) -> usize {
         (**self).vocab_size()
+    }
+    fn num_mtp_layers(&self) -> usize {
+        (**self).num_mtp_layers()
+    }
+    fn forward_with_hidden(
+        &self,
+        batch: &Batch,
+        cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        (**self).forward_with_hidden(batch, cache)
+    }
+    fn mtp_forward(
+        &self,
+        index: usize,
+        batch: &Batch,
+        prev_hidden: &[f32],
+        cache: &mut KvCache,
+    ) -> Result<HiddenForward, EngineError> {
+        (**self).mtp_forward(index, batch, prev_hidden, cache)
     }
 }
 
@@ -86,6 +236,9 @@ pub struct RequestOutput {
     pub text: String,
     pub finish: FinishReason,
     pub timing: RequestTiming,
+    /// MTP drafts verified for this request, and how many were accepted.
+    pub drafted: usize,
+    pub accepted_drafts: usize,
 }
 
 /// What one step did.
@@ -93,12 +246,33 @@ pub struct RequestOutput {
 pub struct StepReport {
     pub seqs: usize,
     pub prefill_tokens: usize,
+    /// Known generated tokens forwarded (one per decoding request).
     pub decode_tokens: usize,
+    /// Tokens emitted (accepted drafts included).
     pub sampled: usize,
+    /// Draft tokens verified, and how many of them were accepted.
+    pub drafted: usize,
+    pub accepted: usize,
     pub preempted: usize,
     pub finished: usize,
+    /// Main-model forward time.
     pub forward_s: f64,
+    /// MTP forward time (drafting and catching up).
+    pub draft_s: f64,
     pub kv_used_blocks: usize,
+}
+
+/// Hidden states of positions `first..first + rows` waiting for the MTP catch-up.
+struct Pending {
+    first: usize,
+    rows: usize,
+    hidden: Vec<f32>,
+}
+
+/// A draft token and the law it was drawn from.
+struct Draft {
+    token: u32,
+    q: Vec<(u32, f32)>,
 }
 
 struct Live<'t> {
@@ -115,6 +289,11 @@ struct Live<'t> {
     first_scheduled: Option<Instant>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// MTP catch-up due: the main model's hidden states of positions `first..first + rows`,
+    /// whose next tokens are known but whose MTP rows have not run.
+    mtp_pending: Option<Pending>,
+    drafted: usize,
+    accepted: usize,
 }
 
 pub struct Engine<'t, M: Model> {
@@ -126,6 +305,8 @@ pub struct Engine<'t, M: Model> {
     finished: Vec<RequestOutput>,
     next_id: u64,
     stats: EngineStats,
+    /// Draft tokens per step (0: no speculative decoding).
+    next_n: usize,
 }
 
 impl<'t, M: Model> Engine<'t, M> {
@@ -168,7 +349,40 @@ impl<'t, M: Model> Engine<'t, M> {
             finished: Vec::new(),
             next_id: 0,
             stats,
+            next_n: 0,
         })
+    }
+
+    /// Turns on MTP speculative decoding with `next_n` (1..=3) chained drafts per step, through
+    /// MTP layer 0. The model must have its MTP layer loaded (its cache in `cache_spec`). Call
+    /// before adding requests.
+    pub fn enable_mtp(&mut self, next_n: usize) -> Result<(), EngineError> {
+        if !(1..=3).contains(&next_n) {
+            return Err(EngineError::Request(format!(
+                "next_n {next_n}: MTP speculative decoding takes 1 to 3 draft tokens per step"
+            )));
+        }
+        if self.model.num_mtp_layers() == 0 {
+            return Err(EngineError::Request(
+                "next_n > 0 needs the model's MTP layer: the checkpoint has none \
+                 (num_nextn_predict_layers = 0) or it was loaded without it (load_mtp)"
+                    .into(),
+            ));
+        }
+        if self.scheduler.has_unfinished() {
+            return Err(EngineError::Request(
+                "enable MTP before adding requests".into(),
+            ));
+        }
+        self.next_n = next_n;
+        self.scheduler.set_lookahead(next_n);
+        self.stats.mtp_next_n = next_n;
+        Ok(())
+    }
+
+    /// Draft tokens per step (0 when speculative decoding is off).
+    pub fn next_n(&self) -> usize {
+        self.next_n
     }
 
     pub fn model(&self) -> &M {
@@ -228,6 +442,9 @@ impl<'t, M: Model> Engine<'t, M> {
                 first_scheduled: None,
                 first_token: None,
                 last_token: None,
+                mtp_pending: None,
+                drafted: 0,
+                accepted: 0,
             },
         );
         Ok(id)
@@ -239,6 +456,12 @@ impl<'t, M: Model> Engine<'t, M> {
         if self.live.contains_key(&id) {
             self.retire(id, FinishReason::Cancelled);
         }
+    }
+
+    /// The text a live request has produced so far (it only grows; `None` once finished or
+    /// without a tokenizer it is empty).
+    pub fn text_so_far(&self, id: u64) -> Option<&str> {
+        self.live.get(&id).map(|l| l.text.as_str())
     }
 
     /// Requests finished since the last call, in the order they finished.
@@ -254,25 +477,47 @@ impl<'t, M: Model> Engine<'t, M> {
             ..Default::default()
         };
         self.stats.preemptions += plan.preempted.len();
+        for id in &plan.preempted {
+            // Its KV is dropped; the recompute produces the hidden states again.
+            if let Some(live) = self.live.get_mut(id) {
+                live.mtp_pending = None;
+            }
+        }
         if plan.is_empty() {
             debug_assert!(!self.scheduler.has_unfinished(), "the scheduler stalled");
             return Ok(report);
         }
+        let spec = self.next_n > 0;
+        let drafts = if spec {
+            let t0 = Instant::now();
+            let d = self.propose(&plan.items)?;
+            report.draft_s = t0.elapsed().as_secs_f64();
+            d
+        } else {
+            Vec::new()
+        };
         let now = Instant::now();
         let mut batch = Batch::default();
-        for it in &plan.items {
+        let mut tokens = Vec::new();
+        for (n, it) in plan.items.iter().enumerate() {
             let live = self
                 .live
                 .get_mut(&it.id)
                 .expect("scheduled requests are live");
             live.first_scheduled.get_or_insert(now);
-            let want = if it.sample {
+            let ds = drafts.get(n).map_or(&[][..], Vec::as_slice);
+            let want = if !ds.is_empty() {
+                LogitsWanted::All
+            } else if it.sample {
                 LogitsWanted::Last
             } else {
                 LogitsWanted::None
             };
+            tokens.clear();
+            tokens.extend_from_slice(&live.tokens[it.start..it.start + it.len]);
+            tokens.extend(ds.iter().map(|d| d.token));
             batch.push_seq(
-                &live.tokens[it.start..it.start + it.len],
+                &tokens,
                 it.start,
                 self.scheduler.block_table(it.id).to_vec(),
                 want,
@@ -282,24 +527,74 @@ impl<'t, M: Model> Engine<'t, M> {
             } else {
                 report.prefill_tokens += it.len;
             }
+            report.drafted += ds.len();
         }
         report.seqs = plan.items.len();
         let t0 = Instant::now();
-        let logits = self.model.forward(&batch, &mut self.cache)?;
+        let (logits, hidden) = if spec {
+            let out = self.model.forward_with_hidden(&batch, &mut self.cache)?;
+            (out.logits, Some(out.hidden))
+        } else {
+            (self.model.forward(&batch, &mut self.cache)?, None)
+        };
         report.forward_s = t0.elapsed().as_secs_f64();
         let vocab = self.model.vocab_size();
         let sampled_at = Instant::now();
         let mut rows = logits.chunks_exact(vocab);
-        for it in plan.items.iter().filter(|it| it.sample) {
-            let row = rows.next().ok_or_else(|| {
-                EngineError::Request("the model returned fewer logits rows than asked".into())
-            })?;
-            report.sampled += 1;
-            if let Some(reason) = self.push_token(it.id, row, sampled_at)? {
-                self.retire(it.id, reason);
-                report.finished += 1;
-            } else {
-                self.scheduler.append_token(it.id);
+        let short =
+            || EngineError::Request("the model returned fewer logits rows than asked".into());
+        for (n, it) in plan.items.iter().enumerate() {
+            let ds = drafts.get(n).map_or(&[][..], Vec::as_slice);
+            // Rows of this item's tokens whose KV (and hidden state) is now valid.
+            let mut valid = it.len;
+            let mut finished = false;
+            if it.sample {
+                self.stats.sample_steps += 1;
+                let mut accepted = 0;
+                let mut done = false;
+                if let Some(live) = self.live.get_mut(&it.id) {
+                    live.drafted += ds.len();
+                }
+                for (j, row) in rows.by_ref().take(ds.len() + 1).enumerate() {
+                    if done {
+                        continue;
+                    }
+                    let live = self.live.get_mut(&it.id).expect("live");
+                    let (token, ok) = match ds.get(j) {
+                        Some(d) => live.sampler.verify(d.token, &d.q, row),
+                        None => (live.sampler.sample(row), false),
+                    };
+                    report.sampled += 1;
+                    if ok {
+                        accepted += 1;
+                        live.accepted += 1;
+                    }
+                    if let Some(reason) = self.push_token(it.id, token, sampled_at)? {
+                        self.retire(it.id, reason);
+                        report.finished += 1;
+                        finished = true;
+                        done = true;
+                    } else if !ok {
+                        done = true;
+                    }
+                }
+                if !done {
+                    return Err(short());
+                }
+                if !ds.is_empty() {
+                    report.accepted += accepted;
+                    self.stats.verify_steps += 1;
+                }
+                valid += accepted;
+                if !finished {
+                    if it.drafts > 0 {
+                        self.scheduler.accept_drafts(it.id, accepted);
+                    }
+                    self.scheduler.append_tokens(it.id, accepted + 1);
+                }
+            }
+            if let (Some(h), false) = (&hidden, finished) {
+                self.keep_hidden(it.id, it.start, valid, &batch, n, h);
             }
         }
         report.kv_used_blocks = self.scheduler.kv().pool().num_used();
@@ -308,26 +603,158 @@ impl<'t, M: Model> Engine<'t, M> {
         s.prefill_tokens += report.prefill_tokens;
         s.decode_tokens += report.decode_tokens;
         s.sampled_tokens += report.sampled;
+        s.drafted += report.drafted;
+        s.accepted_drafts += report.accepted;
         s.forward_s += report.forward_s;
+        s.draft_s += report.draft_s;
+        let step_s = report.forward_s + report.draft_s;
         if report.prefill_tokens > 0 {
-            s.prefill_step_s += report.forward_s;
+            s.prefill_step_s += step_s;
         } else {
-            s.decode_step_s += report.forward_s;
+            s.decode_step_s += step_s;
             s.decode_steps += 1;
+            s.decode_sampled += report.sampled;
         }
         s.kv_peak_blocks = self.scheduler.kv().peak_used();
         Ok(report)
     }
 
-    /// Samples and records one token; returns why the request ends, if it does.
+    /// Keeps the hidden states of the first `valid` tokens of item `n` of `batch` (request
+    /// `id`, starting at position `start`) for the next step's MTP catch-up.
+    fn keep_hidden(
+        &mut self,
+        id: u64,
+        start: usize,
+        valid: usize,
+        batch: &Batch,
+        n: usize,
+        hidden: &[f32],
+    ) {
+        let Some(live) = self.live.get_mut(&id) else {
+            return;
+        };
+        if valid == 0 {
+            return;
+        }
+        let h = hidden.len() / batch.num_tokens().max(1);
+        let rows = &hidden[batch.seq_starts[n] * h..(batch.seq_starts[n] + valid) * h];
+        match &mut live.mtp_pending {
+            Some(p) if p.first + p.rows == start => {
+                p.hidden.extend_from_slice(rows);
+                p.rows += valid;
+            }
+            slot => {
+                *slot = Some(Pending {
+                    first: start,
+                    rows: valid,
+                    hidden: rows.to_vec(),
+                })
+            }
+        }
+    }
+
+    /// Steps 1–2 of speculative decoding (module docs): the MTP catch-up of every running
+    /// request with hidden states pending, then the drafts of the scheduled decode items
+    /// (`drafts` slots each), as one list per plan item.
+    fn propose(&mut self, items: &[Scheduled]) -> Result<Vec<Vec<Draft>>, EngineError> {
+        let mut out: Vec<Vec<Draft>> = items.iter().map(|_| Vec::new()).collect();
+        // Which plan item (with drafts) each request is.
+        let mut item_of: HashMap<u64, usize> = HashMap::new();
+        for (n, it) in items.iter().enumerate() {
+            if it.drafts > 0 {
+                item_of.insert(it.id, n);
+            }
+        }
+        let mut ids: Vec<u64> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.mtp_pending.is_some())
+            .map(|(&id, _)| id)
+            .collect();
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        ids.sort_unstable();
+        let mut batch = Batch::default();
+        let mut prev = Vec::new();
+        // (plan item, request, sequence in the batch) of each logits row, in order.
+        let mut drafting: Vec<(usize, u64, usize)> = Vec::new();
+        for (s, &id) in ids.iter().enumerate() {
+            let live = self.live.get_mut(&id).expect("listed");
+            let p = live.mtp_pending.take().expect("listed");
+            let n = item_of.get(&id).copied();
+            // Draft only when the rows end right before the item's known token.
+            let want = match n {
+                Some(n) if p.first + p.rows == items[n].start => {
+                    drafting.push((n, id, s));
+                    LogitsWanted::Last
+                }
+                _ => LogitsWanted::None,
+            };
+            batch.push_seq(
+                &live.tokens[p.first + 1..p.first + p.rows + 1],
+                p.first,
+                self.scheduler.block_table(id).to_vec(),
+                want,
+            );
+            prev.extend_from_slice(&p.hidden);
+        }
+        let r = self.model.mtp_forward(0, &batch, &prev, &mut self.cache)?;
+        let vocab = self.model.vocab_size();
+        let h = prev.len() / batch.num_tokens();
+        // Chain state per drafting request: (plan item, request, last hidden row).
+        let mut chain: Vec<(usize, u64, Vec<f32>)> = Vec::with_capacity(drafting.len());
+        for (k, &(n, id, s)) in drafting.iter().enumerate() {
+            let last = batch.seq_starts[s + 1] - 1;
+            let live = self.live.get_mut(&id).expect("live");
+            let q = live
+                .sampler
+                .candidates(&r.logits[k * vocab..(k + 1) * vocab]);
+            let token = live.sampler.draw(&q);
+            out[n].push(Draft { token, q });
+            chain.push((n, id, r.hidden[last * h..(last + 1) * h].to_vec()));
+        }
+        let most = drafting
+            .iter()
+            .map(|&(n, _, _)| items[n].drafts)
+            .max()
+            .unwrap_or(0);
+        for j in 2..=most {
+            chain.retain(|&(n, _, _)| items[n].drafts >= j);
+            let mut b = Batch::default();
+            let mut prev = Vec::with_capacity(chain.len() * h);
+            for (n, id, hid) in &chain {
+                let it = &items[*n];
+                b.push_seq(
+                    &[out[*n][j - 2].token],
+                    it.start + j - 2,
+                    self.scheduler.block_table(*id).to_vec(),
+                    LogitsWanted::Last,
+                );
+                prev.extend_from_slice(hid);
+            }
+            let r = self.model.mtp_forward(0, &b, &prev, &mut self.cache)?;
+            for (k, (n, id, hid)) in chain.iter_mut().enumerate() {
+                let live = self.live.get_mut(id).expect("live");
+                let q = live
+                    .sampler
+                    .candidates(&r.logits[k * vocab..(k + 1) * vocab]);
+                let token = live.sampler.draw(&q);
+                out[*n].push(Draft { token, q });
+                hid.copy_from_slice(&r.hidden[k * h..(k + 1) * h]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Records one generated token; returns why the request ends, if it does.
     fn push_token(
         &mut self,
         id: u64,
-        logits: &[f32],
+        token: u32,
         at: Instant,
     ) -> Result<Option<FinishReason>, EngineError> {
         let live = self.live.get_mut(&id).expect("live");
-        let token = live.sampler.sample(logits);
         live.sampler.accept(token);
         live.tokens.push(token);
         live.first_token.get_or_insert(at);
@@ -396,6 +823,8 @@ impl<'t, M: Model> Engine<'t, M> {
             text: live.text,
             finish,
             timing,
+            drafted: live.drafted,
+            accepted_drafts: live.accepted,
         });
     }
 

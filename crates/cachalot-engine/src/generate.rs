@@ -11,6 +11,7 @@ use cachalot_model::eval::BLOCK_SIZE;
 use cachalot_model::tokenizer::{StreamDecoder, Tokenizer};
 use cachalot_model::DeepseekV3;
 
+use crate::engine::Model;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::EngineError;
 
@@ -31,7 +32,16 @@ impl StopConditions {
         tokenizer: Option<&Tokenizer>,
         model_dir: &std::path::Path,
     ) -> Vec<u32> {
-        let mut ids = model.config().eos_token_ids.clone();
+        Self::eos_ids(&model.config().eos_token_ids, tokenizer, model_dir)
+    }
+
+    /// [`StopConditions::model_eos`] from the config's EOS ids (any model family).
+    pub fn eos_ids(
+        config_eos: &[u32],
+        tokenizer: Option<&Tokenizer>,
+        model_dir: &std::path::Path,
+    ) -> Vec<u32> {
+        let mut ids = config_eos.to_vec();
         if let Some(id) = tokenizer.and_then(|t| t.eos_token_id()) {
             ids.push(id);
         }
@@ -158,8 +168,8 @@ impl<'t> TextStream<'t> {
 
 /// Generates a continuation of `prompt`. `on_text` receives each piece of complete text as it
 /// is decoded (nothing when `tokenizer` is `None`: then stop strings are not checked either).
-pub fn generate(
-    model: &DeepseekV3,
+pub fn generate<M: Model + ?Sized>(
+    model: &M,
     tokenizer: Option<&Tokenizer>,
     prompt: &[u32],
     params: SamplingParams,
@@ -170,7 +180,7 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(EngineError::Request("the prompt is empty".into()));
     }
-    let vocab = model.config().vocab_size;
+    let vocab = model.vocab_size();
     let mut sampler = Sampler::new(params, prompt)?;
     let total = prompt.len() + stop.max_new_tokens;
     let blocks = total.div_ceil(BLOCK_SIZE).max(1);
@@ -200,8 +210,8 @@ pub fn generate(
         alloc.ensure(&mut table, pos + step_tokens.len(), BLOCK_SIZE)?;
         let mut batch = Batch::default();
         batch.push_seq(&step_tokens, pos, table.clone(), LogitsWanted::Last);
-        let out = model.forward(&batch, &mut cache, false)?;
-        let logits = &out.logits[out.logits.len() - vocab..];
+        let out = Model::forward(model, &batch, &mut cache)?;
+        let logits = &out[out.len() - vocab..];
         let next = sampler.sample(logits);
         let dt = t0.elapsed().as_secs_f64();
         if pos == 0 {
@@ -239,6 +249,71 @@ pub fn generate(
         prefill_s,
         decode_s,
     })
+}
+
+/// [`generate`] with MTP speculative decoding (`next_n` drafts per step; spec `executor.md`
+/// §2.8), run as one request through the [`Engine`](crate::Engine) (batch 1): the same tokens
+/// under greedy, the same distribution under sampling. The model must have its MTP layer
+/// loaded. `on_text` receives the text as it grows, a step (up to `next_n + 1` tokens) at a
+/// time.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_mtp<M: crate::Model>(
+    model: M,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    params: SamplingParams,
+    stop: &StopConditions,
+    next_n: usize,
+    cancel: Option<&AtomicBool>,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<Generation, EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::Request("the prompt is empty".into()));
+    }
+    let total = prompt.len() + stop.max_new_tokens + next_n + 1;
+    let cfg = crate::EngineConfig {
+        block_size: BLOCK_SIZE,
+        num_blocks: total.div_ceil(BLOCK_SIZE) + 1,
+        batch_size: 1,
+        max_prefill_tokens: prompt.len(),
+    };
+    let mut engine = crate::Engine::new(model, tokenizer, cfg)?;
+    engine.enable_mtp(next_n)?;
+    let id = engine.add_request(crate::Request {
+        prompt: prompt.to_vec(),
+        params,
+        stop: stop.clone(),
+        ignore_eos: false,
+    })?;
+    let t0 = Instant::now();
+    let mut prefill_s = None;
+    let mut shown = 0;
+    loop {
+        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            engine.abort(id);
+        } else {
+            engine.step()?;
+        }
+        let prefill = *prefill_s.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+        if let Some(text) = engine.text_so_far(id) {
+            if text.len() > shown {
+                on_text(&text[shown..]);
+                shown = text.len();
+            }
+        }
+        if let Some(out) = engine.take_finished().pop() {
+            if out.text.len() > shown {
+                on_text(&out.text[shown..]);
+            }
+            return Ok(Generation {
+                tokens: out.tokens,
+                text: out.text,
+                finish: out.finish,
+                prefill_s: prefill,
+                decode_s: t0.elapsed().as_secs_f64() - prefill,
+            });
+        }
+    }
 }
 
 #[cfg(test)]

@@ -175,6 +175,27 @@ impl KvBlockManager {
         self.tables.get(&req).map_or(&[], Vec::as_slice)
     }
 
+    /// Shrinks `req`'s table to the blocks that cover `tokens` positions, returning the rest to
+    /// the pool (speculative decoding: blocks held only for rejected drafts). Returns how many
+    /// blocks were released.
+    pub fn trim(&mut self, req: u64, tokens: usize) -> usize {
+        let keep = self.blocks_for(tokens);
+        let Some(table) = self.tables.get_mut(&req) else {
+            return 0;
+        };
+        if table.len() <= keep {
+            return 0;
+        }
+        let tail = table.split_off(keep);
+        if table.is_empty() {
+            self.tables.remove(&req);
+        }
+        self.pool
+            .free(&tail)
+            .expect("a request's table holds blocks only it owns");
+        tail.len()
+    }
+
     /// Releases every block `req` holds (nothing if it holds none).
     pub fn free(&mut self, req: u64) {
         if let Some(t) = self.tables.remove(&req) {
@@ -267,6 +288,21 @@ mod tests {
         m.free(7);
         m.check_invariants().unwrap();
         assert_eq!(m.pool().num_free(), 2);
+    }
+
+    #[test]
+    fn trim_returns_the_tail_blocks() {
+        let mut m = KvBlockManager::new(6, 4);
+        assert!(m.allocate_slots(1, 13));
+        assert_eq!(m.block_table(1).len(), 4);
+        assert_eq!(m.trim(1, 9), 1);
+        assert_eq!(m.block_table(1).len(), 3);
+        assert_eq!(m.trim(1, 12), 0);
+        assert_eq!(m.trim(1, 0), 3);
+        assert!(m.holders().next().is_none());
+        assert_eq!(m.trim(9, 0), 0);
+        m.check_invariants().unwrap();
+        assert_eq!(m.pool().num_free(), 5);
     }
 
     #[test]

@@ -12,7 +12,7 @@ pub mod sampler;
 pub mod scheduler;
 
 pub use engine::{Engine, EngineConfig, Model, Request, RequestOutput, StepReport};
-pub use generate::{generate, FinishReason, Generation, StopConditions, TextStream};
+pub use generate::{generate, generate_mtp, FinishReason, Generation, StopConditions, TextStream};
 pub use reasoning::{ReasoningSplitter, Segment};
 pub use sampler::{Sampler, SamplingError, SamplingParams};
 

@@ -28,13 +28,24 @@ pub struct EngineStats {
     pub prefill_tokens: usize,
     /// Generated tokens forwarded (one per decoding request per step).
     pub decode_tokens: usize,
-    /// Tokens sampled.
+    /// Tokens emitted (with MTP: accepted drafts and the token after them).
     pub sampled_tokens: usize,
+    /// Request-steps that emitted tokens (one per request per main forward that sampled it).
+    pub sample_steps: usize,
+    /// Tokens emitted in pure decode steps.
+    pub decode_sampled: usize,
+    /// MTP speculative decoding: drafts per step (0 = off), drafts verified, drafts accepted,
+    /// request-steps that verified drafts, and time in the MTP layer's forwards.
+    pub mtp_next_n: usize,
+    pub drafted: usize,
+    pub accepted_drafts: usize,
+    pub verify_steps: usize,
+    pub draft_s: f64,
     /// Time in the model's forward pass, all steps.
     pub forward_s: f64,
-    /// Forward time of steps that carried prefill work (mixed steps included).
+    /// Main forward plus MTP time of steps that carried prefill work (mixed steps included).
     pub prefill_step_s: f64,
-    /// Forward time of pure decode steps.
+    /// Main forward plus MTP time of pure decode steps.
     pub decode_step_s: f64,
     pub decode_steps: usize,
     pub preemptions: usize,
@@ -42,6 +53,22 @@ pub struct EngineStats {
     pub kv_peak_blocks: usize,
     pub kv_capacity_blocks: usize,
     pub kv_block_size: usize,
+}
+
+impl EngineStats {
+    /// Accepted drafts over drafts verified.
+    pub fn acceptance_rate(&self) -> f64 {
+        self.accepted_drafts as f64 / self.drafted.max(1) as f64
+    }
+    /// Tokens emitted per verification: accepted drafts plus the main model's token.
+    pub fn mean_accepted_length(&self) -> f64 {
+        (self.accepted_drafts + self.verify_steps) as f64 / self.verify_steps.max(1) as f64
+    }
+    /// Tokens emitted per main-model forward of a request (prefill sampling steps included, as
+    /// the seed counts them): 1 without speculation.
+    pub fn tokens_per_main_step(&self) -> f64 {
+        self.sampled_tokens as f64 / self.sample_steps.max(1) as f64
+    }
 }
 
 /// Mean, median and 99th percentile (nearest rank) of a list; zeros when it is empty.

@@ -18,6 +18,16 @@
 //!    does not get blocks stays at the head of the queue and admission stops for this step (the
 //!    seed system spins on it forever — spec `executor.md` §7.1; we don't).
 //!
+//! Speculative decoding (spec `executor.md` §2.8, `deepseek-v3-r1-kimi-k2.md` §3.8): with a
+//! lookahead of n ([`Scheduler::set_lookahead`]), a decode request also gets cache slots for up
+//! to n draft tokens after its known token (never more than it may still generate), when the
+//! pool has them; otherwise it decodes plainly (drafts are never a reason to preempt). After the
+//! verifying forward, [`Scheduler::accept_drafts`] counts the accepted drafts' KV as computed
+//! and returns to the pool every block held only for rejected ones, so between steps a running
+//! request holds exactly the blocks its computed tokens need (checked by
+//! [`Scheduler::check_invariants`]). Rejected drafts' KV beyond that is simply not counted and
+//! gets overwritten.
+//!
 //! Progress: a request is accepted only if it fits the pool alone, so the oldest running
 //! request always gets its tokens (by preempting everyone after it if need be), and with no
 //! request running the pool is empty and the queue's head fits. Every step with unfinished
@@ -67,6 +77,10 @@ struct Seq {
     /// Tokens whose KV is in the cache.
     num_computed: usize,
     prompt_len: usize,
+    /// Most tokens it may reach (prompt + max_new_tokens).
+    max_len: usize,
+    /// Draft slots held beyond `num_computed` until [`Scheduler::accept_drafts`].
+    pending_drafts: usize,
     phase: Phase,
     num_preemptions: usize,
 }
@@ -82,6 +96,10 @@ pub struct Scheduled {
     pub sample: bool,
     /// A single generated token (decode), as opposed to prompt or recompute work (prefill).
     pub decode: bool,
+    /// Cache slots held for draft tokens at positions `start + len..start + len + drafts`
+    /// (speculative decoding; 0 otherwise). The step must end with
+    /// [`Scheduler::accept_drafts`] for this request when it is not zero.
+    pub drafts: usize,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -106,6 +124,7 @@ pub struct Scheduler {
     waiting: VecDeque<u64>,
     running: Vec<u64>,
     seqs: HashMap<u64, Seq>,
+    lookahead: usize,
 }
 
 impl Scheduler {
@@ -117,7 +136,16 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             seqs: HashMap::new(),
+            lookahead: 0,
         }
+    }
+
+    /// Draft tokens a decode request may verify per step (0: no speculative decoding).
+    pub fn set_lookahead(&mut self, n: usize) {
+        self.lookahead = n;
+    }
+    pub fn lookahead(&self) -> usize {
+        self.lookahead
     }
 
     pub fn config(&self) -> SchedulerConfig {
@@ -174,6 +202,8 @@ impl Scheduler {
                 num_tokens: prompt_len,
                 num_computed: 0,
                 prompt_len,
+                max_len,
+                pending_drafts: 0,
                 phase: Phase::Waiting,
                 num_preemptions: 0,
             },
@@ -196,8 +226,14 @@ impl Scheduler {
                 continue;
             }
             let cover = self.seqs[&id].num_computed + len;
+            let want = self.drafts_for(id, len);
+            let mut drafts = 0;
             let mut scheduled = false;
-            loop {
+            if want > 0 && self.kv.allocate_slots(id, cover + want) {
+                drafts = want;
+                scheduled = true;
+            }
+            while !scheduled {
                 if self.kv.allocate_slots(id, cover) {
                     scheduled = true;
                     break;
@@ -212,7 +248,7 @@ impl Scheduler {
             if !scheduled {
                 break;
             }
-            budget -= self.take(id, len, &mut out);
+            budget -= self.take(id, len, drafts, &mut out);
             i += 1;
         }
         if out.preempted.is_empty() {
@@ -227,7 +263,7 @@ impl Scheduler {
                 self.waiting.pop_front();
                 self.running.push(id);
                 self.seqs.get_mut(&id).unwrap().phase = Phase::Running;
-                budget -= self.take(id, len, &mut out);
+                budget -= self.take(id, len, 0, &mut out);
             }
         }
         out
@@ -245,11 +281,27 @@ impl Scheduler {
         }
     }
 
-    /// Records `len` tokens of `id` as scheduled; returns the prefill budget they use.
-    fn take(&mut self, id: u64, len: usize, out: &mut Schedule) -> usize {
+    /// Draft slots to ask for when `id` gets `len` tokens: only a decode token gets them, at
+    /// most the lookahead, and never more than the request may still generate after the token
+    /// the step samples anyway.
+    fn drafts_for(&self, id: u64, len: usize) -> usize {
+        let s = &self.seqs[&id];
+        let decode =
+            len == 1 && s.num_tokens - s.num_computed == 1 && s.num_computed >= s.prompt_len;
+        if !decode {
+            return 0;
+        }
+        self.lookahead
+            .min(s.max_len.saturating_sub(s.num_tokens + 1))
+    }
+
+    /// Records `len` tokens (and `drafts` draft slots) of `id` as scheduled; returns the prefill
+    /// budget they use.
+    fn take(&mut self, id: u64, len: usize, drafts: usize, out: &mut Schedule) -> usize {
         let s = self.seqs.get_mut(&id).unwrap();
         let start = s.num_computed;
         s.num_computed += len;
+        s.pending_drafts = drafts;
         let sample = s.num_computed == s.num_tokens;
         let decode = len == 1 && start >= s.prompt_len;
         out.items.push(Scheduled {
@@ -258,6 +310,7 @@ impl Scheduler {
             len,
             sample,
             decode,
+            drafts,
         });
         if decode {
             0
@@ -270,6 +323,7 @@ impl Scheduler {
         self.kv.free(id);
         let s = self.seqs.get_mut(&id).unwrap();
         s.num_computed = 0;
+        s.pending_drafts = 0;
         s.phase = Phase::Waiting;
         s.num_preemptions += 1;
         self.waiting.push_front(id);
@@ -277,9 +331,30 @@ impl Scheduler {
 
     /// A token sampled for `id` (after a step that had `sample` set for it).
     pub fn append_token(&mut self, id: u64) {
+        self.append_tokens(id, 1);
+    }
+
+    /// `n` tokens appended to `id` (after speculative verification: the accepted drafts and the
+    /// token sampled after them).
+    pub fn append_tokens(&mut self, id: u64, n: usize) {
         if let Some(s) = self.seqs.get_mut(&id) {
-            s.num_tokens += 1;
+            s.num_tokens += n;
         }
+    }
+
+    /// Ends the speculative part of a step for `id`: `accepted` of the drafts verified after
+    /// its known token were kept (their KV now counts as computed); the slots of the rejected
+    /// ones stop counting and blocks held only for them go back to the pool. Call before
+    /// appending the step's tokens. Unknown ids are ignored.
+    pub fn accept_drafts(&mut self, id: u64, accepted: usize) {
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let accepted = accepted.min(s.pending_drafts);
+        s.num_computed += accepted;
+        s.pending_drafts = 0;
+        let computed = s.num_computed;
+        self.kv.trim(id, computed);
     }
 
     /// Removes a request (finished or aborted) and frees its blocks. Unknown ids are ignored.
@@ -303,9 +378,13 @@ impl Scheduler {
         }
         for &id in &self.running {
             let s = &self.seqs[&id];
-            if self.kv.block_table(id).len() < self.kv.blocks_for(s.num_computed) {
+            let held = self.kv.block_table(id).len();
+            let need = self.kv.blocks_for(s.num_computed + s.pending_drafts);
+            if held != need {
                 return Err(format!(
-                    "request {id}: computed tokens not covered by blocks"
+                    "request {id} holds {held} blocks but its {} computed tokens and {} draft \
+                     slots need exactly {need}",
+                    s.num_computed, s.pending_drafts
                 ));
             }
         }
@@ -329,42 +408,6 @@ mod tests {
             },
             KvBlockManager::new(blocks, bs),
         )
-    }
-
-    /// Runs steps, sampling a token for every `sample` item and finishing a request once it has
-    /// `out_len` generated tokens. Returns the number of steps.
-    /// What the engine does after a forward: one token per sampled item; a request that has all
-    /// its tokens (`lens[id].1`) finishes.
-    fn complete_step(
-        s: &mut Scheduler,
-        plan: &Schedule,
-        lens: &HashMap<u64, (usize, usize)>,
-        generated: &mut HashMap<u64, usize>,
-    ) {
-        for it in plan.items.iter().filter(|it| it.sample) {
-            let g = generated.entry(it.id).or_default();
-            *g += 1;
-            if *g >= lens[&it.id].1 {
-                s.finish(it.id);
-            } else {
-                s.append_token(it.id);
-            }
-        }
-    }
-
-    fn drive(s: &mut Scheduler, lens: &HashMap<u64, (usize, usize)>, max_steps: usize) -> usize {
-        let mut generated: HashMap<u64, usize> = HashMap::new();
-        for step in 0..max_steps {
-            if !s.has_unfinished() {
-                return step;
-            }
-            let plan = s.schedule();
-            s.check_invariants().unwrap();
-            assert!(!plan.is_empty(), "step {step} scheduled nothing");
-            complete_step(s, &plan, lens, &mut generated);
-            s.check_invariants().unwrap();
-        }
-        panic!("not done after {max_steps} steps");
     }
 
     #[test]
@@ -473,8 +516,180 @@ mod tests {
         ]
     }
 
+    /// What the engine does after a forward: for every sampled item, `accept(drafts)` of its
+    /// drafts are kept (none without speculation) and one more token is sampled; a request
+    /// stops once it has all its tokens (`lens[id].1`), possibly among the accepted drafts.
+    fn complete_spec_step(
+        s: &mut Scheduler,
+        plan: &Schedule,
+        lens: &HashMap<u64, (usize, usize)>,
+        generated: &mut HashMap<u64, usize>,
+        mut accept: impl FnMut(usize) -> usize,
+    ) {
+        for it in plan.items.iter().filter(|it| it.sample) {
+            let a = accept(it.drafts).min(it.drafts);
+            let g = generated.entry(it.id).or_default();
+            let want = lens[&it.id].1;
+            let emitted = (a + 1).min(want - *g);
+            *g += emitted;
+            if *g >= want {
+                s.finish(it.id);
+            } else {
+                if it.drafts > 0 {
+                    s.accept_drafts(it.id, a);
+                }
+                s.append_tokens(it.id, emitted);
+            }
+        }
+    }
+
+    #[test]
+    fn drafts_get_slots_only_in_decode_and_rejected_ones_give_blocks_back() {
+        // Blocks of 2 tokens; a 3-token prompt growing to 12.
+        let mut s = sched(16, 2, 4, 100);
+        s.set_lookahead(3);
+        s.add(1, 3, 12).unwrap();
+        let p = s.schedule();
+        assert_eq!(
+            (p.items[0].len, p.items[0].drafts),
+            (3, 0),
+            "prefill gets no drafts"
+        );
+        s.append_token(1);
+        // Decode: token 3 plus 3 drafts at positions 4..7 -> 7 positions, 4 blocks.
+        let p = s.schedule();
+        assert_eq!(
+            (p.items[0].start, p.items[0].len, p.items[0].drafts),
+            (3, 1, 3)
+        );
+        assert_eq!(s.block_table(1).len(), 4);
+        s.check_invariants().unwrap();
+        // None accepted: 4 positions computed, 2 blocks kept.
+        s.accept_drafts(1, 0);
+        s.append_tokens(1, 1);
+        assert_eq!(s.block_table(1).len(), 2);
+        s.check_invariants().unwrap();
+        let p = s.schedule();
+        assert_eq!((p.items[0].start, p.items[0].drafts), (4, 3));
+        // All accepted: positions 0..8 computed, 4 more tokens known (9 tokens).
+        s.accept_drafts(1, 3);
+        s.append_tokens(1, 4);
+        assert_eq!(s.block_table(1).len(), 4);
+        s.check_invariants().unwrap();
+        // 9 of 12 tokens known: at most 2 drafts still make sense.
+        let p = s.schedule();
+        assert_eq!((p.items[0].start, p.items[0].drafts), (8, 2));
+    }
+
+    #[test]
+    fn a_pool_too_full_for_drafts_decodes_plainly_instead_of_preempting() {
+        // 3 usable blocks of 4; two requests of 2-token prompts hold one block each.
+        let mut s = sched(4, 4, 4, 100);
+        s.set_lookahead(2);
+        s.add(1, 2, 8).unwrap();
+        s.add(2, 2, 8).unwrap();
+        let p = s.schedule();
+        assert_eq!(p.items.len(), 2);
+        s.append_token(1);
+        s.append_token(2);
+        // Request 1's token and 2 drafts (positions 2..5) take the free block; request 2's
+        // drafts would need another, so it decodes plainly and nobody is preempted.
+        let p = s.schedule();
+        assert!(p.preempted.is_empty(), "{p:?}");
+        assert_eq!((p.items[0].drafts, p.items[1].drafts), (2, 0), "{p:?}");
+        s.check_invariants().unwrap();
+        s.accept_drafts(1, 1);
+        s.append_tokens(1, 2);
+        s.accept_drafts(2, 0);
+        s.append_token(2);
+        s.check_invariants().unwrap();
+        assert_eq!(s.kv().pool().num_free(), 1);
+    }
+
+    /// Applies `ops` (steps completed by [`complete_spec_step`] with `accept`), checking the
+    /// invariants after every schedule and every operation; then finishes whatever is left (a
+    /// full pool makes progress) and checks every block is back.
+    fn run_ops(
+        mut s: Scheduler,
+        lookahead: usize,
+        ops: Vec<Op>,
+        accept: &mut dyn FnMut(usize) -> usize,
+    ) -> Result<(), TestCaseError> {
+        s.set_lookahead(lookahead);
+        let mut lens = HashMap::new();
+        let mut generated: HashMap<u64, usize> = HashMap::new();
+        let mut next_id = 0u64;
+        for op in ops {
+            match op {
+                Op::Add { prompt, out } => {
+                    if s.add(next_id, prompt, prompt + out).is_ok() {
+                        lens.insert(next_id, (prompt, out));
+                    }
+                    next_id += 1;
+                }
+                Op::Abort(id) => s.finish(id),
+                Op::Step => {
+                    let plan = s.schedule();
+                    s.check_invariants().map_err(TestCaseError::fail)?;
+                    if s.has_unfinished() {
+                        prop_assert!(!plan.is_empty(), "nothing scheduled");
+                    }
+                    for it in &plan.items {
+                        prop_assert!(it.drafts == 0 || it.decode, "{:?}", it);
+                        prop_assert!(it.drafts <= lookahead);
+                    }
+                    complete_spec_step(&mut s, &plan, &lens, &mut generated, &mut *accept);
+                }
+            }
+            s.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        let left: HashMap<u64, (usize, usize)> = lens
+            .iter()
+            .map(|(&id, &(p, o))| {
+                let done = generated.get(&id).copied().unwrap_or(0);
+                (id, (p, o.saturating_sub(done).max(1)))
+            })
+            .collect();
+        let mut generated = HashMap::new();
+        for step in 0..10_000 {
+            if !s.has_unfinished() {
+                break;
+            }
+            let plan = s.schedule();
+            s.check_invariants().map_err(TestCaseError::fail)?;
+            prop_assert!(!plan.is_empty(), "step {} scheduled nothing", step);
+            complete_spec_step(&mut s, &plan, &left, &mut generated, &mut *accept);
+            s.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        prop_assert!(!s.has_unfinished(), "not done after 10 000 steps");
+        prop_assert_eq!(s.kv().pool().num_free(), s.kv().pool().capacity());
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// Speculative decoding with any lookahead and any acceptance pattern (many rejected
+        /// drafts): block accounting stays exact at every point (a running request holds
+        /// exactly the blocks of its computed tokens and draft slots, nothing leaked or shared),
+        /// and at the end every block is back in the pool.
+        #[test]
+        fn draft_blocks_are_exact_under_rejections(
+            blocks in 2usize..24,
+            bs in 1usize..6,
+            batch in 1usize..6,
+            budget in 1usize..20,
+            lookahead in 1usize..4,
+            ops in proptest::collection::vec(op(), 1..80),
+            accepts in proptest::collection::vec(0usize..4, 1..64),
+        ) {
+            let mut k = 0usize;
+            let mut accept = |n: usize| {
+                k += 1;
+                accepts[k % accepts.len()].min(n)
+            };
+            run_ops(sched(blocks, bs, batch, budget), lookahead, ops, &mut accept)?;
+        }
 
         /// After any sequence of admissions, chunked prefills, finishes, aborts and
         /// preemptions, no block is leaked or owned twice; then everything finishes.
@@ -486,36 +701,7 @@ mod tests {
             budget in 1usize..20,
             ops in proptest::collection::vec(op(), 1..80),
         ) {
-            let mut s = sched(blocks, bs, batch, budget);
-            let mut lens = HashMap::new();
-            let mut generated: HashMap<u64, usize> = HashMap::new();
-            let mut next_id = 0u64;
-            for op in ops {
-                match op {
-                    Op::Add { prompt, out } => {
-                        if s.add(next_id, prompt, prompt + out).is_ok() {
-                            lens.insert(next_id, (prompt, out));
-                        }
-                        next_id += 1;
-                    }
-                    Op::Abort(id) => s.finish(id),
-                    Op::Step => {
-                        let plan = s.schedule();
-                        if s.has_unfinished() {
-                            prop_assert!(!plan.is_empty(), "nothing scheduled");
-                        }
-                        complete_step(&mut s, &plan, &lens, &mut generated);
-                    }
-                }
-                s.check_invariants().map_err(TestCaseError::fail)?;
-            }
-            // Whatever is left finishes: a full pool makes progress.
-            let left: HashMap<u64, (usize, usize)> = lens
-                .iter()
-                .map(|(&id, &(p, o))| (id, (p, o.saturating_sub(generated.get(&id).copied().unwrap_or(0)).max(1))))
-                .collect();
-            drive(&mut s, &left, 10_000);
-            prop_assert_eq!(s.kv().pool().num_free(), s.kv().pool().capacity());
+            run_ops(sched(blocks, bs, batch, budget), 0, ops, &mut |_| 0)?;
         }
     }
 }

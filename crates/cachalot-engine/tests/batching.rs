@@ -1,12 +1,14 @@
 //! End to end on the tiny fixture models: a batched run (continuous batching, mixed prompt
 //! lengths, chunked prefill, preemption) gives each request the greedy tokens it gets alone.
 
+mod common;
+
 use std::path::PathBuf;
 
 use cachalot_engine::generate::FinishReason;
-use cachalot_engine::{Engine, EngineConfig, Request, SamplingParams, StopConditions};
-use cachalot_model::eval;
-use cachalot_model::{DeepseekV3, Fp8Mode, LoadOptions};
+use cachalot_engine::{Engine, EngineConfig, Model, Request, SamplingParams, StopConditions};
+use cachalot_model::eval::{self, CausalLm};
+use cachalot_model::{DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, V4LoadOptions};
 
 fn load(name: &str) -> DeepseekV3 {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -22,23 +24,6 @@ fn load(name: &str) -> DeepseekV3 {
     .unwrap()
 }
 
-/// Deterministic pseudo-random prompts of the given lengths (ids 2.., avoiding BOS/EOS).
-fn prompts(lens: &[usize], vocab: usize) -> Vec<Vec<u32>> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    lens.iter()
-        .map(|&n| {
-            (0..n)
-                .map(|_| {
-                    state = state
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    2 + ((state >> 33) as usize % (vocab - 2)) as u32
-                })
-                .collect()
-        })
-        .collect()
-}
-
 fn greedy_request(prompt: &[u32], n: usize) -> Request {
     Request {
         prompt: prompt.to_vec(),
@@ -52,12 +37,21 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
 }
 
 fn batched_equals_alone(name: &str, cfg: EngineConfig, expect_preemption: bool) {
-    let m = load(name);
-    let vocab = m.config().vocab_size;
     let lens = [3, 41, 9, 17, 1, 30, 6, 12];
+    batched_equals_alone_with(name, &load(name), &lens, cfg, expect_preemption);
+}
+
+fn batched_equals_alone_with<M: Model + CausalLm>(
+    name: &str,
+    m: &M,
+    lens: &[usize],
+    cfg: EngineConfig,
+    expect_preemption: bool,
+) {
+    let vocab = Model::vocab_size(m);
     let n_new = 10;
-    let ps = prompts(&lens, vocab);
-    let mut engine = Engine::new(&m, None, cfg).unwrap();
+    let ps = common::prompts(lens, vocab);
+    let mut engine = Engine::new(m, None, cfg).unwrap();
     for p in &ps {
         engine.add_request(greedy_request(p, n_new)).unwrap();
     }
@@ -80,7 +74,7 @@ fn batched_equals_alone(name: &str, cfg: EngineConfig, expect_preemption: bool) 
     );
     assert_eq!(engine.scheduler().kv().pool().num_used(), 0);
     for o in &outs {
-        let alone = eval::greedy(&m, &ps[o.id as usize], n_new).unwrap();
+        let alone = eval::greedy(m, &ps[o.id as usize], n_new).unwrap();
         assert_eq!(
             o.tokens, alone,
             "{name}: request {} (prompt {})",
@@ -105,6 +99,30 @@ fn batched_greedy_equals_each_request_alone() {
     }
 }
 
+/// DeepSeek-V4 (position-addressable window and compressor state in the paged cache): prompts
+/// past the 128-token window and the first ratio-128 block, chunked prefill mixed with decode,
+/// and a pool tight enough to preempt and recompute.
+#[test]
+fn v4_batched_and_preempted_greedy_equals_each_request_alone() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
+    let m = DeepseekV4::load(&dir, V4LoadOptions::default()).unwrap();
+    let lens = [140, 7, 131, 45, 3, 60];
+    let roomy = EngineConfig {
+        block_size: 16,
+        num_blocks: 64,
+        batch_size: 4,
+        max_prefill_tokens: 64,
+    };
+    batched_equals_alone_with("flash_tiny", &m, &lens, roomy, false);
+    let tight = EngineConfig {
+        block_size: 16,
+        num_blocks: 16,
+        batch_size: 6,
+        max_prefill_tokens: 64,
+    };
+    batched_equals_alone_with("flash_tiny", &m, &lens, tight, true);
+}
+
 #[test]
 fn a_tight_pool_preempts_and_still_equals_alone() {
     // 20 usable blocks of 4 tokens: the 41-token prompt alone takes 13 with its output.
@@ -120,7 +138,7 @@ fn a_tight_pool_preempts_and_still_equals_alone() {
 #[test]
 fn stop_tokens_and_fixed_length_mode() {
     let m = load("r1_tiny");
-    let p = prompts(&[8], m.config().vocab_size).remove(0);
+    let p = common::prompts(&[8], m.config().vocab_size).remove(0);
     let alone = eval::greedy(&m, &p, 12).unwrap();
     let stop_at = alone[4];
     let first = alone.iter().position(|&t| t == stop_at).unwrap();

@@ -22,8 +22,33 @@ pub(crate) struct Split {
     pub max_task: usize,
 }
 
+thread_local! {
+    /// Set while this thread runs inside [`serial`].
+    static SERIAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every kernel called from this thread on this thread alone (no rayon tasks).
+/// For callers that already spread independent pieces of work over the pool at a coarser grain
+/// (the experts of a batched MoE layer, the sequences of a batch): fork/join per small product
+/// would cost more than the product. Results do not change (see the module documentation).
+pub fn serial<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SERIAL.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SERIAL.with(|s| s.replace(true)));
+    f()
+}
+
+/// Whether kernels on this thread may fork rayon tasks (false inside [`serial`]).
+pub(crate) fn may_fork() -> bool {
+    !SERIAL.with(|s| s.get()) && rayon::current_num_threads() > 1
+}
+
 /// Calls `f` on consecutive sub-ranges covering `0..len`: one range when the work (multiply-adds)
-/// is small or there is one thread, otherwise about four tasks per thread within the split's
+/// is small, there is one thread or the caller is inside [`serial`], otherwise about four tasks per thread within the split's
 /// bounds, run on rayon's pool.
 pub(crate) fn for_each_task(
     len: usize,
@@ -35,7 +60,7 @@ pub(crate) fn for_each_task(
         return;
     }
     let threads = rayon::current_num_threads();
-    if threads <= 1 || work < PARALLEL_MIN_WORK || len <= split.min_task {
+    if !may_fork() || work < PARALLEL_MIN_WORK || len <= split.min_task {
         f(0..len);
         return;
     }

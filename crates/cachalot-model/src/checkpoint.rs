@@ -327,7 +327,7 @@ impl Checkpoint {
 
 pub fn dtype_size(d: Dtype) -> Option<usize> {
     Some(match d {
-        Dtype::BOOL | Dtype::U8 | Dtype::I8 | Dtype::F8_E4M3 | Dtype::F8_E5M2 => 1,
+        Dtype::BOOL | Dtype::U8 | Dtype::I8 | Dtype::F8_E4M3 | Dtype::F8_E5M2 | Dtype::F8_E8M0 => 1,
         Dtype::BF16 | Dtype::F16 | Dtype::I16 | Dtype::U16 => 2,
         Dtype::F32 | Dtype::I32 | Dtype::U32 => 4,
         Dtype::F64 | Dtype::I64 | Dtype::U64 => 8,

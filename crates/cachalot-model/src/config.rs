@@ -101,14 +101,14 @@ pub struct DeepseekV3Config {
 /// not `rms_norm_eps` (spec §1.3).
 pub const LATENT_NORM_EPS: f32 = 1e-6;
 
-struct Fields<'a> {
-    path: &'a Path,
-    map: &'a Map<String, Value>,
-    prefix: &'a str,
+pub(crate) struct Fields<'a> {
+    pub(crate) path: &'a Path,
+    pub(crate) map: &'a Map<String, Value>,
+    pub(crate) prefix: &'a str,
 }
 
 impl<'a> Fields<'a> {
-    fn err(&self, field: &str, message: impl Into<String>) -> ModelError {
+    pub(crate) fn err(&self, field: &str, message: impl Into<String>) -> ModelError {
         ModelError::Config {
             path: self.path.to_path_buf(),
             field: format!("{}{}", self.prefix, field),
@@ -116,11 +116,11 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn get(&self, field: &str) -> Option<&'a Value> {
+    pub(crate) fn get(&self, field: &str) -> Option<&'a Value> {
         self.map.get(field).filter(|v| !v.is_null())
     }
 
-    fn usize_opt(&self, field: &str) -> Result<Option<usize>> {
+    pub(crate) fn usize_opt(&self, field: &str) -> Result<Option<usize>> {
         match self.get(field) {
             None => Ok(None),
             Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
@@ -129,16 +129,16 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn usize_req(&self, field: &str) -> Result<usize> {
+    pub(crate) fn usize_req(&self, field: &str) -> Result<usize> {
         self.usize_opt(field)?
             .ok_or_else(|| self.err(field, "missing; this field is required"))
     }
 
-    fn usize_or(&self, field: &str, default: usize) -> Result<usize> {
+    pub(crate) fn usize_or(&self, field: &str, default: usize) -> Result<usize> {
         Ok(self.usize_opt(field)?.unwrap_or(default))
     }
 
-    fn f64_opt(&self, field: &str) -> Result<Option<f64>> {
+    pub(crate) fn f64_opt(&self, field: &str) -> Result<Option<f64>> {
         match self.get(field) {
             None => Ok(None),
             Some(v) => v
@@ -148,11 +148,11 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn f64_or(&self, field: &str, default: f64) -> Result<f64> {
+    pub(crate) fn f64_or(&self, field: &str, default: f64) -> Result<f64> {
         Ok(self.f64_opt(field)?.unwrap_or(default))
     }
 
-    fn bool_or(&self, field: &str, default: bool) -> Result<bool> {
+    pub(crate) fn bool_or(&self, field: &str, default: bool) -> Result<bool> {
         match self.get(field) {
             None => Ok(default),
             Some(v) => v
@@ -161,7 +161,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn str_opt(&self, field: &str) -> Result<Option<&'a str>> {
+    pub(crate) fn str_opt(&self, field: &str) -> Result<Option<&'a str>> {
         match self.get(field) {
             None => Ok(None),
             Some(v) => v
@@ -171,7 +171,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
+    pub(crate) fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
         match self.get(field) {
             None => Ok(Vec::new()),
             Some(Value::Array(items)) => items
@@ -207,16 +207,7 @@ impl DeepseekV3Config {
 
     /// Parses and validates; `path` is used in error messages only.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Json {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        let Value::Object(map) = value else {
-            return Err(ModelError::Json {
-                path: path.to_path_buf(),
-                message: "expected a JSON object at the top level".into(),
-            });
-        };
+        let map = json_object(text, path)?;
         let f = Fields {
             path,
             map: &map,
@@ -663,6 +654,21 @@ fn parse_quantization(f: &Fields) -> Result<Option<QuantizationConfig>> {
             format!("unsupported quantization `{other}`; supported: `fp8`, `compressed-tensors`"),
         )),
         None => Err(q.err("quant_method", "missing")),
+    }
+}
+
+/// Parses `text` (the contents of `path`) as a JSON object.
+pub(crate) fn json_object(text: &str, path: &Path) -> Result<Map<String, Value>> {
+    let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    match value {
+        Value::Object(map) => Ok(map),
+        _ => Err(ModelError::Json {
+            path: path.to_path_buf(),
+            message: "expected a JSON object at the top level".into(),
+        }),
     }
 }
 

@@ -755,10 +755,10 @@ impl DeepseekV3 {
         let (cache_i8, cache_f32): (&[i8], &[f32]) = (cache_i8, cache_f32);
 
         let mut o = vec![0.0f32; t_count * n * vd];
-        for s in 0..batch.num_seqs() {
+        let attend_seq = |s: usize, o_seq: &mut [f32]| {
             let range = batch.seq_starts[s]..batch.seq_starts[s + 1];
             if range.is_empty() {
-                continue;
+                return;
             }
             let tq = range.len();
             let ctx = batch.positions[range.end - 1] + 1;
@@ -812,7 +812,6 @@ impl DeepseekV3 {
             };
             let q_seq = &q[range.start * n * qk..range.end * n * qk];
             let positions = &batch.positions[range.clone()];
-            let o_seq = &mut o[range.start * n * vd..range.end * n * vd];
             match path {
                 AttentionPath::Naive | AttentionPath::Auto => {
                     self.attend_naive(mla, q_seq, positions, ctx, &latent, o_seq)
@@ -820,6 +819,26 @@ impl DeepseekV3 {
                 AttentionPath::Absorbed => {
                     self.attend_absorbed(mla, q_seq, positions, &latent, o_seq)
                 }
+            }
+        };
+        // Each sequence's slice of `o` (sequences are packed in order).
+        let mut o_seqs: Vec<(usize, &mut [f32])> = Vec::with_capacity(batch.num_seqs());
+        let mut rest: &mut [f32] = &mut o;
+        for s in 0..batch.num_seqs() {
+            let len = (batch.seq_starts[s + 1] - batch.seq_starts[s]) * n * vd;
+            let (mine, others) = std::mem::take(&mut rest).split_at_mut(len);
+            o_seqs.push((s, mine));
+            rest = others;
+        }
+        // Many sequences (a batched decode step): whole sequences go to the pool, each one's
+        // products on one thread, instead of a fork/join per head loop and product per sequence.
+        if batch.num_seqs() >= 2 * rayon::current_num_threads() {
+            o_seqs
+                .into_par_iter()
+                .for_each(|(s, o_seq)| k::serial(|| attend_seq(s, o_seq)));
+        } else {
+            for (s, o_seq) in o_seqs {
+                attend_seq(s, o_seq);
             }
         }
         let mut out = vec![0.0f32; t_count * cfg.hidden_size];
@@ -962,44 +981,57 @@ impl DeepseekV3 {
                 assigned[id].push((t, w));
             }
         }
-        // The routed experts in id order (so a token's sum has the same order whatever else is
-        // batched), then the shared expert over every token: all their products in two
-        // parallel regions (gate+up, then down) instead of three per expert.
-        let mut mlps: Vec<&Mlp> = Vec::new();
-        let mut inputs: Vec<Vec<f32>> = Vec::new();
-        let mut counts: Vec<usize> = Vec::new();
-        for (id, pairs) in assigned.iter().enumerate() {
-            if pairs.is_empty() {
-                continue;
-            }
+        let gather = |pairs: &[(usize, f32)]| {
             let mut xs = Vec::with_capacity(pairs.len() * h);
             for &(t, _) in pairs {
                 xs.extend_from_slice(&x[t * h..(t + 1) * h]);
             }
-            mlps.push(&moe.experts[id]);
-            inputs.push(xs);
-            counts.push(pairs.len());
-        }
-        let n_routed = mlps.len();
-        if let Some(shared) = &moe.shared {
-            mlps.push(shared);
-            inputs.push(Vec::new());
-            counts.push(t_count);
-        }
-        let xs: Vec<&[f32]> = inputs
-            .iter()
-            .enumerate()
-            .map(|(i, v)| if i < n_routed { v.as_slice() } else { x })
-            .collect();
-        let ys = mlp_forward_group(&mlps, &xs, &counts);
+            xs
+        };
+        let active: Vec<usize> = (0..e).filter(|&id| !assigned[id].is_empty()).collect();
+        // With many experts active (a batched step, prefill), the experts go to the pool whole,
+        // each one's products on one thread: one fork/join per layer instead of one per product.
+        // Otherwise (decode) all their products, and the shared expert's, go through
+        // `matmul_group`: two parallel regions (gate+up, then down) instead of three per expert.
+        // The sums below are the same either way.
+        let expert_parallel = t_count > 1 && active.len() >= 2 * rayon::current_num_threads();
+        let mut ys: Vec<Vec<f32>> = if expert_parallel {
+            active
+                .par_iter()
+                .map(|&id| {
+                    let xs = gather(&assigned[id]);
+                    k::serial(|| mlp_forward(&moe.experts[id], &xs, assigned[id].len()))
+                })
+                .collect()
+        } else {
+            let inputs: Vec<Vec<f32>> = active.iter().map(|&id| gather(&assigned[id])).collect();
+            let mut mlps: Vec<&Mlp> = active.iter().map(|&id| &moe.experts[id]).collect();
+            let mut xs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+            let mut counts: Vec<usize> = active.iter().map(|&id| assigned[id].len()).collect();
+            if let Some(sh) = &moe.shared {
+                mlps.push(sh);
+                xs.push(x);
+                counts.push(t_count);
+            }
+            mlp_forward_group(&mlps, &xs, &counts)
+        };
+        let shared_y = if expert_parallel {
+            // The shared expert sees every token: its products are large enough to split by rows.
+            moe.shared.as_ref().map(|sh| mlp_forward(sh, x, t_count))
+        } else if moe.shared.is_some() {
+            ys.pop()
+        } else {
+            None
+        };
         let mut out = vec![0.0f32; t_count * h];
-        for (i, pairs) in assigned.iter().filter(|p| !p.is_empty()).enumerate() {
-            for (j, &(t, w)) in pairs.iter().enumerate() {
-                k::axpy(w, &ys[i][j * h..(j + 1) * h], &mut out[t * h..(t + 1) * h]);
+        // Experts in id order, so a token's sum has the same order whatever else is batched.
+        for (&id, y) in active.iter().zip(&ys) {
+            for (j, &(t, w)) in assigned[id].iter().enumerate() {
+                k::axpy(w, &y[j * h..(j + 1) * h], &mut out[t * h..(t + 1) * h]);
             }
         }
-        if let Some(y) = ys.get(n_routed) {
-            for (a, b) in out.iter_mut().zip(y) {
+        if let Some(y) = shared_y {
+            for (a, b) in out.iter_mut().zip(&y) {
                 *a += b;
             }
         }
@@ -1170,7 +1202,7 @@ pub fn route(
 }
 
 /// Indices of the `k` largest values, largest first; ties to the lower index; NaN never wins.
-fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
+pub(crate) fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..v.len()).collect();
     idx.sort_by(|&a, &b| {
         let (x, y) = (v[a], v[b]);

@@ -4,14 +4,48 @@
 
 use cachalot_kernels as k;
 
-use crate::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
+use crate::batch::{Batch, BlockAllocator, CacheSpec, KvCache, LogitsWanted};
 use crate::deepseek_v3::DeepseekV3;
+use crate::deepseek_v4::DeepseekV4;
 use crate::error::{ModelError, Result};
+
+/// What the whole-sequence helpers need of a model family (DeepSeek-V3 and V4 both run a packed
+/// [`Batch`] through a paged [`KvCache`]).
+pub trait CausalLm {
+    fn cache_spec(&self) -> CacheSpec;
+    fn vocab_size(&self) -> usize;
+    /// Logits of `batch.logits_indices`, row after row.
+    fn logits(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>>;
+}
+
+impl CausalLm for DeepseekV3 {
+    fn cache_spec(&self) -> CacheSpec {
+        DeepseekV3::cache_spec(self)
+    }
+    fn vocab_size(&self) -> usize {
+        self.config().vocab_size
+    }
+    fn logits(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>> {
+        Ok(self.forward(batch, cache, false)?.logits)
+    }
+}
+
+impl CausalLm for DeepseekV4 {
+    fn cache_spec(&self) -> CacheSpec {
+        DeepseekV4::cache_spec(self)
+    }
+    fn vocab_size(&self) -> usize {
+        self.config().vocab_size
+    }
+    fn logits(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>> {
+        Ok(self.forward(batch, cache, false)?.logits)
+    }
+}
 
 /// Cache block size used by these helpers (the seed system's is 128).
 pub const BLOCK_SIZE: usize = 128;
 
-fn cache_for(model: &DeepseekV3, tokens: usize) -> (KvCache, BlockAllocator) {
+fn cache_for<M: CausalLm + ?Sized>(model: &M, tokens: usize) -> (KvCache, BlockAllocator) {
     let blocks = tokens.div_ceil(BLOCK_SIZE).max(1);
     (
         KvCache::new(model.cache_spec(), BLOCK_SIZE, blocks),
@@ -21,7 +55,11 @@ fn cache_for(model: &DeepseekV3, tokens: usize) -> (KvCache, BlockAllocator) {
 
 /// Log-probability of each next token: `out[i] = log p(tokens[i+1] | tokens[..=i])`, computed
 /// with prefill chunks of at most `chunk` tokens.
-pub fn next_token_logprobs(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
+pub fn next_token_logprobs<M: CausalLm + ?Sized>(
+    model: &M,
+    tokens: &[u32],
+    chunk: usize,
+) -> Result<Vec<f32>> {
     if tokens.len() < 2 {
         return Err(ModelError::Batch(format!(
             "perplexity needs at least 2 tokens, got {}",
@@ -29,7 +67,7 @@ pub fn next_token_logprobs(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> 
         )));
     }
     let chunk = chunk.max(1);
-    let vocab = model.config().vocab_size;
+    let vocab = model.vocab_size();
     let (mut cache, mut alloc) = cache_for(model, tokens.len());
     let mut table = Vec::new();
     let mut out = Vec::with_capacity(tokens.len() - 1);
@@ -39,8 +77,8 @@ pub fn next_token_logprobs(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> 
         alloc.ensure(&mut table, end, BLOCK_SIZE)?;
         let mut batch = Batch::default();
         batch.push_seq(&tokens[start..end], start, table.clone(), LogitsWanted::All);
-        let fwd = model.forward(&batch, &mut cache, false)?;
-        for (j, row) in fwd.logits.chunks_exact(vocab).enumerate() {
+        let logits = model.logits(&batch, &mut cache)?;
+        for (j, row) in logits.chunks_exact(vocab).enumerate() {
             out.push(k::log_softmax_at(row, tokens[start + j + 1] as usize));
         }
         start = end;
@@ -56,7 +94,7 @@ pub fn nll_ppl(logprobs: &[f32]) -> (f64, f64) {
 
 /// Greedy continuation of `prompt` by `n_new` tokens (prefill once, then one token per step;
 /// no stop tokens).
-pub fn greedy(model: &DeepseekV3, prompt: &[u32], n_new: usize) -> Result<Vec<u32>> {
+pub fn greedy<M: CausalLm + ?Sized>(model: &M, prompt: &[u32], n_new: usize) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         return Err(ModelError::Batch("the prompt is empty".into()));
     }
@@ -69,8 +107,8 @@ pub fn greedy(model: &DeepseekV3, prompt: &[u32], n_new: usize) -> Result<Vec<u3
         alloc.ensure(&mut table, pos + step_tokens.len(), BLOCK_SIZE)?;
         let mut batch = Batch::default();
         batch.push_seq(&step_tokens, pos, table.clone(), LogitsWanted::Last);
-        let fwd = model.forward(&batch, &mut cache, false)?;
-        let next = k::argmax(&fwd.logits) as u32;
+        let logits = model.logits(&batch, &mut cache)?;
+        let next = k::argmax(&logits) as u32;
         pos += step_tokens.len();
         out.push(next);
         step_tokens = vec![next];
@@ -295,8 +333,8 @@ pub fn latent_absmax(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> Result
 /// Log-probabilities over consecutive, non-overlapping windows of `window` tokens, each its own
 /// causal context from position 0 (how models are scored past their training context); every
 /// token but a window's first is scored. `window = 0` means one context over everything.
-pub fn windowed_logprobs(
-    model: &DeepseekV3,
+pub fn windowed_logprobs<M: CausalLm + ?Sized>(
+    model: &M,
     tokens: &[u32],
     window: usize,
     chunk: usize,

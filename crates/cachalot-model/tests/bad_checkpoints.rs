@@ -2,67 +2,24 @@
 
 use std::path::{Path, PathBuf};
 
-use cachalot_model::{DeepseekV3, LoadOptions};
-use safetensors::tensor::{Dtype, TensorView};
-use safetensors::SafeTensors;
+use cachalot_model::{DeepseekV3, DeepseekV4, LoadOptions, V4LoadOptions};
+use safetensors::tensor::Dtype;
 use serde_json::Value;
+
+mod common;
+use common::{copy_dir, index, rewrite, shard_of};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny")
 }
 
 fn copy_fixture() -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture()).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
-    }
-    tmp
+    copy_dir(&fixture())
 }
 
-fn index(dir: &Path) -> Value {
-    serde_json::from_str(
-        &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
-    )
-    .unwrap()
-}
-
-fn shard_of(dir: &Path, tensor: &str) -> String {
-    index(dir)["weight_map"][tensor]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
-/// Rewrites the shard holding `tensor` through `edit` (which gets the tensor list) and keeps the
-/// index in step.
-fn rewrite(
-    dir: &Path,
-    shard: &str,
-    edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>),
-) {
-    let path = dir.join(shard);
-    let bytes = std::fs::read(&path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
-        .collect();
-    edit(&mut tensors);
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    let out = safetensors::serialize(views, None).unwrap();
-    std::fs::write(&path, out).unwrap();
-    let mut idx = index(dir);
-    let map = idx["weight_map"].as_object_mut().unwrap();
-    map.retain(|_, f| f.as_str() != Some(shard));
-    for (n, ..) in &tensors {
-        map.insert(n.clone(), Value::from(shard));
-    }
-    std::fs::write(dir.join("model.safetensors.index.json"), idx.to_string()).unwrap();
+/// A copy of the tiny DeepSeek-V4 Flash-like fixture.
+fn copy_v4() -> tempfile::TempDir {
+    copy_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny"))
 }
 
 fn load_err(dir: &Path) -> String {
@@ -182,4 +139,111 @@ fn config_mismatch_is_reported() {
     std::fs::write(&p, cfg.to_string()).unwrap();
     let e = load_err(tmp.path());
     assert!(e.contains("shape"), "{e}");
+}
+
+fn load_err_v4(dir: &Path) -> String {
+    match DeepseekV4::load(dir, V4LoadOptions { load_mtp: true }) {
+        Ok(_) => panic!("loading a broken V4 checkpoint succeeded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn v4_missing_tensors_and_scales_are_named() {
+    for name in [
+        "layers.2.attn.indexer.compressor.ape",
+        "layers.3.ffn.experts.5.w2.scale",
+        "layers.1.attn.wo_a.scale",
+        "mtp.0.h_proj.weight",
+        "layers.0.ffn.gate.tid2eid",
+    ] {
+        let tmp = copy_v4();
+        let shard = shard_of(tmp.path(), name);
+        rewrite(tmp.path(), &shard, |t| t.retain(|(n, ..)| n != name));
+        let e = load_err_v4(tmp.path());
+        assert!(e.contains(name) && e.contains("missing"), "{name}: {e}");
+    }
+}
+
+#[test]
+fn v4_bad_scales_dtypes_and_tables_are_named() {
+    // A NaN (255) E8M0 block scale.
+    let tmp = copy_v4();
+    let name = "layers.0.attn.wq_b.scale";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| {
+        for (n, _, _, b) in t.iter_mut() {
+            if n == name {
+                b[0] = 255;
+            }
+        }
+    });
+    let e = load_err_v4(tmp.path());
+    assert!(e.contains(name) && e.contains("NaN"), "{e}");
+    // A NaN MXFP4 group scale.
+    let tmp = copy_v4();
+    let name = "layers.1.ffn.experts.0.w1.scale";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| {
+        for (n, _, _, b) in t.iter_mut() {
+            if n == name {
+                b[3] = 255;
+            }
+        }
+    });
+    let e = load_err_v4(tmp.path());
+    assert!(e.contains(name) && e.contains("NaN"), "{e}");
+    // An expert id outside the expert range in tid2eid.
+    let tmp = copy_v4();
+    let name = "layers.1.ffn.gate.tid2eid";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| {
+        for (n, _, _, b) in t.iter_mut() {
+            if n == name {
+                b[8..16].copy_from_slice(&99i64.to_le_bytes());
+            }
+        }
+    });
+    let e = load_err_v4(tmp.path());
+    assert!(e.contains(name) && e.contains("expert 99"), "{e}");
+    // An unsupported weight dtype.
+    let tmp = copy_v4();
+    let name = "layers.3.attn.wkv.weight";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| {
+        for (n, d, _, _) in t.iter_mut() {
+            if n == name {
+                *d = Dtype::F8_E5M2;
+            }
+        }
+    });
+    let e = load_err_v4(tmp.path());
+    assert!(e.contains(name) && e.contains("F8_E5M2"), "{e}");
+}
+
+#[test]
+fn v4_config_mismatch_is_reported() {
+    // One layer fewer in the config: layer 3's tensors are left over and reported by name.
+    let tmp = copy_v4();
+    let p = tmp.path().join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    c["num_hidden_layers"] = Value::from(3);
+    c["compress_ratios"] = serde_json::json!([0, 0, 4, 0]);
+    std::fs::write(&p, c.to_string()).unwrap();
+    let e = load_err_v4(tmp.path());
+    assert!(
+        e.contains("layers.3.") && e.contains("not part of the model"),
+        "{e}"
+    );
+    // A compress ratio that disagrees with the tensors present.
+    let tmp = copy_v4();
+    let p = tmp.path().join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    c["compress_ratios"][0] = Value::from(128);
+    std::fs::write(&p, c.to_string()).unwrap();
+    let e = load_err_v4(tmp.path());
+    assert!(
+        e.contains("layers.0.attn.compressor") && e.contains("missing"),
+        "{e}"
+    );
 }

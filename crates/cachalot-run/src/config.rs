@@ -59,9 +59,6 @@ pub const MODEL_NAMES: &[&str] = &[
     "kimi_k2_thinking",
     "deepseek_v4",
 ];
-/// Of [`MODEL_NAMES`], the ones cachalot runs today.
-pub const MODEL_NAMES_RUNNABLE: &[&str] =
-    &["deepseek_r1", "deepseek_v3", "kimi_k2", "kimi_k2_thinking"];
 pub const DATASETS: &[&str] = &["default", "LongBench", "InfiniteBench"];
 
 const MODEL_KEYS: &[Key] = &[

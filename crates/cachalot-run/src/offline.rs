@@ -1,6 +1,8 @@
 //! An offline run (spec `executor.md` §2): a YAML config's model, dataset and scheduler settings
 //! through the engine, with the figures written to `res/<run-id>/`: `summary.json`,
 //! `requests.jsonl` (prompt, output, timings per request) and `run.log` (one line per step).
+//! `model_config.next_n` > 0 loads the MTP layer and runs MTP speculative decoding in the engine
+//! (spec `executor.md` §2.8), with its figures under `mtp` in the summary.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -12,10 +14,12 @@ use cachalot_engine::{
     Engine, EngineConfig, Model, Request, RequestOutput, SamplingParams, StopConditions,
 };
 use cachalot_model::tokenizer::{ChatTemplate, Tokenizer};
-use cachalot_model::{DeepseekV3, Fp8Mode, LoadOptions};
+use cachalot_model::{
+    detect_family, DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, ModelFamily, V4LoadOptions,
+};
 use serde::Serialize;
 
-use crate::config::{RunConfig, MODEL_NAMES_RUNNABLE};
+use crate::config::RunConfig;
 use crate::dataset::{self, PromptBuilder};
 
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -84,6 +88,26 @@ pub struct Summary {
     pub kv_peak_fraction: f64,
     pub kv_cache_bytes: usize,
     pub finish_reasons: std::collections::BTreeMap<String, usize>,
+    /// MTP speculative decoding figures (absent when `next_n` is 0).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mtp: Option<MtpSummary>,
+}
+
+/// Figures of MTP speculative decoding over a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct MtpSummary {
+    pub next_n: usize,
+    /// Draft tokens verified, and accepted.
+    pub drafted: usize,
+    pub accepted: usize,
+    /// accepted / drafted.
+    pub acceptance_rate: f64,
+    /// Tokens emitted per verifying step of a request (accepted drafts + 1).
+    pub mean_accepted_length: f64,
+    /// Tokens emitted per main-model forward of a request (prefill sampling steps included).
+    pub tokens_per_main_step: f64,
+    /// Time in the MTP layer's forwards (included in the step times).
+    pub draft_s: f64,
 }
 
 pub struct RunResult {
@@ -147,14 +171,6 @@ fn new_run_dir(res: &Path, model_name: &str, config: &Path) -> std::io::Result<(
 /// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     let m = &cfg.model_config;
-    if !MODEL_NAMES_RUNNABLE.contains(&m.model_name.as_str()) {
-        return Err(format!(
-            "model_config.model_name {:?} does not run here yet (runs: {})",
-            m.model_name,
-            MODEL_NAMES_RUNNABLE.join(", ")
-        )
-        .into());
-    }
     if !m.with_ckpt {
         return Err(
             "model_config.with_ckpt: false (random weights) is not supported; \
@@ -189,13 +205,45 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     logln!("{}", serde_json::to_string(cfg)?);
 
     let t_load = Instant::now();
-    let model = DeepseekV3::load(
-        &model_dir,
-        LoadOptions {
-            fp8: opts.fp8,
-            load_mtp: false,
-        },
-    )?;
+    // The checkpoint decides the family; model_name must agree with it.
+    let family = detect_family(&model_dir)?;
+    let named_v4 = m.model_name == "deepseek_v4";
+    if named_v4 != (family == ModelFamily::DeepseekV4) {
+        return Err(format!(
+            "model_config.model_name {:?} does not match the checkpoint in {} ({family:?}); \
+             use model_name \"{}\"",
+            m.model_name,
+            model_dir.display(),
+            if family == ModelFamily::DeepseekV4 {
+                "deepseek_v4"
+            } else {
+                "deepseek_r1"
+            }
+        )
+        .into());
+    }
+    let (v3, v4);
+    let (model, config_eos): (&(dyn Model + Sync), Vec<u32>) = match family {
+        ModelFamily::DeepseekV3 => {
+            v3 = DeepseekV3::load(
+                &model_dir,
+                LoadOptions {
+                    fp8: opts.fp8,
+                    load_mtp: m.next_n > 0,
+                },
+            )?;
+            (&v3, v3.config().eos_token_ids.clone())
+        }
+        ModelFamily::DeepseekV4 => {
+            v4 = DeepseekV4::load(
+                &model_dir,
+                V4LoadOptions {
+                    load_mtp: m.next_n > 0,
+                },
+            )?;
+            (&v4, v4.config().eos_token_ids.clone())
+        }
+    };
     let load_s = t_load.elapsed().as_secs_f64();
     logln!("loaded {} in {load_s:.2}s", model_dir.display());
     let tokenizer = Tokenizer::from_dir(&model_dir)?;
@@ -246,7 +294,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
 
     // KV pool: the seed's offline sizing, capped by the memory budget.
     let block_size = s.block_size;
-    let per_block = kv_bytes_per_block(Model::cache_spec(&model), block_size);
+    let per_block = kv_bytes_per_block(model.cache_spec(), block_size);
     let seed_blocks = cfg.max_total_len().div_ceil(block_size) * s.batch_size + 1;
     let num_blocks = match opts.kv_blocks {
         Some(n) => n,
@@ -263,14 +311,24 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         per_block
     );
 
-    let stop_ids = StopConditions::model_eos(&model, Some(&tokenizer), &model_dir);
+    let stop_ids = StopConditions::eos_ids(&config_eos, Some(&tokenizer), &model_dir);
     let engine_cfg = EngineConfig {
         block_size,
         num_blocks,
         batch_size: s.batch_size,
         max_prefill_tokens: cfg.max_prefill_tokens(),
     };
-    let mut engine = Engine::new(&model, Some(&tokenizer), engine_cfg)?;
+    let mut engine = Engine::new(model, Some(&tokenizer), engine_cfg)?;
+    if m.next_n > 0 {
+        engine.enable_mtp(m.next_n).map_err(|e| {
+            format!(
+                "model_config.next_n {}: {e} ({})",
+                m.next_n,
+                model_dir.display()
+            )
+        })?;
+        logln!("MTP speculative decoding: {} drafts per step", m.next_n);
+    }
     let mut prompt_tokens = 0;
     for (i, p) in prepared.iter().enumerate() {
         prompt_tokens += p.ids.len();
@@ -313,12 +371,22 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         step += 1;
         let done = engine.take_finished();
         logln!(
-            "step {step}: {} seqs, prefill {} + decode {} tokens, {:.2} ms, KV {}/{capacity}{}",
+            "step {step}: {} seqs, prefill {} + decode {} tokens, {:.2} ms, KV {}/{capacity}{}{}",
             r.seqs,
             r.prefill_tokens,
             r.decode_tokens,
             r.forward_s * 1e3,
             r.kv_used_blocks,
+            if r.drafted > 0 {
+                format!(
+                    ", MTP {:.2} ms, {}/{} drafts accepted",
+                    r.draft_s * 1e3,
+                    r.accepted,
+                    r.drafted
+                )
+            } else {
+                String::new()
+            },
             if r.preempted > 0 {
                 format!(", {} preempted", r.preempted)
             } else {
@@ -380,7 +448,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
             total_tok_s: per(output_tokens + prompt_tokens, wall_s),
             output_tok_s_per_rank: output_tok_s,
             prefill_tok_s: per(stats.prefill_tokens, stats.prefill_step_s),
-            decode_tok_s: per(stats.decode_tokens, stats.decode_step_s),
+            decode_tok_s: per(stats.decode_sampled, stats.decode_step_s),
         },
         ttft_s: Distribution::of(&ttft),
         tpot_s: Distribution::of(&tpot),
@@ -398,6 +466,15 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         kv_peak_fraction: stats.kv_peak_blocks as f64 / stats.kv_capacity_blocks as f64,
         kv_cache_bytes: engine.cache_bytes(),
         finish_reasons,
+        mtp: (stats.mtp_next_n > 0).then(|| MtpSummary {
+            next_n: stats.mtp_next_n,
+            drafted: stats.drafted,
+            accepted: stats.accepted_drafts,
+            acceptance_rate: stats.acceptance_rate(),
+            mean_accepted_length: stats.mean_accepted_length(),
+            tokens_per_main_step: stats.tokens_per_main_step(),
+            draft_s: stats.draft_s,
+        }),
     };
     std::fs::write(
         dir.join("summary.json"),
@@ -441,7 +518,7 @@ pub fn summary_table(s: &Summary) -> String {
     let ms = |x: f64| format!("{:.2} ms", x * 1e3);
     let spread =
         |d: &Distribution| format!("mean {}  p50 {}  p99 {}", ms(d.mean), ms(d.p50), ms(d.p99));
-    let rows: Vec<(String, String)> = vec![
+    let mut rows: Vec<(String, String)> = vec![
         ("run".into(), s.run_id.clone()),
         (
             "requests".into(),
@@ -491,6 +568,22 @@ pub fn summary_table(s: &Summary) -> String {
                 .join(", "),
         ),
     ];
+    if let Some(m) = &s.mtp {
+        rows.push((
+            "MTP".into(),
+            format!(
+                "next_n {}: acceptance {:.2} ({}/{}), {:.2} tokens per verify step, {:.2} per \
+                 main step, {:.2} s drafting",
+                m.next_n,
+                m.acceptance_rate,
+                m.accepted,
+                m.drafted,
+                m.mean_accepted_length,
+                m.tokens_per_main_step,
+                m.draft_s
+            ),
+        ));
+    }
     let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     rows.iter()
         .map(|(k, v)| format!("{k:<w$}  {v}\n"))

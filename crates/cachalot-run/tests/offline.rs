@@ -103,10 +103,91 @@ fn a_missing_model_or_dataset_says_what_to_do() {
         e.contains("no config.json there") && e.contains("repository root"),
         "{e}"
     );
-    cfg.model_config.model_name = "deepseek_v4".into();
-    let e = run(&cfg, &opts(tmp.path(), None))
+}
+
+/// `model_config.next_n` runs MTP speculative decoding in the engine: the same greedy outputs
+/// as without it (batched, chunked, preempting), and the MTP figures in summary.json.
+#[test]
+fn next_n_runs_speculative_decoding_with_the_same_outputs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = root().join("dataset");
+    let plain = run(&config(6, 20, &data), &opts(tmp.path(), Some(30))).unwrap();
+    for next_n in [1, 3] {
+        let mut cfg = config(6, 20, &data);
+        cfg.model_config.next_n = next_n;
+        let spec = run(&cfg, &opts(tmp.path(), Some(30))).unwrap();
+        for (a, b) in plain.outputs.iter().zip(&spec.outputs) {
+            assert_eq!(a.tokens, b.tokens, "next_n {next_n}: request {}", a.id);
+        }
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(spec.dir.join("summary.json")).unwrap())
+                .unwrap();
+        let m = &summary["mtp"];
+        assert_eq!(m["next_n"], next_n);
+        assert!(m["drafted"].as_u64().unwrap() > 0, "{m}");
+        for key in [
+            "acceptance_rate",
+            "mean_accepted_length",
+            "tokens_per_main_step",
+        ] {
+            assert!(m[key].as_f64().is_some(), "summary.json mtp lacks {key}");
+        }
+        assert!(offline_table_mentions_mtp(&spec.summary));
+    }
+    assert!(plain.summary.mtp.is_none());
+}
+
+fn offline_table_mentions_mtp(s: &cachalot_run::offline::Summary) -> bool {
+    cachalot_run::offline::summary_table(s).contains("MTP")
+}
+
+fn v4_config(model_name: &str, batch: usize, budget: usize, next_n: usize) -> RunConfig {
+    let yaml = format!(
+        "model_config:\n  model_name: {model_name}\n  model_path: {}\n  next_n: {next_n}\n\
+         data_config:\n  dataset: default\n  dataset_path: {}\n  input_truncated_len: 96\n  num_requests: 6\n\
+         scheduler_config:\n  block_size: 8\n  batch_size: {batch}\n  max_new_tokens: 140\n  max_prefill_tokens: {budget}\n",
+        root().join("fixtures/v4/flash_tiny").display(),
+        root().join("dataset").display(),
+    );
+    RunConfig::from_yaml(&yaml, Path::new("v4.yaml")).unwrap()
+}
+
+/// A DeepSeek-V4 checkpoint runs through the same engine: a batched run with chunked prefill
+/// (past the 128-token window and several compressed blocks), with and without MTP drafts,
+/// equals each request alone.
+#[test]
+fn v4_batched_run_equals_one_at_a_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut o = opts(tmp.path(), None);
+    o.chat_template = None;
+    let alone = run(&v4_config("deepseek_v4", 1, 4096, 0), &o).unwrap();
+    let batched = run(&v4_config("deepseek_v4", 4, 24, 0), &o).unwrap();
+    // V4's MTP block drafts through the same engine path (its hidden state is the 4 streams).
+    let mtp = run(&v4_config("deepseek_v4", 4, 24, 2), &o).unwrap();
+    assert!(mtp.summary.mtp.is_some());
+    assert_eq!(alone.outputs.len(), 6);
+    for ((a, b), c) in alone.outputs.iter().zip(&batched.outputs).zip(&mtp.outputs) {
+        assert_eq!(a.tokens, c.tokens, "request {} with MTP", a.id);
+        assert!(
+            a.prompt.len() + a.tokens.len() > 128,
+            "request {} stays in the window",
+            a.id
+        );
+        assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+    }
+}
+
+#[test]
+fn v4_model_name_must_match_the_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut o = opts(tmp.path(), None);
+    o.chat_template = None;
+    let err = run(&v4_config("deepseek_r1", 1, 4096, 0), &o)
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("does not run here yet"), "{e}");
+    assert!(
+        err.contains("model_config.model_name") && err.contains("deepseek_v4"),
+        "{err}"
+    );
 }

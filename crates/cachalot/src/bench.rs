@@ -27,12 +27,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
-use cachalot_model::eval::{self, BLOCK_SIZE};
+use cachalot_model::eval::{CausalLm, BLOCK_SIZE};
 use cachalot_model::tokenizer::Tokenizer;
-use cachalot_model::{DeepseekV3, Fp8Mode, LoadOptions};
+use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, ModelFamily, V4LoadOptions};
 use serde_json::json;
 
-use crate::{load, model_dir, Fp8Arg, ModelArgs};
+use crate::{load, load_model, model_dir, Fp8Arg, ModelArgs};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -55,9 +55,13 @@ pub struct BenchArgs {
     /// Decode steps after the prompt.
     #[arg(long, alias = "decode-len", default_value_t = 32)]
     gen_len: usize,
-    /// Also time decode with this many sequences per step (batch 1 is always timed).
+    /// Also time decode with this many sequences per step (batch 1 is always timed). With
+    /// --mtp: requests decoded at once through the engine (consecutive slices of the prompt file).
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// With --mtp: alternating runs of each kind (medians are reported).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
     /// Threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -118,13 +122,17 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         None => None,
     };
     if args.mtp > 0 {
-        return bench_mtp(
-            &args.model,
-            args.prompt_file.as_deref(),
-            args.prompt_len,
-            args.gen_len,
-            args.mtp,
-        );
+        let b = MtpBench {
+            prompt_len: args.prompt_len,
+            decode_len: args.gen_len,
+            next_n: args.mtp,
+            batch: args.batch,
+            runs: args.runs,
+        };
+        return bench_mtp(&args.model, args.prompt_file.as_deref(), &b);
+    }
+    if detect_family(&model_dir(&args.model)?)? == ModelFamily::DeepseekV4 {
+        return bench_v4(&args.model, args.prompt_len, args.gen_len);
     }
     let report = bench(&args)?;
     drop(random);
@@ -452,31 +460,85 @@ fn print_text(r: &serde_json::Value) {
     );
 }
 
-/// Plain greedy decode vs MTP speculative decode on one prompt: three alternating runs each,
-/// medians reported, with the acceptance figures of the speculative runs.
-fn bench_mtp(
-    args: &ModelArgs,
-    prompt_file: Option<&Path>,
+/// Prefill `prompt` then greedy-decode `decode_len` tokens: (prefill seconds, per-step decode
+/// seconds, cache bytes).
+fn time_prefill_decode<M: CausalLm>(
+    m: &M,
+    prompt: &[u32],
+    decode_len: usize,
+) -> Result<(f64, Vec<f64>, usize)> {
+    let total = prompt.len() + decode_len;
+    let blocks = total.div_ceil(BLOCK_SIZE);
+    let mut cache = KvCache::new(m.cache_spec(), BLOCK_SIZE, blocks);
+    let mut alloc = BlockAllocator::new(blocks);
+    let mut table = Vec::new();
+    alloc.ensure(&mut table, total, BLOCK_SIZE)?;
+    let mut batch = Batch::default();
+    batch.push_seq(prompt, 0, table.clone(), LogitsWanted::Last);
+    let t = Instant::now();
+    let logits = m.logits(&batch, &mut cache)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let mut next = cachalot_kernels::argmax(&logits) as u32;
+    let mut step_times = Vec::with_capacity(decode_len);
+    for i in 0..decode_len {
+        let mut b = Batch::default();
+        b.push_seq(&[next], prompt.len() + i, table.clone(), LogitsWanted::Last);
+        let t = Instant::now();
+        let logits = m.logits(&b, &mut cache)?;
+        step_times.push(t.elapsed().as_secs_f64());
+        next = cachalot_kernels::argmax(&logits) as u32;
+    }
+    Ok((prefill_s, step_times, cache.bytes()))
+}
+
+/// `bench` for a DeepSeek-V4 model directory: load, prefill and decode timings.
+fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
+    let dir = model_dir(args)?;
+    let t0 = Instant::now();
+    let m = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let prompt = random_prompt(prompt_len, m.config().vocab_size, 0);
+    let (prefill_s, step_times, kv_bytes) = time_prefill_decode(&m, &prompt, decode_len)?;
+    let decode_s: f64 = step_times.iter().sum();
+    let v = serde_json::json!({
+        "model": dir.display().to_string(),
+        "family": "deepseek_v4",
+        "threads": rayon::current_num_threads(),
+        "decode_bytes_per_token": m.decode_bytes_per_token(),
+        "load_s": load_s,
+        "prompt_len": prompt.len(),
+        "prefill_s": prefill_s,
+        "prefill_tok_s": prompt.len() as f64 / prefill_s,
+        "decode_len": decode_len,
+        "tpot_ms": decode_s / decode_len.max(1) as f64 * 1e3,
+        "decode_tok_s": if decode_len > 0 { decode_len as f64 / decode_s } else { 0.0 },
+        "kv_cache_bytes": kv_bytes,
+    });
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
+/// Settings of `bench --mtp`.
+struct MtpBench {
     prompt_len: usize,
     decode_len: usize,
     next_n: usize,
-) -> Result<()> {
+    batch: usize,
+    runs: usize,
+}
+
+/// Plain greedy decode vs MTP speculative decode through the engine, `batch` requests at once
+/// (consecutive slices of the prompt file): alternating runs of each, medians reported, with
+/// the acceptance figures of the speculative runs; the outputs must be equal.
+fn bench_mtp(args: &ModelArgs, prompt_file: Option<&Path>, b: &MtpBench) -> Result<()> {
+    use cachalot_engine::metrics::EngineStats;
+    use cachalot_engine::{Engine, EngineConfig, Request, SamplingParams, StopConditions};
     let dir = model_dir(args)?;
-    let opts = LoadOptions {
-        fp8: match args.fp8 {
-            Fp8Arg::Native => Fp8Mode::Native,
-            Fp8Arg::F32 => Fp8Mode::DequantizeF32,
-        },
-        load_mtp: true,
-    };
-    let m = DeepseekV3::load(&dir, opts)?;
-    if m.mtp_layers().is_empty() {
-        bail!(
-            "{}: the checkpoint has no MTP layer (num_nextn_predict_layers = 0); --mtp needs one",
-            dir.display()
-        );
+    let m = load_model(args, true)?;
+    if b.next_n > 3 || b.batch == 0 || b.runs == 0 {
+        bail!("--mtp takes 1 to 3 drafts, --batch and --runs at least 1");
     }
-    let mut prompt = match prompt_file {
+    let ids = match prompt_file {
         Some(f) => {
             let text = std::fs::read_to_string(f)
                 .with_context(|| format!("cannot read {}", f.display()))?;
@@ -484,36 +546,92 @@ fn bench_mtp(
         }
         None => bail!("--mtp needs --prompt-file TEXT (acceptance on random ids means nothing)"),
     };
-    prompt.truncate(prompt_len.max(1));
-    let mut plain_s = Vec::new();
-    let mut spec_s = Vec::new();
-    let mut stats = eval::MtpStats::default();
-    for _ in 0..3 {
+    let len = b.prompt_len.max(1);
+    if ids.len() < len * b.batch {
+        bail!(
+            "--prompt-file has {} tokens; --batch {} prompts of {len} need {}",
+            ids.len(),
+            b.batch,
+            len * b.batch
+        );
+    }
+    let prompts: Vec<&[u32]> = ids.chunks_exact(len).take(b.batch).collect();
+    let total = len + b.decode_len + b.next_n + 1;
+    let cfg = EngineConfig {
+        block_size: BLOCK_SIZE,
+        num_blocks: total.div_ceil(BLOCK_SIZE) * b.batch + 1,
+        batch_size: b.batch,
+        max_prefill_tokens: len * b.batch,
+    };
+    let run = |next_n: usize| -> Result<(f64, Vec<Vec<u32>>, EngineStats)> {
+        let mut engine = Engine::new(&m, None, cfg)?;
+        if next_n > 0 {
+            engine.enable_mtp(next_n)?;
+        }
+        for p in &prompts {
+            engine.add_request(Request {
+                prompt: p.to_vec(),
+                params: SamplingParams::greedy(),
+                stop: StopConditions {
+                    max_new_tokens: b.decode_len,
+                    ..Default::default()
+                },
+                ignore_eos: true,
+            })?;
+        }
         let t = Instant::now();
-        let a = eval::greedy(&m, &prompt, decode_len)?;
-        plain_s.push(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        let (b, st) = eval::greedy_mtp(&m, &prompt, decode_len, next_n)?;
-        spec_s.push(t.elapsed().as_secs_f64());
-        if a != b {
+        // The whole loop on a pool worker: its many small parallel products then fork and
+        // join inside the pool instead of waking the pool from outside for each one.
+        let mut outs = rayon::scope(|_| engine.run_to_completion(|_, _| {}))?;
+        let s = t.elapsed().as_secs_f64();
+        outs.sort_by_key(|o| o.id);
+        Ok((
+            s,
+            outs.into_iter().map(|o| o.tokens).collect(),
+            engine.stats().clone(),
+        ))
+    };
+    let (mut plain_s, mut spec_s) = (Vec::new(), Vec::new());
+    let (mut plain_step, mut spec_step, mut draft_step) = (Vec::new(), Vec::new(), Vec::new());
+    let mut stats = EngineStats::default();
+    for _ in 0..b.runs {
+        let (p, a, ps) = run(0)?;
+        let (s, c, st) = run(b.next_n)?;
+        if a != c {
             bail!("speculative output differs from greedy output; this is a bug");
         }
+        plain_s.push(p);
+        spec_s.push(s);
+        let per = |x: f64, n: usize| x / n.max(1) as f64 * 1e3;
+        plain_step.push(per(ps.decode_step_s, ps.decode_steps));
+        spec_step.push(per(st.decode_step_s, st.decode_steps));
+        draft_step.push(per(st.draft_s, st.steps));
         stats = st;
     }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
     let (p, s) = (median(&mut plain_s), median(&mut spec_s));
-    let v = json!({
+    let tokens = (b.decode_len * b.batch) as f64;
+    let v = serde_json::json!({
         "model": dir.display().to_string(),
-        "mtp": next_n,
-        "prompt_len": prompt.len(),
-        "decode_len": decode_len,
-        "plain_tok_s": decode_len as f64 / p,
-        "mtp_tok_s": decode_len as f64 / s,
+        "mtp": b.next_n,
+        "batch": b.batch,
+        "prompt_len": len,
+        "decode_len": b.decode_len,
+        "runs": b.runs,
+        "plain_tok_s": tokens / p,
+        "mtp_tok_s": tokens / s,
         "speedup": p / s,
         "drafted": stats.drafted,
-        "accepted": stats.accepted,
+        "accepted": stats.accepted_drafts,
         "acceptance_rate": stats.acceptance_rate(),
-        "main_steps": stats.main_steps,
-        "tokens_per_main_step": decode_len as f64 / stats.main_steps as f64,
+        "mean_accepted_length": stats.mean_accepted_length(),
+        "tokens_per_main_step": stats.tokens_per_main_step(),
+        "plain_decode_step_ms": median(&mut plain_step),
+        "mtp_decode_step_ms": median(&mut spec_step),
+        "mtp_draft_ms_per_step": median(&mut draft_step),
     });
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())

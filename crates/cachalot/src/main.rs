@@ -12,7 +12,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use cachalot_model::eval;
 use cachalot_model::tokenizer::Tokenizer;
-use cachalot_model::{AttentionPath, DeepseekV3, Fp8Mode, LoadOptions};
+use cachalot_model::{
+    detect_family, AttentionPath, DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, ModelFamily,
+    V4LoadOptions,
+};
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -127,14 +130,26 @@ fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
 }
 
 fn load(args: &ModelArgs) -> Result<DeepseekV3> {
+    load_model(args, false)
+}
+
+/// The model, with its MTP layer when `load_mtp` (an error when it has none).
+fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
     let opts = LoadOptions {
         fp8: match args.fp8 {
             Fp8Arg::Native => Fp8Mode::Native,
             Fp8Arg::F32 => Fp8Mode::DequantizeF32,
         },
-        load_mtp: false,
+        load_mtp,
     };
-    let mut model = DeepseekV3::load(&model_dir(args)?, opts)?;
+    let dir = model_dir(args)?;
+    let mut model = DeepseekV3::load(&dir, opts)?;
+    if load_mtp && model.mtp_layers().is_empty() {
+        bail!(
+            "{}: the checkpoint has no MTP layer (num_nextn_predict_layers = 0); --mtp needs one",
+            dir.display()
+        );
+    }
     model.attention_path = match args.attention {
         AttnArg::Auto => AttentionPath::Auto,
         AttnArg::Naive => AttentionPath::Naive,
@@ -174,9 +189,17 @@ fn run() -> Result<()> {
             window,
             json,
         } => {
-            let ids = tokens(&input, &model_dir(&model)?)?;
-            let m = load(&model)?;
-            let lp = eval::windowed_logprobs(&m, &ids, window, chunk)?;
+            let dir = model_dir(&model)?;
+            let ids = tokens(&input, &dir)?;
+            let lp = match detect_family(&dir)? {
+                ModelFamily::DeepseekV3 => {
+                    eval::windowed_logprobs(&load(&model)?, &ids, window, chunk)?
+                }
+                ModelFamily::DeepseekV4 => {
+                    let m = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+                    eval::windowed_logprobs(&m, &ids, window, chunk)?
+                }
+            };
             let (nll, ppl) = eval::nll_ppl(&lp);
             if json {
                 let v = serde_json::json!({"n_tokens": ids.len(), "logprobs": lp, "nll": nll, "ppl": ppl});

@@ -41,6 +41,10 @@ pub struct RunArgs {
     /// Print summary.json instead of the table.
     #[arg(long)]
     json: bool,
+    /// MTP speculative decoding with N (1-3) drafts per step, 0 to turn it off (overrides
+    /// model_config.next_n).
+    #[arg(long, value_name = "N")]
+    mtp: Option<usize>,
 }
 
 fn config_path(args: &RunArgs) -> Result<PathBuf> {
@@ -84,7 +88,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
             .build_global()?;
     }
     let path = config_path(args)?;
-    let cfg = RunConfig::from_file(&path)?;
+    let mut cfg = RunConfig::from_file(&path)?;
+    if let Some(n) = args.mtp {
+        if n > 3 {
+            bail!("--mtp {n}: the DeepSeek models take 0 to 3 draft tokens per step");
+        }
+        cfg.model_config.next_n = n;
+    }
     let opts = RunOptions {
         config_path: path,
         res_dir: args.res_dir.clone(),

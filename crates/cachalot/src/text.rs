@@ -7,13 +7,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use cachalot_engine::Model;
 use cachalot_engine::{
     FinishReason, Generation, ReasoningSplitter, SamplingParams, Segment, StopConditions,
 };
 use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer};
-use cachalot_model::DeepseekV3;
+use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, ModelFamily, V4LoadOptions};
 
-use crate::{load, model_dir, tokens, InputArgs, ModelArgs};
+use crate::{load_model, model_dir, tokens, InputArgs, ModelArgs};
 
 #[derive(clap::Args)]
 pub struct TokenizeArgs {
@@ -66,9 +67,47 @@ pub struct SamplingArgs {
     /// Keep going past EOS (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+    /// MTP speculative decoding with N (1-3) drafts per step (the model's MTP layer; same
+    /// tokens under greedy, same distribution under sampling).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    mtp: usize,
 }
 
 impl SamplingArgs {
+    /// The model of `args`, with its MTP layer when `--mtp` asks for it.
+    fn load(&self, args: &ModelArgs) -> Result<DeepseekV3> {
+        if self.mtp > 3 {
+            bail!("--mtp {}: 1 to 3 draft tokens per step", self.mtp);
+        }
+        load_model(args, self.mtp > 0)
+    }
+
+    /// One answer: plain decoding, or MTP speculative decoding with `--mtp`.
+    fn generate<M: Model>(
+        &self,
+        m: &M,
+        tok: Option<&Tokenizer>,
+        prompt: &[u32],
+        stop: &StopConditions,
+        cancel: Option<&AtomicBool>,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Generation, cachalot_engine::EngineError> {
+        if self.mtp > 0 {
+            cachalot_engine::generate_mtp(
+                m,
+                tok,
+                prompt,
+                self.params(),
+                stop,
+                self.mtp,
+                cancel,
+                on_text,
+            )
+        } else {
+            cachalot_engine::generate(m, tok, prompt, self.params(), stop, cancel, on_text)
+        }
+    }
+
     fn params(&self) -> SamplingParams {
         SamplingParams {
             temperature: self.temperature,
@@ -187,7 +226,7 @@ fn chat_template(tok: &Tokenizer, dir: &Path, file: Option<&Path>) -> Result<Cha
 /// Stop ids: the model's EOS set, plus the end-of-turn tokens of the chat formats we know
 /// (R1's EOS is its end of turn; Kimi-K2 ends a turn with `<|im_end|>`).
 fn stop_conditions(
-    m: &DeepseekV3,
+    config_eos: &[u32],
     tok: Option<&Tokenizer>,
     dir: &Path,
     s: &SamplingArgs,
@@ -196,7 +235,7 @@ fn stop_conditions(
     let mut ids = if s.ignore_eos {
         Vec::new()
     } else {
-        StopConditions::model_eos(m, tok, dir)
+        StopConditions::eos_ids(config_eos, tok, dir)
     };
     if chat && !s.ignore_eos {
         if let Some(t) = tok {
@@ -342,20 +381,54 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         };
         (ids, text)
     };
-    let m = load(&args.model)?;
-    let stop = stop_conditions(&m, tok.as_ref(), &dir, &args.sampling, args.chat);
-    let params = args.sampling.params();
+    let ctx = GenerateInput {
+        args,
+        dir: &dir,
+        tok: tok.as_ref(),
+        prompt_ids: &prompt_ids,
+        prompt_text: &prompt_text,
+    };
+    match detect_family(&dir)? {
+        ModelFamily::DeepseekV3 => {
+            let m = args.sampling.load(&args.model)?;
+            generate_with(&m, &m.config().eos_token_ids, &ctx)
+        }
+        ModelFamily::DeepseekV4 => {
+            let m = DeepseekV4::load(
+                &dir,
+                V4LoadOptions {
+                    load_mtp: args.sampling.mtp > 0,
+                },
+            )?;
+            generate_with(&m, &m.config().eos_token_ids, &ctx)
+        }
+    }
+}
+
+/// What `generate` has prepared before loading the model.
+struct GenerateInput<'a> {
+    args: &'a GenerateArgs,
+    dir: &'a Path,
+    tok: Option<&'a Tokenizer>,
+    prompt_ids: &'a [u32],
+    prompt_text: &'a str,
+}
+
+/// The rest of `generate` once the model is loaded (any family the engine runs).
+fn generate_with<M: Model>(m: &M, config_eos: &[u32], ctx: &GenerateInput) -> Result<()> {
+    let GenerateInput {
+        args,
+        dir,
+        tok,
+        prompt_ids,
+        prompt_text,
+    } = *ctx;
+    let stop = stop_conditions(config_eos, tok, dir, &args.sampling, args.chat);
     if args.json {
-        let g = cachalot_engine::generate(
-            &m,
-            tok.as_ref(),
-            &prompt_ids,
-            params,
-            &stop,
-            None,
-            &mut |_| {},
-        )?;
-        let text = tok.as_ref().map(|_| g.text.clone());
+        let g = args
+            .sampling
+            .generate(m, tok, prompt_ids, &stop, None, &mut |_| {})?;
+        let text = tok.map(|_| g.text.clone());
         println!(
             "{}",
             serde_json::json!({
@@ -369,16 +442,10 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         );
         return Ok(());
     }
-    let mut printer = Printer::new(&prompt_text, args.hide_reasoning);
-    let g = cachalot_engine::generate(
-        &m,
-        tok.as_ref(),
-        &prompt_ids,
-        params,
-        &stop,
-        None,
-        &mut |t| printer.print(t),
-    )?;
+    let mut printer = Printer::new(prompt_text, args.hide_reasoning);
+    let g = args
+        .sampling
+        .generate(m, tok, prompt_ids, &stop, None, &mut |t| printer.print(t))?;
     if tok.is_none() {
         let s: Vec<String> = g.tokens.iter().map(u32::to_string).collect();
         print!("{}", s.join(","));
@@ -392,8 +459,23 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
     let tok = Tokenizer::from_dir(&dir)?;
     let template = chat_template(&tok, &dir, args.chat_template.as_deref())?;
-    let m = load(&args.model)?;
-    let stop = stop_conditions(&m, Some(&tok), &dir, &args.sampling, true);
+    let (v3, v4);
+    let (m, eos): (&(dyn Model + Sync), &[u32]) = match detect_family(&dir)? {
+        ModelFamily::DeepseekV3 => {
+            v3 = args.sampling.load(&args.model)?;
+            (&v3, &v3.config().eos_token_ids)
+        }
+        ModelFamily::DeepseekV4 => {
+            v4 = DeepseekV4::load(
+                &dir,
+                V4LoadOptions {
+                    load_mtp: args.sampling.mtp > 0,
+                },
+            )?;
+            (&v4, &v4.config().eos_token_ids)
+        }
+    };
+    let stop = stop_conditions(eos, Some(&tok), &dir, &args.sampling, true);
 
     // Ctrl-C stops the answer being written; at the prompt it leaves.
     let cancel = Arc::new(AtomicBool::new(false));
@@ -461,11 +543,10 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
         let mut printer = (!args.json).then(|| Printer::new(&prompt_text, args.hide_reasoning));
-        let result = cachalot_engine::generate(
+        let result = args.sampling.generate(
             &m,
             Some(&tok),
             &prompt_ids,
-            args.sampling.params(),
             &stop,
             Some(&cancel),
             &mut |t| {

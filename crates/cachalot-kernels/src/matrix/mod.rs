@@ -619,9 +619,12 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     }
     let work: usize = jobs.iter().map(|j| j.w.rows * j.w.cols * j.n_tokens).sum();
     let threads = rayon::current_num_threads();
+    // Inside `serial`, on one thread or for little work: everything on the calling thread.
+    let fork =
+        threads > 1 && work >= crate::parallel::PARALLEL_MIN_WORK && crate::parallel::may_fork();
     // About four tasks per thread over all jobs, each 16..64 rows (a multiple of 4).
     let rows_per_task = |rows: usize, job_work: usize| -> usize {
-        if threads <= 1 || work < crate::parallel::PARALLEL_MIN_WORK {
+        if !fork {
             return rows.max(1);
         }
         let share = (threads * 4 * job_work).div_ceil(work.max(1)).max(1);
@@ -657,7 +660,7 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
         // SAFETY: tasks of one job cover disjoint row ranges, and each job has its own output.
         unsafe { rows_task(level, &views[*i], xq, rows.clone(), x, n_tokens, &out) };
     };
-    if tasks.len() <= 1 || threads <= 1 || work < crate::parallel::PARALLEL_MIN_WORK {
+    if tasks.len() <= 1 || !fork {
         tasks.iter().for_each(run);
     } else {
         tasks.par_iter().for_each(run);

@@ -112,7 +112,7 @@ pub(crate) fn rms_norm_rows_at(
         "rms_norm_rows: weight length differs from dim"
     );
     const PARALLEL_MIN_ELEMENTS: usize = 1 << 16;
-    if x.len() >= PARALLEL_MIN_ELEMENTS && x.len() / dim > 1 {
+    if x.len() >= PARALLEL_MIN_ELEMENTS && x.len() / dim > 1 && crate::parallel::may_fork() {
         out.par_chunks_mut(dim)
             .zip(x.par_chunks(dim))
             .for_each(|(o, r)| rms_norm_at(level, r, weight, eps, o));

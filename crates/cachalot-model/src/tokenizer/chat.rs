@@ -2,6 +2,9 @@
 //! `minijinja` the way `transformers`' `apply_chat_template` renders it (trim_blocks and
 //! lstrip_blocks on, loop controls, Python string methods, `raise_exception`, a Python-style
 //! `tojson`, `strftime_now`, and the special tokens of the config as variables).
+//!
+//! DeepSeek-V4 has no Jinja template: [`ChatTemplate::deepseek_v4`] renders with its encoder in
+//! code ([`super::dsv4`], spec `deepseek-v4.md` §5) behind the same interface.
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +36,8 @@ pub struct ChatTemplate {
     origin: PathBuf,
     /// `bos_token`, `eos_token`, `pad_token`, `unk_token` as given in the config.
     special_tokens: Vec<(&'static str, String)>,
+    /// Render with DeepSeek-V4's encoder instead of `source` (which is then empty).
+    deepseek_v4: bool,
 }
 
 const SPECIAL_TOKEN_FIELDS: [&str; 4] = ["bos_token", "eos_token", "pad_token", "unk_token"];
@@ -44,7 +49,26 @@ impl ChatTemplate {
             source: source.into(),
             origin: origin.into(),
             special_tokens: Vec::new(),
+            deepseek_v4: false,
         }
+    }
+
+    /// DeepSeek-V4's prompt format ([`super::dsv4::apply_chat_template`]); `origin` (the model's
+    /// `config.json`) names it in errors. `render_json`'s `extra` holds the wrapper's keyword
+    /// arguments (`enable_thinking`/`thinking`, `reasoning_effort`, `drop_thinking`), and
+    /// `add_generation_prompt` is ignored: like DeepSeek's wrapper, the encoder always ends a
+    /// conversation whose last message is from the user with `<｜Assistant｜>` and `<think>` or
+    /// `</think>`.
+    pub fn deepseek_v4(origin: impl Into<PathBuf>) -> ChatTemplate {
+        ChatTemplate {
+            deepseek_v4: true,
+            ..ChatTemplate::new(String::new(), origin)
+        }
+    }
+
+    /// Whether this renders with DeepSeek-V4's encoder rather than Jinja.
+    pub fn is_deepseek_v4(&self) -> bool {
+        self.deepseek_v4
     }
 
     /// The `chat_template` field of a parsed `tokenizer_config.json` (`None` if it has none).
@@ -131,6 +155,14 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
+        if self.deepseek_v4 {
+            return super::dsv4::apply_chat_template_json(messages, tools, extra).map_err(|e| {
+                ModelError::Tokenizer(format!(
+                    "DeepSeek-V4 chat encoding (model {}): {e}",
+                    self.origin.display()
+                ))
+            });
+        }
         let env = environment();
         let fail = |e: Error| {
             let line = e
@@ -273,7 +305,10 @@ impl PyJson<'_> {
         match v {
             J::Null => out.push_str("null"),
             J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-            J::Number(n) => out.push_str(&n.to_string()),
+            J::Number(n) => match n.as_f64() {
+                Some(f) if n.is_f64() => out.push_str(&python_float_repr(f)),
+                _ => out.push_str(&n.to_string()),
+            },
             J::String(s) => self.string(s, out),
             J::Array(items) => {
                 if items.is_empty() {
@@ -314,6 +349,59 @@ impl PyJson<'_> {
                 out.push('}');
             }
         }
+    }
+}
+
+/// `json.dumps(value, ensure_ascii=False)` with Python's default separators (`", "`, `": "`),
+/// keys in insertion order: the JSON that DeepSeek-V4's encoder writes (`to_json`).
+pub(crate) fn python_json(value: &serde_json::Value) -> String {
+    let mut out = String::new();
+    PyJson {
+        indent: None,
+        item_sep: ", ",
+        key_sep: ": ",
+        sort_keys: false,
+        ensure_ascii: false,
+    }
+    .write(value, 0, &mut out);
+    out
+}
+
+/// Python's `repr(float)` (which `json.dumps` uses): the shortest round-trip digits, written
+/// positionally when the decimal exponent is in -4..16 (always with a fractional part, `1000.0`),
+/// else as `d.ddde+XX` with at least two exponent digits (`1e+20`, `1.5e-07`).
+fn python_float_repr(f: f64) -> String {
+    if !f.is_finite() {
+        // json.dumps writes these (allow_nan=True); JSON input cannot hold them anyway.
+        return if f.is_nan() {
+            "NaN".into()
+        } else if f > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
+    }
+    // Rust's `{:e}` gives the shortest round-trip digits: "-1.2345e-7", "1e20".
+    let sci = format!("{:e}", f.abs());
+    let (mantissa, exp) = sci.split_once('e').expect("{:e} always has an exponent");
+    let exp: i32 = exp.parse().expect("{:e} exponent is an integer");
+    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    let sign = if f.is_sign_negative() { "-" } else { "" };
+    if (-4..16).contains(&exp) {
+        let body = if exp >= 0 {
+            let int_len = exp as usize + 1;
+            if digits.len() > int_len {
+                format!("{}.{}", &digits[..int_len], &digits[int_len..])
+            } else {
+                format!("{digits}{}.0", "0".repeat(int_len - digits.len()))
+            }
+        } else {
+            format!("0.{}{digits}", "0".repeat((-exp - 1) as usize))
+        };
+        format!("{sign}{body}")
+    } else {
+        let exp_sign = if exp < 0 { '-' } else { '+' };
+        format!("{sign}{mantissa}e{exp_sign}{:02}", exp.abs())
     }
 }
 
@@ -424,6 +512,33 @@ mod tests {
         let bad = ChatTemplate::new("{% for x in %}", "t.jinja");
         let s = bad.render(&[], false).unwrap_err().to_string();
         assert!(s.contains("t.jinja") && s.contains("line 1"), "{s}");
+    }
+
+    #[test]
+    fn floats_print_like_python_repr() {
+        // Expected strings are Python's repr(float) of the same values.
+        let cases = [
+            (0.1, "0.1"),
+            (1.0, "1.0"),
+            (-0.0, "-0.0"),
+            (1000.0, "1000.0"),
+            (1e16, "1e+16"),
+            (2.5e15, "2500000000000000.0"),
+            (1.5e-5, "1.5e-05"),
+            (0.0001, "0.0001"),
+            (1e-7, "1e-07"),
+            (-1.25e100, "-1.25e+100"),
+            (123456789.125, "123456789.125"),
+            (5e-324, "5e-324"),
+        ];
+        for (f, want) in cases {
+            assert_eq!(python_float_repr(f), want, "{f:e}");
+        }
+        let v = serde_json::json!({"a": [1, 2.0, "x\n"], "b": {"c": null, "d": 1e20}});
+        assert_eq!(
+            python_json(&v),
+            "{\"a\": [1, 2.0, \"x\\n\"], \"b\": {\"c\": null, \"d\": 1e+20}}"
+        );
     }
 
     #[test]

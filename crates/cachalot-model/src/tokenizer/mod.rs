@@ -2,8 +2,11 @@
 //! which: `tokenizer.json` (Hugging Face byte-level BPE, DeepSeek-V3/R1) through the `tokenizers`
 //! crate, else `tiktoken.model` (Kimi-K2) through [`tiktoken::TiktokenBpe`]. `tokenizer_config.json`,
 //! where present, gives the BOS/EOS names, Kimi's special-token names and the chat template.
+//! A directory whose `config.json` says `model_type: deepseek_v4` gets DeepSeek-V4's encoder
+//! ([`dsv4`], spec `deepseek-v4.md` §5) as its chat template.
 
 pub mod chat;
+pub mod dsv4;
 mod stream;
 pub mod tiktoken;
 
@@ -26,6 +29,8 @@ pub struct Tokenizer {
     dir: PathBuf,
     /// `tokenizer_config.json`, or an empty object when the file is absent.
     config: serde_json::Value,
+    /// `model_type` of the directory's `config.json`, if there is one.
+    model_type: Option<String>,
 }
 
 /// Which file a tokenizer was read from.
@@ -45,6 +50,25 @@ fn token_content(v: &serde_json::Value) -> Option<String> {
         serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
         _ => None,
     }
+}
+
+/// `model_type` of `dir/config.json` (`None` without the file or the field).
+fn model_type(dir: &Path) -> Result<Option<String>> {
+    let path = dir.join("config.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    Ok(v.get("model_type")
+        .and_then(|t| t.as_str())
+        .map(str::to_string))
 }
 
 impl Tokenizer {
@@ -100,6 +124,7 @@ impl Tokenizer {
             backend,
             dir: dir.to_path_buf(),
             config,
+            model_type: model_type(dir)?,
         })
     }
 
@@ -191,8 +216,14 @@ impl Tokenizer {
         self.eos_token().and_then(|t| self.token_to_id(&t))
     }
 
-    /// The chat template of `tokenizer_config.json`, if it has one.
+    /// The chat template of `tokenizer_config.json`, if it has one; for a DeepSeek-V4 model
+    /// (`model_type: deepseek_v4` in `config.json`), V4's encoder, which ships no template.
     pub fn chat_template(&self) -> Result<Option<ChatTemplate>> {
+        if self.model_type.as_deref() == Some("deepseek_v4") {
+            return Ok(Some(ChatTemplate::deepseek_v4(
+                self.dir.join("config.json"),
+            )));
+        }
         let path = self.dir.join("tokenizer_config.json");
         ChatTemplate::from_config_value(&self.config, &path)
     }

@@ -2,7 +2,11 @@
 //! log-probabilities with the tolerances the issues set (per token 0.02, mean NLL 0.2%).
 #![allow(dead_code)]
 
+use std::path::Path;
+
 use cachalot_model::eval;
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
 use serde_json::Value;
 
 pub fn ids(v: &Value) -> Vec<u32> {
@@ -69,4 +73,59 @@ pub fn mtp_logprobs(rows: &[f32], vocab: usize, toks: &[u32]) -> Vec<f32> {
         .zip(&toks[2..])
         .map(|(row, &t)| cachalot_kernels::log_softmax_at(row, t as usize))
         .collect()
+}
+
+/// A temporary copy of a fixture directory (for tests that break or convert it).
+pub fn copy_dir(src: &Path) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    tmp
+}
+
+pub fn index(dir: &Path) -> Value {
+    serde_json::from_str(
+        &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap()
+}
+
+pub fn shard_of(dir: &Path, tensor: &str) -> String {
+    index(dir)["weight_map"][tensor]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Rewrites the shard holding `tensor` through `edit` (which gets the tensor list) and keeps the
+/// index in step.
+pub fn rewrite(
+    dir: &Path,
+    shard: &str,
+    edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>),
+) {
+    let path = dir.join(shard);
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    let out = safetensors::serialize(views, None).unwrap();
+    std::fs::write(&path, out).unwrap();
+    let mut idx = index(dir);
+    let map = idx["weight_map"].as_object_mut().unwrap();
+    map.retain(|_, f| f.as_str() != Some(shard));
+    for (n, ..) in &tensors {
+        map.insert(n.clone(), Value::from(shard));
+    }
+    std::fs::write(dir.join("model.safetensors.index.json"), idx.to_string()).unwrap();
 }

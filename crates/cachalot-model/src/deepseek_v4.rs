@@ -1,0 +1,1303 @@
+//! DeepSeek-V4 (Flash / Pro): loading and the forward pass over a packed batch.
+//!
+//! Spec: `shared/specs/deepseek-v4.md` §2.1 (embedding, 4 streams), §2.2 (RMSNorm), §2.3 (mHC),
+//! §2.4 (block), §2.5 (two RoPE tables), §2.6 (MQA with K = V, 128-token window, sink, inverse
+//! RoPE, grouped output), §2.7 (compressor), §2.8 (lightning indexer), §2.9 (MoE with
+//! sqrt-softplus, hash layers, SwiGLU clamp), §2.10 (head), §2.11 (MTP), §3 (state), §4.1
+//! (checkpoint layout), §4.7 (dispatch on tensor dtypes). The maths of each rule lives in
+//! [`crate::v4_ops`]; this file wires weights, cache slots and batches.
+//!
+//! Activations are f32 throughout; [REF]'s bf16 roundings are not reproduced, and its
+//! activation/KV quantisation sims (§2.12) are off unless [`DeepseekV4::quant_sim`] is set (the
+//! reference fixtures are float32 without them; see docs/ARCHITECTURE.md "DeepSeek-V4").
+//!
+//! **Cache design (position-addressable).** Every piece of per-sequence state lives in the
+//! paged [`KvCache`] at the slot of the token that produced it, so chunked prefill, decode,
+//! batching and rollback are all "read positions through the block table": per layer and token
+//! the slot holds the window KV (`head_dim`), the compressor inputs `A_t` and `Z_t` (ape already
+//! added; `c·head_dim` each, c = 2 for ratio 4), the compressed entry emitted by a block's last
+//! token, and for ratio-4 layers the indexer compressor's `A_t`/`Z_t` (`2·index_head_dim`
+//! each) and its indexer key. The window of query p is positions `max(0, p−W+1)..=p`; compressed
+//! entry j is read from the slot of position `j·r + r − 1`. Nothing depends on a ring or on
+//! step boundaries, so any split of a sequence into steps gives bit-identical results.
+//!
+//! Weights: FP8 e4m3 + F8_E8M0 128×128 scales map onto [`MatrixData::Fp8Block`] (scale_inv =
+//! 2^(b−127)); routed experts (MXFP4) are dequantized to bf16 at load by
+//! [`mxfp4_to_bf16_matrix`], the one place to switch to a native MXFP4 format.
+
+use std::borrow::Cow;
+use std::path::Path;
+
+use cachalot_kernels::{self as k, Bytes, Matrix, MatrixData};
+use rayon::prelude::*;
+use safetensors::tensor::Dtype;
+
+use crate::batch::{slot_of, Batch, CacheSpec, KvCache};
+use crate::checkpoint::{Checkpoint, TensorView};
+use crate::config_v4::DeepseekV4Config;
+use crate::deepseek_v3::ForwardOutput;
+use crate::error::{ModelError, Result};
+use crate::v4_ops::{self as ops, V4Rope};
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct V4LoadOptions {
+    /// Load the MTP block(s) `mtp.{j}.*` (skipped otherwise).
+    pub load_mtp: bool,
+}
+
+/// mHC parameters of one site (`hc_{attn,ffn}_*` or `hc_head_*`).
+struct Hc {
+    /// `[mix, hc·D]` f32.
+    fn_: Matrix,
+    base: Vec<f32>,
+    scale: Vec<f32>,
+}
+
+struct Compressor {
+    ratio: usize,
+    /// Entry width d (head_dim or index_head_dim).
+    d: usize,
+    wkv: Matrix,
+    wgate: Matrix,
+    /// `[ratio, c·d]`.
+    ape: Vec<f32>,
+    norm: Vec<f32>,
+}
+
+impl Compressor {
+    fn overlap(&self) -> bool {
+        self.ratio == 4
+    }
+    fn coff(&self) -> usize {
+        if self.overlap() {
+            2
+        } else {
+            1
+        }
+    }
+}
+
+struct Indexer {
+    wq_b: Matrix,
+    weights_proj: Matrix,
+    compressor: Compressor,
+}
+
+struct Attention {
+    ratio: usize,
+    wq_a: Matrix,
+    q_norm: Vec<f32>,
+    wq_b: Matrix,
+    wkv: Matrix,
+    kv_norm: Vec<f32>,
+    wo_a: Matrix,
+    wo_b: Matrix,
+    sink: Vec<f32>,
+    compressor: Option<Compressor>,
+    indexer: Option<Indexer>,
+    layout: SlotLayout,
+}
+
+struct Expert {
+    w1: Matrix,
+    w2: Matrix,
+    w3: Matrix,
+}
+
+struct Moe {
+    gate: Matrix,
+    bias: Option<Vec<f32>>,
+    /// `[vocab, k]` expert ids of hash layers.
+    tid2eid: Option<Vec<u32>>,
+    experts: Vec<Expert>,
+    shared: Expert,
+}
+
+struct Block {
+    hc_attn: Hc,
+    hc_ffn: Hc,
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    attn: Attention,
+    ffn: Moe,
+}
+
+struct MtpBlock {
+    e_proj: Matrix,
+    h_proj: Matrix,
+    enorm: Vec<f32>,
+    hnorm: Vec<f32>,
+    norm: Vec<f32>,
+    hc_head: Hc,
+    block: Block,
+}
+
+/// Offsets of the per-token state within a cache slot of one layer (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotLayout {
+    /// Window KV at 0..head_dim.
+    pub a: usize,
+    pub z: usize,
+    pub entry: usize,
+    pub ia: usize,
+    pub iz: usize,
+    pub ikey: usize,
+    /// Values used by this layer.
+    pub width: usize,
+}
+
+impl SlotLayout {
+    pub fn for_ratio(cfg: &DeepseekV4Config, ratio: usize) -> SlotLayout {
+        let dh = cfg.head_dim;
+        let di = cfg.index_head_dim;
+        if ratio == 0 {
+            return SlotLayout {
+                a: dh,
+                z: dh,
+                entry: dh,
+                ia: dh,
+                iz: dh,
+                ikey: dh,
+                width: dh,
+            };
+        }
+        let coff = if ratio == 4 { 2 } else { 1 };
+        let a = dh;
+        let z = a + coff * dh;
+        let entry = z + coff * dh;
+        let end = entry + dh;
+        if ratio == 4 {
+            let ia = end;
+            let iz = ia + 2 * di;
+            let ikey = iz + 2 * di;
+            SlotLayout {
+                a,
+                z,
+                entry,
+                ia,
+                iz,
+                ikey,
+                width: ikey + di,
+            }
+        } else {
+            SlotLayout {
+                a,
+                z,
+                entry,
+                ia: end,
+                iz: end,
+                ikey: end,
+                width: end,
+            }
+        }
+    }
+}
+
+pub struct DeepseekV4 {
+    cfg: DeepseekV4Config,
+    embed: Matrix,
+    layers: Vec<Block>,
+    norm: Vec<f32>,
+    head: Matrix,
+    hc_head: Hc,
+    mtp: Vec<MtpBlock>,
+    rope_window: V4Rope,
+    rope_compressed: V4Rope,
+    cache_width: usize,
+    /// Apply [REF]'s quantisation sims (spec §2.12): FP8 act_quant (1×128, ue8m0) on the input of
+    /// every FP8/FP4 linear, FP8 round trip (1×64) of the window and compressed KV nope dims,
+    /// FP4 round trip (1×32) of the indexer queries and keys. Off by default: the reference
+    /// fixtures (transformers, float32) have none of them.
+    pub quant_sim: bool,
+}
+
+/// The one place a routed expert's MXFP4 tensor pair becomes a [`Matrix`]: e2m1 nibbles `[rows,
+/// cols/2]` (I8 or U8) with F8_E8M0 (or U8) scales `[rows, cols/32]`, dequantized to bf16 (exact:
+/// every e2m1 × 2^k value is a bf16 value). Replace the body with a native MXFP4 `MatrixData`
+/// when the kernels have one.
+pub fn mxfp4_to_bf16_matrix(
+    w: &TensorView,
+    s: &TensorView,
+    rows: usize,
+    cols: usize,
+) -> Result<Matrix> {
+    if cols % 32 != 0 {
+        return Err(w.error(format!(
+            "MXFP4 needs the input width ({cols}) to be a multiple of 32"
+        )));
+    }
+    w.expect_shape(&[rows, cols / 2])?;
+    s.expect_shape(&[rows, cols / 32])?;
+    let mut vals = vec![0.0f32; rows * cols];
+    ops::decode_mxfp4(
+        w.bytes.as_slice(),
+        s.bytes.as_slice(),
+        rows,
+        cols,
+        &mut vals,
+    )
+    .map_err(|(r, g)| s.error(format!("row {r}, group {g}: scale byte 255 is NaN")))?;
+    let bits: Vec<u16> = vals.iter().map(|&v| k::f32_to_bf16(v)).collect();
+    Matrix::new(
+        rows,
+        cols,
+        MatrixData::Bf16(Bytes::from_vec(k::u16s_to_le_bytes(&bits))),
+    )
+    .map_err(|e| w.error(e.to_string()))
+}
+
+fn e8m0_scales(s: &TensorView) -> Result<Vec<f32>> {
+    if !matches!(s.dtype, Dtype::F8_E8M0 | Dtype::U8) {
+        return Err(s.error(format!(
+            "has dtype {:?}; block scales must be F8_E8M0 (or U8 e8m0 codes) or F32",
+            s.dtype
+        )));
+    }
+    s.bytes
+        .as_slice()
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| {
+            ops::e8m0_to_f32(b).ok_or_else(|| {
+                s.error(format!("scale {i} is 255 (NaN); the checkpoint is damaged"))
+            })
+        })
+        .collect()
+}
+
+struct Loader<'a> {
+    ckpt: &'a mut Checkpoint,
+    block: (usize, usize),
+}
+
+impl Loader<'_> {
+    fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let v = self.ckpt.take(name, &format!("a vector of {len} values"))?;
+        v.expect_shape(&[len])?;
+        v.to_f32_vec()
+    }
+
+    /// A linear weight `[rows, cols]` under `prefix`: dispatch on the stored dtype and shape
+    /// (spec §4.7): BF16/F16/F32 dense; F8_E4M3 (or U8 MXFP8 codes) with `.scale` E8M0 on the
+    /// 128×128 grid or per 1×32, or F32 block scales; I8/U8 `[rows, cols/2]` + `.scale` = MXFP4;
+    /// I8 `[rows, cols]` + F32 `.scale [rows, 1]` = INT8 per channel.
+    fn matrix(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let name = format!("{prefix}.weight");
+        let w = self
+            .ckpt
+            .take(&name, &format!("a [{rows}, {cols}] weight"))?;
+        let sname = format!("{prefix}.scale");
+        let packed = matches!(w.dtype, Dtype::I8 | Dtype::U8) && w.shape == [rows, cols / 2];
+        if packed {
+            let s = self.ckpt.take(
+                &sname,
+                &format!(
+                    "E8M0 scales [{rows}, {}] for the MXFP4 weight {name}",
+                    cols / 32
+                ),
+            )?;
+            return mxfp4_to_bf16_matrix(&w, &s, rows, cols);
+        }
+        w.expect_shape(&[rows, cols])?;
+        let data = match w.dtype {
+            Dtype::F32 => MatrixData::F32(w.bytes.clone()),
+            Dtype::BF16 => MatrixData::Bf16(w.bytes.clone()),
+            Dtype::F16 => MatrixData::F16(w.bytes.clone()),
+            Dtype::F8_E4M3 | Dtype::U8 => {
+                let s = self
+                    .ckpt
+                    .take(&sname, &format!("block scales for the FP8 weight {name}"))?;
+                let (br, bc) = self.block;
+                let grid = [rows.div_ceil(br), cols.div_ceil(bc)];
+                let mx = [rows, cols.div_ceil(32)];
+                let (block_rows, block_cols) = if s.shape == grid {
+                    (br, bc)
+                } else if s.shape == mx {
+                    (1, 32)
+                } else {
+                    return Err(s.error(format!(
+                        "has shape {:?}; expected the {br}x{bc} grid {grid:?} or per-32 {mx:?}",
+                        s.shape
+                    )));
+                };
+                let scale_inv = if s.dtype == Dtype::F32 {
+                    s.to_f32_vec()?
+                } else {
+                    e8m0_scales(&s)?
+                };
+                MatrixData::Fp8Block {
+                    data: w.bytes.clone(),
+                    scale_inv,
+                    block_rows,
+                    block_cols,
+                }
+            }
+            Dtype::I8 => {
+                let s = self.ckpt.take(
+                    &sname,
+                    &format!("F32 per-row scales [{rows}, 1] for the INT8 weight {name}"),
+                )?;
+                if (s.shape != [rows, 1] && s.shape != [rows]) || s.dtype != Dtype::F32 {
+                    return Err(s.error(format!(
+                        "has dtype {:?} shape {:?}; INT8 per-channel scales are F32 [{rows}, 1]",
+                        s.dtype, s.shape
+                    )));
+                }
+                MatrixData::Int8Row {
+                    data: w.bytes.clone(),
+                    scale: s.to_f32_vec()?,
+                }
+            }
+            other => {
+                return Err(w.error(format!(
+                    "has dtype {other:?}; supported: F8_E4M3 (+ E8M0 .scale), I8/U8 packed MXFP4, \
+                     U8 MXFP8, I8 INT8, BF16, F16, F32 (HiF8 and INT4 conversions are not yet)"
+                )))
+            }
+        };
+        Matrix::new(rows, cols, data).map_err(|e| w.error(e.to_string()))
+    }
+
+    fn hc(
+        &mut self,
+        fn_name: &str,
+        base: &str,
+        scale: &str,
+        mix: usize,
+        width: usize,
+        nscale: usize,
+    ) -> Result<Hc> {
+        let f = self
+            .ckpt
+            .take(fn_name, &format!("an F32 [{mix}, {width}] mHC matrix"))?;
+        f.expect_shape(&[mix, width])?;
+        let fn_ = match f.dtype {
+            Dtype::F32 => Matrix::new(mix, width, MatrixData::F32(f.bytes.clone())),
+            Dtype::BF16 => Matrix::new(mix, width, MatrixData::Bf16(f.bytes.clone())),
+            other => return Err(f.error(format!("has dtype {other:?}; mHC parameters are F32"))),
+        }
+        .map_err(|e| f.error(e.to_string()))?;
+        Ok(Hc {
+            fn_,
+            base: self.vector(base, mix)?,
+            scale: self.vector(scale, nscale)?,
+        })
+    }
+
+    fn compressor(
+        &mut self,
+        p: &str,
+        cfg: &DeepseekV4Config,
+        ratio: usize,
+        d: usize,
+    ) -> Result<Compressor> {
+        let coff = if ratio == 4 { 2 } else { 1 };
+        let h = cfg.hidden_size;
+        let ape = self.ckpt.take(
+            &format!("{p}ape"),
+            &format!("F32 [{ratio}, {}] position biases", coff * d),
+        )?;
+        ape.expect_shape(&[ratio, coff * d])?;
+        Ok(Compressor {
+            ratio,
+            d,
+            wkv: self.matrix(&format!("{p}wkv"), coff * d, h)?,
+            wgate: self.matrix(&format!("{p}wgate"), coff * d, h)?,
+            ape: ape.to_f32_vec()?,
+            norm: self.vector(&format!("{p}norm.weight"), d)?,
+        })
+    }
+
+    fn expert(&mut self, p: &str, h: usize, f: usize) -> Result<Expert> {
+        Ok(Expert {
+            w1: self.matrix(&format!("{p}.w1"), f, h)?,
+            w2: self.matrix(&format!("{p}.w2"), h, f)?,
+            w3: self.matrix(&format!("{p}.w3"), f, h)?,
+        })
+    }
+
+    fn block(
+        &mut self,
+        cfg: &DeepseekV4Config,
+        p: &str,
+        ratio: usize,
+        hash: bool,
+    ) -> Result<Block> {
+        let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
+        let mix = (2 + hc) * hc;
+        let (nh, dh) = (cfg.num_attention_heads, cfg.head_dim);
+        let (ql, g, ol) = (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank);
+        let a = format!("{p}attn.");
+        let compressor = if ratio > 0 {
+            Some(self.compressor(&format!("{a}compressor."), cfg, ratio, dh)?)
+        } else {
+            None
+        };
+        let indexer = if ratio == 4 {
+            let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
+            Some(Indexer {
+                wq_b: self.matrix(&format!("{a}indexer.wq_b"), hi * di, ql)?,
+                weights_proj: self.matrix(&format!("{a}indexer.weights_proj"), hi, h)?,
+                compressor: self.compressor(&format!("{a}indexer.compressor."), cfg, ratio, di)?,
+            })
+        } else {
+            None
+        };
+        let attn = Attention {
+            ratio,
+            wq_a: self.matrix(&format!("{a}wq_a"), ql, h)?,
+            q_norm: self.vector(&format!("{a}q_norm.weight"), ql)?,
+            wq_b: self.matrix(&format!("{a}wq_b"), nh * dh, ql)?,
+            wkv: self.matrix(&format!("{a}wkv"), dh, h)?,
+            kv_norm: self.vector(&format!("{a}kv_norm.weight"), dh)?,
+            wo_a: self.matrix(&format!("{a}wo_a"), g * ol, nh * dh / g)?,
+            wo_b: self.matrix(&format!("{a}wo_b"), h, g * ol)?,
+            sink: self.vector(&format!("{a}attn_sink"), nh)?,
+            compressor,
+            indexer,
+            layout: SlotLayout::for_ratio(cfg, ratio),
+        };
+        let f = format!("{p}ffn.");
+        let e = cfg.n_routed_experts;
+        let gate = self.matrix(&format!("{f}gate"), e, h)?;
+        let (bias, tid2eid) = if hash {
+            let name = format!("{f}gate.tid2eid");
+            let kk = cfg.num_experts_per_tok;
+            let t = self.ckpt.take(
+                &name,
+                &format!("an I64 [{}, {kk}] token → expert table", cfg.vocab_size),
+            )?;
+            t.expect_shape(&[cfg.vocab_size, kk])?;
+            let b = t.bytes.as_slice();
+            let ids: Vec<i64> = match t.dtype {
+                Dtype::I64 => b
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                    .collect(),
+                Dtype::I32 => b
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64)
+                    .collect(),
+                other => return Err(t.error(format!("has dtype {other:?}; expected I64 or I32"))),
+            };
+            if let Some((i, bad)) = ids
+                .iter()
+                .enumerate()
+                .find(|(_, &x)| x < 0 || x as usize >= e)
+            {
+                return Err(t.error(format!(
+                    "entry {i} is expert {bad}, outside 0..{e} (n_routed_experts)"
+                )));
+            }
+            (None, Some(ids.into_iter().map(|x| x as u32).collect()))
+        } else {
+            (Some(self.vector(&format!("{f}gate.bias"), e)?), None)
+        };
+        let fi = cfg.moe_intermediate_size;
+        let experts = (0..e)
+            .map(|j| self.expert(&format!("{f}experts.{j}"), h, fi))
+            .collect::<Result<Vec<_>>>()?;
+        let ffn = Moe {
+            gate,
+            bias,
+            tid2eid,
+            experts,
+            shared: self.expert(&format!("{f}shared_experts"), h, fi)?,
+        };
+        Ok(Block {
+            hc_attn: self.hc(
+                &format!("{p}hc_attn_fn"),
+                &format!("{p}hc_attn_base"),
+                &format!("{p}hc_attn_scale"),
+                mix,
+                hc * h,
+                3,
+            )?,
+            hc_ffn: self.hc(
+                &format!("{p}hc_ffn_fn"),
+                &format!("{p}hc_ffn_base"),
+                &format!("{p}hc_ffn_scale"),
+                mix,
+                hc * h,
+                3,
+            )?,
+            attn_norm: self.vector(&format!("{p}attn_norm.weight"), h)?,
+            ffn_norm: self.vector(&format!("{p}ffn_norm.weight"), h)?,
+            attn,
+            ffn,
+        })
+    }
+}
+
+/// cos/sin of both RoPE tables for every token of a batch.
+struct BatchRopes {
+    half: usize,
+    window: (Vec<f32>, Vec<f32>),
+    compressed: (Vec<f32>, Vec<f32>),
+}
+
+impl BatchRopes {
+    fn new(m: &DeepseekV4, positions: &[usize]) -> BatchRopes {
+        let half = m.rope_window.half();
+        let table = |r: &V4Rope| {
+            let mut c = vec![0.0f32; positions.len() * half];
+            let mut s = vec![0.0f32; positions.len() * half];
+            for (i, &p) in positions.iter().enumerate() {
+                r.cos_sin(
+                    p,
+                    &mut c[i * half..(i + 1) * half],
+                    &mut s[i * half..(i + 1) * half],
+                );
+            }
+            (c, s)
+        };
+        BatchRopes {
+            half,
+            window: table(&m.rope_window),
+            compressed: table(&m.rope_compressed),
+        }
+    }
+
+    fn get(&self, compressed: bool, i: usize) -> (&[f32], &[f32]) {
+        let (c, s) = if compressed {
+            &self.compressed
+        } else {
+            &self.window
+        };
+        let r = i * self.half..(i + 1) * self.half;
+        (&c[r.clone()], &s[r])
+    }
+}
+
+impl DeepseekV4 {
+    pub fn load(dir: &Path, opts: V4LoadOptions) -> Result<DeepseekV4> {
+        let cfg = DeepseekV4Config::from_dir(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        Self::load_from(cfg, &mut ckpt, opts)
+    }
+
+    pub fn load_from(
+        cfg: DeepseekV4Config,
+        ckpt: &mut Checkpoint,
+        opts: V4LoadOptions,
+    ) -> Result<DeepseekV4> {
+        let block = match &cfg.quantization {
+            Some(crate::config_v4::V4Quantization::Fp8 {
+                block_rows,
+                block_cols,
+            }) => (*block_rows, *block_cols),
+            _ => (128, 128),
+        };
+        let mut l = Loader { ckpt, block };
+        let (h, v, hc) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
+        let embed = l.matrix("embed", v, h)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            layers.push(l.block(
+                &cfg,
+                &format!("layers.{i}."),
+                cfg.compress_ratio(i),
+                cfg.is_hash_layer(i),
+            )?);
+        }
+        let norm = l.vector("norm.weight", h)?;
+        let head = if cfg.tie_word_embeddings && !l.ckpt.contains("head.weight") {
+            l.matrix("embed", v, h)?
+        } else {
+            l.matrix("head", v, h)?
+        };
+        let hc_head = l.hc("hc_head_fn", "hc_head_base", "hc_head_scale", hc, hc * h, 1)?;
+        let mut mtp = Vec::new();
+        for j in 0..cfg.num_nextn_predict_layers {
+            let p = format!("mtp.{j}.");
+            if opts.load_mtp {
+                let ratio = cfg.compress_ratio(cfg.num_hidden_layers + j);
+                mtp.push(MtpBlock {
+                    e_proj: l.matrix(&format!("{p}e_proj"), h, h)?,
+                    h_proj: l.matrix(&format!("{p}h_proj"), h, h)?,
+                    enorm: l.vector(&format!("{p}enorm.weight"), h)?,
+                    hnorm: l.vector(&format!("{p}hnorm.weight"), h)?,
+                    norm: l.vector(&format!("{p}norm.weight"), h)?,
+                    hc_head: l.hc(
+                        &format!("{p}hc_head_fn"),
+                        &format!("{p}hc_head_base"),
+                        &format!("{p}hc_head_scale"),
+                        hc,
+                        hc * h,
+                        1,
+                    )?,
+                    block: l.block(&cfg, &p, ratio, false)?,
+                });
+                // Some exports carry copies of the shared embedding / head here.
+                l.ckpt.skip(&format!("{p}embed.weight"));
+                l.ckpt.skip(&format!("{p}head.weight"));
+            } else {
+                let names: Vec<String> = l
+                    .ckpt
+                    .names()
+                    .filter(|n| n.starts_with(&p))
+                    .map(str::to_string)
+                    .collect();
+                for n in names {
+                    l.ckpt.skip(&n);
+                }
+            }
+        }
+        l.ckpt.ensure_all_used()?;
+        let rd = cfg.qk_rope_head_dim;
+        let rope_window = V4Rope::plain(cfg.rope_theta, rd);
+        let rope_compressed = V4Rope::yarn(cfg.compress_rope_theta, rd, cfg.rope_scaling.as_ref());
+        let cache_width = layers
+            .iter()
+            .chain(mtp.iter().map(|m| &m.block))
+            .map(|b| b.attn.layout.width)
+            .max()
+            .unwrap_or(cfg.head_dim);
+        Ok(DeepseekV4 {
+            cfg,
+            embed,
+            layers,
+            norm,
+            head,
+            hc_head,
+            mtp,
+            rope_window,
+            rope_compressed,
+            cache_width,
+            quant_sim: false,
+        })
+    }
+
+    pub fn config(&self) -> &DeepseekV4Config {
+        &self.cfg
+    }
+
+    pub fn num_mtp_layers(&self) -> usize {
+        self.mtp.len()
+    }
+
+    /// One cache layer per main layer, then one per loaded MTP block; every layer's slots are as
+    /// wide as the widest layer kind needs (see [`SlotLayout`]); all f32.
+    pub fn cache_spec(&self) -> CacheSpec {
+        CacheSpec {
+            layers: self.layers.len() + self.mtp.len(),
+            width: self.cache_width,
+            int8_width: 0,
+        }
+    }
+
+    /// Bytes of weights one decode token reads (all but unrouted experts and the embedding).
+    pub fn decode_bytes_per_token(&self) -> usize {
+        let ex = |e: &Expert| e.w1.storage_bytes() + e.w2.storage_bytes() + e.w3.storage_bytes();
+        let blk = |b: &Block| {
+            let a = &b.attn;
+            let comp = |c: &Compressor| c.wkv.storage_bytes() + c.wgate.storage_bytes();
+            a.wq_a.storage_bytes()
+                + a.wq_b.storage_bytes()
+                + a.wkv.storage_bytes()
+                + a.wo_a.storage_bytes()
+                + a.wo_b.storage_bytes()
+                + a.compressor.as_ref().map_or(0, comp)
+                + a.indexer.as_ref().map_or(0, |i| {
+                    i.wq_b.storage_bytes() + i.weights_proj.storage_bytes() + comp(&i.compressor)
+                })
+                + b.ffn.gate.storage_bytes()
+                + self.cfg.num_experts_per_tok * b.ffn.experts.first().map_or(0, ex)
+                + ex(&b.ffn.shared)
+        };
+        self.head.storage_bytes() + self.layers.iter().map(blk).sum::<usize>()
+    }
+
+    fn check_cache(&self, cache: &KvCache, layers: usize) -> Result<()> {
+        let spec = cache.spec();
+        let want = self.cache_spec();
+        if spec.width != want.width || spec.int8_width != 0 || spec.layers < layers {
+            return Err(ModelError::Batch(format!(
+                "cache of {spec:?} does not fit this model ({want:?})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Forwards a packed batch: writes every token's state into its cache slot (window KV,
+    /// compressor inputs, emitted compressed entries), attends per sequence over its cache and
+    /// returns the requested logits; `hidden` (when asked) holds every token's last-block
+    /// streams `[T, hc·D]`, the MTP input.
+    pub fn forward(
+        &self,
+        batch: &Batch,
+        cache: &mut KvCache,
+        want_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        let cfg = &self.cfg;
+        self.check_cache(cache, self.layers.len())?;
+        batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
+        let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
+        let t_count = batch.num_tokens();
+        let mut x = vec![0.0f32; t_count * hc * h];
+        let mut row = vec![0.0f32; h];
+        for (t, &tok) in batch.tokens.iter().enumerate() {
+            self.embed.row_to_f32(tok as usize, &mut row);
+            for s in 0..hc {
+                x[(t * hc + s) * h..(t * hc + s + 1) * h].copy_from_slice(&row);
+            }
+        }
+        let ropes = BatchRopes::new(self, &batch.positions);
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.block_forward(layer, &mut x, batch, &ropes, cache, li);
+        }
+        Ok(self.output(&x, &self.hc_head, &self.norm, batch, want_hidden))
+    }
+
+    /// One step of MTP block `index` (spec §2.11, [REF] `MTPBlock`): row i pairs
+    /// `batch.tokens[i]` (the token at position `batch.positions[i] + 1`) with `prev_streams` row
+    /// i (the main model's last-block streams at `batch.positions[i]`, `[hc·D]`, from
+    /// [`DeepseekV4::forward`]'s `hidden`, or a previous MTP step's), runs the block at
+    /// `batch.positions[i]` with cache layer `num_hidden_layers + index`, and returns logits
+    /// through the MTP hc_head and norm and the main head; `hidden` = the block's output streams.
+    pub fn mtp_forward(
+        &self,
+        index: usize,
+        batch: &Batch,
+        prev_streams: &[f32],
+        cache: &mut KvCache,
+        want_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        let cfg = &self.cfg;
+        let mtp = self.mtp.get(index).ok_or_else(|| {
+            ModelError::Batch(format!(
+                "MTP block {index} is not loaded ({} loaded; load with load_mtp and a checkpoint \
+                 with num_nextn_predict_layers > {index})",
+                self.mtp.len()
+            ))
+        })?;
+        let cache_layer = self.layers.len() + index;
+        self.check_cache(cache, cache_layer + 1)?;
+        batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
+        let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
+        let t_count = batch.num_tokens();
+        if prev_streams.len() != t_count * hc * h {
+            return Err(ModelError::Batch(format!(
+                "MTP needs {hc}×{h} stream values per token: got {} values for {t_count} tokens",
+                prev_streams.len()
+            )));
+        }
+        let eps = cfg.rms_norm_eps;
+        let mut e = vec![0.0f32; t_count * h];
+        let mut row = vec![0.0f32; h];
+        for (t, &tok) in batch.tokens.iter().enumerate() {
+            self.embed.row_to_f32(tok as usize, &mut row);
+            k::rms_norm(&row, &mtp.enorm, eps, &mut e[t * h..(t + 1) * h]);
+        }
+        let mut ep = vec![0.0f32; t_count * h];
+        mtp.e_proj.matmul(&self.act_in(&e, h), t_count, &mut ep);
+        let mut hn = vec![0.0f32; t_count * hc * h];
+        k::rms_norm_rows(prev_streams, h, &mtp.hnorm, eps, &mut hn);
+        let mut x = vec![0.0f32; t_count * hc * h];
+        mtp.h_proj
+            .matmul(&self.act_in(&hn, h), t_count * hc, &mut x);
+        for t in 0..t_count {
+            for s in 0..hc {
+                for (o, &v) in x[(t * hc + s) * h..(t * hc + s + 1) * h]
+                    .iter_mut()
+                    .zip(&ep[t * h..(t + 1) * h])
+                {
+                    *o += v;
+                }
+            }
+        }
+        let ropes = BatchRopes::new(self, &batch.positions);
+        self.block_forward(&mtp.block, &mut x, batch, &ropes, cache, cache_layer);
+        Ok(self.output(&x, &mtp.hc_head, &mtp.norm, batch, want_hidden))
+    }
+
+    /// The input of an FP8/FP4 linear as [REF] feeds it: with the sims on, each `width`-long row
+    /// goes through act_quant in blocks of 128.
+    fn act_in<'a>(&self, x: &'a [f32], width: usize) -> Cow<'a, [f32]> {
+        if !self.quant_sim {
+            return Cow::Borrowed(x);
+        }
+        let mut v = x.to_vec();
+        for row in v.chunks_exact_mut(width) {
+            ops::fp8_round_trip(row, 128);
+        }
+        Cow::Owned(v)
+    }
+
+    /// hc_head collapse, final norm and head for the wanted tokens (spec §2.10).
+    fn output(
+        &self,
+        x: &[f32],
+        hc_head: &Hc,
+        norm: &[f32],
+        batch: &Batch,
+        want_hidden: bool,
+    ) -> ForwardOutput {
+        let cfg = &self.cfg;
+        let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
+        let n_out = batch.logits_indices.len();
+        let mut picked = vec![0.0f32; n_out * h];
+        let mut m = vec![0.0f32; hc];
+        let mut y = vec![0.0f32; h];
+        for (o, &i) in batch.logits_indices.iter().enumerate() {
+            let xt = &x[i * hc * h..(i + 1) * hc * h];
+            hc_head.fn_.matmul(xt, 1, &mut m);
+            let r = ops::rms_factor(xt, cfg.rms_norm_eps);
+            for v in &mut m {
+                *v *= r;
+            }
+            let pre = ops::hc_head_weights(&m, hc_head.scale[0], &hc_head.base, cfg.hc_eps);
+            ops::hc_collapse(&pre, xt, &mut y);
+            k::rms_norm(&y, norm, cfg.rms_norm_eps, &mut picked[o * h..(o + 1) * h]);
+        }
+        let mut logits = vec![0.0f32; n_out * cfg.vocab_size];
+        if n_out > 0 {
+            self.head.matmul(&picked, n_out, &mut logits);
+        }
+        ForwardOutput {
+            logits,
+            hidden: want_hidden.then(|| x.to_vec()),
+        }
+    }
+
+    /// hc_pre for every token: (collapsed input [T, D], post [T, hc], comb [T, hc·hc]).
+    fn hc_pre(&self, p: &Hc, x: &[f32], t_count: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let cfg = &self.cfg;
+        let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
+        let mix = (2 + hc) * hc;
+        let mut m = vec![0.0f32; t_count * mix];
+        p.fn_.matmul(x, t_count, &mut m);
+        let mut y = vec![0.0f32; t_count * h];
+        let mut post = vec![0.0f32; t_count * hc];
+        let mut comb = vec![0.0f32; t_count * hc * hc];
+        for t in 0..t_count {
+            let xt = &x[t * hc * h..(t + 1) * hc * h];
+            let r = ops::rms_factor(xt, cfg.rms_norm_eps);
+            let mt: Vec<f32> = m[t * mix..(t + 1) * mix].iter().map(|v| v * r).collect();
+            let (pre, po, co) = ops::hc_split_sinkhorn(
+                &mt,
+                &p.scale,
+                &p.base,
+                hc,
+                cfg.hc_sinkhorn_iters,
+                cfg.hc_eps,
+            );
+            ops::hc_collapse(&pre, xt, &mut y[t * h..(t + 1) * h]);
+            post[t * hc..(t + 1) * hc].copy_from_slice(&po);
+            comb[t * hc * hc..(t + 1) * hc * hc].copy_from_slice(&co);
+        }
+        (y, post, comb)
+    }
+
+    fn block_forward(
+        &self,
+        b: &Block,
+        x: &mut [f32],
+        batch: &Batch,
+        ropes: &BatchRopes,
+        cache: &mut KvCache,
+        li: usize,
+    ) {
+        let cfg = &self.cfg;
+        let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
+        let t_count = batch.num_tokens();
+        let bs = cache.block_size();
+        let mut xn = vec![0.0f32; t_count * h];
+        let (u, post, comb) = self.hc_pre(&b.hc_attn, x, t_count);
+        k::rms_norm_rows(&u, h, &b.attn_norm, cfg.rms_norm_eps, &mut xn);
+        let a = self.attention(&b.attn, &xn, batch, ropes, cache.layer_mut(li), bs);
+        for t in 0..t_count {
+            ops::hc_expand(
+                &a[t * h..(t + 1) * h],
+                &mut x[t * hc * h..(t + 1) * hc * h],
+                &post[t * hc..(t + 1) * hc],
+                &comb[t * hc * hc..(t + 1) * hc * hc],
+            );
+        }
+        let (u, post, comb) = self.hc_pre(&b.hc_ffn, x, t_count);
+        k::rms_norm_rows(&u, h, &b.ffn_norm, cfg.rms_norm_eps, &mut xn);
+        let f = self.moe(&b.ffn, &xn, &batch.tokens);
+        for t in 0..t_count {
+            ops::hc_expand(
+                &f[t * h..(t + 1) * h],
+                &mut x[t * hc * h..(t + 1) * hc * h],
+                &post[t * hc..(t + 1) * hc],
+                &comb[t * hc * hc..(t + 1) * hc * hc],
+            );
+        }
+    }
+
+    /// Projects every token's compressor inputs and stores `A_t` / `Z_t + ape[p mod r]` in its slot.
+    #[allow(clippy::too_many_arguments)]
+    fn store_compressor_inputs(
+        &self,
+        c: &Compressor,
+        x: &[f32],
+        batch: &Batch,
+        cache: &mut [f32],
+        bs: usize,
+        width: usize,
+        (a_off, z_off): (usize, usize),
+    ) {
+        let t_count = batch.num_tokens();
+        let w = c.coff() * c.d;
+        let mut a = vec![0.0f32; t_count * w];
+        let mut z = vec![0.0f32; t_count * w];
+        c.wkv.matmul(x, t_count, &mut a);
+        c.wgate.matmul(x, t_count, &mut z);
+        for s in 0..batch.num_seqs() {
+            for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
+                let p = batch.positions[i];
+                let slot = batch.slot(s, i, bs) * width;
+                cache[slot + a_off..slot + a_off + w].copy_from_slice(&a[i * w..(i + 1) * w]);
+                let ape = &c.ape[(p % c.ratio) * w..(p % c.ratio + 1) * w];
+                for ((o, &zv), &e) in cache[slot + z_off..slot + z_off + w]
+                    .iter_mut()
+                    .zip(&z[i * w..(i + 1) * w])
+                    .zip(ape)
+                {
+                    *o = zv + e;
+                }
+            }
+        }
+    }
+
+    /// Compressed entry j of a sequence from the stored inputs (spec §2.7): gated pooling over
+    /// block j (second halves with overlap) and, with overlap and j > 0, block j−1's first
+    /// halves; RMSNorm; RoPE at position j·r; Hadamard for the indexer.
+    #[allow(clippy::too_many_arguments)]
+    fn compress_entry(
+        &self,
+        c: &Compressor,
+        j: usize,
+        table: &[u32],
+        cache: &[f32],
+        bs: usize,
+        width: usize,
+        (a_off, z_off): (usize, usize),
+        rotate: bool,
+        out: &mut [f32],
+    ) {
+        let (r, d) = (c.ratio, c.d);
+        let row = |p: usize| slot_of(table, p, bs) * width;
+        let mut cands: Vec<(&[f32], &[f32])> = Vec::with_capacity(2 * r);
+        if c.overlap() && j > 0 {
+            for p in (j - 1) * r..j * r {
+                let s = row(p);
+                cands.push((
+                    &cache[s + a_off..s + a_off + d],
+                    &cache[s + z_off..s + z_off + d],
+                ));
+            }
+        }
+        let off = if c.overlap() { d } else { 0 };
+        for p in j * r..(j + 1) * r {
+            let s = row(p);
+            cands.push((
+                &cache[s + a_off + off..s + a_off + off + d],
+                &cache[s + z_off + off..s + z_off + off + d],
+            ));
+        }
+        let mut pooled = vec![0.0f32; d];
+        ops::pool_compressed(&cands, &mut pooled);
+        k::rms_norm(&pooled, &c.norm, self.cfg.rms_norm_eps, out);
+        let half = self.rope_compressed.half();
+        let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
+        self.rope_compressed.cos_sin(j * r, &mut cos, &mut sin);
+        V4Rope::apply(&mut out[d - 2 * half..], &cos, &sin, false);
+        if rotate {
+            ops::hadamard_in_place(out);
+            if self.quant_sim {
+                ops::fp4_round_trip(out, 32);
+            }
+        } else if self.quant_sim {
+            ops::fp8_round_trip(&mut out[..d - 2 * half], 64);
+        }
+    }
+
+    fn attention(
+        &self,
+        at: &Attention,
+        x: &[f32],
+        batch: &Batch,
+        ropes: &BatchRopes,
+        cache: &mut [f32],
+        bs: usize,
+    ) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let t_count = batch.num_tokens();
+        let (nh, dh, rd) = (cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim);
+        let nope = dh - rd;
+        let eps = cfg.rms_norm_eps;
+        let ql = cfg.q_lora_rank;
+        let width = self.cache_width;
+        let lay = at.layout;
+        let compressed = at.ratio > 0;
+
+        // Query path (§2.6): c = q_norm(wq_a x); q = wq_b c; weightless per-head RMS; RoPE.
+        let xq = self.act_in(x, cfg.hidden_size);
+        let mut tmp = vec![0.0f32; t_count * ql];
+        at.wq_a.matmul(&xq, t_count, &mut tmp);
+        let mut qr = vec![0.0f32; t_count * ql];
+        k::rms_norm_rows(&tmp, ql, &at.q_norm, eps, &mut qr);
+        let qrq = self.act_in(&qr, ql);
+        let mut q = vec![0.0f32; t_count * nh * dh];
+        at.wq_b.matmul(&qrq, t_count, &mut q);
+        for t in 0..t_count {
+            let (cos, sin) = ropes.get(compressed, t);
+            for qh in q[t * nh * dh..(t + 1) * nh * dh].chunks_exact_mut(dh) {
+                let r = ops::rms_factor(qh, eps);
+                k::scale_in_place(qh, r);
+                V4Rope::apply(&mut qh[nope..], cos, sin, false);
+            }
+        }
+        // KV path: kv_norm(wkv x), RoPE; into the window slot of its position.
+        let mut kvraw = vec![0.0f32; t_count * dh];
+        at.wkv.matmul(&xq, t_count, &mut kvraw);
+        let mut kv = vec![0.0f32; t_count * dh];
+        k::rms_norm_rows(&kvraw, dh, &at.kv_norm, eps, &mut kv);
+        for s in 0..batch.num_seqs() {
+            for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
+                let (cos, sin) = ropes.get(compressed, i);
+                let row = &mut kv[i * dh..(i + 1) * dh];
+                V4Rope::apply(&mut row[nope..], cos, sin, false);
+                if self.quant_sim {
+                    ops::fp8_round_trip(&mut row[..nope], 64);
+                }
+                let slot = batch.slot(s, i, bs) * width;
+                cache[slot..slot + dh].copy_from_slice(row);
+            }
+        }
+        // Compressors: store inputs, then emit every entry whose block ends in this step.
+        let mut iq = Vec::new();
+        let mut iw = Vec::new();
+        if let Some(c) = &at.compressor {
+            self.store_compressor_inputs(c, x, batch, cache, bs, width, (lay.a, lay.z));
+            if let Some(ix) = &at.indexer {
+                self.store_compressor_inputs(
+                    &ix.compressor,
+                    x,
+                    batch,
+                    cache,
+                    bs,
+                    width,
+                    (lay.ia, lay.iz),
+                );
+            }
+            let r = c.ratio;
+            let mut entry = vec![0.0f32; dh];
+            let mut ikey = vec![0.0f32; cfg.index_head_dim];
+            for s in 0..batch.num_seqs() {
+                let table = &batch.block_tables[s];
+                for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
+                    let p = batch.positions[i];
+                    if (p + 1) % r != 0 {
+                        continue;
+                    }
+                    let j = (p + 1) / r - 1;
+                    let slot = slot_of(table, p, bs) * width;
+                    self.compress_entry(
+                        c,
+                        j,
+                        table,
+                        cache,
+                        bs,
+                        width,
+                        (lay.a, lay.z),
+                        false,
+                        &mut entry,
+                    );
+                    cache[slot + lay.entry..slot + lay.entry + dh].copy_from_slice(&entry);
+                    if let Some(ix) = &at.indexer {
+                        self.compress_entry(
+                            &ix.compressor,
+                            j,
+                            table,
+                            cache,
+                            bs,
+                            width,
+                            (lay.ia, lay.iz),
+                            true,
+                            &mut ikey,
+                        );
+                        cache[slot + lay.ikey..slot + lay.ikey + ikey.len()].copy_from_slice(&ikey);
+                    }
+                }
+            }
+            // Indexer queries (§2.8): wq_b c, RoPE on the last R dims, Hadamard; head weights.
+            if let Some(ix) = &at.indexer {
+                let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
+                iq = vec![0.0f32; t_count * hi * di];
+                ix.wq_b.matmul(&qrq, t_count, &mut iq);
+                for t in 0..t_count {
+                    let (cos, sin) = ropes.get(true, t);
+                    for qh in iq[t * hi * di..(t + 1) * hi * di].chunks_exact_mut(di) {
+                        V4Rope::apply(&mut qh[di - rd..], cos, sin, false);
+                        ops::hadamard_in_place(qh);
+                        if self.quant_sim {
+                            ops::fp4_round_trip(qh, 32);
+                        }
+                    }
+                }
+                iw = vec![0.0f32; t_count * hi];
+                ix.weights_proj.matmul(x, t_count, &mut iw);
+                let sc = 1.0 / ((di * hi) as f32).sqrt();
+                k::scale_in_place(&mut iw, sc);
+            }
+        }
+
+        // Attention per query token over window ∪ visible compressed entries.
+        let cache: &[f32] = cache;
+        let seq_of: Vec<usize> = (0..batch.num_seqs())
+            .flat_map(|s| std::iter::repeat_n(s, batch.seq_starts[s + 1] - batch.seq_starts[s]))
+            .collect();
+        let win = cfg.sliding_window;
+        let scale = 1.0 / (dh as f32).sqrt();
+        let o: Vec<f32> = (0..t_count)
+            .into_par_iter()
+            .flat_map_iter(|i| {
+                let table = &batch.block_tables[seq_of[i]];
+                let p = batch.positions[i];
+                let row = |pos: usize| slot_of(table, pos, bs) * width;
+                let mut keys: Vec<&[f32]> = Vec::with_capacity(win + 64);
+                for pos in (p + 1).saturating_sub(win)..=p {
+                    let s = row(pos);
+                    keys.push(&cache[s..s + dh]);
+                }
+                if compressed {
+                    let r = at.ratio;
+                    let nc = (p + 1) / r;
+                    let entry_row = |j: usize| row(j * r + r - 1);
+                    let chosen: Vec<usize> = if at.indexer.is_some() {
+                        let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
+                        let scores: Vec<f32> = (0..nc)
+                            .map(|j| {
+                                let s = entry_row(j);
+                                let key = &cache[s + lay.ikey..s + lay.ikey + di];
+                                (0..hi)
+                                    .map(|hh| {
+                                        let qh = &iq[(i * hi + hh) * di..(i * hi + hh + 1) * di];
+                                        iw[i * hi + hh] * k::dot(qh, key).max(0.0)
+                                    })
+                                    .sum()
+                            })
+                            .collect();
+                        let mut ids =
+                            crate::deepseek_v3::top_indices(&scores, cfg.index_topk.min(nc));
+                        ids.sort_unstable();
+                        ids
+                    } else {
+                        (0..nc).collect()
+                    };
+                    for j in chosen {
+                        let s = entry_row(j);
+                        keys.push(&cache[s + lay.entry..s + lay.entry + dh]);
+                    }
+                }
+                let (cos, sin) = ropes.get(compressed, i);
+                let mut out = vec![0.0f32; nh * dh];
+                let mut scratch = Vec::with_capacity(keys.len());
+                for (hh, oh) in out.chunks_exact_mut(dh).enumerate() {
+                    let qh = &q[(i * nh + hh) * dh..(i * nh + hh + 1) * dh];
+                    ops::attend_with_sink(qh, &keys, at.sink[hh], scale, &mut scratch, oh);
+                    V4Rope::apply(&mut oh[nope..], cos, sin, true);
+                }
+                out
+            })
+            .collect();
+
+        // Grouped output (§2.6): z_g = wo_a[g] · o_g, then wo_b.
+        let (g, ol) = (cfg.o_groups, cfg.o_lora_rank);
+        let gw = nh * dh / g;
+        let mut z = vec![0.0f32; t_count * g * ol];
+        let mut og = vec![0.0f32; t_count * gw];
+        let mut zg = vec![0.0f32; t_count * ol];
+        for gi in 0..g {
+            for t in 0..t_count {
+                og[t * gw..(t + 1) * gw]
+                    .copy_from_slice(&o[t * nh * dh + gi * gw..t * nh * dh + (gi + 1) * gw]);
+            }
+            at.wo_a
+                .matmul_rows(gi * ol..(gi + 1) * ol, &og, t_count, &mut zg);
+            for t in 0..t_count {
+                z[t * g * ol + gi * ol..t * g * ol + (gi + 1) * ol]
+                    .copy_from_slice(&zg[t * ol..(t + 1) * ol]);
+            }
+        }
+        let mut out = vec![0.0f32; t_count * cfg.hidden_size];
+        at.wo_b.matmul(&self.act_in(&z, g * ol), t_count, &mut out);
+        out
+    }
+
+    fn expert_forward(&self, e: &Expert, x: &[f32], n: usize, weights: Option<&[f32]>) -> Vec<f32> {
+        let f = e.w1.rows();
+        let mut g = vec![0.0f32; n * f];
+        let mut u = vec![0.0f32; n * f];
+        let xq = self.act_in(x, e.w1.cols());
+        e.w1.matmul(&xq, n, &mut g);
+        e.w3.matmul(&xq, n, &mut u);
+        let mut hid = vec![0.0f32; n * f];
+        ops::swiglu_clamped(&mut g, &mut u, self.cfg.swiglu_limit, &mut hid);
+        if let Some(w) = weights {
+            for (row, &wt) in hid.chunks_exact_mut(f).zip(w) {
+                k::scale_in_place(row, wt);
+            }
+        }
+        let mut y = vec![0.0f32; n * e.w2.rows()];
+        e.w2.matmul(&self.act_in(&hid, f), n, &mut y);
+        y
+    }
+
+    fn moe(&self, m: &Moe, x: &[f32], tokens: &[u32]) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let h = cfg.hidden_size;
+        let t_count = tokens.len();
+        let e = m.experts.len();
+        let kk = cfg.num_experts_per_tok;
+        let mut logits = vec![0.0f32; t_count * e];
+        m.gate.matmul(x, t_count, &mut logits);
+        let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        for (t, &tok) in tokens.iter().enumerate() {
+            let hash = m
+                .tid2eid
+                .as_ref()
+                .map(|tab| &tab[tok as usize * kk..(tok as usize + 1) * kk]);
+            let (ids, ws) = ops::route_v4(
+                &logits[t * e..(t + 1) * e],
+                m.bias.as_deref(),
+                hash,
+                kk,
+                cfg.scoring_func,
+                cfg.routed_scaling_factor,
+            );
+            for (id, w) in ids.into_iter().zip(ws) {
+                assigned[id].push((t, w));
+            }
+        }
+        let mut out = vec![0.0f32; t_count * h];
+        for (id, pairs) in assigned.iter().enumerate() {
+            if pairs.is_empty() {
+                continue;
+            }
+            let mut xs = Vec::with_capacity(pairs.len() * h);
+            for &(t, _) in pairs {
+                xs.extend_from_slice(&x[t * h..(t + 1) * h]);
+            }
+            let ws: Vec<f32> = pairs.iter().map(|p| p.1).collect();
+            let y = self.expert_forward(&m.experts[id], &xs, pairs.len(), Some(&ws));
+            for (j, &(t, _)) in pairs.iter().enumerate() {
+                for (o, v) in out[t * h..(t + 1) * h]
+                    .iter_mut()
+                    .zip(&y[j * h..(j + 1) * h])
+                {
+                    *o += v;
+                }
+            }
+        }
+        let y = self.expert_forward(&m.shared, x, t_count, None);
+        for (a, b) in out.iter_mut().zip(&y) {
+            *a += b;
+        }
+        out
+    }
+}
