@@ -22,15 +22,18 @@ mod bytes;
 mod error;
 mod float16;
 pub mod fp8;
+pub mod hif8;
+pub mod int4;
 pub mod int8;
 mod matrix;
+pub mod mx;
 mod parallel;
 mod simd;
 mod vector;
 
 pub use bytes::{f32s_to_le_bytes, u16s_to_le_bytes, ByteOwner, Bytes};
 pub use error::KernelError;
-pub use float16::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+pub use float16::{bf16_round, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use matrix::{Matrix, MatrixData};
 pub use simd::{simd_level, SimdLevel};
 pub use vector::{
