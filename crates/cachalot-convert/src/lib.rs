@@ -19,6 +19,7 @@
 //!   files are not a goal (§5.5); tensor-level equality is.
 
 mod safetensors_io;
+mod v4;
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File};
@@ -34,13 +35,23 @@ use serde_json::{json, Map, Value};
 
 use safetensors_io::{layout, OutTensor};
 pub use safetensors_io::{read_header, TensorInfo};
+pub use v4::{convert_config, v4_ignore_list, v4_quantization_config};
 
-/// The seed's `--quant_mode`.
+/// The seed's `--quant_mode` (DeepSeek-V3/R1, Kimi-K2) and `--quant_type` (DeepSeek-V4, see
+/// `v4.rs`); `Bfloat16` serves both.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantMode {
     Bfloat16,
     W8A8C16,
     W8A8C8,
+    /// V4: INT8 per channel for the experts, shared experts and wq_b/wo_b.
+    W8A8Int,
+    /// V4: INT4 per channel (searched) routed experts, INT8 elsewhere.
+    W4A8Int,
+    /// V4: MXFP4 routed experts, MXFP8 elsewhere.
+    W4A8Mx,
+    /// V4: MXFP4 routed experts, MXFP8 shared experts, HiF8 elsewhere.
+    W4A8MxHif,
 }
 
 impl QuantMode {
@@ -49,6 +60,10 @@ impl QuantMode {
             "bfloat16" | "bf16" => Some(QuantMode::Bfloat16),
             "w8a8c16" => Some(QuantMode::W8A8C16),
             "w8a8c8" => Some(QuantMode::W8A8C8),
+            "w8a8-int" => Some(QuantMode::W8A8Int),
+            "w4a8-int" => Some(QuantMode::W4A8Int),
+            "w4a8-mx" => Some(QuantMode::W4A8Mx),
+            "w4a8-mx-hif" => Some(QuantMode::W4A8MxHif),
             _ => None,
         }
     }
@@ -456,6 +471,20 @@ pub fn read_c8_scales(path: &Path, num_layers: usize) -> Result<Vec<f32>> {
 pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     let t0 = Instant::now();
     let input = Input::open(&opts.input)?;
+    if v4::is_v4_config(&input.config) {
+        return v4::convert_v4(opts, input, t0);
+    }
+    if !matches!(
+        opts.mode,
+        QuantMode::Bfloat16 | QuantMode::W8A8C16 | QuantMode::W8A8C8
+    ) {
+        return Err(ConvertError::Usage(format!(
+            "{:?} is a DeepSeek-V4 quant type, but {} is not a V4 checkpoint (its config.json \
+             has no compress_ratios); use --quant-mode bfloat16, w8a8c16 or w8a8c8",
+            opts.mode,
+            opts.input.display()
+        )));
+    }
     let c8 =
         match (opts.mode, &opts.c8_scales) {
             (QuantMode::W8A8C8, Some(p)) => Some(read_c8_scales(p, input.num_layers)?),
@@ -608,6 +637,7 @@ fn dtype_static(d: &str) -> &'static str {
         "I8" => "I8",
         "F8_E4M3" => "F8_E4M3",
         "F8_E5M2" => "F8_E5M2",
+        "F8_E8M0" => "F8_E8M0",
         "BF16" => "BF16",
         "F16" => "F16",
         "I16" => "I16",
