@@ -67,6 +67,18 @@ impl QuantMode {
             _ => None,
         }
     }
+    /// The seed's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantMode::Bfloat16 => "bfloat16",
+            QuantMode::W8A8C16 => "w8a8c16",
+            QuantMode::W8A8C8 => "w8a8c8",
+            QuantMode::W8A8Int => "w8a8-int",
+            QuantMode::W4A8Int => "w4a8-int",
+            QuantMode::W4A8Mx => "w4a8-mx",
+            QuantMode::W4A8MxHif => "w4a8-mx-hif",
+        }
+    }
     fn int8(self) -> bool {
         self != QuantMode::Bfloat16
     }
@@ -92,6 +104,12 @@ pub struct ConvertReport {
     pub tensors_written: usize,
     pub int8_weights: usize,
     pub bf16_weights: usize,
+    /// V4: INT4 per-channel weights (`w4a8-int` experts).
+    pub int4_weights: usize,
+    /// V4: MXFP8 and MXFP4 weights.
+    pub mx_weights: usize,
+    /// V4: HiF8 weights.
+    pub hif8_weights: usize,
     pub input_bytes: u64,
     pub output_bytes: u64,
     pub seconds: f64,
@@ -479,9 +497,9 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
         QuantMode::Bfloat16 | QuantMode::W8A8C16 | QuantMode::W8A8C8
     ) {
         return Err(ConvertError::Usage(format!(
-            "{:?} is a DeepSeek-V4 quant type, but {} is not a V4 checkpoint (its config.json \
+            "{} is a DeepSeek-V4 quant type, but {} is not a V4 checkpoint (its config.json \
              has no compress_ratios); use --quant-mode bfloat16, w8a8c16 or w8a8c8",
-            opts.mode,
+            opts.mode.name(),
             opts.input.display()
         )));
     }

@@ -64,9 +64,10 @@ fn flags(mode: QuantMode) -> Result<TypeFlags> {
         QuantMode::W4A8MxHif => (true, false, true, true),
         QuantMode::W8A8C16 | QuantMode::W8A8C8 => {
             return Err(ConvertError::Usage(format!(
-                "{mode:?} is a DeepSeek-V3/R1 mode; this checkpoint is DeepSeek-V4 (config.json \
+                "{} is a DeepSeek-V3/R1 mode; this checkpoint is DeepSeek-V4 (config.json \
                  has compress_ratios): use --quant-type bfloat16, w8a8-int, w4a8-int, w4a8-mx or \
-                 w4a8-mx-hif"
+                 w4a8-mx-hif",
+                mode.name()
             )))
         }
     };
@@ -565,6 +566,7 @@ pub(crate) fn convert_v4(
                     o[1] = add(&mut outs, &scale_name, "U64", &[rows, 1]);
                     let bias = format!("{key}.bias");
                     o[2] = add(&mut outs, &bias, "F32", &[rows]);
+                    report.int4_weights += 1;
                 }
                 Target::Mxfp8 | Target::Mxfp4 => {
                     let g = cols.div_ceil(MX_BLOCK);
@@ -579,10 +581,12 @@ pub(crate) fn convert_v4(
                         add(&mut outs, name, "F8_E4M3", &[rows, cols]);
                     }
                     o[1] = add(&mut outs, &scale_name, "U8", &[rows, g]);
+                    report.mx_weights += 1;
                 }
                 Target::Hif8 => {
                     add(&mut outs, name, "U8", &[rows, cols]);
                     o[1] = add(&mut outs, &scale_name, "F32", &[rows, 1]);
+                    report.hif8_weights += 1;
                 }
             }
             jobs.push(Job::Weight {
@@ -691,7 +695,7 @@ fn write_shard(
             Job::Copy { len, .. } => (*len, ITEM_BYTES),
             Job::Weight { rows, cols, .. } => {
                 // Even row counts (INT4 packs row pairs).
-                (*rows, ((ITEM_BYTES / (2 * cols).max(1)).max(2) + 1) / 2 * 2)
+                (*rows, (ITEM_BYTES / (2 * cols).max(1)).max(2).div_ceil(2) * 2)
             }
         };
         let mut r = 0;
