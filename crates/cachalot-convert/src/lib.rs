@@ -599,8 +599,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     }
 
     // Write into a temporary directory beside the output.
-    let tmp = temp_dir_for(&opts.output)?;
-    let result = (|| -> Result<()> {
+    write_through_temp(&opts.output, |tmp| {
         let pb = progress_bar(report.input_bytes, opts.progress);
         let mut weight_map = Map::new();
         for (si, (planned, scales)) in plans.into_iter().enumerate() {
@@ -620,7 +619,6 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
             report.shards += 1;
         }
         pb.finish_and_clear();
-        copy_side_files(&input.dir, &tmp)?;
         let mut config = input.config.clone();
         config.remove("quantization_config");
         if opts.mode.int8() {
@@ -629,21 +627,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                 w8a8_quantization_config(&ignore, opts.mode == QuantMode::W8A8C8),
             );
         }
-        write_json(&tmp.join(CONFIG_FILE), &Value::Object(config))?;
-        write_json(
-            &tmp.join(INDEX_FILE),
-            &json!({"metadata": {}, "weight_map": weight_map}),
-        )?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if opts.output.exists() {
-        fs::remove_dir_all(&opts.output).map_err(|e| ConvertError::io(&opts.output, e))?;
-    }
-    fs::rename(&tmp, &opts.output).map_err(|e| ConvertError::io(&opts.output, e))?;
+        finish_dir(&input.dir, tmp, config, weight_map)
+    })?;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
 }
@@ -698,6 +683,61 @@ fn check_output(out: &Path, force: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs `write` on a new temporary directory beside `out`, then renames it over `out` (replacing
+/// what is there); on an error the temporary directory is removed and `out` is untouched.
+fn write_through_temp(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = temp_dir_for(out)?;
+    if let Err(e) = write(&tmp) {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if out.exists() {
+        fs::remove_dir_all(out).map_err(|e| ConvertError::io(out, e))?;
+    }
+    fs::rename(&tmp, out).map_err(|e| ConvertError::io(out, e))
+}
+
+/// Completes a converted directory: the input's side files, `config`, and the regenerated index
+/// `{"metadata": {}, "weight_map": ...}`.
+fn finish_dir(
+    input_dir: &Path,
+    tmp: &Path,
+    config: Map<String, Value>,
+    weight_map: Map<String, Value>,
+) -> Result<()> {
+    copy_side_files(input_dir, tmp)?;
+    write_json(&tmp.join(CONFIG_FILE), &Value::Object(config))?;
+    write_json(
+        &tmp.join(INDEX_FILE),
+        &json!({"metadata": {}, "weight_map": weight_map}),
+    )
+}
+
+/// Maps the input shard and creates the output shard with the header of `outs`, whose offsets
+/// are set (their order is kept); returns the map, the output file and its length.
+fn start_shard(
+    input: &Path,
+    output: &Path,
+    outs: &mut [OutTensor],
+) -> Result<(memmap2::Mmap, File, u64)> {
+    let file = File::open(input).map_err(|e| ConvertError::io(input, e))?;
+    // SAFETY: the input is only read; it is not expected to change during the conversion (a
+    // concurrent writer could make us read torn data, never unsound Rust values: bytes only).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ConvertError::io(input, e))?;
+    let mut sorted = outs.to_vec();
+    let (header, total) = layout(&mut sorted);
+    let offsets: HashMap<&str, u64> = sorted.iter().map(|o| (o.name.as_str(), o.offset)).collect();
+    for o in outs.iter_mut() {
+        o.offset = offsets[o.name.as_str()];
+    }
+    let out = File::create(output).map_err(|e| ConvertError::io(output, e))?;
+    out.set_len(total)
+        .map_err(|e| ConvertError::io(output, e))?;
+    out.write_all_at(&header, 0)
+        .map_err(|e| ConvertError::io(output, e))?;
+    Ok((map, out, total))
 }
 
 fn temp_dir_for(out: &Path) -> Result<PathBuf> {
@@ -777,21 +817,11 @@ fn write_shard(
     scales: &HashMap<usize, BlockScales>,
     pb: &indicatif::ProgressBar,
 ) -> Result<(Vec<String>, u64)> {
-    let file = File::open(input).map_err(|e| ConvertError::io(input, e))?;
-    // SAFETY: the input is only read; it is not expected to change during the conversion (a
-    // concurrent writer could make us read torn data, never unsound Rust values: bytes only).
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ConvertError::io(input, e))?;
     let mut outs: Vec<OutTensor> = planned.iter().map(|p| p.out.clone()).collect();
-    let (header, total) = layout(&mut outs);
-    let offsets: HashMap<&str, u64> = outs.iter().map(|o| (o.name.as_str(), o.offset)).collect();
-    for p in planned.iter_mut() {
-        p.out.offset = offsets[p.out.name.as_str()];
+    let (map, out, total) = start_shard(input, output, &mut outs)?;
+    for (p, o) in planned.iter_mut().zip(outs) {
+        p.out.offset = o.offset;
     }
-    let out = File::create(output).map_err(|e| ConvertError::io(output, e))?;
-    out.set_len(total)
-        .map_err(|e| ConvertError::io(output, e))?;
-    out.write_all_at(&header, 0)
-        .map_err(|e| ConvertError::io(output, e))?;
 
     let mut items = Vec::new();
     for (t, p) in planned.iter().enumerate() {

@@ -34,11 +34,11 @@ use cachalot_kernels::{bf16_to_f32, f32_to_bf16};
 use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 
-use crate::safetensors_io::{self, layout, OutTensor};
+use crate::safetensors_io::{self, OutTensor};
 use crate::{
-    check_output, copy_side_files, dequantize_rows_to_bf16, out_tensor, progress_bar, temp_dir_for,
-    write_json, BlockScales, ConvertError, ConvertOptions, ConvertReport, Input, QuantMode, Result,
-    CONFIG_FILE, INDEX_FILE, ITEM_BYTES,
+    check_output, dequantize_rows_to_bf16, finish_dir, out_tensor, progress_bar, start_shard,
+    write_json, write_through_temp, BlockScales, ConvertError, ConvertOptions, ConvertReport,
+    Input, QuantMode, Result, CONFIG_FILE, ITEM_BYTES,
 };
 
 /// Whether a checkpoint's config describes the V4 layout (it has `compress_ratios`).
@@ -608,8 +608,7 @@ pub(crate) fn convert_v4(
         plans.push((outs, jobs, scales));
     }
 
-    let tmp = temp_dir_for(&opts.output)?;
-    let result = (|| -> Result<()> {
+    write_through_temp(&opts.output, |tmp| {
         let pb = progress_bar(report.input_bytes, opts.progress);
         let mut weight_map = Map::new();
         for (si, (outs, jobs, scales)) in plans.into_iter().enumerate() {
@@ -630,7 +629,6 @@ pub(crate) fn convert_v4(
             report.shards += 1;
         }
         pb.finish_and_clear();
-        copy_side_files(&input.dir, &tmp)?;
         let mut config = input.config.clone();
         if quantize {
             config.remove("quantization_config");
@@ -640,21 +638,8 @@ pub(crate) fn convert_v4(
                 v4_quantization_config(&ignore, f.mx, f.w4a8, f.mx, f.mx, f.hif),
             );
         }
-        write_json(&tmp.join(CONFIG_FILE), &Value::Object(config))?;
-        write_json(
-            &tmp.join(INDEX_FILE),
-            &json!({"metadata": {}, "weight_map": weight_map}),
-        )?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if opts.output.exists() {
-        fs::remove_dir_all(&opts.output).map_err(|e| ConvertError::io(&opts.output, e))?;
-    }
-    fs::rename(&tmp, &opts.output).map_err(|e| ConvertError::io(&opts.output, e))?;
+        finish_dir(&input.dir, tmp, config, weight_map)
+    })?;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
 }
@@ -673,21 +658,8 @@ fn write_shard(
     scales: &[BlockScales],
     pb: &indicatif::ProgressBar,
 ) -> Result<(Vec<String>, u64)> {
-    let file = File::open(input).map_err(|e| ConvertError::io(input, e))?;
-    // SAFETY: as in the V3 converter: the input is only read, as bytes.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ConvertError::io(input, e))?;
     let names: Vec<String> = outs.iter().map(|o| o.name.clone()).collect();
-    let mut sorted = outs.clone();
-    let (header, total) = layout(&mut sorted);
-    let offsets: HashMap<&str, u64> = sorted.iter().map(|o| (o.name.as_str(), o.offset)).collect();
-    for o in outs.iter_mut() {
-        o.offset = offsets[o.name.as_str()];
-    }
-    let out = File::create(output).map_err(|e| ConvertError::io(output, e))?;
-    out.set_len(total)
-        .map_err(|e| ConvertError::io(output, e))?;
-    out.write_all_at(&header, 0)
-        .map_err(|e| ConvertError::io(output, e))?;
+    let (map, out, total) = start_shard(input, output, &mut outs)?;
 
     let mut items = Vec::new();
     for (j, job) in jobs.iter().enumerate() {
@@ -695,7 +667,10 @@ fn write_shard(
             Job::Copy { len, .. } => (*len, ITEM_BYTES),
             Job::Weight { rows, cols, .. } => {
                 // Even row counts (INT4 packs row pairs).
-                (*rows, (ITEM_BYTES / (2 * cols).max(1)).max(2).div_ceil(2) * 2)
+                (
+                    *rows,
+                    (ITEM_BYTES / (2 * cols).max(1)).max(2).div_ceil(2) * 2,
+                )
             }
         };
         let mut r = 0;

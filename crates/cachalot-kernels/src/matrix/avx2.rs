@@ -134,11 +134,7 @@ impl Weights16 for Int8W {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load16(p: *const u8) -> (__m256, __m256) {
-        let v = _mm_loadu_si128(p as *const __m128i);
-        (
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
-        )
+        i8x16_to_f32(_mm_loadu_si128(p as *const __m128i))
     }
 }
 
@@ -148,17 +144,31 @@ impl Weights16 for Int4W {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load16(p: *const u8) -> (__m256, __m256) {
-        // Byte k holds weights 2k (low nibble) and 2k+1 (high nibble); nibble n means n - 8.
-        let v = _mm_loadl_epi64(p as *const __m128i);
-        let mask = _mm_set1_epi8(0x0F);
-        let lo = _mm_and_si128(v, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), mask);
-        let q = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));
-        (
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q))),
-        )
+        // Nibble n means n - 8.
+        i8x16_to_f32(_mm_sub_epi8(nibbles16(p), _mm_set1_epi8(8)))
     }
+}
+
+/// The 16 nibbles of the 8 bytes at `p` in column order: byte k holds columns 2k (low nibble)
+/// and 2k+1 (high nibble).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles16(p: *const u8) -> __m128i {
+    let v = _mm_loadl_epi64(p as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(v, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), mask);
+    _mm_unpacklo_epi8(lo, hi)
+}
+
+/// 16 signed bytes as two 8-lane f32 vectors.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i8x16_to_f32(q: __m128i) -> (__m256, __m256) {
+    (
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q))),
+    )
 }
 
 impl Weights16 for Fp4W {
@@ -167,19 +177,10 @@ impl Weights16 for Fp4W {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load16(p: *const u8) -> (__m256, __m256) {
-        // Byte k holds columns 2k (low nibble) and 2k+1 (high nibble); a 16-entry table lookup
-        // (`vpshufb`) maps each e2m1 code to twice its value as an int8 (exact: 0, 1, ..., 12).
-        let v = _mm_loadl_epi64(p as *const __m128i);
-        let mask = _mm_set1_epi8(0x0F);
-        let lo = _mm_and_si128(v, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), mask);
-        let idx = _mm_unpacklo_epi8(lo, hi);
+        // A 16-entry table lookup (`vpshufb`) maps each e2m1 code to twice its value as an int8
+        // (exact: 0, 1, ..., 12).
         let lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-        let q = _mm_shuffle_epi8(lut, idx);
-        (
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q))),
-        )
+        i8x16_to_f32(_mm_shuffle_epi8(lut, nibbles16(p)))
     }
 }
 
