@@ -19,6 +19,7 @@
 //!   files are not a goal (§5.5); tensor-level equality is.
 
 mod safetensors_io;
+mod v4;
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File};
@@ -34,13 +35,23 @@ use serde_json::{json, Map, Value};
 
 use safetensors_io::{layout, OutTensor};
 pub use safetensors_io::{read_header, TensorInfo};
+pub use v4::{convert_config, v4_ignore_list, v4_quantization_config};
 
-/// The seed's `--quant_mode`.
+/// The seed's `--quant_mode` (DeepSeek-V3/R1, Kimi-K2) and `--quant_type` (DeepSeek-V4, see
+/// `v4.rs`); `Bfloat16` serves both.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantMode {
     Bfloat16,
     W8A8C16,
     W8A8C8,
+    /// V4: INT8 per channel for the experts, shared experts and wq_b/wo_b.
+    W8A8Int,
+    /// V4: INT4 per channel (searched) routed experts, INT8 elsewhere.
+    W4A8Int,
+    /// V4: MXFP4 routed experts, MXFP8 elsewhere.
+    W4A8Mx,
+    /// V4: MXFP4 routed experts, MXFP8 shared experts, HiF8 elsewhere.
+    W4A8MxHif,
 }
 
 impl QuantMode {
@@ -49,7 +60,23 @@ impl QuantMode {
             "bfloat16" | "bf16" => Some(QuantMode::Bfloat16),
             "w8a8c16" => Some(QuantMode::W8A8C16),
             "w8a8c8" => Some(QuantMode::W8A8C8),
+            "w8a8-int" => Some(QuantMode::W8A8Int),
+            "w4a8-int" => Some(QuantMode::W4A8Int),
+            "w4a8-mx" => Some(QuantMode::W4A8Mx),
+            "w4a8-mx-hif" => Some(QuantMode::W4A8MxHif),
             _ => None,
+        }
+    }
+    /// The seed's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantMode::Bfloat16 => "bfloat16",
+            QuantMode::W8A8C16 => "w8a8c16",
+            QuantMode::W8A8C8 => "w8a8c8",
+            QuantMode::W8A8Int => "w8a8-int",
+            QuantMode::W4A8Int => "w4a8-int",
+            QuantMode::W4A8Mx => "w4a8-mx",
+            QuantMode::W4A8MxHif => "w4a8-mx-hif",
         }
     }
     fn int8(self) -> bool {
@@ -77,6 +104,12 @@ pub struct ConvertReport {
     pub tensors_written: usize,
     pub int8_weights: usize,
     pub bf16_weights: usize,
+    /// V4: INT4 per-channel weights (`w4a8-int` experts).
+    pub int4_weights: usize,
+    /// V4: MXFP8 and MXFP4 weights.
+    pub mx_weights: usize,
+    /// V4: HiF8 weights.
+    pub hif8_weights: usize,
     pub input_bytes: u64,
     pub output_bytes: u64,
     pub seconds: f64,
@@ -456,6 +489,20 @@ pub fn read_c8_scales(path: &Path, num_layers: usize) -> Result<Vec<f32>> {
 pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     let t0 = Instant::now();
     let input = Input::open(&opts.input)?;
+    if v4::is_v4_config(&input.config) {
+        return v4::convert_v4(opts, input, t0);
+    }
+    if !matches!(
+        opts.mode,
+        QuantMode::Bfloat16 | QuantMode::W8A8C16 | QuantMode::W8A8C8
+    ) {
+        return Err(ConvertError::Usage(format!(
+            "{} is a DeepSeek-V4 quant type, but {} is not a V4 checkpoint (its config.json \
+             has no compress_ratios); use --quant-mode bfloat16, w8a8c16 or w8a8c8",
+            opts.mode.name(),
+            opts.input.display()
+        )));
+    }
     let c8 =
         match (opts.mode, &opts.c8_scales) {
             (QuantMode::W8A8C8, Some(p)) => Some(read_c8_scales(p, input.num_layers)?),
@@ -552,8 +599,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     }
 
     // Write into a temporary directory beside the output.
-    let tmp = temp_dir_for(&opts.output)?;
-    let result = (|| -> Result<()> {
+    write_through_temp(&opts.output, |tmp| {
         let pb = progress_bar(report.input_bytes, opts.progress);
         let mut weight_map = Map::new();
         for (si, (planned, scales)) in plans.into_iter().enumerate() {
@@ -573,7 +619,6 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
             report.shards += 1;
         }
         pb.finish_and_clear();
-        copy_side_files(&input.dir, &tmp)?;
         let mut config = input.config.clone();
         config.remove("quantization_config");
         if opts.mode.int8() {
@@ -582,21 +627,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                 w8a8_quantization_config(&ignore, opts.mode == QuantMode::W8A8C8),
             );
         }
-        write_json(&tmp.join(CONFIG_FILE), &Value::Object(config))?;
-        write_json(
-            &tmp.join(INDEX_FILE),
-            &json!({"metadata": {}, "weight_map": weight_map}),
-        )?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if opts.output.exists() {
-        fs::remove_dir_all(&opts.output).map_err(|e| ConvertError::io(&opts.output, e))?;
-    }
-    fs::rename(&tmp, &opts.output).map_err(|e| ConvertError::io(&opts.output, e))?;
+        finish_dir(&input.dir, tmp, config, weight_map)
+    })?;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
 }
@@ -608,6 +640,7 @@ fn dtype_static(d: &str) -> &'static str {
         "I8" => "I8",
         "F8_E4M3" => "F8_E4M3",
         "F8_E5M2" => "F8_E5M2",
+        "F8_E8M0" => "F8_E8M0",
         "BF16" => "BF16",
         "F16" => "F16",
         "I16" => "I16",
@@ -650,6 +683,61 @@ fn check_output(out: &Path, force: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs `write` on a new temporary directory beside `out`, then renames it over `out` (replacing
+/// what is there); on an error the temporary directory is removed and `out` is untouched.
+fn write_through_temp(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = temp_dir_for(out)?;
+    if let Err(e) = write(&tmp) {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if out.exists() {
+        fs::remove_dir_all(out).map_err(|e| ConvertError::io(out, e))?;
+    }
+    fs::rename(&tmp, out).map_err(|e| ConvertError::io(out, e))
+}
+
+/// Completes a converted directory: the input's side files, `config`, and the regenerated index
+/// `{"metadata": {}, "weight_map": ...}`.
+fn finish_dir(
+    input_dir: &Path,
+    tmp: &Path,
+    config: Map<String, Value>,
+    weight_map: Map<String, Value>,
+) -> Result<()> {
+    copy_side_files(input_dir, tmp)?;
+    write_json(&tmp.join(CONFIG_FILE), &Value::Object(config))?;
+    write_json(
+        &tmp.join(INDEX_FILE),
+        &json!({"metadata": {}, "weight_map": weight_map}),
+    )
+}
+
+/// Maps the input shard and creates the output shard with the header of `outs`, whose offsets
+/// are set (their order is kept); returns the map, the output file and its length.
+fn start_shard(
+    input: &Path,
+    output: &Path,
+    outs: &mut [OutTensor],
+) -> Result<(memmap2::Mmap, File, u64)> {
+    let file = File::open(input).map_err(|e| ConvertError::io(input, e))?;
+    // SAFETY: the input is only read; it is not expected to change during the conversion (a
+    // concurrent writer could make us read torn data, never unsound Rust values: bytes only).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ConvertError::io(input, e))?;
+    let mut sorted = outs.to_vec();
+    let (header, total) = layout(&mut sorted);
+    let offsets: HashMap<&str, u64> = sorted.iter().map(|o| (o.name.as_str(), o.offset)).collect();
+    for o in outs.iter_mut() {
+        o.offset = offsets[o.name.as_str()];
+    }
+    let out = File::create(output).map_err(|e| ConvertError::io(output, e))?;
+    out.set_len(total)
+        .map_err(|e| ConvertError::io(output, e))?;
+    out.write_all_at(&header, 0)
+        .map_err(|e| ConvertError::io(output, e))?;
+    Ok((map, out, total))
 }
 
 fn temp_dir_for(out: &Path) -> Result<PathBuf> {
@@ -729,21 +817,11 @@ fn write_shard(
     scales: &HashMap<usize, BlockScales>,
     pb: &indicatif::ProgressBar,
 ) -> Result<(Vec<String>, u64)> {
-    let file = File::open(input).map_err(|e| ConvertError::io(input, e))?;
-    // SAFETY: the input is only read; it is not expected to change during the conversion (a
-    // concurrent writer could make us read torn data, never unsound Rust values: bytes only).
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ConvertError::io(input, e))?;
     let mut outs: Vec<OutTensor> = planned.iter().map(|p| p.out.clone()).collect();
-    let (header, total) = layout(&mut outs);
-    let offsets: HashMap<&str, u64> = outs.iter().map(|o| (o.name.as_str(), o.offset)).collect();
-    for p in planned.iter_mut() {
-        p.out.offset = offsets[p.out.name.as_str()];
+    let (map, out, total) = start_shard(input, output, &mut outs)?;
+    for (p, o) in planned.iter_mut().zip(outs) {
+        p.out.offset = o.offset;
     }
-    let out = File::create(output).map_err(|e| ConvertError::io(output, e))?;
-    out.set_len(total)
-        .map_err(|e| ConvertError::io(output, e))?;
-    out.write_all_at(&header, 0)
-        .map_err(|e| ConvertError::io(output, e))?;
 
     let mut items = Vec::new();
     for (t, p) in planned.iter().enumerate() {

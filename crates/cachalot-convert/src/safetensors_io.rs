@@ -30,7 +30,7 @@ impl TensorInfo {
 /// Bytes per element of a safetensors dtype name.
 pub fn dtype_size(dtype: &str) -> Option<usize> {
     Some(match dtype {
-        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
+        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0" => 1,
         "BF16" | "F16" | "I16" | "U16" => 2,
         "F32" | "I32" | "U32" => 4,
         "F64" | "I64" | "U64" => 8,

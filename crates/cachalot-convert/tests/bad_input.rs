@@ -11,9 +11,17 @@ fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny")
 }
 
+fn v4_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/tiny")
+}
+
 fn copy_fixture(to: &Path) {
+    copy_dir(&fixture(), to)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
     fs::create_dir_all(to).unwrap();
-    for e in fs::read_dir(fixture()).unwrap() {
+    for e in fs::read_dir(from).unwrap() {
         let p = e.unwrap().path();
         fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
     }
@@ -31,7 +39,13 @@ fn opts(input: &Path, output: &Path) -> ConvertOptions {
 }
 
 fn expect_error(input: &Path, output: &Path, parts: &[&str]) {
-    let e = convert(&opts(input, output)).expect_err("conversion must fail");
+    expect_error_in(input, output, QuantMode::W8A8C16, parts)
+}
+
+fn expect_error_in(input: &Path, output: &Path, mode: QuantMode, parts: &[&str]) {
+    let mut o = opts(input, output);
+    o.mode = mode;
+    let e = convert(&o).expect_err("conversion must fail");
     let msg = e.to_string();
     for p in parts {
         assert!(msg.contains(p), "error `{msg}` does not mention `{p}`");
@@ -204,4 +218,77 @@ fn c8_needs_a_scale_per_layer() {
     assert!(e.contains("4 layers") && e.contains("s.json"), "{e}");
     o.c8_scales = None;
     assert!(convert(&o).unwrap_err().to_string().contains("calibrate"));
+}
+
+/// DeepSeek-V4 (spec `deepseek-v4.md` §4.1–§4.2): a missing or misshapen `.scale`, a 1-byte dtype
+/// the native checkpoint does not have, a V3 mode (and V4 types on V3), all before writing.
+#[test]
+fn v4_bad_inputs_are_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in");
+    copy_dir(&v4_fixture(), &input);
+    let out = tmp.path().join("out");
+    expect_error_in(
+        &input,
+        &out,
+        QuantMode::W8A8C16,
+        &["w8a8c16", "DeepSeek-V4", "--quant-type"],
+    );
+    // V4 types on a V3 checkpoint.
+    expect_error_in(
+        &fixture(),
+        &out,
+        QuantMode::W4A8Mx,
+        &["w4a8-mx", "not a V4 checkpoint"],
+    );
+
+    // A misshapen expert scale (FP4: [F, D/32]).
+    let scale = "layers.0.ffn.experts.1.w2.scale";
+    let file = shard_of(&input, scale);
+    rewrite_shard(&input, &file, |t| {
+        let s = t.iter_mut().find(|(n, ..)| n == scale).unwrap();
+        s.2 = vec![s.2[0] / 2, s.2[1] * 2];
+    });
+    expect_error_in(
+        &input,
+        &out,
+        QuantMode::W4A8Int,
+        &[
+            scale,
+            "has shape",
+            "layers.0.ffn.experts.1.w2.weight",
+            &file,
+        ],
+    );
+
+    // A missing FP8 scale (and its index entry).
+    copy_dir(&v4_fixture(), &input);
+    let scale = "layers.1.attn.wo_b.scale";
+    let file = shard_of(&input, scale);
+    rewrite_shard(&input, &file, |t| t.retain(|(n, ..)| n != scale));
+    let ip = input.join("model.safetensors.index.json");
+    let mut index: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&ip).unwrap()).unwrap();
+    index["weight_map"].as_object_mut().unwrap().remove(scale);
+    fs::write(&ip, index.to_string()).unwrap();
+    expect_error_in(
+        &input,
+        &out,
+        QuantMode::Bfloat16,
+        &["layers.1.attn.wo_b.weight", scale, "in no shard"],
+    );
+
+    // A U8 weight (already converted?).
+    copy_dir(&v4_fixture(), &input);
+    let w = "layers.0.ffn.experts.0.w1.weight";
+    let file = shard_of(&input, w);
+    rewrite_shard(&input, &file, |t| {
+        t.iter_mut().find(|(n, ..)| n == w).unwrap().1 = Dtype::U8;
+    });
+    expect_error_in(
+        &input,
+        &out,
+        QuantMode::W8A8Int,
+        &[w, "U8", "already converted"],
+    );
 }

@@ -3,41 +3,17 @@
 //! name, shard, dtype, shape and bytes (SHA-256), the index and `config.json`, for the three FP8
 //! fixture models in all three modes.
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use cachalot_convert::{convert, read_header, ConvertOptions, QuantMode};
+use cachalot_convert::{convert, ConvertOptions, QuantMode};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
+
+mod common;
+use common::summarize;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3")
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// name → [shard, dtype, shape, sha256] of a converted directory.
-fn summarize(dir: &Path) -> BTreeMap<String, Value> {
-    let mut out = BTreeMap::new();
-    for e in fs::read_dir(dir).unwrap() {
-        let path = e.unwrap().path();
-        let file = path.file_name().unwrap().to_string_lossy().into_owned();
-        if !file.ends_with(".safetensors") {
-            continue;
-        }
-        let bytes = fs::read(&path).unwrap();
-        for (name, t) in read_header(&path).unwrap() {
-            let digest = Sha256::digest(&bytes[t.start as usize..t.end as usize]);
-            out.insert(
-                name,
-                serde_json::json!([file, t.dtype, t.shape, hex(&digest)]),
-            );
-        }
-    }
-    out
 }
 
 fn check(model: &str) {

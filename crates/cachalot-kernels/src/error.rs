@@ -81,4 +81,25 @@ pub enum KernelError {
         index: usize,
         value: f32,
     },
+    /// A packed 4-bit format whose rows would split a byte.
+    #[error("a {format} matrix of {rows}x{cols}: cols must be even (two columns per byte)")]
+    OddPackedCols {
+        format: &'static str,
+        rows: usize,
+        cols: usize,
+    },
+    /// An E8M0 scale byte that is NaN (255) or too large for the kernels.
+    #[error(
+        "{format} E8M0 scale byte #{index} is {byte}; expected at most {limit} (255 is NaN; \
+         larger scales overflow the kernels)"
+    )]
+    E8m0Scale {
+        format: &'static str,
+        index: usize,
+        byte: u8,
+        limit: u8,
+    },
+    /// A `u64` scale tensor that is not the V4 INT4 layout.
+    #[error("INT4 u64 scales: {why}")]
+    U64Scales { why: String },
 }

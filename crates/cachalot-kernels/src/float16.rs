@@ -19,6 +19,13 @@ pub fn f32_to_bf16(x: f32) -> u16 {
     (bits.wrapping_add(round) >> 16) as u16
 }
 
+/// `x` rounded to the nearest bf16 value (ties to even), as an f32: one bf16 tensor op of torch,
+/// which computes in f32 and rounds the result (the converters' "bf16 per op" arithmetic).
+#[inline]
+pub fn bf16_round(x: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(x))
+}
+
 /// The exact f32 value of an IEEE f16 bit pattern.
 #[inline]
 pub fn f16_to_f32(bits: u16) -> f32 {

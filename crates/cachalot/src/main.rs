@@ -96,8 +96,12 @@ enum Command {
     Generate(text::GenerateArgs),
     /// Interactive chat on stdin/stdout: /reset, /system TEXT, /exit; Ctrl-C stops an answer.
     Chat(text::ChatArgs),
-    /// Convert an FP8 checkpoint to bfloat16, w8a8c16 or w8a8c8 (the seed's weight_convert.sh).
+    /// Convert an FP8 checkpoint: V3/R1/Kimi to bfloat16, w8a8c16 or w8a8c8 (--quant-mode);
+    /// DeepSeek-V4 to bfloat16, w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif (--quant-type).
     Convert(quant::ConvertArgs),
+    /// Rewrite a DeepSeek-V4 config.json's quantization_config in place (the seed's
+    /// convert_config.py).
+    ConvertConfig(quant::ConvertConfigArgs),
     /// C8 latent-cache scales: run a text through a model and record each layer's c_kv range.
     Calibrate(quant::CalibrateArgs),
     /// Prefill and decode throughput (batch 1 and N), TTFT, TPOT, peak RSS, weight bytes per
@@ -216,6 +220,7 @@ fn run() -> Result<()> {
         Command::Generate(args) => text::generate(&args)?,
         Command::Chat(args) => text::chat(&args)?,
         Command::Convert(args) => quant::run_convert(&args)?,
+        Command::ConvertConfig(args) => quant::run_convert_config(&args)?,
         Command::Calibrate(args) => quant::run_calibrate(&args)?,
         Command::Bench(args) => bench::run(args)?,
     }

@@ -1,5 +1,8 @@
-//! `cachalot convert` (FP8 → BF16 / W8A8C16 / W8A8C8, spec §5) and `cachalot calibrate` (the C8
-//! latent-cache scales). Kept apart from the other commands; `main.rs` only dispatches here.
+//! `cachalot convert` (V3/R1/Kimi FP8 → BF16 / W8A8C16 / W8A8C8, spec
+//! `deepseek-v3-r1-kimi-k2.md` §5; DeepSeek-V4 → bfloat16 / w8a8-int / w4a8-int / w4a8-mx /
+//! w4a8-mx-hif, `deepseek-v4.md` §4.2), `cachalot convert-config` (V4 §1.2) and `cachalot
+//! calibrate` (the C8 latent-cache scales). Kept apart from the other commands; `main.rs` only
+//! dispatches here.
 
 use std::path::PathBuf;
 
@@ -15,9 +18,17 @@ pub struct ConvertArgs {
     /// it and renamed into place at the end.
     #[arg(long, alias = "output_hf_path")]
     output: PathBuf,
-    /// bfloat16, w8a8c16 or w8a8c8 (the seed's --quant_mode).
-    #[arg(long, alias = "quant_mode")]
-    quant_mode: String,
+    /// DeepSeek-V3/R1/Kimi: bfloat16, w8a8c16 or w8a8c8 (the seed's --quant_mode).
+    #[arg(long, alias = "quant_mode", conflicts_with = "quant_type")]
+    quant_mode: Option<String>,
+    /// DeepSeek-V4: bfloat16, w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif (the seed's
+    /// --quant_type).
+    #[arg(long, alias = "quant_type")]
+    quant_type: Option<String>,
+    /// DeepSeek-V4 clip factors (the seed's --quant_param_path, quant_params_{L}.pt): not
+    /// supported (PyTorch pickles); accepted only to say so.
+    #[arg(long, alias = "quant_param_path")]
+    quant_param_path: Option<PathBuf>,
     /// W8A8C8: per-layer latent-cache scales from `cachalot calibrate`.
     #[arg(long, alias = "c8_scales")]
     c8_scales: Option<PathBuf>,
@@ -27,11 +38,35 @@ pub struct ConvertArgs {
 }
 
 pub fn run_convert(args: &ConvertArgs) -> Result<()> {
-    let Some(mode) = QuantMode::parse(&args.quant_mode) else {
+    if let Some(p) = &args.quant_param_path {
         bail!(
-            "--quant-mode `{}` is not one of bfloat16, w8a8c16, w8a8c8",
-            args.quant_mode
+            "--quant-param-path {}: clip factors are not supported (the seed's \
+             quant_params_{{L}}.pt files are PyTorch pickles); convert without them",
+            p.display()
         );
+    }
+    let mode = match (&args.quant_mode, &args.quant_type) {
+        (Some(m), None) => match QuantMode::parse(m) {
+            Some(mode @ (QuantMode::Bfloat16 | QuantMode::W8A8C16 | QuantMode::W8A8C8)) => mode,
+            _ => bail!("--quant-mode `{m}` is not one of bfloat16, w8a8c16, w8a8c8"),
+        },
+        (None, Some(t)) => match QuantMode::parse(t) {
+            Some(
+                mode @ (QuantMode::Bfloat16
+                | QuantMode::W8A8Int
+                | QuantMode::W4A8Int
+                | QuantMode::W4A8Mx
+                | QuantMode::W4A8MxHif),
+            ) => mode,
+            _ => bail!(
+                "--quant-type `{t}` is not one of bfloat16, w8a8-int, w4a8-int, w4a8-mx, \
+                 w4a8-mx-hif"
+            ),
+        },
+        _ => bail!(
+            "give --quant-mode (DeepSeek-V3/R1/Kimi: bfloat16, w8a8c16, w8a8c8) or --quant-type \
+             (DeepSeek-V4: bfloat16, w8a8-int, w4a8-int, w4a8-mx, w4a8-mx-hif)"
+        ),
     };
     let opts = ConvertOptions {
         input: args.input.clone(),
@@ -42,16 +77,47 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
         progress: true,
     };
     let r = convert(&opts)?;
+    let mut kinds = format!(
+        "{} int8 weights, {} bf16 weights",
+        r.int8_weights, r.bf16_weights
+    );
+    for (n, what) in [
+        (r.int4_weights, "int4"),
+        (r.mx_weights, "mxfp8/mxfp4"),
+        (r.hif8_weights, "hif8"),
+    ] {
+        if n > 0 {
+            kinds.push_str(&format!(", {n} {what} weights"));
+        }
+    }
     eprintln!(
-        "converted {} shards, {} tensors ({} int8 weights, {} bf16 weights) into {} in {:.2} s \
-         ({:.2} GB/s of input)",
+        "converted {} shards, {} tensors ({kinds}) into {} in {:.2} s ({:.2} GB/s of input; \
+         {:.3} GB in, {:.3} GB out)",
         r.shards,
         r.tensors_written,
-        r.int8_weights,
-        r.bf16_weights,
         args.output.display(),
         r.seconds,
-        r.input_bytes as f64 / r.seconds / 1e9
+        r.input_bytes as f64 / r.seconds / 1e9,
+        r.input_bytes as f64 / 1e9,
+        r.output_bytes as f64 / 1e9
+    );
+    Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct ConvertConfigArgs {
+    /// DeepSeek-V4 checkpoint directory whose config.json is rewritten in place.
+    dir: PathBuf,
+    /// Describe the HiF8 variant (ignore list = the two heads, channel/tensor group_0).
+    #[arg(long)]
+    hif: bool,
+}
+
+pub fn run_convert_config(args: &ConvertConfigArgs) -> Result<()> {
+    cachalot_convert::convert_config(&args.dir, args.hif)?;
+    eprintln!(
+        "rewrote quantization_config of {}",
+        args.dir.join("config.json").display()
     );
     Ok(())
 }

@@ -8,6 +8,9 @@
 //! - f16: `vcvtph2ps`;
 //! - int8: sign-extend to 32 bits and convert; the row scale is applied per row at the end;
 //! - int4: split the nibbles, interleave them back into column order, subtract 8, convert;
+//! - e2m1 (MXFP4): the same nibble split, then a `vpshufb` table lookup giving 2·value as int8
+//!   (exact), convert; the ½ is folded into the E8M0 scale;
+//! - HiF8: two `vgatherdps` from the 256-entry table;
 //! - FP8 e4m3fn without gathers: widen each byte b to 16 bits, form the f16 bit pattern
 //!   ((b & 0x80) << 8) | ((b & 0x7F) << 7) and convert with `vcvtph2ps`. That is exactly
 //!   value · 2^−8 for every finite code, subnormals included (see `fp8.rs`); the 2^8 is
@@ -31,7 +34,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::scalar::segments;
-use super::{Format, OutRows, WeightsView, CHUNK};
+use super::{Format, OutRows, RowScales, WeightsView, CHUNK};
 use crate::parallel::DisjointOut;
 use crate::vector::avx2::hsum;
 
@@ -59,6 +62,8 @@ pub(crate) struct F16W;
 pub(crate) struct Fp8W;
 pub(crate) struct Int8W;
 pub(crate) struct Int4W;
+pub(crate) struct Fp4W;
+pub(crate) struct Hif8W;
 
 impl Weights16 for F32W {
     const BYTES16: usize = 64;
@@ -129,11 +134,7 @@ impl Weights16 for Int8W {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load16(p: *const u8) -> (__m256, __m256) {
-        let v = _mm_loadu_si128(p as *const __m128i);
-        (
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v))),
-        )
+        i8x16_to_f32(_mm_loadu_si128(p as *const __m128i))
     }
 }
 
@@ -143,15 +144,58 @@ impl Weights16 for Int4W {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load16(p: *const u8) -> (__m256, __m256) {
-        // Byte k holds weights 2k (low nibble) and 2k+1 (high nibble); nibble n means n - 8.
-        let v = _mm_loadl_epi64(p as *const __m128i);
-        let mask = _mm_set1_epi8(0x0F);
-        let lo = _mm_and_si128(v, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), mask);
-        let q = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));
+        // Nibble n means n - 8.
+        i8x16_to_f32(_mm_sub_epi8(nibbles16(p), _mm_set1_epi8(8)))
+    }
+}
+
+/// The 16 nibbles of the 8 bytes at `p` in column order: byte k holds columns 2k (low nibble)
+/// and 2k+1 (high nibble).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles16(p: *const u8) -> __m128i {
+    let v = _mm_loadl_epi64(p as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(v, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), mask);
+    _mm_unpacklo_epi8(lo, hi)
+}
+
+/// 16 signed bytes as two 8-lane f32 vectors.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn i8x16_to_f32(q: __m128i) -> (__m256, __m256) {
+    (
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q))),
+    )
+}
+
+impl Weights16 for Fp4W {
+    const BYTES16: usize = 8;
+    const FACTOR: f32 = 0.5;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load16(p: *const u8) -> (__m256, __m256) {
+        // A 16-entry table lookup (`vpshufb`) maps each e2m1 code to twice its value as an int8
+        // (exact: 0, 1, ..., 12).
+        let lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+        i8x16_to_f32(_mm_shuffle_epi8(lut, nibbles16(p)))
+    }
+}
+
+impl Weights16 for Hif8W {
+    const BYTES16: usize = 16;
+    const FACTOR: f32 = 1.0;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load16(p: *const u8) -> (__m256, __m256) {
+        // Two 8-lane gathers from the 256-entry decoding table.
+        let v = _mm_loadu_si128(p as *const __m128i);
+        let table = crate::hif8::hif8_table().as_ptr();
         (
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q))),
+            _mm256_i32gather_ps::<4>(table, _mm256_cvtepu8_epi32(v)),
+            _mm256_i32gather_ps::<4>(table, _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v))),
         )
     }
 }
@@ -184,9 +228,11 @@ pub(crate) unsafe fn matmul_rows(
         Format::F32 => forward::<F32W>(w, rows, x, n_tokens, out),
         Format::Bf16 => forward::<Bf16W>(w, rows, x, n_tokens, out),
         Format::F16 => forward::<F16W>(w, rows, x, n_tokens, out),
-        Format::Fp8 => forward::<Fp8W>(w, rows, x, n_tokens, out),
+        Format::Fp8 | Format::Mxfp8 => forward::<Fp8W>(w, rows, x, n_tokens, out),
         Format::Int8 => forward::<Int8W>(w, rows, x, n_tokens, out),
         Format::Int4 => forward::<Int4W>(w, rows, x, n_tokens, out),
+        Format::Fp4 => forward::<Fp4W>(w, rows, x, n_tokens, out),
+        Format::Hif8 => forward::<Hif8W>(w, rows, x, n_tokens, out),
     }
 }
 
@@ -266,7 +312,7 @@ unsafe fn tile<W: Weights16, const R: usize, const NT: usize>(
     let cols = w.cols;
     let row_bytes = bytes_of::<W>(cols);
     let mut wp = [std::ptr::null::<u8>(); R];
-    let mut row_scales: [&[f32]; R] = [&[]; R];
+    let mut row_scales = [RowScales::F32(&[]); R];
     for i in 0..R {
         wp[i] = w.data.as_ptr().add((row0 + i) * row_bytes);
         row_scales[i] = w.scales.row(row0 + i);
@@ -315,7 +361,7 @@ unsafe fn tile<W: Weights16, const R: usize, const NT: usize>(
             }
         }
         for i in 0..R {
-            let scale = _mm256_set1_ps(row_scales[i][segment] * W::FACTOR);
+            let scale = _mm256_set1_ps(row_scales[i].get(segment) * W::FACTOR);
             for t in 0..NT {
                 let partial = _mm256_add_ps(a0[i][t], a1[i][t]);
                 total[i][t] = _mm256_fmadd_ps(partial, scale, total[i][t]);
@@ -352,9 +398,11 @@ pub(crate) unsafe fn matmul_t_cols(
         Format::F32 => transposed::<F32W>(w, rows, x, n_tokens, cols, out),
         Format::Bf16 => transposed::<Bf16W>(w, rows, x, n_tokens, cols, out),
         Format::F16 => transposed::<F16W>(w, rows, x, n_tokens, cols, out),
-        Format::Fp8 => transposed::<Fp8W>(w, rows, x, n_tokens, cols, out),
+        Format::Fp8 | Format::Mxfp8 => transposed::<Fp8W>(w, rows, x, n_tokens, cols, out),
         Format::Int8 => transposed::<Int8W>(w, rows, x, n_tokens, cols, out),
         Format::Int4 => transposed::<Int4W>(w, rows, x, n_tokens, cols, out),
+        Format::Fp4 => transposed::<Fp4W>(w, rows, x, n_tokens, cols, out),
+        Format::Hif8 => transposed::<Hif8W>(w, rows, x, n_tokens, cols, out),
     }
 }
 
@@ -387,7 +435,7 @@ unsafe fn transposed<W: Weights16>(
 ) {
     let m = rows.len();
     let mut coef = [0.0f32; T_ROW_BLOCK * 4];
-    let mut row_scales: [&[f32]; T_ROW_BLOCK] = [&[]; T_ROW_BLOCK];
+    let mut row_scales = [RowScales::F32(&[]); T_ROW_BLOCK];
     let mut b0 = 0;
     while b0 < m {
         let b1 = (b0 + T_ROW_BLOCK).min(m);
@@ -400,7 +448,7 @@ unsafe fn transposed<W: Weights16>(
                 let nt = (n_tokens - t0).min(4);
                 let coef = &mut coef[..(b1 - b0) * nt];
                 for i in b0..b1 {
-                    let scale = row_scales[i - b0][segment] * W::FACTOR;
+                    let scale = row_scales[i - b0].get(segment) * W::FACTOR;
                     for t in 0..nt {
                         coef[(i - b0) * nt + t] = x[(t0 + t) * m + i] * scale;
                     }

@@ -14,6 +14,16 @@
 //! - int4 with one scale per group of columns (§2.3, Kimi-K2-Thinking's routed experts, run
 //!   W4A16 as the seed does: the activation stays in floating point).
 //!
+//! DeepSeek-V4 formats (spec `deepseek-v4.md` §4.1, §4.4–§4.6):
+//! - MXFP4: e2m1 nibbles packed along the input dim (low nibble = even column) with one E8M0
+//!   scale byte per 32 columns — the native routed experts and `w4a8-mx`'s output. Built straight
+//!   from the checkpoint's bytes (`weight` I8/U8 `[out, in/2]`, `scale` F8_E8M0/U8 `[out, in/32]`).
+//! - MXFP8: e4m3fn with one E8M0 scale byte per 32 columns (`w4a8-mx`).
+//! - HiF8 with one f32 scale per row (`w4a8-mx-hif`).
+//! - INT4 per channel packed along the output dim (`w4a8-int` experts): repacked at load into
+//!   `Int4Group` with one group per row ([`MatrixData::int4_per_channel_packed_n`]) and run
+//!   with f32 activations (W4A16). INT8 per channel (`w8a8-int`/`w4a8-int`) is `W8A8`.
+//!
 //! Products keep the weights in their stored format and convert on the fly, so a decode step
 //! streams each weight byte once per group of up to 4 tokens. Accumulation is f32. For one
 //! output row the columns are cut into segments (the FP8 column blocks, the int4 groups; the
@@ -37,6 +47,7 @@ mod tests;
 use std::ops::Range;
 
 use crate::bytes::{f32s_to_le_bytes, Bytes};
+use crate::mx::{e8m0_to_f32, MX_BLOCK};
 use crate::parallel::{for_each_task, DisjointOut, Split};
 use crate::simd::{simd_level, SimdLevel};
 use crate::KernelError;
@@ -80,6 +91,86 @@ pub enum MatrixData {
         scale: Vec<f32>,
         group_size: usize,
     },
+    /// MXFP4 (V4 §4.1/§4.5): e2m1 codes, two per byte along a row (column 2j in the low nibble
+    /// of byte j), and one E8M0 scale byte per 32 columns (`rows x ceil(cols/32)`, row-major):
+    /// `W[r,c] = e2m1(nibble) · 2^(scale[r, c/32] − 127)`. `cols` must be even. Both buffers
+    /// are the checkpoint's bytes as stored (windows into the mmap'd shard; no copy).
+    Mxfp4 { data: Bytes, scale: Bytes },
+    /// MXFP8 (V4 §4.5): e4m3fn codes `[rows, cols]` and one E8M0 scale byte per 32 columns.
+    Mxfp8 { data: Bytes, scale: Bytes },
+    /// HiF8 (V4 §4.6) codes `[rows, cols]` with one f32 scale per row: `W = hif8(q) · scale[r]`.
+    Hif8 { data: Bytes, scale: Vec<f32> },
+}
+
+impl MatrixData {
+    /// V4 §4.4's INT4 per-channel layout — `packed` int8 `[rows/2, cols]` packed along the
+    /// output dim (byte `[j, c]` = q[2j, c] low nibble, q[2j+1, c] high nibble, two's
+    /// complement), one scale per row — repacked into [`MatrixData::Int4Group`] with one group
+    /// per row, the layout the int4 kernels stream (two columns of one row per byte). The
+    /// checkpoint's `u64 [rows, 1]` scales are [`crate::int4::scale_to_u64`] patterns: pass
+    /// their low 32 bits as f32 (see [`MatrixData::scales_from_u64_bytes`]).
+    pub fn int4_per_channel_packed_n(
+        rows: usize,
+        cols: usize,
+        packed: &[u8],
+        scale: Vec<f32>,
+    ) -> Result<MatrixData, KernelError> {
+        if rows % 2 != 0 || cols % 2 != 0 || rows == 0 || cols == 0 {
+            return Err(KernelError::Int4Layout {
+                rows,
+                cols,
+                group_size: cols,
+            });
+        }
+        let expected = rows / 2 * cols;
+        if packed.len() != expected {
+            return Err(KernelError::ByteLength {
+                format: "int4_channel_packed_n",
+                rows,
+                cols,
+                expected,
+                actual: packed.len(),
+            });
+        }
+        let mut out = vec![0u8; rows * cols / 2];
+        for (r, orow) in out.chunks_exact_mut(cols / 2).enumerate() {
+            let src = &packed[(r / 2) * cols..(r / 2 + 1) * cols];
+            let shift = 4 * (r % 2) as u32;
+            // Two's-complement nibble q → stored nibble q + 8 (Int4Group's offset binary).
+            let nib = |b: u8| ((b >> shift) & 0x0F) ^ 0x08;
+            for (o, pair) in orow.iter_mut().zip(src.chunks_exact(2)) {
+                *o = nib(pair[0]) | (nib(pair[1]) << 4);
+            }
+        }
+        Ok(MatrixData::Int4Group {
+            data: Bytes::from_vec(out),
+            scale,
+            group_size: cols,
+        })
+    }
+
+    /// The f32 scales of a `u64 [N, 1]` scale tensor's little-endian bytes (low 32 bits of each
+    /// word = the f32 bits). Errors if the length is not a multiple of 8 or a high word is set.
+    pub fn scales_from_u64_bytes(bytes: &[u8]) -> Result<Vec<f32>, KernelError> {
+        if bytes.len() % 8 != 0 {
+            return Err(KernelError::U64Scales {
+                why: format!("{} bytes is not a whole number of u64 words", bytes.len()),
+            });
+        }
+        bytes
+            .chunks_exact(8)
+            .enumerate()
+            .map(|(i, w)| {
+                let v = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
+                if v >> 32 != 0 {
+                    return Err(KernelError::U64Scales {
+                        why: format!("word #{i} is {v:#x}; the high 32 bits must be zero"),
+                    });
+                }
+                Ok(f32::from_bits(v as u32))
+            })
+            .collect()
+    }
 }
 
 /// How a format's elements are stored, for the kernels.
@@ -91,6 +182,11 @@ pub(crate) enum Format {
     Fp8,
     Int8,
     Int4,
+    /// e2m1 nibbles, two per byte along a row.
+    Fp4,
+    /// e4m3fn decoded as `Fp8`, with E8M0 scales.
+    Mxfp8,
+    Hif8,
 }
 
 impl Format {
@@ -100,8 +196,8 @@ impl Format {
         match self {
             Format::F32 => n.checked_mul(4),
             Format::Bf16 | Format::F16 => n.checked_mul(2),
-            Format::Fp8 | Format::Int8 => Some(n),
-            Format::Int4 => Some(n / 2),
+            Format::Fp8 | Format::Mxfp8 | Format::Int8 | Format::Hif8 => Some(n),
+            Format::Int4 | Format::Fp4 => Some(n / 2),
         }
     }
 
@@ -113,6 +209,9 @@ impl Format {
             Format::Fp8 => "fp8_e4m3_block",
             Format::Int8 => "int8_row",
             Format::Int4 => "int4_group",
+            Format::Fp4 => "mxfp4",
+            Format::Mxfp8 => "mxfp8",
+            Format::Hif8 => "hif8_row",
         }
     }
 }
@@ -130,22 +229,45 @@ pub(crate) enum Scales<'a> {
         block_rows: usize,
         grid_cols: usize,
     },
+    /// One E8M0 byte per (row, column segment); `grid_cols` per row (MX formats).
+    E8m0 { scale: &'a [u8], grid_cols: usize },
+}
+
+/// One row's scales, indexed by column segment.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum RowScales<'a> {
+    F32(&'a [f32]),
+    E8m0(&'a [u8]),
+}
+
+impl RowScales<'_> {
+    /// The scale of column segment `s`.
+    #[inline]
+    pub fn get(&self, s: usize) -> f32 {
+        match *self {
+            RowScales::F32(v) => v[s],
+            RowScales::E8m0(b) => e8m0_to_f32(b[s]),
+        }
+    }
 }
 
 impl<'a> Scales<'a> {
     /// Row `r`'s scales, indexed by column segment (dense formats and int8 have one segment).
     #[inline]
-    pub fn row(&self, r: usize) -> &'a [f32] {
+    pub fn row(&self, r: usize) -> RowScales<'a> {
         match *self {
-            Scales::One => &[1.0],
-            Scales::Row(s) => std::slice::from_ref(&s[r]),
+            Scales::One => RowScales::F32(&[1.0]),
+            Scales::Row(s) => RowScales::F32(std::slice::from_ref(&s[r])),
             Scales::Block {
                 scale,
                 block_rows,
                 grid_cols,
             } => {
                 let start = (r / block_rows) * grid_cols;
-                &scale[start..start + grid_cols]
+                RowScales::F32(&scale[start..start + grid_cols])
+            }
+            Scales::E8m0 { scale, grid_cols } => {
+                RowScales::E8m0(&scale[r * grid_cols..(r + 1) * grid_cols])
             }
         }
     }
@@ -189,7 +311,7 @@ impl Matrix {
     /// scales.
     pub fn new(rows: usize, cols: usize, data: MatrixData) -> Result<Matrix, KernelError> {
         let format = format_of(&data);
-        let name = format.name();
+        let name = name_of(&data);
         if rows == 0 || cols == 0 {
             return Err(KernelError::ZeroDimension {
                 format: name,
@@ -205,6 +327,13 @@ impl Matrix {
                     group_size: *group_size,
                 });
             }
+        }
+        if matches!(data, MatrixData::Mxfp4 { .. }) && cols % 2 != 0 {
+            return Err(KernelError::OddPackedCols {
+                format: name,
+                rows,
+                cols,
+            });
         }
         let expected = format
             .data_bytes(rows, cols)
@@ -241,8 +370,12 @@ impl Matrix {
                 let grid = format!("a {gr}x{gc} grid of {block_rows}x{block_cols} blocks");
                 (Some((scale_inv, gr * gc)), grid)
             }
-            MatrixData::Int8Row { scale, .. } | MatrixData::W8A8 { scale, .. } => {
-                (Some((scale, rows)), "one per row".to_string())
+            MatrixData::Int8Row { scale, .. }
+            | MatrixData::W8A8 { scale, .. }
+            | MatrixData::Hif8 { scale, .. } => (Some((scale, rows)), "one per row".to_string()),
+            MatrixData::Mxfp4 { scale, .. } | MatrixData::Mxfp8 { scale, .. } => {
+                check_e8m0_scales(name, rows, cols, scale.as_slice(), format == Format::Mxfp8)?;
+                (None, String::new())
             }
             MatrixData::Int4Group {
                 scale, group_size, ..
@@ -287,12 +420,10 @@ impl Matrix {
         &self.data
     }
 
-    /// "f32", "bf16", "f16", "fp8_e4m3_block", "int8_row", "w8a8_int8" or "int4_group".
+    /// "f32", "bf16", "f16", "fp8_e4m3_block", "int8_row", "w8a8_int8", "int4_group",
+    /// "mxfp4", "mxfp8" or "hif8_row".
     pub fn format_name(&self) -> &'static str {
-        match self.data {
-            MatrixData::W8A8 { .. } => "w8a8_int8",
-            _ => format_of(&self.data).name(),
-        }
+        name_of(&self.data)
     }
 
     /// Bytes of weights plus scales.
@@ -302,7 +433,12 @@ impl Matrix {
             MatrixData::Fp8Block { scale_inv, .. } => scale_inv.len(),
             MatrixData::Int8Row { scale, .. }
             | MatrixData::W8A8 { scale, .. }
+            | MatrixData::Hif8 { scale, .. }
             | MatrixData::Int4Group { scale, .. } => scale.len(),
+            // One byte each.
+            MatrixData::Mxfp4 { scale, .. } | MatrixData::Mxfp8 { scale, .. } => {
+                return data_bytes_of(&self.data).len() + scale.len()
+            }
         };
         data_bytes_of(&self.data).len() + 4 * scales
     }
@@ -327,9 +463,17 @@ impl Matrix {
                     grid_cols: self.cols.div_ceil(*block_cols),
                 },
             ),
-            MatrixData::Int8Row { data, scale } | MatrixData::W8A8 { data, scale } => {
-                (data.as_slice(), self.cols, Scales::Row(scale))
-            }
+            MatrixData::Int8Row { data, scale }
+            | MatrixData::W8A8 { data, scale }
+            | MatrixData::Hif8 { data, scale } => (data.as_slice(), self.cols, Scales::Row(scale)),
+            MatrixData::Mxfp4 { data, scale } | MatrixData::Mxfp8 { data, scale } => (
+                data.as_slice(),
+                MX_BLOCK,
+                Scales::E8m0 {
+                    scale: scale.as_slice(),
+                    grid_cols: self.cols.div_ceil(MX_BLOCK),
+                },
+            ),
             MatrixData::Int4Group {
                 data,
                 scale,
@@ -531,6 +675,9 @@ fn format_of(data: &MatrixData) -> Format {
         MatrixData::Fp8Block { .. } => Format::Fp8,
         MatrixData::Int8Row { .. } | MatrixData::W8A8 { .. } => Format::Int8,
         MatrixData::Int4Group { .. } => Format::Int4,
+        MatrixData::Mxfp4 { .. } => Format::Fp4,
+        MatrixData::Mxfp8 { .. } => Format::Mxfp8,
+        MatrixData::Hif8 { .. } => Format::Hif8,
     }
 }
 
@@ -667,13 +814,57 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     }
 }
 
+/// The format's name in messages and [`Matrix::format_name`].
+fn name_of(data: &MatrixData) -> &'static str {
+    match data {
+        MatrixData::W8A8 { .. } => "w8a8_int8",
+        _ => format_of(data).name(),
+    }
+}
+
+/// MX scales: `rows x ceil(cols/32)` E8M0 bytes, none of them 255 (NaN). For MXFP8 the SIMD
+/// decoding multiplies the scale by 2^8 (see `avx2.rs`), so bytes above 246 (2^119) are refused.
+fn check_e8m0_scales(
+    format: &'static str,
+    rows: usize,
+    cols: usize,
+    scale: &[u8],
+    fp8: bool,
+) -> Result<(), KernelError> {
+    let groups = cols.div_ceil(MX_BLOCK);
+    let expected = rows * groups;
+    if scale.len() != expected {
+        return Err(KernelError::ScaleCount {
+            format,
+            rows,
+            cols,
+            grid: format!("{groups} E8M0 bytes of 32 columns per row"),
+            expected,
+            actual: scale.len(),
+        });
+    }
+    let limit = if fp8 { 246 } else { 254 };
+    if let Some((index, &b)) = scale.iter().enumerate().find(|(_, &b)| b > limit) {
+        return Err(KernelError::E8m0Scale {
+            format,
+            index,
+            byte: b,
+            limit,
+        });
+    }
+    Ok(())
+}
+
 fn data_bytes_of(data: &MatrixData) -> &Bytes {
     match data {
         MatrixData::F32(b) | MatrixData::Bf16(b) | MatrixData::F16(b) => b,
         MatrixData::Fp8Block { data, .. }
         | MatrixData::Int8Row { data, .. }
         | MatrixData::W8A8 { data, .. }
-        | MatrixData::Int4Group { data, .. } => data,
+        | MatrixData::Int4Group { data, .. }
+        | MatrixData::Mxfp4 { data, .. }
+        | MatrixData::Mxfp8 { data, .. }
+        | MatrixData::Hif8 { data, .. } => data,
     }
 }
 

@@ -9,6 +9,8 @@ use std::ops::Range;
 
 use super::{Format, OutRows, Scales, WeightsView};
 use crate::fp8::e4m3_to_f32;
+use crate::hif8::hif8_to_f32;
+use crate::mx::e2m1_to_f32;
 use crate::parallel::DisjointOut;
 use crate::vector::scalar;
 use crate::{bf16_to_f32, f16_to_f32};
@@ -42,7 +44,7 @@ pub(crate) fn decode_row(w: &WeightsView, r: usize, cols: Range<usize>, out: &mu
                 *o = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
             }
         }
-        Format::Fp8 => {
+        Format::Fp8 | Format::Mxfp8 => {
             for (o, &b) in out.iter_mut().zip(&w.data[first..first + n]) {
                 *o = e4m3_to_f32(b);
             }
@@ -57,6 +59,17 @@ pub(crate) fn decode_row(w: &WeightsView, r: usize, cols: Range<usize>, out: &mu
                 let e = first + j;
                 let nibble = (w.data[e / 2] >> (4 * (e % 2))) & 0x0F;
                 *o = (nibble as i32 - 8) as f32;
+            }
+        }
+        Format::Fp4 => {
+            for (j, o) in out[..n].iter_mut().enumerate() {
+                let e = first + j;
+                *o = e2m1_to_f32(w.data[e / 2] >> (4 * (e % 2)));
+            }
+        }
+        Format::Hif8 => {
+            for (o, &b) in out.iter_mut().zip(&w.data[first..first + n]) {
+                *o = hif8_to_f32(b);
             }
         }
     }
@@ -85,7 +98,7 @@ pub(crate) fn dequantize_row(w: &WeightsView, r: usize, cols: Range<usize>, out:
     }
     let row_scales = w.scales.row(r);
     for (s, seg) in segments(w, cols.clone()) {
-        let scale = row_scales[s];
+        let scale = row_scales.get(s);
         for v in &mut out[seg.start - cols.start..seg.end - cols.start] {
             *v *= scale;
         }
@@ -109,7 +122,7 @@ pub(crate) fn matmul_rows(
             let mut total = 0.0f32;
             for (s, seg) in segments(w, 0..w.cols) {
                 let partial = scalar::dot(&buf[seg.clone()], &xt[seg]);
-                total += partial * row_scales[s];
+                total += partial * row_scales.get(s);
             }
             // SAFETY: row r is in this task's row range.
             unsafe { out.write(t, r, total) };
@@ -143,7 +156,7 @@ pub(crate) fn matmul_t_cols(
         for (s, seg) in segments(w, cols.clone()) {
             let local = seg.start - cols.start..seg.end - cols.start;
             for (t, o) in outs.iter_mut().enumerate() {
-                let a = x[t * m + i] * row_scales[s];
+                let a = x[t * m + i] * row_scales.get(s);
                 for (o, wv) in o[local.clone()].iter_mut().zip(&buf[local.clone()]) {
                     *o += wv * a;
                 }

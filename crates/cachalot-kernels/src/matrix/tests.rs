@@ -50,14 +50,32 @@ impl Rng {
     }
 }
 
-const FORMATS: [Format; 6] = [
+const FORMATS: [Format; 9] = [
     Format::F32,
     Format::Bf16,
     Format::F16,
     Format::Fp8,
     Format::Int8,
     Format::Int4,
+    Format::Fp4,
+    Format::Mxfp8,
+    Format::Hif8,
 ];
+
+/// A random E8M0 byte giving scales in 2^−12..2^−4.
+fn e8m0(rng: &mut Rng) -> u8 {
+    115 + (rng.next_u64() % 9) as u8
+}
+
+/// A finite HiF8 code (never 0x80 or ±0x6F).
+fn hif8(rng: &mut Rng) -> u8 {
+    let b = rng.next_u64() as u8;
+    if b == 0x80 || b & 0x7F == 0x6F {
+        b ^ 1
+    } else {
+        b
+    }
+}
 
 fn random_matrix(
     format: Format,
@@ -102,6 +120,18 @@ fn random_matrix(
                 group_size: group,
             }
         }
+        Format::Fp4 => MatrixData::Mxfp4 {
+            data: Bytes::from_vec((0..n / 2).map(|_| rng.next_u64() as u8).collect()),
+            scale: Bytes::from_vec((0..rows * cols.div_ceil(32)).map(|_| e8m0(rng)).collect()),
+        },
+        Format::Mxfp8 => MatrixData::Mxfp8 {
+            data: Bytes::from_vec((0..n).map(|_| rng.fp8()).collect()),
+            scale: Bytes::from_vec((0..rows * cols.div_ceil(32)).map(|_| e8m0(rng)).collect()),
+        },
+        Format::Hif8 => MatrixData::Hif8 {
+            data: Bytes::from_vec((0..n).map(|_| hif8(rng)).collect()),
+            scale: (0..rows).map(|_| rng.uniform(1e-5, 1e-4)).collect(),
+        },
     };
     Matrix::new(rows, cols, data).expect("valid random matrix")
 }
@@ -124,7 +154,7 @@ fn case() -> impl Strategy<Value = (Format, usize, usize, usize, (usize, usize),
     )
         .prop_map(|(f, r, c, t, b, s)| {
             let format = FORMATS[f];
-            if format == Format::Int4 {
+            if matches!(format, Format::Int4 | Format::Fp4) {
                 // Two columns per byte: even column counts and group sizes.
                 (format, r, c + c % 2, t, (b.0, b.1 + b.1 % 2), s)
             } else {
@@ -254,7 +284,7 @@ fn results_do_not_depend_on_thread_count() {
         .unwrap();
     for format in FORMATS {
         for block in [(128, 128), (5, 24), (7, 13)] {
-            let block = if format == Format::Int4 {
+            let block = if matches!(format, Format::Int4 | Format::Fp4) {
                 (block.0, block.1 + block.1 % 2)
             } else {
                 block
@@ -546,7 +576,10 @@ fn names_and_storage() {
             ("f16", 36),
             ("fp8_e4m3_block", 18 + 4 * 6),
             ("int8_row", 18 + 12),
-            ("int4_group", 9 + 4 * 9)
+            ("int4_group", 9 + 4 * 9),
+            ("mxfp4", 9 + 3),
+            ("mxfp8", 18 + 3),
+            ("hif8_row", 18 + 4 * 3),
         ]
     );
 }
@@ -658,4 +691,171 @@ fn matmul_group_panics_on_length_mismatch() {
         n_tokens: 1,
         out: &mut out,
     }]);
+}
+
+/// V4 §4.1: MXFP4 dequantization is e2m1(nibble, low = even column) · 2^(scale − 127), from the
+/// checkpoint's bytes as stored; MXFP8 and HiF8 likewise through their tables.
+#[test]
+fn v4_formats_dequantize_exactly() {
+    use crate::hif8::hif8_to_f32;
+    use crate::mx::{dequantize_mxfp4_row, e8m0_to_f32};
+    let mut rng = Rng(21);
+    let (rows, cols) = (5usize, 96usize);
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next_u64() as u8).collect();
+    let scales: Vec<u8> = (0..rows * 3).map(|_| e8m0(&mut rng)).collect();
+    let m = Matrix::new(
+        rows,
+        cols,
+        MatrixData::Mxfp4 {
+            data: Bytes::from_vec(packed.clone()),
+            scale: Bytes::from_vec(scales.clone()),
+        },
+    )
+    .unwrap();
+    let got = m.to_f32_vec();
+    for r in 0..rows {
+        let mut want = vec![0.0f32; cols];
+        dequantize_mxfp4_row(
+            &packed[r * cols / 2..(r + 1) * cols / 2],
+            &scales[r * 3..(r + 1) * 3],
+            &mut want,
+        );
+        assert_eq!(bits(&got[r * cols..(r + 1) * cols]), bits(&want), "row {r}");
+    }
+    // Nibble order: byte 0x71 = column 0 → 0.5, column 1 → 6.
+    let one = Matrix::new(
+        1,
+        2,
+        MatrixData::Mxfp4 {
+            data: Bytes::from_vec(vec![0x71]),
+            scale: Bytes::from_vec(vec![128]),
+        },
+    )
+    .unwrap();
+    assert_eq!(one.to_f32_vec(), [1.0, 12.0]);
+
+    let codes: Vec<u8> = (0..rows * cols).map(|_| rng.fp8()).collect();
+    let m = Matrix::new(
+        rows,
+        cols,
+        MatrixData::Mxfp8 {
+            data: Bytes::from_vec(codes.clone()),
+            scale: Bytes::from_vec(scales.clone()),
+        },
+    )
+    .unwrap();
+    let got = m.to_f32_vec();
+    for (i, v) in got.iter().enumerate() {
+        let (r, c) = (i / cols, i % cols);
+        let want = e4m3_to_f32(codes[i]) * e8m0_to_f32(scales[r * 3 + c / 32]);
+        assert_eq!(v.to_bits(), want.to_bits());
+    }
+
+    let codes: Vec<u8> = (0..rows * cols).map(|_| hif8(&mut rng)).collect();
+    let s: Vec<f32> = (0..rows).map(|_| rng.uniform(1e-5, 1e-4)).collect();
+    let m = Matrix::new(
+        rows,
+        cols,
+        MatrixData::Hif8 {
+            data: Bytes::from_vec(codes.clone()),
+            scale: s.clone(),
+        },
+    )
+    .unwrap();
+    for (i, v) in m.to_f32_vec().iter().enumerate() {
+        assert_eq!(v.to_bits(), (hif8_to_f32(codes[i]) * s[i / cols]).to_bits());
+    }
+}
+
+/// V4 §4.4: the INT4 layout packed along N, repacked at load, dequantizes to q · scale[row].
+#[test]
+fn int4_per_channel_repack() {
+    use crate::int4::{pack_int4_along_n, scale_to_u64};
+    let mut rng = Rng(31);
+    let (rows, cols) = (6usize, 40usize);
+    let q: Vec<i8> = (0..rows * cols)
+        .map(|_| (rng.next_u64() % 15) as i8 - 7)
+        .collect();
+    let mut packed = vec![0u8; rows / 2 * cols];
+    pack_int4_along_n(&q, rows, cols, &mut packed);
+    let scale: Vec<f32> = (0..rows).map(|_| rng.uniform(1e-3, 1e-2)).collect();
+    let u64s: Vec<u8> = scale
+        .iter()
+        .flat_map(|s| scale_to_u64(*s).to_le_bytes())
+        .collect();
+    let s = MatrixData::scales_from_u64_bytes(&u64s).unwrap();
+    assert_eq!(bits(&s), bits(&scale));
+    let data = MatrixData::int4_per_channel_packed_n(rows, cols, &packed, s).unwrap();
+    let m = Matrix::new(rows, cols, data).unwrap();
+    for (i, v) in m.to_f32_vec().iter().enumerate() {
+        assert_eq!(
+            v.to_bits(),
+            (q[i] as f32 * scale[i / cols]).to_bits(),
+            "{i}"
+        );
+    }
+    assert!(MatrixData::int4_per_channel_packed_n(5, cols, &packed, vec![1.0; 5]).is_err());
+    assert!(MatrixData::int4_per_channel_packed_n(rows, cols, &packed[1..], scale).is_err());
+    let mut bad = u64s.clone();
+    bad[7] = 1;
+    let e = MatrixData::scales_from_u64_bytes(&bad)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("high 32 bits"), "{e}");
+}
+
+#[test]
+fn v4_constructors_reject_malformed_inputs() {
+    let b = |n| Bytes::from_vec(vec![0x11u8; n]);
+    let err = |rows, cols, data| Matrix::new(rows, cols, data).unwrap_err().to_string();
+    let e = err(
+        2,
+        64,
+        MatrixData::Mxfp4 {
+            data: b(64),
+            scale: b(3),
+        },
+    );
+    assert!(e.contains("mxfp4") && e.contains("needs 4 scales"), "{e}");
+    let e = err(
+        2,
+        3,
+        MatrixData::Mxfp4 {
+            data: b(3),
+            scale: b(2),
+        },
+    );
+    assert!(e.contains("cols must be even"), "{e}");
+    let e = err(
+        2,
+        64,
+        MatrixData::Mxfp4 {
+            data: b(63),
+            scale: b(4),
+        },
+    );
+    assert!(e.contains("needs 64 bytes"), "{e}");
+    let mut s = vec![127u8; 4];
+    s[2] = 255;
+    let e = err(
+        2,
+        64,
+        MatrixData::Mxfp8 {
+            data: b(128),
+            scale: Bytes::from_vec(s),
+        },
+    );
+    assert!(e.contains("mxfp8 E8M0 scale byte #2 is 255"), "{e}");
+    let e = err(
+        2,
+        64,
+        MatrixData::Hif8 {
+            data: b(128),
+            scale: vec![1.0],
+        },
+    );
+    assert!(
+        e.contains("hif8_row") && e.contains("needs 2 scales"),
+        "{e}"
+    );
 }

@@ -56,7 +56,7 @@ pub(crate) fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
 
 #[inline]
 fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
-    (acc as f32 * w.scales.row(r)[0]) * sx
+    (acc as f32 * w.scales.row(r).get(0)) * sx
 }
 
 /// Scalar reference for rows `rows`, all tokens.
