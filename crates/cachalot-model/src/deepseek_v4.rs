@@ -23,12 +23,12 @@
 //!
 //! Weights: FP8 e4m3 + F8_E8M0 128×128 scales map onto [`MatrixData::Fp8Block`] (scale_inv =
 //! 2^(b−127)); routed experts (MXFP4) are dequantized to bf16 at load by
-//! [`mxfp4_to_bf16_matrix`], the one place to switch to a native MXFP4 format.
+//! [`mxfp4_matrix`]: routed experts stay MXFP4 in memory (native kernel).
 
 use std::borrow::Cow;
 use std::path::Path;
 
-use cachalot_kernels::{self as k, Bytes, Matrix, MatrixData};
+use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
@@ -211,16 +211,10 @@ pub struct DeepseekV4 {
     pub quant_sim: bool,
 }
 
-/// The one place a routed expert's MXFP4 tensor pair becomes a [`Matrix`]: e2m1 nibbles `[rows,
-/// cols/2]` (I8 or U8) with F8_E8M0 (or U8) scales `[rows, cols/32]`, dequantized to bf16 (exact:
-/// every e2m1 × 2^k value is a bf16 value). Replace the body with a native MXFP4 `MatrixData`
-/// when the kernels have one.
-pub fn mxfp4_to_bf16_matrix(
-    w: &TensorView,
-    s: &TensorView,
-    rows: usize,
-    cols: usize,
-) -> Result<Matrix> {
+/// A routed expert's MXFP4 tensor pair as a native [`MatrixData::Mxfp4`]: e2m1 nibbles `[rows,
+/// cols/2]` (I8 or U8) with F8_E8M0 (or U8) scales `[rows, cols/32]`, both used in place (the
+/// mmap'd bytes; no dequantized copy). A scale byte of 255 (NaN) is refused by name.
+pub fn mxfp4_matrix(w: &TensorView, s: &TensorView, rows: usize, cols: usize) -> Result<Matrix> {
     if cols % 32 != 0 {
         return Err(w.error(format!(
             "MXFP4 needs the input width ({cols}) to be a multiple of 32"
@@ -228,22 +222,21 @@ pub fn mxfp4_to_bf16_matrix(
     }
     w.expect_shape(&[rows, cols / 2])?;
     s.expect_shape(&[rows, cols / 32])?;
-    let mut vals = vec![0.0f32; rows * cols];
-    ops::decode_mxfp4(
-        w.bytes.as_slice(),
-        s.bytes.as_slice(),
-        rows,
-        cols,
-        &mut vals,
-    )
-    .map_err(|(r, g)| s.error(format!("row {r}, group {g}: scale byte 255 is NaN")))?;
-    let bits: Vec<u16> = vals.iter().map(|&v| k::f32_to_bf16(v)).collect();
+    if !matches!(s.dtype, Dtype::F8_E8M0 | Dtype::U8) {
+        return Err(s.error(format!(
+            "has dtype {:?}; MXFP4 scales are F8_E8M0 (or U8 e8m0 codes)",
+            s.dtype
+        )));
+    }
     Matrix::new(
         rows,
         cols,
-        MatrixData::Bf16(Bytes::from_vec(k::u16s_to_le_bytes(&bits))),
+        MatrixData::Mxfp4 {
+            data: w.bytes.clone(),
+            scale: s.bytes.clone(),
+        },
     )
-    .map_err(|e| w.error(e.to_string()))
+    .map_err(|e| s.error(e.to_string()))
 }
 
 fn e8m0_scales(s: &TensorView) -> Result<Vec<f32>> {
@@ -287,8 +280,8 @@ impl Loader<'_> {
             .ckpt
             .take(&name, &format!("a [{rows}, {cols}] weight"))?;
         let sname = format!("{prefix}.scale");
-        let packed = matches!(w.dtype, Dtype::I8 | Dtype::U8) && w.shape == [rows, cols / 2];
-        if packed {
+        let packed_k = matches!(w.dtype, Dtype::I8 | Dtype::U8) && w.shape == [rows, cols / 2];
+        if packed_k {
             let s = self.ckpt.take(
                 &sname,
                 &format!(
@@ -296,7 +289,27 @@ impl Loader<'_> {
                     cols / 32
                 ),
             )?;
-            return mxfp4_to_bf16_matrix(&w, &s, rows, cols);
+            return mxfp4_matrix(&w, &s, rows, cols);
+        }
+        // w4a8-int routed experts (spec §4.4): INT4 packed along the output dim, u64 scales; the
+        // `.bias` beside them is an Ascend kernel aid, not a model bias, and is not used.
+        if w.dtype == Dtype::I8 && rows % 2 == 0 && w.shape == [rows / 2, cols] {
+            let s = self.ckpt.take(
+                &sname,
+                &format!("U64 per-row scales [{rows}, 1] for the INT4 weight {name}"),
+            )?;
+            if s.dtype != Dtype::U64 || (s.shape != [rows, 1] && s.shape != [rows]) {
+                return Err(s.error(format!(
+                    "has dtype {:?} shape {:?}; INT4 per-channel scales are U64 [{rows}, 1]",
+                    s.dtype, s.shape
+                )));
+            }
+            self.ckpt.skip(&format!("{prefix}.bias"));
+            let scale = MatrixData::scales_from_u64_bytes(s.bytes.as_slice())
+                .map_err(|e| s.error(e.to_string()))?;
+            let data = MatrixData::int4_per_channel_packed_n(rows, cols, w.bytes.as_slice(), scale)
+                .map_err(|e| w.error(e.to_string()))?;
+            return Matrix::new(rows, cols, data).map_err(|e| w.error(e.to_string()));
         }
         w.expect_shape(&[rows, cols])?;
         let data = match w.dtype {
@@ -307,6 +320,17 @@ impl Loader<'_> {
                 let s = self
                     .ckpt
                     .take(&sname, &format!("block scales for the FP8 weight {name}"))?;
+                // w4a8-mx-hif (spec §4.6): HiF8 codes with one F32 scale per row.
+                if w.dtype == Dtype::U8
+                    && s.dtype == Dtype::F32
+                    && (s.shape == [rows, 1] || s.shape == [rows])
+                {
+                    let data = MatrixData::Hif8 {
+                        data: w.bytes.clone(),
+                        scale: s.to_f32_vec()?,
+                    };
+                    return Matrix::new(rows, cols, data).map_err(|e| w.error(e.to_string()));
+                }
                 let (br, bc) = self.block;
                 let grid = [rows.div_ceil(br), cols.div_ceil(bc)];
                 let mx = [rows, cols.div_ceil(32)];
@@ -351,7 +375,8 @@ impl Loader<'_> {
             other => {
                 return Err(w.error(format!(
                     "has dtype {other:?}; supported: F8_E4M3 (+ E8M0 .scale), I8/U8 packed MXFP4, \
-                     U8 MXFP8, I8 INT8, BF16, F16, F32 (HiF8 and INT4 conversions are not yet)"
+                     U8 MXFP8, U8 HiF8 (+ F32 per-row .scale), I8 INT8, I8 INT4 packed along the \
+                     output dim (+ U64 .scale), BF16, F16, F32"
                 )))
             }
         };

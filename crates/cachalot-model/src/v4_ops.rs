@@ -17,23 +17,17 @@ use cachalot_kernels as k;
 use crate::config_v4::{ScoringFunc, V4Yarn};
 use crate::deepseek_v3::top_indices;
 
-/// F8_E8M0 scale byte → 2^(b−127) (exact in f32, 2^−127 as a subnormal); 255 is NaN → `None`.
+/// F8_E8M0 scale byte → 2^(b−127) (the kernels' table); 255 is NaN → `None`.
 pub fn e8m0_to_f32(b: u8) -> Option<f32> {
-    match b {
-        255 => None,
-        0 => Some(f32::from_bits(0x0040_0000)),
-        _ => Some(f32::from_bits((b as u32) << 23)),
-    }
+    (b != 255).then(|| k::mx::e8m0_to_f32(b))
 }
 
 /// e2m1 (FP4) nibble → value: s|ee|m, codes 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6; 8..15 negated.
-pub const E2M1_VALUES: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+pub use cachalot_kernels::mx::E2M1_VALUES;
 
 /// MXFP4 `[rows, cols]` from packed bytes `[rows, cols/2]` (column 2j in the low nibble of byte
-/// j, 2j+1 in the high one) and E8M0 scales `[rows, cols/32]`, row-major into `out`. Errors on a
-/// NaN (255) scale with its (row, group).
+/// j, 2j+1 in the high one) and E8M0 scales `[rows, cols/32]`, row-major into `out` (the
+/// kernels' row dequantization). Errors on a NaN (255) scale with its (row, group).
 pub fn decode_mxfp4(
     packed: &[u8],
     scales: &[u8],
@@ -43,14 +37,15 @@ pub fn decode_mxfp4(
 ) -> Result<(), (usize, usize)> {
     let groups = cols / 32;
     for r in 0..rows {
-        for g in 0..groups {
-            let s = e8m0_to_f32(scales[r * groups + g]).ok_or((r, g))?;
-            for c in g * 32..(g + 1) * 32 {
-                let byte = packed[r * cols / 2 + c / 2];
-                let nib = if c % 2 == 0 { byte & 0xF } else { byte >> 4 };
-                out[r * cols + c] = E2M1_VALUES[nib as usize] * s;
-            }
+        let srow = &scales[r * groups..(r + 1) * groups];
+        if let Some(g) = srow.iter().position(|&b| b == 255) {
+            return Err((r, g));
         }
+        k::mx::dequantize_mxfp4_row(
+            &packed[r * cols / 2..(r + 1) * cols / 2],
+            srow,
+            &mut out[r * cols..(r + 1) * cols],
+        );
     }
     Ok(())
 }
