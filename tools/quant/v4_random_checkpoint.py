@@ -13,6 +13,7 @@ and to measure it.
                 MTP, 2 shards, ~0.4 MB); hidden/expert widths are not multiples of 128, so FP8
                 scale grids have ragged edge blocks
   --size bench  a larger one for throughput measurements (not committed; ~0.5 GB)
+  --size v4-1b  ~1.2 B parameters, 32 experts top-6 (decode figures in docs/PERF.md; ~1.3 GB)
 
 Usage: /work/venv/ref/bin/python tools/quant/v4_random_checkpoint.py --size tiny --out fixtures/v4/tiny
 """
@@ -29,6 +30,9 @@ SIZES = {
                  shards=2),
     "bench": dict(D=2048, F=1024, E=16, L=4, V=4096, H=8, hd=512, ql=512, ol=512, G=4, hc=4,
                   Hi=8, Di=128, shards=4),
+    # ~1.2 B parameters, top-6 of 32 experts: for decode tokens/s (docs/PERF.md; not committed)
+    "v4-1b": dict(D=2048, F=1024, E=32, L=6, V=8192, H=8, hd=512, ql=512, ol=512, G=4, hc=4,
+                  Hi=8, Di=128, shards=6, k=6),
 }
 
 
@@ -43,7 +47,7 @@ def main():
     D, F, E, L, V = p["D"], p["F"], p["E"], p["L"], p["V"]
     H, hd, ql, ol, G, hc, Hi, Di = p["H"], p["hd"], p["ql"], p["ol"], p["G"], p["hc"], p["Hi"], p["Di"]
     ratios = ([0, 4, 128, 4] * L)[:L] + [0]
-    k_act = 2
+    k_act = p.get("k", 2)
 
     def normal(*shape, std=0.05):
         return torch.randn(*shape, generator=g) * std
