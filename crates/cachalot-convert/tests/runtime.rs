@@ -116,7 +116,8 @@ fn w8a8_and_c8_stay_close_to_bf16() {
 /// HiF8, INT8 and INT4 per channel), with the fixture text's mean NLL near the original
 /// FP8 + MXFP4 checkpoint's: bit-identical values for bfloat16 and w4a8-mx (lossless, §4.5),
 /// small deltas for the re-quantizing types. Bounds: measured deltas on this random model are
-/// 0.003 (INT8), 0.009 (HiF8) and 0.06 (INT4); the bounds leave ~3× headroom.
+/// 0.022 (INT8 weights with dynamic int8 activations), 0.009 (HiF8) and 0.06 (INT4); the bounds
+/// leave ~3× headroom.
 #[test]
 fn v4_every_stored_format_runs() {
     use cachalot_model::{DeepseekV4, V4LoadOptions};
@@ -128,7 +129,7 @@ fn v4_every_stored_format_runs() {
     for (mode, bound) in [
         (QuantMode::Bfloat16, 1e-5),
         (QuantMode::W4A8Mx, 1e-5),
-        (QuantMode::W8A8Int, 0.01),
+        (QuantMode::W8A8Int, 0.06),
         (QuantMode::W4A8MxHif, 0.03),
         (QuantMode::W4A8Int, 0.2),
     ] {

@@ -367,7 +367,9 @@ impl Loader<'_> {
                         s.dtype, s.shape
                     )));
                 }
-                MatrixData::Int8Row {
+                // Spec §4.3: the w8a8-int/w4a8-int layers take dynamic per-token int8
+                // activations; int8 × int8 products with i32 sums (the W8A8 kernels).
+                MatrixData::W8A8 {
                     data: w.bytes.clone(),
                     scale: s.to_f32_vec()?,
                 }
