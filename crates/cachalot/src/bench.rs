@@ -64,7 +64,7 @@ pub struct BenchArgs {
     runs: usize,
     /// Threads (default: all cores).
     #[arg(long)]
-    threads: Option<usize>,
+    pub threads: Option<usize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -89,11 +89,6 @@ pub struct BenchArgs {
 }
 
 pub fn run(mut args: BenchArgs) -> Result<()> {
-    if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()?;
-    }
     if args.membw && args.model.model.is_none() && args.random_weights.is_none() {
         let bw = membw(args.membw_mib, args.membw_passes);
         if args.json {
@@ -580,9 +575,9 @@ fn bench_mtp(args: &ModelArgs, prompt_file: Option<&Path>, b: &MtpBench) -> Resu
             })?;
         }
         let t = Instant::now();
-        // The whole loop on a pool worker: its many small parallel products then fork and
-        // join inside the pool instead of waking the pool from outside for each one.
-        let mut outs = rayon::scope(|_| engine.run_to_completion(|_, _| {}))?;
+        // main runs every command on a pool worker, so the step loop's parallel products fork
+        // and join inside the pool.
+        let mut outs = engine.run_to_completion(|_, _| {})?;
         let s = t.elapsed().as_secs_f64();
         outs.sort_by_key(|o| o.id);
         Ok((

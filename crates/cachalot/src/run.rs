@@ -34,7 +34,7 @@ pub struct RunArgs {
     chat_template: Option<PathBuf>,
     /// Threads (default: all cores).
     #[arg(long)]
-    threads: Option<usize>,
+    pub threads: Option<usize>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -82,11 +82,6 @@ fn config_path(args: &RunArgs) -> Result<PathBuf> {
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()?;
-    }
     let path = config_path(args)?;
     let mut cfg = RunConfig::from_file(&path)?;
     if let Some(n) = args.mtp {

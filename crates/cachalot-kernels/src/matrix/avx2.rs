@@ -244,6 +244,9 @@ unsafe fn forward<W: Weights16>(
     n_tokens: usize,
     out: &OutRows,
 ) {
+    if n_tokens > PANEL_MIN_TOKENS && W::BYTES16 < 64 {
+        return forward_panel::<W>(w, rows, x, n_tokens, out);
+    }
     // Rows in blocks of about L2_BLOCK_BYTES of weights, so that with many tokens (prefill)
     // each block stays in cache while every token group passes over it.
     let block_rows = (L2_BLOCK_BYTES / bytes_of::<W>(w.cols)).max(4) / 4 * 4;
@@ -267,6 +270,180 @@ unsafe fn forward<W: Weights16>(
 
 /// Weight bytes per row block in the forward product (half a typical 256 KB-1 MB L2).
 const L2_BLOCK_BYTES: usize = 128 * 1024;
+
+/// With more tokens than this, stored weights are decoded once per call into an f32 panel
+/// that every token group then reads (`forward_panel`), instead of once per group of 4.
+const PANEL_MIN_TOKENS: usize = 4;
+
+/// Rows decoded into the panel at a time.
+const PANEL_ROWS: usize = 8;
+
+/// Tokens per tile in the panel product: 1 row × 6 tokens keeps 12 accumulators and the two
+/// weight vectors in the 16 ymm registers.
+const PANEL_NT: usize = 6;
+
+thread_local! {
+    /// Scratch for `forward_panel` (grows to PANEL_ROWS padded rows of the widest matrix).
+    static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Floats of one row in the panel: every column segment padded to a multiple of 16.
+fn panel_row_len(w: &WeightsView) -> usize {
+    let mut n = 0;
+    let mut c0 = 0;
+    while c0 < w.cols {
+        let c1 = (c0 + w.segment_cols).min(w.cols);
+        n += (c1 - c0).div_ceil(16) * 16;
+        c0 = c1;
+    }
+    n
+}
+
+/// Row `r` decoded into `dst` (`panel_row_len` floats): for each segment, `W::load16` of
+/// every 16-column chunk, the ragged last chunk from a zero-padded copy of its bytes — exactly
+/// the vectors `tile` feeds its multiply-adds.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_row<W: Weights16>(w: &WeightsView, r: usize, dst: *mut f32) {
+    let wp = w.data.as_ptr().add(r * bytes_of::<W>(w.cols));
+    let mut o = 0;
+    let mut c0 = 0;
+    while c0 < w.cols {
+        let c1 = (c0 + w.segment_cols).min(w.cols);
+        let mut c = c0;
+        let mut wo = bytes_of::<W>(c0);
+        while c + 16 <= c1 {
+            let (w0, w1) = W::load16(wp.add(wo));
+            _mm256_storeu_ps(dst.add(o), w0);
+            _mm256_storeu_ps(dst.add(o + 8), w1);
+            o += 16;
+            c += 16;
+            wo += W::BYTES16;
+        }
+        if c < c1 {
+            let mut wpad = [0u8; 64];
+            std::ptr::copy_nonoverlapping(
+                wp.add(bytes_of::<W>(c)),
+                wpad.as_mut_ptr(),
+                bytes_of::<W>(c1 - c),
+            );
+            let (w0, w1) = W::load16(wpad.as_ptr());
+            _mm256_storeu_ps(dst.add(o), w0);
+            _mm256_storeu_ps(dst.add(o + 8), w1);
+            o += 16;
+        }
+        c0 = c1;
+    }
+}
+
+/// The forward product with each row decoded once into an f32 panel, then multiplied with
+/// every token group. Bit-identical to `forward`: each (row, token) pair gets the same decoded
+/// vectors, the same multiply-adds in the same order and the same segment scaling as `tile`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn forward_panel<W: Weights16>(
+    w: &WeightsView,
+    rows: Range<usize>,
+    x: &[f32],
+    n_tokens: usize,
+    out: &OutRows,
+) {
+    let row_len = panel_row_len(w);
+    PANEL.with(|panel| {
+        let mut panel = panel.borrow_mut();
+        if panel.len() < PANEL_ROWS * row_len {
+            panel.resize(PANEL_ROWS * row_len, 0.0);
+        }
+        let p = panel.as_mut_ptr();
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let r1 = (r0 + PANEL_ROWS).min(rows.end);
+            for r in r0..r1 {
+                decode_row::<W>(w, r, p.add((r - r0) * row_len));
+            }
+            let mut t0 = 0;
+            while t0 < n_tokens {
+                let nt = (n_tokens - t0).min(PANEL_NT);
+                for r in r0..r1 {
+                    let pr = p.add((r - r0) * row_len);
+                    match nt {
+                        1 => panel_tile::<W, 1>(w, pr, r, x, t0, out),
+                        2 => panel_tile::<W, 2>(w, pr, r, x, t0, out),
+                        3 => panel_tile::<W, 3>(w, pr, r, x, t0, out),
+                        4 => panel_tile::<W, 4>(w, pr, r, x, t0, out),
+                        5 => panel_tile::<W, 5>(w, pr, r, x, t0, out),
+                        _ => panel_tile::<W, PANEL_NT>(w, pr, r, x, t0, out),
+                    }
+                }
+                t0 += nt;
+            }
+            r0 = r1;
+        }
+    });
+}
+
+/// Row `r` (decoded at `pr`) times tokens t0..t0+NT, written through `out`; the operations of
+/// `tile::<W, 1, NT>`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panel_tile<W: Weights16, const NT: usize>(
+    w: &WeightsView,
+    pr: *const f32,
+    r: usize,
+    x: &[f32],
+    t0: usize,
+    out: &OutRows,
+) {
+    let cols = w.cols;
+    let mut xs = [std::ptr::null::<f32>(); NT];
+    for t in 0..NT {
+        xs[t] = x.as_ptr().add((t0 + t) * cols);
+    }
+    let row_scales = w.scales.row(r);
+    let zero = _mm256_setzero_ps();
+    let mut total = [zero; NT];
+    let mut o = 0;
+    let mut c0 = 0;
+    let mut segment = 0;
+    while c0 < cols {
+        let c1 = (c0 + w.segment_cols).min(cols);
+        let mut a0 = [zero; NT];
+        let mut a1 = [zero; NT];
+        let mut c = c0;
+        while c + 16 <= c1 {
+            let w0 = _mm256_loadu_ps(pr.add(o));
+            let w1 = _mm256_loadu_ps(pr.add(o + 8));
+            for t in 0..NT {
+                a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[t].add(c)), a0[t]);
+                a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs[t].add(c + 8)), a1[t]);
+            }
+            c += 16;
+            o += 16;
+        }
+        if c < c1 {
+            let k = c1 - c;
+            let w0 = _mm256_loadu_ps(pr.add(o));
+            let w1 = _mm256_loadu_ps(pr.add(o + 8));
+            for t in 0..NT {
+                let mut xpad = [0.0f32; 16];
+                std::ptr::copy_nonoverlapping(xs[t].add(c), xpad.as_mut_ptr(), k);
+                let xp = xpad.as_ptr();
+                a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), a0[t]);
+                a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), a1[t]);
+            }
+            o += 16;
+        }
+        let scale = _mm256_set1_ps(row_scales.get(segment) * W::FACTOR);
+        for t in 0..NT {
+            let partial = _mm256_add_ps(a0[t], a1[t]);
+            total[t] = _mm256_fmadd_ps(partial, scale, total[t]);
+        }
+        c0 = c1;
+        segment += 1;
+    }
+    for t in 0..NT {
+        out.write(t0 + t, r, hsum(total[t]));
+    }
+}
 
 /// Tokens t0..t0+NT for every row in `rows`, R rows at a time (then single rows).
 #[inline]
