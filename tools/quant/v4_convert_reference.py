@@ -269,7 +269,55 @@ def quant_config(ignore, mx_cache, w4a8, is_fp, is_mx, hif):
 
 # ---------------------------------------------------------------- conversion
 
-def convert(model_dir, qtype):
+def apply_clip(w, factors):
+    """The seed's int_weight_quant clip (spec §4.3 step 1), op for op on the bf16 weight."""
+    cur_min, cur_max = w.min(1, keepdim=True)[0], w.max(1, keepdim=True)[0]
+    cur_min *= factors[0]
+    cur_max *= factors[1]
+    return torch.clamp(w, min=cur_min, max=cur_max)
+
+
+def make_clip_params(model_dir, clip_dir):
+    """quant_params_{L}.pt for every layer L, as the seed's --quant_param_path reads them: clip
+    factors for some INT8 linears and some INT4 experts, as f32, f64 and bf16 [N, 1] tensors,
+    0-dim f32 and f64 tensors and Python floats (the file format does not fix their type; an
+    [N] tensor would not broadcast against the seed's [N, 1] row minima)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
+        where = json.load(f)["weight_map"]
+    n_layers = config["num_hidden_layers"]
+    q8 = quant_layers(n_layers, config["n_routed_experts"], config["compress_ratios"],
+                      False, False, False)
+    q4 = quant_layers(n_layers, config["n_routed_experts"], config["compress_ratios"],
+                      True, False, False)
+    gen = torch.Generator().manual_seed(7)
+    files = [dict() for _ in range(n_layers)]
+    kinds = ["f32_n1", "scalar", "bf16_n1", "float", "f64_n1", "f64_scalar"]
+    chosen = sorted(k for k in set(q8) | set(q4) if k + ".weight" in where)[::3]
+    for i, key in enumerate(chosen):
+        with safe_open(os.path.join(model_dir, where[key + ".weight"]), "pt") as f:
+            rows = f.get_slice(key + ".weight").get_shape()[0]
+        layer = int(key.split(".")[1]) if key.startswith("layers.") else n_layers - 1
+        for j, end in enumerate(["min", "max"]):
+            kind = kinds[(i + j) % len(kinds)]
+            lo = 0.55 + 0.1 * j
+            v = (torch.rand(rows, 1, generator=gen, dtype=torch.float32) * 0.4 + lo)
+            value = {"f32_n1": v,
+                     "scalar": v[0, 0].clone(), "bf16_n1": v.to(torch.bfloat16),
+                     "f64_n1": v.to(torch.float64) + 1e-9, "f64_scalar": v[0, 0].double() + 1e-9,
+                     "float": float(v[0, 0])}[kind]
+            files[min(layer, n_layers - 1)][f"{key}.clip_factor_{end}"] = value
+    os.makedirs(clip_dir, exist_ok=True)
+    for layer, d in enumerate(files):
+        torch.save(d, os.path.join(clip_dir, f"quant_params_{layer}.pt"))
+    merged = {}
+    for d in files:
+        merged.update(d)
+    return merged
+
+
+def convert(model_dir, qtype, clip=None):
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
@@ -300,6 +348,10 @@ def convert(model_dir, qtype):
             outs = {name: w}
             bits = qlayers.get(key)
             if bits is not None:
+                if clip is not None and not mx:
+                    factors = [clip.get(key + ".clip_factor_min"), clip.get(key + ".clip_factor_max")]
+                    if not all(f is None for f in factors):
+                        w = apply_clip(w, factors)
                 if mx and hif and bits == 8 and "shared_experts" not in key:
                     q, s = quant_hif8(w)
                 elif mx:
@@ -340,6 +392,11 @@ def main():
         summary = convert(model, t)
         write(f"{t}.json", summary)
         print(t, len(summary["tensors"]), "tensors")
+    clip = make_clip_params(model, os.path.join(root, "fixtures", "v4", "clip"))
+    for t in ["w8a8-int", "w4a8-int"]:
+        summary = convert(model, t, clip)
+        write(f"{t}-clip.json", summary)
+        print(t, "with clip factors for", len(clip) // 2, "layers")
     with open(os.path.join(model, "config.json")) as f:
         config = json.load(f)
     n, r = config["num_hidden_layers"], config["compress_ratios"]

@@ -18,7 +18,9 @@
 //! - Tensors in a shard are laid out as Python `safetensors` lays them out, but byte-identical
 //!   files are not a goal (§5.5); tensor-level equality is.
 
+mod clip;
 mod safetensors_io;
+pub mod torch_pt;
 mod v4;
 
 use std::collections::{BTreeSet, HashMap};
@@ -91,6 +93,9 @@ pub struct ConvertOptions {
     pub mode: QuantMode,
     /// W8A8C8: the JSON written by `cachalot calibrate`.
     pub c8_scales: Option<PathBuf>,
+    /// DeepSeek-V4: the seed's `--quant_param_path` directory of clip factors
+    /// (`quant_params_{L}.pt`, spec `deepseek-v4.md` §4.3 step 1).
+    pub quant_param_path: Option<PathBuf>,
     /// Replace a non-empty output directory.
     pub force: bool,
     /// Show a progress bar (on a terminal).
@@ -452,9 +457,15 @@ impl Input {
     }
 }
 
-/// Reads the C8 scales written by `cachalot calibrate`: `{"ckv_scale": [s_0, ..., s_{L-1}]}`
-/// with one positive scale per layer (main layers, then MTP layers).
+/// Reads C8 scales, one positive scale per layer (main layers, then MTP layers): the JSON
+/// written by `cachalot calibrate` (`{"ckv_scale": [s_0, ..., s_{L-1}]}`), or a directory of
+/// the seed's `quant_parameters_{i}.pth` files (spec §5.4: `torch.save`d dicts, one per layer,
+/// every one required, the scale under `self_attn.ckv_scale`; other `*_scale` keys, which no
+/// model parameter consumes, are ignored).
 pub fn read_c8_scales(path: &Path, num_layers: usize) -> Result<Vec<f32>> {
+    if path.is_dir() {
+        return read_c8_pth(path, num_layers);
+    }
     let text = fs::read_to_string(path).map_err(|e| ConvertError::io(path, e))?;
     let err = |why: String| ConvertError::Config {
         file: path.to_path_buf(),
@@ -485,6 +496,49 @@ pub fn read_c8_scales(path: &Path, num_layers: usize) -> Result<Vec<f32>> {
         .collect()
 }
 
+fn read_c8_pth(dir: &Path, num_layers: usize) -> Result<Vec<f32>> {
+    (0..num_layers)
+        .map(|i| {
+            let file = dir.join(format!("quant_parameters_{i}.pth"));
+            let err = |why: String| ConvertError::Config {
+                file: file.clone(),
+                why,
+            };
+            if !file.is_file() {
+                return Err(err(format!(
+                    "missing: the seed's C8 scales are quant_parameters_i.pth for every layer i \
+                     in 0..{num_layers} (main + MTP)"
+                )));
+            }
+            let torch_pt::PtValue::Dict(items) =
+                torch_pt::load_pt(&file).map_err(ConvertError::Usage)?
+            else {
+                return Err(err("holds no dict".into()));
+            };
+            let v = items
+                .iter()
+                .find(|(k, _)| *k == torch_pt::PtValue::Str("self_attn.ckv_scale".into()))
+                .map(|(_, v)| v)
+                .ok_or_else(|| err("has no self_attn.ckv_scale".into()))?;
+            let s = match v {
+                torch_pt::PtValue::Tensor(t) if t.values.len() == 1 => t.values[0] as f32,
+                torch_pt::PtValue::Float(x) => *x as f32,
+                other => {
+                    return Err(err(format!(
+                        "self_attn.ckv_scale is {other:?}, not one number"
+                    )))
+                }
+            };
+            if !(s.is_finite() && s > 0.0) {
+                return Err(err(format!(
+                    "self_attn.ckv_scale = {s} is not a positive number"
+                )));
+            }
+            Ok(s)
+        })
+        .collect()
+}
+
 /// Converts per [`ConvertOptions`]; see the crate documentation.
 pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     let t0 = Instant::now();
@@ -503,17 +557,29 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
             opts.input.display()
         )));
     }
+    // The seed's R1 converter takes its C8 scale directory as --quant_param_path.
+    let c8_path = match (&opts.c8_scales, &opts.quant_param_path) {
+        (Some(_), Some(_)) => {
+            return Err(ConvertError::Usage(
+                "give the C8 scales once: --c8-scales or --quant-param-path".into(),
+            ))
+        }
+        (a, b) => a.as_ref().or(b.as_ref()),
+    };
     let c8 =
-        match (opts.mode, &opts.c8_scales) {
+        match (opts.mode, c8_path) {
             (QuantMode::W8A8C8, Some(p)) => Some(read_c8_scales(p, input.num_layers)?),
             (QuantMode::W8A8C8, None) => return Err(ConvertError::Usage(
                 "--quant-mode w8a8c8 needs --c8-scales FILE (make one with `cachalot calibrate \
-                 --model DIR --file TEXT --out FILE` on the FP8 or BF16 model)"
+                 --model DIR --file TEXT --out FILE` on the FP8 or BF16 model) or the seed's \
+                 directory of quant_parameters_i.pth files"
                     .into(),
             )),
             (_, Some(_)) => {
                 return Err(ConvertError::Usage(
-                    "--c8-scales is only for --quant-mode w8a8c8".into(),
+                    "--c8-scales / --quant-param-path are only for --quant-mode w8a8c8 (for \
+                     DeepSeek-V3/R1/Kimi checkpoints)"
+                        .into(),
                 ))
             }
             (_, None) => None,

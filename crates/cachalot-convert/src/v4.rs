@@ -16,7 +16,8 @@
 //!
 //! Same machinery as the V3 converter (crate documentation): every input checked before anything
 //! is written, one shard at a time, parallel positioned writes, a temporary directory renamed at
-//! the end. `--quant_param_path` (the clip factors of §4.3, PyTorch pickles) is not supported.
+//! the end. `--quant_param_path` clip factors (§4.3 step 1) clamp the INT8 and INT4 layers that
+//! have them before quantisation ([`crate::clip`]).
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
@@ -34,6 +35,7 @@ use cachalot_kernels::{bf16_to_f32, f32_to_bf16};
 use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 
+use crate::clip::{load_clip_params, Clip};
 use crate::safetensors_io::{self, OutTensor};
 use crate::{
     check_output, dequantize_rows_to_bf16, finish_dir, out_tensor, progress_bar, start_shard,
@@ -353,6 +355,8 @@ enum Job {
         cols: usize,
         target: Target,
         outs: [usize; 3],
+        /// Clip factors (INT8 / INT4 targets with `--quant-param-path`).
+        clip: Option<Clip>,
     },
 }
 
@@ -434,6 +438,10 @@ pub(crate) fn convert_v4(
             why: "n_routed_experts is missing or not a number".into(),
         })? as usize;
     check_output(&opts.output, opts.force)?;
+    let clips = match &opts.quant_param_path {
+        Some(dir) => load_clip_params(dir, num_layers)?,
+        None => HashMap::new(),
+    };
     let quantize = f.w4a8 || f.w8a8;
     let qlayers = if quantize {
         quant_layers(num_layers, num_experts, &ratios, f)
@@ -589,12 +597,20 @@ pub(crate) fn convert_v4(
                     report.hif8_weights += 1;
                 }
             }
+            let clip = match target {
+                Target::Int8 | Target::Int4 => clips.get(key).cloned(),
+                _ => None,
+            };
+            if let Some(c) = &clip {
+                c.check_rows(rows).map_err(terr)?;
+            }
             jobs.push(Job::Weight {
                 src,
                 rows,
                 cols,
                 target,
                 outs: o,
+                clip,
             });
         }
         if names.len() != outs.len() {
@@ -713,7 +729,7 @@ fn run_item(
     map: &[u8],
     out: &File,
 ) -> std::io::Result<u64> {
-    let (src, cols, target, o) = match *job {
+    let (src, cols, target, o, clip) = match *job {
         Job::Copy { start, out: t, .. } => {
             let s = start as usize + rows.start;
             out.write_all_at(
@@ -727,8 +743,9 @@ fn run_item(
             cols,
             target,
             outs: o,
+            ref clip,
             ..
-        } => (src, cols, target, o),
+        } => (src, cols, target, o, clip),
     };
     let n = rows.len();
     let r0 = rows.start;
@@ -766,6 +783,9 @@ fn run_item(
             2 * n * cols
         }
     };
+    if let Some(c) = clip {
+        c.apply(&mut bf, cols, r0);
+    }
     let w = &outs[o[0]];
     let f32_row = |i: usize| -> Vec<f32> {
         bf[i * cols..(i + 1) * cols]

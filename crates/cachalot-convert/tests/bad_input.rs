@@ -33,6 +33,7 @@ fn opts(input: &Path, output: &Path) -> ConvertOptions {
         output: output.to_path_buf(),
         mode: QuantMode::W8A8C16,
         c8_scales: None,
+        quant_param_path: None,
         force: false,
         progress: false,
     }

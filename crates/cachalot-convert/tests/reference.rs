@@ -35,6 +35,7 @@ fn check(model: &str) {
             output: out.clone(),
             mode,
             c8_scales: c8,
+            quant_param_path: None,
             force: false,
             progress: false,
         };
@@ -86,4 +87,49 @@ fn kimi_tiny_matches_the_python_reference() {
 #[test]
 fn v3_noq_tiny_matches_the_python_reference() {
     check("v3_noq_tiny");
+}
+
+/// The seed's spelling of C8 (spec §5.4): `--quant-param-path DIR` of `quant_parameters_{i}.pth`
+/// (torch.save'd, `tools/quant/make_pt_fixtures.py`) gives the same checkpoint as the JSON.
+#[test]
+fn c8_scales_from_the_seeds_pth_files() {
+    let want: Value = serde_json::from_str(
+        &fs::read_to_string(fixtures().join("converted/r1_tiny.json")).unwrap(),
+    )
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let opts = ConvertOptions {
+        input: fixtures().join("r1_tiny"),
+        output: out.clone(),
+        mode: QuantMode::W8A8C8,
+        c8_scales: None,
+        quant_param_path: Some(fixtures().join("c8_pth_r1_tiny")),
+        force: false,
+        progress: false,
+    };
+    convert(&opts).unwrap();
+    let got = summarize(&out);
+    for (name, w) in want["w8a8c8"]["tensors"].as_object().unwrap() {
+        assert_eq!(&got[name], w, "tensor {name}");
+    }
+    // One layer's file missing: named.
+    let partial = tmp.path().join("partial");
+    fs::create_dir(&partial).unwrap();
+    fs::copy(
+        fixtures().join("c8_pth_r1_tiny/quant_parameters_0.pth"),
+        partial.join("quant_parameters_0.pth"),
+    )
+    .unwrap();
+    let e = convert(&ConvertOptions {
+        quant_param_path: Some(partial),
+        output: tmp.path().join("never"),
+        ..opts
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("quant_parameters_1.pth") && e.contains("missing"),
+        "{e}"
+    );
 }

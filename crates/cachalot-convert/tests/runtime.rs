@@ -19,6 +19,7 @@ fn convert_to(model: &str, mode: QuantMode, out: &Path, c8: Option<PathBuf>) -> 
         output: out.to_path_buf(),
         mode,
         c8_scales: c8,
+        quant_param_path: None,
         force: false,
         progress: false,
     })
@@ -140,6 +141,7 @@ fn v4_every_stored_format_runs() {
             output: out.clone(),
             mode,
             c8_scales: None,
+            quant_param_path: None,
             force: false,
             progress: false,
         })

@@ -27,11 +27,16 @@ fn reference(name: &str) -> Value {
 }
 
 fn run(input: &Path, out: &Path, mode: QuantMode) {
+    run_clip(input, out, mode, None)
+}
+
+fn run_clip(input: &Path, out: &Path, mode: QuantMode, clip: Option<&Path>) {
     let opts = ConvertOptions {
         input: input.to_path_buf(),
         output: out.to_path_buf(),
         mode,
         c8_scales: None,
+        quant_param_path: clip.map(Path::to_path_buf),
         force: false,
         progress: false,
     };
@@ -75,11 +80,13 @@ fn int4_row_error(row: &[f32], scale: f32) -> f64 {
         .sum()
 }
 
-fn check(ty: &str, mode: QuantMode, bf16_dir: &Path) {
+/// `ty`'s reference; with `clip`, converted with that `--quant-param-path` (the INT4 rows whose
+/// searched scale differs are then only counted: `bf16_dir` holds the unclipped rows).
+fn check(ty: &str, mode: QuantMode, bf16_dir: &Path, clip: Option<&Path>) {
     let want = reference(ty);
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    run(&fixtures().join("tiny"), &out, mode);
+    run_clip(&fixtures().join("tiny"), &out, mode, clip);
     let got = summarize(&out);
     let want_t = want["tensors"].as_object().unwrap();
     assert_eq!(
@@ -155,6 +162,9 @@ fn check(ty: &str, mode: QuantMode, bf16_dir: &Path) {
                 continue;
             }
             all_same = false;
+            if clip.is_some() {
+                continue;
+            }
             let row = &bf[i * cols..(i + 1) * cols];
             let (eo, et) = (int4_row_error(row, a), int4_row_error(row, b));
             assert!(
@@ -184,6 +194,75 @@ fn check(ty: &str, mode: QuantMode, bf16_dir: &Path) {
     assert_eq!(index["weight_map"], want["weight_map"], "{ty}: weight_map");
 }
 
+/// `--quant-param-path` (spec §4.3 step 1): the clip factors of `fixtures/v4/clip` (torch.save'd
+/// f32/f64/bf16 [N, 1], 0-dim tensors and Python floats) clamp the INT8 and INT4 layers that
+/// have them exactly as the seed's torch code does.
+#[test]
+fn clip_factors_match_the_python_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bf16 = tmp.path().join("bf16");
+    run(&fixtures().join("tiny"), &bf16, QuantMode::Bfloat16);
+    let clip = fixtures().join("clip");
+    for (ty, mode) in [
+        ("w8a8-int", QuantMode::W8A8Int),
+        ("w4a8-int", QuantMode::W4A8Int),
+    ] {
+        check(&format!("{ty}-clip"), mode, &bf16, Some(&clip));
+        // The clip changes some tensors.
+        let plain = reference(ty);
+        let clipped = reference(&format!("{ty}-clip"));
+        assert_ne!(
+            plain["tensors"], clipped["tensors"],
+            "{ty}: clipping changed nothing"
+        );
+    }
+    // A missing layer file is named.
+    let partial = tmp.path().join("partial");
+    fs::create_dir(&partial).unwrap();
+    fs::copy(
+        clip.join("quant_params_0.pt"),
+        partial.join("quant_params_0.pt"),
+    )
+    .unwrap();
+    let e = convert(&ConvertOptions {
+        input: fixtures().join("tiny"),
+        output: tmp.path().join("never"),
+        mode: QuantMode::W8A8Int,
+        c8_scales: None,
+        quant_param_path: Some(partial.clone()),
+        force: false,
+        progress: false,
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("quant_params_1.pt") && e.contains("missing"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("never").exists());
+    // Not a torch file.
+    let bad = tmp.path().join("bad");
+    fs::create_dir(&bad).unwrap();
+    for l in 0..8 {
+        fs::write(bad.join(format!("quant_params_{l}.pt")), b"not a zip").unwrap();
+    }
+    let e = convert(&ConvertOptions {
+        input: fixtures().join("tiny"),
+        output: tmp.path().join("never"),
+        mode: QuantMode::W8A8Int,
+        c8_scales: None,
+        quant_param_path: Some(bad),
+        force: false,
+        progress: false,
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("quant_params_0.pt") && e.contains("not a zip"),
+        "{e}"
+    );
+}
+
 #[test]
 fn every_quant_type_matches_the_python_reference() {
     let tmp = tempfile::tempdir().unwrap();
@@ -196,7 +275,7 @@ fn every_quant_type_matches_the_python_reference() {
         ("w4a8-mx", QuantMode::W4A8Mx),
         ("w4a8-mx-hif", QuantMode::W4A8MxHif),
     ] {
-        check(ty, mode, &bf16);
+        check(ty, mode, &bf16, None);
     }
 }
 

@@ -25,8 +25,9 @@ pub struct ConvertArgs {
     /// --quant_type).
     #[arg(long, alias = "quant_type")]
     quant_type: Option<String>,
-    /// DeepSeek-V4 clip factors (the seed's --quant_param_path, quant_params_{L}.pt): not
-    /// supported (PyTorch pickles); accepted only to say so.
+    /// DeepSeek-V4 clip factors: the seed's --quant_param_path directory of
+    /// quant_params_{L}.pt files (torch.save'd dicts of <layer>.clip_factor_min/max), applied
+    /// to the INT8/INT4 layers that have them before quantisation.
     #[arg(long, alias = "quant_param_path")]
     quant_param_path: Option<PathBuf>,
     /// W8A8C8: per-layer latent-cache scales from `cachalot calibrate`.
@@ -38,13 +39,6 @@ pub struct ConvertArgs {
 }
 
 pub fn run_convert(args: &ConvertArgs) -> Result<()> {
-    if let Some(p) = &args.quant_param_path {
-        bail!(
-            "--quant-param-path {}: clip factors are not supported (the seed's \
-             quant_params_{{L}}.pt files are PyTorch pickles); convert without them",
-            p.display()
-        );
-    }
     let mode = match (&args.quant_mode, &args.quant_type) {
         (Some(m), None) => match QuantMode::parse(m) {
             Some(mode @ (QuantMode::Bfloat16 | QuantMode::W8A8C16 | QuantMode::W8A8C8)) => mode,
@@ -73,6 +67,7 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
         output: args.output.clone(),
         mode,
         c8_scales: args.c8_scales.clone(),
+        quant_param_path: args.quant_param_path.clone(),
         force: args.force,
         progress: true,
     };

@@ -409,6 +409,7 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
             output: out.clone(),
             mode,
             c8_scales: None,
+            quant_param_path: None,
             force: true,
             progress: false,
         })

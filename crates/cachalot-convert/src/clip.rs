@@ -1,0 +1,189 @@
+//! DeepSeek-V4 clip factors (spec `deepseek-v4.md` §4.3 step 1; the seed's
+//! `convert_model.py --quant_param_path DIR`): `DIR/quant_params_{L}.pt` for every layer
+//! L in `0..num_hidden_layers` (each a `torch.save`d dict, merged in layer order), holding
+//! `<layer>.clip_factor_min` / `<layer>.clip_factor_max` for some integer-quantised layers.
+//! Before INT8 or INT4 quantisation such a weight W (bf16 `[N, K]`) is clamped per row:
+//!
+//!   lo = bf16(min_row(W) · fmin), hi = bf16(max_row(W) · fmax), W = clamp(W, lo, hi)
+//!
+//! which is the seed's `cur_min *= factor` on the bf16 row minima (in place) followed by
+//! `torch.clamp`. The product is formed as PyTorch forms it for each kind of factor, checked
+//! against torch in `tools/quant/v4_convert_reference.py`'s fixtures: an f32 or bf16 `[N, 1]`
+//! tensor, a 0-dim tensor of any float dtype and a Python number multiply in f32 (the value
+//! taken as f32) and round to bf16; an f64 `[N, 1]` tensor multiplies in f64 and rounds to f32,
+//! then to bf16 (c10's double → bfloat16 conversion). Factors for layers that are not
+//! integer-quantised are ignored, as the seed ignores them; MX types load the files (they must
+//! exist) and do not clip.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use cachalot_kernels::{bf16_to_f32, f32_to_bf16};
+
+use crate::torch_pt::{load_pt, PtValue};
+use crate::ConvertError;
+
+/// One clip factor.
+#[derive(Clone, Debug)]
+pub(crate) enum Factor {
+    /// Multiplied in f32: one value for every row, or one per row.
+    F32(Vec<f32>),
+    /// An f64 `[N, 1]` tensor: multiplied in f64.
+    F64(Vec<f64>),
+}
+
+impl Factor {
+    fn rows(&self) -> usize {
+        match self {
+            Factor::F32(v) => v.len(),
+            Factor::F64(v) => v.len(),
+        }
+    }
+
+    /// bf16(x · factor of row r).
+    fn apply(&self, x_bf16: u16, r: usize) -> u16 {
+        let x = bf16_to_f32(x_bf16);
+        match self {
+            Factor::F32(v) => f32_to_bf16(x * v[if v.len() == 1 { 0 } else { r }]),
+            Factor::F64(v) => f32_to_bf16((x as f64 * v[r]) as f32),
+        }
+    }
+}
+
+/// The min and max factors of one layer.
+#[derive(Clone, Debug)]
+pub(crate) struct Clip {
+    pub min: Factor,
+    pub max: Factor,
+}
+
+impl Clip {
+    /// Clamps the bf16 rows `rows` (absolute indices `r0..`) in place.
+    pub fn apply(&self, bf: &mut [u16], cols: usize, r0: usize) {
+        for (i, row) in bf.chunks_exact_mut(cols).enumerate() {
+            let r = r0 + i;
+            let (mut lo, mut hi) = (row[0], row[0]);
+            for &b in row.iter() {
+                if bf16_to_f32(b) < bf16_to_f32(lo) {
+                    lo = b;
+                }
+                if bf16_to_f32(b) > bf16_to_f32(hi) {
+                    hi = b;
+                }
+            }
+            let lo = bf16_to_f32(self.min.apply(lo, r));
+            let hi = bf16_to_f32(self.max.apply(hi, r));
+            for b in row.iter_mut() {
+                // torch.clamp(x, min, max) = min(max(x, lo), hi)
+                let v = bf16_to_f32(*b).max(lo).min(hi);
+                *b = f32_to_bf16(v);
+            }
+        }
+    }
+
+    /// Checks the factors against a weight of `rows` rows.
+    pub fn check_rows(&self, rows: usize) -> Result<(), String> {
+        for (end, f) in [("min", &self.min), ("max", &self.max)] {
+            if f.rows() != 1 && f.rows() != rows {
+                return Err(format!(
+                    "clip_factor_{end} has {} values; the weight has {rows} rows (give one \
+                     value or an [{rows}, 1] tensor)",
+                    f.rows()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Loads `dir/quant_params_{L}.pt` for L in 0..num_layers: layer name (the weight name without
+/// `.weight`) → its factors.
+pub(crate) fn load_clip_params(
+    dir: &Path,
+    num_layers: usize,
+) -> Result<HashMap<String, Clip>, ConvertError> {
+    let mut raw: HashMap<String, (String, Factor)> = HashMap::new();
+    let mut order: Vec<String> = Vec::new();
+    for layer in 0..num_layers {
+        let file = dir.join(format!("quant_params_{layer}.pt"));
+        let err = |why: String| ConvertError::Config {
+            file: file.clone(),
+            why,
+        };
+        if !file.is_file() {
+            return Err(err(format!(
+                "missing: --quant-param-path needs quant_params_L.pt for every layer L in \
+                 0..{num_layers} (num_hidden_layers)"
+            )));
+        }
+        let PtValue::Dict(items) = load_pt(&file).map_err(ConvertError::Usage)? else {
+            return Err(err("holds no dict of clip factors".into()));
+        };
+        for (k, v) in items {
+            let PtValue::Str(key) = k else {
+                return Err(err(format!("has a non-string key {k:?}")));
+            };
+            let factor = match &v {
+                PtValue::Float(x) => Factor::F32(vec![*x as f32]),
+                PtValue::Int(x) => Factor::F32(vec![*x as f32]),
+                PtValue::Tensor(t) => {
+                    let n = t.values.len();
+                    let per_row = t.shape.len() == 2 && t.shape[1] == 1;
+                    if n == 1 && !per_row {
+                        Factor::F32(vec![t.values[0] as f32])
+                    } else if per_row && t.dtype == "float64" {
+                        Factor::F64(t.values.clone())
+                    } else if per_row {
+                        Factor::F32(t.values.iter().map(|&x| x as f32).collect())
+                    } else {
+                        return Err(err(format!(
+                            "{key} has shape {:?}; clip factors are one value or [N, 1] (an \
+                             [N] tensor does not broadcast against the per-row minima)",
+                            t.shape
+                        )));
+                    }
+                }
+                other => return Err(err(format!("{key} is {other:?}, not a number or tensor"))),
+            };
+            if !key.ends_with(".clip_factor_min") && !key.ends_with(".clip_factor_max") {
+                continue;
+            }
+            if !raw.contains_key(&key) {
+                order.push(key.clone());
+            }
+            // Later files override earlier ones (the seed's dict.update).
+            raw.insert(key.clone(), (file.display().to_string(), factor));
+        }
+    }
+    let mut out = HashMap::new();
+    for key in order {
+        let (layer, _) = key.rsplit_once(".clip_factor_").unwrap();
+        if out.contains_key(layer) {
+            continue;
+        }
+        let min = raw.get(&format!("{layer}.clip_factor_min"));
+        let max = raw.get(&format!("{layer}.clip_factor_max"));
+        match (min, max) {
+            (Some((_, a)), Some((_, b))) => {
+                out.insert(
+                    layer.to_string(),
+                    Clip {
+                        min: a.clone(),
+                        max: b.clone(),
+                    },
+                );
+            }
+            (Some((f, _)), None) | (None, Some((f, _))) => {
+                return Err(ConvertError::Config {
+                    file: f.into(),
+                    why: format!(
+                        "{layer} has only one of clip_factor_min / clip_factor_max; the seed \
+                         needs both (it multiplies by the missing one and fails)"
+                    ),
+                })
+            }
+            (None, None) => unreachable!(),
+        }
+    }
+    Ok(out)
+}
