@@ -58,7 +58,20 @@ fn main() {
             block_cols: 128,
         },
         MatrixData::Int8Row {
-            data: Bytes::from_vec(codes),
+            data: Bytes::from_vec(codes.clone()),
+            scale: vec![1e-2; rows],
+        },
+        MatrixData::W8A8 {
+            data: Bytes::from_vec(codes.clone()),
+            scale: vec![1e-2; rows],
+        },
+        MatrixData::Int4Group {
+            data: Bytes::from_vec(codes[..n / 2].to_vec()),
+            scale: vec![1e-2; rows],
+            group_size: cols,
+        },
+        MatrixData::W4A8 {
+            data: Bytes::from_vec(codes[..n / 2].to_vec()),
             scale: vec![1e-2; rows],
         },
         MatrixData::Bf16(Bytes::from_vec(u16s_to_le_bytes(

@@ -292,7 +292,8 @@ impl Loader<'_> {
             return mxfp4_matrix(&w, &s, rows, cols);
         }
         // w4a8-int routed experts (spec §4.4): INT4 packed along the output dim, u64 scales; the
-        // `.bias` beside them is an Ascend kernel aid, not a model bias, and is not used.
+        // `.bias` beside them is an Ascend kernel aid, not a model bias, and is not used. They
+        // run W4A8 as the seed runs them (§4.2: int8 per-token activations, int4 × int8 → i32).
         if w.dtype == Dtype::I8 && rows % 2 == 0 && w.shape == [rows / 2, cols] {
             let s = self.ckpt.take(
                 &sname,
@@ -307,7 +308,7 @@ impl Loader<'_> {
             self.ckpt.skip(&format!("{prefix}.bias"));
             let scale = MatrixData::scales_from_u64_bytes(s.bytes.as_slice())
                 .map_err(|e| s.error(e.to_string()))?;
-            let data = MatrixData::int4_per_channel_packed_n(rows, cols, w.bytes.as_slice(), scale)
+            let data = MatrixData::w4a8_per_channel_packed_n(rows, cols, w.bytes.as_slice(), scale)
                 .map_err(|e| w.error(e.to_string()))?;
             return Matrix::new(rows, cols, data).map_err(|e| w.error(e.to_string()));
         }
@@ -711,6 +712,13 @@ impl DeepseekV4 {
             width: self.cache_width,
             int8_width: 0,
         }
+    }
+
+    /// The stored format of the routed experts (`Matrix::format_name` of layer 0's first
+    /// expert): "mxfp4" natively, "w8a8_int8" / "w4a8_int4" after the integer conversions.
+    pub fn routed_expert_format(&self) -> Option<&'static str> {
+        let b = self.layers.first()?;
+        Some(b.ffn.experts.first()?.w1.format_name())
     }
 
     /// Bytes of weights one decode token reads (all but unrouted experts and the embedding).

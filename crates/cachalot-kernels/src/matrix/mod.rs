@@ -21,8 +21,9 @@
 //! - MXFP8: e4m3fn with one E8M0 scale byte per 32 columns (`w4a8-mx`).
 //! - HiF8 with one f32 scale per row (`w4a8-mx-hif`).
 //! - INT4 per channel packed along the output dim (`w4a8-int` experts): repacked at load into
-//!   `Int4Group` with one group per row ([`MatrixData::int4_per_channel_packed_n`]) and run
-//!   with f32 activations (W4A16). INT8 per channel (`w8a8-int`/`w4a8-int`) is `W8A8`.
+//!   `W4A8` ([`MatrixData::w4a8_per_channel_packed_n`]; int8 token activations and int4 × int8
+//!   → i32 products, as the seed runs them, `w4a8.rs`) — or `Int4Group` with one group per
+//!   row for f32 activations (W4A16). INT8 per channel (`w8a8-int`/`w4a8-int`) is `W8A8`.
 //!
 //! Products keep the weights in their stored format and convert on the fly, so a decode step
 //! streams each weight byte once per group of up to 4 tokens. Accumulation is f32. For one
@@ -36,6 +37,7 @@
 //! grid). Only the SIMD level changes results.
 
 pub(crate) mod scalar;
+mod w4a8;
 mod w8a8;
 
 #[cfg(target_arch = "x86_64")]
@@ -91,6 +93,13 @@ pub enum MatrixData {
         scale: Vec<f32>,
         group_size: usize,
     },
+    /// Int4 weights with one f32 scale per output row, multiplied as W4A8 (V4 `w4a8-int`
+    /// routed experts, §4.2/§4.4): the nibble layout of `Int4Group` with one group per row
+    /// (column c in the low (c even) or high nibble of byte c/2, nibble n meaning n − 8);
+    /// `matmul`/`matmul_rows` quantize each token's activations to int8 as `W8A8` does and
+    /// accumulate int4 × int8 in i32 (`w4a8.rs`). `matmul_t_rows` and dequantization use f32
+    /// activations. `cols` must be even.
+    W4A8 { data: Bytes, scale: Vec<f32> },
     /// MXFP4 (V4 §4.1/§4.5): e2m1 codes, two per byte along a row (column 2j in the low nibble
     /// of byte j), and one E8M0 scale byte per 32 columns (`rows x ceil(cols/32)`, row-major):
     /// `W[r,c] = e2m1(nibble) · 2^(scale[r, c/32] − 127)`. `cols` must be even. Both buffers
@@ -147,6 +156,20 @@ impl MatrixData {
             scale,
             group_size: cols,
         })
+    }
+
+    /// V4 §4.4's INT4 per-channel layout (as [`MatrixData::int4_per_channel_packed_n`] reads
+    /// it) as [`MatrixData::W4A8`]: the seed's W4A8 execution, int8 token activations.
+    pub fn w4a8_per_channel_packed_n(
+        rows: usize,
+        cols: usize,
+        packed: &[u8],
+        scale: Vec<f32>,
+    ) -> Result<MatrixData, KernelError> {
+        match MatrixData::int4_per_channel_packed_n(rows, cols, packed, scale)? {
+            MatrixData::Int4Group { data, scale, .. } => Ok(MatrixData::W4A8 { data, scale }),
+            _ => unreachable!("int4_per_channel_packed_n returns Int4Group"),
+        }
     }
 
     /// The f32 scales of a `u64 [N, 1]` scale tensor's little-endian bytes (low 32 bits of each
@@ -328,7 +351,7 @@ impl Matrix {
                 });
             }
         }
-        if matches!(data, MatrixData::Mxfp4 { .. }) && cols % 2 != 0 {
+        if matches!(data, MatrixData::Mxfp4 { .. } | MatrixData::W4A8 { .. }) && cols % 2 != 0 {
             return Err(KernelError::OddPackedCols {
                 format: name,
                 rows,
@@ -372,6 +395,7 @@ impl Matrix {
             }
             MatrixData::Int8Row { scale, .. }
             | MatrixData::W8A8 { scale, .. }
+            | MatrixData::W4A8 { scale, .. }
             | MatrixData::Hif8 { scale, .. } => (Some((scale, rows)), "one per row".to_string()),
             MatrixData::Mxfp4 { scale, .. } | MatrixData::Mxfp8 { scale, .. } => {
                 check_e8m0_scales(name, rows, cols, scale.as_slice(), format == Format::Mxfp8)?;
@@ -420,7 +444,7 @@ impl Matrix {
         &self.data
     }
 
-    /// "f32", "bf16", "f16", "fp8_e4m3_block", "int8_row", "w8a8_int8", "int4_group",
+    /// "f32", "bf16", "f16", "fp8_e4m3_block", "int8_row", "w8a8_int8", "int4_group", "w4a8_int4",
     /// "mxfp4", "mxfp8" or "hif8_row".
     pub fn format_name(&self) -> &'static str {
         name_of(&self.data)
@@ -433,6 +457,7 @@ impl Matrix {
             MatrixData::Fp8Block { scale_inv, .. } => scale_inv.len(),
             MatrixData::Int8Row { scale, .. }
             | MatrixData::W8A8 { scale, .. }
+            | MatrixData::W4A8 { scale, .. }
             | MatrixData::Hif8 { scale, .. }
             | MatrixData::Int4Group { scale, .. } => scale.len(),
             // One byte each.
@@ -465,6 +490,7 @@ impl Matrix {
             ),
             MatrixData::Int8Row { data, scale }
             | MatrixData::W8A8 { data, scale }
+            | MatrixData::W4A8 { data, scale }
             | MatrixData::Hif8 { data, scale } => (data.as_slice(), self.cols, Scales::Row(scale)),
             MatrixData::Mxfp4 { data, scale } | MatrixData::Mxfp8 { data, scale } => (
                 data.as_slice(),
@@ -547,7 +573,7 @@ impl Matrix {
             min_task: 16,
             max_task: 64,
         };
-        let xq = matches!(self.data, MatrixData::W8A8 { .. })
+        let xq = integer_activations(&self.data)
             .then(|| w8a8::QuantizedTokens::new(x, n_tokens, self.cols));
         for_each_task(m, m * self.cols * n_tokens, split, |task| {
             let task_rows = first + task.start..first + task.end;
@@ -674,7 +700,7 @@ fn format_of(data: &MatrixData) -> Format {
         MatrixData::F16(_) => Format::F16,
         MatrixData::Fp8Block { .. } => Format::Fp8,
         MatrixData::Int8Row { .. } | MatrixData::W8A8 { .. } => Format::Int8,
-        MatrixData::Int4Group { .. } => Format::Int4,
+        MatrixData::Int4Group { .. } | MatrixData::W4A8 { .. } => Format::Int4,
         MatrixData::Mxfp4 { .. } => Format::Fp4,
         MatrixData::Mxfp8 { .. } => Format::Mxfp8,
         MatrixData::Hif8 { .. } => Format::Hif8,
@@ -705,12 +731,20 @@ unsafe fn rows_task(
     out: &OutRows,
 ) {
     if let Some(xq) = xq {
+        // Integer activations: W8A8 (int8 weights) or W4A8 (int4 weights).
+        let int4 = view.format == Format::Int4;
         match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below.
+            SimdLevel::Avx2 if int4 => unsafe {
+                w4a8::avx2::matmul_rows(view, task_rows, xq, n_tokens, out)
+            },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as below.
             SimdLevel::Avx2 => unsafe {
                 w8a8::avx2::matmul_rows(view, task_rows, xq, n_tokens, out)
             },
+            _ if int4 => w4a8::matmul_rows_scalar(view, task_rows, xq, n_tokens, out),
             _ => w8a8::matmul_rows_scalar(view, task_rows, xq, n_tokens, out),
         }
         return;
@@ -747,7 +781,7 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     let mut xqs: Vec<(usize, usize, w8a8::QuantizedTokens)> = Vec::new();
     let mut xq_of: Vec<Option<usize>> = Vec::with_capacity(jobs.len());
     for j in jobs.iter() {
-        if !matches!(j.w.data, MatrixData::W8A8 { .. }) || j.n_tokens == 0 {
+        if !integer_activations(&j.w.data) || j.n_tokens == 0 {
             xq_of.push(None);
             continue;
         }
@@ -814,10 +848,16 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     }
 }
 
+/// Whether products quantize the activations to int8 (W8A8, W4A8).
+fn integer_activations(data: &MatrixData) -> bool {
+    matches!(data, MatrixData::W8A8 { .. } | MatrixData::W4A8 { .. })
+}
+
 /// The format's name in messages and [`Matrix::format_name`].
 fn name_of(data: &MatrixData) -> &'static str {
     match data {
         MatrixData::W8A8 { .. } => "w8a8_int8",
+        MatrixData::W4A8 { .. } => "w4a8_int4",
         _ => format_of(data).name(),
     }
 }
@@ -861,6 +901,7 @@ fn data_bytes_of(data: &MatrixData) -> &Bytes {
         MatrixData::Fp8Block { data, .. }
         | MatrixData::Int8Row { data, .. }
         | MatrixData::W8A8 { data, .. }
+        | MatrixData::W4A8 { data, .. }
         | MatrixData::Int4Group { data, .. }
         | MatrixData::Mxfp4 { data, .. }
         | MatrixData::Mxfp8 { data, .. }
