@@ -69,6 +69,7 @@ pub(crate) mod avx2 {
     use std::ops::Range;
 
     use super::{dot_w4, finish, weight_row, QuantizedTokens};
+    use crate::matrix::w8a8::avx2::hsum_i32;
     use crate::matrix::{OutRows, WeightsView};
 
     /// # Safety
@@ -188,42 +189,14 @@ pub(crate) mod avx2 {
         }
         res
     }
-
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn hsum_i32(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-        _mm_cvtsi128_si32(s)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
 
+    use crate::matrix::w8a8::tests::{levels, stream};
     use crate::matrix::{Matrix, MatrixData};
-    use crate::simd::SimdLevel;
-
-    fn levels() -> Vec<SimdLevel> {
-        SimdLevel::ALL
-            .into_iter()
-            .filter(|l| l.supported())
-            .collect()
-    }
-
-    /// SplitMix64 from a proptest seed.
-    fn stream(seed: u64) -> impl FnMut() -> u64 {
-        let mut s = seed;
-        move || {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-    }
 
     /// A W4A8 matrix built from V4's INT4 layout (packed along N, two's complement), the int4
     /// values it holds (row-major), and activations.

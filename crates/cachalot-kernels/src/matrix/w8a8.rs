@@ -190,7 +190,7 @@ pub(crate) mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn hsum_i32(v: __m256i) -> i32 {
+    pub(crate) unsafe fn hsum_i32(v: __m256i) -> i32 {
         let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
@@ -199,14 +199,14 @@ pub(crate) mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use proptest::prelude::*;
 
     use crate::matrix::{Matrix, MatrixData};
     use crate::simd::SimdLevel;
     use crate::Bytes;
 
-    fn levels() -> Vec<SimdLevel> {
+    pub(crate) fn levels() -> Vec<SimdLevel> {
         SimdLevel::ALL
             .into_iter()
             .filter(|l| l.supported())
@@ -214,7 +214,7 @@ mod tests {
     }
 
     /// SplitMix64 from a proptest seed.
-    fn stream(seed: u64) -> impl FnMut() -> u64 {
+    pub(crate) fn stream(seed: u64) -> impl FnMut() -> u64 {
         let mut s = seed;
         move || {
             s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
