@@ -4,7 +4,10 @@
 //!
 //! For a row with signed maximum `mx`, candidates `c_i = bf16(f32(0.70 + 0.01·i) · mx)`,
 //! i = 0..60: `s = bf16(c/7)`, `inv = bf16(1/s)`, `Q = bf16(round(bf16(clamp(W, −c, c)·inv))·s)`,
-//! `loss = bf16(Σ bf16(bf16(W − Q)²))`; the first candidate with the strictly smallest loss
+//! `loss = bf16(Σ bf16(bf16(W − Q)²))` (the sum in f32 over 8 interleaved lanes — column k
+//! in lane k mod 8 — added lane 0 to 7, then the ragged tail: the order the AVX2 loop sums in,
+//! so both levels give the same bits; torch's own reduction order is not reproduced, which the
+//! spec allows: the search is compared with a tolerance); the first candidate with the strictly smallest loss
 //! wins. Then `scale = bf16(c*/7)` and `q = clamp(round(bf16(clamp(W, −c*, c*)·bf16(1/scale))),
 //! −7, 7)` (rounding half to even; `clamp(x, lo, hi)` is torch's `min(max(x, lo), hi)`).
 //!
@@ -14,6 +17,7 @@
 //! `bias = bf16(Σ_k bf16(scale·q[k])·8)` (f32 `[N]`; not a model bias).
 
 use crate::bf16_round;
+use crate::simd::{simd_level, SimdLevel};
 
 /// The largest INT4 magnitude produced.
 pub const INT4_QMAX: f32 = 7.0;
@@ -43,6 +47,7 @@ pub struct Int4Row {
 /// §4.4: one bf16 row (as f32) to INT4 values in −7..=7 (`q`, one per column).
 pub fn quantize_row_int4_search(row: &[f32], q: &mut [i8]) -> Int4Row {
     assert_eq!(row.len(), q.len(), "quantize_row_int4_search: lengths");
+    let level = simd_level();
     let mx = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let mut best_loss = f32::INFINITY;
     let mut best_c = 0.0f32;
@@ -51,14 +56,7 @@ pub fn quantize_row_int4_search(row: &[f32], q: &mut [i8]) -> Int4Row {
         let c = bf16_round(ratio * mx);
         let s = bf16_round(c / INT4_QMAX);
         let inv = bf16_round(1.0 / s);
-        let mut acc = 0.0f32;
-        for &x in row {
-            let t = bf16_round(clamp(x, -c, c) * inv).round_ties_even();
-            let qx = bf16_round(t * s);
-            let d = bf16_round(x - qx);
-            acc += bf16_round(d * d);
-        }
-        let loss = bf16_round(acc);
+        let loss = bf16_round(candidate_loss(level, row, c, s, inv));
         if loss < best_loss {
             best_loss = loss;
             best_c = c;
@@ -83,6 +81,91 @@ pub fn quantize_row_int4_search(row: &[f32], q: &mut [i8]) -> Int4Row {
         scale,
         bias: bf16_round(bias_acc),
         loss: best_loss,
+    }
+}
+
+/// Σ_k bf16(bf16(x − Q)²) for one candidate (see the module documentation for the order).
+fn candidate_loss(level: SimdLevel, row: &[f32], c: f32, s: f32, inv: f32) -> f32 {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `level` is supported (from `simd_level`).
+        SimdLevel::Avx2 => unsafe { avx2::candidate_loss(row, c, s, inv) },
+        _ => candidate_loss_scalar(row, c, s, inv),
+    }
+}
+
+#[inline]
+fn element_loss(x: f32, c: f32, s: f32, inv: f32) -> f32 {
+    let t = bf16_round(clamp(x, -c, c) * inv).round_ties_even();
+    let qx = bf16_round(t * s);
+    let d = bf16_round(x - qx);
+    bf16_round(d * d)
+}
+
+pub(crate) fn candidate_loss_scalar(row: &[f32], c: f32, s: f32, inv: f32) -> f32 {
+    let full = row.len() / 8 * 8;
+    let mut lanes = [0.0f32; 8];
+    for chunk in row[..full].chunks_exact(8) {
+        for (l, &x) in lanes.iter_mut().zip(chunk) {
+            *l += element_loss(x, c, s, inv);
+        }
+    }
+    let mut acc = lanes.iter().fold(0.0f32, |a, &l| a + l);
+    for &x in &row[full..] {
+        acc += element_loss(x, c, s, inv);
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Rounds each lane to bf16 (ties to even), as `bf16_round` (NaN stays NaN).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn bf16_round8(v: __m256) -> __m256 {
+        let bits = _mm256_castps_si256(v);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+        let r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+        let rounded = _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF_0000u32 as i32));
+        // NaN lanes keep a quiet NaN (the increment could carry a NaN into infinity).
+        let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+        _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_set1_ps(f32::NAN), nan)
+    }
+
+    /// `candidate_loss_scalar`, 8 columns at a time (same lanes, same order).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn candidate_loss(row: &[f32], c: f32, s: f32, inv: f32) -> f32 {
+        let (vc, vnc) = (_mm256_set1_ps(c), _mm256_set1_ps(-c));
+        let (vs, vinv) = (_mm256_set1_ps(s), _mm256_set1_ps(inv));
+        let full = row.len() / 8 * 8;
+        let p = row.as_ptr();
+        let mut acc = _mm256_setzero_ps();
+        let mut k = 0;
+        while k < full {
+            let x = _mm256_loadu_ps(p.add(k));
+            // clamp = min(max(x, lo), hi); `maxps` returns its second operand when either is
+            // NaN, so a NaN x becomes lo as with f32::max.
+            let cl = _mm256_min_ps(_mm256_max_ps(x, vnc), vc);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                bf16_round8(_mm256_mul_ps(cl, vinv)),
+            );
+            let qx = bf16_round8(_mm256_mul_ps(t, vs));
+            let d = bf16_round8(_mm256_sub_ps(x, qx));
+            acc = _mm256_add_ps(acc, bf16_round8(_mm256_mul_ps(d, d)));
+            k += 8;
+        }
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        let mut total = lanes.iter().fold(0.0f32, |a, &l| a + l);
+        for &x in &row[full..] {
+            total += super::element_loss(x, c, s, inv);
+        }
+        total
     }
 }
 
@@ -136,6 +219,39 @@ mod tests {
             }
         }
         assert_eq!(scale_to_u64(1.0), 0x3F80_0000);
+    }
+
+    proptest::proptest! {
+        /// The AVX2 loss equals the scalar reference bit for bit (same lanes and order), for
+        /// every candidate of random rows of any length, zero rows included.
+        #[test]
+        fn avx2_loss_equals_scalar(len in 0usize..300, seed in proptest::prelude::any::<u64>(),
+                                   zero in proptest::prelude::any::<bool>()) {
+            let mut st = seed | 1;
+            let row: Vec<f32> = (0..len)
+                .map(|_| {
+                    st ^= st << 13;
+                    st ^= st >> 7;
+                    st ^= st << 17;
+                    if zero { 0.0 } else { bf16_round(((st >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1) }
+                })
+                .collect();
+            let mx = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for level in [SimdLevel::Scalar, SimdLevel::Avx2] {
+                if !level.supported() {
+                    continue;
+                }
+                for i in 0..INT4_CANDIDATES {
+                    let c = bf16_round((0.7f64 + i as f64 * 0.01) as f32 * mx);
+                    let s = bf16_round(c / INT4_QMAX);
+                    let inv = bf16_round(1.0 / s);
+                    let want = candidate_loss_scalar(&row, c, s, inv);
+                    let got = candidate_loss(level, &row, c, s, inv);
+                    proptest::prop_assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                        "{level:?} len {len} candidate {i}: {got} vs {want}");
+                }
+            }
+        }
     }
 
     /// The search in f64 arithmetic picks a candidate whose f64 loss is within bf16 rounding of
