@@ -38,6 +38,6 @@ pub use matrix::{MatmulJob, Matrix, MatrixData};
 pub use parallel::serial;
 pub use simd::{simd_level, SimdLevel};
 pub use vector::{
-    argmax, axpy, dot, log_softmax_at, rms_norm, rms_norm_rows, rope_deinterleave_in_place,
-    scale_in_place, silu_mul, softmax_in_place,
+    argmax, axpy, axpy_rows, dot, dot_rows, log_softmax_at, rms_norm, rms_norm_rows,
+    rope_deinterleave_in_place, scale_in_place, silu_mul, softmax_in_place,
 };

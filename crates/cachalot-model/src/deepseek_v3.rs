@@ -922,38 +922,83 @@ impl DeepseekV3 {
         } = MlaDims::of(cfg);
         let scale = self.softmax_scale;
         let tq = positions.len();
-        let per_head: Vec<Vec<f32>> = (0..n)
+        let width = kvr + (qk - nope);
+        // Heads in as many groups as there are threads; a group reads each cached latent row
+        // once per token for all its heads (the row is every head's key and value: MQA over the
+        // latent cache, spec §3.4) — `dot_rows` scores it against the group's [q~ | q^R] rows,
+        // `axpy_rows` adds it into the group's ō rows.
+        let groups = n.min(rayon::current_num_threads()).max(1);
+        let per_group = n.div_ceil(groups);
+        let per_head: Vec<Vec<f32>> = (0..n.div_ceil(per_group))
             .into_par_iter()
-            .map(|hd| {
+            .flat_map_iter(|g| {
+                let heads = g * per_group..((g + 1) * per_group).min(n);
+                let gh = heads.len();
+                // [q~ | q^R] per (token, head of the group): [tq, gh, width].
+                let mut qc = vec![0.0f32; tq * gh * width];
                 let mut qn = Vec::with_capacity(tq * nope);
-                for t in 0..tq {
-                    qn.extend_from_slice(&q[(t * n + hd) * qk..(t * n + hd) * qk + nope]);
-                }
-                // q~ = W_UK,h^T q^C: [tq, kvr]
                 let mut qt = vec![0.0f32; tq * kvr];
-                mla.kv_b
-                    .matmul_t_rows(hd * kvw..hd * kvw + nope, &qn, tq, &mut qt);
-                let mut obar = vec![0.0f32; tq * kvr];
-                let mut scores = Vec::new();
+                for (j, hd) in heads.clone().enumerate() {
+                    qn.clear();
+                    for t in 0..tq {
+                        qn.extend_from_slice(&q[(t * n + hd) * qk..(t * n + hd) * qk + nope]);
+                    }
+                    // q~ = W_UK,h^T q^C: [tq, kvr]
+                    mla.kv_b
+                        .matmul_t_rows(hd * kvw..hd * kvw + nope, &qn, tq, &mut qt);
+                    for t in 0..tq {
+                        let row = &mut qc[(t * gh + j) * width..(t * gh + j + 1) * width];
+                        row[..kvr].copy_from_slice(&qt[t * kvr..(t + 1) * kvr]);
+                        row[kvr..]
+                            .copy_from_slice(&q[(t * n + hd) * qk + nope..(t * n + hd + 1) * qk]);
+                    }
+                }
+                // ō per (token, head of the group): [tq, gh, kvr].
+                let mut obar = vec![0.0f32; tq * gh * kvr];
+                // Scores [position, head] while scoring, then [head, position] for the softmax.
+                let mut by_pos: Vec<f32> = Vec::new();
+                let mut by_head: Vec<f32> = Vec::new();
+                let mut p_col = vec![0.0f32; gh];
                 for (t, &pos) in positions.iter().enumerate() {
-                    let qtt = &qt[t * kvr..(t + 1) * kvr];
-                    let qr = &q[(t * n + hd) * qk + nope..(t * n + hd + 1) * qk];
-                    scores.clear();
-                    scores.extend((0..=pos).map(|s| {
-                        let l = latent(s);
-                        scale * (k::dot(qtt, &l[..kvr]) + k::dot(qr, &l[kvr..]))
-                    }));
-                    k::softmax_in_place(&mut scores);
-                    let ob = &mut obar[t * kvr..(t + 1) * kvr];
-                    for (s, &p) in scores.iter().enumerate() {
-                        k::axpy(p, &latent(s)[..kvr], ob);
+                    let ctx = pos + 1;
+                    by_pos.clear();
+                    by_pos.resize(ctx * gh, 0.0);
+                    let qrows = &qc[t * gh * width..(t + 1) * gh * width];
+                    for (s, sc) in by_pos.chunks_exact_mut(gh).enumerate() {
+                        k::dot_rows(qrows, latent(s), sc);
+                    }
+                    by_head.clear();
+                    by_head.resize(gh * ctx, 0.0);
+                    for (s, sc) in by_pos.chunks_exact(gh).enumerate() {
+                        for (j, &v) in sc.iter().enumerate() {
+                            by_head[j * ctx + s] = scale * v;
+                        }
+                    }
+                    for sc in by_head.chunks_exact_mut(ctx) {
+                        k::softmax_in_place(sc);
+                    }
+                    let ob = &mut obar[t * gh * kvr..(t + 1) * gh * kvr];
+                    for s in 0..ctx {
+                        for (j, pj) in p_col.iter_mut().enumerate() {
+                            *pj = by_head[j * ctx + s];
+                        }
+                        k::axpy_rows(&p_col, &latent(s)[..kvr], ob);
                     }
                 }
                 // o_h = W_UV,h ō: [tq, vd]
-                let mut out = vec![0.0f32; tq * vd];
-                mla.kv_b
-                    .matmul_rows(hd * kvw + nope..(hd + 1) * kvw, &obar, tq, &mut out);
-                out
+                heads
+                    .enumerate()
+                    .map(|(j, hd)| {
+                        let mut ob = Vec::with_capacity(tq * kvr);
+                        for t in 0..tq {
+                            ob.extend_from_slice(&obar[(t * gh + j) * kvr..(t * gh + j + 1) * kvr]);
+                        }
+                        let mut out = vec![0.0f32; tq * vd];
+                        mla.kv_b
+                            .matmul_rows(hd * kvw + nope..(hd + 1) * kvw, &ob, tq, &mut out);
+                        out
+                    })
+                    .collect::<Vec<_>>()
             })
             .collect();
         scatter_heads(&per_head, tq, n, vd, o);

@@ -115,6 +115,61 @@ pub unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `scalar::dot_rows`, four rows at a time sharing each load of `l`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_rows(q: &[f32], l: &[f32], out: &mut [f32]) {
+    let d = l.len();
+    let full = d / 8 * 8;
+    let (pq, pl) = (q.as_ptr(), l.as_ptr());
+    let rows = out.len();
+    let mut h = 0;
+    while h < rows {
+        let g = (rows - h).min(4);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut c = 0;
+        while c < full {
+            let lv = _mm256_loadu_ps(pl.add(c));
+            for (k, a) in acc.iter_mut().enumerate().take(g) {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(pq.add((h + k) * d + c)), lv, *a);
+            }
+            c += 8;
+        }
+        for k in 0..g {
+            let mut s = hsum(acc[k]);
+            for c in full..d {
+                s = q[(h + k) * d + c].mul_add(l[c], s);
+            }
+            out[h + k] = s;
+        }
+        h += g;
+    }
+}
+
+/// `scalar::axpy_rows`: each 8-column chunk of `x` loaded once for all rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_rows(p: &[f32], x: &[f32], y: &mut [f32]) {
+    let d = x.len();
+    let full = d / 8 * 8;
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let mut c = 0;
+    while c < full {
+        let xv = _mm256_loadu_ps(px.add(c));
+        for (h, &a) in p.iter().enumerate() {
+            let yp = py.add(h * d + c);
+            _mm256_storeu_ps(
+                yp,
+                _mm256_fmadd_ps(_mm256_set1_ps(a), xv, _mm256_loadu_ps(yp)),
+            );
+        }
+        c += 8;
+    }
+    for (h, &a) in p.iter().enumerate() {
+        for c in full..d {
+            y[h * d + c] = a.mul_add(x[c], y[h * d + c]);
+        }
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn scale_in_place(x: &mut [f32], s: f32) {
     let n = x.len();

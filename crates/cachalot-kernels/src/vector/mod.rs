@@ -53,6 +53,38 @@ pub(crate) fn axpy_at(level: SimdLevel, alpha: f32, x: &[f32], y: &mut [f32]) {
     dispatch!(level, axpy(alpha, x, y))
 }
 
+/// out\[h\] = Σ_c q\[h·d + c\]·l\[c\] for every row h of `q` (`d = l.len()`): one vector scored
+/// against many (attention: one cached latent row against every head's query). Each row's sum
+/// runs over 8 lanes (column c in lane c mod 8), added in [`dot`]'s fixed lane order, then the
+/// ragged tail in order — the same on every level but not bit-identical to [`dot`].
+pub fn dot_rows(q: &[f32], l: &[f32], out: &mut [f32]) {
+    dot_rows_at(simd_level(), q, l, out)
+}
+
+pub(crate) fn dot_rows_at(level: SimdLevel, q: &[f32], l: &[f32], out: &mut [f32]) {
+    assert_eq!(
+        q.len(),
+        l.len() * out.len(),
+        "dot_rows: q must hold out.len() rows of l.len() values"
+    );
+    dispatch!(level, dot_rows(q, l, out))
+}
+
+/// y\[h·d + c\] += p\[h\]·x\[c\] for every row h (`d = x.len()`): [`axpy`] of one vector into
+/// many rows, each row bit-identical to `axpy(p[h], x, row)`.
+pub fn axpy_rows(p: &[f32], x: &[f32], y: &mut [f32]) {
+    axpy_rows_at(simd_level(), p, x, y)
+}
+
+pub(crate) fn axpy_rows_at(level: SimdLevel, p: &[f32], x: &[f32], y: &mut [f32]) {
+    assert_eq!(
+        y.len(),
+        x.len() * p.len(),
+        "axpy_rows: y must hold p.len() rows of x.len() values"
+    );
+    dispatch!(level, axpy_rows(p, x, y))
+}
+
 /// x *= s.
 pub fn scale_in_place(x: &mut [f32], s: f32) {
     scale_in_place_at(simd_level(), x, s)

@@ -25,6 +25,41 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum_lanes(acc)
 }
 
+/// One row of `dot_rows`: lane j accumulates the columns ≡ j mod 8 of the full chunks with
+/// fused multiply-adds (as the AVX2 kernel), lanes added in the AVX2 `hsum` order, then the tail columns fused into the sum in order — bit-identical across levels.
+fn dot_row(q: &[f32], l: &[f32]) -> f32 {
+    let full = l.len() / LANES * LANES;
+    let mut acc = [0.0f32; LANES];
+    for (x, y) in q[..full]
+        .chunks_exact(LANES)
+        .zip(l[..full].chunks_exact(LANES))
+    {
+        for j in 0..LANES {
+            acc[j] = x[j].mul_add(y[j], acc[j]);
+        }
+    }
+    // The AVX2 `hsum` order.
+    let mut s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for c in full..l.len() {
+        s = q[c].mul_add(l[c], s);
+    }
+    s
+}
+
+pub fn dot_rows(q: &[f32], l: &[f32], out: &mut [f32]) {
+    let d = l.len();
+    for (h, o) in out.iter_mut().enumerate() {
+        *o = dot_row(&q[h * d..(h + 1) * d], l);
+    }
+}
+
+pub fn axpy_rows(p: &[f32], x: &[f32], y: &mut [f32]) {
+    let d = x.len();
+    for (h, &a) in p.iter().enumerate() {
+        axpy(a, x, &mut y[h * d..(h + 1) * d]);
+    }
+}
+
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi += alpha * xi;

@@ -5,6 +5,10 @@ use proptest::prelude::*;
 
 use super::*;
 
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
 fn levels() -> Vec<SimdLevel> {
     SimdLevel::ALL
         .into_iter()
@@ -30,6 +34,42 @@ fn close(got: f32, want: f64, rel: f64, scale: f64) -> bool {
 }
 
 proptest! {
+    /// dot_rows: every level gives the scalar twin's bits, close to the f64 sums; axpy_rows
+    /// equals axpy row by row, bit for bit.
+    #[test]
+    fn dot_rows_and_axpy_rows((d, rows) in (1usize..90, 1usize..11), seed in any::<u64>()) {
+        let mut st = seed | 1;
+        let mut next = move || {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let q: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+        let l: Vec<f32> = (0..d).map(|_| next()).collect();
+        let p: Vec<f32> = (0..rows).map(|_| next()).collect();
+        let y0: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+        let mut want = vec![0.0f32; rows];
+        crate::vector::scalar::dot_rows(&q, &l, &mut want);
+        for level in levels() {
+            let mut out = vec![f32::NAN; rows];
+            dot_rows_at(level, &q, &l, &mut out);
+            prop_assert_eq!(bits(&out), bits(&want), "{:?}", level);
+            for h in 0..rows {
+                let exact: f64 = (0..d).map(|c| q[h * d + c] as f64 * l[c] as f64).sum();
+                let scale: f64 = (0..d).map(|c| (q[h * d + c] as f64 * l[c] as f64).abs()).sum();
+                prop_assert!(close(out[h], exact, 1e-5, scale), "{} vs {}", out[h], exact);
+            }
+            let mut y = y0.clone();
+            axpy_rows_at(level, &p, &l, &mut y);
+            for h in 0..rows {
+                let mut row = y0[h * d..(h + 1) * d].to_vec();
+                axpy_at(level, p[h], &l, &mut row);
+                prop_assert_eq!(bits(&y[h * d..(h + 1) * d]), bits(&row), "{:?} row {}", level, h);
+            }
+        }
+    }
+
     #[test]
     fn dot_matches_f64((a, b) in (1usize..300).prop_flat_map(|n| (values(n, 0.01, 4.0), values(n, 0.01, 4.0)))) {
         let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
