@@ -5,8 +5,8 @@
 //! Defaults: a 4096x4096 matrix, 1 token (decode), run on 1 thread and on all threads; then
 //! the transposed product, and MLA's W_UKᵀ·q absorption over a kv_b_proj-shaped matrix.
 //! Each figure is the best of 5 rounds.
-//! `CACHALOT_SIMD=scalar` measures the scalar kernels. Numbers on shared machines are noisy:
-//! compare formats within one run.
+//! `CACHALOT_SIMD=scalar` (or `avx2`) measures the scalar (AVX2) kernels on an AVX-512 CPU.
+//! Numbers on shared machines are noisy: compare formats within one run.
 
 use std::time::Instant;
 

@@ -172,7 +172,7 @@ mod avx2 {
 /// Packs int4 values `q` `[n, k]` (row-major, n even) along the output dim into `[n/2, k]`
 /// bytes: byte `[j, c]` = `(q[2j, c] & 0xF) | (q[2j+1, c] << 4)`.
 pub fn pack_int4_along_n(q: &[i8], n: usize, k: usize, out: &mut [u8]) {
-    assert!(n % 2 == 0, "pack_int4_along_n: n must be even");
+    assert!(n.is_multiple_of(2), "pack_int4_along_n: n must be even");
     assert_eq!(q.len(), n * k, "pack_int4_along_n: q length");
     assert_eq!(out.len(), n / 2 * k, "pack_int4_along_n: out length");
     for j in 0..n / 2 {
@@ -191,7 +191,11 @@ pub fn pack_int4_along_n(q: &[i8], n: usize, k: usize, out: &mut [u8]) {
 pub fn unpack_int4_along_n(packed: &[u8], k: usize, r: usize, c: usize) -> i8 {
     let b = packed[(r / 2) * k + c];
     // Shift the wanted nibble to the top, then sign-extend by an arithmetic shift.
-    let v = if r % 2 == 0 { b << 4 } else { b & 0xF0 };
+    let v = if r.is_multiple_of(2) {
+        b << 4
+    } else {
+        b & 0xF0
+    };
     (v as i8) >> 4
 }
 

@@ -13,7 +13,8 @@
 //!   [`rope_deinterleave_in_place`].
 //!
 //! It knows nothing of models or requests. Every SIMD kernel has a scalar twin; the level is
-//! detected once per process ([`simd_level`], overridable with `CACHALOT_SIMD=scalar`).
+//! detected once per process ([`simd_level`]: AVX-512, AVX2 or scalar, capped with
+//! `CACHALOT_SIMD=avx2` or `scalar`).
 //!
 //! Errors: constructors validate and return [`KernelError`]. Kernels do not fail; a slice of
 //! the wrong length is a programmer error and panics with a message.

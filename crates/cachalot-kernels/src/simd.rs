@@ -3,11 +3,20 @@
 //! The instruction set is detected once per process ([`simd_level`]) and every dispatched kernel
 //! matches on it. Each SIMD kernel has a scalar twin that is the reference in tests and the
 //! fallback on other CPUs and architectures. `CACHALOT_SIMD=scalar` forces the scalar path (for
-//! tests and benchmarks); `CACHALOT_SIMD=avx2` caps the level at AVX2 (for when an AVX-512 path
-//! exists); anything else, or unset, picks the best level the CPU supports.
+//! tests and benchmarks); `CACHALOT_SIMD=avx2` caps the level at AVX2, `CACHALOT_SIMD=avx512`
+//! asks for AVX-512; anything else, or unset, picks the best level the CPU supports.
 //!
-//! Adding a level (AVX-512, NEON): a variant here, its detection in [`SimdLevel::supported`],
-//! and one more arm in each dispatching `match`.
+//! Levels are ordered: a CPU supporting a level supports every lower one, and a kernel family
+//! without its own code at a level runs the next lower level's (AVX-512 → AVX2 for the
+//! transposed product, W4A8 and the vector kernels).
+//!
+//! `Avx512` requires AVX2 + FMA + F16C and AVX-512 F, BW, VL and VNNI. VNNI (`vpdpbusd`, used by
+//! W8A8) is part of the level rather than checked separately: every AVX-512 CPU from Cascade
+//! Lake, Ice Lake and Zen 4 on has it, and one level per CPU keeps dispatch a single `match`.
+//! Skylake-SP/X (AVX-512 without VNNI, and with a 512-bit clock penalty) runs the AVX2 level.
+//!
+//! Adding a level (NEON): a variant here, its detection in [`SimdLevel::supported`], and one
+//! more arm in each dispatching `match`.
 
 use std::sync::OnceLock;
 
@@ -18,17 +27,20 @@ pub enum SimdLevel {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C (Haswell, Zen and later).
     Avx2,
+    /// x86-64 AVX-512 F/BW/VL/VNNI on top of `Avx2` (Ice Lake, Sapphire Rapids, Zen 4/5).
+    Avx512,
 }
 
 impl SimdLevel {
     /// Every level, lowest first.
-    pub const ALL: [SimdLevel; 2] = [SimdLevel::Scalar, SimdLevel::Avx2];
+    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
 
     /// Whether this CPU can run this level's kernels.
     pub fn supported(self) -> bool {
         match self {
             SimdLevel::Scalar => true,
             SimdLevel::Avx2 => avx2_supported(),
+            SimdLevel::Avx512 => avx2_supported() && avx512_supported(),
         }
     }
 
@@ -56,6 +68,7 @@ impl SimdLevel {
         match self {
             SimdLevel::Scalar => "scalar",
             SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
         }
     }
 
@@ -82,6 +95,19 @@ fn avx2_supported() -> bool {
     false
 }
 
+#[cfg(target_arch = "x86_64")]
+fn avx512_supported() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_supported() -> bool {
+    false
+}
+
 /// The level the dispatched kernels use in this process: `CACHALOT_SIMD` if set to a known
 /// level name (clamped to what the CPU supports), otherwise the best supported level.
 pub fn simd_level() -> SimdLevel {
@@ -104,6 +130,14 @@ mod tests {
         assert_eq!(SimdLevel::from_name(" SCALAR "), Some(SimdLevel::Scalar));
         assert_eq!(SimdLevel::from_name("auto"), None);
         assert!(SimdLevel::from_name("avx2").unwrap().supported());
+        assert!(SimdLevel::from_name("avx2").unwrap() <= SimdLevel::Avx2);
+        let avx512 = SimdLevel::from_name("AVX512").unwrap();
+        assert!(avx512.supported());
+        assert_eq!(avx512 == SimdLevel::Avx512, SimdLevel::Avx512.supported());
+        // A supported level implies every lower one.
+        for pair in SimdLevel::ALL.windows(2) {
+            assert!(!pair[1].supported() || pair[0].supported());
+        }
         assert!(simd_level().supported());
         assert!(SimdLevel::best_supported() >= simd_level());
     }

@@ -34,7 +34,8 @@
 //! Determinism: every output element is computed by the same sequence of operations whatever
 //! the number of tokens in the call, the row or column sub-range, and the thread count (token
 //! groups and row tiles share no accumulators; task boundaries fall on the same column chunk
-//! grid). Only the SIMD level changes results.
+//! grid). Only the SIMD level changes results, and AVX2 and AVX-512 give the same bits
+//! (`avx512.rs`); scalar differs in rounding.
 
 pub(crate) mod scalar;
 mod w4a8;
@@ -42,6 +43,8 @@ mod w8a8;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 #[cfg(test)]
 mod tests;
@@ -124,7 +127,7 @@ impl MatrixData {
         packed: &[u8],
         scale: Vec<f32>,
     ) -> Result<MatrixData, KernelError> {
-        if rows % 2 != 0 || cols % 2 != 0 || rows == 0 || cols == 0 {
+        if !rows.is_multiple_of(2) || !cols.is_multiple_of(2) || rows == 0 || cols == 0 {
             return Err(KernelError::Int4Layout {
                 rows,
                 cols,
@@ -175,7 +178,7 @@ impl MatrixData {
     /// The f32 scales of a `u64 [N, 1]` scale tensor's little-endian bytes (low 32 bits of each
     /// word = the f32 bits). Errors if the length is not a multiple of 8 or a high word is set.
     pub fn scales_from_u64_bytes(bytes: &[u8]) -> Result<Vec<f32>, KernelError> {
-        if bytes.len() % 8 != 0 {
+        if !bytes.len().is_multiple_of(8) {
             return Err(KernelError::U64Scales {
                 why: format!("{} bytes is not a whole number of u64 words", bytes.len()),
             });
@@ -312,7 +315,7 @@ impl WeightsView<'_> {
     /// task or column block boundary must fall on that grid, so that a column is computed the
     /// same way whatever the split. Boundaries at multiples of this are on the grid.
     pub fn column_align(&self) -> usize {
-        if self.segment_cols % CHUNK == 0 || self.segment_cols >= self.cols {
+        if self.segment_cols.is_multiple_of(CHUNK) || self.segment_cols >= self.cols {
             CHUNK
         } else {
             self.segment_cols
@@ -343,7 +346,7 @@ impl Matrix {
             });
         }
         if let MatrixData::Int4Group { group_size, .. } = &data {
-            if cols % 2 != 0 || *group_size == 0 || group_size % 2 != 0 {
+            if !cols.is_multiple_of(2) || *group_size == 0 || !group_size.is_multiple_of(2) {
                 return Err(KernelError::Int4Layout {
                     rows,
                     cols,
@@ -351,7 +354,9 @@ impl Matrix {
                 });
             }
         }
-        if matches!(data, MatrixData::Mxfp4 { .. } | MatrixData::W4A8 { .. }) && cols % 2 != 0 {
+        if matches!(data, MatrixData::Mxfp4 { .. } | MatrixData::W4A8 { .. })
+            && !cols.is_multiple_of(2)
+        {
             return Err(KernelError::OddPackedCols {
                 format: name,
                 rows,
@@ -646,7 +651,8 @@ impl Matrix {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `Avx2` is only used where the CPU supports it; the task writes only
                 // out[t*cols + c] for c in its own column range, and tasks' ranges are disjoint.
-                SimdLevel::Avx2 => unsafe {
+                // (`Avx512` has no transposed kernel of its own; its CPUs run AVX2's.)
+                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
                     avx2::matmul_t_cols(&view, rows.clone(), x, n_tokens, cols, &out)
                 },
                 _ => scalar::matmul_t_cols(&view, rows.clone(), x, n_tokens, cols, &out),
@@ -736,13 +742,18 @@ unsafe fn rows_task(
         match level {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as below.
-            SimdLevel::Avx2 if int4 => unsafe {
+            SimdLevel::Avx2 | SimdLevel::Avx512 if int4 => unsafe {
                 w4a8::avx2::matmul_rows(view, task_rows, xq, n_tokens, out)
             },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as below.
             SimdLevel::Avx2 => unsafe {
                 w8a8::avx2::matmul_rows(view, task_rows, xq, n_tokens, out)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below.
+            SimdLevel::Avx512 => unsafe {
+                w8a8::avx512::matmul_rows(view, task_rows, xq, n_tokens, out)
             },
             _ if int4 => w4a8::matmul_rows_scalar(view, task_rows, xq, n_tokens, out),
             _ => w8a8::matmul_rows_scalar(view, task_rows, xq, n_tokens, out),
@@ -754,6 +765,9 @@ unsafe fn rows_task(
         // SAFETY: `Avx2` is only used where the CPU supports it; the task writes only its own
         // rows of `out` (`OutRows`), and tasks' row ranges are disjoint.
         SimdLevel::Avx2 => unsafe { avx2::matmul_rows(view, task_rows, x, n_tokens, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for `Avx512`.
+        SimdLevel::Avx512 => unsafe { avx512::matmul_rows(view, task_rows, x, n_tokens, out) },
         _ => scalar::matmul_rows(view, task_rows, x, n_tokens, out),
     }
 }

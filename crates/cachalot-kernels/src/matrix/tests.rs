@@ -266,6 +266,53 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// AVX-512 and AVX2 forward products agree bit for bit for every format, token count (both
+    /// tile paths and the panel) and row sub-range. Skipped where the CPU lacks AVX-512.
+    #[test]
+    fn avx512_forward_is_bit_identical_to_avx2((format, rows, cols, _nt, block, seed) in case(), nt in 1usize..=20, sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
+        if !SimdLevel::Avx512.supported() {
+            return Ok(());
+        }
+        let mut rng = Rng(seed);
+        let m = random_matrix(format, rows, cols, block, &mut rng);
+        let x: Vec<f32> = (0..nt * cols).map(|_| rng.value()).collect();
+        let (a, b) = (sub.0.index(rows + 1), sub.1.index(rows + 1));
+        let range = a.min(b)..a.max(b);
+        let mut want = vec![f32::NAN; nt * range.len()];
+        m.matmul_rows_at(SimdLevel::Avx2, range.clone(), &x, nt, &mut want);
+        let mut got = vec![f32::NAN; nt * range.len()];
+        m.matmul_rows_at(SimdLevel::Avx512, range.clone(), &x, nt, &mut got);
+        prop_assert_eq!(bits(&got), bits(&want), "{:?} {}x{} block {:?} nt {} rows {:?}", format, rows, cols, block, nt, range);
+    }
+}
+
+#[test]
+fn avx512_forward_is_bit_identical_to_avx2_on_wide_rows() {
+    // Long rows (many chunks per segment, DeepSeek's 128x128 FP8 blocks) and awkward values:
+    // large and tiny magnitudes so that any change in the order of operations shows.
+    if !SimdLevel::Avx512.supported() {
+        return;
+    }
+    for (k, &format) in FORMATS.iter().enumerate() {
+        let mut rng = Rng(0xA512 + k as u64);
+        let (rows, cols) = (37, 1000);
+        let m = random_matrix(format, rows, cols, (128, 128), &mut rng);
+        for nt in [1, 2, 3, 4, 5, 8, 9, 17] {
+            let x: Vec<f32> = (0..nt * cols)
+                .map(|i| rng.value() * if i % 7 == 0 { 1e4 } else { 1e-3 })
+                .collect();
+            let mut want = vec![f32::NAN; nt * rows];
+            m.matmul_rows_at(SimdLevel::Avx2, 0..rows, &x, nt, &mut want);
+            let mut got = vec![f32::NAN; nt * rows];
+            m.matmul_rows_at(SimdLevel::Avx512, 0..rows, &x, nt, &mut got);
+            assert_eq!(bits(&got), bits(&want), "{format:?} nt {nt}");
+        }
+    }
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
 }

@@ -11,7 +11,13 @@
 //! (`vpabsb`; −128 becomes the unsigned 128, still exact) and the activation takes the weight's
 //! sign (`vpsignb(x, w)`: x·sign(w), never −128 because activations are clamped to ±127). Pairs
 //! of products fit i16 (2·128·127 < 32 768); `vpmaddwd` with ones widens them to i32.
-//! AVX-512 VNNI (`vpdpbusd`) and NEON `sdot` slot into the same dispatch later.
+//!
+//! AVX-512 VNNI: `vpdpbusd` adds four u8·i8 products into each i32 lane. AVX-512 has no
+//! `vpsignb`, so instead of the sign trick the weight is offset to unsigned, u = w + 128 (an xor
+//! with 0x80), and the activation stays signed: Σ u·x = Σ w·x + 128·Σ x, so the token's Σ x
+//! (computed once per tile of tokens) times 128 is subtracted. All of it is i32 arithmetic
+//! modulo 2^32 whose true result fits i32, so it is exact. The ragged row end goes through
+//! masked loads (zeros add nothing). NEON `sdot` would slot into the same dispatch.
 
 use std::ops::Range;
 
@@ -195,6 +201,135 @@ pub(crate) mod avx2 {
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
         _mm_cvtsi128_si32(s)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    #![allow(clippy::needless_range_loop)]
+
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::{finish, QuantizedTokens};
+    use crate::matrix::{OutRows, WeightsView};
+
+    /// # Safety
+    /// The CPU supports the `Avx512` level (F, BW, VL, VNNI); `out` accepts writes for every
+    /// row in `rows`; `xq` holds `n_tokens` tokens of `w.cols` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+    pub(crate) unsafe fn matmul_rows(
+        w: &WeightsView,
+        rows: Range<usize>,
+        xq: &QuantizedTokens,
+        n_tokens: usize,
+        out: &OutRows,
+    ) {
+        let mut t0 = 0;
+        while t0 < n_tokens {
+            let nt = (n_tokens - t0).min(4);
+            match nt {
+                1 => row_tiles::<8, 1>(w, rows.clone(), xq, t0, out),
+                2 => row_tiles::<4, 2>(w, rows.clone(), xq, t0, out),
+                3 => row_tiles::<2, 3>(w, rows.clone(), xq, t0, out),
+                _ => row_tiles::<4, 4>(w, rows.clone(), xq, t0, out),
+            }
+            t0 += nt;
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+    unsafe fn row_tiles<const R: usize, const NT: usize>(
+        w: &WeightsView,
+        rows: Range<usize>,
+        xq: &QuantizedTokens,
+        t0: usize,
+        out: &OutRows,
+    ) {
+        // 128·Σ x per token, the offset's contribution (wrapping: only the final sum fits i32).
+        let mut offset = [0i32; NT];
+        for t in 0..NT {
+            let s: i32 = xq.token(t0 + t).iter().map(|&v| v as i32).sum();
+            offset[t] = s.wrapping_mul(128);
+        }
+        let emit = |r: usize, acc: &[i32; NT]| {
+            for t in 0..NT {
+                let v = finish(acc[t].wrapping_sub(offset[t]), w, r, xq.scale[t0 + t]);
+                out.write(t0 + t, r, v);
+            }
+        };
+        let mut r = rows.start;
+        while r + R <= rows.end {
+            let acc = tile::<R, NT>(w, r, xq, t0);
+            for i in 0..R {
+                emit(r + i, &acc[i]);
+            }
+            r += R;
+        }
+        while r < rows.end {
+            let acc = tile::<1, NT>(w, r, xq, t0);
+            emit(r, &acc[0]);
+            r += 1;
+        }
+    }
+
+    /// Σ_c (w[r, c] + 128)·x[t, c] (mod 2^32) for rows row0..row0+R, tokens t0..t0+NT.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+    unsafe fn tile<const R: usize, const NT: usize>(
+        w: &WeightsView,
+        row0: usize,
+        xq: &QuantizedTokens,
+        t0: usize,
+    ) -> [[i32; NT]; R] {
+        let cols = w.cols;
+        let bias = _mm512_set1_epi8(0x80u8 as i8);
+        let mut acc = [[_mm512_setzero_si512(); NT]; R];
+        let mut wp = [std::ptr::null::<u8>(); R];
+        for i in 0..R {
+            wp[i] = w.data.as_ptr().add((row0 + i) * cols);
+        }
+        let mut xp = [std::ptr::null::<i8>(); NT];
+        for t in 0..NT {
+            xp[t] = xq.token(t0 + t).as_ptr();
+        }
+        let mut c = 0;
+        while c + 64 <= cols {
+            let mut xs = [_mm512_setzero_si512(); NT];
+            for t in 0..NT {
+                xs[t] = _mm512_loadu_si512(xp[t].add(c) as *const __m512i);
+            }
+            for i in 0..R {
+                let wu = _mm512_xor_si512(_mm512_loadu_si512(wp[i].add(c) as *const __m512i), bias);
+                for t in 0..NT {
+                    acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], wu, xs[t]);
+                }
+            }
+            c += 64;
+        }
+        if c < cols {
+            // Masked loads: columns past the end read as x = 0 and add nothing.
+            let mask: __mmask64 = (1u64 << (cols - c)) - 1;
+            let mut xs = [_mm512_setzero_si512(); NT];
+            for t in 0..NT {
+                xs[t] = _mm512_maskz_loadu_epi8(mask, xp[t].add(c));
+            }
+            for i in 0..R {
+                let wv = _mm512_maskz_loadu_epi8(mask, wp[i].add(c) as *const i8);
+                let wu = _mm512_xor_si512(wv, bias);
+                for t in 0..NT {
+                    acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], wu, xs[t]);
+                }
+            }
+        }
+        let mut res = [[0i32; NT]; R];
+        for i in 0..R {
+            for t in 0..NT {
+                res[i][t] = _mm512_reduce_add_epi32(acc[i][t]);
+            }
+        }
+        res
     }
 }
 

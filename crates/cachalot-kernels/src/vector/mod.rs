@@ -3,7 +3,7 @@
 //! DeepSeek's interleaved checkpoint layout, §3.6 SwiGLU experts, §3.7 logits).
 //!
 //! Each public function checks its slice lengths (a mismatch is a programmer error and panics
-//! with a message) and dispatches on [`simd_level`] to an AVX2 kernel or its scalar twin.
+//! with a message) and dispatches on [`simd_level`] to an AVX2 kernel (also at the AVX-512 level) or its scalar twin.
 //! `argmax` and `log_softmax_at` run once per sequence per step and stay scalar.
 
 pub(crate) mod scalar;
@@ -25,9 +25,10 @@ macro_rules! dispatch {
         debug_assert!(level.supported());
         match level {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: a level is only ever `Avx2` when the CPU supports avx2, fma and f16c
-            // (`simd_level` and the tests check `supported()`); lengths were checked above.
-            SimdLevel::Avx2 => unsafe { avx2::$name($($arg),*) },
+            // SAFETY: a level is only ever `Avx2` or `Avx512` when the CPU supports avx2, fma
+            // and f16c (`simd_level` and the tests check `supported()`; `Avx512` implies
+            // them); lengths were checked above. `Avx512` runs the AVX2 vector kernels.
+            SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::$name($($arg),*) },
             _ => scalar::$name($($arg),*),
         }
     }};
