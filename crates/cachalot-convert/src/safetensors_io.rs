@@ -156,7 +156,7 @@ pub fn layout(tensors: &mut [OutTensor]) -> (Vec<u8>, u64) {
         pos += n;
     }
     let mut text = serde_json::to_vec(&Value::Object(header)).expect("a JSON map serializes");
-    while (text.len() + 8) % 8 != 0 {
+    while !(text.len() + 8).is_multiple_of(8) {
         text.push(b' ');
     }
     let data_start = 8 + text.len() as u64;

@@ -89,7 +89,7 @@ fn candidate_loss(level: SimdLevel, row: &[f32], c: f32, s: f32, inv: f32) -> f3
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `level` is supported (from `simd_level`).
-        SimdLevel::Avx2 => unsafe { avx2::candidate_loss(row, c, s, inv) },
+        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::candidate_loss(row, c, s, inv) },
         _ => candidate_loss_scalar(row, c, s, inv),
     }
 }
@@ -241,7 +241,7 @@ mod tests {
                 })
                 .collect();
             let mx = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            for level in [SimdLevel::Scalar, SimdLevel::Avx2] {
+            for level in SimdLevel::ALL {
                 if !level.supported() {
                     continue;
                 }

@@ -28,7 +28,7 @@ pub fn quantize_row_bf16_to_int8(row: &[u16], q: &mut [i8]) -> f32 {
     match simd_level() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the level is supported (from `simd_level`); lengths are equal (asserted).
-        SimdLevel::Avx2 => unsafe { avx2::quantize_bf16_row(row, s, q) },
+        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::quantize_bf16_row(row, s, q) },
         _ => quantize_bf16_row_scalar(row, s, q),
     }
     s

@@ -333,7 +333,7 @@ impl DeepseekV3Config {
                 return Err(err(name, "must be at least 1".into()));
             }
         }
-        if self.qk_rope_head_dim == 0 || self.qk_rope_head_dim % 2 != 0 {
+        if self.qk_rope_head_dim == 0 || !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(err(
                 "qk_rope_head_dim",
                 format!(
@@ -409,7 +409,7 @@ impl DeepseekV3Config {
     pub fn is_moe_layer(&self, i: usize) -> bool {
         self.n_routed_experts.is_some_and(|e| e > 0)
             && i >= self.first_k_dense_replace
-            && i % self.moe_layer_freq == 0
+            && i.is_multiple_of(self.moe_layer_freq)
     }
 
     fn has_moe_layers(&self) -> bool {

@@ -387,7 +387,7 @@ impl DeepseekV4Config {
             }
         }
         if self.qk_rope_head_dim == 0
-            || self.qk_rope_head_dim % 2 != 0
+            || !self.qk_rope_head_dim.is_multiple_of(2)
             || self.qk_rope_head_dim > self.head_dim
         {
             return Err(f.err(
@@ -398,7 +398,7 @@ impl DeepseekV4Config {
                 ),
             ));
         }
-        if self.num_attention_heads % self.o_groups != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.o_groups) {
             return Err(f.err(
                 "o_groups",
                 format!(

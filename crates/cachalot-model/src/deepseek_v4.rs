@@ -215,7 +215,7 @@ pub struct DeepseekV4 {
 /// cols/2]` (I8 or U8) with F8_E8M0 (or U8) scales `[rows, cols/32]`, both used in place (the
 /// mmap'd bytes; no dequantized copy). A scale byte of 255 (NaN) is refused by name.
 pub fn mxfp4_matrix(w: &TensorView, s: &TensorView, rows: usize, cols: usize) -> Result<Matrix> {
-    if cols % 32 != 0 {
+    if !cols.is_multiple_of(32) {
         return Err(w.error(format!(
             "MXFP4 needs the input width ({cols}) to be a multiple of 32"
         )));
@@ -294,7 +294,7 @@ impl Loader<'_> {
         // w4a8-int routed experts (spec §4.4): INT4 packed along the output dim, u64 scales; the
         // `.bias` beside them is an Ascend kernel aid, not a model bias, and is not used. They
         // run W4A8 as the seed runs them (§4.2: int8 per-token activations, int4 × int8 → i32).
-        if w.dtype == Dtype::I8 && rows % 2 == 0 && w.shape == [rows / 2, cols] {
+        if w.dtype == Dtype::I8 && rows.is_multiple_of(2) && w.shape == [rows / 2, cols] {
             let s = self.ckpt.take(
                 &sname,
                 &format!("U64 per-row scales [{rows}, 1] for the INT4 weight {name}"),
@@ -1126,7 +1126,7 @@ impl DeepseekV4 {
                 let table = &batch.block_tables[s];
                 for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
                     let p = batch.positions[i];
-                    if (p + 1) % r != 0 {
+                    if !(p + 1).is_multiple_of(r) {
                         continue;
                     }
                     let j = (p + 1) / r - 1;

@@ -436,7 +436,7 @@ impl RunConfig {
                 p.offline_prefill_dp_group_size,
             ),
         ] {
-            if ws % size != 0 {
+            if !ws.is_multiple_of(size) {
                 add(
                     "parallel_config",
                     name,
@@ -456,7 +456,7 @@ impl RunConfig {
             );
         }
         if let Some(ep) = p.moe_ep_size {
-            if ws % p.moe_tp_size == 0 && ep != p.moe_ep_size() {
+            if ws.is_multiple_of(p.moe_tp_size) && ep != p.moe_ep_size() {
                 add(
                     "parallel_config",
                     "moe_ep_size",
@@ -471,7 +471,11 @@ impl RunConfig {
         }
         let dp = p.attn_dp_size();
         let s = &self.scheduler_config;
-        if ws % p.attn_tp_size == 0 && p.cp_size == 1 && dp > 1 && s.batch_size % dp != 0 {
+        if ws.is_multiple_of(p.attn_tp_size)
+            && p.cp_size == 1
+            && dp > 1
+            && !s.batch_size.is_multiple_of(dp)
+        {
             add(
                 "scheduler_config",
                 "batch_size",
@@ -483,7 +487,7 @@ impl RunConfig {
             );
         }
         let g = p.offline_prefill_dp_group_size;
-        if g > 1 && dp > 0 && (s.batch_size / dp) % g != 0 {
+        if g > 1 && dp > 0 && !(s.batch_size / dp).is_multiple_of(g) {
             add(
                 "parallel_config",
                 "offline_prefill_dp_group_size",
