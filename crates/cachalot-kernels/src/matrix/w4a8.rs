@@ -32,9 +32,15 @@ fn weight_row<'a>(w: &'a WeightsView, r: usize) -> &'a [u8] {
     &w.data[r * rb..(r + 1) * rb]
 }
 
-#[inline]
+/// `(f32(acc) · sw[r]) · sx`. Called once per output element, so forced inline (it was a
+/// separate call of 3% of W8A8 decode time in a profile).
+#[inline(always)]
 fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
-    (acc as f32 * w.scales.row(r).get(0)) * sx
+    let sw = match w.scales {
+        super::Scales::Row(s) => s[r],
+        other => other.row(r).get(0),
+    };
+    (acc as f32 * sw) * sx
 }
 
 /// Exact Σ_{c in cols} q[c]·x[c].

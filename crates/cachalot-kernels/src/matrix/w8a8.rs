@@ -60,9 +60,15 @@ pub(crate) fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
     a.iter().zip(b).map(|(&x, &y)| x as i32 * y as i32).sum()
 }
 
-#[inline]
+/// `(f32(acc) · sw[r]) · sx`. Called once per output element, so forced inline (it was a
+/// separate call of 3% of W8A8 decode time in a profile).
+#[inline(always)]
 fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
-    (acc as f32 * w.scales.row(r).get(0)) * sx
+    let sw = match w.scales {
+        super::Scales::Row(s) => s[r],
+        other => other.row(r).get(0),
+    };
+    (acc as f32 * sw) * sx
 }
 
 /// Scalar reference for rows `rows`, all tokens.
