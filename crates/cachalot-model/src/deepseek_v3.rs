@@ -13,6 +13,7 @@
 //! always takes the absorbed form, long prefills the naive one. Both are exact rewrites of the
 //! same math; tests check they agree.
 
+use std::ops::Range;
 use std::path::Path;
 
 use cachalot_kernels::int8::quantize_static_int8;
@@ -700,21 +701,43 @@ impl DeepseekV3 {
         let width = kvr + rd;
 
         // Queries: [T, N, nope + rope].
+        // The products of x (q_a_proj or q_proj, kv_a_proj_with_mqa) in one parallel region.
         let mut q = vec![0.0f32; t_count * n * qk];
-        match &mla.q {
-            QProj::Direct(w) => w.matmul(x, t_count, &mut q),
-            QProj::Lora { a, norm, b } => {
-                let r = a.rows();
-                let mut cq = vec![0.0f32; t_count * r];
-                a.matmul(x, t_count, &mut cq);
-                let mut cqn = vec![0.0f32; t_count * r];
-                k::rms_norm_rows(&cq, r, norm, LATENT_NORM_EPS, &mut cqn);
-                b.matmul(&cqn, t_count, &mut q);
-            }
+        let mut kv = vec![0.0f32; t_count * width];
+        let mut cq = match &mla.q {
+            QProj::Direct(_) => Vec::new(),
+            QProj::Lora { a, .. } => vec![0.0f32; t_count * a.rows()],
+        };
+        {
+            let first = match &mla.q {
+                QProj::Direct(w) => k::MatmulJob {
+                    w,
+                    x,
+                    n_tokens: t_count,
+                    out: &mut q,
+                },
+                QProj::Lora { a, .. } => k::MatmulJob {
+                    w: a,
+                    x,
+                    n_tokens: t_count,
+                    out: &mut cq,
+                },
+            };
+            let kv_job = k::MatmulJob {
+                w: &mla.kv_a,
+                x,
+                n_tokens: t_count,
+                out: &mut kv,
+            };
+            Matrix::matmul_group(&mut [first, kv_job]);
+        }
+        if let QProj::Lora { a, norm, b } = &mla.q {
+            let r = a.rows();
+            let mut cqn = vec![0.0f32; t_count * r];
+            k::rms_norm_rows(&cq, r, norm, LATENT_NORM_EPS, &mut cqn);
+            b.matmul(&cqn, t_count, &mut q);
         }
         // Latents: normalised c_kv and roped k^R, written to the cache before attending.
-        let mut kv = vec![0.0f32; t_count * width];
-        mla.kv_a.matmul(x, t_count, &mut kv);
         let mut c = vec![0.0f32; kvr];
         for i in 0..t_count {
             let (cos, sin) = rope.get(i);
@@ -755,14 +778,15 @@ impl DeepseekV3 {
         let (cache_i8, cache_f32): (&[i8], &[f32]) = (cache_i8, cache_f32);
 
         let mut o = vec![0.0f32; t_count * n * vd];
-        let attend_seq = |s: usize, o_seq: &mut [f32]| {
+        let num_seqs = batch.num_seqs();
+        let path_of = |s: usize| -> Option<AttentionPath> {
             let range = batch.seq_starts[s]..batch.seq_starts[s + 1];
             if range.is_empty() {
-                return;
+                return None;
             }
             let tq = range.len();
             let ctx = batch.positions[range.end - 1] + 1;
-            let path = match self.attention_path {
+            Some(match self.attention_path {
                 AttentionPath::Auto => {
                     let (tq, ctx, n, kvr) = (tq as u64, ctx as u64, n as u64, kvr as u64);
                     let (nope, rd, vd) = (nope as u64, rd as u64, vd as u64);
@@ -775,70 +799,115 @@ impl DeepseekV3 {
                     }
                 }
                 p => p,
-            };
+            })
+        };
+        let paths: Vec<Option<AttentionPath>> = (0..num_seqs).map(path_of).collect();
+        // C8: each sequence's latents dequantized (c8 · s) once per layer; the naive path
+        // (prefill) attends to this step's own tokens un-quantized, as the seed does.
+        let dequantize = |s: usize| -> Option<Vec<f32>> {
+            let (scale, path) = (mla.ckv_scale?, paths[s]?);
+            let range = batch.seq_starts[s]..batch.seq_starts[s + 1];
+            let ctx = batch.positions[range.end - 1] + 1;
             let table = &batch.block_tables[s];
-            // C8: the sequence's latents dequantized (c8 · s) once per layer; the naive path
-            // (prefill) attends to this step's own tokens un-quantized, as the seed does.
-            let dequantized = mla.ckv_scale.map(|scale| {
-                let mut g = vec![0.0f32; ctx * width];
-                for (pos, row) in g.chunks_exact_mut(width).enumerate() {
-                    let slot = slot_of(table, pos, bs);
-                    for (o, &q) in row[..kvr]
-                        .iter_mut()
-                        .zip(&cache_i8[slot * kvr..(slot + 1) * kvr])
-                    {
-                        *o = q as f32 * scale;
-                    }
-                    row[kvr..].copy_from_slice(&cache_f32[slot * rd..(slot + 1) * rd]);
+            let mut g = vec![0.0f32; ctx * width];
+            for (pos, row) in g.chunks_exact_mut(width).enumerate() {
+                let slot = slot_of(table, pos, bs);
+                for (o, &q) in row[..kvr]
+                    .iter_mut()
+                    .zip(&cache_i8[slot * kvr..(slot + 1) * kvr])
+                {
+                    *o = q as f32 * scale;
                 }
-                if path == AttentionPath::Naive {
-                    for i in range.clone() {
-                        let pos = batch.positions[i];
-                        g[pos * width..(pos + 1) * width]
-                            .copy_from_slice(&kv[i * width..(i + 1) * width]);
-                    }
-                }
-                g
-            });
-            // The one accessor both attention forms read latents through.
-            let latent = |pos: usize| -> &[f32] {
-                match &dequantized {
-                    Some(g) => &g[pos * width..(pos + 1) * width],
-                    None => {
-                        let slot = slot_of(table, pos, bs);
-                        &cache_f32[slot * width..(slot + 1) * width]
-                    }
-                }
-            };
-            let q_seq = &q[range.start * n * qk..range.end * n * qk];
-            let positions = &batch.positions[range.clone()];
-            match path {
-                AttentionPath::Naive | AttentionPath::Auto => {
-                    self.attend_naive(mla, q_seq, positions, ctx, &latent, o_seq)
-                }
-                AttentionPath::Absorbed => {
-                    self.attend_absorbed(mla, q_seq, positions, &latent, o_seq)
+                row[kvr..].copy_from_slice(&cache_f32[slot * rd..(slot + 1) * rd]);
+            }
+            if path == AttentionPath::Naive {
+                for i in range {
+                    let pos = batch.positions[i];
+                    g[pos * width..(pos + 1) * width]
+                        .copy_from_slice(&kv[i * width..(i + 1) * width]);
                 }
             }
+            Some(g)
+        };
+        let many = num_seqs >= 2 * rayon::current_num_threads();
+        let dequantized: Vec<Option<Vec<f32>>> = if mla.ckv_scale.is_none() {
+            vec![None; num_seqs]
+        } else if many {
+            (0..num_seqs)
+                .into_par_iter()
+                .map(|s| k::serial(|| dequantize(s)))
+                .collect()
+        } else {
+            (0..num_seqs).map(dequantize).collect()
+        };
+        // The one accessor both attention forms read a sequence's latents through.
+        let latents: Vec<Latents> = (0..num_seqs)
+            .map(|s| Latents {
+                dequantized: dequantized[s].as_deref(),
+                table: &batch.block_tables[s],
+                cache: cache_f32,
+                width,
+                block_size: bs,
+            })
+            .collect();
+
+        // Absorbed sequences (decode, short prompts): one batched absorption for all of them.
+        let absorbed: Vec<AbsorbedSeq> = (0..num_seqs)
+            .filter(|&s| paths[s] == Some(AttentionPath::Absorbed))
+            .map(|s| {
+                let tokens = batch.seq_starts[s]..batch.seq_starts[s + 1];
+                AbsorbedSeq {
+                    positions: &batch.positions[tokens.clone()],
+                    tokens,
+                    latents: &latents[s],
+                }
+            })
+            .collect();
+        let absorbed_out = (!absorbed.is_empty()).then(|| self.attend_absorbed(mla, &q, &absorbed));
+
+        // Naive sequences (long prefill chunks): one by one, or whole sequences to the pool.
+        let naive: Vec<usize> = (0..num_seqs)
+            .filter(|&s| matches!(paths[s], Some(AttentionPath::Naive | AttentionPath::Auto)))
+            .collect();
+        let attend_naive_seq = |s: usize, o_seq: &mut [f32]| {
+            let range = batch.seq_starts[s]..batch.seq_starts[s + 1];
+            let ctx = batch.positions[range.end - 1] + 1;
+            let q_seq = &q[range.start * n * qk..range.end * n * qk];
+            let lat = &latents[s];
+            let latent = |pos: usize| lat.row(pos);
+            self.attend_naive(mla, q_seq, &batch.positions[range], ctx, &latent, o_seq)
         };
         // Each sequence's slice of `o` (sequences are packed in order).
-        let mut o_seqs: Vec<(usize, &mut [f32])> = Vec::with_capacity(batch.num_seqs());
+        let mut o_seqs: Vec<(usize, &mut [f32])> = Vec::with_capacity(naive.len());
         let mut rest: &mut [f32] = &mut o;
-        for s in 0..batch.num_seqs() {
+        for s in 0..num_seqs {
             let len = (batch.seq_starts[s + 1] - batch.seq_starts[s]) * n * vd;
             let (mine, others) = std::mem::take(&mut rest).split_at_mut(len);
-            o_seqs.push((s, mine));
+            if naive.contains(&s) {
+                o_seqs.push((s, mine));
+            }
             rest = others;
         }
-        // Many sequences (a batched decode step): whole sequences go to the pool, each one's
-        // products on one thread, instead of a fork/join per head loop and product per sequence.
-        if batch.num_seqs() >= 2 * rayon::current_num_threads() {
+        if o_seqs.len() >= 2 * rayon::current_num_threads() {
             o_seqs
                 .into_par_iter()
-                .for_each(|(s, o_seq)| k::serial(|| attend_seq(s, o_seq)));
+                .for_each(|(s, o_seq)| k::serial(|| attend_naive_seq(s, o_seq)));
         } else {
             for (s, o_seq) in o_seqs {
-                attend_seq(s, o_seq);
+                attend_naive_seq(s, o_seq);
+            }
+        }
+        if let Some(per_head) = absorbed_out {
+            // per_head[h]: [absorbed tokens, vd], the absorbed sequences' tokens in order.
+            let mut j = 0;
+            for seq in &absorbed {
+                for i in seq.tokens.clone() {
+                    for (hd, out) in per_head.iter().enumerate() {
+                        o[(i * n + hd) * vd..(i * n + hd + 1) * vd]
+                            .copy_from_slice(&out[j * vd..(j + 1) * vd]);
+                    }
+                    j += 1;
+                }
             }
         }
         let mut out = vec![0.0f32; t_count * cfg.hidden_size];
@@ -902,14 +971,12 @@ impl DeepseekV3 {
     }
 
     /// Spec §3.4: fold W_UK into the query and W_UV into the output; attend over the latents.
-    fn attend_absorbed<'c>(
-        &self,
-        mla: &Mla,
-        q: &[f32],
-        positions: &[usize],
-        latent: &(dyn Fn(usize) -> &'c [f32] + Sync),
-        o: &mut [f32],
-    ) {
+    /// All `seqs` at once: the absorption products (`W_UKᵀ q`, `W_UV ō`) run over every
+    /// sequence's tokens together (one weight pass per step, not per sequence), the latent
+    /// attention per sequence. Returns per head `[tokens of seqs in order, vd]`; every value is
+    /// the one a call per sequence would give (the products compute each token alike whatever
+    /// the batch).
+    fn attend_absorbed(&self, mla: &Mla, q: &[f32], seqs: &[AbsorbedSeq]) -> Vec<Vec<f32>> {
         let cfg = &self.cfg;
         let MlaDims {
             n,
@@ -921,7 +988,8 @@ impl DeepseekV3 {
             ..
         } = MlaDims::of(cfg);
         let scale = self.softmax_scale;
-        let tq = positions.len();
+        let tokens: Vec<usize> = seqs.iter().flat_map(|s| s.tokens.clone()).collect();
+        let tq = tokens.len();
         let width = kvr + (qk - nope);
         // Heads in as many groups as there are threads; a group reads each cached latent row
         // once per token for all its heads (the row is every head's key and value: MQA over the
@@ -929,7 +997,7 @@ impl DeepseekV3 {
         // `axpy_rows` adds it into the group's ō rows.
         let groups = n.min(rayon::current_num_threads()).max(1);
         let per_group = n.div_ceil(groups);
-        let per_head: Vec<Vec<f32>> = (0..n.div_ceil(per_group))
+        (0..n.div_ceil(per_group))
             .into_par_iter()
             .flat_map_iter(|g| {
                 let heads = g * per_group..((g + 1) * per_group).min(n);
@@ -940,17 +1008,17 @@ impl DeepseekV3 {
                 let mut qt = vec![0.0f32; tq * kvr];
                 for (j, hd) in heads.clone().enumerate() {
                     qn.clear();
-                    for t in 0..tq {
-                        qn.extend_from_slice(&q[(t * n + hd) * qk..(t * n + hd) * qk + nope]);
+                    for &i in &tokens {
+                        qn.extend_from_slice(&q[(i * n + hd) * qk..(i * n + hd) * qk + nope]);
                     }
                     // q~ = W_UK,h^T q^C: [tq, kvr]
                     mla.kv_b
                         .matmul_t_rows(hd * kvw..hd * kvw + nope, &qn, tq, &mut qt);
-                    for t in 0..tq {
+                    for (t, &i) in tokens.iter().enumerate() {
                         let row = &mut qc[(t * gh + j) * width..(t * gh + j + 1) * width];
                         row[..kvr].copy_from_slice(&qt[t * kvr..(t + 1) * kvr]);
                         row[kvr..]
-                            .copy_from_slice(&q[(t * n + hd) * qk + nope..(t * n + hd + 1) * qk]);
+                            .copy_from_slice(&q[(i * n + hd) * qk + nope..(i * n + hd + 1) * qk]);
                     }
                 }
                 // ō per (token, head of the group): [tq, gh, kvr].
@@ -959,30 +1027,35 @@ impl DeepseekV3 {
                 let mut by_pos: Vec<f32> = Vec::new();
                 let mut by_head: Vec<f32> = Vec::new();
                 let mut p_col = vec![0.0f32; gh];
-                for (t, &pos) in positions.iter().enumerate() {
-                    let ctx = pos + 1;
-                    by_pos.clear();
-                    by_pos.resize(ctx * gh, 0.0);
-                    let qrows = &qc[t * gh * width..(t + 1) * gh * width];
-                    for (s, sc) in by_pos.chunks_exact_mut(gh).enumerate() {
-                        k::dot_rows(qrows, latent(s), sc);
-                    }
-                    by_head.clear();
-                    by_head.resize(gh * ctx, 0.0);
-                    for (s, sc) in by_pos.chunks_exact(gh).enumerate() {
-                        for (j, &v) in sc.iter().enumerate() {
-                            by_head[j * ctx + s] = scale * v;
+                let mut t = 0;
+                for seq in seqs {
+                    let latent = |pos: usize| seq.latents.row(pos);
+                    for &pos in seq.positions {
+                        let ctx = pos + 1;
+                        by_pos.clear();
+                        by_pos.resize(ctx * gh, 0.0);
+                        let qrows = &qc[t * gh * width..(t + 1) * gh * width];
+                        for (s, sc) in by_pos.chunks_exact_mut(gh).enumerate() {
+                            k::dot_rows(qrows, latent(s), sc);
                         }
-                    }
-                    for sc in by_head.chunks_exact_mut(ctx) {
-                        k::softmax_in_place(sc);
-                    }
-                    let ob = &mut obar[t * gh * kvr..(t + 1) * gh * kvr];
-                    for s in 0..ctx {
-                        for (j, pj) in p_col.iter_mut().enumerate() {
-                            *pj = by_head[j * ctx + s];
+                        by_head.clear();
+                        by_head.resize(gh * ctx, 0.0);
+                        for (s, sc) in by_pos.chunks_exact(gh).enumerate() {
+                            for (j, &v) in sc.iter().enumerate() {
+                                by_head[j * ctx + s] = scale * v;
+                            }
                         }
-                        k::axpy_rows(&p_col, &latent(s)[..kvr], ob);
+                        for sc in by_head.chunks_exact_mut(ctx) {
+                            k::softmax_in_place(sc);
+                        }
+                        let ob = &mut obar[t * gh * kvr..(t + 1) * gh * kvr];
+                        for s in 0..ctx {
+                            for (j, pj) in p_col.iter_mut().enumerate() {
+                                *pj = by_head[j * ctx + s];
+                            }
+                            k::axpy_rows(&p_col, &latent(s)[..kvr], ob);
+                        }
+                        t += 1;
                     }
                 }
                 // o_h = W_UV,h ō: [tq, vd]
@@ -1000,8 +1073,7 @@ impl DeepseekV3 {
                     })
                     .collect::<Vec<_>>()
             })
-            .collect();
-        scatter_heads(&per_head, tq, n, vd, o);
+            .collect()
     }
 
     fn moe_forward(&self, moe: &Moe, x: &[f32], t_count: usize) -> Vec<f32> {
@@ -1041,13 +1113,33 @@ impl DeepseekV3 {
         // The sums below are the same either way.
         let expert_parallel = t_count > 1 && active.len() >= 2 * rayon::current_num_threads();
         let mut ys: Vec<Vec<f32>> = if expert_parallel {
-            active
+            // The shared expert (every token: the largest job) goes first, so the pool starts
+            // it while the routed experts are spread around it; it is last in `ys`.
+            let jobs: Vec<Option<usize>> = moe
+                .shared
+                .as_ref()
+                .map(|_| None)
+                .into_iter()
+                .chain(active.iter().map(|&id| Some(id)))
+                .collect();
+            let mut ys: Vec<Vec<f32>> = jobs
                 .par_iter()
-                .map(|&id| {
-                    let xs = gather(&assigned[id]);
-                    k::serial(|| mlp_forward(&moe.experts[id], &xs, assigned[id].len()))
+                .map(|job| match *job {
+                    Some(id) => {
+                        let xs = gather(&assigned[id]);
+                        k::serial(|| mlp_forward(&moe.experts[id], &xs, assigned[id].len()))
+                    }
+                    None => {
+                        let sh = moe.shared.as_ref().expect("a shared-expert job");
+                        k::serial(|| mlp_forward(sh, x, t_count))
+                    }
                 })
-                .collect()
+                .collect();
+            if moe.shared.is_some() {
+                let shared = ys.remove(0);
+                ys.push(shared);
+            }
+            ys
         } else {
             let inputs: Vec<Vec<f32>> = active.iter().map(|&id| gather(&assigned[id])).collect();
             let mut mlps: Vec<&Mlp> = active.iter().map(|&id| &moe.experts[id]).collect();
@@ -1060,14 +1152,7 @@ impl DeepseekV3 {
             }
             mlp_forward_group(&mlps, &xs, &counts)
         };
-        let shared_y = if expert_parallel {
-            // The shared expert sees every token: its products are large enough to split by rows.
-            moe.shared.as_ref().map(|sh| mlp_forward(sh, x, t_count))
-        } else if moe.shared.is_some() {
-            ys.pop()
-        } else {
-            None
-        };
+        let shared_y = if moe.shared.is_some() { ys.pop() } else { None };
         let mut out = vec![0.0f32; t_count * h];
         // Experts in id order, so a token's sum has the same order whatever else is batched.
         for (&id, y) in active.iter().zip(&ys) {
@@ -1111,6 +1196,37 @@ impl MlaDims {
             kvw: nope + vd,
         }
     }
+}
+
+/// One sequence's cached latents `[c_kv | k^R]` by position, for the attention.
+struct Latents<'a> {
+    /// C8: the sequence's latents dequantized (`[ctx, width]`); otherwise read from the cache.
+    dequantized: Option<&'a [f32]>,
+    table: &'a [u32],
+    cache: &'a [f32],
+    width: usize,
+    block_size: usize,
+}
+
+impl Latents<'_> {
+    #[inline]
+    fn row(&self, pos: usize) -> &[f32] {
+        match self.dequantized {
+            Some(g) => &g[pos * self.width..(pos + 1) * self.width],
+            None => {
+                let slot = slot_of(self.table, pos, self.block_size);
+                &self.cache[slot * self.width..(slot + 1) * self.width]
+            }
+        }
+    }
+}
+
+/// A sequence of the step on the absorbed attention path: its tokens (indices into the step's
+/// packed tokens), their positions, and its latents.
+struct AbsorbedSeq<'a> {
+    tokens: Range<usize>,
+    positions: &'a [usize],
+    latents: &'a Latents<'a>,
 }
 
 fn scatter_heads(per_head: &[Vec<f32>], tq: usize, n: usize, vd: usize, o: &mut [f32]) {
@@ -1180,17 +1296,11 @@ fn mlp_forward_group(mlps: &[&Mlp], xs: &[&[f32]], counts: &[usize]) -> Vec<Vec<
     outs
 }
 
+/// One MLP: gate and up in one parallel region, then down (bit-identical to three products).
 fn mlp_forward(m: &Mlp, x: &[f32], t_count: usize) -> Vec<f32> {
-    let inter = m.gate.rows();
-    let mut g = vec![0.0f32; t_count * inter];
-    let mut u = vec![0.0f32; t_count * inter];
-    m.gate.matmul(x, t_count, &mut g);
-    m.up.matmul(x, t_count, &mut u);
-    let mut a = vec![0.0f32; t_count * inter];
-    k::silu_mul(&g, &u, &mut a);
-    let mut out = vec![0.0f32; t_count * m.down.rows()];
-    m.down.matmul(&a, t_count, &mut out);
-    out
+    mlp_forward_group(&[m], &[x], &[t_count])
+        .pop()
+        .expect("one MLP in, one output")
 }
 
 /// noaux_tc routing, spec §3.5: sigmoid scores; the correction bias only for selection;
