@@ -166,6 +166,11 @@ impl Batch {
         self.seq_starts.len().saturating_sub(1)
     }
 
+    /// A decode step: every sequence contributes exactly one token (at least one sequence).
+    pub fn is_decode(&self) -> bool {
+        self.num_seqs() > 0 && self.seq_starts.windows(2).all(|w| w[1] - w[0] == 1)
+    }
+
     /// Appends one sequence's scheduled tokens at consecutive positions starting at `start_pos`.
     pub fn push_seq(
         &mut self,

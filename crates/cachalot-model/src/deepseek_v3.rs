@@ -24,6 +24,7 @@ use safetensors::tensor::Dtype;
 use crate::batch::{slot_of, Batch, CacheSpec, KvCache, LayerMut};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config::{DeepseekV3Config, QuantizationConfig, LATENT_NORM_EPS};
+use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
 use crate::rope::Rope;
 
@@ -117,6 +118,8 @@ pub struct DeepseekV3 {
     rope: Rope,
     softmax_scale: f32,
     pub attention_path: AttentionPath,
+    /// `force_eplb`: routed expert ids replaced by a balanced assignment (`crate::eplb`).
+    force_eplb: Option<BalancedRouting>,
 }
 
 /// Logits of the requested tokens, and (when asked) the final-normed hidden state of every token,
@@ -419,8 +422,21 @@ impl DeepseekV3 {
             mtp,
             rope,
             softmax_scale,
+            force_eplb: None,
             attention_path: AttentionPath::Auto,
         })
+    }
+
+    /// `force_eplb` (the seed's "perfect EPLB" benchmark mode, `crate::eplb`): with `Some`,
+    /// every MoE layer (the MTP layer's too) replaces the router's top-k ids by the balanced
+    /// assignment and keeps the gate's weights. Outputs are meaningless then; throughput is
+    /// what it measures. Errors if the assignment is for another expert count.
+    pub fn set_force_eplb(&mut self, routing: Option<BalancedRouting>) -> Result<()> {
+        if let Some(r) = &routing {
+            r.check_model(self.cfg.n_routed_experts.unwrap_or(0))?;
+        }
+        self.force_eplb = routing;
+        Ok(())
     }
 
     pub fn config(&self) -> &DeepseekV3Config {
@@ -671,7 +687,7 @@ impl DeepseekV3 {
         k::rms_norm_rows(hidden, h, &layer.post_norm, cfg.rms_norm_eps, &mut x);
         let ffn = match &layer.ffn {
             Ffn::Dense(m) => mlp_forward(m, &x, t_count),
-            Ffn::Moe(m) => self.moe_forward(m, &x, t_count),
+            Ffn::Moe(m) => self.moe_forward(m, &x, t_count, batch.is_decode()),
         };
         for (a, b) in hidden.iter_mut().zip(&ffn) {
             *a += b;
@@ -1076,28 +1092,31 @@ impl DeepseekV3 {
             .collect()
     }
 
-    fn moe_forward(&self, moe: &Moe, x: &[f32], t_count: usize) -> Vec<f32> {
+    fn moe_forward(&self, moe: &Moe, x: &[f32], t_count: usize, decode: bool) -> Vec<f32> {
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let e = moe.experts.len();
         let mut logits = vec![0.0f32; t_count * e];
         moe.router.matmul(x, t_count, &mut logits);
         // Per expert, the (token, weight) pairs routed to it.
-        let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        let kk = cfg.num_experts_per_tok;
+        let mut ids = Vec::with_capacity(t_count * kk);
+        let mut ws = Vec::with_capacity(t_count * kk);
         for t in 0..t_count {
-            let (ids, ws) = route(
+            let (i, w) = route(
                 &logits[t * e..(t + 1) * e],
                 &moe.bias,
                 cfg.n_group,
                 cfg.topk_group,
-                cfg.num_experts_per_tok,
+                kk,
                 cfg.norm_topk_prob,
                 cfg.routed_scaling_factor,
             );
-            for (id, w) in ids.into_iter().zip(ws) {
-                assigned[id].push((t, w));
-            }
+            ids.extend(i);
+            ws.extend(w);
         }
+        let assigned =
+            crate::eplb::by_expert(&mut ids, &ws, kk, e, self.force_eplb.as_ref(), decode);
         let gather = |pairs: &[(usize, f32)]| {
             let mut xs = Vec::with_capacity(pairs.len() * h);
             for &(t, _) in pairs {

@@ -36,6 +36,7 @@ use crate::batch::{slot_of, Batch, CacheSpec, KvCache};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config_v4::DeepseekV4Config;
 use crate::deepseek_v3::ForwardOutput;
+use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
 use crate::v4_ops::{self as ops, V4Rope};
 
@@ -209,6 +210,9 @@ pub struct DeepseekV4 {
     /// FP4 round trip (1×32) of the indexer queries and keys. Off by default: the reference
     /// fixtures (transformers, float32) have none of them.
     pub quant_sim: bool,
+    /// `force_eplb`: routed expert ids (hash layers' included) replaced by a balanced
+    /// assignment (`crate::eplb`).
+    force_eplb: Option<BalancedRouting>,
 }
 
 /// A routed expert's MXFP4 tensor pair as a native [`MatrixData::Mxfp4`]: e2m1 nibbles `[rows,
@@ -693,7 +697,20 @@ impl DeepseekV4 {
             rope_compressed,
             cache_width,
             quant_sim: false,
+            force_eplb: None,
         })
+    }
+
+    /// `force_eplb` (the seed's "perfect EPLB" benchmark mode, `crate::eplb`): with `Some`,
+    /// every MoE layer — hash-routed ones and the MTP blocks' included — replaces its top-k ids
+    /// by the balanced assignment and keeps the gate's weights. Errors if the assignment is for
+    /// another expert count.
+    pub fn set_force_eplb(&mut self, routing: Option<BalancedRouting>) -> Result<()> {
+        if let Some(r) = &routing {
+            r.check_model(self.cfg.n_routed_experts)?;
+        }
+        self.force_eplb = routing;
+        Ok(())
     }
 
     pub fn config(&self) -> &DeepseekV4Config {
@@ -951,7 +968,7 @@ impl DeepseekV4 {
         }
         let (u, post, comb) = self.hc_pre(&b.hc_ffn, x, t_count);
         k::rms_norm_rows(&u, h, &b.ffn_norm, cfg.rms_norm_eps, &mut xn);
-        let f = self.moe(&b.ffn, &xn, &batch.tokens);
+        let f = self.moe(&b.ffn, &xn, &batch.tokens, batch.is_decode());
         for t in 0..t_count {
             ops::hc_expand(
                 &f[t * h..(t + 1) * h],
@@ -1283,7 +1300,7 @@ impl DeepseekV4 {
         y
     }
 
-    fn moe(&self, m: &Moe, x: &[f32], tokens: &[u32]) -> Vec<f32> {
+    fn moe(&self, m: &Moe, x: &[f32], tokens: &[u32], decode: bool) -> Vec<f32> {
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let t_count = tokens.len();
@@ -1291,13 +1308,14 @@ impl DeepseekV4 {
         let kk = cfg.num_experts_per_tok;
         let mut logits = vec![0.0f32; t_count * e];
         m.gate.matmul(x, t_count, &mut logits);
-        let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        let mut ids = Vec::with_capacity(t_count * kk);
+        let mut ws = Vec::with_capacity(t_count * kk);
         for (t, &tok) in tokens.iter().enumerate() {
             let hash = m
                 .tid2eid
                 .as_ref()
                 .map(|tab| &tab[tok as usize * kk..(tok as usize + 1) * kk]);
-            let (ids, ws) = ops::route_v4(
+            let (i, w) = ops::route_v4(
                 &logits[t * e..(t + 1) * e],
                 m.bias.as_deref(),
                 hash,
@@ -1305,10 +1323,11 @@ impl DeepseekV4 {
                 cfg.scoring_func,
                 cfg.routed_scaling_factor,
             );
-            for (id, w) in ids.into_iter().zip(ws) {
-                assigned[id].push((t, w));
-            }
+            ids.extend(i);
+            ws.extend(w);
         }
+        let assigned =
+            crate::eplb::by_expert(&mut ids, &ws, kk, e, self.force_eplb.as_ref(), decode);
         let mut out = vec![0.0f32; t_count * h];
         for (id, pairs) in assigned.iter().enumerate() {
             if pairs.is_empty() {

@@ -39,6 +39,9 @@ pub enum ModelError {
     Batch(String),
     #[error("kernel: {0}")]
     Kernel(String),
+    /// An option given to the model that it cannot honour (what, and how to fix it).
+    #[error("{0}")]
+    Options(String),
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;

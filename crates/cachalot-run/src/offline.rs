@@ -15,7 +15,8 @@ use cachalot_engine::{
 };
 use cachalot_model::tokenizer::{ChatTemplate, Tokenizer};
 use cachalot_model::{
-    detect_family, DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, ModelFamily, V4LoadOptions,
+    detect_family, BalancedRouting, DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, ModelFamily,
+    V4LoadOptions,
 };
 use serde::Serialize;
 
@@ -67,6 +68,8 @@ pub struct Summary {
     pub max_prefill_tokens: usize,
     pub max_new_tokens: usize,
     pub ignore_eos: bool,
+    /// `model_config.force_eplb`: balanced synthetic expert routing (outputs not meaningful).
+    pub force_eplb: bool,
     /// Processes that ran (the config's `world_size` is recorded beside it).
     pub ranks: usize,
     pub world_size_in_config: usize,
@@ -225,27 +228,43 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     let (v3, v4);
     let (model, config_eos): (&(dyn Model + Sync), Vec<u32>) = match family {
         ModelFamily::DeepseekV3 => {
-            v3 = DeepseekV3::load(
+            let mut model = DeepseekV3::load(
                 &model_dir,
                 LoadOptions {
                     fp8: opts.fp8,
                     load_mtp: m.next_n > 0,
                 },
             )?;
+            if m.force_eplb {
+                let e = model.config().n_routed_experts.unwrap_or(0);
+                model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
+            }
+            v3 = model;
             (&v3, v3.config().eos_token_ids.clone())
         }
         ModelFamily::DeepseekV4 => {
-            v4 = DeepseekV4::load(
+            let mut model = DeepseekV4::load(
                 &model_dir,
                 V4LoadOptions {
                     load_mtp: m.next_n > 0,
                 },
             )?;
+            if m.force_eplb {
+                let e = model.config().n_routed_experts;
+                model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
+            }
+            v4 = model;
             (&v4, v4.config().eos_token_ids.clone())
         }
     };
     let load_s = t_load.elapsed().as_secs_f64();
     logln!("loaded {} in {load_s:.2}s", model_dir.display());
+    if m.force_eplb {
+        logln!(
+            "force_eplb: routed experts get a balanced synthetic assignment (a throughput \
+             benchmark: the generated text is not meaningful)"
+        );
+    }
     let tokenizer = Tokenizer::from_dir(&model_dir)?;
     let template = match &opts.chat_template {
         Some(f) => Some(ChatTemplate::from_file(f)?),
@@ -436,6 +455,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         max_prefill_tokens: cfg.max_prefill_tokens(),
         max_new_tokens: s.max_new_tokens,
         ignore_eos: d.ignore_eos,
+        force_eplb: m.force_eplb,
         ranks: 1,
         world_size_in_config: cfg.parallel_config.world_size,
         threads: rayon_threads(),
@@ -568,6 +588,12 @@ pub fn summary_table(s: &Summary) -> String {
                 .join(", "),
         ),
     ];
+    if s.force_eplb {
+        rows.push((
+            "routing".into(),
+            "force_eplb: balanced synthetic expert ids (outputs not meaningful)".into(),
+        ));
+    }
     if let Some(m) = &s.mtp {
         rows.push((
             "MTP".into(),

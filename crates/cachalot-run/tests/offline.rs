@@ -191,3 +191,50 @@ fn v4_model_name_must_match_the_checkpoint() {
         "{err}"
     );
 }
+
+/// `force_eplb: true` (the seed's balanced-routing benchmark mode) runs, is recorded in the
+/// summary, and really replaces the routing: the fixture's greedy outputs change, while a
+/// second run gives the same outputs (the assignment is deterministic).
+#[test]
+fn force_eplb_replaces_the_routing_deterministically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = root().join("dataset");
+    let plain_cfg = config(4, 4096, &data);
+    let mut eplb_cfg = plain_cfg.clone();
+    eplb_cfg.model_config.force_eplb = true;
+    let plain = run(&plain_cfg, &opts(tmp.path(), None)).unwrap();
+    let eplb = run(&eplb_cfg, &opts(tmp.path(), None)).unwrap();
+    let again = run(&eplb_cfg, &opts(tmp.path(), None)).unwrap();
+    assert!(eplb.summary.force_eplb && !plain.summary.force_eplb);
+    let changed = plain
+        .outputs
+        .iter()
+        .zip(&eplb.outputs)
+        .filter(|(a, b)| a.tokens != b.tokens)
+        .count();
+    assert!(changed > 0, "force_eplb left every output unchanged");
+    for (a, b) in eplb.outputs.iter().zip(&again.outputs) {
+        assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+    }
+    let log = std::fs::read_to_string(eplb.dir.join("run.log")).unwrap();
+    assert!(log.contains("force_eplb"), "{log}");
+
+    // DeepSeek-V4 (hash-routed layers included) takes the same switch.
+    let mut o = opts(tmp.path(), None);
+    o.chat_template = None;
+    let mut v4 = v4_config("deepseek_v4", 2, 4096, 0);
+    v4.data_config.num_requests = Some(2);
+    v4.scheduler_config.max_new_tokens = 8;
+    let v4_plain = run(&v4, &o).unwrap();
+    v4.model_config.force_eplb = true;
+    let v4_eplb = run(&v4, &o).unwrap();
+    assert!(v4_eplb.summary.force_eplb);
+    assert!(
+        v4_plain
+            .outputs
+            .iter()
+            .zip(&v4_eplb.outputs)
+            .any(|(a, b)| a.tokens != b.tokens),
+        "force_eplb left V4's outputs unchanged"
+    );
+}
