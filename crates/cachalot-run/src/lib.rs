@@ -4,3 +4,4 @@
 pub mod config;
 pub mod dataset;
 pub mod offline;
+pub mod random_model;

@@ -70,6 +70,8 @@ pub struct Summary {
     pub ignore_eos: bool,
     /// `model_config.force_eplb`: balanced synthetic expert routing (outputs not meaningful).
     pub force_eplb: bool,
+    /// `model_config.with_ckpt`: false when the run used random weights (outputs not meaningful).
+    pub with_ckpt: bool,
     /// Processes that ran (the config's `world_size` is recorded beside it).
     pub ranks: usize,
     pub world_size_in_config: usize,
@@ -174,13 +176,6 @@ fn new_run_dir(res: &Path, model_name: &str, config: &Path) -> std::io::Result<(
 /// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     let m = &cfg.model_config;
-    if !m.with_ckpt {
-        return Err(
-            "model_config.with_ckpt: false (random weights) is not supported; \
-                    point model_path at a checkpoint"
-                .into(),
-        );
-    }
     let model_dir = PathBuf::from(&m.model_path);
     if !model_dir.join("config.json").is_file() {
         let hint = if m.model_path.starts_with("assets/") {
@@ -210,6 +205,35 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     let t_load = Instant::now();
     // The checkpoint decides the family; model_name must agree with it.
     let family = detect_family(&model_dir)?;
+    // with_ckpt: false (the seed's dummy loader, executor spec §6.6): random weights of the
+    // config's shapes in a temporary directory (removed when the run ends); config and
+    // tokenizer stay those of model_path.
+    let dummy = if m.with_ckpt {
+        None
+    } else {
+        if family == ModelFamily::DeepseekV4 {
+            return Err(format!(
+                "model_config.with_ckpt: false: random DeepSeek-V4 weights are not generated \
+                 yet (only DeepSeek-V3/R1/Kimi-K2 shapes); point model_path at a V4 \
+                 checkpoint and set with_ckpt: true{}",
+                if m.force_eplb {
+                    ""
+                } else {
+                    " (the seed also requires force_eplb: true with random V4 weights)"
+                }
+            )
+            .into());
+        }
+        let d = crate::random_model::dummy(&model_dir, None).map_err(|e| format!("{e:#}"))?;
+        logln!(
+            "with_ckpt: false: random {} weights ({:.1} MB) in {} (outputs are not meaningful)",
+            d.quant,
+            crate::random_model::dir_bytes(&d.dir) as f64 / 1e6,
+            d.dir.display()
+        );
+        Some(d)
+    };
+    let weights_dir = dummy.as_ref().map_or(model_dir.clone(), |d| d.dir.clone());
     let named_v4 = m.model_name == "deepseek_v4";
     if named_v4 != (family == ModelFamily::DeepseekV4) {
         return Err(format!(
@@ -229,7 +253,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     let (model, config_eos): (&(dyn Model + Sync), Vec<u32>) = match family {
         ModelFamily::DeepseekV3 => {
             let mut model = DeepseekV3::load(
-                &model_dir,
+                &weights_dir,
                 LoadOptions {
                     fp8: opts.fp8,
                     load_mtp: m.next_n > 0,
@@ -244,7 +268,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         }
         ModelFamily::DeepseekV4 => {
             let mut model = DeepseekV4::load(
-                &model_dir,
+                &weights_dir,
                 V4LoadOptions {
                     load_mtp: m.next_n > 0,
                 },
@@ -258,7 +282,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         }
     };
     let load_s = t_load.elapsed().as_secs_f64();
-    logln!("loaded {} in {load_s:.2}s", model_dir.display());
+    logln!("loaded {} in {load_s:.2}s", weights_dir.display());
     if m.force_eplb {
         logln!(
             "force_eplb: routed experts get a balanced synthetic assignment (a throughput \
@@ -456,6 +480,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         max_new_tokens: s.max_new_tokens,
         ignore_eos: d.ignore_eos,
         force_eplb: m.force_eplb,
+        with_ckpt: m.with_ckpt,
         ranks: 1,
         world_size_in_config: cfg.parallel_config.world_size,
         threads: rayon_threads(),
@@ -588,6 +613,13 @@ pub fn summary_table(s: &Summary) -> String {
                 .join(", "),
         ),
     ];
+    if !s.with_ckpt {
+        rows.push((
+            "weights".into(),
+            "with_ckpt: false: random weights of the config's shapes (outputs not meaningful)"
+                .into(),
+        ));
+    }
     if s.force_eplb {
         rows.push((
             "routing".into(),

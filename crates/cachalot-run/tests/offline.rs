@@ -238,3 +238,79 @@ fn force_eplb_replaces_the_routing_deterministically() {
         "force_eplb left V4's outputs unchanged"
     );
 }
+
+/// `with_ckpt: false` (the seed's dummy loader): random weights of the config's shapes, in the
+/// format its quantization_config names (FP8 here; W8A8 with a C8 cache below), MTP layer
+/// included; the run works, says so, and leaves no temporary checkpoint behind.
+#[test]
+fn with_ckpt_false_runs_random_weights_of_the_configs_shapes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = root().join("dataset");
+    let mut cfg = config(4, 4096, &data);
+    cfg.data_config.num_requests = Some(4);
+    cfg.model_config.next_n = 1;
+    let real = run(&cfg, &opts(tmp.path(), None)).unwrap();
+    cfg.model_config.with_ckpt = false;
+    let dummy = run(&cfg, &opts(tmp.path(), None)).unwrap();
+    assert!(!dummy.summary.with_ckpt && real.summary.with_ckpt);
+    assert!(
+        dummy.summary.mtp.is_some(),
+        "the random checkpoint has the MTP layer"
+    );
+    assert!(
+        real.outputs
+            .iter()
+            .zip(&dummy.outputs)
+            .any(|(a, b)| a.tokens != b.tokens),
+        "random weights gave the trained outputs"
+    );
+    let log = std::fs::read_to_string(dummy.dir.join("run.log")).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("with_ckpt: false"))
+        .unwrap_or_else(|| panic!("{log}"));
+    let dir = line
+        .split(" in ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    assert!(!Path::new(dir).exists(), "{dir} left behind");
+
+    // A W8A8C8 model directory (the converter's output): the random weights go through the
+    // same conversion, C8 scales included.
+    let conv = tmp.path().join("w8a8c8");
+    cachalot_convert::convert(&cachalot_convert::ConvertOptions {
+        input: root().join("fixtures/v3/r1_tiny"),
+        output: conv.clone(),
+        mode: cachalot_convert::QuantMode::W8A8C8,
+        c8_scales: Some(root().join("fixtures/v3/converted/c8_scales_r1_tiny.json")),
+        quant_param_path: None,
+        force: false,
+        progress: false,
+    })
+    .unwrap();
+    let mut cfg = config(2, 4096, &data);
+    cfg.data_config.num_requests = Some(2);
+    cfg.model_config.model_path = conv.display().to_string();
+    cfg.model_config.with_ckpt = false;
+    let c8 = run(&cfg, &opts(tmp.path(), None)).unwrap();
+    let log = std::fs::read_to_string(c8.dir.join("run.log")).unwrap();
+    assert!(log.contains("random w8a8c8 weights"), "{log}");
+    assert_eq!(c8.outputs.len(), 2);
+}
+
+#[test]
+fn with_ckpt_false_on_v4_says_what_is_missing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut o = opts(tmp.path(), None);
+    o.chat_template = None;
+    let mut cfg = v4_config("deepseek_v4", 1, 4096, 0);
+    cfg.model_config.with_ckpt = false;
+    let err = run(&cfg, &o).err().unwrap().to_string();
+    assert!(
+        err.contains("with_ckpt: false") && err.contains("force_eplb"),
+        "{err}"
+    );
+}

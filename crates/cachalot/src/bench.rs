@@ -102,8 +102,11 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     let random = match &args.random_weights {
         Some(spec) => {
             let t = Instant::now();
-            let r =
-                crate::random_model::build(spec, &args.random_quant, args.random_dir.as_deref())?;
+            let r = cachalot_run::random_model::build(
+                spec,
+                &args.random_quant,
+                args.random_dir.as_deref(),
+            )?;
             eprintln!(
                 "random {} model ({}) written to {} in {:.1} s",
                 r.shape,

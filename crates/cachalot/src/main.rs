@@ -3,7 +3,6 @@
 
 mod bench;
 mod quant;
-mod random_model;
 mod run;
 mod text;
 

@@ -1,5 +1,5 @@
-//! Random-weight DeepSeek-V3-shaped checkpoints for `cachalot bench --random-weights`, so large
-//! shapes can be timed without a download.
+//! Random-weight DeepSeek-V3-shaped checkpoints for `cachalot bench --random-weights` and for
+//! offline runs with `with_ckpt: false`, so large shapes can be timed without a download.
 //!
 //! The same recipe as `tools/random_checkpoint.py` (which documents it in full), ported so the
 //! bench needs no Python: the DeepSeek-R1 release layout of spec
@@ -11,10 +11,18 @@
 //! shard per layer, with `model.safetensors.index.json`) and, for `bfloat16` or `w8a8c16`,
 //! converted there by the project's own converter (`cachalot_convert`, spec §5), so the model the
 //! bench times is exactly what `cachalot convert` makes of such a checkpoint. Both directories
-//! are removed when the bench ends. No MTP layer is written (the bench does not load one), and no
-//! tokenizer (the bench feeds random ids).
+//! are removed when the bench ends. The bench's model has no MTP layer (it does not load one), and
+//! no tokenizer (the bench feeds random ids).
 //!
 //! Values differ from the Python tool's (another generator); shapes, dtypes and scales match.
+//!
+//! [`dummy`] makes the same kind of checkpoint for `model_config.with_ckpt: false` (the seed's
+//! dummy loader, executor spec §6.6): the shapes of a model directory's `config.json`, MTP
+//! layers included, held in the format its `quantization_config` names (FP8 blocks; none →
+//! bf16; compressed-tensors int8 → W8A8, with C8 scales of 1.0 when it has a `kv_cache_scheme`).
+//! The seed fills every tensor uniform in ±1e-3 (seed 1234); we use the recipe above instead,
+//! so activations stay O(1) and routing spreads over the experts as in a trained model. Either
+//! way the outputs mean nothing: it is for timing without a download.
 
 use std::path::{Path, PathBuf};
 
@@ -139,6 +147,13 @@ fn field(cfg: &Value, key: &str) -> Result<usize> {
         .with_context(|| format!("random model config: `{key}` missing or not an integer"))
 }
 
+/// An optional integer field, `default` when absent (or not an integer).
+fn field_or(cfg: &Value, key: &str, default: usize) -> usize {
+    cfg.get(key)
+        .and_then(Value::as_u64)
+        .map_or(default, |v| v as usize)
+}
+
 #[derive(Clone, Copy)]
 enum Kind {
     /// FP8 weight (`gain` goes into its scale tensor).
@@ -171,36 +186,27 @@ fn plan(cfg: &Value) -> Result<Plan> {
     let rope = field(cfg, "qk_rope_head_dim")?;
     let vd = field(cfg, "v_head_dim")?;
     let kv = field(cfg, "kv_lora_rank")?;
-    let q_lora = cfg.get("q_lora_rank").and_then(Value::as_u64).unwrap_or(0) as usize;
+    let q_lora = field_or(cfg, "q_lora_rank", 0);
     let layers = field(cfg, "num_hidden_layers")?;
+    let mtp_layers = field_or(cfg, "num_nextn_predict_layers", 0);
     let first_dense = field(cfg, "first_k_dense_replace")?;
-    let freq = cfg
-        .get("moe_layer_freq")
-        .and_then(Value::as_u64)
-        .unwrap_or(1)
-        .max(1) as usize;
+    let freq = field_or(cfg, "moe_layer_freq", 1).max(1);
     let inter = field(cfg, "intermediate_size")?;
-    let experts = cfg
-        .get("n_routed_experts")
-        .and_then(Value::as_u64)
-        .unwrap_or(0) as usize;
+    let experts = field_or(cfg, "n_routed_experts", 0);
     let moe_inter = field(cfg, "moe_intermediate_size")?;
-    let shared = cfg
-        .get("n_shared_experts")
-        .and_then(Value::as_u64)
-        .unwrap_or(0) as usize;
+    let shared = field_or(cfg, "n_shared_experts", 0);
 
+    let push = |out: &mut Vec<Spec>, name: String, kind: Kind, shape: Vec<usize>| {
+        out.push(Spec { name, kind, shape })
+    };
     let lin = |out: &mut Vec<Spec>, name: &str, rows: usize, cols: usize| {
-        out.push(Spec {
-            name: format!("{name}.weight"),
-            kind: Kind::Fp8,
-            shape: vec![rows, cols],
-        });
-        out.push(Spec {
-            name: format!("{name}.weight_scale_inv"),
-            kind: Kind::Scale(1.0 / (cols as f32).sqrt()),
-            shape: vec![rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)],
-        });
+        push(out, format!("{name}.weight"), Kind::Fp8, vec![rows, cols]);
+        push(
+            out,
+            format!("{name}.weight_scale_inv"),
+            Kind::Scale(1.0 / (cols as f32).sqrt()),
+            vec![rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)],
+        );
     };
     let norm = |out: &mut Vec<Spec>, name: &str, dim: usize| {
         out.push(Spec {
@@ -211,19 +217,21 @@ fn plan(cfg: &Value) -> Result<Plan> {
     };
     let mut shards = Vec::new();
     let mut first = Vec::new();
-    first.push(Spec {
-        name: "model.embed_tokens.weight".into(),
-        kind: Kind::Bf16(1.0),
-        shape: vec![v, h],
-    });
+    push(
+        &mut first,
+        "model.embed_tokens.weight".into(),
+        Kind::Bf16(1.0),
+        vec![v, h],
+    );
     norm(&mut first, "model.norm.weight", h);
-    first.push(Spec {
-        name: "lm_head.weight".into(),
-        kind: Kind::Bf16(1.0 / (h as f32).sqrt()),
-        shape: vec![v, h],
-    });
+    push(
+        &mut first,
+        "lm_head.weight".into(),
+        Kind::Bf16(1.0 / (h as f32).sqrt()),
+        vec![v, h],
+    );
     shards.push(first);
-    for li in 0..layers {
+    for li in 0..layers + mtp_layers {
         let mut s = Vec::new();
         let p = format!("model.layers.{li}");
         norm(&mut s, &format!("{p}.input_layernorm.weight"), h);
@@ -241,23 +249,26 @@ fn plan(cfg: &Value) -> Result<Plan> {
         lin(&mut s, &format!("{a}.o_proj"), h, nh * vd);
         norm(&mut s, &format!("{p}.post_attention_layernorm.weight"), h);
         let m = format!("{p}.mlp");
-        let moe = experts > 0 && li >= first_dense && li % freq == 0;
+        // MTP layers are MoE layers whatever their index (spec §3.8).
+        let moe = experts > 0 && (li >= layers || (li >= first_dense && li % freq == 0));
         let mlp = |s: &mut Vec<Spec>, name: &str, i: usize| {
             lin(s, &format!("{name}.gate_proj"), i, h);
             lin(s, &format!("{name}.up_proj"), i, h);
             lin(s, &format!("{name}.down_proj"), h, i);
         };
         if moe {
-            s.push(Spec {
-                name: format!("{m}.gate.weight"),
-                kind: Kind::Bf16(1.0 / (h as f32).sqrt()),
-                shape: vec![experts, h],
-            });
-            s.push(Spec {
-                name: format!("{m}.gate.e_score_correction_bias"),
-                kind: Kind::F32(0.02),
-                shape: vec![experts],
-            });
+            push(
+                &mut s,
+                format!("{m}.gate.weight"),
+                Kind::Bf16(1.0 / (h as f32).sqrt()),
+                vec![experts, h],
+            );
+            push(
+                &mut s,
+                format!("{m}.gate.e_score_correction_bias"),
+                Kind::F32(0.02),
+                vec![experts],
+            );
             for e in 0..experts {
                 mlp(&mut s, &format!("{m}.experts.{e}"), moe_inter);
             }
@@ -266,6 +277,26 @@ fn plan(cfg: &Value) -> Result<Plan> {
             }
         } else {
             mlp(&mut s, &m, inter);
+        }
+        if li >= layers {
+            // An MTP layer (spec §3.8): its own norms, eh_proj and head norm, and copies of
+            // the embedding and head (parameter-shared; the loader skips them).
+            norm(&mut s, &format!("{p}.enorm.weight"), h);
+            norm(&mut s, &format!("{p}.hnorm.weight"), h);
+            lin(&mut s, &format!("{p}.eh_proj"), h, 2 * h);
+            norm(&mut s, &format!("{p}.shared_head.norm.weight"), h);
+            push(
+                &mut s,
+                format!("{p}.shared_head.head.weight"),
+                Kind::Bf16(1.0 / (h as f32).sqrt()),
+                vec![v, h],
+            );
+            push(
+                &mut s,
+                format!("{p}.embed_tokens.weight"),
+                Kind::Bf16(1.0),
+                vec![v, h],
+            );
         }
         shards.push(s);
     }
@@ -418,6 +449,127 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
         model.dir = out;
     }
     Ok(model)
+}
+
+/// The estimated bytes of the FP8 checkpoint of `cfg`.
+fn fp8_bytes(cfg: &Value) -> Result<u64> {
+    let plan = plan(cfg)?;
+    Ok(plan
+        .shards
+        .iter()
+        .flatten()
+        .map(|s| {
+            let n: u64 = s.shape.iter().map(|&d| d as u64).product();
+            n * match s.kind {
+                Kind::Fp8 => 1,
+                Kind::Norm | Kind::Bf16(_) => 2,
+                Kind::Scale(_) | Kind::F32(_) => 4,
+            }
+        })
+        .sum())
+}
+
+/// `with_ckpt: false`: a random checkpoint with the shapes of `model_dir/config.json` (MTP
+/// layers included), in the format its `quantization_config` names, under `parent` (the system
+/// temporary directory if None). Removed on drop. The tokenizer stays in `model_dir`.
+pub fn dummy(model_dir: &Path, parent: Option<&Path>) -> Result<RandomModel> {
+    let path = model_dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let orig: Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not valid JSON", path.display()))?;
+    let q = orig.get("quantization_config");
+    let method = q
+        .and_then(|q| q.get("quant_method"))
+        .and_then(Value::as_str);
+    let mode = match method {
+        None => Some(cachalot_convert::QuantMode::Bfloat16),
+        Some("fp8") => None,
+        Some("compressed-tensors") => Some(
+            if q.and_then(|q| q.get("kv_cache_scheme"))
+                .is_some_and(|v| !v.is_null())
+            {
+                cachalot_convert::QuantMode::W8A8C8
+            } else {
+                cachalot_convert::QuantMode::W8A8C16
+            },
+        ),
+        Some(other) => bail!(
+            "{}: with_ckpt: false cannot make random weights for quant_method {other:?} \
+             (supported: fp8, compressed-tensors int8, none for bf16)",
+            path.display()
+        ),
+    };
+    let mut cfg = orig.clone();
+    let Some(obj) = cfg.as_object_mut() else {
+        bail!("{}: the config is not a JSON object", path.display());
+    };
+    obj.insert(
+        "quantization_config".into(),
+        json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+               "weight_block_size": [BLOCK, BLOCK]}),
+    );
+    let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
+    let base = parent.join(format!("cachalot-dummy-{}", std::process::id()));
+    let fp8_dir = base.join("fp8");
+    let quant = match mode {
+        None => "fp8".to_string(),
+        Some(m) => format!("{m:?}").to_lowercase(),
+    };
+    let mut model = RandomModel {
+        dir: fp8_dir.clone(),
+        shape: path.display().to_string(),
+        quant,
+        to_remove: vec![base.clone()],
+    };
+    write_fp8(&cfg, &fp8_dir).with_context(|| {
+        format!(
+            "with_ckpt: false: writing a random checkpoint of about {:.1} GB under {}",
+            fp8_bytes(&cfg).unwrap_or(0) as f64 / 1e9,
+            parent.display()
+        )
+    })?;
+    if let Some(mode) = mode {
+        let c8_scales = if mode == cachalot_convert::QuantMode::W8A8C8 {
+            // One C8 scale per layer (main + MTP): 1.0, as meaningless as the weights.
+            let n =
+                field(&cfg, "num_hidden_layers")? + field_or(&cfg, "num_nextn_predict_layers", 0);
+            let f = base.join("c8_scales.json");
+            std::fs::write(&f, json!({ "ckv_scale": vec![1.0; n] }).to_string())?;
+            Some(f)
+        } else {
+            None
+        };
+        let out = base.join("converted");
+        cachalot_convert::convert(&cachalot_convert::ConvertOptions {
+            input: fp8_dir.clone(),
+            output: out.clone(),
+            mode,
+            c8_scales,
+            quant_param_path: None,
+            force: true,
+            progress: false,
+        })
+        .with_context(|| {
+            format!("with_ckpt: false: converting the random checkpoint ({mode:?})")
+        })?;
+        std::fs::remove_dir_all(&fp8_dir).ok();
+        model.dir = out;
+    }
+    Ok(model)
+}
+
+/// Bytes under `dir` (the random checkpoint's size, for the log).
+pub fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|it| {
+            it.filter_map(|e| e.ok())
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
