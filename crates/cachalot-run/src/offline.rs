@@ -211,18 +211,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     let dummy = if m.with_ckpt {
         None
     } else {
-        if family == ModelFamily::DeepseekV4 {
-            return Err(format!(
-                "model_config.with_ckpt: false: random DeepSeek-V4 weights are not generated \
-                 yet (only DeepSeek-V3/R1/Kimi-K2 shapes); point model_path at a V4 \
-                 checkpoint and set with_ckpt: true{}",
-                if m.force_eplb {
-                    ""
-                } else {
-                    " (the seed also requires force_eplb: true with random V4 weights)"
-                }
-            )
-            .into());
+        if family == ModelFamily::DeepseekV4 && !m.force_eplb {
+            return Err(
+                "model_config.with_ckpt: false with a DeepSeek-V4 model requires \
+                        model_config.force_eplb: true (as in the seed: random gates and hash \
+                        tables would route unevenly); set force_eplb: true"
+                    .into(),
+            );
         }
         let d = crate::random_model::dummy(&model_dir, None).map_err(|e| format!("{e:#}"))?;
         logln!(

@@ -37,7 +37,7 @@ const BLOCK: usize = 128;
 const SIGMA_CODE: f32 = 100.0;
 
 /// Named shapes (the same as `tools/random_checkpoint.py --preset`).
-pub const PRESETS: &[&str] = &["v3-1b", "v3-tiny"];
+pub const PRESETS: &[&str] = &["v3-1b", "v3-tiny", "v4-1b", "v4-tiny"];
 
 fn preset(name: &str) -> Option<Value> {
     // Fields: vocab, hidden, dense inter, moe inter, layers, first dense, heads, q_lora, kv_lora,
@@ -112,7 +112,7 @@ impl Drop for RandomModel {
 /// The config of `spec`: a preset name or a `config.json` path, with FP8 block quantization and
 /// no MTP layer.
 fn config_for(spec: &str) -> Result<Value> {
-    let mut cfg = match preset(spec) {
+    let mut cfg = match preset(spec).or_else(|| crate::random_model_v4::preset(spec)) {
         Some(c) => c,
         None => {
             let p = Path::new(spec);
@@ -128,6 +128,9 @@ fn config_for(spec: &str) -> Result<Value> {
                 .with_context(|| format!("{}: not valid JSON", p.display()))?
         }
     };
+    if crate::random_model_v4::is_v4(&cfg) {
+        return Ok(cfg);
+    }
     let Some(obj) = cfg.as_object_mut() else {
         bail!("--random-weights {spec}: the config is not a JSON object");
     };
@@ -140,7 +143,7 @@ fn config_for(spec: &str) -> Result<Value> {
     Ok(cfg)
 }
 
-fn field(cfg: &Value, key: &str) -> Result<usize> {
+pub(crate) fn field(cfg: &Value, key: &str) -> Result<usize> {
     cfg.get(key)
         .and_then(Value::as_u64)
         .map(|v| v as usize)
@@ -148,7 +151,7 @@ fn field(cfg: &Value, key: &str) -> Result<usize> {
 }
 
 /// An optional integer field, `default` when absent (or not an integer).
-fn field_or(cfg: &Value, key: &str, default: usize) -> usize {
+pub(crate) fn field_or(cfg: &Value, key: &str, default: usize) -> usize {
     cfg.get(key)
         .and_then(Value::as_u64)
         .map_or(default, |v| v as usize)
@@ -304,10 +307,10 @@ fn plan(cfg: &Value) -> Result<Plan> {
 }
 
 /// splitmix64: a small, fast, seedable generator (one stream per tensor).
-struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
-    fn for_name(name: &str) -> Rng {
+    pub(crate) fn for_name(name: &str) -> Rng {
         // FNV-1a of the tensor name, so every tensor has its own reproducible stream.
         let mut h = 0xcbf2_9ce4_8422_2325u64;
         for b in name.bytes() {
@@ -315,7 +318,7 @@ impl Rng {
         }
         Rng(h)
     }
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -326,7 +329,7 @@ impl Rng {
         ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
     }
     /// N(0, 1) by Box–Muller.
-    fn normal(&mut self) -> f32 {
+    pub(crate) fn normal(&mut self) -> f32 {
         let (u1, u2) = (self.uniform(), self.uniform());
         (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
     }
@@ -385,19 +388,40 @@ fn generate(spec: &Spec, codes: &[u8]) -> (Dtype, Vec<u8>) {
 /// Writes the FP8 checkpoint of `cfg` into `dir` (created).
 fn write_fp8(cfg: &Value, dir: &Path) -> Result<()> {
     let plan = plan(cfg)?;
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let codes = code_table();
-    let n = plan.shards.len();
+    let shards: Vec<Vec<&Spec>> = plan.shards.iter().map(|s| s.iter().collect()).collect();
+    write_checkpoint(
+        dir,
+        cfg,
+        &shards,
+        |s| (s.name.as_str(), s.shape.as_slice()),
+        |s| generate(s, &codes),
+    )
+}
+
+/// Writes `shards` (tensors generated in parallel by `generate`, named and shaped by `meta`) as
+/// `model-0000i-of-0000n.safetensors`, `model.safetensors.index.json` and `cfg` as
+/// `config.json` into `dir` (created).
+pub(crate) fn write_checkpoint<S: Sync>(
+    dir: &Path,
+    cfg: &Value,
+    shards: &[Vec<&S>],
+    meta: impl Fn(&S) -> (&str, &[usize]),
+    generate: impl Fn(&S) -> (Dtype, Vec<u8>) + Sync,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let n = shards.len();
     let mut weight_map = serde_json::Map::new();
-    for (i, shard) in plan.shards.iter().enumerate() {
+    for (i, shard) in shards.iter().enumerate() {
         let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
-        let data: Vec<(Dtype, Vec<u8>)> = shard.par_iter().map(|s| generate(s, &codes)).collect();
+        let data: Vec<(Dtype, Vec<u8>)> = shard.par_iter().map(|s| generate(s)).collect();
         let mut views = Vec::with_capacity(shard.len());
         for (s, (dtype, bytes)) in shard.iter().zip(&data) {
-            let view = TensorView::new(*dtype, s.shape.clone(), bytes)
-                .with_context(|| format!("random tensor {}", s.name))?;
-            views.push((s.name.clone(), view));
-            weight_map.insert(s.name.clone(), json!(file));
+            let (name, shape) = meta(s);
+            let view = TensorView::new(*dtype, shape.to_vec(), bytes)
+                .with_context(|| format!("random tensor {name}"))?;
+            views.push((name.to_string(), view));
+            weight_map.insert(name.to_string(), json!(file));
         }
         safetensors::tensor::serialize_to_file(views, None, &dir.join(&file))
             .with_context(|| format!("cannot write {}", dir.join(&file).display()))?;
@@ -414,41 +438,43 @@ fn write_fp8(cfg: &Value, dir: &Path) -> Result<()> {
 /// Builds the random model `spec` (preset or config.json) under `parent` (the system temporary
 /// directory if None), held as `quant`: `fp8` (as DeepSeek ships it), `bfloat16` or `w8a8c16`.
 pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomModel> {
-    let mode = match quant {
-        "fp8" => None,
-        q => match cachalot_convert::QuantMode::parse(q) {
-            Some(m @ cachalot_convert::QuantMode::Bfloat16)
-            | Some(m @ cachalot_convert::QuantMode::W8A8C16) => Some(m),
-            _ => bail!("--random-quant {q}: expected fp8, bfloat16 or w8a8c16"),
-        },
-    };
+    use cachalot_convert::QuantMode;
     let cfg = config_for(spec)?;
-    let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
-    let base = parent.join(format!("cachalot-bench-random-{}", std::process::id()));
-    let fp8_dir = base.join("fp8");
-    let mut model = RandomModel {
-        dir: fp8_dir.clone(),
-        shape: spec.to_string(),
-        quant: quant.to_string(),
-        to_remove: vec![base.clone()],
+    let v4 = crate::random_model_v4::is_v4(&cfg);
+    let mode = match (quant, QuantMode::parse(quant)) {
+        ("fp8", _) => None,
+        (_, Some(m @ (QuantMode::Bfloat16 | QuantMode::W8A8C16))) if !v4 => Some(m),
+        (
+            _,
+            Some(
+                m @ (QuantMode::W8A8Int
+                | QuantMode::W4A8Int
+                | QuantMode::W4A8Mx
+                | QuantMode::W4A8MxHif),
+            ),
+        ) if v4 => Some(m),
+        (q, _) if v4 => bail!(
+            "--random-quant {q}: a DeepSeek-V4 model is fp8 (the native FP8 + MXFP4 release), \
+             w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif"
+        ),
+        (q, _) => bail!("--random-quant {q}: expected fp8, bfloat16 or w8a8c16"),
     };
-    write_fp8(&cfg, &fp8_dir)?;
-    if let Some(mode) = mode {
-        let out = base.join(quant);
-        cachalot_convert::convert(&cachalot_convert::ConvertOptions {
-            input: fp8_dir.clone(),
-            output: out.clone(),
-            mode,
-            c8_scales: None,
-            quant_param_path: None,
-            force: true,
-            progress: false,
-        })
-        .with_context(|| format!("converting the random model to {quant}"))?;
-        std::fs::remove_dir_all(&fp8_dir).ok();
-        model.dir = out;
-    }
-    Ok(model)
+    let write = |dir: &Path| {
+        if v4 {
+            v4_write(&cfg, dir)
+        } else {
+            write_fp8(&cfg, dir)
+        }
+    };
+    materialize(
+        spec,
+        quant,
+        mode,
+        parent,
+        "cachalot-bench-random",
+        write,
+        None,
+    )
 }
 
 /// The estimated bytes of the FP8 checkpoint of `cfg`.
@@ -478,6 +504,13 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>) -> Result<RandomModel> {
         .with_context(|| format!("cannot read {}", path.display()))?;
     let orig: Value = serde_json::from_str(&text)
         .with_context(|| format!("{}: not valid JSON", path.display()))?;
+    if crate::random_model_v4::is_v4(&orig) {
+        let mode = v4_mode(&orig).with_context(|| path.display().to_string())?;
+        let quant = mode.map_or("fp8", |m| m.name());
+        let shape = path.display().to_string();
+        let write = |dir: &Path| v4_write(&orig, dir);
+        return materialize(&shape, quant, mode, parent, "cachalot-dummy", write, None);
+    }
     let q = orig.get("quantization_config");
     let method = q
         .and_then(|q| q.get("quant_method"))
@@ -509,40 +542,104 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>) -> Result<RandomModel> {
         json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                "weight_block_size": [BLOCK, BLOCK]}),
     );
-    let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
-    let base = parent.join(format!("cachalot-dummy-{}", std::process::id()));
-    let fp8_dir = base.join("fp8");
-    let quant = match mode {
-        None => "fp8".to_string(),
-        Some(m) => format!("{m:?}").to_lowercase(),
+    let quant = mode.map_or("fp8", |m| m.name());
+    // W8A8C8: one C8 scale per layer (main + MTP), 1.0, as meaningless as the weights.
+    let c8_layers = (mode == Some(cachalot_convert::QuantMode::W8A8C8)).then(|| {
+        field_or(&cfg, "num_hidden_layers", 0) + field_or(&cfg, "num_nextn_predict_layers", 0)
+    });
+    let shape = path.display().to_string();
+    let write = |dir: &Path| {
+        write_fp8(&cfg, dir).with_context(|| {
+            format!(
+                "with_ckpt: false: writing a random checkpoint of about {:.1} GB",
+                fp8_bytes(&cfg).unwrap_or(0) as f64 / 1e9
+            )
+        })
     };
-    let mut model = RandomModel {
-        dir: fp8_dir.clone(),
-        shape: path.display().to_string(),
+    materialize(
+        &shape,
         quant,
+        mode,
+        parent,
+        "cachalot-dummy",
+        write,
+        c8_layers,
+    )
+}
+
+/// The V4 conversion a config's `quantization_config` says its checkpoint went through: None
+/// for the native release (quant_method fp8, or the seed's `convert_config` rewrite of it),
+/// else the `--quant_type` (`crates/cachalot-convert/src/v4.rs` writes these configs).
+fn v4_mode(cfg: &Value) -> Result<Option<cachalot_convert::QuantMode>> {
+    use cachalot_convert::QuantMode;
+    let Some(q) = cfg.get("quantization_config").filter(|q| !q.is_null()) else {
+        return Ok(None);
+    };
+    match q.get("quant_method").and_then(Value::as_str) {
+        Some("fp8") => Ok(None),
+        Some("compressed-tensors") => {
+            let groups = q.get("config_groups");
+            let strategy = groups
+                .and_then(|g| g.get("group_0"))
+                .and_then(|g| g.get("weights"))
+                .and_then(|w| w.get("strategy"))
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            let int4_experts = groups.and_then(|g| g.get("group_1")).is_some();
+            match q.get("format").and_then(Value::as_str) {
+                Some("int-quantized") if int4_experts => Ok(Some(QuantMode::W4A8Int)),
+                Some("int-quantized") => Ok(Some(QuantMode::W8A8Int)),
+                Some("float-quantized") => Ok(match strategy {
+                    "channel" => Some(QuantMode::W4A8MxHif),
+                    "group" => Some(QuantMode::W4A8Mx),
+                    _ => None, // convert_config's rewrite of the native release
+                }),
+                other => bail!(
+                    "with_ckpt: false: unknown compressed-tensors format {other:?} in \
+                     quantization_config"
+                ),
+            }
+        }
+        other => bail!(
+            "with_ckpt: false: cannot make random DeepSeek-V4 weights for quant_method {other:?}"
+        ),
+    }
+}
+
+/// A random checkpoint under `parent/<prefix>-<pid>/`: `write` makes the FP8 (V3) or native
+/// FP8 + MXFP4 (V4) checkpoint in the directory it is given; with `mode` it is then converted
+/// as `cachalot convert` would (C8 scales of 1.0 for `c8_layers` layers when given).
+fn materialize(
+    shape: &str,
+    quant: &str,
+    mode: Option<cachalot_convert::QuantMode>,
+    parent: Option<&Path>,
+    prefix: &str,
+    write: impl FnOnce(&Path) -> Result<()>,
+    c8_layers: Option<usize>,
+) -> Result<RandomModel> {
+    let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
+    let base = parent.join(format!("{prefix}-{}", std::process::id()));
+    let native = base.join("fp8");
+    let mut model = RandomModel {
+        dir: native.clone(),
+        shape: shape.to_string(),
+        quant: quant.to_string(),
         to_remove: vec![base.clone()],
     };
-    write_fp8(&cfg, &fp8_dir).with_context(|| {
-        format!(
-            "with_ckpt: false: writing a random checkpoint of about {:.1} GB under {}",
-            fp8_bytes(&cfg).unwrap_or(0) as f64 / 1e9,
-            parent.display()
-        )
-    })?;
+    write(&native).with_context(|| format!("under {}", parent.display()))?;
     if let Some(mode) = mode {
-        let c8_scales = if mode == cachalot_convert::QuantMode::W8A8C8 {
-            // One C8 scale per layer (main + MTP): 1.0, as meaningless as the weights.
-            let n =
-                field(&cfg, "num_hidden_layers")? + field_or(&cfg, "num_nextn_predict_layers", 0);
-            let f = base.join("c8_scales.json");
-            std::fs::write(&f, json!({ "ckv_scale": vec![1.0; n] }).to_string())?;
-            Some(f)
-        } else {
-            None
+        let c8_scales = match c8_layers {
+            Some(n) => {
+                let f = base.join("c8_scales.json");
+                std::fs::write(&f, json!({ "ckv_scale": vec![1.0; n] }).to_string())?;
+                Some(f)
+            }
+            None => None,
         };
-        let out = base.join("converted");
+        let out = base.join(quant);
         cachalot_convert::convert(&cachalot_convert::ConvertOptions {
-            input: fp8_dir.clone(),
+            input: native.clone(),
             output: out.clone(),
             mode,
             c8_scales,
@@ -550,13 +647,21 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>) -> Result<RandomModel> {
             force: true,
             progress: false,
         })
-        .with_context(|| {
-            format!("with_ckpt: false: converting the random checkpoint ({mode:?})")
-        })?;
-        std::fs::remove_dir_all(&fp8_dir).ok();
+        .with_context(|| format!("converting the random checkpoint to {quant}"))?;
+        std::fs::remove_dir_all(&native).ok();
         model.dir = out;
     }
     Ok(model)
+}
+
+/// The native random V4 checkpoint of `cfg` in `dir`.
+fn v4_write(cfg: &Value, dir: &Path) -> Result<()> {
+    crate::random_model_v4::write_native(cfg, dir).with_context(|| {
+        format!(
+            "writing a random DeepSeek-V4 checkpoint of about {:.1} GB",
+            crate::random_model_v4::native_bytes(cfg).unwrap_or(0) as f64 / 1e9
+        )
+    })
 }
 
 /// Bytes under `dir` (the random checkpoint's size, for the log).

@@ -301,16 +301,27 @@ fn with_ckpt_false_runs_random_weights_of_the_configs_shapes() {
     assert_eq!(c8.outputs.len(), 2);
 }
 
+/// DeepSeek-V4 with `with_ckpt: false`: the seed's rule (force_eplb required) is enforced, and
+/// with it the run works on random weights of the config's shapes (MTP block included).
 #[test]
-fn with_ckpt_false_on_v4_says_what_is_missing() {
+fn with_ckpt_false_on_v4_needs_force_eplb_and_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let mut o = opts(tmp.path(), None);
     o.chat_template = None;
-    let mut cfg = v4_config("deepseek_v4", 1, 4096, 0);
+    let mut cfg = v4_config("deepseek_v4", 2, 4096, 1);
+    cfg.data_config.num_requests = Some(2);
+    cfg.scheduler_config.max_new_tokens = 8;
     cfg.model_config.with_ckpt = false;
     let err = run(&cfg, &o).err().unwrap().to_string();
     assert!(
-        err.contains("with_ckpt: false") && err.contains("force_eplb"),
+        err.contains("with_ckpt: false") && err.contains("force_eplb: true"),
         "{err}"
     );
+    cfg.model_config.force_eplb = true;
+    let r = run(&cfg, &o).unwrap();
+    assert!(!r.summary.with_ckpt && r.summary.force_eplb);
+    assert!(r.summary.mtp.is_some());
+    assert_eq!(r.outputs.len(), 2);
+    let log = std::fs::read_to_string(r.dir.join("run.log")).unwrap();
+    assert!(log.contains("random fp8 weights"), "{log}");
 }
