@@ -38,12 +38,14 @@ use crate::{load, load_model, model_dir, Fp8Arg, ModelArgs};
 pub struct BenchArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Time a random-weight model of this shape instead of --model: a preset (v3-1b, v3-tiny)
-    /// or a DeepSeek-V3 config.json. Written to a temporary directory, removed afterwards.
+    /// Time a random-weight model of this shape instead of --model: a preset (v3-1b, v3-tiny,
+    /// v4-1b, v4-tiny) or a DeepSeek-V3 or V4 config.json. Written to a temporary directory,
+    /// removed afterwards.
     #[arg(long, conflicts_with = "model")]
     random_weights: Option<String>,
-    /// How the random model is held: fp8 (as DeepSeek ships it), bfloat16 or w8a8c16 (made by
-    /// the converter, as `cachalot convert` would).
+    /// How the random model is held: fp8 (as DeepSeek ships it: FP8 blocks, V4 with MXFP4
+    /// experts), or made by the converter as `cachalot convert` would: bfloat16 or w8a8c16
+    /// (V3), w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif (V4).
     #[arg(long, default_value = "fp8", requires = "random_weights")]
     random_quant: String,
     /// Where the random model is written (default: the system temporary directory).
