@@ -439,6 +439,16 @@ impl DeepseekV3 {
         Ok(())
     }
 
+    /// Holds `lm_head` in int8 (W8A8: one scale per vocabulary row, int8 token activations;
+    /// `Matrix::to_w8a8`), as llama.cpp's Q8_0 files hold their output matrix. A runtime
+    /// choice, off by default: the seed's W8A8 checkpoints keep `lm_head` in bf16 (spec §5), so
+    /// logits then differ from the seed's by the head's rounding. Halves the head's bytes per
+    /// decoded token (the largest single matrix of a small-vocabulary-heavy model); the MTP
+    /// layers share it.
+    pub fn quantize_head_int8(&mut self) {
+        self.lm_head = self.lm_head.to_w8a8();
+    }
+
     pub fn config(&self) -> &DeepseekV3Config {
         &self.cfg
     }

@@ -713,6 +713,12 @@ impl DeepseekV4 {
         Ok(())
     }
 
+    /// Holds the output `head` in int8 (W8A8, one scale per row; see
+    /// `DeepseekV3::quantize_head_int8`). Off by default (the seed keeps it in bf16).
+    pub fn quantize_head_int8(&mut self) {
+        self.head = self.head.to_w8a8();
+    }
+
     pub fn config(&self) -> &DeepseekV4Config {
         &self.cfg
     }

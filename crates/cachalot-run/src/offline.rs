@@ -40,6 +40,8 @@ pub struct RunOptions {
     pub chat_template: Option<PathBuf>,
     pub progress: bool,
     pub fp8: Fp8Mode,
+    /// Hold the output head in int8 (W8A8) instead of bf16 (`DeepseekV3::quantize_head_int8`).
+    pub int8_head: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -72,6 +74,8 @@ pub struct Summary {
     pub force_eplb: bool,
     /// `model_config.with_ckpt`: false when the run used random weights (outputs not meaningful).
     pub with_ckpt: bool,
+    /// The output head held in int8 (`--int8-head`).
+    pub int8_head: bool,
     /// Processes that ran (the config's `world_size` is recorded beside it).
     pub ranks: usize,
     pub world_size_in_config: usize,
@@ -254,6 +258,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
                     load_mtp: m.next_n > 0,
                 },
             )?;
+            if opts.int8_head {
+                model.quantize_head_int8();
+            }
             if m.force_eplb {
                 let e = model.config().n_routed_experts.unwrap_or(0);
                 model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
@@ -268,6 +275,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
                     load_mtp: m.next_n > 0,
                 },
             )?;
+            if opts.int8_head {
+                model.quantize_head_int8();
+            }
             if m.force_eplb {
                 let e = model.config().n_routed_experts;
                 model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
@@ -476,6 +486,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         ignore_eos: d.ignore_eos,
         force_eplb: m.force_eplb,
         with_ckpt: m.with_ckpt,
+        int8_head: opts.int8_head,
         ranks: 1,
         world_size_in_config: cfg.parallel_config.world_size,
         threads: rayon_threads(),
@@ -614,6 +625,9 @@ pub fn summary_table(s: &Summary) -> String {
             "with_ckpt: false: random weights of the config's shapes (outputs not meaningful)"
                 .into(),
         ));
+    }
+    if s.int8_head {
+        rows.push(("head".into(), "lm_head held in int8 (--int8-head)".into()));
     }
     if s.force_eplb {
         rows.push((

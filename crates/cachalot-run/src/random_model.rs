@@ -101,6 +101,13 @@ pub struct RandomModel {
     to_remove: Vec<PathBuf>,
 }
 
+impl RandomModel {
+    /// Leaves the directories in place when dropped (the caller owns them from now on).
+    pub fn keep(&mut self) {
+        self.to_remove.clear();
+    }
+}
+
 impl Drop for RandomModel {
     fn drop(&mut self) {
         for d in &self.to_remove {

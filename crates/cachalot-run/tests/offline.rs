@@ -32,6 +32,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         chat_template: Some(root().join("fixtures/text/r1_style/tokenizer_config.json")),
         progress: false,
         fp8: Fp8Mode::Native,
+        int8_head: false,
     }
 }
 

@@ -29,10 +29,10 @@ use anyhow::{bail, Context, Result};
 use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
 use cachalot_model::eval::{CausalLm, BLOCK_SIZE};
 use cachalot_model::tokenizer::Tokenizer;
-use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, ModelFamily, V4LoadOptions};
+use cachalot_model::{detect_family, DeepseekV3, ModelFamily};
 use serde_json::json;
 
-use crate::{load, load_model, model_dir, Fp8Arg, ModelArgs};
+use crate::{load, load_model, load_v4, model_dir, Fp8Arg, ModelArgs};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -51,6 +51,10 @@ pub struct BenchArgs {
     /// Where the random model is written (default: the system temporary directory).
     #[arg(long, requires = "random_weights")]
     random_dir: Option<PathBuf>,
+    /// Keep the random model's directory after the bench (its path is printed), to bench it
+    /// again with --model.
+    #[arg(long, requires = "random_weights")]
+    keep_random: bool,
     /// Prompt length (random token ids).
     #[arg(long, default_value_t = 128)]
     prompt_len: usize,
@@ -104,11 +108,15 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     let random = match &args.random_weights {
         Some(spec) => {
             let t = Instant::now();
-            let r = cachalot_run::random_model::build(
+            let mut r = cachalot_run::random_model::build(
                 spec,
                 &args.random_quant,
                 args.random_dir.as_deref(),
             )?;
+            if args.keep_random {
+                r.keep();
+                eprintln!("keeping the random model: --model {}", r.dir.display());
+            }
             eprintln!(
                 "random {} model ({}) written to {} in {:.1} s",
                 r.shape,
@@ -373,6 +381,7 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "random_weights": args.random_weights,
         "random_quant": args.random_weights.as_ref().map(|_| args.random_quant.clone()),
         "fp8": match args.model.fp8 { Fp8Arg::Native => "native", Fp8Arg::F32 => "f32" },
+        "int8_head": args.model.int8_head,
         "threads": rayon::current_num_threads(),
         "params_total": params.total,
         "params_active": params.active,
@@ -495,7 +504,7 @@ fn time_prefill_decode<M: CausalLm>(
 fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
     let dir = model_dir(args)?;
     let t0 = Instant::now();
-    let m = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+    let m = load_v4(args, false)?;
     let load_s = t0.elapsed().as_secs_f64();
     let prompt = random_prompt(prompt_len, m.config().vocab_size, 0);
     let (prefill_s, step_times, kv_bytes) = time_prefill_decode(&m, &prompt, decode_len)?;

@@ -51,6 +51,11 @@ struct ModelArgs {
     /// MLA form: chosen per step by cost, or forced.
     #[arg(long, value_enum, default_value = "auto")]
     attention: AttnArg,
+    /// Hold the output head (lm_head) in int8 with int8 activations (W8A8, one scale per row),
+    /// as llama.cpp's Q8_0 files do, instead of the checkpoint's bf16: half the head's bytes
+    /// per token, logits rounded accordingly.
+    #[arg(long)]
+    int8_head: bool,
 }
 
 #[derive(clap::Args)]
@@ -158,7 +163,19 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
         AttnArg::Naive => AttentionPath::Naive,
         AttnArg::Absorbed => AttentionPath::Absorbed,
     };
+    if args.int8_head {
+        model.quantize_head_int8();
+    }
     Ok(model)
+}
+
+/// The DeepSeek-V4 model of `args` (with its MTP blocks when `load_mtp`).
+fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
+    let mut m = DeepseekV4::load(&model_dir(args)?, V4LoadOptions { load_mtp })?;
+    if args.int8_head {
+        m.quantize_head_int8();
+    }
+    Ok(m)
 }
 
 fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
@@ -223,7 +240,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                     eval::windowed_logprobs(&load(&model)?, &ids, window, chunk)?
                 }
                 ModelFamily::DeepseekV4 => {
-                    let m = DeepseekV4::load(&dir, V4LoadOptions::default())?;
+                    let m = load_v4(&model, false)?;
                     eval::windowed_logprobs(&m, &ids, window, chunk)?
                 }
             };

@@ -45,6 +45,10 @@ pub struct RunArgs {
     /// model_config.next_n).
     #[arg(long, value_name = "N")]
     mtp: Option<usize>,
+    /// Hold the output head (lm_head) in int8 with int8 activations, as llama.cpp's Q8_0 files
+    /// do, instead of the checkpoint's bf16 (recorded as int8_head in summary.json).
+    #[arg(long)]
+    int8_head: bool,
 }
 
 fn config_path(args: &RunArgs) -> Result<PathBuf> {
@@ -98,6 +102,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         chat_template: args.chat_template.clone(),
         progress: !args.quiet && std::io::stderr().is_terminal(),
         fp8: Fp8Mode::Native,
+        int8_head: args.int8_head,
     };
     let result = offline::run(&cfg, &opts).map_err(|e| anyhow!("{e}"))?;
     if args.json {

@@ -12,9 +12,9 @@ use cachalot_engine::{
     FinishReason, Generation, ReasoningSplitter, SamplingParams, Segment, StopConditions,
 };
 use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer};
-use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, ModelFamily, V4LoadOptions};
+use cachalot_model::{detect_family, DeepseekV3, ModelFamily};
 
-use crate::{load_model, model_dir, tokens, InputArgs, ModelArgs};
+use crate::{load_model, load_v4, model_dir, tokens, InputArgs, ModelArgs};
 
 #[derive(clap::Args)]
 pub struct TokenizeArgs {
@@ -198,6 +198,7 @@ impl ModelArgs {
             model: None,
             fp8: crate::Fp8Arg::Native,
             attention: crate::AttnArg::Auto,
+            int8_head: false,
         }
     }
 }
@@ -394,12 +395,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             generate_with(&m, &m.config().eos_token_ids, &ctx)
         }
         ModelFamily::DeepseekV4 => {
-            let m = DeepseekV4::load(
-                &dir,
-                V4LoadOptions {
-                    load_mtp: args.sampling.mtp > 0,
-                },
-            )?;
+            let m = load_v4(&args.model, args.sampling.mtp > 0)?;
             generate_with(&m, &m.config().eos_token_ids, &ctx)
         }
     }
@@ -466,12 +462,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             (&v3, &v3.config().eos_token_ids)
         }
         ModelFamily::DeepseekV4 => {
-            v4 = DeepseekV4::load(
-                &dir,
-                V4LoadOptions {
-                    load_mtp: args.sampling.mtp > 0,
-                },
-            )?;
+            v4 = load_v4(&args.model, args.sampling.mtp > 0)?;
             (&v4, &v4.config().eos_token_ids)
         }
     };

@@ -685,6 +685,69 @@ impl Matrix {
         out
     }
 
+    /// This matrix as W8A8 (int8 weights with one scale per row, int8 token activations; see
+    /// [`MatrixData::W8A8`]), for a runtime choice to hold a bf16/f16/f32 weight in int8 (the
+    /// output head). Rows are quantized by the converter's rule: bf16 rows exactly as spec §5.2
+    /// (`crate::int8::quantize_row_bf16_to_int8`), other rows from their f32 values with
+    /// `s = max|w| / 127`, `q = round_half_even(w / s)`. Integer formats come back unchanged
+    /// (already int8/int4); FP8 and the MX formats are quantized from their f32 values too.
+    pub fn to_w8a8(&self) -> Matrix {
+        let data = match &self.data {
+            MatrixData::Int8Row { data, scale } => MatrixData::W8A8 {
+                data: data.clone(),
+                scale: scale.clone(),
+            },
+            MatrixData::W8A8 { .. } | MatrixData::W4A8 { .. } => return self.clone(),
+            MatrixData::Bf16(b) => {
+                let bytes = b.as_slice();
+                let mut q = vec![0i8; self.rows * self.cols];
+                let mut row = vec![0u16; self.cols];
+                let scale: Vec<f32> = q
+                    .chunks_exact_mut(self.cols)
+                    .enumerate()
+                    .map(|(r, qr)| {
+                        let src = &bytes[r * self.cols * 2..(r + 1) * self.cols * 2];
+                        for (v, c) in row.iter_mut().zip(src.chunks_exact(2)) {
+                            *v = u16::from_le_bytes([c[0], c[1]]);
+                        }
+                        crate::int8::quantize_row_bf16_to_int8(&row, qr)
+                    })
+                    .collect();
+                MatrixData::W8A8 {
+                    data: Bytes::from_vec(q.into_iter().map(|v| v as u8).collect()),
+                    scale,
+                }
+            }
+            _ => {
+                let mut q = vec![0i8; self.rows * self.cols];
+                let mut row = vec![0.0f32; self.cols];
+                let scale: Vec<f32> = q
+                    .chunks_exact_mut(self.cols)
+                    .enumerate()
+                    .map(|(r, qr)| {
+                        self.row_to_f32(r, &mut row);
+                        let s = crate::int8::quantize_activation_int8(&row, qr);
+                        if s.is_finite() {
+                            s
+                        } else {
+                            qr.fill(0);
+                            0.0
+                        }
+                    })
+                    .collect();
+                MatrixData::W8A8 {
+                    data: Bytes::from_vec(q.into_iter().map(|v| v as u8).collect()),
+                    scale,
+                }
+            }
+        };
+        Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data,
+        }
+    }
+
     /// An f32 matrix holding exactly the dequantized values.
     pub fn to_f32_matrix(&self) -> Matrix {
         let bytes = Bytes::from_vec(f32s_to_le_bytes(&self.to_f32_vec()));

@@ -906,3 +906,78 @@ fn v4_constructors_reject_malformed_inputs() {
         "{e}"
     );
 }
+
+/// `to_w8a8`: each row's int8 values and scale follow the converter's rule (bf16 rows: spec
+/// §5.2 bit for bit; f32/FP8 rows: `max|w|/127`), every weight within half a step of its value,
+/// and the product is the W8A8 product of those values.
+#[test]
+fn to_w8a8_quantizes_rows_by_the_converters_rule() {
+    let mut rng = Rng(77);
+    for format in [Format::Bf16, Format::F32, Format::Fp8, Format::Int8] {
+        let m = random_matrix(format, 37, 70, (16, 16), &mut rng);
+        let q = m.to_w8a8();
+        assert_eq!(q.format_name(), "w8a8_int8", "{format:?}");
+        let MatrixData::W8A8 { data, scale } = q.data() else {
+            panic!("{format:?}: not W8A8")
+        };
+        let w = m.to_f32_vec();
+        for r in 0..37 {
+            let row = &w[r * 70..(r + 1) * 70];
+            let qr: Vec<i8> = data.as_slice()[r * 70..(r + 1) * 70]
+                .iter()
+                .map(|&b| b as i8)
+                .collect();
+            match format {
+                Format::Bf16 => {
+                    let bits: Vec<u16> = row.iter().map(|&v| f32_to_bf16(v)).collect();
+                    let mut want = vec![0i8; 70];
+                    let s = crate::int8::quantize_row_bf16_to_int8(&bits, &mut want);
+                    assert_eq!((scale[r], &qr), (s, &want), "bf16 row {r}");
+                }
+                Format::Int8 => {
+                    // Already int8: values and scales kept as they are.
+                    let MatrixData::Int8Row {
+                        data: d0,
+                        scale: s0,
+                    } = m.data()
+                    else {
+                        unreachable!()
+                    };
+                    assert_eq!(scale[r], s0[r]);
+                    assert_eq!(
+                        &data.as_slice()[r * 70..(r + 1) * 70],
+                        &d0.as_slice()[r * 70..(r + 1) * 70]
+                    );
+                }
+                _ => {
+                    let amax = row.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                    assert_eq!(scale[r], amax / 127.0, "{format:?} row {r}");
+                    for (c, (&v, &qv)) in row.iter().zip(&qr).enumerate() {
+                        let err = (v - qv as f32 * scale[r]).abs();
+                        assert!(
+                            err <= 0.5 * scale[r] * 1.0001,
+                            "{format:?} [{r},{c}]: {v} vs {qv}"
+                        );
+                    }
+                }
+            }
+        }
+        // The product is the W8A8 product of the quantized rows (same kernel path as a
+        // converted W8A8 checkpoint).
+        let x: Vec<f32> = (0..70 * 3).map(|_| rng.value()).collect();
+        let mut y = vec![0.0f32; 37 * 3];
+        q.matmul(&x, 3, &mut y);
+        let again = Matrix::new(
+            37,
+            70,
+            MatrixData::W8A8 {
+                data: data.clone(),
+                scale: scale.clone(),
+            },
+        )
+        .unwrap();
+        let mut y2 = vec![0.0f32; 37 * 3];
+        again.matmul(&x, 3, &mut y2);
+        assert_eq!(bits(&y), bits(&y2));
+    }
+}
