@@ -14,7 +14,8 @@ Everything it downloads or builds lives under --work (default /work/peer), never
           real tokenizer; both benchmarks feed random ids).
   run     alternating rounds A B A B ...: llama-bench (pp512; tg128 at depth 512, i.e. after a 512-token
           context, as our decode runs after its 512-token prompt; -t 2, -r 1) and `cachalot bench
-          --prompt-len 512 --gen-len 128 --threads 2 --json`, for BF16 vs BF16 and our W8A8 vs its Q8_0;
+          --prompt-len 512 --gen-len 128 --threads 2 --json`, for BF16 vs BF16 and our W8A8 vs its Q8_0
+          (with the seed's bf16 lm_head, and with `--int8-head`, which holds it in int8 as Q8_0 does);
           prints each figure's median over the rounds, the ratio ours/llama.cpp, and bandwidth fractions
           (bytes per decoded token / TPOT / measured bandwidth; llama.cpp's bytes are counted from its GGUF
           tensors: everything but the unrouted experts and all but one embedding row).
@@ -161,11 +162,14 @@ def cmd_run(a):
     src = llama_src(a.work)
     if not lb or not lb.exists():
         sys.exit("llama-bench not built; run `build` first")
-    pairs = [("BF16", p["bf16"], p["gguf_bf16"]), ("W8A8 vs Q8_0", p["w8a8"], p["gguf_q8_0"])]
-    gguf_bytes = {name: gguf_bytes_per_token(g, src) for name, _, g in pairs}
-    res = {name: {"ours": [], "llama": []} for name, _, _ in pairs}
+    # (name, our model, its GGUF, our extra flags). The third pair holds our head in int8 as the
+    # Q8_0 file holds output.weight (`--int8-head`), so both read the same kinds of bytes.
+    pairs = [("BF16", p["bf16"], p["gguf_bf16"], []), ("W8A8 vs Q8_0", p["w8a8"], p["gguf_q8_0"], []),
+             ("W8A8 int8 head vs Q8_0", p["w8a8"], p["gguf_q8_0"], ["--int8-head"])]
+    gguf_bytes = {name: gguf_bytes_per_token(g, src) for name, _, g, _ in pairs}
+    res = {name: {"ours": [], "llama": []} for name, _, _, _ in pairs}
     for rnd in range(a.rounds):
-        for name, ours, gg in pairs:
+        for name, ours, gg, extra in pairs:
             # A: llama.cpp. pp512 at depth 0; tg128 after a 512-token context (-d 512).
             pp = run_json([lb, "-m", gg, "-p", a.prompt, "-n", "0", "-t", a.threads, "-r", "1", "-o", "json"])
             tg = run_json([lb, "-m", gg, "-p", "0", "-n", a.gen, "-d", a.prompt, "-t", a.threads, "-r", "1",
@@ -173,8 +177,8 @@ def cmd_run(a):
             lpp = pp[0]["avg_ts"]
             ltg = tg[0]["avg_ts"]
             # B: cachalot.
-            o = run_json([cachalot_bin(), "bench", "--model", ours, "--prompt-len", a.prompt, "--gen-len", a.gen,
-                          "--threads", a.threads, "--json", "--membw-passes", "5"])
+            o = run_json([cachalot_bin(), "bench", "--model", ours, *extra, "--prompt-len", a.prompt, "--gen-len",
+                          a.gen, "--threads", a.threads, "--json", "--membw-passes", "5"])
             res[name]["llama"].append({"prefill_tok_s": lpp, "decode_tok_s": ltg})
             res[name]["ours"].append(o)
             print(f"round {rnd + 1} {name}: llama.cpp pp {lpp:.1f} tg {ltg:.2f} | cachalot prefill "
@@ -186,7 +190,7 @@ def cmd_run(a):
     print(f"medians over {a.rounds} alternating rounds, {a.threads} threads, prompt {a.prompt}, gen {a.gen}")
     print("| pair | figure | cachalot | llama.cpp | ratio | cachalot frac. of BW | llama.cpp frac. of BW |")
     print("|---|---|---|---|---|---|---|")
-    for name, _, _ in pairs:
+    for name, _, _, _ in pairs:
         ours, ll = res[name]["ours"], res[name]["llama"]
         bw = med([o["membw_gb_s"] for o in ours])
         obytes = ours[0]["decode_bytes_per_token"]

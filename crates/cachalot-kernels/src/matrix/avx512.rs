@@ -18,8 +18,7 @@
 //! rows × 1 token for decode, 4×2, 3×3, 4×4 for batches), each FMA doing 16 lanes. Tokens go in
 //! groups of 4 for any batch size (no decoded f32 panel as in AVX2: slower here, see `forward`);
 //! since every (row, token) pair's operations are those of AVX2's `tile`, results match AVX2's
-//! tile and panel paths alike. Software prefetch of the weight rows was tried for decode and did
-//! not measurably help (the hardware prefetchers follow 8 sequential row streams).
+//! tile and panel paths alike. The weight line one row tile ahead is prefetched in software (`avx2::prefetch_ahead`).
 //!
 //! Spec: `deepseek-v3-r1-kimi-k2.md` §2.2 (FP8 block scales) and §4 (quantized formats) for the
 //! formats; the operations are those of the AVX2 module.
@@ -29,7 +28,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::avx2::{Bf16W, Fp4W, Fp8W, Hif8W, Int4W, Int8W, Weights16, F16W, F32W};
+use super::avx2::{prefetch_ahead, Bf16W, Fp4W, Fp8W, Hif8W, Int4W, Int8W, Weights16, F16W, F32W};
 use super::{Format, OutRows, RowScales, WeightsView};
 use crate::vector::avx2::hsum;
 
@@ -275,6 +274,10 @@ unsafe fn tile<W: Weights16x512, const R: usize, const NT: usize>(
         let mut wo = bytes_of::<W>(c0);
         while c + 16 <= c1 {
             for i in 0..R {
+                if wo.is_multiple_of(64) {
+                    // The same line of the next row tile's row i (`avx2::prefetch_ahead`).
+                    prefetch_ahead(wp[i], R * row_bytes + wo);
+                }
                 let wv = W::load512(wp[i].add(wo));
                 for t in 0..NT {
                     acc[i][t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xs[t].add(c)), acc[i][t]);

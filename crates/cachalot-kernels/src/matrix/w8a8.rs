@@ -180,6 +180,9 @@ pub(crate) mod avx2 {
                 xs[t] = _mm256_loadu_si256(xp[t].add(c) as *const __m256i);
             }
             for i in 0..R {
+                if c.is_multiple_of(64) {
+                    crate::matrix::avx2::prefetch_ahead(wp[i], R * cols + c);
+                }
                 let wv = _mm256_loadu_si256(wp[i].add(c) as *const __m256i);
                 let wabs = _mm256_abs_epi8(wv);
                 for t in 0..NT {
@@ -307,6 +310,7 @@ pub(crate) mod avx512 {
                 xs[t] = _mm512_loadu_si512(xp[t].add(c) as *const __m512i);
             }
             for i in 0..R {
+                crate::matrix::avx2::prefetch_ahead(wp[i], R * cols + c);
                 let wu = _mm512_xor_si512(_mm512_loadu_si512(wp[i].add(c) as *const __m512i), bias);
                 for t in 0..NT {
                     acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], wu, xs[t]);
