@@ -241,7 +241,7 @@ mod tests {
                 })
                 .collect();
             let mx = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            for level in SimdLevel::ALL {
+            for &level in SimdLevel::ALL {
                 if !level.supported() {
                     continue;
                 }

@@ -1,7 +1,9 @@
 //! Symmetric int8 quantization: the converter's per-row weight rule and the runtime's dynamic
 //! per-token activation rule (spec `deepseek-v3-r1-kimi-k2.md` §4 W8A8 Linear, §5.2).
 
-use crate::simd::{simd_level, SimdLevel};
+use crate::simd::simd_level;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::SimdLevel;
 use crate::{bf16_to_f32, f32_to_bf16};
 
 /// The largest int8 magnitude either rule produces (symmetric: −128 is never produced).
@@ -177,6 +179,7 @@ mod tests {
             let s = bf16_to_f32(sbits);
             let mut want = vec![0i8; row.len()];
             quantize_bf16_row_scalar(&row, s, &mut want);
+            #[cfg(target_arch = "x86_64")]
             if SimdLevel::Avx2.supported() {
                 let mut got = vec![1i8; row.len()];
                 unsafe { avx2::quantize_bf16_row(&row, s, &mut got) };

@@ -4,19 +4,27 @@
 //! matches on it. Each SIMD kernel has a scalar twin that is the reference in tests and the
 //! fallback on other CPUs and architectures. `CACHALOT_SIMD=scalar` forces the scalar path (for
 //! tests and benchmarks); `CACHALOT_SIMD=avx2` caps the level at AVX2, `CACHALOT_SIMD=avx512`
-//! asks for AVX-512; anything else, or unset, picks the best level the CPU supports.
+//! asks for AVX-512, `CACHALOT_SIMD=neon` NEON on aarch64; anything else (or a level of another
+//! architecture), or unset, picks the best level the CPU supports.
 //!
-//! Levels are ordered: a CPU supporting a level supports every lower one, and a kernel family
-//! without its own code at a level runs the next lower level's (AVX-512 → AVX2 for the
-//! transposed product, W4A8 and the vector kernels).
+//! Each architecture has its own chain of levels, [`SimdLevel::ALL`]: x86-64 Scalar < Avx2 <
+//! Avx512, aarch64 Scalar < Neon. Within a chain a CPU supporting a level supports every lower
+//! one, and a kernel family without its own code at a level runs the next lower level's
+//! (AVX-512 → AVX2 for the transposed product, W4A8 and the vector kernels; NEON → scalar for
+//! everything but the W8A8 and W4A8 products).
 //!
 //! `Avx512` requires AVX2 + FMA + F16C and AVX-512 F, BW, VL and VNNI. VNNI (`vpdpbusd`, used by
 //! W8A8) is part of the level rather than checked separately: every AVX-512 CPU from Cascade
 //! Lake, Ice Lake and Zen 4 on has it, and one level per CPU keeps dispatch a single `match`.
 //! Skylake-SP/X (AVX-512 without VNNI, and with a 512-bit clock penalty) runs the AVX2 level.
 //!
-//! Adding a level (NEON): a variant here, its detection in [`SimdLevel::supported`], and one
-//! more arm in each dispatching `match`.
+//! `Neon` requires Advanced SIMD and the dot-product extension (`sdot`, Armv8.2-A+: Neoverse
+//! N1/V1/V2 — Graviton 2-4 —, Apple M1 on, Ampere Altra); Cortex-A72-class cores (Graviton 1,
+//! Raspberry Pi 4) run the scalar level. `sdot` is issued through `asm!` because its intrinsic
+//! is not yet stable Rust.
+//!
+//! Adding a level: a variant here, its detection in [`SimdLevel::supported`], its place in its
+//! architecture's `ALL`, and one more arm in each dispatching `match`.
 
 use std::sync::OnceLock;
 
@@ -29,11 +37,20 @@ pub enum SimdLevel {
     Avx2,
     /// x86-64 AVX-512 F/BW/VL/VNNI on top of `Avx2` (Ice Lake, Sapphire Rapids, Zen 4/5).
     Avx512,
+    /// aarch64 Advanced SIMD with the dot-product extension (`sdot`).
+    Neon,
 }
 
 impl SimdLevel {
-    /// Every level, lowest first.
-    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+    /// This architecture's levels, lowest first.
+    #[cfg(target_arch = "x86_64")]
+    pub const ALL: &'static [SimdLevel] = &[SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+    /// This architecture's levels, lowest first.
+    #[cfg(target_arch = "aarch64")]
+    pub const ALL: &'static [SimdLevel] = &[SimdLevel::Scalar, SimdLevel::Neon];
+    /// This architecture's levels, lowest first.
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    pub const ALL: &'static [SimdLevel] = &[SimdLevel::Scalar];
 
     /// Whether this CPU can run this level's kernels.
     pub fn supported(self) -> bool {
@@ -41,6 +58,7 @@ impl SimdLevel {
             SimdLevel::Scalar => true,
             SimdLevel::Avx2 => avx2_supported(),
             SimdLevel::Avx512 => avx2_supported() && avx512_supported(),
+            SimdLevel::Neon => neon_supported(),
         }
     }
 
@@ -69,6 +87,7 @@ impl SimdLevel {
             SimdLevel::Scalar => "scalar",
             SimdLevel::Avx2 => "avx2",
             SimdLevel::Avx512 => "avx512",
+            SimdLevel::Neon => "neon",
         }
     }
 
@@ -108,6 +127,17 @@ fn avx512_supported() -> bool {
     false
 }
 
+#[cfg(target_arch = "aarch64")]
+fn neon_supported() -> bool {
+    std::arch::is_aarch64_feature_detected!("neon")
+        && std::arch::is_aarch64_feature_detected!("dotprod")
+}
+
+#[cfg(not(target_arch = "aarch64"))]
+fn neon_supported() -> bool {
+    false
+}
+
 /// The level the dispatched kernels use in this process: `CACHALOT_SIMD` if set to a known
 /// level name (clamped to what the CPU supports), otherwise the best supported level.
 pub fn simd_level() -> SimdLevel {
@@ -129,11 +159,24 @@ mod tests {
         assert_eq!(SimdLevel::from_name("scalar"), Some(SimdLevel::Scalar));
         assert_eq!(SimdLevel::from_name(" SCALAR "), Some(SimdLevel::Scalar));
         assert_eq!(SimdLevel::from_name("auto"), None);
-        assert!(SimdLevel::from_name("avx2").unwrap().supported());
-        assert!(SimdLevel::from_name("avx2").unwrap() <= SimdLevel::Avx2);
-        let avx512 = SimdLevel::from_name("AVX512").unwrap();
-        assert!(avx512.supported());
-        assert_eq!(avx512 == SimdLevel::Avx512, SimdLevel::Avx512.supported());
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert!(SimdLevel::from_name("avx2").unwrap().supported());
+            assert!(SimdLevel::from_name("avx2").unwrap() <= SimdLevel::Avx2);
+            let avx512 = SimdLevel::from_name("AVX512").unwrap();
+            assert!(avx512.supported());
+            assert_eq!(avx512 == SimdLevel::Avx512, SimdLevel::Avx512.supported());
+            // Another architecture's level is an unknown name here.
+            assert_eq!(SimdLevel::from_name("neon"), None);
+            assert!(!SimdLevel::Neon.supported());
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            let neon = SimdLevel::from_name("neon").unwrap();
+            assert_eq!(neon == SimdLevel::Neon, SimdLevel::Neon.supported());
+            assert_eq!(SimdLevel::from_name("avx2"), None);
+            assert!(!SimdLevel::Avx2.supported() && !SimdLevel::Avx512.supported());
+        }
         // A supported level implies every lower one.
         for pair in SimdLevel::ALL.windows(2) {
             assert!(!pair[1].supported() || pair[0].supported());

@@ -45,6 +45,8 @@ mod w8a8;
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 #[cfg(test)]
 mod tests;
@@ -817,6 +819,16 @@ unsafe fn rows_task(
             // SAFETY: as below.
             SimdLevel::Avx512 => unsafe {
                 w8a8::avx512::matmul_rows(view, task_rows, xq, n_tokens, out)
+            },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as below, for `Neon` (supported: NEON with dotprod).
+            SimdLevel::Neon if int4 => unsafe {
+                neon::matmul_rows_w4a8(view, task_rows, xq, n_tokens, out)
+            },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as below, for `Neon`.
+            SimdLevel::Neon => unsafe {
+                neon::matmul_rows_w8a8(view, task_rows, xq, n_tokens, out)
             },
             _ if int4 => w4a8::matmul_rows_scalar(view, task_rows, xq, n_tokens, out),
             _ => w8a8::matmul_rows_scalar(view, task_rows, xq, n_tokens, out),

@@ -10,7 +10,8 @@ use crate::{f32_to_bf16, f32_to_f16, u16s_to_le_bytes};
 
 fn levels() -> Vec<SimdLevel> {
     SimdLevel::ALL
-        .into_iter()
+        .iter()
+        .copied()
         .filter(|l| l.supported())
         .collect()
 }

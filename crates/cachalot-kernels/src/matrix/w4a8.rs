@@ -27,7 +27,7 @@ fn q_at(row: &[u8], c: usize) -> i32 {
 }
 
 #[inline]
-fn weight_row<'a>(w: &'a WeightsView, r: usize) -> &'a [u8] {
+pub(crate) fn weight_row<'a>(w: &'a WeightsView, r: usize) -> &'a [u8] {
     let rb = w.cols / 2;
     &w.data[r * rb..(r + 1) * rb]
 }
@@ -35,7 +35,7 @@ fn weight_row<'a>(w: &'a WeightsView, r: usize) -> &'a [u8] {
 /// `(f32(acc) · sw[r]) · sx`. Called once per output element, so forced inline (it was a
 /// separate call of 3% of W8A8 decode time in a profile).
 #[inline(always)]
-fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
+pub(crate) fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
     let sw = match w.scales {
         super::Scales::Row(s) => s[r],
         other => other.row(r).get(0),
@@ -45,7 +45,7 @@ fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
 
 /// Exact Σ_{c in cols} q[c]·x[c].
 #[inline]
-fn dot_w4(row: &[u8], x: &[i8], cols: Range<usize>) -> i32 {
+pub(crate) fn dot_w4(row: &[u8], x: &[i8], cols: Range<usize>) -> i32 {
     cols.map(|c| q_at(row, c) * x[c] as i32).sum()
 }
 

@@ -17,7 +17,7 @@
 //! with 0x80), and the activation stays signed: Σ u·x = Σ w·x + 128·Σ x, so the token's Σ x
 //! (computed once per tile of tokens) times 128 is subtracted. All of it is i32 arithmetic
 //! modulo 2^32 whose true result fits i32, so it is exact. The ragged row end goes through
-//! masked loads (zeros add nothing). NEON `sdot` would slot into the same dispatch.
+//! masked loads (zeros add nothing). NEON `sdot` (signed × signed, no offset) is in `neon.rs`.
 
 use std::ops::Range;
 
@@ -49,7 +49,7 @@ impl QuantizedTokens {
 }
 
 #[inline]
-fn weight_row<'a>(w: &'a WeightsView, r: usize) -> &'a [i8] {
+pub(crate) fn weight_row<'a>(w: &'a WeightsView, r: usize) -> &'a [i8] {
     let bytes = &w.data[r * w.cols..(r + 1) * w.cols];
     // SAFETY: i8 and u8 have the same size and alignment.
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const i8, bytes.len()) }
@@ -63,7 +63,7 @@ pub(crate) fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
 /// `(f32(acc) · sw[r]) · sx`. Called once per output element, so forced inline (it was a
 /// separate call of 3% of W8A8 decode time in a profile).
 #[inline(always)]
-fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
+pub(crate) fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
     let sw = match w.scales {
         super::Scales::Row(s) => s[r],
         other => other.row(r).get(0),
@@ -353,7 +353,8 @@ pub(crate) mod tests {
 
     pub(crate) fn levels() -> Vec<SimdLevel> {
         SimdLevel::ALL
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|l| l.supported())
             .collect()
     }

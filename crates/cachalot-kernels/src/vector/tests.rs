@@ -11,7 +11,8 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 fn levels() -> Vec<SimdLevel> {
     SimdLevel::ALL
-        .into_iter()
+        .iter()
+        .copied()
         .filter(|l| l.supported())
         .collect()
 }
