@@ -15,7 +15,8 @@ Everything it downloads or builds lives under --work (default /work/peer), never
   run     alternating rounds A B A B ...: llama-bench (pp512; tg128 at depth 512, i.e. after a 512-token
           context, as our decode runs after its 512-token prompt; -t 2, -r 1) and `cachalot bench
           --prompt-len 512 --gen-len 128 --threads 2 --json`, for BF16 vs BF16 and our W8A8 vs its Q8_0
-          (with the seed's bf16 lm_head, and with `--int8-head`, which holds it in int8 as Q8_0 does);
+          (with the seed's bf16 lm_head, and with `--int8-head`, which holds it in int8 as Q8_0 does), and
+          BF16 with `--bf16-dot` (bf16 activations, as llama.cpp multiplies BF16); `--pairs` picks a subset;
           prints each figure's median over the rounds, the ratio ours/llama.cpp, and bandwidth fractions
           (bytes per decoded token / TPOT / measured bandwidth; llama.cpp's bytes are counted from its GGUF
           tensors: everything but the unrouted experts and all but one embedding row).
@@ -162,10 +163,19 @@ def cmd_run(a):
     src = llama_src(a.work)
     if not lb or not lb.exists():
         sys.exit("llama-bench not built; run `build` first")
-    # (name, our model, its GGUF, our extra flags). The third pair holds our head in int8 as the
-    # Q8_0 file holds output.weight (`--int8-head`), so both read the same kinds of bytes.
-    pairs = [("BF16", p["bf16"], p["gguf_bf16"], []), ("W8A8 vs Q8_0", p["w8a8"], p["gguf_q8_0"], []),
-             ("W8A8 int8 head vs Q8_0", p["w8a8"], p["gguf_q8_0"], ["--int8-head"])]
+    # (key, name, our model, its GGUF, our extra flags). `bf16-dot` multiplies our BF16 weights
+    # with bf16-rounded activations (`--bf16-dot`, `vdpbf16ps`), as llama.cpp does with BF16;
+    # `w8a8-int8-head` holds our head in int8 as the Q8_0 file holds output.weight
+    # (`--int8-head`), so both read the same kinds of bytes.
+    all_pairs = [("bf16", "BF16", p["bf16"], p["gguf_bf16"], []),
+                 ("bf16-dot", "BF16 --bf16-dot", p["bf16"], p["gguf_bf16"], ["--bf16-dot"]),
+                 ("w8a8", "W8A8 vs Q8_0", p["w8a8"], p["gguf_q8_0"], []),
+                 ("w8a8-int8-head", "W8A8 int8 head vs Q8_0", p["w8a8"], p["gguf_q8_0"], ["--int8-head"])]
+    wanted = a.pairs.split(",") if a.pairs else [k for k, *_ in all_pairs]
+    unknown = [k for k in wanted if k not in [k for k, *_ in all_pairs]]
+    if unknown:
+        sys.exit(f"--pairs: unknown {unknown}; choose from {[k for k, *_ in all_pairs]}")
+    pairs = [(n, m, g, e) for k, n, m, g, e in all_pairs if k in wanted]
     gguf_bytes = {name: gguf_bytes_per_token(g, src) for name, _, g, _ in pairs}
     res = {name: {"ours": [], "llama": []} for name, _, _, _ in pairs}
     for rnd in range(a.rounds):
@@ -225,6 +235,7 @@ def main():
     ap.add_argument("--prompt", default="512")
     ap.add_argument("--gen", default="128")
     ap.add_argument("--json-out")
+    ap.add_argument("--pairs", help="comma-separated subset of bf16,bf16-dot,w8a8,w8a8-int8-head (default: all)")
     a = ap.parse_args()
     t = time.time()
     if a.step in ("build", "all"):

@@ -19,6 +19,7 @@ fn load(name: &str) -> DeepseekV3 {
         LoadOptions {
             fp8: Fp8Mode::Native,
             load_mtp: false,
+            ..Default::default()
         },
     )
     .unwrap()

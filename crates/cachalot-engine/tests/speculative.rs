@@ -30,6 +30,7 @@ fn load(dir: &str) -> DeepseekV3 {
         LoadOptions {
             fp8: Fp8Mode::Native,
             load_mtp: true,
+            ..Default::default()
         },
     )
     .unwrap()

@@ -80,6 +80,9 @@ fn main() {
         MatrixData::F32(Bytes::from_vec(f32s_to_le_bytes(&values))),
     ]
     .map(|d| Matrix::new(rows, cols, d).expect("valid matrix"));
+    // The bf16 matrix again, multiplied as BF16 x BF16 (`--bf16-dot`).
+    let bf16_dot = matrices[5].to_bf16_dot();
+    let matrices: Vec<&Matrix> = matrices.iter().chain([&bf16_dot]).collect();
     drop(values);
 
     let x: Vec<f32> = (0..tokens * cols)
@@ -103,7 +106,7 @@ fn main() {
             .num_threads(threads)
             .build()
             .expect("thread pool");
-        for m in &matrices {
+        for &m in &matrices {
             pool.install(|| {
                 let per_call = best_time(|| m.matmul(&x, tokens, &mut out));
                 println!(

@@ -53,6 +53,10 @@ pub struct LoadOptions {
     pub fp8: Fp8Mode,
     /// Load the MTP layer(s) (`model.layers.{num_hidden_layers + j}`), if the checkpoint has them.
     pub load_mtp: bool,
+    /// Multiply bf16 weights as BF16 × BF16 (`Matrix::to_bf16_dot`: activations rounded to
+    /// bf16, AVX-512 `vdpbf16ps` where the CPU has it), as llama.cpp does; the routers keep f32
+    /// activations. Off: the exact f32-activation products.
+    pub bf16_dot: bool,
 }
 
 struct Mlp {
@@ -162,8 +166,20 @@ impl Loader<'_> {
         s.to_f32_vec()
     }
 
-    /// A linear weight `[rows, cols]` under `prefix` (`prefix.weight` plus its scales).
+    /// A linear weight `[rows, cols]` under `prefix` (`prefix.weight` plus its scales), bf16
+    /// ones multiplied as BF16 × BF16 when `bf16_dot` is asked for.
     fn linear(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let m = self.linear_f32_acts(prefix, rows, cols)?;
+        Ok(if self.opts.bf16_dot {
+            m.to_bf16_dot()
+        } else {
+            m
+        })
+    }
+
+    /// [`Loader::linear`] with f32 activations whatever `bf16_dot` says (the routers: their
+    /// logits pick experts, so they stay exact).
+    fn linear_f32_acts(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let name = format!("{prefix}.weight");
         let w = self
             .ckpt
@@ -271,7 +287,7 @@ impl Loader<'_> {
         };
         let ffn = if force_moe || cfg.is_moe_layer(i) {
             let e = cfg.n_routed_experts.unwrap_or(0);
-            let router = self.linear(&format!("{p}.mlp.gate"), e, h)?;
+            let router = self.linear_f32_acts(&format!("{p}.mlp.gate"), e, h)?;
             let bias_name = format!("{p}.mlp.gate.e_score_correction_bias");
             let bias = if self.ckpt.contains(&bias_name) {
                 self.vector(&bias_name, e)?

@@ -44,6 +44,9 @@ use crate::v4_ops::{self as ops, V4Rope};
 pub struct V4LoadOptions {
     /// Load the MTP block(s) `mtp.{j}.*` (skipped otherwise).
     pub load_mtp: bool,
+    /// bf16 weights multiplied as BF16 × BF16 (`Matrix::to_bf16_dot`), the gates excepted; as
+    /// `LoadOptions::bf16_dot` for V3.
+    pub bf16_dot: bool,
 }
 
 /// mHC parameters of one site (`hc_{attn,ffn}_*` or `hc_head_*`).
@@ -265,6 +268,7 @@ fn e8m0_scales(s: &TensorView) -> Result<Vec<f32>> {
 struct Loader<'a> {
     ckpt: &'a mut Checkpoint,
     block: (usize, usize),
+    bf16_dot: bool,
 }
 
 impl Loader<'_> {
@@ -278,7 +282,15 @@ impl Loader<'_> {
     /// (spec §4.7): BF16/F16/F32 dense; F8_E4M3 (or U8 MXFP8 codes) with `.scale` E8M0 on the
     /// 128×128 grid or per 1×32, or F32 block scales; I8/U8 `[rows, cols/2]` + `.scale` = MXFP4;
     /// I8 `[rows, cols]` + F32 `.scale [rows, 1]` = INT8 per channel.
+    /// A weight `[rows, cols]` under `prefix` in any stored format, bf16 ones multiplied as
+    /// BF16 × BF16 when `bf16_dot` is asked for.
     fn matrix(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let m = self.matrix_f32_acts(prefix, rows, cols)?;
+        Ok(if self.bf16_dot { m.to_bf16_dot() } else { m })
+    }
+
+    /// [`Loader::matrix`] with f32 activations whatever `bf16_dot` says (the MoE gates).
+    fn matrix_f32_acts(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let name = format!("{prefix}.weight");
         let w = self
             .ckpt
@@ -491,7 +503,7 @@ impl Loader<'_> {
         };
         let f = format!("{p}ffn.");
         let e = cfg.n_routed_experts;
-        let gate = self.matrix(&format!("{f}gate"), e, h)?;
+        let gate = self.matrix_f32_acts(&format!("{f}gate"), e, h)?;
         let (bias, tid2eid) = if hash {
             let name = format!("{f}gate.tid2eid");
             let kk = cfg.num_experts_per_tok;
@@ -620,7 +632,11 @@ impl DeepseekV4 {
             }) => (*block_rows, *block_cols),
             _ => (128, 128),
         };
-        let mut l = Loader { ckpt, block };
+        let mut l = Loader {
+            ckpt,
+            block,
+            bf16_dot: opts.bf16_dot,
+        };
         let (h, v, hc) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
         let embed = l.matrix("embed", v, h)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);

@@ -142,7 +142,13 @@ fn config_mismatch_is_reported() {
 }
 
 fn load_err_v4(dir: &Path) -> String {
-    match DeepseekV4::load(dir, V4LoadOptions { load_mtp: true }) {
+    match DeepseekV4::load(
+        dir,
+        V4LoadOptions {
+            load_mtp: true,
+            ..Default::default()
+        },
+    ) {
         Ok(_) => panic!("loading a broken V4 checkpoint succeeded"),
         Err(e) => e.to_string(),
     }

@@ -36,6 +36,7 @@ fn load_with_mtp() -> DeepseekV3 {
     let opts = LoadOptions {
         fp8: Fp8Mode::Native,
         load_mtp: true,
+        ..Default::default()
     };
     DeepseekV3::load(&fixture_dir("r1_tiny"), opts).unwrap()
 }
@@ -201,6 +202,7 @@ fn fp8_native_equals_dequantized_at_load() {
         LoadOptions {
             fp8: Fp8Mode::DequantizeF32,
             load_mtp: false,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -306,5 +308,38 @@ fn speculative_accept_and_reject_paths_keep_greedy_output() {
             "{stats:?}"
         );
         assert!(stats.main_steps < want.len(), "{stats:?}");
+    }
+}
+
+/// `bf16_dot` (bf16 weights times bf16-rounded activations, `Matrix::to_bf16_dot`) still matches
+/// transformers' f32 forward within the same tolerance on every fixture, changes the logits of
+/// the models that hold bf16 weights, and keeps the bytes read per token.
+#[test]
+fn bf16_dot_stays_within_the_reference_tolerance() {
+    for name in MODELS {
+        let opts = LoadOptions {
+            bf16_dot: true,
+            ..Default::default()
+        };
+        let m = DeepseekV3::load(&fixture_dir(name), opts).unwrap();
+        let plain = load(name);
+        let r = reference(name);
+        let mut changed = false;
+        for (i, seq) in r["sequences"].as_array().unwrap().iter().enumerate() {
+            let toks = ids(&seq["token_ids"]);
+            let got = eval::next_token_logprobs(&m, &toks, 512).unwrap();
+            let base = eval::next_token_logprobs(&plain, &toks, 512).unwrap();
+            changed |= got != base;
+            check_logprobs(
+                &format!("{name} sequence {i} with bf16_dot"),
+                &got,
+                &floats(&seq["logprobs"]),
+            );
+        }
+        assert!(
+            changed,
+            "{name}: bf16_dot changed no logit (its bf16 weights were not used)"
+        );
+        assert_eq!(m.decode_bytes_per_token(), plain.decode_bytes_per_token());
     }
 }

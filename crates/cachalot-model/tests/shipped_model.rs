@@ -25,6 +25,7 @@ fn model(load_mtp: bool) -> DeepseekV3 {
     let opts = LoadOptions {
         fp8: Fp8Mode::Native,
         load_mtp,
+        ..Default::default()
     };
     DeepseekV3::load(&dir(), opts).unwrap()
 }

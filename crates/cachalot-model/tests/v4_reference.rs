@@ -33,7 +33,14 @@ fn reference(name: &str) -> Value {
 }
 
 fn load(name: &str, load_mtp: bool) -> DeepseekV4 {
-    DeepseekV4::load(&fixture_dir(name), V4LoadOptions { load_mtp }).unwrap()
+    DeepseekV4::load(
+        &fixture_dir(name),
+        V4LoadOptions {
+            load_mtp,
+            ..Default::default()
+        },
+    )
+    .unwrap()
 }
 
 /// A cache for `seqs` sequences of up to `tokens` positions, and their block tables (each
@@ -411,7 +418,14 @@ fn bf16_converted_checkpoint_matches_native() {
     }
     assert!(converted > 100, "{converted} tensors converted");
     let native = load("flash_tiny", true);
-    let bf16 = DeepseekV4::load(tmp.path(), V4LoadOptions { load_mtp: true }).unwrap();
+    let bf16 = DeepseekV4::load(
+        tmp.path(),
+        V4LoadOptions {
+            load_mtp: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let toks = ids(&reference("flash_tiny")["sequences"][3]["token_ids"]);
     let a = logits_in_steps(&native, &toks, &[toks.len()]);
     let b = logits_in_steps(&bf16, &toks, &[toks.len()]);

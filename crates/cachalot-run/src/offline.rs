@@ -42,6 +42,8 @@ pub struct RunOptions {
     pub fp8: Fp8Mode,
     /// Hold the output head in int8 (W8A8) instead of bf16 (`DeepseekV3::quantize_head_int8`).
     pub int8_head: bool,
+    /// Multiply bf16 weights as BF16 × BF16 (`LoadOptions::bf16_dot`).
+    pub bf16_dot: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -76,6 +78,8 @@ pub struct Summary {
     pub with_ckpt: bool,
     /// The output head held in int8 (`--int8-head`).
     pub int8_head: bool,
+    /// bf16 weights multiplied as BF16 × BF16 (`--bf16-dot`).
+    pub bf16_dot: bool,
     /// Processes that ran (the config's `world_size` is recorded beside it).
     pub ranks: usize,
     pub world_size_in_config: usize,
@@ -256,6 +260,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
                 LoadOptions {
                     fp8: opts.fp8,
                     load_mtp: m.next_n > 0,
+                    bf16_dot: opts.bf16_dot,
                 },
             )?;
             if opts.int8_head {
@@ -273,6 +278,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
                 &weights_dir,
                 V4LoadOptions {
                     load_mtp: m.next_n > 0,
+                    bf16_dot: opts.bf16_dot,
                 },
             )?;
             if opts.int8_head {
@@ -487,6 +493,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         force_eplb: m.force_eplb,
         with_ckpt: m.with_ckpt,
         int8_head: opts.int8_head,
+        bf16_dot: opts.bf16_dot,
         ranks: 1,
         world_size_in_config: cfg.parallel_config.world_size,
         threads: rayon_threads(),
@@ -628,6 +635,12 @@ pub fn summary_table(s: &Summary) -> String {
     }
     if s.int8_head {
         rows.push(("head".into(), "lm_head held in int8 (--int8-head)".into()));
+    }
+    if s.bf16_dot {
+        rows.push((
+            "bf16 products".into(),
+            "bf16 x bf16, activations rounded to bf16 (--bf16-dot)".into(),
+        ));
     }
     if s.force_eplb {
         rows.push((

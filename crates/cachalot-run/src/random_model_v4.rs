@@ -344,7 +344,10 @@ mod tests {
         write_native(&cfg, tmp.path()).expect("write");
         let model = cachalot_model::DeepseekV4::load(
             tmp.path(),
-            cachalot_model::V4LoadOptions { load_mtp: true },
+            cachalot_model::V4LoadOptions {
+                load_mtp: true,
+                ..Default::default()
+            },
         )
         .expect("the random V4 checkpoint loads, MTP block included");
         assert_eq!(model.config().hidden_size, 64);

@@ -33,6 +33,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         progress: false,
         fp8: Fp8Mode::Native,
         int8_head: false,
+        bf16_dot: false,
     }
 }
 

@@ -382,6 +382,7 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "random_quant": args.random_weights.as_ref().map(|_| args.random_quant.clone()),
         "fp8": match args.model.fp8 { Fp8Arg::Native => "native", Fp8Arg::F32 => "f32" },
         "int8_head": args.model.int8_head,
+        "bf16_dot": args.model.bf16_dot,
         "threads": rayon::current_num_threads(),
         "params_total": params.total,
         "params_active": params.active,

@@ -56,6 +56,11 @@ struct ModelArgs {
     /// per token, logits rounded accordingly.
     #[arg(long)]
     int8_head: bool,
+    /// Multiply bf16 weights as BF16 x BF16, activations rounded to bf16 (AVX-512 `vdpbf16ps`
+    /// where the CPU has it), as llama.cpp does with BF16 weights; routers keep f32
+    /// activations. Default: f32 activations, exact products.
+    #[arg(long)]
+    bf16_dot: bool,
 }
 
 #[derive(clap::Args)]
@@ -149,6 +154,7 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
             Fp8Arg::F32 => Fp8Mode::DequantizeF32,
         },
         load_mtp,
+        bf16_dot: args.bf16_dot,
     };
     let dir = model_dir(args)?;
     let mut model = DeepseekV3::load(&dir, opts)?;
@@ -171,7 +177,13 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
 
 /// The DeepSeek-V4 model of `args` (with its MTP blocks when `load_mtp`).
 fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
-    let mut m = DeepseekV4::load(&model_dir(args)?, V4LoadOptions { load_mtp })?;
+    let mut m = DeepseekV4::load(
+        &model_dir(args)?,
+        V4LoadOptions {
+            load_mtp,
+            bf16_dot: args.bf16_dot,
+        },
+    )?;
     if args.int8_head {
         m.quantize_head_int8();
     }

@@ -49,6 +49,10 @@ pub struct RunArgs {
     /// do, instead of the checkpoint's bf16 (recorded as int8_head in summary.json).
     #[arg(long)]
     int8_head: bool,
+    /// Multiply bf16 weights as BF16 x BF16, activations rounded to bf16 (AVX-512 `vdpbf16ps`
+    /// where the CPU has it), as llama.cpp does (recorded as bf16_dot in summary.json).
+    #[arg(long)]
+    bf16_dot: bool,
 }
 
 fn config_path(args: &RunArgs) -> Result<PathBuf> {
@@ -103,6 +107,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         progress: !args.quiet && std::io::stderr().is_terminal(),
         fp8: Fp8Mode::Native,
         int8_head: args.int8_head,
+        bf16_dot: args.bf16_dot,
     };
     let result = offline::run(&cfg, &opts).map_err(|e| anyhow!("{e}"))?;
     if args.json {

@@ -199,6 +199,7 @@ impl ModelArgs {
             fp8: crate::Fp8Arg::Native,
             attention: crate::AttnArg::Auto,
             int8_head: false,
+            bf16_dot: false,
         }
     }
 }

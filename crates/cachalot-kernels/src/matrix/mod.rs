@@ -37,6 +37,7 @@
 //! grid). Only the SIMD level changes results, and AVX2 and AVX-512 give the same bits
 //! (`avx512.rs`); scalar differs in rounding.
 
+mod bf16dot;
 pub(crate) mod scalar;
 mod w4a8;
 mod w8a8;
@@ -68,6 +69,11 @@ pub enum MatrixData {
     F32(Bytes),
     /// Little-endian bf16.
     Bf16(Bytes),
+    /// Little-endian bf16, multiplied as BF16 × BF16: `matmul`/`matmul_rows` round each
+    /// activation to bf16 and sum as x86's `vdpbf16ps` defines (`bf16dot.rs`), llama.cpp's way
+    /// with BF16 weights; `matmul_t_rows` and dequantization are those of `Bf16`. Made by
+    /// [`Matrix::to_bf16_dot`].
+    Bf16Dot(Bytes),
     /// Little-endian IEEE f16.
     F16(Bytes),
     /// FP8 e4m3fn with one f32 scale_inv per (block_rows x block_cols) block; grid
@@ -451,8 +457,8 @@ impl Matrix {
         &self.data
     }
 
-    /// "f32", "bf16", "f16", "fp8_e4m3_block", "int8_row", "w8a8_int8", "int4_group", "w4a8_int4",
-    /// "mxfp4", "mxfp8" or "hif8_row".
+    /// "f32", "bf16", "bf16_dot", "f16", "fp8_e4m3_block", "int8_row", "w8a8_int8", "int4_group",
+    /// "w4a8_int4", "mxfp4", "mxfp8" or "hif8_row".
     pub fn format_name(&self) -> &'static str {
         name_of(&self.data)
     }
@@ -460,7 +466,10 @@ impl Matrix {
     /// Bytes of weights plus scales.
     pub fn storage_bytes(&self) -> usize {
         let scales = match &self.data {
-            MatrixData::F32(_) | MatrixData::Bf16(_) | MatrixData::F16(_) => 0,
+            MatrixData::F32(_)
+            | MatrixData::Bf16(_)
+            | MatrixData::Bf16Dot(_)
+            | MatrixData::F16(_) => 0,
             MatrixData::Fp8Block { scale_inv, .. } => scale_inv.len(),
             MatrixData::Int8Row { scale, .. }
             | MatrixData::W8A8 { scale, .. }
@@ -478,9 +487,10 @@ impl Matrix {
     pub(crate) fn view(&self) -> WeightsView<'_> {
         let format = format_of(&self.data);
         let (data, segment_cols, scales) = match &self.data {
-            MatrixData::F32(b) | MatrixData::Bf16(b) | MatrixData::F16(b) => {
-                (b.as_slice(), self.cols, Scales::One)
-            }
+            MatrixData::F32(b)
+            | MatrixData::Bf16(b)
+            | MatrixData::Bf16Dot(b)
+            | MatrixData::F16(b) => (b.as_slice(), self.cols, Scales::One),
             MatrixData::Fp8Block {
                 data,
                 scale_inv,
@@ -580,8 +590,7 @@ impl Matrix {
             min_task: 16,
             max_task: 64,
         };
-        let xq = integer_activations(&self.data)
-            .then(|| w8a8::QuantizedTokens::new(x, n_tokens, self.cols));
+        let acts = Acts::prepare(&self.data, x, n_tokens, self.cols);
         for_each_task(m, m * self.cols * n_tokens, split, |task| {
             let task_rows = first + task.start..first + task.end;
             let out = OutRows {
@@ -590,7 +599,7 @@ impl Matrix {
                 first_row: first,
             };
             // SAFETY: the task writes only its own rows of `out`; tasks' ranges are disjoint.
-            unsafe { rows_task(level, &view, xq.as_ref(), task_rows, x, n_tokens, &out) };
+            unsafe { rows_task(level, &view, &acts, task_rows, x, n_tokens, &out) };
         });
     }
 
@@ -687,6 +696,19 @@ impl Matrix {
         out
     }
 
+    /// This matrix multiplied as BF16 × BF16 ([`MatrixData::Bf16Dot`]) when it holds bf16
+    /// weights (same bytes, no copy); any other format comes back unchanged.
+    pub fn to_bf16_dot(&self) -> Matrix {
+        match &self.data {
+            MatrixData::Bf16(b) => Matrix {
+                rows: self.rows,
+                cols: self.cols,
+                data: MatrixData::Bf16Dot(b.clone()),
+            },
+            _ => self.clone(),
+        }
+    }
+
     /// This matrix as W8A8 (int8 weights with one scale per row, int8 token activations; see
     /// [`MatrixData::W8A8`]), for a runtime choice to hold a bf16/f16/f32 weight in int8 (the
     /// output head). Rows are quantized by the converter's rule: bf16 rows exactly as spec §5.2
@@ -700,7 +722,7 @@ impl Matrix {
                 scale: scale.clone(),
             },
             MatrixData::W8A8 { .. } | MatrixData::W4A8 { .. } => return self.clone(),
-            MatrixData::Bf16(b) => {
+            MatrixData::Bf16(b) | MatrixData::Bf16Dot(b) => {
                 let bytes = b.as_slice();
                 let mut q = vec![0i8; self.rows * self.cols];
                 let mut row = vec![0u16; self.cols];
@@ -767,7 +789,7 @@ pub(crate) const CHUNK: usize = 16;
 fn format_of(data: &MatrixData) -> Format {
     match data {
         MatrixData::F32(_) => Format::F32,
-        MatrixData::Bf16(_) => Format::Bf16,
+        MatrixData::Bf16(_) | MatrixData::Bf16Dot(_) => Format::Bf16,
         MatrixData::F16(_) => Format::F16,
         MatrixData::Fp8Block { .. } => Format::Fp8,
         MatrixData::Int8Row { .. } | MatrixData::W8A8 { .. } => Format::Int8,
@@ -791,17 +813,33 @@ pub struct MatmulJob<'a> {
 ///
 /// # Safety
 /// `out` accepts writes for every row in `task_rows` (no other task writes them); `level` is
-/// supported; `xq` is `x` quantized when the matrix is W8A8.
+/// supported; `acts` is `x` prepared for the matrix ([`Acts::prepare`]).
 unsafe fn rows_task(
     level: SimdLevel,
     view: &WeightsView,
-    xq: Option<&w8a8::QuantizedTokens>,
+    acts: &Acts,
     task_rows: Range<usize>,
     x: &[f32],
     n_tokens: usize,
     out: &OutRows,
 ) {
-    if let Some(xq) = xq {
+    if let Acts::Bf16(xb) = acts {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below; `vdpbf16ps` checked by `bf16dot::avx512::supported`.
+            SimdLevel::Avx512 if bf16dot::avx512::supported() => unsafe {
+                bf16dot::avx512::matmul_rows(view, task_rows, xb, n_tokens, out)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below.
+            SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
+                bf16dot::avx2::matmul_rows(view, task_rows, xb, n_tokens, out)
+            },
+            _ => bf16dot::matmul_rows_scalar(view, task_rows, xb, n_tokens, out),
+        }
+        return;
+    }
+    if let Acts::Int8(xq) = acts {
         // Integer activations: W8A8 (int8 weights) or W4A8 (int4 weights).
         let int4 = view.format == Format::Int4;
         match level {
@@ -866,26 +904,24 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
             j.out.len()
         );
     }
-    // One activation quantization per distinct x among the W8A8 jobs.
-    let mut xqs: Vec<(usize, usize, w8a8::QuantizedTokens)> = Vec::new();
-    let mut xq_of: Vec<Option<usize>> = Vec::with_capacity(jobs.len());
+    // One activation preparation per distinct (x, kind) among the jobs that need one.
+    let mut xqs: Vec<(usize, usize, ActKind, Acts)> = vec![(0, 0, ActKind::F32, Acts::F32)];
+    let mut xq_of: Vec<usize> = Vec::with_capacity(jobs.len());
     for j in jobs.iter() {
-        if !integer_activations(&j.w.data) || j.n_tokens == 0 {
-            xq_of.push(None);
+        let kind = ActKind::of(&j.w.data);
+        if kind == ActKind::F32 || j.n_tokens == 0 {
+            xq_of.push(0);
             continue;
         }
         let key = (j.x.as_ptr() as usize, j.x.len());
         let found = xqs
             .iter()
-            .position(|(p, l, q)| (*p, *l) == key && q.cols == j.w.cols);
-        xq_of.push(Some(found.unwrap_or_else(|| {
-            xqs.push((
-                key.0,
-                key.1,
-                w8a8::QuantizedTokens::new(j.x, j.n_tokens, j.w.cols),
-            ));
+            .position(|(p, l, k, _)| (*p, *l, *k) == (key.0, key.1, kind));
+        xq_of.push(found.unwrap_or_else(|| {
+            let acts = Acts::prepare(&j.w.data, j.x, j.n_tokens, j.w.cols);
+            xqs.push((key.0, key.1, kind, acts));
             xqs.len() - 1
-        })));
+        }));
     }
     let work: usize = jobs.iter().map(|j| j.w.rows * j.w.cols * j.n_tokens).sum();
     let threads = rayon::current_num_threads();
@@ -926,9 +962,9 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
             stride: m,
             first_row: 0,
         };
-        let xq = xq_of[*i].map(|k| &xqs[k].2);
+        let acts = &xqs[xq_of[*i]].3;
         // SAFETY: tasks of one job cover disjoint row ranges, and each job has its own output.
-        unsafe { rows_task(level, &views[*i], xq, rows.clone(), x, n_tokens, &out) };
+        unsafe { rows_task(level, &views[*i], acts, rows.clone(), x, n_tokens, &out) };
     };
     if tasks.len() <= 1 || !fork {
         tasks.iter().for_each(run);
@@ -937,9 +973,43 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     }
 }
 
-/// Whether products quantize the activations to int8 (W8A8, W4A8).
-fn integer_activations(data: &MatrixData) -> bool {
-    matches!(data, MatrixData::W8A8 { .. } | MatrixData::W4A8 { .. })
+/// What a product does with its f32 activations before multiplying.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ActKind {
+    /// Used as they are.
+    F32,
+    /// Quantized to int8 per token (W8A8, W4A8).
+    Int8,
+    /// Rounded to bf16 (`Bf16Dot`).
+    Bf16,
+}
+
+impl ActKind {
+    fn of(data: &MatrixData) -> ActKind {
+        match data {
+            MatrixData::W8A8 { .. } | MatrixData::W4A8 { .. } => ActKind::Int8,
+            MatrixData::Bf16Dot(_) => ActKind::Bf16,
+            _ => ActKind::F32,
+        }
+    }
+}
+
+/// A call's activations as its matrix multiplies them (prepared once per call, shared by the
+/// row tasks).
+pub(crate) enum Acts {
+    F32,
+    Int8(w8a8::QuantizedTokens),
+    Bf16(bf16dot::Bf16Tokens),
+}
+
+impl Acts {
+    fn prepare(data: &MatrixData, x: &[f32], n_tokens: usize, cols: usize) -> Acts {
+        match ActKind::of(data) {
+            ActKind::F32 => Acts::F32,
+            ActKind::Int8 => Acts::Int8(w8a8::QuantizedTokens::new(x, n_tokens, cols)),
+            ActKind::Bf16 => Acts::Bf16(bf16dot::Bf16Tokens::new(x, cols)),
+        }
+    }
 }
 
 /// The format's name in messages and [`Matrix::format_name`].
@@ -947,6 +1017,7 @@ fn name_of(data: &MatrixData) -> &'static str {
     match data {
         MatrixData::W8A8 { .. } => "w8a8_int8",
         MatrixData::W4A8 { .. } => "w4a8_int4",
+        MatrixData::Bf16Dot(_) => "bf16_dot",
         _ => format_of(data).name(),
     }
 }
@@ -986,7 +1057,7 @@ fn check_e8m0_scales(
 
 fn data_bytes_of(data: &MatrixData) -> &Bytes {
     match data {
-        MatrixData::F32(b) | MatrixData::Bf16(b) | MatrixData::F16(b) => b,
+        MatrixData::F32(b) | MatrixData::Bf16(b) | MatrixData::Bf16Dot(b) | MatrixData::F16(b) => b,
         MatrixData::Fp8Block { data, .. }
         | MatrixData::Int8Row { data, .. }
         | MatrixData::W8A8 { data, .. }

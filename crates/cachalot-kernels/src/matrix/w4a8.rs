@@ -201,7 +201,7 @@ pub(crate) mod avx2 {
 mod tests {
     use proptest::prelude::*;
 
-    use crate::matrix::w8a8::tests::{levels, stream};
+    use crate::matrix::w8a8::tests::{every_level_gives, levels, stream};
     use crate::matrix::{Matrix, MatrixData};
 
     /// A W4A8 matrix built from V4's INT4 layout (packed along N, two's complement), the int4
@@ -268,18 +268,7 @@ mod tests {
             let (rows, cols) = (2 * half_rows, 2 * half_cols);
             let (m, q, x) = case(rows, cols, n_tokens, seed);
             let want = reference(&m, &q, &x, n_tokens);
-            for level in levels() {
-                let mut out = vec![f32::NAN; n_tokens * rows];
-                m.matmul_rows_at(level, 0..rows, &x, n_tokens, &mut out);
-                prop_assert_eq!(&out, &want, "level {:?}", level);
-                // A row sub-range and one token at a time give the same bits.
-                let sub = rows / 3..rows;
-                for t in 0..n_tokens {
-                    let mut o = vec![f32::NAN; sub.len()];
-                    m.matmul_rows_at(level, sub.clone(), &x[t * cols..(t + 1) * cols], 1, &mut o);
-                    prop_assert_eq!(&o[..], &want[t * rows + sub.start..(t + 1) * rows]);
-                }
-            }
+            every_level_gives(&m, &x, n_tokens, &want)?;
             // Dequantization: q · scale.
             let MatrixData::W4A8 { scale, .. } = m.data() else { unreachable!() };
             let deq = m.to_f32_vec();

@@ -359,6 +359,29 @@ pub(crate) mod tests {
             .collect()
     }
 
+    /// Every supported level gives `want` bit for bit: all rows and tokens at once, a row
+    /// sub-range, and one token at a time.
+    pub(crate) fn every_level_gives(
+        m: &Matrix,
+        x: &[f32],
+        n_tokens: usize,
+        want: &[f32],
+    ) -> Result<(), TestCaseError> {
+        let (rows, cols) = (m.rows(), m.cols());
+        for level in levels() {
+            let mut out = vec![f32::NAN; n_tokens * rows];
+            m.matmul_rows_at(level, 0..rows, x, n_tokens, &mut out);
+            prop_assert_eq!(&out[..], want, "level {:?}", level);
+            let sub = rows / 3..rows;
+            for t in 0..n_tokens {
+                let mut o = vec![f32::NAN; sub.len()];
+                m.matmul_rows_at(level, sub.clone(), &x[t * cols..(t + 1) * cols], 1, &mut o);
+                prop_assert_eq!(&o[..], &want[t * rows + sub.start..(t + 1) * rows]);
+            }
+        }
+        Ok(())
+    }
+
     /// SplitMix64 from a proptest seed.
     pub(crate) fn stream(seed: u64) -> impl FnMut() -> u64 {
         let mut s = seed;
@@ -431,18 +454,7 @@ pub(crate) mod tests {
         ) {
             let (m, x) = case(rows, cols, n_tokens, seed);
             let want = reference(&m, &x, n_tokens);
-            for level in levels() {
-                let mut out = vec![f32::NAN; n_tokens * rows];
-                m.matmul_rows_at(level, 0..rows, &x, n_tokens, &mut out);
-                prop_assert_eq!(&out, &want, "level {:?}", level);
-                // A row sub-range and one token at a time give the same bits.
-                let sub = rows / 3..rows;
-                for t in 0..n_tokens {
-                    let mut o = vec![f32::NAN; sub.len()];
-                    m.matmul_rows_at(level, sub.clone(), &x[t * cols..(t + 1) * cols], 1, &mut o);
-                    prop_assert_eq!(&o[..], &want[t * rows + sub.start..(t + 1) * rows]);
-                }
-            }
+            every_level_gives(&m, &x, n_tokens, &want)?;
             // Close to the f32 product of the dequantized weights: the activation rounding
             // error is at most sx/2 per element.
             let f = m.to_f32_matrix();
