@@ -1033,87 +1033,115 @@ impl DeepseekV3 {
         let tokens: Vec<usize> = seqs.iter().flat_map(|s| s.tokens.clone()).collect();
         let tq = tokens.len();
         let width = kvr + (qk - nope);
-        // Heads in as many groups as there are threads; a group reads each cached latent row
-        // once per token for all its heads (the row is every head's key and value: MQA over the
-        // latent cache, spec §3.4) — `dot_rows` scores it against the group's [q~ | q^R] rows,
-        // `axpy_rows` adds it into the group's ō rows.
-        let groups = n.min(rayon::current_num_threads()).max(1);
-        let per_group = n.div_ceil(groups);
-        (0..n.div_ceil(per_group))
+        // 1. [q~ | q^R] per (token, head): [tq, n, width], q~ = W_UK,h^T q^C by head.
+        let absorbed: Vec<Vec<f32>> = (0..n)
             .into_par_iter()
-            .flat_map_iter(|g| {
-                let heads = g * per_group..((g + 1) * per_group).min(n);
-                let gh = heads.len();
-                // [q~ | q^R] per (token, head of the group): [tq, gh, width].
-                let mut qc = vec![0.0f32; tq * gh * width];
+            .map(|hd| {
                 let mut qn = Vec::with_capacity(tq * nope);
+                for &i in &tokens {
+                    qn.extend_from_slice(&q[(i * n + hd) * qk..(i * n + hd) * qk + nope]);
+                }
                 let mut qt = vec![0.0f32; tq * kvr];
-                for (j, hd) in heads.clone().enumerate() {
-                    qn.clear();
-                    for &i in &tokens {
-                        qn.extend_from_slice(&q[(i * n + hd) * qk..(i * n + hd) * qk + nope]);
-                    }
-                    // q~ = W_UK,h^T q^C: [tq, kvr]
-                    mla.kv_b
-                        .matmul_t_rows(hd * kvw..hd * kvw + nope, &qn, tq, &mut qt);
-                    for (t, &i) in tokens.iter().enumerate() {
-                        let row = &mut qc[(t * gh + j) * width..(t * gh + j + 1) * width];
-                        row[..kvr].copy_from_slice(&qt[t * kvr..(t + 1) * kvr]);
-                        row[kvr..]
-                            .copy_from_slice(&q[(i * n + hd) * qk + nope..(i * n + hd + 1) * qk]);
+                mla.kv_b
+                    .matmul_t_rows(hd * kvw..hd * kvw + nope, &qn, tq, &mut qt);
+                qt
+            })
+            .collect();
+        let mut qc = vec![0.0f32; tq * n * width];
+        for (t, &i) in tokens.iter().enumerate() {
+            for (hd, qt) in absorbed.iter().enumerate() {
+                let row = &mut qc[(t * n + hd) * width..(t * n + hd + 1) * width];
+                row[..kvr].copy_from_slice(&qt[t * kvr..(t + 1) * kvr]);
+                row[kvr..].copy_from_slice(&q[(i * n + hd) * qk + nope..(i * n + hd + 1) * qk]);
+            }
+        }
+        // 2. Attention over the latent cache (MQA: a cached row is every head's key and value,
+        // spec §3.4), split into work units of (token, chunk of ATTN_CHUNK positions, group of
+        // heads). A unit reads each of its rows once for all its heads (`dot_rows_many` scores
+        // them, `axpy_rows_many` adds them into ō) and keeps a chunk's softmax max and sum, so
+        // chunks merge exactly as one softmax would (up to rounding). The chunking depends
+        // only on the context length and heads are independent, so results do not depend on
+        // the thread count or the batch; a context of ≤ ATTN_CHUNK positions is one chunk and
+        // gives the single-softmax bits.
+        let mut chunks: Vec<(usize, usize, Range<usize>)> = Vec::new(); // (t, seq, positions)
+        let mut t = 0;
+        for (si, seq) in seqs.iter().enumerate() {
+            for &pos in seq.positions {
+                let ctx = pos + 1;
+                for c0 in (0..ctx).step_by(ATTN_CHUNK) {
+                    chunks.push((t, si, c0..(c0 + ATTN_CHUNK).min(ctx)));
+                }
+                t += 1;
+            }
+        }
+        let threads = rayon::current_num_threads();
+        let per_group = n.div_ceil((threads / chunks.len().max(1)).clamp(1, n));
+        let groups = n.div_ceil(per_group);
+        let partials: Vec<ChunkPartial> = (0..chunks.len() * groups)
+            .into_par_iter()
+            .map(|u| {
+                let (t, si, range) = &chunks[u / groups];
+                let heads = (u % groups) * per_group..((u % groups + 1) * per_group).min(n);
+                let gh = heads.len();
+                let latents = seqs[*si].latents;
+                let rows: Vec<&[f32]> = range.clone().map(|s| latents.row(s)).collect();
+                let ckv: Vec<&[f32]> = rows.iter().map(|r| &r[..kvr]).collect();
+                let len = rows.len();
+                let qrows = &qc[(t * n + heads.start) * width..(t * n + heads.end) * width];
+                let mut by_pos = vec![0.0f32; len * gh];
+                k::dot_rows_many(qrows, &rows, &mut by_pos);
+                let mut by_head = vec![0.0f32; gh * len];
+                for (s, sc) in by_pos.chunks_exact(gh).enumerate() {
+                    for (j, &v) in sc.iter().enumerate() {
+                        by_head[j * len + s] = scale * v;
                     }
                 }
-                // ō per (token, head of the group): [tq, gh, kvr].
-                let mut obar = vec![0.0f32; tq * gh * kvr];
-                // Scores [position, head] while scoring, then [head, position] for the softmax.
-                let mut by_pos: Vec<f32> = Vec::new();
-                let mut by_head: Vec<f32> = Vec::new();
-                let mut p_col = vec![0.0f32; gh];
-                let mut t = 0;
-                for seq in seqs {
-                    let latent = |pos: usize| seq.latents.row(pos);
-                    for &pos in seq.positions {
-                        let ctx = pos + 1;
-                        by_pos.clear();
-                        by_pos.resize(ctx * gh, 0.0);
-                        let qrows = &qc[t * gh * width..(t + 1) * gh * width];
-                        for (s, sc) in by_pos.chunks_exact_mut(gh).enumerate() {
-                            k::dot_rows(qrows, latent(s), sc);
-                        }
-                        by_head.clear();
-                        by_head.resize(gh * ctx, 0.0);
-                        for (s, sc) in by_pos.chunks_exact(gh).enumerate() {
-                            for (j, &v) in sc.iter().enumerate() {
-                                by_head[j * ctx + s] = scale * v;
-                            }
-                        }
-                        for sc in by_head.chunks_exact_mut(ctx) {
-                            k::softmax_in_place(sc);
-                        }
-                        let ob = &mut obar[t * gh * kvr..(t + 1) * gh * kvr];
-                        for s in 0..ctx {
-                            for (j, pj) in p_col.iter_mut().enumerate() {
-                                *pj = by_head[j * ctx + s];
-                            }
-                            k::axpy_rows(&p_col, &latent(s)[..kvr], ob);
-                        }
-                        t += 1;
+                let mut max = vec![0.0f32; gh];
+                let mut sum = vec![0.0f32; gh];
+                for (j, sc) in by_head.chunks_exact_mut(len).enumerate() {
+                    (max[j], sum[j]) = k::softmax_in_place_stats(sc);
+                    for (s, &v) in sc.iter().enumerate() {
+                        by_pos[s * gh + j] = v;
                     }
                 }
-                // o_h = W_UV,h ō: [tq, vd]
-                heads
-                    .enumerate()
-                    .map(|(j, hd)| {
-                        let mut ob = Vec::with_capacity(tq * kvr);
-                        for t in 0..tq {
-                            ob.extend_from_slice(&obar[(t * gh + j) * kvr..(t * gh + j + 1) * kvr]);
-                        }
-                        let mut out = vec![0.0f32; tq * vd];
-                        mla.kv_b
-                            .matmul_rows(hd * kvw + nope..(hd + 1) * kvw, &ob, tq, &mut out);
-                        out
-                    })
-                    .collect::<Vec<_>>()
+                let mut obar = vec![0.0f32; gh * kvr];
+                k::axpy_rows_many(&by_pos, &ckv, &mut obar);
+                ChunkPartial { max, sum, obar }
+            })
+            .collect();
+        // Merge a token's chunks in order: ō = Σ_c w_c ō_c, w_c ∝ sum_c·e^(max_c − max).
+        let mut obar = vec![0.0f32; tq * n * kvr];
+        let mut first = 0;
+        while first < chunks.len() {
+            let t = chunks[first].0;
+            let end = first + chunks[first..].iter().take_while(|c| c.0 == t).count();
+            for hd in 0..n {
+                let (g, j) = (hd / per_group, hd % per_group);
+                let part = |c: usize| &partials[c * groups + g];
+                let m = (first..end).fold(f32::NEG_INFINITY, |m, c| m.max(part(c).max[j]));
+                let w: Vec<f32> = (first..end)
+                    .map(|c| part(c).sum[j] * (part(c).max[j] - m).exp())
+                    .collect();
+                let total: f32 = w.iter().sum();
+                let out = &mut obar[(t * n + hd) * kvr..(t * n + hd + 1) * kvr];
+                for (c, wc) in (first..end).zip(&w) {
+                    k::axpy(wc / total, &part(c).obar[j * kvr..(j + 1) * kvr], out);
+                }
+            }
+            first = end;
+        }
+        // 3. o_h = W_UV,h ō: [tq, vd] per head.
+        (0..n)
+            .into_par_iter()
+            .map(|hd| {
+                let mut ob = Vec::with_capacity(tq * kvr);
+                for t in 0..tq {
+                    ob.extend_from_slice(&obar[(t * n + hd) * kvr..(t * n + hd + 1) * kvr]);
+                }
+                let mut out = vec![0.0f32; tq * vd];
+                mla.kv_b
+                    .matmul_rows(hd * kvw + nope..(hd + 1) * kvw, &ob, tq, &mut out);
+                out
             })
             .collect()
     }
@@ -1264,6 +1292,19 @@ impl Latents<'_> {
             }
         }
     }
+}
+
+/// Positions per work unit of the absorbed attention: 128 latent rows (295 KB at width 576)
+/// stay in L2 between the scoring and the value pass.
+const ATTN_CHUNK: usize = 128;
+
+/// One (token, chunk, head group) unit's softmax statistics and unnormalized-by-the-whole ō.
+struct ChunkPartial {
+    /// Per head of the group: the chunk's maximum score and Σ exp(score − max).
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    /// [heads of the group, kvr]: Σ_s softmax_chunk(s)·c_kv(s).
+    obar: Vec<f32>,
 }
 
 /// A sequence of the step on the absorbed attention path: its tokens (indices into the step's

@@ -117,6 +117,30 @@ fn naive_and_absorbed_attention_agree() {
     }
 }
 
+/// Contexts longer than one attention chunk (128 positions): the absorbed path merges the
+/// chunks' partial softmaxes, and still agrees with the naive path's single softmax.
+#[test]
+fn absorbed_attention_over_several_chunks_agrees_with_naive() {
+    for name in MODELS {
+        let mut m = load(name);
+        let r = reference(name);
+        let mut toks: Vec<u32> = Vec::new();
+        while toks.len() < 300 {
+            for s in r["sequences"].as_array().unwrap() {
+                toks.extend(ids(&s["token_ids"]));
+            }
+        }
+        toks.truncate(300);
+        m.attention_path = AttentionPath::Naive;
+        let a = eval::next_token_logprobs(&m, &toks, 4096).unwrap();
+        m.attention_path = AttentionPath::Absorbed;
+        let b = eval::next_token_logprobs(&m, &toks, 4096).unwrap();
+        assert_eq!(a.len(), 299);
+        let worst = max_abs_diff(&a, &b);
+        assert!(worst < 1e-4, "{name}: {worst}");
+    }
+}
+
 /// Sequences of different lengths, packed into one batch (prefills and decodes mixed, on
 /// interleaved non-contiguous cache blocks), give the logits each gives alone.
 #[test]

@@ -86,6 +86,58 @@ pub(crate) fn axpy_rows_at(level: SimdLevel, p: &[f32], x: &[f32], y: &mut [f32]
     dispatch!(level, axpy_rows(p, x, y))
 }
 
+/// [`dot_rows`] against each of several rows: out\[s·H + h\] = Σ_c q\[h·d + c\]·ls\[s\]\[c\]
+/// (H = `out.len() / ls.len()` query rows of d = `q.len() / H` values), each value
+/// bit-identical to `dot_rows(q, ls[s], ..)[h]`. Blocked over rows and heads, so each loaded
+/// chunk serves several products (attention over a sequence's cached latent rows).
+pub fn dot_rows_many(q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
+    dot_rows_many_at(simd_level(), q, ls, out)
+}
+
+pub(crate) fn dot_rows_many_at(level: SimdLevel, q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
+    let heads = out.len().checked_div(ls.len()).unwrap_or(0);
+    assert!(
+        heads * ls.len() == out.len() && heads > 0 || ls.is_empty() && out.is_empty(),
+        "dot_rows_many: out must hold ls.len() ({}) x heads values, got {}",
+        ls.len(),
+        out.len()
+    );
+    if ls.is_empty() {
+        return;
+    }
+    let d = q.len() / heads;
+    assert!(
+        d * heads == q.len() && ls.iter().all(|l| l.len() == d),
+        "dot_rows_many: q must hold {heads} rows of each l's length"
+    );
+    dispatch!(level, dot_rows_many(q, ls, out))
+}
+
+/// [`axpy_rows`] of several rows in order: y\[h·d + c\] += Σ_s p\[s·H + h\]·xs\[s\]\[c\],
+/// bit-identical to calling `axpy_rows(&p[s·H..(s+1)·H], xs[s], y)` for s = 0, 1, ….
+pub fn axpy_rows_many(p: &[f32], xs: &[&[f32]], y: &mut [f32]) {
+    axpy_rows_many_at(simd_level(), p, xs, y)
+}
+
+pub(crate) fn axpy_rows_many_at(level: SimdLevel, p: &[f32], xs: &[&[f32]], y: &mut [f32]) {
+    let heads = p.len().checked_div(xs.len()).unwrap_or(0);
+    assert!(
+        heads * xs.len() == p.len() && heads > 0 || xs.is_empty() && p.is_empty(),
+        "axpy_rows_many: p must hold xs.len() ({}) x heads values, got {}",
+        xs.len(),
+        p.len()
+    );
+    if xs.is_empty() {
+        return;
+    }
+    let d = y.len() / heads;
+    assert!(
+        d * heads == y.len() && xs.iter().all(|x| x.len() == d),
+        "axpy_rows_many: y must hold {heads} rows of each x's length"
+    );
+    dispatch!(level, axpy_rows_many(p, xs, y))
+}
+
 /// x *= s.
 pub fn scale_in_place(x: &mut [f32], s: f32) {
     scale_in_place_at(simd_level(), x, s)
@@ -174,12 +226,19 @@ pub(crate) fn silu_mul_at(level: SimdLevel, gate: &[f32], up: &[f32], out: &mut 
 /// Softmax in place, numerically stable (the maximum is subtracted first), f32. An empty slice
 /// is left alone; a slice that is all −inf (or holds NaN) becomes NaN, as in torch.
 pub fn softmax_in_place(x: &mut [f32]) {
+    softmax_in_place_at(simd_level(), x);
+}
+
+/// [`softmax_in_place`] (the same bits), returning the maximum m and the sum Σ exp(x − m) it
+/// divided by, so partial softmaxes over chunks of a row can be merged (attention split over
+/// chunks of positions). An empty slice gives (−inf, 0).
+pub fn softmax_in_place_stats(x: &mut [f32]) -> (f32, f32) {
     softmax_in_place_at(simd_level(), x)
 }
 
-pub(crate) fn softmax_in_place_at(level: SimdLevel, x: &mut [f32]) {
+pub(crate) fn softmax_in_place_at(level: SimdLevel, x: &mut [f32]) -> (f32, f32) {
     if x.is_empty() {
-        return;
+        return (f32::NEG_INFINITY, 0.0);
     }
     dispatch!(level, softmax_in_place(x))
 }

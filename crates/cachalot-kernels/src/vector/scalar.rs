@@ -53,6 +53,22 @@ pub fn dot_rows(q: &[f32], l: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `dot_rows` for each of the rows `ls`: out[s·H + h] = dot_row(q_h, ls[s]).
+pub fn dot_rows_many(q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
+    let heads = out.len() / ls.len().max(1);
+    for (l, o) in ls.iter().zip(out.chunks_exact_mut(heads.max(1))) {
+        dot_rows(q, l, o);
+    }
+}
+
+/// `axpy_rows` for each of the rows `xs` in order, with the weights p[s·H..(s+1)·H].
+pub fn axpy_rows_many(p: &[f32], xs: &[&[f32]], y: &mut [f32]) {
+    let heads = p.len() / xs.len().max(1);
+    for (x, ps) in xs.iter().zip(p.chunks_exact(heads.max(1))) {
+        axpy_rows(ps, x, y);
+    }
+}
+
 pub fn axpy_rows(p: &[f32], x: &[f32], y: &mut [f32]) {
     let d = x.len();
     for (h, &a) in p.iter().enumerate() {
@@ -85,15 +101,16 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-pub fn softmax_in_place(x: &mut [f32]) {
+pub fn softmax_in_place(x: &mut [f32]) -> (f32, f32) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut acc = [0.0f32; LANES];
     for (i, v) in x.iter_mut().enumerate() {
         *v = (*v - max).exp();
         acc[i % LANES] += *v;
     }
-    let inv = 1.0 / sum_lanes(acc);
-    scale_in_place(x, inv);
+    let sum = sum_lanes(acc);
+    scale_in_place(x, 1.0 / sum);
+    (max, sum)
 }
 
 pub fn rope_deinterleave_in_place(x: &mut [f32], cos: &[f32], sin: &[f32]) {

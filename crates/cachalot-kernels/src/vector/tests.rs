@@ -71,6 +71,54 @@ proptest! {
         }
     }
 
+    /// softmax_in_place_stats: the same bits as softmax_in_place, with the maximum and the
+    /// sum it divided by.
+    #[test]
+    fn softmax_stats_are_the_divisor(x in values(1..60usize, 0.01, 8.0)) {
+        for level in levels() {
+            let mut a = x.clone();
+            softmax_in_place_at(level, &mut a);
+            let mut b = x.clone();
+            let (m, sum) = softmax_in_place_at(level, &mut b);
+            prop_assert_eq!(bits(&a), bits(&b));
+            prop_assert_eq!(m, x.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            let want: f64 = x.iter().map(|&v| ((v - m) as f64).exp()).sum();
+            prop_assert!(close(sum, want, 1e-5, want), "{} vs {}", sum, want);
+        }
+    }
+
+    /// The blocked many-row forms give, at every level, the single-row kernels' bits.
+    #[test]
+    fn many_row_forms_equal_row_by_row((d, heads, n) in (1usize..90, 1usize..11, 0usize..11),
+                                       seed in any::<u64>()) {
+        let mut st = seed | 1;
+        let mut next = move || {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let q: Vec<f32> = (0..heads * d).map(|_| next()).collect();
+        let rows: Vec<Vec<f32>> = (0..n).map(|_| (0..d).map(|_| next()).collect()).collect();
+        let ls: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
+        let p: Vec<f32> = (0..n * heads).map(|_| next()).collect();
+        let y0: Vec<f32> = (0..heads * d).map(|_| next()).collect();
+        for level in levels() {
+            let mut out = vec![f32::NAN; n * heads];
+            dot_rows_many_at(level, &q, &ls, &mut out);
+            let mut y = y0.clone();
+            axpy_rows_many_at(level, &p, &ls, &mut y);
+            let mut y_want = y0.clone();
+            for (s, l) in ls.iter().enumerate() {
+                let mut want = vec![0.0f32; heads];
+                dot_rows_at(level, &q, l, &mut want);
+                prop_assert_eq!(bits(&out[s * heads..(s + 1) * heads]), bits(&want), "{:?} row {}", level, s);
+                axpy_rows_at(level, &p[s * heads..(s + 1) * heads], l, &mut y_want);
+            }
+            prop_assert_eq!(bits(&y), bits(&y_want), "{:?}", level);
+        }
+    }
+
     #[test]
     fn dot_matches_f64((a, b) in (1usize..300).prop_flat_map(|n| (values(n, 0.01, 4.0), values(n, 0.01, 4.0)))) {
         let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
