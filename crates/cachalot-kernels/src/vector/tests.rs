@@ -30,6 +30,17 @@ fn values(
     })
 }
 
+/// Values in [−1, 1) from an xorshift stream seeded by `seed`.
+fn uniform(seed: u64) -> impl FnMut() -> f32 {
+    let mut st = seed | 1;
+    move || {
+        st ^= st << 13;
+        st ^= st >> 7;
+        st ^= st << 17;
+        (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
 fn close(got: f32, want: f64, rel: f64, scale: f64) -> bool {
     (got as f64 - want).abs() <= rel * scale + 1e-30
 }
@@ -39,13 +50,7 @@ proptest! {
     /// equals axpy row by row, bit for bit.
     #[test]
     fn dot_rows_and_axpy_rows((d, rows) in (1usize..90, 1usize..11), seed in any::<u64>()) {
-        let mut st = seed | 1;
-        let mut next = move || {
-            st ^= st << 13;
-            st ^= st >> 7;
-            st ^= st << 17;
-            (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut next = uniform(seed);
         let q: Vec<f32> = (0..rows * d).map(|_| next()).collect();
         let l: Vec<f32> = (0..d).map(|_| next()).collect();
         let p: Vec<f32> = (0..rows).map(|_| next()).collect();
@@ -91,13 +96,7 @@ proptest! {
     #[test]
     fn many_row_forms_equal_row_by_row((d, heads, n) in (1usize..90, 1usize..11, 0usize..11),
                                        seed in any::<u64>()) {
-        let mut st = seed | 1;
-        let mut next = move || {
-            st ^= st << 13;
-            st ^= st >> 7;
-            st ^= st << 17;
-            (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut next = uniform(seed);
         let q: Vec<f32> = (0..heads * d).map(|_| next()).collect();
         let rows: Vec<Vec<f32>> = (0..n).map(|_| (0..d).map(|_| next()).collect()).collect();
         let ls: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
