@@ -289,6 +289,14 @@ impl Loader<'_> {
         Ok(if self.bf16_dot { m.to_bf16_dot() } else { m })
     }
 
+    /// `f(self)` with `bf16_dot` off: what it loads keeps f32 activations.
+    fn with_f32_acts<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let saved = std::mem::replace(&mut self.bf16_dot, false);
+        let r = f(self);
+        self.bf16_dot = saved;
+        r
+    }
+
     /// [`Loader::matrix`] with f32 activations whatever `bf16_dot` says (the MoE gates).
     fn matrix_f32_acts(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let name = format!("{prefix}.weight");
@@ -479,11 +487,16 @@ impl Loader<'_> {
         };
         let indexer = if ratio == 4 {
             let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
-            Some(Indexer {
-                wq_b: self.matrix(&format!("{a}indexer.wq_b"), hi * di, ql)?,
-                weights_proj: self.matrix(&format!("{a}indexer.weights_proj"), hi, h)?,
-                compressor: self.compressor(&format!("{a}indexer.compressor."), cfg, ratio, di)?,
-            })
+            // The indexer picks the top-k compressed entries: its products keep f32
+            // activations under `bf16_dot` (a flipped selection moves logits far more than
+            // the rounding itself), as the MoE gates do.
+            Some(self.with_f32_acts(|l| {
+                Ok(Indexer {
+                    wq_b: l.matrix(&format!("{a}indexer.wq_b"), hi * di, ql)?,
+                    weights_proj: l.matrix(&format!("{a}indexer.weights_proj"), hi, h)?,
+                    compressor: l.compressor(&format!("{a}indexer.compressor."), cfg, ratio, di)?,
+                })
+            })?)
         } else {
             None
         };

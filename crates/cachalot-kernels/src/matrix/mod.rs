@@ -906,6 +906,8 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     }
     // One activation preparation per distinct (x, kind) among the jobs that need one.
     let mut xqs: Vec<(usize, usize, ActKind, Acts)> = vec![(0, 0, ActKind::F32, Acts::F32)];
+    // Keyed by the slice and the matrix width too: the same slice read as tokens of another
+    // width is another preparation (int8 scales are per token).
     let mut xq_of: Vec<usize> = Vec::with_capacity(jobs.len());
     for j in jobs.iter() {
         let kind = ActKind::of(&j.w.data);
@@ -914,9 +916,9 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
             continue;
         }
         let key = (j.x.as_ptr() as usize, j.x.len());
-        let found = xqs
-            .iter()
-            .position(|(p, l, k, _)| (*p, *l, *k) == (key.0, key.1, kind));
+        let found = xqs.iter().position(|(p, l, k, a)| {
+            (*p, *l, *k) == (key.0, key.1, kind) && a.cols() == Some(j.w.cols)
+        });
         xq_of.push(found.unwrap_or_else(|| {
             let acts = Acts::prepare(&j.w.data, j.x, j.n_tokens, j.w.cols);
             xqs.push((key.0, key.1, kind, acts));
@@ -1003,6 +1005,15 @@ pub(crate) enum Acts {
 }
 
 impl Acts {
+    /// The width the activations were prepared for (None for f32, used as given).
+    fn cols(&self) -> Option<usize> {
+        match self {
+            Acts::F32 => None,
+            Acts::Int8(q) => Some(q.cols),
+            Acts::Bf16(b) => Some(b.cols),
+        }
+    }
+
     fn prepare(data: &MatrixData, x: &[f32], n_tokens: usize, cols: usize) -> Acts {
         match ActKind::of(data) {
             ActKind::F32 => Acts::F32,
