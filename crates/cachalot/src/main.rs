@@ -57,8 +57,8 @@ struct ModelArgs {
     #[arg(long)]
     int8_head: bool,
     /// Multiply bf16 weights as BF16 x BF16, activations rounded to bf16 (AVX-512 `vdpbf16ps`
-    /// where the CPU has it), as llama.cpp does with BF16 weights; routers keep f32
-    /// activations. Default: f32 activations, exact products.
+    /// where the CPU has it), as llama.cpp does with BF16 weights; routers (and V4's indexer)
+    /// keep f32 activations. Default: f32 activations, exact products.
     #[arg(long)]
     bf16_dot: bool,
 }
