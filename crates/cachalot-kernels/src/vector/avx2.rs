@@ -170,147 +170,16 @@ pub unsafe fn axpy_rows(p: &[f32], x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// `scalar::dot_rows_many`: tiles of 4 latent rows × 2 heads (8 accumulators), so each load
-/// of a row chunk serves 2 heads and each load of a query chunk 4 rows; every (row, head) sum
-/// runs the operations of `dot_rows` (one 8-lane FMA chain, `hsum`, the tail in order).
-///
-/// # Safety
-/// AVX2 + FMA; every `ls[s]` has `d = q.len() / H` values and `out.len() == ls.len() · H`.
-#[allow(clippy::needless_range_loop)] // parallel indexing of const-size tiles
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_rows_many(q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
-    let n = ls.len();
-    if n == 0 {
-        return;
-    }
-    let heads = out.len() / n;
-    let d = q.len() / heads.max(1);
-    let full = d / 8 * 8;
-    let pq = q.as_ptr();
-    let mut s0 = 0;
-    while s0 < n {
-        let ns = (n - s0).min(4);
-        let mut h0 = 0;
-        while h0 < heads {
-            let nh = (heads - h0).min(2);
-            let mut acc = [[_mm256_setzero_ps(); 2]; 4];
-            let mut c = 0;
-            while c < full {
-                let qv = [
-                    _mm256_loadu_ps(pq.add(h0 * d + c)),
-                    _mm256_loadu_ps(pq.add((h0 + nh - 1) * d + c)),
-                ];
-                for (r, a) in acc.iter_mut().enumerate().take(ns) {
-                    let lv = _mm256_loadu_ps(ls[s0 + r].as_ptr().add(c));
-                    a[0] = _mm256_fmadd_ps(qv[0], lv, a[0]);
-                    a[1] = _mm256_fmadd_ps(qv[1], lv, a[1]);
-                }
-                c += 8;
-            }
-            for (r, a) in acc.iter().enumerate().take(ns) {
-                let l = ls[s0 + r];
-                for k in 0..nh {
-                    let h = h0 + k;
-                    let mut v = hsum(a[k]);
-                    for c in full..d {
-                        v = q[h * d + c].mul_add(l[c], v);
-                    }
-                    out[(s0 + r) * heads + h] = v;
-                }
-            }
-            h0 += nh;
-        }
-        s0 += ns;
-    }
-}
-
-/// `scalar::axpy_rows_many`: tiles of 4 rows × 2 heads; the 8 weights of a tile are broadcast
-/// once, and each chunk of the two output rows is loaded and stored once per 4 rows. Every
-/// output element gets `axpy_rows`'s FMAs in the same row order, so the bits are those of
-/// calling `axpy_rows` row by row.
-///
-/// # Safety
-/// AVX2 + FMA; every `xs[s]` has `d = y.len() / H` values and `p.len() == xs.len() · H`.
-#[allow(clippy::needless_range_loop)] // parallel indexing of const-size tiles
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_rows_many(p: &[f32], xs: &[&[f32]], y: &mut [f32]) {
-    let n = xs.len();
-    if n == 0 {
-        return;
-    }
-    let heads = p.len() / n;
-    let d = y.len() / heads.max(1);
-    let full = d / 8 * 8;
-    let py = y.as_mut_ptr();
-    let mut s0 = 0;
-    while s0 < n {
-        let ns = (n - s0).min(4);
-        let mut h0 = 0;
-        while h0 < heads {
-            let nh = (heads - h0).min(2);
-            let mut pv = [[_mm256_setzero_ps(); 2]; 4];
-            for (r, v) in pv.iter_mut().enumerate().take(ns) {
-                for k in 0..nh {
-                    v[k] = _mm256_set1_ps(p[(s0 + r) * heads + h0 + k]);
-                }
-            }
-            // Two column chunks at a time: four independent FMA chains (one per head and
-            // chunk) hide the FMA latency; each chain adds its rows in order.
-            let mut c = 0;
-            while c + 16 <= full {
-                let mut yv = [[_mm256_setzero_ps(); 2]; 2];
-                for k in 0..nh {
-                    for (u, y) in yv[k].iter_mut().enumerate() {
-                        *y = _mm256_loadu_ps(py.add((h0 + k) * d + c + 8 * u));
-                    }
-                }
-                for (r, v) in pv.iter().enumerate().take(ns) {
-                    let xp = xs[s0 + r].as_ptr().add(c);
-                    let xv = [_mm256_loadu_ps(xp), _mm256_loadu_ps(xp.add(8))];
-                    for k in 0..nh {
-                        for u in 0..2 {
-                            yv[k][u] = _mm256_fmadd_ps(v[k], xv[u], yv[k][u]);
-                        }
-                    }
-                }
-                for k in 0..nh {
-                    for (u, y) in yv[k].iter().enumerate() {
-                        _mm256_storeu_ps(py.add((h0 + k) * d + c + 8 * u), *y);
-                    }
-                }
-                c += 16;
-            }
-            while c < full {
-                let mut yv = [_mm256_setzero_ps(); 2];
-                for k in 0..nh {
-                    yv[k] = _mm256_loadu_ps(py.add((h0 + k) * d + c));
-                }
-                for (r, v) in pv.iter().enumerate().take(ns) {
-                    let xv = _mm256_loadu_ps(xs[s0 + r].as_ptr().add(c));
-                    for k in 0..nh {
-                        yv[k] = _mm256_fmadd_ps(v[k], xv, yv[k]);
-                    }
-                }
-                for k in 0..nh {
-                    _mm256_storeu_ps(py.add((h0 + k) * d + c), yv[k]);
-                }
-                c += 8;
-            }
-            for r in 0..ns {
-                let x = xs[s0 + r];
-                for k in 0..nh {
-                    let a = p[(s0 + r) * heads + h0 + k];
-                    for c in full..d {
-                        let i = (h0 + k) * d + c;
-                        y[i] = a.mul_add(x[c], y[i]);
-                    }
-                }
-            }
-            h0 += nh;
-        }
-        s0 += ns;
-    }
-}
+crate::vector::latent::latent_kernels!(
+    "avx2,fma,f16c",
+    __m256,
+    8,
+    _mm256_setzero_ps,
+    _mm256_loadu_ps,
+    _mm256_storeu_ps,
+    _mm256_fmadd_ps,
+    _mm256_set1_ps
+);
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn scale_in_place(x: &mut [f32], s: f32) {

@@ -3,13 +3,21 @@
 //! DeepSeek's interleaved checkpoint layout, §3.6 SwiGLU experts, §3.7 logits).
 //!
 //! Each public function checks its slice lengths (a mismatch is a programmer error and panics
-//! with a message) and dispatches on [`simd_level`] to an AVX2 kernel (also at the AVX-512 level) or its scalar twin.
+//! with a message) and dispatches on [`simd_level`] to an AVX2 kernel (also at the AVX-512 level,
+//! except the latent-attention kernels, which have 16-lane twins: `vector::latent`) or its scalar
+//! twin.
 //! `argmax` and `log_softmax_at` run once per sequence per step and stay scalar.
 
 pub(crate) mod scalar;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+#[cfg(target_arch = "x86_64")]
+mod latent;
 
 #[cfg(test)]
 mod tests;
@@ -86,10 +94,11 @@ pub(crate) fn axpy_rows_at(level: SimdLevel, p: &[f32], x: &[f32], y: &mut [f32]
     dispatch!(level, axpy_rows(p, x, y))
 }
 
-/// [`dot_rows`] against each of several rows: out\[s·H + h\] = Σ_c q\[h·d + c\]·ls\[s\]\[c\]
-/// (H = `out.len() / ls.len()` query rows of d = `q.len() / H` values), each value
-/// bit-identical to `dot_rows(q, ls[s], ..)[h]`. Blocked over rows and heads, so each loaded
-/// chunk serves several products (attention over a sequence's cached latent rows).
+/// Every query row against each of several rows: out\[s·H + h\] = Σ_c q\[h·d + c\]·ls\[s\]\[c\]
+/// (H = `out.len() / ls.len()` query rows of d = `q.len() / H` values), each sum one chain of
+/// fused multiply-adds over the columns in order (not [`dot_rows`]' lane order: the SIMD
+/// kernels hold heads in lanes, so every level and width gives the same bits). Attention over a
+/// sequence's cached latent rows: each row value is loaded once for 8 or 16 heads.
 pub fn dot_rows_many(q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
     dot_rows_many_at(simd_level(), q, ls, out)
 }
@@ -110,7 +119,26 @@ pub(crate) fn dot_rows_many_at(level: SimdLevel, q: &[f32], ls: &[&[f32]], out: 
         d * heads == q.len() && ls.iter().all(|l| l.len() == d),
         "dot_rows_many: q must hold {heads} rows of each l's length"
     );
-    dispatch!(level, dot_rows_many(q, ls, out))
+    match level {
+        // SAFETY: as in `dispatch!`; `Avx512` implies AVX-512 F (lengths checked above).
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 if heads > 8 => unsafe { avx512::dot_rows_many(q, ls, out) },
+        _ => dispatch!(level, dot_rows_many(q, ls, out)),
+    }
+}
+
+/// The `heads` query rows of `q` (each `q.len() / heads` long) column-major with `hp ≥ heads`
+/// lanes per column, the padding lanes zero: `t[c·hp + h] = q[h·d + c]`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn heads_in_lanes(q: &[f32], heads: usize, hp: usize) -> Vec<f32> {
+    let d = q.len() / heads.max(1);
+    let mut t = vec![0.0f32; d * hp];
+    for (h, row) in q.chunks_exact(d.max(1)).enumerate().take(heads) {
+        for (c, &v) in row.iter().enumerate() {
+            t[c * hp + h] = v;
+        }
+    }
+    t
 }
 
 /// [`axpy_rows`] of several rows in order: y\[h·d + c\] += Σ_s p\[s·H + h\]·xs\[s\]\[c\],
@@ -135,7 +163,12 @@ pub(crate) fn axpy_rows_many_at(level: SimdLevel, p: &[f32], xs: &[&[f32]], y: &
         d * heads == y.len() && xs.iter().all(|x| x.len() == d),
         "axpy_rows_many: y must hold {heads} rows of each x's length"
     );
-    dispatch!(level, axpy_rows_many(p, xs, y))
+    match level {
+        // SAFETY: as in `dispatch!`; `Avx512` implies AVX-512 F (lengths checked above).
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 => unsafe { avx512::axpy_rows_many(p, xs, y) },
+        _ => dispatch!(level, axpy_rows_many(p, xs, y)),
+    }
 }
 
 /// x *= s.

@@ -53,11 +53,19 @@ pub fn dot_rows(q: &[f32], l: &[f32], out: &mut [f32]) {
     }
 }
 
-/// `dot_rows` for each of the rows `ls`: out[s·H + h] = dot_row(q_h, ls[s]).
+/// out[s·H + h] = Σ_c q[h·d + c]·ls[s][c] as one chain of fused multiply-adds over the columns
+/// in order, from 0 (the SIMD kernels put heads in lanes, so every level runs this chain).
 pub fn dot_rows_many(q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
     let heads = out.len() / ls.len().max(1);
+    let d = q.len() / heads.max(1);
     for (l, o) in ls.iter().zip(out.chunks_exact_mut(heads.max(1))) {
-        dot_rows(q, l, o);
+        for (h, o) in o.iter_mut().enumerate() {
+            let qh = &q[h * d..(h + 1) * d];
+            *o = qh
+                .iter()
+                .zip(*l)
+                .fold(0.0f32, |v, (&a, &b)| a.mul_add(b, v));
+        }
     }
 }
 
