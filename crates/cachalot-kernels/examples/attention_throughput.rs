@@ -1,4 +1,5 @@
-//! Throughput of the latent-attention kernels (`dot_rows_many`, `axpy_rows_many`) on one
+//! Throughput of the latent-attention kernels (`dot_rows_many`, `dot_rows_lanes`,
+//! `axpy_rows_many`) on one
 //! thread: H heads against a chunk of cached latent rows, as the absorbed MLA decode step runs
 //! them (16 heads, rows of 576 = 512 + 64 scored, 512 added).
 //!
@@ -8,7 +9,7 @@
 
 use std::time::Instant;
 
-use cachalot_kernels::{axpy_rows_many, dot_rows_many, simd_level};
+use cachalot_kernels::{axpy_rows_many, dot_rows_lanes, dot_rows_many, simd_level, HeadLanes};
 
 fn main() {
     let args: Vec<usize> = std::env::args()
@@ -38,6 +39,8 @@ fn main() {
             .fold(f64::INFINITY, f64::min)
     };
     let td = best(&mut || dot_rows_many(&q, &rows, &mut scores));
+    let lanes = HeadLanes::new(&q, heads);
+    let tl = best(&mut || dot_rows_lanes(&lanes, &rows, &mut scores));
     let ta = best(&mut || axpy_rows_many(&p, &ckv, &mut y));
     println!(
         "{heads} heads x {n} rows, simd level {}",
@@ -48,6 +51,11 @@ fn main() {
         "dot_rows_many  {:8.1} us  {:6.2} GFMA/s",
         td * 1e6,
         g(heads * n * width, td)
+    );
+    println!(
+        "dot_rows_lanes {:8.1} us  {:6.2} GFMA/s (queries already in lanes)",
+        tl * 1e6,
+        g(heads * n * width, tl)
     );
     println!(
         "axpy_rows_many {:8.1} us  {:6.2} GFMA/s",

@@ -1057,7 +1057,7 @@ impl DeepseekV3 {
         }
         // 2. Attention over the latent cache (MQA: a cached row is every head's key and value,
         // spec §3.4), split into work units of (token, chunk of ATTN_CHUNK positions, group of
-        // heads). A unit reads each of its rows once for all its heads (`dot_rows_many` scores
+        // heads). A unit reads each of its rows once for all its heads (`dot_rows_lanes` scores
         // them, `axpy_rows_many` adds them into ō) and keeps a chunk's softmax max and sum, so
         // chunks merge exactly as one softmax would (up to rounding). The chunking depends
         // only on the context length and heads are independent, so results do not depend on
@@ -1077,19 +1077,27 @@ impl DeepseekV3 {
         let threads = rayon::current_num_threads();
         let per_group = n.div_ceil((threads / chunks.len().max(1)).clamp(1, n));
         let groups = n.div_ceil(per_group);
+        // Each (token, head group)'s queries in vector lanes, once for all its chunks.
+        let head_range = |g: usize| g * per_group..((g + 1) * per_group).min(n);
+        let lanes: Vec<k::HeadLanes> = (0..tq * groups)
+            .into_par_iter()
+            .map(|i| {
+                let (t, heads) = (i / groups, head_range(i % groups));
+                let qrows = &qc[(t * n + heads.start) * width..(t * n + heads.end) * width];
+                k::HeadLanes::new(qrows, heads.len())
+            })
+            .collect();
         let partials: Vec<ChunkPartial> = (0..chunks.len() * groups)
             .into_par_iter()
             .map(|u| {
                 let (t, si, range) = &chunks[u / groups];
-                let heads = (u % groups) * per_group..((u % groups + 1) * per_group).min(n);
-                let gh = heads.len();
+                let gh = head_range(u % groups).len();
                 let latents = seqs[*si].latents;
                 let rows: Vec<&[f32]> = range.clone().map(|s| latents.row(s)).collect();
                 let ckv: Vec<&[f32]> = rows.iter().map(|r| &r[..kvr]).collect();
                 let len = rows.len();
-                let qrows = &qc[(t * n + heads.start) * width..(t * n + heads.end) * width];
                 let mut by_pos = vec![0.0f32; len * gh];
-                k::dot_rows_many(qrows, &rows, &mut by_pos);
+                k::dot_rows_lanes(&lanes[t * groups + u % groups], &rows, &mut by_pos);
                 let mut by_head = vec![0.0f32; gh * len];
                 for (s, sc) in by_pos.chunks_exact(gh).enumerate() {
                     for (j, &v) in sc.iter().enumerate() {

@@ -1,9 +1,9 @@
-//! The latent-attention kernels (`dot_rows_many`, `axpy_rows_many`) written once for any f32
+//! The latent-attention kernels (`dot_rows_lanes` for `dot_rows_many`, `axpy_rows_many`) written once for any f32
 //! vector width: `latent_kernels!` expands them inside `avx2.rs` (8 lanes) and `avx512.rs` (16
 //! lanes). Neither sum depends on the width, so every level gives the scalar twin's bits:
 //!
 //! - `dot_rows_many` holds heads in lanes: the queries transposed to column-major
-//!   ([`super::heads_in_lanes`]), a tile of R latent rows × LANES heads keeps R accumulators, and
+//!   ([`super::HeadLanes`]), a tile of R latent rows × LANES heads keeps R accumulators, and
 //!   each column broadcasts one value of each row into an FMA with the heads' query values, so
 //!   every (row, head) sum is one FMA chain over the columns in order (`scalar::dot_rows_many`).
 //! - `axpy_rows_many` runs tiles of up to 8 rows × 2 heads over passes of 4·LANES columns (eight
@@ -21,34 +21,38 @@
 macro_rules! latent_kernels {
     ($feat:literal, $v:ty, $lanes:literal, $zero:ident, $load:ident, $store:ident, $fma:ident,
      $set1:ident) => {
-        /// `scalar::dot_rows_many` with heads in lanes (`vector::latent`).
+        /// `scalar::dot_rows_many` with heads in lanes (`vector::latent`), from the queries
+        /// column-major with `hp` lanes per column (`HeadLanes`).
         ///
         /// # Safety
-        /// The CPU has this module's features; every `ls[s]` has `d = q.len() / H` values and
-        /// `out.len() == ls.len() · H`.
+        /// The CPU has this module's features; `qt` holds `d·hp` values with `hp` a multiple
+        /// of LANES, every `ls[s]` has `d` values, and `out.len() == ls.len() · H` with H ≤ hp.
         #[target_feature(enable = $feat)]
-        pub unsafe fn dot_rows_many(q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
+        pub unsafe fn dot_rows_lanes(
+            qt: &[f32],
+            hp: usize,
+            d: usize,
+            ls: &[&[f32]],
+            out: &mut [f32],
+        ) {
             let n = ls.len();
             if n == 0 {
                 return;
             }
             let heads = out.len() / n;
-            let d = q.len() / heads.max(1);
-            let hp = heads.div_ceil($lanes) * $lanes;
-            let qt = crate::vector::heads_in_lanes(q, heads, hp);
             let mut hb = 0;
             while hb < heads {
                 let mut s0 = 0;
                 while s0 + 8 <= n {
-                    dot_heads_tile::<8>(&qt, hp, hb, d, ls, s0, out);
+                    dot_heads_tile::<8>(qt, hp, hb, d, ls, s0, out);
                     s0 += 8;
                 }
                 if s0 + 4 <= n {
-                    dot_heads_tile::<4>(&qt, hp, hb, d, ls, s0, out);
+                    dot_heads_tile::<4>(qt, hp, hb, d, ls, s0, out);
                     s0 += 4;
                 }
                 while s0 < n {
-                    dot_heads_tile::<1>(&qt, hp, hb, d, ls, s0, out);
+                    dot_heads_tile::<1>(qt, hp, hb, d, ls, s0, out);
                     s0 += 1;
                 }
                 hb += $lanes;

@@ -105,40 +105,76 @@ pub fn dot_rows_many(q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
 
 pub(crate) fn dot_rows_many_at(level: SimdLevel, q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
     let heads = out.len().checked_div(ls.len()).unwrap_or(0);
+    if ls.is_empty() {
+        assert!(
+            out.is_empty(),
+            "dot_rows_many: no rows, but out holds {}",
+            out.len()
+        );
+        return;
+    }
+    dot_rows_lanes_at(level, &HeadLanes::new(q, heads), ls, out)
+}
+
+/// Query rows held for [`dot_rows_lanes`]: column-major, `hp` (a multiple of 16 ≥ heads) lanes
+/// per column, the padding lanes zero (`t[c·hp + h] = q[h·d + c]`). Built once per query and
+/// scored against any number of row sets (the chunks of an attention context).
+pub struct HeadLanes {
+    t: Vec<f32>,
+    heads: usize,
+    d: usize,
+    hp: usize,
+}
+
+impl HeadLanes {
+    /// The `heads` rows of `q` (each `q.len() / heads` values).
+    pub fn new(q: &[f32], heads: usize) -> HeadLanes {
+        assert!(
+            heads > 0 && q.len().is_multiple_of(heads),
+            "HeadLanes: q ({} values) must hold {heads} rows",
+            q.len()
+        );
+        let d = q.len() / heads;
+        let hp = heads.div_ceil(16) * 16;
+        let mut t = vec![0.0f32; d * hp];
+        for (c, col) in t.chunks_exact_mut(hp).enumerate() {
+            for (h, v) in col[..heads].iter_mut().enumerate() {
+                *v = q[h * d + c];
+            }
+        }
+        HeadLanes { t, heads, d, hp }
+    }
+}
+
+/// [`dot_rows_many`] from queries already in lanes: out\[s·H + h\] = Σ_c q\[h·d + c\]·ls\[s\]\[c\],
+/// the same bits as `dot_rows_many` on the row-major queries.
+pub fn dot_rows_lanes(q: &HeadLanes, ls: &[&[f32]], out: &mut [f32]) {
+    dot_rows_lanes_at(simd_level(), q, ls, out)
+}
+
+pub(crate) fn dot_rows_lanes_at(level: SimdLevel, q: &HeadLanes, ls: &[&[f32]], out: &mut [f32]) {
+    let (heads, d, hp) = (q.heads, q.d, q.hp);
     assert!(
-        heads * ls.len() == out.len() && heads > 0 || ls.is_empty() && out.is_empty(),
-        "dot_rows_many: out must hold ls.len() ({}) x heads values, got {}",
+        out.len() == ls.len() * heads,
+        "dot_rows_many: out must hold ls.len() ({}) x {heads} heads values, got {}",
         ls.len(),
         out.len()
+    );
+    assert!(
+        ls.iter().all(|l| l.len() == d),
+        "dot_rows_many: every row must hold the queries' {d} values"
     );
     if ls.is_empty() {
         return;
     }
-    let d = q.len() / heads;
-    assert!(
-        d * heads == q.len() && ls.iter().all(|l| l.len() == d),
-        "dot_rows_many: q must hold {heads} rows of each l's length"
-    );
+    let qt = &q.t[..];
     match level {
-        // SAFETY: as in `dispatch!`; `Avx512` implies AVX-512 F (lengths checked above).
+        // SAFETY: as in `dispatch!`; `Avx512` implies AVX-512 F (lengths checked above;
+        // `qt` holds d·hp values, hp a multiple of 16).
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 if heads > 8 => unsafe { avx512::dot_rows_many(q, ls, out) },
-        _ => dispatch!(level, dot_rows_many(q, ls, out)),
+        SimdLevel::Avx512 if heads > 8 => unsafe { avx512::dot_rows_lanes(qt, hp, d, ls, out) },
+        _ => dispatch!(level, dot_rows_lanes(qt, hp, d, ls, out)),
     }
-}
-
-/// The `heads` query rows of `q` (each `q.len() / heads` long) column-major with `hp ≥ heads`
-/// lanes per column, the padding lanes zero: `t[c·hp + h] = q[h·d + c]`.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn heads_in_lanes(q: &[f32], heads: usize, hp: usize) -> Vec<f32> {
-    let d = q.len() / heads.max(1);
-    let mut t = vec![0.0f32; d * hp];
-    for (h, row) in q.chunks_exact(d.max(1)).enumerate().take(heads) {
-        for (c, &v) in row.iter().enumerate() {
-            t[c * hp + h] = v;
-        }
-    }
-    t
 }
 
 /// [`axpy_rows`] of several rows in order: y\[h·d + c\] += Σ_s p\[s·H + h\]·xs\[s\]\[c\],

@@ -53,8 +53,20 @@ pub fn dot_rows(q: &[f32], l: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `dot_rows_many` from the queries in lanes (`HeadLanes`: `qt[c·hp + h]`), the same chains.
+pub fn dot_rows_lanes(qt: &[f32], hp: usize, d: usize, ls: &[&[f32]], out: &mut [f32]) {
+    let heads = out.len() / ls.len().max(1);
+    for (l, o) in ls.iter().zip(out.chunks_exact_mut(heads.max(1))) {
+        for (h, o) in o.iter_mut().enumerate() {
+            *o = (0..d).fold(0.0f32, |v, c| qt[c * hp + h].mul_add(l[c], v));
+        }
+    }
+}
+
+/// The tests' reference for `dot_rows_many`:
 /// out[s·H + h] = Σ_c q[h·d + c]·ls[s][c] as one chain of fused multiply-adds over the columns
 /// in order, from 0 (the SIMD kernels put heads in lanes, so every level runs this chain).
+#[cfg(test)]
 pub fn dot_rows_many(q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
     let heads = out.len() / ls.len().max(1);
     let d = q.len() / heads.max(1);
