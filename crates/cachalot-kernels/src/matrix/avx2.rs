@@ -539,6 +539,14 @@ unsafe fn chunk<W: Weights16, const NT: usize, const NC: usize>(ctx: &TCtx, c: u
         .add(ctx.rows.start * row_bytes + bytes_of::<W>(c));
     debug_assert_eq!(ctx.coef.len(), ctx.rows.len() * NT);
     for i in 0..ctx.rows.len() {
+        // The same columns of the row one pass further on: passes walk the rows in blocks of
+        // T_ROW_BLOCK, so this is the data the next pass needs (hardware prefetchers follow
+        // neither the column chunks across rows nor a pass's jump back to its first column).
+        let mut off = 0;
+        while off < NC * W::BYTES16 {
+            prefetch_ahead(p, T_ROW_BLOCK * row_bytes + off);
+            off += 64;
+        }
         let mut a = [zero; NT];
         for t in 0..NT {
             a[t] = _mm256_set1_ps(*ctx.coef.get_unchecked(i * NT + t));
