@@ -1,6 +1,6 @@
-//! AVX-512 twins of the latent-attention kernels (`dot_rows_many`, `axpy_rows_many`, written
-//! once in `vector::latent` for any width), which
-//! dominate absorbed MLA decode once the context is a few hundred positions long. Both are
+//! AVX-512 twins of the latent-attention kernels (`dot_rows_lanes`, `axpy_rows_many`, written
+//! once in `vector::latent` for any width), which dominate absorbed MLA decode once the
+//! context is a few hundred positions long. Both are
 //! bit-identical to their AVX2 and scalar twins, because neither sum depends on the vector
 //! width: `dot_rows_many` holds heads in lanes (each (row, head) sum is one FMA chain over the
 //! columns in order), and `axpy_rows_many` gives every output element its rows' FMAs in row

@@ -156,13 +156,13 @@ pub(crate) fn dot_rows_lanes_at(level: SimdLevel, q: &HeadLanes, ls: &[&[f32]], 
     let (heads, d, hp) = (q.heads, q.d, q.hp);
     assert!(
         out.len() == ls.len() * heads,
-        "dot_rows_many: out must hold ls.len() ({}) x {heads} heads values, got {}",
+        "dot_rows_lanes: out must hold ls.len() ({}) x {heads} heads values, got {}",
         ls.len(),
         out.len()
     );
     assert!(
         ls.iter().all(|l| l.len() == d),
-        "dot_rows_many: every row must hold the queries' {d} values"
+        "dot_rows_lanes: every row must hold the queries' {d} values"
     );
     if ls.is_empty() {
         return;
