@@ -264,6 +264,10 @@ unsafe fn tile<W: Weights16x512, const R: usize, const NT: usize>(
         wp[i] = w.data.as_ptr().add((row0 + i) * row_bytes);
         row_scales[i] = w.scales.row(row0 + i);
     }
+    // The running totals live in memory, touched once per segment: in registers beside the
+    // 16 accumulators of the 4 × 4 tile they took the register file's last slots, and the
+    // compiler spilled accumulators instead, storing and reloading one every 16 columns (a
+    // dependent store-load chain in the inner loop). Same operations, same bits.
     let mut total = [[_mm256_setzero_ps(); NT]; R];
     let mut c0 = 0;
     let mut segment = 0;
@@ -310,7 +314,9 @@ unsafe fn tile<W: Weights16x512, const R: usize, const NT: usize>(
         for i in 0..R {
             let scale = _mm256_set1_ps(row_scales[i].get(segment) * W::FACTOR);
             for t in 0..NT {
-                total[i][t] = fold(acc[i][t], scale, total[i][t]);
+                let p = std::ptr::addr_of_mut!(total[i][t]);
+                // SAFETY: `p` points at a live, aligned local.
+                std::ptr::write_volatile(p, fold(acc[i][t], scale, std::ptr::read_volatile(p)));
             }
         }
         c0 = c1;
