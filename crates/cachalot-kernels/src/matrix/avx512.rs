@@ -233,16 +233,18 @@ unsafe fn row_tiles<W: Weights16x512, const R: usize, const NT: usize>(
     }
 }
 
-#[inline]
+/// One bounds-checked slice per token (the tile's rows are consecutive in the output).
+#[inline(always)]
 unsafe fn write_tile<const R: usize, const NT: usize>(
     out: &OutRows,
     t0: usize,
     r: usize,
     res: &[[f32; NT]; R],
 ) {
-    for i in 0..R {
-        for t in 0..NT {
-            out.write(t0 + t, r + i, res[i][t]);
+    for t in 0..NT {
+        let dst = out.rows_mut(t0 + t, r, R);
+        for i in 0..R {
+            dst[i] = res[i][t];
         }
     }
 }

@@ -1096,4 +1096,15 @@ impl OutRows<'_, '_> {
     pub unsafe fn write(&self, t: usize, r: usize, v: f32) {
         self.out.write(t * self.stride + (r - self.first_row), v);
     }
+
+    /// The results of rows `r..r + n` for token `t`.
+    ///
+    /// # Safety
+    /// Rows `r..r + n` belong to the calling task (see [`DisjointOut`]).
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn rows_mut(&self, t: usize, r: usize, n: usize) -> &mut [f32] {
+        self.out
+            .slice_mut(t * self.stride + (r - self.first_row), n)
+    }
 }
