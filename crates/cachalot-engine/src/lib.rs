@@ -3,6 +3,7 @@
 //! KV block pool, [`kv_pool`], planned by the pure-logic [`scheduler`]); [`generate::generate`]
 //! is the one-request loop the CLI's `generate` and `chat` use.
 
+pub mod comm;
 pub mod engine;
 pub mod generate;
 pub mod kv_pool;
@@ -11,6 +12,7 @@ pub mod reasoning;
 pub mod sampler;
 pub mod scheduler;
 
+pub use comm::{CommError, Communicator, SingleProcess, TcpComm, TcpRendezvous};
 pub use engine::{Engine, EngineConfig, Model, Request, RequestOutput, StepReport};
 pub use generate::{generate, generate_mtp, FinishReason, Generation, StopConditions, TextStream};
 pub use reasoning::{ReasoningSplitter, Segment};

@@ -1,0 +1,516 @@
+//! The parallel runtime's collectives: the [`Communicator`] trait the engine and the model call
+//! for anything that crosses ranks, a single-process backend where every collective is the
+//! identity ([`SingleProcess`]), and a TCP backend for several processes on one or more hosts
+//! ([`TcpComm`]). An MPI backend is another implementation of the same trait (DESIGN.md, "Ranks").
+//!
+//! Spec: `executor.md` §1 (parallel sizes: `world_size`, data-parallel request shards) and §3
+//! (offline runs report tokens/s per rank). What runs over it today: data-parallel offline runs
+//! (`cachalot run --ranks N`), each rank serving its shard of the requests and rank 0 gathering
+//! the outputs and figures. Tensor and expert parallelism will reduce activations through
+//! [`Communicator::all_reduce_sum`] without changing this interface.
+//!
+//! TcpComm is a star through rank 0: every collective sends each rank's part to rank 0, which
+//! combines the parts in rank order (so a sum is the same bits on every rank and in every run)
+//! and sends the result back. Frames are a little-endian u64 length and the bytes. A rank that
+//! disconnects, or sends a frame that does not fit the collective, fails the collective on every
+//! rank with an error that names it.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// A communication error: names the rank or address and what went wrong.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CommError(pub String);
+
+pub type CommResult<T> = Result<T, CommError>;
+
+/// Collectives over the ranks of one parallel group. Every rank must call the same collectives
+/// in the same order (as with MPI).
+pub trait Communicator: Send + Sync {
+    /// This process's rank, 0..world_size.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world_size(&self) -> usize;
+    /// Every rank's bytes, in rank order, on every rank.
+    fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>>;
+    /// Element-wise sum over ranks, added in rank order (the same bits on every rank).
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> CommResult<()> {
+        let parts = self.all_gather(&f32_bytes(buf))?;
+        let mut sum: Option<Vec<f32>> = None;
+        for (r, p) in parts.iter().enumerate() {
+            let v = bytes_f32(p).ok_or_else(|| {
+                CommError(format!(
+                    "all_reduce_sum: rank {r} sent {} bytes, expected {} (4 per value)",
+                    p.len(),
+                    buf.len() * 4
+                ))
+            })?;
+            if v.len() != buf.len() {
+                return Err(CommError(format!(
+                    "all_reduce_sum: rank {r} sent {} values, this rank {}",
+                    v.len(),
+                    buf.len()
+                )));
+            }
+            match &mut sum {
+                None => sum = Some(v),
+                Some(s) => s.iter_mut().zip(&v).for_each(|(a, b)| *a += b),
+            }
+        }
+        if let Some(s) = sum {
+            buf.copy_from_slice(&s);
+        }
+        Ok(())
+    }
+    /// Rank `root`'s bytes on every rank.
+    fn broadcast(&self, root: usize, mine: &[u8]) -> CommResult<Vec<u8>> {
+        let n = self.world_size();
+        if root >= n {
+            return Err(CommError(format!(
+                "broadcast: root {root} is outside 0..{n}"
+            )));
+        }
+        let mine = if self.rank() == root { mine } else { &[] };
+        Ok(self.all_gather(mine)?.swap_remove(root))
+    }
+    /// Returns when every rank has called it.
+    fn barrier(&self) -> CommResult<()> {
+        self.all_gather(&[]).map(|_| ())
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bytes_f32(b: &[u8]) -> Option<Vec<f32>> {
+    if !b.len().is_multiple_of(4) {
+        return None;
+    }
+    Some(
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    )
+}
+
+/// One process, one rank: every collective returns this rank's own data.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SingleProcess;
+
+impl Communicator for SingleProcess {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
+        Ok(vec![mine.to_vec()])
+    }
+    fn all_reduce_sum(&self, _buf: &mut [f32]) -> CommResult<()> {
+        Ok(())
+    }
+}
+
+/// Where and how the ranks of a [`TcpComm`] group meet.
+#[derive(Clone, Debug)]
+pub struct TcpRendezvous {
+    pub rank: usize,
+    pub world_size: usize,
+    /// Rank 0 listens here (`host:port`); the others connect to it.
+    pub master: String,
+    /// How long rank 0 waits for everyone, and the others retry connecting.
+    pub timeout: Duration,
+}
+
+/// Largest frame accepted (a corrupt length must not allocate without bound).
+const MAX_FRAME: u64 = 1 << 36;
+
+struct Peer {
+    rank: usize,
+    reader: BufReader<TcpStream>,
+    writer: BufWriter<TcpStream>,
+}
+
+/// The TCP backend (see the module documentation).
+pub struct TcpComm {
+    rank: usize,
+    world_size: usize,
+    /// Rank 0: one connection per other rank, in rank order. Others: the one to rank 0.
+    peers: Mutex<Vec<Peer>>,
+}
+
+impl TcpComm {
+    /// Joins the group: rank 0 binds `master` and accepts the other ranks; they connect
+    /// (retrying until the timeout, so the ranks may start in any order).
+    pub fn connect(rv: &TcpRendezvous) -> CommResult<TcpComm> {
+        check_ranks(rv.rank, rv.world_size)?;
+        if rv.rank == 0 {
+            let listener = TcpListener::bind(&rv.master).map_err(|e| {
+                CommError(format!(
+                    "rank 0: cannot listen on {} ({e}); give a free host:port with --master",
+                    rv.master
+                ))
+            })?;
+            Self::accept(listener, rv.world_size, rv.timeout)
+        } else {
+            let deadline = Instant::now() + rv.timeout;
+            let stream = loop {
+                let addrs: Vec<_> = rv
+                    .master
+                    .to_socket_addrs()
+                    .map_err(|e| {
+                        CommError(format!("rank {}: bad master {:?}: {e}", rv.rank, rv.master))
+                    })?
+                    .collect();
+                match TcpStream::connect(&addrs[..]) {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(CommError(format!(
+                            "rank {}: could not reach rank 0 at {} within {:?} ({e})",
+                            rv.rank, rv.master, rv.timeout
+                        )))
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            };
+            let mut peer = peer(stream, 0)?;
+            let hello = [rv.rank as u64, rv.world_size as u64]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>();
+            send(&mut peer, &hello)?;
+            Ok(TcpComm {
+                rank: rv.rank,
+                world_size: rv.world_size,
+                peers: Mutex::new(vec![peer]),
+            })
+        }
+    }
+
+    /// Rank 0 of a group whose listener is already bound (a launcher binds port 0 and hands the
+    /// chosen port to the ranks it starts).
+    pub fn accept(
+        listener: TcpListener,
+        world_size: usize,
+        timeout: Duration,
+    ) -> CommResult<TcpComm> {
+        Self::accept_checked(listener, world_size, timeout, &mut || None)
+    }
+
+    /// [`TcpComm::accept`], giving up as soon as `failed` says why (a launcher checks that the
+    /// ranks it started are still alive).
+    pub fn accept_checked(
+        listener: TcpListener,
+        world_size: usize,
+        timeout: Duration,
+        failed: &mut dyn FnMut() -> Option<String>,
+    ) -> CommResult<TcpComm> {
+        check_ranks(0, world_size)?;
+        let addr = listener
+            .local_addr()
+            .map_or("?".to_string(), |a| a.to_string());
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| CommError(format!("rank 0: listener on {addr}: {e}")))?;
+        let deadline = Instant::now() + timeout;
+        let mut slots: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
+        let mut joined = 1;
+        while joined < world_size {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    stream
+                        .set_nonblocking(false)
+                        .map_err(|e| CommError(format!("rank 0: connection from {from}: {e}")))?;
+                    let mut p = peer(stream, usize::MAX)?;
+                    let hello = recv(&mut p)?;
+                    let words: Vec<u64> = hello
+                        .chunks_exact(8)
+                        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                        .collect();
+                    let (r, n) = match words[..] {
+                        [r, n] => (r as usize, n as usize),
+                        _ => {
+                            return Err(CommError(format!(
+                                "rank 0: {from} sent a {}-byte greeting, not a rank",
+                                hello.len()
+                            )))
+                        }
+                    };
+                    if n != world_size || r == 0 || r >= world_size {
+                        return Err(CommError(format!(
+                            "rank 0: {from} says it is rank {r} of {n}; this group has \
+                             world size {world_size} (ranks 1..{world_size} connect)"
+                        )));
+                    }
+                    if slots[r].is_some() {
+                        return Err(CommError(format!(
+                            "rank 0: two processes claim rank {r} (the second from {from})"
+                        )));
+                    }
+                    p.rank = r;
+                    slots[r] = Some(p);
+                    joined += 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if let Some(why) = failed() {
+                        return Err(CommError(format!("rank 0: {why}")));
+                    }
+                    if Instant::now() >= deadline {
+                        let missing: Vec<usize> =
+                            (1..world_size).filter(|&r| slots[r].is_none()).collect();
+                        return Err(CommError(format!(
+                            "rank 0: ranks {missing:?} did not connect to {addr} within \
+                             {timeout:?}"
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => return Err(CommError(format!("rank 0: accept on {addr}: {e}"))),
+            }
+        }
+        Ok(TcpComm {
+            rank: 0,
+            world_size,
+            peers: Mutex::new(slots.into_iter().flatten().collect()),
+        })
+    }
+}
+
+fn check_ranks(rank: usize, world_size: usize) -> CommResult<()> {
+    if world_size == 0 || rank >= world_size {
+        return Err(CommError(format!(
+            "rank {rank} of world size {world_size}: the rank must be in 0..world_size"
+        )));
+    }
+    Ok(())
+}
+
+fn peer(stream: TcpStream, rank: usize) -> CommResult<Peer> {
+    let _ = stream.set_nodelay(true);
+    let clone = stream
+        .try_clone()
+        .map_err(|e| CommError(format!("socket to rank {rank}: {e}")))?;
+    Ok(Peer {
+        rank,
+        reader: BufReader::new(clone),
+        writer: BufWriter::new(stream),
+    })
+}
+
+fn send(p: &mut Peer, bytes: &[u8]) -> CommResult<()> {
+    let r = p.rank;
+    let err = |e: std::io::Error| CommError(format!("sending to rank {r}: {e}"));
+    p.writer
+        .write_all(&(bytes.len() as u64).to_le_bytes())
+        .map_err(err)?;
+    p.writer.write_all(bytes).map_err(err)?;
+    p.writer.flush().map_err(err)
+}
+
+fn recv(p: &mut Peer) -> CommResult<Vec<u8>> {
+    let r = p.rank;
+    let err = |e: std::io::Error| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            CommError(format!(
+                "rank {r} closed the connection (it exited or failed; see its log)"
+            ))
+        } else {
+            CommError(format!("receiving from rank {r}: {e}"))
+        }
+    };
+    let mut len = [0u8; 8];
+    p.reader.read_exact(&mut len).map_err(err)?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_FRAME {
+        return Err(CommError(format!(
+            "rank {r} sent a frame of {len} bytes (corrupt stream?)"
+        )));
+    }
+    let mut buf = vec![0u8; len as usize];
+    p.reader.read_exact(&mut buf).map_err(err)?;
+    Ok(buf)
+}
+
+/// Concatenated parts: a u64 count, then each part as a u64 length and its bytes.
+fn pack(parts: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = (parts.len() as u64).to_le_bytes().to_vec();
+    for p in parts {
+        out.extend_from_slice(&(p.len() as u64).to_le_bytes());
+        out.extend_from_slice(p);
+    }
+    out
+}
+
+fn unpack(b: &[u8], expect: usize) -> CommResult<Vec<Vec<u8>>> {
+    let bad = || CommError("rank 0 sent a malformed gathered frame".to_string());
+    let word = |at: usize| -> CommResult<u64> {
+        b.get(at..at + 8)
+            .map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
+            .ok_or_else(bad)
+    };
+    let n = word(0)? as usize;
+    if n != expect {
+        return Err(bad());
+    }
+    let mut at = 8;
+    let mut parts = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len = word(at)? as usize;
+        at += 8;
+        parts.push(b.get(at..at + len).ok_or_else(bad)?.to_vec());
+        at += len;
+    }
+    Ok(parts)
+}
+
+impl Communicator for TcpComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+    fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if self.rank == 0 {
+            let mut parts = vec![mine.to_vec()];
+            for p in peers.iter_mut() {
+                parts.push(recv(p)?);
+            }
+            let packed = pack(&parts);
+            for p in peers.iter_mut() {
+                send(p, &packed)?;
+            }
+            Ok(parts)
+        } else {
+            let root = &mut peers[0];
+            send(root, mine)?;
+            unpack(&recv(root)?, self.world_size)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A TcpComm group of `n` ranks on threads of this process (rank 0 on port 0).
+    fn group(n: usize) -> Vec<TcpComm> {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let master = listener.local_addr().unwrap().to_string();
+        let others: Vec<_> = (1..n)
+            .map(|rank| {
+                let rv = TcpRendezvous {
+                    rank,
+                    world_size: n,
+                    master: master.clone(),
+                    timeout: Duration::from_secs(10),
+                };
+                std::thread::spawn(move || TcpComm::connect(&rv).unwrap())
+            })
+            .collect();
+        let root = TcpComm::accept(listener, n, Duration::from_secs(10)).unwrap();
+        let mut all = vec![root];
+        all.extend(others.into_iter().map(|h| h.join().unwrap()));
+        all
+    }
+
+    #[test]
+    fn single_process_collectives_are_the_identity() {
+        let c = SingleProcess;
+        assert_eq!(c.all_gather(b"abc").unwrap(), vec![b"abc".to_vec()]);
+        let mut v = [1.5f32, -2.0];
+        c.all_reduce_sum(&mut v).unwrap();
+        assert_eq!(v, [1.5, -2.0]);
+        assert_eq!(c.broadcast(0, b"x").unwrap(), b"x".to_vec());
+        assert!(c.broadcast(1, b"x").is_err());
+        c.barrier().unwrap();
+    }
+
+    #[test]
+    fn tcp_group_gathers_reduces_and_broadcasts_in_rank_order() {
+        let n = 4;
+        let comms = group(n);
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    let r = c.rank();
+                    // Parts of different lengths, an empty one included.
+                    let mine = vec![r as u8; r * 3];
+                    let all = c.all_gather(&mine).unwrap();
+                    let want: Vec<Vec<u8>> = (0..n).map(|q| vec![q as u8; q * 3]).collect();
+                    assert_eq!(all, want, "rank {r}");
+                    // Sum in rank order: 0.1 + 1e8 - 1e8 + 0.3 differs from other orders.
+                    let vals = [0.1f32, 1e8, -1e8, 0.3];
+                    let mut v = vec![vals[r], r as f32];
+                    c.all_reduce_sum(&mut v).unwrap();
+                    let mut s = 0.0f32;
+                    for x in vals {
+                        s += x;
+                    }
+                    assert_eq!(v[0].to_bits(), s.to_bits(), "rank {r}");
+                    assert_eq!(v[1], 6.0);
+                    let b = c.broadcast(2, &[7, r as u8]).unwrap();
+                    assert_eq!(b, vec![7, 2]);
+                    c.barrier().unwrap();
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_rank_that_leaves_fails_the_collective_with_its_name() {
+        let mut comms = group(3);
+        let c2 = comms.pop().unwrap();
+        drop(c2);
+        let c1 = comms.pop().unwrap();
+        let h = std::thread::spawn(move || c1.all_gather(b"1"));
+        let err = comms[0].all_gather(b"0").unwrap_err().to_string();
+        assert!(err.contains("rank 2 closed the connection"), "{err}");
+        // Rank 1 then sees rank 0 hang up (rank 0's group is dropped here).
+        drop(comms);
+        assert!(h.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn rendezvous_errors_name_the_problem() {
+        let bad = TcpRendezvous {
+            rank: 3,
+            world_size: 2,
+            master: "127.0.0.1:0".into(),
+            timeout: Duration::from_millis(100),
+        };
+        let e = TcpComm::connect(&bad).err().unwrap().to_string();
+        assert!(e.contains("rank 3 of world size 2"), "{e}");
+        // Nobody listens: a clear timeout naming the address.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let lonely = TcpRendezvous {
+            rank: 1,
+            world_size: 2,
+            master: format!("127.0.0.1:{port}"),
+            timeout: Duration::from_millis(200),
+        };
+        let e = TcpComm::connect(&lonely).err().unwrap().to_string();
+        assert!(e.contains("could not reach rank 0"), "{e}");
+        // Rank 0 waiting for a rank that never comes.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let e = TcpComm::accept(listener, 2, Duration::from_millis(200))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("ranks [1] did not connect"), "{e}");
+    }
+}
