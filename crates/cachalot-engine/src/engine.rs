@@ -224,7 +224,7 @@ pub struct Request {
     pub ignore_eos: bool,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct RequestOutput {
     pub id: u64,
     pub prompt: Vec<u32>,

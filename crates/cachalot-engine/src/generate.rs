@@ -62,7 +62,7 @@ impl StopConditions {
     }
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum FinishReason {
     /// A stop token (EOS or a requested stop id) was generated.
     StopToken(u32),

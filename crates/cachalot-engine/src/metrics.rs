@@ -1,10 +1,10 @@
 //! Per-request timings and run figures (spec `executor.md` §2.9, §6.10): TTFT, TPOT, output
 //! tokens per request; throughput, TPOT mean/p50/p99, prefill tokens/s and KV usage per run.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Times of one request, in seconds from its arrival (`add_request`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RequestTiming {
     pub prompt_tokens: usize,
     pub output_tokens: usize,
@@ -21,7 +21,7 @@ pub struct RequestTiming {
 }
 
 /// Counters of the engine's steps.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineStats {
     pub steps: usize,
     /// Prompt and recompute tokens forwarded.

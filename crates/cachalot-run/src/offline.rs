@@ -8,8 +8,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use cachalot_engine::comm::{Communicator, SingleProcess};
 use cachalot_engine::engine::kv_bytes_per_block;
 use cachalot_engine::metrics::Distribution;
+use cachalot_engine::metrics::EngineStats;
 use cachalot_engine::{
     Engine, EngineConfig, Model, Request, RequestOutput, SamplingParams, StopConditions,
 };
@@ -18,7 +20,7 @@ use cachalot_model::{
     detect_family, BalancedRouting, DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, ModelFamily,
     V4LoadOptions,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
 use crate::dataset::{self, PromptBuilder};
@@ -52,7 +54,7 @@ pub struct Throughput {
     pub output_tok_s: f64,
     /// Prompt and generated tokens over the run's wall time.
     pub total_tok_s: f64,
-    /// `output_tok_s` per rank (one process = one rank here).
+    /// `output_tok_s` over the ranks (processes) that served the run.
     pub output_tok_s_per_rank: f64,
     /// Prompt tokens over the forward time of steps that carried prompt work.
     pub prefill_tok_s: f64,
@@ -80,7 +82,8 @@ pub struct Summary {
     pub int8_head: bool,
     /// bf16 weights multiplied as BF16 × BF16 (`--bf16-dot`).
     pub bf16_dot: bool,
-    /// Processes that ran (the config's `world_size` is recorded beside it).
+    /// Processes that ran, each serving every `ranks`-th request (data parallel; the config's
+    /// `world_size` is recorded beside it).
     pub ranks: usize,
     pub world_size_in_config: usize,
     pub threads: usize,
@@ -101,9 +104,35 @@ pub struct Summary {
     pub kv_peak_fraction: f64,
     pub kv_cache_bytes: usize,
     pub finish_reasons: std::collections::BTreeMap<String, usize>,
+    /// Each rank's share, when more than one ran.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub per_rank: Vec<RankFigures>,
     /// MTP speculative decoding figures (absent when `next_n` is 0).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mtp: Option<MtpSummary>,
+}
+
+/// One rank's share of a data-parallel run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankFigures {
+    pub rank: usize,
+    pub requests: usize,
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub wall_s: f64,
+    pub output_tok_s: f64,
+    pub steps: usize,
+}
+
+/// What a rank sends rank 0 at the end of a run.
+#[derive(Serialize, Deserialize)]
+struct RankReport {
+    outputs: Vec<RequestOutput>,
+    stats: EngineStats,
+    wall_s: f64,
+    load_s: f64,
+    prompt_tokens: usize,
+    cache_bytes: usize,
 }
 
 /// Figures of MTP speculative decoding over a run.
@@ -183,6 +212,21 @@ fn new_run_dir(res: &Path, model_name: &str, config: &Path) -> std::io::Result<(
 
 /// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
+    run_ranked(cfg, opts, &SingleProcess)
+}
+
+/// A run as one rank of `comm`'s group (data parallel): every rank loads the model and serves
+/// requests `rank, rank + ranks, ...` (each sampled with the seed it has in a one-process run,
+/// so outputs do not depend on the number of ranks); rank 0 makes the run directory, gathers
+/// every rank's outputs and figures and writes `summary.json` and `requests.jsonl` for the
+/// whole run. Other ranks log to `run.rank<R>.log` beside rank 0's `run.log` and return their
+/// own share's figures.
+pub fn run_ranked(
+    cfg: &RunConfig,
+    opts: &RunOptions,
+    comm: &dyn Communicator,
+) -> Result<RunResult, Error> {
+    let (rank, ranks) = (comm.rank(), comm.world_size());
     let m = &cfg.model_config;
     let model_dir = PathBuf::from(&m.model_path);
     if !model_dir.join("config.json").is_file() {
@@ -198,8 +242,32 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         )
         .into());
     }
-    let (run_id, dir) = new_run_dir(&opts.res_dir, &m.model_name, &opts.config_path)?;
-    let mut log = std::fs::File::create(dir.join("run.log"))?;
+    // Rank 0 names the run; the others learn the name (and fail with rank 0's error, as a
+    // closed connection, if it could not make the directory).
+    let made = if rank == 0 {
+        Some(new_run_dir(
+            &opts.res_dir,
+            &m.model_name,
+            &opts.config_path,
+        )?)
+    } else {
+        None
+    };
+    let named = made
+        .as_ref()
+        .map_or(String::new(), |(id, d)| format!("{id}\n{}", d.display()));
+    let named = String::from_utf8(comm.broadcast(0, named.as_bytes())?)?;
+    let (run_id, dir) = match named.split_once('\n') {
+        Some((id, d)) => (id.to_string(), PathBuf::from(d)),
+        None => return Err(format!("rank {rank}: rank 0 sent no run directory").into()),
+    };
+    std::fs::create_dir_all(&dir)?;
+    let log_name = if rank == 0 {
+        "run.log".to_string()
+    } else {
+        format!("run.rank{rank}.log")
+    };
+    let mut log = std::fs::File::create(dir.join(log_name))?;
     let t_start = Instant::now();
     macro_rules! logln {
         ($($a:tt)*) => {{
@@ -208,6 +276,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         }};
     }
     logln!("config {}", opts.config_path.display());
+    if ranks > 1 {
+        logln!("rank {rank} of {ranks} (data parallel: requests {rank}, {rank} + {ranks}, ...)");
+    }
     logln!("{}", serde_json::to_string(cfg)?);
 
     let t_load = Instant::now();
@@ -384,7 +455,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         logln!("MTP speculative decoding: {} drafts per step", m.next_n);
     }
     let mut prompt_tokens = 0;
+    // Engine request id -> index of the request in the run.
+    let mut global_id = std::collections::HashMap::new();
     for (i, p) in prepared.iter().enumerate() {
+        if i % ranks != rank {
+            continue;
+        }
         prompt_tokens += p.ids.len();
         let params = SamplingParams {
             temperature: d.temperature as f32,
@@ -393,7 +469,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
             seed: d.seed.map(|s| s.wrapping_add(i as u64)),
             ..SamplingParams::greedy()
         };
-        engine.add_request(Request {
+        let id = engine.add_request(Request {
             prompt: p.ids.clone(),
             params,
             stop: StopConditions {
@@ -403,10 +479,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
             },
             ignore_eos: d.ignore_eos,
         })?;
+        global_id.insert(id, i as u64);
     }
+    let n_local = global_id.len();
 
-    let bar = if opts.progress {
-        indicatif::ProgressBar::new(n_req as u64)
+    let bar = if opts.progress && rank == 0 {
+        indicatif::ProgressBar::new(n_local as u64)
     } else {
         indicatif::ProgressBar::hidden()
     };
@@ -416,8 +494,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         )?
         .progress_chars("=> "),
     );
+    // All ranks start generating together, so the run's wall time is the slowest rank's.
+    comm.barrier()?;
     let t_run = Instant::now();
-    let mut outputs = Vec::with_capacity(n_req);
+    let mut outputs = Vec::with_capacity(n_local);
     let mut step = 0usize;
     let capacity = engine.stats().kv_capacity_blocks;
     while engine.has_unfinished() {
@@ -462,11 +542,74 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         outputs.extend(done);
     }
     bar.finish_and_clear();
-    let wall_s = t_run.elapsed().as_secs_f64();
+    let mut wall_s = t_run.elapsed().as_secs_f64();
+    for o in &mut outputs {
+        o.id = global_id[&o.id];
+    }
+    let mut stats = engine.stats().clone();
+    let mut load_s = load_s;
+    let mut cache_bytes = engine.cache_bytes();
+    let mut per_rank = Vec::new();
+    // Per-rank rates, summed over ranks that ran at the same time.
+    let per = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let mut prefill_tok_s = per(stats.prefill_tokens, stats.prefill_step_s);
+    let mut decode_tok_s = per(stats.decode_sampled, stats.decode_step_s);
+    if ranks > 1 {
+        logln!(
+            "rank {rank}: {} requests done in {wall_s:.2}s; gathering on rank 0",
+            outputs.len()
+        );
+        let report = RankReport {
+            outputs: std::mem::take(&mut outputs),
+            stats: stats.clone(),
+            wall_s,
+            load_s,
+            prompt_tokens,
+            cache_bytes,
+        };
+        let parts = comm.all_gather(&serde_json::to_vec(&report)?)?;
+        if rank == 0 {
+            let reports = parts
+                .iter()
+                .enumerate()
+                .map(|(r, b)| {
+                    serde_json::from_slice::<RankReport>(b)
+                        .map_err(|e| format!("rank {r} sent a report rank 0 cannot read: {e}"))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            stats = merge_stats(reports.iter().map(|r| &r.stats));
+            prefill_tok_s = reports
+                .iter()
+                .map(|r| per(r.stats.prefill_tokens, r.stats.prefill_step_s))
+                .sum();
+            decode_tok_s = reports
+                .iter()
+                .map(|r| per(r.stats.decode_sampled, r.stats.decode_step_s))
+                .sum();
+            wall_s = reports.iter().map(|r| r.wall_s).fold(0.0, f64::max);
+            load_s = reports.iter().map(|r| r.load_s).fold(0.0, f64::max);
+            cache_bytes = reports.iter().map(|r| r.cache_bytes).max().unwrap_or(0);
+            prompt_tokens = reports.iter().map(|r| r.prompt_tokens).sum();
+            for (r, rep) in reports.into_iter().enumerate() {
+                let out: usize = rep.outputs.iter().map(|o| o.tokens.len()).sum();
+                per_rank.push(RankFigures {
+                    rank: r,
+                    requests: rep.outputs.len(),
+                    prompt_tokens: rep.prompt_tokens,
+                    output_tokens: out,
+                    wall_s: rep.wall_s,
+                    output_tok_s: per(out, rep.wall_s),
+                    steps: rep.stats.steps,
+                });
+                outputs.extend(rep.outputs);
+            }
+        } else {
+            outputs = report.outputs;
+        }
+    }
     outputs.sort_by_key(|o| o.id);
 
     // Figures.
-    let stats = engine.stats().clone();
     let output_tokens: usize = outputs.iter().map(|o| o.tokens.len()).sum();
     let ttft: Vec<f64> = outputs.iter().map(|o| o.timing.ttft_s).collect();
     let tpot: Vec<f64> = outputs.iter().filter_map(|o| o.timing.tpot_s).collect();
@@ -477,8 +620,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
             .entry(o.finish.as_str().to_string())
             .or_insert(0) += 1;
     }
-    let per = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     let output_tok_s = per(output_tokens, wall_s);
+    // A rank other than 0 reports its own share only.
+    let ranks_here = if rank == 0 { ranks } else { 1 };
     let summary = Summary {
         run_id: run_id.clone(),
         config: opts.config_path.display().to_string(),
@@ -494,7 +638,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         with_ckpt: m.with_ckpt,
         int8_head: opts.int8_head,
         bf16_dot: opts.bf16_dot,
-        ranks: 1,
+        ranks,
         world_size_in_config: cfg.parallel_config.world_size,
         threads: rayon_threads(),
         load_s,
@@ -504,9 +648,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         throughput: Throughput {
             output_tok_s,
             total_tok_s: per(output_tokens + prompt_tokens, wall_s),
-            output_tok_s_per_rank: output_tok_s,
-            prefill_tok_s: per(stats.prefill_tokens, stats.prefill_step_s),
-            decode_tok_s: per(stats.decode_sampled, stats.decode_step_s),
+            output_tok_s_per_rank: output_tok_s / ranks_here as f64,
+            prefill_tok_s,
+            decode_tok_s,
         },
         ttft_s: Distribution::of(&ttft),
         tpot_s: Distribution::of(&tpot),
@@ -522,8 +666,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
         kv_capacity_blocks: stats.kv_capacity_blocks,
         kv_peak_blocks: stats.kv_peak_blocks,
         kv_peak_fraction: stats.kv_peak_blocks as f64 / stats.kv_capacity_blocks as f64,
-        kv_cache_bytes: engine.cache_bytes(),
+        kv_cache_bytes: cache_bytes,
         finish_reasons,
+        per_rank,
         mtp: (stats.mtp_next_n > 0).then(|| MtpSummary {
             next_n: stats.mtp_next_n,
             drafted: stats.drafted,
@@ -534,6 +679,17 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
             draft_s: stats.draft_s,
         }),
     };
+    if rank != 0 {
+        logln!(
+            "done: {} requests (rank 0 writes the run's files)",
+            outputs.len()
+        );
+        return Ok(RunResult {
+            summary,
+            dir,
+            outputs,
+        });
+    }
     std::fs::write(
         dir.join("summary.json"),
         serde_json::to_string_pretty(&summary)? + "\n",
@@ -567,6 +723,56 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     })
 }
 
+/// Counters of ranks that ran side by side: sums, but the KV peak is the largest rank's and
+/// the pool's capacity and block size are each rank's.
+fn merge_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
+    let mut m = EngineStats::default();
+    for s in all {
+        // Destructured whole, so a new counter cannot be forgotten here.
+        let EngineStats {
+            steps,
+            prefill_tokens,
+            decode_tokens,
+            sampled_tokens,
+            sample_steps,
+            decode_sampled,
+            mtp_next_n,
+            drafted,
+            accepted_drafts,
+            verify_steps,
+            draft_s,
+            forward_s,
+            prefill_step_s,
+            decode_step_s,
+            decode_steps,
+            preemptions,
+            kv_peak_blocks,
+            kv_capacity_blocks,
+            kv_block_size,
+        } = s;
+        m.steps += steps;
+        m.prefill_tokens += prefill_tokens;
+        m.decode_tokens += decode_tokens;
+        m.sampled_tokens += sampled_tokens;
+        m.sample_steps += sample_steps;
+        m.decode_sampled += decode_sampled;
+        m.mtp_next_n = *mtp_next_n;
+        m.drafted += drafted;
+        m.accepted_drafts += accepted_drafts;
+        m.verify_steps += verify_steps;
+        m.draft_s += draft_s;
+        m.forward_s += forward_s;
+        m.prefill_step_s += prefill_step_s;
+        m.decode_step_s += decode_step_s;
+        m.decode_steps += decode_steps;
+        m.preemptions += preemptions;
+        m.kv_peak_blocks = m.kv_peak_blocks.max(*kv_peak_blocks);
+        m.kv_capacity_blocks = *kv_capacity_blocks;
+        m.kv_block_size = *kv_block_size;
+    }
+    m
+}
+
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -593,10 +799,11 @@ pub fn summary_table(s: &Summary) -> String {
         (
             "throughput".into(),
             format!(
-                "{:.1} generated tok/s ({:.1} per rank, {} rank), {:.1} tok/s with prompts",
+                "{:.1} generated tok/s ({:.1} per rank, {} rank{}), {:.1} tok/s with prompts",
                 s.throughput.output_tok_s,
                 s.throughput.output_tok_s_per_rank,
                 s.ranks,
+                if s.ranks == 1 { "" } else { "s" },
                 s.throughput.total_tok_s
             ),
         ),

@@ -327,3 +327,88 @@ fn with_ckpt_false_on_v4_needs_force_eplb_and_runs() {
     let log = std::fs::read_to_string(r.dir.join("run.log")).unwrap();
     assert!(log.contains("random fp8 weights"), "{log}");
 }
+
+/// Data parallel over three ranks (a TCP group on threads of this process): rank 0's files hold
+/// every request, each sampled (temperature 0.8, a seed) exactly as in a one-process run.
+#[test]
+fn data_parallel_ranks_give_the_one_process_outputs() {
+    use cachalot_engine::comm::{Communicator, TcpComm, TcpRendezvous};
+    use cachalot_run::offline::run_ranked;
+    use std::time::Duration;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let data = root().join("dataset");
+    let yaml = format!(
+        "model_config:\n  model_name: deepseek_r1\n  model_path: {}\n\
+         data_config:\n  dataset: default\n  dataset_path: {}\n  input_truncated_len: 48\n  num_requests: 11\n\
+         \x20 temperature: 0.8\n  seed: 7\n\
+         scheduler_config:\n  block_size: 8\n  batch_size: 3\n  max_new_tokens: 10\n  max_prefill_tokens: 64\n",
+        root().join("fixtures/v3/r1_tiny").display(),
+        data.display(),
+    );
+    let cfg = RunConfig::from_yaml(&yaml, Path::new("test.yaml")).unwrap();
+    let one = run(&cfg, &opts(tmp.path(), None)).unwrap();
+
+    let n = 3;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let master = listener.local_addr().unwrap().to_string();
+    let workers: Vec<_> = (1..n)
+        .map(|rank| {
+            let (cfg, res, master) = (cfg.clone(), tmp.path().to_path_buf(), master.clone());
+            std::thread::spawn(move || {
+                let comm = TcpComm::connect(&TcpRendezvous {
+                    rank,
+                    world_size: n,
+                    master,
+                    timeout: Duration::from_secs(30),
+                })
+                .unwrap();
+                run_ranked(&cfg, &opts(&res, None), &comm).unwrap()
+            })
+        })
+        .collect();
+    let comm = TcpComm::accept(listener, n, Duration::from_secs(30)).unwrap();
+    assert_eq!(comm.world_size(), n);
+    let all = run_ranked(&cfg, &opts(tmp.path(), None), &comm).unwrap();
+    let shares: Vec<_> = workers.into_iter().map(|h| h.join().unwrap()).collect();
+
+    assert_eq!(all.summary.ranks, n);
+    assert_eq!(all.outputs.len(), 11);
+    for (a, b) in one.outputs.iter().zip(&all.outputs) {
+        assert_eq!(a.id, b.id);
+        assert_eq!(a.prompt, b.prompt, "request {}", a.id);
+        assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+    }
+    // Rank r served requests r, r + 3, ...; the per-rank figures add up to the run's.
+    for (r, share) in shares.iter().enumerate() {
+        let ids: Vec<u64> = share.outputs.iter().map(|o| o.id).collect();
+        let want: Vec<u64> = (r as u64 + 1..11).step_by(n).collect();
+        assert_eq!(ids, want, "rank {}", r + 1);
+        assert_eq!(share.dir, all.dir);
+    }
+    let per = &all.summary.per_rank;
+    assert_eq!(
+        per.iter().map(|p| p.requests).collect::<Vec<_>>(),
+        [4, 4, 3]
+    );
+    assert_eq!(
+        per.iter().map(|p| p.output_tokens).sum::<usize>(),
+        all.summary.output_tokens
+    );
+    assert_eq!(
+        per.iter().map(|p| p.prompt_tokens).sum::<usize>(),
+        one.summary.prompt_tokens
+    );
+    assert_eq!(all.summary.prompt_tokens, one.summary.prompt_tokens);
+    // Rank 0 wrote the run's files; the others only their logs.
+    let lines = std::fs::read_to_string(all.dir.join("requests.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 11);
+    for f in ["run.log", "run.rank1.log", "run.rank2.log", "summary.json"] {
+        assert!(all.dir.join(f).is_file(), "{f}");
+    }
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(all.dir.join("summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["ranks"], 3);
+    assert_eq!(summary["per_rank"].as_array().unwrap().len(), 3);
+}

@@ -231,7 +231,7 @@ fn tune_allocator() {
 fn run() -> Result<()> {
     let cli = Cli::parse();
     let threads = match &cli.command {
-        Command::Run(a) => a.threads,
+        Command::Run(a) => a.threads_per_rank(),
         Command::Bench(a) => a.threads,
         _ => None,
     };

@@ -2,9 +2,13 @@
 //! `--model NAME --yaml FILE` resolving `configs/NAME/FILE`; no arguments: configs/default.yaml).
 
 use std::io::IsTerminal;
+use std::net::TcpListener;
 use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
+use cachalot_engine::comm::{Communicator, SingleProcess, TcpComm, TcpRendezvous};
 use cachalot_model::Fp8Mode;
 use cachalot_run::config::RunConfig;
 use cachalot_run::offline::{self, RunOptions};
@@ -32,9 +36,23 @@ pub struct RunArgs {
     /// Chat template instead of the model's: a tokenizer_config.json or a Jinja file.
     #[arg(long)]
     chat_template: Option<PathBuf>,
-    /// Threads (default: all cores).
+    /// Threads (per rank; default: all cores, shared out among --ranks).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Data parallel over N processes on this host: this one is rank 0 and starts the others;
+    /// rank r serves requests r, r + N, ... and rank 0 writes the run's files.
+    #[arg(long, value_name = "N", conflicts_with_all = ["rank", "world_size", "master"])]
+    ranks: Option<usize>,
+    /// Join a data-parallel group as this rank (with --world-size and --master; start one
+    /// process per rank, on any hosts; rank 0 listens on --master).
+    #[arg(long, requires_all = ["world_size", "master"])]
+    rank: Option<usize>,
+    /// Ranks in the group joined with --rank.
+    #[arg(long, requires_all = ["rank", "master"])]
+    world_size: Option<usize>,
+    /// host:port where rank 0 of the group listens.
+    #[arg(long, requires_all = ["rank", "world_size"])]
+    master: Option<String>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -53,6 +71,56 @@ pub struct RunArgs {
     /// where the CPU has it), as llama.cpp does (recorded as bf16_dot in summary.json).
     #[arg(long)]
     bf16_dot: bool,
+}
+
+impl RunArgs {
+    /// Threads of this process's pool: --threads, or the cores shared out among --ranks.
+    pub fn threads_per_rank(&self) -> Option<usize> {
+        match (self.threads, self.ranks) {
+            (Some(t), _) => Some(t),
+            (None, Some(n)) if n > 1 => {
+                let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+                Some((cores / n).max(1))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// How long ranks wait for each other to start.
+const RENDEZVOUS: Duration = Duration::from_secs(120);
+
+/// Starts ranks 1..n as copies of this command (without --ranks) joining `master`.
+fn spawn_ranks(n: usize, master: &str, threads: usize) -> Result<Vec<(usize, Child)>> {
+    let exe = std::env::current_exe()?;
+    let mut base = Vec::new();
+    let mut it = std::env::args_os().skip(1);
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy();
+        if s == "--ranks" || s == "--threads" {
+            it.next();
+        } else if !(s.starts_with("--ranks=") || s.starts_with("--threads=") || s == "--quiet") {
+            base.push(a);
+        }
+    }
+    let mut children = Vec::new();
+    for r in 1..n {
+        let child = Command::new(&exe)
+            .args(&base)
+            .args([
+                "--quiet",
+                "--rank",
+                &r.to_string(),
+                "--world-size",
+                &n.to_string(),
+            ])
+            .args(["--master", master, "--threads", &threads.to_string()])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| anyhow!("starting rank {r} ({}): {e}", exe.display()))?;
+        children.push((r, child));
+    }
+    Ok(children)
 }
 
 fn config_path(args: &RunArgs) -> Result<PathBuf> {
@@ -90,6 +158,9 @@ fn config_path(args: &RunArgs) -> Result<PathBuf> {
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
+    if args.ranks == Some(0) {
+        bail!("--ranks 0: give at least one rank");
+    }
     let path = config_path(args)?;
     let mut cfg = RunConfig::from_file(&path)?;
     if let Some(n) = args.mtp {
@@ -109,7 +180,55 @@ pub fn run(args: &RunArgs) -> Result<()> {
         int8_head: args.int8_head,
         bf16_dot: args.bf16_dot,
     };
-    let result = offline::run(&cfg, &opts).map_err(|e| anyhow!("{e}"))?;
+    let mut children = Vec::new();
+    let comm: Box<dyn Communicator> = match (args.ranks, args.rank) {
+        (Some(n), _) if n > 1 => {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let master = listener.local_addr()?.to_string();
+            let threads = args.threads_per_rank().unwrap_or(1);
+            children = spawn_ranks(n, &master, threads)?;
+            let mut exited = || {
+                children.iter_mut().find_map(|(r, c)| match c.try_wait() {
+                    Ok(Some(st)) => Some(format!("rank {r} exited ({st}) before joining")),
+                    _ => None,
+                })
+            };
+            match TcpComm::accept_checked(listener, n, RENDEZVOUS, &mut exited) {
+                Ok(c) => Box::new(c),
+                Err(e) => {
+                    for (_, c) in &mut children {
+                        let _ = c.kill();
+                    }
+                    bail!("--ranks {n}: {e}");
+                }
+            }
+        }
+        (_, Some(rank)) => Box::new(
+            TcpComm::connect(&TcpRendezvous {
+                rank,
+                world_size: args.world_size.unwrap_or(1),
+                master: args.master.clone().unwrap_or_default(),
+                timeout: RENDEZVOUS,
+            })
+            .map_err(|e| anyhow!("--rank {rank}: {e}"))?,
+        ),
+        _ => Box::new(SingleProcess),
+    };
+    let result = offline::run_ranked(&cfg, &opts, comm.as_ref());
+    drop(comm);
+    for (r, mut c) in children {
+        if result.is_err() {
+            let _ = c.kill();
+        }
+        let status = c.wait()?;
+        if !status.success() && result.is_ok() {
+            bail!("rank {r} failed ({status}); its error is above");
+        }
+    }
+    let result = result.map_err(|e| anyhow!("{e}"))?;
+    if args.rank.is_some_and(|r| r != 0) {
+        return Ok(());
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result.summary)?);
     } else {

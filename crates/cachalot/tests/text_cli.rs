@@ -412,3 +412,53 @@ fn v4_model_directories_run_generate_and_perplexity() {
     );
     assert_eq!(ids(&out["output_ids"]).len(), 6);
 }
+
+/// `cachalot run --ranks 2` starts a second process, and rank 0's files hold every request with
+/// the one-process outputs.
+#[test]
+fn run_with_two_ranks_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let res = tmp.path().display().to_string();
+    let run = |extra: &[&str]| -> (Value, Vec<Value>) {
+        let mut args = vec![
+            "run",
+            "--config",
+            "configs/tiny/r1_tiny.yaml",
+            "--num-requests",
+            "5",
+            "--res-dir",
+            &res,
+            "--json",
+            "--quiet",
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args(&args)
+            .current_dir(root())
+            .output()
+            .unwrap();
+        let summary = json(&ok(out));
+        let dir = PathBuf::from(&res).join(summary["run_id"].as_str().unwrap());
+        let reqs = std::fs::read_to_string(dir.join("requests.jsonl"))
+            .unwrap()
+            .lines()
+            .map(json)
+            .collect();
+        (summary, reqs)
+    };
+    let (s1, one) = run(&[]);
+    let (s2, two) = run(&["--ranks", "2"]);
+    assert_eq!(s1["ranks"], 1);
+    assert_eq!(s2["ranks"], 2);
+    assert_eq!(s2["per_rank"][0]["requests"], 3);
+    assert_eq!(s2["per_rank"][1]["requests"], 2);
+    assert_eq!(one.len(), 5);
+    assert_eq!(two.len(), 5);
+    for (a, b) in one.iter().zip(&two) {
+        assert_eq!(a["id"], b["id"]);
+        assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
+    }
+    let bad = cachalot(&["run", "--ranks", "0"], None);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--ranks 0"));
+}
