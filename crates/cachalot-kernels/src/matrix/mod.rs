@@ -1103,6 +1103,7 @@ impl OutRows<'_, '_> {
     /// Rows `r..r + n` belong to the calling task (see [`DisjointOut`]).
     #[inline]
     #[allow(clippy::mut_from_ref)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the AVX-512 tiles' writer
     pub unsafe fn rows_mut(&self, t: usize, r: usize, n: usize) -> &mut [f32] {
         self.out
             .slice_mut(t * self.stride + (r - self.first_row), n)
