@@ -227,6 +227,22 @@ pub fn run_ranked(
     comm: &dyn Communicator,
 ) -> Result<RunResult, Error> {
     let (rank, ranks) = (comm.rank(), comm.world_size());
+    // `batch_size` is the global batch over data-parallel ranks, as the seed's (executor spec
+    // §1: `batch_size_per_dp_rank = batch_size / attn_dp_size`, an error when it does not
+    // divide); each rank batches its share.
+    let batch = cfg.scheduler_config.batch_size;
+    if !batch.is_multiple_of(ranks) {
+        return Err(format!(
+            "scheduler_config.batch_size {batch} is the batch over all ranks and must divide \
+             by the {ranks} ranks (each rank runs batch_size / ranks); give a multiple of {ranks}"
+        )
+        .into());
+    }
+    let rank_batch = batch / ranks;
+    let prefill_budget = match cfg.scheduler_config.max_prefill_tokens {
+        0 if ranks > 1 => cfg.data_config.input_truncated_len * rank_batch,
+        _ => cfg.max_prefill_tokens(),
+    };
     let m = &cfg.model_config;
     let model_dir = PathBuf::from(&m.model_path);
     if !model_dir.join("config.json").is_file() {
@@ -277,7 +293,10 @@ pub fn run_ranked(
     }
     logln!("config {}", opts.config_path.display());
     if ranks > 1 {
-        logln!("rank {rank} of {ranks} (data parallel: requests {rank}, {rank} + {ranks}, ...)");
+        logln!(
+            "rank {rank} of {ranks} (data parallel: requests {rank}, {rank} + {ranks}, ...; \
+             batch {rank_batch} of the global {batch}, prefill budget {prefill_budget} tokens)"
+        );
     }
     logln!("{}", serde_json::to_string(cfg)?);
 
@@ -420,7 +439,7 @@ pub fn run_ranked(
     // KV pool: the seed's offline sizing, capped by the memory budget.
     let block_size = s.block_size;
     let per_block = kv_bytes_per_block(model.cache_spec(), block_size);
-    let seed_blocks = cfg.max_total_len().div_ceil(block_size) * s.batch_size + 1;
+    let seed_blocks = cfg.max_total_len().div_ceil(block_size) * rank_batch + 1;
     let num_blocks = match opts.kv_blocks {
         Some(n) => n,
         None => {
@@ -440,8 +459,8 @@ pub fn run_ranked(
     let engine_cfg = EngineConfig {
         block_size,
         num_blocks,
-        batch_size: s.batch_size,
-        max_prefill_tokens: cfg.max_prefill_tokens(),
+        batch_size: rank_batch,
+        max_prefill_tokens: prefill_budget,
     };
     let mut engine = Engine::new(model, Some(&tokenizer), engine_cfg)?;
     if m.next_n > 0 {

@@ -412,3 +412,37 @@ fn data_parallel_ranks_give_the_one_process_outputs() {
     assert_eq!(summary["ranks"], 3);
     assert_eq!(summary["per_rank"].as_array().unwrap().len(), 3);
 }
+
+/// The YAML's batch_size is the batch over all ranks (the seed's): one that does not divide by
+/// the ranks is an error on every rank, before any rank waits for another.
+#[test]
+fn a_global_batch_that_does_not_divide_by_the_ranks_is_named() {
+    use cachalot_engine::comm::{TcpComm, TcpRendezvous};
+    use cachalot_run::offline::run_ranked;
+    use std::time::Duration;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(3, 64, &root().join("dataset"));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let master = listener.local_addr().unwrap().to_string();
+    let res = tmp.path().to_path_buf();
+    let (cfg1, res1) = (cfg.clone(), res.clone());
+    let other = std::thread::spawn(move || {
+        let comm = TcpComm::connect(&TcpRendezvous {
+            rank: 1,
+            world_size: 2,
+            master,
+            timeout: Duration::from_secs(30),
+        })
+        .unwrap();
+        run_ranked(&cfg1, &opts(&res1, None), &comm).map(|_| ())
+    });
+    let comm = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
+    for r in [
+        run_ranked(&cfg, &opts(&res, None), &comm).map(|_| ()),
+        other.join().unwrap(),
+    ] {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("scheduler_config.batch_size 3"), "{e}");
+    }
+}
