@@ -46,6 +46,9 @@ pub struct RunOptions {
     pub int8_head: bool,
     /// Multiply bf16 weights as BF16 × BF16 (`LoadOptions::bf16_dot`).
     pub bf16_dot: bool,
+    /// Ranks of the run on this host (each sizes its KV pool from its share of the memory
+    /// budget); 1 for a one-process run.
+    pub host_ranks: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -443,7 +446,8 @@ pub fn run_ranked(
     let num_blocks = match opts.kv_blocks {
         Some(n) => n,
         None => {
-            let budget = mem_available().map(|b| (b as f64 * s.mem_fraction_static) as u64);
+            let share = s.mem_fraction_static / opts.host_ranks.max(1) as f64;
+            let budget = mem_available().map(|b| (b as f64 * share) as u64);
             let cap = budget.map_or(usize::MAX, |b| {
                 cachalot_engine::kv_pool::blocks_for_budget(b, per_block)
             });

@@ -34,6 +34,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         fp8: Fp8Mode::Native,
         int8_head: false,
         bf16_dot: false,
+        host_ranks: 1,
     }
 }
 

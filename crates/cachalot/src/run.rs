@@ -53,6 +53,10 @@ pub struct RunArgs {
     /// host:port where rank 0 of the group listens.
     #[arg(long, requires_all = ["rank", "world_size"])]
     master: Option<String>,
+    /// Ranks of the group on this host, which share its memory budget for the KV cache (set
+    /// by --ranks for the ranks it starts; default 1).
+    #[arg(long, requires = "rank")]
+    host_ranks: Option<usize>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -115,6 +119,7 @@ fn spawn_ranks(n: usize, master: &str, threads: usize) -> Result<Vec<(usize, Chi
                 &n.to_string(),
             ])
             .args(["--master", master, "--threads", &threads.to_string()])
+            .args(["--host-ranks", &n.to_string()])
             .stdout(std::process::Stdio::null())
             .spawn()
             .map_err(|e| anyhow!("starting rank {r} ({}): {e}", exe.display()))?;
@@ -179,6 +184,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         fp8: Fp8Mode::Native,
         int8_head: args.int8_head,
         bf16_dot: args.bf16_dot,
+        host_ranks: args.ranks.or(args.host_ranks).unwrap_or(1),
     };
     let mut children = Vec::new();
     let comm: Box<dyn Communicator> = match (args.ranks, args.rank) {
