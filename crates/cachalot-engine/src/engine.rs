@@ -471,6 +471,8 @@ impl<'t, M: Model> Engine<'t, M> {
 
     /// Runs one step. A step with nothing to do (no request) returns an empty report.
     pub fn step(&mut self) -> Result<StepReport, EngineError> {
+        // The step's many short parallel regions find the other workers awake.
+        let _warm = cachalot_kernels::KeepWarm::new();
         let plan = self.scheduler.schedule();
         let mut report = StepReport {
             preempted: plan.preempted.len(),

@@ -131,3 +131,54 @@ impl<'a> DisjointOut<'a> {
         std::slice::from_raw_parts_mut(self.ptr.add(start), len)
     }
 }
+
+/// While alive, the pool's other workers keep polling for tasks instead of going to sleep
+/// between parallel regions. A step of a small model runs dozens of short regions separated
+/// by serial work of tens of microseconds; rayon's idle workers sleep after ~32 yields, and
+/// waking one costs a futex wake and, on a VM, an inter-processor interrupt — at every region.
+/// Hold one for the duration of a step (`Engine::step`); it costs the other cores' idle time.
+///
+/// Outside the pool, or with one thread, it does nothing. The pollers are rayon jobs that run
+/// whatever tasks they find (`rayon::yield_now`) until the guard is dropped; one that the
+/// creating worker picks up itself returns at once (it would otherwise wait for its own
+/// thread).
+pub struct KeepWarm {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl KeepWarm {
+    pub fn new() -> KeepWarm {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        if let Some(me) = rayon::current_thread_index() {
+            for _ in 1..rayon::current_num_threads() {
+                let stop = stop.clone();
+                rayon::spawn(move || {
+                    if rayon::current_thread_index() == Some(me) {
+                        return;
+                    }
+                    while !stop.load(Ordering::Acquire) {
+                        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                            for _ in 0..16 {
+                                std::hint::spin_loop();
+                            }
+                        }
+                    }
+                });
+            }
+        }
+        KeepWarm { stop }
+    }
+}
+
+impl Default for KeepWarm {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for KeepWarm {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+    }
+}

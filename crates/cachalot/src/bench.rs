@@ -266,6 +266,7 @@ fn new_seqs(m: &DeepseekV3, n: usize, total: usize) -> Result<Seqs> {
 }
 
 fn prefill(m: &DeepseekV3, s: &mut Seqs, i: usize, prompt: &[u32]) -> Result<u32> {
+    let _warm = cachalot_kernels::KeepWarm::new();
     let mut b = Batch::default();
     b.push_seq(prompt, 0, s.tables[i].clone(), LogitsWanted::Last);
     let out = m.forward(&b, &mut s.cache, false)?;
@@ -274,6 +275,8 @@ fn prefill(m: &DeepseekV3, s: &mut Seqs, i: usize, prompt: &[u32]) -> Result<u32
 
 /// One decode step of every sequence; returns the next tokens.
 fn decode_step(m: &DeepseekV3, s: &mut Seqs, next: &[u32], pos: usize) -> Result<Vec<u32>> {
+    // As `Engine::step`: the step's parallel regions find the other workers awake.
+    let _warm = cachalot_kernels::KeepWarm::new();
     let mut b = Batch::default();
     for (i, &t) in next.iter().enumerate() {
         b.push_seq(&[t], pos, s.tables[i].clone(), LogitsWanted::Last);
