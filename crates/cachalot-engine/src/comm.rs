@@ -11,9 +11,11 @@
 //!
 //! TcpComm is a star through rank 0: every collective sends each rank's part to rank 0, which
 //! combines the parts in rank order (so a sum is the same bits on every rank and in every run)
-//! and sends the result back. Frames are a little-endian u64 length and the bytes. A rank that
-//! disconnects, or sends a frame that does not fit the collective, fails the collective on every
-//! rank with an error that names it.
+//! and sends the result back. Frames are a little-endian u64 length and the bytes; a rank opens
+//! with a greeting (a magic word, its rank, the world size it was given), and connections that
+//! do not greet so are dropped. A rank that disconnects, or sends a frame that does not fit the
+//! collective, fails the collective on every rank: rank 0 sends the others an error frame that
+//! names it.
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -130,6 +132,12 @@ pub struct TcpRendezvous {
 /// Largest frame accepted (a corrupt length must not allocate without bound).
 const MAX_FRAME: u64 = 1 << 36;
 
+/// First word of a rank's greeting (then its rank and the world size it was given).
+const HELLO: u64 = u64::from_le_bytes(*b"cachalot");
+
+/// A gathered frame starting with this count carries rank 0's error message instead.
+const FAILED: u64 = u64::MAX;
+
 struct Peer {
     rank: usize,
     reader: BufReader<TcpStream>,
@@ -167,7 +175,18 @@ impl TcpComm {
                         CommError(format!("rank {}: bad master {:?}: {e}", rv.rank, rv.master))
                     })?
                     .collect();
-                match TcpStream::connect(&addrs[..]) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let tried = addrs
+                    .iter()
+                    .map(|a| TcpStream::connect_timeout(a, left.max(Duration::from_millis(10))))
+                    .find(|r| r.is_ok())
+                    .unwrap_or_else(|| {
+                        Err(std::io::Error::new(
+                            std::io::ErrorKind::NotFound,
+                            "no address to connect to",
+                        ))
+                    });
+                match tried {
                     Ok(s) => break s,
                     Err(e) if Instant::now() >= deadline => {
                         return Err(CommError(format!(
@@ -179,7 +198,7 @@ impl TcpComm {
                 }
             };
             let mut peer = peer(stream, 0)?;
-            let hello = [rv.rank as u64, rv.world_size as u64]
+            let hello = [HELLO, rv.rank as u64, rv.world_size as u64]
                 .iter()
                 .flat_map(|v| v.to_le_bytes())
                 .collect::<Vec<u8>>();
@@ -223,23 +242,14 @@ impl TcpComm {
         while joined < world_size {
             match listener.accept() {
                 Ok((stream, from)) => {
-                    stream
-                        .set_nonblocking(false)
-                        .map_err(|e| CommError(format!("rank 0: connection from {from}: {e}")))?;
-                    let mut p = peer(stream, usize::MAX)?;
-                    let hello = recv(&mut p)?;
-                    let words: Vec<u64> = hello
-                        .chunks_exact(8)
-                        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                        .collect();
-                    let (r, n) = match words[..] {
-                        [r, n] => (r as usize, n as usize),
-                        _ => {
-                            return Err(CommError(format!(
-                                "rank 0: {from} sent a {}-byte greeting, not a rank",
-                                hello.len()
-                            )))
-                        }
+                    // A connection that is not a rank (a port probe, a stray client) is
+                    // dropped; a rank with another idea of the group is an error.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let Some((mut p, r, n)) = greeting(
+                        stream,
+                        left.clamp(Duration::from_secs(1), Duration::from_secs(5)),
+                    ) else {
+                        continue;
                     };
                     if n != world_size || r == 0 || r >= world_size {
                         return Err(CommError(format!(
@@ -279,6 +289,25 @@ impl TcpComm {
             peers: Mutex::new(slots.into_iter().flatten().collect()),
         })
     }
+}
+
+/// Reads a rank's greeting (within `timeout`): its socket, rank and world size; None when the
+/// peer is not a cachalot rank.
+fn greeting(stream: TcpStream, timeout: Duration) -> Option<(Peer, usize, usize)> {
+    stream.set_nonblocking(false).ok()?;
+    stream.set_read_timeout(Some(timeout)).ok()?;
+    let mut p = peer(stream, usize::MAX).ok()?;
+    let hello = recv(&mut p).ok()?;
+    let words: Vec<u64> = hello
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    let (r, n) = match words[..] {
+        [HELLO, r, n] if hello.len() == 24 => (r as usize, n as usize),
+        _ => return None,
+    };
+    p.reader.get_ref().set_read_timeout(None).ok()?;
+    Some((p, r, n))
 }
 
 fn check_ranks(rank: usize, world_size: usize) -> CommResult<()> {
@@ -353,17 +382,21 @@ fn unpack(b: &[u8], expect: usize) -> CommResult<Vec<Vec<u8>>> {
             .map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
             .ok_or_else(bad)
     };
-    let n = word(0)? as usize;
-    if n != expect {
+    let n = word(0)?;
+    if n == FAILED {
+        return Err(CommError(String::from_utf8_lossy(&b[8..]).into_owned()));
+    }
+    if n != expect as u64 {
         return Err(bad());
     }
-    let mut at = 8;
-    let mut parts = Vec::with_capacity(n);
-    for _ in 0..n {
-        let len = word(at)? as usize;
+    let mut at = 8usize;
+    let mut parts = Vec::with_capacity(expect);
+    for _ in 0..expect {
+        let len = usize::try_from(word(at)?).map_err(|_| bad())?;
         at += 8;
-        parts.push(b.get(at..at + len).ok_or_else(bad)?.to_vec());
-        at += len;
+        let end = at.checked_add(len).ok_or_else(bad)?;
+        parts.push(b.get(at..end).ok_or_else(bad)?.to_vec());
+        at = end;
     }
     Ok(parts)
 }
@@ -379,8 +412,24 @@ impl Communicator for TcpComm {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if self.rank == 0 {
             let mut parts = vec![mine.to_vec()];
+            let mut failed = None;
             for p in peers.iter_mut() {
-                parts.push(recv(p)?);
+                match recv(p) {
+                    Ok(b) => parts.push(b),
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            if let Some(e) = failed {
+                // The ranks still there learn which one failed, not just that rank 0 left.
+                let mut frame = FAILED.to_le_bytes().to_vec();
+                frame.extend_from_slice(format!("rank 0 reports: {e}").as_bytes());
+                for p in peers.iter_mut() {
+                    let _ = send(p, &frame);
+                }
+                return Err(e);
             }
             let packed = pack(&parts);
             for p in peers.iter_mut() {
@@ -476,9 +525,10 @@ mod tests {
         let h = std::thread::spawn(move || c1.all_gather(b"1"));
         let err = comms[0].all_gather(b"0").unwrap_err().to_string();
         assert!(err.contains("rank 2 closed the connection"), "{err}");
-        // Rank 1 then sees rank 0 hang up (rank 0's group is dropped here).
+        // Rank 1 hears from rank 0 which rank failed.
+        let err1 = h.join().unwrap().unwrap_err().to_string();
+        assert!(err1.contains("rank 2 closed the connection"), "{err1}");
         drop(comms);
-        assert!(h.join().unwrap().is_err());
     }
 
     #[test]
@@ -512,5 +562,31 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("ranks [1] did not connect"), "{e}");
+    }
+
+    #[test]
+    fn connections_that_are_not_ranks_are_dropped() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let master = listener.local_addr().unwrap().to_string();
+        // A silent client and one that sends junk, then the real rank.
+        let silent = TcpStream::connect(&master).unwrap();
+        let mut junk = TcpStream::connect(&master).unwrap();
+        junk.write_all(&[3, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3]).unwrap();
+        let rv = TcpRendezvous {
+            rank: 1,
+            world_size: 2,
+            master,
+            timeout: Duration::from_secs(10),
+        };
+        let h = std::thread::spawn(move || TcpComm::connect(&rv).unwrap());
+        drop(silent);
+        let root = TcpComm::accept(listener, 2, Duration::from_secs(10)).unwrap();
+        let one = h.join().unwrap();
+        let h = std::thread::spawn(move || one.all_gather(b"b").unwrap());
+        assert_eq!(
+            root.all_gather(b"a").unwrap(),
+            vec![b"a".to_vec(), b"b".to_vec()]
+        );
+        h.join().unwrap();
     }
 }

@@ -272,14 +272,33 @@ pub fn run_ranked(
     } else {
         None
     };
+    // With the name goes what every rank must agree on to shard the same request list.
+    let n_req = opts.num_requests.unwrap_or(cfg.num_requests());
+    // (Paths may differ between hosts.)
+    let mut same = cfg.clone();
+    same.model_config.model_path.clear();
+    same.data_config.dataset_path.clear();
+    let fingerprint = format!(
+        "{n_req} {}",
+        serde_json::to_string(&same).unwrap_or_default()
+    );
     let named = made
         .as_ref()
-        .map_or(String::new(), |(id, d)| format!("{id}\n{}", d.display()));
+        .map_or(String::new(), |(id, _)| format!("{id}\n{fingerprint}"));
     let named = String::from_utf8(comm.broadcast(0, named.as_bytes())?)?;
-    let (run_id, dir) = match named.split_once('\n') {
-        Some((id, d)) => (id.to_string(), PathBuf::from(d)),
-        None => return Err(format!("rank {rank}: rank 0 sent no run directory").into()),
-    };
+    let (run_id, theirs) = named
+        .split_once('\n')
+        .ok_or_else(|| format!("rank {rank}: rank 0 sent no run name"))?;
+    if theirs != fingerprint {
+        return Err(format!(
+            "rank {rank}: this rank's config or request count differs from rank 0's (every \
+             rank must run the same YAML and --num-requests)"
+        )
+        .into());
+    }
+    let run_id = run_id.to_string();
+    // Each rank's own --res-dir (ranks on other hosts write their logs there).
+    let dir = made.map_or_else(|| opts.res_dir.join(&run_id), |(_, d)| d);
     std::fs::create_dir_all(&dir)?;
     let log_name = if rank == 0 {
         "run.log".to_string()
@@ -413,7 +432,6 @@ pub fn run_ranked(
     for n in &loaded.notes {
         logln!("{n}");
     }
-    let n_req = opts.num_requests.unwrap_or(cfg.num_requests());
     let prompts = dataset::repeat_to(&loaded.prompts, n_req);
     let builder = PromptBuilder {
         tokenizer: &tokenizer,
@@ -612,6 +630,15 @@ pub fn run_ranked(
             wall_s = reports.iter().map(|r| r.wall_s).fold(0.0, f64::max);
             load_s = reports.iter().map(|r| r.load_s).fold(0.0, f64::max);
             cache_bytes = reports.iter().map(|r| r.cache_bytes).max().unwrap_or(0);
+            // The fullest rank's pool (ranks may size their pools differently).
+            if let Some(full) = reports.iter().max_by(|a, b| {
+                let f =
+                    |s: &EngineStats| s.kv_peak_blocks as f64 / s.kv_capacity_blocks.max(1) as f64;
+                f(&a.stats).total_cmp(&f(&b.stats))
+            }) {
+                stats.kv_peak_blocks = full.stats.kv_peak_blocks;
+                stats.kv_capacity_blocks = full.stats.kv_capacity_blocks;
+            }
             prompt_tokens = reports.iter().map(|r| r.prompt_tokens).sum();
             for (r, rep) in reports.into_iter().enumerate() {
                 let out: usize = rep.outputs.iter().map(|o| o.tokens.len()).sum();
@@ -796,8 +823,9 @@ fn merge_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
     m
 }
 
+/// Threads of this process's pool (per rank).
 fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    rayon::current_num_threads()
 }
 
 /// The summary as a small table for the terminal.

@@ -439,10 +439,10 @@ fn a_global_batch_that_does_not_divide_by_the_ranks_is_named() {
         run_ranked(&cfg1, &opts(&res1, None), &comm).map(|_| ())
     });
     let comm = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
-    for r in [
-        run_ranked(&cfg, &opts(&res, None), &comm).map(|_| ()),
-        other.join().unwrap(),
-    ] {
+    let mine = run_ranked(&cfg, &opts(&res, None), &comm).map(|_| ());
+    // Rank 0's sockets close before rank 1 is awaited: a regression fails, never hangs.
+    drop(comm);
+    for r in [mine, other.join().unwrap()] {
         let e = r.unwrap_err().to_string();
         assert!(e.contains("scheduler_config.batch_size 3"), "{e}");
     }

@@ -4,7 +4,7 @@
 use std::io::IsTerminal;
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::{Child, Command, ExitStatus};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
@@ -109,8 +109,8 @@ fn spawn_ranks(n: usize, master: &str, threads: usize) -> Result<Vec<(usize, Chi
     }
     let mut children = Vec::new();
     for r in 1..n {
-        let child = Command::new(&exe)
-            .args(&base)
+        let mut cmd = Command::new(&exe);
+        cmd.args(&base)
             .args([
                 "--quiet",
                 "--rank",
@@ -120,12 +120,53 @@ fn spawn_ranks(n: usize, master: &str, threads: usize) -> Result<Vec<(usize, Chi
             ])
             .args(["--master", master, "--threads", &threads.to_string()])
             .args(["--host-ranks", &n.to_string()])
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .map_err(|e| anyhow!("starting rank {r} ({}): {e}", exe.display()))?;
-        children.push((r, child));
+            .stdout(std::process::Stdio::null());
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe; it makes the rank end with
+            // this process instead of generating on for nobody.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                    Ok(())
+                });
+            }
+        }
+        match cmd.spawn() {
+            Ok(child) => children.push((r, child)),
+            Err(e) => {
+                end_ranks(children, true);
+                bail!("starting rank {r} ({}): {e}", exe.display());
+            }
+        }
     }
     Ok(children)
+}
+
+/// Waits for the ranks this process started (they end on their own once rank 0's sockets
+/// close); with `failed`, kills those still running after a grace period (a killed rank cannot
+/// clean up, e.g. the random weights of `with_ckpt: false`). The first rank that failed, if any.
+fn end_ranks(children: Vec<(usize, Child)>, failed: bool) -> Option<(usize, ExitStatus)> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut first_bad = None;
+    for (r, mut c) in children {
+        let status = loop {
+            match c.try_wait() {
+                Ok(Some(st)) => break Some(st),
+                Ok(None) if failed && std::time::Instant::now() >= deadline => {
+                    let _ = c.kill();
+                    break c.wait().ok();
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                Err(_) => break None,
+            }
+        };
+        if let Some(st) = status.filter(|st| !st.success()) {
+            first_bad.get_or_insert((r, st));
+        }
+    }
+    first_bad
 }
 
 fn config_path(args: &RunArgs) -> Result<PathBuf> {
@@ -222,16 +263,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     let result = offline::run_ranked(&cfg, &opts, comm.as_ref());
     drop(comm);
-    for (r, mut c) in children {
-        if result.is_err() {
-            let _ = c.kill();
-        }
-        let status = c.wait()?;
-        if !status.success() && result.is_ok() {
-            bail!("rank {r} failed ({status}); its error is above");
-        }
-    }
+    let bad = end_ranks(children, result.is_err());
     let result = result.map_err(|e| anyhow!("{e}"))?;
+    if let Some((r, st)) = bad {
+        bail!(
+            "rank {r} failed ({st}) after the run's files were written to {}; its error is above",
+            result.dir.display()
+        );
+    }
     if args.rank.is_some_and(|r| r != 0) {
         return Ok(());
     }
