@@ -11,7 +11,23 @@ use rayon::prelude::*;
 
 /// Below this many multiply-adds a call runs on the calling thread: rayon's fork/join costs a
 /// few microseconds, about what a 128K-element GEMV takes.
-pub(crate) const PARALLEL_MIN_WORK: usize = 1 << 17;
+const PARALLEL_MIN_WORK: usize = 1 << 17;
+
+/// The same while a [`KeepWarm`] holds the other workers awake: a fork then costs about a
+/// microsecond (no wake-up), so a 32K-element product is worth splitting.
+const PARALLEL_MIN_WORK_WARM: usize = 1 << 15;
+
+/// Live [`KeepWarm`] guards that started pollers.
+static WARM: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Multiply-adds from which a call forks (see [`PARALLEL_MIN_WORK`]).
+pub(crate) fn min_parallel_work() -> usize {
+    if WARM.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+        PARALLEL_MIN_WORK_WARM
+    } else {
+        PARALLEL_MIN_WORK
+    }
+}
 
 /// How to cut `0..len` into tasks.
 pub(crate) struct Split {
@@ -60,7 +76,7 @@ pub(crate) fn for_each_task(
         return;
     }
     let threads = rayon::current_num_threads();
-    if !may_fork() || work < PARALLEL_MIN_WORK || len <= split.min_task {
+    if !may_fork() || work < min_parallel_work() || len <= split.min_task {
         f(0..len);
         return;
     }
@@ -144,13 +160,21 @@ impl<'a> DisjointOut<'a> {
 /// thread).
 pub struct KeepWarm {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Whether pollers were started (and WARM counts this guard).
+    polling: bool,
 }
 
 impl KeepWarm {
     pub fn new() -> KeepWarm {
         use std::sync::atomic::{AtomicBool, Ordering};
         let stop = std::sync::Arc::new(AtomicBool::new(false));
-        if let Some(me) = rayon::current_thread_index() {
+        let mut polling = false;
+        if let (Some(me), true) = (
+            rayon::current_thread_index(),
+            rayon::current_num_threads() > 1,
+        ) {
+            polling = true;
+            WARM.fetch_add(1, Ordering::Relaxed);
             for _ in 1..rayon::current_num_threads() {
                 let stop = stop.clone();
                 rayon::spawn(move || {
@@ -167,7 +191,7 @@ impl KeepWarm {
                 });
             }
         }
-        KeepWarm { stop }
+        KeepWarm { stop, polling }
     }
 }
 
@@ -180,5 +204,8 @@ impl Default for KeepWarm {
 impl Drop for KeepWarm {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if self.polling {
+            WARM.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }

@@ -929,7 +929,7 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     let threads = rayon::current_num_threads();
     // Inside `serial`, on one thread or for little work: everything on the calling thread.
     let fork =
-        threads > 1 && work >= crate::parallel::PARALLEL_MIN_WORK && crate::parallel::may_fork();
+        threads > 1 && work >= crate::parallel::min_parallel_work() && crate::parallel::may_fork();
     // About four tasks per thread over all jobs, each 16..64 rows (a multiple of 4).
     let rows_per_task = |rows: usize, job_work: usize| -> usize {
         if !fork {
