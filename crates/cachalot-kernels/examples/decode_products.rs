@@ -8,7 +8,10 @@
 //! routed experts of 256 with top-6 and one shared, dense first layer of 8192, vocabulary 32000).
 //! `format`: bf16 (default) or w8a8. Figures are GB/s of weight bytes, best of 5 rounds.
 
-use std::time::Instant;
+#[path = "common/timing.rs"]
+mod timing;
+
+use timing::best_time;
 
 use cachalot_kernels::{f32_to_bf16, u16s_to_le_bytes, Bytes, MatmulJob, Matrix, MatrixData};
 
@@ -101,52 +104,12 @@ fn main() {
             if let Some(g) = &l.gate {
                 g.matmul(&x[..h], 1, &mut o_h[..64]);
             }
-            let rows = l.up_gate[0].rows();
-            let mut outs = vec![vec![0.0f32; rows]; l.up_gate.len()];
-            let mut jobs: Vec<MatmulJob> = l
-                .up_gate
-                .iter()
-                .zip(outs.iter_mut())
-                .map(|(w, o)| MatmulJob {
-                    w,
-                    x: &x[..h],
-                    n_tokens: 1,
-                    out: o,
-                })
-                .collect();
-            Matrix::matmul_group(&mut jobs);
-            let cols = l.down[0].cols();
-            let mut outs = vec![vec![0.0f32; h]; l.down.len()];
-            let mut jobs: Vec<MatmulJob> = l
-                .down
-                .iter()
-                .zip(outs.iter_mut())
-                .map(|(w, o)| MatmulJob {
-                    w,
-                    x: &x[..cols],
-                    n_tokens: 1,
-                    out: o,
-                })
-                .collect();
-            Matrix::matmul_group(&mut jobs);
+            group(&l.up_gate.iter().collect::<Vec<_>>(), &x);
+            group(&l.down.iter().collect::<Vec<_>>(), &x);
         }
         head.matmul(&x[..h], 1, &mut out[..32000]);
     };
-    let one_region = |out: &mut Vec<f32>| {
-        let mut outs: Vec<Vec<f32>> = all.iter().map(|m| vec![0.0f32; m.rows()]).collect();
-        let mut jobs: Vec<MatmulJob> = all
-            .iter()
-            .zip(outs.iter_mut())
-            .map(|(w, o)| MatmulJob {
-                w,
-                x: &x[..w.cols()],
-                n_tokens: 1,
-                out: o,
-            })
-            .collect();
-        Matrix::matmul_group(&mut jobs);
-        out[0] = outs[0][0];
-    };
+    let one_region = || group(&all, &x);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     for t in [1, threads] {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -155,7 +118,7 @@ fn main() {
             .expect("thread pool");
         pool.install(|| {
             let s = best_time(|| step(&mut out));
-            let r = best_time(|| one_region(&mut out));
+            let r = best_time(one_region);
             println!(
                 "threads {t}: step as issued {:.2} ms ({:.1} GB/s); one region {:.2} ms ({:.1} GB/s)",
                 s * 1e3,
@@ -168,18 +131,20 @@ fn main() {
     std::hint::black_box(&out);
 }
 
-/// The fastest per-call time over 5 rounds of at least 0.2 s each (after a warm-up call).
-fn best_time(mut f: impl FnMut()) -> f64 {
-    f();
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let start = Instant::now();
-        let mut calls = 0u32;
-        while start.elapsed().as_secs_f64() < 0.2 {
-            f();
-            calls += 1;
-        }
-        best = best.min(start.elapsed().as_secs_f64() / calls as f64);
-    }
-    best
+/// The products `ws` (one token each, `x` cut to each width) in one parallel region, as the
+/// model issues an MoE layer's experts (`Matrix::matmul_group`).
+fn group(ws: &[&Matrix], x: &[f32]) {
+    let mut outs: Vec<Vec<f32>> = ws.iter().map(|m| vec![0.0f32; m.rows()]).collect();
+    let mut jobs: Vec<MatmulJob> = ws
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(w, o)| MatmulJob {
+            w,
+            x: &x[..w.cols()],
+            n_tokens: 1,
+            out: o,
+        })
+        .collect();
+    Matrix::matmul_group(&mut jobs);
+    std::hint::black_box(&outs);
 }

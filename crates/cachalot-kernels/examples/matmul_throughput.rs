@@ -8,7 +8,10 @@
 //! `CACHALOT_SIMD=scalar` (or `avx2`) measures the scalar (AVX2) kernels on an AVX-512 CPU.
 //! Numbers on shared machines are noisy: compare formats within one run.
 
-use std::time::Instant;
+#[path = "common/timing.rs"]
+mod timing;
+
+use timing::best_time;
 
 use cachalot_kernels::{
     f32_to_bf16, f32s_to_le_bytes, simd_level, u16s_to_le_bytes, Bytes, Matrix, MatrixData,
@@ -183,21 +186,4 @@ fn main() {
         });
     }
     std::hint::black_box((&out, &out_t, &q_abs));
-}
-
-/// The fastest per-call time over 5 rounds of at least 0.1 s each (after a warm-up call): the
-/// least disturbed by other work on a shared machine.
-fn best_time(mut f: impl FnMut()) -> f64 {
-    f();
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let start = Instant::now();
-        let mut calls = 0u32;
-        while start.elapsed().as_secs_f64() < 0.1 {
-            f();
-            calls += 1;
-        }
-        best = best.min(start.elapsed().as_secs_f64() / calls as f64);
-    }
-    best
 }

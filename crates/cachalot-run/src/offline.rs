@@ -630,15 +630,6 @@ pub fn run_ranked(
             wall_s = reports.iter().map(|r| r.wall_s).fold(0.0, f64::max);
             load_s = reports.iter().map(|r| r.load_s).fold(0.0, f64::max);
             cache_bytes = reports.iter().map(|r| r.cache_bytes).max().unwrap_or(0);
-            // The fullest rank's pool (ranks may size their pools differently).
-            if let Some(full) = reports.iter().max_by(|a, b| {
-                let f =
-                    |s: &EngineStats| s.kv_peak_blocks as f64 / s.kv_capacity_blocks.max(1) as f64;
-                f(&a.stats).total_cmp(&f(&b.stats))
-            }) {
-                stats.kv_peak_blocks = full.stats.kv_peak_blocks;
-                stats.kv_capacity_blocks = full.stats.kv_capacity_blocks;
-            }
             prompt_tokens = reports.iter().map(|r| r.prompt_tokens).sum();
             for (r, rep) in reports.into_iter().enumerate() {
                 let out: usize = rep.outputs.iter().map(|o| o.tokens.len()).sum();
@@ -773,10 +764,11 @@ pub fn run_ranked(
     })
 }
 
-/// Counters of ranks that ran side by side: sums, but the KV peak is the largest rank's and
-/// the pool's capacity and block size are each rank's.
+/// Counters of ranks that ran side by side: sums, but the KV peak and capacity are those of the
+/// fullest rank's pool (ranks may size their pools differently).
 fn merge_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
     let mut m = EngineStats::default();
+    let fill = |peak: usize, cap: usize| peak as f64 / cap.max(1) as f64;
     for s in all {
         // Destructured whole, so a new counter cannot be forgotten here.
         let EngineStats {
@@ -816,8 +808,13 @@ fn merge_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
         m.decode_step_s += decode_step_s;
         m.decode_steps += decode_steps;
         m.preemptions += preemptions;
-        m.kv_peak_blocks = m.kv_peak_blocks.max(*kv_peak_blocks);
-        m.kv_capacity_blocks = *kv_capacity_blocks;
+        if m.kv_capacity_blocks == 0
+            || fill(*kv_peak_blocks, *kv_capacity_blocks)
+                > fill(m.kv_peak_blocks, m.kv_capacity_blocks)
+        {
+            m.kv_peak_blocks = *kv_peak_blocks;
+            m.kv_capacity_blocks = *kv_capacity_blocks;
+        }
         m.kv_block_size = *kv_block_size;
     }
     m
