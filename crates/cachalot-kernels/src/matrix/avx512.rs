@@ -1,7 +1,8 @@
 //! AVX-512 forward product (F/BW/VL on top of AVX2 + FMA + F16C; `SimdLevel::Avx512`), for every
 //! float weight format. Every function here requires a CPU with those features and a validated
-//! [`WeightsView`] (checked by `Matrix::matmul*`). The transposed product, W4A8 and the vector
-//! kernels run the AVX2 code at this level; W8A8 has its own VNNI kernel (`w8a8::avx512`).
+//! [`WeightsView`] (checked by `Matrix::matmul*`). The transposed product is here too
+//! (`matmul_t_cols`); W4A8 and the vector kernels run the AVX2 code at this level; W8A8 has its
+//! own VNNI kernel (`w8a8::avx512`).
 //!
 //! Bit-identical to the AVX2 kernels (`avx2.rs`), so a model gives the same tokens whichever of
 //! the two levels runs it. The AVX2 product keeps, per (row, token) and column segment, two
@@ -29,7 +30,9 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::avx2::{prefetch_ahead, Bf16W, Fp4W, Fp8W, Hif8W, Int4W, Int8W, Weights16, F16W, F32W};
+use super::scalar::segments;
 use super::{Format, OutRows, RowScales, WeightsView};
+use crate::parallel::DisjointOut;
 use crate::vector::avx2::hsum;
 
 /// Decodes 16 consecutive stored weights into one 16-lane vector: lanes 0..8 are AVX2's first
@@ -331,4 +334,158 @@ unsafe fn tile<W: Weights16x512, const R: usize, const NT: usize>(
         }
     }
     res
+}
+
+/// The transposed product `out[t, c] = Σ_i x[t, i]·W[rows.start + i, c]` for the columns `cols`
+/// (all tokens), written through `out`.
+///
+/// Each (token, column) is one FMA chain over the rows in order from zero, with the coefficient
+/// `x·(scale·FACTOR)` of AVX2's `transposed`: the same operations, so the same bits. Where AVX2
+/// walks the rows 16 at a time (`T_ROW_BLOCK`), its accumulators parked in `out` between passes,
+/// a chunk of up to 8 zmm columns here walks all the rows at once: weight rows are read at one
+/// stride from start to end (the hardware prefetchers follow it, the software prefetch runs
+/// 8 rows ahead), which is what a cold W_UK (MLA absorption in decode) is limited by.
+///
+/// # Safety
+/// See the module documentation; `out` accepts writes for `out[t*w.cols + c]`, c in `cols`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn matmul_t_cols(
+    w: &WeightsView,
+    rows: Range<usize>,
+    x: &[f32],
+    n_tokens: usize,
+    cols: Range<usize>,
+    out: &DisjointOut,
+) {
+    match w.format {
+        Format::F32 => transposed::<F32W>(w, rows, x, n_tokens, cols, out),
+        Format::Bf16 => transposed::<Bf16W>(w, rows, x, n_tokens, cols, out),
+        Format::F16 => transposed::<F16W>(w, rows, x, n_tokens, cols, out),
+        Format::Fp8 | Format::Mxfp8 => transposed::<Fp8W>(w, rows, x, n_tokens, cols, out),
+        Format::Int8 => transposed::<Int8W>(w, rows, x, n_tokens, cols, out),
+        Format::Int4 => transposed::<Int4W>(w, rows, x, n_tokens, cols, out),
+        Format::Fp4 => transposed::<Fp4W>(w, rows, x, n_tokens, cols, out),
+        Format::Hif8 => transposed::<Hif8W>(w, rows, x, n_tokens, cols, out),
+    }
+}
+
+/// Rows ahead of the one being read that the transposed product prefetches.
+const T_PREFETCH_ROWS: usize = 8;
+
+/// What the transposed kernels share: the matrix, its rows, and x as `[n_tokens, rows.len()]`.
+struct TArgs<'a, 'b> {
+    w: &'a WeightsView<'a>,
+    rows: Range<usize>,
+    x: &'a [f32],
+    out: &'a DisjointOut<'b>,
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn transposed<W: Weights16x512>(
+    w: &WeightsView,
+    rows: Range<usize>,
+    x: &[f32],
+    n_tokens: usize,
+    cols: Range<usize>,
+    out: &DisjointOut,
+) {
+    let a = TArgs { w, rows, x, out };
+    for (segment, seg) in segments(w, cols) {
+        let mut t0 = 0;
+        while t0 < n_tokens {
+            let nt = (n_tokens - t0).min(4);
+            // Column chunks of NC zmm: 8 accumulator chains or more in flight for any NT (wider
+            // chunks for 2..4 tokens, 16-24 accumulators, measured 2-3x slower: spills).
+            match nt {
+                1 => t_segment::<W, 1, 8>(&a, segment, seg.clone(), t0),
+                2 => t_segment::<W, 2, 4>(&a, segment, seg.clone(), t0),
+                3 => t_segment::<W, 3, 4>(&a, segment, seg.clone(), t0),
+                _ => t_segment::<W, 4, 4>(&a, segment, seg.clone(), t0),
+            }
+            t0 += nt;
+        }
+    }
+}
+
+/// Columns `seg` (within one scale segment) for tokens t0..t0+NT: chunks of NC·16 columns,
+/// then of 16, then the ragged end.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn t_segment<W: Weights16x512, const NT: usize, const NC: usize>(
+    a: &TArgs,
+    segment: usize,
+    seg: Range<usize>,
+    t0: usize,
+) {
+    let mut c = seg.start;
+    while c + NC * 16 <= seg.end {
+        t_chunk::<W, NT, NC>(a, segment, c, 16, t0);
+        c += NC * 16;
+    }
+    while c + 16 <= seg.end {
+        t_chunk::<W, NT, 1>(a, segment, c, 16, t0);
+        c += 16;
+    }
+    if c < seg.end {
+        t_chunk::<W, NT, 1>(a, segment, c, seg.end - c, t0);
+    }
+}
+
+/// Columns c..c+16·NC (or, with NC = 1, c..c+last where last < 16 is a ragged segment end,
+/// read through zero-padded copies as in AVX2) for tokens t0..t0+NT, over all the rows.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn t_chunk<W: Weights16x512, const NT: usize, const NC: usize>(
+    a: &TArgs,
+    segment: usize,
+    c: usize,
+    last: usize,
+    t0: usize,
+) {
+    let w = a.w;
+    let m = a.rows.len();
+    let row_bytes = bytes_of::<W>(w.cols);
+    let chunk_bytes = NC * W::BYTES16;
+    let mut p = w
+        .data
+        .as_ptr()
+        .add(a.rows.start * row_bytes + bytes_of::<W>(c));
+    let mut acc = [[_mm512_setzero_ps(); NC]; NT];
+    let mut wpad = [0u8; 64];
+    for i in 0..m {
+        let mut off = 0;
+        while off < chunk_bytes {
+            prefetch_ahead(p, T_PREFETCH_ROWS * row_bytes + off);
+            off += 64;
+        }
+        let scale = w.scales.row(a.rows.start + i).get(segment) * W::FACTOR;
+        let mut coef = [_mm512_setzero_ps(); NT];
+        for t in 0..NT {
+            coef[t] = _mm512_set1_ps(*a.x.get_unchecked((t0 + t) * m + i) * scale);
+        }
+        for k in 0..NC {
+            let wv = if last == 16 {
+                W::load512(p.add(k * W::BYTES16))
+            } else {
+                std::ptr::copy_nonoverlapping(p, wpad.as_mut_ptr(), bytes_of::<W>(last));
+                W::load512(wpad.as_ptr())
+            };
+            for t in 0..NT {
+                acc[t][k] = _mm512_fmadd_ps(wv, coef[t], acc[t][k]);
+            }
+        }
+        p = p.add(row_bytes);
+    }
+    for t in 0..NT {
+        let dst = a.out.slice_mut((t0 + t) * w.cols + c, NC * last);
+        if last == 16 {
+            for k in 0..NC {
+                _mm512_storeu_ps(dst.as_mut_ptr().add(k * 16), acc[t][k]);
+            }
+        } else {
+            let mut tmp = [0.0f32; 16];
+            _mm512_storeu_ps(tmp.as_mut_ptr(), acc[t][0]);
+            dst.copy_from_slice(&tmp[..last]);
+        }
+    }
 }

@@ -662,9 +662,13 @@ impl Matrix {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `Avx2` is only used where the CPU supports it; the task writes only
                 // out[t*cols + c] for c in its own column range, and tasks' ranges are disjoint.
-                // (`Avx512` has no transposed kernel of its own; its CPUs run AVX2's.)
-                SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
+                SimdLevel::Avx2 => unsafe {
                     avx2::matmul_t_cols(&view, rows.clone(), x, n_tokens, cols, &out)
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above, for `Avx512`.
+                SimdLevel::Avx512 => unsafe {
+                    avx512::matmul_t_cols(&view, rows.clone(), x, n_tokens, cols, &out)
                 },
                 _ => scalar::matmul_t_cols(&view, rows.clone(), x, n_tokens, cols, &out),
             }

@@ -288,6 +288,25 @@ proptest! {
         m.matmul_rows_at(SimdLevel::Avx512, range.clone(), &x, nt, &mut got);
         prop_assert_eq!(bits(&got), bits(&want), "{:?} {}x{} block {:?} nt {} rows {:?}", format, rows, cols, block, nt, range);
     }
+
+    /// AVX-512 and AVX2 transposed products agree bit for bit for every format, token count
+    /// and row sub-range (one FMA chain per column over the rows in order, either way).
+    #[test]
+    fn avx512_transposed_is_bit_identical_to_avx2((format, rows, cols, _nt, block, seed) in case(), nt in 1usize..=9, sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
+        if !SimdLevel::Avx512.supported() {
+            return Ok(());
+        }
+        let mut rng = Rng(seed);
+        let m = random_matrix(format, rows, cols, block, &mut rng);
+        let (a, b) = (sub.0.index(rows + 1), sub.1.index(rows + 1));
+        let range = a.min(b)..a.max(b);
+        let x: Vec<f32> = (0..nt * range.len()).map(|_| rng.value()).collect();
+        let mut want = vec![f32::NAN; nt * cols];
+        m.matmul_t_rows_at(SimdLevel::Avx2, range.clone(), &x, nt, &mut want);
+        let mut got = vec![f32::NAN; nt * cols];
+        m.matmul_t_rows_at(SimdLevel::Avx512, range.clone(), &x, nt, &mut got);
+        prop_assert_eq!(bits(&got), bits(&want), "{:?} {}x{} block {:?} nt {} rows {:?}", format, rows, cols, block, nt, range);
+    }
 }
 
 #[test]
@@ -310,6 +329,32 @@ fn avx512_forward_is_bit_identical_to_avx2_on_wide_rows() {
             let mut got = vec![f32::NAN; nt * rows];
             m.matmul_rows_at(SimdLevel::Avx512, 0..rows, &x, nt, &mut got);
             assert_eq!(bits(&got), bits(&want), "{format:?} nt {nt}");
+        }
+    }
+}
+
+#[test]
+fn avx512_transposed_is_bit_identical_to_avx2_on_tall_matrices() {
+    // Many rows (several of AVX2's 16-row passes), long rows (several chunk widths and 128-wide
+    // FP8 blocks, a ragged end) and awkward magnitudes, so any reordering shows.
+    if !SimdLevel::Avx512.supported() {
+        return;
+    }
+    for (k, &format) in FORMATS.iter().enumerate() {
+        let mut rng = Rng(0x7A51 + k as u64);
+        let (rows, cols) = (150, 1000);
+        let m = random_matrix(format, rows, cols, (128, 128), &mut rng);
+        for nt in [1, 2, 3, 4, 5, 8] {
+            for range in [0..rows, 3..131, 17..18] {
+                let x: Vec<f32> = (0..nt * range.len())
+                    .map(|i| rng.value() * if i % 7 == 0 { 1e4 } else { 1e-3 })
+                    .collect();
+                let mut want = vec![f32::NAN; nt * cols];
+                m.matmul_t_rows_at(SimdLevel::Avx2, range.clone(), &x, nt, &mut want);
+                let mut got = vec![f32::NAN; nt * cols];
+                m.matmul_t_rows_at(SimdLevel::Avx512, range.clone(), &x, nt, &mut got);
+                assert_eq!(bits(&got), bits(&want), "{format:?} nt {nt} rows {range:?}");
+            }
         }
     }
 }
