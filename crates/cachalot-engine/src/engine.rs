@@ -416,12 +416,18 @@ impl<'t, M: Model> Engine<'t, M> {
         }
         let sampler = Sampler::new(req.params, &req.prompt)?;
         let id = self.next_id;
+        let max_len = req
+            .prompt
+            .len()
+            .checked_add(req.stop.max_new_tokens)
+            .ok_or_else(|| {
+                EngineError::Request(format!(
+                    "max_new_tokens {} is out of range",
+                    req.stop.max_new_tokens
+                ))
+            })?;
         self.scheduler
-            .add(
-                id,
-                req.prompt.len(),
-                req.prompt.len() + req.stop.max_new_tokens,
-            )
+            .add(id, req.prompt.len(), max_len)
             .map_err(|e: AdmissionError| EngineError::Request(e.to_string()))?;
         self.next_id += 1;
         let stream = self

@@ -182,14 +182,14 @@ pub fn generate<M: Model + ?Sized>(
     }
     let vocab = model.vocab_size();
     let mut sampler = Sampler::new(params, prompt)?;
-    let total = prompt.len() + stop.max_new_tokens;
+    let total = checked_total(prompt.len(), stop.max_new_tokens, 0)?;
     let blocks = total.div_ceil(BLOCK_SIZE).max(1);
     let mut cache = KvCache::new(model.cache_spec(), BLOCK_SIZE, blocks);
     let mut alloc = BlockAllocator::new(blocks);
     let mut table = Vec::new();
     let mut stream = tokenizer.map(|t| TextStream::new(t, &stop.stop_strings));
 
-    let mut tokens = Vec::with_capacity(stop.max_new_tokens);
+    let mut tokens = Vec::with_capacity(stop.max_new_tokens.min(1 << 16));
     let mut text = String::new();
     let mut emit = |s: &str, text: &mut String| {
         if !s.is_empty() {
@@ -270,7 +270,7 @@ pub fn generate_mtp<M: crate::Model>(
     if prompt.is_empty() {
         return Err(EngineError::Request("the prompt is empty".into()));
     }
-    let total = prompt.len() + stop.max_new_tokens + next_n + 1;
+    let total = checked_total(prompt.len(), stop.max_new_tokens, next_n + 1)?;
     let cfg = crate::EngineConfig {
         block_size: BLOCK_SIZE,
         num_blocks: total.div_ceil(BLOCK_SIZE) + 1,
@@ -315,6 +315,25 @@ pub fn generate_mtp<M: crate::Model>(
         }
     }
 }
+
+/// Positions a generation may take: prompt + `max_new_tokens` (+ `extra`), named when it does
+/// not fit `usize` or `MAX_SEQUENCE`.
+fn checked_total(prompt: usize, max_new: usize, extra: usize) -> Result<usize, EngineError> {
+    prompt
+        .checked_add(max_new)
+        .and_then(|t| t.checked_add(extra))
+        .filter(|&t| t <= MAX_SEQUENCE)
+        .ok_or_else(|| {
+            EngineError::Request(format!(
+                "max_new_tokens {max_new} is out of range: prompt + output must be at most \
+                 {MAX_SEQUENCE} positions"
+            ))
+        })
+}
+
+/// The longest sequence `generate` sizes a KV cache for (2^24 positions: far beyond any
+/// model's context, small enough that the cache size is computed without overflow).
+pub const MAX_SEQUENCE: usize = 1 << 24;
 
 #[cfg(test)]
 mod tests {
@@ -362,5 +381,17 @@ mod tests {
         assert_eq!(out, "abc ST and more");
         assert_eq!(hit, None);
         assert!(pieces.iter().all(|p| !p.ends_with(" S")), "{pieces:?}");
+    }
+
+    #[test]
+    fn output_lengths_past_any_context_are_named() {
+        assert_eq!(checked_total(10, 20, 2).unwrap(), 32);
+        for max_new in [usize::MAX, usize::MAX - 5, MAX_SEQUENCE] {
+            let e = checked_total(10, max_new, 2).unwrap_err().to_string();
+            assert!(
+                e.contains("max_new_tokens") && e.contains("out of range"),
+                "{e}"
+            );
+        }
     }
 }

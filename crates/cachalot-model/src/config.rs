@@ -101,6 +101,15 @@ pub struct DeepseekV3Config {
 /// not `rms_norm_eps` (spec §1.3).
 pub const LATENT_NORM_EPS: f32 = 1e-6;
 
+/// The largest size (vocabulary, widths, heads, experts, positions) a config may give: far
+/// above every released model (DeepSeek-V3: vocabulary 129280, hidden 7168), low enough that
+/// products of a few sizes fit in `usize`.
+pub const MAX_DIM: usize = 1 << 24;
+/// The most decoder layers a config may give (DeepSeek-V3: 61).
+pub const MAX_LAYERS: usize = 4096;
+/// The most MTP layers a config may give (released models: 1).
+pub const MAX_MTP_LAYERS: usize = 16;
+
 pub(crate) struct Fields<'a> {
     pub(crate) path: &'a Path,
     pub(crate) map: &'a Map<String, Value>,
@@ -333,6 +342,52 @@ impl DeepseekV3Config {
                 return Err(err(name, "must be at least 1".into()));
             }
         }
+        // Upper bounds far above any released model, so that sizes multiplied from them cannot
+        // overflow and a mistyped value is named here, not met as an allocation failure or a
+        // hang later.
+        let dims = [
+            ("vocab_size", Some(self.vocab_size)),
+            ("hidden_size", Some(self.hidden_size)),
+            ("intermediate_size", Some(self.intermediate_size)),
+            ("moe_intermediate_size", Some(self.moe_intermediate_size)),
+            ("num_attention_heads", Some(self.num_attention_heads)),
+            ("q_lora_rank", self.q_lora_rank),
+            ("kv_lora_rank", Some(self.kv_lora_rank)),
+            ("qk_nope_head_dim", Some(self.qk_nope_head_dim)),
+            ("qk_rope_head_dim", Some(self.qk_rope_head_dim)),
+            ("v_head_dim", Some(self.v_head_dim)),
+            ("n_routed_experts", self.n_routed_experts),
+            ("n_shared_experts", Some(self.n_shared_experts)),
+            ("num_experts_per_tok", Some(self.num_experts_per_tok)),
+            ("n_group", Some(self.n_group)),
+            (
+                "max_position_embeddings",
+                Some(self.max_position_embeddings),
+            ),
+        ];
+        for (name, v) in dims {
+            if let Some(v) = v.filter(|&v| v > MAX_DIM) {
+                return Err(err(
+                    name,
+                    format!("{v} is out of range (at most {MAX_DIM}); check the value"),
+                ));
+            }
+        }
+        for (name, v, max) in [
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            (
+                "num_nextn_predict_layers",
+                self.num_nextn_predict_layers,
+                MAX_MTP_LAYERS,
+            ),
+        ] {
+            if v > max {
+                return Err(err(
+                    name,
+                    format!("{v} is out of range (at most {max}); check the value"),
+                ));
+            }
+        }
         if self.qk_rope_head_dim == 0 || !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(err(
                 "qk_rope_head_dim",
@@ -412,8 +467,10 @@ impl DeepseekV3Config {
             && i.is_multiple_of(self.moe_layer_freq)
     }
 
+    /// Any main layer is MoE, or an MTP layer (always MoE, spec §3.8) exists.
     fn has_moe_layers(&self) -> bool {
-        (0..=self.num_hidden_layers).any(|i| self.is_moe_layer(i))
+        (0..self.num_hidden_layers).any(|i| self.is_moe_layer(i))
+            || (self.num_nextn_predict_layers > 0 && self.n_routed_experts.is_some_and(|e| e > 0))
     }
 
     pub fn qk_head_dim(&self) -> usize {
@@ -761,5 +818,37 @@ mod tests {
         let mut v = r1_json();
         v.as_object_mut().unwrap().remove("kv_lora_rank");
         assert!(parse(&v).unwrap_err().to_string().contains("kv_lora_rank"));
+    }
+
+    #[test]
+    fn out_of_range_sizes_are_named() {
+        // Values that would overflow sizes, exhaust memory or make the parser scan for ages.
+        for (field, value) in [
+            ("num_hidden_layers", Value::from(1_000_000_000_000u64)),
+            ("num_nextn_predict_layers", Value::from(1_000_000_000u64)),
+            ("vocab_size", Value::from(12_928_000_000u64)),
+            ("hidden_size", Value::from(1u64 << 40)),
+            ("n_routed_experts", Value::from(1u64 << 30)),
+        ] {
+            let mut v = r1_json();
+            v[field] = value;
+            let e = parse(&v).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("`{field}`")) && e.contains("out of range"),
+                "{field}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_mtp_only_moe_layer_gets_the_routing_checks() {
+        // Every main layer dense: the MTP layer is still MoE, so its routing settings count.
+        let mut v = r1_json();
+        v["first_k_dense_replace"] = Value::from(100);
+        v["num_experts_per_tok"] = Value::from(1000);
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("num_experts_per_tok"), "{e}");
+        v["num_nextn_predict_layers"] = Value::from(0);
+        parse(&v).expect("no MoE layer at all: the routing settings are unused");
     }
 }

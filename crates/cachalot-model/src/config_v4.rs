@@ -11,7 +11,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::config::{json_object, Fields};
+use crate::config::{json_object, Fields, MAX_DIM, MAX_LAYERS, MAX_MTP_LAYERS};
 use crate::error::{ModelError, Result};
 
 /// Which forward pass a model directory needs.
@@ -386,6 +386,47 @@ impl DeepseekV4Config {
                 return Err(f.err(name, "must be positive"));
             }
         }
+        // Upper bounds far above any released model (see `config::MAX_DIM`): sizes multiplied
+        // from them cannot overflow, and a mistyped value is named here.
+        let bounded = [
+            ("vocab_size", self.vocab_size, MAX_DIM),
+            ("hidden_size", self.hidden_size, MAX_DIM),
+            ("num_attention_heads", self.num_attention_heads, MAX_DIM),
+            ("head_dim", self.head_dim, MAX_DIM),
+            ("q_lora_rank", self.q_lora_rank, MAX_DIM),
+            ("o_lora_rank", self.o_lora_rank, MAX_DIM),
+            ("n_routed_experts", self.n_routed_experts, MAX_DIM),
+            ("moe_intermediate_size", self.moe_intermediate_size, MAX_DIM),
+            ("index_n_heads", self.index_n_heads, MAX_DIM),
+            ("index_head_dim", self.index_head_dim, MAX_DIM),
+            ("index_topk", self.index_topk, MAX_DIM),
+            ("hc_mult", self.hc_mult, 64),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_DIM,
+            ),
+            (
+                "sliding_window",
+                self.sliding_window,
+                self.max_position_embeddings,
+            ),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            (
+                "num_nextn_predict_layers",
+                self.num_nextn_predict_layers,
+                MAX_MTP_LAYERS,
+            ),
+            ("hc_sinkhorn_iters", self.hc_sinkhorn_iters, 10_000),
+        ];
+        for (name, v, max) in bounded {
+            if v > max {
+                return Err(f.err(
+                    name,
+                    format!("{v} is out of range (at most {max}); check the value"),
+                ));
+            }
+        }
         if self.qk_rope_head_dim == 0
             || !self.qk_rope_head_dim.is_multiple_of(2)
             || self.qk_rope_head_dim > self.head_dim
@@ -490,8 +531,12 @@ impl DeepseekV4Config {
         self.compress_ratios.get(layer).copied().unwrap_or(0)
     }
 
+    /// A ratio-4 layer (main or MTP: the list's entries past `num_hidden_layers` are the MTP
+    /// layers') has the indexer.
     fn has_indexer(&self) -> bool {
-        self.compress_ratios[..self.num_hidden_layers].contains(&4)
+        let used = (self.num_hidden_layers + self.num_nextn_predict_layers)
+            .min(self.compress_ratios.len());
+        self.compress_ratios[..used].contains(&4)
     }
 
     /// Hash-routed (`tid2eid`) layers: main layers below `num_hash_layers`; never MTP.
@@ -624,6 +669,47 @@ mod tests {
         v["compress_ratios"][5] = serde_json::json!(1);
         let e = parse(&v).unwrap_err().to_string();
         assert!(e.contains("compress_ratios[5]"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_sizes_are_named() {
+        for (key, val) in [
+            ("sliding_window", serde_json::json!(100_000_000_000u64)),
+            (
+                "hc_sinkhorn_iters",
+                serde_json::json!(1_000_000_000_000_000u64),
+            ),
+            ("num_hidden_layers", serde_json::json!(1_000_000_000_000u64)),
+            (
+                "num_nextn_predict_layers",
+                serde_json::json!(1_000_000_000u64),
+            ),
+            ("vocab_size", serde_json::json!(1u64 << 40)),
+        ] {
+            let mut v = flash_json();
+            v[key] = val;
+            let e = parse(&v).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("`{key}`")) && e.contains("out of range"),
+                "{key}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_mtp_indexer_needs_valid_index_settings() {
+        // The main layers have no ratio-4 layer; the MTP layer (the list's last entry) has.
+        let mut v = flash_json();
+        let n = v["num_hidden_layers"].as_u64().unwrap() as usize;
+        let mut ratios = vec![serde_json::json!(0); n];
+        ratios.push(serde_json::json!(4));
+        v["compress_ratios"] = Value::from(ratios);
+        v["num_nextn_predict_layers"] = serde_json::json!(1);
+        v["index_head_dim"] = serde_json::json!(96);
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("`index_head_dim`"), "{e}");
+        v["index_head_dim"] = serde_json::json!(128);
+        parse(&v).expect("valid index settings");
     }
 
     #[test]

@@ -1246,7 +1246,7 @@ impl DeepseekV4 {
                 let table = &batch.block_tables[seq_of[i]];
                 let p = batch.positions[i];
                 let row = |pos: usize| slot_of(table, pos, bs) * width;
-                let mut keys: Vec<&[f32]> = Vec::with_capacity(win + 64);
+                let mut keys: Vec<&[f32]> = Vec::with_capacity((p + 1).min(win) + 64);
                 for pos in (p + 1).saturating_sub(win)..=p {
                     let s = row(pos);
                     keys.push(&cache[s..s + dh]);

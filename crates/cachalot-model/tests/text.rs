@@ -178,3 +178,28 @@ fn a_directory_without_a_tokenizer_says_so() {
         "{e}"
     );
 }
+
+#[test]
+fn an_empty_special_token_name_is_named() {
+    // An empty name would match at every offset of the text: encoding would never advance.
+    let dir = tempfile::tempdir().unwrap();
+    let src = text_fixture("kimi_style");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let path = dir.path().join("tokenizer_config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let added = config["added_tokens_decoder"].as_object_mut().unwrap();
+    let id = added.keys().next().unwrap().clone();
+    added.get_mut(&id).unwrap()["content"] = Value::from("");
+    std::fs::write(&path, serde_json::to_string(&config).unwrap()).unwrap();
+    let err = Tokenizer::from_dir(dir.path())
+        .err()
+        .expect("an error")
+        .to_string();
+    assert!(
+        err.contains(&format!("added_tokens_decoder.{id}.content")) && err.contains("empty"),
+        "{err}"
+    );
+}

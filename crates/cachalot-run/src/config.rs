@@ -19,6 +19,8 @@ pub enum Kind {
     Int(i64),
     /// An integer `>= min`, or null.
     IntOrNull(i64),
+    /// An integer in `[min, max]`.
+    IntIn(i64, i64),
     /// A number in `[min, max]`.
     Float(f64, f64),
     Str,
@@ -59,6 +61,14 @@ pub const MODEL_NAMES: &[&str] = &[
     "kimi_k2_thinking",
     "deepseek_v4",
 ];
+/// The largest value an integer key takes (token counts, sizes, parallel sizes; not the
+/// sampling seed): far above real use, low enough that sizes multiplied from a few of them fit
+/// in `usize`.
+pub const MAX_INT: i64 = 1 << 24;
+/// The largest `scheduler_config.batch_size`.
+pub const MAX_BATCH: i64 = 1 << 16;
+/// The largest `scheduler_config.block_size` (KV slots per block; the seed uses 128).
+pub const MAX_BLOCK_SIZE: i64 = 4096;
 pub const DATASETS: &[&str] = &["default", "LongBench", "InfiniteBench"];
 
 const MODEL_KEYS: &[Key] = &[
@@ -110,11 +120,11 @@ const PARALLEL_KEYS: &[Key] = &[
     k("moe_ep_size", Kind::Int(1)),
 ];
 const SCHEDULER_KEYS: &[Key] = &[
-    k("batch_size", Kind::Int(1)),
+    k("batch_size", Kind::IntIn(1, MAX_BATCH)),
     k("max_new_tokens", Kind::Int(1)),
     k("max_prefill_tokens", Kind::Int(0)),
     k("mem_fraction_static", Kind::Float(0.0, 1.0)),
-    k("block_size", Kind::Int(1)),
+    k("block_size", Kind::IntIn(1, MAX_BLOCK_SIZE)),
     k("num_reserved_decode_tokens", Kind::Int(0)),
     k("cp_mini_batch", Kind::Int(i64::MIN)),
 ];
@@ -623,12 +633,19 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
     let got = || describe(v);
     match kind {
         Kind::Bool => (!v.is_boolean()).then(|| format!("expected true or false, got {}", got())),
-        Kind::Int(min) | Kind::IntOrNull(min) => {
+        Kind::Int(min) | Kind::IntOrNull(min) | Kind::IntIn(min, _) => {
             if v.is_null() && matches!(kind, Kind::IntOrNull(_)) {
                 return None;
             }
+            let max = match kind {
+                Kind::IntIn(_, max) => max,
+                // The seed (the only nullable integer) may be any 64-bit value.
+                Kind::IntOrNull(_) => i64::MAX,
+                _ => MAX_INT,
+            };
             match v.as_i64() {
-                Some(n) if n >= min => None,
+                Some(n) if n >= min && n <= max => None,
+                Some(n) if n >= min => Some(format!("{n} is out of range: must be at most {max}")),
                 Some(n) => Some(format!("{n} is out of range: must be >= {min}")),
                 None => Some(format!(
                     "expected an integer{}, got {}",

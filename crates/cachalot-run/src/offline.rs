@@ -162,11 +162,56 @@ pub struct RunResult {
 }
 
 /// Memory the system reports available (`MemAvailable`), if it says.
-fn mem_available() -> Option<u64> {
+pub(crate) fn mem_available() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// The KV pool's size is one the engine can hold: at least the null block and one more, block
+/// ids within `u32`, and (where the available memory is known) its bytes within it — two
+/// blocks of a huge `block_size`, or a mistyped `--kv-blocks`, are named here instead of
+/// failing as an allocation.
+fn check_kv_pool(
+    num_blocks: usize,
+    per_block: u64,
+    block_size: usize,
+    from_cli: bool,
+    available: Option<u64>,
+) -> Result<(), Error> {
+    let what = if from_cli {
+        format!("--kv-blocks {num_blocks}")
+    } else {
+        format!("the KV pool of {num_blocks} blocks (scheduler_config.block_size {block_size})")
+    };
+    if num_blocks < 2 {
+        return Err(format!(
+            "{what}: the pool needs at least 2 blocks (the reserved null block and one more)"
+        )
+        .into());
+    }
+    if num_blocks > u32::MAX as usize {
+        return Err(format!("{what}: at most {} blocks", u32::MAX).into());
+    }
+    let bytes = (num_blocks as u64).checked_mul(per_block);
+    if let Some(avail) = available {
+        if bytes.is_none_or(|b| b > avail) {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            let fix = if from_cli {
+                "give fewer blocks"
+            } else {
+                "lower scheduler_config.block_size (the seed uses 128)"
+            };
+            return Err(format!(
+                "{what} needs {} of KV cache ({per_block} bytes per block), more than the {:.1}                  GiB of memory available; {fix}",
+                bytes.map_or("more than 16 EiB".to_string(), |b| format!("{:.1} GiB", gib(b))),
+                gib(avail)
+            )
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// `YYYYMMDD-HHMMSS` in UTC.
@@ -472,6 +517,13 @@ pub fn run_ranked(
             seed_blocks.min(cap)
         }
     };
+    check_kv_pool(
+        num_blocks,
+        per_block,
+        block_size,
+        opts.kv_blocks.is_some(),
+        mem_available(),
+    )?;
     logln!(
         "KV pool: {num_blocks} blocks of {block_size} tokens ({} bytes each; seed sizing {seed_blocks})",
         per_block
@@ -923,4 +975,39 @@ pub fn summary_table(s: &Summary) -> String {
     rows.iter()
         .map(|(k, v)| format!("{k:<w$}  {v}\n"))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_kv_pool;
+
+    #[test]
+    fn kv_pool_sizes_the_engine_cannot_hold_are_named() {
+        let gib = 1u64 << 30;
+        assert!(check_kv_pool(100, 1 << 20, 128, false, Some(gib)).is_ok());
+        assert!(check_kv_pool(100, 1 << 20, 128, true, None).is_ok());
+        let e = check_kv_pool(1, 1 << 20, 128, true, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--kv-blocks 1") && e.contains("at least 2"),
+            "{e}"
+        );
+        let e = check_kv_pool(1 << 33, 1, 128, true, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at most"), "{e}");
+        // Two blocks of a huge block_size: more than the memory there is.
+        let e = check_kv_pool(2, 600 * gib, 1 << 20, false, Some(16 * gib))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("scheduler_config.block_size") && e.contains("GiB"),
+            "{e}"
+        );
+        let e = check_kv_pool(1 << 31, u64::MAX / 4, 128, true, Some(gib))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than 16 EiB"), "{e}");
+    }
 }

@@ -448,6 +448,7 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
     use cachalot_convert::QuantMode;
     let cfg = config_for(spec)?;
     let v4 = crate::random_model_v4::is_v4(&cfg);
+    check_before_writing(&cfg, &format!("--random-weights {spec}"))?;
     let mode = match (quant, QuantMode::parse(quant)) {
         ("fp8", _) => None,
         (_, Some(m @ (QuantMode::Bfloat16 | QuantMode::W8A8C16))) if !v4 => Some(m),
@@ -484,6 +485,54 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
     )
 }
 
+/// Before any random weight is written: `cfg` is a config the model would load (the model's own
+/// validation, so a bad field is named now and not met as a panic or a huge allocation while
+/// writing), and its weights fit in the memory there is (a run loads them all).
+fn check_before_writing(cfg: &Value, what: &str) -> Result<()> {
+    let text = cfg.to_string();
+    let path = Path::new("config.json");
+    let v4 = crate::random_model_v4::is_v4(cfg);
+    if v4 {
+        cachalot_model::DeepseekV4Config::from_json_str(&text, path)
+            .map(drop)
+            .with_context(|| what.to_string())?;
+    } else {
+        cachalot_model::DeepseekV3Config::from_json_str(&text, path)
+            .map(drop)
+            .with_context(|| what.to_string())?;
+    }
+    // The writer lists every tensor first: bound their count (DeepSeek-V3: ~50k, Kimi-K2 ~75k).
+    let count = |k: &str| cfg.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let tensors = (count("num_hidden_layers") + count("num_nextn_predict_layers")).saturating_mul(
+        count("n_routed_experts")
+            .saturating_mul(6)
+            .saturating_add(64),
+    );
+    if tensors > 4_000_000 {
+        bail!(
+            "{what}: num_hidden_layers × n_routed_experts make about {tensors} tensors, far more \
+             than any DeepSeek model; use a smaller config"
+        );
+    }
+    let bytes = if v4 {
+        crate::random_model_v4::native_bytes(cfg)?
+    } else {
+        fp8_bytes(cfg)?
+    };
+    if let Some(avail) = crate::offline::mem_available() {
+        if bytes > avail {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            bail!(
+                "{what}: the config's shapes make {:.1} GiB of random weights, more than the \
+                 {:.1} GiB of memory available; use a smaller config",
+                gib(bytes),
+                gib(avail)
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The estimated bytes of the FP8 checkpoint of `cfg`.
 fn fp8_bytes(cfg: &Value) -> Result<u64> {
     let plan = plan(cfg)?;
@@ -492,14 +541,17 @@ fn fp8_bytes(cfg: &Value) -> Result<u64> {
         .iter()
         .flatten()
         .map(|s| {
-            let n: u64 = s.shape.iter().map(|&d| d as u64).product();
-            n * match s.kind {
+            let n = s
+                .shape
+                .iter()
+                .fold(1u64, |n, &d| n.saturating_mul(d as u64));
+            n.saturating_mul(match s.kind {
                 Kind::Fp8 => 1,
                 Kind::Norm | Kind::Bf16(_) => 2,
                 Kind::Scale(_) | Kind::F32(_) => 4,
-            }
+            })
         })
-        .sum())
+        .fold(0u64, u64::saturating_add))
 }
 
 /// `with_ckpt: false`: a random checkpoint with the shapes of `model_dir/config.json` (MTP
@@ -511,6 +563,7 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>) -> Result<RandomModel> {
         .with_context(|| format!("cannot read {}", path.display()))?;
     let orig: Value = serde_json::from_str(&text)
         .with_context(|| format!("{}: not valid JSON", path.display()))?;
+    check_before_writing(&orig, &format!("with_ckpt: false ({})", path.display()))?;
     if crate::random_model_v4::is_v4(&orig) {
         let mode = v4_mode(&orig).with_context(|| path.display().to_string())?;
         let quant = mode.map_or("fp8", |m| m.name());
@@ -710,6 +763,41 @@ mod tests {
         assert!(err.to_string().contains("neither a preset"), "{err}");
         let err = build("v3-tiny", "int4", None).err().expect("an error");
         assert!(err.to_string().contains("--random-quant"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_or_huge_config_is_named_before_any_weight_is_written() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let base = preset("v3-tiny").expect("preset");
+        for (field, value, expect) in [
+            ("num_attention_heads", json!(0), "`num_attention_heads`"),
+            ("vocab_size", json!(12_928_000_000u64), "`vocab_size`"),
+            ("n_routed_experts", json!(1u64 << 20), "tensors"),
+            ("hidden_size", json!(1u64 << 24), "GiB of random weights"),
+        ] {
+            let mut cfg = base.clone();
+            cfg[field] = value;
+            let dir = tmp.path().join(field);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+            let err = dummy(&dir, Some(tmp.path())).err().expect("an error");
+            let msg = format!("{err:#}");
+            assert!(
+                msg.contains(expect) && msg.contains("with_ckpt: false"),
+                "{msg}"
+            );
+        }
+        // Nothing was written.
+        let left: Vec<_> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with("cachalot-dummy")
+            })
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]

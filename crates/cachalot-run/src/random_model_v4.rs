@@ -290,7 +290,10 @@ fn generate(s: &Spec) -> (Dtype, Vec<u8>) {
 
 /// Bytes of the checkpoint `cfg` describes (for messages).
 pub fn native_bytes(cfg: &Value) -> Result<u64> {
-    Ok(plan(cfg)?.iter().map(native_bytes_of).sum())
+    Ok(plan(cfg)?
+        .iter()
+        .map(native_bytes_of)
+        .fold(0u64, u64::saturating_add))
 }
 
 /// Writes the native FP8 + MXFP4 checkpoint of `cfg` (its `quantization_config` replaced by the
@@ -324,13 +327,16 @@ pub fn write_native(cfg: &Value, dir: &Path) -> Result<()> {
 }
 
 fn native_bytes_of(s: &Spec) -> u64 {
-    let n: u64 = s.shape.iter().map(|&x| x as u64).product();
-    n * match s.kind {
+    let n = s
+        .shape
+        .iter()
+        .fold(1u64, |n, &x| n.saturating_mul(x as u64));
+    n.saturating_mul(match s.kind {
         Kind::Fp8 | Kind::Fp4 | Kind::E8m0(..) => 1,
         Kind::Bf16 => 2,
         Kind::F32 => 4,
         Kind::Ids(_) => 8,
-    }
+    })
 }
 
 #[cfg(test)]

@@ -154,3 +154,27 @@ fn config_doc_covers_every_key() {
         }
     }
 }
+
+#[test]
+fn sizes_past_any_real_run_are_out_of_range() {
+    // Values that would overflow derived sizes or ask for terabytes; the seed (a 64-bit value)
+    // is not bounded.
+    let yaml = "\
+data_config:
+  input_truncated_len: 4611686018427387904
+  num_requests: 100000000000
+  seed: 9223372036854775807
+scheduler_config:
+  batch_size: 1000000000000
+  block_size: 1000000
+  max_new_tokens: 100000000
+";
+    let want = "\
+broken.yaml: 5 problems in the run config
+  line 2: data_config.input_truncated_len: 4611686018427387904 is out of range: must be at most 16777216
+  line 3: data_config.num_requests: 100000000000 is out of range: must be at most 16777216
+  line 6: scheduler_config.batch_size: 1000000000000 is out of range: must be at most 65536
+  line 7: scheduler_config.block_size: 1000000 is out of range: must be at most 4096
+  line 8: scheduler_config.max_new_tokens: 100000000 is out of range: must be at most 16777216";
+    assert_eq!(err(yaml), want);
+}

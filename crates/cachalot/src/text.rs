@@ -225,6 +225,20 @@ fn chat_template(tok: &Tokenizer, dir: &Path, file: Option<&Path>) -> Result<Cha
     })
 }
 
+/// The prompt plus `--max-new-tokens` fit the model's positions (`max_position_embeddings`):
+/// the KV cache is sized for them before the first step.
+fn check_length(prompt: usize, max_new: usize, max_positions: usize) -> Result<()> {
+    if prompt.saturating_add(max_new) > max_positions {
+        bail!(
+            "--max-new-tokens {max_new}: the prompt ({prompt} tokens) plus the output would \
+             exceed the model's max_position_embeddings {max_positions} (config.json); give at \
+             most {}",
+            max_positions.saturating_sub(prompt)
+        );
+    }
+    Ok(())
+}
+
 /// Stop ids: the model's EOS set, plus the end-of-turn tokens of the chat formats we know
 /// (R1's EOS is its end of turn; Kimi-K2 ends a turn with `<|im_end|>`).
 fn stop_conditions(
@@ -393,11 +407,13 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     match detect_family(&dir)? {
         ModelFamily::DeepseekV3 => {
             let m = args.sampling.load(&args.model)?;
-            generate_with(&m, &m.config().eos_token_ids, &ctx)
+            let c = m.config();
+            generate_with(&m, &c.eos_token_ids, c.max_position_embeddings, &ctx)
         }
         ModelFamily::DeepseekV4 => {
             let m = load_v4(&args.model, args.sampling.mtp > 0)?;
-            generate_with(&m, &m.config().eos_token_ids, &ctx)
+            let c = m.config();
+            generate_with(&m, &c.eos_token_ids, c.max_position_embeddings, &ctx)
         }
     }
 }
@@ -412,7 +428,12 @@ struct GenerateInput<'a> {
 }
 
 /// The rest of `generate` once the model is loaded (any family the engine runs).
-fn generate_with<M: Model>(m: &M, config_eos: &[u32], ctx: &GenerateInput) -> Result<()> {
+fn generate_with<M: Model>(
+    m: &M,
+    config_eos: &[u32],
+    max_positions: usize,
+    ctx: &GenerateInput,
+) -> Result<()> {
     let GenerateInput {
         args,
         dir,
@@ -420,6 +441,11 @@ fn generate_with<M: Model>(m: &M, config_eos: &[u32], ctx: &GenerateInput) -> Re
         prompt_ids,
         prompt_text,
     } = *ctx;
+    check_length(
+        prompt_ids.len(),
+        args.sampling.max_new_tokens,
+        max_positions,
+    )?;
     let stop = stop_conditions(config_eos, tok, dir, &args.sampling, args.chat);
     if args.json {
         let g = args

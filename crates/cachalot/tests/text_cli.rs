@@ -462,3 +462,29 @@ fn run_with_two_ranks_equals_one_process() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--ranks 0"));
 }
+
+#[test]
+fn generate_past_the_models_positions_is_named() {
+    for max_new in ["18446744073709551615", "100000000"] {
+        let out = cachalot(
+            &[
+                "generate",
+                "--model",
+                &r1_tiny(),
+                "--prompt",
+                "The sperm whale",
+                "--max-new-tokens",
+                max_new,
+            ],
+            None,
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{max_new}: {err}");
+        assert!(
+            err.contains(&format!("--max-new-tokens {max_new}"))
+                && err.contains("max_position_embeddings"),
+            "{max_new}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}

@@ -109,6 +109,15 @@ impl Tokenizer {
                         field: format!("added_tokens_decoder.{id}"),
                         message: "no `content` string".into(),
                     })?;
+                    if name.is_empty() {
+                        // An empty name would match everywhere in the text (no progress).
+                        return Err(ModelError::Config {
+                            path: config_path.clone(),
+                            field: format!("added_tokens_decoder.{id}.content"),
+                            message: "a special token's name is empty; give it its text (e.g.                                       \"<|im_end|>\") or remove the entry"
+                                .into(),
+                        });
+                    }
                     added.insert(id, name);
                 }
             }
