@@ -139,6 +139,10 @@ pub struct GenerateArgs {
     /// Chat template to use instead of the model's: a tokenizer_config.json or a Jinja file.
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// Extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Kimi-K2-Thinking
+    /// and other Jinja templates that read it), '{"thinking": true}' (DeepSeek-V4's thinking mode).
+    #[arg(long, value_name = "JSON", requires = "chat")]
+    chat_template_kwargs: Option<String>,
     /// Do not print the reasoning (`<think>…</think>`), only the answer.
     #[arg(long)]
     hide_reasoning: bool,
@@ -159,6 +163,10 @@ pub struct ChatArgs {
     /// Chat template to use instead of the model's: a tokenizer_config.json or a Jinja file.
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// Extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Kimi-K2-Thinking
+    /// and other Jinja templates that read it), '{"thinking": true}' (DeepSeek-V4's thinking mode).
+    #[arg(long, value_name = "JSON")]
+    chat_template_kwargs: Option<String>,
     /// Do not print the reasoning (`<think>…</think>`), only the answer.
     #[arg(long)]
     hide_reasoning: bool,
@@ -223,6 +231,38 @@ fn chat_template(tok: &Tokenizer, dir: &Path, file: Option<&Path>) -> Result<Cha
             dir.display()
         )
     })
+}
+
+/// `--chat-template-kwargs`: a JSON object of extra template variables (empty without it).
+fn template_kwargs(arg: Option<&str>) -> Result<serde_json::Map<String, serde_json::Value>> {
+    let Some(text) = arg else {
+        return Ok(serde_json::Map::new());
+    };
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(other) => bail!(
+            "--chat-template-kwargs {text}: expected a JSON object such as \
+             '{{\"enable_thinking\": false}}', got {}",
+            match other {
+                serde_json::Value::Array(_) => "a list",
+                serde_json::Value::String(_) => "a string",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Bool(_) => "a boolean",
+                _ => "null",
+            }
+        ),
+        Err(e) => bail!("--chat-template-kwargs {text}: not valid JSON ({e})"),
+    }
+}
+
+/// A conversation through the chat template, with the generation prompt and `kwargs`.
+fn render(
+    t: &ChatTemplate,
+    msgs: &[Message],
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+) -> Result<String> {
+    let msgs = serde_json::to_value(msgs)?;
+    Ok(t.render_json(&msgs, true, None, kwargs)?)
 }
 
 /// The prompt plus `--max-new-tokens` fit the model's positions (`max_position_embeddings`):
@@ -379,8 +419,9 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             msgs.push(Message::new("system", s.clone()));
         }
         msgs.push(Message::new("user", user));
+        let kwargs = template_kwargs(args.chat_template_kwargs.as_deref())?;
         let t = chat_template(tok, &dir, args.chat_template.as_deref())?;
-        let text = t.render(&msgs, true)?;
+        let text = render(&t, &msgs, &kwargs)?;
         (tok.encode(&text)?, text)
     } else {
         let mut ids = tokens(&args.input, &dir)?;
@@ -481,6 +522,7 @@ fn generate_with<M: Model>(
 pub fn chat(args: &ChatArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
     let tok = Tokenizer::from_dir(&dir)?;
+    let kwargs = template_kwargs(args.chat_template_kwargs.as_deref())?;
     let template = chat_template(&tok, &dir, args.chat_template.as_deref())?;
     let (v3, v4);
     let (m, eos): (&(dyn Model + Sync), &[u32]) = match detect_family(&dir)? {
@@ -556,7 +598,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             msgs.push(Message::new("system", s.clone()));
         }
         msgs.extend(history.iter().cloned());
-        let prompt_text = template.render(&msgs, true)?;
+        let prompt_text = render(&template, &msgs, &kwargs)?;
         let prompt_ids = tok.encode(&prompt_text)?;
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);

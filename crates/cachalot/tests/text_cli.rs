@@ -488,3 +488,59 @@ fn generate_past_the_models_positions_is_named() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+#[test]
+fn chat_template_kwargs_reach_the_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmpl = dir.path().join("t.jinja");
+    std::fs::write(
+        &tmpl,
+        "{% for m in messages %}{{ m.content }}{% endfor %}\
+         {% if enable_thinking is defined and not enable_thinking %}A:{% else %}T:{% endif %}",
+    )
+    .unwrap();
+    let tok = Tokenizer::from_dir(&root().join("fixtures/v3/r1_tiny")).unwrap();
+    let model = r1_tiny();
+    let prompt = |kwargs: Option<&str>| {
+        let t = tmpl.display().to_string();
+        let mut args = vec![
+            "generate",
+            "--model",
+            &model,
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--chat-template",
+            &t,
+            "--max-new-tokens",
+            "1",
+            "--json",
+        ];
+        args.extend(kwargs.iter().flat_map(|k| ["--chat-template-kwargs", *k]));
+        let out = json(&ok(cachalot(&args, None)));
+        tok.decode(&ids(&out["prompt_ids"])).unwrap()
+    };
+    assert!(prompt(None).ends_with("HiT:"), "{}", prompt(None));
+    assert!(prompt(Some(r#"{"enable_thinking": false}"#)).ends_with("HiA:"));
+    assert!(prompt(Some(r#"{"enable_thinking": true}"#)).ends_with("HiT:"));
+    // Not an object: named.
+    let out = cachalot(
+        &[
+            "generate",
+            "--model",
+            &r1_tiny(),
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--chat-template-kwargs",
+            "[1]",
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--chat-template-kwargs [1]") && err.contains("a list"),
+        "{err}"
+    );
+}
