@@ -3,7 +3,9 @@
 //! KV block pool, [`kv_pool`], planned by the pure-logic [`scheduler`]); [`generate::generate`]
 //! is the one-request loop the CLI's `generate` and `chat` use.
 
-pub mod comm;
+/// The collectives (re-exported: `cachalot-comm` sits below the model, which uses them for
+/// expert parallelism).
+pub use cachalot_comm as comm;
 pub mod engine;
 pub mod generate;
 pub mod kv_pool;

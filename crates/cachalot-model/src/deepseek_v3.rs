@@ -15,7 +15,9 @@
 
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
+use cachalot_comm::Communicator;
 use cachalot_kernels::int8::quantize_static_int8;
 use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
@@ -57,6 +59,37 @@ pub struct LoadOptions {
     /// bf16, AVX-512 `vdpbf16ps` where the CPU has it), as llama.cpp does; the routers keep f32
     /// activations. Off: the exact f32-activation products.
     pub bf16_dot: bool,
+    /// The routed experts this process holds (expert parallelism); default: all of them.
+    pub expert_shard: ExpertShard,
+}
+
+/// Which routed experts a process holds under expert parallelism: rank `rank` of `ranks` keeps
+/// experts `[rank·E/ranks, (rank+1)·E/ranks)` of every MoE layer (the seed's split with
+/// moe_tp = 1, spec §2.4; `E` must divide by `ranks`). Attention, dense layers, shared experts,
+/// embedding and head stay on every rank; a MoE layer's routed outputs are gathered from their
+/// owners (`DeepseekV3::set_communicator`) and summed in expert order, so every rank gets the
+/// one-process bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShard {
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+impl Default for ExpertShard {
+    fn default() -> Self {
+        ExpertShard { rank: 0, ranks: 1 }
+    }
+}
+
+impl ExpertShard {
+    /// The rank holding routed expert `expert` of `experts` (`experts` divides by `ranks`).
+    pub fn owner(&self, expert: usize, experts: usize) -> usize {
+        expert / (experts / self.ranks).max(1)
+    }
+
+    pub fn owns(&self, expert: usize, experts: usize) -> bool {
+        self.owner(expert, experts) == self.rank
+    }
 }
 
 struct Mlp {
@@ -68,7 +101,8 @@ struct Mlp {
 struct Moe {
     router: Matrix,
     bias: Vec<f32>,
-    experts: Vec<Mlp>,
+    /// Every routed expert by id; `None` where another rank holds it (`ExpertShard`).
+    experts: Vec<Option<Mlp>>,
     shared: Option<Mlp>,
 }
 
@@ -124,6 +158,9 @@ pub struct DeepseekV3 {
     pub attention_path: AttentionPath,
     /// `force_eplb`: routed expert ids replaced by a balanced assignment (`crate::eplb`).
     force_eplb: Option<BalancedRouting>,
+    /// The routed experts held here, and the group that holds the others.
+    shard: ExpertShard,
+    comm: Option<Arc<dyn Communicator>>,
 }
 
 /// Logits of the requested tokens, and (when asked) the final-normed hidden state of every token,
@@ -294,13 +331,33 @@ impl Loader<'_> {
             } else {
                 vec![0.0; e]
             };
+            let shard = self.opts.expert_shard;
+            if shard.ranks > 1 && !e.is_multiple_of(shard.ranks) {
+                return Err(ModelError::Options(format!(
+                    "expert parallelism over {} ranks needs n_routed_experts ({e}) to divide by \
+                     the ranks; use a number of ranks that divides {e}",
+                    shard.ranks
+                )));
+            }
             let experts = (0..e)
                 .map(|j| {
-                    self.mlp(
-                        &format!("{p}.mlp.experts.{j}"),
-                        h,
-                        cfg.moe_intermediate_size,
-                    )
+                    let name = format!("{p}.mlp.experts.{j}");
+                    if shard.owns(j, e) {
+                        self.mlp(&name, h, cfg.moe_intermediate_size).map(Some)
+                    } else {
+                        // Another rank's expert: never read.
+                        let prefix = format!("{name}.");
+                        let names: Vec<String> = self
+                            .ckpt
+                            .names()
+                            .filter(|n| n.starts_with(&prefix))
+                            .map(str::to_string)
+                            .collect();
+                        for n in names {
+                            self.ckpt.skip(&n);
+                        }
+                        Ok(None)
+                    }
                 })
                 .collect::<Result<Vec<_>>>()?;
             let shared = if cfg.n_shared_experts > 0 {
@@ -440,6 +497,8 @@ impl DeepseekV3 {
             softmax_scale,
             force_eplb: None,
             attention_path: AttentionPath::Auto,
+            shard: opts.expert_shard,
+            comm: None,
         })
     }
 
@@ -500,7 +559,7 @@ impl DeepseekV3 {
                 Ffn::Dense(m) => mlp(m),
                 Ffn::Moe(m) => {
                     m.router.storage_bytes()
-                        + m.experts.iter().map(mlp).sum::<usize>()
+                        + m.experts.iter().flatten().map(mlp).sum::<usize>()
                         + m.shared.as_ref().map_or(0, mlp)
                 }
             };
@@ -524,7 +583,7 @@ impl DeepseekV3 {
         for l in &self.layers {
             if let Ffn::Moe(m) = &l.ffn {
                 moe_layers += 1;
-                per_expert = m.experts.first().map_or(0, |e| {
+                per_expert = m.experts.iter().flatten().next().map_or(0, |e| {
                     e.gate.storage_bytes() + e.up.storage_bytes() + e.down.storage_bytes()
                 });
             }
@@ -548,7 +607,7 @@ impl DeepseekV3 {
             total += match &l.ffn {
                 Ffn::Dense(m) => mlp(m),
                 Ffn::Moe(m) => {
-                    let per_expert = m.experts.first().map_or(0, mlp);
+                    let per_expert = m.experts.iter().flatten().next().map_or(0, mlp);
                     m.router.storage_bytes()
                         + self.cfg.num_experts_per_tok * per_expert
                         + m.shared.as_ref().map_or(0, mlp)
@@ -586,7 +645,7 @@ impl DeepseekV3 {
                 &rope,
                 cache.layer_parts_mut(li),
                 block_size,
-            );
+            )?;
         }
         Ok(self.head(&hidden, &self.norm, batch, want_hidden))
     }
@@ -649,7 +708,7 @@ impl DeepseekV3 {
             &rope,
             cache.layer_parts_mut(cache_layer),
             block_size,
-        );
+        )?;
         Ok(self.head(&hidden, &mtp.shared_head_norm, batch, want_hidden))
     }
 
@@ -700,7 +759,7 @@ impl DeepseekV3 {
         rope: &RopeTable,
         cache: LayerMut,
         block_size: usize,
-    ) {
+    ) -> Result<()> {
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let t_count = batch.num_tokens();
@@ -713,11 +772,12 @@ impl DeepseekV3 {
         k::rms_norm_rows(hidden, h, &layer.post_norm, cfg.rms_norm_eps, &mut x);
         let ffn = match &layer.ffn {
             Ffn::Dense(m) => mlp_forward(m, &x, t_count),
-            Ffn::Moe(m) => self.moe_forward(m, &x, t_count, batch.is_decode()),
+            Ffn::Moe(m) => self.moe_forward(m, &x, t_count, batch.is_decode())?,
         };
         for (a, b) in hidden.iter_mut().zip(&ffn) {
             *a += b;
         }
+        Ok(())
     }
 
     fn attention(
@@ -1154,7 +1214,7 @@ impl DeepseekV3 {
             .collect()
     }
 
-    fn moe_forward(&self, moe: &Moe, x: &[f32], t_count: usize, decode: bool) -> Vec<f32> {
+    fn moe_forward(&self, moe: &Moe, x: &[f32], t_count: usize, decode: bool) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let e = moe.experts.len();
@@ -1187,12 +1247,23 @@ impl DeepseekV3 {
             xs
         };
         let active: Vec<usize> = (0..e).filter(|&id| !assigned[id].is_empty()).collect();
+        // The active experts held here (all of them without expert parallelism).
+        let local: Vec<usize> = active
+            .iter()
+            .copied()
+            .filter(|&id| self.shard.owns(id, e))
+            .collect();
+        let expert = |id: usize| -> &Mlp {
+            moe.experts[id]
+                .as_ref()
+                .expect("an expert this rank owns is loaded")
+        };
         // With many experts active (a batched step, prefill), the experts go to the pool whole,
         // each one's products on one thread: one fork/join per layer instead of one per product.
         // Otherwise (decode) all their products, and the shared expert's, go through
         // `matmul_group`: two parallel regions (gate+up, then down) instead of three per expert.
         // The sums below are the same either way.
-        let expert_parallel = t_count > 1 && active.len() >= 2 * rayon::current_num_threads();
+        let expert_parallel = t_count > 1 && local.len() >= 2 * rayon::current_num_threads();
         let mut ys: Vec<Vec<f32>> = if expert_parallel {
             // The shared expert (every token: the largest job) goes first, so the pool starts
             // it while the routed experts are spread around it; it is last in `ys`.
@@ -1201,14 +1272,14 @@ impl DeepseekV3 {
                 .as_ref()
                 .map(|_| None)
                 .into_iter()
-                .chain(active.iter().map(|&id| Some(id)))
+                .chain(local.iter().map(|&id| Some(id)))
                 .collect();
             let mut ys: Vec<Vec<f32>> = jobs
                 .par_iter()
                 .map(|job| match *job {
                     Some(id) => {
                         let xs = gather(&assigned[id]);
-                        k::serial(|| mlp_forward(&moe.experts[id], &xs, assigned[id].len()))
+                        k::serial(|| mlp_forward(expert(id), &xs, assigned[id].len()))
                     }
                     None => {
                         let sh = moe.shared.as_ref().expect("a shared-expert job");
@@ -1222,10 +1293,10 @@ impl DeepseekV3 {
             }
             ys
         } else {
-            let inputs: Vec<Vec<f32>> = active.iter().map(|&id| gather(&assigned[id])).collect();
-            let mut mlps: Vec<&Mlp> = active.iter().map(|&id| &moe.experts[id]).collect();
+            let inputs: Vec<Vec<f32>> = local.iter().map(|&id| gather(&assigned[id])).collect();
+            let mut mlps: Vec<&Mlp> = local.iter().map(|&id| expert(id)).collect();
             let mut xs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
-            let mut counts: Vec<usize> = active.iter().map(|&id| assigned[id].len()).collect();
+            let mut counts: Vec<usize> = local.iter().map(|&id| assigned[id].len()).collect();
             if let Some(sh) = &moe.shared {
                 mlps.push(sh);
                 xs.push(x);
@@ -1234,8 +1305,12 @@ impl DeepseekV3 {
             mlp_forward_group(&mlps, &xs, &counts)
         };
         let shared_y = if moe.shared.is_some() { ys.pop() } else { None };
+        if self.shard.ranks > 1 {
+            ys = self.gather_experts(&active, &assigned, e, ys)?;
+        }
         let mut out = vec![0.0f32; t_count * h];
-        // Experts in id order, so a token's sum has the same order whatever else is batched.
+        // Experts in id order, so a token's sum has the same order whatever else is batched
+        // (and whichever rank computed the expert).
         for (&id, y) in active.iter().zip(&ys) {
             for (j, &(t, w)) in assigned[id].iter().enumerate() {
                 k::axpy(w, &y[j * h..(j + 1) * h], &mut out[t * h..(t + 1) * h]);
@@ -1246,7 +1321,79 @@ impl DeepseekV3 {
                 *a += b;
             }
         }
-        out
+        Ok(out)
+    }
+
+    /// Expert parallelism: every rank's outputs of its own active experts (`mine`, in id order)
+    /// to every rank; returns the outputs of all `active` experts in id order. Each rank knows
+    /// what the others computed (the routing is the same everywhere), so the parts carry only
+    /// the values.
+    fn gather_experts(
+        &self,
+        active: &[usize],
+        assigned: &[Vec<(usize, f32)>],
+        experts: usize,
+        mine: Vec<Vec<f32>>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let comm = self.comm.as_ref().ok_or_else(|| {
+            ModelError::Options(format!(
+                "this model holds the routed experts of rank {} of {} (expert parallelism) and \
+                 needs the group's communicator (DeepseekV3::set_communicator) to run",
+                self.shard.rank, self.shard.ranks
+            ))
+        })?;
+        let h = self.cfg.hidden_size;
+        let mut bytes = Vec::with_capacity(mine.iter().map(|y| y.len() * 4).sum());
+        for y in &mine {
+            for v in y {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let parts = comm
+            .all_gather(&bytes)
+            .map_err(|e| ModelError::Options(format!("expert parallelism: {e}")))?;
+        let mut offsets = vec![0usize; parts.len()];
+        let mut out = Vec::with_capacity(active.len());
+        for &id in active {
+            let r = self.shard.owner(id, experts);
+            let n = assigned[id].len() * h * 4;
+            let part = parts.get(r).map(Vec::as_slice).unwrap_or(&[]);
+            let Some(raw) = part.get(offsets[r]..offsets[r] + n) else {
+                return Err(ModelError::Options(format!(
+                    "expert parallelism: rank {r} sent {} bytes, fewer than its experts' outputs \
+                     need (the ranks' routing disagrees: every rank must run the same batch)",
+                    part.len()
+                )));
+            };
+            offsets[r] += n;
+            out.push(
+                raw.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            );
+        }
+        Ok(out)
+    }
+
+    /// The routed experts this model holds (all, without expert parallelism).
+    pub fn expert_shard(&self) -> ExpertShard {
+        self.shard
+    }
+
+    /// The group the routed experts are split over (expert parallelism): every rank of `comm`
+    /// must hold its shard (`LoadOptions::expert_shard`) and run the same batches.
+    pub fn set_communicator(&mut self, comm: Arc<dyn Communicator>) -> Result<()> {
+        if comm.rank() != self.shard.rank || comm.world_size() != self.shard.ranks {
+            return Err(ModelError::Options(format!(
+                "the communicator is rank {} of {}, the model holds the experts of rank {} of {}",
+                comm.rank(),
+                comm.world_size(),
+                self.shard.rank,
+                self.shard.ranks
+            )));
+        }
+        self.comm = Some(comm);
+        Ok(())
     }
 }
 

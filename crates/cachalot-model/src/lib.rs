@@ -20,7 +20,9 @@ pub mod v4_ops;
 pub use batch::{Batch, BlockAllocator, CacheSpec, KvCache, LayerMut, LogitsWanted};
 pub use config::{DeepseekV3Config, ModelType};
 pub use config_v4::{detect_family, DeepseekV4Config, ModelFamily};
-pub use deepseek_v3::{AttentionPath, DeepseekV3, ForwardOutput, Fp8Mode, LoadOptions};
+pub use deepseek_v3::{
+    AttentionPath, DeepseekV3, ExpertShard, ForwardOutput, Fp8Mode, LoadOptions,
+};
 pub use deepseek_v4::{DeepseekV4, V4LoadOptions};
 pub use eplb::BalancedRouting;
 pub use error::{ModelError, Result};

@@ -6,6 +6,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cachalot_engine::comm::{Communicator, SingleProcess};
@@ -17,8 +18,8 @@ use cachalot_engine::{
 };
 use cachalot_model::tokenizer::{ChatTemplate, Tokenizer};
 use cachalot_model::{
-    detect_family, BalancedRouting, DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, ModelFamily,
-    V4LoadOptions,
+    detect_family, BalancedRouting, DeepseekV3, DeepseekV4, ExpertShard, Fp8Mode, LoadOptions,
+    ModelFamily, V4LoadOptions,
 };
 use serde::{Deserialize, Serialize};
 
@@ -49,6 +50,23 @@ pub struct RunOptions {
     /// Ranks of the run on this host (each sizes its KV pool from its share of the memory
     /// budget); 1 for a one-process run.
     pub host_ranks: usize,
+    /// How the ranks of `run_ranked` share the work.
+    pub parallel: Parallel,
+}
+
+/// How the ranks of a run share the work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Parallel {
+    /// Each rank holds the whole model and serves its share of the requests (`batch_size`
+    /// split over the ranks), as the seed's attention-DP ranks.
+    #[default]
+    Data,
+    /// The ranks hold the routed experts between them (`ExpertShard`) and run every request
+    /// together: all ranks step the same batches, each computes its own experts' outputs and
+    /// the MoE layers gather them (one model too large for one host's memory, spread over
+    /// several). DeepSeek-V3/R1/Kimi-K2 checkpoints.
+    Expert,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -260,35 +278,41 @@ fn new_run_dir(res: &Path, model_name: &str, config: &Path) -> std::io::Result<(
 
 /// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
-    run_ranked(cfg, opts, &SingleProcess)
+    run_ranked(cfg, opts, Arc::new(SingleProcess))
 }
 
-/// A run as one rank of `comm`'s group (data parallel): every rank loads the model and serves
-/// requests `rank, rank + ranks, ...` (each sampled with the seed it has in a one-process run,
-/// so outputs do not depend on the number of ranks); rank 0 makes the run directory, gathers
-/// every rank's outputs and figures and writes `summary.json` and `requests.jsonl` for the
-/// whole run. Other ranks log to `run.rank<R>.log` beside rank 0's `run.log` and return their
-/// own share's figures.
+/// A run as one rank of `comm`'s group. Data parallel (`opts.parallel`): every rank loads the
+/// model and serves requests `rank, rank + ranks, ...` (each sampled with the seed it has in a
+/// one-process run, so outputs do not depend on the number of ranks); rank 0 makes the run
+/// directory, gathers every rank's outputs and figures and writes `summary.json` and
+/// `requests.jsonl` for the whole run. Expert parallel: every rank loads its share of the
+/// routed experts and all ranks run every request in lockstep (the same outputs on each);
+/// rank 0 writes the files. Other ranks log to `run.rank<R>.log` beside rank 0's `run.log` and
+/// return their own figures.
 pub fn run_ranked(
     cfg: &RunConfig,
     opts: &RunOptions,
-    comm: &dyn Communicator,
+    comm: Arc<dyn Communicator>,
 ) -> Result<RunResult, Error> {
     let (rank, ranks) = (comm.rank(), comm.world_size());
+    let expert = opts.parallel == Parallel::Expert && ranks > 1;
+    // Data-parallel ranks (1 under expert parallelism: the group serves one request stream),
+    // and this rank's place among them.
+    let (dp_rank, dp) = if expert { (0, 1) } else { (rank, ranks) };
     // `batch_size` is the global batch over data-parallel ranks, as the seed's (executor spec
     // §1: `batch_size_per_dp_rank = batch_size / attn_dp_size`, an error when it does not
     // divide); each rank batches its share.
     let batch = cfg.scheduler_config.batch_size;
-    if !batch.is_multiple_of(ranks) {
+    if !batch.is_multiple_of(dp) {
         return Err(format!(
             "scheduler_config.batch_size {batch} is the batch over all ranks and must divide \
-             by the {ranks} ranks (each rank runs batch_size / ranks); give a multiple of {ranks}"
+             by the {dp} ranks (each rank runs batch_size / ranks); give a multiple of {dp}"
         )
         .into());
     }
-    let rank_batch = batch / ranks;
+    let rank_batch = batch / dp;
     let prefill_budget = match cfg.scheduler_config.max_prefill_tokens {
-        0 if ranks > 1 => cfg.data_config.input_truncated_len * rank_batch,
+        0 if dp > 1 => cfg.data_config.input_truncated_len * rank_batch,
         _ => cfg.max_prefill_tokens(),
     };
     let m = &cfg.model_config;
@@ -359,7 +383,13 @@ pub fn run_ranked(
         }};
     }
     logln!("config {}", opts.config_path.display());
-    if ranks > 1 {
+    if expert {
+        logln!(
+            "rank {rank} of {ranks} (expert parallel: this rank holds routed experts \
+             [{rank}·E/{ranks}, {}·E/{ranks}) of every MoE layer; all ranks run every request)",
+            rank + 1
+        );
+    } else if ranks > 1 {
         logln!(
             "rank {rank} of {ranks} (data parallel: requests {rank}, {rank} + {ranks}, ...; \
              batch {rank_batch} of the global {batch}, prefill budget {prefill_budget} tokens)"
@@ -409,6 +439,14 @@ pub fn run_ranked(
         )
         .into());
     }
+    if expert && family == ModelFamily::DeepseekV4 {
+        return Err(format!(
+            "{}: expert parallelism runs DeepSeek-V3/R1/Kimi-K2 checkpoints; run DeepSeek-V4 \
+             with data-parallel ranks",
+            model_dir.display()
+        )
+        .into());
+    }
     let (v3, v4);
     let (model, config_eos): (&(dyn Model + Sync), Vec<u32>) = match family {
         ModelFamily::DeepseekV3 => {
@@ -418,8 +456,16 @@ pub fn run_ranked(
                     fp8: opts.fp8,
                     load_mtp: m.next_n > 0,
                     bf16_dot: opts.bf16_dot,
+                    expert_shard: if expert {
+                        ExpertShard { rank, ranks }
+                    } else {
+                        ExpertShard::default()
+                    },
                 },
             )?;
+            if expert {
+                model.set_communicator(comm.clone())?;
+            }
             if opts.int8_head {
                 model.quantize_head_int8();
             }
@@ -524,6 +570,19 @@ pub fn run_ranked(
         opts.kv_blocks.is_some(),
         mem_available(),
     )?;
+    // Expert-parallel ranks step the same batches: the same pool everywhere (rank 0's size).
+    let num_blocks = if expert {
+        let b = comm.broadcast(0, &(num_blocks as u64).to_le_bytes())?;
+        let b: [u8; 8] = b.as_slice().try_into().map_err(|_| {
+            format!(
+                "rank {rank}: rank 0 sent a KV pool size of {} bytes",
+                b.len()
+            )
+        })?;
+        u64::from_le_bytes(b) as usize
+    } else {
+        num_blocks
+    };
     logln!(
         "KV pool: {num_blocks} blocks of {block_size} tokens ({} bytes each; seed sizing {seed_blocks})",
         per_block
@@ -551,7 +610,7 @@ pub fn run_ranked(
     // Engine request id -> index of the request in the run.
     let mut global_id = std::collections::HashMap::new();
     for (i, p) in prepared.iter().enumerate() {
-        if i % ranks != rank {
+        if i % dp != dp_rank {
             continue;
         }
         prompt_tokens += p.ids.len();
@@ -647,7 +706,10 @@ pub fn run_ranked(
     let per = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     let mut prefill_tok_s = per(stats.prefill_tokens, stats.prefill_step_s);
     let mut decode_tok_s = per(stats.decode_sampled, stats.decode_step_s);
-    if ranks > 1 {
+    if expert {
+        // Every rank has every output; the wall time is the group's.
+        comm.barrier()?;
+    } else if ranks > 1 {
         logln!(
             "rank {rank}: {} requests done in {wall_s:.2}s; gathering on rank 0",
             outputs.len()
@@ -714,8 +776,9 @@ pub fn run_ranked(
             .or_insert(0) += 1;
     }
     let output_tok_s = per(output_tokens, wall_s);
-    // A rank other than 0 reports its own share only.
-    let ranks_here = if rank == 0 { ranks } else { 1 };
+    // A rank other than 0 reports its own share only (data parallel); expert-parallel ranks
+    // serve the whole run together.
+    let ranks_here = if rank == 0 || expert { ranks } else { 1 };
     let summary = Summary {
         run_id: run_id.clone(),
         config: opts.config_path.display().to_string(),

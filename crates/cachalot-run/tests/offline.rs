@@ -3,10 +3,11 @@
 //! each request run alone.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use cachalot_model::Fp8Mode;
 use cachalot_run::config::RunConfig;
-use cachalot_run::offline::{run, RunOptions};
+use cachalot_run::offline::{run, Parallel, RunOptions};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -35,6 +36,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         int8_head: false,
         bf16_dot: false,
         host_ranks: 1,
+        parallel: Parallel::Data,
     }
 }
 
@@ -364,13 +366,13 @@ fn data_parallel_ranks_give_the_one_process_outputs() {
                     timeout: Duration::from_secs(30),
                 })
                 .unwrap();
-                run_ranked(&cfg, &opts(&res, None), &comm).unwrap()
+                run_ranked(&cfg, &opts(&res, None), Arc::new(comm)).unwrap()
             })
         })
         .collect();
     let comm = TcpComm::accept(listener, n, Duration::from_secs(30)).unwrap();
     assert_eq!(comm.world_size(), n);
-    let all = run_ranked(&cfg, &opts(tmp.path(), None), &comm).unwrap();
+    let all = run_ranked(&cfg, &opts(tmp.path(), None), Arc::new(comm)).unwrap();
     let shares: Vec<_> = workers.into_iter().map(|h| h.join().unwrap()).collect();
 
     assert_eq!(all.summary.ranks, n);
@@ -436,14 +438,70 @@ fn a_global_batch_that_does_not_divide_by_the_ranks_is_named() {
             timeout: Duration::from_secs(30),
         })
         .unwrap();
-        run_ranked(&cfg1, &opts(&res1, None), &comm).map(|_| ())
+        run_ranked(&cfg1, &opts(&res1, None), Arc::new(comm)).map(|_| ())
     });
     let comm = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
-    let mine = run_ranked(&cfg, &opts(&res, None), &comm).map(|_| ());
-    // Rank 0's sockets close before rank 1 is awaited: a regression fails, never hangs.
-    drop(comm);
+    // Rank 0's sockets close (the Arc drops) before rank 1 is awaited: a regression fails,
+    // never hangs.
+    let mine = run_ranked(&cfg, &opts(&res, None), Arc::new(comm)).map(|_| ());
     for r in [mine, other.join().unwrap()] {
         let e = r.unwrap_err().to_string();
         assert!(e.contains("scheduler_config.batch_size 3"), "{e}");
     }
+}
+
+/// Expert parallel over two ranks (a TCP group on threads of this process): each rank holds
+/// half of the routed experts, both run every request, and the outputs (sampled, temperature
+/// 0.8, with MTP drafts) equal a one-process run's token for token.
+#[test]
+fn expert_parallel_ranks_give_the_one_process_outputs() {
+    use cachalot_engine::comm::{TcpComm, TcpRendezvous};
+    use cachalot_run::offline::run_ranked;
+    use std::time::Duration;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let data = root().join("dataset");
+    let yaml = format!(
+        "model_config:\n  model_name: deepseek_r1\n  model_path: {}\n  next_n: 1\n\
+         data_config:\n  dataset: default\n  dataset_path: {}\n  input_truncated_len: 48\n  num_requests: 7\n\
+         \x20 temperature: 0.8\n  seed: 3\n\
+         scheduler_config:\n  block_size: 8\n  batch_size: 4\n  max_new_tokens: 10\n  max_prefill_tokens: 40\n",
+        root().join("fixtures/v3/r1_tiny").display(),
+        data.display(),
+    );
+    let cfg = RunConfig::from_yaml(&yaml, Path::new("test.yaml")).unwrap();
+    let one = run(&cfg, &opts(tmp.path(), None)).unwrap();
+
+    let expert_opts = |res: &Path| RunOptions {
+        parallel: Parallel::Expert,
+        ..opts(res, None)
+    };
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let master = listener.local_addr().unwrap().to_string();
+    let (cfg1, res1) = (cfg.clone(), tmp.path().to_path_buf());
+    let other = std::thread::spawn(move || {
+        let comm = TcpComm::connect(&TcpRendezvous {
+            rank: 1,
+            world_size: 2,
+            master,
+            timeout: Duration::from_secs(30),
+        })
+        .unwrap();
+        run_ranked(&cfg1, &expert_opts(&res1), Arc::new(comm)).unwrap()
+    });
+    let comm = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
+    let all = run_ranked(&cfg, &expert_opts(tmp.path()), Arc::new(comm)).unwrap();
+    let rank1 = other.join().unwrap();
+
+    assert_eq!(all.summary.ranks, 2);
+    for outs in [&all.outputs, &rank1.outputs] {
+        assert_eq!(outs.len(), 7);
+        for (a, b) in one.outputs.iter().zip(outs.iter()) {
+            assert_eq!(a.id, b.id);
+            assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+        }
+    }
+    assert_eq!(all.summary.output_tokens, one.summary.output_tokens);
+    let log = std::fs::read_to_string(all.dir.join("run.rank1.log")).unwrap();
+    assert!(log.contains("expert parallel"), "{log}");
 }

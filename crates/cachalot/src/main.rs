@@ -155,6 +155,7 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
         },
         load_mtp,
         bf16_dot: args.bf16_dot,
+        ..LoadOptions::default()
     };
     let dir = model_dir(args)?;
     let mut model = DeepseekV3::load(&dir, opts)?;

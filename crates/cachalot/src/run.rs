@@ -8,6 +8,8 @@ use std::process::{Child, Command, ExitStatus};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
+use std::sync::Arc;
+
 use cachalot_engine::comm::{Communicator, SingleProcess, TcpComm, TcpRendezvous};
 use cachalot_model::Fp8Mode;
 use cachalot_run::config::RunConfig;
@@ -57,6 +59,12 @@ pub struct RunArgs {
     /// by --ranks for the ranks it starts; default 1).
     #[arg(long, requires = "rank")]
     host_ranks: Option<usize>,
+    /// How the ranks share the work: `data` (each rank holds the whole model and serves its
+    /// share of the requests) or `expert` (the ranks hold the routed experts between them and
+    /// run every request together: a model larger than one host's memory over several;
+    /// DeepSeek-V3/R1/Kimi-K2).
+    #[arg(long, value_enum, default_value = "data")]
+    parallel: ParallelArg,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -75,6 +83,12 @@ pub struct RunArgs {
     /// where the CPU has it), as llama.cpp does (recorded as bf16_dot in summary.json).
     #[arg(long)]
     bf16_dot: bool,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum ParallelArg {
+    Data,
+    Expert,
 }
 
 impl RunArgs {
@@ -226,9 +240,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
         int8_head: args.int8_head,
         bf16_dot: args.bf16_dot,
         host_ranks: args.ranks.or(args.host_ranks).unwrap_or(1),
+        parallel: match args.parallel {
+            ParallelArg::Data => offline::Parallel::Data,
+            ParallelArg::Expert => offline::Parallel::Expert,
+        },
     };
     let mut children = Vec::new();
-    let comm: Box<dyn Communicator> = match (args.ranks, args.rank) {
+    let comm: Arc<dyn Communicator> = match (args.ranks, args.rank) {
         (Some(n), _) if n > 1 => {
             let listener = TcpListener::bind("127.0.0.1:0")?;
             let master = listener.local_addr()?.to_string();
@@ -241,7 +259,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 })
             };
             match TcpComm::accept_checked(listener, n, RENDEZVOUS, &mut exited) {
-                Ok(c) => Box::new(c),
+                Ok(c) => Arc::new(c),
                 Err(e) => {
                     for (_, c) in &mut children {
                         let _ = c.kill();
@@ -250,7 +268,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 }
             }
         }
-        (_, Some(rank)) => Box::new(
+        (_, Some(rank)) => Arc::new(
             TcpComm::connect(&TcpRendezvous {
                 rank,
                 world_size: args.world_size.unwrap_or(1),
@@ -259,9 +277,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
             })
             .map_err(|e| anyhow!("--rank {rank}: {e}"))?,
         ),
-        _ => Box::new(SingleProcess),
+        _ => Arc::new(SingleProcess),
     };
-    let result = offline::run_ranked(&cfg, &opts, comm.as_ref());
+    let result = offline::run_ranked(&cfg, &opts, comm.clone());
     drop(comm);
     let bad = end_ranks(children, result.is_err());
     let result = result.map_err(|e| anyhow!("{e}"))?;

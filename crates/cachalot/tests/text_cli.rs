@@ -458,6 +458,14 @@ fn run_with_two_ranks_equals_one_process() {
         assert_eq!(a["id"], b["id"]);
         assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
     }
+    // Expert parallel: both ranks run every request, each with half of the routed experts.
+    let (s3, three) = run(&["--ranks", "2", "--parallel", "expert"]);
+    assert_eq!(s3["ranks"], 2);
+    assert_eq!(three.len(), 5);
+    for (a, b) in one.iter().zip(&three) {
+        assert_eq!(a["id"], b["id"]);
+        assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
+    }
     let bad = cachalot(&["run", "--ranks", "0"], None);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--ranks 0"));

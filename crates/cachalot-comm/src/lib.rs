@@ -4,10 +4,13 @@
 //! ([`TcpComm`]). An MPI backend is another implementation of the same trait (DESIGN.md, "Ranks").
 //!
 //! Spec: `executor.md` §1 (parallel sizes: `world_size`, data-parallel request shards) and §3
-//! (offline runs report tokens/s per rank). What runs over it today: data-parallel offline runs
-//! (`cachalot run --ranks N`), each rank serving its shard of the requests and rank 0 gathering
-//! the outputs and figures. Tensor and expert parallelism will reduce activations through
-//! [`Communicator::all_reduce_sum`] without changing this interface.
+//! (offline runs report tokens/s per rank); `deepseek-v3-r1-kimi-k2.md` §2.4 (the expert split).
+//! What runs over it today: data-parallel offline runs (`cachalot run --ranks N`), each rank
+//! serving its shard of the requests and rank 0 gathering the outputs and figures, and
+//! expert-parallel ones (`--parallel expert`), where the model gathers each MoE layer's routed
+//! outputs from the ranks that hold the experts. Tensor parallelism will reduce activations
+//! through [`Communicator::all_reduce_sum`] without changing this interface. Its own crate (below
+//! the model, which calls it; the engine re-exports it as `cachalot_engine::comm`).
 //!
 //! TcpComm is a star through rank 0: every collective sends each rank's part to rank 0, which
 //! combines the parts in rank order (so a sum is the same bits on every rank and in every run)
