@@ -414,6 +414,7 @@ impl Input {
                 w.shape
             )));
         }
+        check_weight_dims(&w.shape).map_err(terr)?;
         let sname = format!("{name}_scale_inv");
         let (br, bc) = self.block;
         let grid = [w.shape[0].div_ceil(br), w.shape[1].div_ceil(bc)];
@@ -697,6 +698,18 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     })?;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// A weight that is dequantized or quantized row by row needs rows and columns: a zero
+/// dimension is a corrupt header, not an empty weight.
+pub(crate) fn check_weight_dims(shape: &[usize]) -> std::result::Result<(), String> {
+    if shape.contains(&0) {
+        return Err(format!(
+            "has shape {shape:?}; weights need non-zero dimensions (a corrupt or truncated \
+             checkpoint: re-download or re-export the shard)"
+        ));
+    }
+    Ok(())
 }
 
 fn dtype_static(d: &str) -> &'static str {

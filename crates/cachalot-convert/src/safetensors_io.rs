@@ -23,8 +23,61 @@ pub struct TensorInfo {
 
 impl TensorInfo {
     pub fn numel(&self) -> usize {
+        // Cannot overflow: [`read_header`] checked numel · dtype size against the file.
         self.shape.iter().product()
     }
+}
+
+/// The element count of `shape`, or `None` when it overflows `usize`.
+pub fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
+/// The safetensors format lays the tensors out back to back: together they cover the data
+/// section exactly, with neither overlaps nor holes (what the `safetensors` crate, and so the
+/// runtime's loader, require too). `tensors` have been checked to lie within the data section.
+fn check_coverage(
+    tensors: &[(String, TensorInfo)],
+    data_start: u64,
+    data_len: u64,
+) -> Result<(), String> {
+    let mut by_start: Vec<&(String, TensorInfo)> = tensors.iter().collect();
+    by_start.sort_by_key(|(_, t)| (t.start, t.end));
+    let rel = |t: &TensorInfo| [t.start - data_start, t.end - data_start];
+    let mut covered = 0u64;
+    let mut prev: Option<&(String, TensorInfo)> = None;
+    for cur in by_start {
+        let (name, t) = cur;
+        let [begin, end] = rel(t);
+        if begin < covered {
+            let (pname, pt) = prev.expect("covered > 0 only after a tensor");
+            return Err(format!(
+                "tensor {name}: data_offsets {:?} overlap those of tensor {pname} {:?}; tensors \
+                 must not share bytes, the header is corrupt (re-download or re-export the shard)",
+                [begin, end],
+                rel(pt)
+            ));
+        }
+        if begin > covered {
+            return Err(format!(
+                "tensor {name}: data_offsets {:?} leave bytes {covered}..{begin} of the data \
+                 section to no tensor; safetensors data is contiguous, the header is corrupt \
+                 (re-download or re-export the shard)",
+                [begin, end]
+            ));
+        }
+        covered = end;
+        prev = Some(cur);
+    }
+    if covered != data_len {
+        return Err(format!(
+            "the data section is {data_len} bytes but its tensors end at byte {covered}; {} \
+             trailing bytes belong to no tensor (a corrupt header or data appended to the file; \
+             re-download or re-export the shard)",
+            data_len - covered
+        ));
+    }
+    Ok(())
 }
 
 /// Bytes per element of a safetensors dtype name.
@@ -68,6 +121,8 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, ConvertErro
         return Err(bad("has a header that is not a JSON object".into()));
     };
     let data_start = 8 + header_len;
+    // The data section: every byte after the header (the header fits in the file, checked above).
+    let data_len = file_len - data_start;
     let mut out = Vec::new();
     for (name, v) in map {
         if name == "__metadata__" {
@@ -80,7 +135,11 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, ConvertErro
             .to_string();
         let shape: Vec<usize> = field("shape")
             .and_then(Value::as_array)
-            .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
+            .and_then(|a| {
+                a.iter()
+                    .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                    .collect()
+            })
             .ok_or_else(|| bad(format!("tensor {name}: no valid shape in the header")))?;
         let offsets: Vec<u64> = field("data_offsets")
             .and_then(Value::as_array)
@@ -93,18 +152,35 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, ConvertErro
             })?;
         let size = dtype_size(&dtype)
             .ok_or_else(|| bad(format!("tensor {name}: unknown dtype {dtype}")))?;
-        let want = shape.iter().product::<usize>() as u64 * size as u64;
-        if offsets[1] < offsets[0] || offsets[1] - offsets[0] != want {
+        // Checked: a bogus shape must not wrap to a small (or zero) byte count.
+        let want = checked_numel(&shape)
+            .and_then(|n| n.checked_mul(size))
+            .and_then(|b| u64::try_from(b).ok())
+            .ok_or_else(|| {
+                bad(format!(
+                    "tensor {name}: shape {shape:?} × {size} bytes ({dtype}) overflows; the \
+                     header is corrupt (re-download or re-export the shard)"
+                ))
+            })?;
+        let (begin, end) = (offsets[0], offsets[1]);
+        if end < begin {
             return Err(bad(format!(
-                "tensor {name}: data_offsets {offsets:?} hold {} bytes; {dtype} {shape:?} needs \
-                 {want}",
-                offsets[1].saturating_sub(offsets[0])
+                "tensor {name}: data_offsets [{begin}, {end}] end before they begin; the header \
+                 is corrupt (re-download or re-export the shard)"
             )));
         }
-        let (start, end) = (data_start + offsets[0], data_start + offsets[1]);
-        if end > file_len {
+        if end - begin != want {
             return Err(bad(format!(
-                "tensor {name} ends at byte {end} but the file is {file_len} bytes (truncated?)"
+                "tensor {name}: data_offsets [{begin}, {end}] hold {} bytes, its shape \
+                 {shape:?} of {dtype} needs {want}; the header is corrupt (re-download or \
+                 re-export the shard)",
+                end - begin
+            )));
+        }
+        if end > data_len {
+            return Err(bad(format!(
+                "tensor {name}: data_offsets [{begin}, {end}]: end {end} is past the file's data \
+                 section of {data_len} bytes (truncated? re-download the shard)"
             )));
         }
         out.push((
@@ -112,11 +188,12 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, ConvertErro
             TensorInfo {
                 dtype,
                 shape,
-                start,
-                end,
+                start: data_start + begin,
+                end: data_start + end,
             },
         ));
     }
+    check_coverage(&out, data_start, data_len).map_err(bad)?;
     Ok(out)
 }
 

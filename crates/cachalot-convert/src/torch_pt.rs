@@ -143,6 +143,8 @@ pub fn load_pt_bytes(bytes: &[u8]) -> Result<PtValue, String> {
         data: &data,
         memo: HashMap::new(),
         stack: Vec::new(),
+        objects: 0,
+        data_bytes: 0,
     }
     .run(pkl)?
     .into_value()
@@ -151,12 +153,12 @@ pub fn load_pt_bytes(bytes: &[u8]) -> Result<PtValue, String> {
 /// The stored (uncompressed) entries of a zip archive: (name, bytes).
 fn zip_entries(b: &[u8]) -> Result<Vec<(String, &[u8])>, String> {
     let u16_at = |o: usize| -> Result<u16, String> {
-        b.get(o..o + 2)
+        b.get(o..o.saturating_add(2))
             .map(|s| u16::from_le_bytes([s[0], s[1]]))
             .ok_or_else(|| "truncated zip archive".to_string())
     };
     let u32_at = |o: usize| -> Result<u32, String> {
-        b.get(o..o + 4)
+        b.get(o..o.saturating_add(4))
             .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
             .ok_or_else(|| "truncated zip archive".to_string())
     };
@@ -232,7 +234,7 @@ fn zip_entries(b: &[u8]) -> Result<Vec<(String, &[u8])>, String> {
         }
         let start = l + 30 + u16_at(l + 26)? as usize + u16_at(l + 28)? as usize;
         let data = b
-            .get(start..start + csize as usize)
+            .get(start..start.saturating_add(csize as usize))
             .ok_or_else(|| format!("zip entry {name} runs past the end of the file"))?;
         out.push((name, data));
         p += 46 + name_len + extra_len + comment_len;
@@ -241,49 +243,119 @@ fn zip_entries(b: &[u8]) -> Result<Vec<(String, &[u8])>, String> {
 }
 
 fn u64_at(b: &[u8], o: usize) -> Result<u64, String> {
-    b.get(o..o + 8)
+    b.get(o..o.saturating_add(8))
         .map(|s| u64::from_le_bytes(s.try_into().unwrap()))
         .ok_or_else(|| "truncated zip archive".to_string())
 }
 
+/// Bounds on what a pickle may decode to. The memo lets a few bytes copy a large object again
+/// and again (each BINGET clones it), so a tiny malformed file could otherwise exhaust memory
+/// (exponentially); deep nesting would exhaust the stack when the result is converted or
+/// dropped. A file of quantisation parameters is far below all three.
+const MAX_OBJECTS: usize = 4_000_000;
+/// Bytes of decoded tensor values (8 per element) and strings.
+const MAX_DATA_BYTES: usize = 2 << 30;
+/// Nesting of tuples, lists and dicts (a dict of tensors, counted with their arguments, is 4).
+const MAX_DEPTH: usize = 100;
+
+/// Objects, and their payload bytes, in a decoded object (its nodes, recursively).
+fn weight(o: &Obj) -> (usize, usize) {
+    let sum = |items: &mut dyn Iterator<Item = &Obj>| {
+        items.fold((1usize, 0usize), |(n, b), x| {
+            let (xn, xb) = weight(x);
+            (n.saturating_add(xn), b.saturating_add(xb))
+        })
+    };
+    match o {
+        Obj::Str(s) => (1, s.len()),
+        Obj::Tensor(t) => (1, t.values.len().saturating_mul(8)),
+        Obj::Global(m, n) => (1, m.len() + n.len()),
+        Obj::Storage { key, .. } => (1, key.len()),
+        Obj::Tuple(v) | Obj::List(v) => sum(&mut v.iter()),
+        Obj::Dict(v) => sum(&mut v.iter().flat_map(|(k, v)| [k, v])),
+        Obj::None | Obj::Bool(_) | Obj::Int(_) | Obj::Float(_) | Obj::Mark => (1, 0),
+    }
+}
+
 struct Unpickler<'a> {
     data: &'a HashMap<&'a str, &'a [u8]>,
-    memo: HashMap<u64, Obj>,
-    stack: Vec<Obj>,
+    /// Memoized objects with their nesting depths.
+    memo: HashMap<u64, (Obj, usize)>,
+    /// The stack, each object with its nesting depth (1 for a scalar or an empty container).
+    stack: Vec<(Obj, usize)>,
+    /// Objects and payload bytes decoded so far, copies included.
+    objects: usize,
+    data_bytes: usize,
 }
 
 impl Unpickler<'_> {
+    /// Counts `objects` new objects holding `bytes` payload bytes against the bounds.
+    fn charge(&mut self, objects: usize, bytes: usize) -> Result<(), String> {
+        self.objects = self.objects.saturating_add(objects);
+        self.data_bytes = self.data_bytes.saturating_add(bytes);
+        if self.objects > MAX_OBJECTS {
+            return Err(format!(
+                "pickle too large or malformed: more than {MAX_OBJECTS} objects"
+            ));
+        }
+        if self.data_bytes > MAX_DATA_BYTES {
+            return Err(format!(
+                "pickle too large or malformed: more than {MAX_DATA_BYTES} bytes of tensor \
+                 values and strings"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Pushes a newly built object (its children, if any, were counted when they were built).
+    fn push(&mut self, o: Obj, depth: usize) -> Result<(), String> {
+        check_depth(depth)?;
+        let bytes = match &o {
+            Obj::Str(s) => s.len(),
+            _ => 0,
+        };
+        self.charge(1, bytes)?;
+        self.stack.push((o, depth));
+        Ok(())
+    }
+
     fn pop(&mut self) -> Result<Obj, String> {
+        self.pop_depth().map(|(o, _)| o)
+    }
+
+    fn pop_depth(&mut self) -> Result<(Obj, usize), String> {
         self.stack
             .pop()
             .ok_or_else(|| "pickle stack underflow".to_string())
     }
 
-    /// Items above the topmost mark (the mark removed).
-    fn pop_to_mark(&mut self) -> Result<Vec<Obj>, String> {
+    /// Items above the topmost mark (the mark removed), and their greatest depth (0 if none).
+    fn pop_to_mark(&mut self) -> Result<(Vec<Obj>, usize), String> {
         let m = self
             .stack
             .iter()
-            .rposition(|i| matches!(i, Obj::Mark))
+            .rposition(|(i, _)| matches!(i, Obj::Mark))
             .ok_or("pickle MARK missing")?;
         let items = self.stack.split_off(m + 1);
         self.stack.pop();
-        Ok(items)
+        Ok(unzip_depths(items))
     }
 
     fn run(mut self, p: &[u8]) -> Result<Obj, String> {
         let mut i = 0;
         let take = |i: &mut usize, n: usize| -> Result<&[u8], String> {
-            let s = p.get(*i..*i + n).ok_or("truncated pickle")?;
-            *i += n;
+            let end = i.checked_add(n).ok_or("truncated pickle")?;
+            let s = p.get(*i..end).ok_or("truncated pickle")?;
+            *i = end;
             Ok(s)
         };
         let line = |i: &mut usize| -> Result<String, String> {
-            let end = p[*i..]
+            let rest = p.get(*i..).ok_or("truncated pickle")?;
+            let end = rest
                 .iter()
                 .position(|&c| c == b'\n')
                 .ok_or("truncated pickle")?;
-            let s = String::from_utf8_lossy(&p[*i..*i + end]).into_owned();
+            let s = String::from_utf8_lossy(&rest[..end]).into_owned();
             *i += end + 1;
             Ok(s)
         };
@@ -294,21 +366,21 @@ impl Unpickler<'_> {
                 0x80 => i += 1,            // PROTO
                 0x95 => i += 8,            // FRAME
                 b'.' => return self.pop(), // STOP
-                b'(' => self.stack.push(Obj::Mark),
-                b'N' => self.stack.push(Obj::None),
-                0x88 => self.stack.push(Obj::Bool(true)),
-                0x89 => self.stack.push(Obj::Bool(false)),
+                b'(' => self.push(Obj::Mark, 1)?,
+                b'N' => self.push(Obj::None, 1)?,
+                0x88 => self.push(Obj::Bool(true), 1)?,
+                0x89 => self.push(Obj::Bool(false), 1)?,
                 b'J' => {
                     let v = i32::from_le_bytes(take(&mut i, 4)?.try_into().unwrap());
-                    self.stack.push(Obj::Int(v as i64));
+                    self.push(Obj::Int(v as i64), 1)?;
                 }
                 b'K' => {
                     let v = take(&mut i, 1)?[0];
-                    self.stack.push(Obj::Int(v as i64));
+                    self.push(Obj::Int(v as i64), 1)?;
                 }
                 b'M' => {
                     let v = u16::from_le_bytes(take(&mut i, 2)?.try_into().unwrap());
-                    self.stack.push(Obj::Int(v as i64));
+                    self.push(Obj::Int(v as i64), 1)?;
                 }
                 0x8a => {
                     // LONG1: little-endian two's complement of n bytes.
@@ -324,11 +396,11 @@ impl Unpickler<'_> {
                     if n > 0 && n < 8 && b[n - 1] & 0x80 != 0 {
                         v -= 1i64 << (8 * n);
                     }
-                    self.stack.push(Obj::Int(v));
+                    self.push(Obj::Int(v), 1)?;
                 }
                 b'G' => {
                     let v = f64::from_be_bytes(take(&mut i, 8)?.try_into().unwrap());
-                    self.stack.push(Obj::Float(v));
+                    self.push(Obj::Float(v), 1)?;
                 }
                 b'X' | 0x8c | 0x8d | b'T' | b'U' => {
                     let n = match op {
@@ -339,53 +411,58 @@ impl Unpickler<'_> {
                         _ => take(&mut i, 1)?[0] as usize,
                     };
                     let s = String::from_utf8_lossy(take(&mut i, n)?).into_owned();
-                    self.stack.push(Obj::Str(s));
+                    self.push(Obj::Str(s), 1)?;
                 }
                 b'c' => {
                     let module = line(&mut i)?;
                     let name = line(&mut i)?;
-                    self.stack.push(Obj::Global(module, name));
+                    self.push(Obj::Global(module, name), 1)?;
                 }
                 0x93 => {
                     // STACK_GLOBAL
                     let name = self.pop()?;
                     let module = self.pop()?;
                     match (module, name) {
-                        (Obj::Str(m), Obj::Str(n)) => self.stack.push(Obj::Global(m, n)),
+                        (Obj::Str(m), Obj::Str(n)) => self.push(Obj::Global(m, n), 1)?,
                         other => return Err(format!("STACK_GLOBAL of {other:?}")),
                     }
                 }
-                b')' => self.stack.push(Obj::Tuple(vec![])),
+                b')' => self.push(Obj::Tuple(vec![]), 1)?,
                 b't' => {
-                    let items = self.pop_to_mark()?;
-                    self.stack.push(Obj::Tuple(items));
+                    let (items, d) = self.pop_to_mark()?;
+                    self.push(Obj::Tuple(items), d + 1)?;
                 }
                 0x85..=0x87 => {
                     let n = (op - 0x84) as usize;
                     if self.stack.len() < n {
                         return Err("pickle stack underflow".into());
                     }
-                    let items = self.stack.split_off(self.stack.len() - n);
-                    self.stack.push(Obj::Tuple(items));
+                    let (items, d) = unzip_depths(self.stack.split_off(self.stack.len() - n));
+                    self.push(Obj::Tuple(items), d + 1)?;
                 }
-                b']' => self.stack.push(Obj::List(vec![])),
-                b'}' => self.stack.push(Obj::Dict(vec![])),
+                b']' => self.push(Obj::List(vec![]), 1)?,
+                b'}' => self.push(Obj::Dict(vec![]), 1)?,
                 b'a' | b'e' => {
-                    let new = if op == b'a' {
-                        vec![self.pop()?]
+                    let (new, d) = if op == b'a' {
+                        let (o, d) = self.pop_depth()?;
+                        (vec![o], d)
                     } else {
                         self.pop_to_mark()?
                     };
                     match self.stack.last_mut() {
-                        Some(Obj::List(l)) => l.extend(new),
+                        Some((Obj::List(l), depth)) => {
+                            l.extend(new);
+                            *depth = (*depth).max(d + 1);
+                            check_depth(*depth)?;
+                        }
                         _ => return Err("APPEND to something that is not a list".into()),
                     }
                 }
                 b's' | b'u' => {
-                    let items = if op == b's' {
-                        let v = self.pop()?;
-                        let k = self.pop()?;
-                        vec![k, v]
+                    let (items, d) = if op == b's' {
+                        let (v, dv) = self.pop_depth()?;
+                        let (k, dk) = self.pop_depth()?;
+                        (vec![k, v], dk.max(dv))
                     } else {
                         self.pop_to_mark()?
                     };
@@ -393,11 +470,13 @@ impl Unpickler<'_> {
                         return Err("SETITEMS with an odd number of items".into());
                     }
                     match self.stack.last_mut() {
-                        Some(Obj::Dict(d)) => {
+                        Some((Obj::Dict(dict), depth)) => {
                             let mut it = items.into_iter();
                             while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                                d.push((k, v));
+                                dict.push((k, v));
                             }
+                            *depth = (*depth).max(d + 1);
+                            check_depth(*depth)?;
                         }
                         _ => return Err("SETITEM on something that is not a dict".into()),
                     }
@@ -408,11 +487,10 @@ impl Unpickler<'_> {
                         b'r' => u32::from_le_bytes(take(&mut i, 4)?.try_into().unwrap()) as u64,
                         _ => self.memo.len() as u64,
                     };
-                    let top = self
-                        .stack
-                        .last()
-                        .ok_or("MEMOIZE of an empty stack")?
-                        .clone();
+                    let top = self.stack.last().ok_or("MEMOIZE of an empty stack")?;
+                    let (n, b) = weight(&top.0);
+                    let top = top.clone();
+                    self.charge(n, b)?;
                     self.memo.insert(key, top);
                 }
                 b'h' | b'j' => {
@@ -424,20 +502,23 @@ impl Unpickler<'_> {
                     let v = self
                         .memo
                         .get(&key)
-                        .ok_or_else(|| format!("pickle memo {key} missing"))?
-                        .clone();
+                        .ok_or_else(|| format!("pickle memo {key} missing"))?;
+                    let (n, b) = weight(&v.0);
+                    let v = v.clone();
+                    self.charge(n, b)?;
                     self.stack.push(v);
                 }
                 b'Q' => {
                     let pid = self.pop()?;
                     let item = storage(pid)?;
-                    self.stack.push(item);
+                    self.push(item, 1)?;
                 }
                 b'R' | 0x81 => {
-                    let args = self.pop()?;
+                    let (args, d) = self.pop_depth()?;
                     let callable = self.pop()?;
                     let v = self.reduce(callable, args)?;
-                    self.stack.push(v);
+                    // Counted as deep as its arguments (at least 1), a bound on what it holds.
+                    self.push(v, d.max(1))?;
                 }
                 b'b' => {
                     // BUILD: an OrderedDict's or a tensor's extra state, ignored.
@@ -491,6 +572,7 @@ impl Unpickler<'_> {
                     .ok_or_else(|| format!("storage data/{key} is missing from the archive"))?;
                 let values = gather(bytes, dtype, *offset as usize, &shape, &stride)
                     .map_err(|e| format!("storage data/{key}: {e}"))?;
+                self.charge(0, values.len().saturating_mul(8))?;
                 Ok(Obj::Tensor(PtTensor {
                     dtype,
                     shape,
@@ -503,6 +585,21 @@ impl Unpickler<'_> {
             )),
         }
     }
+}
+
+fn check_depth(depth: usize) -> Result<(), String> {
+    if depth > MAX_DEPTH {
+        return Err(format!(
+            "pickle too large or malformed: objects nested more than {MAX_DEPTH} deep"
+        ));
+    }
+    Ok(())
+}
+
+/// Objects without their depths, and their greatest depth (0 if none).
+fn unzip_depths(items: Vec<(Obj, usize)>) -> (Vec<Obj>, usize) {
+    let depth = items.iter().map(|(_, d)| *d).max().unwrap_or(0);
+    (items.into_iter().map(|(o, _)| o).collect(), depth)
 }
 
 /// `('storage', torch.<Dtype>Storage, key, location, numel)`.
@@ -558,20 +655,34 @@ fn gather(
             _ => bf16_to_f32(u16::from_le_bytes([b[0], b[1]])) as f64,
         }
     };
-    let count: usize = shape.iter().product();
+    let view = || format!("the view (offset {offset}, size {shape:?}, stride {stride:?})");
+    // Checked throughout: a bogus size or stride must not wrap into a "valid" view.
+    let count = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| format!("{}: its element count overflows", view()))?;
     if count == 0 {
         return Ok(vec![]);
     }
-    let last = offset
-        + shape
-            .iter()
-            .zip(stride)
-            .map(|(&n, &s)| (n - 1) * s)
-            .sum::<usize>();
+    // A view may repeat elements (stride 0) but never holds more than its storage: that
+    // bounds what a file can make us allocate by the file's size.
+    if count > numel {
+        return Err(format!(
+            "tensor view of {count} elements exceeds its storage of {numel}: {} is corrupt",
+            view()
+        ));
+    }
+    let last = shape
+        .iter()
+        .zip(stride)
+        .try_fold(offset, |acc, (&n, &s)| {
+            (n - 1).checked_mul(s)?.checked_add(acc)
+        })
+        .ok_or_else(|| format!("{}: its last element's index overflows", view()))?;
     if last >= numel {
         return Err(format!(
-            "the view (offset {offset}, size {shape:?}, stride {stride:?}) reaches element {last} \
-             of a storage of {numel}"
+            "{} reaches element {last} of a storage of {numel}",
+            view()
         ));
     }
     let mut out = Vec::with_capacity(count);

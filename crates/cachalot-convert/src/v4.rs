@@ -479,6 +479,7 @@ pub(crate) fn convert_v4(
                             t.dtype, t.shape
                         )));
                     }
+                    crate::check_weight_dims(&t.shape).map_err(terr)?;
                     let (rows, c) = (t.shape[0], t.shape[1]);
                     if t.dtype == "F8_E4M3" {
                         let grid = [rows.div_ceil(128), c.div_ceil(128)];
@@ -523,6 +524,7 @@ pub(crate) fn convert_v4(
                     )))
                 }
                 "BF16" if bits.is_some() && t.shape.len() == 2 => {
+                    crate::check_weight_dims(&t.shape).map_err(terr)?;
                     (Src::Bf16 { start: t.start }, t.shape[0], t.shape[1])
                 }
                 _ => {

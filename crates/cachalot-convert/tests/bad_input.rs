@@ -4,7 +4,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use cachalot_convert::{convert, ConvertOptions, QuantMode};
+use cachalot_convert::{convert, read_header, ConvertOptions, QuantMode};
 use safetensors::tensor::{Dtype, TensorView};
 
 fn fixture() -> PathBuf {
@@ -291,5 +291,166 @@ fn v4_bad_inputs_are_reported() {
         &out,
         QuantMode::W8A8Int,
         &[w, "U8", "already converted"],
+    );
+}
+
+/// Writes a safetensors file by hand: `header` verbatim (space-padded to a multiple of 8), then
+/// `data_len` zero bytes of data.
+fn write_raw_shard(path: &Path, header: &str, data_len: usize) {
+    let mut h = header.as_bytes().to_vec();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&h);
+    bytes.resize(bytes.len() + data_len, 0);
+    fs::write(path, bytes).unwrap();
+}
+
+/// `read_header` of a hand-written shard fails, naming the file and saying `parts`.
+fn header_error(header: &str, data_len: usize, parts: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("shard.safetensors");
+    write_raw_shard(&path, header, data_len);
+    let msg = match read_header(&path) {
+        Ok(t) => panic!("header {header} with {data_len} data bytes was accepted: {t:?}"),
+        Err(e) => e.to_string(),
+    };
+    for p in parts.iter().chain(&["shard.safetensors"]) {
+        assert!(msg.contains(p), "error `{msg}` does not mention `{p}`");
+    }
+}
+
+/// The converter's own header reader: sizes in checked arithmetic (a shape whose byte count
+/// wraps to 0 is not an empty tensor), offsets within the data section, and tensors that tile
+/// it without overlaps or holes, as the safetensors format (and the runtime's loader) require.
+#[test]
+fn bogus_safetensors_headers_are_reported() {
+    // A valid layout (a zero-size tensor between two others) is read.
+    let tmp = tempfile::tempdir().unwrap();
+    let ok = tmp.path().join("ok.safetensors");
+    write_raw_shard(
+        &ok,
+        r#"{"__metadata__":{"format":"pt"},
+            "a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},
+            "e":{"dtype":"BF16","shape":[0,3],"data_offsets":[8,8]},
+            "b":{"dtype":"BF16","shape":[1,2],"data_offsets":[8,12]}}"#,
+        12,
+    );
+    let t = read_header(&ok).unwrap();
+    assert_eq!(t.len(), 3);
+    assert_eq!(t[2].1.end - t[2].1.start, 4);
+
+    // 2^62 · 4 elements · 2 bytes wraps to 0 bytes.
+    header_error(
+        r#"{"a":{"dtype":"BF16","shape":[4611686018427387904,4],"data_offsets":[0,0]}}"#,
+        0,
+        &["tensor a", "[4611686018427387904, 4]", "overflows"],
+    );
+    header_error(
+        r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
+        4,
+        &[
+            "tensor a",
+            "data_offsets [0, 4] hold 4 bytes",
+            "F32 needs 8",
+        ],
+    );
+    header_error(
+        r#"{"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}}"#,
+        8,
+        &["tensor a", "[8, 0]", "end before they begin"],
+    );
+    header_error(
+        r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+        4,
+        &[
+            "tensor a",
+            "end 8 is past the file's data section of 4 bytes",
+            "truncated",
+        ],
+    );
+    // Offsets near 2^64 that wrapped back into the file.
+    header_error(
+        r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[18446744073709551614,18446744073709551615]}}"#,
+        8,
+        &[
+            "tensor a",
+            "end 18446744073709551615 is past the file's data section of 8 bytes",
+        ],
+    );
+    header_error(
+        r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},
+            "b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+        8,
+        &["tensor b", "[4, 8]", "overlap", "tensor a", "[0, 8]"],
+    );
+    header_error(
+        r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+            "b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#,
+        12,
+        &["tensor b", "bytes 4..8", "contiguous"],
+    );
+    header_error(
+        r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+        8,
+        &["4 trailing bytes"],
+    );
+
+    // Through `convert`: reported before anything is written.
+    let input = tmp.path().join("in");
+    copy_fixture(&input);
+    let file = "model-00001-of-00003.safetensors";
+    write_raw_shard(
+        &input.join(file),
+        r#"{"model.embed_tokens.weight":{"dtype":"BF16","shape":[4611686018427387904,4],"data_offsets":[0,0]}}"#,
+        0,
+    );
+    expect_error(
+        &input,
+        &tmp.path().join("out"),
+        &[file, "model.embed_tokens.weight", "overflows"],
+    );
+}
+
+/// An FP8 weight with a zero dimension (and a matching empty scale grid) is a corrupt header,
+/// reported while planning; it used to reach `chunks_exact(0)` while quantising.
+#[test]
+fn zero_sized_weights_are_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let empty = |dir: &Path, name: &str, shape: Vec<usize>| {
+        let file = shard_of(dir, name);
+        rewrite_shard(dir, &file, |t| {
+            let x = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+            x.2 = shape;
+            x.3.clear();
+        });
+        file
+    };
+
+    // DeepSeek-V3: F8_E4M3 [4, 0] with F32 [1, 0] block scales.
+    let input = tmp.path().join("in");
+    copy_fixture(&input);
+    let w = "model.layers.0.self_attn.o_proj.weight";
+    let file = empty(&input, w, vec![4, 0]);
+    empty(&input, &format!("{w}_scale_inv"), vec![1, 0]);
+    expect_error(
+        &input,
+        &out,
+        &[w, &file, "[4, 0]", "weights need non-zero dimensions"],
+    );
+
+    // DeepSeek-V4: F8_E4M3 [4, 0] with E8M0 [1, 0] scales, quantised to INT8.
+    let input = tmp.path().join("in4");
+    copy_dir(&v4_fixture(), &input);
+    let w = "layers.0.attn.wo_b.weight";
+    let file = empty(&input, w, vec![4, 0]);
+    empty(&input, "layers.0.attn.wo_b.scale", vec![1, 0]);
+    expect_error_in(
+        &input,
+        &out,
+        QuantMode::W8A8Int,
+        &[w, &file, "[4, 0]", "weights need non-zero dimensions"],
     );
 }

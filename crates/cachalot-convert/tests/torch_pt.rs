@@ -98,3 +98,163 @@ fn broken_files_are_named_errors() {
     let e = load_pt_bytes(&renamed).unwrap_err();
     assert!(e.contains("data/0") && e.contains("missing"), "{e}");
 }
+
+/// A stored (uncompressed) zip archive of `entries`, laid out as `torch.save` writes one.
+fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let (mut out, mut central) = (Vec::new(), Vec::new());
+    for (name, data) in entries {
+        let offset = out.len() as u32;
+        let (len, name_len) = (
+            (data.len() as u32).to_le_bytes(),
+            (name.len() as u16).to_le_bytes(),
+        );
+        // Local header: signature, version, flags, method 0, time, date, crc (unchecked).
+        out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
+        out.extend_from_slice(&[20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        out.extend_from_slice(&len);
+        out.extend_from_slice(&len);
+        out.extend_from_slice(&name_len);
+        out.extend_from_slice(&[0, 0]);
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(data);
+        // Central directory entry: signature, made by, needed, flags, method, time, date, crc.
+        central.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
+        central.extend_from_slice(&[20, 0, 20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        central.extend_from_slice(&len);
+        central.extend_from_slice(&len);
+        central.extend_from_slice(&name_len);
+        // Extra, comment, disk, internal and external attributes.
+        central.extend_from_slice(&[0; 12]);
+        central.extend_from_slice(&offset.to_le_bytes());
+        central.extend_from_slice(name.as_bytes());
+    }
+    let cd = out.len() as u32;
+    out.extend_from_slice(&central);
+    out.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
+    let n = (entries.len() as u16).to_le_bytes();
+    out.extend_from_slice(&[0, 0, 0, 0, n[0], n[1], n[0], n[1]]);
+    out.extend_from_slice(&(central.len() as u32).to_le_bytes());
+    out.extend_from_slice(&cd.to_le_bytes());
+    out.extend_from_slice(&[0, 0]);
+    out
+}
+
+/// A `.pt` archive of `pickle` with storage `0` of 16 f32 values 0, 1, ..., 15.
+fn pt_file(pickle: &[u8]) -> Vec<u8> {
+    let storage: Vec<u8> = (0..16).flat_map(|v| (v as f32).to_le_bytes()).collect();
+    zip(&[
+        ("archive/data.pkl", pickle),
+        ("archive/byteorder", b"little"),
+        ("archive/data/0", &storage),
+    ])
+}
+
+/// Pickle BINUNICODE.
+fn unicode(s: &str) -> Vec<u8> {
+    let mut out = vec![b'X'];
+    out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+    out
+}
+
+/// The pickle of `torch._utils._rebuild_tensor_v2` over storage `0` (16 f32) with this size
+/// and stride, ints as 8-byte LONG1.
+fn tensor_pickle(size: &[i64], stride: &[i64]) -> Vec<u8> {
+    let long = |v: i64| [&[0x8a, 8][..], &v.to_le_bytes()].concat();
+    let mut p = vec![0x80, 2];
+    p.extend_from_slice(b"ctorch._utils\n_rebuild_tensor_v2\n(");
+    // The persistent id ('storage', torch.FloatStorage, '0', 'cpu', 16).
+    p.push(b'(');
+    p.extend(unicode("storage"));
+    p.extend_from_slice(b"ctorch\nFloatStorage\n");
+    p.extend(unicode("0"));
+    p.extend(unicode("cpu"));
+    p.extend_from_slice(&[b'K', 16, b't', b'Q', b'K', 0, b'(']);
+    size.iter().for_each(|&v| p.extend(long(v)));
+    p.extend_from_slice(b"t(");
+    stride.iter().for_each(|&v| p.extend(long(v)));
+    // requires_grad False, hooks None; call; STOP.
+    p.extend_from_slice(&[b't', 0x89, b'N', b't', b'R', b'.']);
+    p
+}
+
+/// A size or stride that overflows, or a view larger than its storage (stride 0), is an error
+/// naming the storage: it used to wrap to a "valid" view, or to reserve 2^40 · 8 bytes (abort)
+/// or 2^62 · 8 (capacity overflow panic).
+#[test]
+fn bogus_tensor_views_are_errors() {
+    let t = load_pt_bytes(&pt_file(&tensor_pickle(&[2, 3], &[1, 4]))).unwrap();
+    let PtValue::Tensor(t) = t else {
+        panic!("{t:?}")
+    };
+    assert_eq!(
+        (t.dtype, &t.shape[..], &t.values[..]),
+        ("float32", &[2, 3][..], &[0.0, 4.0, 8.0, 1.0, 5.0, 9.0][..])
+    );
+    // Stride 0 within the storage is a valid (expanded) view.
+    let t = load_pt_bytes(&pt_file(&tensor_pickle(&[4], &[0]))).unwrap();
+    assert!(
+        matches!(&t, PtValue::Tensor(t) if t.values == [0.0; 4]),
+        "{t:?}"
+    );
+
+    let cases: [(&[i64], &[i64], &str); 4] = [
+        (
+            &[1 << 40],
+            &[0],
+            "tensor view of 1099511627776 elements exceeds its storage of 16",
+        ),
+        (
+            &[1 << 62],
+            &[0],
+            "tensor view of 4611686018427387904 elements exceeds its storage",
+        ),
+        (&[1 << 62, 8], &[0, 0], "element count overflows"),
+        (
+            &[3, 3],
+            &[1 << 62, 1 << 62],
+            "last element's index overflows",
+        ),
+    ];
+    for (size, stride, want) in cases {
+        let e = load_pt_bytes(&pt_file(&tensor_pickle(size, stride))).unwrap_err();
+        assert!(
+            e.contains("data/0") && e.contains(want),
+            "{size:?} {stride:?}: {e}"
+        );
+    }
+}
+
+/// A pickle whose memo copies a list into itself again and again (2^40 nodes from ~400 bytes)
+/// stops at the object bound; one that nests lists 200000 deep stops at the depth bound (it
+/// used to overflow the stack when converted or dropped). Errors name the file.
+#[test]
+fn pickle_bombs_are_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    // [] memoized as 0; then list k+1 = [list k, list k], memoized as k + 1.
+    let mut p = vec![0x80, 2, b']', b'q', 0];
+    for k in 0..40u8 {
+        p.extend_from_slice(&[b']', b'(', b'h', k, b'h', k, b'e', b'q', k + 1]);
+    }
+    p.push(b'.');
+    let path = tmp.path().join("bomb.pt");
+    std::fs::write(&path, pt_file(&p)).unwrap();
+    let e = load_pt(&path).unwrap_err();
+    assert!(
+        e.contains("bomb.pt") && e.contains("pickle too large or malformed: more than"),
+        "{e}"
+    );
+
+    let n = 200_000;
+    let mut p = vec![0x80, 2];
+    p.extend(std::iter::repeat_n(b']', n));
+    p.extend(std::iter::repeat_n(b'a', n - 1));
+    p.push(b'.');
+    let path = tmp.path().join("deep.pt");
+    std::fs::write(&path, pt_file(&p)).unwrap();
+    let e = load_pt(&path).unwrap_err();
+    assert!(
+        e.contains("deep.pt") && e.contains("nested more than 100 deep"),
+        "{e}"
+    );
+}
