@@ -132,9 +132,21 @@ impl<'a> Fields<'a> {
     pub(crate) fn usize_opt(&self, field: &str) -> Result<Option<usize>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
-                self.err(field, format!("expected a non-negative integer, found {v}"))
-            }),
+            // Integers written as floats (`4096.0`, as some exported configs have them) count,
+            // as Python's json and transformers take them.
+            Some(v) => v
+                .as_u64()
+                .or_else(|| {
+                    v.as_f64()
+                        .filter(|x| {
+                            x.fract() == 0.0 && (0.0..=9.007_199_254_740_992e15).contains(x)
+                        })
+                        .map(|x| x as u64)
+                })
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| {
+                    self.err(field, format!("expected a non-negative integer, found {v}"))
+                }),
         }
     }
 
@@ -837,6 +849,24 @@ mod tests {
                 e.contains(&format!("`{field}`")) && e.contains("out of range"),
                 "{field}: {e}"
             );
+        }
+    }
+
+    #[test]
+    fn integers_written_as_floats_are_taken() {
+        let mut v = r1_json();
+        v["rope_scaling"]["original_max_position_embeddings"] = Value::from(4096.0);
+        v["num_hidden_layers"] = Value::from(61.0);
+        let c = parse(&v).unwrap();
+        assert_eq!(c.num_hidden_layers, 61);
+        assert_eq!(
+            c.rope_scaling.unwrap().original_max_position_embeddings,
+            4096
+        );
+        for bad in [Value::from(61.5), Value::from(-1.0)] {
+            v["num_hidden_layers"] = bad;
+            let e = parse(&v).unwrap_err().to_string();
+            assert!(e.contains("non-negative integer"), "{e}");
         }
     }
 
