@@ -473,6 +473,15 @@ pub fn run_ranked(
                 let e = model.config().n_routed_experts.unwrap_or(0);
                 model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
             }
+            logln!(
+                "{:.1} MB of weights held on this rank{}",
+                model.weight_bytes() as f64 / 1e6,
+                if expert {
+                    " (its share of the routed experts)"
+                } else {
+                    ""
+                }
+            );
             v3 = model;
             (&v3, v3.config().eos_token_ids.clone())
         }

@@ -504,4 +504,5 @@ fn expert_parallel_ranks_give_the_one_process_outputs() {
     assert_eq!(all.summary.output_tokens, one.summary.output_tokens);
     let log = std::fs::read_to_string(all.dir.join("run.rank1.log")).unwrap();
     assert!(log.contains("expert parallel"), "{log}");
+    assert!(log.contains("MB of weights held on this rank"), "{log}");
 }
