@@ -256,6 +256,17 @@ impl Checkpoint {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// The names that start with `prefix`, in order (a range of the sorted index, not a scan).
+    pub fn names_with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a str> {
+        self.tensors
+            .range::<str, _>((
+                std::ops::Bound::Included(prefix),
+                std::ops::Bound::Unbounded,
+            ))
+            .map(|(k, _)| k.as_str())
+            .take_while(move |k| k.starts_with(prefix))
+    }
+
     pub fn total_bytes(&self) -> usize {
         self.tensors.values().map(|t| t.end - t.start).sum()
     }

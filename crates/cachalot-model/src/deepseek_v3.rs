@@ -332,6 +332,12 @@ impl Loader<'_> {
                 vec![0.0; e]
             };
             let shard = self.opts.expert_shard;
+            if shard.ranks == 0 || shard.rank >= shard.ranks {
+                return Err(ModelError::Options(format!(
+                    "expert shard: rank {} of {} ranks does not exist (ranks count from 0)",
+                    shard.rank, shard.ranks
+                )));
+            }
             if shard.ranks > 1 && !e.is_multiple_of(shard.ranks) {
                 return Err(ModelError::Options(format!(
                     "expert parallelism over {} ranks needs n_routed_experts ({e}) to divide by \
@@ -349,8 +355,7 @@ impl Loader<'_> {
                         let prefix = format!("{name}.");
                         let names: Vec<String> = self
                             .ckpt
-                            .names()
-                            .filter(|n| n.starts_with(&prefix))
+                            .names_with_prefix(&prefix)
                             .map(str::to_string)
                             .collect();
                         for n in names {
@@ -1343,7 +1348,11 @@ impl DeepseekV3 {
             ))
         })?;
         let h = self.cfg.hidden_size;
-        let mut bytes = Vec::with_capacity(mine.iter().map(|y| y.len() * 4).sum());
+        // Every part opens with a digest of the routing (active experts and their token
+        // counts): ranks that stepped different batches fail here instead of mixing outputs.
+        let digest = routing_digest(active, assigned);
+        let mut bytes = Vec::with_capacity(8 + mine.iter().map(|y| y.len() * 4).sum::<usize>());
+        bytes.extend_from_slice(&digest.to_le_bytes());
         for y in &mine {
             for v in y {
                 bytes.extend_from_slice(&v.to_le_bytes());
@@ -1352,7 +1361,17 @@ impl DeepseekV3 {
         let parts = comm
             .all_gather(&bytes)
             .map_err(|e| ModelError::Options(format!("expert parallelism: {e}")))?;
-        let mut offsets = vec![0usize; parts.len()];
+        for (r, part) in parts.iter().enumerate() {
+            if part.get(..8) != Some(&digest.to_le_bytes()[..]) {
+                return Err(ModelError::Options(format!(
+                    "expert parallelism: rank {r} routed this layer's tokens differently from \
+                     rank {} (the ranks ran different batches or weights; every rank must run \
+                     the same config, options, checkpoint and requests)",
+                    self.shard.rank
+                )));
+            }
+        }
+        let mut offsets = vec![8usize; parts.len()];
         let mut out = Vec::with_capacity(active.len());
         for &id in active {
             let r = self.shard.owner(id, experts);
@@ -1371,6 +1390,17 @@ impl DeepseekV3 {
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                     .collect(),
             );
+        }
+        if let Some((r, part)) = parts
+            .iter()
+            .enumerate()
+            .find(|(r, p)| p.len() != offsets[*r])
+        {
+            return Err(ModelError::Options(format!(
+                "expert parallelism: rank {r} sent {} bytes, its experts' outputs are {}",
+                part.len(),
+                offsets[r]
+            )));
         }
         Ok(out)
     }
@@ -1395,6 +1425,25 @@ impl DeepseekV3 {
         self.comm = Some(comm);
         Ok(())
     }
+}
+
+/// FNV-1a over the routing: each active expert's id, its tokens and their weights' bits (the
+/// same on every rank that routed the same tokens with the same bits).
+fn routing_digest(active: &[usize], assigned: &[Vec<(usize, f32)>]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    let mut add = |v: u64| {
+        for b in v.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for &id in active {
+        add(id as u64);
+        for &(t, w) in &assigned[id] {
+            add(t as u64);
+            add(w.to_bits() as u64);
+        }
+    }
+    h
 }
 
 /// The MLA head sizes the attention code indexes with.

@@ -126,3 +126,49 @@ fn a_shard_without_its_group_or_with_experts_that_do_not_divide_is_named() {
         "{e}"
     );
 }
+
+#[test]
+fn ranks_that_run_different_batches_fail_instead_of_mixing_outputs() {
+    let forward = |m: &DeepseekV3, seq: &[u32]| {
+        let mut cache = KvCache::new(m.cache_spec(), 4, 8);
+        let mut alloc = BlockAllocator::new(8);
+        let mut table = Vec::new();
+        alloc.ensure(&mut table, seq.len(), 4).unwrap();
+        let mut b = Batch::default();
+        b.push_seq(seq, 0, table, LogitsWanted::Last);
+        m.forward(&b, &mut cache, false).map(|_| ())
+    };
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let master = listener.local_addr().unwrap().to_string();
+    let other = std::thread::spawn(move || {
+        let comm = TcpComm::connect(&TcpRendezvous {
+            rank: 1,
+            world_size: 2,
+            master,
+            timeout: Duration::from_secs(30),
+        })
+        .unwrap();
+        let mut m = load(ExpertShard { rank: 1, ranks: 2 });
+        m.set_communicator(Arc::new(comm)).unwrap();
+        forward(&m, &[5, 6, 7, 8, 9, 10])
+    });
+    let comm = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
+    let mut m = load(ExpertShard { rank: 0, ranks: 2 });
+    m.set_communicator(Arc::new(comm)).unwrap();
+    let mine = forward(&m, &[1, 2, 3, 4, 5, 6]);
+    drop(m);
+    for r in [mine, other.join().unwrap()] {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("routed this layer's tokens differently"), "{e}");
+    }
+    // A shard that does not exist is named at load.
+    let opts = LoadOptions {
+        expert_shard: ExpertShard { rank: 2, ranks: 2 },
+        ..Default::default()
+    };
+    let e = DeepseekV3::load(&r1_tiny(), opts)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("rank 2 of 2"), "{e}");
+}

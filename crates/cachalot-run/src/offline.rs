@@ -103,9 +103,12 @@ pub struct Summary {
     pub int8_head: bool,
     /// bf16 weights multiplied as BF16 × BF16 (`--bf16-dot`).
     pub bf16_dot: bool,
-    /// Processes that ran, each serving every `ranks`-th request (data parallel; the config's
-    /// `world_size` is recorded beside it).
+    /// Processes that ran (the config's `world_size` is recorded beside it): with `parallel`
+    /// "data" each served every `ranks`-th request; with "expert" they held the routed experts
+    /// between them and ran every request together (`per_rank` is then empty and
+    /// `output_tok_s_per_rank` is the group's rate over its ranks).
     pub ranks: usize,
+    pub parallel: Parallel,
     pub world_size_in_config: usize,
     pub threads: usize,
     pub load_s: f64,
@@ -347,8 +350,16 @@ pub fn run_ranked(
     let mut same = cfg.clone();
     same.model_config.model_path.clear();
     same.data_config.dataset_path.clear();
+    // With the options that change what a rank computes (a chat template's path may differ
+    // between hosts; whether there is one may not).
     let fingerprint = format!(
-        "{n_req} {}",
+        "{n_req} {:?} int8_head={} bf16_dot={} fp8={:?} template={} kv_blocks={:?} {}",
+        opts.parallel,
+        opts.int8_head,
+        opts.bf16_dot,
+        opts.fp8,
+        opts.chat_template.is_some(),
+        opts.kv_blocks,
         serde_json::to_string(&same).unwrap_or_default()
     );
     let named = made
@@ -579,18 +590,38 @@ pub fn run_ranked(
         opts.kv_blocks.is_some(),
         mem_available(),
     )?;
-    // Expert-parallel ranks step the same batches: the same pool everywhere (rank 0's size).
+    // Expert-parallel ranks step the same batches: the same pool everywhere, the smallest any
+    // rank can hold (each checked its own above).
     let num_blocks = if expert {
-        let b = comm.broadcast(0, &(num_blocks as u64).to_le_bytes())?;
-        let b: [u8; 8] = b.as_slice().try_into().map_err(|_| {
-            format!(
-                "rank {rank}: rank 0 sent a KV pool size of {} bytes",
-                b.len()
-            )
-        })?;
-        u64::from_le_bytes(b) as usize
+        let parts = comm.all_gather(&(num_blocks as u64).to_le_bytes())?;
+        let mut least = num_blocks;
+        for (r, b) in parts.iter().enumerate() {
+            let b: [u8; 8] = b.as_slice().try_into().map_err(|_| {
+                format!(
+                    "rank {rank}: rank {r} sent a KV pool size of {} bytes",
+                    b.len()
+                )
+            })?;
+            least = least.min(u64::from_le_bytes(b) as usize);
+        }
+        least
     } else {
         num_blocks
+    };
+    // Sampling without a seed draws from the OS on each rank; expert-parallel ranks must sample
+    // the same tokens, so rank 0 draws the seed for all of them.
+    let run_seed = match d.seed {
+        None if expert => {
+            let mine = std::collections::hash_map::RandomState::new();
+            let drawn = std::hash::BuildHasher::hash_one(&mine, std::process::id()).to_le_bytes();
+            let b = comm.broadcast(0, &drawn)?;
+            let b: [u8; 8] = b
+                .as_slice()
+                .try_into()
+                .map_err(|_| format!("rank {rank}: rank 0 sent a seed of {} bytes", b.len()))?;
+            Some(u64::from_le_bytes(b))
+        }
+        s => s,
     };
     logln!(
         "KV pool: {num_blocks} blocks of {block_size} tokens ({} bytes each; seed sizing {seed_blocks})",
@@ -627,7 +658,7 @@ pub fn run_ranked(
             temperature: d.temperature as f32,
             top_k: d.top_k,
             top_p: d.top_p as f32,
-            seed: d.seed.map(|s| s.wrapping_add(i as u64)),
+            seed: run_seed.map(|s| s.wrapping_add(i as u64)),
             ..SamplingParams::greedy()
         };
         let id = engine.add_request(Request {
@@ -804,6 +835,11 @@ pub fn run_ranked(
         int8_head: opts.int8_head,
         bf16_dot: opts.bf16_dot,
         ranks,
+        parallel: if expert {
+            Parallel::Expert
+        } else {
+            Parallel::Data
+        },
         world_size_in_config: cfg.parallel_config.world_size,
         threads: rayon_threads(),
         load_s,

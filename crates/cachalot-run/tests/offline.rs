@@ -502,7 +502,52 @@ fn expert_parallel_ranks_give_the_one_process_outputs() {
         }
     }
     assert_eq!(all.summary.output_tokens, one.summary.output_tokens);
+    assert_eq!(all.summary.parallel, Parallel::Expert);
     let log = std::fs::read_to_string(all.dir.join("run.rank1.log")).unwrap();
     assert!(log.contains("expert parallel"), "{log}");
     assert!(log.contains("MB of weights held on this rank"), "{log}");
+}
+
+/// Expert-parallel ranks sampling without a seed still sample the same tokens (rank 0 draws the
+/// seed for all): the ranks' outputs agree and the run completes.
+#[test]
+fn expert_parallel_sampling_without_a_seed_stays_in_step() {
+    use cachalot_engine::comm::{TcpComm, TcpRendezvous};
+    use cachalot_run::offline::run_ranked;
+    use std::time::Duration;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "model_config:\n  model_name: deepseek_r1\n  model_path: {}\n\
+         data_config:\n  dataset: default\n  dataset_path: {}\n  input_truncated_len: 48\n  num_requests: 5\n\
+         \x20 temperature: 1.0\n\
+         scheduler_config:\n  block_size: 8\n  batch_size: 3\n  max_new_tokens: 12\n",
+        root().join("fixtures/v3/r1_tiny").display(),
+        root().join("dataset").display(),
+    );
+    let cfg = RunConfig::from_yaml(&yaml, Path::new("test.yaml")).unwrap();
+    let expert_opts = |res: &Path| RunOptions {
+        parallel: Parallel::Expert,
+        ..opts(res, None)
+    };
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let master = listener.local_addr().unwrap().to_string();
+    let (cfg1, res1) = (cfg.clone(), tmp.path().to_path_buf());
+    let other = std::thread::spawn(move || {
+        let comm = TcpComm::connect(&TcpRendezvous {
+            rank: 1,
+            world_size: 2,
+            master,
+            timeout: Duration::from_secs(30),
+        })
+        .unwrap();
+        run_ranked(&cfg1, &expert_opts(&res1), Arc::new(comm)).unwrap()
+    });
+    let comm = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
+    let all = run_ranked(&cfg, &expert_opts(tmp.path()), Arc::new(comm)).unwrap();
+    let rank1 = other.join().unwrap();
+    assert_eq!(all.outputs.len(), 5);
+    for (a, b) in all.outputs.iter().zip(&rank1.outputs) {
+        assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+    }
 }

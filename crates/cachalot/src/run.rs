@@ -41,12 +41,13 @@ pub struct RunArgs {
     /// Threads (per rank; default: all cores, shared out among --ranks).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Data parallel over N processes on this host: this one is rank 0 and starts the others;
-    /// rank r serves requests r, r + N, ... and rank 0 writes the run's files.
+    /// N processes on this host: this one is rank 0 and starts the others; rank 0 writes the
+    /// run's files. With --parallel data rank r serves requests r, r + N, ...; with expert the
+    /// ranks hold the routed experts between them.
     #[arg(long, value_name = "N", conflicts_with_all = ["rank", "world_size", "master"])]
     ranks: Option<usize>,
-    /// Join a data-parallel group as this rank (with --world-size and --master; start one
-    /// process per rank, on any hosts; rank 0 listens on --master).
+    /// Join a group as this rank (with --world-size and --master; start one process per rank,
+    /// on any hosts, all with the same config and options; rank 0 listens on --master).
     #[arg(long, requires_all = ["world_size", "master"])]
     rank: Option<usize>,
     /// Ranks in the group joined with --rank.
