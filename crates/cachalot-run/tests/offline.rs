@@ -40,6 +40,39 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
     }
 }
 
+/// `run_ranked` on `n` ranks of a TCP group on threads of this process (rank 0 on this
+/// thread): every rank's result, in rank order.
+fn run_group<T: Send + 'static>(
+    n: usize,
+    rank_run: impl Fn(Arc<dyn cachalot_engine::comm::Communicator>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    use cachalot_engine::comm::{TcpComm, TcpRendezvous};
+    use std::time::Duration;
+
+    let rank_run = Arc::new(rank_run);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let master = listener.local_addr().unwrap().to_string();
+    let others: Vec<_> = (1..n)
+        .map(|rank| {
+            let (master, rank_run) = (master.clone(), rank_run.clone());
+            std::thread::spawn(move || {
+                let comm = TcpComm::connect(&TcpRendezvous {
+                    rank,
+                    world_size: n,
+                    master,
+                    timeout: Duration::from_secs(30),
+                })
+                .unwrap();
+                rank_run(Arc::new(comm))
+            })
+        })
+        .collect();
+    let comm = TcpComm::accept(listener, n, Duration::from_secs(30)).unwrap();
+    let mut all = vec![rank_run(Arc::new(comm))];
+    all.extend(others.into_iter().map(|h| h.join().unwrap()));
+    all
+}
+
 #[test]
 fn batched_run_equals_one_at_a_time_and_writes_results() {
     let tmp = tempfile::tempdir().unwrap();
@@ -335,9 +368,7 @@ fn with_ckpt_false_on_v4_needs_force_eplb_and_runs() {
 /// every request, each sampled (temperature 0.8, a seed) exactly as in a one-process run.
 #[test]
 fn data_parallel_ranks_give_the_one_process_outputs() {
-    use cachalot_engine::comm::{Communicator, TcpComm, TcpRendezvous};
     use cachalot_run::offline::run_ranked;
-    use std::time::Duration;
 
     let tmp = tempfile::tempdir().unwrap();
     let data = root().join("dataset");
@@ -353,27 +384,13 @@ fn data_parallel_ranks_give_the_one_process_outputs() {
     let one = run(&cfg, &opts(tmp.path(), None)).unwrap();
 
     let n = 3;
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let master = listener.local_addr().unwrap().to_string();
-    let workers: Vec<_> = (1..n)
-        .map(|rank| {
-            let (cfg, res, master) = (cfg.clone(), tmp.path().to_path_buf(), master.clone());
-            std::thread::spawn(move || {
-                let comm = TcpComm::connect(&TcpRendezvous {
-                    rank,
-                    world_size: n,
-                    master,
-                    timeout: Duration::from_secs(30),
-                })
-                .unwrap();
-                run_ranked(&cfg, &opts(&res, None), Arc::new(comm)).unwrap()
-            })
-        })
-        .collect();
-    let comm = TcpComm::accept(listener, n, Duration::from_secs(30)).unwrap();
-    assert_eq!(comm.world_size(), n);
-    let all = run_ranked(&cfg, &opts(tmp.path(), None), Arc::new(comm)).unwrap();
-    let shares: Vec<_> = workers.into_iter().map(|h| h.join().unwrap()).collect();
+    let res = tmp.path().to_path_buf();
+    let (cfg0, res0) = (cfg.clone(), res.clone());
+    let mut results = run_group(n, move |comm| {
+        run_ranked(&cfg0, &opts(&res0, None), comm).unwrap()
+    });
+    let shares = results.split_off(1);
+    let all = results.pop().unwrap();
 
     assert_eq!(all.summary.ranks, n);
     assert_eq!(all.outputs.len(), 11);
@@ -455,9 +472,7 @@ fn a_global_batch_that_does_not_divide_by_the_ranks_is_named() {
 /// 0.8, with MTP drafts) equal a one-process run's token for token.
 #[test]
 fn expert_parallel_ranks_give_the_one_process_outputs() {
-    use cachalot_engine::comm::{TcpComm, TcpRendezvous};
     use cachalot_run::offline::run_ranked;
-    use std::time::Duration;
 
     let tmp = tempfile::tempdir().unwrap();
     let data = root().join("dataset");
@@ -472,26 +487,17 @@ fn expert_parallel_ranks_give_the_one_process_outputs() {
     let cfg = RunConfig::from_yaml(&yaml, Path::new("test.yaml")).unwrap();
     let one = run(&cfg, &opts(tmp.path(), None)).unwrap();
 
-    let expert_opts = |res: &Path| RunOptions {
-        parallel: Parallel::Expert,
-        ..opts(res, None)
-    };
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let master = listener.local_addr().unwrap().to_string();
-    let (cfg1, res1) = (cfg.clone(), tmp.path().to_path_buf());
-    let other = std::thread::spawn(move || {
-        let comm = TcpComm::connect(&TcpRendezvous {
-            rank: 1,
-            world_size: 2,
-            master,
-            timeout: Duration::from_secs(30),
-        })
-        .unwrap();
-        run_ranked(&cfg1, &expert_opts(&res1), Arc::new(comm)).unwrap()
+    let res = tmp.path().to_path_buf();
+    let cfg0 = cfg.clone();
+    let mut results = run_group(2, move |comm| {
+        let o = RunOptions {
+            parallel: Parallel::Expert,
+            ..opts(&res, None)
+        };
+        run_ranked(&cfg0, &o, comm).unwrap()
     });
-    let comm = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
-    let all = run_ranked(&cfg, &expert_opts(tmp.path()), Arc::new(comm)).unwrap();
-    let rank1 = other.join().unwrap();
+    let rank1 = results.pop().unwrap();
+    let all = results.pop().unwrap();
 
     assert_eq!(all.summary.ranks, 2);
     for outs in [&all.outputs, &rank1.outputs] {
@@ -512,9 +518,7 @@ fn expert_parallel_ranks_give_the_one_process_outputs() {
 /// seed for all): the ranks' outputs agree and the run completes.
 #[test]
 fn expert_parallel_sampling_without_a_seed_stays_in_step() {
-    use cachalot_engine::comm::{TcpComm, TcpRendezvous};
     use cachalot_run::offline::run_ranked;
-    use std::time::Duration;
 
     let tmp = tempfile::tempdir().unwrap();
     let yaml = format!(
@@ -526,26 +530,16 @@ fn expert_parallel_sampling_without_a_seed_stays_in_step() {
         root().join("dataset").display(),
     );
     let cfg = RunConfig::from_yaml(&yaml, Path::new("test.yaml")).unwrap();
-    let expert_opts = |res: &Path| RunOptions {
-        parallel: Parallel::Expert,
-        ..opts(res, None)
-    };
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let master = listener.local_addr().unwrap().to_string();
-    let (cfg1, res1) = (cfg.clone(), tmp.path().to_path_buf());
-    let other = std::thread::spawn(move || {
-        let comm = TcpComm::connect(&TcpRendezvous {
-            rank: 1,
-            world_size: 2,
-            master,
-            timeout: Duration::from_secs(30),
-        })
-        .unwrap();
-        run_ranked(&cfg1, &expert_opts(&res1), Arc::new(comm)).unwrap()
+    let res = tmp.path().to_path_buf();
+    let mut results = run_group(2, move |comm| {
+        let o = RunOptions {
+            parallel: Parallel::Expert,
+            ..opts(&res, None)
+        };
+        run_ranked(&cfg, &o, comm).unwrap()
     });
-    let comm = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
-    let all = run_ranked(&cfg, &expert_opts(tmp.path()), Arc::new(comm)).unwrap();
-    let rank1 = other.join().unwrap();
+    let rank1 = results.pop().unwrap();
+    let all = results.pop().unwrap();
     assert_eq!(all.outputs.len(), 5);
     for (a, b) in all.outputs.iter().zip(&rank1.outputs) {
         assert_eq!(a.tokens, b.tokens, "request {}", a.id);
