@@ -224,6 +224,11 @@ impl Sampler {
             .map(|&i| (l[i as usize] / p.temperature - max).exp())
             .collect();
         let total: f32 = probs.iter().sum();
+        if !total.is_finite() || total <= 0.0 {
+            // A temperature so small that logit / temperature overflows (inf − inf = NaN): the
+            // distribution is the greedy one.
+            return vec![(order[0], 1.0)];
+        }
         probs.iter_mut().for_each(|x| *x /= total);
         let mut keep = probs.len();
         if p.top_p < 1.0 {
@@ -343,6 +348,29 @@ fn argmax(x: &[f32]) -> usize {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_vanishing_temperature_samples_greedily() {
+        let logits = [0.5f32, 3.0, -1.0, 2.5];
+        for t in [1e-40f32, 1e-30, f32::MIN_POSITIVE] {
+            let params = SamplingParams {
+                temperature: t,
+                seed: Some(1),
+                ..SamplingParams::greedy()
+            };
+            let mut s = Sampler::new(params, &[0]).unwrap();
+            let c = s.candidates(&logits);
+            assert_eq!(c[0], (1, 1.0), "temperature {t}");
+            assert!(
+                c.iter().all(|&(_, p)| p.is_finite()),
+                "temperature {t}: {c:?}"
+            );
+            for _ in 0..20 {
+                assert_eq!(s.sample(&logits), 1, "temperature {t}");
+            }
+        }
+    }
+
     use super::*;
 
     /// A fixed distribution over 10 tokens: logits ln(p) for p ∝ [30, 20, 15, 10, 8, 7, 5, 3, 1, 1].

@@ -68,6 +68,16 @@ pub fn next_token_logprobs<M: CausalLm + ?Sized>(
     }
     let chunk = chunk.max(1);
     let vocab = model.vocab_size();
+    if let Some((i, &t)) = tokens
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t as usize >= vocab)
+    {
+        return Err(ModelError::Batch(format!(
+            "token {i} is id {t}, outside the model's vocabulary (0..{})",
+            vocab - 1
+        )));
+    }
     let (mut cache, mut alloc) = cache_for(model, tokens.len());
     let mut table = Vec::new();
     let mut out = Vec::with_capacity(tokens.len() - 1);
@@ -339,6 +349,13 @@ pub fn windowed_logprobs<M: CausalLm + ?Sized>(
     window: usize,
     chunk: usize,
 ) -> Result<Vec<f32>> {
+    if window == 1 {
+        return Err(ModelError::Batch(
+            "a window of 1 token scores nothing (each window's first token has no context); \
+             give at least 2, or 0 for one context"
+                .into(),
+        ));
+    }
     if window == 0 || window >= tokens.len() {
         return next_token_logprobs(model, tokens, chunk);
     }

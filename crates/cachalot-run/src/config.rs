@@ -430,6 +430,13 @@ impl RunConfig {
                 message,
             })
         };
+        if self.data_config.top_p == 0.0 {
+            add(
+                "data_config",
+                "top_p",
+                "0 keeps no token; give a value in (0, 1] (1 turns nucleus sampling off)".into(),
+            );
+        }
         let p = &self.parallel_config;
         let ws = p.world_size;
         for (name, size) in [

@@ -202,6 +202,14 @@ fn contexts(path: &Path) -> Result<Vec<String>, DatasetError> {
             }
         }
     }
+    if out.is_empty() {
+        return Err(DatasetError::File {
+            path: path.to_path_buf(),
+            why: "no records (every line is blank); each line is one JSON object with a \
+                  \"context\" string"
+                .into(),
+        });
+    }
     Ok(out)
 }
 
@@ -297,6 +305,24 @@ mod tests {
         assert!(e.contains("LongBench/data/narrativeqa.jsonl"), "{e}");
         let e = load("InfiniteBench", d.path()).err().unwrap().to_string();
         assert!(e.contains("InfiniteBench/longbook_qa_eng.jsonl"), "{e}");
+    }
+
+    #[test]
+    fn a_data_file_without_records_is_named() {
+        let d = tempfile::tempdir().unwrap();
+        let ib = d.path().join("InfiniteBench");
+        std::fs::create_dir_all(&ib).unwrap();
+        std::fs::write(ib.join("longbook_qa_eng.jsonl"), "\n  \n").unwrap();
+        let e = load("InfiniteBench", d.path()).err().unwrap().to_string();
+        assert!(
+            e.contains("longbook_qa_eng.jsonl") && e.contains("no records"),
+            "{e}"
+        );
+        let lb = d.path().join("LongBench");
+        std::fs::create_dir_all(&lb).unwrap();
+        std::fs::write(lb.join("trec.jsonl"), "").unwrap();
+        let e = load("LongBench", d.path()).err().unwrap().to_string();
+        assert!(e.contains("trec.jsonl") && e.contains("no records"), "{e}");
     }
 
     #[test]

@@ -178,3 +178,12 @@ broken.yaml: 5 problems in the run config
   line 8: scheduler_config.max_new_tokens: 100000000 is out of range: must be at most 16777216";
     assert_eq!(err(yaml), want);
 }
+
+#[test]
+fn a_top_p_of_zero_is_named() {
+    let e = err("data_config:\n  temperature: 0.7\n  top_p: 0\n");
+    assert!(
+        e.contains("line 3: data_config.top_p: 0 keeps no token"),
+        "{e}"
+    );
+}

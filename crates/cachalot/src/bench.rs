@@ -94,7 +94,49 @@ pub struct BenchArgs {
     prompt_file: Option<PathBuf>,
 }
 
+/// The options' ranges, named before anything is loaded or allocated.
+fn check_args(a: &BenchArgs) -> Result<()> {
+    for (flag, v, lo, hi) in [
+        ("--prompt-len", a.prompt_len, 1, 1 << 24),
+        ("--gen-len", a.gen_len, 1, 1 << 24),
+        ("--batch", a.batch, 1, 1 << 16),
+        ("--runs", a.runs, 1, 10_000),
+        ("--membw-mib", a.membw_mib, 1, 1 << 20),
+        ("--membw-passes", a.membw_passes, 1, 10_000),
+    ] {
+        if !(lo..=hi).contains(&v) {
+            bail!("{flag} {v} is out of range: give {lo} to {hi}");
+        }
+    }
+    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<usize>().ok()
+    });
+    if let Some(kib) = avail {
+        if a.membw_mib > kib / 1024 / 2 {
+            bail!(
+                "--membw-mib {}: more than half of the {} MiB of memory available; give less",
+                a.membw_mib,
+                kib / 1024
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Prompt and generation fit the model's positions.
+fn check_positions(prompt_len: usize, gen_len: usize, max_positions: usize) -> Result<()> {
+    if prompt_len + gen_len > max_positions {
+        bail!(
+            "--prompt-len {prompt_len} plus --gen-len {gen_len} exceed the model's \
+             max_position_embeddings {max_positions} (config.json)"
+        );
+    }
+    Ok(())
+}
+
 pub fn run(mut args: BenchArgs) -> Result<()> {
+    check_args(&args)?;
     if args.membw && args.model.model.is_none() && args.random_weights.is_none() {
         let bw = membw(args.membw_mib, args.membw_passes);
         if args.json {
@@ -328,7 +370,8 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let load_s = t0.elapsed().as_secs_f64();
     let cfg = m.config().clone();
     let v = cfg.vocab_size;
-    let (p_len, g_len, n) = (args.prompt_len.max(1), args.gen_len, args.batch.max(1));
+    let (p_len, g_len, n) = (args.prompt_len, args.gen_len, args.batch);
+    check_positions(p_len, g_len, cfg.max_position_embeddings)?;
 
     // Warm-up: fault the mmap'd weights in (a short prefill routes to most experts).
     {
@@ -510,6 +553,7 @@ fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()
     let t0 = Instant::now();
     let m = load_v4(args, false)?;
     let load_s = t0.elapsed().as_secs_f64();
+    check_positions(prompt_len, decode_len, m.config().max_position_embeddings)?;
     let prompt = random_prompt(prompt_len, m.config().vocab_size, 0);
     let (prefill_s, step_times, kv_bytes) = time_prefill_decode(&m, &prompt, decode_len)?;
     let decode_s: f64 = step_times.iter().sum();

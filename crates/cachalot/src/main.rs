@@ -263,6 +263,12 @@ fn dispatch(cli: Cli) -> Result<()> {
             window,
             json,
         } => {
+            if window == 1 {
+                bail!(
+                    "--window 1: a window's first token has no context, so a window of 1 scores \
+                     nothing; give at least 2 (or 0 for one context)"
+                );
+            }
             let dir = model_dir(&model)?;
             let ids = tokens(&input, &dir)?;
             let lp = match detect_family(&dir)? {

@@ -106,6 +106,9 @@ impl RunArgs {
     }
 }
 
+/// The most ranks `--ranks` starts on one host.
+const MAX_RANKS: usize = 1024;
+
 /// How long ranks wait for each other to start.
 const RENDEZVOUS: Duration = Duration::from_secs(120);
 
@@ -219,8 +222,17 @@ fn config_path(args: &RunArgs) -> Result<PathBuf> {
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    if args.ranks == Some(0) {
-        bail!("--ranks 0: give at least one rank");
+    if let Some(n) = args.ranks.filter(|n| !(1..=MAX_RANKS).contains(n)) {
+        bail!("--ranks {n} is out of range: give 1 to {MAX_RANKS}");
+    }
+    if let Some(n) = args
+        .num_requests
+        .filter(|n| !(1..=cachalot_run::config::MAX_INT as usize).contains(n))
+    {
+        bail!(
+            "--num-requests {n} is out of range: give 1 to {}",
+            cachalot_run::config::MAX_INT
+        );
     }
     let path = config_path(args)?;
     let mut cfg = RunConfig::from_file(&path)?;

@@ -136,8 +136,9 @@ pub struct GenerateArgs {
     /// System prompt (with --chat).
     #[arg(long, requires = "chat")]
     system: Option<String>,
-    /// Chat template to use instead of the model's: a tokenizer_config.json or a Jinja file.
-    #[arg(long)]
+    /// Chat template to use instead of the model's (with --chat): a tokenizer_config.json or a
+    /// Jinja file.
+    #[arg(long, requires = "chat")]
     chat_template: Option<PathBuf>,
     /// Extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Kimi-K2-Thinking
     /// and other Jinja templates that read it), '{"thinking": true}' (DeepSeek-V4's thinking mode).
@@ -182,6 +183,13 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<()> {
     };
     let tok = Tokenizer::from_dir(&dir)?;
     if let Some(ids) = &args.decode {
+        let vocab = tok.vocab_size();
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            bail!(
+                "--decode: id {bad} is outside the tokenizer's vocabulary (0..{})",
+                vocab - 1
+            );
+        }
         let text = tok.decode(ids)?;
         if args.json {
             println!("{}", serde_json::json!({ "text": text }));
@@ -268,6 +276,13 @@ fn render(
 /// The prompt plus `--max-new-tokens` fit the model's positions (`max_position_embeddings`):
 /// the KV cache is sized for them before the first step.
 fn check_length(prompt: usize, max_new: usize, max_positions: usize) -> Result<()> {
+    if prompt >= max_positions {
+        bail!(
+            "the prompt ({prompt} tokens) leaves no room in the model's max_position_embeddings \
+             {max_positions} (config.json): shorten it by at least {} tokens",
+            prompt + 1 - max_positions
+        );
+    }
     if prompt.saturating_add(max_new) > max_positions {
         bail!(
             "--max-new-tokens {max_new}: the prompt ({prompt} tokens) plus the output would \
@@ -525,14 +540,16 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
     let kwargs = template_kwargs(args.chat_template_kwargs.as_deref())?;
     let template = chat_template(&tok, &dir, args.chat_template.as_deref())?;
     let (v3, v4);
-    let (m, eos): (&(dyn Model + Sync), &[u32]) = match detect_family(&dir)? {
+    let (m, eos, max_positions): (&(dyn Model + Sync), &[u32], usize) = match detect_family(&dir)? {
         ModelFamily::DeepseekV3 => {
             v3 = args.sampling.load(&args.model)?;
-            (&v3, &v3.config().eos_token_ids)
+            let c = v3.config();
+            (&v3, &c.eos_token_ids, c.max_position_embeddings)
         }
         ModelFamily::DeepseekV4 => {
             v4 = load_v4(&args.model, args.sampling.mtp > 0)?;
-            (&v4, &v4.config().eos_token_ids)
+            let c = v4.config();
+            (&v4, &c.eos_token_ids, c.max_position_embeddings)
         }
     };
     let stop = stop_conditions(eos, Some(&tok), &dir, &args.sampling, true);
@@ -600,6 +617,16 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         msgs.extend(history.iter().cloned());
         let prompt_text = render(&template, &msgs, &kwargs)?;
         let prompt_ids = tok.encode(&prompt_text)?;
+        if let Err(e) = check_length(
+            prompt_ids.len(),
+            args.sampling.max_new_tokens,
+            max_positions,
+        ) {
+            // The turn is refused; the conversation goes on without it.
+            eprintln!("error: {e:#} (/reset clears the history)");
+            history.pop();
+            continue;
+        }
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
         let mut printer = (!args.json).then(|| Printer::new(&prompt_text, args.hide_reasoning));

@@ -552,3 +552,50 @@ fn chat_template_kwargs_reach_the_template() {
         "{err}"
     );
 }
+
+#[test]
+fn out_of_range_arguments_are_named_not_panicked_on() {
+    for (args, want) in [
+        (
+            vec![
+                "perplexity",
+                "--model",
+                &r1_tiny(),
+                "--token-ids",
+                "5,99999",
+            ],
+            "id 99999, outside the model's vocabulary",
+        ),
+        (
+            vec!["perplexity", "--token-ids", "5,6,7", "--window", "1"],
+            "--window 1",
+        ),
+        (
+            vec!["tokenize", "--decode", "99999999"],
+            "--decode: id 99999999",
+        ),
+        (vec!["bench", "--batch", "0"], "--batch 0 is out of range"),
+        (
+            vec!["bench", "--membw", "--membw-mib", "8796093022208"],
+            "--membw-mib 8796093022208 is out of range",
+        ),
+        (
+            vec!["bench", "--prompt-len", "5000"],
+            "exceed the model's max_position_embeddings",
+        ),
+        (
+            vec!["run", "--num-requests", "0"],
+            "--num-requests 0 is out of range",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args(&args)
+            .current_dir(root())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

@@ -225,6 +225,10 @@ fn environment() -> Environment<'static> {
     env
 }
 
+/// The widest `tojson` indent a template may ask for (templates use 2 or 4; a huge one would
+/// make the rendered prompt exhaust memory).
+const MAX_TOJSON_INDENT: usize = 64;
+
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent,
 /// separators=separators, sort_keys=sort_keys)`, keys in insertion order.
 fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<Value, Error> {
@@ -233,6 +237,12 @@ fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<Value, Error> {
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     kwargs.assert_all_used()?;
+    if let Some(n) = indent.filter(|&n| n > MAX_TOJSON_INDENT) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson indent {n} is too large (at most {MAX_TOJSON_INDENT})"),
+        ));
+    }
     let (item_sep, key_sep) = match separators.as_deref() {
         Some([a, b]) => (a.clone(), b.clone()),
         Some(_) => {
@@ -555,6 +565,21 @@ mod tests {
         assert_eq!(
             s,
             "{\"b\": [1, \"é<\"], \"a\": {}}|{\"b\":[1,\"é<\"],\"a\":{}}|{\n  \"b\": [\n    1,\n    \"é<\"\n  ],\n  \"a\": {}\n}"
+        );
+    }
+
+    #[test]
+    fn a_huge_tojson_indent_is_an_error_not_an_allocation() {
+        let t = ChatTemplate::new("{{ x | tojson(indent=18446744073709551615) }}", "t");
+        let mut extra = serde_json::Map::new();
+        extra.insert("x".into(), serde_json::json!({"b": [1]}));
+        let e = t
+            .render_json(&serde_json::json!([]), false, None, &extra)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tojson indent") && e.contains("at most 64"),
+            "{e}"
         );
     }
 }
