@@ -12,6 +12,9 @@ pub enum DatasetError {
     File { path: PathBuf, why: String },
     #[error("{0}")]
     Missing(String),
+    /// A setting the data cannot be prepared with (names the key and what would fix it).
+    #[error("{0}")]
+    Setting(String),
     #[error(transparent)]
     Model(#[from] cachalot_model::ModelError),
 }
@@ -267,7 +270,18 @@ impl PromptBuilder<'_> {
             .tokenizer
             .encode(&self.render(&format!("{SUMMARY_PREFIX}{suffix}"))?)?
             .len();
-        let keep = self.max_len.saturating_sub(wrapper);
+        if wrapper >= self.max_len {
+            // The context would be dropped whole and the prompt's end (the generation
+            // prompt) cut off.
+            return Err(DatasetError::Setting(format!(
+                "data_config.input_truncated_len {} leaves no room for the context: the \
+                 summarisation instruction and chat template take {wrapper} tokens; give at \
+                 least {}",
+                self.max_len,
+                wrapper + 1
+            )));
+        }
+        let keep = self.max_len - wrapper;
         let mut ctx = self.tokenizer.encode(context)?;
         ctx.truncate(keep);
         let kept = self.tokenizer.decode(&ctx)?;
@@ -305,6 +319,29 @@ mod tests {
         assert!(e.contains("LongBench/data/narrativeqa.jsonl"), "{e}");
         let e = load("InfiniteBench", d.path()).err().unwrap().to_string();
         assert!(e.contains("InfiniteBench/longbook_qa_eng.jsonl"), "{e}");
+    }
+
+    #[test]
+    fn a_truncation_length_below_the_summary_wrapper_is_named() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../assets/cachalot-tiny-r1");
+        let tokenizer = Tokenizer::from_dir(&dir).unwrap();
+        let template = tokenizer.chat_template().unwrap();
+        let b = |max_len| PromptBuilder {
+            tokenizer: &tokenizer,
+            template: template.as_ref(),
+            max_len,
+        };
+        let e = b(16)
+            .prepare_summary("a long context", 32)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("data_config.input_truncated_len 16") && e.contains("give at least"),
+            "{e}"
+        );
+        assert!(b(4096).prepare_summary("a long context", 32).is_ok());
     }
 
     #[test]

@@ -544,6 +544,7 @@ pub fn run_ranked(
         logln!("{n}");
     }
     let prompts = dataset::repeat_to(&loaded.prompts, n_req);
+    let n_prompts = loaded.prompts.len();
     let builder = PromptBuilder {
         tokenizer: &tokenizer,
         template: template.as_ref(),
@@ -661,16 +662,24 @@ pub fn run_ranked(
             seed: run_seed.map(|s| s.wrapping_add(i as u64)),
             ..SamplingParams::greedy()
         };
-        let id = engine.add_request(Request {
-            prompt: p.ids.clone(),
-            params,
-            stop: StopConditions {
-                max_new_tokens: s.max_new_tokens,
-                stop_token_ids: stop_ids.clone(),
-                stop_strings: Vec::new(),
-            },
-            ignore_eos: d.ignore_eos,
-        })?;
+        let id = engine
+            .add_request(Request {
+                prompt: p.ids.clone(),
+                params,
+                stop: StopConditions {
+                    max_new_tokens: s.max_new_tokens,
+                    stop_token_ids: stop_ids.clone(),
+                    stop_strings: Vec::new(),
+                },
+                ignore_eos: d.ignore_eos,
+            })
+            .map_err(|e| {
+                format!(
+                    "request {i} (prompt {} of the {} dataset): {e}",
+                    i % n_prompts.max(1),
+                    d.dataset
+                )
+            })?;
         global_id.insert(id, i as u64);
     }
     let n_local = global_id.len();

@@ -241,15 +241,24 @@ fn run() -> Result<()> {
         if n == 0 {
             bail!("--threads 0: give at least one thread");
         }
+        if n > MAX_THREADS {
+            bail!("--threads {n} is out of range: give 1 to {MAX_THREADS}");
+        }
         pool = pool.num_threads(n);
     }
-    pool.build_global()?;
+    pool.build_global().with_context(|| match threads {
+        Some(n) => format!("cannot start {n} threads (--threads)"),
+        None => "cannot start the thread pool".to_string(),
+    })?;
     // The whole command runs on a pool worker: the model's many small parallel products (a
     // decode step has dozens) then fork and join inside the pool. Driven from the main thread
     // instead, each one would wake a sleeping worker with a futex and block until it is done —
     // at batch 1 on the small model that was ~40% of the time in the kernel's scheduler.
     rayon::scope(|_| dispatch(cli))
 }
+
+/// The most threads `--threads` asks for (each worker reserves a 16 MiB stack).
+const MAX_THREADS: usize = 4096;
 
 /// Stack of the pool's workers (the command runs on one of them): as large as a main thread's.
 const WORKER_STACK: usize = 16 << 20;
