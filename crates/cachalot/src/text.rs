@@ -34,8 +34,9 @@ pub struct TokenizeArgs {
 
 #[derive(clap::Args)]
 pub struct SamplingArgs {
-    /// Tokens to generate at most.
-    #[arg(long, visible_alias = "max-tokens", default_value_t = 256)]
+    /// Tokens to generate at most (at least 1).
+    #[arg(long, visible_alias = "max-tokens", default_value_t = 256,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     max_new_tokens: usize,
     /// 0 (the default) is greedy; DeepSeek recommends 0.6 for R1.
     #[arg(long, default_value_t = 0.0)]
