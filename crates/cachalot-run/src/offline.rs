@@ -425,7 +425,13 @@ pub fn run_ranked(
                     .into(),
             );
         }
-        let d = crate::random_model::dummy(&model_dir, None).map_err(|e| format!("{e:#}"))?;
+        let shard = if expert {
+            ExpertShard { rank, ranks }
+        } else {
+            ExpertShard::default()
+        };
+        let d =
+            crate::random_model::dummy(&model_dir, None, shard).map_err(|e| format!("{e:#}"))?;
         logln!(
             "with_ckpt: false: random {} weights ({:.1} MB) in {} (outputs are not meaningful)",
             d.quant,

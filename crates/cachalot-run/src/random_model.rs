@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use cachalot_kernels::f32_to_bf16;
 use cachalot_kernels::fp8::f32_to_e4m3;
+use cachalot_model::ExpertShard;
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value};
@@ -393,10 +394,36 @@ fn generate(spec: &Spec, codes: &[u8]) -> (Dtype, Vec<u8>) {
 }
 
 /// Writes the FP8 checkpoint of `cfg` into `dir` (created).
+/// Whether tensor `name` is written for `shard`: every tensor but another rank's routed experts
+/// (`model.layers.{L}.mlp.experts.{j}.…`, owned as `ExpertShard::owner` says).
+fn held(name: &str, shard: ExpertShard, experts: usize) -> bool {
+    if shard.ranks <= 1 {
+        return true;
+    }
+    let Some((_, rest)) = name.split_once(".mlp.experts.") else {
+        return true;
+    };
+    match rest.split('.').next().and_then(|j| j.parse::<usize>().ok()) {
+        Some(j) => shard.owns(j, experts),
+        None => true,
+    }
+}
+
 fn write_fp8(cfg: &Value, dir: &Path) -> Result<()> {
+    write_fp8_shard(cfg, dir, ExpertShard::default())
+}
+
+/// The FP8 checkpoint of `cfg` with only the routed experts `shard` holds.
+fn write_fp8_shard(cfg: &Value, dir: &Path, shard: ExpertShard) -> Result<()> {
     let plan = plan(cfg)?;
     let codes = code_table();
-    let shards: Vec<Vec<&Spec>> = plan.shards.iter().map(|s| s.iter().collect()).collect();
+    let experts = field_or(cfg, "n_routed_experts", 0);
+    let shards: Vec<Vec<&Spec>> = plan
+        .shards
+        .iter()
+        .map(|s| s.iter().filter(|t| held(&t.name, shard, experts)).collect())
+        .filter(|s: &Vec<&Spec>| !s.is_empty())
+        .collect();
     write_checkpoint(
         dir,
         cfg,
@@ -448,7 +475,11 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
     use cachalot_convert::QuantMode;
     let cfg = config_for(spec)?;
     let v4 = crate::random_model_v4::is_v4(&cfg);
-    check_before_writing(&cfg, &format!("--random-weights {spec}"))?;
+    check_before_writing(
+        &cfg,
+        &format!("--random-weights {spec}"),
+        ExpertShard::default(),
+    )?;
     let mode = match (quant, QuantMode::parse(quant)) {
         ("fp8", _) => None,
         (_, Some(m @ (QuantMode::Bfloat16 | QuantMode::W8A8C16))) if !v4 => Some(m),
@@ -488,7 +519,7 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
 /// Before any random weight is written: `cfg` is a config the model would load (the model's own
 /// validation, so a bad field is named now and not met as a panic or a huge allocation while
 /// writing), and its weights fit in the memory there is (a run loads them all).
-fn check_before_writing(cfg: &Value, what: &str) -> Result<()> {
+fn check_before_writing(cfg: &Value, what: &str, shard: ExpertShard) -> Result<()> {
     let text = cfg.to_string();
     let path = Path::new("config.json");
     let v4 = crate::random_model_v4::is_v4(cfg);
@@ -517,7 +548,7 @@ fn check_before_writing(cfg: &Value, what: &str) -> Result<()> {
     let bytes = if v4 {
         crate::random_model_v4::native_bytes(cfg)?
     } else {
-        fp8_bytes(cfg)?
+        fp8_shard_bytes(cfg, shard)?
     };
     if let Some(avail) = crate::offline::mem_available() {
         if bytes > avail {
@@ -533,13 +564,15 @@ fn check_before_writing(cfg: &Value, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// The estimated bytes of the FP8 checkpoint of `cfg`.
-fn fp8_bytes(cfg: &Value) -> Result<u64> {
+/// The estimated bytes of the FP8 checkpoint of `cfg` with the routed experts `shard` holds.
+fn fp8_shard_bytes(cfg: &Value, shard: ExpertShard) -> Result<u64> {
     let plan = plan(cfg)?;
+    let experts = field_or(cfg, "n_routed_experts", 0);
     Ok(plan
         .shards
         .iter()
         .flatten()
+        .filter(|s| held(&s.name, shard, experts))
         .map(|s| {
             let n = s
                 .shape
@@ -556,15 +589,28 @@ fn fp8_bytes(cfg: &Value) -> Result<u64> {
 
 /// `with_ckpt: false`: a random checkpoint with the shapes of `model_dir/config.json` (MTP
 /// layers included), in the format its `quantization_config` names, under `parent` (the system
-/// temporary directory if None). Removed on drop. The tokenizer stays in `model_dir`.
-pub fn dummy(model_dir: &Path, parent: Option<&Path>) -> Result<RandomModel> {
+/// temporary directory if None). Removed on drop. The tokenizer stays in `model_dir`. With an
+/// expert shard (expert parallelism; DeepSeek-V3/R1/Kimi-K2), only the routed experts it holds
+/// are written (each tensor's values depend only on its name, so every rank's experts are
+/// those of the whole random checkpoint).
+pub fn dummy(model_dir: &Path, parent: Option<&Path>, shard: ExpertShard) -> Result<RandomModel> {
     let path = model_dir.join("config.json");
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}", path.display()))?;
     let orig: Value = serde_json::from_str(&text)
         .with_context(|| format!("{}: not valid JSON", path.display()))?;
-    check_before_writing(&orig, &format!("with_ckpt: false ({})", path.display()))?;
+    check_before_writing(
+        &orig,
+        &format!("with_ckpt: false ({})", path.display()),
+        shard,
+    )?;
     if crate::random_model_v4::is_v4(&orig) {
+        if shard.ranks > 1 {
+            bail!(
+                "{}: expert-sharded random weights are for DeepSeek-V3/R1/Kimi-K2 configs",
+                path.display()
+            );
+        }
         let mode = v4_mode(&orig).with_context(|| path.display().to_string())?;
         let quant = mode.map_or("fp8", |m| m.name());
         let shape = path.display().to_string();
@@ -608,23 +654,21 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>) -> Result<RandomModel> {
         field_or(&cfg, "num_hidden_layers", 0) + field_or(&cfg, "num_nextn_predict_layers", 0)
     });
     let shape = path.display().to_string();
+    // Ranks in one process (threads) share a pid: the shard tells their directories apart.
+    let prefix = if shard.ranks > 1 {
+        format!("cachalot-dummy-rank{}", shard.rank)
+    } else {
+        "cachalot-dummy".to_string()
+    };
     let write = |dir: &Path| {
-        write_fp8(&cfg, dir).with_context(|| {
+        write_fp8_shard(&cfg, dir, shard).with_context(|| {
             format!(
                 "with_ckpt: false: writing a random checkpoint of about {:.1} GB",
-                fp8_bytes(&cfg).unwrap_or(0) as f64 / 1e9
+                fp8_shard_bytes(&cfg, shard).unwrap_or(0) as f64 / 1e9
             )
         })
     };
-    materialize(
-        &shape,
-        quant,
-        mode,
-        parent,
-        "cachalot-dummy",
-        write,
-        c8_layers,
-    )
+    materialize(&shape, quant, mode, parent, &prefix, write, c8_layers)
 }
 
 /// The V4 conversion a config's `quantization_config` says its checkpoint went through: None
@@ -780,7 +824,9 @@ mod tests {
             let dir = tmp.path().join(field);
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-            let err = dummy(&dir, Some(tmp.path())).err().expect("an error");
+            let err = dummy(&dir, Some(tmp.path()), ExpertShard::default())
+                .err()
+                .expect("an error");
             let msg = format!("{err:#}");
             assert!(
                 msg.contains(expect) && msg.contains("with_ckpt: false"),

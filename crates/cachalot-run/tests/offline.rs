@@ -545,3 +545,44 @@ fn expert_parallel_sampling_without_a_seed_stays_in_step() {
         assert_eq!(a.tokens, b.tokens, "request {}", a.id);
     }
 }
+
+/// `with_ckpt: false` under expert parallelism: each rank writes only its routed experts (the
+/// values depend only on the tensor's name), and the outputs equal one process's on the whole
+/// random checkpoint.
+#[test]
+fn expert_parallel_random_weights_hold_only_the_ranks_experts() {
+    use cachalot_run::offline::run_ranked;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(4, 64, &root().join("dataset"));
+    cfg.data_config.num_requests = Some(4);
+    cfg.model_config.with_ckpt = false;
+    let one = run(&cfg, &opts(tmp.path(), None)).unwrap();
+    let res = tmp.path().to_path_buf();
+    let cfg0 = cfg.clone();
+    let mut results = run_group(2, move |comm| {
+        let o = RunOptions {
+            parallel: Parallel::Expert,
+            ..opts(&res, None)
+        };
+        run_ranked(&cfg0, &o, comm).unwrap()
+    });
+    let all = results.remove(0);
+    for (a, b) in one.outputs.iter().zip(&all.outputs) {
+        assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+    }
+    let mb = |log: &str| -> f64 {
+        let line = log
+            .lines()
+            .find(|l| l.contains("with_ckpt: false"))
+            .unwrap_or_else(|| panic!("{log}"));
+        let (_, rest) = line.split_once(" weights (").unwrap();
+        rest.split(' ').next().unwrap().parse().unwrap()
+    };
+    let whole = mb(&std::fs::read_to_string(one.dir.join("run.log")).unwrap());
+    let share = mb(&std::fs::read_to_string(all.dir.join("run.rank1.log")).unwrap());
+    assert!(
+        share < whole,
+        "rank 1 wrote {share} MB, the whole model is {whole} MB"
+    );
+}
