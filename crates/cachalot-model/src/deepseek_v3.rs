@@ -18,6 +18,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cachalot_comm::Communicator;
+
+pub use crate::expert_parallel::ExpertShard;
 use cachalot_kernels::int8::quantize_static_int8;
 use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
@@ -61,35 +63,6 @@ pub struct LoadOptions {
     pub bf16_dot: bool,
     /// The routed experts this process holds (expert parallelism); default: all of them.
     pub expert_shard: ExpertShard,
-}
-
-/// Which routed experts a process holds under expert parallelism: rank `rank` of `ranks` keeps
-/// experts `[rank·E/ranks, (rank+1)·E/ranks)` of every MoE layer (the seed's split with
-/// moe_tp = 1, spec §2.4; `E` must divide by `ranks`). Attention, dense layers, shared experts,
-/// embedding and head stay on every rank; a MoE layer's routed outputs are gathered from their
-/// owners (`DeepseekV3::set_communicator`) and summed in expert order, so every rank gets the
-/// one-process bits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExpertShard {
-    pub rank: usize,
-    pub ranks: usize,
-}
-
-impl Default for ExpertShard {
-    fn default() -> Self {
-        ExpertShard { rank: 0, ranks: 1 }
-    }
-}
-
-impl ExpertShard {
-    /// The rank holding routed expert `expert` of `experts` (`experts` divides by `ranks`).
-    pub fn owner(&self, expert: usize, experts: usize) -> usize {
-        expert / (experts / self.ranks).max(1)
-    }
-
-    pub fn owns(&self, expert: usize, experts: usize) -> bool {
-        self.owner(expert, experts) == self.rank
-    }
 }
 
 struct Mlp {
@@ -1329,10 +1302,6 @@ impl DeepseekV3 {
         Ok(out)
     }
 
-    /// Expert parallelism: every rank's outputs of its own active experts (`mine`, in id order)
-    /// to every rank; returns the outputs of all `active` experts in id order. Each rank knows
-    /// what the others computed (the routing is the same everywhere), so the parts carry only
-    /// the values.
     fn gather_experts(
         &self,
         active: &[usize],
@@ -1340,69 +1309,15 @@ impl DeepseekV3 {
         experts: usize,
         mine: Vec<Vec<f32>>,
     ) -> Result<Vec<Vec<f32>>> {
-        let comm = self.comm.as_ref().ok_or_else(|| {
-            ModelError::Options(format!(
-                "this model holds the routed experts of rank {} of {} (expert parallelism) and \
-                 needs the group's communicator (DeepseekV3::set_communicator) to run",
-                self.shard.rank, self.shard.ranks
-            ))
-        })?;
-        let h = self.cfg.hidden_size;
-        // Every part opens with a digest of the routing (active experts and their token
-        // counts): ranks that stepped different batches fail here instead of mixing outputs.
-        let digest = routing_digest(active, assigned);
-        let mut bytes = Vec::with_capacity(8 + mine.iter().map(|y| y.len() * 4).sum::<usize>());
-        bytes.extend_from_slice(&digest.to_le_bytes());
-        for y in &mine {
-            for v in y {
-                bytes.extend_from_slice(&v.to_le_bytes());
-            }
-        }
-        let parts = comm
-            .all_gather(&bytes)
-            .map_err(|e| ModelError::Options(format!("expert parallelism: {e}")))?;
-        for (r, part) in parts.iter().enumerate() {
-            if part.get(..8) != Some(&digest.to_le_bytes()[..]) {
-                return Err(ModelError::Options(format!(
-                    "expert parallelism: rank {r} routed this layer's tokens differently from \
-                     rank {} (the ranks ran different batches or weights; every rank must run \
-                     the same config, options, checkpoint and requests)",
-                    self.shard.rank
-                )));
-            }
-        }
-        let mut offsets = vec![8usize; parts.len()];
-        let mut out = Vec::with_capacity(active.len());
-        for &id in active {
-            let r = self.shard.owner(id, experts);
-            let n = assigned[id].len() * h * 4;
-            let part = parts.get(r).map(Vec::as_slice).unwrap_or(&[]);
-            let Some(raw) = part.get(offsets[r]..offsets[r] + n) else {
-                return Err(ModelError::Options(format!(
-                    "expert parallelism: rank {r} sent {} bytes, fewer than its experts' outputs \
-                     need (the ranks' routing disagrees: every rank must run the same batch)",
-                    part.len()
-                )));
-            };
-            offsets[r] += n;
-            out.push(
-                raw.chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-            );
-        }
-        if let Some((r, part)) = parts
-            .iter()
-            .enumerate()
-            .find(|(r, p)| p.len() != offsets[*r])
-        {
-            return Err(ModelError::Options(format!(
-                "expert parallelism: rank {r} sent {} bytes, its experts' outputs are {}",
-                part.len(),
-                offsets[r]
-            )));
-        }
-        Ok(out)
+        crate::expert_parallel::gather(
+            self.comm.as_deref(),
+            self.shard,
+            self.cfg.hidden_size,
+            active,
+            assigned,
+            experts,
+            mine,
+        )
     }
 
     /// The routed experts this model holds (all, without expert parallelism).
@@ -1425,25 +1340,6 @@ impl DeepseekV3 {
         self.comm = Some(comm);
         Ok(())
     }
-}
-
-/// FNV-1a over the routing: each active expert's id, its tokens and their weights' bits (the
-/// same on every rank that routed the same tokens with the same bits).
-fn routing_digest(active: &[usize], assigned: &[Vec<(usize, f32)>]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    let mut add = |v: u64| {
-        for b in v.to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    for &id in active {
-        add(id as u64);
-        for &(t, w) in &assigned[id] {
-            add(t as u64);
-            add(w.to_bits() as u64);
-        }
-    }
-    h
 }
 
 /// The MLA head sizes the attention code indexes with.

@@ -27,6 +27,9 @@
 
 use std::borrow::Cow;
 use std::path::Path;
+use std::sync::Arc;
+
+use cachalot_comm::Communicator;
 
 use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
@@ -38,6 +41,7 @@ use crate::config_v4::DeepseekV4Config;
 use crate::deepseek_v3::ForwardOutput;
 use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
+use crate::expert_parallel::ExpertShard;
 use crate::v4_ops::{self as ops, V4Rope};
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -47,6 +51,8 @@ pub struct V4LoadOptions {
     /// bf16 weights multiplied as BF16 × BF16 (`Matrix::to_bf16_dot`), the gates excepted; as
     /// `LoadOptions::bf16_dot` for V3.
     pub bf16_dot: bool,
+    /// The routed experts this process holds (expert parallelism, `ExpertShard`); default all.
+    pub expert_shard: ExpertShard,
 }
 
 /// mHC parameters of one site (`hc_{attn,ffn}_*` or `hc_head_*`).
@@ -113,7 +119,8 @@ struct Moe {
     bias: Option<Vec<f32>>,
     /// `[vocab, k]` expert ids of hash layers.
     tid2eid: Option<Vec<u32>>,
-    experts: Vec<Expert>,
+    /// Every routed expert by id; `None` where another rank holds it (`ExpertShard`).
+    experts: Vec<Option<Expert>>,
     shared: Expert,
 }
 
@@ -216,6 +223,9 @@ pub struct DeepseekV4 {
     /// `force_eplb`: routed expert ids (hash layers' included) replaced by a balanced
     /// assignment (`crate::eplb`).
     force_eplb: Option<BalancedRouting>,
+    /// The routed experts held here, and the group that holds the others.
+    shard: ExpertShard,
+    comm: Option<Arc<dyn Communicator>>,
 }
 
 /// A routed expert's MXFP4 tensor pair as a native [`MatrixData::Mxfp4`]: e2m1 nibbles `[rows,
@@ -269,6 +279,7 @@ struct Loader<'a> {
     ckpt: &'a mut Checkpoint,
     block: (usize, usize),
     bf16_dot: bool,
+    shard: ExpertShard,
 }
 
 impl Loader<'_> {
@@ -552,7 +563,24 @@ impl Loader<'_> {
         };
         let fi = cfg.moe_intermediate_size;
         let experts = (0..e)
-            .map(|j| self.expert(&format!("{f}experts.{j}"), h, fi))
+            .map(|j| {
+                let name = format!("{f}experts.{j}");
+                if self.shard.owns(j, e) {
+                    self.expert(&name, h, fi).map(Some)
+                } else {
+                    // Another rank's expert: never read.
+                    let prefix = format!("{name}.");
+                    let names: Vec<String> = self
+                        .ckpt
+                        .names_with_prefix(&prefix)
+                        .map(str::to_string)
+                        .collect();
+                    for n in names {
+                        self.ckpt.skip(&n);
+                    }
+                    Ok(None)
+                }
+            })
             .collect::<Result<Vec<_>>>()?;
         let ffn = Moe {
             gate,
@@ -645,10 +673,26 @@ impl DeepseekV4 {
             }) => (*block_rows, *block_cols),
             _ => (128, 128),
         };
+        let shard = opts.expert_shard;
+        let e = cfg.n_routed_experts;
+        if shard.ranks == 0 || shard.rank >= shard.ranks {
+            return Err(ModelError::Options(format!(
+                "expert shard: rank {} of {} ranks does not exist (ranks count from 0)",
+                shard.rank, shard.ranks
+            )));
+        }
+        if shard.ranks > 1 && !e.is_multiple_of(shard.ranks) {
+            return Err(ModelError::Options(format!(
+                "expert parallelism over {} ranks needs n_routed_experts ({e}) to divide by the \
+                 ranks; use a number of ranks that divides {e}",
+                shard.ranks
+            )));
+        }
         let mut l = Loader {
             ckpt,
             block,
             bf16_dot: opts.bf16_dot,
+            shard,
         };
         let (h, v, hc) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
         let embed = l.matrix("embed", v, h)?;
@@ -727,6 +771,8 @@ impl DeepseekV4 {
             cache_width,
             quant_sim: false,
             force_eplb: None,
+            shard: opts.expert_shard,
+            comm: None,
         })
     }
 
@@ -770,7 +816,7 @@ impl DeepseekV4 {
     /// expert): "mxfp4" natively, "w8a8_int8" / "w4a8_int4" after the integer conversions.
     pub fn routed_expert_format(&self) -> Option<&'static str> {
         let b = self.layers.first()?;
-        Some(b.ffn.experts.first()?.w1.format_name())
+        Some(b.ffn.experts.iter().flatten().next()?.w1.format_name())
     }
 
     /// Bytes of weights one decode token reads (all but unrouted experts and the embedding).
@@ -789,7 +835,7 @@ impl DeepseekV4 {
                     i.wq_b.storage_bytes() + i.weights_proj.storage_bytes() + comp(&i.compressor)
                 })
                 + b.ffn.gate.storage_bytes()
-                + self.cfg.num_experts_per_tok * b.ffn.experts.first().map_or(0, ex)
+                + self.cfg.num_experts_per_tok * b.ffn.experts.iter().flatten().next().map_or(0, ex)
                 + ex(&b.ffn.shared)
         };
         self.head.storage_bytes() + self.layers.iter().map(blk).sum::<usize>()
@@ -831,7 +877,7 @@ impl DeepseekV4 {
         }
         let ropes = BatchRopes::new(self, &batch.positions);
         for (li, layer) in self.layers.iter().enumerate() {
-            self.block_forward(layer, &mut x, batch, &ropes, cache, li);
+            self.block_forward(layer, &mut x, batch, &ropes, cache, li)?;
         }
         Ok(self.output(&x, &self.hc_head, &self.norm, batch, want_hidden))
     }
@@ -894,7 +940,7 @@ impl DeepseekV4 {
             }
         }
         let ropes = BatchRopes::new(self, &batch.positions);
-        self.block_forward(&mtp.block, &mut x, batch, &ropes, cache, cache_layer);
+        self.block_forward(&mtp.block, &mut x, batch, &ropes, cache, cache_layer)?;
         Ok(self.output(&x, &mtp.hc_head, &mtp.norm, batch, want_hidden))
     }
 
@@ -984,7 +1030,7 @@ impl DeepseekV4 {
         ropes: &BatchRopes,
         cache: &mut KvCache,
         li: usize,
-    ) {
+    ) -> Result<()> {
         let cfg = &self.cfg;
         let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
         let t_count = batch.num_tokens();
@@ -1003,7 +1049,7 @@ impl DeepseekV4 {
         }
         let (u, post, comb) = self.hc_pre(&b.hc_ffn, x, t_count);
         k::rms_norm_rows(&u, h, &b.ffn_norm, cfg.rms_norm_eps, &mut xn);
-        let f = self.moe(&b.ffn, &xn, &batch.tokens, batch.is_decode());
+        let f = self.moe(&b.ffn, &xn, &batch.tokens, batch.is_decode())?;
         for t in 0..t_count {
             ops::hc_expand(
                 &f[t * h..(t + 1) * h],
@@ -1012,6 +1058,7 @@ impl DeepseekV4 {
                 &comb[t * hc * hc..(t + 1) * hc * hc],
             );
         }
+        Ok(())
     }
 
     /// Projects every token's compressor inputs and stores `A_t` / `Z_t + ape[p mod r]` in its slot.
@@ -1335,7 +1382,7 @@ impl DeepseekV4 {
         y
     }
 
-    fn moe(&self, m: &Moe, x: &[f32], tokens: &[u32], decode: bool) -> Vec<f32> {
+    fn moe(&self, m: &Moe, x: &[f32], tokens: &[u32], decode: bool) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let t_count = tokens.len();
@@ -1363,17 +1410,36 @@ impl DeepseekV4 {
         }
         let assigned =
             crate::eplb::by_expert(&mut ids, &ws, kk, e, self.force_eplb.as_ref(), decode);
-        let mut out = vec![0.0f32; t_count * h];
-        for (id, pairs) in assigned.iter().enumerate() {
-            if pairs.is_empty() {
-                continue;
-            }
+        // The active experts' outputs, those held here computed (all of them without expert
+        // parallelism), the others gathered from their ranks; then summed in id order.
+        let active: Vec<usize> = (0..e).filter(|&id| !assigned[id].is_empty()).collect();
+        let mut ys = Vec::with_capacity(active.len());
+        for &id in active.iter().filter(|&&id| self.shard.owns(id, e)) {
+            let pairs = &assigned[id];
             let mut xs = Vec::with_capacity(pairs.len() * h);
             for &(t, _) in pairs {
                 xs.extend_from_slice(&x[t * h..(t + 1) * h]);
             }
             let ws: Vec<f32> = pairs.iter().map(|p| p.1).collect();
-            let y = self.expert_forward(&m.experts[id], &xs, pairs.len(), Some(&ws));
+            let expert = m.experts[id]
+                .as_ref()
+                .expect("an expert this rank owns is loaded");
+            ys.push(self.expert_forward(expert, &xs, pairs.len(), Some(&ws)));
+        }
+        if self.shard.ranks > 1 {
+            ys = crate::expert_parallel::gather(
+                self.comm.as_deref(),
+                self.shard,
+                h,
+                &active,
+                &assigned,
+                e,
+                ys,
+            )?;
+        }
+        let mut out = vec![0.0f32; t_count * h];
+        for (&id, y) in active.iter().zip(&ys) {
+            let pairs = &assigned[id];
             for (j, &(t, _)) in pairs.iter().enumerate() {
                 for (o, v) in out[t * h..(t + 1) * h]
                     .iter_mut()
@@ -1387,6 +1453,27 @@ impl DeepseekV4 {
         for (a, b) in out.iter_mut().zip(&y) {
             *a += b;
         }
-        out
+        Ok(out)
+    }
+
+    /// The routed experts this model holds (all, without expert parallelism).
+    pub fn expert_shard(&self) -> ExpertShard {
+        self.shard
+    }
+
+    /// The group the routed experts are split over (expert parallelism): every rank of `comm`
+    /// must hold its shard (`V4LoadOptions::expert_shard`) and run the same batches.
+    pub fn set_communicator(&mut self, comm: Arc<dyn Communicator>) -> Result<()> {
+        if comm.rank() != self.shard.rank || comm.world_size() != self.shard.ranks {
+            return Err(ModelError::Options(format!(
+                "the communicator is rank {} of {}, the model holds the experts of rank {} of {}",
+                comm.rank(),
+                comm.world_size(),
+                self.shard.rank,
+                self.shard.ranks
+            )));
+        }
+        self.comm = Some(comm);
+        Ok(())
     }
 }

@@ -13,6 +13,7 @@ pub mod deepseek_v4;
 pub mod eplb;
 pub mod error;
 pub mod eval;
+pub mod expert_parallel;
 pub mod rope;
 pub mod tokenizer;
 pub mod v4_ops;

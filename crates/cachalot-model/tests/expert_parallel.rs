@@ -172,3 +172,63 @@ fn ranks_that_run_different_batches_fail_instead_of_mixing_outputs() {
         .to_string();
     assert!(e.contains("rank 2 of 2"), "{e}");
 }
+
+/// DeepSeek-V4 (flash_tiny, 8 routed experts over 2 ranks): prefill in two chunks then a
+/// decode token, the same logits bit for bit on both ranks as in one process.
+#[test]
+fn v4_expert_shards_give_the_one_process_logits() {
+    use cachalot_model::{DeepseekV4, V4LoadOptions};
+
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
+    let load = |shard: ExpertShard| {
+        let opts = V4LoadOptions {
+            expert_shard: shard,
+            ..Default::default()
+        };
+        DeepseekV4::load(&dir, opts).unwrap()
+    };
+    let run = |m: &DeepseekV4| -> Vec<u32> {
+        let toks: Vec<u32> = (0..150).map(|i| (i * 37 + 11) % 200).collect();
+        let bs = 16;
+        let blocks = toks.len().div_ceil(bs) + 1;
+        let mut cache = KvCache::new(m.cache_spec(), bs, blocks);
+        let mut alloc = BlockAllocator::new(blocks);
+        let mut table = Vec::new();
+        alloc.ensure(&mut table, toks.len(), bs).unwrap();
+        let mut bits = Vec::new();
+        for (lo, hi) in [(0, 90), (90, 149), (149, 150)] {
+            let mut b = Batch::default();
+            b.push_seq(&toks[lo..hi], lo, table.clone(), LogitsWanted::All);
+            let out = m.forward(&b, &mut cache, false).unwrap();
+            bits.extend(out.logits.iter().map(|v| v.to_bits()));
+        }
+        bits
+    };
+    let want = run(&load(ExpertShard::default()));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let master = listener.local_addr().unwrap().to_string();
+    let dir1 = dir.clone();
+    let other = std::thread::spawn(move || {
+        let comm = TcpComm::connect(&TcpRendezvous {
+            rank: 1,
+            world_size: 2,
+            master,
+            timeout: Duration::from_secs(30),
+        })
+        .unwrap();
+        let opts = V4LoadOptions {
+            expert_shard: ExpertShard { rank: 1, ranks: 2 },
+            ..Default::default()
+        };
+        let mut m = DeepseekV4::load(&dir1, opts).unwrap();
+        m.set_communicator(Arc::new(comm)).unwrap();
+        run(&m)
+    });
+    let comm = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
+    let mut m = load(ExpertShard { rank: 0, ranks: 2 });
+    m.set_communicator(Arc::new(comm)).unwrap();
+    let got0 = run(&m);
+    let got1 = other.join().unwrap();
+    assert!(got0 == want, "rank 0's logits differ from one process's");
+    assert!(got1 == want, "rank 1's logits differ from one process's");
+}

@@ -441,6 +441,7 @@ fn bf16_converted_checkpoint_matches_native() {
         V4LoadOptions {
             load_mtp: true,
             bf16_dot: true,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -65,7 +65,7 @@ pub enum Parallel {
     /// The ranks hold the routed experts between them (`ExpertShard`) and run every request
     /// together: all ranks step the same batches, each computes its own experts' outputs and
     /// the MoE layers gather them (one model too large for one host's memory, spread over
-    /// several). DeepSeek-V3/R1/Kimi-K2 checkpoints.
+    /// several). DeepSeek-V3/R1/Kimi-K2 and V4 checkpoints.
     Expert,
 }
 
@@ -302,6 +302,12 @@ pub fn run_ranked(
     // Data-parallel ranks (1 under expert parallelism: the group serves one request stream),
     // and this rank's place among them.
     let (dp_rank, dp) = if expert { (0, 1) } else { (rank, ranks) };
+    // The routed experts this rank holds.
+    let shard = if expert {
+        ExpertShard { rank, ranks }
+    } else {
+        ExpertShard::default()
+    };
     // `batch_size` is the global batch over data-parallel ranks, as the seed's (executor spec
     // §1: `batch_size_per_dp_rank = batch_size / attn_dp_size`, an error when it does not
     // divide); each rank batches its share.
@@ -425,11 +431,6 @@ pub fn run_ranked(
                     .into(),
             );
         }
-        let shard = if expert {
-            ExpertShard { rank, ranks }
-        } else {
-            ExpertShard::default()
-        };
         let d =
             crate::random_model::dummy(&model_dir, None, shard).map_err(|e| format!("{e:#}"))?;
         logln!(
@@ -456,14 +457,6 @@ pub fn run_ranked(
         )
         .into());
     }
-    if expert && family == ModelFamily::DeepseekV4 {
-        return Err(format!(
-            "{}: expert parallelism runs DeepSeek-V3/R1/Kimi-K2 checkpoints; run DeepSeek-V4 \
-             with data-parallel ranks",
-            model_dir.display()
-        )
-        .into());
-    }
     let (v3, v4);
     let (model, config_eos): (&(dyn Model + Sync), Vec<u32>) = match family {
         ModelFamily::DeepseekV3 => {
@@ -473,11 +466,7 @@ pub fn run_ranked(
                     fp8: opts.fp8,
                     load_mtp: m.next_n > 0,
                     bf16_dot: opts.bf16_dot,
-                    expert_shard: if expert {
-                        ExpertShard { rank, ranks }
-                    } else {
-                        ExpertShard::default()
-                    },
+                    expert_shard: shard,
                 },
             )?;
             if expert {
@@ -508,8 +497,12 @@ pub fn run_ranked(
                 V4LoadOptions {
                     load_mtp: m.next_n > 0,
                     bf16_dot: opts.bf16_dot,
+                    expert_shard: shard,
                 },
             )?;
+            if expert {
+                model.set_communicator(comm.clone())?;
+            }
             if opts.int8_head {
                 model.quantize_head_int8();
             }

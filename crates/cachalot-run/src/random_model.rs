@@ -604,18 +604,19 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>, shard: ExpertShard) -> Res
         &format!("with_ckpt: false ({})", path.display()),
         shard,
     )?;
+    // Ranks in one process (threads) share a pid: the shard tells their directories apart.
+    let prefix = if shard.ranks > 1 {
+        format!("cachalot-dummy-rank{}", shard.rank)
+    } else {
+        "cachalot-dummy".to_string()
+    };
     if crate::random_model_v4::is_v4(&orig) {
-        if shard.ranks > 1 {
-            bail!(
-                "{}: expert-sharded random weights are for DeepSeek-V3/R1/Kimi-K2 configs",
-                path.display()
-            );
-        }
+        // (Written whole: each V4 rank loads only its experts from it.)
         let mode = v4_mode(&orig).with_context(|| path.display().to_string())?;
         let quant = mode.map_or("fp8", |m| m.name());
         let shape = path.display().to_string();
         let write = |dir: &Path| v4_write(&orig, dir);
-        return materialize(&shape, quant, mode, parent, "cachalot-dummy", write, None);
+        return materialize(&shape, quant, mode, parent, &prefix, write, None);
     }
     let q = orig.get("quantization_config");
     let method = q
@@ -654,12 +655,6 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>, shard: ExpertShard) -> Res
         field_or(&cfg, "num_hidden_layers", 0) + field_or(&cfg, "num_nextn_predict_layers", 0)
     });
     let shape = path.display().to_string();
-    // Ranks in one process (threads) share a pid: the shard tells their directories apart.
-    let prefix = if shard.ranks > 1 {
-        format!("cachalot-dummy-rank{}", shard.rank)
-    } else {
-        "cachalot-dummy".to_string()
-    };
     let write = |dir: &Path| {
         write_fp8_shard(&cfg, dir, shard).with_context(|| {
             format!(

@@ -586,3 +586,31 @@ fn expert_parallel_random_weights_hold_only_the_ranks_experts() {
         "rank 1 wrote {share} MB, the whole model is {whole} MB"
     );
 }
+
+/// DeepSeek-V4 under expert parallelism (flash_tiny's 8 experts over 2 ranks, MTP drafts
+/// included): the outputs of a one-process run.
+#[test]
+fn v4_expert_parallel_ranks_give_the_one_process_outputs() {
+    use cachalot_run::offline::run_ranked;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut o = opts(tmp.path(), None);
+    o.chat_template = None;
+    let mut cfg = v4_config("deepseek_v4", 4, 24, 1);
+    cfg.scheduler_config.max_new_tokens = 20;
+    let one = run(&cfg, &o).unwrap();
+    let res = tmp.path().to_path_buf();
+    let mut results = run_group(2, move |comm| {
+        let mut o = RunOptions {
+            parallel: Parallel::Expert,
+            ..opts(&res, None)
+        };
+        o.chat_template = None;
+        run_ranked(&cfg, &o, comm).unwrap()
+    });
+    let all = results.remove(0);
+    assert_eq!(all.outputs.len(), 6);
+    for (a, b) in one.outputs.iter().zip(&all.outputs) {
+        assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+    }
+}

@@ -183,6 +183,7 @@ fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
         V4LoadOptions {
             load_mtp,
             bf16_dot: args.bf16_dot,
+            ..V4LoadOptions::default()
         },
     )?;
     if args.int8_head {

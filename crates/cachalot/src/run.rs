@@ -63,7 +63,7 @@ pub struct RunArgs {
     /// How the ranks share the work: `data` (each rank holds the whole model and serves its
     /// share of the requests) or `expert` (the ranks hold the routed experts between them and
     /// run every request together: a model larger than one host's memory over several;
-    /// DeepSeek-V3/R1/Kimi-K2).
+    /// DeepSeek-V3/R1/Kimi-K2 and V4).
     #[arg(long, value_enum, default_value = "data")]
     parallel: ParallelArg,
     /// No progress bar.
