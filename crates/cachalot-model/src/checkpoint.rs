@@ -256,6 +256,15 @@ impl Checkpoint {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// Marks every tensor whose name starts with `prefix` as deliberately unused (another
+    /// rank's expert, say): never read, and not reported as left over.
+    pub fn skip_prefix(&mut self, prefix: &str) {
+        let names: Vec<String> = self.names_with_prefix(prefix).map(str::to_string).collect();
+        for n in names {
+            self.skip(&n);
+        }
+    }
+
     /// The names that start with `prefix`, in order (a range of the sorted index, not a scan).
     pub fn names_with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a str> {
         self.tensors

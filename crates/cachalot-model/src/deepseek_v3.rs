@@ -305,19 +305,7 @@ impl Loader<'_> {
                 vec![0.0; e]
             };
             let shard = self.opts.expert_shard;
-            if shard.ranks == 0 || shard.rank >= shard.ranks {
-                return Err(ModelError::Options(format!(
-                    "expert shard: rank {} of {} ranks does not exist (ranks count from 0)",
-                    shard.rank, shard.ranks
-                )));
-            }
-            if shard.ranks > 1 && !e.is_multiple_of(shard.ranks) {
-                return Err(ModelError::Options(format!(
-                    "expert parallelism over {} ranks needs n_routed_experts ({e}) to divide by \
-                     the ranks; use a number of ranks that divides {e}",
-                    shard.ranks
-                )));
-            }
+            shard.validate(e)?;
             let experts = (0..e)
                 .map(|j| {
                     let name = format!("{p}.mlp.experts.{j}");
@@ -325,15 +313,7 @@ impl Loader<'_> {
                         self.mlp(&name, h, cfg.moe_intermediate_size).map(Some)
                     } else {
                         // Another rank's expert: never read.
-                        let prefix = format!("{name}.");
-                        let names: Vec<String> = self
-                            .ckpt
-                            .names_with_prefix(&prefix)
-                            .map(str::to_string)
-                            .collect();
-                        for n in names {
-                            self.ckpt.skip(&n);
-                        }
+                        self.ckpt.skip_prefix(&format!("{name}."));
                         Ok(None)
                     }
                 })
@@ -1328,15 +1308,7 @@ impl DeepseekV3 {
     /// The group the routed experts are split over (expert parallelism): every rank of `comm`
     /// must hold its shard (`LoadOptions::expert_shard`) and run the same batches.
     pub fn set_communicator(&mut self, comm: Arc<dyn Communicator>) -> Result<()> {
-        if comm.rank() != self.shard.rank || comm.world_size() != self.shard.ranks {
-            return Err(ModelError::Options(format!(
-                "the communicator is rank {} of {}, the model holds the experts of rank {} of {}",
-                comm.rank(),
-                comm.world_size(),
-                self.shard.rank,
-                self.shard.ranks
-            )));
-        }
+        self.shard.check_group(comm.as_ref())?;
         self.comm = Some(comm);
         Ok(())
     }

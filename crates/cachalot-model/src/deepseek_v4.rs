@@ -569,15 +569,7 @@ impl Loader<'_> {
                     self.expert(&name, h, fi).map(Some)
                 } else {
                     // Another rank's expert: never read.
-                    let prefix = format!("{name}.");
-                    let names: Vec<String> = self
-                        .ckpt
-                        .names_with_prefix(&prefix)
-                        .map(str::to_string)
-                        .collect();
-                    for n in names {
-                        self.ckpt.skip(&n);
-                    }
+                    self.ckpt.skip_prefix(&format!("{name}."));
                     Ok(None)
                 }
             })
@@ -675,19 +667,7 @@ impl DeepseekV4 {
         };
         let shard = opts.expert_shard;
         let e = cfg.n_routed_experts;
-        if shard.ranks == 0 || shard.rank >= shard.ranks {
-            return Err(ModelError::Options(format!(
-                "expert shard: rank {} of {} ranks does not exist (ranks count from 0)",
-                shard.rank, shard.ranks
-            )));
-        }
-        if shard.ranks > 1 && !e.is_multiple_of(shard.ranks) {
-            return Err(ModelError::Options(format!(
-                "expert parallelism over {} ranks needs n_routed_experts ({e}) to divide by the \
-                 ranks; use a number of ranks that divides {e}",
-                shard.ranks
-            )));
-        }
+        shard.validate(e)?;
         let mut l = Loader {
             ckpt,
             block,
@@ -1464,15 +1444,7 @@ impl DeepseekV4 {
     /// The group the routed experts are split over (expert parallelism): every rank of `comm`
     /// must hold its shard (`V4LoadOptions::expert_shard`) and run the same batches.
     pub fn set_communicator(&mut self, comm: Arc<dyn Communicator>) -> Result<()> {
-        if comm.rank() != self.shard.rank || comm.world_size() != self.shard.ranks {
-            return Err(ModelError::Options(format!(
-                "the communicator is rank {} of {}, the model holds the experts of rank {} of {}",
-                comm.rank(),
-                comm.world_size(),
-                self.shard.rank,
-                self.shard.ranks
-            )));
-        }
+        self.shard.check_group(comm.as_ref())?;
         self.comm = Some(comm);
         Ok(())
     }

@@ -35,6 +35,38 @@ impl ExpertShard {
     pub fn owns(&self, expert: usize, experts: usize) -> bool {
         self.owner(expert, experts) == self.rank
     }
+
+    /// The shard exists and splits `experts` routed experts evenly.
+    pub(crate) fn validate(&self, experts: usize) -> Result<()> {
+        if self.ranks == 0 || self.rank >= self.ranks {
+            return Err(ModelError::Options(format!(
+                "expert shard: rank {} of {} ranks does not exist (ranks count from 0)",
+                self.rank, self.ranks
+            )));
+        }
+        if self.ranks > 1 && !experts.is_multiple_of(self.ranks) {
+            return Err(ModelError::Options(format!(
+                "expert parallelism over {} ranks needs n_routed_experts ({experts}) to divide \
+                 by the ranks; use a number of ranks that divides {experts}",
+                self.ranks
+            )));
+        }
+        Ok(())
+    }
+
+    /// `comm` is this shard's group (its rank and size), for a model's `set_communicator`.
+    pub(crate) fn check_group(&self, comm: &dyn Communicator) -> Result<()> {
+        if comm.rank() != self.rank || comm.world_size() != self.ranks {
+            return Err(ModelError::Options(format!(
+                "the communicator is rank {} of {}, the model holds the experts of rank {} of {}",
+                comm.rank(),
+                comm.world_size(),
+                self.rank,
+                self.ranks
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Expert parallelism: every rank's outputs of its own active experts (`mine`, in id order)
