@@ -313,6 +313,37 @@ fn greeting(stream: TcpStream, timeout: Duration) -> Option<(Peer, usize, usize)
     Some((p, r, n))
 }
 
+/// TCP keepalive on a rank's socket (Linux): a peer whose host dies or drops off the network
+/// is detected after about 90 s of silence (30 s idle, then 6 probes 10 s apart) and unsent
+/// data times out after 120 s, so a collective fails naming the rank instead of blocking
+/// forever. Waiting on a live but slow rank (a long run's final gather) is not limited.
+#[cfg(target_os = "linux")]
+fn keepalive(stream: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    let set = |level: libc::c_int, name: libc::c_int, v: libc::c_int| {
+        // SAFETY: `fd` is this stream's open socket; the option value is a live c_int of the
+        // size passed. A failure leaves the default (no keepalive), which is not an error.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 30);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 6);
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, 120_000);
+}
+
+#[cfg(not(target_os = "linux"))]
+fn keepalive(_stream: &TcpStream) {}
+
 fn check_ranks(rank: usize, world_size: usize) -> CommResult<()> {
     if world_size == 0 || rank >= world_size {
         return Err(CommError(format!(
@@ -324,6 +355,7 @@ fn check_ranks(rank: usize, world_size: usize) -> CommResult<()> {
 
 fn peer(stream: TcpStream, rank: usize) -> CommResult<Peer> {
     let _ = stream.set_nodelay(true);
+    keepalive(&stream);
     let clone = stream
         .try_clone()
         .map_err(|e| CommError(format!("socket to rank {rank}: {e}")))?;
@@ -449,6 +481,36 @@ impl Communicator for TcpComm {
 
 #[cfg(test)]
 mod tests {
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn rank_sockets_keep_alive() {
+        use std::os::fd::AsRawFd;
+        let comms = group(2);
+        let get = |fd: i32, level: libc::c_int, name: libc::c_int| {
+            let mut v: libc::c_int = -1;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: a live socket and an out-value of the size given.
+            let rc = unsafe {
+                libc::getsockopt(
+                    fd,
+                    level,
+                    name,
+                    (&mut v as *mut libc::c_int).cast(),
+                    &mut len,
+                )
+            };
+            assert_eq!(rc, 0);
+            v
+        };
+        let fd = comms[1].peers.lock().unwrap()[0]
+            .writer
+            .get_ref()
+            .as_raw_fd();
+        assert_eq!(get(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(get(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 30);
+    }
+
     use super::*;
 
     /// A TcpComm group of `n` ranks on threads of this process (rank 0 on port 0).
