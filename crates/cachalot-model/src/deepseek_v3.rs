@@ -428,15 +428,7 @@ impl DeepseekV3 {
                     layer: l.layer(&cfg, i, true)?,
                 });
             } else {
-                let names: Vec<String> = l
-                    .ckpt
-                    .names()
-                    .filter(|n| n.starts_with(&format!("{p}.")))
-                    .map(str::to_string)
-                    .collect();
-                for n in names {
-                    l.ckpt.skip(&n);
-                }
+                l.ckpt.skip_prefix(&format!("{p}."));
             }
             pb.inc(1);
         }
@@ -1264,7 +1256,15 @@ impl DeepseekV3 {
         };
         let shared_y = if moe.shared.is_some() { ys.pop() } else { None };
         if self.shard.ranks > 1 {
-            ys = self.gather_experts(&active, &assigned, e, ys)?;
+            ys = crate::expert_parallel::gather(
+                self.comm.as_deref(),
+                self.shard,
+                h,
+                &active,
+                &assigned,
+                e,
+                ys,
+            )?;
         }
         let mut out = vec![0.0f32; t_count * h];
         // Experts in id order, so a token's sum has the same order whatever else is batched
@@ -1280,29 +1280,6 @@ impl DeepseekV3 {
             }
         }
         Ok(out)
-    }
-
-    fn gather_experts(
-        &self,
-        active: &[usize],
-        assigned: &[Vec<(usize, f32)>],
-        experts: usize,
-        mine: Vec<Vec<f32>>,
-    ) -> Result<Vec<Vec<f32>>> {
-        crate::expert_parallel::gather(
-            self.comm.as_deref(),
-            self.shard,
-            self.cfg.hidden_size,
-            active,
-            assigned,
-            experts,
-            mine,
-        )
-    }
-
-    /// The routed experts this model holds (all, without expert parallelism).
-    pub fn expert_shard(&self) -> ExpertShard {
-        self.shard
     }
 
     /// The group the routed experts are split over (expert parallelism): every rank of `comm`

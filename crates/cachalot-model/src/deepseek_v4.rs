@@ -717,15 +717,7 @@ impl DeepseekV4 {
                 l.ckpt.skip(&format!("{p}embed.weight"));
                 l.ckpt.skip(&format!("{p}head.weight"));
             } else {
-                let names: Vec<String> = l
-                    .ckpt
-                    .names()
-                    .filter(|n| n.starts_with(&p))
-                    .map(str::to_string)
-                    .collect();
-                for n in names {
-                    l.ckpt.skip(&n);
-                }
+                l.ckpt.skip_prefix(&p);
             }
         }
         l.ckpt.ensure_all_used()?;
@@ -1434,11 +1426,6 @@ impl DeepseekV4 {
             *a += b;
         }
         Ok(out)
-    }
-
-    /// The routed experts this model holds (all, without expert parallelism).
-    pub fn expert_shard(&self) -> ExpertShard {
-        self.shard
     }
 
     /// The group the routed experts are split over (expert parallelism): every rank of `comm`

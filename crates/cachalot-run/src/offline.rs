@@ -183,7 +183,7 @@ pub struct RunResult {
 }
 
 /// Memory the system reports available (`MemAvailable`), if it says.
-pub(crate) fn mem_available() -> Option<u64> {
+pub fn mem_available() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -233,6 +233,14 @@ fn check_kv_pool(
         }
     }
     Ok(())
+}
+
+/// A u64 another rank sent (8 little-endian bytes); `what` names it when it is not.
+fn u64_part(b: &[u8], what: impl Fn() -> String) -> Result<u64, Error> {
+    let arr: [u8; 8] = b
+        .try_into()
+        .map_err(|_| format!("{} of {} bytes, not 8", what(), b.len()))?;
+    Ok(u64::from_le_bytes(arr))
 }
 
 /// `YYYYMMDD-HHMMSS` in UTC.
@@ -596,13 +604,8 @@ pub fn run_ranked(
         let parts = comm.all_gather(&(num_blocks as u64).to_le_bytes())?;
         let mut least = num_blocks;
         for (r, b) in parts.iter().enumerate() {
-            let b: [u8; 8] = b.as_slice().try_into().map_err(|_| {
-                format!(
-                    "rank {rank}: rank {r} sent a KV pool size of {} bytes",
-                    b.len()
-                )
-            })?;
-            least = least.min(u64::from_le_bytes(b) as usize);
+            let b = u64_part(b, || format!("rank {rank}: rank {r} sent a KV pool size"))?;
+            least = least.min(b as usize);
         }
         least
     } else {
@@ -615,11 +618,7 @@ pub fn run_ranked(
             let mine = std::collections::hash_map::RandomState::new();
             let drawn = std::hash::BuildHasher::hash_one(&mine, std::process::id()).to_le_bytes();
             let b = comm.broadcast(0, &drawn)?;
-            let b: [u8; 8] = b
-                .as_slice()
-                .try_into()
-                .map_err(|_| format!("rank {rank}: rank 0 sent a seed of {} bytes", b.len()))?;
-            Some(u64::from_le_bytes(b))
+            Some(u64_part(&b, || format!("rank {rank}: rank 0 sent a seed"))?)
         }
         s => s,
     };

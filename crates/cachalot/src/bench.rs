@@ -108,16 +108,11 @@ fn check_args(a: &BenchArgs) -> Result<()> {
             bail!("{flag} {v} is out of range: give {lo} to {hi}");
         }
     }
-    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
-        let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        line.split_whitespace().nth(1)?.parse::<usize>().ok()
-    });
-    if let Some(kib) = avail {
-        if a.membw_mib > kib / 1024 / 2 {
+    if let Some(mib) = cachalot_run::offline::mem_available().map(|b| (b >> 20) as usize) {
+        if a.membw_mib > mib / 2 {
             bail!(
-                "--membw-mib {}: more than half of the {} MiB of memory available; give less",
-                a.membw_mib,
-                kib / 1024
+                "--membw-mib {}: more than half of the {mib} MiB of memory available; give less",
+                a.membw_mib
             );
         }
     }
