@@ -1382,10 +1382,23 @@ impl DeepseekV4 {
         }
         let assigned =
             crate::eplb::by_expert(&mut ids, &ws, kk, e, self.force_eplb.as_ref(), decode);
-        // The active experts' outputs, those held here computed (all of them without expert
-        // parallelism), the others gathered from their ranks; then summed in id order.
+        // Each active expert's output added to its tokens in id order: at once in one process;
+        // under expert parallelism the outputs held here are gathered with the other ranks'
+        // first (the same order, so the same sums).
+        let add = |out: &mut [f32], pairs: &[(usize, f32)], y: &[f32]| {
+            for (j, &(t, _)) in pairs.iter().enumerate() {
+                for (o, v) in out[t * h..(t + 1) * h]
+                    .iter_mut()
+                    .zip(&y[j * h..(j + 1) * h])
+                {
+                    *o += v;
+                }
+            }
+        };
+        let sharded = self.shard.ranks > 1;
         let active: Vec<usize> = (0..e).filter(|&id| !assigned[id].is_empty()).collect();
-        let mut ys = Vec::with_capacity(active.len());
+        let mut out = vec![0.0f32; t_count * h];
+        let mut mine = Vec::new();
         for &id in active.iter().filter(|&&id| self.shard.owns(id, e)) {
             let pairs = &assigned[id];
             let mut xs = Vec::with_capacity(pairs.len() * h);
@@ -1396,29 +1409,25 @@ impl DeepseekV4 {
             let expert = m.experts[id]
                 .as_ref()
                 .expect("an expert this rank owns is loaded");
-            ys.push(self.expert_forward(expert, &xs, pairs.len(), Some(&ws)));
+            let y = self.expert_forward(expert, &xs, pairs.len(), Some(&ws));
+            if sharded {
+                mine.push(y);
+            } else {
+                add(&mut out, pairs, &y);
+            }
         }
-        if self.shard.ranks > 1 {
-            ys = crate::expert_parallel::gather(
+        if sharded {
+            let ys = crate::expert_parallel::gather(
                 self.comm.as_deref(),
                 self.shard,
                 h,
                 &active,
                 &assigned,
                 e,
-                ys,
+                mine,
             )?;
-        }
-        let mut out = vec![0.0f32; t_count * h];
-        for (&id, y) in active.iter().zip(&ys) {
-            let pairs = &assigned[id];
-            for (j, &(t, _)) in pairs.iter().enumerate() {
-                for (o, v) in out[t * h..(t + 1) * h]
-                    .iter_mut()
-                    .zip(&y[j * h..(j + 1) * h])
-                {
-                    *o += v;
-                }
+            for (&id, y) in active.iter().zip(&ys) {
+                add(&mut out, &assigned[id], y);
             }
         }
         let y = self.expert_forward(&m.shared, x, t_count, None);
