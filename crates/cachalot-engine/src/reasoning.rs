@@ -68,6 +68,22 @@ impl ReasoningSplitter {
         }
     }
 
+    /// A whole generated `text` as (reasoning, answer), given the `prompt` it continued (which
+    /// may have opened the reasoning block itself, as R1's generation prompt does).
+    pub fn split(prompt: &str, text: &str) -> (String, String) {
+        let mut sp = ReasoningSplitter::new(Self::prompt_opens_reasoning(prompt));
+        let mut segs = sp.push(text);
+        segs.extend(sp.finish());
+        let (mut reasoning, mut answer) = (String::new(), String::new());
+        for seg in segs {
+            match seg {
+                Segment::Reasoning(t) => reasoning.push_str(&t),
+                Segment::Answer(t) => answer.push_str(&t),
+            }
+        }
+        (reasoning, answer)
+    }
+
     /// The rest, at the end of the stream.
     pub fn finish(&mut self) -> Vec<Segment> {
         let mut out = Vec::new();
@@ -107,6 +123,22 @@ mod tests {
             }
         }
         (r, a)
+    }
+
+    #[test]
+    fn whole_texts_split_after_their_prompt() {
+        assert_eq!(
+            ReasoningSplitter::split("<｜Assistant｜><think>\n", "r</think>\n\na"),
+            ("r".to_string(), "\n\na".to_string())
+        );
+        assert_eq!(
+            ReasoningSplitter::split("Q:", "<think>r</think>a"),
+            ("r".to_string(), "a".to_string())
+        );
+        assert_eq!(
+            ReasoningSplitter::split("Q:", "plain"),
+            (String::new(), "plain".to_string())
+        );
     }
 
     #[test]

@@ -248,6 +248,44 @@ fn completions_parse_like_the_seed() {
     }
 }
 
+/// The answer part of every well-formed completion (after the reasoning, without the EOS the
+/// engine keeps out of the text) gives the content and calls the whole completion gives.
+#[test]
+fn answers_parse_like_completions() {
+    use cachalot_model::tokenizer::ToolCallFormat;
+    let all = cases();
+    let mut with_calls = 0;
+    for case in all["parse"].as_array().unwrap() {
+        if case["result"].is_null() {
+            continue;
+        }
+        let name = case["name"].as_str().unwrap();
+        let text = case["text"].as_str().unwrap();
+        let whole = dsv4::parse_completion(text, mode(&case["thinking_mode"])).unwrap();
+        let answer = match mode(&case["thinking_mode"]) {
+            ThinkingMode::Thinking => &text[text.find("</think>").unwrap() + "</think>".len()..],
+            _ => text,
+        };
+        let answer = answer.strip_suffix(dsv4::EOS).unwrap_or(answer);
+        let got = ToolCallFormat::DeepseekV4
+            .parse(answer)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let content = match &whole.content {
+            Some(dsv4::Content::Text(t)) => t.clone(),
+            None => String::new(),
+            other => panic!("{name}: {other:?}"),
+        };
+        assert_eq!(got.content, content, "{name}");
+        let want = whole.tool_calls.unwrap_or_default();
+        assert_eq!(got.tool_calls.len(), want.len(), "{name}");
+        for (g, w) in got.tool_calls.iter().zip(&want) {
+            assert_eq!(g.function, w.function, "{name}");
+        }
+        with_calls += usize::from(!want.is_empty());
+    }
+    assert!(with_calls >= 3, "{with_calls}");
+}
+
 /// Cut-off tool-call blocks, which the seed's parser lets through, are errors here.
 #[test]
 fn truncated_tool_calls_are_errors() {

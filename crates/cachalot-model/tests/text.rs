@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer, TokenizerKind};
+use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer, TokenizerKind, ToolCallFormat};
 use serde_json::Value;
 
 mod common;
@@ -136,6 +136,56 @@ fn chat_templates_match_transformers() {
             .unwrap();
         assert_eq!(got, case["expected"].as_str().unwrap(), "case {case}");
     }
+}
+
+/// Every assistant turn with tool calls in the rendered fixtures parses back to the calls it was
+/// rendered from: what the model is trained to write, we read (R1 and Kimi-K2 templates).
+#[test]
+fn tool_calls_rendered_by_the_templates_parse_back() {
+    let s = std::fs::read_to_string(text_fixture("chat_cases.json")).unwrap();
+    let cases: Vec<Value> = serde_json::from_str(&s).unwrap();
+    let mut checked = 0;
+    for name in ["r1_style", "kimi_style"] {
+        let tok = Tokenizer::from_dir(&text_fixture(name)).unwrap();
+        let t = tok.chat_template().unwrap().unwrap();
+        let format = ToolCallFormat::for_tokenizer(&tok, false).expect("tool tokens");
+        let header = match format {
+            ToolCallFormat::DeepseekV3 => "<｜Assistant｜>",
+            _ => "<|im_assistant|>assistant<|im_middle|>",
+        };
+        for case in cases.iter().filter(|c| c["template"] == name) {
+            let msgs = case["messages"].as_array().unwrap();
+            for (i, m) in msgs.iter().enumerate() {
+                let Some(calls) = m.get("tool_calls").and_then(Value::as_array) else {
+                    continue;
+                };
+                let upto = Value::Array(msgs[..=i].to_vec());
+                let tools = case.get("tools").filter(|t| !t.is_null());
+                let text = t
+                    .render_json(&upto, false, tools, &serde_json::Map::new())
+                    .unwrap();
+                let turn = &text[text.rfind(header).unwrap() + header.len()..];
+                let parsed = format
+                    .parse(turn)
+                    .unwrap_or_else(|e| panic!("{name}: {turn:?}: {e}"));
+                assert_eq!(parsed.content, m["content"].as_str().unwrap_or(""));
+                assert_eq!(parsed.tool_calls.len(), calls.len());
+                for (j, (got, want)) in parsed.tool_calls.iter().zip(calls).enumerate() {
+                    assert_eq!(got.function.name, want["function"]["name"]);
+                    assert_eq!(got.function.arguments, want["function"]["arguments"]);
+                    if format == ToolCallFormat::KimiK2 {
+                        let id = format!(
+                            "functions.{}:{j}",
+                            want["function"]["name"].as_str().unwrap()
+                        );
+                        assert_eq!(got.id.as_deref(), Some(id.as_str()));
+                    }
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 4, "{checked}");
 }
 
 #[test]

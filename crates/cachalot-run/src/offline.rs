@@ -14,9 +14,10 @@ use cachalot_engine::engine::kv_bytes_per_block;
 use cachalot_engine::metrics::Distribution;
 use cachalot_engine::metrics::EngineStats;
 use cachalot_engine::{
-    Engine, EngineConfig, Model, Request, RequestOutput, SamplingParams, StopConditions,
+    Engine, EngineConfig, Model, ReasoningSplitter, Request, RequestOutput, SamplingParams,
+    StopConditions,
 };
-use cachalot_model::tokenizer::{ChatTemplate, Tokenizer};
+use cachalot_model::tokenizer::{ChatTemplate, Tokenizer, ToolCallFormat};
 use cachalot_model::{
     detect_family, BalancedRouting, DeepseekV3, DeepseekV4, ExpertShard, Fp8Mode, LoadOptions,
     ModelFamily, V4LoadOptions,
@@ -903,9 +904,10 @@ pub fn run_ranked(
         serde_json::to_string_pretty(&summary)? + "\n",
     )?;
     let mut req_file = std::io::BufWriter::new(std::fs::File::create(dir.join("requests.jsonl"))?);
+    let tool_format = ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
     for o in &outputs {
         let p = &prepared[o.id as usize];
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "id": o.id,
             "prompt": prompts[o.id as usize],
             "prompt_text": p.text,
@@ -917,6 +919,23 @@ pub fn run_ranked(
             "finish_reason": o.finish.as_str(),
             "timing": o.timing,
         });
+        // Tool calls the model wrote (only when it wrote a tool-call section).
+        if let (Some(f), Some(obj)) = (tool_format, v.as_object_mut()) {
+            let answer = ReasoningSplitter::split(&p.text, &o.text).1;
+            if answer.contains(f.section_start()) {
+                match f.parse(&answer) {
+                    Ok(parsed) => {
+                        obj.insert(
+                            "tool_calls".into(),
+                            serde_json::to_value(parsed.tool_calls)?,
+                        );
+                    }
+                    Err(e) => {
+                        obj.insert("tool_call_error".into(), e.to_string().into());
+                    }
+                }
+            }
+        }
         writeln!(req_file, "{v}")?;
     }
     req_file.flush()?;

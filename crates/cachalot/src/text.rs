@@ -11,7 +11,7 @@ use cachalot_engine::Model;
 use cachalot_engine::{
     FinishReason, Generation, ReasoningSplitter, SamplingParams, Segment, StopConditions,
 };
-use cachalot_model::tokenizer::{ChatTemplate, Message, Tokenizer};
+use cachalot_model::tokenizer::{ChatTemplate, Message, ParsedAnswer, Tokenizer, ToolCallFormat};
 use cachalot_model::{detect_family, DeepseekV3, ModelFamily};
 
 use crate::{load_model, load_v4, model_dir, tokens, InputArgs, ModelArgs};
@@ -145,6 +145,12 @@ pub struct GenerateArgs {
     /// and other Jinja templates that read it), '{"thinking": true}' (DeepSeek-V4's thinking mode).
     #[arg(long, value_name = "JSON", requires = "chat")]
     chat_template_kwargs: Option<String>,
+    /// Tools the model may call (with --chat): a JSON file holding a list of OpenAI tool
+    /// definitions (`[{"type": "function", "function": {"name": ..., "parameters": ...}}]`),
+    /// rendered by the chat template. The calls the model writes are listed after the answer
+    /// (and in --json as `tool_calls`).
+    #[arg(long, value_name = "FILE", requires = "chat")]
+    tools: Option<PathBuf>,
     /// Do not print the reasoning (`<think>…</think>`), only the answer.
     #[arg(long)]
     hide_reasoning: bool,
@@ -169,10 +175,16 @@ pub struct ChatArgs {
     /// and other Jinja templates that read it), '{"thinking": true}' (DeepSeek-V4's thinking mode).
     #[arg(long, value_name = "JSON")]
     chat_template_kwargs: Option<String>,
+    /// Tools the model may call: a JSON file holding a list of OpenAI tool definitions
+    /// (`[{"type": "function", "function": {"name": ..., "parameters": ...}}]`). When the model
+    /// calls them, answer each call with /tool RESULT.
+    #[arg(long, value_name = "FILE")]
+    tools: Option<PathBuf>,
     /// Do not print the reasoning (`<think>…</think>`), only the answer.
     #[arg(long)]
     hide_reasoning: bool,
-    /// One JSON object per turn ({"prompt", "text", "output_ids", "finish_reason"}) instead of text.
+    /// One JSON object per turn ({"prompt", "text", "output_ids", "finish_reason", "content",
+    /// and "tool_calls" or "tool_call_error" when the model called tools}) instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -267,11 +279,107 @@ fn template_kwargs(arg: Option<&str>) -> Result<serde_json::Map<String, serde_js
 /// A conversation through the chat template, with the generation prompt and `kwargs`.
 fn render(
     t: &ChatTemplate,
-    msgs: &[Message],
+    msgs: &[serde_json::Value],
+    tools: Option<&serde_json::Value>,
     kwargs: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<String> {
-    let msgs = serde_json::to_value(msgs)?;
-    Ok(t.render_json(&msgs, true, None, kwargs)?)
+    let msgs = serde_json::Value::Array(msgs.to_vec());
+    Ok(t.render_json(&msgs, true, tools, kwargs)?)
+}
+
+/// A plain `{"role", "content"}` turn.
+fn turn(role: &str, content: impl Into<String>) -> serde_json::Value {
+    serde_json::to_value(Message::new(role, content)).expect("a message serializes")
+}
+
+/// `--tools FILE`: a JSON list of OpenAI tool definitions, each `{"type": "function",
+/// "function": {"name": NAME, ...}}` with a non-empty name.
+fn read_tools(path: Option<&Path>) -> Result<Option<serde_json::Value>> {
+    let Some(path) = path else { return Ok(None) };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--tools: cannot read {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("--tools {}: not valid JSON", path.display()))?;
+    let Some(list) = v.as_array() else {
+        bail!(
+            "--tools {}: expected a JSON list of tool definitions \
+             ([{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}])",
+            path.display()
+        );
+    };
+    for (i, t) in list.iter().enumerate() {
+        let name = t
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(serde_json::Value::as_str);
+        if !t.is_object() || name.is_none_or(str::is_empty) {
+            bail!(
+                "--tools {}: tool {i} has no function name (each tool is \
+                 {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}})",
+                path.display()
+            );
+        }
+        if let Some(kind) = t.get("type") {
+            if kind != "function" {
+                bail!(
+                    "--tools {}: tool {i} has type {kind}; only \"function\" tools exist",
+                    path.display()
+                );
+            }
+        }
+    }
+    Ok(Some(v))
+}
+
+/// The answer part of a generated text (what follows the reasoning), given the prompt that
+/// preceded it.
+fn answer_of(prompt_text: &str, text: &str) -> String {
+    ReasoningSplitter::split(prompt_text, text).1
+}
+
+/// The tool calls in an answer: the parsed answer, or why its tool-call section is malformed.
+/// None when the model's tokenizer has no tool-call format.
+fn tool_calls_of(
+    format: Option<ToolCallFormat>,
+    answer: &str,
+) -> Option<std::result::Result<ParsedAnswer, String>> {
+    format.map(|f| f.parse(answer).map_err(|e| e.to_string()))
+}
+
+/// The JSON fields of a turn's tool calls: `content` and `tool_calls`, or `tool_call_error`.
+fn tool_fields(
+    parsed: &Option<std::result::Result<ParsedAnswer, String>>,
+    answer: &str,
+) -> serde_json::Value {
+    match parsed {
+        Some(Ok(p)) if !p.tool_calls.is_empty() => serde_json::json!({
+            "content": p.content,
+            "tool_calls": p.tool_calls,
+        }),
+        Some(Err(e)) => serde_json::json!({ "content": answer, "tool_call_error": e }),
+        _ => serde_json::json!({ "content": answer }),
+    }
+}
+
+/// Lists the calls on stderr after a streamed answer (or says why they could not be read).
+fn report_tool_calls(parsed: &Option<std::result::Result<ParsedAnswer, String>>) {
+    match parsed {
+        Some(Ok(p)) => {
+            for c in &p.tool_calls {
+                let args = match &c.function.arguments {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                eprintln!(
+                    "[tool call {}] {} {args}",
+                    c.id.as_deref().unwrap_or("?"),
+                    c.function.name
+                );
+            }
+        }
+        Some(Err(e)) => eprintln!("[the tool calls could not be read: {e}]"),
+        None => {}
+    }
 }
 
 /// The prompt plus `--max-new-tokens` fit the model's positions (`max_position_embeddings`):
@@ -432,12 +540,13 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         };
         let mut msgs = Vec::new();
         if let Some(s) = &args.system {
-            msgs.push(Message::new("system", s.clone()));
+            msgs.push(turn("system", s.clone()));
         }
-        msgs.push(Message::new("user", user));
+        msgs.push(turn("user", user));
         let kwargs = template_kwargs(args.chat_template_kwargs.as_deref())?;
+        let tools = read_tools(args.tools.as_deref())?;
         let t = chat_template(tok, &dir, args.chat_template.as_deref())?;
-        let text = render(&t, &msgs, &kwargs)?;
+        let text = render(&t, &msgs, tools.as_ref(), &kwargs)?;
         (tok.encode(&text)?, text)
     } else {
         let mut ids = tokens(&args.input, &dir)?;
@@ -454,14 +563,18 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         };
         (ids, text)
     };
+    let family = detect_family(&dir)?;
     let ctx = GenerateInput {
         args,
         dir: &dir,
         tok: tok.as_ref(),
         prompt_ids: &prompt_ids,
         prompt_text: &prompt_text,
+        tool_format: tok
+            .as_ref()
+            .and_then(|t| ToolCallFormat::for_tokenizer(t, family == ModelFamily::DeepseekV4)),
     };
-    match detect_family(&dir)? {
+    match family {
         ModelFamily::DeepseekV3 => {
             let m = args.sampling.load(&args.model)?;
             let c = m.config();
@@ -482,6 +595,8 @@ struct GenerateInput<'a> {
     tok: Option<&'a Tokenizer>,
     prompt_ids: &'a [u32],
     prompt_text: &'a str,
+    /// How the model writes tool calls (None without a tokenizer or tool tokens).
+    tool_format: Option<ToolCallFormat>,
 }
 
 /// The rest of `generate` once the model is loaded (any family the engine runs).
@@ -497,6 +612,7 @@ fn generate_with<M: Model>(
         tok,
         prompt_ids,
         prompt_text,
+        tool_format,
     } = *ctx;
     check_length(
         prompt_ids.len(),
@@ -509,17 +625,22 @@ fn generate_with<M: Model>(
             .sampling
             .generate(m, tok, prompt_ids, &stop, None, &mut |_| {})?;
         let text = tok.map(|_| g.text.clone());
-        println!(
-            "{}",
-            serde_json::json!({
-                "prompt_ids": prompt_ids,
-                "output_ids": g.tokens,
-                "text": text,
-                "finish_reason": finish_word(&g.finish),
-                "prefill_s": g.prefill_s,
-                "decode_s": g.decode_s,
-            })
-        );
+        let mut v = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "output_ids": g.tokens,
+            "text": text,
+            "finish_reason": finish_word(&g.finish),
+            "prefill_s": g.prefill_s,
+            "decode_s": g.decode_s,
+        });
+        if tok.is_some() {
+            let answer = answer_of(prompt_text, &g.text);
+            let fields = tool_fields(&tool_calls_of(tool_format, &answer), &answer);
+            if let (Some(o), serde_json::Value::Object(f)) = (v.as_object_mut(), fields) {
+                o.extend(f);
+            }
+        }
+        println!("{v}");
         return Ok(());
     }
     let mut printer = Printer::new(prompt_text, args.hide_reasoning);
@@ -531,6 +652,12 @@ fn generate_with<M: Model>(
         print!("{}", s.join(","));
     }
     printer.finish();
+    if args.chat || args.tools.is_some() {
+        report_tool_calls(&tool_calls_of(
+            tool_format,
+            &answer_of(prompt_text, &g.text),
+        ));
+    }
     report(&g);
     Ok(())
 }
@@ -540,8 +667,11 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
     let tok = Tokenizer::from_dir(&dir)?;
     let kwargs = template_kwargs(args.chat_template_kwargs.as_deref())?;
     let template = chat_template(&tok, &dir, args.chat_template.as_deref())?;
+    let tools = read_tools(args.tools.as_deref())?;
+    let family = detect_family(&dir)?;
+    let tool_format = ToolCallFormat::for_tokenizer(&tok, family == ModelFamily::DeepseekV4);
     let (v3, v4);
-    let (m, eos, max_positions): (&(dyn Model + Sync), &[u32], usize) = match detect_family(&dir)? {
+    let (m, eos, max_positions): (&(dyn Model + Sync), &[u32], usize) = match family {
         ModelFamily::DeepseekV3 => {
             v3 = args.sampling.load(&args.model)?;
             let c = v3.config();
@@ -572,10 +702,12 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
 
     let interactive = std::io::stdin().is_terminal();
     if interactive {
-        eprintln!("cachalot chat: /reset clears the history, /system TEXT sets the system prompt, /exit leaves; Ctrl-C stops an answer.");
+        eprintln!("cachalot chat: /reset clears the history, /system TEXT sets the system prompt, /tool RESULT answers a tool call, /exit leaves; Ctrl-C stops an answer.");
     }
     let mut system = args.system.clone();
-    let mut history: Vec<Message> = Vec::new();
+    let mut history: Vec<serde_json::Value> = Vec::new();
+    // The ids of the model's tool calls still waiting for a /tool result, in order.
+    let mut pending: std::collections::VecDeque<String> = std::collections::VecDeque::new();
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
     loop {
@@ -594,6 +726,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         }
         if input == "/reset" {
             history.clear();
+            pending.clear();
             if interactive {
                 eprintln!("(history cleared)");
             }
@@ -610,13 +743,45 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             }
             continue;
         }
-        history.push(Message::new("user", input));
+        // How many messages this input added (a refused turn takes them back).
+        let tool_result = (input == "/tool")
+            .then_some("")
+            .or_else(|| input.strip_prefix("/tool "));
+        let added = if let Some(result) = tool_result {
+            let Some(id) = pending.pop_front() else {
+                eprintln!("error: no tool call is waiting for a result");
+                continue;
+            };
+            history.push(serde_json::json!({
+                "role": "tool",
+                "tool_call_id": id,
+                "content": result,
+            }));
+            if !pending.is_empty() {
+                if interactive {
+                    eprintln!("({} more tool result(s) to give)", pending.len());
+                }
+                continue;
+            }
+            0
+        } else {
+            if !pending.is_empty() {
+                eprintln!(
+                    "error: the model called {} tool(s); give each result with /tool RESULT \
+                     (or /reset)",
+                    pending.len()
+                );
+                continue;
+            }
+            history.push(turn("user", input));
+            1
+        };
         let mut msgs = Vec::new();
         if let Some(s) = &system {
-            msgs.push(Message::new("system", s.clone()));
+            msgs.push(turn("system", s.clone()));
         }
         msgs.extend(history.iter().cloned());
-        let prompt_text = render(&template, &msgs, &kwargs)?;
+        let prompt_text = render(&template, &msgs, tools.as_ref(), &kwargs)?;
         let prompt_ids = tok.encode(&prompt_text)?;
         if let Err(e) = check_length(
             prompt_ids.len(),
@@ -625,7 +790,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         ) {
             // The turn is refused; the conversation goes on without it.
             eprintln!("error: {e:#} (/reset clears the history)");
-            history.pop();
+            history.truncate(history.len() - added);
             continue;
         }
         cancel.store(false, Ordering::SeqCst);
@@ -645,22 +810,46 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         );
         generating.store(false, Ordering::SeqCst);
         let g = result?;
+        let answer = answer_of(&prompt_text, &g.text);
+        let parsed = tool_calls_of(tool_format, &answer);
         match printer.as_mut() {
             Some(p) => {
                 p.finish();
+                report_tool_calls(&parsed);
                 if interactive {
                     report(&g);
                 }
             }
-            None => println!(
-                "{}",
-                serde_json::json!({
+            None => {
+                let mut v = serde_json::json!({
                     "prompt": prompt_text,
                     "text": g.text,
                     "output_ids": g.tokens,
                     "finish_reason": finish_word(&g.finish),
-                })
-            ),
+                });
+                if let (Some(o), serde_json::Value::Object(f)) =
+                    (v.as_object_mut(), tool_fields(&parsed, &answer))
+                {
+                    o.extend(f);
+                }
+                println!("{v}");
+            }
+        }
+        if let Some(Ok(p)) = &parsed {
+            if !p.tool_calls.is_empty() {
+                // The history keeps the calls as the template renders them; each waits for its
+                // result.
+                pending = p.tool_calls.iter().filter_map(|c| c.id.clone()).collect();
+                history.push(serde_json::json!({
+                    "role": "assistant",
+                    "content": p.content,
+                    "tool_calls": p.tool_calls,
+                }));
+                if interactive {
+                    eprintln!("(give each tool's result with /tool RESULT)");
+                }
+                continue;
+            }
         }
         // The template decides what of the answer the history keeps (R1 drops the reasoning);
         // the generation prompt's own opening (`<think>\n`) is part of the answer's text.
@@ -670,7 +859,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         } else {
             g.text.clone()
         };
-        history.push(Message::new("assistant", content));
+        history.push(turn("assistant", content));
     }
     Ok(())
 }

@@ -599,3 +599,107 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn tools_reach_the_template_and_bad_tool_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmpl = dir.path().join("t.jinja");
+    std::fs::write(
+        &tmpl,
+        "{% for m in messages %}{{ m.content }}{% endfor %}\
+         {% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}",
+    )
+    .unwrap();
+    let tools = dir.path().join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+            {"type": "function", "function": {"name": "get_time"}}]"#,
+    )
+    .unwrap();
+    let tok = Tokenizer::from_dir(&root().join("fixtures/v3/r1_tiny")).unwrap();
+    let (model, t, tf) = (
+        r1_tiny(),
+        tmpl.display().to_string(),
+        tools.display().to_string(),
+    );
+    let base = [
+        "generate",
+        "--model",
+        &model,
+        "--chat",
+        "--prompt",
+        "Hi",
+        "--chat-template",
+        &t,
+        "--max-new-tokens",
+        "2",
+        "--json",
+    ];
+    let out = json(&ok(cachalot(
+        &[&base[..], &["--tools", &tf]].concat(),
+        None,
+    )));
+    let prompt = tok.decode(&ids(&out["prompt_ids"])).unwrap();
+    assert!(prompt.ends_with("Hi[get_weather;get_time;]"), "{prompt}");
+    // The answer's text (no reasoning here) comes back as `content`; no calls, no error.
+    assert_eq!(out["content"], out["text"]);
+    assert!(out.get("tool_calls").is_none() && out.get("tool_call_error").is_none());
+    let without = json(&ok(cachalot(&base, None)));
+    assert!(tok
+        .decode(&ids(&without["prompt_ids"]))
+        .unwrap()
+        .ends_with("Hi"));
+
+    for (body, want) in [
+        ("{\"tools\": []}", "expected a JSON list"),
+        (
+            "[{\"type\": \"function\", \"function\": {}}]",
+            "tool 0 has no function name",
+        ),
+        (
+            "[{\"function\": {\"name\": \"f\"}}, 3]",
+            "tool 1 has no function name",
+        ),
+        (
+            "[{\"type\": \"code\", \"function\": {\"name\": \"f\"}}]",
+            "tool 0 has type \"code\"",
+        ),
+        ("[", "not valid JSON"),
+    ] {
+        std::fs::write(&tools, body).unwrap();
+        let out = cachalot(&[&base[..], &["--tools", &tf]].concat(), None);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{body}");
+        assert!(err.contains(&tf) && err.contains(want), "{body}: {err}");
+    }
+    // --tools is a chat option.
+    let out = cachalot(
+        &[
+            "generate", "--model", &model, "--prompt", "Hi", "--tools", &tf,
+        ],
+        None,
+    );
+    assert!(!out.status.success());
+}
+
+#[test]
+fn chat_tool_results_need_a_pending_call() {
+    let out = ok(cachalot(
+        &[
+            "chat",
+            "--model",
+            &r1_tiny(),
+            "--chat-template",
+            &r1_template(),
+            "--max-new-tokens",
+            "2",
+            "--json",
+        ],
+        Some("/tool 21 C\n/toolbox\n"),
+    ));
+    // `/tool` with no call waiting is refused; `/toolbox` is an ordinary message.
+    let turns: Vec<Value> = out.lines().map(json).collect();
+    assert_eq!(turns.len(), 1, "{out}");
+    assert!(turns[0]["prompt"].as_str().unwrap().contains("/toolbox"));
+}

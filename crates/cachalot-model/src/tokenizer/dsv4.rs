@@ -903,6 +903,32 @@ pub fn parse_completion(text: &str, mode: ThinkingMode) -> Result<V4Message, Com
     Ok(V4Message::assistant(content, reasoning, calls))
 }
 
+/// The answer part of a completion as the engine streams it (after the reasoning; stop tokens
+/// such as EOS are not in the text, though a final EOS is accepted): the content up to the
+/// tool-call block and the calls (`tool_calls::ToolCallFormat::DeepseekV4`). Stricter than
+/// nothing, looser than [`parse_completion`]: no EOS needed, whitespace allowed after the block.
+pub fn parse_answer(text: &str) -> Result<(String, Vec<ToolCall>), CompletionError> {
+    let (content, stop, mut at) = read_until(text, 0, &[EOS, TOOL_CALLS_START]);
+    let mut calls = Vec::new();
+    if stop == Some(TOOL_CALLS_START) {
+        at = parse_tool_calls(text, at, &mut calls)?;
+        let (rest, _, next) = read_until(text, at, &[EOS]);
+        if !rest.trim().is_empty() {
+            return Err(CompletionError::TrailingText(rest.into()));
+        }
+        at = next;
+    }
+    if !text[at..].trim().is_empty() {
+        return Err(CompletionError::TrailingText(text[at..].into()));
+    }
+    for tok in [BOS, EOS, THINK_START, THINK_END, DSML] {
+        if content.contains(tok) {
+            return Err(CompletionError::SpecialTokenInContent(tok));
+        }
+    }
+    Ok((content.to_string(), calls))
+}
+
 /// The invokes after `\n\n<｜DSML｜tool_calls`, through `</｜DSML｜tool_calls>`; returns the
 /// position after it.
 fn parse_tool_calls(

@@ -9,6 +9,7 @@ pub mod chat;
 pub mod dsv4;
 mod stream;
 pub mod tiktoken;
+pub mod tool_calls;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,6 +19,7 @@ use crate::error::{ModelError, Result};
 pub use chat::{ChatTemplate, Message};
 pub use stream::StreamDecoder;
 pub use tiktoken::TiktokenBpe;
+pub use tool_calls::{ParsedAnswer, ToolCallError, ToolCallFormat};
 
 enum Backend {
     HuggingFace(Box<tokenizers::Tokenizer>),

@@ -1,0 +1,480 @@
+//! Tool calls in generated text: the answer a model wrote, split into its content and the
+//! function calls it asked for, in OpenAI's shape (`{"id", "type": "function", "function":
+//! {"name", "arguments"}}`, arguments a JSON text).
+//!
+//! The formats are the ones the models' chat templates write for an assistant turn with
+//! `tool_calls` (spec `deepseek-v3-r1-kimi-k2.md` §7.1 and §7.2, `deepseek-v4.md` §5), so what a
+//! template renders parses back to the same calls (`tests/text.rs` checks that on the rendered
+//! fixtures):
+//! - DeepSeek-V3 / R1: `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function
+//!   <｜tool▁sep｜>NAME` + "\n```json\n" + ARGUMENTS + "\n```" + `<｜tool▁call▁end｜>` (calls
+//!   separated by newlines), then `<｜tool▁calls▁end｜>`. DeepSeek-V3.1's later form,
+//!   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`, is read too: a call
+//!   whose text after `<｜tool▁sep｜>` is not a name line followed by a ```json fence is that form.
+//! - Kimi-K2: `<|tool_calls_section_begin|>`, then per call `<|tool_call_begin|>functions.NAME:
+//!   INDEX<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>`, then
+//!   `<|tool_calls_section_end|>`. The call's id is `functions.NAME:INDEX` (what Kimi's template
+//!   expects back as `tool_call_id`).
+//! - DeepSeek-V4: the DSML block (`\n\n<｜DSML｜tool_calls>` …), read by
+//!   [`super::dsv4::parse_answer`].
+//!
+//! The text is the answer only (the reasoning removed) as the engine streams it: stop tokens
+//! (EOS, `<|im_end|>`) are not in it; a trailing one is accepted anyway. A section that is cut
+//! off (the output hit its token limit), arguments that are not a JSON object, or text after the
+//! section are errors that say which call and what is wrong: the caller keeps the raw text then
+//! (vLLM's parsers do the same: no tool calls, the text as content).
+
+use serde_json::Value;
+
+use super::dsv4::{self, FunctionCall, ToolCall};
+use super::Tokenizer;
+
+const V3_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+const V3_CALLS_END: &str = "<｜tool▁calls▁end｜>";
+const V3_CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
+const V3_CALL_END: &str = "<｜tool▁call▁end｜>";
+const V3_SEP: &str = "<｜tool▁sep｜>";
+const V3_EOS: &str = "<｜end▁of▁sentence｜>";
+
+const KIMI_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
+const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
+const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
+const KIMI_ARGS_BEGIN: &str = "<|tool_call_argument_begin|>";
+const KIMI_CALL_END: &str = "<|tool_call_end|>";
+const KIMI_END_MARKERS: [&str; 2] = ["<|im_end|>", "[EOS]"];
+
+/// The tool-call markup a model family writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolCallFormat {
+    /// DeepSeek-V3, R1 (and V3.1's variant of the call).
+    DeepseekV3,
+    /// Kimi-K2 (Instruct and Thinking).
+    KimiK2,
+    /// DeepSeek-V4's DSML.
+    DeepseekV4,
+}
+
+/// An answer split into its text and its tool calls.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ParsedAnswer {
+    /// The text before the tool calls (all of it when there are none).
+    pub content: String,
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// Why the tool-call section of an answer could not be read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ToolCallError {
+    #[error(
+        "the tool-call section is not closed by `{0}` (was the output cut off by max_new_tokens?)"
+    )]
+    Unclosed(&'static str),
+    #[error("tool call {index}: {what}")]
+    Call { index: usize, what: String },
+    #[error("unexpected text after the tool-call section: {0:?}")]
+    TrailingText(String),
+    #[error("{0}")]
+    Dsml(String),
+}
+
+impl ToolCallFormat {
+    /// The format of a model whose tokenizer is `tok`: by the tool tokens its vocabulary holds
+    /// (`v4`: the model is DeepSeek-V4, whose tokenizer carries V3's tokens too). None when the
+    /// vocabulary has neither family's tokens.
+    pub fn for_tokenizer(tok: &Tokenizer, v4: bool) -> Option<ToolCallFormat> {
+        if v4 {
+            Some(ToolCallFormat::DeepseekV4)
+        } else if tok.token_to_id(V3_CALLS_BEGIN).is_some() {
+            Some(ToolCallFormat::DeepseekV3)
+        } else if tok.token_to_id(KIMI_SECTION_BEGIN).is_some() {
+            Some(ToolCallFormat::KimiK2)
+        } else {
+            None
+        }
+    }
+
+    /// The text that opens a tool-call section (a streaming printer can stop showing the
+    /// answer there).
+    pub fn section_start(self) -> &'static str {
+        match self {
+            ToolCallFormat::DeepseekV3 => V3_CALLS_BEGIN,
+            ToolCallFormat::KimiK2 => KIMI_SECTION_BEGIN,
+            ToolCallFormat::DeepseekV4 => "\n\n<｜DSML｜tool_calls",
+        }
+    }
+
+    /// Splits an answer (the reasoning removed) into content and tool calls.
+    pub fn parse(self, answer: &str) -> Result<ParsedAnswer, ToolCallError> {
+        match self {
+            ToolCallFormat::DeepseekV3 => parse_v3(answer),
+            ToolCallFormat::KimiK2 => parse_kimi(answer),
+            ToolCallFormat::DeepseekV4 => {
+                let (content, tool_calls) =
+                    dsv4::parse_answer(answer).map_err(|e| ToolCallError::Dsml(e.to_string()))?;
+                let tool_calls = tool_calls
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, mut c)| {
+                        c.id.get_or_insert_with(|| format!("call_{i}"));
+                        c
+                    })
+                    .collect();
+                Ok(ParsedAnswer {
+                    content,
+                    tool_calls,
+                })
+            }
+        }
+    }
+}
+
+/// A call in OpenAI's shape.
+fn call(id: String, name: &str, arguments: &str) -> ToolCall {
+    ToolCall {
+        id: Some(id),
+        kind: Some("function".into()),
+        function: FunctionCall {
+            name: name.into(),
+            arguments: Value::String(arguments.into()),
+            id: None,
+        },
+    }
+}
+
+/// `arguments` is a JSON object (OpenAI's `arguments` is one, as text).
+fn check_arguments(index: usize, arguments: &str) -> Result<(), ToolCallError> {
+    match serde_json::from_str::<Value>(arguments) {
+        Ok(Value::Object(_)) => Ok(()),
+        Ok(_) => Err(ToolCallError::Call {
+            index,
+            what: format!("the arguments are not a JSON object: {arguments:?}"),
+        }),
+        Err(e) => Err(ToolCallError::Call {
+            index,
+            what: format!("the arguments are not valid JSON ({e}): {arguments:?}"),
+        }),
+    }
+}
+
+/// What follows a section's end may only be whitespace and the given end markers.
+fn check_tail(rest: &str, markers: &[&str]) -> Result<(), ToolCallError> {
+    let mut rest = rest.trim();
+    while let Some(m) = markers.iter().find(|m| rest.starts_with(**m)) {
+        rest = rest[m.len()..].trim_start();
+    }
+    if rest.is_empty() {
+        Ok(())
+    } else {
+        Err(ToolCallError::TrailingText(rest.into()))
+    }
+}
+
+/// One format's markup: the section's and each call's delimiters, what may follow the section
+/// (end-of-turn markers), and how a call's body (between its delimiters) reads.
+struct Markup {
+    section_begin: &'static str,
+    section_end: &'static str,
+    call_begin: &'static str,
+    call_end: &'static str,
+    end_markers: &'static [&'static str],
+    call: fn(usize, &str) -> Result<ToolCall, ToolCallError>,
+}
+
+const V3_MARKUP: Markup = Markup {
+    section_begin: V3_CALLS_BEGIN,
+    section_end: V3_CALLS_END,
+    call_begin: V3_CALL_BEGIN,
+    call_end: V3_CALL_END,
+    end_markers: &[V3_EOS],
+    call: v3_call,
+};
+
+const KIMI_MARKUP: Markup = Markup {
+    section_begin: KIMI_SECTION_BEGIN,
+    section_end: KIMI_SECTION_END,
+    call_begin: KIMI_CALL_BEGIN,
+    call_end: KIMI_CALL_END,
+    end_markers: &KIMI_END_MARKERS,
+    call: kimi_call,
+};
+
+fn parse_v3(answer: &str) -> Result<ParsedAnswer, ToolCallError> {
+    parse_section(&V3_MARKUP, answer)
+}
+
+fn parse_kimi(answer: &str) -> Result<ParsedAnswer, ToolCallError> {
+    parse_section(&KIMI_MARKUP, answer)
+}
+
+fn parse_section(m: &Markup, answer: &str) -> Result<ParsedAnswer, ToolCallError> {
+    let Some(start) = answer.find(m.section_begin) else {
+        let mut content = answer;
+        while let Some(e) = m.end_markers.iter().find(|e| content.ends_with(**e)) {
+            content = &content[..content.len() - e.len()];
+        }
+        return Ok(ParsedAnswer {
+            content: content.into(),
+            tool_calls: Vec::new(),
+        });
+    };
+    let content = answer[..start].to_string();
+    let mut rest = &answer[start + m.section_begin.len()..];
+    let mut calls = Vec::new();
+    loop {
+        rest = rest.trim_start();
+        if let Some(r) = rest.strip_prefix(m.section_end) {
+            check_tail(r, m.end_markers)?;
+            break;
+        }
+        let index = calls.len();
+        let Some(r) = rest.strip_prefix(m.call_begin) else {
+            if rest.is_empty() {
+                return Err(ToolCallError::Unclosed(m.section_end));
+            }
+            return Err(ToolCallError::Call {
+                index,
+                what: format!(
+                    "expected `{}` or `{}`, got {rest:?}",
+                    m.call_begin, m.section_end
+                ),
+            });
+        };
+        let Some(end) = r.find(m.call_end) else {
+            return Err(ToolCallError::Unclosed(m.call_end));
+        };
+        calls.push((m.call)(index, &r[..end])?);
+        rest = &r[end + m.call_end.len()..];
+    }
+    Ok(ParsedAnswer {
+        content,
+        tool_calls: calls,
+    })
+}
+
+/// `function<sep>NAME\n```json\nARGS\n```` (V3/R1) or `NAME<sep>ARGS` (V3.1).
+fn v3_call(index: usize, body: &str) -> Result<ToolCall, ToolCallError> {
+    let Some((head, tail)) = body.split_once(V3_SEP) else {
+        return Err(ToolCallError::Call {
+            index,
+            what: format!("no `{V3_SEP}` between the name and the arguments: {body:?}"),
+        });
+    };
+    let fenced = tail.split_once('\n').and_then(|(name, r)| {
+        let args = r.strip_prefix("```json\n")?;
+        let args = args
+            .strip_suffix("\n```")
+            .or_else(|| args.strip_suffix("```"))?;
+        Some((name, args))
+    });
+    let (name, args) = match fenced {
+        Some((name, args)) => (name.trim(), args.trim()),
+        None if head.trim() == "function" && tail.contains("```json") => {
+            return Err(ToolCallError::Call {
+                index,
+                what: format!(
+                    "the arguments are not a name line and a closed ```json fence: {tail:?}"
+                ),
+            });
+        }
+        None => (head.trim(), tail.trim()),
+    };
+    if name.is_empty() {
+        return Err(ToolCallError::Call {
+            index,
+            what: "the function name is empty".into(),
+        });
+    }
+    check_arguments(index, args)?;
+    Ok(call(format!("call_{index}"), name, args))
+}
+
+/// `functions.NAME:INDEX<|tool_call_argument_begin|>ARGS`; the id is `functions.NAME:INDEX`.
+fn kimi_call(index: usize, body: &str) -> Result<ToolCall, ToolCallError> {
+    let Some((id, args)) = body.split_once(KIMI_ARGS_BEGIN) else {
+        return Err(ToolCallError::Call {
+            index,
+            what: format!("no `{KIMI_ARGS_BEGIN}` after the call's id: {body:?}"),
+        });
+    };
+    let (id, args) = (id.trim(), args.trim());
+    // The name is between the namespace and the last colon.
+    let base = id.strip_prefix("functions.").unwrap_or(id);
+    let name = match base.rsplit_once(':') {
+        Some((n, i)) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => n,
+        _ => base,
+    };
+    if name.is_empty() {
+        return Err(ToolCallError::Call {
+            index,
+            what: format!("no function name in the call id {id:?}"),
+        });
+    }
+    check_arguments(index, args)?;
+    Ok(call(id.to_string(), name, args))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(p: &ParsedAnswer) -> Vec<(String, String, String)> {
+        p.tool_calls
+            .iter()
+            .map(|c| {
+                (
+                    c.id.clone().unwrap_or_default(),
+                    c.function.name.clone(),
+                    c.function.arguments.as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn v3_calls_in_r1_form_and_v31_form() {
+        let text = "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let p = ToolCallFormat::DeepseekV3.parse(text).unwrap();
+        assert_eq!(p.content, "Let me look.");
+        assert_eq!(
+            names(&p),
+            vec![
+                (
+                    "call_0".into(),
+                    "get_weather".into(),
+                    "{\"city\": \"Paris\"}".into()
+                ),
+                ("call_1".into(), "get_time".into(), "{}".into()),
+            ]
+        );
+        let v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{\"q\": \"x\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>";
+        let p = ToolCallFormat::DeepseekV3.parse(v31).unwrap();
+        assert_eq!(p.content, "");
+        assert_eq!(
+            names(&p),
+            vec![("call_0".into(), "search".into(), "{\"q\": \"x\"}".into())]
+        );
+    }
+
+    #[test]
+    fn plain_answers_have_no_calls() {
+        for f in [
+            ToolCallFormat::DeepseekV3,
+            ToolCallFormat::KimiK2,
+            ToolCallFormat::DeepseekV4,
+        ] {
+            let p = f.parse("Just text, {\"a\": 1}.").unwrap();
+            assert_eq!(p.content, "Just text, {\"a\": 1}.");
+            assert!(p.tool_calls.is_empty());
+        }
+        assert_eq!(
+            ToolCallFormat::KimiK2
+                .parse("hi<|im_end|>")
+                .unwrap()
+                .content,
+            "hi"
+        );
+    }
+
+    #[test]
+    fn kimi_calls_keep_their_ids() {
+        let text = "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\":\"Paris\"}<|tool_call_end|><|tool_call_begin|>functions.web.search:1<|tool_call_argument_begin|>{\"q\":\"a:b\"}<|tool_call_end|><|tool_calls_section_end|>";
+        let p = ToolCallFormat::KimiK2.parse(text).unwrap();
+        assert_eq!(
+            names(&p),
+            vec![
+                (
+                    "functions.get_weather:0".into(),
+                    "get_weather".into(),
+                    "{\"city\":\"Paris\"}".into()
+                ),
+                (
+                    "functions.web.search:1".into(),
+                    "web.search".into(),
+                    "{\"q\":\"a:b\"}".into()
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn malformed_sections_are_named() {
+        let v3 = ToolCallFormat::DeepseekV3;
+        let cut =
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\"";
+        assert_eq!(
+            v3.parse(cut).unwrap_err(),
+            ToolCallError::Unclosed(V3_CALL_END)
+        );
+        let unclosed =
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>";
+        assert_eq!(
+            v3.parse(unclosed).unwrap_err(),
+            ToolCallError::Unclosed(V3_CALLS_END)
+        );
+        let bad = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>{oops}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let e = v3.parse(bad).unwrap_err().to_string();
+        assert!(
+            e.starts_with("tool call 1: the arguments are not valid JSON"),
+            "{e}"
+        );
+        let fence = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        assert!(v3
+            .parse(fence)
+            .unwrap_err()
+            .to_string()
+            .contains("closed ```json fence"));
+        let list = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        assert!(v3
+            .parse(list)
+            .unwrap_err()
+            .to_string()
+            .contains("not a JSON object"));
+        let trailing = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>and more";
+        assert_eq!(
+            v3.parse(trailing).unwrap_err(),
+            ToolCallError::TrailingText("and more".into())
+        );
+        let no_sep = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f {}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        assert!(v3
+            .parse(no_sep)
+            .unwrap_err()
+            .to_string()
+            .contains("tool call 0: no `<｜tool▁sep｜>`"));
+
+        let kimi = ToolCallFormat::KimiK2;
+        let cut = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>";
+        assert_eq!(
+            kimi.parse(cut).unwrap_err(),
+            ToolCallError::Unclosed(KIMI_SECTION_END)
+        );
+        let no_name = "<|tool_calls_section_begin|><|tool_call_begin|>functions.:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
+        assert!(kimi
+            .parse(no_name)
+            .unwrap_err()
+            .to_string()
+            .contains("no function name"));
+        let stray = "<|tool_calls_section_begin|>hello<|tool_calls_section_end|>";
+        assert!(kimi
+            .parse(stray)
+            .unwrap_err()
+            .to_string()
+            .starts_with("tool call 0: expected"));
+    }
+
+    #[test]
+    fn v4_dsml_calls_get_ids() {
+        let text = "Checking.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n<｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        let p = ToolCallFormat::DeepseekV4.parse(text).unwrap();
+        assert_eq!(p.content, "Checking.");
+        assert_eq!(
+            names(&p),
+            vec![(
+                "call_0".into(),
+                "get_weather".into(),
+                "{\"city\": \"Paris\"}".into()
+            )]
+        );
+        let cut = "Checking.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n";
+        assert!(ToolCallFormat::DeepseekV4.parse(cut).is_err());
+    }
+}
