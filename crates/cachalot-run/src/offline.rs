@@ -922,7 +922,7 @@ pub fn run_ranked(
         // Tool calls the model wrote (only when it wrote a tool-call section).
         if let (Some(f), Some(obj)) = (tool_format, v.as_object_mut()) {
             let answer = ReasoningSplitter::split(&p.text, &o.text).1;
-            if answer.contains(f.section_start()) {
+            if f.mentions_tool_calls(&answer) {
                 match f.parse(&answer) {
                     Ok(parsed) => {
                         obj.insert(

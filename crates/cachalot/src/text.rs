@@ -788,9 +788,18 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             args.sampling.max_new_tokens,
             max_positions,
         ) {
-            // The turn is refused; the conversation goes on without it.
+            // The turn is refused; the conversation goes on without it. A refused turn after the
+            // last tool result gives the results back: they wait for /tool again.
             eprintln!("error: {e:#} (/reset clears the history)");
             history.truncate(history.len() - added);
+            if added == 0 {
+                while history.last().is_some_and(|m| m["role"] == "tool") {
+                    let m = history.pop().expect("a last message");
+                    if let Some(id) = m["tool_call_id"].as_str() {
+                        pending.push_front(id.to_string());
+                    }
+                }
+            }
             continue;
         }
         cancel.store(false, Ordering::SeqCst);
@@ -810,7 +819,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         );
         generating.store(false, Ordering::SeqCst);
         let g = result?;
-        let answer = answer_of(&prompt_text, &g.text);
+        let (reasoning, answer) = ReasoningSplitter::split(&prompt_text, &g.text);
         let parsed = tool_calls_of(tool_format, &answer);
         match printer.as_mut() {
             Some(p) => {
@@ -840,9 +849,12 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
                 // The history keeps the calls as the template renders them; each waits for its
                 // result.
                 pending = p.tool_calls.iter().filter_map(|c| c.id.clone()).collect();
+                // The reasoning goes along: V4 keeps it in tool-use turns, Kimi-K2-Thinking's
+                // template renders it for the turns after the last user message, R1's ignores it.
                 history.push(serde_json::json!({
                     "role": "assistant",
                     "content": p.content,
+                    "reasoning_content": reasoning,
                     "tool_calls": p.tool_calls,
                 }));
                 if interactive {
@@ -853,6 +865,15 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         }
         // The template decides what of the answer the history keeps (R1 drops the reasoning);
         // the generation prompt's own opening (`<think>\n`) is part of the answer's text.
+        // V4's encoder takes the reasoning as its own field.
+        if family == ModelFamily::DeepseekV4 {
+            history.push(serde_json::json!({
+                "role": "assistant",
+                "content": answer,
+                "reasoning_content": reasoning,
+            }));
+            continue;
+        }
         let opened = ReasoningSplitter::prompt_opens_reasoning(&prompt_text);
         let content = if opened && g.text.contains("</think>") {
             format!("<think>\n{}", g.text)

@@ -703,3 +703,44 @@ fn chat_tool_results_need_a_pending_call() {
     assert_eq!(turns.len(), 1, "{out}");
     assert!(turns[0]["prompt"].as_str().unwrap().contains("/toolbox"));
 }
+
+#[test]
+fn v4_chat_history_keeps_reasoning_apart() {
+    // DeepSeek-V4's encoder takes an assistant turn's reasoning as its own field: in thinking
+    // mode the earlier turn's reasoning is dropped from the next prompt, not rendered as answer.
+    let model = root().join("fixtures/v4/flash_tiny").display().to_string();
+    let run = |kwargs: &str| -> Vec<Value> {
+        let out = ok(cachalot(
+            &[
+                "chat",
+                "--model",
+                &model,
+                "--max-new-tokens",
+                "4",
+                "--json",
+                "--chat-template-kwargs",
+                kwargs,
+            ],
+            Some("hi\nthere\n"),
+        ));
+        out.lines().map(json).collect()
+    };
+    let chat = run("{}");
+    let first = chat[0]["content"].as_str().unwrap();
+    assert_eq!(first, chat[0]["text"].as_str().unwrap());
+    let p2 = chat[1]["prompt"].as_str().unwrap();
+    assert!(
+        p2.contains(&format!(
+            "<｜Assistant｜></think>{first}<｜end▁of▁sentence｜>"
+        )),
+        "{p2}"
+    );
+    let think = run(r#"{"thinking": true}"#);
+    let text = think[0]["text"].as_str().unwrap();
+    let p2 = think[1]["prompt"].as_str().unwrap();
+    if !text.contains("</think>") {
+        // All of the first turn was reasoning: nothing of it stays.
+        assert_eq!(think[0]["content"], "");
+        assert!(!p2.contains(text), "{p2}");
+    }
+}

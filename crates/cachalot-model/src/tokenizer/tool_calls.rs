@@ -10,7 +10,7 @@
 //!   <｜tool▁sep｜>NAME` + "\n```json\n" + ARGUMENTS + "\n```" + `<｜tool▁call▁end｜>` (calls
 //!   separated by newlines), then `<｜tool▁calls▁end｜>`. DeepSeek-V3.1's later form,
 //!   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`, is read too: a call
-//!   whose text after `<｜tool▁sep｜>` is not a name line followed by a ```json fence is that form.
+//!   whose head (before `<｜tool▁sep｜>`) is not `function` is that form.
 //! - Kimi-K2: `<|tool_calls_section_begin|>`, then per call `<|tool_call_begin|>functions.NAME:
 //!   INDEX<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>`, then
 //!   `<|tool_calls_section_end|>`. The call's id is `functions.NAME:INDEX` (what Kimi's template
@@ -19,10 +19,12 @@
 //!   [`super::dsv4::parse_answer`].
 //!
 //! The text is the answer only (the reasoning removed) as the engine streams it: stop tokens
-//! (EOS, `<|im_end|>`) are not in it; a trailing one is accepted anyway. A section that is cut
-//! off (the output hit its token limit), arguments that are not a JSON object, or text after the
-//! section are errors that say which call and what is wrong: the caller keeps the raw text then
-//! (vLLM's parsers do the same: no tool calls, the text as content).
+//! (EOS, `<|im_end|>`) are not in it; a trailing one is accepted anyway, and so is a section
+//! whose closing marker never came (the model stopped after its last complete call, as vLLM
+//! accepts). A call that is cut off (the output hit its token limit), arguments that are not a
+//! JSON object (V4's included), or text after the section are errors that say which call and
+//! what is wrong: the caller keeps the raw text then (vLLM's parsers do the same: no tool calls,
+//! the text as content).
 
 use serde_json::Value;
 
@@ -38,6 +40,9 @@ const V3_EOS: &str = "<｜end▁of▁sentence｜>";
 
 const KIMI_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
 const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
+/// The singular spelling some Kimi-K2 outputs use (vLLM's parser accepts both).
+const KIMI_SECTION_BEGIN_1: &str = "<|tool_call_section_begin|>";
+const KIMI_SECTION_END_1: &str = "<|tool_call_section_end|>";
 const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
 const KIMI_ARGS_BEGIN: &str = "<|tool_call_argument_begin|>";
 const KIMI_CALL_END: &str = "<|tool_call_end|>";
@@ -65,10 +70,10 @@ pub struct ParsedAnswer {
 /// Why the tool-call section of an answer could not be read.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ToolCallError {
-    #[error(
-        "the tool-call section is not closed by `{0}` (was the output cut off by max_new_tokens?)"
-    )]
+    #[error("the tool-call section ends inside a call: no `{0}` (was the output cut off by max_new_tokens?)")]
     Unclosed(&'static str),
+    #[error("the tool-call section holds no call")]
+    Empty,
     #[error("tool call {index}: {what}")]
     Call { index: usize, what: String },
     #[error("unexpected text after the tool-call section: {0:?}")]
@@ -93,13 +98,13 @@ impl ToolCallFormat {
         }
     }
 
-    /// The text that opens a tool-call section (a streaming printer can stop showing the
-    /// answer there).
-    pub fn section_start(self) -> &'static str {
+    /// Whether an answer has any of the format's tool-call markup (a section, a call, or for V4
+    /// any DSML), well-formed or not: where [`ToolCallFormat::parse`] has something to say.
+    pub fn mentions_tool_calls(self, answer: &str) -> bool {
         match self {
-            ToolCallFormat::DeepseekV3 => V3_CALLS_BEGIN,
-            ToolCallFormat::KimiK2 => KIMI_SECTION_BEGIN,
-            ToolCallFormat::DeepseekV4 => "\n\n<｜DSML｜tool_calls",
+            ToolCallFormat::DeepseekV3 => answer.contains("<｜tool▁call"),
+            ToolCallFormat::KimiK2 => answer.contains("<|tool_call"),
+            ToolCallFormat::DeepseekV4 => answer.contains(dsv4::DSML),
         }
     }
 
@@ -111,14 +116,22 @@ impl ToolCallFormat {
             ToolCallFormat::DeepseekV4 => {
                 let (content, tool_calls) =
                     dsv4::parse_answer(answer).map_err(|e| ToolCallError::Dsml(e.to_string()))?;
-                let tool_calls = tool_calls
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, mut c)| {
-                        c.id.get_or_insert_with(|| format!("call_{i}"));
-                        c
-                    })
-                    .collect();
+                let mut calls = Vec::with_capacity(tool_calls.len());
+                for (i, mut c) in tool_calls.into_iter().enumerate() {
+                    // Non-string parameters are kept as the model wrote them: check they are JSON.
+                    if let Value::String(args) = &c.function.arguments {
+                        check_arguments(i, args).map_err(|e| match e {
+                            ToolCallError::Call { index, what } => ToolCallError::Call {
+                                index,
+                                what: format!("`{}`: {what}", c.function.name),
+                            },
+                            other => other,
+                        })?;
+                    }
+                    c.id.get_or_insert_with(|| format!("call_{i}"));
+                    calls.push(c);
+                }
+                let tool_calls = calls;
                 Ok(ParsedAnswer {
                     content,
                     tool_calls,
@@ -172,8 +185,9 @@ fn check_tail(rest: &str, markers: &[&str]) -> Result<(), ToolCallError> {
 /// One format's markup: the section's and each call's delimiters, what may follow the section
 /// (end-of-turn markers), and how a call's body (between its delimiters) reads.
 struct Markup {
-    section_begin: &'static str,
-    section_end: &'static str,
+    /// Spellings of the section's opening and closing markers (the first is the canonical one).
+    section_begin: &'static [&'static str],
+    section_end: &'static [&'static str],
     call_begin: &'static str,
     call_end: &'static str,
     end_markers: &'static [&'static str],
@@ -181,8 +195,8 @@ struct Markup {
 }
 
 const V3_MARKUP: Markup = Markup {
-    section_begin: V3_CALLS_BEGIN,
-    section_end: V3_CALLS_END,
+    section_begin: &[V3_CALLS_BEGIN],
+    section_end: &[V3_CALLS_END],
     call_begin: V3_CALL_BEGIN,
     call_end: V3_CALL_END,
     end_markers: &[V3_EOS],
@@ -190,8 +204,8 @@ const V3_MARKUP: Markup = Markup {
 };
 
 const KIMI_MARKUP: Markup = Markup {
-    section_begin: KIMI_SECTION_BEGIN,
-    section_end: KIMI_SECTION_END,
+    section_begin: &[KIMI_SECTION_BEGIN, KIMI_SECTION_BEGIN_1],
+    section_end: &[KIMI_SECTION_END, KIMI_SECTION_END_1],
     call_begin: KIMI_CALL_BEGIN,
     call_end: KIMI_CALL_END,
     end_markers: &KIMI_END_MARKERS,
@@ -207,7 +221,12 @@ fn parse_kimi(answer: &str) -> Result<ParsedAnswer, ToolCallError> {
 }
 
 fn parse_section(m: &Markup, answer: &str) -> Result<ParsedAnswer, ToolCallError> {
-    let Some(start) = answer.find(m.section_begin) else {
+    let found = m
+        .section_begin
+        .iter()
+        .filter_map(|b| answer.find(b).map(|at| (at, b.len())))
+        .min();
+    let Some((start, begin_len)) = found else {
         let mut content = answer;
         while let Some(e) = m.end_markers.iter().find(|e| content.ends_with(**e)) {
             content = &content[..content.len() - e.len()];
@@ -218,24 +237,30 @@ fn parse_section(m: &Markup, answer: &str) -> Result<ParsedAnswer, ToolCallError
         });
     };
     let content = answer[..start].to_string();
-    let mut rest = &answer[start + m.section_begin.len()..];
+    let mut rest = &answer[start + begin_len..];
     let mut calls = Vec::new();
     loop {
         rest = rest.trim_start();
-        if let Some(r) = rest.strip_prefix(m.section_end) {
-            check_tail(r, m.end_markers)?;
+        if let Some(end) = m.section_end.iter().find(|e| rest.starts_with(**e)) {
+            check_tail(&rest[end.len()..], m.end_markers)?;
+            break;
+        }
+        // No closing marker: the model stopped (its end-of-turn token is not in the text, or is
+        // the rest) after its last complete call.
+        let stopped = rest.is_empty() || check_tail(rest, m.end_markers).is_ok();
+        if stopped && !calls.is_empty() {
             break;
         }
         let index = calls.len();
         let Some(r) = rest.strip_prefix(m.call_begin) else {
-            if rest.is_empty() {
-                return Err(ToolCallError::Unclosed(m.section_end));
+            if stopped {
+                return Err(ToolCallError::Empty);
             }
             return Err(ToolCallError::Call {
                 index,
                 what: format!(
                     "expected `{}` or `{}`, got {rest:?}",
-                    m.call_begin, m.section_end
+                    m.call_begin, m.section_end[0]
                 ),
             });
         };
@@ -259,24 +284,27 @@ fn v3_call(index: usize, body: &str) -> Result<ToolCall, ToolCallError> {
             what: format!("no `{V3_SEP}` between the name and the arguments: {body:?}"),
         });
     };
-    let fenced = tail.split_once('\n').and_then(|(name, r)| {
-        let args = r.strip_prefix("```json\n")?;
-        let args = args
-            .strip_suffix("\n```")
-            .or_else(|| args.strip_suffix("```"))?;
-        Some((name, args))
-    });
-    let (name, args) = match fenced {
-        Some((name, args)) => (name.trim(), args.trim()),
-        None if head.trim() == "function" && tail.contains("```json") => {
-            return Err(ToolCallError::Call {
-                index,
-                what: format!(
-                    "the arguments are not a name line and a closed ```json fence: {tail:?}"
-                ),
-            });
+    // The fenced form is R1/V3's, whose head is the call's type; V3.1 puts the name there.
+    let (name, args) = if head.trim() == "function" {
+        let fenced = tail.split_once('\n').and_then(|(name, r)| {
+            let args = r.trim_start().strip_prefix("```json")?;
+            let args = args.trim_end().strip_suffix("```")?;
+            Some((name, args))
+        });
+        match fenced {
+            Some((name, args)) => (name.trim(), args.trim()),
+            None => {
+                return Err(ToolCallError::Call {
+                    index,
+                    what: format!(
+                        "after `function{V3_SEP}`, expected the name on its own line and the \
+                         arguments in a closed ```json fence: {tail:?}"
+                    ),
+                })
+            }
         }
-        None => (head.trim(), tail.trim()),
+    } else {
+        (head.trim(), tail.trim())
     };
     if name.is_empty() {
         return Err(ToolCallError::Call {
@@ -300,7 +328,7 @@ fn kimi_call(index: usize, body: &str) -> Result<ToolCall, ToolCallError> {
     // The name is between the namespace and the last colon.
     let base = id.strip_prefix("functions.").unwrap_or(id);
     let name = match base.rsplit_once(':') {
-        Some((n, i)) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => n,
+        Some((n, i)) if i.bytes().all(|b| b.is_ascii_digit()) => n,
         _ => base,
     };
     if name.is_empty() {
@@ -405,12 +433,23 @@ mod tests {
             v3.parse(cut).unwrap_err(),
             ToolCallError::Unclosed(V3_CALL_END)
         );
+        // The model stopped after its last call without closing the section: the calls stand.
         let unclosed =
-            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>";
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>\n";
+        assert_eq!(v3.parse(unclosed).unwrap().tool_calls.len(), 1);
+        let eos = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜end▁of▁sentence｜>";
+        assert_eq!(v3.parse(eos).unwrap().tool_calls.len(), 1);
         assert_eq!(
-            v3.parse(unclosed).unwrap_err(),
-            ToolCallError::Unclosed(V3_CALLS_END)
+            v3.parse("a<｜tool▁calls▁begin｜>").unwrap_err(),
+            ToolCallError::Empty
         );
+        // A V3.1 call is never read as the fenced form (its head is a name, not `function`).
+        let v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>run<｜tool▁sep｜>{\"code\": \"x\"}\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        assert!(v3
+            .parse(v31)
+            .unwrap_err()
+            .to_string()
+            .contains("not valid JSON"));
         let bad = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>{oops}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
         let e = v3.parse(bad).unwrap_err().to_string();
         assert!(
@@ -423,6 +462,12 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("closed ```json fence"));
+        // Whitespace and CRLF around the fence are the model's to choose.
+        let loose = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\r\n```json\r\n{\"a\": 1}\r\n```\n<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        assert_eq!(
+            names(&v3.parse(loose).unwrap()),
+            vec![("call_0".into(), "f".into(), "{\"a\": 1}".into())]
+        );
         let list = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
         assert!(v3
             .parse(list)
@@ -442,11 +487,13 @@ mod tests {
             .contains("tool call 0: no `<｜tool▁sep｜>`"));
 
         let kimi = ToolCallFormat::KimiK2;
-        let cut = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>";
+        let cut = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\"";
         assert_eq!(
             kimi.parse(cut).unwrap_err(),
-            ToolCallError::Unclosed(KIMI_SECTION_END)
+            ToolCallError::Unclosed(KIMI_CALL_END)
         );
+        let stopped = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|im_end|>";
+        assert_eq!(kimi.parse(stopped).unwrap().tool_calls.len(), 1);
         let no_name = "<|tool_calls_section_begin|><|tool_call_begin|>functions.:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
         assert!(kimi
             .parse(no_name)
@@ -459,6 +506,29 @@ mod tests {
             .unwrap_err()
             .to_string()
             .starts_with("tool call 0: expected"));
+    }
+
+    #[test]
+    fn kimi_variants() {
+        let kimi = ToolCallFormat::KimiK2;
+        // The singular section marker, an id without namespace, an empty index.
+        let text = "<|tool_call_section_begin|><|tool_call_begin|>lookup:3<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_call_begin|>functions.f:<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_call_section_end|>";
+        let p = kimi.parse(text).unwrap();
+        assert_eq!(
+            names(&p),
+            vec![
+                ("lookup:3".into(), "lookup".into(), "{}".into()),
+                ("functions.f:".into(), "f".into(), "{}".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn markup_is_noticed_even_when_malformed() {
+        assert!(ToolCallFormat::DeepseekV3.mentions_tool_calls("x<｜tool▁call▁begin｜>"));
+        assert!(ToolCallFormat::KimiK2.mentions_tool_calls("<|tool_call_begin|>"));
+        assert!(ToolCallFormat::DeepseekV4.mentions_tool_calls("\n<｜DSML｜tool_calls>"));
+        assert!(!ToolCallFormat::DeepseekV4.mentions_tool_calls("plain"));
     }
 
     #[test]
@@ -476,5 +546,15 @@ mod tests {
         );
         let cut = "Checking.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n";
         assert!(ToolCallFormat::DeepseekV4.parse(cut).is_err());
+        // A non-string parameter is kept as written, so it must be JSON.
+        let bad = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"n\" string=\"false\">abc</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        let e = ToolCallFormat::DeepseekV4
+            .parse(bad)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("tool call 0: `f`: the arguments are not valid JSON"),
+            "{e}"
+        );
     }
 }
