@@ -16,8 +16,8 @@
 //! gather), and ragged segment ends go through the same zero-padded copies.
 //!
 //! What AVX-512 buys is registers and width: 32 zmm let a tile keep 8..16 accumulator chains (8
-//! rows × 1 token for decode, 4×2, 3×3, 4×4 for batches), each FMA doing 16 lanes. Tokens go in
-//! groups of 4 for any batch size (no decoded f32 panel as in AVX2: slower here, see `forward`);
+//! rows × 1 token for decode, 4×2, 3×3, 4×4, 4×5, 4×6 for batches), each FMA doing 16 lanes. Tokens
+//! go in groups of up to 6 for any batch size (no decoded f32 panel as in AVX2: slower here, see `forward`);
 //! since every (row, token) pair's operations are those of AVX2's `tile`, results match AVX2's
 //! tile and panel paths alike. The weight line one row tile ahead is prefetched in software (`avx2::prefetch_ahead`).
 //!
@@ -180,6 +180,10 @@ unsafe fn forward<W: Weights16x512>(
     n_tokens: usize,
     out: &OutRows,
 ) {
+    // Groups of 6 tokens (4 × 6 tiles, 24 accumulators): against groups of 4, in-process
+    // alternating timings on Zen 5 gave BF16 1.18-1.32× at 512 tokens on 1536-2048-wide
+    // matrices (each group's activations are re-read from L2 per row tile, and weights re-decoded
+    // per group: fewer groups, less of both), FP8 and int8 0.95-1.15× (docs/PERF.md).
     // No f32 panel (AVX2's `forward_panel`) here: on Zen 5 the 4-row × 4-token tiles, decoding
     // each weight once per group of 4 tokens, measured faster at 16 and 64 tokens than a
     // decoded panel with 2-row × 8-token tiles (docs/PERF.md).
@@ -189,12 +193,14 @@ unsafe fn forward<W: Weights16x512>(
         let block = r0..(r0 + block_rows).min(rows.end);
         let mut t0 = 0;
         while t0 < n_tokens {
-            let nt = (n_tokens - t0).min(4);
+            let nt = (n_tokens - t0).min(6);
             match nt {
                 1 => row_tiles::<W, 8, 1>(w, block.clone(), x, t0, out),
                 2 => row_tiles::<W, 4, 2>(w, block.clone(), x, t0, out),
                 3 => row_tiles::<W, 3, 3>(w, block.clone(), x, t0, out),
-                _ => row_tiles::<W, 4, 4>(w, block.clone(), x, t0, out),
+                4 => row_tiles::<W, 4, 4>(w, block.clone(), x, t0, out),
+                5 => row_tiles::<W, 4, 5>(w, block.clone(), x, t0, out),
+                _ => row_tiles::<W, 4, 6>(w, block.clone(), x, t0, out),
             }
             t0 += nt;
         }

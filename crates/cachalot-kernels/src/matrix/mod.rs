@@ -26,7 +26,7 @@
 //!   row for f32 activations (W4A16). INT8 per channel (`w8a8-int`/`w4a8-int`) is `W8A8`.
 //!
 //! Products keep the weights in their stored format and convert on the fly, so a decode step
-//! streams each weight byte once per group of up to 4 tokens. Accumulation is f32. For one
+//! streams each weight byte once per group of up to 4 tokens (6 with AVX-512). Accumulation is f32. For one
 //! output row the columns are cut into segments (the FP8 column blocks, the int4 groups; the
 //! whole row otherwise); a segment's dot product is summed in registers, multiplied by its scale and added
 //! to the row total.
