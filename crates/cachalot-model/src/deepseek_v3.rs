@@ -995,28 +995,55 @@ impl DeepseekV3 {
         mla.kv_b.matmul(&c, ctx, &mut kvf);
         let scale = self.softmax_scale;
         let tq = positions.len();
+        // Per head, scores and outputs as products over blocks of queries (the tiled f32 kernel,
+        // not a dot per query-key pair): S = Q Kᵀ with the keys as the matrix's rows, then each
+        // query's causal softmax, then O = P V with Vᵀ as the matrix. A query's scores beyond
+        // its position are computed and ignored, and its weights there are zero (they add
+        // nothing to its output, whatever the chunking). Queries go in blocks of QB so S stays
+        // small at long contexts.
+        const QB: usize = 64;
         let per_head: Vec<Vec<f32>> = (0..n)
             .into_par_iter()
             .map(|hd| {
-                let mut out = vec![0.0f32; tq * vd];
-                let mut scores = vec![0.0f32; ctx];
-                for (t, &pos) in positions.iter().enumerate() {
-                    let qn = &q[(t * n + hd) * qk..(t * n + hd) * qk + nope];
-                    let qr = &q[(t * n + hd) * qk + nope..(t * n + hd + 1) * qk];
-                    let sc = &mut scores[..=pos];
-                    for (s, score) in sc.iter_mut().enumerate() {
-                        let kn = &kvf[(s * n + hd) * kvw..(s * n + hd) * kvw + nope];
-                        let kr = &latent(s)[kvr..];
-                        *score = scale * (k::dot(qn, kn) + k::dot(qr, kr));
+                k::serial(|| {
+                    let mut keys = Vec::with_capacity(ctx * qk);
+                    let mut vt = vec![0.0f32; vd * ctx];
+                    for s in 0..ctx {
+                        let row = &kvf[(s * n + hd) * kvw..(s * n + hd + 1) * kvw];
+                        keys.extend_from_slice(&row[..nope]);
+                        keys.extend_from_slice(&latent(s)[kvr..]);
+                        for (c, &v) in row[nope..].iter().enumerate() {
+                            vt[c * ctx + s] = v;
+                        }
                     }
-                    k::softmax_in_place(sc);
-                    let ot = &mut out[t * vd..(t + 1) * vd];
-                    for (s, &p) in sc.iter().enumerate() {
-                        let v = &kvf[(s * n + hd) * kvw + nope..(s * n + hd + 1) * kvw];
-                        k::axpy(p, v, ot);
+                    let keys = f32_matrix(ctx, qk, &keys);
+                    let vt = f32_matrix(vd, ctx, &vt);
+                    let mut out = vec![0.0f32; tq * vd];
+                    let mut qb = Vec::with_capacity(QB * qk);
+                    let mut sc = vec![0.0f32; QB * ctx];
+                    let mut t0 = 0;
+                    while t0 < tq {
+                        let b = (tq - t0).min(QB);
+                        qb.clear();
+                        for t in t0..t0 + b {
+                            qb.extend_from_slice(&q[(t * n + hd) * qk..(t * n + hd + 1) * qk]);
+                        }
+                        let sc = &mut sc[..b * ctx];
+                        keys.matmul(&qb, b, sc);
+                        for (j, row) in sc.chunks_exact_mut(ctx).enumerate() {
+                            let pos = positions[t0 + j];
+                            let (live, masked) = row.split_at_mut(pos + 1);
+                            for v in live.iter_mut() {
+                                *v *= scale;
+                            }
+                            k::softmax_in_place(live);
+                            masked.fill(0.0);
+                        }
+                        vt.matmul(sc, b, &mut out[t0 * vd..(t0 + b) * vd]);
+                        t0 += b;
                     }
-                }
-                out
+                    out
+                })
             })
             .collect();
         scatter_heads(&per_head, tq, n, vd, o);
@@ -1362,6 +1389,16 @@ struct AbsorbedSeq<'a> {
     tokens: Range<usize>,
     positions: &'a [usize],
     latents: &'a Latents<'a>,
+}
+
+/// An f32 matrix (row-major `rows x cols`) for the product kernels.
+fn f32_matrix(rows: usize, cols: usize, values: &[f32]) -> Matrix {
+    Matrix::new(
+        rows,
+        cols,
+        MatrixData::F32(k::Bytes::from_vec(k::f32s_to_le_bytes(values))),
+    )
+    .expect("an f32 matrix of matching size")
 }
 
 fn scatter_heads(per_head: &[Vec<f32>], tq: usize, n: usize, vd: usize, o: &mut [f32]) {
