@@ -101,8 +101,8 @@ struct Mla {
     /// Per head, W_UK,hᵀ (`kv_lora_rank x qk_nope_head_dim`, the head's key rows of `kv_b`
     /// transposed) for the absorbed query `q̃ = W_UK,hᵀ q` as a forward product, which streams
     /// weights about twice as fast at one token as the transposed product; made at load for
-    /// 16- and 32-bit float `kv_b` (the same values), None for other formats (FP8, int8), which
-    /// keep `matmul_t_rows` over `kv_b`.
+    /// 16- and 32-bit float `kv_b` and FP8 blocks whole within each head (the same values), None
+    /// for other formats (int8, FP8 blocks cut by heads), which keep `matmul_t_rows` over `kv_b`.
     uk_t: Option<Vec<Matrix>>,
     o: Matrix,
     /// C8 (spec §3.4): the static scale of this layer's int8 c_kv cache.
@@ -1406,32 +1406,72 @@ struct AbsorbedSeq<'a> {
 }
 
 /// [`Mla::uk_t`]: per head, the `nope` key rows of `kv_b` (`[n * (nope + vd), kvr]`, head
-/// `h`'s rows at `h * (nope + vd)`) transposed, in `kv_b`'s own 16- or 32-bit format (a bf16
-/// `kv_b` multiplied as BF16 × BF16 gets plain bf16: the absorption keeps f32 activations, as
-/// the transposed product does). None for other formats.
+/// `h`'s rows at `h * (nope + vd)`) transposed, in `kv_b`'s own format: 16- or 32-bit floats (a
+/// bf16 `kv_b` multiplied as BF16 × BF16 gets plain bf16: the absorption keeps f32 activations,
+/// as the transposed product does) or FP8 blocks that heads do not cut. None otherwise.
 fn uk_transposed(kv_b: &Matrix, n: usize, nope: usize, vd: usize) -> Option<Vec<Matrix>> {
-    let (bytes, width, wrap): (&[u8], usize, fn(k::Bytes) -> MatrixData) = match kv_b.data() {
-        MatrixData::Bf16(b) | MatrixData::Bf16Dot(b) => (b.as_slice(), 2, MatrixData::Bf16),
-        MatrixData::F16(b) => (b.as_slice(), 2, MatrixData::F16),
-        MatrixData::F32(b) => (b.as_slice(), 4, MatrixData::F32),
+    let kvr = kv_b.cols();
+    let kvw = nope + vd;
+    // The head's key rows transposed, `width` bytes per value.
+    let transpose = |bytes: &[u8], width: usize, hd: usize| -> Vec<u8> {
+        let mut t = vec![0u8; kvr * nope * width];
+        for r in 0..nope {
+            let row = (hd * kvw + r) * kvr * width;
+            for c in 0..kvr {
+                let (src, dst) = (row + c * width, (c * nope + r) * width);
+                t[dst..dst + width].copy_from_slice(&bytes[src..src + width]);
+            }
+        }
+        t
+    };
+    let heads = match kv_b.data() {
+        MatrixData::Bf16(b) | MatrixData::Bf16Dot(b) => (0..n)
+            .map(|hd| MatrixData::Bf16(k::Bytes::from_vec(transpose(b.as_slice(), 2, hd))))
+            .collect::<Vec<_>>(),
+        MatrixData::F16(b) => (0..n)
+            .map(|hd| MatrixData::F16(k::Bytes::from_vec(transpose(b.as_slice(), 2, hd))))
+            .collect(),
+        MatrixData::F32(b) => (0..n)
+            .map(|hd| MatrixData::F32(k::Bytes::from_vec(transpose(b.as_slice(), 4, hd))))
+            .collect(),
+        // FP8 blocks transpose into FP8 blocks when every head's key rows are whole block rows
+        // (DeepSeek's 128 x 128 blocks with 128 + 128 rows per head): block (i, j) of the head
+        // becomes block (j, i), with its scale.
+        MatrixData::Fp8Block {
+            data,
+            scale_inv,
+            block_rows,
+            block_cols,
+        } if kvw.is_multiple_of(*block_rows) && nope.is_multiple_of(*block_rows) => {
+            let (br, bc) = (*block_rows, *block_cols);
+            let grid_cols = kvr.div_ceil(bc);
+            (0..n)
+                .map(|hd| {
+                    let rb0 = hd * kvw / br;
+                    let (gr, gc) = (kvr.div_ceil(bc), nope / br);
+                    let mut s = Vec::with_capacity(gr * gc);
+                    for i in 0..gr {
+                        for j in 0..gc {
+                            s.push(scale_inv[(rb0 + j) * grid_cols + i]);
+                        }
+                    }
+                    MatrixData::Fp8Block {
+                        data: k::Bytes::from_vec(transpose(data.as_slice(), 1, hd)),
+                        scale_inv: s,
+                        block_rows: bc,
+                        block_cols: br,
+                    }
+                })
+                .collect()
+        }
         _ => return None,
     };
-    let kvr = kv_b.cols();
-    let heads = (0..n)
-        .map(|hd| {
-            let mut t = vec![0u8; kvr * nope * width];
-            for r in 0..nope {
-                let row = (hd * (nope + vd) + r) * kvr * width;
-                for c in 0..kvr {
-                    let (src, dst) = (row + c * width, (c * nope + r) * width);
-                    t[dst..dst + width].copy_from_slice(&bytes[src..src + width]);
-                }
-            }
-            Matrix::new(kvr, nope, wrap(k::Bytes::from_vec(t)))
-                .expect("a transposed head of a valid kv_b")
-        })
-        .collect();
-    Some(heads)
+    Some(
+        heads
+            .into_iter()
+            .map(|d| Matrix::new(kvr, nope, d).expect("a transposed head of a valid kv_b"))
+            .collect(),
+    )
 }
 
 /// An f32 matrix (row-major `rows x cols`) for the product kernels.
@@ -1616,6 +1656,72 @@ impl RopeTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every head's W_UKᵀ holds exactly the transposed key rows of kv_b, in bf16 and in FP8
+    /// blocks (a ragged block column included); FP8 blocks cut by heads get none.
+    #[test]
+    fn uk_transposed_holds_the_heads_key_rows() {
+        let (n, nope, vd, kvr): (usize, usize, usize, usize) = (3, 8, 8, 12);
+        let rows = n * (nope + vd);
+        let mut seed = 7u32;
+        let mut next = || {
+            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            (seed >> 16) as u8
+        };
+        let codes: Vec<u8> = (0..rows * kvr)
+            .map(|_| match next() {
+                b if b & 0x7f == 0x7f => b - 1,
+                b => b,
+            })
+            .collect();
+        let fp8 = |br: usize, bc: usize| {
+            let grid = rows.div_ceil(br) * kvr.div_ceil(bc);
+            let scale_inv = (0..grid).map(|i| 0.5 + i as f32 * 0.25).collect();
+            Matrix::new(
+                rows,
+                kvr,
+                MatrixData::Fp8Block {
+                    data: k::Bytes::from_vec(codes.clone()),
+                    scale_inv,
+                    block_rows: br,
+                    block_cols: bc,
+                },
+            )
+            .unwrap()
+        };
+        let bf16 = Matrix::new(
+            rows,
+            kvr,
+            MatrixData::Bf16(k::Bytes::from_vec(k::u16s_to_le_bytes(
+                &(0..rows * kvr)
+                    .map(|i| k::f32_to_bf16(i as f32 * 0.01 - 1.0))
+                    .collect::<Vec<_>>(),
+            ))),
+        )
+        .unwrap();
+        for kv_b in [fp8(4, 5), fp8(8, 12), bf16] {
+            let all = kv_b.to_f32_vec();
+            let uk = uk_transposed(&kv_b, n, nope, vd).expect("transposable");
+            assert_eq!(uk.len(), n);
+            for (hd, m) in uk.iter().enumerate() {
+                assert_eq!((m.rows(), m.cols()), (kvr, nope));
+                let got = m.to_f32_vec();
+                for c in 0..kvr {
+                    for r in 0..nope {
+                        let want = all[(hd * (nope + vd) + r) * kvr + c];
+                        assert_eq!(
+                            got[c * nope + r].to_bits(),
+                            want.to_bits(),
+                            "{} head {hd}",
+                            kv_b.format_name()
+                        );
+                    }
+                }
+            }
+        }
+        // 6-row blocks: head 1's key rows start at row 16, inside a block.
+        assert!(uk_transposed(&fp8(6, 4), n, nope, vd).is_none());
+    }
 
     #[test]
     fn routing_masks_groups_with_neg_infinity() {
