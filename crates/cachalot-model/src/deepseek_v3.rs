@@ -101,8 +101,8 @@ struct Mla {
     /// Per head, W_UK,hᵀ (`kv_lora_rank x qk_nope_head_dim`, the head's key rows of `kv_b`
     /// transposed) for the absorbed query `q̃ = W_UK,hᵀ q` as a forward product, which streams
     /// weights about twice as fast at one token as the transposed product; made at load for
-    /// 16- and 32-bit float `kv_b` and FP8 blocks whole within each head (the same values), None
-    /// for other formats (int8, FP8 blocks cut by heads), which keep `matmul_t_rows` over `kv_b`.
+    /// 16- and 32-bit float `kv_b` and FP8 blocks that no head straddles (the same values), None
+    /// for other formats (int8, straddled FP8 blocks), which keep `matmul_t_rows` over `kv_b`.
     uk_t: Option<Vec<Matrix>>,
     o: Matrix,
     /// C8 (spec §3.4): the static scale of this layer's int8 c_kv cache.
@@ -1408,7 +1408,7 @@ struct AbsorbedSeq<'a> {
 /// [`Mla::uk_t`]: per head, the `nope` key rows of `kv_b` (`[n * (nope + vd), kvr]`, head
 /// `h`'s rows at `h * (nope + vd)`) transposed, in `kv_b`'s own format: 16- or 32-bit floats (a
 /// bf16 `kv_b` multiplied as BF16 × BF16 gets plain bf16: the absorption keeps f32 activations,
-/// as the transposed product does) or FP8 blocks that heads do not cut. None otherwise.
+/// as the transposed product does) or FP8 blocks that no head straddles. None otherwise.
 fn uk_transposed(kv_b: &Matrix, n: usize, nope: usize, vd: usize) -> Option<Vec<Matrix>> {
     let kvr = kv_b.cols();
     let kvw = nope + vd;
@@ -1434,21 +1434,36 @@ fn uk_transposed(kv_b: &Matrix, n: usize, nope: usize, vd: usize) -> Option<Vec<
         MatrixData::F32(b) => (0..n)
             .map(|hd| MatrixData::F32(k::Bytes::from_vec(transpose(b.as_slice(), 4, hd))))
             .collect(),
-        // FP8 blocks transpose into FP8 blocks when every head's key rows are whole block rows
-        // (DeepSeek's 128 x 128 blocks with 128 + 128 rows per head): block (i, j) of the head
-        // becomes block (j, i), with its scale.
+        // FP8 blocks transpose into FP8 blocks when no head's key rows straddle a block row in
+        // part: either they are whole block rows (DeepSeek's 128 x 128 blocks with 128 + 128
+        // rows per head: block (i, j) of the head becomes block (j, i)), or they lie inside
+        // one block row (small heads: one block column as wide as the head). Each block keeps
+        // its scale.
         MatrixData::Fp8Block {
             data,
             scale_inv,
             block_rows,
             block_cols,
-        } if kvw.is_multiple_of(*block_rows) && nope.is_multiple_of(*block_rows) => {
+        } => {
             let (br, bc) = (*block_rows, *block_cols);
             let grid_cols = kvr.div_ceil(bc);
-            (0..n)
-                .map(|hd| {
-                    let rb0 = hd * kvw / br;
-                    let (gr, gc) = (kvr.div_ceil(bc), nope / br);
+            // Per head: (first block row, block columns of the transposed head, their width).
+            let layout = |hd: usize| -> Option<(usize, usize, usize)> {
+                let (start, offset) = (hd * kvw / br, hd * kvw % br);
+                if offset == 0 && nope.is_multiple_of(br) {
+                    Some((start, nope / br, br))
+                } else if offset + nope <= br {
+                    Some((start, 1, nope))
+                } else {
+                    None
+                }
+            };
+            let layouts: Option<Vec<_>> = (0..n).map(layout).collect();
+            layouts?
+                .into_iter()
+                .enumerate()
+                .map(|(hd, (rb0, gc, width))| {
+                    let gr = kvr.div_ceil(bc);
                     let mut s = Vec::with_capacity(gr * gc);
                     for i in 0..gr {
                         for j in 0..gc {
@@ -1459,7 +1474,7 @@ fn uk_transposed(kv_b: &Matrix, n: usize, nope: usize, vd: usize) -> Option<Vec<
                         data: k::Bytes::from_vec(transpose(data.as_slice(), 1, hd)),
                         scale_inv: s,
                         block_rows: bc,
-                        block_cols: br,
+                        block_cols: width,
                     }
                 })
                 .collect()
@@ -1658,7 +1673,8 @@ mod tests {
     use super::*;
 
     /// Every head's W_UKᵀ holds exactly the transposed key rows of kv_b, in bf16 and in FP8
-    /// blocks (a ragged block column included); FP8 blocks cut by heads get none.
+    /// blocks (a ragged block column included; heads of whole block rows and heads inside one);
+    /// FP8 blocks that heads straddle get none.
     #[test]
     fn uk_transposed_holds_the_heads_key_rows() {
         let (n, nope, vd, kvr): (usize, usize, usize, usize) = (3, 8, 8, 12);
@@ -1699,7 +1715,8 @@ mod tests {
             ))),
         )
         .unwrap();
-        for kv_b in [fp8(4, 5), fp8(8, 12), bf16] {
+        // Whole block rows per head (4, 8), heads inside one block row (32: offsets 0, 16, 0).
+        for kv_b in [fp8(4, 5), fp8(8, 12), fp8(32, 5), bf16] {
             let all = kv_b.to_f32_vec();
             let uk = uk_transposed(&kv_b, n, nope, vd).expect("transposable");
             assert_eq!(uk.len(), n);
@@ -1719,8 +1736,8 @@ mod tests {
                 }
             }
         }
-        // 6-row blocks: head 1's key rows start at row 16, inside a block.
-        assert!(uk_transposed(&fp8(6, 4), n, nope, vd).is_none());
+        // 12-row blocks: head 2's key rows (32..40) straddle the block-row boundary at 36.
+        assert!(uk_transposed(&fp8(12, 4), n, nope, vd).is_none());
     }
 
     #[test]
