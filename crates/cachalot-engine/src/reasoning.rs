@@ -74,14 +74,7 @@ impl ReasoningSplitter {
         let mut sp = ReasoningSplitter::new(Self::prompt_opens_reasoning(prompt));
         let mut segs = sp.push(text);
         segs.extend(sp.finish());
-        let (mut reasoning, mut answer) = (String::new(), String::new());
-        for seg in segs {
-            match seg {
-                Segment::Reasoning(t) => reasoning.push_str(&t),
-                Segment::Answer(t) => answer.push_str(&t),
-            }
-        }
-        (reasoning, answer)
+        join(segs)
     }
 
     /// The rest, at the end of the stream.
@@ -104,6 +97,18 @@ impl ReasoningSplitter {
     }
 }
 
+/// Segments joined as (reasoning, answer).
+fn join(segs: Vec<Segment>) -> (String, String) {
+    let (mut reasoning, mut answer) = (String::new(), String::new());
+    for seg in segs {
+        match seg {
+            Segment::Reasoning(t) => reasoning.push_str(&t),
+            Segment::Answer(t) => answer.push_str(&t),
+        }
+    }
+    (reasoning, answer)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,14 +120,7 @@ mod tests {
             segs.extend(s.push(p));
         }
         segs.extend(s.finish());
-        let (mut r, mut a) = (String::new(), String::new());
-        for seg in segs {
-            match seg {
-                Segment::Reasoning(t) => r.push_str(&t),
-                Segment::Answer(t) => a.push_str(&t),
-            }
-        }
-        (r, a)
+        join(segs)
     }
 
     #[test]

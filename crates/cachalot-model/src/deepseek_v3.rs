@@ -1030,7 +1030,7 @@ impl DeepseekV3 {
                     let vt = f32_matrix(vd, ctx, &vt);
                     let mut out = vec![0.0f32; tq * vd];
                     let mut qb = Vec::with_capacity(QB * qk);
-                    let mut sc = vec![0.0f32; QB * ctx];
+                    let mut sc = vec![0.0f32; tq.min(QB) * ctx];
                     let mut t0 = 0;
                     while t0 < tq {
                         let b = (tq - t0).min(QB);

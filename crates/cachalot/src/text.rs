@@ -331,12 +331,6 @@ fn read_tools(path: Option<&Path>) -> Result<Option<serde_json::Value>> {
     Ok(Some(v))
 }
 
-/// The answer part of a generated text (what follows the reasoning), given the prompt that
-/// preceded it.
-fn answer_of(prompt_text: &str, text: &str) -> String {
-    ReasoningSplitter::split(prompt_text, text).1
-}
-
 /// The tool calls in an answer: the parsed answer, or why its tool-call section is malformed.
 /// None when the model's tokenizer has no tool-call format.
 fn tool_calls_of(
@@ -346,18 +340,26 @@ fn tool_calls_of(
     format.map(|f| f.parse(answer).map_err(|e| e.to_string()))
 }
 
-/// The JSON fields of a turn's tool calls: `content` and `tool_calls`, or `tool_call_error`.
-fn tool_fields(
+/// Adds a turn's tool-call fields to its JSON object `v`: `content` and `tool_calls`, or
+/// `tool_call_error`.
+fn add_tool_fields(
+    v: &mut serde_json::Value,
     parsed: &Option<std::result::Result<ParsedAnswer, String>>,
     answer: &str,
-) -> serde_json::Value {
+) {
+    let Some(o) = v.as_object_mut() else { return };
     match parsed {
-        Some(Ok(p)) if !p.tool_calls.is_empty() => serde_json::json!({
-            "content": p.content,
-            "tool_calls": p.tool_calls,
-        }),
-        Some(Err(e)) => serde_json::json!({ "content": answer, "tool_call_error": e }),
-        _ => serde_json::json!({ "content": answer }),
+        Some(Ok(p)) if !p.tool_calls.is_empty() => {
+            o.insert("content".into(), p.content.clone().into());
+            o.insert("tool_calls".into(), serde_json::json!(p.tool_calls));
+        }
+        Some(Err(e)) => {
+            o.insert("content".into(), answer.into());
+            o.insert("tool_call_error".into(), e.clone().into());
+        }
+        _ => {
+            o.insert("content".into(), answer.into());
+        }
     }
 }
 
@@ -634,11 +636,8 @@ fn generate_with<M: Model>(
             "decode_s": g.decode_s,
         });
         if tok.is_some() {
-            let answer = answer_of(prompt_text, &g.text);
-            let fields = tool_fields(&tool_calls_of(tool_format, &answer), &answer);
-            if let (Some(o), serde_json::Value::Object(f)) = (v.as_object_mut(), fields) {
-                o.extend(f);
-            }
+            let answer = ReasoningSplitter::split(prompt_text, &g.text).1;
+            add_tool_fields(&mut v, &tool_calls_of(tool_format, &answer), &answer);
         }
         println!("{v}");
         return Ok(());
@@ -655,7 +654,7 @@ fn generate_with<M: Model>(
     if args.chat || args.tools.is_some() {
         report_tool_calls(&tool_calls_of(
             tool_format,
-            &answer_of(prompt_text, &g.text),
+            &ReasoningSplitter::split(prompt_text, &g.text).1,
         ));
     }
     report(&g);
@@ -836,11 +835,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
                     "output_ids": g.tokens,
                     "finish_reason": finish_word(&g.finish),
                 });
-                if let (Some(o), serde_json::Value::Object(f)) =
-                    (v.as_object_mut(), tool_fields(&parsed, &answer))
-                {
-                    o.extend(f);
-                }
+                add_tool_fields(&mut v, &parsed, &answer);
                 println!("{v}");
             }
         }
