@@ -56,16 +56,41 @@ fn bytes_of<W: Weights16>(n: usize) -> usize {
     (n * W::BYTES16).div_ceil(16)
 }
 
-/// Software prefetch of `base + offset` into all cache levels. The forward and W8A8 products
-/// call it for the line one row tile ahead (`R` rows further, same column) while a tile runs:
-/// a decode step's rows are a few KB each, so the hardware prefetchers, which stop at 4 KB page
-/// ends, restart cold on every tile. Measured +9–13% batch-1 decode on the 1 B model at 2
-/// threads (docs/PERF.md). A prefetch never faults; the address may lie past the matrix.
+/// Software prefetch of `base + offset` into all cache levels. The transposed products call it
+/// for the columns the next pass over the rows will read (a short distance ahead). A prefetch
+/// never faults; the address may lie past the matrix.
 #[inline(always)]
 pub(crate) fn prefetch_ahead(base: *const u8, offset: usize) {
     // SAFETY: `prefetcht0` has no architectural effect beyond the cache and never faults;
     // the pointer is not dereferenced (wrapping arithmetic, any address is fine).
     unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(offset) as *const i8) }
+}
+
+/// Software prefetch of `base + offset` into L2 and the outer levels (not L1). The forward,
+/// W8A8 and BF16-dot products call it, while a tile of `R` rows runs, for the same line of a row
+/// [`tile_prefetch_distance`] bytes further on (whole row tiles ahead): a decode step's rows are
+/// a few KB or less each, so the hardware prefetchers, which stop at 4 KB page ends, restart
+/// cold on every tile. Into L2 only, because the lines ahead do not fit in L1 beside the tile
+/// being read (`prefetcht0` evicted the current tile's lines). On Zen 5, 2 threads, a 1-token
+/// BF16 product of 2048-wide rows streams 1.1-1.3× faster with `prefetcht1` than with
+/// `prefetcht0` one tile ahead, 256-wide rows 2.2× (docs/PERF.md, session 19). The address may
+/// lie past the matrix.
+#[inline(always)]
+pub(crate) fn prefetch_tile_ahead(base: *const u8, offset: usize) {
+    // SAFETY: as `prefetch_ahead`: a hint that never faults; the pointer is not dereferenced.
+    unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(offset) as *const i8) }
+}
+
+/// How far ahead [`prefetch_tile_ahead`] reaches from a tile of `tile_bytes` (its rows' bytes):
+/// whole tiles, at least 16 KiB. One tile ahead is too close for narrow rows (8 rows of 512
+/// bytes: a down projection of 256 columns): the line arrives late. At 2 threads, 256-wide BF16
+/// rows streamed at 27 GB/s one tile ahead, 36 GB/s 16-32 KiB ahead; 2048-wide rows (one tile
+/// = 32 KiB) the same either way.
+#[inline(always)]
+pub(crate) fn tile_prefetch_distance(tile_bytes: usize) -> usize {
+    const MIN_AHEAD: usize = 16 * 1024;
+    let t = tile_bytes.max(1);
+    t * MIN_AHEAD.div_ceil(t)
 }
 
 pub(crate) struct F32W;
@@ -329,6 +354,7 @@ unsafe fn tile<W: Weights16, const R: usize, const NT: usize>(
         wp[i] = w.data.as_ptr().add((row0 + i) * row_bytes);
         row_scales[i] = w.scales.row(row0 + i);
     }
+    let ahead = tile_prefetch_distance(R * row_bytes);
     let zero = _mm256_setzero_ps();
     let mut total = [[zero; NT]; R];
     let mut c0 = 0;
@@ -342,8 +368,8 @@ unsafe fn tile<W: Weights16, const R: usize, const NT: usize>(
         while c + 16 <= c1 {
             for i in 0..R {
                 if wo.is_multiple_of(64) {
-                    // The same line of the next row tile's row i (see `prefetch_ahead`).
-                    prefetch_ahead(wp[i], R * row_bytes + wo);
+                    // The same line of row i some tiles on (see `prefetch_tile_ahead`).
+                    prefetch_tile_ahead(wp[i], ahead + wo);
                 }
                 let (w0, w1) = W::load16(wp[i].add(wo));
                 for t in 0..NT {
@@ -604,5 +630,26 @@ unsafe fn ragged_chunk<W: Weights16, const NT: usize>(ctx: &TCtx, c: usize, n: u
         ctx.out
             .slice_mut((ctx.t0 + t) * w.cols + c, n)
             .copy_from_slice(&tmp[..n]);
+    }
+}
+
+#[cfg(test)]
+mod prefetch_tests {
+    use super::tile_prefetch_distance;
+
+    #[test]
+    fn prefetch_distance_is_whole_tiles_of_at_least_16_kib() {
+        for tile in [1usize, 256, 2048, 4096, 5000, 16 * 1024, 32 * 1024, 100_000] {
+            let d = tile_prefetch_distance(tile);
+            assert_eq!(d % tile, 0, "tile {tile}: {d} is not whole tiles");
+            assert!(d >= 16 * 1024, "tile {tile}: {d} is under 16 KiB");
+            assert!(
+                d - tile < 16 * 1024,
+                "tile {tile}: {d} is a tile more than needed"
+            );
+        }
+        assert_eq!(tile_prefetch_distance(0), 16 * 1024);
+        assert_eq!(tile_prefetch_distance(32 * 1024), 32 * 1024);
+        assert_eq!(tile_prefetch_distance(4096), 16 * 1024);
     }
 }

@@ -29,7 +29,10 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::avx2::{prefetch_ahead, Bf16W, Fp4W, Fp8W, Hif8W, Int4W, Int8W, Weights16, F16W, F32W};
+use super::avx2::{
+    prefetch_ahead, prefetch_tile_ahead, tile_prefetch_distance, Bf16W, Fp4W, Fp8W, Hif8W, Int4W,
+    Int8W, Weights16, F16W, F32W,
+};
 use super::scalar::segments;
 use super::{Format, OutRows, RowScales, WeightsView};
 use crate::parallel::DisjointOut;
@@ -279,6 +282,7 @@ unsafe fn tile<W: Weights16x512, const R: usize, const NT: usize>(
     // 16 accumulators of the 4 × 4 tile they took the register file's last slots, and the
     // compiler spilled accumulators instead, storing and reloading one every 16 columns (a
     // dependent store-load chain in the inner loop). Same operations, same bits.
+    let ahead = tile_prefetch_distance(R * row_bytes);
     let mut total = [[_mm256_setzero_ps(); NT]; R];
     let mut c0 = 0;
     let mut segment = 0;
@@ -290,8 +294,8 @@ unsafe fn tile<W: Weights16x512, const R: usize, const NT: usize>(
         while c + 16 <= c1 {
             for i in 0..R {
                 if wo.is_multiple_of(64) {
-                    // The same line of the next row tile's row i (`avx2::prefetch_ahead`).
-                    prefetch_ahead(wp[i], R * row_bytes + wo);
+                    // The same line of row i some tiles on (`avx2::prefetch_tile_ahead`).
+                    prefetch_tile_ahead(wp[i], ahead + wo);
                 }
                 let wv = W::load512(wp[i].add(wo));
                 for t in 0..NT {

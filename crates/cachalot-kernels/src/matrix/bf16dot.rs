@@ -191,7 +191,7 @@ pub(crate) mod avx2 {
     use std::ops::Range;
 
     use super::{drive, write, Bf16Tokens, CHUNK};
-    use crate::matrix::avx2::prefetch_ahead;
+    use crate::matrix::avx2::{prefetch_tile_ahead, tile_prefetch_distance};
     use crate::matrix::{OutRows, WeightsView};
     use crate::vector::avx2::hsum;
 
@@ -259,6 +259,7 @@ pub(crate) mod avx2 {
         for i in 0..R {
             wp[i] = w.data.as_ptr().add((row0 + i) * rb);
         }
+        let ahead = tile_prefetch_distance(R * rb);
         let mut xp = [std::ptr::null::<u8>(); NT];
         for t in 0..NT {
             xp[t] = xb.token(t0 + t).as_ptr() as *const u8;
@@ -267,7 +268,7 @@ pub(crate) mod avx2 {
         let mut c = 0;
         while c < full {
             for i in 0..R {
-                prefetch_ahead(wp[i], R * rb + 2 * c);
+                prefetch_tile_ahead(wp[i], ahead + 2 * c);
                 let wv = [split(wp[i].add(2 * c)), split(wp[i].add(2 * c + 32))];
                 for t in 0..NT {
                     chunk(&mut acc[i][t], &wv, xp[t].add(2 * c));
@@ -308,7 +309,7 @@ pub(crate) mod avx512 {
     use std::ops::Range;
 
     use super::{drive, write, Bf16Tokens, CHUNK};
-    use crate::matrix::avx2::prefetch_ahead;
+    use crate::matrix::avx2::{prefetch_tile_ahead, tile_prefetch_distance};
     use crate::matrix::{OutRows, WeightsView};
     use crate::vector::avx2::hsum;
 
@@ -367,6 +368,7 @@ pub(crate) mod avx512 {
         for i in 0..R {
             wp[i] = w.data.as_ptr().add((row0 + i) * rb);
         }
+        let ahead = tile_prefetch_distance(R * rb);
         let mut xp = [std::ptr::null::<u8>(); NT];
         for t in 0..NT {
             xp[t] = xb.token(t0 + t).as_ptr() as *const u8;
@@ -379,7 +381,7 @@ pub(crate) mod avx512 {
                 xs[t] = load_bh(xp[t].add(2 * c));
             }
             for i in 0..R {
-                prefetch_ahead(wp[i], R * rb + 2 * c);
+                prefetch_tile_ahead(wp[i], ahead + 2 * c);
                 let wv = load_bh(wp[i].add(2 * c));
                 for t in 0..NT {
                     acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv, xs[t]);

@@ -168,6 +168,7 @@ pub(crate) mod avx2 {
         for i in 0..R {
             wp[i] = w.data.as_ptr().add((row0 + i) * cols);
         }
+        let ahead = crate::matrix::avx2::tile_prefetch_distance(R * cols);
         let mut xp = [std::ptr::null::<i8>(); NT];
         for t in 0..NT {
             xp[t] = xq.token(t0 + t).as_ptr();
@@ -181,7 +182,7 @@ pub(crate) mod avx2 {
             }
             for i in 0..R {
                 if c.is_multiple_of(64) {
-                    crate::matrix::avx2::prefetch_ahead(wp[i], R * cols + c);
+                    crate::matrix::avx2::prefetch_tile_ahead(wp[i], ahead + c);
                 }
                 let wv = _mm256_loadu_si256(wp[i].add(c) as *const __m256i);
                 let wabs = _mm256_abs_epi8(wv);
@@ -299,6 +300,7 @@ pub(crate) mod avx512 {
         for i in 0..R {
             wp[i] = w.data.as_ptr().add((row0 + i) * cols);
         }
+        let ahead = crate::matrix::avx2::tile_prefetch_distance(R * cols);
         let mut xp = [std::ptr::null::<i8>(); NT];
         for t in 0..NT {
             xp[t] = xq.token(t0 + t).as_ptr();
@@ -310,7 +312,7 @@ pub(crate) mod avx512 {
                 xs[t] = _mm512_loadu_si512(xp[t].add(c) as *const __m512i);
             }
             for i in 0..R {
-                crate::matrix::avx2::prefetch_ahead(wp[i], R * cols + c);
+                crate::matrix::avx2::prefetch_tile_ahead(wp[i], ahead + c);
                 let wu = _mm512_xor_si512(_mm512_loadu_si512(wp[i].add(c) as *const __m512i), bias);
                 for t in 0..NT {
                     acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], wu, xs[t]);
