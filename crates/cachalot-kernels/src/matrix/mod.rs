@@ -588,7 +588,7 @@ impl Matrix {
         let split = Split {
             align: 4,
             min_task: 16,
-            max_task: 64,
+            max_task: max_task_rows(self.cols, n_tokens),
         };
         let acts = Acts::prepare(&self.data, x, n_tokens, self.cols);
         for_each_task(m, m * self.cols * n_tokens, split, |task| {
@@ -889,6 +889,15 @@ unsafe fn rows_task(
     }
 }
 
+/// The largest task of a forward product, in rows: 64, or more where rows are narrow, so that a
+/// task does at least 64K multiply-adds. A 1-token task of 64 rows × 256 columns (a down
+/// projection's) is 16-32 KB of weights, a microsecond or two: the pool's hand-off and the
+/// prefetch restarting at each task boundary cost a good part of that.
+fn max_task_rows(cols: usize, n_tokens: usize) -> usize {
+    const MIN_TASK_WORK: usize = 1 << 16;
+    (MIN_TASK_WORK / cols.saturating_mul(n_tokens).max(1)).max(64)
+}
+
 pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     use rayon::prelude::*;
     debug_assert!(level.supported());
@@ -934,20 +943,29 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     // Inside `serial`, on one thread or for little work: everything on the calling thread.
     let fork =
         threads > 1 && work >= crate::parallel::min_parallel_work() && crate::parallel::may_fork();
-    // About four tasks per thread over all jobs, each 16..64 rows (a multiple of 4).
-    let rows_per_task = |rows: usize, job_work: usize| -> usize {
+    // About four tasks per thread over all jobs, each 16 rows to `max_task_rows` (a multiple of
+    // 4).
+    let rows_per_task = |rows: usize, job_work: usize, cols: usize, n_tokens: usize| -> usize {
         if !fork {
             return rows.max(1);
         }
         let share = (threads * 4 * job_work).div_ceil(work.max(1)).max(1);
-        rows.div_ceil(share).clamp(16, 64).div_ceil(4) * 4
+        rows.div_ceil(share)
+            .clamp(16, max_task_rows(cols, n_tokens))
+            .div_ceil(4)
+            * 4
     };
     let mut tasks: Vec<(usize, Range<usize>)> = Vec::new();
     for (i, j) in jobs.iter().enumerate() {
         if j.n_tokens == 0 {
             continue;
         }
-        let step = rows_per_task(j.w.rows, j.w.rows * j.w.cols * j.n_tokens);
+        let step = rows_per_task(
+            j.w.rows,
+            j.w.rows * j.w.cols * j.n_tokens,
+            j.w.cols,
+            j.n_tokens,
+        );
         let mut r = 0;
         while r < j.w.rows {
             tasks.push((i, r..(r + step).min(j.w.rows)));
