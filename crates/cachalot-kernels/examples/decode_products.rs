@@ -6,7 +6,9 @@
 //!
 //! Shapes: the `v3-1b` benchmark model (hidden 2048, 16 heads, q_lora 768, kv_lora 512, 64
 //! routed experts of 256 with top-6 and one shared, dense first layer of 8192, vocabulary 32000).
-//! `format`: bf16 (default) or w8a8. Figures are GB/s of weight bytes, best of 5 rounds.
+//! `format`: bf16 (default) or w8a8. Figures are GB/s of weight bytes, best of 5 rounds; last,
+//! each kind of product (head, attention projections, expert gate/up, expert down) of all layers
+//! in one region, to see which shapes stream slower.
 
 #[path = "common/timing.rs"]
 mod timing;
@@ -128,6 +130,49 @@ fn main() {
             );
         });
     }
+    // Each kind of product over all layers in one region, on all threads: which shapes stream
+    // slower than the rest.
+    let kinds: Vec<(&str, Vec<&Matrix>)> = vec![
+        ("head", vec![&head]),
+        (
+            "attention (q_a, kv_a, q_b, kv_b, o)",
+            built
+                .iter()
+                .flat_map(|l| [&l.q_a, &l.kv_a, &l.q_b, &l.kv_b, &l.o])
+                .collect(),
+        ),
+        (
+            "expert gate/up",
+            built
+                .iter()
+                .skip(1)
+                .flat_map(|l| l.up_gate.iter())
+                .collect(),
+        ),
+        (
+            "expert down",
+            built.iter().skip(1).flat_map(|l| l.down.iter()).collect(),
+        ),
+    ];
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("thread pool");
+    pool.install(|| {
+        for (name, ms) in &kinds {
+            if ms.is_empty() {
+                continue;
+            }
+            let b: usize = ms.iter().map(|m| m.storage_bytes()).sum();
+            let t = best_time(|| group(ms, &x));
+            println!(
+                "threads {threads}: {name}: {:.1} MB in one region, {:.2} ms ({:.1} GB/s)",
+                b as f64 / 1e6,
+                t * 1e3,
+                b as f64 / t / 1e9
+            );
+        }
+    });
     std::hint::black_box(&out);
 }
 
