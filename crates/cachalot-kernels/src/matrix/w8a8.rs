@@ -239,7 +239,7 @@ pub(crate) mod avx512 {
         while t0 < n_tokens {
             let nt = (n_tokens - t0).min(4);
             match nt {
-                1 => row_tiles::<8, 1>(w, rows.clone(), xq, t0, out),
+                1 => row_tiles_1(w, rows.clone(), xq, t0, out),
                 2 => row_tiles::<4, 2>(w, rows.clone(), xq, t0, out),
                 3 => row_tiles::<2, 3>(w, rows.clone(), xq, t0, out),
                 _ => row_tiles::<4, 4>(w, rows.clone(), xq, t0, out),
@@ -293,6 +293,25 @@ pub(crate) mod avx512 {
         xq: &QuantizedTokens,
         t0: usize,
     ) -> [[i32; NT]; R] {
+        let acc = tile_acc::<R, NT>(w, row0, xq, t0);
+        let mut res = [[0i32; NT]; R];
+        for i in 0..R {
+            for t in 0..NT {
+                res[i][t] = _mm512_reduce_add_epi32(acc[i][t]);
+            }
+        }
+        res
+    }
+
+    /// [`tile`]'s sums still spread over the 16 lanes of each accumulator.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+    unsafe fn tile_acc<const R: usize, const NT: usize>(
+        w: &WeightsView,
+        row0: usize,
+        xq: &QuantizedTokens,
+        t0: usize,
+    ) -> [[__m512i; NT]; R] {
         let cols = w.cols;
         let bias = _mm512_set1_epi8(0x80u8 as i8);
         let mut acc = [[_mm512_setzero_si512(); NT]; R];
@@ -335,13 +354,64 @@ pub(crate) mod avx512 {
                 }
             }
         }
-        let mut res = [[0i32; NT]; R];
-        for i in 0..R {
-            for t in 0..NT {
-                res[i][t] = _mm512_reduce_add_epi32(acc[i][t]);
-            }
+        acc
+    }
+
+    /// One token, rows in tiles of 8 whose sums are reduced together (a transposing tree of
+    /// adds) and finished as one vector: `(Σ as f32 · row scale) · token scale`, the operations
+    /// of [`finish`] in its order, so the same bits; the integer sums are exact in any order
+    /// (mod 2^32). Per 8 rows this replaces eight lane reductions and eight scalar finishes,
+    /// which on a 256-column row (a down projection) cost about as much as its loads.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+    unsafe fn row_tiles_1(
+        w: &WeightsView,
+        rows: Range<usize>,
+        xq: &QuantizedTokens,
+        t0: usize,
+        out: &OutRows,
+    ) {
+        let crate::matrix::Scales::Row(row_scale) = w.scales else {
+            return row_tiles::<8, 1>(w, rows, xq, t0, out);
+        };
+        let s: i32 = xq.token(t0).iter().map(|&v| v as i32).sum();
+        let offset = _mm256_set1_epi32(s.wrapping_mul(128));
+        let sx = _mm256_set1_ps(xq.scale[t0]);
+        let mut r = rows.start;
+        while r + 8 <= rows.end {
+            let acc = tile_acc::<8, 1>(w, r, xq, t0);
+            // 512 -> 256 bits per row, then pairs of rows summed pairwise twice and the two
+            // 128-bit halves added: lane i holds row r + i's sum.
+            let h: [__m256i; 8] = std::array::from_fn(|i| {
+                _mm256_add_epi32(
+                    _mm512_castsi512_si256(acc[i][0]),
+                    _mm512_extracti64x4_epi64::<1>(acc[i][0]),
+                )
+            });
+            let p0 = _mm256_hadd_epi32(h[0], h[1]);
+            let p1 = _mm256_hadd_epi32(h[2], h[3]);
+            let p2 = _mm256_hadd_epi32(h[4], h[5]);
+            let p3 = _mm256_hadd_epi32(h[6], h[7]);
+            let q0 = _mm256_hadd_epi32(p0, p1);
+            let q1 = _mm256_hadd_epi32(p2, p3);
+            let sums = _mm256_add_epi32(
+                _mm256_permute2x128_si256::<0x20>(q0, q1),
+                _mm256_permute2x128_si256::<0x31>(q0, q1),
+            );
+            let scales = &row_scale[r..r + 8];
+            let v = _mm256_mul_ps(
+                _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, offset)),
+                    _mm256_loadu_ps(scales.as_ptr()),
+                ),
+                sx,
+            );
+            _mm256_storeu_ps(out.rows_mut(t0, r, 8).as_mut_ptr(), v);
+            r += 8;
         }
-        res
+        if r < rows.end {
+            row_tiles::<8, 1>(w, r..rows.end, xq, t0, out);
+        }
     }
 }
 
