@@ -22,6 +22,24 @@ fn r1_template() -> String {
         .to_string()
 }
 
+/// `chat` on the R1 fixture with its template, `stdin` typed in: its standard output.
+fn r1_chat(max_new_tokens: &str, json_out: bool, stdin: &str) -> String {
+    let (model, template) = (r1_tiny(), r1_template());
+    let mut args = vec![
+        "chat",
+        "--model",
+        &model,
+        "--chat-template",
+        &template,
+        "--max-new-tokens",
+        max_new_tokens,
+    ];
+    if json_out {
+        args.push("--json");
+    }
+    ok(cachalot(&args, Some(stdin)))
+}
+
 fn cachalot(args: &[&str], stdin: Option<&str>) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
         .args(args)
@@ -176,19 +194,11 @@ fn greedy_generate_matches_the_library_and_max_tokens_still_works() {
 
 #[test]
 fn chat_keeps_history_and_obeys_commands_on_stdin() {
-    let out = ok(cachalot(
-        &[
-            "chat",
-            "--model",
-            &r1_tiny(),
-            "--chat-template",
-            &r1_template(),
-            "--max-new-tokens",
-            "6",
-            "--json",
-        ],
-        Some("hello\n/system Be brief.\nsecond question\n/reset\nthird\n/exit\nnever read\n"),
-    ));
+    let out = r1_chat(
+        "6",
+        true,
+        "hello\n/system Be brief.\nsecond question\n/reset\nthird\n/exit\nnever read\n",
+    );
     let turns: Vec<Value> = out.lines().map(json).collect();
     assert_eq!(turns.len(), 3, "{out}");
     let p: Vec<&str> = turns
@@ -208,18 +218,7 @@ fn chat_keeps_history_and_obeys_commands_on_stdin() {
         "<｜begin▁of▁sentence｜>Be brief.<｜User｜>third<｜Assistant｜><think>\n"
     );
     // Plain text mode prints one answer per line.
-    let text = ok(cachalot(
-        &[
-            "chat",
-            "--model",
-            &r1_tiny(),
-            "--chat-template",
-            &r1_template(),
-            "--max-new-tokens",
-            "4",
-        ],
-        Some("a\nb\n"),
-    ));
+    let text = r1_chat("4", false, "a\nb\n");
     assert!(text.ends_with('\n'));
 }
 
@@ -685,19 +684,7 @@ fn tools_reach_the_template_and_bad_tool_files_are_named() {
 
 #[test]
 fn chat_tool_results_need_a_pending_call() {
-    let out = ok(cachalot(
-        &[
-            "chat",
-            "--model",
-            &r1_tiny(),
-            "--chat-template",
-            &r1_template(),
-            "--max-new-tokens",
-            "2",
-            "--json",
-        ],
-        Some("/tool 21 C\n/toolbox\n"),
-    ));
+    let out = r1_chat("2", true, "/tool 21 C\n/toolbox\n");
     // `/tool` with no call waiting is refused; `/toolbox` is an ordinary message.
     let turns: Vec<Value> = out.lines().map(json).collect();
     assert_eq!(turns.len(), 1, "{out}");

@@ -19,7 +19,8 @@
 //! rows × 1 token for decode, 4×2, 3×3, 4×4, 4×5, 4×6 for batches), each FMA doing 16 lanes. Tokens
 //! go in groups of up to 6 for any batch size (no decoded f32 panel as in AVX2: slower here, see `forward`);
 //! since every (row, token) pair's operations are those of AVX2's `tile`, results match AVX2's
-//! tile and panel paths alike. The weight line one row tile ahead is prefetched in software (`avx2::prefetch_ahead`).
+//! tile and panel paths alike. Weight lines some row tiles ahead are prefetched into L2 in software
+//! (`avx2::prefetch_tile_ahead`).
 //!
 //! Spec: `deepseek-v3-r1-kimi-k2.md` §2.2 (FP8 block scales) and §4 (quantized formats) for the
 //! formats; the operations are those of the AVX2 module.

@@ -257,12 +257,7 @@ pub(crate) mod avx512 {
         t0: usize,
         out: &OutRows,
     ) {
-        // 128·Σ x per token, the offset's contribution (wrapping: only the final sum fits i32).
-        let mut offset = [0i32; NT];
-        for t in 0..NT {
-            let s: i32 = xq.token(t0 + t).iter().map(|&v| v as i32).sum();
-            offset[t] = s.wrapping_mul(128);
-        }
+        let offset: [i32; NT] = std::array::from_fn(|t| offset_of(xq, t0 + t));
         let emit = |r: usize, acc: &[i32; NT]| {
             for t in 0..NT {
                 let v = finish(acc[t].wrapping_sub(offset[t]), w, r, xq.scale[t0 + t]);
@@ -282,6 +277,14 @@ pub(crate) mod avx512 {
             emit(r, &acc[0]);
             r += 1;
         }
+    }
+
+    /// 128·Σ_c x[t, c], what the +128 bias of the weights adds to token t's sums (wrapping: only
+    /// the final difference fits i32).
+    #[inline]
+    fn offset_of(xq: &QuantizedTokens, t: usize) -> i32 {
+        let s: i32 = xq.token(t).iter().map(|&v| v as i32).sum();
+        s.wrapping_mul(128)
     }
 
     /// Σ_c (w[r, c] + 128)·x[t, c] (mod 2^32) for rows row0..row0+R, tokens t0..t0+NT.
@@ -374,8 +377,7 @@ pub(crate) mod avx512 {
         let crate::matrix::Scales::Row(row_scale) = w.scales else {
             return row_tiles::<8, 1>(w, rows, xq, t0, out);
         };
-        let s: i32 = xq.token(t0).iter().map(|&v| v as i32).sum();
-        let offset = _mm256_set1_epi32(s.wrapping_mul(128));
+        let offset = _mm256_set1_epi32(offset_of(xq, t0));
         let sx = _mm256_set1_ps(xq.scale[t0]);
         let mut r = rows.start;
         while r + 8 <= rows.end {
