@@ -58,6 +58,15 @@ pub enum QuantizationConfig {
         ignore: Vec<String>,
         kv_cache_int8: bool,
     },
+    /// compressed-tensors `pack-quantized` (Kimi-K2-Thinking's release, spec §2.3): the
+    /// targeted Linears (K2-Thinking: the routed experts) hold symmetric int4 weights
+    /// (`weight_packed` int32 `[out, in/8]`, `weight_scale` `[out, in/group_size]`,
+    /// `weight_shape`), multiplied with f32 activations (the seed's W4A16); `ignore` lists the
+    /// modules kept in BF16. `group_size` is `None` for the `channel` strategy (one scale per row).
+    PackedInt4 {
+        group_size: Option<usize>,
+        ignore: Vec<String>,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -689,12 +698,13 @@ fn parse_quantization(f: &Fields) -> Result<Option<QuantizationConfig>> {
         }
         Some("compressed-tensors") => {
             let format = q.str_opt("format")?.unwrap_or("");
-            if format != "int-quantized" {
+            if format != "int-quantized" && format != "pack-quantized" {
                 return Err(q.err(
                     "format",
                     format!(
-                        "compressed-tensors format `{format}` is not supported yet; \
-                         `int-quantized` (W8A8, per-channel int8) is"
+                        "compressed-tensors format `{format}` is not supported; \
+                         `int-quantized` (W8A8, per-channel int8) and `pack-quantized` (int4 \
+                         weights with bf16/f32 activations, Kimi-K2-Thinking) are"
                     ),
                 ));
             }
@@ -712,6 +722,17 @@ fn parse_quantization(f: &Fields) -> Result<Option<QuantizationConfig>> {
                     return Err(q.err("ignore", format!("expected a list, found {other}")))
                 }
             };
+            if format == "pack-quantized" {
+                if q.get("kv_cache_scheme").is_some_and(|v| !v.is_null()) {
+                    return Err(q.err(
+                        "kv_cache_scheme",
+                        "an int8 KV cache with pack-quantized int4 weights is not supported; \
+                         remove kv_cache_scheme (K2-Thinking has none)",
+                    ));
+                }
+                let group_size = packed_int4_group_size(&q)?;
+                return Ok(Some(QuantizationConfig::PackedInt4 { group_size, ignore }));
+            }
             let kv_cache_int8 = q.get("kv_cache_scheme").is_some();
             Ok(Some(QuantizationConfig::CompressedInt8 {
                 ignore,
@@ -724,6 +745,108 @@ fn parse_quantization(f: &Fields) -> Result<Option<QuantizationConfig>> {
         )),
         None => Err(q.err("quant_method", "missing")),
     }
+}
+
+/// The weights' group size of a `pack-quantized` config (spec §2.3: K2-Thinking has one
+/// group, `targets: ["Linear"]`, weights `{num_bits: 4, type: int, symmetric: true, strategy:
+/// group, group_size: 32}`, no input activations): `None` for the `channel` strategy. Every
+/// group must describe the same weights: the loader tells int4 tensors by their
+/// `weight_packed` name, not by matching targets.
+fn packed_int4_group_size(q: &Fields) -> Result<Option<usize>> {
+    let groups = match q.get("config_groups") {
+        Some(Value::Object(g)) if !g.is_empty() => g,
+        Some(other) => {
+            return Err(q.err(
+                "config_groups",
+                format!("expected an object of quantization groups, found {other}"),
+            ))
+        }
+        None => return Err(q.err("config_groups", "missing (pack-quantized needs one)")),
+    };
+    let mut found: Option<Option<usize>> = None;
+    for (name, group) in groups {
+        let field = |k: &str| format!("config_groups.{name}.{k}");
+        let bad = |k: &str, m: String| q.err(&field(k), m);
+        let Some(w) = group.get("weights").and_then(Value::as_object) else {
+            return Err(bad("weights", "missing or not an object".into()));
+        };
+        let bits = w.get("num_bits").and_then(Value::as_u64);
+        if bits != Some(4) {
+            return Err(bad(
+                "weights.num_bits",
+                format!(
+                    "{}; pack-quantized weights are supported with 4 bits only",
+                    w.get("num_bits")
+                        .map_or("missing".into(), |v| v.to_string())
+                ),
+            ));
+        }
+        match w.get("type").and_then(Value::as_str) {
+            None | Some("int") => {}
+            Some(other) => {
+                return Err(bad(
+                    "weights.type",
+                    format!("`{other}`; pack-quantized weights are supported as `int`"),
+                ))
+            }
+        }
+        if w.get("symmetric").and_then(Value::as_bool) == Some(false) {
+            return Err(bad(
+                "weights.symmetric",
+                "false; only symmetric int4 weights (no zero point) are supported".into(),
+            ));
+        }
+        if w.get("dynamic").and_then(Value::as_bool) == Some(true) {
+            return Err(bad(
+                "weights.dynamic",
+                "true; int4 weights must be stored quantized (dynamic: false)".into(),
+            ));
+        }
+        if group.get("input_activations").is_some_and(|a| !a.is_null()) {
+            return Err(bad(
+                "input_activations",
+                "quantized activations with int4 weights are not supported; K2-Thinking's \
+                 int4 weights take bf16 activations (input_activations: null)"
+                    .into(),
+            ));
+        }
+        let size = match w.get("strategy").and_then(Value::as_str) {
+            Some("group") => match w.get("group_size").and_then(Value::as_u64) {
+                Some(g) if g > 0 && g % 2 == 0 => Some(g as usize),
+                _ => {
+                    return Err(bad(
+                        "weights.group_size",
+                        format!(
+                            "{}; the group strategy needs a positive even group size",
+                            w.get("group_size")
+                                .map_or("missing".into(), |v| v.to_string())
+                        ),
+                    ))
+                }
+            },
+            Some("channel") => None,
+            other => {
+                return Err(bad(
+                    "weights.strategy",
+                    format!(
+                        "{}; pack-quantized int4 weights are supported with the `group` or \
+                         `channel` strategy",
+                        other.map_or("missing".into(), |s| format!("`{s}`"))
+                    ),
+                ))
+            }
+        };
+        if let Some(prev) = found {
+            if prev != size {
+                return Err(bad(
+                    "weights",
+                    "quantization groups with different group sizes are not supported".into(),
+                ));
+            }
+        }
+        found = Some(size);
+    }
+    Ok(found.flatten())
 }
 
 /// Parses `text` (the contents of `path`) as a JSON object.
@@ -792,6 +915,46 @@ mod tests {
         // DeepSeek-V3: 671 B total without MTP, 37 B activated.
         assert!((p.total as f64 / 1e9 - 671.0).abs() < 2.0, "{}", p.total);
         assert!((p.active as f64 / 1e9 - 37.5).abs() < 1.5, "{}", p.active);
+    }
+
+    #[test]
+    fn k2_thinking_pack_quantized_int4() {
+        let mut v = r1_json();
+        v["model_type"] = "kimi_k2".into();
+        v["quantization_config"] = serde_json::json!({
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "kv_cache_scheme": null,
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null,
+                "output_activations": null,
+                "weights": {"num_bits": 4, "type": "int", "symmetric": true,
+                    "strategy": "group", "group_size": 32, "dynamic": false, "actorder": null}}},
+            "ignore": ["lm_head", "re:.*self_attn.*"]
+        });
+        let c = parse(&v).unwrap();
+        assert_eq!(
+            c.quantization,
+            Some(QuantizationConfig::PackedInt4 {
+                group_size: Some(32),
+                ignore: vec!["lm_head".into(), "re:.*self_attn.*".into()],
+            })
+        );
+        let w = &mut v["quantization_config"]["config_groups"]["group_0"]["weights"];
+        w["strategy"] = "channel".into();
+        let c = parse(&v).unwrap();
+        assert!(matches!(
+            c.quantization,
+            Some(QuantizationConfig::PackedInt4 {
+                group_size: None,
+                ..
+            })
+        ));
+        v["quantization_config"]["config_groups"]["group_0"]["input_activations"] =
+            serde_json::json!({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": true});
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(
+            e.contains("quantization_config.config_groups.group_0.input_activations"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! DeepSeek-V3/R1 and Kimi-K2: loading and the forward pass over a packed batch.
 //!
-//! Spec: `shared/specs/deepseek-v3-r1-kimi-k2.md` §2 (tensor names and layouts), §3.1 (RMSNorm,
+//! Spec: `shared/specs/deepseek-v3-r1-kimi-k2.md` §2 (tensor names and layouts; §2.3 for
+//! Kimi-K2-Thinking's `pack-quantized` int4 experts, run as W4A16 with f32 activations), §3.1 (RMSNorm,
 //! pre-norm residual stream), §3.2 (YaRN rope, see [`crate::rope`]), §3.3 (MLA, naive form),
 //! §3.4 (absorbed form over the latent cache), §3.5 (noaux_tc sigmoid routing), §3.6 (experts,
 //! shared expert, dense MLP), §3.7 (final norm, lm_head), §8 (transformers' semantics, our
@@ -159,6 +160,10 @@ struct Loader<'a> {
     w8a8: bool,
     /// `kv_cache_scheme` int8 (C8): each layer has a `self_attn.ckv_scale`.
     c8: bool,
+    /// compressed-tensors `pack-quantized` (K2-Thinking, spec §2.3): `Some(group size)`
+    /// (`Some(None)`: one scale per row); the Linears stored as `weight_packed` load as
+    /// [`MatrixData::Int4Group`] and run with f32 activations.
+    int4: Option<Option<usize>>,
 }
 
 impl Loader<'_> {
@@ -197,6 +202,10 @@ impl Loader<'_> {
     /// logits pick experts, so they stay exact).
     fn linear_f32_acts(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let name = format!("{prefix}.weight");
+        let packed = format!("{prefix}.weight_packed");
+        if !self.ckpt.contains(&name) && self.ckpt.contains(&packed) {
+            return self.packed_int4(prefix, rows, cols);
+        }
         let w = self
             .ckpt
             .take(&name, &format!("a [{rows}, {cols}] weight"))?;
@@ -247,6 +256,80 @@ impl Loader<'_> {
             (Fp8Mode::DequantizeF32, Dtype::F8_E4M3) => m.to_f32_matrix(),
             _ => m,
         })
+    }
+
+    /// A compressed-tensors `pack-quantized` Linear (spec §2.3): `weight_packed` int32
+    /// `[rows, cols/8]` (column 8j+i is nibble i of word j, low nibble first, stored as q + 8),
+    /// `weight_scale` `[rows, cols/group]` (bf16 in K2-Thinking; f16 and f32 accepted) and, when
+    /// present, `weight_shape` = `[rows, cols]`. The little-endian bytes of the words are
+    /// already [`MatrixData::Int4Group`]'s layout (column c in byte c/2, low nibble for even c),
+    /// so the weights stay the mmap'd bytes.
+    fn packed_int4(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let name = format!("{prefix}.weight_packed");
+        let w = self.ckpt.take(
+            &name,
+            &format!("int32 [{rows}, {}] packed int4 weights", cols / 8),
+        )?;
+        let Some(group) = self.int4 else {
+            return Err(w.error(
+                "is a packed int4 weight, but config.json's quantization_config is not \
+                 compressed-tensors `pack-quantized` (give the checkpoint's own config.json)",
+            ));
+        };
+        if w.dtype != Dtype::I32 {
+            return Err(w.error(format!(
+                "has dtype {:?}; pack-quantized int4 weights are I32 words of 8 nibbles",
+                w.dtype
+            )));
+        }
+        if !cols.is_multiple_of(8) {
+            return Err(w.error(format!(
+                "packs {cols} input columns, not a multiple of 8: int32 words hold 8 nibbles"
+            )));
+        }
+        w.expect_shape(&[rows, cols / 8])?;
+        let shape_name = format!("{prefix}.weight_shape");
+        if self.ckpt.contains(&shape_name) {
+            let s = self
+                .ckpt
+                .take(&shape_name, "the [out, in] shape of the int4 weight")?;
+            let b = s.bytes.as_slice();
+            let dims: Vec<i64> = match s.dtype {
+                Dtype::I32 => b
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+                    .collect(),
+                Dtype::I64 => b
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect(),
+                other => return Err(s.error(format!("has dtype {other:?}; expected I32 or I64"))),
+            };
+            if dims != [rows as i64, cols as i64] {
+                return Err(s.error(format!("is {dims:?}; the config implies [{rows}, {cols}]")));
+            }
+        }
+        let group_size = group.unwrap_or(cols);
+        let groups = cols.div_ceil(group_size);
+        let sname = format!("{prefix}.weight_scale");
+        let s = self.ckpt.take(
+            &sname,
+            &format!("[{rows}, {groups}] scales (one per {group_size} columns) for {name}"),
+        )?;
+        let shape_ok = s.shape == [rows, groups] || (groups == 1 && s.shape == [rows]);
+        if !shape_ok {
+            return Err(s.error(format!(
+                "has shape {:?}; expected [{rows}, {groups}] (one scale per {group_size} \
+                 columns, the config's group_size)",
+                s.shape
+            )));
+        }
+        let data = MatrixData::Int4Group {
+            data: w.bytes.clone(),
+            scale: s.to_f32_vec()?,
+            group_size,
+        };
+        Matrix::new(rows, cols, data).map_err(|e| w.error(e.to_string()))
     }
 
     fn mlp(&mut self, prefix: &str, hidden: usize, inter: usize) -> Result<Mlp> {
@@ -399,12 +482,17 @@ impl DeepseekV3 {
             }
             _ => (false, false),
         };
+        let int4 = match &cfg.quantization {
+            Some(QuantizationConfig::PackedInt4 { group_size, .. }) => Some(*group_size),
+            _ => None,
+        };
         let mut l = Loader {
             ckpt,
             opts,
             block,
             w8a8,
             c8,
+            int4,
         };
         let h = cfg.hidden_size;
         let v = cfg.vocab_size;

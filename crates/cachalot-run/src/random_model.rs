@@ -36,6 +36,8 @@ use serde_json::{json, Value};
 
 const BLOCK: usize = 128;
 const SIGMA_CODE: f32 = 100.0;
+/// Std of the random int4 codes (in code units) of a `pack-quantized` weight.
+const SIGMA_INT4: f32 = 2.5;
 
 /// Named shapes (the same as `tools/random_checkpoint.py --preset`).
 pub const PRESETS: &[&str] = &["v3-1b", "v3-tiny", "v4-1b", "v4-tiny"];
@@ -177,6 +179,15 @@ enum Kind {
     Bf16(f32),
     /// f32 N(0, std²).
     F32(f32),
+    /// Int4 codes of a `pack-quantized` weight (Kimi-K2-Thinking's routed experts, spec §2.3):
+    /// q from N(0, SIGMA_INT4²) rounded and clipped to [-8, 7], stored q + 8, 8 to an int32
+    /// word, low nibble first.
+    Int4Packed,
+    /// bf16 `weight_scale` of the int4 weight before it (one per group), std of the
+    /// dequantized weight.
+    Int4Scale(f32),
+    /// int32 `weight_shape` `[rows, cols]`.
+    Int4Shape(usize, usize),
 }
 
 struct Spec {
@@ -189,7 +200,10 @@ struct Plan {
     shards: Vec<Vec<Spec>>,
 }
 
-fn plan(cfg: &Value) -> Result<Plan> {
+/// The tensors of `cfg`'s checkpoint: the FP8 release layout, or with `int4_group` Kimi-K2-
+/// Thinking's (routed experts `pack-quantized` int4 with one scale per `int4_group` columns,
+/// every other Linear bf16).
+fn plan(cfg: &Value, int4_group: Option<usize>) -> Result<Plan> {
     let h = field(cfg, "hidden_size")?;
     let v = field(cfg, "vocab_size")?;
     let nh = field(cfg, "num_attention_heads")?;
@@ -211,13 +225,44 @@ fn plan(cfg: &Value) -> Result<Plan> {
         out.push(Spec { name, kind, shape })
     };
     let lin = |out: &mut Vec<Spec>, name: &str, rows: usize, cols: usize| {
-        push(out, format!("{name}.weight"), Kind::Fp8, vec![rows, cols]);
-        push(
-            out,
-            format!("{name}.weight_scale_inv"),
-            Kind::Scale(1.0 / (cols as f32).sqrt()),
-            vec![rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)],
-        );
+        let std = 1.0 / (cols as f32).sqrt();
+        match int4_group {
+            Some(g) if name.contains(".mlp.experts.") => {
+                push(
+                    out,
+                    format!("{name}.weight_packed"),
+                    Kind::Int4Packed,
+                    vec![rows, cols / 8],
+                );
+                push(
+                    out,
+                    format!("{name}.weight_scale"),
+                    Kind::Int4Scale(std),
+                    vec![rows, cols.div_ceil(g)],
+                );
+                push(
+                    out,
+                    format!("{name}.weight_shape"),
+                    Kind::Int4Shape(rows, cols),
+                    vec![2],
+                );
+            }
+            Some(_) => push(
+                out,
+                format!("{name}.weight"),
+                Kind::Bf16(std),
+                vec![rows, cols],
+            ),
+            None => {
+                push(out, format!("{name}.weight"), Kind::Fp8, vec![rows, cols]);
+                push(
+                    out,
+                    format!("{name}.weight_scale_inv"),
+                    Kind::Scale(std),
+                    vec![rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)],
+                );
+            }
+        }
     };
     let norm = |out: &mut Vec<Spec>, name: &str, dim: usize| {
         out.push(Spec {
@@ -390,6 +435,28 @@ fn generate(spec: &Spec, codes: &[u8]) -> (Dtype, Vec<u8>) {
             let v: Vec<f32> = (0..n).map(|_| rng.normal() * s).collect();
             (Dtype::F32, cachalot_kernels::f32s_to_le_bytes(&v))
         }
+        Kind::Int4Packed => {
+            let mut out = Vec::with_capacity(4 * n);
+            for _ in 0..n {
+                let word = (0..8).fold(0u32, |acc, i| {
+                    let q = (rng.normal() * SIGMA_INT4).round().clamp(-8.0, 7.0) as i32 + 8;
+                    acc | ((q as u32) << (4 * i))
+                });
+                out.extend_from_slice(&word.to_le_bytes());
+            }
+            (Dtype::I32, out)
+        }
+        Kind::Int4Scale(std) => {
+            let base = std / SIGMA_INT4;
+            let v: Vec<u16> = (0..n)
+                .map(|_| f32_to_bf16(base * (1.0 + 0.25 * (rng.uniform() - 0.5))))
+                .collect();
+            (Dtype::BF16, cachalot_kernels::u16s_to_le_bytes(&v))
+        }
+        Kind::Int4Shape(rows, cols) => {
+            let v = [rows as i32, cols as i32];
+            (Dtype::I32, v.iter().flat_map(|d| d.to_le_bytes()).collect())
+        }
     }
 }
 
@@ -410,12 +477,18 @@ fn held(name: &str, shard: ExpertShard, experts: usize) -> bool {
 }
 
 fn write_fp8(cfg: &Value, dir: &Path) -> Result<()> {
-    write_fp8_shard(cfg, dir, ExpertShard::default())
+    write_fp8_shard(cfg, dir, ExpertShard::default(), None)
 }
 
-/// The FP8 checkpoint of `cfg` with only the routed experts `shard` holds.
-fn write_fp8_shard(cfg: &Value, dir: &Path, shard: ExpertShard) -> Result<()> {
-    let plan = plan(cfg)?;
+/// The FP8 checkpoint of `cfg` (with `int4_group`, Kimi-K2-Thinking's int4 + bf16 layout, see
+/// [`plan`]) with only the routed experts `shard` holds.
+fn write_fp8_shard(
+    cfg: &Value,
+    dir: &Path,
+    shard: ExpertShard,
+    int4_group: Option<usize>,
+) -> Result<()> {
+    let plan = plan(cfg, int4_group)?;
     let codes = code_table();
     let experts = field_or(cfg, "n_routed_experts", 0);
     let shards: Vec<Vec<&Spec>> = plan
@@ -473,8 +546,33 @@ pub(crate) fn write_checkpoint<S: Sync>(
 /// directory if None), held as `quant`: `fp8` (as DeepSeek ships it), `bfloat16` or `w8a8c16`.
 pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomModel> {
     use cachalot_convert::QuantMode;
-    let cfg = config_for(spec)?;
+    let mut cfg = config_for(spec)?;
     let v4 = crate::random_model_v4::is_v4(&cfg);
+    if quant == W4A16 && !v4 {
+        // Kimi-K2-Thinking's release layout, loaded as is (no conversion).
+        const GROUP: usize = 32;
+        if let Some(obj) = cfg.as_object_mut() {
+            obj.insert(
+                "quantization_config".into(),
+                packed_int4_quantization(GROUP),
+            );
+        }
+        check_before_writing(
+            &cfg,
+            &format!("--random-weights {spec}"),
+            ExpertShard::default(),
+        )?;
+        let write = |dir: &Path| write_fp8_shard(&cfg, dir, ExpertShard::default(), Some(GROUP));
+        return materialize(
+            spec,
+            quant,
+            None,
+            parent,
+            "cachalot-bench-random",
+            write,
+            None,
+        );
+    }
     check_before_writing(
         &cfg,
         &format!("--random-weights {spec}"),
@@ -496,7 +594,7 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
             "--random-quant {q}: a DeepSeek-V4 model is fp8 (the native FP8 + MXFP4 release), \
              w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif"
         ),
-        (q, _) => bail!("--random-quant {q}: expected fp8, bfloat16 or w8a8c16"),
+        (q, _) => bail!("--random-quant {q}: expected fp8, bfloat16, w8a8c16 or w4a16"),
     };
     let write = |dir: &Path| {
         if v4 {
@@ -564,9 +662,55 @@ fn check_before_writing(cfg: &Value, what: &str, shard: ExpertShard) -> Result<(
     Ok(())
 }
 
+/// `--random-quant` of Kimi-K2-Thinking's layout: int4 routed experts (`pack-quantized`, one
+/// bf16 scale per 32 columns), bf16 elsewhere, int4 products with f32 activations.
+const W4A16: &str = "w4a16";
+
+/// The group size of a `pack-quantized` (int4) `quantization_config` in `cfg` (the columns of
+/// a row for the `channel` strategy), None for any other quantization. `cfg` has passed the
+/// model's own config validation, which rejects the int4 configs the loader cannot run.
+fn packed_int4_group(cfg: &Value) -> Option<usize> {
+    let q = cfg.get("quantization_config")?;
+    if q.get("format").and_then(Value::as_str) != Some("pack-quantized") {
+        return None;
+    }
+    let w = q
+        .get("config_groups")?
+        .as_object()?
+        .values()
+        .next()?
+        .get("weights")?;
+    match w.get("strategy").and_then(Value::as_str) {
+        Some("group") => w
+            .get("group_size")
+            .and_then(Value::as_u64)
+            .map(|g| g as usize),
+        // One scale per row: a group as wide as the widest row.
+        _ => Some(usize::MAX / 2),
+    }
+}
+
+/// Kimi-K2-Thinking's `quantization_config` (spec §1.1, §2.3) with int4 groups of `group`.
+fn packed_int4_quantization(group: usize) -> Value {
+    json!({
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "input_activations": null,
+            "weights": {"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group",
+                        "group_size": group, "dynamic": false}
+        }},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                   "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "kv_cache_scheme": null
+    })
+}
+
 /// The estimated bytes of the FP8 checkpoint of `cfg` with the routed experts `shard` holds.
 fn fp8_shard_bytes(cfg: &Value, shard: ExpertShard) -> Result<u64> {
-    let plan = plan(cfg)?;
+    let plan = plan(cfg, packed_int4_group(cfg))?;
     let experts = field_or(cfg, "n_routed_experts", 0);
     Ok(plan
         .shards
@@ -580,8 +724,8 @@ fn fp8_shard_bytes(cfg: &Value, shard: ExpertShard) -> Result<u64> {
                 .fold(1u64, |n, &d| n.saturating_mul(d as u64));
             n.saturating_mul(match s.kind {
                 Kind::Fp8 => 1,
-                Kind::Norm | Kind::Bf16(_) => 2,
-                Kind::Scale(_) | Kind::F32(_) => 4,
+                Kind::Norm | Kind::Bf16(_) | Kind::Int4Scale(_) => 2,
+                Kind::Scale(_) | Kind::F32(_) | Kind::Int4Packed | Kind::Int4Shape(..) => 4,
             })
         })
         .fold(0u64, u64::saturating_add))
@@ -622,6 +766,20 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>, shard: ExpertShard) -> Res
     let method = q
         .and_then(|q| q.get("quant_method"))
         .and_then(Value::as_str);
+    if let Some(group) = packed_int4_group(&orig) {
+        // Kimi-K2-Thinking's own layout (int4 routed experts, bf16 elsewhere), written as is
+        // under the config's own quantization_config.
+        let shape = path.display().to_string();
+        let write = |dir: &Path| {
+            write_fp8_shard(&orig, dir, shard, Some(group)).with_context(|| {
+                format!(
+                    "with_ckpt: false: writing a random checkpoint of about {:.1} GB",
+                    fp8_shard_bytes(&orig, shard).unwrap_or(0) as f64 / 1e9
+                )
+            })
+        };
+        return materialize(&shape, W4A16, None, parent, &prefix, write, None);
+    }
     let mode = match method {
         None => Some(cachalot_convert::QuantMode::Bfloat16),
         Some("fp8") => None,
@@ -636,7 +794,7 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>, shard: ExpertShard) -> Res
         ),
         Some(other) => bail!(
             "{}: with_ckpt: false cannot make random weights for quant_method {other:?} \
-             (supported: fp8, compressed-tensors int8, none for bf16)",
+             (supported: fp8, compressed-tensors int8 or pack-quantized int4, none for bf16)",
             path.display()
         ),
     };
@@ -656,7 +814,7 @@ pub fn dummy(model_dir: &Path, parent: Option<&Path>, shard: ExpertShard) -> Res
     });
     let shape = path.display().to_string();
     let write = |dir: &Path| {
-        write_fp8_shard(&cfg, dir, shard).with_context(|| {
+        write_fp8_shard(&cfg, dir, shard, None).with_context(|| {
             format!(
                 "with_ckpt: false: writing a random checkpoint of about {:.1} GB",
                 fp8_shard_bytes(&cfg, shard).unwrap_or(0) as f64 / 1e9
@@ -792,6 +950,39 @@ mod tests {
             drop(m);
             assert!(!dir.exists(), "{} left behind", dir.display());
         }
+    }
+
+    #[test]
+    fn w4a16_is_kimi_k2_thinkings_layout() {
+        // (Two parents: a process's random models share one directory name.)
+        let (t1, t2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let fp8 = build("v3-tiny", "fp8", Some(t1.path())).expect("build");
+        let int4 = build("v3-tiny", "w4a16", Some(t2.path())).expect("build");
+        let idx = std::fs::read_to_string(int4.dir.join("model.safetensors.index.json")).unwrap();
+        for name in [
+            "model.layers.1.mlp.experts.0.down_proj.weight_packed",
+            "model.layers.1.mlp.experts.0.down_proj.weight_scale",
+            "model.layers.1.mlp.experts.0.down_proj.weight_shape",
+            "model.layers.1.mlp.shared_experts.down_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight",
+        ] {
+            assert!(idx.contains(&format!("\"{name}\"")), "{name} missing");
+        }
+        assert!(!idx.contains("weight_scale_inv"));
+        let a = cachalot_model::DeepseekV3::load(&fp8.dir, Default::default()).unwrap();
+        let b = cachalot_model::DeepseekV3::load(&int4.dir, Default::default()).unwrap();
+        // Int4 experts: half a byte per weight plus a bf16-as-f32 scale per 32, against FP8's
+        // byte plus a scale per 128 × 128 block.
+        let (fp8_expert, _) = a.routed_expert_bytes();
+        let (int4_expert, _) = b.routed_expert_bytes();
+        assert!(
+            int4_expert * 10 < fp8_expert * 7,
+            "{int4_expert} vs {fp8_expert}"
+        );
+        // The random int4 weights keep activations O(1): finite log-probabilities.
+        let toks: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
+        let lp = cachalot_model::eval::next_token_logprobs(&b, &toks, 4096).unwrap();
+        assert!(lp.iter().all(|x| x.is_finite() && *x <= 0.0), "{lp:?}");
     }
 
     #[test]

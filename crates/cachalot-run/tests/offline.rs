@@ -337,6 +337,33 @@ fn with_ckpt_false_runs_random_weights_of_the_configs_shapes() {
     let log = std::fs::read_to_string(c8.dir.join("run.log")).unwrap();
     assert!(log.contains("random w8a8c8 weights"), "{log}");
     assert_eq!(c8.outputs.len(), 2);
+
+    // A Kimi-K2-Thinking-style directory (compressed-tensors pack-quantized int4 experts): the
+    // random weights are written in that layout and loaded as such, not converted.
+    let k2t = tmp.path().join("k2_thinking");
+    std::fs::create_dir_all(&k2t).unwrap();
+    let src = root().join("fixtures/v3/r1_tiny");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), k2t.join(f)).unwrap();
+    }
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    c["quantization_config"] = serde_json::json!({
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null,
+            "weights": {"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group",
+                        "group_size": 32, "dynamic": false}}},
+        "ignore": ["lm_head", "re:.*self_attn.*"]
+    });
+    std::fs::write(k2t.join("config.json"), c.to_string()).unwrap();
+    let mut cfg = config(2, 4096, &data);
+    cfg.data_config.num_requests = Some(2);
+    cfg.model_config.model_path = k2t.display().to_string();
+    cfg.model_config.with_ckpt = false;
+    let int4 = run(&cfg, &opts(tmp.path(), None)).unwrap();
+    let log = std::fs::read_to_string(int4.dir.join("run.log")).unwrap();
+    assert!(log.contains("random w4a16 weights"), "{log}");
+    assert_eq!(int4.outputs.len(), 2);
 }
 
 /// DeepSeek-V4 with `with_ckpt: false`: the seed's rule (force_eplb required) is enforced, and

@@ -44,8 +44,10 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with = "model")]
     random_weights: Option<String>,
     /// How the random model is held: fp8 (as DeepSeek ships it: FP8 blocks, V4 with MXFP4
-    /// experts), or made by the converter as `cachalot convert` would: bfloat16 or w8a8c16
-    /// (V3), w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif (V4).
+    /// experts); w4a16 (V3 shapes as Kimi-K2-Thinking ships them: int4 routed experts,
+    /// compressed-tensors pack-quantized, group 32, bf16 elsewhere); or made by the converter
+    /// as `cachalot convert` would: bfloat16 or w8a8c16 (V3), w8a8-int, w4a8-int, w4a8-mx or
+    /// w4a8-mx-hif (V4).
     #[arg(long, default_value = "fp8", requires = "random_weights")]
     random_quant: String,
     /// Where the random model is written (default: the system temporary directory).
