@@ -585,7 +585,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
             }
             (_, None) => None,
         };
-    check_output(&opts.output, opts.force)?;
+    check_output(&opts.input, &opts.output, opts.force)?;
     let ignore = ignore_list(input.num_hidden_layers, input.num_layers);
 
     // Plan every shard (and validate every FP8 weight) before writing anything.
@@ -742,7 +742,37 @@ fn out_tensor(name: &str, dtype: &'static str, shape: &[usize]) -> OutTensor {
     }
 }
 
-fn check_output(out: &Path, force: bool) -> Result<()> {
+/// `out` may be written: not a file, not the input or a directory holding it (`--force` would
+/// delete the input with it), and empty unless `force`.
+fn check_output(input: &Path, out: &Path, force: bool) -> Result<()> {
+    // Compare absolute paths with symlinks resolved; `out` may not exist yet, so resolve its
+    // nearest existing ancestor and add the rest.
+    let resolve = |p: &Path| -> PathBuf {
+        let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+        let mut base = abs.as_path();
+        let mut rest = Vec::new();
+        while !base.exists() {
+            match (base.parent(), base.file_name()) {
+                (Some(parent), Some(name)) => {
+                    rest.push(name.to_os_string());
+                    base = parent;
+                }
+                _ => break,
+            }
+        }
+        let mut r = fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
+        r.extend(rest.iter().rev());
+        r
+    };
+    let (inp, outp) = (resolve(input), resolve(out));
+    if inp.starts_with(&outp) {
+        return Err(ConvertError::Usage(format!(
+            "--output {} is the input directory or holds it ({}); writing there would delete \
+             the input: choose another output directory",
+            out.display(),
+            input.display()
+        )));
+    }
     if out.is_file() {
         return Err(ConvertError::Usage(format!(
             "{} is a file; the output must be a directory",

@@ -437,7 +437,7 @@ pub(crate) fn convert_v4(
             file: config_path.clone(),
             why: "n_routed_experts is missing or not a number".into(),
         })? as usize;
-    check_output(&opts.output, opts.force)?;
+    check_output(&opts.input, &opts.output, opts.force)?;
     let clips = match &opts.quant_param_path {
         Some(dir) => load_clip_params(dir, num_layers)?,
         None => HashMap::new(),

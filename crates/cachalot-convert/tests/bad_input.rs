@@ -208,6 +208,33 @@ fn refuses_a_non_empty_output_without_force() {
 }
 
 #[test]
+fn refuses_an_output_that_is_or_holds_the_input_even_with_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in");
+    copy_fixture(&input);
+    fs::write(tmp.path().join("notes.txt"), "mine").unwrap();
+    for out in [
+        input.clone(),
+        tmp.path().to_path_buf(),
+        input.join("..").join("in"),
+        input.join("."),
+    ] {
+        for mode in [QuantMode::W8A8C16, QuantMode::Bfloat16] {
+            let mut o = opts(&input, &out);
+            o.force = true;
+            o.mode = mode;
+            let e = convert(&o).unwrap_err().to_string();
+            assert!(e.contains("holds it") && e.contains("--output"), "{e}");
+        }
+    }
+    assert!(input.join("config.json").exists() && tmp.path().join("notes.txt").exists());
+    // A sibling directory is fine.
+    let mut o = opts(&input, &tmp.path().join("out"));
+    o.force = true;
+    convert(&o).unwrap();
+}
+
+#[test]
 fn c8_needs_a_scale_per_layer() {
     let tmp = tempfile::tempdir().unwrap();
     let scales = tmp.path().join("s.json");
