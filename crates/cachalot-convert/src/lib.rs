@@ -122,10 +122,11 @@ pub struct ConvertReport {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
-    #[error("{}: {source}", path.display())]
+    // (`error`, not `source`: the message already holds it; as a source it was printed twice.)
+    #[error("{}: {error}", path.display())]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{}: {why}", file.display())]
     Shard { file: PathBuf, why: String },
@@ -145,7 +146,7 @@ impl ConvertError {
     fn io(path: &Path, source: std::io::Error) -> ConvertError {
         ConvertError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         }
     }
 }

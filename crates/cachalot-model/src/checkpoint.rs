@@ -100,7 +100,7 @@ impl Checkpoint {
         if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
                 path: index_path.clone(),
-                source,
+                error: source,
             })?;
             let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
                 path: index_path.clone(),
@@ -145,13 +145,13 @@ impl Checkpoint {
             let path = dir.join(name);
             let file = std::fs::File::open(&path).map_err(|source| ModelError::Io {
                 path: path.clone(),
-                source,
+                error: source,
             })?;
             // SAFETY: the file is opened read-only and the map is never written; like every
             // mmap-based loader we rely on checkpoint files not being truncated while loaded.
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ModelError::Io {
                 path: path.clone(),
-                source,
+                error: source,
             })?;
             let (header_len, meta) =
                 safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {

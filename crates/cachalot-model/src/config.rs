@@ -230,7 +230,7 @@ impl DeepseekV3Config {
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         })?;
         Self::from_json_str(&text, path)
     }
@@ -408,6 +408,65 @@ impl DeepseekV3Config {
                     format!("{v} is out of range (at most {max}); check the value"),
                 ));
             }
+        }
+        if self.max_position_embeddings == 0 {
+            return Err(err("max_position_embeddings", "must be at least 1".into()));
+        }
+        // Float fields that would turn every activation into NaN or ±∞ rather than fail.
+        let finite = |name: &str, v: f64, ok: bool, what: &str| {
+            if v.is_finite() && ok {
+                Ok(())
+            } else {
+                Err(err(name, format!("{v} is out of range: {what}")))
+            }
+        };
+        let eps = self.rms_norm_eps as f64;
+        finite(
+            "rms_norm_eps",
+            eps,
+            (0.0..=1.0).contains(&eps),
+            "expected a small non-negative number (1e-6 in DeepSeek-V3)",
+        )?;
+        let rsf = self.routed_scaling_factor as f64;
+        finite(
+            "routed_scaling_factor",
+            rsf,
+            rsf > 0.0 && rsf <= 1e6,
+            "expected a positive number (2.5 in DeepSeek-V3)",
+        )?;
+        match &self.rope_scaling {
+            Some(y) => {
+                // YaRN's correction range divides by ln θ.
+                finite(
+                    "rope_theta",
+                    self.rope_theta,
+                    self.rope_theta > 1.0,
+                    "YaRN needs a base above 1 (10000 in DeepSeek-V3)",
+                )?;
+                finite(
+                    "rope_scaling.factor",
+                    y.factor,
+                    y.factor > 0.0,
+                    "expected a positive number",
+                )?;
+                for (name, v) in [
+                    ("rope_scaling.mscale", y.mscale),
+                    ("rope_scaling.mscale_all_dim", y.mscale_all_dim),
+                    ("rope_scaling.attention_factor", y.attention_factor),
+                    ("rope_scaling.beta_fast", Some(y.beta_fast)),
+                    ("rope_scaling.beta_slow", Some(y.beta_slow)),
+                ] {
+                    if let Some(v) = v {
+                        finite(name, v, v.abs() <= 1e6, "expected a moderate number")?;
+                    }
+                }
+            }
+            None => finite(
+                "rope_theta",
+                self.rope_theta,
+                self.rope_theta > 0.0,
+                "expected a positive base (10000 in DeepSeek-V3)",
+            )?,
         }
         if self.qk_rope_head_dim == 0 || !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(err(
@@ -733,6 +792,7 @@ fn parse_quantization(f: &Fields) -> Result<Option<QuantizationConfig>> {
                 let group_size = packed_int4_group_size(&q)?;
                 return Ok(Some(QuantizationConfig::PackedInt4 { group_size, ignore }));
             }
+            check_int8_groups(&q)?;
             let kv_cache_int8 = q.get("kv_cache_scheme").is_some();
             Ok(Some(QuantizationConfig::CompressedInt8 {
                 ignore,
@@ -745,6 +805,60 @@ fn parse_quantization(f: &Fields) -> Result<Option<QuantizationConfig>> {
         )),
         None => Err(q.err("quant_method", "missing")),
     }
+}
+
+/// An `int-quantized` config's groups describe what the loader runs (spec §4/§5.3, the W8A8
+/// converter's output): 8-bit symmetric int weights with one scale per output channel, and
+/// activations (when given) 8-bit int quantized per token. Absent fields are not checked.
+fn check_int8_groups(q: &Fields) -> Result<()> {
+    let Some(groups) = q.get("config_groups") else {
+        return Ok(());
+    };
+    let Value::Object(groups) = groups else {
+        return Err(q.err(
+            "config_groups",
+            format!("expected an object of quantization groups, found {groups}"),
+        ));
+    };
+    for (name, group) in groups {
+        for (part, strategies) in [
+            ("weights", &["channel"][..]),
+            ("input_activations", &["token"][..]),
+        ] {
+            let Some(args) = group.get(part).and_then(Value::as_object) else {
+                continue;
+            };
+            let bad = |k: &str, v: &Value, want: &str| {
+                q.err(
+                    &format!("config_groups.{name}.{part}.{k}"),
+                    format!("{v} is not supported with int-quantized; expected {want}"),
+                )
+            };
+            if let Some(v) = args.get("num_bits").filter(|v| v.as_u64() != Some(8)) {
+                return Err(bad("num_bits", v, "8"));
+            }
+            if let Some(v) = args.get("type").filter(|v| v.as_str() != Some("int")) {
+                return Err(bad("type", v, "\"int\""));
+            }
+            if let Some(v) = args
+                .get("symmetric")
+                .filter(|v| part == "weights" && v.as_bool() == Some(false))
+            {
+                return Err(bad("symmetric", v, "true (no zero point)"));
+            }
+            if let Some(v) = args
+                .get("strategy")
+                .filter(|v| !v.as_str().is_some_and(|s| strategies.contains(&s)))
+            {
+                return Err(bad(
+                    "strategy",
+                    v,
+                    &format!("\"{}\"", strategies.join("\" or \"")),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The weights' group size of a `pack-quantized` config (spec §2.3: K2-Thinking has one

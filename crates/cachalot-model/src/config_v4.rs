@@ -29,7 +29,7 @@ pub fn detect_family(dir: &Path) -> Result<ModelFamily> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
         path: path.clone(),
-        source,
+        error: source,
     })?;
     family_from_json_str(&text, &path)
 }
@@ -153,7 +153,7 @@ impl DeepseekV4Config {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
             path: path.clone(),
-            source,
+            error: source,
         })?;
         Self::from_json_str(&text, &path)
     }
@@ -365,6 +365,49 @@ impl DeepseekV4Config {
     }
 
     fn validate(&self, f: &Fields) -> Result<()> {
+        // Float fields that would turn activations into NaN or ±∞ rather than fail.
+        for (name, v, ok, what) in [
+            (
+                "rms_norm_eps",
+                self.rms_norm_eps as f64,
+                (0.0..=1.0).contains(&(self.rms_norm_eps as f64)),
+                "expected a small non-negative number (1e-6 in DeepSeek-V4)",
+            ),
+            (
+                "hc_eps",
+                self.hc_eps as f64,
+                (0.0..=1.0).contains(&(self.hc_eps as f64)),
+                "expected a small non-negative number (1e-6 in DeepSeek-V4)",
+            ),
+            (
+                "rope_theta",
+                self.rope_theta,
+                self.rope_theta > 1.0,
+                "expected a base above 1 (10000 in DeepSeek-V4)",
+            ),
+            (
+                "compress_rope_theta",
+                self.compress_rope_theta,
+                self.compress_rope_theta > 1.0,
+                "expected a base above 1 (160000 in DeepSeek-V4)",
+            ),
+            (
+                "routed_scaling_factor",
+                self.routed_scaling_factor as f64,
+                self.routed_scaling_factor > 0.0 && self.routed_scaling_factor <= 1e6,
+                "expected a positive number (1.5 in DeepSeek-V4)",
+            ),
+            (
+                "swiglu_limit",
+                self.swiglu_limit as f64,
+                self.swiglu_limit >= 0.0,
+                "expected 0 (no limit) or a positive clamp (10 in DeepSeek-V4)",
+            ),
+        ] {
+            if !v.is_finite() || !ok {
+                return Err(f.err(name, format!("{v} is out of range: {what}")));
+            }
+        }
         let positive = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),

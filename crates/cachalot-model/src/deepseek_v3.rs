@@ -210,6 +210,22 @@ impl Loader<'_> {
             .ckpt
             .take(&name, &format!("a [{rows}, {cols}] weight"))?;
         w.expect_shape(&[rows, cols])?;
+        if matches!(w.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+            // Scales beside a float weight: the weight lost its quantized dtype (or the scales
+            // are stray); either way the checkpoint is not what it claims.
+            for (scale, goes_with) in [
+                ("weight_scale_inv", "F8_E4M3 weights (FP8 block scales)"),
+                ("weight_scale", "I8 weights (per-row int8 scales)"),
+            ] {
+                if self.ckpt.contains(&format!("{prefix}.{scale}")) {
+                    return Err(w.error(format!(
+                        "is {:?} but has `{prefix}.{scale}`, which goes with {goes_with}; the \
+                         weight's dtype or the scales are wrong",
+                        w.dtype
+                    )));
+                }
+            }
+        }
         let data = match w.dtype {
             Dtype::F32 => MatrixData::F32(w.bytes.clone()),
             Dtype::BF16 => MatrixData::Bf16(w.bytes.clone()),
@@ -391,11 +407,14 @@ impl Loader<'_> {
             let e = cfg.n_routed_experts.unwrap_or(0);
             let router = self.linear_f32_acts(&format!("{p}.mlp.gate"), e, h)?;
             let bias_name = format!("{p}.mlp.gate.e_score_correction_bias");
-            let bias = if self.ckpt.contains(&bias_name) {
-                self.vector(&bias_name, e)?
-            } else {
-                vec![0.0; e]
-            };
+            // noaux_tc routing selects with this bias (spec §3.5): a checkpoint without it
+            // would route differently, so it is required like any other tensor.
+            let b = self.ckpt.take(
+                &bias_name,
+                &format!("the [{e}] routing bias that noaux_tc selects experts with"),
+            )?;
+            b.expect_shape(&[e])?;
+            let bias = b.to_f32_vec()?;
             let shard = self.opts.expert_shard;
             shard.validate(e)?;
             let experts = (0..e)

@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("cannot read {path}: {source}")]
+    // (`error`, not `source`: the message already holds it; as a source it was printed twice.)
+    #[error("cannot read {path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: invalid JSON: {message}")]
     Json { path: PathBuf, message: String },

@@ -141,6 +141,68 @@ fn config_mismatch_is_reported() {
     assert!(e.contains("shape"), "{e}");
 }
 
+#[test]
+fn missing_routing_bias_and_stray_scales_are_named() {
+    // noaux_tc routes with e_score_correction_bias: without it the routing would change.
+    let tmp = copy_fixture();
+    let name = "model.layers.1.mlp.gate.e_score_correction_bias";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| t.retain(|(n, ..)| n != name));
+    let e = load_err(tmp.path());
+    assert!(e.contains(name) && e.contains("missing"), "{e}");
+
+    // An FP8 weight relabelled BF16: the weight is named, with the scales that give it away.
+    let tmp = copy_fixture();
+    let name = "model.layers.1.self_attn.q_a_proj.weight";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| {
+        let w = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+        w.1 = Dtype::BF16;
+        w.3.truncate(w.3.len() / 2 * 2);
+        let n: usize = w.2.iter().product();
+        w.3.resize(2 * n, 0);
+    });
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains(name) && e.contains("weight_scale_inv") && e.contains("F8_E4M3"),
+        "{e}"
+    );
+}
+
+#[test]
+fn config_values_that_would_give_nan_are_refused() {
+    for (field, value) in [
+        ("rope_theta", Value::from(1.0)),
+        ("rope_theta", Value::from(-5.0)),
+        ("rms_norm_eps", Value::from(-1.0)),
+        ("routed_scaling_factor", Value::from(0.0)),
+        ("max_position_embeddings", Value::from(0)),
+    ] {
+        let tmp = copy_fixture();
+        let p = tmp.path().join("config.json");
+        let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        cfg[field] = value.clone();
+        std::fs::write(&p, cfg.to_string()).unwrap();
+        let e = load_err(tmp.path());
+        assert!(e.contains(field), "{field} = {value}: {e}");
+    }
+    // int-quantized with a scheme the loader does not run is named at the config field.
+    let tmp = copy_fixture();
+    let p = tmp.path().join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    cfg["quantization_config"] = serde_json::json!({
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 96}}}
+    });
+    std::fs::write(&p, cfg.to_string()).unwrap();
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains("quantization_config.config_groups.group_0.weights.num_bits"),
+        "{e}"
+    );
+}
+
 fn load_err_v4(dir: &Path) -> String {
     match DeepseekV4::load(
         dir,

@@ -585,18 +585,50 @@ struct MtpBench {
 /// (consecutive slices of the prompt file): alternating runs of each, medians reported, with
 /// the acceptance figures of the speculative runs; the outputs must be equal.
 fn bench_mtp(args: &ModelArgs, prompt_file: Option<&Path>, b: &MtpBench) -> Result<()> {
-    use cachalot_engine::metrics::EngineStats;
-    use cachalot_engine::{Engine, EngineConfig, Request, SamplingParams, StopConditions};
-    let dir = model_dir(args)?;
-    let m = load_model(args, true)?;
     if b.next_n > 3 || b.batch == 0 || b.runs == 0 {
         bail!("--mtp takes 1 to 3 drafts, --batch and --runs at least 1");
     }
+    if prompt_file.is_none() {
+        bail!("--mtp needs --prompt-file TEXT (acceptance on random ids means nothing)");
+    }
+    let dir = model_dir(args)?;
+    match detect_family(&dir)? {
+        ModelFamily::DeepseekV3 => {
+            let m = load_model(args, true)?;
+            let max = m.config().max_position_embeddings;
+            bench_mtp_with(&m, &dir, max, prompt_file, b)
+        }
+        ModelFamily::DeepseekV4 => {
+            let m = load_v4(args, true)?;
+            if m.num_mtp_layers() == 0 {
+                bail!(
+                    "{}: the checkpoint has no MTP block (num_nextn_predict_layers = 0); --mtp \
+                     needs one",
+                    dir.display()
+                );
+            }
+            let max = m.config().max_position_embeddings;
+            bench_mtp_with(&m, &dir, max, prompt_file, b)
+        }
+    }
+}
+
+fn bench_mtp_with<M: cachalot_engine::Model>(
+    m: &M,
+    dir: &Path,
+    max_positions: usize,
+    prompt_file: Option<&Path>,
+    b: &MtpBench,
+) -> Result<()> {
+    use cachalot_engine::metrics::EngineStats;
+    use cachalot_engine::{Engine, EngineConfig, Request, SamplingParams, StopConditions};
+    // A verify step writes up to next_n draft positions past the last kept token.
+    check_positions(b.prompt_len.max(1), b.decode_len + b.next_n, max_positions)?;
     let ids = match prompt_file {
         Some(f) => {
             let text = std::fs::read_to_string(f)
                 .with_context(|| format!("cannot read {}", f.display()))?;
-            Tokenizer::from_dir(&dir)?.encode(&text)?
+            Tokenizer::from_dir(dir)?.encode(&text)?
         }
         None => bail!("--mtp needs --prompt-file TEXT (acceptance on random ids means nothing)"),
     };
@@ -618,7 +650,7 @@ fn bench_mtp(args: &ModelArgs, prompt_file: Option<&Path>, b: &MtpBench) -> Resu
         max_prefill_tokens: len * b.batch,
     };
     let run = |next_n: usize| -> Result<(f64, Vec<Vec<u32>>, EngineStats)> {
-        let mut engine = Engine::new(&m, None, cfg)?;
+        let mut engine = Engine::new(m, None, cfg)?;
         if next_n > 0 {
             engine.enable_mtp(next_n)?;
         }

@@ -143,6 +143,14 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     use cachalot_model::tokenizer::Tokenizer;
     use cachalot_model::{eval, DeepseekV3, LoadOptions};
 
+    if cachalot_model::detect_family(&args.model)? == cachalot_model::ModelFamily::DeepseekV4 {
+        bail!(
+            "{}: calibrate makes the C8 latent-cache scales of DeepSeek-V3/R1/Kimi-K2's w8a8c8; \
+             a DeepSeek-V4 checkpoint has no such cache (its converter takes the seed's clip factors \
+             with --quant-param-path instead)",
+            args.model.display()
+        );
+    }
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
     let ids = Tokenizer::from_dir(&args.model)?.encode(&text)?;

@@ -108,7 +108,7 @@ impl ChatTemplate {
     pub fn from_file(path: &Path) -> Result<ChatTemplate> {
         let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         })?;
         if path.extension().is_some_and(|e| e == "json") {
             let v: serde_json::Value =

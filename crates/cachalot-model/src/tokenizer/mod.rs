@@ -62,7 +62,7 @@ fn model_type(dir: &Path) -> Result<Option<String>> {
     }
     let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
         path: path.clone(),
-        source,
+        error: source,
     })?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
         path: path.clone(),
@@ -79,7 +79,7 @@ impl Tokenizer {
         let config = if config_path.exists() {
             let text = std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io {
                 path: config_path.clone(),
-                source,
+                error: source,
             })?;
             serde_json::from_str(&text).map_err(|e| ModelError::Json {
                 path: config_path.clone(),
@@ -116,7 +116,8 @@ impl Tokenizer {
                         return Err(ModelError::Config {
                             path: config_path.clone(),
                             field: format!("added_tokens_decoder.{id}.content"),
-                            message: "a special token's name is empty; give it its text (e.g.                                       \"<|im_end|>\") or remove the entry"
+                            message: "a special token's name is empty; give it its text (e.g. \"<|im_end|>\") \
+                                      or remove the entry"
                                 .into(),
                         });
                     }
@@ -124,6 +125,17 @@ impl Tokenizer {
                 }
             }
             Backend::Tiktoken(Box::new(TiktokenBpe::load(&tt, &added)?))
+        } else if !dir.is_dir() {
+            return Err(ModelError::Tokenizer(format!(
+                "{}: {}; give the model's directory (config.json, the safetensors shards and \
+                 the tokenizer)",
+                dir.display(),
+                if dir.exists() {
+                    "is not a directory"
+                } else {
+                    "no such directory"
+                }
+            )));
         } else {
             return Err(ModelError::Tokenizer(format!(
                 "{}: neither tokenizer.json nor tiktoken.model is there; text input needs the \

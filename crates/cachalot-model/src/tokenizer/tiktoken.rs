@@ -47,7 +47,7 @@ impl TiktokenBpe {
     pub fn load(path: &Path, added: &HashMap<u32, String>) -> Result<TiktokenBpe> {
         let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         })?;
         let mut ranks = HashMap::new();
         let mut pairs = Vec::new();
