@@ -62,6 +62,11 @@ pub trait Model {
     /// Everything the cache pool must hold, MTP layers' caches included.
     fn cache_spec(&self) -> CacheSpec;
     fn vocab_size(&self) -> usize;
+    /// Positions the model was made for (`max_position_embeddings`): a request's prompt and
+    /// output together stay within it, as vLLM's `max_model_len`.
+    fn max_positions(&self) -> usize {
+        usize::MAX
+    }
     /// MTP layers loaded (0: no speculative decoding).
     fn num_mtp_layers(&self) -> usize {
         0
@@ -98,6 +103,9 @@ impl Model for DeepseekV3 {
     }
     fn vocab_size(&self) -> usize {
         self.config().vocab_size
+    }
+    fn max_positions(&self) -> usize {
+        self.config().max_position_embeddings
     }
     fn num_mtp_layers(&self) -> usize {
         self.mtp_layers().len()
@@ -140,6 +148,9 @@ impl Model for DeepseekV4 {
     fn vocab_size(&self) -> usize {
         self.config().vocab_size
     }
+    fn max_positions(&self) -> usize {
+        self.config().max_position_embeddings
+    }
     fn num_mtp_layers(&self) -> usize {
         DeepseekV4::num_mtp_layers(self)
     }
@@ -179,6 +190,9 @@ impl<T: Model + ?Sized> Model for &T {
     fn vocab_size(&self) -> usize {
         (**self).vocab_size()
     }
+    fn max_positions(&self) -> usize {
+        (**self).max_positions()
+    }
     fn num_mtp_layers(&self) -> usize {
         (**self).num_mtp_layers()
     }
@@ -198,6 +212,19 @@ impl<T: Model + ?Sized> Model for &T {
     ) -> Result<HiddenForward, EngineError> {
         (**self).mtp_forward(index, batch, prev_hidden, cache)
     }
+}
+
+/// NaN logits mean broken weights (a NaN in a norm, the embedding, the head or a router spreads
+/// to every logit): sampling would silently pick token 0 or skip the NaN ids, so it is an error.
+fn check_logits(logits: &[f32], what: &str) -> Result<(), EngineError> {
+    if logits.iter().any(|x| x.is_nan()) {
+        return Err(EngineError::Request(format!(
+            "{what} produced NaN logits: the checkpoint holds non-finite weights (a NaN in a \
+             norm, the embedding, lm_head, a router or FP8 codes 0x7F/0xFF) or the config's \
+             numbers do not fit it; check the checkpoint"
+        )));
+    }
+    Ok(())
 }
 
 /// Bytes one cache block takes over all of a model's cache layers (int8 c_kv under C8).
@@ -402,8 +429,22 @@ impl<'t, M: Model> Engine<'t, M> {
     }
 
     /// Queues a request; its id comes back with its output.
-    pub fn add_request(&mut self, req: Request) -> Result<u64, EngineError> {
+    pub fn add_request(&mut self, mut req: Request) -> Result<u64, EngineError> {
         let vocab = self.model.vocab_size();
+        let max_positions = self.model.max_positions();
+        if req.prompt.len() >= max_positions {
+            return Err(EngineError::Request(format!(
+                "the prompt has {} tokens; the model takes at most {max_positions} positions \
+                 (max_position_embeddings) and this leaves none to generate: shorten the prompt \
+                 (e.g. input_truncated_len)",
+                req.prompt.len()
+            )));
+        }
+        // Output stops (finish reason length) where the model's positions end.
+        req.stop.max_new_tokens = req
+            .stop
+            .max_new_tokens
+            .min(max_positions - req.prompt.len());
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Request(format!(
                 "prompt token {t} is outside the vocabulary of {vocab}"
@@ -546,6 +587,7 @@ impl<'t, M: Model> Engine<'t, M> {
             (self.model.forward(&batch, &mut self.cache)?, None)
         };
         report.forward_s = t0.elapsed().as_secs_f64();
+        check_logits(&logits, "the model")?;
         let vocab = self.model.vocab_size();
         let sampled_at = Instant::now();
         let mut rows = logits.chunks_exact(vocab);
@@ -708,6 +750,7 @@ impl<'t, M: Model> Engine<'t, M> {
             prev.extend_from_slice(&p.hidden);
         }
         let r = self.model.mtp_forward(0, &batch, &prev, &mut self.cache)?;
+        check_logits(&r.logits, "the MTP layer")?;
         let vocab = self.model.vocab_size();
         let h = prev.len() / batch.num_tokens();
         // Chain state per drafting request: (plan item, request, last hidden row).
@@ -742,6 +785,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 prev.extend_from_slice(hid);
             }
             let r = self.model.mtp_forward(0, &b, &prev, &mut self.cache)?;
+            check_logits(&r.logits, "the MTP layer")?;
             for (k, (n, id, hid)) in chain.iter_mut().enumerate() {
                 let live = self.live.get_mut(id).expect("live");
                 let q = live

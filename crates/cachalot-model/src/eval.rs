@@ -88,6 +88,13 @@ pub fn next_token_logprobs<M: CausalLm + ?Sized>(
         let mut batch = Batch::default();
         batch.push_seq(&tokens[start..end], start, table.clone(), LogitsWanted::All);
         let logits = model.logits(&batch, &mut cache)?;
+        if let Some(i) = logits.iter().position(|x| x.is_nan()) {
+            return Err(ModelError::Batch(format!(
+                "the model produced NaN logits (position {}): the checkpoint holds non-finite \
+                 weights or the config's numbers do not fit it",
+                start + i / vocab
+            )));
+        }
         for (j, row) in logits.chunks_exact(vocab).enumerate() {
             out.push(k::log_softmax_at(row, tokens[start + j + 1] as usize));
         }

@@ -641,3 +641,46 @@ fn v4_expert_parallel_ranks_give_the_one_process_outputs() {
         assert_eq!(a.tokens, b.tokens, "request {}", a.id);
     }
 }
+
+/// Prompt and output stay within `max_position_embeddings` (vLLM's max_model_len): output stops
+/// there with finish reason length, MTP drafts included; a prompt that fills it is an error.
+#[test]
+fn output_stops_at_the_models_last_position() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("short");
+    std::fs::create_dir_all(&model).unwrap();
+    let src = root().join("fixtures/v3/r1_tiny");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, model.join(p.file_name().unwrap())).unwrap();
+    }
+    let p = model.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    c["max_position_embeddings"] = 40.into();
+    std::fs::write(&p, c.to_string()).unwrap();
+    let data = root().join("dataset");
+    for next_n in [0, 2] {
+        let mut cfg = config(4, 4096, &data);
+        cfg.model_config.model_path = model.display().to_string();
+        cfg.model_config.next_n = next_n;
+        cfg.data_config.num_requests = Some(4);
+        cfg.data_config.input_truncated_len = 16;
+        cfg.data_config.ignore_eos = true;
+        cfg.scheduler_config.max_new_tokens = 100;
+        let r = run(&cfg, &opts(tmp.path(), None)).unwrap();
+        for o in &r.outputs {
+            assert_eq!(o.prompt.len() + o.tokens.len(), 40, "next_n {next_n}");
+        }
+    }
+    // Every templated default prompt is longer than 8 tokens: refused before any step.
+    c["max_position_embeddings"] = 8.into();
+    std::fs::write(&p, c.to_string()).unwrap();
+    let mut cfg = config(1, 4096, &data);
+    cfg.model_config.model_path = model.display().to_string();
+    cfg.data_config.num_requests = Some(1);
+    match run(&cfg, &opts(tmp.path(), None)) {
+        Ok(_) => panic!("a prompt past max_position_embeddings ran"),
+        Err(e) => assert!(e.to_string().contains("max_position_embeddings"), "{e}"),
+    }
+}

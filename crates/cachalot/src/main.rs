@@ -281,12 +281,30 @@ fn dispatch(cli: Cli) -> Result<()> {
             }
             let dir = model_dir(&model)?;
             let ids = tokens(&input, &dir)?;
+            // One window (or the whole text) must fit the model's positions.
+            let fits = |max: usize| -> Result<()> {
+                let span = if window == 0 {
+                    ids.len()
+                } else {
+                    window.min(ids.len())
+                };
+                if span > max {
+                    bail!(
+                        "{span} tokens in one context exceed the model's max_position_embeddings \
+                         {max} (config.json); score in windows with --window {max} or less"
+                    );
+                }
+                Ok(())
+            };
             let lp = match detect_family(&dir)? {
                 ModelFamily::DeepseekV3 => {
-                    eval::windowed_logprobs(&load(&model)?, &ids, window, chunk)?
+                    let m = load(&model)?;
+                    fits(m.config().max_position_embeddings)?;
+                    eval::windowed_logprobs(&m, &ids, window, chunk)?
                 }
                 ModelFamily::DeepseekV4 => {
                     let m = load_v4(&model, false)?;
+                    fits(m.config().max_position_embeddings)?;
                     eval::windowed_logprobs(&m, &ids, window, chunk)?
                 }
             };
