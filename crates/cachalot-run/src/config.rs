@@ -26,6 +26,8 @@ pub enum Kind {
     Str,
     /// One of these strings.
     OneOf(&'static [&'static str]),
+    /// One of these strings, or null (the seed's "detect it").
+    OneOfOrNull(&'static [&'static str]),
     /// A mapping of anything (model-specific switches).
     AnyMap,
 }
@@ -78,7 +80,7 @@ const MODEL_KEYS: &[Key] = &[
     k("dtype", Kind::Str),
     k("with_ckpt", Kind::Bool),
     k("next_n", Kind::Int(0)),
-    k("platform_version", Kind::OneOf(&["A2", "A3", "950"])),
+    k("platform_version", Kind::OneOfOrNull(&["A2", "A3", "950"])),
     k(
         "exe_mode",
         Kind::OneOf(&["eager", "ge_graph", "npugraph_ex"]),
@@ -100,7 +102,8 @@ const DATA_KEYS: &[Key] = &[
     k("temperature", Kind::Float(0.0, f64::INFINITY)),
     k("top_p", Kind::Float(0.0, 1.0)),
     k("top_k", Kind::Int(0)),
-    k("seed", Kind::IntOrNull(0)),
+    // Negative: no fixed seed (the seed system does not check it; -1 is the usual "random").
+    k("seed", Kind::IntOrNull(i64::MIN)),
     ext("num_requests", Kind::Int(1)),
     ext("ignore_eos", Kind::Bool),
 ];
@@ -398,28 +401,56 @@ impl RunConfig {
         };
         let mut issues = Vec::new();
         check_schema(&value, text, &mut issues);
-        if !issues.is_empty() {
-            return Err(ConfigError::Invalid {
-                path: origin.to_path_buf(),
-                issues,
-            });
+        // Without the keys that failed (their defaults stand in), the cross-key checks still
+        // run, so every problem is reported at once; a check on a failed key is left out.
+        let failed: Vec<String> = issues.iter().map(|i| i.path.clone()).collect();
+        let mut value = value;
+        if let Value::Object(top) = &mut value {
+            for path in &failed {
+                match path.split_once('.') {
+                    Some((section, key)) => {
+                        if let Some(Value::Object(m)) = top.get_mut(section) {
+                            m.remove(key);
+                        }
+                    }
+                    None => {
+                        top.remove(path.as_str());
+                    }
+                }
+            }
+            // A negative sampling seed means none fixed.
+            if let Some(Value::Object(d)) = top.get_mut("data_config") {
+                if d.get("seed").and_then(Value::as_i64).is_some_and(|x| x < 0) {
+                    d.insert("seed".into(), Value::Null);
+                }
+            }
         }
-        let cfg: RunConfig = serde_json::from_value(value).map_err(|e| ConfigError::Invalid {
-            path: origin.to_path_buf(),
-            issues: vec![ConfigIssue {
+        let parsed = if value.is_object() {
+            serde_json::from_value::<RunConfig>(value)
+        } else {
+            serde_json::from_value::<RunConfig>(Value::Object(Map::new()))
+        };
+        match parsed {
+            Ok(cfg) => {
+                let mut more = Vec::new();
+                cfg.check_consistency(text, &mut more);
+                issues.extend(more.into_iter().filter(|i| !failed.contains(&i.path)));
+                if issues.is_empty() {
+                    return Ok(cfg);
+                }
+            }
+            Err(e) if issues.is_empty() => issues.push(ConfigIssue {
                 line: None,
                 path: "(config)".into(),
                 message: e.to_string(),
-            }],
-        })?;
-        cfg.check_consistency(text, &mut issues);
-        if !issues.is_empty() {
-            return Err(ConfigError::Invalid {
-                path: origin.to_path_buf(),
-                issues,
-            });
+            }),
+            Err(_) => {}
         }
-        Ok(cfg)
+        issues.sort_by_key(|i| i.line.unwrap_or(usize::MAX));
+        Err(ConfigError::Invalid {
+            path: origin.to_path_buf(),
+            issues,
+        })
     }
 
     fn check_consistency(&self, text: &str, issues: &mut Vec<ConfigIssue>) {
@@ -430,13 +461,6 @@ impl RunConfig {
                 message,
             })
         };
-        if self.data_config.top_p == 0.0 {
-            add(
-                "data_config",
-                "top_p",
-                "0 keeps no token; give a value in (0, 1] (1 turns nucleus sampling off)".into(),
-            );
-        }
         let p = &self.parallel_config;
         let ws = p.world_size;
         for (name, size) in [
@@ -674,13 +698,31 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
             None => Some(format!("expected a number, got {}", got())),
         },
         Kind::Str => (!v.is_string()).then(|| format!("expected a string, got {}", got())),
-        Kind::OneOf(allowed) => match v.as_str() {
+        Kind::OneOf(allowed) | Kind::OneOfOrNull(allowed) => match v.as_str() {
             Some(s) if allowed.contains(&s) => None,
-            _ => Some(format!(
-                "expected one of {}, got {}",
-                allowed.join(", "),
-                got()
-            )),
+            _ if v.is_null() && matches!(kind, Kind::OneOfOrNull(_)) => None,
+            other => {
+                // A value that differs only in case, or a number where a string is meant.
+                let text = other
+                    .map(str::to_string)
+                    .or_else(|| v.is_number().then(|| v.to_string()));
+                let hint = text
+                    .as_deref()
+                    .and_then(|t| allowed.iter().find(|a| a.eq_ignore_ascii_case(t)))
+                    .map(|a| {
+                        if v.is_number() {
+                            format!(" (write it as a string: \"{a}\")")
+                        } else {
+                            format!(" (did you mean `{a}`? values are case-sensitive)")
+                        }
+                    })
+                    .unwrap_or_default();
+                Some(format!(
+                    "expected one of {}, got {}{hint}",
+                    allowed.join(", "),
+                    got()
+                ))
+            }
         },
         Kind::AnyMap => {
             (!v.is_object() && !v.is_null()).then(|| format!("expected a mapping, got {}", got()))

@@ -654,10 +654,12 @@ pub fn run_ranked(
             continue;
         }
         prompt_tokens += p.ids.len();
+        // top_p 0 keeps only the most likely token (the seed accepts it): greedy.
+        let greedy = d.top_p == 0.0;
         let params = SamplingParams {
-            temperature: d.temperature as f32,
+            temperature: if greedy { 0.0 } else { d.temperature as f32 },
             top_k: d.top_k,
-            top_p: d.top_p as f32,
+            top_p: if greedy { 1.0 } else { d.top_p as f32 },
             seed: run_seed.map(|s| s.wrapping_add(i as u64)),
             ..SamplingParams::greedy()
         };

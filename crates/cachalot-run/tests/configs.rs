@@ -104,11 +104,11 @@ scheduler_config:
 ";
     let want = "\
 broken.yaml: 5 problems in the run config
+  line 3: model_config.enable_static_kernel: only valid with exe_mode npugraph_ex (exe_mode is eager)
+  line 4: model_config.next_n: 4 draft tokens; the DeepSeek models allow 0..=3
   line 7: parallel_config.attn_tp_size: 3 does not divide world_size 16
   line 8: parallel_config.moe_tp_size: 32 does not divide world_size 16
   line 9: parallel_config.cp_size: context parallelism needs cp_size == world_size (16) and attn_tp_size == 1 (got cp_size 16, attn_tp_size 3)
-  line 3: model_config.enable_static_kernel: only valid with exe_mode npugraph_ex (exe_mode is eager)
-  line 4: model_config.next_n: 4 draft tokens; the DeepSeek models allow 0..=3
 ";
     assert_eq!(err(yaml), want.trim_end());
 }
@@ -180,10 +180,19 @@ broken.yaml: 5 problems in the run config
 }
 
 #[test]
-fn a_top_p_of_zero_is_named() {
-    let e = err("data_config:\n  temperature: 0.7\n  top_p: 0\n");
-    assert!(
-        e.contains("line 3: data_config.top_p: 0 keeps no token"),
-        "{e}"
-    );
+fn seed_values_the_seed_accepts_parse() {
+    // top_p 0 (greedy in the seed), platform_version null (detect), a negative seed (none fixed).
+    let c = RunConfig::from_yaml(
+        "model_config:\n  platform_version: null\ndata_config:\n  temperature: 0.7\n  top_p: 0\n  seed: -1\n",
+        Path::new("seed.yaml"),
+    )
+    .unwrap();
+    assert_eq!(c.data_config.top_p, 0.0);
+    assert_eq!(c.data_config.seed, None);
+    assert_eq!(c.model_config.platform_version, None);
+    // A schema error does not hide the cross-key checks, and values differing in case get a hint.
+    let e = err("model_config:\n  exe_mod: eager\nparallel_config:\n  world_size: 8\n  attn_tp_size: 3\ndata_config:\n  dataset: longbench\n");
+    assert!(e.contains("3 problems"), "{e}");
+    assert!(e.contains("line 5: parallel_config.attn_tp_size: 3 does not divide"), "{e}");
+    assert!(e.contains("did you mean `LongBench`?"), "{e}");
 }
