@@ -118,7 +118,8 @@ pub struct Summary {
     pub output_tokens: usize,
     pub throughput: Throughput,
     pub ttft_s: Distribution,
-    pub tpot_s: Distribution,
+    /// None (null) when no request decoded a second token (e.g. `max_new_tokens: 1`).
+    pub tpot_s: Option<Distribution>,
     pub e2e_s: Distribution,
     pub steps: usize,
     pub mean_decode_step_ms: f64,
@@ -342,25 +343,81 @@ pub fn run_ranked(
         } else {
             ""
         };
+        let hint = if hint.is_empty() {
+            " (put the model's Hugging Face directory there, or a link to it, or fix \
+             model_path; docs/CONFIG.md)"
+        } else {
+            hint
+        };
         return Err(format!(
             "model_config.model_path {:?}: no config.json there{hint}",
             m.model_path
         )
         .into());
     }
+    // Prompts first (tokenizer, chat template, dataset, truncation): a missing dataset or a
+    // bad prompt is named before a results directory is made or a weight is loaded.
+    let n_req = opts.num_requests.unwrap_or(cfg.num_requests());
+    let tokenizer = Tokenizer::from_dir(&model_dir)?;
+    let template = match &opts.chat_template {
+        Some(f) => Some(ChatTemplate::from_file(f)?),
+        None => tokenizer.chat_template()?,
+    };
+    let mut early_notes = Vec::new();
+    if template.is_none() {
+        early_notes.push("no chat template: prompts are sent as raw text".to_string());
+    }
+
+    // Prompts.
+    let d = &cfg.data_config;
+    let base = if d.dataset_path.is_empty() {
+        PathBuf::from("dataset")
+    } else {
+        PathBuf::from(&d.dataset_path)
+    };
+    let loaded = dataset::load(&d.dataset, &base)?;
+    early_notes.extend(loaded.notes.iter().cloned());
+    let prompts = dataset::repeat_to(&loaded.prompts, n_req);
+    let n_prompts = loaded.prompts.len();
+    let builder = PromptBuilder {
+        tokenizer: &tokenizer,
+        template: template.as_ref(),
+        max_len: d.input_truncated_len,
+    };
+    let s = &cfg.scheduler_config;
+    let prepared: Vec<dataset::Prepared> = prompts
+        .iter()
+        .map(|p| {
+            if d.dataset == "default" {
+                builder.prepare(p)
+            } else {
+                builder.prepare_summary(p, s.max_new_tokens)
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    let truncated = prepared.iter().filter(|p| p.truncated > 0).count();
+    if truncated > 0 {
+        early_notes.push(format!(
+            "{truncated} prompts cut to input_truncated_len {}",
+            d.input_truncated_len
+        ));
+    }
+
     // Rank 0 names the run; the others learn the name (and fail with rank 0's error, as a
     // closed connection, if it could not make the directory).
     let made = if rank == 0 {
-        Some(new_run_dir(
-            &opts.res_dir,
-            &m.model_name,
-            &opts.config_path,
-        )?)
+        Some(
+            new_run_dir(&opts.res_dir, &m.model_name, &opts.config_path).map_err(|e| {
+                format!(
+                    "--res-dir {}: cannot make the run's directory there: {e}",
+                    opts.res_dir.display()
+                )
+            })?,
+        )
     } else {
         None
     };
     // With the name goes what every rank must agree on to shard the same request list.
-    let n_req = opts.num_requests.unwrap_or(cfg.num_requests());
     // (Paths may differ between hosts.)
     let mut same = cfg.clone();
     same.model_config.model_path.clear();
@@ -422,6 +479,13 @@ pub fn run_ranked(
         );
     }
     logln!("{}", serde_json::to_string(cfg)?);
+    if cfg.parallel_config.world_size > ranks {
+        logln!(
+            "note: the config's world_size {} and its TP/EP/CP sizes are recorded, not applied; \
+             {ranks} process(es) run the whole model (--ranks N, --parallel expert)",
+            cfg.parallel_config.world_size
+        );
+    }
 
     let t_load = Instant::now();
     // The checkpoint decides the family; model_name must agree with it.
@@ -531,50 +595,8 @@ pub fn run_ranked(
              benchmark: the generated text is not meaningful)"
         );
     }
-    let tokenizer = Tokenizer::from_dir(&model_dir)?;
-    let template = match &opts.chat_template {
-        Some(f) => Some(ChatTemplate::from_file(f)?),
-        None => tokenizer.chat_template()?,
-    };
-    if template.is_none() {
-        logln!("no chat template: prompts are sent as raw text");
-    }
-
-    // Prompts.
-    let d = &cfg.data_config;
-    let base = if d.dataset_path.is_empty() {
-        PathBuf::from("dataset")
-    } else {
-        PathBuf::from(&d.dataset_path)
-    };
-    let loaded = dataset::load(&d.dataset, &base)?;
-    for n in &loaded.notes {
+    for n in &early_notes {
         logln!("{n}");
-    }
-    let prompts = dataset::repeat_to(&loaded.prompts, n_req);
-    let n_prompts = loaded.prompts.len();
-    let builder = PromptBuilder {
-        tokenizer: &tokenizer,
-        template: template.as_ref(),
-        max_len: d.input_truncated_len,
-    };
-    let s = &cfg.scheduler_config;
-    let prepared: Vec<dataset::Prepared> = prompts
-        .iter()
-        .map(|p| {
-            if d.dataset == "default" {
-                builder.prepare(p)
-            } else {
-                builder.prepare_summary(p, s.max_new_tokens)
-            }
-        })
-        .collect::<Result<_, _>>()?;
-    let truncated = prepared.iter().filter(|p| p.truncated > 0).count();
-    if truncated > 0 {
-        logln!(
-            "{truncated} prompts cut to input_truncated_len {}",
-            d.input_truncated_len
-        );
     }
 
     // KV pool: the seed's offline sizing, capped by the memory budget.
@@ -864,7 +886,7 @@ pub fn run_ranked(
             decode_tok_s,
         },
         ttft_s: Distribution::of(&ttft),
-        tpot_s: Distribution::of(&tpot),
+        tpot_s: (!tpot.is_empty()).then(|| Distribution::of(&tpot)),
         e2e_s: Distribution::of(&e2e),
         steps: stats.steps,
         mean_decode_step_ms: if stats.decode_steps > 0 {
@@ -1048,7 +1070,13 @@ pub fn summary_table(s: &Summary) -> String {
             format!("{:.1} tok/s", s.throughput.prefill_tok_s),
         ),
         ("TTFT".into(), spread(&s.ttft_s)),
-        ("TPOT".into(), spread(&s.tpot_s)),
+        (
+            "TPOT".into(),
+            s.tpot_s.as_ref().map_or(
+                "n/a (no request decoded past its first token)".into(),
+                spread,
+            ),
+        ),
         (
             "KV peak".into(),
             format!(
@@ -1069,6 +1097,18 @@ pub fn summary_table(s: &Summary) -> String {
                 .join(", "),
         ),
     ];
+    if s.world_size_in_config > s.ranks {
+        rows.push((
+            "parallel".into(),
+            format!(
+                "the config's world_size {} and its TP/EP/CP sizes are recorded, not applied: \
+                 {} process{} ran (use --ranks N, --parallel expert; docs/CONFIG.md)",
+                s.world_size_in_config,
+                s.ranks,
+                if s.ranks == 1 { "" } else { "es" }
+            ),
+        ));
+    }
     if !s.with_ckpt {
         rows.push((
             "weights".into(),

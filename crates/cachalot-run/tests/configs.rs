@@ -193,6 +193,9 @@ fn seed_values_the_seed_accepts_parse() {
     // A schema error does not hide the cross-key checks, and values differing in case get a hint.
     let e = err("model_config:\n  exe_mod: eager\nparallel_config:\n  world_size: 8\n  attn_tp_size: 3\ndata_config:\n  dataset: longbench\n");
     assert!(e.contains("3 problems"), "{e}");
-    assert!(e.contains("line 5: parallel_config.attn_tp_size: 3 does not divide"), "{e}");
+    assert!(
+        e.contains("line 5: parallel_config.attn_tp_size: 3 does not divide"),
+        "{e}"
+    );
     assert!(e.contains("did you mean `LongBench`?"), "{e}");
 }

@@ -684,3 +684,20 @@ fn output_stops_at_the_models_last_position() {
         Err(e) => assert!(e.to_string().contains("max_position_embeddings"), "{e}"),
     }
 }
+
+/// A missing dataset is named before anything is loaded or written: no results directory.
+#[test]
+fn a_missing_dataset_fails_before_the_run_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let res = tmp.path().join("res");
+    let mut cfg = config(2, 4096, &tmp.path().join("no-such-dataset"));
+    cfg.data_config.dataset = "LongBench".into();
+    match run(&cfg, &opts(&res, None)) {
+        Ok(_) => panic!("a run without its dataset succeeded"),
+        Err(e) => assert!(e.to_string().contains("LongBench"), "{e}"),
+    }
+    assert!(
+        !res.exists() || std::fs::read_dir(&res).unwrap().next().is_none(),
+        "a results directory was made"
+    );
+}
