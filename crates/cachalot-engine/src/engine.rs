@@ -286,6 +286,9 @@ pub struct StepReport {
     pub forward_s: f64,
     /// MTP forward time (drafting and catching up).
     pub draft_s: f64,
+    /// The part of `draft_s` spent catching the MTP layer up on prompt positions (its pass over
+    /// a prompt, which the seed runs in prefill): counted as prefill time, not decode.
+    pub draft_prompt_s: f64,
     pub kv_used_blocks: usize,
 }
 
@@ -539,8 +542,9 @@ impl<'t, M: Model> Engine<'t, M> {
         let spec = self.next_n > 0;
         let drafts = if spec {
             let t0 = Instant::now();
-            let d = self.propose(&plan.items)?;
+            let (d, prompt_share) = self.propose(&plan.items)?;
             report.draft_s = t0.elapsed().as_secs_f64();
+            report.draft_prompt_s = report.draft_s * prompt_share;
             d
         } else {
             Vec::new()
@@ -656,12 +660,14 @@ impl<'t, M: Model> Engine<'t, M> {
         s.drafted += report.drafted;
         s.accepted_drafts += report.accepted;
         s.forward_s += report.forward_s;
-        s.draft_s += report.draft_s;
+        s.draft_s += report.draft_s - report.draft_prompt_s;
         let step_s = report.forward_s + report.draft_s;
         if report.prefill_tokens > 0 {
             s.prefill_step_s += step_s;
         } else {
-            s.decode_step_s += step_s;
+            // The MTP pass over a prompt belongs to its prefill (module docs).
+            s.prefill_step_s += report.draft_prompt_s;
+            s.decode_step_s += step_s - report.draft_prompt_s;
             s.decode_steps += 1;
             s.decode_sampled += report.sampled;
         }
@@ -705,8 +711,9 @@ impl<'t, M: Model> Engine<'t, M> {
 
     /// Steps 1–2 of speculative decoding (module docs): the MTP catch-up of every running
     /// request with hidden states pending, then the drafts of the scheduled decode items
-    /// (`drafts` slots each), as one list per plan item.
-    fn propose(&mut self, items: &[Scheduled]) -> Result<Vec<Vec<Draft>>, EngineError> {
+    /// (`drafts` slots each), as one list per plan item; with it, the share of the work that
+    /// was prompt positions (catch-up rows of the prompt over all rows forwarded).
+    fn propose(&mut self, items: &[Scheduled]) -> Result<(Vec<Vec<Draft>>, f64), EngineError> {
         let mut out: Vec<Vec<Draft>> = items.iter().map(|_| Vec::new()).collect();
         // Which plan item (with drafts) each request is.
         let mut item_of: HashMap<u64, usize> = HashMap::new();
@@ -722,9 +729,10 @@ impl<'t, M: Model> Engine<'t, M> {
             .map(|(&id, _)| id)
             .collect();
         if ids.is_empty() {
-            return Ok(out);
+            return Ok((out, 0.0));
         }
         ids.sort_unstable();
+        let (mut prompt_rows, mut rows) = (0usize, 0usize);
         let mut batch = Batch::default();
         let mut prev = Vec::new();
         // (plan item, request, sequence in the batch) of each logits row, in order.
@@ -732,6 +740,8 @@ impl<'t, M: Model> Engine<'t, M> {
         for (s, &id) in ids.iter().enumerate() {
             let live = self.live.get_mut(&id).expect("listed");
             let p = live.mtp_pending.take().expect("listed");
+            rows += p.rows;
+            prompt_rows += live.prompt_len.saturating_sub(p.first).min(p.rows);
             let n = item_of.get(&id).copied();
             // Draft only when the rows end right before the item's known token.
             let want = match n {
@@ -784,6 +794,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 );
                 prev.extend_from_slice(hid);
             }
+            rows += chain.len();
             let r = self.model.mtp_forward(0, &b, &prev, &mut self.cache)?;
             check_logits(&r.logits, "the MTP layer")?;
             for (k, (n, id, hid)) in chain.iter_mut().enumerate() {
@@ -796,7 +807,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 hid.copy_from_slice(&r.hidden[k * h..(k + 1) * h]);
             }
         }
-        Ok(out)
+        Ok((out, prompt_rows as f64 / rows.max(1) as f64))
     }
 
     /// Records one generated token; returns why the request ends, if it does.
