@@ -320,6 +320,24 @@ impl Input {
                     file: index_path.clone(),
                     why: format!("weight_map.{name} is not a file name"),
                 })?;
+                // Shards are read beside the index and written under the same names beside
+                // the output's: no absolute paths, no `..`.
+                let inside = !file.is_empty()
+                    && Path::new(file).components().all(|c| {
+                        matches!(
+                            c,
+                            std::path::Component::Normal(_) | std::path::Component::CurDir
+                        )
+                    });
+                if !inside {
+                    return Err(ConvertError::Config {
+                        file: index_path.clone(),
+                        why: format!(
+                            "weight_map.{name} names {file:?}, which is not in the model \
+                             directory; shards are file names beside the index"
+                        ),
+                    });
+                }
                 pairs.push((name.clone(), file.to_string()));
             }
             let files = pairs.iter().map(|(_, f)| f.clone()).collect();

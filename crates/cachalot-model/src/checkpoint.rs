@@ -121,6 +121,22 @@ impl Checkpoint {
                         message: format!("weight_map entry `{name}` is not a file name"),
                     });
                 };
+                // Shards live in the model directory (or below it): no absolute paths, no `..`.
+                let inside = std::path::Path::new(file).components().all(|c| {
+                    matches!(
+                        c,
+                        std::path::Component::Normal(_) | std::path::Component::CurDir
+                    )
+                });
+                if !inside || file.is_empty() {
+                    return Err(ModelError::Checkpoint {
+                        path: index_path,
+                        message: format!(
+                            "weight_map entry `{name}` names the file {file:?}, which is not in \
+                             the model directory; shards are file names beside the index"
+                        ),
+                    });
+                }
                 if !shard_names.iter().any(|s| s == file) {
                     shard_names.push(file.to_string());
                 }

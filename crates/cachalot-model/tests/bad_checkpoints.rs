@@ -124,6 +124,22 @@ fn bad_index_entries_are_reported() {
         "{e}"
     );
 
+    for outside in ["/etc/passwd", "../r1_tiny/model-00001-of-00003.safetensors"] {
+        let tmp = copy_fixture();
+        let mut idx = index(tmp.path());
+        idx["weight_map"]["model.norm.weight"] = Value::from(outside);
+        std::fs::write(
+            tmp.path().join("model.safetensors.index.json"),
+            idx.to_string(),
+        )
+        .unwrap();
+        let e = load_err(tmp.path());
+        assert!(
+            e.contains("model.norm.weight") && e.contains("not in the model directory"),
+            "{e}"
+        );
+    }
+
     let tmp = copy_fixture();
     std::fs::remove_file(tmp.path().join("model.safetensors.index.json")).unwrap();
     let e = load_err(tmp.path());

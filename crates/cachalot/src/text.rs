@@ -731,7 +731,10 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             }
             continue;
         }
-        if let Some(rest) = input.strip_prefix("/system") {
+        let system_arg = (input == "/system")
+            .then_some("")
+            .or_else(|| input.strip_prefix("/system "));
+        if let Some(rest) = system_arg {
             let rest = rest.trim();
             system = (!rest.is_empty()).then(|| rest.to_string());
             if interactive {
@@ -746,6 +749,24 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         let tool_result = (input == "/tool")
             .then_some("")
             .or_else(|| input.strip_prefix("/tool "));
+        // An unknown /command is a typo, not a message for the model ("//" sends a line that
+        // starts with "/").
+        let command = input.split_whitespace().next().unwrap_or("");
+        if tool_result.is_none()
+            && command.starts_with('/')
+            && !command.starts_with("//")
+            && command.len() > 1
+        {
+            eprintln!(
+                "error: unknown command {command}; commands: /reset, /system TEXT, /tool RESULT, \
+                 /exit (start a message with // to send a line beginning with /)"
+            );
+            continue;
+        }
+        let input = input
+            .strip_prefix('/')
+            .filter(|r| r.starts_with('/'))
+            .unwrap_or(input);
         let added = if let Some(result) = tool_result {
             let Some(id) = pending.pop_front() else {
                 eprintln!("error: no tool call is waiting for a result");
