@@ -452,3 +452,38 @@ fn chi2_quantile_1e4(df: usize) -> f64 {
     let a = 2.0 / (9.0 * k);
     k * (1.0 - a + z * a.sqrt()).powi(3)
 }
+
+/// NaN logits (broken weights) stop the engine with an error naming the cause, from the main
+/// model and from the MTP layer, instead of sampling token 0.
+#[test]
+fn nan_logits_are_an_error() {
+    let ok = [[0.25f32; V]; V];
+    let mut bad = ok;
+    for row in &mut bad {
+        row[2] = f32::NAN;
+    }
+    for (main, draft, what) in [(bad, ok, "the model"), (ok, bad, "the MTP layer")] {
+        let model = Markov { main, draft };
+        let cfg = EngineConfig {
+            block_size: 4,
+            num_blocks: 16,
+            batch_size: 1,
+            max_prefill_tokens: 16,
+        };
+        let mut engine = Engine::new(&model, None, cfg).unwrap();
+        engine.enable_mtp(1).unwrap();
+        engine
+            .add_request(Request {
+                prompt: vec![1, 1],
+                params: SamplingParams::greedy(),
+                stop: StopConditions {
+                    max_new_tokens: 4,
+                    ..Default::default()
+                },
+                ignore_eos: true,
+            })
+            .unwrap();
+        let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();
+        assert!(e.contains(what) && e.contains("NaN"), "{what}: {e}");
+    }
+}

@@ -71,6 +71,19 @@ impl TensorView {
         })
     }
 
+    /// [`TensorView::to_f32_vec`] for a tensor whose values must all be finite (norm weights,
+    /// biases, routers): a NaN or ±∞ there would spread to every activation, so it is named here.
+    pub fn to_finite_f32_vec(&self) -> Result<Vec<f32>> {
+        let v = self.to_f32_vec()?;
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            return Err(self.error(format!(
+                "value #{i} is {}; the checkpoint is damaged (re-download this shard)",
+                v[i]
+            )));
+        }
+        Ok(v)
+    }
+
     pub fn expect_shape(&self, shape: &[usize]) -> Result<()> {
         if self.shape == shape {
             Ok(())

@@ -170,7 +170,7 @@ impl Loader<'_> {
     fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {
         let v = self.ckpt.take(name, &format!("a vector of {len} values"))?;
         v.expect_shape(&[len])?;
-        v.to_f32_vec()
+        v.to_finite_f32_vec()
     }
 
     fn scale_vector(&mut self, view: &TensorView, name: &str, rows: usize) -> Result<Vec<f32>> {
@@ -414,7 +414,7 @@ impl Loader<'_> {
                 &format!("the [{e}] routing bias that noaux_tc selects experts with"),
             )?;
             b.expect_shape(&[e])?;
-            let bias = b.to_f32_vec()?;
+            let bias = b.to_finite_f32_vec()?;
             let shard = self.opts.expert_shard;
             shard.validate(e)?;
             let experts = (0..e)

@@ -286,7 +286,7 @@ impl Loader<'_> {
     fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {
         let v = self.ckpt.take(name, &format!("a vector of {len} values"))?;
         v.expect_shape(&[len])?;
-        v.to_f32_vec()
+        v.to_finite_f32_vec()
     }
 
     /// A linear weight `[rows, cols]` under `prefix`: dispatch on the stored dtype and shape

@@ -186,6 +186,27 @@ fn missing_routing_bias_and_stray_scales_are_named() {
 }
 
 #[test]
+fn non_finite_norms_and_biases_are_named() {
+    for name in [
+        "model.norm.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+    ] {
+        let tmp = copy_fixture();
+        let shard = shard_of(tmp.path(), name);
+        rewrite(tmp.path(), &shard, |t| {
+            let w = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+            // bf16 0x7FC0 / f32 0x7FC00000: a quiet NaN in the first value.
+            match w.1 {
+                Dtype::BF16 => w.3[..2].copy_from_slice(&0x7FC0u16.to_le_bytes()),
+                _ => w.3[..4].copy_from_slice(&f32::NAN.to_le_bytes()),
+            }
+        });
+        let e = load_err(tmp.path());
+        assert!(e.contains(name) && e.contains("NaN"), "{e}");
+    }
+}
+
+#[test]
 fn config_values_that_would_give_nan_are_refused() {
     for (field, value) in [
         ("rope_theta", Value::from(1.0)),
