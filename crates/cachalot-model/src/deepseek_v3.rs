@@ -64,6 +64,10 @@ pub struct LoadOptions {
     pub bf16_dot: bool,
     /// The routed experts this process holds (expert parallelism); default: all of them.
     pub expert_shard: ExpertShard,
+    /// Only the first N decoder layers (the seed's `custom_params.num_hidden_layers`, for
+    /// reduced-layer testing; the others are skipped, the MTP layers stay those of the
+    /// checkpoint); None: all of them.
+    pub max_layers: Option<usize>,
 }
 
 struct Mlp {
@@ -479,10 +483,19 @@ impl DeepseekV3 {
     }
 
     pub fn load_from(
-        cfg: DeepseekV3Config,
+        mut cfg: DeepseekV3Config,
         ckpt: &mut Checkpoint,
         opts: LoadOptions,
     ) -> Result<DeepseekV3> {
+        let keep = match opts.max_layers {
+            Some(0) => {
+                return Err(ModelError::Batch(
+                    "num_hidden_layers override 0: a model needs at least one layer".into(),
+                ))
+            }
+            Some(n) => n.min(cfg.num_hidden_layers),
+            None => cfg.num_hidden_layers,
+        };
         let block = match &cfg.quantization {
             Some(QuantizationConfig::Fp8Block {
                 block_rows,
@@ -516,9 +529,13 @@ impl DeepseekV3 {
         let h = cfg.hidden_size;
         let v = cfg.vocab_size;
         let embed = l.linear("model.embed_tokens", v, h)?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut layers = Vec::with_capacity(keep);
         for i in 0..cfg.num_hidden_layers {
-            layers.push(l.layer(&cfg, i, false)?);
+            if i < keep {
+                layers.push(l.layer(&cfg, i, false)?);
+            } else {
+                l.ckpt.skip_prefix(&format!("model.layers.{i}."));
+            }
             pb.inc(1);
         }
         let norm = l.vector("model.norm.weight", h)?;
@@ -550,6 +567,7 @@ impl DeepseekV3 {
         }
         pb.finish_and_clear();
         l.ckpt.ensure_all_used()?;
+        cfg.num_hidden_layers = keep;
         let rope = Rope::new(&cfg);
         let softmax_scale = cfg.softmax_scale();
         Ok(DeepseekV3 {

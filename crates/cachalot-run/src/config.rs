@@ -347,10 +347,11 @@ impl fmt::Display for ConfigIssue {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
+    // (`error`, not `source`: the message holds it; as a source it was printed twice.)
+    #[error("cannot read {path}: {error}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: not valid YAML: {message}")]
     Syntax { path: PathBuf, message: String },
@@ -359,6 +360,36 @@ pub enum ConfigError {
         path: PathBuf,
         issues: Vec<ConfigIssue>,
     },
+}
+
+/// The YAML parser's message with its advice to programmers (parser options, API names)
+/// replaced by what a config's author can do.
+fn plain_yaml_error(message: &str) -> String {
+    let mut m = message.to_string();
+    for (from, to) in [
+        (
+            ", set DuplicateKeyPolicy in Options if acceptable",
+            " (each key may appear once per section)",
+        ),
+        (
+            "; use from_multiple or from_multiple_with_options",
+            " (a run config is one document: remove the `---` line)",
+        ),
+        (
+            " rejected by reject_non_finite_typeless_float",
+            " (give a finite number)",
+        ),
+    ] {
+        m = m.replace(from, to);
+    }
+    if let Some(i) = m.find("budget breached: Depth") {
+        let end = m[i..].find('\n').map_or(m.len(), |j| i + j);
+        m.replace_range(
+            i..end,
+            "nested too deeply (a run config is sections of keys)",
+        );
+    }
+    m
 }
 
 fn format_issues(path: &Path, issues: &[ConfigIssue]) -> String {
@@ -380,7 +411,7 @@ impl RunConfig {
     pub fn from_file(path: &Path) -> Result<RunConfig, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
-            source,
+            error: source,
         })?;
         RunConfig::from_yaml(&text, path)
     }
@@ -392,7 +423,7 @@ impl RunConfig {
         } else {
             serde_saphyr::from_str(text).map_err(|e| ConfigError::Syntax {
                 path: origin.to_path_buf(),
-                message: e.to_string(),
+                message: plain_yaml_error(&e.to_string()),
             })?
         };
         let value = match value {

@@ -530,6 +530,30 @@ pub fn run_ranked(
         )
         .into());
     }
+    // custom_params: model-specific switches of the seed's NPU models; the one that changes
+    // the model, num_hidden_layers (reduced-layer testing), is applied to V3-family models.
+    let mut max_layers = None;
+    for (k, v) in &m.custom_params {
+        if k == "num_hidden_layers" {
+            let n = v.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
+                format!(
+                    "model_config.custom_params.num_hidden_layers: expected a positive integer, \
+                     got {v}"
+                )
+            })?;
+            if family == ModelFamily::DeepseekV4 {
+                logln!(
+                    "note: custom_params.num_hidden_layers {n} is not applied to DeepSeek-V4 \
+                     (the whole model runs)"
+                );
+            } else {
+                logln!("custom_params.num_hidden_layers: only the first {n} decoder layers run");
+                max_layers = Some(n as usize);
+            }
+        } else {
+            logln!("custom_params.{k}: an NPU switch, no effect here");
+        }
+    }
     let (v3, v4);
     let (model, config_eos): (&(dyn Model + Sync), Vec<u32>) = match family {
         ModelFamily::DeepseekV3 => {
@@ -540,6 +564,7 @@ pub fn run_ranked(
                     load_mtp: m.next_n > 0,
                     bf16_dot: opts.bf16_dot,
                     expert_shard: shard,
+                    max_layers,
                 },
             )?;
             if expert {

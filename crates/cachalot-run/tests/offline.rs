@@ -701,3 +701,45 @@ fn a_missing_dataset_fails_before_the_run_directory() {
         "a results directory was made"
     );
 }
+
+/// The seed's `custom_params.num_hidden_layers` (reduced-layer testing) runs only the first
+/// layers: the outputs are those of the model loaded with that many layers.
+#[test]
+fn custom_params_num_hidden_layers_cuts_the_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = root().join("dataset");
+    let mut cfg = config(2, 4096, &data);
+    cfg.data_config.num_requests = Some(2);
+    cfg.data_config.ignore_eos = true;
+    cfg.model_config
+        .custom_params
+        .insert("num_hidden_layers".into(), 1.into());
+    cfg.model_config
+        .custom_params
+        .insert("enable_mla_prolog".into(), true.into());
+    let r = run(&cfg, &opts(tmp.path(), None)).unwrap();
+    let m = cachalot_model::DeepseekV3::load(
+        &root().join("fixtures/v3/r1_tiny"),
+        cachalot_model::LoadOptions {
+            max_layers: Some(1),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(m.config().num_hidden_layers, 1);
+    for o in &r.outputs {
+        let want = cachalot_model::eval::greedy(&m, &o.prompt, cfg.scheduler_config.max_new_tokens)
+            .unwrap();
+        assert_eq!(o.tokens, want);
+    }
+    let log = std::fs::read_to_string(r.dir.join("run.log")).unwrap();
+    assert!(log.contains("only the first 1 decoder layers run"), "{log}");
+    assert!(log.contains("custom_params.enable_mla_prolog"), "{log}");
+    cfg.model_config
+        .custom_params
+        .insert("num_hidden_layers".into(), 0.into());
+    match run(&cfg, &opts(tmp.path(), None)) {
+        Ok(_) => panic!("num_hidden_layers 0 ran"),
+        Err(e) => assert!(e.to_string().contains("num_hidden_layers"), "{e}"),
+    }
+}

@@ -215,6 +215,12 @@ fn config_path(args: &RunArgs) -> Result<PathBuf> {
         }
         _ => PathBuf::from("configs/default.yaml"),
     };
+    if path.is_dir() {
+        bail!(
+            "{}: is a directory; --config takes a YAML run config file",
+            path.display()
+        );
+    }
     if !path.is_file() {
         bail!("{}: no such config file", path.display());
     }

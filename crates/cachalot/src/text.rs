@@ -529,7 +529,19 @@ fn finish_word(f: &FinishReason) -> &'static str {
 
 pub fn generate(args: &GenerateArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
-    let tok = Tokenizer::from_dir(&dir).ok();
+    // Token ids in, ids out work without a tokenizer; a tokenizer that is there but broken
+    // still gets a warning (its EOS ids and the text output are lost).
+    let tok = match Tokenizer::from_dir(&dir) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            let absent =
+                !dir.join("tokenizer.json").exists() && !dir.join("tiktoken.model").exists();
+            if !absent && args.input.token_ids.is_some() {
+                eprintln!("warning: the tokenizer cannot be used ({e}); output is ids only");
+            }
+            None
+        }
+    };
     let (prompt_ids, prompt_text) = if args.chat {
         let tok = tok
             .as_ref()
