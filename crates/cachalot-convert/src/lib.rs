@@ -974,8 +974,15 @@ fn write_shard(
     }
     items.par_iter().try_for_each(|item| -> Result<()> {
         let p = &planned[item.t];
-        let consumed = run_item(p, item, &planned, scales, &map, &out)
-            .map_err(|e| ConvertError::io(output, e))?;
+        let consumed = run_item(p, item, &planned, scales, &map, &out).map_err(|e| {
+            // Damaged input data is the input shard's fault; anything else is writing's.
+            let file = if e.kind() == std::io::ErrorKind::InvalidData {
+                input
+            } else {
+                output
+            };
+            ConvertError::io(file, e)
+        })?;
         pb.inc(consumed);
         Ok(())
     })?;
@@ -1010,7 +1017,25 @@ fn run_item(
             let bs = &scales[&scale];
             let n = item.rows.len();
             let mut bf = vec![0u16; n * cols];
-            dequantize_rows_to_bf16(&map[start as usize..], cols, item.rows.clone(), bs, &mut bf);
+            let codes = &map[start as usize..];
+            // e4m3fn has no infinities; 0x7F and 0xFF are NaN: a damaged weight, not a value
+            // to quantize (it would come out finite and wrong).
+            let window = &codes[item.rows.start * cols..item.rows.end * cols];
+            if let Some(i) = window.iter().position(|&c| c & 0x7F == 0x7F) {
+                let at = item.rows.start * cols + i;
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "tensor {}: FP8 code 0x{:02X} (NaN) at row {}, column {}; the input \
+                         checkpoint is damaged (re-download this shard)",
+                        p.out.name,
+                        window[i],
+                        at / cols,
+                        at % cols
+                    ),
+                ));
+            }
+            dequantize_rows_to_bf16(codes, cols, item.rows.clone(), bs, &mut bf);
             match p.source {
                 Source::Bf16 { .. } => {
                     let bytes: Vec<u8> = bf.iter().flat_map(|v| v.to_le_bytes()).collect();

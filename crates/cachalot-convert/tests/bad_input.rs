@@ -235,6 +235,27 @@ fn refuses_an_output_that_is_or_holds_the_input_even_with_force() {
 }
 
 #[test]
+fn nan_fp8_codes_are_named_not_converted() {
+    for mode in [QuantMode::W8A8C16, QuantMode::Bfloat16] {
+        let tmp = tempfile::tempdir().unwrap();
+        let input = tmp.path().join("in");
+        copy_fixture(&input);
+        let name = "model.layers.1.self_attn.o_proj.weight";
+        let shard = shard_of(&input, name);
+        rewrite_shard(&input, &shard, |t| {
+            let w = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+            w.3[7] = 0xFF;
+        });
+        expect_error_in(
+            &input,
+            &tmp.path().join("out"),
+            mode,
+            &[name, &shard, "NaN", "column 7"],
+        );
+    }
+}
+
+#[test]
 fn c8_needs_a_scale_per_layer() {
     let tmp = tempfile::tempdir().unwrap();
     let scales = tmp.path().join("s.json");
