@@ -412,6 +412,23 @@ impl DeepseekV3Config {
         if self.max_position_embeddings == 0 {
             return Err(err("max_position_embeddings", "must be at least 1".into()));
         }
+        for (name, id) in self
+            .bos_token_id
+            .iter()
+            .map(|&b| ("bos_token_id", b))
+            .chain(self.eos_token_ids.iter().map(|&e| ("eos_token_id", e)))
+        {
+            if id as usize >= self.vocab_size {
+                return Err(err(
+                    name,
+                    format!(
+                        "{id} is outside the vocabulary (vocab_size {}); generation could never \
+                         stop on it",
+                        self.vocab_size
+                    ),
+                ));
+            }
+        }
         // Float fields that would turn every activation into NaN or ±∞ rather than fail.
         let finite = |name: &str, v: f64, ok: bool, what: &str| {
             if v.is_finite() && ok {
@@ -1079,6 +1096,7 @@ mod tests {
         v["n_group"] = 1.into();
         v["topk_group"] = 1.into();
         v["eos_token_id"] = serde_json::json!([163585, 163586]);
+        v["vocab_size"] = 163840.into();
         let c = parse(&v).unwrap();
         assert_eq!(c.model_type, ModelType::KimiK2);
         assert_eq!(c.q_lora_rank, None);
