@@ -265,9 +265,10 @@ def plan(cfg):
                 lin(m + f"experts.{e}.up_proj", inter, H)
                 lin(m + f"experts.{e}.down_proj", H, inter)
             si = inter * cfg["n_shared_experts"]
-            lin(m + "shared_experts.gate_proj", si, H)
-            lin(m + "shared_experts.up_proj", si, H)
-            lin(m + "shared_experts.down_proj", H, si)
+            if si > 0:  # n_shared_experts 0: no shared expert tensors at all
+                lin(m + "shared_experts.gate_proj", si, H)
+                lin(m + "shared_experts.up_proj", si, H)
+                lin(m + "shared_experts.down_proj", H, si)
 
     L = cfg["num_hidden_layers"]
     ts.append(T("model.embed_tokens.weight", "bf16", (V, H), ("normal", 1.0)))

@@ -95,6 +95,15 @@ impl ChatTemplate {
                 })
             }
         };
+        if source.trim().is_empty() {
+            return Err(ModelError::Config {
+                path: path.to_path_buf(),
+                field: "chat_template".into(),
+                message: "is empty; give the model's template, or remove the key to send \
+                          prompts as raw text"
+                    .into(),
+            });
+        }
         let mut t = ChatTemplate::new(source, path);
         for field in SPECIAL_TOKEN_FIELDS {
             if let Some(v) = config.get(field).and_then(super::token_content) {
@@ -120,6 +129,13 @@ impl ChatTemplate {
                 path: path.to_path_buf(),
                 field: "chat_template".into(),
                 message: "missing".into(),
+            });
+        }
+        if text.trim().is_empty() {
+            return Err(ModelError::Config {
+                path: path.to_path_buf(),
+                field: "(template)".into(),
+                message: "the template file is empty".into(),
             });
         }
         Ok(ChatTemplate::new(text, path))
