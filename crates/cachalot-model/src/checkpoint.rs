@@ -182,15 +182,22 @@ impl Checkpoint {
                 path: path.clone(),
                 error: source,
             })?;
-            let (header_len, meta) =
-                safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
-                    ModelError::Checkpoint {
+            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map[..]).map_err(
+                |e| match diagnose_header(&map[..]) {
+                    Some((tensor, message)) => ModelError::Tensor {
+                        tensor,
+                        path: path.clone(),
+                        message: format!("{message}; the shard's header is corrupt"),
+                    },
+                    None => ModelError::Checkpoint {
                         path: path.clone(),
                         message: format!(
-                        "not a valid safetensors file ({e}); the file may be truncated or corrupt"
-                    ),
-                    }
-                })?;
+                            "not a valid safetensors file ({e}); the file may be truncated \
+                                 or corrupt"
+                        ),
+                    },
+                },
+            )?;
             let data_start = 8 + header_len;
             for (tname, info) in meta.tensors() {
                 let (s, e) = info.data_offsets;
@@ -372,6 +379,78 @@ impl Checkpoint {
         }
         Ok(())
     }
+}
+
+/// Which tensor of a safetensors header the `safetensors` crate refused, and why (it says only
+/// "invalid shape, data type, or offset"): a JSON header whose entries give a dtype, a shape and
+/// `data_offsets` that must cover exactly dtype size × elements, one after another from 0.
+fn diagnose_header(bytes: &[u8]) -> Option<(String, String)> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: Value = serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
+    let mut entries: Vec<(String, usize, usize, usize)> = Vec::new();
+    for (name, t) in header.as_object()? {
+        if name == "__metadata__" {
+            continue;
+        }
+        let bad = |m: String| Some((name.clone(), m));
+        let Some(dtype) = t.get("dtype").and_then(Value::as_str) else {
+            return bad("has no dtype".into());
+        };
+        let Some(size) = serde_json::from_value::<Dtype>(Value::from(dtype))
+            .ok()
+            .and_then(dtype_size)
+        else {
+            return bad(format!("has an unknown dtype {dtype:?}"));
+        };
+        let Some(shape) = t.get("shape").and_then(Value::as_array) else {
+            return bad("has no shape".into());
+        };
+        let dims: Option<Vec<usize>> = shape
+            .iter()
+            .map(|d| d.as_u64().map(|d| d as usize))
+            .collect();
+        let Some(dims) = dims else {
+            return bad(format!(
+                "has a shape that is not a list of sizes: {shape:?}"
+            ));
+        };
+        let want = dims.iter().try_fold(size, |acc, &d| acc.checked_mul(d));
+        let offs = t.get("data_offsets").and_then(Value::as_array);
+        let (Some(s), Some(e)) = (
+            offs.and_then(|o| o.first()).and_then(Value::as_u64),
+            offs.and_then(|o| o.get(1)).and_then(Value::as_u64),
+        ) else {
+            return bad("has no data_offsets [start, end]".into());
+        };
+        let (s, e) = (s as usize, e as usize);
+        if e < s {
+            return bad(format!("data_offsets [{s}, {e}] end before they start"));
+        }
+        if want != Some(e - s) {
+            return bad(format!(
+                "data_offsets [{s}, {e}] hold {} bytes, but a {dtype} tensor of shape {dims:?} \
+                 takes {}",
+                e - s,
+                want.map_or("more than fits".into(), |w| w.to_string())
+            ));
+        }
+        entries.push((name.clone(), s, e, size));
+    }
+    entries.sort_by_key(|&(_, s, e, _)| (s, e));
+    let mut at = 0;
+    for (name, s, e, _) in entries {
+        if s != at {
+            return Some((
+                name,
+                format!(
+                    "data_offsets start at byte {s}, but the previous tensor ends at {at} \
+                     (tensors must follow one another)"
+                ),
+            ));
+        }
+        at = e;
+    }
+    None
 }
 
 pub fn dtype_size(d: Dtype) -> Option<usize> {

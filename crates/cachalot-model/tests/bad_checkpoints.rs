@@ -108,6 +108,32 @@ fn truncated_shard_is_named() {
 }
 
 #[test]
+fn corrupt_header_offsets_name_the_tensor() {
+    let tmp = copy_fixture();
+    let name = "lm_head.weight";
+    let shard = shard_of(tmp.path(), name);
+    let path = tmp.path().join(&shard);
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let end = header[name]["data_offsets"][1].as_u64().unwrap();
+    header[name]["data_offsets"][1] = Value::from(end - 1);
+    // Same header length (padded with spaces), so every other offset stays right.
+    let mut text = header.to_string();
+    assert!(text.len() <= n);
+    text.push_str(&" ".repeat(n - text.len()));
+    let mut out = bytes[..8].to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(&path, out).unwrap();
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains(name) && e.contains(&shard) && e.contains("data_offsets"),
+        "{e}"
+    );
+}
+
+#[test]
 fn bad_index_entries_are_reported() {
     let tmp = copy_fixture();
     let mut idx = index(tmp.path());
