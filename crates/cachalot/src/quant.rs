@@ -71,6 +71,7 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
         force: args.force,
         progress: true,
     };
+    check_input_loads(&args.input)?;
     let r = convert(&opts)?;
     let mut kinds = format!(
         "{} int8 weights, {} bf16 weights",
@@ -97,6 +98,39 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
         r.output_bytes as f64 / 1e9
     );
     Ok(())
+}
+
+/// The converter checks the tensors it converts; the loader also checks what the model needs
+/// (every tensor present, none extra, shapes from config.json, MTP layers included). A checkpoint
+/// it would refuse is refused now, before the conversion, not when the output is loaded. (The
+/// load maps the shards and reads only small tensors.)
+fn check_input_loads(dir: &std::path::Path) -> Result<()> {
+    use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, LoadOptions, ModelFamily};
+    let loaded = match detect_family(dir)? {
+        ModelFamily::DeepseekV3 => DeepseekV3::load(
+            dir,
+            LoadOptions {
+                load_mtp: true,
+                ..LoadOptions::default()
+            },
+        )
+        .map(drop),
+        ModelFamily::DeepseekV4 => DeepseekV4::load(
+            dir,
+            cachalot_model::V4LoadOptions {
+                load_mtp: true,
+                ..Default::default()
+            },
+        )
+        .map(drop),
+    };
+    loaded.with_context(|| {
+        format!(
+            "the input checkpoint {} does not load as its config.json describes it, so its \
+             conversion would not either; fix the input first",
+            dir.display()
+        )
+    })
 }
 
 #[derive(clap::Args)]

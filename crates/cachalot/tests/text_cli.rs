@@ -732,3 +732,43 @@ fn v4_chat_history_keeps_reasoning_apart() {
         assert!(!p2.contains(text), "{p2}");
     }
 }
+
+/// `convert` refuses an input the loader would refuse (here: a missing weight) before writing
+/// anything, naming the tensor; the same input loads after the fix.
+#[test]
+fn convert_checks_that_the_input_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in");
+    std::fs::create_dir_all(&input).unwrap();
+    for e in std::fs::read_dir(root().join("fixtures/v3/r1_tiny")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, input.join(p.file_name().unwrap())).unwrap();
+    }
+    // Say the config has one layer fewer: the checkpoint's last layer is then unexpected.
+    let cfg_path = input.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let layers = c["num_hidden_layers"].as_u64().unwrap();
+    c["num_hidden_layers"] = (layers - 1).into();
+    c["num_nextn_predict_layers"] = 0.into();
+    std::fs::write(&cfg_path, c.to_string()).unwrap();
+    let out = tmp.path().join("out");
+    let o = cachalot(
+        &[
+            "convert",
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--quant-mode",
+            "w8a8c16",
+        ],
+        None,
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("does not load") && err.contains("model.layers."),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
