@@ -736,6 +736,18 @@ fn parse_quantization(f: &Fields) -> Result<Option<QuantizationConfig>> {
     };
     match q.str_opt("quant_method")? {
         Some("fp8") => {
+            if let Some(scheme) = q.str_opt("activation_scheme")? {
+                if scheme != "dynamic" {
+                    return Err(q.err(
+                        "activation_scheme",
+                        format!(
+                            "`{scheme}` is not supported: FP8 weights multiply unquantized \
+                             activations here, which stands for `dynamic` (DeepSeek's FP8 \
+                             checkpoints); static activation scales are not read"
+                        ),
+                    ));
+                }
+            }
             if let Some(fmt) = q.str_opt("fmt")? {
                 if fmt != "e4m3" {
                     return Err(q.err(
