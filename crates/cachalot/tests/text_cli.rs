@@ -685,8 +685,9 @@ fn tools_reach_the_template_and_bad_tool_files_are_named() {
 
 #[test]
 fn chat_tool_results_need_a_pending_call() {
-    let out = r1_chat("2", true, "/tool 21 C\n/toolbox\n");
-    // `/tool` with no call waiting is refused; `/toolbox` is an ordinary message.
+    let out = r1_chat("2", true, "/tool 21 C\n/toolbox\n//toolbox\n");
+    // `/tool` with no call waiting is refused; `/toolbox` is an unknown command (refused, not
+    // sent); `//toolbox` sends the message "/toolbox".
     let turns: Vec<Value> = out.lines().map(json).collect();
     assert_eq!(turns.len(), 1, "{out}");
     assert!(turns[0]["prompt"].as_str().unwrap().contains("/toolbox"));
