@@ -138,6 +138,17 @@ impl ChatTemplate {
                 message: "the template file is empty".into(),
             });
         }
+        // A chat template renders the conversation; one that never reads `messages` would
+        // turn every prompt into the same text (a wrong file given as the template).
+        if !text.contains("messages") {
+            return Err(ModelError::Config {
+                path: path.to_path_buf(),
+                field: "(template)".into(),
+                message: "never reads `messages`, so it is not a chat template; give a Jinja \
+                          chat template or a tokenizer_config.json with `chat_template`"
+                    .into(),
+            });
+        }
         Ok(ChatTemplate::new(text, path))
     }
 
