@@ -253,3 +253,43 @@ fn an_empty_special_token_name_is_named() {
         "{err}"
     );
 }
+
+/// Streamed pieces add up to the decode of all ids for any id sequence, including broken
+/// UTF-8: byte tokens of characters shuffled, so invalid bytes, split characters and invalid
+/// bytes right before a split character (`80 | F0 9F 90 | 80`, which once stalled the stream
+/// for good) all occur.
+#[test]
+fn streaming_equals_full_decode_on_broken_utf8() {
+    for name in ["r1_style", "kimi_style"] {
+        let tok = Tokenizer::from_dir(&text_fixture(name)).unwrap();
+        let pool = tok
+            .encode("🐀 whale 抹茶 é ß 👩‍👩‍👧 ok\n")
+            .unwrap();
+        // The rat as its byte tokens, after its own last (continuation) byte.
+        let rat = tok.encode("🐀").unwrap();
+        let mut seqs = vec![[&rat[rat.len() - 1..], &rat[..], &rat[..]].concat()];
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..300 {
+            let len = 1 + (state % 24) as usize;
+            let seq: Vec<u32> = (0..len)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    pool[(state >> 33) as usize % pool.len()]
+                })
+                .collect();
+            seqs.push(seq);
+        }
+        for seq in seqs {
+            let want = tok.decode(&seq).unwrap();
+            let mut s = tok.stream_decoder();
+            let mut got = String::new();
+            for &id in &seq {
+                got.push_str(&s.push(id).unwrap());
+            }
+            got.push_str(&s.finish().unwrap());
+            assert_eq!(got, want, "{name}: {seq:?}");
+        }
+    }
+}
