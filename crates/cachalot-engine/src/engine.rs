@@ -313,6 +313,9 @@ struct Live<'t> {
     ignore_eos: bool,
     /// Output length at the first stop token (fixed-length mode keeps going past it).
     eos_at: Option<usize>,
+    /// The text ended at a stop string (its held-back tail is the stop string's start, not
+    /// output).
+    stopped_by_string: bool,
     stream: Option<TextStream<'t>>,
     text: String,
     arrival: Instant,
@@ -486,6 +489,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 stop: req.stop,
                 ignore_eos: req.ignore_eos,
                 eos_at: None,
+                stopped_by_string: false,
                 stream,
                 text: String::new(),
                 arrival: Instant::now(),
@@ -835,6 +839,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 live.text.push_str(&piece);
                 if let Some(hit) = hit {
                     live.eos_at = Some(n_out);
+                    live.stopped_by_string = true;
                     if !live.ignore_eos {
                         finish = Some(FinishReason::StopString(hit));
                     }
@@ -854,7 +859,10 @@ impl<'t, M: Model> Engine<'t, M> {
         let Some(mut live) = self.live.remove(&id) else {
             return;
         };
-        if !matches!(finish, FinishReason::StopString(_)) && live.eos_at.is_none() {
+        // What the stream still holds is output (a tail that could have started a stop string,
+        // or an unfinished character) unless a stop string ended the text. After an EOS the
+        // stream got no more tokens, so this is the text up to the EOS.
+        if !matches!(finish, FinishReason::StopString(_)) && !live.stopped_by_string {
             if let Some(stream) = live.stream.as_mut() {
                 if let Ok((piece, _)) = stream.finish() {
                     live.text.push_str(&piece);

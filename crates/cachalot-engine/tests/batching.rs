@@ -188,3 +188,50 @@ fn requests_too_long_for_the_pool_are_refused_and_abort_frees() {
     assert_eq!(out[0].finish, FinishReason::Cancelled);
     assert!(!engine.has_unfinished());
 }
+
+/// Text held back because it could start a stop string is output when the request ends on an
+/// EOS token instead (and when it ends on length); only a stop string's own text is dropped.
+#[test]
+fn text_held_for_a_stop_string_is_kept_at_eos() {
+    use cachalot_model::tokenizer::Tokenizer;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = root.join("assets/cachalot-tiny-r1");
+    let m = DeepseekV3::load(&dir, LoadOptions::default()).unwrap();
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let prompt = tok.encode("The sperm whale").unwrap();
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 16,
+        batch_size: 1,
+        max_prefill_tokens: 64,
+    };
+    let run = |stop: StopConditions| {
+        let mut e = Engine::new(&m, Some(&tok), cfg).unwrap();
+        e.add_request(Request {
+            prompt: prompt.clone(),
+            params: SamplingParams::greedy(),
+            stop,
+            ignore_eos: false,
+        })
+        .unwrap();
+        e.run_to_completion(|_, _| {}).unwrap().remove(0)
+    };
+    let plain = run(StopConditions {
+        max_new_tokens: 12,
+        ..Default::default()
+    });
+    // The first token that differs from all before it, as the EOS of the next run.
+    let k = (3..plain.tokens.len())
+        .find(|&k| !plain.tokens[..k].contains(&plain.tokens[k]))
+        .expect("a fresh token");
+    let before = tok.decode(&plain.tokens[..k]).unwrap();
+    let last = before.chars().last().expect("text before the EOS");
+    let out = run(StopConditions {
+        max_new_tokens: 12,
+        stop_token_ids: vec![plain.tokens[k]],
+        // Its first character is the text's last, so the stream holds that character back.
+        stop_strings: vec![format!("{last}\u{1}never")],
+    });
+    assert_eq!(out.finish, FinishReason::StopToken(plain.tokens[k]));
+    assert_eq!(out.text, before);
+}

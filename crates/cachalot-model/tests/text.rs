@@ -262,9 +262,7 @@ fn an_empty_special_token_name_is_named() {
 fn streaming_equals_full_decode_on_broken_utf8() {
     for name in ["r1_style", "kimi_style"] {
         let tok = Tokenizer::from_dir(&text_fixture(name)).unwrap();
-        let pool = tok
-            .encode("🐀 whale 抹茶 é ß 👩‍👩‍👧 ok\n")
-            .unwrap();
+        let pool = tok.encode("🐀 whale 抹茶 é ß 👩‍👩‍👧 ok\n").unwrap();
         // The rat as its byte tokens, after its own last (continuation) byte.
         let rat = tok.encode("🐀").unwrap();
         let mut seqs = vec![[&rat[rat.len() - 1..], &rat[..], &rat[..]].concat()];
