@@ -17,7 +17,7 @@ use cachalot_engine::{
     Engine, EngineConfig, Model, ReasoningSplitter, Request, RequestOutput, SamplingParams,
     StopConditions,
 };
-use cachalot_model::tokenizer::{ChatTemplate, Tokenizer, ToolCallFormat};
+use cachalot_model::tokenizer::{Tokenizer, ToolCallFormat};
 use cachalot_model::{
     detect_family, BalancedRouting, DeepseekV3, DeepseekV4, ExpertShard, Fp8Mode, LoadOptions,
     ModelFamily, V4LoadOptions,
@@ -360,7 +360,7 @@ pub fn run_ranked(
     let n_req = opts.num_requests.unwrap_or(cfg.num_requests());
     let tokenizer = Tokenizer::from_dir(&model_dir)?;
     let template = match &opts.chat_template {
-        Some(f) => Some(ChatTemplate::from_file(f)?),
+        Some(f) => Some(tokenizer.chat_template_from_file(f)?),
         None => tokenizer.chat_template()?,
     };
     let mut early_notes = Vec::new();

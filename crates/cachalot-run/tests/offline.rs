@@ -743,3 +743,26 @@ fn custom_params_num_hidden_layers_cuts_the_model() {
         Err(e) => assert!(e.to_string().contains("num_hidden_layers"), "{e}"),
     }
 }
+
+/// A bare Jinja `--chat-template` gets the model's special tokens (`bos_token` here), as the
+/// same template inside tokenizer_config.json would.
+#[test]
+fn a_jinja_chat_template_file_gets_the_special_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("t.jinja");
+    std::fs::write(
+        &t,
+        "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}",
+    )
+    .unwrap();
+    let mut cfg = config(1, 4096, &root().join("dataset"));
+    cfg.data_config.num_requests = Some(1);
+    let mut o = opts(tmp.path(), None);
+    o.chat_template = Some(t);
+    let r = run(&cfg, &o).unwrap();
+    let bos = cachalot_model::DeepseekV3Config::from_dir(&root().join("fixtures/v3/r1_tiny"))
+        .unwrap()
+        .bos_token_id
+        .unwrap();
+    assert_eq!(r.outputs[0].prompt[0], bos);
+}

@@ -73,7 +73,7 @@ struct InputArgs {
     #[arg(long, value_delimiter = ',')]
     token_ids: Option<Vec<u32>>,
     /// Text given on the command line.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     prompt: Option<String>,
 }
 
@@ -192,14 +192,26 @@ fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
     Ok(m)
 }
 
+/// A text file for --file: UTF-8, or an error saying where it is not.
+fn read_text_file(f: &Path) -> Result<String> {
+    let bytes = std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{}: not UTF-8 text (invalid byte 0x{:02X} at offset {}); convert it to UTF-8 \
+             (e.g. iconv -f LATIN1 -t UTF-8)",
+            f.display(),
+            e.as_bytes()[e.utf8_error().valid_up_to()],
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
 fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
     if let Some(ids) = &input.token_ids {
         return Ok(ids.clone());
     }
     let text = match (&input.file, &input.prompt) {
-        (Some(f), _) => {
-            std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?
-        }
+        (Some(f), _) => read_text_file(f)?,
         (None, Some(p)) => p.clone(),
         (None, None) => bail!("give --file, --prompt or --token-ids"),
     };

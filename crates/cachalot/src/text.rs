@@ -22,7 +22,12 @@ pub struct TokenizeArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Text to encode (special-token strings in it become their ids; no BOS is added).
-    #[arg(long, conflicts_with = "decode", required_unless_present = "decode")]
+    #[arg(
+        long,
+        conflicts_with = "decode",
+        required_unless_present = "decode",
+        allow_hyphen_values = true
+    )]
     text: Option<String>,
     /// Comma-separated token ids to decode.
     #[arg(long, value_delimiter = ',')]
@@ -54,16 +59,16 @@ pub struct SamplingArgs {
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
     /// Subtracted from the logit of every token already generated (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     presence_penalty: f32,
     /// Subtracted once per earlier occurrence in the output (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     frequency_penalty: f32,
     /// Seed of the sampler (same seed, same output).
     #[arg(long)]
     seed: Option<u64>,
     /// Extra stop string (repeatable); the text ends before it.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     stop: Vec<String>,
     /// Keep going past EOS (for benchmarks).
     #[arg(long)]
@@ -135,7 +140,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     chat: bool,
     /// System prompt (with --chat).
-    #[arg(long, requires = "chat")]
+    #[arg(long, requires = "chat", allow_hyphen_values = true)]
     system: Option<String>,
     /// Chat template to use instead of the model's (with --chat): a tokenizer_config.json or a
     /// Jinja file.
@@ -166,7 +171,7 @@ pub struct ChatArgs {
     #[command(flatten)]
     sampling: SamplingArgs,
     /// System prompt of the conversation (change it with /system TEXT).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     system: Option<String>,
     /// Chat template to use instead of the model's: a tokenizer_config.json or a Jinja file.
     #[arg(long)]
@@ -196,11 +201,11 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<()> {
     };
     let tok = Tokenizer::from_dir(&dir)?;
     if let Some(ids) = &args.decode {
-        let vocab = tok.vocab_size();
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        // Ids need not be contiguous (added tokens can sit far above the base vocabulary).
+        if let Some(&bad) = ids.iter().find(|&&t| tok.id_to_token(t).is_none()) {
             bail!(
-                "--decode: id {bad} is outside the tokenizer's vocabulary (0..{})",
-                vocab - 1
+                "--decode: id {bad} is not a token of this tokenizer ({} tokens)",
+                tok.vocab_size()
             );
         }
         let text = tok.decode(ids)?;
@@ -235,16 +240,7 @@ impl ModelArgs {
 
 fn chat_template(tok: &Tokenizer, dir: &Path, file: Option<&Path>) -> Result<ChatTemplate> {
     if let Some(f) = file {
-        let mut t = ChatTemplate::from_file(f)?;
-        // A bare Jinja file gets the model's special tokens.
-        if f.extension().is_none_or(|e| e != "json") {
-            for field in ["bos_token", "eos_token"] {
-                if let Some(v) = tok.config_token(field) {
-                    t.set_special_token(field, v);
-                }
-            }
-        }
-        return Ok(t);
+        return Ok(tok.chat_template_from_file(f)?);
     }
     tok.chat_template()?.with_context(|| {
         format!(
@@ -548,8 +544,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             .with_context(|| format!("{}: --chat needs the model's tokenizer", dir.display()))?;
         let user = match (&args.input.prompt, &args.input.file) {
             (Some(p), _) => p.clone(),
-            (None, Some(f)) => std::fs::read_to_string(f)
-                .with_context(|| format!("cannot read {}", f.display()))?,
+            (None, Some(f)) => crate::read_text_file(f)?,
             _ => bail!("--chat needs --prompt or --file"),
         };
         let mut msgs = Vec::new();
@@ -720,7 +715,17 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
     // The ids of the model's tool calls still waiting for a /tool result, in order.
     let mut pending: std::collections::VecDeque<String> = std::collections::VecDeque::new();
     let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    // Lines as bytes: one that is not UTF-8 is decoded lossily with a warning, not the end
+    // of the conversation.
+    let mut lines = stdin.lock().split(b'\n').map(|r| {
+        r.map(|bytes| match String::from_utf8(bytes) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("warning: that line is not UTF-8; invalid bytes read as U+FFFD");
+                String::from_utf8_lossy(e.as_bytes()).into_owned()
+            }
+        })
+    });
     loop {
         if interactive {
             eprint!("> ");

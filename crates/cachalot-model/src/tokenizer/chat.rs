@@ -46,7 +46,7 @@ impl ChatTemplate {
     /// A template from its source text; `origin` names the file in errors.
     pub fn new(source: impl Into<String>, origin: impl Into<PathBuf>) -> ChatTemplate {
         ChatTemplate {
-            source: source.into(),
+            source: without_generation_tags(source.into()),
             origin: origin.into(),
             special_tokens: Vec::new(),
             deepseek_v4: false,
@@ -229,6 +229,26 @@ impl ChatTemplate {
 }
 
 /// The environment `transformers` renders chat templates in (`_compile_jinja_template`).
+/// transformers' `{% generation %}…{% endgeneration %}` block only marks the assistant's
+/// tokens for `return_assistant_tokens_mask`; rendering, it is transparent. Jinja (minijinja)
+/// has no such tag, so it becomes an always-true `if` block with the same whitespace control.
+fn without_generation_tags(source: String) -> String {
+    if !source.contains("generation") {
+        return source;
+    }
+    let re =
+        fancy_regex::Regex::new(r"\{%(-?)\s*(end)?generation\s*(-?)%\}").expect("a valid pattern");
+    re.replace_all(&source, |c: &fancy_regex::Captures<str>| {
+        let (open, close) = (&c[1], &c[3]);
+        if c.get(2).is_some() {
+            format!("{{%{open} endif {close}%}}")
+        } else {
+            format!("{{%{open} if true {close}%}}")
+        }
+    })
+    .into_owned()
+}
+
 fn environment() -> Environment<'static> {
     let mut env = Environment::new();
     env.set_syntax(
@@ -534,6 +554,25 @@ mod tests {
             strftime_utc("%d %b %Y %A %j %%", 1_709_210_096),
             "29 Feb 2024 Thursday 060 %"
         );
+    }
+
+    #[test]
+    fn generation_blocks_render_their_content() {
+        // transformers' assistant-mask tag, with and without whitespace control.
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]\
+             {% endgeneration %}{% else %}{{ m.content }} {%- generation -%}  {%- endgeneration %}\
+             {% endif %}{% endfor %}",
+            "t.jinja",
+        );
+        let out = t
+            .render(
+                &[Message::new("user", "hi"), Message::new("assistant", "yo")],
+                false,
+            )
+            .unwrap();
+        assert_eq!(out, "hi[yo]");
+        assert!(!t.source().contains("generation"));
     }
 
     #[test]

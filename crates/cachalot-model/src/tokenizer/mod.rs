@@ -239,6 +239,21 @@ impl Tokenizer {
         self.eos_token().and_then(|t| self.token_to_id(&t))
     }
 
+    /// A chat template given as a file (`--chat-template`): a `tokenizer_config.json` brings its
+    /// own special tokens; a bare Jinja file gets this tokenizer's (`bos_token`, `eos_token`,
+    /// `pad_token`, `unk_token`), as the same template inside the model's config would.
+    pub fn chat_template_from_file(&self, path: &Path) -> Result<ChatTemplate> {
+        let mut t = ChatTemplate::from_file(path)?;
+        if path.extension().is_none_or(|e| e != "json") {
+            for field in ["bos_token", "eos_token", "pad_token", "unk_token"] {
+                if let Some(v) = self.config_token(field) {
+                    t.set_special_token(field, v);
+                }
+            }
+        }
+        Ok(t)
+    }
+
     /// The chat template of `tokenizer_config.json`, if it has one; for a DeepSeek-V4 model
     /// (`model_type: deepseek_v4` in `config.json`), V4's encoder, which ships no template.
     pub fn chat_template(&self) -> Result<Option<ChatTemplate>> {
