@@ -98,6 +98,32 @@ impl Clip {
 
 /// Loads `dir/quant_params_{L}.pt` for L in 0..num_layers: layer name (the weight name without
 /// `.weight`) → its factors.
+///
+/// A factor scales a row's range: NaN would silently drop the clamp (f32::max/min skip a NaN
+/// bound, where torch.clamp propagates it), zero would wipe the row and a negative one invert
+/// it; each is an error naming the key.
+fn check_factor(key: &str, factor: &Factor) -> Result<(), String> {
+    let values: Vec<f64> = match factor {
+        Factor::F32(v) => v.iter().map(|&x| x as f64).collect(),
+        Factor::F64(v) => v.clone(),
+    };
+    match values
+        .iter()
+        .enumerate()
+        .find(|(_, x)| !(x.is_finite() && **x > 0.0))
+    {
+        Some((i, x)) => Err(format!(
+            "{key}{} is {x}; clip factors must be finite and positive",
+            if values.len() > 1 {
+                format!("[{i}]")
+            } else {
+                String::new()
+            }
+        )),
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn load_clip_params(
     dir: &Path,
     num_layers: usize,
@@ -148,6 +174,7 @@ pub(crate) fn load_clip_params(
             if !key.ends_with(".clip_factor_min") && !key.ends_with(".clip_factor_max") {
                 continue;
             }
+            check_factor(&key, &factor).map_err(err)?;
             if !raw.contains_key(&key) {
                 order.push(key.clone());
             }
@@ -186,4 +213,22 @@ pub(crate) fn load_clip_params(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clip_factors_must_be_finite_and_positive() {
+        let k = "layers.0.attn.wo_b.clip_factor_max";
+        assert!(check_factor(k, &Factor::F32(vec![0.9])).is_ok());
+        assert!(check_factor(k, &Factor::F64(vec![0.5, 1.0])).is_ok());
+        for bad in [f32::NAN, 0.0, -0.5, f32::INFINITY] {
+            let e = check_factor(k, &Factor::F32(vec![bad])).unwrap_err();
+            assert!(e.contains(k) && e.contains("finite and positive"), "{e}");
+        }
+        let e = check_factor(k, &Factor::F64(vec![0.5, f64::NAN])).unwrap_err();
+        assert!(e.contains(&format!("{k}[1] is NaN")), "{e}");
+    }
 }
