@@ -424,16 +424,48 @@ pub fn run_ranked(
     same.data_config.dataset_path.clear();
     // With the options that change what a rank computes (a chat template's path may differ
     // between hosts; whether there is one may not).
-    let fingerprint = format!(
-        "{n_req} {:?} int8_head={} bf16_dot={} fp8={:?} template={} kv_blocks={:?} {}",
-        opts.parallel,
-        opts.int8_head,
-        opts.bf16_dot,
-        opts.fp8,
-        opts.chat_template.is_some(),
-        opts.kv_blocks,
-        serde_json::to_string(&same).unwrap_or_default()
-    );
+    // Named fields, so a mismatch names what differs. The checkpoint is identified by its
+    // config.json and the prompts by their token ids (tokenizer, template and dataset
+    // together), since paths may differ between hosts.
+    let digest = |bytes: &[u8]| {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        bytes.hash(&mut h);
+        format!("{:016x}", h.finish())
+    };
+    let model_config = std::fs::read(model_dir.join("config.json"))?;
+    let prompt_ids: Vec<u32> = prepared
+        .iter()
+        .flat_map(|p| p.ids.iter().copied().chain([u32::MAX]))
+        .collect();
+    let fields = [
+        ("--num-requests", n_req.to_string()),
+        ("--parallel", format!("{:?}", opts.parallel)),
+        ("--int8-head", opts.int8_head.to_string()),
+        ("--bf16-dot", opts.bf16_dot.to_string()),
+        ("--fp8", format!("{:?}", opts.fp8)),
+        ("--chat-template", opts.chat_template.is_some().to_string()),
+        ("--kv-blocks", format!("{:?}", opts.kv_blocks)),
+        (
+            "the YAML config",
+            digest(serde_json::to_string(&same).unwrap_or_default().as_bytes()),
+        ),
+        ("the model's config.json", digest(&model_config)),
+        (
+            "the prompts' token ids (tokenizer, template, dataset)",
+            digest(
+                &prompt_ids
+                    .iter()
+                    .flat_map(|t| t.to_le_bytes())
+                    .collect::<Vec<_>>(),
+            ),
+        ),
+    ];
+    let fingerprint: String = fields
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join("\n");
     let named = made
         .as_ref()
         .map_or(String::new(), |(id, _)| format!("{id}\n{fingerprint}"));
@@ -442,9 +474,14 @@ pub fn run_ranked(
         .split_once('\n')
         .ok_or_else(|| format!("rank {rank}: rank 0 sent no run name"))?;
     if theirs != fingerprint {
+        let differs = fields
+            .iter()
+            .zip(theirs.lines())
+            .find(|((k, v), line)| *line != format!("{k}={v}"))
+            .map_or("the run's settings", |((k, _), _)| *k);
         return Err(format!(
-            "rank {rank}: this rank's config or request count differs from rank 0's (every \
-             rank must run the same YAML and --num-requests)"
+            "rank {rank}: {differs} differs from rank 0's; every rank must run the same YAML, \
+             options, checkpoint and prompts"
         )
         .into());
     }

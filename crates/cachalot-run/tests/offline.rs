@@ -766,3 +766,28 @@ fn a_jinja_chat_template_file_gets_the_special_tokens() {
         .unwrap();
     assert_eq!(r.outputs[0].prompt[0], bos);
 }
+
+/// Data-parallel ranks that loaded different checkpoints (paths may differ between hosts, so
+/// the path is not compared) are stopped, naming what differs, instead of mixing two models'
+/// outputs in one run.
+#[test]
+fn ranks_with_different_checkpoints_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let res = tmp.path().to_path_buf();
+    let data = root().join("dataset");
+    let results = run_group(2, move |comm| {
+        let mut cfg = config(2, 4096, &data);
+        cfg.data_config.num_requests = Some(2);
+        if comm.rank() == 1 {
+            cfg.model_config.model_path =
+                root().join("fixtures/v3/kimi_tiny").display().to_string();
+        }
+        cachalot_run::offline::run_ranked(&cfg, &opts(&res, None), comm).map_err(|e| e.to_string())
+    });
+    let e = results[1].as_ref().map(|_| ()).unwrap_err();
+    assert!(e.contains("config.json differs"), "{e}");
+    assert!(
+        results[0].is_err(),
+        "rank 0 finished a run with a missing rank"
+    );
+}
