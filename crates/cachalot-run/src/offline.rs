@@ -289,6 +289,47 @@ fn new_run_dir(res: &Path, model_name: &str, config: &Path) -> std::io::Result<(
     unreachable!()
 }
 
+/// One line of `requests.jsonl`: the request's prompt, output, ids, timings, and the tool
+/// calls its answer holds (or why they do not parse).
+fn request_line(
+    o: &RequestOutput,
+    prepared: &[dataset::Prepared],
+    prompts: &[String],
+    tool_format: Option<ToolCallFormat>,
+) -> Result<serde_json::Value, Error> {
+    let p = &prepared[o.id as usize];
+    let mut v = serde_json::json!({
+        "id": o.id,
+        "prompt": prompts[o.id as usize],
+        "prompt_text": p.text,
+        "prompt_ids": o.prompt,
+        "prompt_truncated_tokens": p.truncated,
+        "output": o.text,
+        "output_ids": o.tokens,
+        "valid_output_tokens": o.valid_tokens,
+        "finish_reason": o.finish.as_str(),
+        "timing": o.timing,
+    });
+    // Tool calls the model wrote (only when it wrote a tool-call section).
+    if let (Some(f), Some(obj)) = (tool_format, v.as_object_mut()) {
+        let answer = ReasoningSplitter::split(&p.text, &o.text).1;
+        if f.mentions_tool_calls(&answer) {
+            match f.parse(&answer) {
+                Ok(parsed) => {
+                    obj.insert(
+                        "tool_calls".into(),
+                        serde_json::to_value(parsed.tool_calls)?,
+                    );
+                }
+                Err(e) => {
+                    obj.insert("tool_call_error".into(), e.to_string().into());
+                }
+            }
+        }
+    }
+    Ok(v)
+}
+
 /// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     run_ranked(cfg, opts, Arc::new(SingleProcess))
@@ -856,7 +897,33 @@ pub fn run_ranked(
             prompt_tokens,
             cache_bytes,
         };
-        let parts = comm.all_gather(&serde_json::to_vec(&report)?)?;
+        let parts = match comm.all_gather(&serde_json::to_vec(&report)?) {
+            Ok(p) => p,
+            Err(e) => {
+                // Another rank failed: keep what this rank finished (never lose work).
+                let file = dir.join(format!("requests.rank{rank}.partial.jsonl"));
+                let tool_format =
+                    ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
+                let mut text = String::new();
+                for o in &report.outputs {
+                    text.push_str(&request_line(o, &prepared, &prompts, tool_format)?.to_string());
+                    text.push('\n');
+                }
+                std::fs::write(&file, text)?;
+                logln!(
+                    "gathering failed ({e}); this rank's {} finished requests are in {}",
+                    report.outputs.len(),
+                    file.display()
+                );
+                return Err(format!(
+                    "{e}; the run is incomplete: rank {rank}'s {} finished requests are saved in \
+                     {}",
+                    report.outputs.len(),
+                    file.display()
+                )
+                .into());
+            }
+        };
         if rank == 0 {
             let reports = parts
                 .iter()
@@ -992,36 +1059,7 @@ pub fn run_ranked(
     let mut req_file = std::io::BufWriter::new(std::fs::File::create(dir.join("requests.jsonl"))?);
     let tool_format = ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
     for o in &outputs {
-        let p = &prepared[o.id as usize];
-        let mut v = serde_json::json!({
-            "id": o.id,
-            "prompt": prompts[o.id as usize],
-            "prompt_text": p.text,
-            "prompt_ids": o.prompt,
-            "prompt_truncated_tokens": p.truncated,
-            "output": o.text,
-            "output_ids": o.tokens,
-            "valid_output_tokens": o.valid_tokens,
-            "finish_reason": o.finish.as_str(),
-            "timing": o.timing,
-        });
-        // Tool calls the model wrote (only when it wrote a tool-call section).
-        if let (Some(f), Some(obj)) = (tool_format, v.as_object_mut()) {
-            let answer = ReasoningSplitter::split(&p.text, &o.text).1;
-            if f.mentions_tool_calls(&answer) {
-                match f.parse(&answer) {
-                    Ok(parsed) => {
-                        obj.insert(
-                            "tool_calls".into(),
-                            serde_json::to_value(parsed.tool_calls)?,
-                        );
-                    }
-                    Err(e) => {
-                        obj.insert("tool_call_error".into(), e.to_string().into());
-                    }
-                }
-            }
-        }
+        let v = request_line(o, &prepared, &prompts, tool_format)?;
         writeln!(req_file, "{v}")?;
     }
     req_file.flush()?;

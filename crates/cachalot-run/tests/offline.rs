@@ -791,3 +791,58 @@ fn ranks_with_different_checkpoints_are_refused() {
         "rank 0 finished a run with a missing rank"
     );
 }
+
+/// A data-parallel rank whose peer died keeps its finished requests: they are written to
+/// `requests.rank{r}.partial.jsonl` and the error says where (never lost work).
+#[test]
+fn a_rank_keeps_its_finished_requests_when_gathering_fails() {
+    use cachalot_engine::comm::{CommError, CommResult, Communicator};
+    /// Rank 0 of two whose peer answers every collective like rank 0 until the end-of-run
+    /// gather of reports, where it is gone.
+    struct PeerDiesAtTheEnd;
+    impl Communicator for PeerDiesAtTheEnd {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            2
+        }
+        fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
+            if mine.starts_with(b"{\"outputs\"") {
+                return Err(CommError("rank 1 closed the connection".into()));
+            }
+            Ok(vec![mine.to_vec(), mine.to_vec()])
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(2, 4096, &root().join("dataset"));
+    cfg.data_config.num_requests = Some(4);
+    let e = match cachalot_run::offline::run_ranked(
+        &cfg,
+        &opts(tmp.path(), None),
+        Arc::new(PeerDiesAtTheEnd),
+    ) {
+        Ok(_) => panic!("the run succeeded without its peer"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("rank 1 closed the connection") && e.contains("partial"),
+        "{e}"
+    );
+    let run_dir = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let saved = std::fs::read_to_string(run_dir.join("requests.rank0.partial.jsonl")).unwrap();
+    let ids: Vec<u64> = saved
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["id"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(ids, [0, 2], "rank 0 serves requests 0 and 2");
+}
