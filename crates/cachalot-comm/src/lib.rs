@@ -206,6 +206,32 @@ impl TcpComm {
                 .flat_map(|v| v.to_le_bytes())
                 .collect::<Vec<u8>>();
             send(&mut peer, &hello)?;
+            // Rank 0 answers the greeting: a program at --master that accepts connections but
+            // is not rank 0 (another service, a hung process) is named instead of waited on
+            // forever.
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_secs(1));
+            let not_rank0 = |why: String| {
+                CommError(format!(
+                    "rank {}: {} accepted the connection but did not answer as cachalot rank 0 \
+                     within {left:?} ({why}); check --master (or rank 0's log: it may have \
+                     refused this rank)",
+                    rv.rank, rv.master
+                ))
+            };
+            let stream = peer.reader.get_ref();
+            stream
+                .set_read_timeout(Some(left))
+                .map_err(|e| not_rank0(e.to_string()))?;
+            let ack = recv(&mut peer).map_err(|e| not_rank0(e.0))?;
+            if ack != ack_bytes(rv.rank) {
+                return Err(not_rank0(format!("it sent {} other bytes", ack.len())));
+            }
+            peer.reader
+                .get_ref()
+                .set_read_timeout(None)
+                .map_err(|e| not_rank0(e.to_string()))?;
             Ok(TcpComm {
                 rank: rv.rank,
                 world_size: rv.world_size,
@@ -266,6 +292,8 @@ impl TcpComm {
                         )));
                     }
                     p.rank = r;
+                    // The answer the rank waits for (see `connect`).
+                    send(&mut p, &ack_bytes(r))?;
                     slots[r] = Some(p);
                     joined += 1;
                 }
@@ -292,6 +320,14 @@ impl TcpComm {
             peers: Mutex::new(slots.into_iter().flatten().collect()),
         })
     }
+}
+
+/// Rank 0's answer to rank `r`'s greeting.
+fn ack_bytes(r: usize) -> Vec<u8> {
+    [HELLO, r as u64]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect()
 }
 
 /// Reads a rank's greeting (within `timeout`): its socket, rank and world size; None when the
@@ -627,6 +663,30 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("ranks [1] did not connect"), "{e}");
+        // Something else listens at --master, accepts and says nothing: named, not waited on.
+        let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = silent.local_addr().unwrap().to_string();
+        // (Holds the connection far longer than the rendezvous; left running when the test ends.)
+        std::thread::spawn(move || {
+            let c = silent.accept();
+            std::thread::sleep(Duration::from_secs(60));
+            drop(c);
+        });
+        let t0 = Instant::now();
+        let e = TcpComm::connect(&TcpRendezvous {
+            rank: 1,
+            world_size: 2,
+            master: at,
+            timeout: Duration::from_millis(1500),
+        })
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("did not answer as cachalot rank 0"), "{e}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "waited on the silent peer, not the rendezvous"
+        );
     }
 
     #[test]
