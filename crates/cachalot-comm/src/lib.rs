@@ -179,16 +179,18 @@ impl TcpComm {
                     })?
                     .collect();
                 let left = deadline.saturating_duration_since(Instant::now());
-                let tried = addrs
-                    .iter()
-                    .map(|a| TcpStream::connect_timeout(a, left.max(Duration::from_millis(10))))
-                    .find(|r| r.is_ok())
-                    .unwrap_or_else(|| {
-                        Err(std::io::Error::new(
-                            std::io::ErrorKind::NotFound,
-                            "no address to connect to",
-                        ))
-                    });
+                // The first address that connects, else the last address's error (connection
+                // refused, unreachable, ...).
+                let mut tried = Err(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "the name resolves to no address",
+                ));
+                for a in &addrs {
+                    tried = TcpStream::connect_timeout(a, left.max(Duration::from_millis(10)));
+                    if tried.is_ok() {
+                        break;
+                    }
+                }
                 match tried {
                     Ok(s) => break s,
                     Err(e) if Instant::now() >= deadline => {
