@@ -412,23 +412,8 @@ impl DeepseekV3Config {
         if self.max_position_embeddings == 0 {
             return Err(err("max_position_embeddings", "must be at least 1".into()));
         }
-        for (name, id) in self
-            .bos_token_id
-            .iter()
-            .map(|&b| ("bos_token_id", b))
-            .chain(self.eos_token_ids.iter().map(|&e| ("eos_token_id", e)))
-        {
-            if id as usize >= self.vocab_size {
-                return Err(err(
-                    name,
-                    format!(
-                        "{id} is outside the vocabulary (vocab_size {}); generation could never \
-                         stop on it",
-                        self.vocab_size
-                    ),
-                ));
-            }
-        }
+        special_ids_in_vocab(self.bos_token_id, &self.eos_token_ids, self.vocab_size)
+            .map_err(|(field, message)| err(field, message))?;
         // Float fields that would turn every activation into NaN or ±∞ rather than fail.
         let finite = |name: &str, v: f64, ok: bool, what: &str| {
             if v.is_finite() && ok {
@@ -885,6 +870,31 @@ fn check_int8_groups(q: &Fields) -> Result<()> {
                     &format!("\"{}\"", strategies.join("\" or \"")),
                 ));
             }
+        }
+    }
+    Ok(())
+}
+
+/// `bos_token_id` and every `eos_token_id` name a token of the vocabulary (an EOS outside it
+/// could never stop generation): else the field and why (V3 and V4 configs).
+pub(crate) fn special_ids_in_vocab(
+    bos: Option<u32>,
+    eos: &[u32],
+    vocab_size: usize,
+) -> std::result::Result<(), (&'static str, String)> {
+    for (name, id) in bos
+        .iter()
+        .map(|&b| ("bos_token_id", b))
+        .chain(eos.iter().map(|&e| ("eos_token_id", e)))
+    {
+        if id as usize >= vocab_size {
+            return Err((
+                name,
+                format!(
+                    "{id} is outside the vocabulary (vocab_size {vocab_size}); generation could \
+                     never stop on it"
+                ),
+            ));
         }
     }
     Ok(())

@@ -365,23 +365,12 @@ impl DeepseekV4Config {
     }
 
     fn validate(&self, f: &Fields) -> Result<()> {
-        for (name, id) in self
-            .bos_token_id
-            .iter()
-            .map(|&b| ("bos_token_id", b))
-            .chain(self.eos_token_ids.iter().map(|&e| ("eos_token_id", e)))
-        {
-            if id as usize >= self.vocab_size {
-                return Err(f.err(
-                    name,
-                    format!(
-                        "{id} is outside the vocabulary (vocab_size {}); generation could never \
-                         stop on it",
-                        self.vocab_size
-                    ),
-                ));
-            }
-        }
+        crate::config::special_ids_in_vocab(
+            self.bos_token_id,
+            &self.eos_token_ids,
+            self.vocab_size,
+        )
+        .map_err(|(field, message)| f.err(field, message))?;
         // V4's attention has one shared key/value head (MQA, spec §2); the tensors are shaped
         // for one.
         if let Some(kv) = f.usize_opt("num_key_value_heads")? {
