@@ -71,6 +71,13 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
         force: args.force,
         progress: true,
     };
+    if opts.quant_param_path.is_some() && matches!(mode, QuantMode::W4A8Mx | QuantMode::W4A8MxHif) {
+        eprintln!(
+            "note: --quant-param-path: clip factors clamp the INT8/INT4 layers; {} has none, so \
+             they are not used",
+            mode.name()
+        );
+    }
     check_input_loads(&args.input)?;
     let r = convert(&opts)?;
     let mut kinds = format!(
