@@ -862,7 +862,7 @@ impl<'t, M: Model> Engine<'t, M> {
         // What the stream still holds is output (a tail that could have started a stop string,
         // or an unfinished character) unless a stop string ended the text. After an EOS the
         // stream got no more tokens, so this is the text up to the EOS.
-        if !matches!(finish, FinishReason::StopString(_)) && !live.stopped_by_string {
+        if !live.stopped_by_string {
             if let Some(stream) = live.stream.as_mut() {
                 if let Ok((piece, _)) = stream.finish() {
                     live.text.push_str(&piece);

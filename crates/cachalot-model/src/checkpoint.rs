@@ -71,6 +71,22 @@ impl TensorView {
         })
     }
 
+    /// The values as i64 (small integer tensors: tables, shapes), from I64 or I32.
+    pub fn to_i64_vec(&self) -> Result<Vec<i64>> {
+        let b = self.bytes.as_slice();
+        Ok(match self.dtype {
+            Dtype::I64 => b
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+            Dtype::I32 => b
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64)
+                .collect(),
+            other => return Err(self.error(format!("has dtype {other:?}; expected I64 or I32"))),
+        })
+    }
+
     /// [`TensorView::to_f32_vec`] for a tensor whose values must all be finite (norm weights,
     /// biases, routers): a NaN or ±∞ there would spread to every activation, so it is named here.
     pub fn to_finite_f32_vec(&self) -> Result<Vec<f32>> {

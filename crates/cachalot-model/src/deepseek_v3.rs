@@ -313,18 +313,7 @@ impl Loader<'_> {
             let s = self
                 .ckpt
                 .take(&shape_name, "the [out, in] shape of the int4 weight")?;
-            let b = s.bytes.as_slice();
-            let dims: Vec<i64> = match s.dtype {
-                Dtype::I32 => b
-                    .chunks_exact(4)
-                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
-                    .collect(),
-                Dtype::I64 => b
-                    .chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-                    .collect(),
-                other => return Err(s.error(format!("has dtype {other:?}; expected I32 or I64"))),
-            };
+            let dims = s.to_i64_vec()?;
             if dims != [rows as i64, cols as i64] {
                 return Err(s.error(format!("is {dims:?}; the config implies [{rows}, {cols}]")));
             }

@@ -536,18 +536,7 @@ impl Loader<'_> {
                 &format!("an I64 [{}, {kk}] token → expert table", cfg.vocab_size),
             )?;
             t.expect_shape(&[cfg.vocab_size, kk])?;
-            let b = t.bytes.as_slice();
-            let ids: Vec<i64> = match t.dtype {
-                Dtype::I64 => b
-                    .chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                    .collect(),
-                Dtype::I32 => b
-                    .chunks_exact(4)
-                    .map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64)
-                    .collect(),
-                other => return Err(t.error(format!("has dtype {other:?}; expected I64 or I32"))),
-            };
+            let ids = t.to_i64_vec()?;
             if let Some((i, bad)) = ids
                 .iter()
                 .enumerate()

@@ -667,26 +667,19 @@ fn check_before_writing(cfg: &Value, what: &str, shard: ExpertShard) -> Result<(
 const W4A16: &str = "w4a16";
 
 /// The group size of a `pack-quantized` (int4) `quantization_config` in `cfg` (the columns of
-/// a row for the `channel` strategy), None for any other quantization. `cfg` has passed the
-/// model's own config validation, which rejects the int4 configs the loader cannot run.
+/// a row for the `channel` strategy), None for any other quantization or a config the model's
+/// own parser refuses (which names the problem before any weight is written).
 fn packed_int4_group(cfg: &Value) -> Option<usize> {
-    let q = cfg.get("quantization_config")?;
-    if q.get("format").and_then(Value::as_str) != Some("pack-quantized") {
-        return None;
-    }
-    let w = q
-        .get("config_groups")?
-        .as_object()?
-        .values()
-        .next()?
-        .get("weights")?;
-    match w.get("strategy").and_then(Value::as_str) {
-        Some("group") => w
-            .get("group_size")
-            .and_then(Value::as_u64)
-            .map(|g| g as usize),
+    use cachalot_model::config::QuantizationConfig;
+    let c =
+        cachalot_model::DeepseekV3Config::from_json_str(&cfg.to_string(), Path::new("config.json"))
+            .ok()?;
+    match c.quantization {
         // One scale per row: a group as wide as the widest row.
-        _ => Some(usize::MAX / 2),
+        Some(QuantizationConfig::PackedInt4 { group_size, .. }) => {
+            Some(group_size.unwrap_or(usize::MAX / 2))
+        }
+        _ => None,
     }
 }
 
