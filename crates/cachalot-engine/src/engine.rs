@@ -525,6 +525,7 @@ impl<'t, M: Model> Engine<'t, M> {
 
     /// Runs one step. A step with nothing to do (no request) returns an empty report.
     pub fn step(&mut self) -> Result<StepReport, EngineError> {
+        let _profile = cachalot_model::profile::Timer::start(cachalot_model::profile::Phase::Step);
         // The step's many short parallel regions find the other workers awake.
         let _warm = cachalot_kernels::KeepWarm::new();
         let plan = self.scheduler.schedule();

@@ -31,6 +31,7 @@ use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config::{DeepseekV3Config, QuantizationConfig, LATENT_NORM_EPS};
 use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
+use crate::profile::{Phase, Timer};
 use crate::rope::Rope;
 
 /// How FP8 block-scaled weights are held in memory.
@@ -705,10 +706,12 @@ impl DeepseekV3 {
         let t_count = batch.num_tokens();
         let h = cfg.hidden_size;
         let mut hidden = vec![0.0f32; t_count * h];
+        let embed = Timer::start(Phase::Embed);
         for (t, &tok) in batch.tokens.iter().enumerate() {
             self.embed
                 .row_to_f32(tok as usize, &mut hidden[t * h..(t + 1) * h]);
         }
+        drop(embed);
         let rope = RopeTable::new(&self.rope, &batch.positions, cfg.qk_rope_head_dim / 2);
         let block_size = cache.block_size();
         for (li, layer) in self.layers.iter().enumerate() {
@@ -806,6 +809,7 @@ impl DeepseekV3 {
         batch: &Batch,
         want_hidden: bool,
     ) -> ForwardOutput {
+        let _t = Timer::start(Phase::Head);
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let mut normed = vec![0.0f32; hidden.len()];
@@ -845,8 +849,14 @@ impl DeepseekV3 {
         }
         k::rms_norm_rows(hidden, h, &layer.post_norm, cfg.rms_norm_eps, &mut x);
         let ffn = match &layer.ffn {
-            Ffn::Dense(m) => mlp_forward(m, &x, t_count),
-            Ffn::Moe(m) => self.moe_forward(m, &x, t_count, batch.is_decode())?,
+            Ffn::Dense(m) => {
+                let _t = Timer::start(Phase::Dense);
+                mlp_forward(m, &x, t_count)
+            }
+            Ffn::Moe(m) => {
+                let _t = Timer::start(Phase::Moe);
+                self.moe_forward(m, &x, t_count, batch.is_decode())?
+            }
         };
         for (a, b) in hidden.iter_mut().zip(&ffn) {
             *a += b;
@@ -875,6 +885,7 @@ impl DeepseekV3 {
             ..
         } = MlaDims::of(cfg);
         let width = kvr + rd;
+        let proj = Timer::start(Phase::AttnProj);
 
         // Queries: [T, N, nope + rope].
         // The products of x (q_a_proj or q_proj, kv_a_proj_with_mqa) in one parallel region.
@@ -913,6 +924,8 @@ impl DeepseekV3 {
             k::rms_norm_rows(&cq, r, norm, LATENT_NORM_EPS, &mut cqn);
             b.matmul(&cqn, t_count, &mut q);
         }
+        drop(proj);
+        let latents_t = Timer::start(Phase::AttnLatents);
         // Latents: normalised c_kv and roped k^R, written to the cache before attending.
         let mut c = vec![0.0f32; kvr];
         for i in 0..t_count {
@@ -952,6 +965,8 @@ impl DeepseekV3 {
             }
         }
         let (cache_i8, cache_f32): (&[i8], &[f32]) = (cache_i8, cache_f32);
+        drop(latents_t);
+        let core = Timer::start(Phase::AttnCore);
 
         let mut o = vec![0.0f32; t_count * n * vd];
         let num_seqs = batch.num_seqs();
@@ -1039,7 +1054,10 @@ impl DeepseekV3 {
                 }
             })
             .collect();
+        // (`attend_absorbed` times its own three parts.)
+        drop(core);
         let absorbed_out = (!absorbed.is_empty()).then(|| self.attend_absorbed(mla, &q, &absorbed));
+        let core = Timer::start(Phase::AttnCore);
 
         // Naive sequences (long prefill chunks): one by one, or whole sequences to the pool.
         let naive: Vec<usize> = (0..num_seqs)
@@ -1086,6 +1104,8 @@ impl DeepseekV3 {
                 }
             }
         }
+        drop(core);
+        let _t = Timer::start(Phase::AttnOut);
         let mut out = vec![0.0f32; t_count * cfg.hidden_size];
         mla.o.matmul(&o, t_count, &mut out);
         out
@@ -1194,6 +1214,7 @@ impl DeepseekV3 {
         let tokens: Vec<usize> = seqs.iter().flat_map(|s| s.tokens.clone()).collect();
         let tq = tokens.len();
         let width = kvr + (qk - nope);
+        let uk = Timer::start(Phase::AttnAbsorb);
         // 1. [q~ | q^R] per (token, head): [tq, n, width], q~ = W_UK,h^T q^C by head.
         let absorbed: Vec<Vec<f32>> = (0..n)
             .into_par_iter()
@@ -1212,6 +1233,8 @@ impl DeepseekV3 {
                 qt
             })
             .collect();
+        drop(uk);
+        let core = Timer::start(Phase::AttnCore);
         let mut qc = vec![0.0f32; tq * n * width];
         for (t, &i) in tokens.iter().enumerate() {
             for (hd, qt) in absorbed.iter().enumerate() {
@@ -1303,6 +1326,8 @@ impl DeepseekV3 {
             }
             first = end;
         }
+        drop(core);
+        let _t = Timer::start(Phase::AttnUv);
         // 3. o_h = W_UV,h ō: [tq, vd] per head.
         (0..n)
             .into_par_iter()

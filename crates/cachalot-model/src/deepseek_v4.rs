@@ -42,6 +42,7 @@ use crate::deepseek_v3::ForwardOutput;
 use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
 use crate::expert_parallel::ExpertShard;
+use crate::profile::{Phase, Timer};
 use crate::v4_ops::{self as ops, V4Rope};
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -927,6 +928,7 @@ impl DeepseekV4 {
         batch: &Batch,
         want_hidden: bool,
     ) -> ForwardOutput {
+        let _t = Timer::start(Phase::Head);
         let cfg = &self.cfg;
         let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
         let n_out = batch.logits_indices.len();
@@ -999,7 +1001,10 @@ impl DeepseekV4 {
         let mut xn = vec![0.0f32; t_count * h];
         let (u, post, comb) = self.hc_pre(&b.hc_attn, x, t_count);
         k::rms_norm_rows(&u, h, &b.attn_norm, cfg.rms_norm_eps, &mut xn);
-        let a = self.attention(&b.attn, &xn, batch, ropes, cache.layer_mut(li), bs);
+        let a = {
+            let _t = Timer::start(Phase::Attention);
+            self.attention(&b.attn, &xn, batch, ropes, cache.layer_mut(li), bs)
+        };
         for t in 0..t_count {
             ops::hc_expand(
                 &a[t * h..(t + 1) * h],
@@ -1010,7 +1015,10 @@ impl DeepseekV4 {
         }
         let (u, post, comb) = self.hc_pre(&b.hc_ffn, x, t_count);
         k::rms_norm_rows(&u, h, &b.ffn_norm, cfg.rms_norm_eps, &mut xn);
-        let f = self.moe(&b.ffn, &xn, &batch.tokens, batch.is_decode())?;
+        let f = {
+            let _t = Timer::start(Phase::Moe);
+            self.moe(&b.ffn, &xn, &batch.tokens, batch.is_decode())?
+        };
         for t in 0..t_count {
             ops::hc_expand(
                 &f[t * h..(t + 1) * h],

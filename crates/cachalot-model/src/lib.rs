@@ -14,6 +14,7 @@ pub mod eplb;
 pub mod error;
 pub mod eval;
 pub mod expert_parallel;
+pub mod profile;
 pub mod rope;
 pub mod tokenizer;
 pub mod v4_ops;

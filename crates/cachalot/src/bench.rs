@@ -28,6 +28,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
 use cachalot_model::eval::{CausalLm, BLOCK_SIZE};
+use cachalot_model::profile::{self, Phase, Timer};
 use cachalot_model::tokenizer::Tokenizer;
 use cachalot_model::{detect_family, DeepseekV3, ModelFamily};
 use serde_json::json;
@@ -94,6 +95,11 @@ pub struct BenchArgs {
     /// acceptance needs real text).
     #[arg(long)]
     prompt_file: Option<PathBuf>,
+    /// Time the phases of the decode steps (attention's parts, dense MLP, MoE, head) and
+    /// report them per phase as `decode_profile` (batch 1) and `batch_decode_profile`
+    /// (DeepSeek-V3/R1/Kimi-K2 models).
+    #[arg(long)]
+    profile: bool,
 }
 
 /// The options' ranges, named before anything is loaded or allocated.
@@ -345,7 +351,9 @@ fn time_decode(
     let mut steps = Vec::with_capacity(gen_len);
     for i in 0..gen_len {
         let t = Instant::now();
+        let step = Timer::start(Phase::Step);
         next = decode_step(m, s, &next, pos + i)?;
+        drop(step);
         steps.push(t.elapsed().as_secs_f64());
     }
     let total: f64 = steps.iter().sum();
@@ -384,7 +392,11 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let t = Instant::now();
     let first = prefill(&m, &mut s, 0, &prompt)?;
     let ttft_s = t.elapsed().as_secs_f64();
+    profile::reset();
+    profile::set_enabled(args.profile);
     let d1 = time_decode(&m, &mut s, vec![first], p_len, g_len)?;
+    profile::set_enabled(false);
+    let profile_b1 = profile::snapshot();
     let kv_bytes_b1 = s.cache.bytes();
     drop(s);
 
@@ -400,10 +412,15 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
                 &random_prompt(p_len, v, i as u64 + 1),
             )?);
         }
-        Some(time_decode(&m, &mut s, next, p_len, g_len)?)
+        profile::reset();
+        profile::set_enabled(args.profile);
+        let d = time_decode(&m, &mut s, next, p_len, g_len);
+        profile::set_enabled(false);
+        Some(d?)
     } else {
         None
     };
+    let profile_bn = profile::snapshot();
     let peak_rss = peak_rss_bytes();
 
     let bytes_b1 = m.decode_bytes_per_token();
@@ -449,6 +466,12 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "membw_passes": bw.passes,
         "membw_mib": bw.mib,
     });
+    if let (true, Some(o)) = (args.profile, out.as_object_mut()) {
+        o.insert("decode_profile".into(), json!(profile_b1));
+        if n > 1 {
+            o.insert("batch_decode_profile".into(), json!(profile_bn));
+        }
+    }
     if let (Some(d), Some(o)) = (dn, out.as_object_mut()) {
         o.insert("batch".into(), json!(n));
         o.insert("batch_decode_tok_s".into(), json!(d.tok_s));
@@ -511,6 +534,29 @@ fn print_text(r: &serde_json::Value) {
         r["membw_passes"],
         r["membw_mib"]
     );
+    for (key, title) in [
+        ("decode_profile", "decode batch 1"),
+        ("batch_decode_profile", "decode batch N"),
+    ] {
+        let totals: Option<Vec<profile::PhaseTotal>> = r.get(key).and_then(|v| {
+            v.as_array()?
+                .iter()
+                .map(|t| {
+                    Some(profile::PhaseTotal {
+                        phase: profile::Phase::ALL
+                            .iter()
+                            .map(|p| p.name())
+                            .find(|n| Some(*n) == t["phase"].as_str())?,
+                        seconds: t["seconds"].as_f64()?,
+                        calls: t["calls"].as_u64()?,
+                    })
+                })
+                .collect()
+        });
+        if let Some(totals) = totals {
+            print!("{title}, by phase:\n{}", profile::table(&totals));
+        }
+    }
 }
 
 /// Prefill `prompt` then greedy-decode `decode_len` tokens: (prefill seconds, per-step decode

@@ -84,6 +84,11 @@ pub struct RunArgs {
     /// where the CPU has it), as llama.cpp does (recorded as bf16_dot in summary.json).
     #[arg(long)]
     bf16_dot: bool,
+    /// Time the phases of every step (attention's parts, dense MLP, MoE, head, the engine's
+    /// own work): a table on stderr and profile.json beside summary.json (this process's
+    /// steps: rank 0's in a run over several ranks).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -298,7 +303,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         ),
         _ => Arc::new(SingleProcess),
     };
+    cachalot_model::profile::set_enabled(args.profile);
     let result = offline::run_ranked(&cfg, &opts, comm.clone());
+    cachalot_model::profile::set_enabled(false);
     drop(comm);
     let bad = end_ranks(children, result.is_err());
     let result = result.map_err(|e| anyhow!("{e}"))?;
@@ -310,6 +317,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     if args.rank.is_some_and(|r| r != 0) {
         return Ok(());
+    }
+    if args.profile {
+        let totals = cachalot_model::profile::snapshot();
+        let path = result.dir.join("profile.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&totals)? + "\n")
+            .map_err(|e| anyhow!("writing {}: {e}", path.display()))?;
+        eprint!("{}", cachalot_model::profile::table(&totals));
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result.summary)?);

@@ -413,6 +413,103 @@ fn v4_model_directories_run_generate_and_perplexity() {
     assert_eq!(ids(&out["output_ids"]).len(), 6);
 }
 
+/// `run --profile` writes every phase of the V3 forward it ran to profile.json, nested within
+/// the steps' time, and prints the table; `bench --profile` reports the decode steps' phases.
+#[test]
+fn run_and_bench_profile_the_phases_of_their_steps() {
+    let tmp = tempfile::tempdir().unwrap();
+    let res = tmp.path().display().to_string();
+    let args = [
+        "run",
+        "--config",
+        "configs/tiny/r1_tiny.yaml",
+        "--num-requests",
+        "4",
+        "--res-dir",
+        &res,
+        "--json",
+        "--quiet",
+        "--profile",
+    ];
+    let in_root = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args(args)
+            .current_dir(root())
+            .output()
+            .unwrap()
+    };
+    let out = in_root(&args);
+    let table = String::from_utf8_lossy(&out.stderr).to_string();
+    let summary = json(&ok(out));
+    let dir = PathBuf::from(&res).join(summary["run_id"].as_str().unwrap());
+    let prof = json(&std::fs::read_to_string(dir.join("profile.json")).unwrap());
+    let secs = |name: &str| -> f64 {
+        prof.as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["phase"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {prof}"))["seconds"]
+            .as_f64()
+            .unwrap()
+    };
+    let step = secs("step");
+    let inner: f64 = [
+        "embed",
+        "attn_proj",
+        "attn_latents",
+        "attn_absorb_uk",
+        "attn_core",
+        "attn_uv",
+        "attn_out",
+        "dense_mlp",
+        "moe",
+        "head",
+    ]
+    .iter()
+    .map(|p| secs(p))
+    .sum();
+    assert!(
+        inner > 0.0 && inner <= step,
+        "phases {inner} s within steps {step} s"
+    );
+    assert!(table.contains("(step, rest)"), "{table}");
+    // Without --profile nothing is written.
+    let mut plain: Vec<&str> = args.to_vec();
+    plain.pop();
+    let summary = json(&ok(in_root(&plain)));
+    let dir = PathBuf::from(&res).join(summary["run_id"].as_str().unwrap());
+    assert!(!dir.join("profile.json").exists());
+
+    let bench = json(&ok(cachalot(
+        &[
+            "bench",
+            "--model",
+            &r1_tiny(),
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "4",
+            "--batch",
+            "2",
+            "--membw-mib",
+            "8",
+            "--membw-passes",
+            "1",
+            "--profile",
+            "--json",
+        ],
+        None,
+    )));
+    for key in ["decode_profile", "batch_decode_profile"] {
+        let phases = bench[key]
+            .as_array()
+            .unwrap_or_else(|| panic!("{key}: {bench}"));
+        let step = phases.iter().find(|t| t["phase"] == "step").unwrap();
+        assert_eq!(step["calls"], 4, "{key}");
+        assert!(phases.iter().any(|t| t["phase"] == "moe"), "{key}");
+    }
+}
+
 /// `cachalot run --ranks 2` starts a second process, and rank 0's files hold every request with
 /// the one-process outputs.
 #[test]
