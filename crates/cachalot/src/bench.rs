@@ -97,7 +97,7 @@ pub struct BenchArgs {
     prompt_file: Option<PathBuf>,
     /// Time the phases of the decode steps (attention's parts, dense MLP, MoE, head) and
     /// report them per phase as `decode_profile` (batch 1) and `batch_decode_profile`
-    /// (DeepSeek-V3/R1/Kimi-K2 models).
+    /// (a DeepSeek-V4 model: `decode_profile`, its attention, MoE and head).
     #[arg(long)]
     profile: bool,
 }
@@ -185,7 +185,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         return bench_mtp(&args.model, args.prompt_file.as_deref(), &b);
     }
     if detect_family(&model_dir(&args.model)?)? == ModelFamily::DeepseekV4 {
-        return bench_v4(&args.model, args.prompt_len, args.gen_len);
+        return bench_v4(&args.model, args.prompt_len, args.gen_len, args.profile);
     }
     let report = bench(&args)?;
     drop(random);
@@ -577,13 +577,17 @@ fn time_prefill_decode<M: CausalLm>(
     let t = Instant::now();
     let logits = m.logits(&batch, &mut cache)?;
     let prefill_s = t.elapsed().as_secs_f64();
+    // A profile (`--profile`) holds the decode steps' phases only.
+    profile::reset();
     let mut next = cachalot_kernels::argmax(&logits) as u32;
     let mut step_times = Vec::with_capacity(decode_len);
     for i in 0..decode_len {
         let mut b = Batch::default();
         b.push_seq(&[next], prompt.len() + i, table.clone(), LogitsWanted::Last);
         let t = Instant::now();
+        let step = Timer::start(Phase::Step);
         let logits = m.logits(&b, &mut cache)?;
+        drop(step);
         step_times.push(t.elapsed().as_secs_f64());
         next = cachalot_kernels::argmax(&logits) as u32;
     }
@@ -591,16 +595,19 @@ fn time_prefill_decode<M: CausalLm>(
 }
 
 /// `bench` for a DeepSeek-V4 model directory: load, prefill and decode timings.
-fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()> {
+fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize, prof: bool) -> Result<()> {
     let dir = model_dir(args)?;
     let t0 = Instant::now();
     let m = load_v4(args, false)?;
     let load_s = t0.elapsed().as_secs_f64();
     check_positions(prompt_len, decode_len, m.config().max_position_embeddings)?;
     let prompt = random_prompt(prompt_len, m.config().vocab_size, 0);
-    let (prefill_s, step_times, kv_bytes) = time_prefill_decode(&m, &prompt, decode_len)?;
+    profile::set_enabled(prof);
+    let timed = time_prefill_decode(&m, &prompt, decode_len);
+    profile::set_enabled(false);
+    let (prefill_s, step_times, kv_bytes) = timed?;
     let decode_s: f64 = step_times.iter().sum();
-    let v = serde_json::json!({
+    let mut v = serde_json::json!({
         "model": dir.display().to_string(),
         "family": "deepseek_v4",
         "threads": rayon::current_num_threads(),
@@ -614,6 +621,12 @@ fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize) -> Result<()
         "decode_tok_s": if decode_len > 0 { decode_len as f64 / decode_s } else { 0.0 },
         "kv_cache_bytes": kv_bytes,
     });
+    if let (true, Some(o)) = (prof, v.as_object_mut()) {
+        o.insert(
+            "decode_profile".into(),
+            serde_json::json!(profile::snapshot()),
+        );
+    }
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
 }

@@ -508,6 +508,33 @@ fn run_and_bench_profile_the_phases_of_their_steps() {
         assert_eq!(step["calls"], 4, "{key}");
         assert!(phases.iter().any(|t| t["phase"] == "moe"), "{key}");
     }
+    // A DeepSeek-V4 directory: its attention, MoE and head, decode steps only.
+    let v4 = root().join("fixtures/v4/flash_tiny").display().to_string();
+    let bench = json(&ok(cachalot(
+        &[
+            "bench",
+            "--model",
+            &v4,
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "3",
+            "--profile",
+        ],
+        None,
+    )));
+    let phases = bench["decode_profile"].as_array().unwrap();
+    let calls = |name: &str| {
+        phases
+            .iter()
+            .find(|t| t["phase"] == name)
+            .unwrap_or_else(|| panic!("no {name}: {bench}"))["calls"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(calls("step"), 3);
+    assert_eq!(calls("head"), 3);
+    assert!(calls("attention_v4") >= 3 && calls("moe") >= 3);
 }
 
 /// `cachalot run --ranks 2` starts a second process, and rank 0's files hold every request with
