@@ -79,11 +79,9 @@ impl Phase {
         }
     }
 
+    /// Its slot in the totals: [`Phase::ALL`] lists the phases in declaration order.
     fn index(self) -> usize {
-        Phase::ALL
-            .iter()
-            .position(|&p| p == self)
-            .expect("every phase is in ALL")
+        self as usize
     }
 }
 
@@ -130,10 +128,10 @@ impl Drop for Timer {
     }
 }
 
-/// One phase's totals since the last [`reset`].
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+/// One phase's totals since the last [`reset`] (`calls`: how many times its timer ran).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PhaseTotal {
-    pub phase: &'static str,
+    pub phase: String,
     pub seconds: f64,
     pub calls: u64,
 }
@@ -143,12 +141,22 @@ pub fn snapshot() -> Vec<PhaseTotal> {
     Phase::ALL
         .iter()
         .map(|&p| PhaseTotal {
-            phase: p.name(),
+            phase: p.name().to_string(),
             seconds: NANOS[p.index()].load(Ordering::Relaxed) as f64 / 1e9,
             calls: CALLS[p.index()].load(Ordering::Relaxed),
         })
         .filter(|t| t.calls > 0)
         .collect()
+}
+
+/// Runs `f` with timing on (when `on`) from zeroed totals, and returns its result with the
+/// phases it timed.
+pub fn profiled<R>(on: bool, f: impl FnOnce() -> R) -> (R, Vec<PhaseTotal>) {
+    reset();
+    set_enabled(on);
+    let r = f();
+    set_enabled(false);
+    (r, snapshot())
 }
 
 /// A table of [`snapshot`]: seconds, calls, and each phase's share of the steps' time (of the
@@ -196,6 +204,7 @@ mod tests {
     // the same time may add to the totals too, so counts are checked as lower bounds.
     #[test]
     fn timers_count_only_when_enabled_and_reset_clears() {
+        assert!(Phase::ALL.iter().enumerate().all(|(i, p)| p.index() == i));
         set_enabled(false);
         reset();
         drop(Timer::start(Phase::Moe));

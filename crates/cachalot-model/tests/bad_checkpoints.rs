@@ -22,6 +22,20 @@ fn copy_v4() -> tempfile::TempDir {
     copy_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny"))
 }
 
+/// Removes tensor `name` from the shard that holds it.
+fn drop_tensor(dir: &Path, name: &str) {
+    let shard = shard_of(dir, name);
+    rewrite(dir, &shard, |t| t.retain(|(n, ..)| n != name));
+}
+
+/// Rewrites the directory's config.json through `edit`.
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let p = dir.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&p, cfg.to_string()).unwrap();
+}
+
 fn load_err(dir: &Path) -> String {
     match DeepseekV3::load(dir, LoadOptions::default()) {
         Ok(_) => panic!("loading a broken checkpoint succeeded"),
@@ -33,8 +47,7 @@ fn load_err(dir: &Path) -> String {
 fn missing_tensor_is_named() {
     let tmp = copy_fixture();
     let name = "model.layers.1.mlp.experts.3.up_proj.weight";
-    let shard = shard_of(tmp.path(), name);
-    rewrite(tmp.path(), &shard, |t| t.retain(|(n, ..)| n != name));
+    drop_tensor(tmp.path(), name);
     let e = load_err(tmp.path());
     assert!(e.contains(name) && e.contains("missing"), "{e}");
 }
@@ -43,8 +56,7 @@ fn missing_tensor_is_named() {
 fn missing_fp8_scale_is_named() {
     let tmp = copy_fixture();
     let name = "model.layers.0.self_attn.o_proj.weight_scale_inv";
-    let shard = shard_of(tmp.path(), name);
-    rewrite(tmp.path(), &shard, |t| t.retain(|(n, ..)| n != name));
+    drop_tensor(tmp.path(), name);
     let e = load_err(tmp.path());
     assert!(e.contains(name) && e.contains("block scales"), "{e}");
 }
@@ -175,10 +187,9 @@ fn bad_index_entries_are_reported() {
 #[test]
 fn config_mismatch_is_reported() {
     let tmp = copy_fixture();
-    let p = tmp.path().join("config.json");
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    cfg["hidden_size"] = Value::from(cfg["hidden_size"].as_u64().unwrap() + 8);
-    std::fs::write(&p, cfg.to_string()).unwrap();
+    edit_config(tmp.path(), |cfg| {
+        cfg["hidden_size"] = Value::from(cfg["hidden_size"].as_u64().unwrap() + 8);
+    });
     let e = load_err(tmp.path());
     assert!(e.contains("shape"), "{e}");
 }
@@ -188,8 +199,7 @@ fn missing_routing_bias_and_stray_scales_are_named() {
     // noaux_tc routes with e_score_correction_bias: without it the routing would change.
     let tmp = copy_fixture();
     let name = "model.layers.1.mlp.gate.e_score_correction_bias";
-    let shard = shard_of(tmp.path(), name);
-    rewrite(tmp.path(), &shard, |t| t.retain(|(n, ..)| n != name));
+    drop_tensor(tmp.path(), name);
     let e = load_err(tmp.path());
     assert!(e.contains(name) && e.contains("missing"), "{e}");
 
@@ -242,23 +252,21 @@ fn config_values_that_would_give_nan_are_refused() {
         ("max_position_embeddings", Value::from(0)),
     ] {
         let tmp = copy_fixture();
-        let p = tmp.path().join("config.json");
-        let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-        cfg[field] = value.clone();
-        std::fs::write(&p, cfg.to_string()).unwrap();
+        edit_config(tmp.path(), |cfg| {
+            cfg[field] = value.clone();
+        });
         let e = load_err(tmp.path());
         assert!(e.contains(field), "{field} = {value}: {e}");
     }
     // int-quantized with a scheme the loader does not run is named at the config field.
     let tmp = copy_fixture();
-    let p = tmp.path().join("config.json");
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    cfg["quantization_config"] = serde_json::json!({
-        "quant_method": "compressed-tensors", "format": "int-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"],
-            "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 96}}}
+    edit_config(tmp.path(), |cfg| {
+        cfg["quantization_config"] = serde_json::json!({
+            "quant_method": "compressed-tensors", "format": "int-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 96}}}
+        });
     });
-    std::fs::write(&p, cfg.to_string()).unwrap();
     let e = load_err(tmp.path());
     assert!(
         e.contains("quantization_config.config_groups.group_0.weights.num_bits"),
@@ -289,8 +297,7 @@ fn v4_missing_tensors_and_scales_are_named() {
         "layers.0.ffn.gate.tid2eid",
     ] {
         let tmp = copy_v4();
-        let shard = shard_of(tmp.path(), name);
-        rewrite(tmp.path(), &shard, |t| t.retain(|(n, ..)| n != name));
+        drop_tensor(tmp.path(), name);
         let e = load_err_v4(tmp.path());
         assert!(e.contains(name) && e.contains("missing"), "{name}: {e}");
     }
@@ -356,11 +363,10 @@ fn v4_bad_scales_dtypes_and_tables_are_named() {
 fn v4_config_mismatch_is_reported() {
     // One layer fewer in the config: layer 3's tensors are left over and reported by name.
     let tmp = copy_v4();
-    let p = tmp.path().join("config.json");
-    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    c["num_hidden_layers"] = Value::from(3);
-    c["compress_ratios"] = serde_json::json!([0, 0, 4, 0]);
-    std::fs::write(&p, c.to_string()).unwrap();
+    edit_config(tmp.path(), |c| {
+        c["num_hidden_layers"] = Value::from(3);
+        c["compress_ratios"] = serde_json::json!([0, 0, 4, 0]);
+    });
     let e = load_err_v4(tmp.path());
     assert!(
         e.contains("layers.3.") && e.contains("not part of the model"),
@@ -368,10 +374,9 @@ fn v4_config_mismatch_is_reported() {
     );
     // A compress ratio that disagrees with the tensors present.
     let tmp = copy_v4();
-    let p = tmp.path().join("config.json");
-    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    c["compress_ratios"][0] = Value::from(128);
-    std::fs::write(&p, c.to_string()).unwrap();
+    edit_config(tmp.path(), |c| {
+        c["compress_ratios"][0] = Value::from(128);
+    });
     let e = load_err_v4(tmp.path());
     assert!(
         e.contains("layers.0.attn.compressor") && e.contains("missing"),

@@ -392,11 +392,10 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let t = Instant::now();
     let first = prefill(&m, &mut s, 0, &prompt)?;
     let ttft_s = t.elapsed().as_secs_f64();
-    profile::reset();
-    profile::set_enabled(args.profile);
-    let d1 = time_decode(&m, &mut s, vec![first], p_len, g_len)?;
-    profile::set_enabled(false);
-    let profile_b1 = profile::snapshot();
+    let (d1, profile_b1) = profile::profiled(args.profile, || {
+        time_decode(&m, &mut s, vec![first], p_len, g_len)
+    });
+    let d1 = d1?;
     let kv_bytes_b1 = s.cache.bytes();
     drop(s);
 
@@ -412,15 +411,16 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
                 &random_prompt(p_len, v, i as u64 + 1),
             )?);
         }
-        profile::reset();
-        profile::set_enabled(args.profile);
-        let d = time_decode(&m, &mut s, next, p_len, g_len);
-        profile::set_enabled(false);
-        Some(d?)
+        Some(profile::profiled(args.profile, || {
+            time_decode(&m, &mut s, next, p_len, g_len)
+        }))
     } else {
         None
     };
-    let profile_bn = profile::snapshot();
+    let (dn, profile_bn) = match dn {
+        Some((d, p)) => (Some(d?), p),
+        None => (None, Vec::new()),
+    };
     let peak_rss = peak_rss_bytes();
 
     let bytes_b1 = m.decode_bytes_per_token();
@@ -538,21 +538,9 @@ fn print_text(r: &serde_json::Value) {
         ("decode_profile", "decode batch 1"),
         ("batch_decode_profile", "decode batch N"),
     ] {
-        let totals: Option<Vec<profile::PhaseTotal>> = r.get(key).and_then(|v| {
-            v.as_array()?
-                .iter()
-                .map(|t| {
-                    Some(profile::PhaseTotal {
-                        phase: profile::Phase::ALL
-                            .iter()
-                            .map(|p| p.name())
-                            .find(|n| Some(*n) == t["phase"].as_str())?,
-                        seconds: t["seconds"].as_f64()?,
-                        calls: t["calls"].as_u64()?,
-                    })
-                })
-                .collect()
-        });
+        let totals = r
+            .get(key)
+            .and_then(|v| serde_json::from_value::<Vec<profile::PhaseTotal>>(v.clone()).ok());
         if let Some(totals) = totals {
             print!("{title}, by phase:\n{}", profile::table(&totals));
         }
@@ -602,9 +590,8 @@ fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize, prof: bool) 
     let load_s = t0.elapsed().as_secs_f64();
     check_positions(prompt_len, decode_len, m.config().max_position_embeddings)?;
     let prompt = random_prompt(prompt_len, m.config().vocab_size, 0);
-    profile::set_enabled(prof);
-    let timed = time_prefill_decode(&m, &prompt, decode_len);
-    profile::set_enabled(false);
+    let (timed, decode_profile) =
+        profile::profiled(prof, || time_prefill_decode(&m, &prompt, decode_len));
     let (prefill_s, step_times, kv_bytes) = timed?;
     let decode_s: f64 = step_times.iter().sum();
     let mut v = serde_json::json!({
@@ -622,10 +609,7 @@ fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize, prof: bool) 
         "kv_cache_bytes": kv_bytes,
     });
     if let (true, Some(o)) = (prof, v.as_object_mut()) {
-        o.insert(
-            "decode_profile".into(),
-            serde_json::json!(profile::snapshot()),
-        );
+        o.insert("decode_profile".into(), serde_json::json!(decode_profile));
     }
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())

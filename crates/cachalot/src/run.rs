@@ -303,9 +303,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         ),
         _ => Arc::new(SingleProcess),
     };
-    cachalot_model::profile::set_enabled(args.profile);
-    let result = offline::run_ranked(&cfg, &opts, comm.clone());
-    cachalot_model::profile::set_enabled(false);
+    let (result, totals) = cachalot_model::profile::profiled(args.profile, || {
+        offline::run_ranked(&cfg, &opts, comm.clone())
+    });
     drop(comm);
     let bad = end_ranks(children, result.is_err());
     let result = result.map_err(|e| anyhow!("{e}"))?;
@@ -319,7 +319,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         return Ok(());
     }
     if args.profile {
-        let totals = cachalot_model::profile::snapshot();
         let path = result.dir.join("profile.json");
         std::fs::write(&path, serde_json::to_string_pretty(&totals)? + "\n")
             .map_err(|e| anyhow!("writing {}: {e}", path.display()))?;
