@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use cachalot_convert::{convert, ConvertOptions, QuantMode};
 use cachalot_model::eval;
 use cachalot_model::tokenizer::Tokenizer;
-use cachalot_model::{AttentionPath, DeepseekV3, LoadOptions};
+use cachalot_model::{AttentionPath, DeepseekV3, KvCacheDtype, LoadOptions};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3")
@@ -110,6 +110,22 @@ fn w8a8_and_c8_stay_close_to_bf16() {
             "{model}: C8 absorbed vs naive differ by {dpath}"
         );
         assert!(!l_c8.iter().any(|x| !x.is_finite()));
+
+        // C8 with a bf16 float part: c_kv in int8 as before, k^R in bf16 (as the seed keeps
+        // it): the cache shrinks by k^R's two bytes per value and the logprobs stay near.
+        c8.attention_path = AttentionPath::Auto;
+        let f32_bytes = c8.cache_spec().bytes_per_token();
+        c8.set_kv_cache_dtype(KvCacheDtype::Bf16);
+        let spec = c8.cache_spec();
+        let rd = spec.width - spec.int8_width;
+        assert_eq!(spec.bytes_per_token() + spec.layers * rd * 2, f32_bytes);
+        let l_c8_bf16 = lp(&c8);
+        assert_ne!(l_c8_bf16, l_c8);
+        let dnll = mean(&l_c8) - mean(&l_c8_bf16);
+        assert!(
+            dnll.abs() < 0.05,
+            "{model}: C8 with bf16 k^R: mean NLL moved by {dnll}"
+        );
     }
 }
 

@@ -265,6 +265,7 @@ impl Model for Markov {
             layers: 2,
             width: 1,
             int8_width: 0,
+            float: cachalot_model::KvCacheDtype::F32,
         }
     }
     fn vocab_size(&self) -> usize {

@@ -10,44 +10,92 @@
 
 use crate::error::{ModelError, Result};
 
+/// How the float part of a cache is stored: f32 (exact, the default) or bf16 (C16, as the seed
+/// stores its latent cache, spec `deepseek-v3-r1-kimi-k2.md` §3.4: half the memory, every value
+/// rounded to the nearest bf16 once, when it is written).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl KvCacheDtype {
+    /// The name the CLI and summary.json use: `f32` or `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::F32 => "f32",
+            KvCacheDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes of one stored float value.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvCacheDtype::F32 => 4,
+            KvCacheDtype::Bf16 => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" | "fp32" => Ok(KvCacheDtype::F32),
+            "bf16" | "bfloat16" => Ok(KvCacheDtype::Bf16),
+            _ => Err(format!(
+                "unknown KV cache dtype {s:?}: use f32 (exact, the default) or bf16 (half the \
+                 memory, values rounded to bf16)"
+            )),
+        }
+    }
+}
+
 /// What a model needs from the cache pool: `layers` caches of `width` values per token; the
 /// first `int8_width` of them are stored as int8 (the C8 latent cache, spec §3.4: c_kv in int8
-/// with a per-layer scale the model owns), the rest as f32.
+/// with a per-layer scale the model owns), the rest (the float part) as `float` says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheSpec {
     pub layers: usize,
     pub width: usize,
     pub int8_width: usize,
+    pub float: KvCacheDtype,
 }
 
 impl CacheSpec {
-    /// Values per token stored as f32.
-    pub fn f32_width(&self) -> usize {
+    /// Values per token in the float part (f32 or bf16).
+    pub fn float_width(&self) -> usize {
         self.width - self.int8_width
     }
 
-    /// Bytes one token takes over all cache layers (f32 part plus int8 part).
+    /// Bytes one token takes over all cache layers (float part plus int8 part).
     pub fn bytes_per_token(&self) -> usize {
-        self.layers * (self.f32_width() * std::mem::size_of::<f32>() + self.int8_width)
+        self.layers * (self.float_width() * self.float.bytes() + self.int8_width)
     }
 }
 
-/// A pool of fixed-size blocks: per cache layer, an f32 array (`f32_width` values per slot) and,
-/// for an int8 layout, an int8 array (`int8_width` values per slot).
+/// A pool of fixed-size blocks: per cache layer, a float array (`float_width` values per slot,
+/// f32 or bf16 bits as the spec says) and, for an int8 layout, an int8 array (`int8_width`
+/// values per slot).
 pub struct KvCache {
     spec: CacheSpec,
     block_size: usize,
     num_blocks: usize,
     layers: Vec<Vec<f32>>,
+    bf16: Vec<Vec<u16>>,
     int8: Vec<Vec<i8>>,
 }
 
-/// One layer of a cache with an int8 part, for writing.
+/// One layer of a cache, for writing: the int8 part (empty without one) and the float part,
+/// in `f32` or in `bf16` as the spec says (the other one empty).
 pub struct LayerMut<'a> {
     /// `int8_width` values per slot.
     pub int8: &'a mut [i8],
-    /// `f32_width` values per slot.
+    /// `float_width` values per slot (f32 caches).
     pub f32: &'a mut [f32],
+    /// `float_width` bf16 bit patterns per slot (bf16 caches).
+    pub bf16: &'a mut [u16],
 }
 
 impl KvCache {
@@ -62,13 +110,26 @@ impl KvCache {
         } else {
             Vec::new()
         };
+        let (layers, bf16) = match spec.float {
+            KvCacheDtype::F32 => (
+                (0..spec.layers)
+                    .map(|_| vec![0.0; slots * spec.float_width()])
+                    .collect(),
+                Vec::new(),
+            ),
+            KvCacheDtype::Bf16 => (
+                Vec::new(),
+                (0..spec.layers)
+                    .map(|_| vec![0u16; slots * spec.float_width()])
+                    .collect(),
+            ),
+        };
         KvCache {
             spec,
             block_size,
             num_blocks,
-            layers: (0..spec.layers)
-                .map(|_| vec![0.0; slots * spec.f32_width()])
-                .collect(),
+            layers,
+            bf16,
             int8,
         }
     }
@@ -84,21 +145,29 @@ impl KvCache {
     }
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(|l| l.len() * 4).sum::<usize>()
+            + self.bf16.iter().map(|l| l.len() * 2).sum::<usize>()
             + self.int8.iter().map(Vec::len).sum::<usize>()
     }
 
-    /// The f32 part of a layer (all of it when the spec has no int8 part).
+    /// The f32 float part of a layer (all of it when the spec has no int8 part); empty in a
+    /// bf16 cache.
     pub fn layer(&self, layer: usize) -> &[f32] {
-        &self.layers[layer]
+        self.layers.get(layer).map_or(&[], |v| &v[..])
     }
+    /// As [`KvCache::layer`], for writing.
     pub fn layer_mut(&mut self, layer: usize) -> &mut [f32] {
-        &mut self.layers[layer]
+        self.layers.get_mut(layer).map_or(&mut [], |v| &mut v[..])
     }
-    /// Both parts of a layer (`int8` is empty when the spec has no int8 part).
+    /// The bf16 float part of a layer; empty in an f32 cache.
+    pub fn layer_bf16(&self, layer: usize) -> &[u16] {
+        self.bf16.get(layer).map_or(&[], |v| &v[..])
+    }
+    /// Every part of a layer (those the spec does not have are empty).
     pub fn layer_parts_mut(&mut self, layer: usize) -> LayerMut<'_> {
         LayerMut {
             int8: self.int8.get_mut(layer).map_or(&mut [], |v| &mut v[..]),
-            f32: &mut self.layers[layer],
+            f32: self.layers.get_mut(layer).map_or(&mut [], |v| &mut v[..]),
+            bf16: self.bf16.get_mut(layer).map_or(&mut [], |v| &mut v[..]),
         }
     }
 }
@@ -297,13 +366,36 @@ mod tests {
     #[test]
     fn cache_bytes_match_the_spec() {
         for int8_width in [0, 512] {
-            let spec = CacheSpec {
-                layers: 3,
-                width: 576,
-                int8_width,
-            };
-            let cache = KvCache::new(spec, 16, 5);
-            assert_eq!(cache.bytes(), spec.bytes_per_token() * 16 * 5);
+            for float in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
+                let spec = CacheSpec {
+                    layers: 3,
+                    width: 576,
+                    int8_width,
+                    float,
+                };
+                let mut cache = KvCache::new(spec, 16, 5);
+                assert_eq!(cache.bytes(), spec.bytes_per_token() * 16 * 5);
+                let parts = cache.layer_parts_mut(2);
+                let per_slot = spec.float_width() * 16 * 5;
+                let (f, h) = match float {
+                    KvCacheDtype::F32 => (per_slot, 0),
+                    KvCacheDtype::Bf16 => (0, per_slot),
+                };
+                assert_eq!((parts.f32.len(), parts.bf16.len()), (f, h));
+                assert_eq!(parts.int8.len(), int8_width * 16 * 5);
+            }
         }
+        assert_eq!(
+            CacheSpec {
+                layers: 2,
+                width: 576,
+                int8_width: 0,
+                float: KvCacheDtype::Bf16
+            }
+            .bytes_per_token(),
+            2 * 576 * 2
+        );
+        assert_eq!("BF16".parse::<KvCacheDtype>(), Ok(KvCacheDtype::Bf16));
+        assert!("f8".parse::<KvCacheDtype>().unwrap_err().contains("f32"));
     }
 }

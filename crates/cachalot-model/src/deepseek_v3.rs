@@ -26,7 +26,7 @@ use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
-use crate::batch::{slot_of, Batch, CacheSpec, KvCache, LayerMut};
+use crate::batch::{slot_of, Batch, CacheSpec, KvCache, KvCacheDtype, LayerMut};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config::{DeepseekV3Config, QuantizationConfig, LATENT_NORM_EPS};
 use crate::eplb::BalancedRouting;
@@ -146,6 +146,8 @@ pub struct DeepseekV3 {
     /// The routed experts held here, and the group that holds the others.
     shard: ExpertShard,
     comm: Option<Arc<dyn Communicator>>,
+    /// How the cache's float part is stored (`set_kv_cache_dtype`).
+    kv_dtype: KvCacheDtype,
 }
 
 /// Logits of the requested tokens, and (when asked) the final-normed hidden state of every token,
@@ -573,7 +575,18 @@ impl DeepseekV3 {
             attention_path: AttentionPath::Auto,
             shard: opts.expert_shard,
             comm: None,
+            kv_dtype: KvCacheDtype::F32,
         })
+    }
+
+    /// Stores the latent cache's float values (c_kv, and k^R; only k^R under C8) as f32 (the
+    /// default: exact) or bf16 (C16, as the seed stores them: half the memory per cached
+    /// token). With bf16, each token's latents are rounded to bf16 once, when they are made,
+    /// and every attention form reads those rounded values, so chunked, batched and
+    /// one-at-a-time runs still agree token for token. Set it before making the cache
+    /// (`cache_spec` follows it).
+    pub fn set_kv_cache_dtype(&mut self, dtype: KvCacheDtype) {
+        self.kv_dtype = dtype;
     }
 
     /// `force_eplb` (the seed's "perfect EPLB" benchmark mode, `crate::eplb`): with `Some`,
@@ -617,6 +630,7 @@ impl DeepseekV3 {
             layers: self.layers.len() + self.mtp.len(),
             width: self.cfg.latent_cache_width(),
             int8_width: if c8 { self.cfg.kv_lora_rank } else { 0 },
+            float: self.kv_dtype,
         }
     }
 
@@ -792,7 +806,11 @@ impl DeepseekV3 {
     fn check_cache(&self, cache: &KvCache, layers: usize) -> Result<()> {
         let spec = cache.spec();
         let want = self.cache_spec();
-        if spec.width != want.width || spec.int8_width != want.int8_width || spec.layers < layers {
+        if spec.width != want.width
+            || spec.int8_width != want.int8_width
+            || spec.float != want.float
+            || spec.layers < layers
+        {
             return Err(ModelError::Batch(format!(
                 "cache of {spec:?} does not fit this model ({:?})",
                 self.cache_spec()
@@ -934,6 +952,17 @@ impl DeepseekV3 {
             k::rms_norm(&row[..kvr], &mla.kv_a_norm, LATENT_NORM_EPS, &mut c);
             row[..kvr].copy_from_slice(&c);
             self.rope.apply(&mut row[kvr..], cos, sin);
+            if self.kv_dtype == KvCacheDtype::Bf16 {
+                // C16: the values the cache will hold, for this step's own attention too.
+                let float = if mla.ckv_scale.is_some() {
+                    &mut row[kvr..]
+                } else {
+                    row
+                };
+                for v in float {
+                    *v = k::bf16_round(*v);
+                }
+            }
             for hd in 0..n {
                 let qr = &mut q[(i * n + hd) * qk + nope..(i * n + hd + 1) * qk];
                 self.rope.apply(qr, cos, sin);
@@ -943,28 +972,41 @@ impl DeepseekV3 {
         let LayerMut {
             int8: cache_i8,
             f32: cache_f32,
+            bf16: cache_bf16,
         } = cache;
+        // The float part's width per slot: all of the row, or k^R alone under C8.
+        let fw = if mla.ckv_scale.is_some() { rd } else { width };
         for s in 0..batch.num_seqs() {
             for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
                 let slot = batch.slot(s, i, bs);
                 let row = &kv[i * width..(i + 1) * width];
-                match mla.ckv_scale {
-                    None => cache_f32[slot * width..(slot + 1) * width].copy_from_slice(row),
-                    Some(scale) => {
-                        // C8: c_kv as saturate_int8(round(c_kv · (1/s))), k^R in f32.
-                        let inv = 1.0 / scale;
-                        for (q, &v) in cache_i8[slot * kvr..(slot + 1) * kvr]
-                            .iter_mut()
-                            .zip(&row[..kvr])
+                if let Some(scale) = mla.ckv_scale {
+                    // C8: c_kv as saturate_int8(round(c_kv · (1/s))), k^R as a float.
+                    let inv = 1.0 / scale;
+                    for (q, &v) in cache_i8[slot * kvr..(slot + 1) * kvr]
+                        .iter_mut()
+                        .zip(&row[..kvr])
+                    {
+                        *q = quantize_static_int8(v, inv);
+                    }
+                }
+                let float = &row[width - fw..];
+                match self.kv_dtype {
+                    KvCacheDtype::F32 => {
+                        cache_f32[slot * fw..(slot + 1) * fw].copy_from_slice(float)
+                    }
+                    // Already bf16 values: the conversion is exact.
+                    KvCacheDtype::Bf16 => {
+                        for (o, &v) in cache_bf16[slot * fw..(slot + 1) * fw].iter_mut().zip(float)
                         {
-                            *q = quantize_static_int8(v, inv);
+                            *o = k::f32_to_bf16(v);
                         }
-                        cache_f32[slot * rd..(slot + 1) * rd].copy_from_slice(&row[kvr..]);
                     }
                 }
             }
         }
-        let (cache_i8, cache_f32): (&[i8], &[f32]) = (cache_i8, cache_f32);
+        let (cache_i8, cache_f32, cache_bf16): (&[i8], &[f32], &[u16]) =
+            (cache_i8, cache_f32, cache_bf16);
         drop(latents_t);
         let core = Timer::start(Phase::AttnCore);
 
@@ -994,22 +1036,35 @@ impl DeepseekV3 {
         };
         let paths: Vec<Option<AttentionPath>> = (0..num_seqs).map(path_of).collect();
         // C8: each sequence's latents dequantized (c8 · s) once per layer; the naive path
-        // (prefill) attends to this step's own tokens un-quantized, as the seed does.
+        // (prefill) attends to this step's own tokens un-quantized, as the seed does. A bf16
+        // cache (C16) is widened whole for the naive path only: the absorbed path widens each
+        // chunk of rows as it reads them (`Latents::rows`).
+        let float_of = |slot: usize, out: &mut [f32]| match self.kv_dtype {
+            KvCacheDtype::F32 => out.copy_from_slice(&cache_f32[slot * fw..(slot + 1) * fw]),
+            KvCacheDtype::Bf16 => widen_bf16(&cache_bf16[slot * fw..(slot + 1) * fw], out),
+        };
         let dequantize = |s: usize| -> Option<Vec<f32>> {
-            let (scale, path) = (mla.ckv_scale?, paths[s]?);
+            let path = paths[s]?;
+            let c8 = mla.ckv_scale;
+            if c8.is_none() && (self.kv_dtype == KvCacheDtype::F32 || path != AttentionPath::Naive)
+            {
+                return None;
+            }
             let range = batch.seq_starts[s]..batch.seq_starts[s + 1];
             let ctx = batch.positions[range.end - 1] + 1;
             let table = &batch.block_tables[s];
             let mut g = vec![0.0f32; ctx * width];
             for (pos, row) in g.chunks_exact_mut(width).enumerate() {
                 let slot = slot_of(table, pos, bs);
-                for (o, &q) in row[..kvr]
-                    .iter_mut()
-                    .zip(&cache_i8[slot * kvr..(slot + 1) * kvr])
-                {
-                    *o = q as f32 * scale;
+                if let Some(scale) = c8 {
+                    for (o, &q) in row[..kvr]
+                        .iter_mut()
+                        .zip(&cache_i8[slot * kvr..(slot + 1) * kvr])
+                    {
+                        *o = q as f32 * scale;
+                    }
                 }
-                row[kvr..].copy_from_slice(&cache_f32[slot * rd..(slot + 1) * rd]);
+                float_of(slot, &mut row[width - fw..]);
             }
             if path == AttentionPath::Naive {
                 for i in range {
@@ -1021,7 +1076,8 @@ impl DeepseekV3 {
             Some(g)
         };
         let many = num_seqs >= 2 * rayon::current_num_threads();
-        let dequantized: Vec<Option<Vec<f32>>> = if mla.ckv_scale.is_none() {
+        let materialize = mla.ckv_scale.is_some() || self.kv_dtype == KvCacheDtype::Bf16;
+        let dequantized: Vec<Option<Vec<f32>>> = if !materialize {
             vec![None; num_seqs]
         } else if many {
             (0..num_seqs)
@@ -1032,11 +1088,15 @@ impl DeepseekV3 {
             (0..num_seqs).map(dequantize).collect()
         };
         // The one accessor both attention forms read a sequence's latents through.
+        let cache = match self.kv_dtype {
+            KvCacheDtype::F32 => LatentCache::F32(cache_f32),
+            KvCacheDtype::Bf16 => LatentCache::Bf16(cache_bf16),
+        };
         let latents: Vec<Latents> = (0..num_seqs)
             .map(|s| Latents {
                 dequantized: dequantized[s].as_deref(),
                 table: &batch.block_tables[s],
-                cache: cache_f32,
+                cache,
                 width,
                 block_size: bs,
             })
@@ -1281,7 +1341,8 @@ impl DeepseekV3 {
                 let (t, si, range) = &chunks[u / groups];
                 let gh = head_range(u % groups).len();
                 let latents = seqs[*si].latents;
-                let rows: Vec<&[f32]> = range.clone().map(|s| latents.row(s)).collect();
+                let mut widened = Vec::new();
+                let rows = latents.rows(range.clone(), &mut widened);
                 let ckv: Vec<&[f32]> = rows.iter().map(|r| &r[..kvr]).collect();
                 let len = rows.len();
                 let mut by_pos = vec![0.0f32; len * gh];
@@ -1502,24 +1563,63 @@ impl MlaDims {
 
 /// One sequence's cached latents `[c_kv | k^R]` by position, for the attention.
 struct Latents<'a> {
-    /// C8: the sequence's latents dequantized (`[ctx, width]`); otherwise read from the cache.
+    /// The sequence's latents as f32 (`[ctx, width]`): C8's dequantized, or a bf16 cache's
+    /// widened for the naive path; otherwise read from the cache.
     dequantized: Option<&'a [f32]>,
     table: &'a [u32],
-    cache: &'a [f32],
+    cache: LatentCache<'a>,
     width: usize,
     block_size: usize,
 }
 
+/// A layer's latent cache as stored (without C8: the whole row per slot).
+#[derive(Clone, Copy)]
+enum LatentCache<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
 impl Latents<'_> {
+    /// The row at `pos`: from the f32 values (materialized or cached). A bf16 cache is read
+    /// through [`Latents::rows`] or materialized first (`attention` does one or the other).
     #[inline]
     fn row(&self, pos: usize) -> &[f32] {
-        match self.dequantized {
-            Some(g) => &g[pos * self.width..(pos + 1) * self.width],
-            None => {
+        match (self.dequantized, self.cache) {
+            (Some(g), _) => &g[pos * self.width..(pos + 1) * self.width],
+            (None, LatentCache::F32(c)) => {
                 let slot = slot_of(self.table, pos, self.block_size);
-                &self.cache[slot * self.width..(slot + 1) * self.width]
+                &c[slot * self.width..(slot + 1) * self.width]
+            }
+            (None, LatentCache::Bf16(_)) => {
+                unreachable!("a bf16 latent cache is read through `rows` or materialized")
             }
         }
+    }
+
+    /// The rows at `positions` as f32 slices: borrowed where the values are f32, widened from
+    /// a bf16 cache into `buf` (exact) otherwise.
+    fn rows<'s>(&'s self, positions: Range<usize>, buf: &'s mut Vec<f32>) -> Vec<&'s [f32]> {
+        match (self.dequantized, self.cache) {
+            (None, LatentCache::Bf16(c)) => {
+                let w = self.width;
+                buf.clear();
+                buf.resize(positions.len() * w, 0.0);
+                for (pos, out) in positions.zip(buf.chunks_exact_mut(w)) {
+                    let slot = slot_of(self.table, pos, self.block_size);
+                    widen_bf16(&c[slot * w..(slot + 1) * w], out);
+                }
+                buf.chunks_exact(w).collect()
+            }
+            _ => positions.map(|p| self.row(p)).collect(),
+        }
+    }
+}
+
+/// bf16 bit patterns to their exact f32 values.
+#[inline]
+fn widen_bf16(src: &[u16], out: &mut [f32]) {
+    for (o, &b) in out.iter_mut().zip(src) {
+        *o = f32::from_bits((b as u32) << 16);
     }
 }
 

@@ -35,7 +35,7 @@ use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
-use crate::batch::{slot_of, Batch, CacheSpec, KvCache};
+use crate::batch::{slot_of, Batch, CacheSpec, KvCache, KvCacheDtype};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config_v4::DeepseekV4Config;
 use crate::deepseek_v3::ForwardOutput;
@@ -771,6 +771,7 @@ impl DeepseekV4 {
             layers: self.layers.len() + self.mtp.len(),
             width: self.cache_width,
             int8_width: 0,
+            float: KvCacheDtype::F32,
         }
     }
 
@@ -806,7 +807,11 @@ impl DeepseekV4 {
     fn check_cache(&self, cache: &KvCache, layers: usize) -> Result<()> {
         let spec = cache.spec();
         let want = self.cache_spec();
-        if spec.width != want.width || spec.int8_width != 0 || spec.layers < layers {
+        if spec.width != want.width
+            || spec.int8_width != 0
+            || spec.float != want.float
+            || spec.layers < layers
+        {
             return Err(ModelError::Batch(format!(
                 "cache of {spec:?} does not fit this model ({want:?})"
             )));

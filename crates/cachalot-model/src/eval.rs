@@ -313,6 +313,13 @@ pub fn latent_absmax(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> Result
                 .into(),
         ));
     }
+    if spec.float != crate::batch::KvCacheDtype::F32 {
+        return Err(ModelError::Batch(
+            "calibration reads the exact latents: load the model with an f32 latent cache (the \
+             default, not --kv-cache-dtype bf16)"
+                .into(),
+        ));
+    }
     let (mut cache, mut alloc) = cache_for(model, tokens.len());
     let mut table = Vec::new();
     let chunk = chunk.max(1);

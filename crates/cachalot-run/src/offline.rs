@@ -19,8 +19,8 @@ use cachalot_engine::{
 };
 use cachalot_model::tokenizer::{Tokenizer, ToolCallFormat};
 use cachalot_model::{
-    detect_family, BalancedRouting, DeepseekV3, DeepseekV4, ExpertShard, Fp8Mode, LoadOptions,
-    ModelFamily, V4LoadOptions,
+    detect_family, BalancedRouting, DeepseekV3, DeepseekV4, ExpertShard, Fp8Mode, KvCacheDtype,
+    LoadOptions, ModelFamily, V4LoadOptions,
 };
 use serde::{Deserialize, Serialize};
 
@@ -48,6 +48,9 @@ pub struct RunOptions {
     pub int8_head: bool,
     /// Multiply bf16 weights as BF16 × BF16 (`LoadOptions::bf16_dot`).
     pub bf16_dot: bool,
+    /// How the latent KV cache stores its float values (`DeepseekV3::set_kv_cache_dtype`;
+    /// V4 takes f32 only).
+    pub kv_cache_dtype: KvCacheDtype,
     /// Ranks of the run on this host (each sizes its KV pool from its share of the memory
     /// budget); 1 for a one-process run.
     pub host_ranks: usize,
@@ -104,6 +107,8 @@ pub struct Summary {
     pub int8_head: bool,
     /// bf16 weights multiplied as BF16 × BF16 (`--bf16-dot`).
     pub bf16_dot: bool,
+    /// The latent KV cache's float values: "f32" or "bf16" (`--kv-cache-dtype`).
+    pub kv_cache_dtype: &'static str,
     /// Processes that ran (the config's `world_size` is recorded beside it): with `parallel`
     /// "data" each served every `ranks`-th request; with "expert" they held the routed experts
     /// between them and ran every request together (`per_rank` is then empty and
@@ -484,6 +489,7 @@ pub fn run_ranked(
         ("--parallel", format!("{:?}", opts.parallel)),
         ("--int8-head", opts.int8_head.to_string()),
         ("--bf16-dot", opts.bf16_dot.to_string()),
+        ("--kv-cache-dtype", opts.kv_cache_dtype.name().to_string()),
         ("--fp8", format!("{:?}", opts.fp8)),
         ("--chat-template", opts.chat_template.is_some().to_string()),
         ("--kv-blocks", format!("{:?}", opts.kv_blocks)),
@@ -651,6 +657,7 @@ pub fn run_ranked(
             if opts.int8_head {
                 model.quantize_head_int8();
             }
+            model.set_kv_cache_dtype(opts.kv_cache_dtype);
             if m.force_eplb {
                 let e = model.config().n_routed_experts.unwrap_or(0);
                 model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
@@ -668,6 +675,15 @@ pub fn run_ranked(
             (&v3, v3.config().eos_token_ids.clone())
         }
         ModelFamily::DeepseekV4 => {
+            if opts.kv_cache_dtype != KvCacheDtype::F32 {
+                return Err(format!(
+                    "--kv-cache-dtype {}: DeepSeek-V4's cache ({}) is held in f32 only; drop the \
+                     option",
+                    opts.kv_cache_dtype.name(),
+                    weights_dir.display()
+                )
+                .into());
+            }
             let mut model = DeepseekV4::load(
                 &weights_dir,
                 V4LoadOptions {
@@ -995,6 +1011,7 @@ pub fn run_ranked(
         with_ckpt: m.with_ckpt,
         int8_head: opts.int8_head,
         bf16_dot: opts.bf16_dot,
+        kv_cache_dtype: opts.kv_cache_dtype.name(),
         ranks,
         parallel: if expert {
             Parallel::Expert
@@ -1218,6 +1235,12 @@ pub fn summary_table(s: &Summary) -> String {
     }
     if s.int8_head {
         rows.push(("head".into(), "lm_head held in int8 (--int8-head)".into()));
+    }
+    if s.kv_cache_dtype != "f32" {
+        rows.push((
+            "KV cache".into(),
+            format!("latents stored as {} (--kv-cache-dtype)", s.kv_cache_dtype),
+        ));
     }
     if s.bf16_dot {
         rows.push((

@@ -35,6 +35,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         fp8: Fp8Mode::Native,
         int8_head: false,
         bf16_dot: false,
+        kv_cache_dtype: cachalot_model::KvCacheDtype::F32,
         host_ranks: 1,
         parallel: Parallel::Data,
     }

@@ -431,6 +431,7 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         + moe_layers as f64
             * per_expert as f64
             * (expected_distinct_experts(e, k, n) - k.min(e) as f64);
+    let kv_dtype = m.cache_spec().float.name();
     drop(m);
 
     let bw = membw(args.membw_mib, args.membw_passes);
@@ -443,6 +444,7 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "fp8": match args.model.fp8 { Fp8Arg::Native => "native", Fp8Arg::F32 => "f32" },
         "int8_head": args.model.int8_head,
         "bf16_dot": args.model.bf16_dot,
+        "kv_cache_dtype": kv_dtype,
         "threads": rayon::current_num_threads(),
         "params_total": params.total,
         "params_active": params.active,

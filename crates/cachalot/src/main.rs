@@ -12,8 +12,8 @@ use anyhow::{bail, Context, Result};
 use cachalot_model::eval;
 use cachalot_model::tokenizer::Tokenizer;
 use cachalot_model::{
-    detect_family, AttentionPath, DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, ModelFamily,
-    V4LoadOptions,
+    detect_family, AttentionPath, DeepseekV3, DeepseekV4, Fp8Mode, KvCacheDtype, LoadOptions,
+    ModelFamily, V4LoadOptions,
 };
 use clap::{Parser, Subcommand, ValueEnum};
 
@@ -30,6 +30,22 @@ enum Fp8Arg {
     Native,
     /// Dequantize FP8 weights to f32 at load.
     F32,
+}
+
+/// `--kv-cache-dtype`: how the latent KV cache stores its values.
+#[derive(Clone, Copy, ValueEnum)]
+enum KvDtypeArg {
+    F32,
+    Bf16,
+}
+
+impl From<KvDtypeArg> for KvCacheDtype {
+    fn from(a: KvDtypeArg) -> KvCacheDtype {
+        match a {
+            KvDtypeArg::F32 => KvCacheDtype::F32,
+            KvDtypeArg::Bf16 => KvCacheDtype::Bf16,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -61,6 +77,11 @@ struct ModelArgs {
     /// keep f32 activations. Default: f32 activations, exact products.
     #[arg(long)]
     bf16_dot: bool,
+    /// How the latent KV cache stores its values: f32 (exact) or bf16 (C16, as the seed: half
+    /// the memory per cached token, each value rounded to bf16 when written). DeepSeek-V3
+    /// family only.
+    #[arg(long, value_enum, default_value = "f32")]
+    kv_cache_dtype: KvDtypeArg,
 }
 
 #[derive(clap::Args)]
@@ -173,11 +194,18 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
     if args.int8_head {
         model.quantize_head_int8();
     }
+    model.set_kv_cache_dtype(args.kv_cache_dtype.into());
     Ok(model)
 }
 
 /// The DeepSeek-V4 model of `args` (with its MTP blocks when `load_mtp`).
 fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
+    if !matches!(args.kv_cache_dtype, KvDtypeArg::F32) {
+        bail!(
+            "--kv-cache-dtype bf16: DeepSeek-V4's cache ({}) is held in f32 only; drop the option",
+            model_dir(args)?.display()
+        );
+    }
     let mut m = DeepseekV4::load(
         &model_dir(args)?,
         V4LoadOptions {

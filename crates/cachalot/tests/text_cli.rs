@@ -413,6 +413,65 @@ fn v4_model_directories_run_generate_and_perplexity() {
     assert_eq!(ids(&out["output_ids"]).len(), 6);
 }
 
+/// `--kv-cache-dtype bf16`: `run` records it and its cache takes half the bytes for the same
+/// blocks; a V4 directory (whose cache is f32 only) is refused with the option named.
+#[test]
+fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let res = tmp.path().display().to_string();
+    let run = |dtype: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args([
+                "run",
+                "--config",
+                "configs/tiny/r1_tiny.yaml",
+                "--num-requests",
+                "4",
+                "--kv-blocks",
+                "40",
+                "--res-dir",
+                &res,
+                "--json",
+                "--quiet",
+                "--kv-cache-dtype",
+                dtype,
+            ])
+            .current_dir(root())
+            .output()
+            .unwrap();
+        json(&ok(out))
+    };
+    let (a, b) = (run("f32"), run("bf16"));
+    assert_eq!(a["kv_cache_dtype"], "f32");
+    assert_eq!(b["kv_cache_dtype"], "bf16");
+    assert_eq!(a["kv_capacity_blocks"], b["kv_capacity_blocks"]);
+    assert_eq!(
+        a["kv_cache_bytes"].as_u64().unwrap(),
+        2 * b["kv_cache_bytes"].as_u64().unwrap()
+    );
+    assert_eq!(b["output_tokens"], a["output_tokens"]);
+
+    let d = root().join("fixtures/v4/flash_tiny").display().to_string();
+    let out = cachalot(
+        &[
+            "generate",
+            "--model",
+            &d,
+            "--token-ids",
+            "0",
+            "--kv-cache-dtype",
+            "bf16",
+        ],
+        None,
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--kv-cache-dtype bf16") && err.contains("f32 only"),
+        "{err}"
+    );
+}
+
 /// `run --profile` writes every phase of the V3 forward it ran to profile.json, nested within
 /// the steps' time, and prints the table; `bench --profile` reports the decode steps' phases.
 #[test]
