@@ -187,7 +187,8 @@ def cmd_run(a):
             lpp = pp[0]["avg_ts"]
             ltg = tg[0]["avg_ts"]
             # B: cachalot.
-            o = run_json([cachalot_bin(), "bench", "--model", ours, *extra, "--prompt-len", a.prompt, "--gen-len",
+            o = run_json([cachalot_bin(), "bench", "--model", ours, *extra, *a.ours_extra.split(), "--prompt-len",
+                          a.prompt, "--gen-len",
                           a.gen, "--threads", a.threads, "--json", "--membw-passes", "5"])
             res[name]["llama"].append({"prefill_tok_s": lpp, "decode_tok_s": ltg})
             res[name]["ours"].append(o)
@@ -236,6 +237,9 @@ def main():
     ap.add_argument("--gen", default="128")
     ap.add_argument("--json-out")
     ap.add_argument("--pairs", help="comma-separated subset of bf16,bf16-dot,w8a8,w8a8-int8-head (default: all)")
+    ap.add_argument("--ours-extra", default="",
+                    help="flags added to every `cachalot bench` call, e.g. '--kv-cache-dtype bf16' (a 16-bit latent "
+                         "cache, as llama.cpp's default f16 KV cache)")
     a = ap.parse_args()
     t = time.time()
     if a.step in ("build", "all"):

@@ -1,5 +1,5 @@
 //! Throughput of the latent-attention kernels (`dot_rows_many`, `dot_rows_lanes`,
-//! `axpy_rows_many`) on one
+//! `dot_rows_bf16`, `axpy_rows_many`) on one
 //! thread: H heads against a chunk of cached latent rows, as the absorbed MLA decode step runs
 //! them (16 heads, rows of 576 = 512 + 64 scored, 512 added).
 //!
@@ -9,7 +9,10 @@
 
 use std::time::Instant;
 
-use cachalot_kernels::{axpy_rows_many, dot_rows_lanes, dot_rows_many, simd_level, HeadLanes};
+use cachalot_kernels::{
+    axpy_rows_many, dot_rows_bf16, dot_rows_lanes, dot_rows_many, f32_to_bf16, simd_level,
+    HeadLanes, HeadPairs,
+};
 
 fn main() {
     let args: Vec<usize> = std::env::args()
@@ -42,6 +45,15 @@ fn main() {
     let lanes = HeadLanes::new(&q, heads);
     let tl = best(&mut || dot_rows_lanes(&lanes, &rows, &mut scores));
     let ta = best(&mut || axpy_rows_many(&p, &ckv, &mut y));
+    // The same rows in a bf16 cache, scored against bf16 queries (`--kv-cache-dtype bf16
+    // --bf16-dot`).
+    let cache16: Vec<Vec<u16>> = cache
+        .iter()
+        .map(|r| r.iter().map(|&x| f32_to_bf16(x)).collect())
+        .collect();
+    let rows16: Vec<&[u16]> = cache16.iter().map(|r| &r[..]).collect();
+    let pairs = HeadPairs::new(&q, heads);
+    let tb = best(&mut || dot_rows_bf16(&pairs, &rows16, &mut scores));
     println!(
         "{heads} heads x {n} rows, simd level {}",
         simd_level().name()
@@ -56,6 +68,11 @@ fn main() {
         "dot_rows_lanes {:8.1} us  {:6.2} GFMA/s (queries already in lanes)",
         tl * 1e6,
         g(heads * n * width, tl)
+    );
+    println!(
+        "dot_rows_bf16  {:8.1} us  {:6.2} GFMA/s (bf16 rows and queries)",
+        tb * 1e6,
+        g(heads * n * width, tb)
     );
     println!(
         "axpy_rows_many {:8.1} us  {:6.2} GFMA/s",

@@ -148,6 +148,8 @@ pub struct DeepseekV3 {
     comm: Option<Arc<dyn Communicator>>,
     /// How the cache's float part is stored (`set_kv_cache_dtype`).
     kv_dtype: KvCacheDtype,
+    /// `LoadOptions::bf16_dot`: with a bf16 cache, latent scores are BF16 × BF16 too.
+    bf16_dot: bool,
 }
 
 /// Logits of the requested tokens, and (when asked) the final-normed hidden state of every token,
@@ -576,6 +578,7 @@ impl DeepseekV3 {
             shard: opts.expert_shard,
             comm: None,
             kv_dtype: KvCacheDtype::F32,
+            bf16_dot: opts.bf16_dot,
         })
     }
 
@@ -584,7 +587,9 @@ impl DeepseekV3 {
     /// token). With bf16, each token's latents are rounded to bf16 once, when they are made,
     /// and every attention form reads those rounded values, so chunked, batched and
     /// one-at-a-time runs still agree token for token. Set it before making the cache
-    /// (`cache_spec` follows it).
+    /// (`cache_spec` follows it). With `bf16_dot` too (and no C8), the absorbed attention
+    /// scores the cached rows against bf16-rounded queries as BF16 × BF16 (`k::dot_rows_bf16`,
+    /// `vdpbf16ps`), as the seed's bf16 matmul and llama.cpp's f16 cache do.
     pub fn set_kv_cache_dtype(&mut self, dtype: KvCacheDtype) {
         self.kv_dtype = dtype;
     }
@@ -1325,14 +1330,21 @@ impl DeepseekV3 {
         let threads = rayon::current_num_threads();
         let per_group = n.div_ceil((threads / chunks.len().max(1)).clamp(1, n));
         let groups = n.div_ceil(per_group);
-        // Each (token, head group)'s queries in vector lanes, once for all its chunks.
+        // Each (token, head group)'s queries in vector lanes, once for all its chunks: f32, or
+        // bf16 pairs when a bf16 cache is scored as BF16 × BF16.
         let head_range = |g: usize| g * per_group..((g + 1) * per_group).min(n);
-        let lanes: Vec<k::HeadLanes> = (0..tq * groups)
+        let bf16_scores =
+            self.bf16_dot && self.kv_dtype == KvCacheDtype::Bf16 && mla.ckv_scale.is_none();
+        let lanes: Vec<Queries> = (0..tq * groups)
             .into_par_iter()
             .map(|i| {
                 let (t, heads) = (i / groups, head_range(i % groups));
                 let qrows = &qc[(t * n + heads.start) * width..(t * n + heads.end) * width];
-                k::HeadLanes::new(qrows, heads.len())
+                if bf16_scores {
+                    Queries::Bf16(k::HeadPairs::new(qrows, heads.len()))
+                } else {
+                    Queries::F32(k::HeadLanes::new(qrows, heads.len()))
+                }
             })
             .collect();
         let partials: Vec<ChunkPartial> = (0..chunks.len() * groups)
@@ -1346,7 +1358,12 @@ impl DeepseekV3 {
                 let ckv: Vec<&[f32]> = rows.iter().map(|r| &r[..kvr]).collect();
                 let len = rows.len();
                 let mut by_pos = vec![0.0f32; len * gh];
-                k::dot_rows_lanes(&lanes[t * groups + u % groups], &rows, &mut by_pos);
+                match &lanes[t * groups + u % groups] {
+                    Queries::F32(q) => k::dot_rows_lanes(q, &rows, &mut by_pos),
+                    Queries::Bf16(q) => {
+                        k::dot_rows_bf16(q, &latents.bf16_rows(range.clone()), &mut by_pos)
+                    }
+                }
                 let mut by_head = vec![0.0f32; gh * len];
                 for (s, sc) in by_pos.chunks_exact(gh).enumerate() {
                     for (j, &v) in sc.iter().enumerate() {
@@ -1596,6 +1613,20 @@ impl Latents<'_> {
         }
     }
 
+    /// The rows at `positions` of a bf16 cache, as stored (only called on one, unmaterialized).
+    fn bf16_rows(&self, positions: Range<usize>) -> Vec<&[u16]> {
+        let LatentCache::Bf16(c) = self.cache else {
+            unreachable!("bf16 scoring is only chosen for a bf16 cache")
+        };
+        let w = self.width;
+        positions
+            .map(|pos| {
+                let slot = slot_of(self.table, pos, self.block_size);
+                &c[slot * w..(slot + 1) * w]
+            })
+            .collect()
+    }
+
     /// The rows at `positions` as f32 slices: borrowed where the values are f32, widened from
     /// a bf16 cache into `buf` (exact) otherwise.
     fn rows<'s>(&'s self, positions: Range<usize>, buf: &'s mut Vec<f32>) -> Vec<&'s [f32]> {
@@ -1613,6 +1644,12 @@ impl Latents<'_> {
             _ => positions.map(|p| self.row(p)).collect(),
         }
     }
+}
+
+/// A (token, head group)'s queries as the latent scoring kernel takes them.
+enum Queries {
+    F32(k::HeadLanes),
+    Bf16(k::HeadPairs),
 }
 
 /// bf16 bit patterns to their exact f32 values.

@@ -534,3 +534,33 @@ fn bf16_latent_cache_keeps_the_cache_invariants() {
         assert!(d < 1e-4, "sequence {i}: packed vs alone differ by {d}");
     }
 }
+
+/// A bf16 cache with `bf16_dot`: the absorbed form scores the cached rows as BF16 × BF16
+/// (`dot_rows_bf16`, bf16-rounded queries). Chunking still gives the same bits, the naive form
+/// (its keys up-projected in f32) stays near, and so does the f32 cache's NLL.
+#[test]
+fn bf16_latent_cache_with_bf16_dot_scores_in_bf16() {
+    for name in MODELS {
+        let opts = LoadOptions {
+            bf16_dot: true,
+            ..Default::default()
+        };
+        let mut m = DeepseekV3::load(&fixture_dir(name), opts).unwrap();
+        m.set_kv_cache_dtype(KvCacheDtype::Bf16);
+        let mut f32_scores = load_bf16_cache(name);
+        let toks = ids(&reference(name)["sequences"][2]["token_ids"]);
+        m.attention_path = AttentionPath::Absorbed;
+        f32_scores.attention_path = AttentionPath::Absorbed;
+        let full = eval::next_token_logprobs(&m, &toks, 4096).unwrap();
+        for chunk in [1, 7] {
+            let got = eval::next_token_logprobs(&m, &toks, chunk).unwrap();
+            assert_eq!(got, full, "{name}: chunks of {chunk} vs one prefill");
+        }
+        let other = eval::next_token_logprobs(&f32_scores, &toks, 4096).unwrap();
+        assert_ne!(full, other, "{name}: bf16 scores changed nothing");
+        m.attention_path = AttentionPath::Naive;
+        let naive = eval::next_token_logprobs(&m, &toks, 4096).unwrap();
+        let (a, b) = (eval::nll_ppl(&full).0, eval::nll_ppl(&naive).0);
+        assert!(((a - b) / b).abs() < 5e-3, "{name}: NLL {a} vs naive {b}");
+    }
+}

@@ -37,7 +37,7 @@
 //! grid). Only the SIMD level changes results, and AVX2 and AVX-512 give the same bits
 //! (`avx512.rs`); scalar differs in rounding.
 
-mod bf16dot;
+pub(crate) mod bf16dot;
 pub(crate) mod scalar;
 mod w4a8;
 mod w8a8;

@@ -19,6 +19,9 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod latent;
 
+mod latent_bf16;
+pub use latent_bf16::{dot_rows_bf16, HeadPairs};
+
 #[cfg(test)]
 mod tests;
 

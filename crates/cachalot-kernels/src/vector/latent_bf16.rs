@@ -1,0 +1,437 @@
+//! Latent-attention scores over a bf16 latent cache with bf16 queries (`--kv-cache-dtype bf16`
+//! with `--bf16-dot`): the seed's C16 cache scored as its bf16 matmul scores it, and as
+//! llama.cpp scores its f16 cache with rounded queries. Spec: `deepseek-v3-r1-kimi-k2.md` §3.4
+//! (absorbed MLA decode: q̃·c_kv + q^R·k^R against every cached latent row).
+//!
+//! The result is defined by the operations of x86's `vdpbf16ps` with heads in lanes: per (row,
+//! head) one chain over the column pairs in order,
+//!
+//!   acc = (acc + q[c+1]·k[c+1]) + q[c]·k[c],   c = 0, 2, 4, …
+//!
+//! each addition rounded to f32 (ties to even); a product of two bf16 values is exact in f32, so
+//! an FMA gives the same bits. An odd last column pairs with a zero. Queries are rounded to bf16
+//! ties-to-even with subnormals flushed to ±0 ([`HeadPairs`]); rows are the cache's bf16 bits.
+//!
+//! Levels: AVX-512 with the BF16 extension runs `vdpbf16ps` (two columns of 16 heads per
+//! instruction, or of 8 in 256 bits for up to 8 heads, against one column for the f32 FMA of
+//! `dot_rows_lanes`); AVX2, and AVX-512 without BF16,
+//! split each pair into its odd (`and 0xFFFF0000`) and even (`<< 16`) element for two FMAs in 8
+//! lanes; scalar follows the definition. As for `matrix::bf16dot`, `vdpbf16ps` also treats
+//! subnormal row values as zero and flushes subnormal sums, the other levels do not: results
+//! can differ below 2^−126 (never for RMS-normed latents; the property tests draw normal values).
+
+use crate::matrix::bf16dot::round_activation;
+use crate::simd::{simd_level, SimdLevel};
+
+/// `heads` queries of `d` values rounded to bf16 and laid out for [`dot_rows_bf16`]: per column
+/// pair p, `hp` (a multiple of 16) u32 lanes, lane h holding head h's (q\[2p\], q\[2p+1\]) bf16
+/// bits (column 2p in the low half; zero past the heads and past an odd `d`).
+pub struct HeadPairs {
+    qp: Vec<u32>,
+    heads: usize,
+    d: usize,
+    hp: usize,
+}
+
+impl HeadPairs {
+    /// The `heads` rows of `q` (each `q.len() / heads` values), rounded to bf16.
+    pub fn new(q: &[f32], heads: usize) -> HeadPairs {
+        assert!(
+            heads > 0 && q.len().is_multiple_of(heads),
+            "HeadPairs: q ({} values) must hold {heads} rows",
+            q.len()
+        );
+        let d = q.len() / heads;
+        let hp = heads.div_ceil(16) * 16;
+        let pairs = d.div_ceil(2);
+        let mut qp = vec![0u32; pairs * hp];
+        for h in 0..heads {
+            let row = &q[h * d..(h + 1) * d];
+            for p in 0..pairs {
+                let lo = round_activation(row[2 * p]) as u32;
+                let hi = row
+                    .get(2 * p + 1)
+                    .map_or(0, |&v| round_activation(v) as u32);
+                qp[p * hp + h] = lo | (hi << 16);
+            }
+        }
+        HeadPairs { qp, heads, d, hp }
+    }
+}
+
+/// out\[s·H + h\] = head h's query · `rows[s]` by the `vdpbf16ps` chain of the module doc, for
+/// every row s (`rows[s]`: `d` bf16 bit patterns) and head h < H.
+pub fn dot_rows_bf16(q: &HeadPairs, rows: &[&[u16]], out: &mut [f32]) {
+    dot_rows_bf16_at(simd_level(), q, rows, out)
+}
+
+pub(crate) fn dot_rows_bf16_at(level: SimdLevel, q: &HeadPairs, rows: &[&[u16]], out: &mut [f32]) {
+    assert!(
+        out.len() == rows.len() * q.heads,
+        "dot_rows_bf16: out must hold rows.len() ({}) x {} heads values, got {}",
+        rows.len(),
+        q.heads,
+        out.len()
+    );
+    assert!(
+        rows.iter().all(|r| r.len() == q.d),
+        "dot_rows_bf16: every row must hold the queries' {} values",
+        q.d
+    );
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx512` implies AVX-512 F/BW/VL, AVX2 and FMA; `supported()` checked the
+        // BF16 extension; lengths were checked above.
+        SimdLevel::Avx512 if crate::matrix::bf16dot::avx512::supported() => unsafe {
+            avx512::dot_rows(q, rows, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: both levels have AVX2 and FMA; lengths were checked above.
+        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::dot_rows(q, rows, out) },
+        _ => scalar_dot_rows(q, rows, out),
+    }
+}
+
+/// The definition, one (row, head) at a time.
+pub(crate) fn scalar_dot_rows(q: &HeadPairs, rows: &[&[u16]], out: &mut [f32]) {
+    let pairs = q.d.div_ceil(2);
+    for (s, row) in rows.iter().enumerate() {
+        for h in 0..q.heads {
+            let mut acc = 0.0f32;
+            for p in 0..pairs {
+                let qv = q.qp[p * q.hp + h];
+                let k0 = row[2 * p];
+                let k1 = row.get(2 * p + 1).copied().unwrap_or(0);
+                acc += f32::from_bits(qv & 0xFFFF_0000) * f32::from_bits((k1 as u32) << 16);
+                acc += f32::from_bits(qv << 16) * f32::from_bits((k0 as u32) << 16);
+            }
+            out[s * q.heads + h] = acc;
+        }
+    }
+}
+
+/// Row `r`'s pair `p` as a u32 (column 2p low); an odd last column pairs with zero.
+#[inline]
+fn pair(row: &[u16], p: usize) -> u32 {
+    let lo = row[2 * p] as u32;
+    let hi = row.get(2 * p + 1).map_or(0, |&v| v as u32);
+    lo | (hi << 16)
+}
+
+/// Tiles of 8, 4 and 1 rows for every group of `lanes` heads, `tile(r0, R, hb)` doing the work.
+#[inline]
+fn for_tiles(n: usize, heads: usize, lanes: usize, mut tile: impl FnMut(usize, usize, usize)) {
+    let mut hb = 0;
+    while hb < heads {
+        let mut s0 = 0;
+        while s0 < n {
+            let r = match n - s0 {
+                8.. => 8,
+                4..=7 => 4,
+                _ => 1,
+            };
+            tile(s0, r, hb);
+            s0 += r;
+        }
+        hb += lanes;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    #![allow(clippy::needless_range_loop)]
+
+    use std::arch::x86_64::*;
+
+    use super::{for_tiles, pair, HeadPairs};
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA; lengths as `dot_rows_bf16_at` checks them.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_rows(q: &HeadPairs, rows: &[&[u16]], out: &mut [f32]) {
+        for_tiles(rows.len(), q.heads, 8, |s0, r, hb| match r {
+            // SAFETY: this function's contract.
+            8 => unsafe { tile::<8>(q, rows, s0, hb, out) },
+            4 => unsafe { tile::<4>(q, rows, s0, hb, out) },
+            _ => unsafe { tile::<1>(q, rows, s0, hb, out) },
+        });
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile<const R: usize>(
+        q: &HeadPairs,
+        rows: &[&[u16]],
+        s0: usize,
+        hb: usize,
+        out: &mut [f32],
+    ) {
+        let pairs = q.d.div_ceil(2);
+        let full = q.d / 2;
+        let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut rp = [std::ptr::null::<u16>(); R];
+        for r in 0..R {
+            rp[r] = rows[s0 + r].as_ptr();
+        }
+        for p in 0..pairs {
+            let qv = _mm256_loadu_si256(q.qp.as_ptr().add(p * q.hp + hb) as *const __m256i);
+            let q1 = _mm256_castsi256_ps(_mm256_and_si256(qv, hi_mask));
+            let q0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(qv));
+            for r in 0..R {
+                let k = if p < full {
+                    (rp[r].add(2 * p) as *const u32).read_unaligned()
+                } else {
+                    pair(rows[s0 + r], p)
+                };
+                let kv = _mm256_set1_epi32(k as i32);
+                let k1 = _mm256_castsi256_ps(_mm256_and_si256(kv, hi_mask));
+                let k0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(kv));
+                acc[r] = _mm256_fmadd_ps(q1, k1, acc[r]);
+                acc[r] = _mm256_fmadd_ps(q0, k0, acc[r]);
+            }
+        }
+        let nh = (q.heads - hb).min(8);
+        let mut tmp = [0.0f32; 8];
+        for r in 0..R {
+            _mm256_storeu_ps(tmp.as_mut_ptr(), acc[r]);
+            let o = (s0 + r) * q.heads + hb;
+            out[o..o + nh].copy_from_slice(&tmp[..nh]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    #![allow(clippy::needless_range_loop)]
+
+    use std::arch::x86_64::*;
+
+    use super::{for_tiles, pair, HeadPairs};
+
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL and BF16, AVX2 and FMA; lengths as `dot_rows_bf16_at`
+    /// checks them.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    pub(super) unsafe fn dot_rows(q: &HeadPairs, rows: &[&[u16]], out: &mut [f32]) {
+        // Up to 8 heads fill a 256-bit vector (16 lanes would run half empty at half the
+        // instruction rate); more take 512-bit ones.
+        let lanes = if q.heads <= 8 { 8 } else { 16 };
+        for_tiles(rows.len(), q.heads, lanes, |s0, r, hb| {
+            // The next tile's rows (scattered over the paged cache) load while this one runs.
+            prefetch(rows, s0 + r..s0 + 2 * r);
+            // SAFETY: this function's contract.
+            unsafe {
+                match (lanes, r) {
+                    (8, 8) => tile8::<8>(q, rows, s0, hb, out),
+                    (8, 4) => tile8::<4>(q, rows, s0, hb, out),
+                    (8, _) => tile8::<1>(q, rows, s0, hb, out),
+                    (_, 8) => tile::<8>(q, rows, s0, hb, out),
+                    (_, 4) => tile::<4>(q, rows, s0, hb, out),
+                    _ => tile::<1>(q, rows, s0, hb, out),
+                }
+            }
+        });
+    }
+
+    /// `tile` for heads hb..hb+8 in 256-bit vectors.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    unsafe fn tile8<const R: usize>(
+        q: &HeadPairs,
+        rows: &[&[u16]],
+        s0: usize,
+        hb: usize,
+        out: &mut [f32],
+    ) {
+        let pairs = q.d.div_ceil(2);
+        let full = q.d / 2;
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut rp = [std::ptr::null::<u16>(); R];
+        for r in 0..R {
+            rp[r] = rows[s0 + r].as_ptr();
+        }
+        let bh = |v: __m256i| std::mem::transmute::<__m256i, __m256bh>(v);
+        for p in 0..pairs {
+            let qv = bh(_mm256_loadu_si256(
+                q.qp.as_ptr().add(p * q.hp + hb) as *const __m256i
+            ));
+            for r in 0..R {
+                let k = if p < full {
+                    (rp[r].add(2 * p) as *const u32).read_unaligned()
+                } else {
+                    pair(rows[s0 + r], p)
+                };
+                acc[r] = _mm256_dpbf16_ps(acc[r], qv, bh(_mm256_set1_epi32(k as i32)));
+            }
+        }
+        let nh = (q.heads - hb).min(8);
+        let mut tmp = [0.0f32; 8];
+        for r in 0..R {
+            _mm256_storeu_ps(tmp.as_mut_ptr(), acc[r]);
+            let o = (s0 + r) * q.heads + hb;
+            out[o..o + nh].copy_from_slice(&tmp[..nh]);
+        }
+    }
+
+    /// Every cache line of rows `range` (those that exist) asked into L1: a hint.
+    #[inline]
+    fn prefetch(rows: &[&[u16]], range: std::ops::Range<usize>) {
+        let end = range.end.min(rows.len());
+        for row in &rows[range.start.min(end)..end] {
+            let p = row.as_ptr() as *const i8;
+            let bytes = std::mem::size_of_val(*row);
+            let mut o = 0;
+            while o < bytes {
+                // SAFETY: a prefetch reads nothing; the address is only a hint.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o)) };
+                o += 64;
+            }
+            if bytes > 0 {
+                // The line of the last value (a row need not start on a line).
+                // SAFETY: as above.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes - 1)) };
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    unsafe fn tile<const R: usize>(
+        q: &HeadPairs,
+        rows: &[&[u16]],
+        s0: usize,
+        hb: usize,
+        out: &mut [f32],
+    ) {
+        let pairs = q.d.div_ceil(2);
+        let full = q.d / 2;
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut rp = [std::ptr::null::<u16>(); R];
+        for r in 0..R {
+            rp[r] = rows[s0 + r].as_ptr();
+        }
+        let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
+        for p in 0..pairs {
+            let qv = bh(_mm512_loadu_si512(
+                q.qp.as_ptr().add(p * q.hp + hb) as *const __m512i
+            ));
+            for r in 0..R {
+                let k = if p < full {
+                    (rp[r].add(2 * p) as *const u32).read_unaligned()
+                } else {
+                    pair(rows[s0 + r], p)
+                };
+                acc[r] = _mm512_dpbf16_ps(acc[r], qv, bh(_mm512_set1_epi32(k as i32)));
+            }
+        }
+        let nh = (q.heads - hb).min(16);
+        let mut tmp = [0.0f32; 16];
+        for r in 0..R {
+            _mm512_storeu_ps(tmp.as_mut_ptr(), acc[r]);
+            let o = (s0 + r) * q.heads + hb;
+            out[o..o + nh].copy_from_slice(&tmp[..nh]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::f32_to_bf16;
+    use proptest::prelude::*;
+
+    /// Normal values of either sign over a few binades (no subnormals: the module doc's
+    /// caveat).
+    fn normal(seed: u64, i: usize) -> f32 {
+        let x = (seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        let m = ((x >> 40) as f32 / (1u64 << 24) as f32) * 3.0 + 0.25;
+        if x & 1 == 0 {
+            m
+        } else {
+            -m
+        }
+    }
+
+    fn case(heads: usize, d: usize, n: usize, seed: u64) -> (HeadPairs, Vec<Vec<u16>>) {
+        let q: Vec<f32> = (0..heads * d).map(|i| normal(seed, i)).collect();
+        let rows = (0..n)
+            .map(|s| {
+                (0..d)
+                    .map(|c| f32_to_bf16(normal(seed + 1, s * d + c)))
+                    .collect()
+            })
+            .collect();
+        (HeadPairs::new(&q, heads), rows)
+    }
+
+    fn levels() -> Vec<SimdLevel> {
+        [SimdLevel::Avx2, SimdLevel::Avx512]
+            .into_iter()
+            .filter(|l| l.supported())
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Every level gives the definition's bits: heads 1..40 (one to three lane groups),
+        /// even and odd widths, row counts covering the 8-, 4- and 1-row tiles.
+        #[test]
+        fn levels_match_the_definition(
+            heads in 1usize..40, d in 1usize..90, n in 0usize..23, seed in any::<u64>()
+        ) {
+            let (q, rows) = case(heads, d, n, seed);
+            let refs: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+            let mut want = vec![0.0f32; n * heads];
+            scalar_dot_rows(&q, &refs, &mut want);
+            for level in levels() {
+                let mut got = vec![f32::NAN; n * heads];
+                dot_rows_bf16_at(level, &q, &refs, &mut got);
+                prop_assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{:?}", level
+                );
+            }
+        }
+    }
+
+    /// The definition is the dot product of the bf16-rounded values, up to f32 rounding.
+    #[test]
+    fn scores_are_the_rounded_dot_products() {
+        let (heads, d, n) = (16, 576, 9);
+        let (q, rows) = case(heads, d, n, 7);
+        let refs: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+        let mut got = vec![0.0f32; n * heads];
+        dot_rows_bf16(&q, &refs, &mut got);
+        for s in 0..n {
+            for h in 0..heads {
+                let exact: f64 = (0..d)
+                    .map(|c| {
+                        let qv = q.qp[(c / 2) * q.hp + h];
+                        let qb = if c % 2 == 0 {
+                            qv << 16
+                        } else {
+                            qv & 0xFFFF_0000
+                        };
+                        f32::from_bits(qb) as f64 * f32::from_bits((rows[s][c] as u32) << 16) as f64
+                    })
+                    .sum();
+                let g = got[s * heads + h] as f64;
+                assert!(
+                    (g - exact).abs() <= 1e-4 * (1.0 + exact.abs()),
+                    "{g} vs {exact}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "every row must hold")]
+    fn a_short_row_is_refused() {
+        let (q, _) = case(4, 10, 0, 1);
+        let row = vec![0u16; 9];
+        dot_rows_bf16(&q, &[&row[..]], &mut [0.0; 4]);
+    }
+}
