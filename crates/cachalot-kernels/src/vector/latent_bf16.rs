@@ -431,7 +431,7 @@ mod tests {
     #[should_panic(expected = "every row must hold")]
     fn a_short_row_is_refused() {
         let (q, _) = case(4, 10, 0, 1);
-        let row = vec![0u16; 9];
+        let row = [0u16; 9];
         dot_rows_bf16(&q, &[&row[..]], &mut [0.0; 4]);
     }
 }
