@@ -1,5 +1,5 @@
 //! Throughput of the latent-attention kernels (`dot_rows_many`, `dot_rows_lanes`,
-//! `dot_rows_bf16`, `axpy_rows_many`) on one
+//! `dot_rows_bf16`, `axpy_rows_many`, `axpy_rows_bf16`) on one
 //! thread: H heads against a chunk of cached latent rows, as the absorbed MLA decode step runs
 //! them (16 heads, rows of 576 = 512 + 64 scored, 512 added).
 //!
@@ -10,8 +10,8 @@
 use std::time::Instant;
 
 use cachalot_kernels::{
-    axpy_rows_many, dot_rows_bf16, dot_rows_lanes, dot_rows_many, f32_to_bf16, simd_level,
-    HeadLanes, HeadPairs,
+    axpy_rows_bf16, axpy_rows_many, dot_rows_bf16, dot_rows_lanes, dot_rows_many, f32_to_bf16,
+    simd_level, HeadLanes, HeadPairs,
 };
 
 fn main() {
@@ -54,6 +54,7 @@ fn main() {
     let rows16: Vec<&[u16]> = cache16.iter().map(|r| &r[..]).collect();
     let pairs = HeadPairs::new(&q, heads);
     let tb = best(&mut || dot_rows_bf16(&pairs, &rows16, &mut scores));
+    let tv = best(&mut || axpy_rows_bf16(&p, &rows16, &mut y));
     println!(
         "{heads} heads x {n} rows, simd level {}",
         simd_level().name()
@@ -78,5 +79,10 @@ fn main() {
         "axpy_rows_many {:8.1} us  {:6.2} GFMA/s",
         ta * 1e6,
         g(heads * n * kvr, ta)
+    );
+    println!(
+        "axpy_rows_bf16 {:8.1} us  {:6.2} GFMA/s (bf16 rows and probabilities)",
+        tv * 1e6,
+        g(heads * n * kvr, tv)
     );
 }

@@ -39,7 +39,8 @@ pub use matrix::{MatmulJob, Matrix, MatrixData};
 pub use parallel::{serial, KeepWarm};
 pub use simd::{simd_level, SimdLevel};
 pub use vector::{
-    argmax, axpy, axpy_rows, axpy_rows_many, dot, dot_rows, dot_rows_bf16, dot_rows_lanes,
-    dot_rows_many, log_softmax_at, rms_norm, rms_norm_rows, rope_deinterleave_in_place,
-    scale_in_place, silu_mul, softmax_in_place, softmax_in_place_stats, HeadLanes, HeadPairs,
+    argmax, axpy, axpy_rows, axpy_rows_bf16, axpy_rows_many, dot, dot_rows, dot_rows_bf16,
+    dot_rows_lanes, dot_rows_many, log_softmax_at, rms_norm, rms_norm_rows,
+    rope_deinterleave_in_place, scale_in_place, silu_mul, softmax_in_place, softmax_in_place_stats,
+    HeadLanes, HeadPairs,
 };

@@ -587,9 +587,10 @@ impl DeepseekV3 {
     /// token). With bf16, each token's latents are rounded to bf16 once, when they are made,
     /// and every attention form reads those rounded values, so chunked, batched and
     /// one-at-a-time runs still agree token for token. Set it before making the cache
-    /// (`cache_spec` follows it). With `bf16_dot` too (and no C8), the absorbed attention
-    /// scores the cached rows against bf16-rounded queries as BF16 × BF16 (`k::dot_rows_bf16`,
-    /// `vdpbf16ps`), as the seed's bf16 matmul and llama.cpp's f16 cache do.
+    /// (`cache_spec` follows it). With `bf16_dot` too (and no C8), the absorbed attention runs
+    /// BF16 × BF16 over the cached rows: scores against bf16-rounded queries
+    /// (`k::dot_rows_bf16`) and ō from bf16-rounded probabilities (`k::axpy_rows_bf16`), both
+    /// `vdpbf16ps` where the CPU has it, as the seed's bf16 matmuls and llama.cpp's f16 cache do.
     pub fn set_kv_cache_dtype(&mut self, dtype: KvCacheDtype) {
         self.kv_dtype = dtype;
     }
@@ -1353,16 +1354,18 @@ impl DeepseekV3 {
                 let (t, si, range) = &chunks[u / groups];
                 let gh = head_range(u % groups).len();
                 let latents = seqs[*si].latents;
+                let len = range.len();
+                // f32 rows (borrowed, or widened from a bf16 cache) for the f32 kernels, or
+                // the bf16 rows as cached for the BF16 × BF16 ones.
                 let mut widened = Vec::new();
-                let rows = latents.rows(range.clone(), &mut widened);
-                let ckv: Vec<&[f32]> = rows.iter().map(|r| &r[..kvr]).collect();
-                let len = rows.len();
+                let (rows, raw) = match &lanes[t * groups + u % groups] {
+                    Queries::F32(_) => (latents.rows(range.clone(), &mut widened), Vec::new()),
+                    Queries::Bf16(_) => (Vec::new(), latents.bf16_rows(range.clone())),
+                };
                 let mut by_pos = vec![0.0f32; len * gh];
                 match &lanes[t * groups + u % groups] {
                     Queries::F32(q) => k::dot_rows_lanes(q, &rows, &mut by_pos),
-                    Queries::Bf16(q) => {
-                        k::dot_rows_bf16(q, &latents.bf16_rows(range.clone()), &mut by_pos)
-                    }
+                    Queries::Bf16(q) => k::dot_rows_bf16(q, &raw, &mut by_pos),
                 }
                 let mut by_head = vec![0.0f32; gh * len];
                 for (s, sc) in by_pos.chunks_exact(gh).enumerate() {
@@ -1379,7 +1382,13 @@ impl DeepseekV3 {
                     }
                 }
                 let mut obar = vec![0.0f32; gh * kvr];
-                k::axpy_rows_many(&by_pos, &ckv, &mut obar);
+                if raw.is_empty() {
+                    let ckv: Vec<&[f32]> = rows.iter().map(|r| &r[..kvr]).collect();
+                    k::axpy_rows_many(&by_pos, &ckv, &mut obar);
+                } else {
+                    // c_kv: the first kvr values of each row.
+                    k::axpy_rows_bf16(&by_pos, &raw, &mut obar);
+                }
                 ChunkPartial { max, sum, obar }
             })
             .collect();

@@ -535,9 +535,10 @@ fn bf16_latent_cache_keeps_the_cache_invariants() {
     }
 }
 
-/// A bf16 cache with `bf16_dot`: the absorbed form scores the cached rows as BF16 × BF16
-/// (`dot_rows_bf16`, bf16-rounded queries). Chunking still gives the same bits, the naive form
-/// (its keys up-projected in f32) stays near, and so does the f32 cache's NLL.
+/// A bf16 cache with `bf16_dot`: the absorbed form attends over the cached rows in BF16 × BF16
+/// (`dot_rows_bf16` with bf16-rounded queries, `axpy_rows_bf16` with bf16-rounded
+/// probabilities). Chunking still gives the same bits, and the naive form (its keys and values
+/// up-projected in f32) stays near in mean NLL.
 #[test]
 fn bf16_latent_cache_with_bf16_dot_scores_in_bf16() {
     for name in MODELS {

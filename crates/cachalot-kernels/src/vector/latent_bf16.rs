@@ -1,7 +1,13 @@
-//! Latent-attention scores over a bf16 latent cache with bf16 queries (`--kv-cache-dtype bf16`
-//! with `--bf16-dot`): the seed's C16 cache scored as its bf16 matmul scores it, and as
-//! llama.cpp scores its f16 cache with rounded queries. Spec: `deepseek-v3-r1-kimi-k2.md` §3.4
-//! (absorbed MLA decode: q̃·c_kv + q^R·k^R against every cached latent row).
+//! Latent attention over a bf16 latent cache in BF16 × BF16 (`--kv-cache-dtype bf16` with
+//! `--bf16-dot`): the seed's C16 cache used as its bf16 matmuls use it, and as llama.cpp uses its
+//! f16 cache with rounded queries and probabilities. Spec: `deepseek-v3-r1-kimi-k2.md` §3.4
+//! (absorbed MLA decode: scores q̃·c_kv + q^R·k^R against every cached latent row, then
+//! ō = Σ_s p(s)·c_kv(s)).
+//!
+//! Values ([`axpy_rows_bf16`]): per (head, column) one chain over the position pairs in order,
+//! `acc = (acc + p[s+1]·k[s+1][c]) + p[s]·k[s][c]` from zero, the probabilities rounded as the
+//! queries are (an odd last row pairs with a zero); on AVX-512 BF16 a `vdpbf16ps` takes the two
+//! rows' values of 16 columns, interleaved by `vpunpck{l,h}wd`.
 //!
 //! The result is defined by the operations of x86's `vdpbf16ps` with heads in lanes: per (row,
 //! head) one chain over the column pairs in order,
@@ -89,6 +95,91 @@ pub(crate) fn dot_rows_bf16_at(level: SimdLevel, q: &HeadPairs, rows: &[&[u16]],
         // SAFETY: both levels have AVX2 and FMA; lengths were checked above.
         SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::dot_rows(q, rows, out) },
         _ => scalar_dot_rows(q, rows, out),
+    }
+}
+
+/// Each head's probabilities over `rows.len()` positions as bf16 pairs: `pp[sp·H + h]` holds
+/// (p\[2sp\]\[h\], p\[2sp+1\]\[h\]) rounded (column 2sp low; zero past an odd count).
+fn prob_pairs(p: &[f32], n: usize, heads: usize) -> Vec<u32> {
+    let sp = n.div_ceil(2);
+    let mut pp = vec![0u32; sp * heads];
+    for s in 0..n {
+        for h in 0..heads {
+            let b = round_activation(p[s * heads + h]) as u32;
+            pp[(s / 2) * heads + h] |= if s % 2 == 0 { b } else { b << 16 };
+        }
+    }
+    pp
+}
+
+/// y\[h·d + c\] = Σ_s p\[s·H + h\]·rows\[s\]\[c\] for every head h < H and column c < d
+/// (`d = y.len() / H`; each row holds at least d bf16 values, the rest unread), by the chain of
+/// the module doc: y is overwritten, not added to.
+pub fn axpy_rows_bf16(p: &[f32], rows: &[&[u16]], y: &mut [f32]) {
+    axpy_rows_bf16_at(simd_level(), p, rows, y)
+}
+
+pub(crate) fn axpy_rows_bf16_at(level: SimdLevel, p: &[f32], rows: &[&[u16]], y: &mut [f32]) {
+    let n = rows.len();
+    if n == 0 {
+        // Every chain is empty.
+        y.fill(0.0);
+        return;
+    }
+    assert!(
+        p.len().is_multiple_of(n) && !p.is_empty(),
+        "axpy_rows_bf16: p must hold rows.len() ({n}) x heads values, got {}",
+        p.len()
+    );
+    let heads = p.len() / n;
+    assert!(
+        y.len().is_multiple_of(heads),
+        "axpy_rows_bf16: y ({}) must hold {heads} heads' rows",
+        y.len()
+    );
+    let d = y.len() / heads;
+    assert!(
+        rows.iter().all(|r| r.len() >= d),
+        "axpy_rows_bf16: every row must hold at least y's {d} columns"
+    );
+    let pp = prob_pairs(p, n, heads);
+    let done = match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `dot_rows_bf16_at`; lengths were checked above.
+        SimdLevel::Avx512 if crate::matrix::bf16dot::avx512::supported() => unsafe {
+            avx512::axpy_rows(&pp, heads, rows, d, y)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: both levels have AVX2 and FMA; lengths were checked above.
+        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::axpy_rows(&pp, heads, rows, d, y) },
+        _ => 0,
+    };
+    scalar_axpy_columns(&pp, heads, rows, d, done..d, y);
+}
+
+/// The definition for columns `cols` of every head.
+fn scalar_axpy_columns(
+    pp: &[u32],
+    heads: usize,
+    rows: &[&[u16]],
+    d: usize,
+    cols: std::ops::Range<usize>,
+    y: &mut [f32],
+) {
+    let k = |s: usize, c: usize| {
+        rows.get(s)
+            .map_or(0.0, |r| f32::from_bits((r[c] as u32) << 16))
+    };
+    for h in 0..heads {
+        for c in cols.clone() {
+            let mut acc = 0.0f32;
+            for sp in 0..rows.len().div_ceil(2) {
+                let pv = pp[sp * heads + h];
+                acc += f32::from_bits(pv & 0xFFFF_0000) * k(2 * sp + 1, c);
+                acc += f32::from_bits(pv << 16) * k(2 * sp, c);
+            }
+            y[h * d + c] = acc;
+        }
     }
 }
 
@@ -199,6 +290,54 @@ mod avx2 {
             out[o..o + nh].copy_from_slice(&tmp[..nh]);
         }
     }
+
+    /// Columns in blocks of 32 (4 vectors of 8) for every head; returns the first column not
+    /// done (the rest go to the scalar definition).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; lengths as `axpy_rows_bf16_at` checks them.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy_rows(
+        pp: &[u32],
+        heads: usize,
+        rows: &[&[u16]],
+        d: usize,
+        y: &mut [f32],
+    ) -> usize {
+        let n = rows.len();
+        let widen = |p: *const u16| {
+            _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)))
+        };
+        let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+        let full = d / 32 * 32;
+        for h in 0..heads {
+            let mut c = 0;
+            while c < full {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for sp in 0..n.div_ceil(2) {
+                    let pv = _mm256_set1_epi32(pp[sp * heads + h] as i32);
+                    let p1 = _mm256_castsi256_ps(_mm256_and_si256(pv, hi_mask));
+                    let p0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(pv));
+                    let r0 = rows[2 * sp].as_ptr().add(c);
+                    let r1 = rows.get(2 * sp + 1).map(|r| r.as_ptr().add(c));
+                    for u in 0..4 {
+                        let k1 = match r1 {
+                            Some(r1) => _mm256_castsi256_ps(widen(r1.add(8 * u))),
+                            None => _mm256_setzero_ps(),
+                        };
+                        let k0 = _mm256_castsi256_ps(widen(r0.add(8 * u)));
+                        acc[u] = _mm256_fmadd_ps(p1, k1, acc[u]);
+                        acc[u] = _mm256_fmadd_ps(p0, k0, acc[u]);
+                    }
+                }
+                for u in 0..4 {
+                    _mm256_storeu_ps(y.as_mut_ptr().add(h * d + c + 8 * u), acc[u]);
+                }
+                c += 32;
+            }
+        }
+        full
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -271,6 +410,92 @@ mod avx512 {
             _mm256_storeu_ps(tmp.as_mut_ptr(), acc[r]);
             let o = (s0 + r) * q.heads + hb;
             out[o..o + nh].copy_from_slice(&tmp[..nh]);
+        }
+    }
+
+    /// Columns in blocks of 32 for up to 8 heads at a time (16 accumulators: each head's 32
+    /// columns as the two `vpunpck{l,h}wd` halves); returns the first column not done.
+    ///
+    /// # Safety
+    /// As [`dot_rows`]; lengths as `axpy_rows_bf16_at` checks them.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    pub(super) unsafe fn axpy_rows(
+        pp: &[u32],
+        heads: usize,
+        rows: &[&[u16]],
+        d: usize,
+        y: &mut [f32],
+    ) -> usize {
+        let full = d / 32 * 32;
+        let mut h0 = 0;
+        while h0 < heads {
+            let nh = (heads - h0).min(8);
+            let mut c = 0;
+            while c < full {
+                match nh {
+                    8 => vblock::<8>(pp, heads, rows, d, h0, c, y),
+                    4..=7 => {
+                        vblock::<4>(pp, heads, rows, d, h0, c, y);
+                        for h in h0 + 4..h0 + nh {
+                            vblock::<1>(pp, heads, rows, d, h, c, y);
+                        }
+                    }
+                    _ => {
+                        for h in h0..h0 + nh {
+                            vblock::<1>(pp, heads, rows, d, h, c, y);
+                        }
+                    }
+                }
+                c += 32;
+            }
+            h0 += nh;
+        }
+        full
+    }
+
+    /// Heads h0..h0+NH, columns c..c+32, over every row pair.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    unsafe fn vblock<const NH: usize>(
+        pp: &[u32],
+        heads: usize,
+        rows: &[&[u16]],
+        d: usize,
+        h0: usize,
+        c: usize,
+        y: &mut [f32],
+    ) {
+        let n = rows.len();
+        let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
+        let mut acc = [[_mm512_setzero_ps(); 2]; NH];
+        for sp in 0..n.div_ceil(2) {
+            let k0 = _mm512_loadu_si512(rows[2 * sp].as_ptr().add(c) as *const __m512i);
+            let k1 = match rows.get(2 * sp + 1) {
+                Some(r) => _mm512_loadu_si512(r.as_ptr().add(c) as *const __m512i),
+                None => _mm512_setzero_si512(),
+            };
+            // Per 128-bit lane L: (row 2sp, row 2sp+1) pairs of columns 8L..8L+4 (lo) and
+            // 8L+4..8L+8 (hi).
+            let lo = bh(_mm512_unpacklo_epi16(k0, k1));
+            let hi = bh(_mm512_unpackhi_epi16(k0, k1));
+            let pr = pp.as_ptr().add(sp * heads + h0);
+            for j in 0..NH {
+                let pv = bh(_mm512_set1_epi32(*pr.add(j) as i32));
+                acc[j][0] = _mm512_dpbf16_ps(acc[j][0], lo, pv);
+                acc[j][1] = _mm512_dpbf16_ps(acc[j][1], hi, pv);
+            }
+        }
+        // Back to column order: lo holds columns {0-3, 8-11, 16-19, 24-27}, hi the others.
+        let first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        let second =
+            _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for j in 0..NH {
+            let o = y.as_mut_ptr().add((h0 + j) * d + c);
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(acc[j][0], first, acc[j][1]));
+            _mm512_storeu_ps(
+                o.add(16),
+                _mm512_permutex2var_ps(acc[j][0], second, acc[j][1]),
+            );
         }
     }
 
@@ -419,6 +644,64 @@ mod tests {
                     })
                     .sum();
                 let g = got[s * heads + h] as f64;
+                assert!(
+                    (g - exact).abs() <= 1e-4 * (1.0 + exact.abs()),
+                    "{g} vs {exact}"
+                );
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// The value pass: every level gives the definition's bits, heads 1..20 (8-, 4- and
+        /// 1-head blocks), widths with and without a ragged tail, odd and even row counts, rows
+        /// longer than d.
+        #[test]
+        fn value_levels_match_the_definition(
+            heads in 1usize..20, d in 1usize..100, extra in 0usize..3, n in 1usize..21,
+            seed in any::<u64>()
+        ) {
+            let p: Vec<f32> = (0..n * heads).map(|i| normal(seed, i).abs() / 4.0).collect();
+            let rows: Vec<Vec<u16>> = (0..n)
+                .map(|s| (0..d + extra).map(|c| f32_to_bf16(normal(seed + 3, s * 131 + c))).collect())
+                .collect();
+            let refs: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+            let pp = prob_pairs(&p, n, heads);
+            let mut want = vec![0.0f32; heads * d];
+            scalar_axpy_columns(&pp, heads, &refs, d, 0..d, &mut want);
+            for level in levels() {
+                let mut got = vec![f32::NAN; heads * d];
+                axpy_rows_bf16_at(level, &p, &refs, &mut got);
+                prop_assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{:?}", level
+                );
+            }
+        }
+    }
+
+    /// The value pass is Σ p·k over the bf16-rounded probabilities and rows, up to f32 rounding.
+    #[test]
+    fn values_are_the_rounded_weighted_sums() {
+        let (heads, d, n) = (16, 512, 37);
+        let p: Vec<f32> = (0..n * heads).map(|i| normal(5, i).abs() / 10.0).collect();
+        let rows: Vec<Vec<u16>> = (0..n)
+            .map(|s| (0..d).map(|c| f32_to_bf16(normal(9, s * d + c))).collect())
+            .collect();
+        let refs: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+        let mut got = vec![0.0f32; heads * d];
+        axpy_rows_bf16(&p, &refs, &mut got);
+        for h in 0..heads {
+            for c in 0..d {
+                let exact: f64 = (0..n)
+                    .map(|s| {
+                        let pb = crate::bf16_to_f32(round_activation(p[s * heads + h])) as f64;
+                        pb * f32::from_bits((rows[s][c] as u32) << 16) as f64
+                    })
+                    .sum();
+                let g = got[h * d + c] as f64;
                 assert!(
                     (g - exact).abs() <= 1e-4 * (1.0 + exact.abs()),
                     "{g} vs {exact}"

@@ -20,7 +20,7 @@ mod avx512;
 mod latent;
 
 mod latent_bf16;
-pub use latent_bf16::{dot_rows_bf16, HeadPairs};
+pub use latent_bf16::{axpy_rows_bf16, dot_rows_bf16, HeadPairs};
 
 #[cfg(test)]
 mod tests;
