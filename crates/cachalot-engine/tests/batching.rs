@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use cachalot_engine::generate::FinishReason;
 use cachalot_engine::{Engine, EngineConfig, Model, Request, SamplingParams, StopConditions};
 use cachalot_model::eval::{self, CausalLm};
-use cachalot_model::{DeepseekV3, DeepseekV4, Fp8Mode, LoadOptions, V4LoadOptions};
+use cachalot_model::{
+    AttentionPath, DeepseekV3, DeepseekV4, Fp8Mode, KvCacheDtype, LoadOptions, V4LoadOptions,
+};
 
 fn load(name: &str) -> DeepseekV3 {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -234,4 +236,29 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
     });
     assert_eq!(out.finish, FinishReason::StopToken(plain.tokens[k]));
     assert_eq!(out.text, before);
+}
+
+/// A bf16 latent cache (`--kv-cache-dtype bf16`): batched and chunked greedy runs still equal
+/// each request alone, with either MLA form throughout and with the form chosen per step.
+#[test]
+fn bf16_cache_batched_greedy_equals_each_request_alone() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks: 128,
+        batch_size: 4,
+        max_prefill_tokens: 16,
+    };
+    let lens = [3, 41, 9, 17, 1, 30, 6, 12];
+    for name in ["r1_tiny", "kimi_tiny", "v3_noq_tiny"] {
+        for path in [
+            AttentionPath::Naive,
+            AttentionPath::Absorbed,
+            AttentionPath::Auto,
+        ] {
+            let mut m = load(name);
+            m.set_kv_cache_dtype(KvCacheDtype::Bf16);
+            m.attention_path = path;
+            batched_equals_alone_with(&format!("{name} {path:?}"), &m, &lens, cfg, false);
+        }
+    }
 }

@@ -148,8 +148,6 @@ pub struct DeepseekV3 {
     comm: Option<Arc<dyn Communicator>>,
     /// How the cache's float part is stored (`set_kv_cache_dtype`).
     kv_dtype: KvCacheDtype,
-    /// `LoadOptions::bf16_dot`: with a bf16 cache, latent scores are BF16 × BF16 too.
-    bf16_dot: bool,
 }
 
 /// Logits of the requested tokens, and (when asked) the final-normed hidden state of every token,
@@ -578,7 +576,6 @@ impl DeepseekV3 {
             shard: opts.expert_shard,
             comm: None,
             kv_dtype: KvCacheDtype::F32,
-            bf16_dot: opts.bf16_dot,
         })
     }
 
@@ -586,11 +583,12 @@ impl DeepseekV3 {
     /// default: exact) or bf16 (C16, as the seed stores them: half the memory per cached
     /// token). With bf16, each token's latents are rounded to bf16 once, when they are made,
     /// and every attention form reads those rounded values, so chunked, batched and
-    /// one-at-a-time runs still agree token for token. Set it before making the cache
-    /// (`cache_spec` follows it). With `bf16_dot` too (and no C8), the absorbed attention runs
-    /// BF16 × BF16 over the cached rows: scores against bf16-rounded queries
-    /// (`k::dot_rows_bf16`) and ō from bf16-rounded probabilities (`k::axpy_rows_bf16`), both
-    /// `vdpbf16ps` where the CPU has it, as the seed's bf16 matmuls and llama.cpp's f16 cache do.
+    /// one-at-a-time runs still agree token for token; and (without C8) the absorbed attention
+    /// runs BF16 × BF16 over the cached rows, as the seed's bf16 attention and llama.cpp's
+    /// 16-bit caches do: scores against bf16-rounded queries (`k::dot_rows_bf16`) and ō from
+    /// bf16-rounded probabilities (`k::axpy_rows_bf16`), `vdpbf16ps` where the CPU has it. The
+    /// naive form (long prefills) up-projects the rounded latents in f32. Set it before making
+    /// the cache (`cache_spec` follows it).
     pub fn set_kv_cache_dtype(&mut self, dtype: KvCacheDtype) {
         self.kv_dtype = dtype;
     }
@@ -1043,8 +1041,8 @@ impl DeepseekV3 {
         let paths: Vec<Option<AttentionPath>> = (0..num_seqs).map(path_of).collect();
         // C8: each sequence's latents dequantized (c8 · s) once per layer; the naive path
         // (prefill) attends to this step's own tokens un-quantized, as the seed does. A bf16
-        // cache (C16) is widened whole for the naive path only: the absorbed path widens each
-        // chunk of rows as it reads them (`Latents::rows`).
+        // cache (C16) is widened whole for the naive path only: the absorbed path attends over
+        // its rows as they are (`Latents::bf16_rows`).
         let float_of = |slot: usize, out: &mut [f32]| match self.kv_dtype {
             KvCacheDtype::F32 => out.copy_from_slice(&cache_f32[slot * fw..(slot + 1) * fw]),
             KvCacheDtype::Bf16 => widen_bf16(&cache_bf16[slot * fw..(slot + 1) * fw], out),
@@ -1332,10 +1330,10 @@ impl DeepseekV3 {
         let per_group = n.div_ceil((threads / chunks.len().max(1)).clamp(1, n));
         let groups = n.div_ceil(per_group);
         // Each (token, head group)'s queries in vector lanes, once for all its chunks: f32, or
-        // bf16 pairs when a bf16 cache is scored as BF16 × BF16.
+        // bf16 pairs over a bf16 cache (attended in BF16 × BF16; C8's rows are dequantized
+        // to f32 instead).
         let head_range = |g: usize| g * per_group..((g + 1) * per_group).min(n);
-        let bf16_scores =
-            self.bf16_dot && self.kv_dtype == KvCacheDtype::Bf16 && mla.ckv_scale.is_none();
+        let bf16_scores = self.kv_dtype == KvCacheDtype::Bf16 && mla.ckv_scale.is_none();
         let lanes: Vec<Queries> = (0..tq * groups)
             .into_par_iter()
             .map(|i| {
@@ -1355,11 +1353,12 @@ impl DeepseekV3 {
                 let gh = head_range(u % groups).len();
                 let latents = seqs[*si].latents;
                 let len = range.len();
-                // f32 rows (borrowed, or widened from a bf16 cache) for the f32 kernels, or
-                // the bf16 rows as cached for the BF16 × BF16 ones.
-                let mut widened = Vec::new();
-                let (rows, raw) = match &lanes[t * groups + u % groups] {
-                    Queries::F32(_) => (latents.rows(range.clone(), &mut widened), Vec::new()),
+                // f32 rows for the f32 kernels, or the bf16 rows as cached for the BF16 × BF16
+                // ones.
+                let (rows, raw): (Vec<&[f32]>, _) = match &lanes[t * groups + u % groups] {
+                    Queries::F32(_) => {
+                        (range.clone().map(|s| latents.row(s)).collect(), Vec::new())
+                    }
                     Queries::Bf16(_) => (Vec::new(), latents.bf16_rows(range.clone())),
                 };
                 let mut by_pos = vec![0.0f32; len * gh];
@@ -1607,7 +1606,7 @@ enum LatentCache<'a> {
 
 impl Latents<'_> {
     /// The row at `pos`: from the f32 values (materialized or cached). A bf16 cache is read
-    /// through [`Latents::rows`] or materialized first (`attention` does one or the other).
+    /// through [`Latents::bf16_rows`] or materialized first (`attention` does one or the other).
     #[inline]
     fn row(&self, pos: usize) -> &[f32] {
         match (self.dequantized, self.cache) {
@@ -1617,7 +1616,7 @@ impl Latents<'_> {
                 &c[slot * self.width..(slot + 1) * self.width]
             }
             (None, LatentCache::Bf16(_)) => {
-                unreachable!("a bf16 latent cache is read through `rows` or materialized")
+                unreachable!("a bf16 latent cache is read through `bf16_rows` or materialized")
             }
         }
     }
@@ -1634,24 +1633,6 @@ impl Latents<'_> {
                 &c[slot * w..(slot + 1) * w]
             })
             .collect()
-    }
-
-    /// The rows at `positions` as f32 slices: borrowed where the values are f32, widened from
-    /// a bf16 cache into `buf` (exact) otherwise.
-    fn rows<'s>(&'s self, positions: Range<usize>, buf: &'s mut Vec<f32>) -> Vec<&'s [f32]> {
-        match (self.dequantized, self.cache) {
-            (None, LatentCache::Bf16(c)) => {
-                let w = self.width;
-                buf.clear();
-                buf.resize(positions.len() * w, 0.0);
-                for (pos, out) in positions.zip(buf.chunks_exact_mut(w)) {
-                    let slot = slot_of(self.table, pos, self.block_size);
-                    widen_bf16(&c[slot * w..(slot + 1) * w], out);
-                }
-                buf.chunks_exact(w).collect()
-            }
-            _ => positions.map(|p| self.row(p)).collect(),
-        }
     }
 }
 

@@ -429,12 +429,19 @@ fn bf16_latent_cache_holds_the_rounded_latents() {
 /// With a bf16 cache every attention form reads the same rounded latents (the step's own
 /// tokens too, rounded where they are made), so one form gives the same bits whatever the
 /// chunking: token by token, in chunks of 7 or in one prefill, naive or absorbed alike. Across
-/// the two forms (different summation orders over the same values) these fixtures differ by up
-/// to 2.6e-3 in a logprob (the same gap as an f32 cache holding bf16-rounded latents; with
-/// unrounded f32 latents it is ~5e-6: rounding to nearest lands these random-weight models
-/// closer to a sensitive point), against 1e-2 here. A packed batch equals each sequence alone.
+/// the forms the arithmetic differs (the naive form up-projects the latents in f32, the absorbed
+/// one attends in BF16 × BF16 with bf16 queries and probabilities): on these chaotic
+/// random-weight fixtures single logprobs move by up to ~0.5 and the mean NLL by ~0.1%,
+/// bounded here at 0.5%. A packed batch equals each sequence alone.
 #[test]
 fn bf16_latent_cache_keeps_the_cache_invariants() {
+    let close = |what: &str, a: &[f32], b: &[f32]| {
+        let (na, nb) = (eval::nll_ppl(a).0, eval::nll_ppl(b).0);
+        assert!(
+            ((na - nb) / nb).abs() < 5e-3,
+            "{what}: mean NLL {na} vs {nb}"
+        );
+    };
     for name in MODELS {
         let mut m = load_bf16_cache(name);
         let r = reference(name);
@@ -452,11 +459,18 @@ fn bf16_latent_cache_keeps_the_cache_invariants() {
             }
             by_form.push(full);
         }
+        assert_ne!(
+            by_form[0], by_form[1],
+            "{name}: the forms' arithmetic differs"
+        );
+        close(
+            &format!("{name}: naive vs absorbed"),
+            &by_form[0],
+            &by_form[1],
+        );
         m.attention_path = AttentionPath::Auto;
         let auto = eval::next_token_logprobs(&m, &toks, 7).unwrap();
-        assert!(max_abs_diff(&auto, &by_form[0]) < 1e-2, "{name}: auto");
-        let worst = max_abs_diff(&by_form[0], &by_form[1]);
-        assert!(worst < 1e-2, "{name}: naive vs absorbed {worst}");
+        close(&format!("{name}: auto"), &auto, &by_form[0]);
 
         let mut long: Vec<u32> = Vec::new();
         while long.len() < 300 {
@@ -469,15 +483,20 @@ fn bf16_latent_cache_keeps_the_cache_invariants() {
         let a = eval::next_token_logprobs(&m, &long, 4096).unwrap();
         m.attention_path = AttentionPath::Absorbed;
         let b = eval::next_token_logprobs(&m, &long, 4096).unwrap();
-        let worst = max_abs_diff(&a, &b);
-        assert!(
-            worst < 1e-2,
-            "{name}: naive vs absorbed over 300 positions {worst}"
-        );
+        close(&format!("{name}: 300 positions"), &a, &b);
     }
 
-    // Packed: two sequences, prefill then 3-token steps, on interleaved blocks.
-    let m = load_bf16_cache("r1_tiny");
+    // Packed: two sequences, prefill then 3-token steps, on interleaved blocks, each form
+    // alike (one form throughout: prefills and 3-token steps would otherwise take different
+    // ones): the same bits as each sequence alone.
+    for path in [AttentionPath::Naive, AttentionPath::Absorbed] {
+        packed_equals_alone_bf16(path);
+    }
+}
+
+fn packed_equals_alone_bf16(path: AttentionPath) {
+    let mut m = load_bf16_cache("r1_tiny");
+    m.attention_path = path;
     let r = reference("r1_tiny");
     let seqs: Vec<Vec<u32>> = (0..2)
         .map(|i| ids(&r["sequences"][i]["token_ids"]))
@@ -530,38 +549,6 @@ fn bf16_latent_cache_keeps_the_cache_invariants() {
         }
     }
     for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
-        let d = max_abs_diff(g, a);
-        assert!(d < 1e-4, "sequence {i}: packed vs alone differ by {d}");
-    }
-}
-
-/// A bf16 cache with `bf16_dot`: the absorbed form attends over the cached rows in BF16 × BF16
-/// (`dot_rows_bf16` with bf16-rounded queries, `axpy_rows_bf16` with bf16-rounded
-/// probabilities). Chunking still gives the same bits, and the naive form (its keys and values
-/// up-projected in f32) stays near in mean NLL.
-#[test]
-fn bf16_latent_cache_with_bf16_dot_scores_in_bf16() {
-    for name in MODELS {
-        let opts = LoadOptions {
-            bf16_dot: true,
-            ..Default::default()
-        };
-        let mut m = DeepseekV3::load(&fixture_dir(name), opts).unwrap();
-        m.set_kv_cache_dtype(KvCacheDtype::Bf16);
-        let mut f32_scores = load_bf16_cache(name);
-        let toks = ids(&reference(name)["sequences"][2]["token_ids"]);
-        m.attention_path = AttentionPath::Absorbed;
-        f32_scores.attention_path = AttentionPath::Absorbed;
-        let full = eval::next_token_logprobs(&m, &toks, 4096).unwrap();
-        for chunk in [1, 7] {
-            let got = eval::next_token_logprobs(&m, &toks, chunk).unwrap();
-            assert_eq!(got, full, "{name}: chunks of {chunk} vs one prefill");
-        }
-        let other = eval::next_token_logprobs(&f32_scores, &toks, 4096).unwrap();
-        assert_ne!(full, other, "{name}: bf16 scores changed nothing");
-        m.attention_path = AttentionPath::Naive;
-        let naive = eval::next_token_logprobs(&m, &toks, 4096).unwrap();
-        let (a, b) = (eval::nll_ppl(&full).0, eval::nll_ppl(&naive).0);
-        assert!(((a - b) / b).abs() < 5e-3, "{name}: NLL {a} vs naive {b}");
+        assert_eq!(g, a, "{path:?}: sequence {i}: packed vs alone");
     }
 }

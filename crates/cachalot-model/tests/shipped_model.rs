@@ -117,8 +117,9 @@ fn int8_head_halves_the_head_and_keeps_the_logprobs() {
 
 /// `--kv-cache-dtype bf16` on the trained model: half the cache bytes per token, and the
 /// eval text's log-probabilities near the f32 cache's, in chunks of 32 so most attention reads
-/// come back from the cache (measured on these 511 tokens: worst per-token Δ 0.075, mean NLL Δ
-/// 0.0003 of 4.61; perplexity over the whole eval.txt in docs/PERF.md).
+/// come back from the cache, attended in BF16 × BF16 (measured on these 511 tokens: worst
+/// per-token Δ 0.030, mean NLL Δ 0.00015 of 4.61; perplexity over the whole eval.txt in
+/// docs/PERF.md).
 #[test]
 fn bf16_latent_cache_halves_the_cache_and_keeps_the_logprobs() {
     let plain = model(false);
