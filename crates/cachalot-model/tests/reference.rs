@@ -148,71 +148,14 @@ fn absorbed_attention_over_several_chunks_agrees_with_naive() {
 fn packed_batch_equals_each_sequence_alone() {
     let name = "r1_tiny";
     let m = load(name);
-    let r = reference(name);
-    let seqs: Vec<Vec<u32>> = r["sequences"]
+    let seqs: Vec<Vec<u32>> = reference(name)["sequences"]
         .as_array()
         .unwrap()
         .iter()
         .map(|s| ids(&s["token_ids"]))
         .collect();
-    let vocab = m.config().vocab_size;
-
-    let alone: Vec<Vec<f32>> = seqs
-        .iter()
-        .map(|s| {
-            let mut cache = KvCache::new(m.cache_spec(), 4, s.len().div_ceil(4));
-            let mut alloc = BlockAllocator::new(cache.num_blocks());
-            let mut table = Vec::new();
-            alloc.ensure(&mut table, s.len(), 4).unwrap();
-            let mut b = Batch::default();
-            b.push_seq(s, 0, table, LogitsWanted::All);
-            m.forward(&b, &mut cache, false).unwrap().logits
-        })
-        .collect();
-
-    // Step 1: prefill all but the last 3 tokens of each; step 2: the rest, 3 tokens each.
-    let total_blocks: usize = seqs.iter().map(|s| s.len().div_ceil(4)).sum();
-    let mut cache = KvCache::new(m.cache_spec(), 4, total_blocks);
-    let mut alloc = BlockAllocator::new(total_blocks);
-    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); seqs.len()];
-    // Interleave block allocation across sequences.
-    for n in (4..).step_by(4) {
-        let mut any = false;
-        for (s, t) in seqs.iter().zip(tables.iter_mut()) {
-            if n <= s.len().div_ceil(4) * 4 {
-                alloc.ensure(t, n.min(s.len()), 4).unwrap();
-                any = true;
-            }
-        }
-        if !any {
-            break;
-        }
-    }
-    let split: Vec<usize> = seqs.iter().map(|s| s.len().saturating_sub(3)).collect();
-    let mut got: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
-    for step in 0..2 {
-        let mut b = Batch::default();
-        for (i, s) in seqs.iter().enumerate() {
-            let (lo, hi) = if step == 0 {
-                (0, split[i])
-            } else {
-                (split[i], s.len())
-            };
-            b.push_seq(&s[lo..hi], lo, tables[i].clone(), LogitsWanted::All);
-        }
-        let out = m.forward(&b, &mut cache, false).unwrap();
-        let mut off = 0;
-        for (i, s) in seqs.iter().enumerate() {
-            let n = if step == 0 {
-                split[i]
-            } else {
-                s.len() - split[i]
-            };
-            got[i].extend_from_slice(&out.logits[off * vocab..(off + n) * vocab]);
-            off += n;
-        }
-    }
-    for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
+    let (packed, alone) = packed_and_alone(&m, &seqs);
+    for (i, (g, a)) in packed.iter().zip(&alone).enumerate() {
         let d = max_abs_diff(g, a);
         assert!(d < 1e-4, "sequence {i}: packed vs alone differ by {d}");
     }
@@ -501,6 +444,16 @@ fn packed_equals_alone_bf16(path: AttentionPath) {
     let seqs: Vec<Vec<u32>> = (0..2)
         .map(|i| ids(&r["sequences"][i]["token_ids"]))
         .collect();
+    let (packed, alone) = packed_and_alone(&m, &seqs);
+    for (i, (g, a)) in packed.iter().zip(&alone).enumerate() {
+        assert_eq!(g, a, "{path:?}: sequence {i}: packed vs alone");
+    }
+}
+
+/// Every sequence's logits (all positions) run alone in one prefill, and packed: one step
+/// prefilling all but the last 3 tokens of each, then one with the rest, 3 tokens each, on
+/// blocks of 4 allocated across the sequences in turn. Returns (packed, alone).
+fn packed_and_alone(m: &DeepseekV3, seqs: &[Vec<u32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let vocab = m.config().vocab_size;
     let alone: Vec<Vec<f32>> = seqs
         .iter()
@@ -517,7 +470,7 @@ fn packed_equals_alone_bf16(path: AttentionPath) {
     let blocks: usize = seqs.iter().map(|s| s.len().div_ceil(4)).sum();
     let mut cache = KvCache::new(m.cache_spec(), 4, blocks);
     let mut alloc = BlockAllocator::new(blocks);
-    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 2];
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); seqs.len()];
     for n in (4..)
         .step_by(4)
         .take_while(|&n| seqs.iter().any(|s| n < s.len() + 4))
@@ -528,11 +481,11 @@ fn packed_equals_alone_bf16(path: AttentionPath) {
             }
         }
     }
-    let split: Vec<usize> = seqs.iter().map(|s| s.len() - 3).collect();
-    let mut got: Vec<Vec<f32>> = vec![Vec::new(); 2];
+    let split: Vec<usize> = seqs.iter().map(|s| s.len().saturating_sub(3)).collect();
+    let mut got: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
     for step in 0..2 {
         let mut b = Batch::default();
-        let spans: Vec<(usize, usize)> = (0..2)
+        let spans: Vec<(usize, usize)> = (0..seqs.len())
             .map(|i| match step {
                 0 => (0, split[i]),
                 _ => (split[i], seqs[i].len()),
@@ -548,7 +501,5 @@ fn packed_equals_alone_bf16(path: AttentionPath) {
             off += hi - lo;
         }
     }
-    for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
-        assert_eq!(g, a, "{path:?}: sequence {i}: packed vs alone");
-    }
+    (got, alone)
 }

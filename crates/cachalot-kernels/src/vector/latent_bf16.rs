@@ -373,46 +373,6 @@ mod avx512 {
         });
     }
 
-    /// `tile` for heads hb..hb+8 in 256-bit vectors.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
-    unsafe fn tile8<const R: usize>(
-        q: &HeadPairs,
-        rows: &[&[u16]],
-        s0: usize,
-        hb: usize,
-        out: &mut [f32],
-    ) {
-        let pairs = q.d.div_ceil(2);
-        let full = q.d / 2;
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut rp = [std::ptr::null::<u16>(); R];
-        for r in 0..R {
-            rp[r] = rows[s0 + r].as_ptr();
-        }
-        let bh = |v: __m256i| std::mem::transmute::<__m256i, __m256bh>(v);
-        for p in 0..pairs {
-            let qv = bh(_mm256_loadu_si256(
-                q.qp.as_ptr().add(p * q.hp + hb) as *const __m256i
-            ));
-            for r in 0..R {
-                let k = if p < full {
-                    (rp[r].add(2 * p) as *const u32).read_unaligned()
-                } else {
-                    pair(rows[s0 + r], p)
-                };
-                acc[r] = _mm256_dpbf16_ps(acc[r], qv, bh(_mm256_set1_epi32(k as i32)));
-            }
-        }
-        let nh = (q.heads - hb).min(8);
-        let mut tmp = [0.0f32; 8];
-        for r in 0..R {
-            _mm256_storeu_ps(tmp.as_mut_ptr(), acc[r]);
-            let o = (s0 + r) * q.heads + hb;
-            out[o..o + nh].copy_from_slice(&tmp[..nh]);
-        }
-    }
-
     /// Columns in blocks of 32 for up to 8 heads at a time (16 accumulators: each head's 32
     /// columns as the two `vpunpck{l,h}wd` halves); returns the first column not done.
     ///
@@ -520,44 +480,74 @@ mod avx512 {
         }
     }
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
-    unsafe fn tile<const R: usize>(
-        q: &HeadPairs,
-        rows: &[&[u16]],
-        s0: usize,
-        hb: usize,
-        out: &mut [f32],
-    ) {
-        let pairs = q.d.div_ceil(2);
-        let full = q.d / 2;
-        let mut acc = [_mm512_setzero_ps(); R];
-        let mut rp = [std::ptr::null::<u16>(); R];
-        for r in 0..R {
-            rp[r] = rows[s0 + r].as_ptr();
-        }
-        let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
-        for p in 0..pairs {
-            let qv = bh(_mm512_loadu_si512(
-                q.qp.as_ptr().add(p * q.hp + hb) as *const __m512i
-            ));
-            for r in 0..R {
-                let k = if p < full {
-                    (rp[r].add(2 * p) as *const u32).read_unaligned()
-                } else {
-                    pair(rows[s0 + r], p)
-                };
-                acc[r] = _mm512_dpbf16_ps(acc[r], qv, bh(_mm512_set1_epi32(k as i32)));
+    /// A score tile for one vector width: `$name::<R>(q, rows, s0, hb, out)` scores rows
+    /// s0..s0+R against heads hb..hb+LANES (those below H written).
+    macro_rules! score_tile {
+        ($name:ident, $lanes:literal, $vi:ty, $vbh:ty, $vps:ty, $zero:ident, $load:ident,
+         $set1:ident, $dp:ident, $store:ident) => {
+            #[inline]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+            unsafe fn $name<const R: usize>(
+                q: &HeadPairs,
+                rows: &[&[u16]],
+                s0: usize,
+                hb: usize,
+                out: &mut [f32],
+            ) {
+                let pairs = q.d.div_ceil(2);
+                let full = q.d / 2;
+                let mut acc: [$vps; R] = [$zero(); R];
+                let mut rp = [std::ptr::null::<u16>(); R];
+                for r in 0..R {
+                    rp[r] = rows[s0 + r].as_ptr();
+                }
+                let bh = |v: $vi| std::mem::transmute::<$vi, $vbh>(v);
+                for p in 0..pairs {
+                    let qv = bh($load(q.qp.as_ptr().add(p * q.hp + hb) as *const $vi));
+                    for r in 0..R {
+                        let k = if p < full {
+                            (rp[r].add(2 * p) as *const u32).read_unaligned()
+                        } else {
+                            pair(rows[s0 + r], p)
+                        };
+                        acc[r] = $dp(acc[r], qv, bh($set1(k as i32)));
+                    }
+                }
+                let nh = (q.heads - hb).min($lanes);
+                let mut tmp = [0.0f32; $lanes];
+                for r in 0..R {
+                    $store(tmp.as_mut_ptr(), acc[r]);
+                    let o = (s0 + r) * q.heads + hb;
+                    out[o..o + nh].copy_from_slice(&tmp[..nh]);
+                }
             }
-        }
-        let nh = (q.heads - hb).min(16);
-        let mut tmp = [0.0f32; 16];
-        for r in 0..R {
-            _mm512_storeu_ps(tmp.as_mut_ptr(), acc[r]);
-            let o = (s0 + r) * q.heads + hb;
-            out[o..o + nh].copy_from_slice(&tmp[..nh]);
-        }
+        };
     }
+
+    score_tile!(
+        tile,
+        16,
+        __m512i,
+        __m512bh,
+        __m512,
+        _mm512_setzero_ps,
+        _mm512_loadu_si512,
+        _mm512_set1_epi32,
+        _mm512_dpbf16_ps,
+        _mm512_storeu_ps
+    );
+    score_tile!(
+        tile8,
+        8,
+        __m256i,
+        __m256bh,
+        __m256,
+        _mm256_setzero_ps,
+        _mm256_loadu_si256,
+        _mm256_set1_epi32,
+        _mm256_dpbf16_ps,
+        _mm256_storeu_ps
+    );
 }
 
 #[cfg(test)]
@@ -591,11 +581,25 @@ mod tests {
         (HeadPairs::new(&q, heads), rows)
     }
 
-    fn levels() -> Vec<SimdLevel> {
+    /// `run(level, out)` on a NaN-filled output of `len` values at every SIMD level this CPU
+    /// has.
+    fn at_every_level(
+        len: usize,
+        run: impl Fn(SimdLevel, &mut [f32]),
+    ) -> Vec<(SimdLevel, Vec<f32>)> {
         [SimdLevel::Avx2, SimdLevel::Avx512]
             .into_iter()
             .filter(|l| l.supported())
+            .map(|l| {
+                let mut out = vec![f32::NAN; len];
+                run(l, &mut out);
+                (l, out)
+            })
             .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
     }
 
     proptest! {
@@ -610,14 +614,10 @@ mod tests {
             let refs: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
             let mut want = vec![0.0f32; n * heads];
             scalar_dot_rows(&q, &refs, &mut want);
-            for level in levels() {
-                let mut got = vec![f32::NAN; n * heads];
-                dot_rows_bf16_at(level, &q, &refs, &mut got);
-                prop_assert_eq!(
-                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "{:?}", level
-                );
+            for (level, got) in at_every_level(n * heads, |l, out| {
+                dot_rows_bf16_at(l, &q, &refs, out)
+            }) {
+                prop_assert_eq!(bits(&got), bits(&want), "{:?}", level);
             }
         }
     }
@@ -670,14 +670,10 @@ mod tests {
             let pp = prob_pairs(&p, n, heads);
             let mut want = vec![0.0f32; heads * d];
             scalar_axpy_columns(&pp, heads, &refs, d, 0..d, &mut want);
-            for level in levels() {
-                let mut got = vec![f32::NAN; heads * d];
-                axpy_rows_bf16_at(level, &p, &refs, &mut got);
-                prop_assert_eq!(
-                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "{:?}", level
-                );
+            for (level, got) in at_every_level(heads * d, |l, out| {
+                axpy_rows_bf16_at(l, &p, &refs, out)
+            }) {
+                prop_assert_eq!(bits(&got), bits(&want), "{:?}", level);
             }
         }
     }
