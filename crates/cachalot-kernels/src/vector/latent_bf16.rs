@@ -202,6 +202,7 @@ pub(crate) fn scalar_dot_rows(q: &HeadPairs, rows: &[&[u16]], out: &mut [f32]) {
 }
 
 /// Row `r`'s pair `p` as a u32 (column 2p low); an odd last column pairs with zero.
+#[cfg(target_arch = "x86_64")]
 #[inline]
 fn pair(row: &[u16], p: usize) -> u32 {
     let lo = row[2 * p] as u32;
@@ -210,6 +211,7 @@ fn pair(row: &[u16], p: usize) -> u32 {
 }
 
 /// Tiles of 8, 4 and 1 rows for every group of `lanes` heads, `tile(r0, R, hb)` doing the work.
+#[cfg(target_arch = "x86_64")]
 #[inline]
 fn for_tiles(n: usize, heads: usize, lanes: usize, mut tile: impl FnMut(usize, usize, usize)) {
     let mut hb = 0;
