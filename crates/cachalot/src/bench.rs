@@ -495,11 +495,12 @@ fn print_text(r: &serde_json::Value) {
     let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
     println!("model: {}", r["model"].as_str().unwrap_or("?"));
     println!(
-        "parameters: {:.3} B total, {:.3} B active; {} threads; load {:.1} s",
+        "parameters: {:.3} B total, {:.3} B active; {} threads; load {:.1} s; KV cache {}",
         f("params_total") / 1e9,
         f("params_active") / 1e9,
         r["threads"],
-        f("load_s")
+        f("load_s"),
+        r["kv_cache_dtype"].as_str().unwrap_or("f32")
     );
     println!(
         "prefill {} tokens: {:.1} tok/s, TTFT {:.1} ms",

@@ -451,6 +451,35 @@ fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
     );
     assert_eq!(b["output_tokens"], a["output_tokens"]);
 
+    // bench reports it, with the cache's bytes.
+    let bench = |dtype: &str| {
+        json(&ok(cachalot(
+            &[
+                "bench",
+                "--model",
+                &r1_tiny(),
+                "--prompt-len",
+                "8",
+                "--gen-len",
+                "4",
+                "--membw-mib",
+                "16",
+                "--membw-passes",
+                "1",
+                "--json",
+                "--kv-cache-dtype",
+                dtype,
+            ],
+            None,
+        )))
+    };
+    let (a, b) = (bench("f32"), bench("bf16"));
+    assert_eq!(b["kv_cache_dtype"], "bf16");
+    assert_eq!(
+        a["kv_cache_bytes"].as_u64().unwrap(),
+        2 * b["kv_cache_bytes"].as_u64().unwrap()
+    );
+
     let d = root().join("fixtures/v4/flash_tiny").display().to_string();
     let out = cachalot(
         &[
