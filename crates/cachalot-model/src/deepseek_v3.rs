@@ -1646,7 +1646,7 @@ enum Queries {
 #[inline]
 fn widen_bf16(src: &[u16], out: &mut [f32]) {
     for (o, &b) in out.iter_mut().zip(src) {
-        *o = f32::from_bits((b as u32) << 16);
+        *o = k::bf16_to_f32(b);
     }
 }
 

@@ -46,22 +46,15 @@ macro_rules! latent_kernels {
             // `attn_core` of the small model's batch-16 decode at 64-576 positions 0.72 /
             // 0.54 / 0.52 → 0.61 / 0.44 / 0.45 s, the 1 B W8A8 model's at 512 0.114 / 0.122
             // / 0.113 → 0.106 / 0.113 / 0.113 s. Hints only.
-            for l in ls {
-                let p = l.as_ptr() as *const i8;
-                let mut o = 0;
-                while o < std::mem::size_of_val(*l) {
-                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o));
-                    o += 64;
-                }
-            }
+            crate::vector::prefetch_rows::<_MM_HINT_T1, _>(ls, 0..n);
             let mut hb = 0;
             while hb < heads {
                 let mut s0 = 0;
-                prefetch_rows(ls, 0..8);
+                crate::vector::prefetch_rows::<_MM_HINT_T0, _>(ls, 0..8);
                 while s0 + 8 <= n {
                     // The next tile's rows (scattered over the paged cache, so the hardware
                     // prefetcher does not see them coming) load while this tile computes.
-                    prefetch_rows(ls, s0 + 8..s0 + 16);
+                    crate::vector::prefetch_rows::<_MM_HINT_T0, _>(ls, s0 + 8..s0 + 16);
                     dot_heads_tile::<8>(qt, hp, hb, d, ls, s0, out);
                     s0 += 8;
                 }
@@ -74,27 +67,6 @@ macro_rules! latent_kernels {
                     s0 += 1;
                 }
                 hb += $lanes;
-            }
-        }
-
-        /// Asks for every cache line of rows `range` (those that exist) to be brought into L1:
-        /// a hint, nothing is read.
-        #[inline]
-        #[target_feature(enable = $feat)]
-        unsafe fn prefetch_rows(ls: &[&[f32]], range: std::ops::Range<usize>) {
-            let end = range.end.min(ls.len());
-            for l in &ls[range.start.min(end)..end] {
-                let p = l.as_ptr() as *const i8;
-                let bytes = std::mem::size_of_val(*l);
-                let mut o = 0;
-                while o < bytes {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o));
-                    o += 64;
-                }
-                if bytes > 0 {
-                    // The line of the last value (a row need not start on a line).
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes - 1));
-                }
             }
         }
 

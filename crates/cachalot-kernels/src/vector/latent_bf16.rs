@@ -349,6 +349,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{for_tiles, pair, HeadPairs};
+    use crate::vector::prefetch_rows;
 
     /// # Safety
     /// The CPU has AVX-512 F/BW/VL and BF16, AVX2 and FMA; lengths as `dot_rows_bf16_at`
@@ -364,17 +365,10 @@ mod avx512 {
         // otherwise wait for them (`attn_core` of the 1 B W8A8 model at a 512-token context,
         // three alternating rounds: 0.076 / 0.085 / 0.092 → 0.071 / 0.072 / 0.085 s). Hints
         // only.
-        for row in rows {
-            let p = row.as_ptr() as *const i8;
-            let mut o = 0;
-            while o < std::mem::size_of_val(*row) {
-                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o));
-                o += 64;
-            }
-        }
+        prefetch_rows::<_MM_HINT_T1, _>(rows, 0..rows.len());
         for_tiles(rows.len(), q.heads, lanes, |s0, r, hb| {
             // The next tile's rows (scattered over the paged cache) load while this one runs.
-            prefetch(rows, s0 + r..s0 + 2 * r);
+            prefetch_rows::<_MM_HINT_T0, _>(rows, s0 + r..s0 + 2 * r);
             // SAFETY: this function's contract.
             unsafe {
                 match (lanes, r) {
@@ -472,27 +466,6 @@ mod avx512 {
                 o.add(16),
                 _mm512_permutex2var_ps(acc[j][0], second, acc[j][1]),
             );
-        }
-    }
-
-    /// Every cache line of rows `range` (those that exist) asked into L1: a hint.
-    #[inline]
-    fn prefetch(rows: &[&[u16]], range: std::ops::Range<usize>) {
-        let end = range.end.min(rows.len());
-        for row in &rows[range.start.min(end)..end] {
-            let p = row.as_ptr() as *const i8;
-            let bytes = std::mem::size_of_val(*row);
-            let mut o = 0;
-            while o < bytes {
-                // SAFETY: a prefetch reads nothing; the address is only a hint.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o)) };
-                o += 64;
-            }
-            if bytes > 0 {
-                // The line of the last value (a row need not start on a line).
-                // SAFETY: as above.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes - 1)) };
-            }
         }
     }
 

@@ -22,6 +22,32 @@ mod latent;
 mod latent_bf16;
 pub use latent_bf16::{axpy_rows_bf16, dot_rows_bf16, HeadPairs};
 
+/// Asks for every cache line of rows `range` (those that exist) to be brought toward the core
+/// (`HINT`: `_MM_HINT_T0` into L1, `_MM_HINT_T1` into L2): a hint, nothing is read. The latent
+/// attention kernels use it because rows of the paged cache are scattered, so the hardware
+/// prefetcher does not see them coming.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn prefetch_rows<const HINT: i32, T>(rows: &[&[T]], range: std::ops::Range<usize>) {
+    use std::arch::x86_64::_mm_prefetch;
+    let end = range.end.min(rows.len());
+    for row in &rows[range.start.min(end)..end] {
+        let p = row.as_ptr() as *const i8;
+        let bytes = std::mem::size_of_val(*row);
+        let mut o = 0;
+        while o < bytes {
+            // SAFETY: a prefetch reads nothing; the address is only a hint.
+            unsafe { _mm_prefetch::<HINT>(p.wrapping_add(o)) };
+            o += 64;
+        }
+        if bytes > 0 {
+            // The line of the last value (a row need not start on a line).
+            // SAFETY: as above.
+            unsafe { _mm_prefetch::<HINT>(p.wrapping_add(bytes - 1)) };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests;
 
