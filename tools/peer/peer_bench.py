@@ -238,8 +238,8 @@ def main():
     ap.add_argument("--json-out")
     ap.add_argument("--pairs", help="comma-separated subset of bf16,bf16-dot,w8a8,w8a8-int8-head (default: all)")
     ap.add_argument("--ours-extra", default="",
-                    help="flags added to every `cachalot bench` call, e.g. '--kv-cache-dtype bf16' (a 16-bit latent "
-                         "cache, as llama.cpp's default f16 KV cache)")
+                    help="flags added to every `cachalot bench` call, e.g. '--kv-cache-dtype f32' (the exact "
+                         "cache; the default, auto, is bf16 for these models, 16-bit as llama.cpp's f16 KV cache)")
     a = ap.parse_args()
     t = time.time()
     if a.step in ("build", "all"):

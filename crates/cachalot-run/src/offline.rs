@@ -49,8 +49,9 @@ pub struct RunOptions {
     /// Multiply bf16 weights as BF16 × BF16 (`LoadOptions::bf16_dot`).
     pub bf16_dot: bool,
     /// How the latent KV cache stores its float values (`DeepseekV3::set_kv_cache_dtype`;
-    /// V4 takes f32 only).
-    pub kv_cache_dtype: KvCacheDtype,
+    /// V4 takes f32 only). None (`--kv-cache-dtype auto`): f32 when `model_config.dtype` is
+    /// float32, else bf16 (the seed's C16) for the DeepSeek-V3 family and f32 for V4.
+    pub kv_cache_dtype: Option<KvCacheDtype>,
     /// Ranks of the run on this host (each sizes its KV pool from its share of the memory
     /// budget); 1 for a one-process run.
     pub host_ranks: usize,
@@ -489,7 +490,10 @@ pub fn run_ranked(
         ("--parallel", format!("{:?}", opts.parallel)),
         ("--int8-head", opts.int8_head.to_string()),
         ("--bf16-dot", opts.bf16_dot.to_string()),
-        ("--kv-cache-dtype", opts.kv_cache_dtype.name().to_string()),
+        (
+            "--kv-cache-dtype",
+            opts.kv_cache_dtype.map_or("auto", |d| d.name()).to_string(),
+        ),
         ("--fp8", format!("{:?}", opts.fp8)),
         ("--chat-template", opts.chat_template.is_some().to_string()),
         ("--kv-blocks", format!("{:?}", opts.kv_blocks)),
@@ -574,6 +578,16 @@ pub fn run_ranked(
     let t_load = Instant::now();
     // The checkpoint decides the family; model_name must agree with it.
     let family = detect_family(&model_dir)?;
+    // The seed's `model_config.dtype` names the cache's dtype (executor spec §1.1: its only
+    // use there); bfloat16, its default, is the 16-bit cache V4 does not have here.
+    let kv_cache_dtype = match opts.kv_cache_dtype {
+        Some(d) => d,
+        None if ["float32", "fp32"].contains(&m.dtype.to_ascii_lowercase().as_str()) => {
+            KvCacheDtype::F32
+        }
+        None if family == ModelFamily::DeepseekV4 => KvCacheDtype::F32,
+        None => KvCacheDtype::Bf16,
+    };
     // with_ckpt: false (the seed's dummy loader, executor spec §6.6): random weights of the
     // config's shapes in a temporary directory (removed when the run ends); config and
     // tokenizer stay those of model_path.
@@ -657,7 +671,7 @@ pub fn run_ranked(
             if opts.int8_head {
                 model.quantize_head_int8();
             }
-            model.set_kv_cache_dtype(opts.kv_cache_dtype);
+            model.set_kv_cache_dtype(kv_cache_dtype);
             if m.force_eplb {
                 let e = model.config().n_routed_experts.unwrap_or(0);
                 model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
@@ -675,11 +689,11 @@ pub fn run_ranked(
             (&v3, v3.config().eos_token_ids.clone())
         }
         ModelFamily::DeepseekV4 => {
-            if opts.kv_cache_dtype != KvCacheDtype::F32 {
+            if kv_cache_dtype != KvCacheDtype::F32 {
                 return Err(format!(
                     "--kv-cache-dtype {}: DeepSeek-V4's cache ({}) is held in f32 only; drop the \
                      option",
-                    opts.kv_cache_dtype.name(),
+                    kv_cache_dtype.name(),
                     weights_dir.display()
                 )
                 .into());
@@ -1011,7 +1025,7 @@ pub fn run_ranked(
         with_ckpt: m.with_ckpt,
         int8_head: opts.int8_head,
         bf16_dot: opts.bf16_dot,
-        kv_cache_dtype: opts.kv_cache_dtype.name(),
+        kv_cache_dtype: kv_cache_dtype.name(),
         ranks,
         parallel: if expert {
             Parallel::Expert
@@ -1236,12 +1250,10 @@ pub fn summary_table(s: &Summary) -> String {
     if s.int8_head {
         rows.push(("head".into(), "lm_head held in int8 (--int8-head)".into()));
     }
-    if s.kv_cache_dtype != "f32" {
-        rows.push((
-            "KV cache".into(),
-            format!("latents stored as {} (--kv-cache-dtype)", s.kv_cache_dtype),
-        ));
-    }
+    rows.push((
+        "KV cache".into(),
+        format!("latents stored as {} (--kv-cache-dtype)", s.kv_cache_dtype),
+    ));
     if s.bf16_dot {
         rows.push((
             "bf16 products".into(),

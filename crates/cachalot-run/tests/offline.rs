@@ -35,7 +35,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         fp8: Fp8Mode::Native,
         int8_head: false,
         bf16_dot: false,
-        kv_cache_dtype: cachalot_model::KvCacheDtype::F32,
+        kv_cache_dtype: None,
         host_ranks: 1,
         parallel: Parallel::Data,
     }
@@ -108,6 +108,8 @@ fn batched_run_equals_one_at_a_time_and_writes_results() {
             > 0.0
     );
     assert!(summary["tpot_s"]["p99"].as_f64().unwrap() > 0.0);
+    // `--kv-cache-dtype auto`: the seed's 16-bit cache for this family.
+    assert_eq!(summary["kv_cache_dtype"], "bf16");
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("requests.jsonl"))
         .unwrap()
         .lines()
@@ -204,6 +206,8 @@ fn v4_batched_run_equals_one_at_a_time() {
     // V4's MTP block drafts through the same engine path (its hidden state is the 4 streams).
     let mtp = run(&v4_config("deepseek_v4", 4, 24, 2), &o).unwrap();
     assert!(mtp.summary.mtp.is_some());
+    // `--kv-cache-dtype auto` keeps V4's cache in f32, the only dtype it has.
+    assert_eq!(alone.summary.kv_cache_dtype, "f32");
     assert_eq!(alone.outputs.len(), 6);
     for ((a, b), c) in alone.outputs.iter().zip(&batched.outputs).zip(&mtp.outputs) {
         assert_eq!(a.tokens, c.tokens, "request {} with MTP", a.id);
@@ -703,6 +707,23 @@ fn a_missing_dataset_fails_before_the_run_directory() {
     );
 }
 
+/// `model_config.dtype: float32` asks for the f32 cache when the CLI leaves it to `auto`; an
+/// explicit choice wins over the YAML.
+#[test]
+fn the_yaml_dtype_picks_the_cache_dtype_under_auto() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = root().join("dataset");
+    let mut cfg = config(2, 4096, &data);
+    cfg.data_config.num_requests = Some(2);
+    cfg.model_config.dtype = "float32".into();
+    let r = run(&cfg, &opts(tmp.path(), None)).unwrap();
+    assert_eq!(r.summary.kv_cache_dtype, "f32");
+    let mut o = opts(tmp.path(), None);
+    o.kv_cache_dtype = Some(cachalot_model::KvCacheDtype::Bf16);
+    let r = run(&cfg, &o).unwrap();
+    assert_eq!(r.summary.kv_cache_dtype, "bf16");
+}
+
 /// The seed's `custom_params.num_hidden_layers` (reduced-layer testing) runs only the first
 /// layers: the outputs are those of the model loaded with that many layers.
 #[test]
@@ -719,7 +740,7 @@ fn custom_params_num_hidden_layers_cuts_the_model() {
         .custom_params
         .insert("enable_mla_prolog".into(), true.into());
     let r = run(&cfg, &opts(tmp.path(), None)).unwrap();
-    let m = cachalot_model::DeepseekV3::load(
+    let mut m = cachalot_model::DeepseekV3::load(
         &root().join("fixtures/v3/r1_tiny"),
         cachalot_model::LoadOptions {
             max_layers: Some(1),
@@ -727,6 +748,8 @@ fn custom_params_num_hidden_layers_cuts_the_model() {
         },
     )
     .unwrap();
+    // The run's cache is the default (auto: bf16 for this family).
+    m.set_kv_cache_dtype(cachalot_model::KvCacheDtype::Bf16);
     assert_eq!(m.config().num_hidden_layers, 1);
     for o in &r.outputs {
         let want = cachalot_model::eval::greedy(&m, &o.prompt, cfg.scheduler_config.max_new_tokens)

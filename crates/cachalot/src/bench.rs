@@ -610,6 +610,7 @@ fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize, prof: bool) 
         "tpot_ms": decode_s / decode_len.max(1) as f64 * 1e3,
         "decode_tok_s": if decode_len > 0 { decode_len as f64 / decode_s } else { 0.0 },
         "kv_cache_bytes": kv_bytes,
+        "kv_cache_dtype": m.cache_spec().float.name(),
     });
     if let (true, Some(o)) = (prof, v.as_object_mut()) {
         o.insert("decode_profile".into(), serde_json::json!(decode_profile));

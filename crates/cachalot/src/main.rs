@@ -35,15 +35,20 @@ enum Fp8Arg {
 /// `--kv-cache-dtype`: how the latent KV cache stores its values.
 #[derive(Clone, Copy, ValueEnum)]
 enum KvDtypeArg {
+    /// bf16 for the DeepSeek-V3 family (the seed's C16; vLLM's `auto` and llama.cpp's f16
+    /// cache are 16-bit too), f32 for DeepSeek-V4 (whose cache is f32 only).
+    Auto,
     F32,
     Bf16,
 }
 
-impl From<KvDtypeArg> for KvCacheDtype {
-    fn from(a: KvDtypeArg) -> KvCacheDtype {
-        match a {
-            KvDtypeArg::F32 => KvCacheDtype::F32,
-            KvDtypeArg::Bf16 => KvCacheDtype::Bf16,
+impl KvDtypeArg {
+    /// The dtype asked for; None for `auto` (the model family decides).
+    fn chosen(self) -> Option<KvCacheDtype> {
+        match self {
+            KvDtypeArg::Auto => None,
+            KvDtypeArg::F32 => Some(KvCacheDtype::F32),
+            KvDtypeArg::Bf16 => Some(KvCacheDtype::Bf16),
         }
     }
 }
@@ -77,10 +82,10 @@ struct ModelArgs {
     /// keep f32 activations. Default: f32 activations, exact products.
     #[arg(long)]
     bf16_dot: bool,
-    /// How the latent KV cache stores its values: f32 (exact) or bf16 (C16, as the seed: half
-    /// the memory per cached token, each value rounded to bf16 when written). DeepSeek-V3
-    /// family only.
-    #[arg(long, value_enum, default_value = "f32")]
+    /// How the latent KV cache stores its values: bf16 (C16, as the seed: half the memory per
+    /// cached token, each value rounded to bf16 when written; DeepSeek-V3 family only) or f32
+    /// (exact). `auto`: bf16 for the DeepSeek-V3 family, f32 for DeepSeek-V4.
+    #[arg(long, value_enum, default_value = "auto")]
     kv_cache_dtype: KvDtypeArg,
 }
 
@@ -194,13 +199,13 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
     if args.int8_head {
         model.quantize_head_int8();
     }
-    model.set_kv_cache_dtype(args.kv_cache_dtype.into());
+    model.set_kv_cache_dtype(args.kv_cache_dtype.chosen().unwrap_or(KvCacheDtype::Bf16));
     Ok(model)
 }
 
 /// The DeepSeek-V4 model of `args` (with its MTP blocks when `load_mtp`).
 fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
-    if !matches!(args.kv_cache_dtype, KvDtypeArg::F32) {
+    if matches!(args.kv_cache_dtype, KvDtypeArg::Bf16) {
         bail!(
             "--kv-cache-dtype bf16: DeepSeek-V4's cache ({}) is held in f32 only; drop the option",
             model_dir(args)?.display()

@@ -84,10 +84,11 @@ pub struct RunArgs {
     /// where the CPU has it), as llama.cpp does (recorded as bf16_dot in summary.json).
     #[arg(long)]
     bf16_dot: bool,
-    /// How the latent KV cache stores its values: f32 (exact) or bf16 (C16, as the seed: half
-    /// the memory per cached token, each value rounded to bf16 when written; recorded as
-    /// kv_cache_dtype in summary.json). DeepSeek-V3 family only.
-    #[arg(long, value_enum, default_value = "f32")]
+    /// How the latent KV cache stores its values: bf16 (C16, as the seed: half the memory per
+    /// cached token, each value rounded to bf16 when written; DeepSeek-V3 family only) or f32
+    /// (exact). `auto`: f32 when the YAML's `model_config.dtype` is float32, else bf16 for the
+    /// DeepSeek-V3 family and f32 for DeepSeek-V4. Recorded as kv_cache_dtype in summary.json.
+    #[arg(long, value_enum, default_value = "auto")]
     kv_cache_dtype: crate::KvDtypeArg,
     /// Time the phases of every step (attention's parts, dense MLP, MoE, head, the engine's
     /// own work): a table on stderr and profile.json beside summary.json (this process's
@@ -268,7 +269,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         fp8: Fp8Mode::Native,
         int8_head: args.int8_head,
         bf16_dot: args.bf16_dot,
-        kv_cache_dtype: args.kv_cache_dtype.into(),
+        kv_cache_dtype: args.kv_cache_dtype.chosen(),
         host_ranks: args.ranks.or(args.host_ranks).unwrap_or(1),
         parallel: match args.parallel {
             ParallelArg::Data => offline::Parallel::Data,

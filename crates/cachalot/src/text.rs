@@ -234,7 +234,7 @@ impl ModelArgs {
             attention: crate::AttnArg::Auto,
             int8_head: false,
             bf16_dot: false,
-            kv_cache_dtype: crate::KvDtypeArg::F32,
+            kv_cache_dtype: crate::KvDtypeArg::Auto,
         }
     }
 }

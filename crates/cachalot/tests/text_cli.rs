@@ -183,11 +183,13 @@ fn greedy_generate_matches_the_library_and_max_tokens_still_works() {
         ],
         None,
     )));
-    let m = cachalot_model::DeepseekV3::load(
+    let mut m = cachalot_model::DeepseekV3::load(
         &root().join("fixtures/v3/r1_tiny"),
         cachalot_model::LoadOptions::default(),
     )
     .unwrap();
+    // The CLI's default cache (`--kv-cache-dtype auto`) is bf16 for this family.
+    m.set_kv_cache_dtype(cachalot_model::KvCacheDtype::Bf16);
     let want = cachalot_model::eval::greedy(&m, &[5, 6, 7, 8], 6).unwrap();
     assert_eq!(ids(&out["output_ids"]), want);
 }
@@ -441,9 +443,12 @@ fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
             .unwrap();
         json(&ok(out))
     };
-    let (a, b) = (run("f32"), run("bf16"));
+    let (a, b, auto) = (run("f32"), run("bf16"), run("auto"));
     assert_eq!(a["kv_cache_dtype"], "f32");
     assert_eq!(b["kv_cache_dtype"], "bf16");
+    // The default, auto, is the seed's 16-bit cache for this family.
+    assert_eq!(auto["kv_cache_dtype"], "bf16");
+    assert_eq!(auto["output_tokens"], b["output_tokens"]);
     assert_eq!(a["kv_capacity_blocks"], b["kv_capacity_blocks"]);
     assert_eq!(
         a["kv_cache_bytes"].as_u64().unwrap(),
@@ -474,6 +479,7 @@ fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
         )))
     };
     let (a, b) = (bench("f32"), bench("bf16"));
+    assert_eq!(a["kv_cache_dtype"], "f32");
     assert_eq!(b["kv_cache_dtype"], "bf16");
     assert_eq!(
         a["kv_cache_bytes"].as_u64().unwrap(),
@@ -499,6 +505,25 @@ fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
         err.contains("--kv-cache-dtype bf16") && err.contains("f32 only"),
         "{err}"
     );
+    // auto (the default) keeps V4's cache in f32.
+    let out = json(&ok(cachalot(
+        &[
+            "bench",
+            "--model",
+            &d,
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "2",
+            "--membw-mib",
+            "16",
+            "--membw-passes",
+            "1",
+            "--json",
+        ],
+        None,
+    )));
+    assert_eq!(out["kv_cache_dtype"], "f32");
 }
 
 /// `run --profile` writes every phase of the V3 forward it ran to profile.json, nested within
