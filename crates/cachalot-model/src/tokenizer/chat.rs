@@ -1,6 +1,7 @@
 //! Chat templates: the Jinja `chat_template` of `tokenizer_config.json`, rendered with
 //! `minijinja` the way `transformers`' `apply_chat_template` renders it (trim_blocks and
-//! lstrip_blocks on, loop controls, Python string methods, `raise_exception`, a Python-style
+//! lstrip_blocks on, loop controls, Python string methods and Jinja2's filters (`minijinja`'s,
+//! `pycompat`'s and [`super::jinja_compat`]'s), `raise_exception`, a Python-style
 //! `tojson`, `strftime_now`, and the special tokens of the config as variables).
 //!
 //! DeepSeek-V4 has no Jinja template: [`ChatTemplate::deepseek_v4`] renders with its encoder in
@@ -258,7 +259,7 @@ fn environment() -> Environment<'static> {
             .build()
             .expect("default delimiters are valid"),
     );
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    super::jinja_compat::install(&mut env);
     env.add_function(
         "raise_exception",
         |msg: String| -> std::result::Result<Value, Error> {

@@ -7,6 +7,7 @@
 
 pub mod chat;
 pub mod dsv4;
+mod jinja_compat;
 mod stream;
 pub mod tiktoken;
 pub mod tool_calls;
