@@ -1,9 +1,11 @@
 //! The cachalot command line: `run` (offline runs from YAML), `perplexity`, `tokenize`,
-//! `generate`, `chat` and `bench` for now (`serve`, `convert` follow; see README.md).
+//! `generate`, `chat`, `bench`, `serve` (an OpenAI-compatible server), `convert`,
+//! `convert-config` and `calibrate` (see README.md).
 
 mod bench;
 mod quant;
 mod run;
+mod serve;
 mod text;
 
 use std::path::{Path, PathBuf};
@@ -142,6 +144,9 @@ enum Command {
     /// Prefill and decode throughput (batch 1 and N), TTFT, TPOT, peak RSS, weight bytes per
     /// token, memory bandwidth (`--membw`); or MTP speculative decoding (`--mtp N`).
     Bench(bench::BenchArgs),
+    /// OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models,
+    /// /health), continuously batched, streamed with "stream": true.
+    Serve(serve::ServeArgs),
 }
 
 /// The small model shipped with the project, used when no `--model` is given.
@@ -372,6 +377,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::ConvertConfig(args) => quant::run_convert_config(&args)?,
         Command::Calibrate(args) => quant::run_calibrate(&args)?,
         Command::Bench(args) => bench::run(args)?,
+        Command::Serve(args) => serve::serve(&args)?,
     }
     Ok(())
 }

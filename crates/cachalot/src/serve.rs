@@ -1,0 +1,999 @@
+//! `cachalot serve`: an OpenAI-compatible HTTP server over the engine's step loop (the loop
+//! `cachalot run` drives offline), as vLLM's `vllm serve` and llama.cpp's `llama-server` give.
+//!
+//! One process, one model: `GET /health`, `GET /v1/models`, `POST /v1/completions` and
+//! `POST /v1/chat/completions`, each answer whole or streamed as server-sent events
+//! (`"stream": true`, ending in `data: [DONE]`; `stream_options.include_usage` adds a usage
+//! chunk). Requests are batched continuously: each HTTP request is a thread that renders and
+//! tokenizes its prompt and hands it to the engine thread, which admits it at the next step
+//! (up to `--batch-size` sequences, prefills packed under `--max-prefill-tokens`, paged KV
+//! blocks, MTP drafts with `--mtp N`) and sends its text back piece by piece. A client that
+//! goes away has its request aborted and its blocks freed. Executor spec §2 (the online mode's
+//! request flow); prefill/decode disaggregation and KV transfer between hosts are not here.
+//!
+//! Chat answers split `<think>…</think>` into `reasoning_content` (as vLLM's reasoning parsers
+//! do for R1) and read the model's tool calls into `tool_calls` when the request gives
+//! `tools`; with tools and streaming, the answer's text is sent at the end with its calls,
+//! reasoning still as it comes. Bad requests get HTTP 400 with
+//! `{"error": {"message", "type", "param"}}` naming the field.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Result};
+use cachalot_engine::{
+    Engine, EngineConfig, FinishReason, Model, ReasoningSplitter, Request, RequestOutput,
+    SamplingParams, Segment, StopConditions,
+};
+use cachalot_model::tokenizer::{ChatTemplate, Tokenizer, ToolCallFormat};
+use cachalot_model::{detect_family, ModelFamily};
+use serde_json::{json, Map, Value};
+
+use crate::{load_model, load_v4, model_dir, ModelArgs};
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the chosen one is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model's name in requests and answers (default: the model directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 16,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
+    batch_size: usize,
+    /// Prompt tokens prefilled in one step at most (longer prompts are split into chunks).
+    #[arg(long, default_value_t = 2048,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_prefill_tokens: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 128,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=65536))]
+    block_size: usize,
+    /// KV blocks in the pool (default: enough for `--batch-size` sequences of the model's
+    /// whole context, within half the memory available).
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    /// MTP speculative decoding with N (1-3) drafts per step.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    mtp: usize,
+    /// Chat template (a tokenizer_config.json or a Jinja file) instead of the model's.
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
+}
+
+/// Request bodies above this are refused (413).
+const MAX_BODY_BYTES: u64 = 64 << 20;
+
+/// What a request thread gets back from the engine thread.
+enum Event {
+    /// New text of the answer.
+    Text(String),
+    /// The request ended.
+    Done(Box<RequestOutput>),
+    /// It could not be served (the engine refused it or a step failed).
+    Failed(String),
+}
+
+struct Job {
+    request: Request,
+    events: mpsc::Sender<Event>,
+}
+
+/// What every request thread reads.
+struct Shared {
+    name: String,
+    tokenizer: Arc<Tokenizer>,
+    template: Option<ChatTemplate>,
+    /// Why there is no template, for the chat endpoint's error.
+    template_error: String,
+    eos: Vec<u32>,
+    im_end: Option<u32>,
+    tool_format: Option<ToolCallFormat>,
+    max_positions: usize,
+    jobs: mpsc::Sender<Job>,
+    next_id: AtomicU64,
+}
+
+pub fn serve(args: &ServeArgs) -> Result<()> {
+    let dir = model_dir(&args.model)?;
+    if args.mtp > 3 {
+        bail!("--mtp {}: give 1 to 3 draft tokens (0: off)", args.mtp);
+    }
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
+    let family = detect_family(&dir)?;
+    let tool_format = ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
+    let (template, template_error) = match &args.chat_template {
+        Some(f) => (Some(tokenizer.chat_template_from_file(f)?), String::new()),
+        None => match tokenizer.chat_template()? {
+            Some(t) => (Some(t), String::new()),
+            None => (
+                None,
+                format!(
+                    "{}: no chat_template in tokenizer_config.json; start the server with \
+                     --chat-template FILE",
+                    dir.display()
+                ),
+            ),
+        },
+    };
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        dir.file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let server = tiny_http::Server::http((args.host.as_str(), args.port))
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", args.host, args.port))?;
+    let (jobs, job_rx) = mpsc::channel();
+    let launch = |eos: &[u32], max_positions: usize| {
+        let shared = Arc::new(Shared {
+            name: name.clone(),
+            tokenizer: tokenizer.clone(),
+            template,
+            template_error,
+            eos: StopConditions::eos_ids(eos, Some(&tokenizer), &dir),
+            im_end: tokenizer.token_to_id("<|im_end|>"),
+            tool_format,
+            max_positions,
+            jobs,
+            next_id: AtomicU64::new(0),
+        });
+        let addr = server
+            .server_addr()
+            .to_ip()
+            .map_or(format!("{}:{}", args.host, args.port), |a| a.to_string());
+        eprintln!(
+            "cachalot serve: {name} ({}) listening on http://{addr}/v1",
+            dir.display()
+        );
+        std::thread::spawn(move || accept(server, shared));
+    };
+    match family {
+        ModelFamily::DeepseekV3 => {
+            let m = load_model(&args.model, args.mtp > 0)?;
+            let c = m.config();
+            launch(&c.eos_token_ids, c.max_position_embeddings);
+            engine_loop(&m, &tokenizer, args, job_rx)
+        }
+        ModelFamily::DeepseekV4 => {
+            let m = load_v4(&args.model, args.mtp > 0)?;
+            let c = m.config();
+            launch(&c.eos_token_ids, c.max_position_embeddings);
+            engine_loop(&m, &tokenizer, args, job_rx)
+        }
+    }
+}
+
+/// The engine's step loop: admits requests as they come, steps while any is unfinished, and
+/// sends each request its new text after every step. Returns when the HTTP side is gone.
+fn engine_loop<M: Model>(
+    model: M,
+    tokenizer: &Tokenizer,
+    args: &ServeArgs,
+    jobs: mpsc::Receiver<Job>,
+) -> Result<()> {
+    let per_block =
+        cachalot_engine::engine::kv_bytes_per_block(model.cache_spec(), args.block_size);
+    let per_seq = model.max_positions().div_ceil(args.block_size);
+    let num_blocks = match args.kv_blocks {
+        Some(n) => n,
+        None => {
+            let cap = cachalot_run::offline::mem_available().map_or(usize::MAX, |b| {
+                cachalot_engine::kv_pool::blocks_for_budget(b / 2, per_block)
+            });
+            (per_seq * args.batch_size + 1).min(cap)
+        }
+    };
+    if num_blocks < 2 {
+        bail!(
+            "--kv-blocks {num_blocks}: the pool needs at least 2 blocks (the reserved null block \
+             and one more)"
+        );
+    }
+    let cfg = EngineConfig {
+        block_size: args.block_size,
+        num_blocks,
+        batch_size: args.batch_size,
+        max_prefill_tokens: args.max_prefill_tokens,
+    };
+    let mut engine = Engine::new(model, Some(tokenizer), cfg)?;
+    if args.mtp > 0 {
+        engine.enable_mtp(args.mtp)?;
+    }
+    eprintln!(
+        "cachalot serve: KV pool of {num_blocks} blocks of {} tokens ({:.1} MB), batch {}",
+        args.block_size,
+        (num_blocks as u64 * per_block) as f64 / 1e6,
+        args.batch_size
+    );
+    // Per live request: where its events go and how many bytes of its text were sent.
+    let mut live = HashMap::new();
+    type Live = HashMap<u64, (mpsc::Sender<Event>, usize)>;
+    fn admit<M: Model>(engine: &mut Engine<M>, live: &mut Live, job: Job) {
+        match engine.add_request(job.request) {
+            Ok(id) => {
+                live.insert(id, (job.events, 0));
+            }
+            Err(e) => {
+                let _ = job.events.send(Event::Failed(e.to_string()));
+            }
+        }
+    }
+    loop {
+        if !engine.has_unfinished() {
+            match jobs.recv() {
+                Ok(job) => admit(&mut engine, &mut live, job),
+                Err(_) => return Ok(()),
+            }
+        }
+        while let Ok(job) = jobs.try_recv() {
+            admit(&mut engine, &mut live, job);
+        }
+        if !engine.has_unfinished() {
+            continue;
+        }
+        if let Err(e) = engine.step() {
+            eprintln!("cachalot serve: a step failed: {e}");
+            for (id, (events, _)) in live.drain() {
+                engine.abort(id);
+                let _ = events.send(Event::Failed(format!("the step failed: {e}")));
+            }
+            engine.take_finished();
+            continue;
+        }
+        let mut gone = Vec::new();
+        for (id, (events, sent)) in live.iter_mut() {
+            let Some(text) = engine.text_so_far(*id) else {
+                continue;
+            };
+            if text.len() > *sent {
+                if events.send(Event::Text(text[*sent..].to_string())).is_err() {
+                    gone.push(*id);
+                } else {
+                    *sent = text.len();
+                }
+            }
+        }
+        for id in gone {
+            engine.abort(id);
+            live.remove(&id);
+        }
+        for out in engine.take_finished() {
+            let Some((events, sent)) = live.remove(&out.id) else {
+                continue;
+            };
+            let rest = out.text.get(sent..).unwrap_or_default();
+            if !rest.is_empty() {
+                let _ = events.send(Event::Text(rest.to_string()));
+            }
+            let _ = events.send(Event::Done(Box::new(out)));
+        }
+    }
+}
+
+fn accept(server: tiny_http::Server, shared: Arc<Shared>) {
+    for request in server.incoming_requests() {
+        let shared = shared.clone();
+        std::thread::spawn(move || handle(request, &shared));
+    }
+}
+
+/// An HTTP error answer: status and OpenAI's error object.
+struct ApiError {
+    status: u16,
+    message: String,
+    param: Option<&'static str>,
+}
+
+impl ApiError {
+    /// An error that is not about one field.
+    fn new(status: u16, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+    fn bad(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: 400,
+            message: format!("{param}: {}", message.into()),
+            param: Some(param),
+        }
+    }
+    fn body(&self) -> Value {
+        let kind = match self.status {
+            400 | 413 => "invalid_request_error",
+            404 => "not_found_error",
+            _ => "server_error",
+        };
+        json!({"error": {"message": self.message, "type": kind, "param": self.param,
+                         "code": self.status}})
+    }
+}
+
+fn respond_json(request: tiny_http::Request, status: u16, body: &Value) {
+    let header =
+        tiny_http::Header::from_bytes("Content-Type", "application/json").expect("a valid header");
+    let response = tiny_http::Response::from_string(body.to_string())
+        .with_status_code(status)
+        .with_header(header);
+    let _ = request.respond(response);
+}
+
+fn handle(mut request: tiny_http::Request, shared: &Shared) {
+    let method = request.method().as_str().to_ascii_uppercase();
+    let path = request.url().split('?').next().unwrap_or("").to_string();
+    let result = match (method.as_str(), path.as_str()) {
+        ("GET", "/health") => {
+            let _ = request.respond(tiny_http::Response::empty(200));
+            return;
+        }
+        ("GET", "/v1/models") => {
+            let body = json!({"object": "list", "data": [{
+                "id": shared.name, "object": "model", "created": now(),
+                "owned_by": "cachalot", "max_model_len": shared.max_positions}]});
+            respond_json(request, 200, &body);
+            return;
+        }
+        ("POST", "/v1/completions") | ("POST", "/v1/chat/completions") => read_body(&mut request)
+            .and_then(|body| prepare(shared, &body, path.ends_with("chat/completions"))),
+        (_, "/health" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => Err(
+            ApiError::new(405, format!("{method} {path}: method not allowed")),
+        ),
+        _ => Err(ApiError {
+            status: 404,
+            message: format!(
+                "{path}: no such endpoint (this server has /health, /v1/models, \
+                 /v1/completions and /v1/chat/completions)"
+            ),
+            param: None,
+        }),
+    };
+    match result {
+        Ok(call) => run_call(request, shared, call),
+        Err(e) => respond_json(request, e.status, &e.body()),
+    }
+}
+
+fn read_body(request: &mut tiny_http::Request) -> Result<Value, ApiError> {
+    let mut bytes = Vec::new();
+    request
+        .as_reader()
+        .take(MAX_BODY_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| ApiError::new(400, format!("cannot read the request body: {e}")))?;
+    if bytes.len() as u64 > MAX_BODY_BYTES {
+        return Err(ApiError::new(
+            413,
+            format!("the request body is over {} MiB", MAX_BODY_BYTES >> 20),
+        ));
+    }
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::new(400, format!("the body is not valid JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::new(400, "the body must be a JSON object"));
+    }
+    Ok(v)
+}
+
+/// A request read and checked, ready for the engine.
+struct Call {
+    chat: bool,
+    stream: bool,
+    include_usage: bool,
+    prompt_len: usize,
+    /// The rendered chat prompt (to know whether it opens a reasoning block).
+    prompt_text: String,
+    tools: bool,
+    request: Request,
+}
+
+fn field<'a>(body: &'a Value, key: &str) -> Option<&'a Value> {
+    body.get(key).filter(|v| !v.is_null())
+}
+
+fn number(body: &Value, key: &'static str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    match field(body, key) {
+        None => Ok(None),
+        Some(v) => match v.as_f64() {
+            Some(x) if (lo..=hi).contains(&x) => Ok(Some(x)),
+            _ => Err(ApiError::bad(
+                key,
+                format!("expected a number from {lo} to {hi}, got {v}"),
+            )),
+        },
+    }
+}
+
+fn count(body: &Value, key: &'static str) -> Result<Option<usize>, ApiError> {
+    match field(body, key) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(x) => Ok(Some(x as usize)),
+            None => Err(ApiError::bad(
+                key,
+                format!("expected a non-negative integer, got {v}"),
+            )),
+        },
+    }
+}
+
+fn flag(body: &Value, key: &'static str) -> Result<bool, ApiError> {
+    match field(body, key) {
+        None => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(ApiError::bad(
+            key,
+            format!("expected true or false, got {v}"),
+        )),
+    }
+}
+
+/// Reads a completion or chat request: its prompt (tokenized), sampling and stop fields.
+fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> {
+    if let Some(m) = field(body, "model") {
+        if m.as_str() != Some(shared.name.as_str()) {
+            return Err(ApiError {
+                status: 404,
+                message: format!("model {m}: this server serves {:?}", shared.name),
+                param: Some("model"),
+            });
+        }
+    }
+    for (key, unsupported) in [
+        (
+            "logprobs",
+            "log-probabilities are not returned by this server",
+        ),
+        (
+            "top_logprobs",
+            "log-probabilities are not returned by this server",
+        ),
+        ("echo", "echo is not supported"),
+        ("best_of", "best_of is not supported"),
+        ("suffix", "suffix is not supported"),
+        ("logit_bias", "logit_bias is not supported"),
+        ("response_format", "structured output is not supported"),
+    ] {
+        match field(body, key) {
+            None | Some(Value::Bool(false)) => {}
+            Some(Value::Number(n)) if key == "best_of" && n.as_u64() == Some(1) => {}
+            Some(Value::Object(o))
+                if key == "response_format" && o.get("type") == Some(&json!("text")) => {}
+            Some(_) => return Err(ApiError::bad(key, unsupported)),
+        }
+    }
+    if let Some(n) = count(body, "n")? {
+        if n != 1 {
+            return Err(ApiError::bad(
+                "n",
+                format!("{n}: one choice per request (n = 1)"),
+            ));
+        }
+    }
+    let tok = &shared.tokenizer;
+    let tools = field(body, "tools");
+    if let Some(t) = tools {
+        if !chat {
+            return Err(ApiError::bad("tools", "tools are for /v1/chat/completions"));
+        }
+        check_tools(t)?;
+    }
+    let (prompt, prompt_text) = if chat {
+        let Some(messages) = field(body, "messages") else {
+            return Err(ApiError::bad(
+                "messages",
+                "required: a list of {\"role\", \"content\"}",
+            ));
+        };
+        check_messages(messages)?;
+        let Some(template) = &shared.template else {
+            return Err(ApiError::bad("messages", shared.template_error.clone()));
+        };
+        let kwargs = match field(body, "chat_template_kwargs") {
+            None => Map::new(),
+            Some(Value::Object(o)) => o.clone(),
+            Some(v) => {
+                return Err(ApiError::bad(
+                    "chat_template_kwargs",
+                    format!("expected an object, got {v}"),
+                ))
+            }
+        };
+        let text = template
+            .render_json(messages, true, tools, &kwargs)
+            .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?;
+        let ids = tok
+            .encode(&text)
+            .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+        (ids, text)
+    } else {
+        (completion_prompt(tok, body)?, String::new())
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad("prompt", "the prompt has no tokens"));
+    }
+    let vocab = tok.vocab_size();
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad(
+            "prompt",
+            format!("token id {bad} is out of the vocabulary ({vocab} ids)"),
+        ));
+    }
+    let room = shared.max_positions.saturating_sub(prompt.len());
+    if room == 0 {
+        return Err(ApiError::bad(
+            if chat { "messages" } else { "prompt" },
+            format!(
+                "the prompt has {} tokens; the model's context is {} positions",
+                prompt.len(),
+                shared.max_positions
+            ),
+        ));
+    }
+    let max_key = if chat && field(body, "max_completion_tokens").is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let max_new = match count(body, max_key)? {
+        Some(0) => return Err(ApiError::bad(max_key, "must be at least 1")),
+        Some(n) if n > room => {
+            return Err(ApiError::bad(
+                max_key,
+                format!(
+                    "{n}: the prompt's {} tokens leave room for {room} in the model's context \
+                     of {} positions",
+                    prompt.len(),
+                    shared.max_positions
+                ),
+            ))
+        }
+        Some(n) => n,
+        // OpenAI's default for completions; a chat answer may take the rest of the context.
+        None if !chat => 16.min(room),
+        None => room,
+    };
+    let params = SamplingParams {
+        temperature: number(body, "temperature", 0.0, 100.0)?.unwrap_or(1.0) as f32,
+        top_k: match field(body, "top_k") {
+            None => 0,
+            Some(v) if v.as_i64() == Some(-1) => 0,
+            Some(v) => v.as_u64().map(|k| k as usize).ok_or_else(|| {
+                ApiError::bad(
+                    "top_k",
+                    format!("expected a non-negative integer or -1 (off), got {v}"),
+                )
+            })?,
+        },
+        top_p: number(body, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
+        min_p: number(body, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+        repetition_penalty: number(body, "repetition_penalty", 0.0, 100.0)?.unwrap_or(1.0) as f32,
+        presence_penalty: number(body, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        frequency_penalty: number(body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        seed: match field(body, "seed") {
+            None => None,
+            Some(v) => {
+                Some(v.as_i64().map(|s| s as u64).ok_or_else(|| {
+                    ApiError::bad("seed", format!("expected an integer, got {v}"))
+                })?)
+            }
+        },
+    };
+    if params.top_p == 0.0 {
+        return Err(ApiError::bad("top_p", "must be above 0"));
+    }
+    let stop_strings = match field(body, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|s| {
+                s.as_str()
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+                    .ok_or_else(|| ApiError::bad("stop", format!("{s} is not a non-empty string")))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(v) => {
+            return Err(ApiError::bad(
+                "stop",
+                format!("expected a string or a list, got {v}"),
+            ))
+        }
+    };
+    let ignore_eos = flag(body, "ignore_eos")?;
+    let mut stop_ids = if ignore_eos {
+        Vec::new()
+    } else {
+        shared.eos.clone()
+    };
+    if chat && !ignore_eos {
+        stop_ids.extend(shared.im_end);
+    }
+    if let Some(Value::Array(extra)) = field(body, "stop_token_ids") {
+        for v in extra {
+            match v.as_u64() {
+                Some(id) if (id as usize) < vocab => stop_ids.push(id as u32),
+                _ => {
+                    return Err(ApiError::bad(
+                        "stop_token_ids",
+                        format!("{v} is not a token id"),
+                    ))
+                }
+            }
+        }
+    }
+    let include_usage = match field(body, "stream_options") {
+        None => false,
+        Some(o) => flag(o, "include_usage")?,
+    };
+    Ok(Call {
+        chat,
+        stream: flag(body, "stream")?,
+        include_usage,
+        prompt_len: prompt.len(),
+        prompt_text,
+        tools: tools.is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty())),
+        request: Request {
+            prompt,
+            params,
+            stop: StopConditions {
+                max_new_tokens: max_new,
+                stop_token_ids: stop_ids,
+                stop_strings,
+            },
+            ignore_eos,
+        },
+    })
+}
+
+/// `prompt`: a string, a list of token ids, or a list of one of either.
+fn completion_prompt(tok: &Tokenizer, body: &Value) -> Result<Vec<u32>, ApiError> {
+    let ids = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
+        a.iter()
+            .map(|v| {
+                v.as_u64()
+                    .filter(|&x| x <= u32::MAX as u64)
+                    .map(|x| x as u32)
+                    .ok_or_else(|| ApiError::bad("prompt", format!("{v} is not a token id")))
+            })
+            .collect()
+    };
+    let text = |s: &str| -> Result<Vec<u32>, ApiError> {
+        let mut v: Vec<u32> = tok.prompt_bos_id().into_iter().collect();
+        v.extend(
+            tok.encode(s)
+                .map_err(|e| ApiError::bad("prompt", e.to_string()))?,
+        );
+        Ok(v)
+    };
+    match field(body, "prompt") {
+        None => Err(ApiError::bad(
+            "prompt",
+            "required: a string or a list of token ids",
+        )),
+        Some(Value::String(s)) => text(s),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => ids(a),
+        Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
+            Value::String(s) => text(s),
+            Value::Array(inner) => ids(inner),
+            v => Err(ApiError::bad("prompt", format!("{v} is not a prompt"))),
+        },
+        Some(Value::Array(a)) => Err(ApiError::bad(
+            "prompt",
+            format!("{} prompts: one prompt per request here", a.len()),
+        )),
+        Some(v) => Err(ApiError::bad(
+            "prompt",
+            format!("expected a string or a list of token ids, got {v}"),
+        )),
+    }
+}
+
+fn check_messages(messages: &Value) -> Result<(), ApiError> {
+    let Some(list) = messages.as_array() else {
+        return Err(ApiError::bad("messages", "expected a list"));
+    };
+    if list.is_empty() {
+        return Err(ApiError::bad("messages", "the list is empty"));
+    }
+    for (i, m) in list.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str);
+        if !m.is_object() || role.is_none() {
+            return Err(ApiError::bad(
+                "messages",
+                format!("message {i} has no \"role\" (each is {{\"role\", \"content\"}})"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_tools(tools: &Value) -> Result<(), ApiError> {
+    let Some(list) = tools.as_array() else {
+        return Err(ApiError::bad(
+            "tools",
+            "expected a list of tool definitions",
+        ));
+    };
+    for (i, t) in list.iter().enumerate() {
+        let name = t
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str);
+        if name.is_none_or(str::is_empty) {
+            return Err(ApiError::bad(
+                "tools",
+                format!(
+                    "tool {i} has no function name (each tool is {{\"type\": \"function\", \
+                     \"function\": {{\"name\": ..., \"parameters\": ...}}}})"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn finish_word(out: &RequestOutput) -> &'static str {
+    match out.finish {
+        FinishReason::Cancelled => "abort",
+        ref f => f.as_str(),
+    }
+}
+
+fn usage(prompt: usize, out: &RequestOutput) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": out.tokens.len(),
+           "total_tokens": prompt + out.tokens.len()})
+}
+
+/// Sends the request to the engine and answers it, whole or streamed.
+fn run_call(request: tiny_http::Request, shared: &Shared, call: Call) {
+    let n = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = if call.chat {
+        format!("chatcmpl-{n}")
+    } else {
+        format!("cmpl-{n}")
+    };
+    let (tx, rx) = mpsc::channel();
+    let prompt_len = call.prompt_len;
+    if shared
+        .jobs
+        .send(Job {
+            request: call.request.clone(),
+            events: tx,
+        })
+        .is_err()
+    {
+        let e = ApiError::new(500, "the engine has stopped");
+        return respond_json(request, 500, &e.body());
+    }
+    let created = now();
+    if call.stream {
+        stream(request, shared, &call, &id, created, rx);
+        return;
+    }
+    let mut text = String::new();
+    let out = loop {
+        match rx.recv() {
+            Ok(Event::Text(t)) => text.push_str(&t),
+            Ok(Event::Done(out)) => break out,
+            Ok(Event::Failed(message)) => {
+                let e = ApiError::new(400, message);
+                return respond_json(request, 400, &e.body());
+            }
+            Err(_) => {
+                let e = ApiError::new(500, "the engine has stopped");
+                return respond_json(request, 500, &e.body());
+            }
+        }
+    };
+    let finish = finish_word(&out);
+    let body = if call.chat {
+        let (reasoning, answer) = ReasoningSplitter::split(&call.prompt_text, &text);
+        let mut message = json!({"role": "assistant"});
+        let mut finish = finish;
+        set_answer(&mut message, shared, &call, &answer, &mut finish);
+        if !reasoning.is_empty() {
+            message["reasoning_content"] = reasoning.into();
+        }
+        json!({"id": id, "object": "chat.completion", "created": created, "model": shared.name,
+               "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+               "usage": usage(prompt_len, &out)})
+    } else {
+        json!({"id": id, "object": "text_completion", "created": created, "model": shared.name,
+               "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+               "usage": usage(prompt_len, &out)})
+    };
+    respond_json(request, 200, &body);
+}
+
+/// The answer's `content`, with `tool_calls` read from it when the request gave tools.
+fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, finish: &mut &str) {
+    message["content"] = answer.into();
+    if !call.tools {
+        return;
+    }
+    match shared.tool_format.map(|f| f.parse(answer)) {
+        Some(Ok(p)) if !p.tool_calls.is_empty() => {
+            message["content"] = if p.content.is_empty() {
+                Value::Null
+            } else {
+                p.content.into()
+            };
+            message["tool_calls"] = json!(p.tool_calls);
+            *finish = "tool_calls";
+        }
+        Some(Err(e)) => message["tool_call_error"] = e.to_string().into(),
+        _ => {}
+    }
+}
+
+/// Server-sent events: one chunk per piece of text, the finish, usage if asked, `[DONE]`.
+fn stream(
+    request: tiny_http::Request,
+    shared: &Shared,
+    call: &Call,
+    id: &str,
+    created: u64,
+    rx: mpsc::Receiver<Event>,
+) {
+    let mut w = request.into_writer();
+    // Chunked transfer encoding, one chunk per event, so the client sees each event as it is
+    // written and the end of the answer at the last (empty) chunk, with the connection kept
+    // for its next request.
+    let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
+                Transfer-Encoding: chunked\r\n\r\n";
+    let object = if call.chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let chunk = |choice: Value| -> Value {
+        json!({"id": id, "object": object, "created": created, "model": shared.name,
+               "choices": [choice]})
+    };
+    let send = |w: &mut Box<dyn Write + Send>, v: &Value| -> bool {
+        write_chunk(w, format!("data: {v}\n\n").as_bytes())
+    };
+    if w.write_all(head.as_bytes()).is_err() {
+        return;
+    }
+    if call.chat
+        && !send(
+            &mut w,
+            &chunk(
+                json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
+            ),
+        )
+    {
+        return;
+    }
+    let mut splitter =
+        ReasoningSplitter::new(ReasoningSplitter::prompt_opens_reasoning(&call.prompt_text));
+    // With tools, the answer is held back and sent with its parsed calls at the end.
+    let mut held = String::new();
+    let emit = |w: &mut Box<dyn Write + Send>, segs: Vec<Segment>, held: &mut String| -> bool {
+        for s in segs {
+            let delta = match s {
+                Segment::Reasoning(r) if !r.is_empty() => json!({"reasoning_content": r}),
+                Segment::Answer(a) if !a.is_empty() => {
+                    if call.tools {
+                        held.push_str(&a);
+                        continue;
+                    }
+                    json!({"content": a})
+                }
+                _ => continue,
+            };
+            if !send(
+                w,
+                &chunk(json!({"index": 0, "delta": delta, "finish_reason": null})),
+            ) {
+                return false;
+            }
+        }
+        true
+    };
+    let out = loop {
+        match rx.recv() {
+            Ok(Event::Text(t)) => {
+                let ok = if call.chat {
+                    emit(&mut w, splitter.push(&t), &mut held)
+                } else {
+                    send(
+                        &mut w,
+                        &chunk(
+                            json!({"index": 0, "text": t, "logprobs": null, "finish_reason": null}),
+                        ),
+                    )
+                };
+                if !ok {
+                    // The client is gone: dropping `rx` makes the engine abort the request.
+                    return;
+                }
+            }
+            Ok(Event::Done(out)) => break out,
+            Ok(Event::Failed(message)) => {
+                let e = ApiError::new(400, message);
+                if send(&mut w, &e.body()) {
+                    write_chunk(&mut w, b"");
+                }
+                return;
+            }
+            Err(_) => return,
+        }
+    };
+    let mut finish = finish_word(&out);
+    if call.chat {
+        if !emit(&mut w, splitter.finish(), &mut held) {
+            return;
+        }
+        if call.tools {
+            let mut message = json!({});
+            set_answer(&mut message, shared, call, &held, &mut finish);
+            if let Some(calls) = message.get_mut("tool_calls") {
+                for (i, c) in calls.as_array_mut().into_iter().flatten().enumerate() {
+                    c["index"] = i.into();
+                }
+            }
+            if message["content"].as_str().is_some_and(str::is_empty) {
+                message.as_object_mut().map(|o| o.remove("content"));
+            }
+            if !message.as_object().is_some_and(Map::is_empty)
+                && !send(
+                    &mut w,
+                    &chunk(json!({"index": 0, "delta": message, "finish_reason": null})),
+                )
+            {
+                return;
+            }
+        }
+        if !send(
+            &mut w,
+            &chunk(json!({"index": 0, "delta": {}, "finish_reason": finish})),
+        ) {
+            return;
+        }
+    } else if !send(
+        &mut w,
+        &chunk(json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish})),
+    ) {
+        return;
+    }
+    if call.include_usage {
+        let v = json!({"id": id, "object": object, "created": created, "model": shared.name,
+                       "choices": [], "usage": usage(call.prompt_len, &out)});
+        if !send(&mut w, &v) {
+            return;
+        }
+    }
+    if write_chunk(&mut w, b"data: [DONE]\n\n") {
+        write_chunk(&mut w, b"");
+    }
+}
+
+/// One chunk of a chunked body (the empty one ends it), flushed; false once the client is gone.
+fn write_chunk(w: &mut Box<dyn Write + Send>, data: &[u8]) -> bool {
+    write!(w, "{:x}\r\n", data.len())
+        .and_then(|_| w.write_all(data))
+        .and_then(|_| w.write_all(b"\r\n"))
+        .and_then(|_| w.flush())
+        .is_ok()
+}

@@ -1,0 +1,281 @@
+//! `cachalot serve` end to end on the shipped small model: the OpenAI endpoints over real HTTP,
+//! whole and streamed answers, concurrent requests batched by the engine, and errors that name
+//! the field.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use serde_json::{json, Value};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A server on a free port; killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(extra: &[&str]) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--batch-size",
+            "4",
+            "--kv-blocks",
+            "64",
+        ])
+        .args(extra)
+        .current_dir(root())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("the server printed its address")
+            .unwrap();
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            break rest.trim_end_matches("/v1").to_string();
+        }
+    };
+    // Keep reading stderr so the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    Server { child, addr }
+}
+
+/// One HTTP/1.1 exchange: the status and the body (chunked bodies decoded).
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let mut status_line = String::new();
+    r.read_line(&mut status_line).unwrap();
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut chunked = false;
+    let mut length = None;
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).unwrap();
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        let lower = h.to_ascii_lowercase();
+        chunked |= lower == "transfer-encoding: chunked";
+        if let Some(v) = lower.strip_prefix("content-length: ") {
+            length = Some(v.parse::<usize>().unwrap());
+        }
+    }
+    let mut out = Vec::new();
+    if chunked {
+        loop {
+            let mut size = String::new();
+            r.read_line(&mut size).unwrap();
+            let n = usize::from_str_radix(size.trim(), 16).unwrap();
+            let mut chunk = vec![0u8; n + 2];
+            r.read_exact(&mut chunk).unwrap();
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&chunk[..n]);
+        }
+    } else if let Some(n) = length {
+        out.resize(n, 0);
+        r.read_exact(&mut out).unwrap();
+    } else {
+        r.read_to_end(&mut out).unwrap();
+    }
+    (status, String::from_utf8(out).unwrap())
+}
+
+fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = http(addr, "POST", path, &body.to_string());
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
+    )
+}
+
+/// The `data:` events of a streamed answer, `[DONE]` last.
+fn events(addr: &str, path: &str, body: &Value) -> Vec<String> {
+    let (status, text) = http(addr, "POST", path, &body.to_string());
+    assert_eq!(status, 200, "{text}");
+    let ev: Vec<String> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .expect("an SSE data line")
+                .to_string()
+        })
+        .collect();
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{text}");
+    ev
+}
+
+#[test]
+fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
+    let server = start(&[]);
+    let addr = server.addr.as_str();
+
+    assert_eq!(http(addr, "GET", "/health", "").0, 200);
+    let (status, models) = http(addr, "GET", "/v1/models", "");
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "cachalot-tiny-r1");
+
+    // Greedy from token ids equals the library's greedy run with the server's cache (bf16).
+    let prompt: Vec<u32> = vec![0, 400, 401, 402, 403, 404];
+    let completion = |prompt: &[u32], n: usize| {
+        json!({"model": "cachalot-tiny-r1", "prompt": prompt, "max_tokens": n,
+               "temperature": 0, "ignore_eos": true})
+    };
+    let (status, whole) = post(addr, "/v1/completions", &completion(&prompt, 12));
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "text_completion");
+    assert_eq!(whole["usage"]["prompt_tokens"], 6);
+    assert_eq!(whole["usage"]["completion_tokens"], 12);
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    let dir = root().join("assets/cachalot-tiny-r1");
+    let mut m = cachalot_model::DeepseekV3::load(&dir, Default::default()).unwrap();
+    m.set_kv_cache_dtype(cachalot_model::KvCacheDtype::Bf16);
+    let want = cachalot_model::eval::greedy(&m, &prompt, 12).unwrap();
+    let tok = cachalot_model::tokenizer::Tokenizer::from_dir(&dir).unwrap();
+    assert_eq!(
+        whole["choices"][0]["text"].as_str().unwrap(),
+        tok.decode(&want).unwrap()
+    );
+
+    // Streamed: the pieces make the same text; the finish and the usage chunk come last.
+    let mut body = completion(&prompt, 12);
+    body["stream"] = true.into();
+    body["stream_options"] = json!({"include_usage": true});
+    let ev = events(addr, "/v1/completions", &body);
+    let chunks: Vec<Value> = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+    assert!(chunks.len() > 3, "one chunk per piece of text");
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 12);
+
+    // Four requests at once (batched by the engine) answer as each alone.
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (0..(3 + 5 * i)).map(|j| 300 + 17 * i + j).collect())
+        .collect();
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| post(addr, "/v1/completions", &completion(p, 10)).1)
+        .collect();
+    let together: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| s.spawn(move || post(addr, "/v1/completions", &completion(p, 10)).1))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (a, b) in alone.iter().zip(&together) {
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    }
+
+    // Chat: the template renders the prompt; R1's reasoning is apart; streamed deltas agree.
+    let chat = json!({"messages": [{"role": "user", "content": "Tell me about whales."}],
+                      "max_tokens": 24, "temperature": 0});
+    let (status, whole) = post(addr, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "chat.completion");
+    let msg = &whole["choices"][0]["message"];
+    assert_eq!(msg["role"], "assistant");
+    let mut body = chat.clone();
+    body["stream"] = true.into();
+    let ev = events(addr, "/v1/chat/completions", &body);
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for e in &ev[..ev.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(c["object"], "chat.completion.chunk");
+        let d = &c["choices"][0]["delta"];
+        reasoning.push_str(d["reasoning_content"].as_str().unwrap_or_default());
+        content.push_str(d["content"].as_str().unwrap_or_default());
+    }
+    assert_eq!(
+        reasoning,
+        msg["reasoning_content"].as_str().unwrap_or_default()
+    );
+    assert_eq!(content, msg["content"].as_str().unwrap_or_default());
+    assert!(!(reasoning + &content).is_empty());
+
+    // Errors name the field, with OpenAI's error object.
+    for (body, param) in [
+        (json!({"prompt": "x", "temperature": "hot"}), "temperature"),
+        (json!({"prompt": "x", "n": 2}), "n"),
+        (
+            json!({"prompt": "x", "max_tokens": 1_000_000}),
+            "max_tokens",
+        ),
+        (json!({"max_tokens": 4}), "prompt"),
+        (json!({"prompt": [1, 2, 99999999]}), "prompt"),
+        (json!({"prompt": "x", "stop": [1]}), "stop"),
+    ] {
+        let (status, e) = post(addr, "/v1/completions", &body);
+        assert_eq!(status, 400, "{body}: {e}");
+        assert_eq!(e["error"]["param"], param, "{e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error");
+    }
+    let (status, e) = post(addr, "/v1/chat/completions", &json!({"messages": "hi"}));
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("messages"))
+    );
+    let (status, e) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "model": "gpt-4"}),
+    );
+    assert_eq!((status, e["error"]["param"].as_str()), (404, Some("model")));
+    let (status, text) = http(addr, "POST", "/v1/completions", "{not json");
+    assert_eq!(status, 400);
+    assert!(text.contains("not valid JSON"), "{text}");
+    assert_eq!(http(addr, "GET", "/v1/nothing", "").0, 404);
+    assert_eq!(http(addr, "GET", "/v1/completions", "").0, 405);
+
+    // The server still answers after all that.
+    let (status, again) = post(addr, "/v1/completions", &completion(&prompt, 12));
+    assert_eq!(status, 200);
+    assert_eq!(again["choices"][0]["text"], whole_text(&tok, &want));
+}
+
+fn whole_text(tok: &cachalot_model::tokenizer::Tokenizer, ids: &[u32]) -> String {
+    tok.decode(ids).unwrap()
+}
