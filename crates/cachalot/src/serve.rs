@@ -510,6 +510,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 ))
             }
         };
+        let messages = &flatten_text_parts(messages, template);
         let text = template
             .render_json(messages, true, tools, &kwargs)
             .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?;
@@ -718,6 +719,44 @@ fn check_messages(messages: &Value) -> Result<(), ApiError> {
         }
     }
     Ok(())
+}
+
+/// OpenAI's content parts (`[{"type": "text", "text": ...}, ...]`) joined into one string with
+/// newlines, as vLLM does for templates that expect a string (R1's concatenates `content`);
+/// kept as a list for templates that walk the parts themselves (`for part in
+/// message['content']`, as Kimi-K2's) and for DeepSeek-V4's encoder. Parts other than text are
+/// left as they are (the template decides).
+fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
+    let src = template.source();
+    let walks_parts = template.is_deepseek_v4()
+        || [
+            "in message['content']",
+            "in message.content",
+            "in message[\"content\"]",
+        ]
+        .iter()
+        .any(|p| src.contains(p));
+    let mut messages = messages.clone();
+    if walks_parts {
+        return messages;
+    }
+    for m in messages.as_array_mut().into_iter().flatten() {
+        let Some(parts) = m.get("content").and_then(Value::as_array) else {
+            continue;
+        };
+        let texts: Option<Vec<&str>> = parts
+            .iter()
+            .map(|p| {
+                (p.get("type").and_then(Value::as_str) == Some("text"))
+                    .then(|| p.get("text").and_then(Value::as_str))
+                    .flatten()
+            })
+            .collect();
+        if let Some(texts) = texts {
+            m["content"] = texts.join("\n").into();
+        }
+    }
+    messages
 }
 
 fn check_tools(tools: &Value) -> Result<(), ApiError> {

@@ -235,6 +235,13 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     );
     assert_eq!(content, msg["content"].as_str().unwrap_or_default());
     assert!(!(reasoning + &content).is_empty());
+    // OpenAI's content parts reach R1's string template as one string.
+    let parts = json!({"messages": [{"role": "user",
+                                     "content": [{"type": "text", "text": "Tell me about whales."}]}],
+                       "max_tokens": 24, "temperature": 0});
+    let (status, p) = post(addr, "/v1/chat/completions", &parts);
+    assert_eq!(status, 200, "{p}");
+    assert_eq!(p["choices"][0]["message"], whole["choices"][0]["message"]);
 
     // Errors name the field, with OpenAI's error object.
     for (body, param) in [
