@@ -255,8 +255,11 @@ fn engine_loop<M: Model>(
             let Some(text) = engine.text_so_far(*id) else {
                 continue;
             };
-            if text.len() > *sent {
-                if events.send(Event::Text(text[*sent..].to_string())).is_err() {
+            // The text only grows, so `sent` is a char boundary; `get` keeps a surprise from
+            // panicking the engine thread.
+            let new = text.get(*sent..).unwrap_or_default();
+            if !new.is_empty() {
+                if events.send(Event::Text(new.to_string())).is_err() {
                     gone.push(*id);
                 } else {
                     *sent = text.len();
