@@ -7,12 +7,15 @@
 //! chunk). Requests are batched continuously: each HTTP request is a thread that renders and
 //! tokenizes its prompt and hands it to the engine thread, which admits it at the next step
 //! (up to `--batch-size` sequences, prefills packed under `--max-prefill-tokens`, paged KV
-//! blocks, MTP drafts with `--mtp N`) and sends its text back piece by piece. A client that
-//! goes away has its request aborted and its blocks freed. Executor spec §2 (the online mode's
-//! request flow); prefill/decode disaggregation and KV transfer between hosts are not here.
+//! blocks, MTP drafts with `--mtp N`) and sends its text back piece by piece. A streaming
+//! client that goes away has its request aborted (its blocks freed) at the next piece that
+//! cannot be written; a client waiting for a whole answer is not watched (nothing is written
+//! until the end), so its request runs to its end. `max_model_len` (in `/v1/models`) is the
+//! model's positions within the KV pool. Executor spec §2 (the online mode's request flow);
+//! prefill/decode disaggregation and KV transfer between hosts are not here.
 //!
-//! Chat answers split `<think>…</think>` into `reasoning_content` (as vLLM's reasoning parsers
-//! do for R1) and read the model's tool calls into `tool_calls` when the request gives
+//! Chat answers of templates that write `<think>` (R1, Kimi-K2-Thinking, V4's thinking mode)
+//! split it into `reasoning_content` (as vLLM's reasoning parsers do) and read the model's tool calls into `tool_calls` when the request gives
 //! `tools`; with tools and streaming, the answer's text is sent at the end with its calls,
 //! reasoning still as it comes. Bad requests get HTTP 400 with
 //! `{"error": {"message", "type", "param"}}` naming the field.
@@ -25,6 +28,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
+use cachalot_engine::reasoning::THINK_OPEN;
 use cachalot_engine::{
     Engine, EngineConfig, FinishReason, Model, ReasoningSplitter, Request, RequestOutput,
     SamplingParams, Segment, StopConditions,
@@ -81,8 +85,8 @@ enum Event {
     Text(String),
     /// The request ended.
     Done(Box<RequestOutput>),
-    /// It could not be served (the engine refused it or a step failed).
-    Failed(String),
+    /// It could not be served: the engine refused it (400) or a step failed (500).
+    Failed(u16, String),
 }
 
 struct Job {
@@ -134,7 +138,10 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let server = tiny_http::Server::http((args.host.as_str(), args.port))
         .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", args.host, args.port))?;
     let (jobs, job_rx) = mpsc::channel();
-    let launch = |eos: &[u32], max_positions: usize| {
+    let launch = |eos: &[u32], max_positions: usize, num_blocks: usize| {
+        // What one sequence can hold (vLLM's max_model_len): the model's positions, within the
+        // KV pool.
+        let max_positions = max_positions.min((num_blocks - 1) * args.block_size);
         let shared = Arc::new(Shared {
             name: name.clone(),
             tokenizer: tokenizer.clone(),
@@ -152,7 +159,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             .to_ip()
             .map_or(format!("{}:{}", args.host, args.port), |a| a.to_string());
         eprintln!(
-            "cachalot serve: {name} ({}) listening on http://{addr}/v1",
+            "cachalot serve: {name} ({}), max_model_len {max_positions}, listening on \
+             http://{addr}/v1",
             dir.display()
         );
         std::thread::spawn(move || accept(server, shared));
@@ -161,26 +169,23 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         ModelFamily::DeepseekV3 => {
             let m = load_model(&args.model, args.mtp > 0)?;
             let c = m.config();
-            launch(&c.eos_token_ids, c.max_position_embeddings);
-            engine_loop(&m, &tokenizer, args, job_rx)
+            let blocks = pool_blocks(&&m, args)?;
+            launch(&c.eos_token_ids, c.max_position_embeddings, blocks);
+            engine_loop(&m, &tokenizer, args, blocks, job_rx)
         }
         ModelFamily::DeepseekV4 => {
             let m = load_v4(&args.model, args.mtp > 0)?;
             let c = m.config();
-            launch(&c.eos_token_ids, c.max_position_embeddings);
-            engine_loop(&m, &tokenizer, args, job_rx)
+            let blocks = pool_blocks(&&m, args)?;
+            launch(&c.eos_token_ids, c.max_position_embeddings, blocks);
+            engine_loop(&m, &tokenizer, args, blocks, job_rx)
         }
     }
 }
 
-/// The engine's step loop: admits requests as they come, steps while any is unfinished, and
-/// sends each request its new text after every step. Returns when the HTTP side is gone.
-fn engine_loop<M: Model>(
-    model: M,
-    tokenizer: &Tokenizer,
-    args: &ServeArgs,
-    jobs: mpsc::Receiver<Job>,
-) -> Result<()> {
+/// KV blocks in the pool: `--kv-blocks`, or enough for `--batch-size` sequences of the model's
+/// whole context within half the memory available.
+fn pool_blocks<M: Model>(model: &M, args: &ServeArgs) -> Result<usize> {
     let per_block =
         cachalot_engine::engine::kv_bytes_per_block(model.cache_spec(), args.block_size);
     let per_seq = model.max_positions().div_ceil(args.block_size);
@@ -199,6 +204,20 @@ fn engine_loop<M: Model>(
              and one more)"
         );
     }
+    Ok(num_blocks)
+}
+
+/// The engine's step loop: admits requests as they come, steps while any is unfinished, and
+/// sends each request its new text after every step. Returns when the HTTP side is gone.
+fn engine_loop<M: Model>(
+    model: M,
+    tokenizer: &Tokenizer,
+    args: &ServeArgs,
+    num_blocks: usize,
+    jobs: mpsc::Receiver<Job>,
+) -> Result<()> {
+    let per_block =
+        cachalot_engine::engine::kv_bytes_per_block(model.cache_spec(), args.block_size);
     let cfg = EngineConfig {
         block_size: args.block_size,
         num_blocks,
@@ -224,7 +243,7 @@ fn engine_loop<M: Model>(
                 live.insert(id, (job.events, 0));
             }
             Err(e) => {
-                let _ = job.events.send(Event::Failed(e.to_string()));
+                let _ = job.events.send(Event::Failed(400, e.to_string()));
             }
         }
     }
@@ -245,7 +264,7 @@ fn engine_loop<M: Model>(
             eprintln!("cachalot serve: a step failed: {e}");
             for (id, (events, _)) in live.drain() {
                 engine.abort(id);
-                let _ = events.send(Event::Failed(format!("the step failed: {e}")));
+                let _ = events.send(Event::Failed(500, format!("the step failed: {e}")));
             }
             engine.take_finished();
             continue;
@@ -469,7 +488,11 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         ("response_format", "structured output is not supported"),
     ] {
         match field(body, key) {
+            // What clients send when they do not use the feature.
             None | Some(Value::Bool(false)) => {}
+            Some(Value::Number(n)) if n.as_u64() == Some(0) && key != "best_of" => {}
+            Some(Value::String(t)) if t.is_empty() => {}
+            Some(Value::Object(o)) if o.is_empty() && key == "logit_bias" => {}
             Some(Value::Number(n)) if key == "best_of" && n.as_u64() == Some(1) => {}
             Some(Value::Object(o))
                 if key == "response_format" && o.get("type") == Some(&json!("text")) => {}
@@ -485,12 +508,24 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     }
     let tok = &shared.tokenizer;
-    let tools = field(body, "tools");
+    let mut tools = field(body, "tools");
     if let Some(t) = tools {
         if !chat {
             return Err(ApiError::bad("tools", "tools are for /v1/chat/completions"));
         }
         check_tools(t)?;
+    }
+    match field(body, "tool_choice") {
+        None => {}
+        Some(Value::String(c)) if c == "auto" => {}
+        // The tools are neither shown to the model nor read from its answer.
+        Some(Value::String(c)) if c == "none" => tools = None,
+        Some(v) => {
+            return Err(ApiError::bad(
+                "tool_choice",
+                format!("{v}: \"auto\" and \"none\" are supported (no forced calls)"),
+            ))
+        }
     }
     let (prompt, prompt_text) = if chat {
         let Some(messages) = field(body, "messages") else {
@@ -545,7 +580,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             ),
         ));
     }
-    let max_key = if chat && field(body, "max_completion_tokens").is_some() {
+    let max_key = if field(body, "max_completion_tokens").is_some() {
         "max_completion_tokens"
     } else {
         "max_tokens"
@@ -625,7 +660,17 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     if chat && !ignore_eos {
         stop_ids.extend(shared.im_end);
     }
-    if let Some(Value::Array(extra)) = field(body, "stop_token_ids") {
+    let extra = match field(body, "stop_token_ids") {
+        None => &[][..],
+        Some(Value::Array(a)) => a.as_slice(),
+        Some(v) => {
+            return Err(ApiError::bad(
+                "stop_token_ids",
+                format!("expected a list of token ids, got {v}"),
+            ))
+        }
+    };
+    {
         for v in extra {
             match v.as_u64() {
                 Some(id) if (id as usize) < vocab => stop_ids.push(id as u32),
@@ -640,7 +685,13 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     }
     let include_usage = match field(body, "stream_options") {
         None => false,
-        Some(o) => flag(o, "include_usage")?,
+        Some(o @ Value::Object(_)) => flag(o, "include_usage")?,
+        Some(v) => {
+            return Err(ApiError::bad(
+                "stream_options",
+                format!("expected an object such as {{\"include_usage\": true}}, got {v}"),
+            ))
+        }
     };
     Ok(Call {
         chat,
@@ -836,9 +887,9 @@ fn run_call(request: tiny_http::Request, shared: &Shared, call: Call) {
         match rx.recv() {
             Ok(Event::Text(t)) => text.push_str(&t),
             Ok(Event::Done(out)) => break out,
-            Ok(Event::Failed(message)) => {
-                let e = ApiError::new(400, message);
-                return respond_json(request, 400, &e.body());
+            Ok(Event::Failed(status, message)) => {
+                let e = ApiError::new(status, message);
+                return respond_json(request, status, &e.body());
             }
             Err(_) => {
                 let e = ApiError::new(500, "the engine has stopped");
@@ -848,7 +899,19 @@ fn run_call(request: tiny_http::Request, shared: &Shared, call: Call) {
     };
     let finish = finish_word(&out);
     let body = if call.chat {
-        let (reasoning, answer) = ReasoningSplitter::split(&call.prompt_text, &text);
+        let (reasoning, answer) = match splitter(shared, &call.prompt_text) {
+            None => (String::new(), text.clone()),
+            Some(mut sp) => {
+                let (mut r, mut a) = (String::new(), String::new());
+                for seg in sp.push(&text).into_iter().chain(sp.finish()) {
+                    match seg {
+                        Segment::Reasoning(t) => r.push_str(&t),
+                        Segment::Answer(t) => a.push_str(&t),
+                    }
+                }
+                (r, a)
+            }
+        };
         let mut message = json!({"role": "assistant"});
         let mut finish = finish;
         set_answer(&mut message, shared, &call, &answer, &mut finish);
@@ -887,6 +950,20 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
     }
 }
 
+/// The splitter of a chat answer's reasoning from its text, for templates that write `<think>`
+/// (R1, Kimi-K2-Thinking; V4's encoder in thinking mode), as vLLM's reasoning parsers; it starts
+/// inside the block when the generation prompt ends by opening one. None for other templates,
+/// whose answers are all text.
+fn splitter(shared: &Shared, prompt: &str) -> Option<ReasoningSplitter> {
+    let template = shared.template.as_ref()?;
+    if !template.is_deepseek_v4() && !template.source().contains(THINK_OPEN) {
+        return None;
+    }
+    Some(ReasoningSplitter::new(
+        prompt.trim_end().ends_with(THINK_OPEN),
+    ))
+}
+
 /// Server-sent events: one chunk per piece of text, the finish, usage if asked, `[DONE]`.
 fn stream(
     request: tiny_http::Request,
@@ -896,12 +973,30 @@ fn stream(
     created: u64,
     rx: mpsc::Receiver<Event>,
 ) {
+    // HTTP/1.1: chunked transfer encoding, one chunk per event, so the client sees each event
+    // as it is written and the end of the answer at the last (empty) chunk, with the connection
+    // kept for its next request. HTTP/1.0 has no chunks: the body ends when the connection
+    // closes.
+    let v = request.http_version();
+    let chunked = (v.0, v.1) >= (1, 1);
     let mut w = request.into_writer();
-    // Chunked transfer encoding, one chunk per event, so the client sees each event as it is
-    // written and the end of the answer at the last (empty) chunk, with the connection kept
-    // for its next request.
-    let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
-                Transfer-Encoding: chunked\r\n\r\n";
+    let head = if chunked {
+        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
+         Transfer-Encoding: chunked\r\n\r\n"
+    } else {
+        "HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
+         Connection: close\r\n\r\n"
+    };
+    let write_chunk = |w: &mut Box<dyn Write + Send>, data: &[u8]| -> bool {
+        let r = if chunked {
+            write!(w, "{:x}\r\n", data.len())
+                .and_then(|_| w.write_all(data))
+                .and_then(|_| w.write_all(b"\r\n"))
+        } else {
+            w.write_all(data)
+        };
+        r.and_then(|_| w.flush()).is_ok()
+    };
     let object = if call.chat {
         "chat.completion.chunk"
     } else {
@@ -927,8 +1022,7 @@ fn stream(
     {
         return;
     }
-    let mut splitter =
-        ReasoningSplitter::new(ReasoningSplitter::prompt_opens_reasoning(&call.prompt_text));
+    let mut splitter = splitter(shared, &call.prompt_text);
     // With tools, the answer is held back and sent with its parsed calls at the end.
     let mut held = String::new();
     let emit = |w: &mut Box<dyn Write + Send>, segs: Vec<Segment>, held: &mut String| -> bool {
@@ -957,7 +1051,11 @@ fn stream(
         match rx.recv() {
             Ok(Event::Text(t)) => {
                 let ok = if call.chat {
-                    emit(&mut w, splitter.push(&t), &mut held)
+                    let segs = match &mut splitter {
+                        Some(sp) => sp.push(&t),
+                        None => vec![Segment::Answer(t)],
+                    };
+                    emit(&mut w, segs, &mut held)
                 } else {
                     send(
                         &mut w,
@@ -972,8 +1070,8 @@ fn stream(
                 }
             }
             Ok(Event::Done(out)) => break out,
-            Ok(Event::Failed(message)) => {
-                let e = ApiError::new(400, message);
+            Ok(Event::Failed(status, message)) => {
+                let e = ApiError::new(status, message);
                 if send(&mut w, &e.body()) {
                     write_chunk(&mut w, b"");
                 }
@@ -984,7 +1082,10 @@ fn stream(
     };
     let mut finish = finish_word(&out);
     if call.chat {
-        if !emit(&mut w, splitter.finish(), &mut held) {
+        let rest = splitter
+            .as_mut()
+            .map_or(Vec::new(), ReasoningSplitter::finish);
+        if !emit(&mut w, rest, &mut held) {
             return;
         }
         if call.tools {
@@ -1029,13 +1130,4 @@ fn stream(
     if write_chunk(&mut w, b"data: [DONE]\n\n") {
         write_chunk(&mut w, b"");
     }
-}
-
-/// One chunk of a chunked body (the empty one ends it), flushed; false once the client is gone.
-fn write_chunk(w: &mut Box<dyn Write + Send>, data: &[u8]) -> bool {
-    write!(w, "{:x}\r\n", data.len())
-        .and_then(|_| w.write_all(data))
-        .and_then(|_| w.write_all(b"\r\n"))
-        .and_then(|_| w.flush())
-        .is_ok()
 }

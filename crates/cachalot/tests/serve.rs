@@ -28,15 +28,7 @@ impl Drop for Server {
 
 fn start(extra: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
-        .args([
-            "serve",
-            "--port",
-            "0",
-            "--batch-size",
-            "4",
-            "--kv-blocks",
-            "64",
-        ])
+        .args(["serve", "--port", "0", "--batch-size", "4"])
         .args(extra)
         .current_dir(root())
         .stdout(Stdio::null())
@@ -141,7 +133,7 @@ fn events(addr: &str, path: &str, body: &Value) -> Vec<String> {
 
 #[test]
 fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
-    let server = start(&[]);
+    let server = start(&["--kv-blocks", "64"]);
     let addr = server.addr.as_str();
 
     assert_eq!(http(addr, "GET", "/health", "").0, 200);
@@ -254,12 +246,36 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
         (json!({"max_tokens": 4}), "prompt"),
         (json!({"prompt": [1, 2, 99999999]}), "prompt"),
         (json!({"prompt": "x", "stop": [1]}), "stop"),
+        (
+            json!({"prompt": "x", "stop_token_ids": 5}),
+            "stop_token_ids",
+        ),
+        (
+            json!({"prompt": "x", "stream_options": true}),
+            "stream_options",
+        ),
     ] {
         let (status, e) = post(addr, "/v1/completions", &body);
         assert_eq!(status, 400, "{body}: {e}");
         assert_eq!(e["error"]["param"], param, "{e}");
         assert_eq!(e["error"]["type"], "invalid_request_error");
     }
+    let (status, e) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("tool_choice"))
+    );
+    // Fields clients send when they do not use a feature are accepted.
+    let (status, e) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2, "logit_bias": {}, "suffix": "", "logprobs": null}),
+    );
+    assert_eq!(status, 200, "{e}");
     let (status, e) = post(addr, "/v1/chat/completions", &json!({"messages": "hi"}));
     assert_eq!(
         (status, e["error"]["param"].as_str()),
@@ -285,4 +301,30 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
 
 fn whole_text(tok: &cachalot_model::tokenizer::Tokenizer, ids: &[u32]) -> String {
     tok.decode(ids).unwrap()
+}
+
+/// The context a request may take is the model's positions within the KV pool: a chat request
+/// without `max_tokens` gets the rest of it, and `/v1/models` says how much that is.
+#[test]
+fn serve_bounds_the_context_by_the_kv_pool() {
+    let server = start(&["--kv-blocks", "3", "--block-size", "16"]);
+    let addr = server.addr.as_str();
+    let (_, models) = http(addr, "GET", "/v1/models", "");
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["max_model_len"], 32);
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
+                      "ignore_eos": true});
+    let (status, r) = post(addr, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["total_tokens"], 32, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    let (status, e) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 40}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("max_tokens"))
+    );
 }
