@@ -7,10 +7,12 @@
 //! chunk). Requests are batched continuously: each HTTP request is a thread that renders and
 //! tokenizes its prompt and hands it to the engine thread, which admits it at the next step
 //! (up to `--batch-size` sequences, prefills packed under `--max-prefill-tokens`, paged KV
-//! blocks, MTP drafts with `--mtp N`) and sends its text back piece by piece. A streaming
-//! client that goes away has its request aborted (its blocks freed) at the next piece that
-//! cannot be written; a client waiting for a whole answer is not watched (nothing is written
-//! until the end), so its request runs to its end. `max_model_len` (in `/v1/models`) is the
+//! blocks, MTP drafts with `--mtp N`) and sends its text back piece by piece. A client that
+//! goes away has its request aborted (its blocks freed) at the next piece that cannot be
+//! written: a streamed answer writes every piece; a whole answer that takes over `--keepalive-ms`
+//! (2 s) starts its 200 response and writes a space that often (JSON allows leading whitespace), so it is
+//! watched too (an error after that comes as the body of the started response).
+//! `max_model_len` (in `/v1/models`) is the
 //! model's positions within the KV pool. Executor spec §2 (the online mode's request flow);
 //! prefill/decode disaggregation and KV transfer between hosts are not here.
 //!
@@ -74,6 +76,11 @@ pub struct ServeArgs {
     /// Chat template (a tokenizer_config.json or a Jinja file) instead of the model's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// A whole (not streamed) answer that takes longer than this starts its response and
+    /// writes a space this often, so a client that left is noticed and its request aborted.
+    #[arg(long, default_value_t = 2000,
+          value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(10..))]
+    keepalive_ms: u64,
 }
 
 /// Request bodies above this are refused (413).
@@ -105,6 +112,8 @@ struct Shared {
     im_end: Option<u32>,
     tool_format: Option<ToolCallFormat>,
     max_positions: usize,
+    /// `--keepalive-ms`.
+    keepalive: std::time::Duration,
     jobs: mpsc::Sender<Job>,
     next_id: AtomicU64,
 }
@@ -151,6 +160,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             im_end: tokenizer.token_to_id("<|im_end|>"),
             tool_format,
             max_positions,
+            keepalive: std::time::Duration::from_millis(args.keepalive_ms),
             jobs,
             next_id: AtomicU64::new(0),
         });
@@ -286,6 +296,7 @@ fn engine_loop<M: Model>(
             }
         }
         for id in gone {
+            eprintln!("cachalot serve: request {id}: the client went away; aborted");
             engine.abort(id);
             live.remove(&id);
         }
@@ -882,18 +893,43 @@ fn run_call(request: tiny_http::Request, shared: &Shared, call: Call) {
         stream(request, shared, &call, &id, created, rx);
         return;
     }
+    // A whole answer that takes long: once the request is running, the 200 head goes out with a
+    // chunked body, and a space (JSON allows it before the value) every `keepalive`, so a client
+    // that went away is noticed at a failed write and its request aborted (dropping `rx`).
+    let v = request.http_version();
+    let chunked = (v.0, v.1) >= (1, 1);
+    let mut request = Some(request);
+    let mut writer: Option<Box<dyn Write + Send>> = None;
     let mut text = String::new();
+    let mut last = std::time::Instant::now();
     let out = loop {
-        match rx.recv() {
+        match rx.recv_timeout(shared.keepalive) {
             Ok(Event::Text(t)) => text.push_str(&t),
             Ok(Event::Done(out)) => break out,
             Ok(Event::Failed(status, message)) => {
                 let e = ApiError::new(status, message);
-                return respond_json(request, status, &e.body());
+                return fail(request, writer, status, &e);
             }
-            Err(_) => {
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
                 let e = ApiError::new(500, "the engine has stopped");
-                return respond_json(request, 500, &e.body());
+                return fail(request, writer, 500, &e);
+            }
+        }
+        if chunked && last.elapsed() >= shared.keepalive {
+            last = std::time::Instant::now();
+            if let Some(r) = request.take() {
+                let mut w = r.into_writer();
+                let head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                            Transfer-Encoding: chunked\r\n\r\n";
+                if w.write_all(head.as_bytes()).is_err() || !write_body(&mut w, b" ", true) {
+                    return;
+                }
+                writer = Some(w);
+            } else if let Some(w) = writer.as_mut() {
+                if !write_body(w, b" ", true) {
+                    return;
+                }
             }
         }
     };
@@ -926,7 +962,46 @@ fn run_call(request: tiny_http::Request, shared: &Shared, call: Call) {
                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
                "usage": usage(prompt_len, &out)})
     };
-    respond_json(request, 200, &body);
+    match (request, writer) {
+        (Some(r), _) => respond_json(r, 200, &body),
+        (None, Some(w)) => end_body(w, body.to_string().as_bytes()),
+        _ => {}
+    }
+}
+
+/// An error for a whole answer: a response if none was started, else the error object as the
+/// rest of the started (200) body.
+fn fail(
+    request: Option<tiny_http::Request>,
+    writer: Option<Box<dyn Write + Send>>,
+    status: u16,
+    e: &ApiError,
+) {
+    match (request, writer) {
+        (Some(r), _) => respond_json(r, status, &e.body()),
+        (None, Some(w)) => end_body(w, e.body().to_string().as_bytes()),
+        _ => {}
+    }
+}
+
+/// The last chunk of a started chunked body with `data`, then the empty one that ends it.
+fn end_body(mut w: Box<dyn Write + Send>, data: &[u8]) {
+    if write_body(&mut w, data, true) {
+        write_body(&mut w, b"", true);
+    }
+}
+
+/// Writes `data` as one chunk of a chunked body (the empty one ends it) or as is, and flushes;
+/// false once the client is gone.
+fn write_body(w: &mut Box<dyn Write + Send>, data: &[u8], chunked: bool) -> bool {
+    let r = if chunked {
+        write!(w, "{:x}\r\n", data.len())
+            .and_then(|_| w.write_all(data))
+            .and_then(|_| w.write_all(b"\r\n"))
+    } else {
+        w.write_all(data)
+    };
+    r.and_then(|_| w.flush()).is_ok()
 }
 
 /// The answer's `content`, with `tool_calls` read from it when the request gave tools.
@@ -987,16 +1062,8 @@ fn stream(
         "HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
          Connection: close\r\n\r\n"
     };
-    let write_chunk = |w: &mut Box<dyn Write + Send>, data: &[u8]| -> bool {
-        let r = if chunked {
-            write!(w, "{:x}\r\n", data.len())
-                .and_then(|_| w.write_all(data))
-                .and_then(|_| w.write_all(b"\r\n"))
-        } else {
-            w.write_all(data)
-        };
-        r.and_then(|_| w.flush()).is_ok()
-    };
+    let write_chunk =
+        |w: &mut Box<dyn Write + Send>, data: &[u8]| -> bool { write_body(w, data, chunked) };
     let object = if call.chat {
         "chat.completion.chunk"
     } else {

@@ -17,6 +17,8 @@ fn root() -> PathBuf {
 struct Server {
     child: Child,
     addr: String,
+    /// What it wrote to stderr after its address.
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Drop for Server {
@@ -28,7 +30,7 @@ impl Drop for Server {
 
 fn start(extra: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
-        .args(["serve", "--port", "0", "--batch-size", "4"])
+        .args(["serve", "--port", "0"])
         .args(extra)
         .current_dir(root())
         .stdout(Stdio::null())
@@ -46,8 +48,14 @@ fn start(extra: &[&str]) -> Server {
         }
     };
     // Keep reading stderr so the server never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Server { child, addr }
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            sink.lock().unwrap().push(l);
+        }
+    });
+    Server { child, addr, log }
 }
 
 /// One HTTP/1.1 exchange: the status and the body (chunked bodies decoded).
@@ -133,7 +141,7 @@ fn events(addr: &str, path: &str, body: &Value) -> Vec<String> {
 
 #[test]
 fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
-    let server = start(&["--kv-blocks", "64"]);
+    let server = start(&["--batch-size", "4", "--kv-blocks", "64"]);
     let addr = server.addr.as_str();
 
     assert_eq!(http(addr, "GET", "/health", "").0, 200);
@@ -307,7 +315,14 @@ fn whole_text(tok: &cachalot_model::tokenizer::Tokenizer, ids: &[u32]) -> String
 /// without `max_tokens` gets the rest of it, and `/v1/models` says how much that is.
 #[test]
 fn serve_bounds_the_context_by_the_kv_pool() {
-    let server = start(&["--kv-blocks", "3", "--block-size", "16"]);
+    let server = start(&[
+        "--batch-size",
+        "4",
+        "--kv-blocks",
+        "3",
+        "--block-size",
+        "16",
+    ]);
     let addr = server.addr.as_str();
     let (_, models) = http(addr, "GET", "/v1/models", "");
     let models: Value = serde_json::from_str(&models).unwrap();
@@ -327,4 +342,61 @@ fn serve_bounds_the_context_by_the_kv_pool() {
         (status, e["error"]["param"].as_str()),
         (400, Some("max_tokens"))
     );
+}
+
+/// A client that leaves before its answer is done has its request aborted, whole or streamed
+/// (one sequence at a time here, so a request left running would hold the only slot).
+#[test]
+fn serve_aborts_requests_whose_client_left() {
+    // Spaces every 50 ms: the departed client is noticed long before the 4000 tokens are done.
+    let server = start(&[
+        "--batch-size",
+        "1",
+        "--kv-blocks",
+        "40",
+        "--keepalive-ms",
+        "50",
+    ]);
+    let addr = server.addr.as_str();
+    for stream in [false, true] {
+        let body = json!({"prompt": "The whale", "max_tokens": 4000, "ignore_eos": true,
+                          "stream": stream})
+        .to_string();
+        let mut s = TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        drop(s);
+        let t = std::time::Instant::now();
+        let seen = loop {
+            let n = server
+                .log
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains("the client went away; aborted"))
+                .count();
+            if n == usize::from(stream) + 1 || t.elapsed().as_secs() > 30 {
+                break n;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        assert_eq!(
+            seen,
+            usize::from(stream) + 1,
+            "stream {stream}: {:?}",
+            server.log
+        );
+    }
+    // The slot is free again: a short request is answered.
+    let (status, r) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{r}");
 }
