@@ -71,9 +71,13 @@ impl ReasoningSplitter {
     /// A whole generated `text` as (reasoning, answer), given the `prompt` it continued (which
     /// may have opened the reasoning block itself, as R1's generation prompt does).
     pub fn split(prompt: &str, text: &str) -> (String, String) {
-        let mut sp = ReasoningSplitter::new(Self::prompt_opens_reasoning(prompt));
-        let mut segs = sp.push(text);
-        segs.extend(sp.finish());
+        ReasoningSplitter::new(Self::prompt_opens_reasoning(prompt)).split_whole(text)
+    }
+
+    /// A whole `text` through this splitter, as (reasoning, answer).
+    pub fn split_whole(mut self, text: &str) -> (String, String) {
+        let mut segs = self.push(text);
+        segs.extend(self.finish());
         join(segs)
     }
 

@@ -175,20 +175,20 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         );
         std::thread::spawn(move || accept(server, shared));
     };
+    // Sizes the pool, starts the HTTP side, then runs the engine on this thread.
+    let run = |m: &(dyn Model + Sync), eos: &[u32]| -> Result<()> {
+        let blocks = pool_blocks(&m, args)?;
+        launch(eos, m.max_positions(), blocks);
+        engine_loop(m, &tokenizer, args, blocks, job_rx)
+    };
     match family {
         ModelFamily::DeepseekV3 => {
             let m = load_model(&args.model, args.mtp > 0)?;
-            let c = m.config();
-            let blocks = pool_blocks(&&m, args)?;
-            launch(&c.eos_token_ids, c.max_position_embeddings, blocks);
-            engine_loop(&m, &tokenizer, args, blocks, job_rx)
+            run(&m, &m.config().eos_token_ids)
         }
         ModelFamily::DeepseekV4 => {
             let m = load_v4(&args.model, args.mtp > 0)?;
-            let c = m.config();
-            let blocks = pool_blocks(&&m, args)?;
-            launch(&c.eos_token_ids, c.max_position_embeddings, blocks);
-            engine_loop(&m, &tokenizer, args, blocks, job_rx)
+            run(&m, &m.config().eos_token_ids)
         }
     }
 }
@@ -226,8 +226,6 @@ fn engine_loop<M: Model>(
     num_blocks: usize,
     jobs: mpsc::Receiver<Job>,
 ) -> Result<()> {
-    let per_block =
-        cachalot_engine::engine::kv_bytes_per_block(model.cache_spec(), args.block_size);
     let cfg = EngineConfig {
         block_size: args.block_size,
         num_blocks,
@@ -241,7 +239,7 @@ fn engine_loop<M: Model>(
     eprintln!(
         "cachalot serve: KV pool of {num_blocks} blocks of {} tokens ({:.1} MB), batch {}",
         args.block_size,
-        (num_blocks as u64 * per_block) as f64 / 1e6,
+        engine.cache_bytes() as f64 / 1e6,
         args.batch_size
     );
     // Per live request: where its events go and how many bytes of its text were sent.
@@ -524,7 +522,9 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         if !chat {
             return Err(ApiError::bad("tools", "tools are for /v1/chat/completions"));
         }
-        check_tools(t)?;
+        if let Some(problem) = crate::text::tools_problem(t) {
+            return Err(ApiError::bad("tools", problem));
+        }
     }
     match field(body, "tool_choice") {
         None => {}
@@ -824,31 +824,6 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     messages
 }
 
-fn check_tools(tools: &Value) -> Result<(), ApiError> {
-    let Some(list) = tools.as_array() else {
-        return Err(ApiError::bad(
-            "tools",
-            "expected a list of tool definitions",
-        ));
-    };
-    for (i, t) in list.iter().enumerate() {
-        let name = t
-            .get("function")
-            .and_then(|f| f.get("name"))
-            .and_then(Value::as_str);
-        if name.is_none_or(str::is_empty) {
-            return Err(ApiError::bad(
-                "tools",
-                format!(
-                    "tool {i} has no function name (each tool is {{\"type\": \"function\", \
-                     \"function\": {{\"name\": ..., \"parameters\": ...}}}})"
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
 fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -937,16 +912,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, call: Call) {
     let body = if call.chat {
         let (reasoning, answer) = match splitter(shared, &call.prompt_text) {
             None => (String::new(), text.clone()),
-            Some(mut sp) => {
-                let (mut r, mut a) = (String::new(), String::new());
-                for seg in sp.push(&text).into_iter().chain(sp.finish()) {
-                    match seg {
-                        Segment::Reasoning(t) => r.push_str(&t),
-                        Segment::Answer(t) => a.push_str(&t),
-                    }
-                }
-                (r, a)
-            }
+            Some(sp) => sp.split_whole(&text),
         };
         let mut message = json!({"role": "assistant"});
         let mut finish = finish;

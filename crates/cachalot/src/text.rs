@@ -297,11 +297,21 @@ fn read_tools(path: Option<&Path>) -> Result<Option<serde_json::Value>> {
         .with_context(|| format!("--tools: cannot read {}", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("--tools {}: not valid JSON", path.display()))?;
+    if let Some(problem) = tools_problem(&v) {
+        bail!("--tools {}: {problem}", path.display());
+    }
+    Ok(Some(v))
+}
+
+/// What is wrong with a list of OpenAI tool definitions (`--tools`, a server request's
+/// `tools`): each is `{"type": "function", "function": {"name": NAME, ...}}` with a non-empty
+/// name. None when nothing is.
+pub(crate) fn tools_problem(v: &serde_json::Value) -> Option<String> {
     let Some(list) = v.as_array() else {
-        bail!(
-            "--tools {}: expected a JSON list of tool definitions \
-             ([{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}])",
-            path.display()
+        return Some(
+            "expected a JSON list of tool definitions \
+             ([{\"type\": \"function\", \"function\": {\"name\": ...}}])"
+                .into(),
         );
     };
     for (i, t) in list.iter().enumerate() {
@@ -310,22 +320,18 @@ fn read_tools(path: Option<&Path>) -> Result<Option<serde_json::Value>> {
             .and_then(|f| f.get("name"))
             .and_then(serde_json::Value::as_str);
         if !t.is_object() || name.is_none_or(str::is_empty) {
-            bail!(
-                "--tools {}: tool {i} has no function name (each tool is \
-                 {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}})",
-                path.display()
-            );
+            return Some(format!(
+                "tool {i} has no function name (each tool is \
+                 {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}})"
+            ));
         }
-        if let Some(kind) = t.get("type") {
-            if kind != "function" {
-                bail!(
-                    "--tools {}: tool {i} has type {kind}; only \"function\" tools exist",
-                    path.display()
-                );
-            }
+        if let Some(kind) = t.get("type").filter(|k| *k != "function") {
+            return Some(format!(
+                "tool {i} has type {kind}; only \"function\" tools exist"
+            ));
         }
     }
-    Ok(Some(v))
+    None
 }
 
 /// The tool calls in an answer: the parsed answer, or why its tool-call section is malformed.
