@@ -27,7 +27,7 @@
 //! plain decoding go on beside them unchanged. The [`Model`] trait stays family-agnostic: the
 //! MTP methods have defaults meaning "no MTP layer".
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use cachalot_model::batch::{Batch, CacheSpec, KvCache, LogitsWanted};
@@ -39,6 +39,7 @@ use crate::kv_pool::KvBlockManager;
 use crate::metrics::{EngineStats, RequestTiming};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{AdmissionError, Scheduled, Scheduler, SchedulerConfig};
+use crate::transfer::{KvSnapshot, MtpRows};
 use crate::EngineError;
 
 fn no_mtp() -> EngineError {
@@ -266,6 +267,10 @@ pub struct RequestOutput {
     /// MTP drafts verified for this request, and how many were accepted.
     pub drafted: usize,
     pub accepted_drafts: usize,
+    /// The prompt's KV and first token, for a request added with
+    /// [`Engine::add_request_for_transfer`] that ended with a token sampled.
+    #[serde(skip)]
+    pub kv: Option<Box<KvSnapshot>>,
 }
 
 /// What one step did.
@@ -340,6 +345,11 @@ pub struct Engine<'t, M: Model> {
     stats: EngineStats,
     /// Draft tokens per step (0: no speculative decoding).
     next_n: usize,
+    /// Requests whose prompt's KV leaves with their output ([`Engine::add_request_for_transfer`]).
+    exporting: HashSet<u64>,
+    /// Prefilled requests waiting for a batch slot and blocks, with their KV rows per layer
+    /// ([`Engine::add_prefilled`]), oldest first.
+    imports: VecDeque<(u64, Vec<Vec<u8>>)>,
 }
 
 impl<'t, M: Model> Engine<'t, M> {
@@ -383,6 +393,8 @@ impl<'t, M: Model> Engine<'t, M> {
             next_id: 0,
             stats,
             next_n: 0,
+            exporting: HashSet::new(),
+            imports: VecDeque::new(),
         })
     }
 
@@ -431,11 +443,138 @@ impl<'t, M: Model> Engine<'t, M> {
         self.cache.bytes()
     }
     pub fn has_unfinished(&self) -> bool {
-        self.scheduler.has_unfinished()
+        self.scheduler.has_unfinished() || !self.imports.is_empty()
     }
 
     /// Queues a request; its id comes back with its output.
     pub fn add_request(&mut self, mut req: Request) -> Result<u64, EngineError> {
+        let max_len = self.check_request(&mut req)?;
+        let id = self.next_id;
+        let sampler = Sampler::new(req.params.clone(), &req.prompt)?;
+        self.scheduler
+            .add(id, req.prompt.len(), max_len)
+            .map_err(|e: AdmissionError| EngineError::Request(e.to_string()))?;
+        self.next_id += 1;
+        self.insert_live(id, req, sampler);
+        Ok(id)
+    }
+
+    /// [`Engine::add_request`] for the prefill side of a disaggregated server (spec
+    /// `executor.md` §5.7): when the request ends with a token sampled, its output carries the
+    /// prompt's KV, that token, the sampler's stream and any MTP rows due
+    /// ([`RequestOutput::kv`]) for [`Engine::add_prefilled`] on another engine. Give it
+    /// `max_new_tokens` 1, as the seed's prefill instances run.
+    pub fn add_request_for_transfer(&mut self, req: Request) -> Result<u64, EngineError> {
+        let id = self.add_request(req)?;
+        self.exporting.insert(id);
+        Ok(id)
+    }
+
+    /// Continues a request another engine prefilled (the decode side of spec `executor.md`
+    /// §5.8): `kv` is that engine's [`RequestOutput::kv`] for the same prompt. The request
+    /// starts with the transferred first token; it joins the running batch with the KV written
+    /// into its own blocks as soon as a batch slot and the blocks are free (until then it
+    /// waits, before any request that has to be prefilled here), and decodes from there with
+    /// this request's sampling and stop rules.
+    pub fn add_prefilled(&mut self, mut req: Request, kv: KvSnapshot) -> Result<u64, EngineError> {
+        let refuse = |m: String| Err(EngineError::Request(m));
+        kv.check().map_err(|e| EngineError::Request(e.to_string()))?;
+        let spec = self.cache.spec();
+        if kv.spec != spec {
+            return refuse(format!(
+                "the transferred KV is laid out as {:?}, this engine's cache as {spec:?}: run \
+                 the prefill and decode sides with the same model and --kv-cache-dtype",
+                kv.spec
+            ));
+        }
+        if kv.prompt != req.prompt {
+            return refuse(format!(
+                "the transferred KV is of a prompt of {} tokens that differs from this \
+                 request's {} tokens: both sides must render and tokenize the request alike \
+                 (same model, tokenizer and chat template)",
+                kv.prompt.len(),
+                req.prompt.len()
+            ));
+        }
+        if self.next_n > 0 && kv.mtp.is_none() {
+            return refuse(
+                "this engine drafts with MTP but the prefill side ran without it: start both \
+                 sides with the same --mtp"
+                    .into(),
+            );
+        }
+        if (kv.first_token as usize) >= self.model.vocab_size() {
+            return refuse(format!(
+                "the transferred first token {} is outside the vocabulary",
+                kv.first_token
+            ));
+        }
+        let max_len = self.check_request(&mut req)?;
+        let mut sampler = Sampler::new(req.params.clone(), &req.prompt)?;
+        sampler.set_rng_state(kv.rng);
+        let prompt_len = req.prompt.len();
+        // Refuse now what could never run (the scheduler's own size check).
+        let blocks = self.scheduler.kv().blocks_for(max_len.max(prompt_len + 1));
+        if blocks > self.scheduler.kv().pool().capacity() {
+            return refuse(format!(
+                "request needs up to {} tokens of KV cache ({blocks} blocks) but the pool holds \
+                 {} blocks of {}; shorten the prompt or max_new_tokens, or give the KV cache \
+                 more memory",
+                max_len,
+                self.scheduler.kv().pool().capacity(),
+                self.scheduler.kv().block_size()
+            ));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.insert_live(id, req, sampler);
+        let now = Instant::now();
+        if let Some(live) = self.live.get_mut(&id) {
+            live.first_scheduled = Some(now);
+            if self.next_n > 0 {
+                live.mtp_pending = kv.mtp.map(|m| Pending {
+                    first: m.first,
+                    rows: m.rows,
+                    hidden: m.hidden,
+                });
+            }
+        }
+        if let Some(reason) = self.push_token(id, kv.first_token, now)? {
+            self.retire(id, reason);
+            return Ok(id);
+        }
+        self.imports.push_back((id, kv.layers));
+        self.place_imports()?;
+        Ok(id)
+    }
+
+    /// Moves waiting prefilled requests into the running batch, oldest first, while slots and
+    /// blocks allow, writing their KV into their blocks.
+    fn place_imports(&mut self) -> Result<(), EngineError> {
+        while let Some((id, _)) = self.imports.front() {
+            let id = *id;
+            let live = &self.live[&id];
+            let (prompt_len, num_tokens) = (live.prompt_len, live.tokens.len());
+            let max_len = prompt_len + live.stop.max_new_tokens;
+            let placed = self
+                .scheduler
+                .add_computed(id, prompt_len, num_tokens, max_len)
+                .map_err(|e| EngineError::Request(e.to_string()))?;
+            if !placed {
+                break;
+            }
+            let (_, layers) = self.imports.pop_front().expect("the front");
+            let table = self.scheduler.block_table(id).to_vec();
+            for (l, rows) in layers.iter().enumerate() {
+                self.cache.write_rows(l, &table, rows);
+            }
+        }
+        Ok(())
+    }
+
+    /// The checks of a new request; caps its output at the model's positions and returns the
+    /// most tokens it may reach.
+    fn check_request(&self, req: &mut Request) -> Result<usize, EngineError> {
         let vocab = self.model.vocab_size();
         let max_positions = self.model.max_positions();
         if req.prompt.len() >= max_positions {
@@ -461,10 +600,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 "max_new_tokens must be at least 1".into(),
             ));
         }
-        let sampler = Sampler::new(req.params, &req.prompt)?;
-        let id = self.next_id;
-        let max_len = req
-            .prompt
+        req.prompt
             .len()
             .checked_add(req.stop.max_new_tokens)
             .ok_or_else(|| {
@@ -472,11 +608,10 @@ impl<'t, M: Model> Engine<'t, M> {
                     "max_new_tokens {} is out of range",
                     req.stop.max_new_tokens
                 ))
-            })?;
-        self.scheduler
-            .add(id, req.prompt.len(), max_len)
-            .map_err(|e: AdmissionError| EngineError::Request(e.to_string()))?;
-        self.next_id += 1;
+            })
+    }
+
+    fn insert_live(&mut self, id: u64, req: Request, sampler: Sampler) {
         let stream = self
             .tokenizer
             .map(|t| TextStream::new(t, &req.stop.stop_strings));
@@ -501,7 +636,6 @@ impl<'t, M: Model> Engine<'t, M> {
                 accepted: 0,
             },
         );
-        Ok(id)
     }
 
     /// Stops a request now; its output (finish reason `Cancelled`) comes out of
@@ -528,6 +662,7 @@ impl<'t, M: Model> Engine<'t, M> {
         let _profile = cachalot_model::profile::Timer::start(cachalot_model::profile::Phase::Step);
         // The step's many short parallel regions find the other workers awake.
         let _warm = cachalot_kernels::KeepWarm::new();
+        self.place_imports()?;
         let plan = self.scheduler.schedule();
         let mut report = StepReport {
             preempted: plan.preempted.len(),
@@ -607,6 +742,8 @@ impl<'t, M: Model> Engine<'t, M> {
             // Rows of this item's tokens whose KV (and hidden state) is now valid.
             let mut valid = it.len;
             let mut finished = false;
+            // Why the request ends, if it does (it retires once its hidden states are kept).
+            let mut ends = None;
             if it.sample {
                 self.stats.sample_steps += 1;
                 let mut accepted = 0;
@@ -629,7 +766,7 @@ impl<'t, M: Model> Engine<'t, M> {
                         live.accepted += 1;
                     }
                     if let Some(reason) = self.push_token(it.id, token, sampled_at)? {
-                        self.retire(it.id, reason);
+                        ends = Some(reason);
                         report.finished += 1;
                         finished = true;
                         done = true;
@@ -652,8 +789,12 @@ impl<'t, M: Model> Engine<'t, M> {
                     self.scheduler.append_tokens(it.id, accepted + 1);
                 }
             }
-            if let (Some(h), false) = (&hidden, finished) {
+            // A request that ends keeps them only to hand them over with its KV.
+            if let (Some(h), true) = (&hidden, !finished || self.exporting.contains(&it.id)) {
                 self.keep_hidden(it.id, it.start, valid, &batch, n, h);
+            }
+            if let Some(reason) = ends {
+                self.retire(it.id, reason);
             }
         }
         report.kv_used_blocks = self.scheduler.kv().pool().num_used();
@@ -730,7 +871,11 @@ impl<'t, M: Model> Engine<'t, M> {
         let mut ids: Vec<u64> = self
             .live
             .iter()
-            .filter(|(_, l)| l.mtp_pending.is_some())
+            // Not prefilled requests still waiting for their blocks.
+            .filter(|(id, l)| {
+                l.mtp_pending.is_some()
+                    && self.scheduler.phase(**id) == Some(crate::scheduler::Phase::Running)
+            })
             .map(|(&id, _)| id)
             .collect();
         if ids.is_empty() {
@@ -856,7 +1001,13 @@ impl<'t, M: Model> Engine<'t, M> {
     /// Moves a request out of the scheduler (freeing its blocks) into the finished list.
     fn retire(&mut self, id: u64, finish: FinishReason) {
         let preemptions = self.scheduler.num_preemptions(id);
+        let kv = if self.exporting.remove(&id) && finish != FinishReason::Cancelled {
+            self.snapshot(id)
+        } else {
+            None
+        };
         self.scheduler.finish(id);
+        self.imports.retain(|(i, _)| *i != id);
         let Some(mut live) = self.live.remove(&id) else {
             return;
         };
@@ -897,7 +1048,46 @@ impl<'t, M: Model> Engine<'t, M> {
             timing,
             drafted: live.drafted,
             accepted_drafts: live.accepted,
+            kv,
         });
+    }
+
+    /// What [`Engine::add_prefilled`] needs to continue request `id` elsewhere: the KV of its
+    /// prompt and its first token; None unless exactly those are known and computed.
+    fn snapshot(&self, id: u64) -> Option<Box<KvSnapshot>> {
+        let live = self.live.get(&id)?;
+        let n = live.prompt_len;
+        if live.tokens.len() != n + 1 || self.scheduler.num_computed(id) != n {
+            return None;
+        }
+        let table = self.scheduler.block_table(id);
+        let layers = (0..self.cache.spec().layers)
+            .map(|l| {
+                let mut rows = Vec::new();
+                self.cache.read_rows(l, table, n, &mut rows);
+                rows
+            })
+            .collect();
+        let mtp = if self.next_n > 0 {
+            match &live.mtp_pending {
+                Some(p) if p.first + p.rows == n => Some(MtpRows {
+                    first: p.first,
+                    rows: p.rows,
+                    hidden: p.hidden.clone(),
+                }),
+                _ => return None,
+            }
+        } else {
+            None
+        };
+        Some(Box::new(KvSnapshot {
+            spec: self.cache.spec(),
+            prompt: live.tokens[..n].to_vec(),
+            first_token: live.tokens[n],
+            layers,
+            mtp,
+            rng: live.sampler.rng_state(),
+        }))
     }
 
     /// Steps until every queued request has finished; `on_step` sees each step's report.

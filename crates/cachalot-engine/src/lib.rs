@@ -13,12 +13,14 @@ pub mod metrics;
 pub mod reasoning;
 pub mod sampler;
 pub mod scheduler;
+pub mod transfer;
 
 pub use comm::{CommError, Communicator, SingleProcess, TcpComm, TcpRendezvous};
 pub use engine::{Engine, EngineConfig, Model, Request, RequestOutput, StepReport};
 pub use generate::{generate, generate_mtp, FinishReason, Generation, StopConditions, TextStream};
 pub use reasoning::{ReasoningSplitter, Segment};
-pub use sampler::{Sampler, SamplingError, SamplingParams};
+pub use sampler::{RngState, Sampler, SamplingError, SamplingParams};
+pub use transfer::{KvSnapshot, MtpRows, TransferError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

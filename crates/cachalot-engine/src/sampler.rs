@@ -128,6 +128,15 @@ impl SamplingParams {
     }
 }
 
+/// Where a sampler's random stream stands, so that a request moved to another engine (a KV
+/// transfer from a prefill server to a decode server) draws there what it would have drawn here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RngState {
+    pub seed: [u8; 32],
+    pub stream: u64,
+    pub word_pos: u128,
+}
+
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
@@ -157,6 +166,23 @@ impl Sampler {
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+
+    /// Where the random stream stands.
+    pub fn rng_state(&self) -> RngState {
+        RngState {
+            seed: self.rng.get_seed(),
+            stream: self.rng.get_stream(),
+            word_pos: self.rng.get_word_pos(),
+        }
+    }
+
+    /// Continues the random stream from `state` (taken with [`Sampler::rng_state`]).
+    pub fn set_rng_state(&mut self, state: RngState) {
+        let mut rng = ChaCha8Rng::from_seed(state.seed);
+        rng.set_stream(state.stream);
+        rng.set_word_pos(state.word_pos);
+        self.rng = rng;
     }
 
     /// Records a generated token (for the penalties).

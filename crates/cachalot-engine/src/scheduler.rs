@@ -212,6 +212,60 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Takes a request whose first `num_tokens - 1` tokens already have their KV (a prompt
+    /// prefilled elsewhere, its KV transferred here; then one sampled token) straight into the
+    /// running set, with blocks for those tokens. `Ok(false)` (nothing changed) when the batch
+    /// is full or the pool lacks the blocks now; the caller writes the KV into
+    /// [`Scheduler::block_table`] after `Ok(true)`.
+    pub fn add_computed(
+        &mut self,
+        id: u64,
+        prompt_len: usize,
+        num_tokens: usize,
+        max_len: usize,
+    ) -> Result<bool, AdmissionError> {
+        if self.seqs.contains_key(&id) {
+            return Err(AdmissionError::Duplicate(id));
+        }
+        if prompt_len == 0 || num_tokens <= prompt_len {
+            return Err(AdmissionError::EmptyPrompt);
+        }
+        let max_len = max_len.max(num_tokens);
+        let blocks = self.kv.blocks_for(max_len);
+        if blocks > self.kv.pool().capacity() {
+            return Err(AdmissionError::TooLong {
+                tokens: max_len,
+                blocks,
+                capacity: self.kv.pool().capacity(),
+                block_size: self.kv.block_size(),
+            });
+        }
+        if self.running.len() >= self.cfg.batch_size
+            || !self.kv.allocate_slots(id, num_tokens - 1)
+        {
+            return Ok(false);
+        }
+        self.seqs.insert(
+            id,
+            Seq {
+                num_tokens,
+                num_computed: num_tokens - 1,
+                prompt_len,
+                max_len,
+                pending_drafts: 0,
+                phase: Phase::Running,
+                num_preemptions: 0,
+            },
+        );
+        self.running.push(id);
+        Ok(true)
+    }
+
+    /// Tokens of `id` whose KV is in the cache (0 for unknown ids).
+    pub fn num_computed(&self, id: u64) -> usize {
+        self.seqs.get(&id).map_or(0, |s| s.num_computed)
+    }
+
     /// Plans the next step; the caller must run it (the scheduled tokens count as cached from
     /// now on) and then report each sampled token with [`Scheduler::append_token`].
     pub fn schedule(&mut self) -> Schedule {

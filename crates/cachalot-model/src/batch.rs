@@ -162,6 +162,68 @@ impl KvCache {
     pub fn layer_bf16(&self, layer: usize) -> &[u16] {
         self.bf16.get(layer).map_or(&[], |v| &v[..])
     }
+    /// Bytes one token takes in one layer: its int8 part, then its float part (f32 or bf16,
+    /// little-endian), the layout of [`KvCache::read_rows`].
+    pub fn row_bytes(&self) -> usize {
+        self.spec.int8_width + self.spec.float_width() * self.spec.float.bytes()
+    }
+
+    /// Appends to `out` the rows of positions `0..n` of `layer` of the sequence whose blocks
+    /// are `table`, [`KvCache::row_bytes`] per position: what a KV transfer sends.
+    pub fn read_rows(&self, layer: usize, table: &[u32], n: usize, out: &mut Vec<u8>) {
+        let (iw, fw) = (self.spec.int8_width, self.spec.float_width());
+        out.reserve(n * self.row_bytes());
+        for p in 0..n {
+            let s = slot_of(table, p, self.block_size);
+            if iw > 0 {
+                out.extend(self.int8[layer][s * iw..(s + 1) * iw].iter().map(|&v| v as u8));
+            }
+            match self.spec.float {
+                KvCacheDtype::F32 => {
+                    for v in &self.layers[layer][s * fw..(s + 1) * fw] {
+                        out.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+                KvCacheDtype::Bf16 => {
+                    for v in &self.bf16[layer][s * fw..(s + 1) * fw] {
+                        out.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes rows laid out as [`KvCache::read_rows`] gives them (`data.len()` a multiple of
+    /// [`KvCache::row_bytes`]) into positions `0..` of `layer` of the sequence whose blocks are
+    /// `table`.
+    pub fn write_rows(&mut self, layer: usize, table: &[u32], data: &[u8]) {
+        let (iw, fw) = (self.spec.int8_width, self.spec.float_width());
+        let row = self.row_bytes();
+        for (p, r) in data.chunks_exact(row).enumerate() {
+            let s = slot_of(table, p, self.block_size);
+            let (i8s, floats) = r.split_at(iw);
+            if iw > 0 {
+                for (d, &v) in self.int8[layer][s * iw..(s + 1) * iw].iter_mut().zip(i8s) {
+                    *d = v as i8;
+                }
+            }
+            match self.spec.float {
+                KvCacheDtype::F32 => {
+                    let dst = &mut self.layers[layer][s * fw..(s + 1) * fw];
+                    for (d, b) in dst.iter_mut().zip(floats.chunks_exact(4)) {
+                        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                }
+                KvCacheDtype::Bf16 => {
+                    let dst = &mut self.bf16[layer][s * fw..(s + 1) * fw];
+                    for (d, b) in dst.iter_mut().zip(floats.chunks_exact(2)) {
+                        *d = u16::from_le_bytes([b[0], b[1]]);
+                    }
+                }
+            }
+        }
+    }
+
     /// Every part of a layer (those the spec does not have are empty).
     pub fn layer_parts_mut(&mut self, layer: usize) -> LayerMut<'_> {
         LayerMut {
@@ -362,6 +424,50 @@ pub enum LogitsWanted {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rows read from one cache's blocks and written into another's (other block size, other
+    /// blocks) read back the same, for each layout.
+    #[test]
+    fn rows_move_between_caches_of_other_block_sizes() {
+        for (int8_width, float) in [
+            (0, KvCacheDtype::F32),
+            (0, KvCacheDtype::Bf16),
+            (4, KvCacheDtype::Bf16),
+            (4, KvCacheDtype::F32),
+        ] {
+            let spec = CacheSpec {
+                layers: 2,
+                width: 7,
+                int8_width,
+                float,
+            };
+            let mut a = KvCache::new(spec, 4, 8);
+            for l in 0..2 {
+                let parts = a.layer_parts_mut(l);
+                for (i, v) in parts.int8.iter_mut().enumerate() {
+                    *v = (i as i32 * 37 % 251 - 125) as i8;
+                }
+                for (i, v) in parts.f32.iter_mut().enumerate() {
+                    *v = i as f32 * 0.25 - 3.0;
+                }
+                for (i, v) in parts.bf16.iter_mut().enumerate() {
+                    *v = (i * 977) as u16;
+                }
+            }
+            let (ta, tb) = ([5u32, 2, 7], [3u32, 1, 4, 6, 2]);
+            let n = 10;
+            let mut b = KvCache::new(spec, 3, 8);
+            for l in 0..2 {
+                let mut rows = Vec::new();
+                a.read_rows(l, &ta, n, &mut rows);
+                assert_eq!(rows.len(), n * a.row_bytes());
+                b.write_rows(l, &tb, &rows);
+                let mut back = Vec::new();
+                b.read_rows(l, &tb, n, &mut back);
+                assert_eq!(back, rows, "{spec:?} layer {l}");
+            }
+        }
+    }
 
     #[test]
     fn cache_bytes_match_the_spec() {

@@ -1,0 +1,225 @@
+//! Prefill/decode disaggregation in the engine (spec `executor.md` §5): a prompt prefilled by
+//! one engine ([`Engine::add_request_for_transfer`]) and continued by another
+//! ([`Engine::add_prefilled`], its KV carried through the wire format) gives the tokens one
+//! engine gives, greedy and seeded sampling, with and without MTP, though the decode engine
+//! uses another block size, a smaller batch and (greedy) a pool too small for every request at
+//! once.
+
+use std::path::PathBuf;
+
+use cachalot_engine::{
+    Engine, EngineConfig, KvSnapshot, Request, RequestOutput, SamplingParams, StopConditions,
+};
+use cachalot_model::tokenizer::Tokenizer;
+use cachalot_model::{DeepseekV3, Fp8Mode, KvCacheDtype, LoadOptions};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn load(dtype: KvCacheDtype) -> DeepseekV3 {
+    let mut m = DeepseekV3::load(
+        &root().join("assets/cachalot-tiny-r1"),
+        LoadOptions {
+            fp8: Fp8Mode::Native,
+            load_mtp: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    m.set_kv_cache_dtype(dtype);
+    m
+}
+
+fn request(prompt: &[u32], params: &SamplingParams, n: usize) -> Request {
+    Request {
+        prompt: prompt.to_vec(),
+        params: params.clone(),
+        stop: StopConditions {
+            max_new_tokens: n,
+            ..Default::default()
+        },
+        ignore_eos: true,
+    }
+}
+
+fn engine(m: &DeepseekV3, cfg: EngineConfig, next_n: usize) -> Engine<'static, &DeepseekV3> {
+    let mut e = Engine::new(m, None, cfg).unwrap();
+    if next_n > 0 {
+        e.enable_mtp(next_n).unwrap();
+    }
+    e
+}
+
+fn finish(mut e: Engine<'_, &DeepseekV3>) -> Vec<RequestOutput> {
+    let mut outs = e.run_to_completion(|_, _| {}).unwrap();
+    assert_eq!(e.scheduler().kv().pool().num_used(), 0, "blocks leaked");
+    e.scheduler().check_invariants().unwrap();
+    outs.sort_by_key(|o| o.id);
+    outs
+}
+
+const PREFILL: EngineConfig = EngineConfig {
+    block_size: 16,
+    num_blocks: 64,
+    batch_size: 4,
+    max_prefill_tokens: 32,
+};
+
+/// The decode side: other blocks, room for only a few requests at once.
+const DECODE: EngineConfig = EngineConfig {
+    block_size: 8,
+    num_blocks: 24,
+    batch_size: 3,
+    max_prefill_tokens: 64,
+};
+
+#[test]
+fn prefill_here_decode_there_equals_one_engine() {
+    let dir = root().join("assets/cachalot-tiny-r1");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let text = std::fs::read_to_string(dir.join("eval.txt")).unwrap();
+    let ids = tok.encode(&text).unwrap();
+    let lens = [40, 7, 90, 23, 3, 61];
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| ids[i * 300..i * 300 + n].to_vec())
+        .collect();
+    let n_new = 20;
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: Some(7),
+        ..SamplingParams::greedy()
+    };
+    for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
+        let m = load(dtype);
+        for next_n in [0, 2] {
+            for params in [SamplingParams::greedy(), sampled.clone()] {
+                let what = format!("{dtype:?}, next_n {next_n}, {params:?}");
+                let mut one = engine(&m, PREFILL, next_n);
+                for p in &prompts {
+                    one.add_request(request(p, &params, n_new)).unwrap();
+                }
+                let want = finish(one);
+
+                let mut pre = engine(&m, PREFILL, next_n);
+                for p in &prompts {
+                    pre.add_request_for_transfer(request(p, &params, 1))
+                        .unwrap();
+                }
+                let firsts = finish(pre);
+                // Under sampling with MTP, a request drafts fewer tokens when the pool is short
+                // of slots, and so draws from its random stream in another order (the same law,
+                // other tokens): the sampled runs get a pool that always has the slots.
+                let cfg = if params.is_greedy() {
+                    DECODE
+                } else {
+                    EngineConfig {
+                        num_blocks: 64,
+                        ..DECODE
+                    }
+                };
+                let mut dec = engine(&m, cfg, next_n);
+                for (p, out) in prompts.iter().zip(&firsts) {
+                    let kv = out.kv.as_ref().expect("a snapshot");
+                    assert_eq!(kv.prompt, *p);
+                    assert_eq!(kv.mtp.is_some(), next_n > 0, "{what}");
+                    // Through the wire.
+                    let mut wire = Vec::new();
+                    kv.write_to(&mut wire).unwrap();
+                    let kv = KvSnapshot::read_from(&mut wire.as_slice(), u64::MAX).unwrap();
+                    dec.add_prefilled(request(p, &params, n_new), kv).unwrap();
+                }
+                // Not every request fits the decode pool at once: some wait.
+                assert!(dec.scheduler().num_running() < prompts.len(), "{what}");
+                let got = finish(dec);
+                assert_eq!(got.len(), want.len());
+                for (a, b) in want.iter().zip(&got) {
+                    assert_eq!(a.tokens, b.tokens, "{what}: prompt of {}", a.prompt.len());
+                    assert_eq!(b.tokens[0], firsts[b.id as usize].tokens[0]);
+                }
+                if next_n > 0 {
+                    let drafted: usize = got.iter().map(|o| o.drafted).sum();
+                    assert!(drafted > 0, "{what}: the decode side never drafted");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mismatched_sides_are_refused_with_the_reason() {
+    let m = load(KvCacheDtype::Bf16);
+    let params = SamplingParams::greedy();
+    let prompt = [5u32, 9, 11, 40, 2];
+    let mut pre = engine(&m, PREFILL, 0);
+    pre.add_request_for_transfer(request(&prompt, &params, 1))
+        .unwrap();
+    let kv = *finish(pre).remove(0).kv.unwrap();
+
+    // Another prompt.
+    let mut dec = engine(&m, DECODE, 0);
+    let e = dec
+        .add_prefilled(request(&[5, 9, 11], &params, 4), kv.clone())
+        .unwrap_err();
+    assert!(e.to_string().contains("differs"), "{e}");
+    // Another cache dtype.
+    let f32_model = load(KvCacheDtype::F32);
+    let mut dec = engine(&f32_model, DECODE, 0);
+    let e = dec
+        .add_prefilled(request(&prompt, &params, 4), kv.clone())
+        .unwrap_err();
+    assert!(e.to_string().contains("--kv-cache-dtype"), "{e}");
+    // MTP here, not there.
+    let mut dec = engine(&m, DECODE, 1);
+    let e = dec
+        .add_prefilled(request(&prompt, &params, 4), kv.clone())
+        .unwrap_err();
+    assert!(e.to_string().contains("--mtp"), "{e}");
+    // A request that can never fit this pool.
+    let mut dec = engine(&m, DECODE, 0);
+    let e = dec
+        .add_prefilled(request(&prompt, &params, 1000), kv.clone())
+        .unwrap_err();
+    assert!(e.to_string().contains("pool holds"), "{e}");
+    assert!(!dec.has_unfinished());
+    // A first token that ends the request finishes it at once, without blocks.
+    let mut stop = request(&prompt, &params, 4);
+    stop.ignore_eos = false;
+    stop.stop.stop_token_ids = vec![kv.first_token];
+    let id = dec.add_prefilled(stop, kv.clone()).unwrap();
+    let done = dec.take_finished();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].id, id);
+    assert_eq!(done[0].tokens, vec![kv.first_token]);
+    assert_eq!(dec.scheduler().kv().pool().num_used(), 0);
+    // An aborted import frees nothing it did not take and leaves nothing behind.
+    let mut dec = engine(
+        &m,
+        EngineConfig {
+            batch_size: 1,
+            ..DECODE
+        },
+        0,
+    );
+    let a = dec
+        .add_prefilled(request(&prompt, &params, 4), kv.clone())
+        .unwrap();
+    let b = dec
+        .add_prefilled(request(&prompt, &params, 4), kv.clone())
+        .unwrap();
+    assert_eq!(dec.scheduler().num_running(), 1);
+    dec.abort(b);
+    dec.abort(a);
+    assert!(!dec.has_unfinished());
+    assert_eq!(dec.scheduler().kv().pool().num_used(), 0);
+    // A cancelled request leaves no snapshot.
+    let mut pre = engine(&m, PREFILL, 0);
+    let id = pre
+        .add_request_for_transfer(request(&prompt, &params, 1))
+        .unwrap();
+    pre.abort(id);
+    assert!(pre.take_finished()[0].kv.is_none());
+}
