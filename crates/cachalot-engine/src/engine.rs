@@ -478,12 +478,21 @@ impl<'t, M: Model> Engine<'t, M> {
     /// this request's sampling and stop rules.
     pub fn add_prefilled(&mut self, mut req: Request, kv: KvSnapshot) -> Result<u64, EngineError> {
         let refuse = |m: String| Err(EngineError::Request(m));
-        kv.check().map_err(|e| EngineError::Request(e.to_string()))?;
+        kv.check()
+            .map_err(|e| EngineError::Request(e.to_string()))?;
+        if self.next_n > 0 && kv.mtp.is_none() {
+            return refuse(
+                "this engine drafts with MTP but the prefill side ran without it: start both \
+                 sides with the same --mtp"
+                    .into(),
+            );
+        }
         let spec = self.cache.spec();
         if kv.spec != spec {
             return refuse(format!(
                 "the transferred KV is laid out as {:?}, this engine's cache as {spec:?}: run \
-                 the prefill and decode sides with the same model and --kv-cache-dtype",
+                 the prefill and decode sides with the same model, --kv-cache-dtype and --mtp \
+                 (an MTP layer has a cache of its own)",
                 kv.spec
             ));
         }
@@ -495,13 +504,6 @@ impl<'t, M: Model> Engine<'t, M> {
                 kv.prompt.len(),
                 req.prompt.len()
             ));
-        }
-        if self.next_n > 0 && kv.mtp.is_none() {
-            return refuse(
-                "this engine drafts with MTP but the prefill side ran without it: start both \
-                 sides with the same --mtp"
-                    .into(),
-            );
         }
         if (kv.first_token as usize) >= self.model.vocab_size() {
             return refuse(format!(

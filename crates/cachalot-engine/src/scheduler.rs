@@ -240,8 +240,7 @@ impl Scheduler {
                 block_size: self.kv.block_size(),
             });
         }
-        if self.running.len() >= self.cfg.batch_size
-            || !self.kv.allocate_slots(id, num_tokens - 1)
+        if self.running.len() >= self.cfg.batch_size || !self.kv.allocate_slots(id, num_tokens - 1)
         {
             return Ok(false);
         }

@@ -101,7 +101,12 @@ impl KvSnapshot {
             )));
         }
         let want = n * row_bytes(&self.spec);
-        if let Some((l, rows)) = self.layers.iter().enumerate().find(|(_, r)| r.len() != want) {
+        if let Some((l, rows)) = self
+            .layers
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.len() != want)
+        {
             return Err(bad(format!(
                 "layer {l} holds {} bytes; {n} positions of {} bytes need {want}",
                 rows.len(),
@@ -217,7 +222,10 @@ impl KvSnapshot {
             .and_then(Value::as_array)
             .ok_or_else(|| bad("the header has no layer_bytes"))?
             .iter()
-            .map(|v| v.as_u64().ok_or_else(|| bad("layer_bytes holds a non-number")))
+            .map(|v| {
+                v.as_u64()
+                    .ok_or_else(|| bad("layer_bytes holds a non-number"))
+            })
             .collect::<Result<_, _>>()?;
         let mtp_head = match h.get("mtp") {
             None | Some(Value::Null) => None,

@@ -176,7 +176,11 @@ impl KvCache {
         for p in 0..n {
             let s = slot_of(table, p, self.block_size);
             if iw > 0 {
-                out.extend(self.int8[layer][s * iw..(s + 1) * iw].iter().map(|&v| v as u8));
+                out.extend(
+                    self.int8[layer][s * iw..(s + 1) * iw]
+                        .iter()
+                        .map(|&v| v as u8),
+                );
             }
             match self.spec.float {
                 KvCacheDtype::F32 => {

@@ -1,9 +1,11 @@
 //! The cachalot command line: `run` (offline runs from YAML), `perplexity`, `tokenize`,
-//! `generate`, `chat`, `bench`, `serve` (an OpenAI-compatible server), `convert`,
-//! `convert-config` and `calibrate` (see README.md).
+//! `generate`, `chat`, `bench`, `serve` (an OpenAI-compatible server; prefill or decode role),
+//! `router` (in front of prefill and decode servers), `convert`, `convert-config` and
+//! `calibrate` (see README.md).
 
 mod bench;
 mod quant;
+mod router;
 mod run;
 mod serve;
 mod text;
@@ -145,8 +147,13 @@ enum Command {
     /// token, memory bandwidth (`--membw`); or MTP speculative decoding (`--mtp N`).
     Bench(bench::BenchArgs),
     /// OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models,
-    /// /health), continuously batched, streamed with "stream": true.
+    /// /health), continuously batched, streamed with "stream": true; `--role prefill|decode`
+    /// for prefill/decode disaggregation behind `cachalot router`.
     Serve(serve::ServeArgs),
+    /// The front of a prefill/decode-disaggregated deployment: sends each request to a prefill
+    /// and a decode server (`cachalot serve --role prefill|decode`) and answers with the decode
+    /// server's response.
+    Router(router::RouterArgs),
 }
 
 /// The small model shipped with the project, used when no `--model` is given.
@@ -378,6 +385,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Calibrate(args) => quant::run_calibrate(&args)?,
         Command::Bench(args) => bench::run(args)?,
         Command::Serve(args) => serve::serve(&args)?,
+        Command::Router(args) => router::router(&args)?,
     }
     Ok(())
 }

@@ -13,8 +13,18 @@
 //! (2 s) starts its 200 response and writes a space that often (JSON allows leading whitespace), so it is
 //! watched too (an error after that comes as the body of the started response).
 //! `max_model_len` (in `/v1/models`) is the
-//! model's positions within the KV pool. Executor spec §2 (the online mode's request flow);
-//! prefill/decode disaggregation and KV transfer between hosts are not here.
+//! model's positions within the KV pool. Executor spec §2 (the online mode's request flow).
+//!
+//! Prefill/decode disaggregation (spec `executor.md` §5): `--role prefill` and `--role decode`
+//! split the work over two servers (on one host or two) with `cachalot router` in front, which
+//! sends each request to one of each with the same `bootstrap_room` (and the prefill server's
+//! `bootstrap_host`/`bootstrap_port`), as the seed's router does. The prefill server computes the
+//! prompt's KV and first token and keeps them for the room
+//! ([`cachalot_engine::Engine::add_request_for_transfer`]); the decode server's request thread
+//! fetches them over TCP from the prefill server's `--kv-port` (a [`KvSnapshot`] on the wire)
+//! and hands them to its engine ([`cachalot_engine::Engine::add_prefilled`]), which decodes and
+//! answers (whole or streamed). A failed prefill reaches the decode side as its error; a KV
+//! not fetched within `--kv-timeout-s` is dropped.
 //!
 //! Chat answers of templates that write `<think>` (R1, Kimi-K2-Thinking, V4's thinking mode)
 //! split it into `reasoning_content` (as vLLM's reasoning parsers do) and read the model's tool calls into `tool_calls` when the request gives
@@ -24,16 +34,17 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
 use cachalot_engine::reasoning::THINK_OPEN;
 use cachalot_engine::{
-    Engine, EngineConfig, FinishReason, Model, ReasoningSplitter, Request, RequestOutput,
-    SamplingParams, Segment, StopConditions,
+    Engine, EngineConfig, FinishReason, KvSnapshot, Model, ReasoningSplitter, Request,
+    RequestOutput, SamplingParams, Segment, StopConditions,
 };
 use cachalot_model::tokenizer::{ChatTemplate, Tokenizer, ToolCallFormat};
 use cachalot_model::{detect_family, ModelFamily};
@@ -81,6 +92,39 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 2000,
           value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(10..))]
     keepalive_ms: u64,
+    /// This server's part in prefill/decode disaggregation: `both` (the whole request here),
+    /// `prefill` (prefill, then hand the KV to a decode server), `decode` (take the KV from a
+    /// prefill server, then decode). Put `cachalot router` in front of prefill and decode
+    /// servers.
+    #[arg(long, value_enum, default_value = "both")]
+    role: Role,
+    /// Prefill role: the port decode servers fetch prefilled KV from (0: any free port; the
+    /// chosen one is printed and reported by /health).
+    #[arg(long, default_value_t = 18800)]
+    kv_port: u16,
+    /// Prefill role: how long a prefilled KV waits to be fetched before it is dropped. Decode
+    /// role: how long to wait for a prefill server's KV.
+    #[arg(long, default_value_t = 600,
+          value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
+    kv_timeout_s: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    /// The seed's name for it (`disaggregation_mode`).
+    fn mode(self) -> &'static str {
+        match self {
+            Role::Both => "none",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
 }
 
 /// Request bodies above this are refused (413).
@@ -99,6 +143,86 @@ enum Event {
 struct Job {
     request: Request,
     events: mpsc::Sender<Event>,
+    kind: JobKind,
+}
+
+enum JobKind {
+    /// The whole request here.
+    Whole,
+    /// Prefill role: prefill, then leave the KV for `room`'s decode server.
+    Export(u64),
+    /// Decode role: continue from a prefill server's KV.
+    Import(Box<KvSnapshot>),
+}
+
+/// The prefill role's prefilled KV, by `bootstrap_room`, until a decode server takes it.
+struct Rooms {
+    map: Mutex<HashMap<u64, (Instant, RoomState)>>,
+    changed: Condvar,
+    timeout: Duration,
+}
+
+enum RoomState {
+    Prefilling,
+    Ready(Box<KvSnapshot>),
+    Failed(String),
+}
+
+impl Rooms {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Instant, RoomState)>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A prefill starts for `room`; refused if the room is in use.
+    fn open(&self, room: u64) -> Result<(), String> {
+        let mut map = self.lock();
+        let timeout = self.timeout;
+        map.retain(|_, (t, _)| t.elapsed() < timeout);
+        if map.contains_key(&room) {
+            return Err(format!("{room} is in use by another request"));
+        }
+        map.insert(room, (Instant::now(), RoomState::Prefilling));
+        Ok(())
+    }
+
+    fn set(&self, room: u64, state: RoomState) {
+        self.lock().insert(room, (Instant::now(), state));
+        self.changed.notify_all();
+    }
+
+    /// Waits (up to the timeout) for `room`'s KV or failure, and takes it.
+    fn take(&self, room: u64) -> Result<Box<KvSnapshot>, String> {
+        let deadline = Instant::now() + self.timeout;
+        let mut map = self.lock();
+        loop {
+            if let Some((_, RoomState::Ready(_) | RoomState::Failed(_))) = map.get(&room) {
+                return match map.remove(&room) {
+                    Some((_, RoomState::Ready(kv))) => Ok(kv),
+                    Some((_, RoomState::Failed(m))) => Err(m),
+                    _ => Err(format!("bootstrap_room {room} vanished")),
+                };
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(format!(
+                    "no prefill of bootstrap_room {room} finished within {} s (--kv-timeout-s)",
+                    self.timeout.as_secs()
+                ));
+            }
+            map = self
+                .changed
+                .wait_timeout(map, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// Where a disaggregated request's KV comes from or goes to (the seed's bootstrap fields).
+struct Bootstrap {
+    room: u64,
+    host: String,
+    port: u16,
 }
 
 /// What every request thread reads.
@@ -116,6 +240,13 @@ struct Shared {
     keepalive: std::time::Duration,
     jobs: mpsc::Sender<Job>,
     next_id: AtomicU64,
+    role: Role,
+    /// Prefill role: the KV waiting for decode servers, and the port they fetch it from.
+    rooms: Option<Arc<Rooms>>,
+    kv_port: Option<u16>,
+    /// Decode role: how long to wait for a prefill's KV, and the most bytes one may hold.
+    kv_timeout: Duration,
+    kv_max_bytes: u64,
 }
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
@@ -147,7 +278,32 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let server = tiny_http::Server::http((args.host.as_str(), args.port))
         .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", args.host, args.port))?;
     let (jobs, job_rx) = mpsc::channel();
-    let launch = |eos: &[u32], max_positions: usize, num_blocks: usize| {
+    let kv_timeout = Duration::from_secs(args.kv_timeout_s);
+    // The prefill role's KV port, bound before the model loads so a taken port fails fast.
+    let kv_listener = match args.role {
+        Role::Prefill => Some(
+            TcpListener::bind((args.host.as_str(), args.kv_port)).map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot listen for KV transfers on {}:{} (--kv-port): {e}",
+                    args.host,
+                    args.kv_port
+                )
+            })?,
+        ),
+        _ => None,
+    };
+    let rooms = kv_listener.as_ref().map(|_| {
+        Arc::new(Rooms {
+            map: Mutex::new(HashMap::new()),
+            changed: Condvar::new(),
+            timeout: kv_timeout,
+        })
+    });
+    let kv_port = match &kv_listener {
+        Some(l) => Some(l.local_addr()?.port()),
+        None => None,
+    };
+    let launch = |eos: &[u32], max_positions: usize, num_blocks: usize, kv_max_bytes: u64| {
         // What one sequence can hold (vLLM's max_model_len): the model's positions, within the
         // KV pool.
         let max_positions = max_positions.min((num_blocks - 1) * args.block_size);
@@ -163,23 +319,42 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             keepalive: std::time::Duration::from_millis(args.keepalive_ms),
             jobs,
             next_id: AtomicU64::new(0),
+            role: args.role,
+            rooms: rooms.clone(),
+            kv_port,
+            kv_timeout,
+            kv_max_bytes,
         });
         let addr = server
             .server_addr()
             .to_ip()
             .map_or(format!("{}:{}", args.host, args.port), |a| a.to_string());
+        if let (Some(l), Some(r), Some(p)) = (kv_listener, rooms.clone(), kv_port) {
+            eprintln!(
+                "cachalot serve: prefill role, decode servers fetch KV from {}:{p}",
+                args.host
+            );
+            std::thread::spawn(move || serve_kv(l, r));
+        }
         eprintln!(
-            "cachalot serve: {name} ({}), max_model_len {max_positions}, listening on \
+            "cachalot serve: {name} ({}), role {}, max_model_len {max_positions}, listening on \
              http://{addr}/v1",
-            dir.display()
+            dir.display(),
+            args.role.mode()
         );
         std::thread::spawn(move || accept(server, shared));
     };
     // Sizes the pool, starts the HTTP side, then runs the engine on this thread.
     let run = |m: &(dyn Model + Sync), eos: &[u32]| -> Result<()> {
         let blocks = pool_blocks(&m, args)?;
-        launch(eos, m.max_positions(), blocks);
-        engine_loop(m, &tokenizer, args, blocks, job_rx)
+        // A transferred prompt's KV fits the pool; its MTP hidden states (f32, at most 64 Ki
+        // wide) come with it.
+        let per_block =
+            cachalot_engine::engine::kv_bytes_per_block(m.cache_spec(), args.block_size);
+        let positions = m.max_positions().min(blocks * args.block_size) as u64;
+        let kv_max_bytes = per_block * blocks as u64 + positions * (4 << 16);
+        launch(eos, m.max_positions(), blocks, kv_max_bytes);
+        engine_loop(m, &tokenizer, args, blocks, job_rx, rooms.clone())
     };
     match family {
         ModelFamily::DeepseekV3 => {
@@ -225,6 +400,7 @@ fn engine_loop<M: Model>(
     args: &ServeArgs,
     num_blocks: usize,
     jobs: mpsc::Receiver<Job>,
+    rooms: Option<Arc<Rooms>>,
 ) -> Result<()> {
     let cfg = EngineConfig {
         block_size: args.block_size,
@@ -242,19 +418,42 @@ fn engine_loop<M: Model>(
         engine.cache_bytes() as f64 / 1e6,
         args.batch_size
     );
-    // Per live request: where its events go and how many bytes of its text were sent.
+    // Per live request: where its events go, how many bytes of its text were sent, and (prefill
+    // role) the room its KV goes to.
     let mut live = HashMap::new();
-    type Live = HashMap<u64, (mpsc::Sender<Event>, usize)>;
-    fn admit<M: Model>(engine: &mut Engine<M>, live: &mut Live, job: Job) {
-        match engine.add_request(job.request) {
+    type Live = HashMap<u64, (mpsc::Sender<Event>, usize, Option<u64>)>;
+    let rooms = rooms.as_deref();
+    // Prefill role: a request that ends without KV leaves its room the reason.
+    let fail_room = |room: Option<u64>, why: String| {
+        if let (Some(rooms), Some(room)) = (rooms, room) {
+            rooms.set(
+                room,
+                RoomState::Failed(format!("the prefill server: {why}")),
+            );
+        }
+    };
+    let admit = |engine: &mut Engine<M>, live: &mut Live, job: Job| {
+        // A transferred KV this engine cannot take means the two servers do not match: a
+        // server error, not the client's.
+        let (added, room, status) = match job.kind {
+            JobKind::Whole => (engine.add_request(job.request), None, 400),
+            JobKind::Export(room) => (
+                engine.add_request_for_transfer(job.request),
+                Some(room),
+                400,
+            ),
+            JobKind::Import(kv) => (engine.add_prefilled(job.request, *kv), None, 500),
+        };
+        match added {
             Ok(id) => {
-                live.insert(id, (job.events, 0));
+                live.insert(id, (job.events, 0, room));
             }
             Err(e) => {
-                let _ = job.events.send(Event::Failed(400, e.to_string()));
+                fail_room(room, e.to_string());
+                let _ = job.events.send(Event::Failed(status, e.to_string()));
             }
         }
-    }
+    };
     loop {
         if !engine.has_unfinished() {
             match jobs.recv() {
@@ -270,15 +469,16 @@ fn engine_loop<M: Model>(
         }
         if let Err(e) = engine.step() {
             eprintln!("cachalot serve: a step failed: {e}");
-            for (id, (events, _)) in live.drain() {
+            for (id, (events, _, room)) in live.drain() {
                 engine.abort(id);
+                fail_room(room, format!("the step failed: {e}"));
                 let _ = events.send(Event::Failed(500, format!("the step failed: {e}")));
             }
             engine.take_finished();
             continue;
         }
         let mut gone = Vec::new();
-        for (id, (events, sent)) in live.iter_mut() {
+        for (id, (events, sent, _)) in live.iter_mut() {
             let Some(text) = engine.text_so_far(*id) else {
                 continue;
             };
@@ -296,12 +496,26 @@ fn engine_loop<M: Model>(
         for id in gone {
             eprintln!("cachalot serve: request {id}: the client went away; aborted");
             engine.abort(id);
-            live.remove(&id);
+            if let Some((_, _, room)) = live.remove(&id) {
+                fail_room(
+                    room,
+                    "its request was aborted (the client went away)".into(),
+                );
+            }
         }
-        for out in engine.take_finished() {
-            let Some((events, sent)) = live.remove(&out.id) else {
+        for mut out in engine.take_finished() {
+            let Some((events, sent, room)) = live.remove(&out.id) else {
                 continue;
             };
+            if let (Some(rooms), Some(room)) = (rooms, room) {
+                match out.kv.take() {
+                    Some(kv) => rooms.set(room, RoomState::Ready(kv)),
+                    None => fail_room(
+                        Some(room),
+                        format!("the prefill ended without a token ({})", finish_word(&out)),
+                    ),
+                }
+            }
             let rest = out.text.get(sent..).unwrap_or_default();
             if !rest.is_empty() {
                 let _ = events.send(Event::Text(rest.to_string()));
@@ -366,7 +580,9 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
     let path = request.url().split('?').next().unwrap_or("").to_string();
     let result = match (method.as_str(), path.as_str()) {
         ("GET", "/health") => {
-            let _ = request.respond(tiny_http::Response::empty(200));
+            let body = json!({"status": "ok", "disaggregation_mode": shared.role.mode(),
+                              "kv_port": shared.kv_port});
+            respond_json(request, 200, &body);
             return;
         }
         ("GET", "/v1/models") => {
@@ -376,8 +592,39 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
             respond_json(request, 200, &body);
             return;
         }
-        ("POST", "/v1/completions") | ("POST", "/v1/chat/completions") => read_body(&mut request)
-            .and_then(|body| prepare(shared, &body, path.ends_with("chat/completions"))),
+        ("POST", "/v1/completions") | ("POST", "/v1/chat/completions") => {
+            read_body(&mut request).and_then(|body| {
+                let boot = bootstrap(shared, &body)?;
+                let room = boot.as_ref().map(|b| b.room);
+                match prepare(shared, &body, path.ends_with("chat/completions")) {
+                    Ok(call) => Ok((call, boot)),
+                    Err(e) => {
+                        // A decode server that refuses takes the room's KV off the prefill
+                        // server's hands (in the background), so it is not kept until it expires.
+                        if let (Role::Decode, Some(b)) = (shared.role, boot) {
+                            let (timeout, max) = (shared.kv_timeout, shared.kv_max_bytes);
+                            std::thread::spawn(move || {
+                                let _ = fetch_kv(&b, timeout, max);
+                            });
+                            return Err(e);
+                        }
+                        // The decode server waiting on this room learns why at once.
+                        if let (Some(rooms), Some(room)) = (&shared.rooms, room) {
+                            if rooms.open(room).is_ok() {
+                                rooms.set(
+                                    room,
+                                    RoomState::Failed(format!(
+                                        "the prefill server refused the request: {}",
+                                        e.message
+                                    )),
+                                );
+                            }
+                        }
+                        Err(e)
+                    }
+                }
+            })
+        }
         (_, "/health" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => Err(
             ApiError::new(405, format!("{method} {path}: method not allowed")),
         ),
@@ -391,9 +638,144 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
         }),
     };
     match result {
-        Ok(call) => run_call(request, shared, call),
+        Ok((call, boot)) => run_call(request, shared, call, boot),
         Err(e) => respond_json(request, e.status, &e.body()),
     }
+}
+
+/// The bootstrap fields the role needs: the prefill role a `bootstrap_room`, the decode role
+/// also the prefill server's `bootstrap_host` and `bootstrap_port` (its `--kv-port`); `cachalot
+/// router` fills them in. None for the whole-request role, which ignores them.
+fn bootstrap(shared: &Shared, body: &Value) -> Result<Option<Bootstrap>, ApiError> {
+    if shared.role == Role::Both {
+        return Ok(None);
+    }
+    let hint = "send requests through `cachalot router`, which fills in the bootstrap fields";
+    let room = match field(body, "bootstrap_room") {
+        Some(v) => v.as_u64().ok_or_else(|| {
+            ApiError::bad(
+                "bootstrap_room",
+                format!("expected a non-negative integer, got {v}"),
+            )
+        })?,
+        None => {
+            return Err(ApiError::bad(
+                "bootstrap_room",
+                format!("required by a {} server: {hint}", shared.role.mode()),
+            ))
+        }
+    };
+    if shared.role == Role::Prefill {
+        return Ok(Some(Bootstrap {
+            room,
+            host: String::new(),
+            port: 0,
+        }));
+    }
+    let host = match field(body, "bootstrap_host") {
+        Some(Value::String(h)) if !h.is_empty() => h.clone(),
+        Some(v) => {
+            return Err(ApiError::bad(
+                "bootstrap_host",
+                format!("expected the prefill server's host name, got {v}"),
+            ))
+        }
+        None => {
+            return Err(ApiError::bad(
+                "bootstrap_host",
+                format!("required by a decode server: {hint}"),
+            ))
+        }
+    };
+    let port = match field(body, "bootstrap_port") {
+        Some(v) => v
+            .as_u64()
+            .filter(|&p| (1..=65535).contains(&p))
+            .map(|p| p as u16)
+            .ok_or_else(|| {
+                ApiError::bad(
+                    "bootstrap_port",
+                    format!("expected the prefill server's --kv-port, got {v}"),
+                )
+            })?,
+        None => {
+            return Err(ApiError::bad(
+                "bootstrap_port",
+                format!("required by a decode server: {hint}"),
+            ))
+        }
+    };
+    Ok(Some(Bootstrap { room, host, port }))
+}
+
+/// What a decode server sends on a prefill server's KV port: this, then the room (u64 LE).
+const KV_GET: &[u8; 8] = b"CKV-GET1";
+
+/// The prefill role's KV port: each connection names a room, waits for its prefill and gets
+/// its KV (status byte 0, then the snapshot) or why there is none (1, a u32 length, the text).
+fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
+    for conn in listener.incoming() {
+        let Ok(mut conn) = conn else { continue };
+        let rooms = rooms.clone();
+        std::thread::spawn(move || {
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+            let mut ask = [0u8; 16];
+            if conn.read_exact(&mut ask).is_err() || &ask[..8] != KV_GET {
+                let _ = send_kv_error(&mut conn, "not a KV request (expected CKV-GET1 + room)");
+                return;
+            }
+            let room = u64::from_le_bytes(ask[8..].try_into().expect("8 bytes"));
+            let mut w = std::io::BufWriter::with_capacity(1 << 20, &mut conn);
+            let sent = match rooms.take(room) {
+                Ok(kv) => w
+                    .write_all(&[0])
+                    .map_err(anyhow::Error::from)
+                    .and_then(|_| kv.write_to(&mut w).map_err(anyhow::Error::from)),
+                Err(m) => send_kv_error(&mut w, &m).map_err(anyhow::Error::from),
+            };
+            if let Err(e) = sent {
+                eprintln!("cachalot serve: KV of bootstrap_room {room} not delivered: {e}");
+            }
+        });
+    }
+}
+
+fn send_kv_error(w: &mut impl Write, message: &str) -> std::io::Result<()> {
+    w.write_all(&[1])?;
+    w.write_all(&(message.len() as u32).to_le_bytes())?;
+    w.write_all(message.as_bytes())?;
+    w.flush()
+}
+
+/// The decode role: fetches `boot.room`'s prefilled KV from the prefill server.
+fn fetch_kv(boot: &Bootstrap, timeout: Duration, max_bytes: u64) -> Result<KvSnapshot, String> {
+    let at = format!("{}:{}", boot.host, boot.port);
+    let fail = |e: &dyn std::fmt::Display| {
+        format!(
+            "the KV of bootstrap_room {} from the prefill server at {at}: {e}",
+            boot.room
+        )
+    };
+    let mut conn = TcpStream::connect(&at).map_err(|e| fail(&e))?;
+    // The prefill may queue behind others: its own timeout answers first.
+    let _ = conn.set_read_timeout(Some(timeout + Duration::from_secs(30)));
+    let _ = conn.set_nodelay(true);
+    let mut ask = KV_GET.to_vec();
+    ask.extend_from_slice(&boot.room.to_le_bytes());
+    conn.write_all(&ask).map_err(|e| fail(&e))?;
+    let mut r = std::io::BufReader::with_capacity(1 << 20, conn);
+    let mut status = [0u8; 1];
+    r.read_exact(&mut status).map_err(|e| fail(&e))?;
+    if status[0] != 0 {
+        let mut len = [0u8; 4];
+        r.read_exact(&mut len).map_err(|e| fail(&e))?;
+        let mut msg = Vec::new();
+        r.take(u32::from_le_bytes(len).min(1 << 20) as u64)
+            .read_to_end(&mut msg)
+            .map_err(|e| fail(&e))?;
+        return Err(String::from_utf8_lossy(&msg).into_owned());
+    }
+    KvSnapshot::read_from(&mut r, max_bytes).map_err(|e| fail(&e))
 }
 
 fn read_body(request: &mut tiny_http::Request) -> Result<Value, ApiError> {
@@ -843,7 +1225,7 @@ fn usage(prompt: usize, out: &RequestOutput) -> Value {
 }
 
 /// Sends the request to the engine and answers it, whole or streamed.
-fn run_call(request: tiny_http::Request, shared: &Shared, call: Call) {
+fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: Option<Bootstrap>) {
     let n = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let id = if call.chat {
         format!("chatcmpl-{n}")
@@ -852,11 +1234,33 @@ fn run_call(request: tiny_http::Request, shared: &Shared, call: Call) {
     };
     let (tx, rx) = mpsc::channel();
     let prompt_len = call.prompt_len;
+    let kind = match (shared.role, boot) {
+        (Role::Prefill, Some(b)) => {
+            let rooms = shared.rooms.as_ref().expect("the prefill role has rooms");
+            if let Err(m) = rooms.open(b.room) {
+                let e = ApiError::bad("bootstrap_room", m);
+                return respond_json(request, 400, &e.body());
+            }
+            // The prefill computes the prompt and samples the first token; the decode server
+            // does the rest under the request's own limits.
+            call.request.stop.max_new_tokens = 1;
+            JobKind::Export(b.room)
+        }
+        (Role::Decode, Some(b)) => match fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes) {
+            Ok(kv) => JobKind::Import(Box::new(kv)),
+            Err(m) => {
+                let e = ApiError::new(502, m);
+                return respond_json(request, 502, &e.body());
+            }
+        },
+        _ => JobKind::Whole,
+    };
     if shared
         .jobs
         .send(Job {
             request: call.request.clone(),
             events: tx,
+            kind,
         })
         .is_err()
     {

@@ -1,6 +1,6 @@
 //! `cachalot serve` end to end on the shipped small model: the OpenAI endpoints over real HTTP,
 //! whole and streamed answers, concurrent requests batched by the engine, and errors that name
-//! the field.
+//! the field; prefill and decode servers behind `cachalot router` answer as one server.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -29,8 +29,13 @@ impl Drop for Server {
 }
 
 fn start(extra: &[&str]) -> Server {
+    start_command("serve", extra)
+}
+
+/// `cachalot COMMAND --port 0 EXTRA…` (a server or the router), once it listens.
+fn start_command(command: &str, extra: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
-        .args(["serve", "--port", "0"])
+        .args([command, "--port", "0"])
         .args(extra)
         .current_dir(root())
         .stdout(Stdio::null())
@@ -399,4 +404,146 @@ fn serve_aborts_requests_whose_client_left() {
         &json!({"prompt": "x", "max_tokens": 2}),
     );
     assert_eq!(status, 200, "{r}");
+}
+
+/// Prefill/decode disaggregation (executor spec §5): a prefill server and a decode server (other
+/// block size) behind the router answer greedy, seeded-sampling, chat, streamed and concurrent
+/// requests as one server does; what goes wrong says where.
+#[test]
+fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
+    let one = start(&["--kv-blocks", "64"]);
+    // The prefill server's pool holds 128 positions (8 blocks of 16), the decode server's more.
+    let pre = start(&[
+        "--role",
+        "prefill",
+        "--kv-port",
+        "0",
+        "--block-size",
+        "16",
+        "--kv-blocks",
+        "9",
+    ]);
+    let dec = start(&["--role", "decode", "--kv-blocks", "64", "--batch-size", "3"]);
+    let kv_port = {
+        let (status, h) = http(&pre.addr, "GET", "/health", "");
+        assert_eq!(status, 200);
+        let h: Value = serde_json::from_str(&h).unwrap();
+        assert_eq!(h["disaggregation_mode"], "prefill");
+        h["kv_port"].as_u64().unwrap()
+    };
+    let router = start_command(
+        "router",
+        &[
+            "--prefill",
+            &format!("http://{}", pre.addr),
+            "--decode",
+            &format!("http://{}", dec.addr),
+        ],
+    );
+    let r = router.addr.as_str();
+    let text_of = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+
+    let greedy = json!({"prompt": "The meaning of life is", "max_tokens": 24,
+                        "temperature": 0, "ignore_eos": true});
+    let sampled = json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.8,
+                         "top_p": 0.95, "seed": 11, "ignore_eos": true});
+    for body in [&greedy, &sampled] {
+        let (s1, a) = post(&one.addr, "/v1/completions", body);
+        let (s2, b) = post(r, "/v1/completions", body);
+        assert_eq!((s1, s2), (200, 200), "{a} {b}");
+        assert_eq!(text_of(&a), text_of(&b), "{body}");
+        assert_eq!(a["usage"], b["usage"]);
+    }
+    let chat = json!({"messages": [{"role": "user", "content": "Tell me a story."}],
+                      "max_tokens": 20, "temperature": 0.7, "seed": 5});
+    let (s1, a) = post(&one.addr, "/v1/chat/completions", &chat);
+    let (s2, b) = post(r, "/v1/chat/completions", &chat);
+    assert_eq!((s1, s2), (200, 200), "{a} {b}");
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+
+    // Streamed through the router: the pieces make the whole answer.
+    let mut stream = greedy.clone();
+    stream["stream"] = true.into();
+    let ev = events(r, "/v1/completions", &stream);
+    let pieces: String = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"].as_str().unwrap_or("").to_string()
+        })
+        .collect();
+    let (_, whole) = post(&one.addr, "/v1/completions", &greedy);
+    assert_eq!(pieces, text_of(&whole));
+
+    // Concurrent requests (more than the decode batch) each get their own answer.
+    let prompts = [
+        "A",
+        "In the beginning",
+        "Knowledge is",
+        "The sea",
+        "My friend",
+    ];
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let mut b = greedy.clone();
+            b["prompt"] = (*p).into();
+            text_of(&post(&one.addr, "/v1/completions", &b).1)
+        })
+        .collect();
+    let got: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut b = greedy.clone();
+                b["prompt"] = (*p).into();
+                s.spawn(move || text_of(&post(r, "/v1/completions", &b).1))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want);
+
+    // A prompt the prefill server refuses (over its 128 positions): the decode server says why.
+    let long = json!({"prompt": vec![400u32; 200], "max_tokens": 4});
+    let (status, e) = post(r, "/v1/completions", &long);
+    assert_eq!(status, 502, "{e}");
+    let m = e["error"]["message"].as_str().unwrap();
+    assert!(m.contains("prefill server refused"), "{m}");
+    // The decode server alone: the bootstrap fields are required, and a prefill server that is
+    // not there is named.
+    let (status, e) = post(&dec.addr, "/v1/completions", &greedy);
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("bootstrap_room"))
+    );
+    let mut lost = greedy.clone();
+    lost["bootstrap_room"] = 7.into();
+    lost["bootstrap_host"] = "127.0.0.1".into();
+    lost["bootstrap_port"] = 1.into();
+    let (status, e) = post(&dec.addr, "/v1/completions", &lost);
+    assert_eq!(status, 502, "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("127.0.0.1:1"),
+        "{e}"
+    );
+    // A room in use is refused by the prefill server.
+    let mut twice = greedy.clone();
+    twice["bootstrap_room"] = 99.into();
+    twice["bootstrap_host"] = "127.0.0.1".into();
+    twice["bootstrap_port"] = kv_port.into();
+    let (status, _) = post(&pre.addr, "/v1/completions", &twice);
+    assert_eq!(status, 200);
+    let (status, e) = post(&pre.addr, "/v1/completions", &twice);
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("bootstrap_room"))
+    );
+    // The decode server then takes room 99's KV and answers as one server.
+    let (status, b) = post(&dec.addr, "/v1/completions", &twice);
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(text_of(&b), text_of(&whole));
 }

@@ -1,0 +1,364 @@
+//! `cachalot router`: the front of a prefill/decode-disaggregated deployment (spec
+//! `executor.md` §5.4 "Router", §5.5): clients talk to it as to one OpenAI server; for each
+//! completion it picks a room (`bootstrap_room`, random unless the request gives one), a prefill
+//! server (room mod #prefill) and a decode server (room mod #decode), fills in the prefill
+//! server's `bootstrap_host` and `bootstrap_port` (its KV port, read from its `/health`), posts
+//! the request to both at once and answers with the decode server's response (streamed through
+//! as it comes). The prefill server's answer is read and dropped; if it fails, the decode server
+//! reports why. `GET /health` lists the servers, `GET /v1/models` is the first decode server's.
+//!
+//! The backends are `cachalot serve --role prefill` and `--role decode` servers; the router
+//! speaks HTTP/1.0 to them (one connection per request, bodies end at the connection's close).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+#[derive(clap::Args)]
+pub struct RouterArgs {
+    /// A prefill server (`cachalot serve --role prefill`), as http://HOST:PORT; repeat for more.
+    #[arg(long, required = true)]
+    prefill: Vec<String>,
+    /// A decode server (`cachalot serve --role decode`), as http://HOST:PORT; repeat for more.
+    #[arg(long, required = true)]
+    decode: Vec<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the chosen one is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// How long to wait at start for every server to answer /health.
+    #[arg(long, default_value_t = 600)]
+    wait_s: u64,
+    /// How long one request may take.
+    #[arg(long, default_value_t = 1800)]
+    timeout_s: u64,
+}
+
+/// A prefill server: where it answers HTTP and where decode servers fetch its KV.
+struct Prefill {
+    addr: String,
+    host: String,
+    kv_port: u16,
+}
+
+struct Router {
+    prefill: Vec<Prefill>,
+    decode: Vec<String>,
+    timeout: Duration,
+}
+
+/// `http://host:port[/v1]` or `host:port` → `host:port`.
+fn host_port(url: &str) -> Result<String> {
+    let rest = url
+        .strip_prefix("http://")
+        .unwrap_or(url)
+        .trim_end_matches('/');
+    let rest = rest.strip_suffix("/v1").unwrap_or(rest);
+    if url.starts_with("https://") || rest.contains('/') || !rest.contains(':') {
+        bail!("{url}: give a server as http://HOST:PORT");
+    }
+    Ok(rest.to_string())
+}
+
+/// One HTTP/1.0 exchange: the status, the content type and a reader of the body.
+fn exchange(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    timeout: Duration,
+) -> std::io::Result<(u16, String, BufReader<TcpStream>)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(timeout))?;
+    let _ = s.set_nodelay(true);
+    let body = body.unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes())?;
+    s.write_all(body)?;
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("not an HTTP answer: {line:?}"),
+            )
+        })?;
+    let mut content_type = "application/json".to_string();
+    loop {
+        line.clear();
+        if r.read_line(&mut line)? == 0 || line.trim().is_empty() {
+            break;
+        }
+        if let Some((k, v)) = line.split_once(':') {
+            if k.trim().eq_ignore_ascii_case("content-type") {
+                content_type = v.trim().to_string();
+            }
+        }
+    }
+    Ok((status, content_type, r))
+}
+
+/// A prefill server's KV port, from its /health, waiting for it to come up.
+fn prefill_info(addr: &str, wait: Duration) -> Result<u16> {
+    let start = Instant::now();
+    loop {
+        let got = exchange(addr, "GET", "/health", None, Duration::from_secs(10)).and_then(
+            |(status, _, mut r)| {
+                let mut body = String::new();
+                r.read_to_string(&mut body)?;
+                Ok((status, body))
+            },
+        );
+        match got {
+            Ok((200, body)) => {
+                let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+                if v["disaggregation_mode"] != "prefill" {
+                    bail!(
+                        "{addr} is not a prefill server (its /health says {body}): start it \
+                         with `cachalot serve --role prefill`"
+                    );
+                }
+                return v["kv_port"]
+                    .as_u64()
+                    .and_then(|p| u16::try_from(p).ok())
+                    .with_context(|| format!("{addr}'s /health names no kv_port: {body}"));
+            }
+            _ if start.elapsed() < wait => std::thread::sleep(Duration::from_millis(200)),
+            Ok((status, body)) => bail!("{addr}/health answered {status}: {body}"),
+            Err(e) => bail!("{addr} did not answer /health within {wait:?}: {e}"),
+        }
+    }
+}
+
+/// Checks that a decode server is one, waiting for it to come up.
+fn check_decode(addr: &str, wait: Duration) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        match exchange(addr, "GET", "/health", None, Duration::from_secs(10)) {
+            Ok((200, _, mut r)) => {
+                let mut body = String::new();
+                r.read_to_string(&mut body)?;
+                let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+                if v["disaggregation_mode"] != "decode" {
+                    bail!(
+                        "{addr} is not a decode server (its /health says {body}): start it with \
+                         `cachalot serve --role decode`"
+                    );
+                }
+                return Ok(());
+            }
+            _ if start.elapsed() < wait => std::thread::sleep(Duration::from_millis(200)),
+            Ok((status, _, _)) => bail!("{addr}/health answered {status}"),
+            Err(e) => bail!("{addr} did not answer /health within {wait:?}: {e}"),
+        }
+    }
+}
+
+pub fn router(args: &RouterArgs) -> Result<()> {
+    let wait = Duration::from_secs(args.wait_s);
+    let mut prefill = Vec::new();
+    for url in &args.prefill {
+        let addr = host_port(url).context("--prefill")?;
+        let kv_port = prefill_info(&addr, wait)?;
+        let host = addr.rsplit_once(':').map_or("", |h| h.0).to_string();
+        prefill.push(Prefill {
+            addr,
+            host,
+            kv_port,
+        });
+    }
+    let mut decode = Vec::new();
+    for url in &args.decode {
+        let addr = host_port(url).context("--decode")?;
+        check_decode(&addr, wait)?;
+        decode.push(addr);
+    }
+    let server = tiny_http::Server::http((args.host.as_str(), args.port))
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", args.host, args.port))?;
+    let addr = server
+        .server_addr()
+        .to_ip()
+        .map_or(format!("{}:{}", args.host, args.port), |a| a.to_string());
+    eprintln!(
+        "cachalot router: {} prefill and {} decode servers, listening on http://{addr}/v1",
+        prefill.len(),
+        decode.len()
+    );
+    let router = std::sync::Arc::new(Router {
+        prefill,
+        decode,
+        timeout: Duration::from_secs(args.timeout_s),
+    });
+    for request in server.incoming_requests() {
+        let router = router.clone();
+        std::thread::spawn(move || route(request, &router));
+    }
+    Ok(())
+}
+
+fn error(request: tiny_http::Request, status: u16, message: &str) {
+    let body = json!({"error": {"message": message, "type": "server_error", "param": null,
+                                "code": status}});
+    let header =
+        tiny_http::Header::from_bytes("Content-Type", "application/json").expect("a valid header");
+    let _ = request.respond(
+        tiny_http::Response::from_string(body.to_string())
+            .with_status_code(status)
+            .with_header(header),
+    );
+}
+
+/// A room number: random (63 bits, as the seed's), from the clock and std's hasher keys.
+fn random_room() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish() >> 1
+}
+
+fn route(mut request: tiny_http::Request, router: &Router) {
+    let method = request.method().as_str().to_ascii_uppercase();
+    let path = request.url().split('?').next().unwrap_or("").to_string();
+    match (method.as_str(), path.as_str()) {
+        ("GET", "/health") => {
+            let body = json!({"status": "ok",
+                "prefill": router.prefill.iter().map(|p| json!({"addr": p.addr,
+                                                               "kv_port": p.kv_port}))
+                                         .collect::<Vec<_>>(),
+                "decode": router.decode});
+            let header = tiny_http::Header::from_bytes("Content-Type", "application/json")
+                .expect("a valid header");
+            let _ = request
+                .respond(tiny_http::Response::from_string(body.to_string()).with_header(header));
+        }
+        ("GET", "/v1/models") => {
+            match exchange(&router.decode[0], "GET", &path, None, router.timeout) {
+                Ok((status, ct, body)) => relay(request, status, &ct, body),
+                Err(e) => error(
+                    request,
+                    503,
+                    &format!("decode server {}: {e}", router.decode[0]),
+                ),
+            }
+        }
+        ("POST", "/v1/completions" | "/v1/chat/completions") => {
+            let mut bytes = Vec::new();
+            if let Err(e) = request.as_reader().read_to_end(&mut bytes) {
+                return error(request, 400, &format!("cannot read the request body: {e}"));
+            }
+            let mut body: Value = match serde_json::from_slice(&bytes) {
+                Ok(v @ Value::Object(_)) => v,
+                _ => return error(request, 400, "the body must be a JSON object"),
+            };
+            let room = match body.get("bootstrap_room") {
+                None | Some(Value::Null) => random_room(),
+                Some(v) => match v.as_u64() {
+                    Some(r) => r,
+                    None => {
+                        return error(
+                            request,
+                            400,
+                            &format!("bootstrap_room: expected a non-negative integer, got {v}"),
+                        )
+                    }
+                },
+            };
+            let p = &router.prefill[(room % router.prefill.len() as u64) as usize];
+            let d = &router.decode[(room % router.decode.len() as u64) as usize];
+            body["bootstrap_room"] = room.into();
+            body["bootstrap_host"] = p.host.clone().into();
+            body["bootstrap_port"] = p.kv_port.into();
+            let payload = body.to_string().into_bytes();
+            let (addr, timeout, sent) = (p.addr.clone(), router.timeout, payload.clone());
+            let path2 = path.clone();
+            std::thread::spawn(move || {
+                match exchange(&addr, "POST", &path2, Some(&sent), timeout) {
+                    Ok((status, _, mut r)) => {
+                        let mut answer = String::new();
+                        let _ = r.read_to_string(&mut answer);
+                        if status != 200 {
+                            eprintln!(
+                                "cachalot router: prefill server {addr}, room {room}: {status} \
+                                 {answer}"
+                            );
+                        }
+                    }
+                    Err(e) => eprintln!("cachalot router: prefill server {addr}, room {room}: {e}"),
+                }
+            });
+            match exchange(d, "POST", &path, Some(&payload), router.timeout) {
+                Ok((status, ct, r)) => relay(request, status, &ct, r),
+                Err(e) => error(request, 503, &format!("decode server {d}: {e}")),
+            }
+        }
+        _ => error(
+            request,
+            404,
+            &format!(
+                "{method} {path}: the router has GET /health, GET /v1/models, POST \
+                 /v1/completions and POST /v1/chat/completions"
+            ),
+        ),
+    }
+}
+
+/// Sends a backend's answer on to the client as it arrives: chunked to HTTP/1.1 clients (one
+/// chunk per read, so streamed events pass at once), to the connection's end otherwise.
+fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body: impl Read) {
+    let v = request.http_version();
+    let chunked = (v.0, v.1) >= (1, 1);
+    let reason = tiny_http::StatusCode(status).default_reason_phrase();
+    let mut w = request.into_writer();
+    let head = if chunked {
+        format!(
+            "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n\
+             Transfer-Encoding: chunked\r\n\r\n"
+        )
+    } else {
+        format!(
+            "HTTP/1.0 {status} {reason}\r\nContent-Type: {content_type}\r\nConnection: close\r\n\r\n"
+        )
+    };
+    if w.write_all(head.as_bytes()).is_err() {
+        return;
+    }
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match body.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let ok = if chunked {
+            write!(w, "{n:x}\r\n")
+                .and_then(|_| w.write_all(&buf[..n]))
+                .and_then(|_| w.write_all(b"\r\n"))
+        } else {
+            w.write_all(&buf[..n])
+        };
+        if ok.and_then(|_| w.flush()).is_err() {
+            // The client left: dropping the backend's connection tells the decode server.
+            return;
+        }
+    }
+    if chunked {
+        let _ = w.write_all(b"0\r\n\r\n").and_then(|_| w.flush());
+    }
+}
