@@ -64,7 +64,7 @@ enum AttnArg {
     Absorbed,
 }
 
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct ModelArgs {
     /// Hugging Face model directory (config.json, safetensors, tokenizer.json or
     /// tiktoken.model). Without it, the small model shipped in assets/cachalot-tiny-r1.
@@ -91,6 +91,10 @@ struct ModelArgs {
     /// (exact). `auto`: bf16 for the DeepSeek-V3 family, f32 for DeepSeek-V4.
     #[arg(long, value_enum, default_value = "auto")]
     kv_cache_dtype: KvDtypeArg,
+    /// Only the first N decoder layers (a YAML's `custom_params.num_hidden_layers`; DeepSeek-V3
+    /// family).
+    #[arg(skip)]
+    max_layers: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -193,6 +197,7 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
         },
         load_mtp,
         bf16_dot: args.bf16_dot,
+        max_layers: args.max_layers,
         ..LoadOptions::default()
     };
     let dir = model_dir(args)?;

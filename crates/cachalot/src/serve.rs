@@ -56,34 +56,43 @@ use crate::{load_model, load_v4, model_dir, ModelArgs};
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// A YAML config of the seed's (e.g. its online prefill.yaml / decode.yaml): the model
+    /// (`model_path`), `batch_size` (per DP rank), `max_prefill_tokens`, `block_size`,
+    /// `mem_fraction_static` (the KV pool's share of free memory), `next_n` (MTP), `dtype`
+    /// (float32: an f32 cache under `--kv-cache-dtype auto`) and
+    /// `custom_params.num_hidden_layers`. Options given here win over it.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
-    /// Port to listen on (0: any free port; the chosen one is printed).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
+    /// Port to listen on (0: any free port; the chosen one is printed) [default: the seed's,
+    /// 8000; 8001 for the prefill role, 8100 for decode].
+    #[arg(long)]
+    port: Option<u16>,
     /// The model's name in requests and answers (default: the model directory's name).
     #[arg(long)]
     served_model_name: Option<String>,
-    /// Sequences decoded together at most.
-    #[arg(long, default_value_t = 16,
+    /// Sequences decoded together at most [default: 16, or the YAML's].
+    #[arg(long,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
-    batch_size: usize,
-    /// Prompt tokens prefilled in one step at most (longer prompts are split into chunks).
-    #[arg(long, default_value_t = 2048,
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-    max_prefill_tokens: usize,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 128,
+    batch_size: Option<usize>,
+    /// Prompt tokens prefilled in one step at most (longer prompts are split into chunks)
+    /// [default: 2048, or the YAML's].
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_prefill_tokens: Option<usize>,
+    /// Tokens per KV block [default: 128, or the YAML's].
+    #[arg(long,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=65536))]
-    block_size: usize,
+    block_size: Option<usize>,
     /// KV blocks in the pool (default: enough for `--batch-size` sequences of the model's
-    /// whole context, within half the memory available).
+    /// whole context, within half the memory available, or the YAML's mem_fraction_static).
     #[arg(long)]
     kv_blocks: Option<usize>,
-    /// MTP speculative decoding with N (1-3) drafts per step.
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    mtp: usize,
+    /// MTP speculative decoding with N (1-3) drafts per step, 0 for none [default: 0, or the
+    /// YAML's next_n].
+    #[arg(long, value_name = "N")]
+    mtp: Option<usize>,
     /// Chat template (a tokenizer_config.json or a Jinja file) instead of the model's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
@@ -249,11 +258,90 @@ struct Shared {
     kv_max_bytes: u64,
 }
 
-pub fn serve(args: &ServeArgs) -> Result<()> {
-    let dir = model_dir(&args.model)?;
-    if args.mtp > 3 {
-        bail!("--mtp {}: give 1 to 3 draft tokens (0: off)", args.mtp);
+/// The server's sizes: the options, else the YAML's, else the defaults.
+struct Settings {
+    model: ModelArgs,
+    batch_size: usize,
+    max_prefill_tokens: usize,
+    block_size: usize,
+    kv_blocks: Option<usize>,
+    /// Share of the available memory the KV pool may take.
+    kv_fraction: f64,
+    mtp: usize,
+}
+
+fn settings(args: &ServeArgs) -> Result<Settings> {
+    let mut model = args.model.clone();
+    let mut s = Settings {
+        model: args.model.clone(),
+        batch_size: 16,
+        max_prefill_tokens: 2048,
+        block_size: 128,
+        kv_blocks: args.kv_blocks,
+        kv_fraction: 0.5,
+        mtp: 0,
+    };
+    if let Some(path) = &args.config {
+        let cfg =
+            cachalot_run::config::RunConfig::from_file(path).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let m = &cfg.model_config;
+        if model.model.is_none() {
+            let dir = PathBuf::from(&m.model_path);
+            if !dir.join("config.json").is_file() {
+                bail!(
+                    "{}: model_config.model_path {:?} has no config.json (put the model's Hugging \
+                     Face directory there, fix model_path, or give --model DIR)",
+                    path.display(),
+                    m.model_path
+                );
+            }
+            model.model = Some(dir);
+        }
+        if matches!(model.kv_cache_dtype, crate::KvDtypeArg::Auto)
+            && m.dtype.eq_ignore_ascii_case("float32")
+        {
+            model.kv_cache_dtype = crate::KvDtypeArg::F32;
+        }
+        if let Some(v) = m.custom_params.get("num_hidden_layers") {
+            let n = v.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{}: model_config.custom_params.num_hidden_layers: expected a positive \
+                     integer, got {v}",
+                    path.display()
+                )
+            })?;
+            model.max_layers = Some(n as usize);
+        }
+        let p = &cfg.parallel_config;
+        if p.world_size > 1 {
+            eprintln!(
+                "cachalot serve: {}: world_size {} — this server is one rank (one DP group's \
+                 batch of {}); serving over several ranks is not built yet",
+                path.display(),
+                p.world_size,
+                cfg.batch_size_per_dp_rank()
+            );
+        }
+        s.batch_size = cfg.batch_size_per_dp_rank().max(1);
+        s.max_prefill_tokens = cfg.max_prefill_tokens().max(1);
+        s.block_size = cfg.scheduler_config.block_size;
+        s.kv_fraction = cfg.scheduler_config.mem_fraction_static;
+        s.mtp = m.next_n;
     }
+    s.model = model;
+    s.batch_size = args.batch_size.unwrap_or(s.batch_size);
+    s.max_prefill_tokens = args.max_prefill_tokens.unwrap_or(s.max_prefill_tokens);
+    s.block_size = args.block_size.unwrap_or(s.block_size);
+    s.mtp = args.mtp.unwrap_or(s.mtp);
+    if s.mtp > 3 {
+        bail!("--mtp {}: give 1 to 3 draft tokens (0: off)", s.mtp);
+    }
+    Ok(s)
+}
+
+pub fn serve(args: &ServeArgs) -> Result<()> {
+    let set = settings(args)?;
+    let dir = model_dir(&set.model)?;
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
     let family = detect_family(&dir)?;
     let tool_format = ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
@@ -275,8 +363,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         dir.file_name()
             .map_or("model".into(), |n| n.to_string_lossy().into_owned())
     });
-    let server = tiny_http::Server::http((args.host.as_str(), args.port))
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", args.host, args.port))?;
+    let port = args.port.unwrap_or(match args.role {
+        Role::Both => 8000,
+        Role::Prefill => 8001,
+        Role::Decode => 8100,
+    });
+    let server = tiny_http::Server::http((args.host.as_str(), port))
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}:{port}: {e} (--port)", args.host))?;
     let (jobs, job_rx) = mpsc::channel();
     let kv_timeout = Duration::from_secs(args.kv_timeout_s);
     // The prefill role's KV port, bound before the model loads so a taken port fails fast.
@@ -306,7 +399,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let launch = |eos: &[u32], max_positions: usize, num_blocks: usize, kv_max_bytes: u64| {
         // What one sequence can hold (vLLM's max_model_len): the model's positions, within the
         // KV pool.
-        let max_positions = max_positions.min((num_blocks - 1) * args.block_size);
+        let max_positions = max_positions.min((num_blocks - 1) * set.block_size);
         let shared = Arc::new(Shared {
             name: name.clone(),
             tokenizer: tokenizer.clone(),
@@ -328,7 +421,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         let addr = server
             .server_addr()
             .to_ip()
-            .map_or(format!("{}:{}", args.host, args.port), |a| a.to_string());
+            .map_or(format!("{}:{port}", args.host), |a| a.to_string());
         if let (Some(l), Some(r), Some(p)) = (kv_listener, rooms.clone(), kv_port) {
             eprintln!(
                 "cachalot serve: prefill role, decode servers fetch KV from {}:{p}",
@@ -346,41 +439,40 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     };
     // Sizes the pool, starts the HTTP side, then runs the engine on this thread.
     let run = |m: &(dyn Model + Sync), eos: &[u32]| -> Result<()> {
-        let blocks = pool_blocks(&m, args)?;
+        let blocks = pool_blocks(&m, &set)?;
         // A transferred prompt's KV fits the pool; its MTP hidden states (f32, at most 64 Ki
         // wide) come with it.
-        let per_block =
-            cachalot_engine::engine::kv_bytes_per_block(m.cache_spec(), args.block_size);
-        let positions = m.max_positions().min(blocks * args.block_size) as u64;
+        let per_block = cachalot_engine::engine::kv_bytes_per_block(m.cache_spec(), set.block_size);
+        let positions = m.max_positions().min(blocks * set.block_size) as u64;
         let kv_max_bytes = per_block * blocks as u64 + positions * (4 << 16);
         launch(eos, m.max_positions(), blocks, kv_max_bytes);
-        engine_loop(m, &tokenizer, args, blocks, job_rx, rooms.clone())
+        engine_loop(m, &tokenizer, &set, blocks, job_rx, rooms.clone())
     };
     match family {
         ModelFamily::DeepseekV3 => {
-            let m = load_model(&args.model, args.mtp > 0)?;
+            let m = load_model(&set.model, set.mtp > 0)?;
             run(&m, &m.config().eos_token_ids)
         }
         ModelFamily::DeepseekV4 => {
-            let m = load_v4(&args.model, args.mtp > 0)?;
+            let m = load_v4(&set.model, set.mtp > 0)?;
             run(&m, &m.config().eos_token_ids)
         }
     }
 }
 
 /// KV blocks in the pool: `--kv-blocks`, or enough for `--batch-size` sequences of the model's
-/// whole context within half the memory available.
-fn pool_blocks<M: Model>(model: &M, args: &ServeArgs) -> Result<usize> {
-    let per_block =
-        cachalot_engine::engine::kv_bytes_per_block(model.cache_spec(), args.block_size);
-    let per_seq = model.max_positions().div_ceil(args.block_size);
-    let num_blocks = match args.kv_blocks {
+/// whole context within half the memory available (the YAML's `mem_fraction_static`).
+fn pool_blocks<M: Model>(model: &M, set: &Settings) -> Result<usize> {
+    let per_block = cachalot_engine::engine::kv_bytes_per_block(model.cache_spec(), set.block_size);
+    let per_seq = model.max_positions().div_ceil(set.block_size);
+    let num_blocks = match set.kv_blocks {
         Some(n) => n,
         None => {
             let cap = cachalot_run::offline::mem_available().map_or(usize::MAX, |b| {
-                cachalot_engine::kv_pool::blocks_for_budget(b / 2, per_block)
+                let budget = (b as f64 * set.kv_fraction) as u64;
+                cachalot_engine::kv_pool::blocks_for_budget(budget, per_block)
             });
-            (per_seq * args.batch_size + 1).min(cap)
+            (per_seq * set.batch_size + 1).min(cap)
         }
     };
     if num_blocks < 2 {
@@ -397,7 +489,7 @@ fn pool_blocks<M: Model>(model: &M, args: &ServeArgs) -> Result<usize> {
 fn engine_loop<M: Model>(
     model: M,
     tokenizer: &Tokenizer,
-    args: &ServeArgs,
+    args: &Settings,
     num_blocks: usize,
     jobs: mpsc::Receiver<Job>,
     rooms: Option<Arc<Rooms>>,
@@ -413,10 +505,17 @@ fn engine_loop<M: Model>(
         engine.enable_mtp(args.mtp)?;
     }
     eprintln!(
-        "cachalot serve: KV pool of {num_blocks} blocks of {} tokens ({:.1} MB), batch {}",
+        "cachalot serve: KV pool of {num_blocks} blocks of {} tokens ({:.1} MB), batch {}, \
+         max {} prefill tokens a step{}",
         args.block_size,
         engine.cache_bytes() as f64 / 1e6,
-        args.batch_size
+        args.batch_size,
+        args.max_prefill_tokens,
+        if args.mtp > 0 {
+            format!(", MTP with {} drafts", args.mtp)
+        } else {
+            String::new()
+        }
     );
     // Per live request: where its events go, how many bytes of its text were sent, and (prefill
     // role) the room its KV goes to.

@@ -235,6 +235,7 @@ impl ModelArgs {
             int8_head: false,
             bf16_dot: false,
             kv_cache_dtype: crate::KvDtypeArg::Auto,
+            max_layers: None,
         }
     }
 }

@@ -547,3 +547,50 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
     assert_eq!(status, 200, "{b}");
     assert_eq!(text_of(&b), text_of(&whole));
 }
+
+/// The seed's way: each side from its YAML (configs/tiny/pd: next_n 1 on both, the prefill
+/// side's batch 8 and max_new_tokens 1), behind the router; greedy answers equal one server's.
+#[test]
+fn prefill_and_decode_servers_from_the_seed_yamls() {
+    let one = start(&["--kv-blocks", "64"]);
+    let pre = start(&[
+        "--config",
+        "configs/tiny/pd/prefill.yaml",
+        "--role",
+        "prefill",
+        "--kv-port",
+        "0",
+        "--kv-blocks",
+        "64",
+    ]);
+    let dec = start(&[
+        "--config",
+        "configs/tiny/pd/decode.yaml",
+        "--role",
+        "decode",
+        "--kv-blocks",
+        "64",
+    ]);
+    let router = start_command(
+        "router",
+        &[
+            "--prefill",
+            &pre.addr,
+            "--decode",
+            &format!("http://{}/v1", dec.addr),
+        ],
+    );
+    for prompt in ["The meaning of life is", "Once upon a time"] {
+        let body = json!({"prompt": prompt, "max_tokens": 32, "temperature": 0,
+                          "ignore_eos": true});
+        let (s1, a) = post(&one.addr, "/v1/completions", &body);
+        let (s2, b) = post(&router.addr, "/v1/completions", &body);
+        assert_eq!((s1, s2), (200, 200), "{a} {b}");
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    }
+    // The YAML's next_n reached both sides: the decode log says MTP is on.
+    let (status, h) = http(&router.addr, "GET", "/health", "");
+    assert_eq!(status, 200, "{h}");
+    let log = dec.log.lock().unwrap().join("\n");
+    assert!(log.contains("MTP"), "{log}");
+}
