@@ -250,6 +250,71 @@ pub struct Request {
     /// The seed system's fixed-length benchmark mode: generate exactly `max_new_tokens`,
     /// whatever EOS says; the text (and `valid_tokens`) end at the first stop token.
     pub ignore_eos: bool,
+    /// Record each generated token's log-probability with this many of the most likely
+    /// alternatives ([`RequestOutput::logprobs`]); None: none.
+    pub logprobs: Option<usize>,
+}
+
+/// A generated token's log-probability under the model (the log-softmax of its raw logits,
+/// before temperature, penalties and truncation, as vLLM and OpenAI report it), with the `top`
+/// most likely tokens and theirs, most likely first. An impossible token's is `f32::MIN`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// `token`'s entry from one row of logits, with the `top` most likely tokens (ties to the
+    /// lower id). NaN logits count as impossible.
+    pub fn from_logits(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+        let max = logits
+            .iter()
+            .copied()
+            .filter(|x| !x.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max);
+        let lse = if max.is_finite() {
+            let sum: f64 = logits
+                .iter()
+                .filter(|x| !x.is_nan())
+                .map(|&x| ((x - max) as f64).exp())
+                .sum();
+            max + sum.ln() as f32
+        } else {
+            max
+        };
+        // An impossible token gets f32::MIN, not −∞ (as the seed reports it: JSON has no −∞).
+        let lp = |t: u32| match logits.get(t as usize) {
+            Some(&x) if !x.is_nan() && (x - lse).is_finite() => x - lse,
+            _ => f32::MIN,
+        };
+        let mut best: Vec<u32> = Vec::new();
+        let k = top.min(logits.len());
+        if k > 0 {
+            let by = |a: &u32, b: &u32| {
+                let (x, y) = (logits[*a as usize], logits[*b as usize]);
+                let (x, y) = (
+                    if x.is_nan() { f32::NEG_INFINITY } else { x },
+                    if y.is_nan() { f32::NEG_INFINITY } else { y },
+                );
+                y.partial_cmp(&x)
+                    .unwrap_or(std::cmp::Ordering::Equal)
+                    .then(a.cmp(b))
+            };
+            best = (0..logits.len() as u32).collect();
+            if k < best.len() {
+                best.select_nth_unstable_by(k - 1, by);
+                best.truncate(k);
+            }
+            best.sort_unstable_by(by);
+        }
+        TokenLogprob {
+            token,
+            logprob: lp(token),
+            top: best.into_iter().map(|t| (t, lp(t))).collect(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -267,6 +332,9 @@ pub struct RequestOutput {
     /// MTP drafts verified for this request, and how many were accepted.
     pub drafted: usize,
     pub accepted_drafts: usize,
+    /// Per generated token, its log-probability (when the request asked for them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<TokenLogprob>,
     /// The prompt's KV and first token, for a request added with
     /// [`Engine::add_request_for_transfer`] that ended with a token sampled.
     #[serde(skip)]
@@ -332,6 +400,9 @@ struct Live<'t> {
     mtp_pending: Option<Pending>,
     drafted: usize,
     accepted: usize,
+    /// Alternatives per token to record, and the records (`Request::logprobs`).
+    top_logprobs: Option<usize>,
+    logprobs: Vec<TokenLogprob>,
 }
 
 pub struct Engine<'t, M: Model> {
@@ -533,6 +604,19 @@ impl<'t, M: Model> Engine<'t, M> {
         let now = Instant::now();
         if let Some(live) = self.live.get_mut(&id) {
             live.first_scheduled = Some(now);
+            if live.top_logprobs.is_some() {
+                match kv.first_logprob {
+                    Some(lp) => live.logprobs.push(lp),
+                    None => {
+                        self.live.remove(&id);
+                        return refuse(
+                            "the request asks for logprobs but the prefill side did not record \
+                             its first token's: send the prefill server the same request"
+                                .into(),
+                        );
+                    }
+                }
+            }
             if self.next_n > 0 {
                 live.mtp_pending = kv.mtp.map(|m| Pending {
                     first: m.first,
@@ -636,6 +720,8 @@ impl<'t, M: Model> Engine<'t, M> {
                 mtp_pending: None,
                 drafted: 0,
                 accepted: 0,
+                top_logprobs: req.logprobs,
+                logprobs: Vec::new(),
             },
         );
     }
@@ -652,6 +738,11 @@ impl<'t, M: Model> Engine<'t, M> {
     /// without a tokenizer it is empty).
     pub fn text_so_far(&self, id: u64) -> Option<&str> {
         self.live.get(&id).map(|l| l.text.as_str())
+    }
+
+    /// The log-probabilities a live request has recorded so far (None once finished).
+    pub fn logprobs_so_far(&self, id: u64) -> Option<&[TokenLogprob]> {
+        self.live.get(&id).map(|l| l.logprobs.as_slice())
     }
 
     /// Requests finished since the last call, in the order they finished.
@@ -762,6 +853,9 @@ impl<'t, M: Model> Engine<'t, M> {
                         Some(d) => live.sampler.verify(d.token, &d.q, row),
                         None => (live.sampler.sample(row), false),
                     };
+                    if let Some(k) = live.top_logprobs {
+                        live.logprobs.push(TokenLogprob::from_logits(row, token, k));
+                    }
                     report.sampled += 1;
                     if ok {
                         accepted += 1;
@@ -1050,6 +1144,7 @@ impl<'t, M: Model> Engine<'t, M> {
             timing,
             drafted: live.drafted,
             accepted_drafts: live.accepted,
+            logprobs: live.logprobs,
             kv,
         });
     }
@@ -1086,6 +1181,7 @@ impl<'t, M: Model> Engine<'t, M> {
             spec: self.cache.spec(),
             prompt: live.tokens[..n].to_vec(),
             first_token: live.tokens[n],
+            first_logprob: live.logprobs.first().cloned(),
             layers,
             mtp,
             rng: live.sampler.rng_state(),
@@ -1106,5 +1202,34 @@ impl<'t, M: Model> Engine<'t, M> {
         }
         all.extend(self.take_finished());
         Ok(all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenLogprob;
+
+    #[test]
+    fn logprobs_are_the_log_softmax_with_the_most_likely_first() {
+        let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0, f32::NEG_INFINITY];
+        let lse = logits
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| (x as f64).exp())
+            .sum::<f64>()
+            .ln();
+        let e = TokenLogprob::from_logits(&logits, 4, 3);
+        assert!((e.logprob as f64 - (-2.0 - lse)).abs() < 1e-6, "{e:?}");
+        // Ties to the lower id; NaN and −∞ last, as impossible.
+        let ids: Vec<u32> = e.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 0]);
+        assert!((e.top[0].1 as f64 - (3.0 - lse)).abs() < 1e-6);
+        let all = TokenLogprob::from_logits(&logits, 2, 10);
+        assert_eq!(all.logprob, f32::MIN);
+        assert_eq!(all.top.len(), 6);
+        assert_eq!(all.top[5].1, f32::MIN);
+        let total: f64 = all.top.iter().map(|t| (t.1 as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        assert!(TokenLogprob::from_logits(&logits, 1, 0).top.is_empty());
     }
 }

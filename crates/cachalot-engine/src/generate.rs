@@ -284,6 +284,7 @@ pub fn generate_mtp<M: crate::Model>(
         params,
         stop: stop.clone(),
         ignore_eos: false,
+        logprobs: None,
     })?;
     let t0 = Instant::now();
     let mut prefill_s = None;

@@ -25,6 +25,7 @@ use std::io::{Read, Write};
 use cachalot_model::batch::{CacheSpec, KvCacheDtype};
 use serde_json::{json, Value};
 
+use crate::engine::TokenLogprob;
 use crate::sampler::RngState;
 
 const MAGIC: &[u8; 12] = b"CACHALOT-KV1";
@@ -44,6 +45,8 @@ pub struct KvSnapshot {
     pub spec: CacheSpec,
     pub prompt: Vec<u32>,
     pub first_token: u32,
+    /// The first token's log-probability, when the request asked for them.
+    pub first_logprob: Option<TokenLogprob>,
     /// Per cache layer, the rows of positions `0..prompt.len()` as
     /// [`cachalot_model::batch::KvCache::read_rows`] lays them out.
     pub layers: Vec<Vec<u8>>,
@@ -134,6 +137,7 @@ impl KvSnapshot {
                      "float": spec.float.name()},
             "prompt": self.prompt,
             "first_token": self.first_token,
+            "first_logprob": self.first_logprob,
             "layer_bytes": self.layers.iter().map(Vec::len).collect::<Vec<_>>(),
             "mtp": self.mtp.as_ref().map(|m| json!({"first": m.first, "rows": m.rows,
                                                     "floats": m.hidden.len()})),
@@ -217,6 +221,13 @@ impl KvSnapshot {
         let prompt = ids("prompt")?;
         let first_token = u32::try_from(num(&h, "first_token")?)
             .map_err(|_| bad("first_token is not a token id"))?;
+        let first_logprob = match h.get("first_logprob") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                serde_json::from_value::<TokenLogprob>(v.clone())
+                    .map_err(|e| bad(format!("first_logprob: {e}")))?,
+            ),
+        };
         let layer_bytes: Vec<u64> = h
             .get("layer_bytes")
             .and_then(Value::as_array)
@@ -294,6 +305,7 @@ impl KvSnapshot {
             spec,
             prompt,
             first_token,
+            first_logprob,
             layers,
             mtp,
             rng,
@@ -326,6 +338,11 @@ mod tests {
             spec,
             prompt: vec![1, 2, 3, 4, 5],
             first_token: 9,
+            first_logprob: mtp.then(|| TokenLogprob {
+                token: 9,
+                logprob: -0.75,
+                top: vec![(9, -0.75), (2, -1.5)],
+            }),
             layers,
             mtp: mtp.then(|| MtpRows {
                 first: 3,

@@ -36,6 +36,7 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
             ..Default::default()
         },
         ignore_eos: false,
+        logprobs: None,
     }
 }
 
@@ -214,6 +215,7 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
             params: SamplingParams::greedy(),
             stop,
             ignore_eos: false,
+            logprobs: None,
         })
         .unwrap();
         e.run_to_completion(|_, _| {}).unwrap().remove(0)

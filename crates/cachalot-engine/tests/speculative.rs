@@ -57,6 +57,7 @@ fn run(
                     ..Default::default()
                 },
                 ignore_eos: true,
+                logprobs: None,
             })
             .unwrap();
     }
@@ -204,6 +205,7 @@ fn small_model_greedy_with_mtp_equals_without_and_accepts_drafts() {
                     ..Default::default()
                 },
                 ignore_eos: true,
+                logprobs: None,
             })
             .unwrap();
     }
@@ -333,6 +335,7 @@ fn sample_triples(
                         ..Default::default()
                     },
                     ignore_eos: true,
+                    logprobs: None,
                 })
                 .unwrap();
             queued += 1;
@@ -482,6 +485,7 @@ fn nan_logits_are_an_error() {
                     ..Default::default()
                 },
                 ignore_eos: true,
+                logprobs: None,
             })
             .unwrap();
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();

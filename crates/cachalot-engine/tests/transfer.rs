@@ -40,6 +40,7 @@ fn request(prompt: &[u32], params: &SamplingParams, n: usize) -> Request {
             ..Default::default()
         },
         ignore_eos: true,
+        logprobs: None,
     }
 }
 
@@ -222,4 +223,66 @@ fn mismatched_sides_are_refused_with_the_reason() {
         .unwrap();
     pre.abort(id);
     assert!(pre.take_finished()[0].kv.is_none());
+}
+
+/// Log-probabilities: greedy tokens are their row's most likely; a prefill/decode split and MTP
+/// give the ones one engine gives (within float noise: verification scores several tokens in
+/// one forward).
+#[test]
+fn logprobs_survive_the_split_and_mtp() {
+    let m = load(KvCacheDtype::Bf16);
+    let params = SamplingParams::greedy();
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 11, 40, 2, 300, 301], vec![77, 78, 79]];
+    let with_lp = |p: &[u32], n: usize| {
+        let mut r = request(p, &params, n);
+        r.logprobs = Some(4);
+        r
+    };
+    let mut one = engine(&m, PREFILL, 0);
+    for p in &prompts {
+        one.add_request(with_lp(p, 12)).unwrap();
+    }
+    let want = finish(one);
+    for o in &want {
+        assert_eq!(o.logprobs.len(), o.tokens.len());
+        for (lp, &t) in o.logprobs.iter().zip(&o.tokens) {
+            assert_eq!(lp.token, t);
+            assert_eq!(lp.top.len(), 4);
+            assert_eq!(lp.top[0].0, t, "greedy takes the most likely");
+            assert_eq!(lp.top[0].1, lp.logprob);
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1) && lp.logprob <= 0.0);
+        }
+    }
+    let close = |a: &RequestOutput, b: &RequestOutput, what: &str| {
+        assert_eq!(a.tokens, b.tokens, "{what}");
+        for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+            assert!((x.logprob - y.logprob).abs() < 2e-3, "{what}: {x:?} {y:?}");
+        }
+        assert_eq!(a.logprobs.len(), b.logprobs.len(), "{what}");
+    };
+    for next_n in [0, 1] {
+        let mut pre = engine(&m, PREFILL, next_n);
+        for p in &prompts {
+            pre.add_request_for_transfer(with_lp(p, 1)).unwrap();
+        }
+        let firsts = finish(pre);
+        let mut dec = engine(&m, DECODE, next_n);
+        for (p, out) in prompts.iter().zip(&firsts) {
+            let kv = *out.kv.clone().unwrap();
+            assert!(kv.first_logprob.is_some());
+            dec.add_prefilled(with_lp(p, 12), kv).unwrap();
+        }
+        for (a, b) in want.iter().zip(&finish(dec)) {
+            close(a, b, &format!("split, next_n {next_n}"));
+        }
+    }
+    // Asking the decode side for logprobs the prefill side did not record is refused.
+    let mut pre = engine(&m, PREFILL, 0);
+    pre.add_request_for_transfer(request(&prompts[0], &params, 1))
+        .unwrap();
+    let kv = *finish(pre).remove(0).kv.unwrap();
+    let mut dec = engine(&m, DECODE, 0);
+    let e = dec.add_prefilled(with_lp(&prompts[0], 4), kv).unwrap_err();
+    assert!(e.to_string().contains("logprobs"), "{e}");
+    assert!(!dec.has_unfinished());
 }

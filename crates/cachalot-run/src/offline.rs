@@ -828,6 +828,7 @@ pub fn run_ranked(
                     stop_strings: Vec::new(),
                 },
                 ignore_eos: d.ignore_eos,
+                logprobs: None,
             })
             .map_err(|e| {
                 format!(

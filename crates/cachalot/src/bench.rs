@@ -712,6 +712,7 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
                     ..Default::default()
                 },
                 ignore_eos: true,
+                logprobs: None,
             })?;
         }
         let t = Instant::now();

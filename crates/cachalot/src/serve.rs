@@ -1201,6 +1201,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 stop_strings,
             },
             ignore_eos,
+            logprobs: None,
         },
     })
 }
