@@ -44,7 +44,7 @@ use anyhow::{bail, Result};
 use cachalot_engine::reasoning::THINK_OPEN;
 use cachalot_engine::{
     Engine, EngineConfig, FinishReason, KvSnapshot, Model, ReasoningSplitter, Request,
-    RequestOutput, SamplingParams, Segment, StopConditions,
+    RequestOutput, SamplingParams, Segment, StopConditions, TokenLogprob,
 };
 use cachalot_model::tokenizer::{ChatTemplate, Tokenizer, ToolCallFormat};
 use cachalot_model::{detect_family, ModelFamily};
@@ -141,8 +141,9 @@ const MAX_BODY_BYTES: u64 = 64 << 20;
 
 /// What a request thread gets back from the engine thread.
 enum Event {
-    /// New text of the answer.
-    Text(String),
+    /// New text of the answer, and the log-probabilities of the tokens generated since the last
+    /// event (when the request asked for them).
+    Text(String, Vec<TokenLogprob>),
     /// The request ended.
     Done(Box<RequestOutput>),
     /// It could not be served: the engine refused it (400) or a step failed (500).
@@ -517,10 +518,16 @@ fn engine_loop<M: Model>(
             String::new()
         }
     );
-    // Per live request: where its events go, how many bytes of its text were sent, and (prefill
-    // role) the room its KV goes to.
+    // Per live request: where its events go, how many bytes of its text and how many
+    // log-probabilities were sent, and (prefill role) the room its KV goes to.
     let mut live = HashMap::new();
-    type Live = HashMap<u64, (mpsc::Sender<Event>, usize, Option<u64>)>;
+    struct Sink {
+        events: mpsc::Sender<Event>,
+        sent: usize,
+        sent_logprobs: usize,
+        room: Option<u64>,
+    }
+    type Live = HashMap<u64, Sink>;
     let rooms = rooms.as_deref();
     // Prefill role: a request that ends without KV leaves its room the reason.
     let fail_room = |room: Option<u64>, why: String| {
@@ -545,7 +552,15 @@ fn engine_loop<M: Model>(
         };
         match added {
             Ok(id) => {
-                live.insert(id, (job.events, 0, room));
+                live.insert(
+                    id,
+                    Sink {
+                        events: job.events,
+                        sent: 0,
+                        sent_logprobs: 0,
+                        room,
+                    },
+                );
             }
             Err(e) => {
                 fail_room(room, e.to_string());
@@ -568,42 +583,57 @@ fn engine_loop<M: Model>(
         }
         if let Err(e) = engine.step() {
             eprintln!("cachalot serve: a step failed: {e}");
-            for (id, (events, _, room)) in live.drain() {
+            for (id, sink) in live.drain() {
                 engine.abort(id);
-                fail_room(room, format!("the step failed: {e}"));
-                let _ = events.send(Event::Failed(500, format!("the step failed: {e}")));
+                fail_room(sink.room, format!("the step failed: {e}"));
+                let _ = sink
+                    .events
+                    .send(Event::Failed(500, format!("the step failed: {e}")));
             }
             engine.take_finished();
             continue;
         }
         let mut gone = Vec::new();
-        for (id, (events, sent, _)) in live.iter_mut() {
+        for (id, sink) in live.iter_mut() {
             let Some(text) = engine.text_so_far(*id) else {
                 continue;
             };
             // The text only grows, so `sent` is a char boundary; `get` keeps a surprise from
             // panicking the engine thread.
-            let new = text.get(*sent..).unwrap_or_default();
-            if !new.is_empty() {
-                if events.send(Event::Text(new.to_string())).is_err() {
+            let new = text.get(sink.sent..).unwrap_or_default();
+            let lps = engine.logprobs_so_far(*id).unwrap_or_default();
+            let new_lps = lps.get(sink.sent_logprobs..).unwrap_or_default();
+            if !new.is_empty() || !new_lps.is_empty() {
+                if sink
+                    .events
+                    .send(Event::Text(new.to_string(), new_lps.to_vec()))
+                    .is_err()
+                {
                     gone.push(*id);
                 } else {
-                    *sent = text.len();
+                    sink.sent = text.len();
+                    sink.sent_logprobs = lps.len();
                 }
             }
         }
         for id in gone {
             eprintln!("cachalot serve: request {id}: the client went away; aborted");
             engine.abort(id);
-            if let Some((_, _, room)) = live.remove(&id) {
+            if let Some(sink) = live.remove(&id) {
                 fail_room(
-                    room,
+                    sink.room,
                     "its request was aborted (the client went away)".into(),
                 );
             }
         }
         for mut out in engine.take_finished() {
-            let Some((events, sent, room)) = live.remove(&out.id) else {
+            let Some(Sink {
+                events,
+                sent,
+                sent_logprobs,
+                room,
+            }) = live.remove(&out.id)
+            else {
                 continue;
             };
             if let (Some(rooms), Some(room)) = (rooms, room) {
@@ -616,8 +646,9 @@ fn engine_loop<M: Model>(
                 }
             }
             let rest = out.text.get(sent..).unwrap_or_default();
-            if !rest.is_empty() {
-                let _ = events.send(Event::Text(rest.to_string()));
+            let rest_lps = out.logprobs.get(sent_logprobs..).unwrap_or_default();
+            if !rest.is_empty() || !rest_lps.is_empty() {
+                let _ = events.send(Event::Text(rest.to_string(), rest_lps.to_vec()));
             }
             let _ = events.send(Event::Done(Box::new(out)));
         }
@@ -901,6 +932,8 @@ fn read_body(request: &mut tiny_http::Request) -> Result<Value, ApiError> {
 /// A request read and checked, ready for the engine.
 struct Call {
     chat: bool,
+    /// Alternatives per token to report log-probabilities of (None: no log-probabilities).
+    logprobs: Option<usize>,
     stream: bool,
     include_usage: bool,
     prompt_len: usize,
@@ -963,14 +996,6 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     }
     for (key, unsupported) in [
-        (
-            "logprobs",
-            "log-probabilities are not returned by this server",
-        ),
-        (
-            "top_logprobs",
-            "log-probabilities are not returned by this server",
-        ),
         ("echo", "echo is not supported"),
         ("best_of", "best_of is not supported"),
         ("suffix", "suffix is not supported"),
@@ -989,6 +1014,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             Some(_) => return Err(ApiError::bad(key, unsupported)),
         }
     }
+    let logprobs = read_logprobs(body, chat)?;
     if let Some(n) = count(body, "n")? {
         if n != 1 {
             return Err(ApiError::bad(
@@ -1187,6 +1213,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     };
     Ok(Call {
         chat,
+        logprobs,
         stream: flag(body, "stream")?,
         include_usage,
         prompt_len: prompt.len(),
@@ -1201,9 +1228,111 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 stop_strings,
             },
             ignore_eos,
-            logprobs: None,
+            logprobs,
         },
     })
+}
+
+/// The most alternatives per token a request may ask for (vLLM's default `max_logprobs`).
+const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// How many alternatives per token the request wants log-probabilities of: completions'
+/// `logprobs: N`, chat's `logprobs: true` with `top_logprobs: N`; None for none.
+fn read_logprobs(body: &Value, chat: bool) -> Result<Option<usize>, ApiError> {
+    let top = |key: &'static str, v: &Value| -> Result<usize, ApiError> {
+        match v.as_u64() {
+            Some(n) if n <= MAX_TOP_LOGPROBS => Ok(n as usize),
+            _ => Err(ApiError::bad(
+                key,
+                format!("expected an integer from 0 to {MAX_TOP_LOGPROBS}, got {v}"),
+            )),
+        }
+    };
+    if !chat {
+        if field(body, "top_logprobs").is_some() {
+            return Err(ApiError::bad(
+                "top_logprobs",
+                "a chat field: completions take \"logprobs\": N",
+            ));
+        }
+        return match field(body, "logprobs") {
+            None | Some(Value::Bool(false)) => Ok(None),
+            Some(v) => top("logprobs", v).map(Some),
+        };
+    }
+    let on = flag(body, "logprobs")?;
+    match (on, field(body, "top_logprobs")) {
+        (false, None) => Ok(None),
+        (false, Some(v)) if v.as_u64() == Some(0) => Ok(None),
+        (false, Some(_)) => Err(ApiError::bad("top_logprobs", "needs \"logprobs\": true")),
+        (true, None) => Ok(Some(0)),
+        (true, Some(v)) => top("top_logprobs", v).map(Some),
+    }
+}
+
+/// A token's text as log-probabilities show it (U+FFFD where it holds part of a character).
+fn token_text(tok: &Tokenizer, id: u32) -> String {
+    tok.decode(&[id]).unwrap_or_default()
+}
+
+/// A token's bytes: its text's, or, where that is a partial character of a byte-level BPE
+/// (GPT-2's alphabet of 256 characters, as DeepSeek's tokenizers use), the bytes its name spells.
+fn token_bytes(tok: &Tokenizer, id: u32) -> Vec<u8> {
+    let text = token_text(tok, id);
+    if !text.contains('\u{fffd}') {
+        return text.into_bytes();
+    }
+    let byte_of = |c: char| -> Option<u8> {
+        let c = c as u32;
+        let direct = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+        if c < 256 && direct(c) {
+            return Some(c as u8);
+        }
+        // The others (0-32, 127-160, 173) map to 256, 257, ... in order.
+        let n = c.checked_sub(256)?;
+        (0u32..256)
+            .filter(|&b| !direct(b))
+            .nth(n as usize)
+            .map(|b| b as u8)
+    };
+    tok.id_to_token(id)
+        .and_then(|name| name.chars().map(byte_of).collect::<Option<Vec<u8>>>())
+        .unwrap_or_else(|| text.into_bytes())
+}
+
+/// Completions' `logprobs` object for some tokens; `offset` is the answer's length in characters
+/// before them (their `text_offset`s follow from it), and is advanced past them.
+fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], offset: &mut usize) -> Value {
+    let (mut tokens, mut values, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+    for lp in lps {
+        let t = token_text(tok, lp.token);
+        offsets.push(*offset);
+        *offset += t.chars().count();
+        tokens.push(t);
+        values.push(lp.logprob);
+        let top: Map<String, Value> = lp
+            .top
+            .iter()
+            .map(|&(id, v)| (token_text(tok, id), json!(v)))
+            .collect();
+        tops.push(Value::Object(top));
+    }
+    json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+           "text_offset": offsets})
+}
+
+/// Chat's `logprobs` object for some tokens.
+fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> Value {
+    let entry = |id: u32, v: f32| json!({"token": token_text(tok, id), "logprob": v, "bytes": token_bytes(tok, id)});
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|lp| {
+            let mut e = entry(lp.token, lp.logprob);
+            e["top_logprobs"] = lp.top.iter().map(|&(id, v)| entry(id, v)).collect();
+            e
+        })
+        .collect();
+    json!({"content": content})
 }
 
 /// `prompt`: a string, a list of token ids, or a list of one of either.
@@ -1383,7 +1512,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     let mut last = std::time::Instant::now();
     let out = loop {
         match rx.recv_timeout(shared.keepalive) {
-            Ok(Event::Text(t)) => text.push_str(&t),
+            Ok(Event::Text(t, _)) => text.push_str(&t),
             Ok(Event::Done(out)) => break out,
             Ok(Event::Failed(status, message)) => {
                 let e = ApiError::new(status, message);
@@ -1424,12 +1553,22 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
         if !reasoning.is_empty() {
             message["reasoning_content"] = reasoning.into();
         }
+        let logprobs = match call.logprobs {
+            Some(_) => chat_logprobs(&shared.tokenizer, &out.logprobs),
+            None => Value::Null,
+        };
         json!({"id": id, "object": "chat.completion", "created": created, "model": shared.name,
-               "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+               "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                            "finish_reason": finish}],
                "usage": usage(prompt_len, &out)})
     } else {
+        let logprobs = match call.logprobs {
+            Some(_) => completion_logprobs(&shared.tokenizer, &out.logprobs, &mut 0),
+            None => Value::Null,
+        };
         json!({"id": id, "object": "text_completion", "created": created, "model": shared.name,
-               "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+               "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                            "finish_reason": finish}],
                "usage": usage(prompt_len, &out)})
     };
     match (request, writer) {
@@ -1562,7 +1701,17 @@ fn stream(
     let mut splitter = splitter(shared, &call.prompt_text);
     // With tools, the answer is held back and sent with its parsed calls at the end.
     let mut held = String::new();
-    let emit = |w: &mut Box<dyn Write + Send>, segs: Vec<Segment>, held: &mut String| -> bool {
+    // The tokens' log-probabilities go with the first chunk of their event (a chunk of their own
+    // when the event's text is held back).
+    let emit = |w: &mut Box<dyn Write + Send>,
+                segs: Vec<Segment>,
+                held: &mut String,
+                lps: &[TokenLogprob]|
+     -> bool {
+        let mut logprobs = match (call.logprobs, lps.is_empty()) {
+            (Some(_), false) => Some(chat_logprobs(&shared.tokenizer, lps)),
+            _ => None,
+        };
         for s in segs {
             let delta = match s {
                 Segment::Reasoning(r) if !r.is_empty() => json!({"reasoning_content": r}),
@@ -1575,29 +1724,41 @@ fn stream(
                 }
                 _ => continue,
             };
-            if !send(
-                w,
-                &chunk(json!({"index": 0, "delta": delta, "finish_reason": null})),
-            ) {
+            let mut c = json!({"index": 0, "delta": delta, "finish_reason": null});
+            if let Some(l) = logprobs.take() {
+                c["logprobs"] = l;
+            }
+            if !send(w, &chunk(c)) {
                 return false;
             }
         }
-        true
+        match logprobs {
+            Some(l) => send(
+                w,
+                &chunk(json!({"index": 0, "delta": {}, "logprobs": l, "finish_reason": null})),
+            ),
+            None => true,
+        }
     };
+    let mut offset = 0;
     let out = loop {
         match rx.recv() {
-            Ok(Event::Text(t)) => {
+            Ok(Event::Text(t, lps)) => {
                 let ok = if call.chat {
                     let segs = match &mut splitter {
                         Some(sp) => sp.push(&t),
                         None => vec![Segment::Answer(t)],
                     };
-                    emit(&mut w, segs, &mut held)
+                    emit(&mut w, segs, &mut held, &lps)
                 } else {
+                    let logprobs = match call.logprobs {
+                        Some(_) => completion_logprobs(&shared.tokenizer, &lps, &mut offset),
+                        None => Value::Null,
+                    };
                     send(
                         &mut w,
                         &chunk(
-                            json!({"index": 0, "text": t, "logprobs": null, "finish_reason": null}),
+                            json!({"index": 0, "text": t, "logprobs": logprobs, "finish_reason": null}),
                         ),
                     )
                 };
@@ -1622,7 +1783,7 @@ fn stream(
         let rest = splitter
             .as_mut()
             .map_or(Vec::new(), ReasoningSplitter::finish);
-        if !emit(&mut w, rest, &mut held) {
+        if !emit(&mut w, rest, &mut held, &[]) {
             return;
         }
         if call.tools {

@@ -594,3 +594,128 @@ fn prefill_and_decode_servers_from_the_seed_yamls() {
     let log = dec.log.lock().unwrap().join("\n");
     assert!(log.contains("MTP"), "{log}");
 }
+
+/// Log-probabilities: completions' `logprobs: N` and chat's `logprobs`/`top_logprobs`, whole and
+/// streamed, and through a prefill/decode split.
+#[test]
+fn serve_reports_logprobs() {
+    let server = start(&["--kv-blocks", "64"]);
+    let addr = server.addr.as_str();
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": true, "logprobs": 3});
+    let (status, whole) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let lp = &whole["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.len(), 12);
+    assert_eq!(
+        tokens.concat(),
+        whole["choices"][0]["text"].as_str().unwrap()
+    );
+    let mut offset = 0;
+    for i in 0..12 {
+        let v = lp["token_logprobs"][i].as_f64().unwrap();
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert!(top.len() <= 3 && !top.is_empty());
+        // Greedy: the chosen token is the most likely one.
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert_eq!(v, best, "{lp}");
+        assert!(v <= 0.0);
+        assert_eq!(lp["text_offset"][i].as_u64().unwrap() as usize, offset);
+        offset += tokens[i].chars().count();
+    }
+    // Streamed: the chunks' logprobs make the whole answer's.
+    let mut stream = body.clone();
+    stream["stream"] = true.into();
+    let ev = events(addr, "/v1/completions", &stream);
+    let mut streamed = Vec::new();
+    for e in &ev[..ev.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if let Some(a) = v["choices"][0]["logprobs"]["token_logprobs"].as_array() {
+            streamed.extend(a.iter().map(|x| x.as_f64().unwrap()));
+        }
+    }
+    let want: Vec<f64> = lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(streamed, want);
+
+    // Chat: one entry per token, with bytes and the asked number of alternatives.
+    let chat = json!({"messages": [{"role": "user", "content": "Tell me a story."}],
+                      "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let (status, c) = post(addr, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{c}");
+    let content = c["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len(),
+        c["usage"]["completion_tokens"].as_u64().unwrap() as usize
+    );
+    let mut bytes = Vec::new();
+    for e in content {
+        assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 2);
+        assert_eq!(e["top_logprobs"][0]["logprob"], e["logprob"]);
+        bytes.extend(
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    let m = &c["choices"][0]["message"];
+    let text = format!(
+        "{}{}",
+        m["reasoning_content"].as_str().unwrap_or(""),
+        m["content"].as_str().unwrap_or("")
+    );
+    let all = String::from_utf8(bytes).unwrap();
+    assert!(all.contains(text.trim()), "{all:?} vs {text:?}");
+    // Bad values name their field.
+    for (b, param) in [
+        (json!({"prompt": "x", "logprobs": 21}), "logprobs"),
+        (json!({"prompt": "x", "top_logprobs": 2}), "top_logprobs"),
+    ] {
+        let (status, e) = post(addr, "/v1/completions", &b);
+        assert_eq!(
+            (status, e["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{e}"
+        );
+    }
+    let (status, e) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("top_logprobs"))
+    );
+
+    // Through a prefill/decode split: the same tokens and log-probabilities.
+    let pre = start(&["--role", "prefill", "--kv-port", "0", "--kv-blocks", "64"]);
+    let dec = start(&["--role", "decode", "--kv-blocks", "64"]);
+    let router = start_command("router", &["--prefill", &pre.addr, "--decode", &dec.addr]);
+    let (status, split) = post(&router.addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{split}");
+    let slp = &split["choices"][0]["logprobs"];
+    assert_eq!(slp["tokens"], lp["tokens"]);
+    for i in 0..12 {
+        let (a, b) = (
+            lp["token_logprobs"][i].as_f64().unwrap(),
+            slp["token_logprobs"][i].as_f64().unwrap(),
+        );
+        assert!((a - b).abs() < 1e-3, "{a} {b}");
+    }
+}
