@@ -152,7 +152,9 @@ enum Event {
 
 struct Job {
     request: Request,
-    events: mpsc::Sender<Event>,
+    /// Where its events go, tagged with its choice (of the HTTP request's `n`).
+    events: mpsc::Sender<(usize, Event)>,
+    choice: usize,
     kind: JobKind,
 }
 
@@ -522,7 +524,8 @@ fn engine_loop<M: Model>(
     // log-probabilities were sent, and (prefill role) the room its KV goes to.
     let mut live = HashMap::new();
     struct Sink {
-        events: mpsc::Sender<Event>,
+        events: mpsc::Sender<(usize, Event)>,
+        choice: usize,
         sent: usize,
         sent_logprobs: usize,
         room: Option<u64>,
@@ -556,6 +559,7 @@ fn engine_loop<M: Model>(
                     id,
                     Sink {
                         events: job.events,
+                        choice: job.choice,
                         sent: 0,
                         sent_logprobs: 0,
                         room,
@@ -564,7 +568,9 @@ fn engine_loop<M: Model>(
             }
             Err(e) => {
                 fail_room(room, e.to_string());
-                let _ = job.events.send(Event::Failed(status, e.to_string()));
+                let _ = job
+                    .events
+                    .send((job.choice, Event::Failed(status, e.to_string())));
             }
         }
     };
@@ -586,9 +592,10 @@ fn engine_loop<M: Model>(
             for (id, sink) in live.drain() {
                 engine.abort(id);
                 fail_room(sink.room, format!("the step failed: {e}"));
-                let _ = sink
-                    .events
-                    .send(Event::Failed(500, format!("the step failed: {e}")));
+                let _ = sink.events.send((
+                    sink.choice,
+                    Event::Failed(500, format!("the step failed: {e}")),
+                ));
             }
             engine.take_finished();
             continue;
@@ -606,7 +613,7 @@ fn engine_loop<M: Model>(
             if !new.is_empty() || !new_lps.is_empty() {
                 if sink
                     .events
-                    .send(Event::Text(new.to_string(), new_lps.to_vec()))
+                    .send((sink.choice, Event::Text(new.to_string(), new_lps.to_vec())))
                     .is_err()
                 {
                     gone.push(*id);
@@ -629,6 +636,7 @@ fn engine_loop<M: Model>(
         for mut out in engine.take_finished() {
             let Some(Sink {
                 events,
+                choice,
                 sent,
                 sent_logprobs,
                 room,
@@ -648,9 +656,9 @@ fn engine_loop<M: Model>(
             let rest = out.text.get(sent..).unwrap_or_default();
             let rest_lps = out.logprobs.get(sent_logprobs..).unwrap_or_default();
             if !rest.is_empty() || !rest_lps.is_empty() {
-                let _ = events.send(Event::Text(rest.to_string(), rest_lps.to_vec()));
+                let _ = events.send((choice, Event::Text(rest.to_string(), rest_lps.to_vec())));
             }
-            let _ = events.send(Event::Done(Box::new(out)));
+            let _ = events.send((choice, Event::Done(Box::new(out))));
         }
     }
 }
@@ -932,6 +940,8 @@ fn read_body(request: &mut tiny_http::Request) -> Result<Value, ApiError> {
 /// A request read and checked, ready for the engine.
 struct Call {
     chat: bool,
+    /// Choices (`n`): the request runs that many times, each sampling on its own.
+    n: usize,
     /// Alternatives per token to report log-probabilities of (None: no log-probabilities).
     logprobs: Option<usize>,
     stream: bool,
@@ -1015,13 +1025,21 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     }
     let logprobs = read_logprobs(body, chat)?;
-    if let Some(n) = count(body, "n")? {
-        if n != 1 {
+    let n = match count(body, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES).contains(&n) => n,
+        Some(n) => {
             return Err(ApiError::bad(
                 "n",
-                format!("{n}: one choice per request (n = 1)"),
-            ));
+                format!("{n}: give 1 to {MAX_CHOICES} choices"),
+            ))
         }
+    };
+    if n > 1 && shared.role != Role::Both {
+        return Err(ApiError::bad(
+            "n",
+            "one choice per request on prefill/decode servers (n = 1)",
+        ));
     }
     let tok = &shared.tokenizer;
     let mut tools = field(body, "tools");
@@ -1213,6 +1231,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     };
     Ok(Call {
         chat,
+        n,
         logprobs,
         stream: flag(body, "stream")?,
         include_usage,
@@ -1232,6 +1251,9 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         },
     })
 }
+
+/// The most choices (`n`) one request may ask for.
+const MAX_CHOICES: usize = 64;
 
 /// The most alternatives per token a request may ask for (vLLM's default `max_logprobs`).
 const MAX_TOP_LOGPROBS: u64 = 20;
@@ -1448,21 +1470,23 @@ fn finish_word(out: &RequestOutput) -> &'static str {
     }
 }
 
-fn usage(prompt: usize, out: &RequestOutput) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": out.tokens.len(),
-           "total_tokens": prompt + out.tokens.len()})
+/// Usage of a request: its prompt once, the tokens of all its choices.
+fn usage(prompt: usize, outs: &[Box<RequestOutput>]) -> Value {
+    let completion: usize = outs.iter().map(|o| o.tokens.len()).sum();
+    json!({"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion})
 }
 
-/// Sends the request to the engine and answers it, whole or streamed.
+/// Sends the request to the engine (`n` times for `n` choices) and answers it, whole or
+/// streamed.
 fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: Option<Bootstrap>) {
-    let n = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let serial = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let id = if call.chat {
-        format!("chatcmpl-{n}")
+        format!("chatcmpl-{serial}")
     } else {
-        format!("cmpl-{n}")
+        format!("cmpl-{serial}")
     };
     let (tx, rx) = mpsc::channel();
-    let prompt_len = call.prompt_len;
     let kind = match (shared.role, boot) {
         (Role::Prefill, Some(b)) => {
             let rooms = shared.rooms.as_ref().expect("the prefill role has rooms");
@@ -1473,29 +1497,34 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             // The prefill computes the prompt and samples the first token; the decode server
             // does the rest under the request's own limits.
             call.request.stop.max_new_tokens = 1;
-            JobKind::Export(b.room)
+            Some(JobKind::Export(b.room))
         }
         (Role::Decode, Some(b)) => match fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes) {
-            Ok(kv) => JobKind::Import(Box::new(kv)),
+            Ok(kv) => Some(JobKind::Import(Box::new(kv))),
             Err(m) => {
                 let e = ApiError::new(502, m);
                 return respond_json(request, 502, &e.body());
             }
         },
-        _ => JobKind::Whole,
+        _ => None,
     };
-    if shared
-        .jobs
-        .send(Job {
-            request: call.request.clone(),
-            events: tx,
-            kind,
-        })
-        .is_err()
-    {
-        let e = ApiError::new(500, "the engine has stopped");
-        return respond_json(request, 500, &e.body());
+    let mut kind = kind;
+    for choice in 0..call.n {
+        // Each choice samples on its own: a seeded request's choice i continues from seed + i.
+        let mut req = call.request.clone();
+        req.params.seed = req.params.seed.map(|s| s.wrapping_add(choice as u64));
+        let job = Job {
+            request: req,
+            events: tx.clone(),
+            choice,
+            kind: kind.take().unwrap_or(JobKind::Whole),
+        };
+        if shared.jobs.send(job).is_err() {
+            let e = ApiError::new(500, "the engine has stopped");
+            return respond_json(request, 500, &e.body());
+        }
     }
+    drop(tx);
     let created = now();
     if call.stream {
         stream(request, shared, &call, &id, created, rx);
@@ -1508,13 +1537,14 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     let chunked = (v.0, v.1) >= (1, 1);
     let mut request = Some(request);
     let mut writer: Option<Box<dyn Write + Send>> = None;
-    let mut text = String::new();
+    let mut texts = vec![String::new(); call.n];
+    let mut outs: Vec<Option<Box<RequestOutput>>> = (0..call.n).map(|_| None).collect();
     let mut last = std::time::Instant::now();
-    let out = loop {
+    while outs.iter().any(Option::is_none) {
         match rx.recv_timeout(shared.keepalive) {
-            Ok(Event::Text(t, _)) => text.push_str(&t),
-            Ok(Event::Done(out)) => break out,
-            Ok(Event::Failed(status, message)) => {
+            Ok((i, Event::Text(t, _))) => texts[i].push_str(&t),
+            Ok((i, Event::Done(out))) => outs[i] = Some(out),
+            Ok((_, Event::Failed(status, message))) => {
                 let e = ApiError::new(status, message);
                 return fail(request, writer, status, &e);
             }
@@ -1540,37 +1570,41 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                 }
             }
         }
-    };
-    let finish = finish_word(&out);
-    let body = if call.chat {
-        let (reasoning, answer) = match splitter(shared, &call.prompt_text) {
-            None => (String::new(), text.clone()),
-            Some(sp) => sp.split_whole(&text),
-        };
-        let mut message = json!({"role": "assistant"});
-        let mut finish = finish;
-        set_answer(&mut message, shared, &call, &answer, &mut finish);
-        if !reasoning.is_empty() {
-            message["reasoning_content"] = reasoning.into();
-        }
-        let logprobs = match call.logprobs {
-            Some(_) => chat_logprobs(&shared.tokenizer, &out.logprobs),
-            None => Value::Null,
-        };
-        json!({"id": id, "object": "chat.completion", "created": created, "model": shared.name,
-               "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                            "finish_reason": finish}],
-               "usage": usage(prompt_len, &out)})
+    }
+    let outs: Vec<Box<RequestOutput>> = outs.into_iter().flatten().collect();
+    let mut choices = Vec::with_capacity(call.n);
+    for (i, (out, text)) in outs.iter().zip(texts).enumerate() {
+        let mut finish = finish_word(out);
+        choices.push(if call.chat {
+            let (reasoning, answer) = match splitter(shared, &call.prompt_text) {
+                None => (String::new(), text),
+                Some(sp) => sp.split_whole(&text),
+            };
+            let mut message = json!({"role": "assistant"});
+            set_answer(&mut message, shared, &call, &answer, &mut finish);
+            if !reasoning.is_empty() {
+                message["reasoning_content"] = reasoning.into();
+            }
+            let logprobs = match call.logprobs {
+                Some(_) => chat_logprobs(&shared.tokenizer, &out.logprobs),
+                None => Value::Null,
+            };
+            json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        } else {
+            let logprobs = match call.logprobs {
+                Some(_) => completion_logprobs(&shared.tokenizer, &out.logprobs, &mut 0),
+                None => Value::Null,
+            };
+            json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        });
+    }
+    let object = if call.chat {
+        "chat.completion"
     } else {
-        let logprobs = match call.logprobs {
-            Some(_) => completion_logprobs(&shared.tokenizer, &out.logprobs, &mut 0),
-            None => Value::Null,
-        };
-        json!({"id": id, "object": "text_completion", "created": created, "model": shared.name,
-               "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                            "finish_reason": finish}],
-               "usage": usage(prompt_len, &out)})
+        "text_completion"
     };
+    let body = json!({"id": id, "object": object, "created": created, "model": shared.name,
+                      "choices": choices, "usage": usage(call.prompt_len, &outs)});
     match (request, writer) {
         (Some(r), _) => respond_json(r, 200, &body),
         (None, Some(w)) => end_body(w, body.to_string().as_bytes()),
@@ -1648,14 +1682,15 @@ fn splitter(shared: &Shared, prompt: &str) -> Option<ReasoningSplitter> {
     ))
 }
 
-/// Server-sent events: one chunk per piece of text, the finish, usage if asked, `[DONE]`.
+/// Server-sent events: one chunk per piece of text (each with its choice's `index`), each
+/// choice's finish, usage if asked, `[DONE]`.
 fn stream(
     request: tiny_http::Request,
     shared: &Shared,
     call: &Call,
     id: &str,
     created: u64,
-    rx: mpsc::Receiver<Event>,
+    rx: mpsc::Receiver<(usize, Event)>,
 ) {
     // HTTP/1.1: chunked transfer encoding, one chunk per event, so the client sees each event
     // as it is written and the end of the answer at the last (empty) chunk, with the connection
@@ -1688,22 +1723,36 @@ fn stream(
     if w.write_all(head.as_bytes()).is_err() {
         return;
     }
-    if call.chat
-        && !send(
-            &mut w,
-            &chunk(
-                json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
-            ),
-        )
-    {
-        return;
+    if call.chat {
+        for i in 0..call.n {
+            let c = json!({"index": i, "delta": {"role": "assistant", "content": ""},
+                           "finish_reason": null});
+            if !send(&mut w, &chunk(c)) {
+                return;
+            }
+        }
     }
-    let mut splitter = splitter(shared, &call.prompt_text);
-    // With tools, the answer is held back and sent with its parsed calls at the end.
-    let mut held = String::new();
+    /// Per choice: its reasoning splitter, the answer held back for tool calls, the answer's
+    /// length in characters (logprobs' text offsets), and its output once done.
+    struct Choice {
+        splitter: Option<ReasoningSplitter>,
+        held: String,
+        offset: usize,
+        out: Option<Box<RequestOutput>>,
+    }
+    let mut choices: Vec<Choice> = (0..call.n)
+        .map(|_| Choice {
+            splitter: splitter(shared, &call.prompt_text),
+            held: String::new(),
+            offset: 0,
+            out: None,
+        })
+        .collect();
     // The tokens' log-probabilities go with the first chunk of their event (a chunk of their own
-    // when the event's text is held back).
+    // when the event's text is held back). With tools, the answer is held back and sent with its
+    // parsed calls at the end.
     let emit = |w: &mut Box<dyn Write + Send>,
+                i: usize,
                 segs: Vec<Segment>,
                 held: &mut String,
                 lps: &[TokenLogprob]|
@@ -1724,7 +1773,7 @@ fn stream(
                 }
                 _ => continue,
             };
-            let mut c = json!({"index": 0, "delta": delta, "finish_reason": null});
+            let mut c = json!({"index": i, "delta": delta, "finish_reason": null});
             if let Some(l) = logprobs.take() {
                 c["logprobs"] = l;
             }
@@ -1735,63 +1784,34 @@ fn stream(
         match logprobs {
             Some(l) => send(
                 w,
-                &chunk(json!({"index": 0, "delta": {}, "logprobs": l, "finish_reason": null})),
+                &chunk(json!({"index": i, "delta": {}, "logprobs": l, "finish_reason": null})),
             ),
             None => true,
         }
     };
-    let mut offset = 0;
-    let out = loop {
-        match rx.recv() {
-            Ok(Event::Text(t, lps)) => {
-                let ok = if call.chat {
-                    let segs = match &mut splitter {
-                        Some(sp) => sp.push(&t),
-                        None => vec![Segment::Answer(t)],
-                    };
-                    emit(&mut w, segs, &mut held, &lps)
-                } else {
-                    let logprobs = match call.logprobs {
-                        Some(_) => completion_logprobs(&shared.tokenizer, &lps, &mut offset),
-                        None => Value::Null,
-                    };
-                    send(
-                        &mut w,
-                        &chunk(
-                            json!({"index": 0, "text": t, "logprobs": logprobs, "finish_reason": null}),
-                        ),
-                    )
-                };
-                if !ok {
-                    // The client is gone: dropping `rx` makes the engine abort the request.
-                    return;
-                }
-            }
-            Ok(Event::Done(out)) => break out,
-            Ok(Event::Failed(status, message)) => {
-                let e = ApiError::new(status, message);
-                if send(&mut w, &e.body()) {
-                    write_chunk(&mut w, b"");
-                }
-                return;
-            }
-            Err(_) => return,
+    // Each choice's end: what its splitter still holds, its tool calls, its finish reason.
+    let finish = |w: &mut Box<dyn Write + Send>, i: usize, ch: &mut Choice| -> bool {
+        let out = ch.out.as_ref().expect("a finished choice");
+        let mut finish = finish_word(out);
+        if !call.chat {
+            return send(
+                w,
+                &chunk(json!({"index": i, "text": "", "logprobs": null, "finish_reason": finish})),
+            );
         }
-    };
-    let mut finish = finish_word(&out);
-    if call.chat {
-        let rest = splitter
+        let rest = ch
+            .splitter
             .as_mut()
             .map_or(Vec::new(), ReasoningSplitter::finish);
-        if !emit(&mut w, rest, &mut held, &[]) {
-            return;
+        if !emit(w, i, rest, &mut ch.held, &[]) {
+            return false;
         }
         if call.tools {
             let mut message = json!({});
-            set_answer(&mut message, shared, call, &held, &mut finish);
+            set_answer(&mut message, shared, call, &ch.held, &mut finish);
             if let Some(calls) = message.get_mut("tool_calls") {
-                for (i, c) in calls.as_array_mut().into_iter().flatten().enumerate() {
-                    c["index"] = i.into();
+                for (k, c) in calls.as_array_mut().into_iter().flatten().enumerate() {
+                    c["index"] = k.into();
                 }
             }
             if message["content"].as_str().is_some_and(str::is_empty) {
@@ -1799,28 +1819,63 @@ fn stream(
             }
             if !message.as_object().is_some_and(Map::is_empty)
                 && !send(
-                    &mut w,
-                    &chunk(json!({"index": 0, "delta": message, "finish_reason": null})),
+                    w,
+                    &chunk(json!({"index": i, "delta": message, "finish_reason": null})),
                 )
             {
-                return;
+                return false;
             }
         }
-        if !send(
-            &mut w,
-            &chunk(json!({"index": 0, "delta": {}, "finish_reason": finish})),
-        ) {
+        send(
+            w,
+            &chunk(json!({"index": i, "delta": {}, "finish_reason": finish})),
+        )
+    };
+    while choices.iter().any(|c| c.out.is_none()) {
+        let ok = match rx.recv() {
+            Ok((i, Event::Text(t, lps))) => {
+                let ch = &mut choices[i];
+                if call.chat {
+                    let segs = match &mut ch.splitter {
+                        Some(sp) => sp.push(&t),
+                        None => vec![Segment::Answer(t)],
+                    };
+                    emit(&mut w, i, segs, &mut ch.held, &lps)
+                } else {
+                    let logprobs = match call.logprobs {
+                        Some(_) => completion_logprobs(&shared.tokenizer, &lps, &mut ch.offset),
+                        None => Value::Null,
+                    };
+                    send(
+                        &mut w,
+                        &chunk(
+                            json!({"index": i, "text": t, "logprobs": logprobs, "finish_reason": null}),
+                        ),
+                    )
+                }
+            }
+            Ok((i, Event::Done(out))) => {
+                choices[i].out = Some(out);
+                finish(&mut w, i, &mut choices[i])
+            }
+            Ok((_, Event::Failed(status, message))) => {
+                let e = ApiError::new(status, message);
+                if send(&mut w, &e.body()) {
+                    write_chunk(&mut w, b"");
+                }
+                return;
+            }
+            Err(_) => return,
+        };
+        if !ok {
+            // The client is gone: dropping `rx` makes the engine abort the requests.
             return;
         }
-    } else if !send(
-        &mut w,
-        &chunk(json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish})),
-    ) {
-        return;
     }
     if call.include_usage {
+        let outs: Vec<Box<RequestOutput>> = choices.into_iter().filter_map(|c| c.out).collect();
         let v = json!({"id": id, "object": object, "created": created, "model": shared.name,
-                       "choices": [], "usage": usage(call.prompt_len, &out)});
+                       "choices": [], "usage": usage(call.prompt_len, &outs)});
         if !send(&mut w, &v) {
             return;
         }

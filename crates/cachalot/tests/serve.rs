@@ -251,7 +251,7 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     // Errors name the field, with OpenAI's error object.
     for (body, param) in [
         (json!({"prompt": "x", "temperature": "hot"}), "temperature"),
-        (json!({"prompt": "x", "n": 2}), "n"),
+        (json!({"prompt": "x", "echo": true}), "echo"),
         (
             json!({"prompt": "x", "max_tokens": 1_000_000}),
             "max_tokens",
@@ -707,6 +707,14 @@ fn serve_reports_logprobs() {
     let pre = start(&["--role", "prefill", "--kv-port", "0", "--kv-blocks", "64"]);
     let dec = start(&["--role", "decode", "--kv-blocks", "64"]);
     let router = start_command("router", &["--prefill", &pre.addr, "--decode", &dec.addr]);
+    let mut two = body.clone();
+    two["n"] = 2.into();
+    let (status, e) = post(&router.addr, "/v1/completions", &two);
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("n")),
+        "{e}"
+    );
     let (status, split) = post(&router.addr, "/v1/completions", &body);
     assert_eq!(status, 200, "{split}");
     let slp = &split["choices"][0]["logprobs"];
@@ -718,4 +726,65 @@ fn serve_reports_logprobs() {
         );
         assert!((a - b).abs() < 1e-3, "{a} {b}");
     }
+}
+
+/// `n` choices: each samples on its own (choice i of a seeded request is the one-choice request
+/// with seed + i), streamed chunks carry their choice's index, usage counts them all.
+#[test]
+fn serve_gives_n_choices() {
+    let server = start(&["--kv-blocks", "64", "--batch-size", "2"]);
+    let addr = server.addr.as_str();
+    let body = |n: u64, seed: u64| {
+        json!({"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.9,
+               "seed": seed, "n": n, "ignore_eos": true})
+    };
+    let (status, three) = post(addr, "/v1/completions", &body(3, 40));
+    assert_eq!(status, 200, "{three}");
+    let choices = three["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let (_, one) = post(addr, "/v1/completions", &body(1, 40 + i as u64));
+        assert_eq!(c["text"], one["choices"][0]["text"], "choice {i}");
+    }
+    assert_eq!(three["usage"]["completion_tokens"], 30);
+    let (_, one) = post(addr, "/v1/completions", &body(1, 40));
+    assert_eq!(
+        three["usage"]["prompt_tokens"],
+        one["usage"]["prompt_tokens"]
+    );
+    // Streamed chat, two choices: each index's deltas make that choice's whole message.
+    let chat = json!({"messages": [{"role": "user", "content": "Tell me a story."}],
+                      "max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 2});
+    let (_, whole) = post(addr, "/v1/chat/completions", &chat);
+    let mut streamed = chat.clone();
+    streamed["stream"] = true.into();
+    streamed["stream_options"] = json!({"include_usage": true});
+    let ev = events(addr, "/v1/chat/completions", &streamed);
+    let mut texts = [String::new(), String::new()];
+    let mut finishes = 0;
+    for e in &ev[..ev.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if let Some(c) = v["choices"].as_array().and_then(|a| a.first()) {
+            let i = c["index"].as_u64().unwrap() as usize;
+            for k in ["reasoning_content", "content"] {
+                texts[i].push_str(c["delta"][k].as_str().unwrap_or(""));
+            }
+            finishes += c["finish_reason"].is_string() as usize;
+        } else {
+            assert_eq!(v["usage"], whole["usage"]);
+        }
+    }
+    assert_eq!(finishes, 2);
+    for (i, t) in texts.iter().enumerate() {
+        let m = &whole["choices"][i]["message"];
+        let want = format!(
+            "{}{}",
+            m["reasoning_content"].as_str().unwrap_or(""),
+            m["content"].as_str().unwrap_or("")
+        );
+        assert_eq!(t, &want, "choice {i}");
+    }
+    let (status, e) = post(addr, "/v1/completions", &body(65, 1));
+    assert_eq!((status, e["error"]["param"].as_str()), (400, Some("n")));
 }
