@@ -242,7 +242,7 @@ pub struct EngineConfig {
     pub max_prefill_tokens: usize,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,

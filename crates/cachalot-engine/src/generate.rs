@@ -15,7 +15,7 @@ use crate::engine::Model;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::EngineError;
 
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StopConditions {
     pub max_new_tokens: usize,
     /// Tokens that end the answer (EOS and friends); they are kept in the ids, not in the text.

@@ -47,7 +47,7 @@ pub enum SamplingError {
     },
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 = greedy.
     pub temperature: f32,

@@ -118,13 +118,14 @@ impl RunArgs {
 }
 
 /// The most ranks `--ranks` starts on one host.
-const MAX_RANKS: usize = 1024;
+pub(crate) const MAX_RANKS: usize = 1024;
 
 /// How long ranks wait for each other to start.
 const RENDEZVOUS: Duration = Duration::from_secs(120);
 
-/// Starts ranks 1..n as copies of this command (without --ranks) joining `master`.
-fn spawn_ranks(n: usize, master: &str, threads: usize) -> Result<Vec<(usize, Child)>> {
+/// Starts ranks 1..n as copies of this command (without --ranks) joining `master` (`run`'s
+/// quietly).
+fn spawn_ranks(n: usize, master: &str, threads: usize, quiet: bool) -> Result<Vec<(usize, Child)>> {
     let exe = std::env::current_exe()?;
     let mut base = Vec::new();
     let mut it = std::env::args_os().skip(1);
@@ -139,14 +140,11 @@ fn spawn_ranks(n: usize, master: &str, threads: usize) -> Result<Vec<(usize, Chi
     let mut children = Vec::new();
     for r in 1..n {
         let mut cmd = Command::new(&exe);
-        cmd.args(&base)
-            .args([
-                "--quiet",
-                "--rank",
-                &r.to_string(),
-                "--world-size",
-                &n.to_string(),
-            ])
+        cmd.args(&base);
+        if quiet {
+            cmd.arg("--quiet");
+        }
+        cmd.args(["--rank", &r.to_string(), "--world-size", &n.to_string()])
             .args(["--master", master, "--threads", &threads.to_string()])
             .args(["--host-ranks", &n.to_string()])
             .stdout(std::process::Stdio::null());
@@ -176,7 +174,10 @@ fn spawn_ranks(n: usize, master: &str, threads: usize) -> Result<Vec<(usize, Chi
 /// Waits for the ranks this process started (they end on their own once rank 0's sockets
 /// close); with `failed`, kills those still running after a grace period (a killed rank cannot
 /// clean up, e.g. the random weights of `with_ckpt: false`). The first rank that failed, if any.
-fn end_ranks(children: Vec<(usize, Child)>, failed: bool) -> Option<(usize, ExitStatus)> {
+pub(crate) fn end_ranks(
+    children: Vec<(usize, Child)>,
+    failed: bool,
+) -> Option<(usize, ExitStatus)> {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut first_bad = None;
     for (r, mut c) in children {
@@ -238,6 +239,60 @@ fn config_path(args: &RunArgs) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// How a command joins a group of ranks: `--ranks N` (this process is rank 0 and starts the
+/// others on this host) or `--rank R --world-size N --master HOST:PORT`.
+pub(crate) struct RankArgs {
+    pub ranks: Option<usize>,
+    pub rank: Option<usize>,
+    pub world_size: Option<usize>,
+    pub master: Option<String>,
+    /// Threads of each rank `--ranks` starts.
+    pub threads: Option<usize>,
+}
+
+/// The group this process belongs to (a single process without rank options), and the ranks it
+/// started (wait for them with [`end_ranks`]); the ranks it starts run this command quietly when
+/// `quiet`.
+pub(crate) fn connect_ranks(
+    group: &RankArgs,
+    quiet: bool,
+) -> Result<(Arc<dyn Communicator>, Vec<(usize, Child)>)> {
+    let mut children = Vec::new();
+    let comm: Arc<dyn Communicator> = match (group.ranks, group.rank) {
+        (Some(n), _) if n > 1 => {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let master = listener.local_addr()?.to_string();
+            children = spawn_ranks(n, &master, group.threads.unwrap_or(1), quiet)?;
+            let mut exited = || {
+                children.iter_mut().find_map(|(r, c)| match c.try_wait() {
+                    Ok(Some(st)) => Some(format!("rank {r} exited ({st}) before joining")),
+                    _ => None,
+                })
+            };
+            match TcpComm::accept_checked(listener, n, RENDEZVOUS, &mut exited) {
+                Ok(c) => Arc::new(c),
+                Err(e) => {
+                    for (_, c) in &mut children {
+                        let _ = c.kill();
+                    }
+                    bail!("--ranks {n}: {e}");
+                }
+            }
+        }
+        (_, Some(rank)) => Arc::new(
+            TcpComm::connect(&TcpRendezvous {
+                rank,
+                world_size: group.world_size.unwrap_or(1),
+                master: group.master.clone().unwrap_or_default(),
+                timeout: RENDEZVOUS,
+            })
+            .map_err(|e| anyhow!("--rank {rank}: {e}"))?,
+        ),
+        _ => Arc::new(SingleProcess),
+    };
+    Ok((comm, children))
+}
+
 pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(n) = args.ranks.filter(|n| !(1..=MAX_RANKS).contains(n)) {
         bail!("--ranks {n} is out of range: give 1 to {MAX_RANKS}");
@@ -276,40 +331,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ParallelArg::Expert => offline::Parallel::Expert,
         },
     };
-    let mut children = Vec::new();
-    let comm: Arc<dyn Communicator> = match (args.ranks, args.rank) {
-        (Some(n), _) if n > 1 => {
-            let listener = TcpListener::bind("127.0.0.1:0")?;
-            let master = listener.local_addr()?.to_string();
-            let threads = args.threads_per_rank().unwrap_or(1);
-            children = spawn_ranks(n, &master, threads)?;
-            let mut exited = || {
-                children.iter_mut().find_map(|(r, c)| match c.try_wait() {
-                    Ok(Some(st)) => Some(format!("rank {r} exited ({st}) before joining")),
-                    _ => None,
-                })
-            };
-            match TcpComm::accept_checked(listener, n, RENDEZVOUS, &mut exited) {
-                Ok(c) => Arc::new(c),
-                Err(e) => {
-                    for (_, c) in &mut children {
-                        let _ = c.kill();
-                    }
-                    bail!("--ranks {n}: {e}");
-                }
-            }
-        }
-        (_, Some(rank)) => Arc::new(
-            TcpComm::connect(&TcpRendezvous {
-                rank,
-                world_size: args.world_size.unwrap_or(1),
-                master: args.master.clone().unwrap_or_default(),
-                timeout: RENDEZVOUS,
-            })
-            .map_err(|e| anyhow!("--rank {rank}: {e}"))?,
-        ),
-        _ => Arc::new(SingleProcess),
+    let group = RankArgs {
+        ranks: args.ranks,
+        rank: args.rank,
+        world_size: args.world_size,
+        master: args.master.clone(),
+        threads: args.threads_per_rank(),
     };
+    let (comm, children) = connect_ranks(&group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {
         offline::run_ranked(&cfg, &opts, comm.clone())
     });
