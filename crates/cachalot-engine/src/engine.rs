@@ -72,6 +72,11 @@ pub trait Model {
     fn num_mtp_layers(&self) -> usize {
         0
     }
+    /// Floats per token of the hidden state an MTP layer takes ([`HiddenForward::hidden`]'s
+    /// width; 0 without MTP layers).
+    fn mtp_hidden_width(&self) -> usize {
+        0
+    }
     /// [`Model::forward`], also returning every token's hidden state for the MTP layer.
     fn forward_with_hidden(
         &self,
@@ -110,6 +115,9 @@ impl Model for DeepseekV3 {
     }
     fn num_mtp_layers(&self) -> usize {
         self.mtp_layers().len()
+    }
+    fn mtp_hidden_width(&self) -> usize {
+        self.config().hidden_size
     }
     fn forward_with_hidden(
         &self,
@@ -155,6 +163,9 @@ impl Model for DeepseekV4 {
     fn num_mtp_layers(&self) -> usize {
         DeepseekV4::num_mtp_layers(self)
     }
+    fn mtp_hidden_width(&self) -> usize {
+        self.config().hc_mult * self.config().hidden_size
+    }
     fn forward_with_hidden(
         &self,
         batch: &Batch,
@@ -196,6 +207,9 @@ impl<T: Model + ?Sized> Model for &T {
     }
     fn num_mtp_layers(&self) -> usize {
         (**self).num_mtp_layers()
+    }
+    fn mtp_hidden_width(&self) -> usize {
+        (**self).mtp_hidden_width()
     }
     fn forward_with_hidden(
         &self,
@@ -563,18 +577,40 @@ impl<'t, M: Model> Engine<'t, M> {
             return refuse(format!(
                 "the transferred KV is laid out as {:?}, this engine's cache as {spec:?}: run \
                  the prefill and decode sides with the same model, --kv-cache-dtype and --mtp \
-                 (an MTP layer has a cache of its own)",
+                 (an MTP layer has a cache of its own), and the same layers \
+                 (custom_params.num_hidden_layers)",
                 kv.spec
             ));
         }
-        if kv.prompt != req.prompt {
+        if kv.prompt != req.prompt || kv.params != req.params {
+            let what = if kv.prompt != req.prompt {
+                format!(
+                    "a prompt of {} tokens that differs from this request's {} tokens",
+                    kv.prompt.len(),
+                    req.prompt.len()
+                )
+            } else {
+                format!(
+                    "a request sampled with {:?}, this one with {:?}",
+                    kv.params, req.params
+                )
+            };
             return refuse(format!(
-                "the transferred KV is of a prompt of {} tokens that differs from this \
-                 request's {} tokens: both sides must render and tokenize the request alike \
-                 (same model, tokenizer and chat template)",
-                kv.prompt.len(),
-                req.prompt.len()
+                "the transferred KV is of {what}: it belongs to another request (give each \
+                 request its own bootstrap_room), or the two sides render and tokenize requests \
+                 differently (run the same model, tokenizer and chat template on both)"
             ));
+        }
+        if let (true, Some(m)) = (self.next_n > 0, &kv.mtp) {
+            let width = self.model.mtp_hidden_width();
+            if m.hidden.len() != m.rows * width {
+                return refuse(format!(
+                    "the transferred MTP rows hold {} floats for {} positions; this model's \
+                     hidden state is {width} wide: the two sides run different models",
+                    m.hidden.len(),
+                    m.rows
+                ));
+            }
         }
         if (kv.first_token as usize) >= self.model.vocab_size() {
             return refuse(format!(
@@ -625,27 +661,41 @@ impl<'t, M: Model> Engine<'t, M> {
                 });
             }
         }
-        if let Some(reason) = self.push_token(id, kv.first_token, now)? {
-            self.retire(id, reason);
-            return Ok(id);
+        match self.push_token(id, kv.first_token, now) {
+            Ok(Some(reason)) => {
+                self.retire(id, reason);
+                return Ok(id);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                self.live.remove(&id);
+                return Err(e);
+            }
         }
         self.imports.push_back((id, kv.layers));
-        self.place_imports()?;
+        self.place_imports();
         Ok(id)
     }
 
     /// Moves waiting prefilled requests into the running batch, oldest first, while slots and
-    /// blocks allow, writing their KV into their blocks.
-    fn place_imports(&mut self) -> Result<(), EngineError> {
+    /// blocks allow, writing their KV into their blocks. One the scheduler refuses outright
+    /// (never the case after [`Engine::add_prefilled`]'s checks) ends as cancelled.
+    fn place_imports(&mut self) {
         while let Some((id, _)) = self.imports.front() {
             let id = *id;
             let live = &self.live[&id];
             let (prompt_len, num_tokens) = (live.prompt_len, live.tokens.len());
             let max_len = prompt_len + live.stop.max_new_tokens;
-            let placed = self
+            let placed = match self
                 .scheduler
                 .add_computed(id, prompt_len, num_tokens, max_len)
-                .map_err(|e| EngineError::Request(e.to_string()))?;
+            {
+                Ok(p) => p,
+                Err(_) => {
+                    self.retire(id, FinishReason::Cancelled);
+                    continue;
+                }
+            };
             if !placed {
                 break;
             }
@@ -655,7 +705,6 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.cache.write_rows(l, &table, rows);
             }
         }
-        Ok(())
     }
 
     /// The checks of a new request; caps its output at the model's positions and returns the
@@ -755,7 +804,7 @@ impl<'t, M: Model> Engine<'t, M> {
         let _profile = cachalot_model::profile::Timer::start(cachalot_model::profile::Phase::Step);
         // The step's many short parallel regions find the other workers awake.
         let _warm = cachalot_kernels::KeepWarm::new();
-        self.place_imports()?;
+        self.place_imports();
         let plan = self.scheduler.schedule();
         let mut report = StepReport {
             preempted: plan.preempted.len(),
@@ -1180,6 +1229,7 @@ impl<'t, M: Model> Engine<'t, M> {
         Some(Box::new(KvSnapshot {
             spec: self.cache.spec(),
             prompt: live.tokens[..n].to_vec(),
+            params: live.sampler.params().clone(),
             first_token: live.tokens[n],
             first_logprob: live.logprobs.first().cloned(),
             layers,

@@ -215,7 +215,8 @@ impl Scheduler {
     /// Takes a request whose first `num_tokens - 1` tokens already have their KV (a prompt
     /// prefilled elsewhere, its KV transferred here; then one sampled token) straight into the
     /// running set, with blocks for those tokens. `Ok(false)` (nothing changed) when the batch
-    /// is full or the pool lacks the blocks now; the caller writes the KV into
+    /// is full or the pool lacks the blocks now (for its next step as well, and one per running
+    /// request; with nothing running, any request the pool can hold fits); the caller writes the KV into
     /// [`Scheduler::block_table`] after `Ok(true)`.
     pub fn add_computed(
         &mut self,
@@ -240,7 +241,13 @@ impl Scheduler {
                 block_size: self.kv.block_size(),
             });
         }
-        if self.running.len() >= self.cfg.batch_size || !self.kv.allocate_slots(id, num_tokens - 1)
+        // Room for its next step too (its token and drafts), and a block for each running
+        // request's next token, so that the step after placing it need not preempt it and throw
+        // the transferred KV away.
+        let next = self.kv.blocks_for(num_tokens + self.lookahead);
+        if self.running.len() >= self.cfg.batch_size
+            || self.kv.pool().num_free() < next + self.running.len()
+            || !self.kv.allocate_slots(id, num_tokens - 1)
         {
             return Ok(false);
         }

@@ -26,7 +26,7 @@ use cachalot_model::batch::{CacheSpec, KvCacheDtype};
 use serde_json::{json, Value};
 
 use crate::engine::TokenLogprob;
-use crate::sampler::RngState;
+use crate::sampler::{RngState, SamplingParams};
 
 const MAGIC: &[u8; 12] = b"CACHALOT-KV1";
 
@@ -44,6 +44,9 @@ pub struct MtpRows {
 pub struct KvSnapshot {
     pub spec: CacheSpec,
     pub prompt: Vec<u32>,
+    /// The request's sampling parameters (the receiving side checks it continues the same
+    /// request).
+    pub params: SamplingParams,
     pub first_token: u32,
     /// The first token's log-probability, when the request asked for them.
     pub first_logprob: Option<TokenLogprob>,
@@ -117,7 +120,11 @@ impl KvSnapshot {
             )));
         }
         if let Some(m) = &self.mtp {
-            if m.rows == 0 || m.first + m.rows != n || m.hidden.len() % m.rows != 0 {
+            if m.rows == 0
+                || m.first.checked_add(m.rows) != Some(n)
+                || m.hidden.is_empty()
+                || m.hidden.len() % m.rows != 0
+            {
                 return Err(bad(format!(
                     "MTP rows {}..{} ({} floats) do not end at the prompt's end ({n})",
                     m.first,
@@ -136,6 +143,7 @@ impl KvSnapshot {
             "spec": {"layers": spec.layers, "width": spec.width, "int8_width": spec.int8_width,
                      "float": spec.float.name()},
             "prompt": self.prompt,
+            "params": self.params,
             "first_token": self.first_token,
             "first_logprob": self.first_logprob,
             "layer_bytes": self.layers.iter().map(Vec::len).collect::<Vec<_>>(),
@@ -221,6 +229,11 @@ impl KvSnapshot {
         let prompt = ids("prompt")?;
         let first_token = u32::try_from(num(&h, "first_token")?)
             .map_err(|_| bad("first_token is not a token id"))?;
+        let params: SamplingParams = h
+            .get("params")
+            .cloned()
+            .ok_or_else(|| bad("the header has no params"))
+            .and_then(|v| serde_json::from_value(v).map_err(|e| bad(format!("params: {e}"))))?;
         let first_logprob = match h.get("first_logprob") {
             None | Some(Value::Null) => None,
             Some(v) => Some(
@@ -246,6 +259,18 @@ impl KvSnapshot {
                 num(m, "floats")?,
             )),
         };
+        // Sizes that do not fit the prompt are refused before anything is allocated.
+        let want = (prompt.len() as u64).saturating_mul(row_bytes(&spec) as u64);
+        if layer_bytes.len() != spec.layers || layer_bytes.iter().any(|&b| b != want) {
+            return Err(bad(format!(
+                "the header promises rows of {:?} bytes for {} layers; {} positions of {} bytes \
+                 need {want} per layer",
+                layer_bytes,
+                spec.layers,
+                prompt.len(),
+                row_bytes(&spec)
+            )));
+        }
         let total = layer_bytes
             .iter()
             .try_fold(0u64, |a, &b| a.checked_add(b))
@@ -304,6 +329,7 @@ impl KvSnapshot {
         let snap = KvSnapshot {
             spec,
             prompt,
+            params,
             first_token,
             first_logprob,
             layers,
@@ -337,6 +363,11 @@ mod tests {
         KvSnapshot {
             spec,
             prompt: vec![1, 2, 3, 4, 5],
+            params: SamplingParams {
+                temperature: 0.7,
+                seed: Some(3),
+                ..SamplingParams::greedy()
+            },
             first_token: 9,
             first_logprob: mtp.then(|| TokenLogprob {
                 token: 9,
@@ -392,6 +423,15 @@ mod tests {
         let mut buf = Vec::new();
         short.write_to(&mut buf).unwrap();
         let e = KvSnapshot::read_from(&mut buf.as_slice(), u64::MAX).unwrap_err();
-        assert!(e.to_string().contains("layer 1 holds"), "{e}");
+        assert!(e.to_string().contains("[60, 59, 60]"), "{e}");
+        // MTP rows that end elsewhere, or none at all.
+        let mut off = s.clone();
+        off.mtp.as_mut().unwrap().first = 2;
+        assert!(off.check().unwrap_err().to_string().contains("MTP rows"));
+        off.mtp.as_mut().unwrap().first = usize::MAX;
+        assert!(off.check().is_err());
+        off.mtp.as_mut().unwrap().first = 3;
+        off.mtp.as_mut().unwrap().hidden.clear();
+        assert!(off.check().is_err());
     }
 }

@@ -166,6 +166,11 @@ fn mismatched_sides_are_refused_with_the_reason() {
         .add_prefilled(request(&[5, 9, 11], &params, 4), kv.clone())
         .unwrap_err();
     assert!(e.to_string().contains("differs"), "{e}");
+    // Another request's KV (other sampling): the room was reused.
+    let mut other = request(&prompt, &params, 4);
+    other.params.temperature = 0.5;
+    let e = dec.add_prefilled(other, kv.clone()).unwrap_err();
+    assert!(e.to_string().contains("bootstrap_room"), "{e}");
     // Another cache dtype.
     let f32_model = load(KvCacheDtype::F32);
     let mut dec = engine(&f32_model, DECODE, 0);
@@ -179,6 +184,20 @@ fn mismatched_sides_are_refused_with_the_reason() {
         .add_prefilled(request(&prompt, &params, 4), kv.clone())
         .unwrap_err();
     assert!(e.to_string().contains("--mtp"), "{e}");
+    // MTP rows of another width (another model).
+    let mut pre = engine(&m, PREFILL, 1);
+    pre.add_request_for_transfer(request(&prompt, &params, 1))
+        .unwrap();
+    let mut wide = *finish(pre).remove(0).kv.unwrap();
+    let mtp = wide.mtp.as_mut().unwrap();
+    let width = mtp.hidden.len() / mtp.rows;
+    mtp.hidden.truncate(mtp.rows * (width - 1));
+    let mut dec = engine(&m, DECODE, 1);
+    let e = dec
+        .add_prefilled(request(&prompt, &params, 4), wide)
+        .unwrap_err();
+    assert!(e.to_string().contains("wide"), "{e}");
+    assert!(!dec.has_unfinished());
     // A request that can never fit this pool.
     let mut dec = engine(&m, DECODE, 0);
     let e = dec
