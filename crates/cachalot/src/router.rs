@@ -210,6 +210,16 @@ pub fn router(args: &RouterArgs) -> Result<()> {
     Ok(())
 }
 
+/// What ends a routed request first.
+enum Outcome {
+    /// The decode server's answer (its head; the body follows), or why there is none.
+    Decode(Result<(u16, String, BufReader<TcpStream>), String>),
+    /// The prefill server refused the request: its status, content type and body.
+    Prefill(u16, String, Vec<u8>),
+    /// The prefill server could not be reached or did not answer.
+    PrefillLost(String),
+}
+
 fn error(request: tiny_http::Request, status: u16, message: &str) {
     let body = json!({"error": {"message": message, "type": "server_error", "param": null,
                                 "code": status}});
@@ -287,26 +297,45 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             body["bootstrap_host"] = p.host.clone().into();
             body["bootstrap_port"] = p.kv_port.into();
             let payload = body.to_string().into_bytes();
-            let (addr, timeout, sent) = (p.addr.clone(), router.timeout, payload.clone());
-            let path2 = path.clone();
-            std::thread::spawn(move || {
-                match exchange(&addr, "POST", &path2, Some(&sent), timeout) {
-                    Ok((status, _, mut r)) => {
-                        let mut answer = String::new();
-                        let _ = r.read_to_string(&mut answer);
-                        if status != 200 {
-                            eprintln!(
-                                "cachalot router: prefill server {addr}, room {room}: {status} \
-                                 {answer}"
-                            );
+            // Both posts at once; the client gets the decode server's answer, unless the
+            // prefill server refuses or fails first (then its answer: the decode server would
+            // only wait for KV that is not coming).
+            let (tx, rx) = std::sync::mpsc::channel();
+            {
+                let (tx, addr, timeout) = (tx.clone(), p.addr.clone(), router.timeout);
+                let (sent, path) = (payload.clone(), path.clone());
+                std::thread::spawn(move || {
+                    let outcome = match exchange(&addr, "POST", &path, Some(&sent), timeout) {
+                        Ok((200, _, mut r)) => {
+                            let _ = r.read_to_end(&mut Vec::new());
+                            return;
                         }
-                    }
-                    Err(e) => eprintln!("cachalot router: prefill server {addr}, room {room}: {e}"),
+                        Ok((status, ct, mut r)) => {
+                            let mut answer = Vec::new();
+                            let _ = r.read_to_end(&mut answer);
+                            Outcome::Prefill(status, ct, answer)
+                        }
+                        Err(e) => Outcome::PrefillLost(format!("prefill server {addr}: {e}")),
+                    };
+                    eprintln!("cachalot router: room {room}: the prefill server failed");
+                    let _ = tx.send(outcome);
+                });
+            }
+            {
+                let (d, timeout, path) = (d.clone(), router.timeout, path.clone());
+                std::thread::spawn(move || {
+                    let got = exchange(&d, "POST", &path, Some(&payload), timeout)
+                        .map_err(|e| format!("decode server {d}: {e}"));
+                    let _ = tx.send(Outcome::Decode(got));
+                });
+            }
+            match rx.recv() {
+                Ok(Outcome::Decode(Ok((status, ct, r)))) => relay(request, status, &ct, r),
+                Ok(Outcome::Decode(Err(m)) | Outcome::PrefillLost(m)) => error(request, 503, &m),
+                Ok(Outcome::Prefill(status, ct, answer)) => {
+                    relay(request, status, &ct, answer.as_slice())
                 }
-            });
-            match exchange(d, "POST", &path, Some(&payload), router.timeout) {
-                Ok((status, ct, r)) => relay(request, status, &ct, r),
-                Err(e) => error(request, 503, &format!("decode server {d}: {e}")),
+                Err(_) => error(request, 500, "the router lost both servers' answers"),
             }
         }
         _ => error(
@@ -343,8 +372,10 @@ fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body:
     let mut buf = vec![0u8; 64 << 10];
     loop {
         let n = match body.read(&mut buf) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
             Ok(n) => n,
+            // The backend failed mid-answer: no end marker, so the client sees it cut short.
+            Err(_) => return,
         };
         let ok = if chunked {
             write!(w, "{n:x}\r\n")

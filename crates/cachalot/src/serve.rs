@@ -185,11 +185,16 @@ impl Rooms {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Drops what has waited longer than the timeout (a decode server that never came).
+    fn purge(&self, map: &mut HashMap<u64, (Instant, RoomState)>) {
+        let timeout = self.timeout;
+        map.retain(|_, (t, _)| t.elapsed() < timeout);
+    }
+
     /// A prefill starts for `room`; refused if the room is in use.
     fn open(&self, room: u64) -> Result<(), String> {
         let mut map = self.lock();
-        let timeout = self.timeout;
-        map.retain(|_, (t, _)| t.elapsed() < timeout);
+        self.purge(&mut map);
         if map.contains_key(&room) {
             return Err(format!("{room} is in use by another request"));
         }
@@ -198,7 +203,10 @@ impl Rooms {
     }
 
     fn set(&self, room: u64, state: RoomState) {
-        self.lock().insert(room, (Instant::now(), state));
+        let mut map = self.lock();
+        self.purge(&mut map);
+        map.insert(room, (Instant::now(), state));
+        drop(map);
         self.changed.notify_all();
     }
 
@@ -227,6 +235,34 @@ impl Rooms {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+}
+
+/// A bound on work in flight: at most `limit` holders at once, others wait their turn.
+struct Permits {
+    held: Mutex<usize>,
+    freed: Condvar,
+    limit: usize,
+}
+
+/// One place taken from [`Permits`], given back when dropped.
+struct Permit<'a>(&'a Permits);
+
+impl Permits {
+    fn take(&self) -> Permit<'_> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        while *held >= self.limit {
+            held = self.freed.wait(held).unwrap_or_else(|e| e.into_inner());
+        }
+        *held += 1;
+        Permit(self)
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        *self.0.held.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        self.0.freed.notify_one();
     }
 }
 
@@ -259,6 +295,9 @@ struct Shared {
     /// Decode role: how long to wait for a prefill's KV, and the most bytes one may hold.
     kv_timeout: Duration,
     kv_max_bytes: u64,
+    /// Decode role: requests whose KV is fetched or held at once (twice the batch, as the
+    /// seed's metadata slots bound its transfers), so waiting KV cannot fill the memory.
+    transfers: Permits,
 }
 
 /// The server's sizes: the options, else the YAML's, else the defaults.
@@ -420,6 +459,11 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             kv_port,
             kv_timeout,
             kv_max_bytes,
+            transfers: Permits {
+                held: Mutex::new(0),
+                freed: Condvar::new(),
+                limit: 2 * set.batch_size,
+            },
         });
         let addr = server
             .server_addr()
@@ -584,21 +628,22 @@ fn engine_loop<M: Model>(
         while let Ok(job) = jobs.try_recv() {
             admit(&mut engine, &mut live, job);
         }
-        if !engine.has_unfinished() {
-            continue;
-        }
-        if let Err(e) = engine.step() {
-            eprintln!("cachalot serve: a step failed: {e}");
-            for (id, sink) in live.drain() {
-                engine.abort(id);
-                fail_room(sink.room, format!("the step failed: {e}"));
-                let _ = sink.events.send((
-                    sink.choice,
-                    Event::Failed(500, format!("the step failed: {e}")),
-                ));
+        // (A request can also end as it is admitted: a transferred first token that stops
+        // it. Its output goes out below without a step.)
+        if engine.has_unfinished() {
+            if let Err(e) = engine.step() {
+                eprintln!("cachalot serve: a step failed: {e}");
+                for (id, sink) in live.drain() {
+                    engine.abort(id);
+                    fail_room(sink.room, format!("the step failed: {e}"));
+                    let _ = sink.events.send((
+                        sink.choice,
+                        Event::Failed(500, format!("the step failed: {e}")),
+                    ));
+                }
+                engine.take_finished();
+                continue;
             }
-            engine.take_finished();
-            continue;
         }
         let mut gone = Vec::new();
         for (id, sink) in live.iter_mut() {
@@ -903,7 +948,13 @@ fn fetch_kv(boot: &Bootstrap, timeout: Duration, max_bytes: u64) -> Result<KvSna
     conn.write_all(&ask).map_err(|e| fail(&e))?;
     let mut r = std::io::BufReader::with_capacity(1 << 20, conn);
     let mut status = [0u8; 1];
-    r.read_exact(&mut status).map_err(|e| fail(&e))?;
+    r.read_exact(&mut status).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => fail(&format!(
+            "no answer within {} s (--kv-timeout-s)",
+            timeout.as_secs() + 30
+        )),
+        _ => fail(&e),
+    })?;
     if status[0] != 0 {
         let mut len = [0u8; 4];
         r.read_exact(&mut len).map_err(|e| fail(&e))?;
@@ -1123,6 +1174,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     };
     let max_new = match count(body, max_key)? {
         Some(0) => return Err(ApiError::bad(max_key, "must be at least 1")),
+        // A prefill server samples the first token only; the decode server checks the rest.
+        Some(_) | None if shared.role == Role::Prefill => 1,
         Some(n) if n > room => {
             return Err(ApiError::bad(
                 max_key,
@@ -1487,6 +1540,8 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
         format!("cmpl-{serial}")
     };
     let (tx, rx) = mpsc::channel();
+    // Held (decode role) until the answer is done.
+    let mut _permit = None;
     let kind = match (shared.role, boot) {
         (Role::Prefill, Some(b)) => {
             let rooms = shared.rooms.as_ref().expect("the prefill role has rooms");
@@ -1499,7 +1554,10 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             call.request.stop.max_new_tokens = 1;
             Some(JobKind::Export(b.room))
         }
-        (Role::Decode, Some(b)) => match fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes) {
+        (Role::Decode, Some(b)) => match {
+            _permit = Some(shared.transfers.take());
+            fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes)
+        } {
             Ok(kv) => Some(JobKind::Import(Box::new(kv))),
             Err(m) => {
                 let e = ApiError::new(502, m);
@@ -1519,7 +1577,13 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             choice,
             kind: kind.take().unwrap_or(JobKind::Whole),
         };
-        if shared.jobs.send(job).is_err() {
+        if let Err(mpsc::SendError(job)) = shared.jobs.send(job) {
+            if let (JobKind::Export(room), Some(rooms)) = (job.kind, &shared.rooms) {
+                rooms.set(
+                    room,
+                    RoomState::Failed("the prefill server's engine has stopped".into()),
+                );
+            }
             let e = ApiError::new(500, "the engine has stopped");
             return respond_json(request, 500, &e.body());
         }

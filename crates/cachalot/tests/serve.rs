@@ -504,12 +504,35 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
     });
     assert_eq!(got, want);
 
-    // A prompt the prefill server refuses (over its 128 positions): the decode server says why.
+    // A prompt the prefill server refuses (over its 128 positions): the client learns why,
+    // from the prefill server's 400 or the decode server's 502 quoting it, whichever comes
+    // first.
     let long = json!({"prompt": vec![400u32; 200], "max_tokens": 4});
     let (status, e) = post(r, "/v1/completions", &long);
-    assert_eq!(status, 502, "{e}");
+    assert!(status == 400 || status == 502, "{status} {e}");
     let m = e["error"]["message"].as_str().unwrap();
-    assert!(m.contains("prefill server refused"), "{m}");
+    assert!(m.contains("context is 128 positions"), "{m}");
+    // The prefill server checks only what it does (the prompt and one token): a prompt near
+    // its limit with a long answer is the decode server's to take.
+    let near = json!({"prompt": vec![400u32; 100], "max_tokens": 50, "temperature": 0,
+                      "ignore_eos": true});
+    let (s1, a) = post(&one.addr, "/v1/completions", &near);
+    let (s2, b) = post(r, "/v1/completions", &near);
+    assert_eq!((s1, s2), (200, 200), "{a} {b}");
+    assert_eq!(text_of(&a), text_of(&b));
+    // An answer that ends at its first token (the one the prefill server sampled) comes back
+    // though the decode server has nothing else to do.
+    for body in [
+        json!({"prompt": "The meaning of life is", "max_tokens": 1, "temperature": 0}),
+        json!({"prompt": "The meaning of life is", "max_tokens": 5, "temperature": 0,
+               "stop_token_ids": [first_token(&one.addr)]}),
+    ] {
+        let (s1, a) = post(&one.addr, "/v1/completions", &body);
+        let (s2, b) = post(r, "/v1/completions", &body);
+        assert_eq!((s1, s2), (200, 200), "{a} {b}");
+        assert_eq!(a["choices"][0], b["choices"][0]);
+        assert_eq!(b["usage"]["completion_tokens"], 1);
+    }
     // The decode server alone: the bootstrap fields are required, and a prefill server that is
     // not there is named.
     let (status, e) = post(&dec.addr, "/v1/completions", &greedy);
@@ -787,4 +810,15 @@ fn serve_gives_n_choices() {
     }
     let (status, e) = post(addr, "/v1/completions", &body(65, 1));
     assert_eq!((status, e["error"]["param"].as_str()), (400, Some("n")));
+}
+
+/// The greedy first token of "The meaning of life is" on a server.
+fn first_token(addr: &str) -> u64 {
+    let tok =
+        cachalot_model::tokenizer::Tokenizer::from_dir(&root().join("assets/cachalot-tiny-r1"))
+            .unwrap();
+    let body = json!({"prompt": "The meaning of life is", "max_tokens": 1, "temperature": 0});
+    let (_, a) = post(addr, "/v1/completions", &body);
+    let text = a["choices"][0]["text"].as_str().unwrap();
+    tok.encode(text).unwrap()[0] as u64
 }
