@@ -241,6 +241,9 @@ fn config_path(args: &RunArgs) -> Result<PathBuf> {
 
 /// How a command joins a group of ranks: `--ranks N` (this process is rank 0 and starts the
 /// others on this host) or `--rank R --world-size N --master HOST:PORT`.
+/// The ranks a process started, by rank.
+pub(crate) type Ranks = Vec<(usize, Child)>;
+
 pub(crate) struct RankArgs {
     pub ranks: Option<usize>,
     pub rank: Option<usize>,
@@ -256,7 +259,7 @@ pub(crate) struct RankArgs {
 pub(crate) fn connect_ranks(
     group: &RankArgs,
     quiet: bool,
-) -> Result<(Arc<dyn Communicator>, Vec<(usize, Child)>)> {
+) -> Result<(Arc<dyn Communicator>, Ranks)> {
     let mut children = Vec::new();
     let comm: Arc<dyn Communicator> = match (group.ranks, group.rank) {
         (Some(n), _) if n > 1 => {

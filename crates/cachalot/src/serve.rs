@@ -1554,16 +1554,16 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             call.request.stop.max_new_tokens = 1;
             Some(JobKind::Export(b.room))
         }
-        (Role::Decode, Some(b)) => match {
+        (Role::Decode, Some(b)) => {
             _permit = Some(shared.transfers.take());
-            fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes)
-        } {
-            Ok(kv) => Some(JobKind::Import(Box::new(kv))),
-            Err(m) => {
-                let e = ApiError::new(502, m);
-                return respond_json(request, 502, &e.body());
+            match fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes) {
+                Ok(kv) => Some(JobKind::Import(Box::new(kv))),
+                Err(m) => {
+                    let e = ApiError::new(502, m);
+                    return respond_json(request, 502, &e.body());
+                }
             }
-        },
+        }
         _ => None,
     };
     let mut kind = kind;
