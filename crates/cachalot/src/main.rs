@@ -95,6 +95,9 @@ struct ModelArgs {
     /// family).
     #[arg(skip)]
     max_layers: Option<usize>,
+    /// The routed experts this process holds (expert parallelism over ranks).
+    #[arg(skip)]
+    expert_shard: cachalot_model::ExpertShard,
 }
 
 #[derive(clap::Args)]
@@ -198,7 +201,7 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
         load_mtp,
         bf16_dot: args.bf16_dot,
         max_layers: args.max_layers,
-        ..LoadOptions::default()
+        expert_shard: args.expert_shard,
     };
     let dir = model_dir(args)?;
     let mut model = DeepseekV3::load(&dir, opts)?;
@@ -233,7 +236,7 @@ fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
         V4LoadOptions {
             load_mtp,
             bf16_dot: args.bf16_dot,
-            ..V4LoadOptions::default()
+            expert_shard: args.expert_shard,
         },
     )?;
     if args.int8_head {
@@ -295,7 +298,8 @@ fn tune_allocator() {
 fn run() -> Result<()> {
     let cli = Cli::parse();
     let threads = match &cli.command {
-        Command::Run(a) => a.threads_per_rank(),
+        Command::Run(a) => a.group.threads_per_rank(),
+        Command::Serve(a) => a.threads_per_rank(),
         Command::Bench(a) => a.threads,
         _ => None,
     };

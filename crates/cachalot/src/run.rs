@@ -38,34 +38,8 @@ pub struct RunArgs {
     /// Chat template instead of the model's: a tokenizer_config.json or a Jinja file.
     #[arg(long)]
     chat_template: Option<PathBuf>,
-    /// Threads (per rank; default: all cores, shared out among --ranks).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// N processes on this host: this one is rank 0 and starts the others; rank 0 writes the
-    /// run's files. With --parallel data rank r serves requests r, r + N, ...; with expert the
-    /// ranks hold the routed experts between them.
-    #[arg(long, value_name = "N", conflicts_with_all = ["rank", "world_size", "master"])]
-    ranks: Option<usize>,
-    /// Join a group as this rank (with --world-size and --master; start one process per rank,
-    /// on any hosts, all with the same config and options; rank 0 listens on --master).
-    #[arg(long, requires_all = ["world_size", "master"])]
-    rank: Option<usize>,
-    /// Ranks in the group joined with --rank.
-    #[arg(long, requires_all = ["rank", "master"])]
-    world_size: Option<usize>,
-    /// host:port where rank 0 of the group listens.
-    #[arg(long, requires_all = ["rank", "world_size"])]
-    master: Option<String>,
-    /// Ranks of the group on this host, which share its memory budget for the KV cache (set
-    /// by --ranks for the ranks it starts; default 1).
-    #[arg(long, requires = "rank")]
-    host_ranks: Option<usize>,
-    /// How the ranks share the work: `data` (each rank holds the whole model and serves its
-    /// share of the requests) or `expert` (the ranks hold the routed experts between them and
-    /// run every request together: a model larger than one host's memory over several;
-    /// DeepSeek-V3/R1/Kimi-K2 and V4).
-    #[arg(long, value_enum, default_value = "data")]
-    parallel: ParallelArg,
+    #[command(flatten)]
+    pub group: GroupArgs,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -97,13 +71,48 @@ pub struct RunArgs {
     profile: bool,
 }
 
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-enum ParallelArg {
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ParallelArg {
     Data,
     Expert,
 }
 
-impl RunArgs {
+/// How a command runs over several processes (`run` and `serve`): `--ranks N` (this process
+/// is rank 0 and starts the others on this host) or `--rank R --world-size N --master
+/// HOST:PORT` (one process per rank, on any hosts, all with the same options).
+#[derive(clap::Args)]
+pub(crate) struct GroupArgs {
+    /// Threads (per rank; default: all cores, shared out among --ranks).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// N processes on this host: this one is rank 0 (it writes a run's files, or answers a
+    /// server's HTTP) and starts the others. With --parallel data each rank serves its share
+    /// of the requests; with expert the ranks hold the routed experts between them.
+    #[arg(long, value_name = "N", conflicts_with_all = ["rank", "world_size", "master"])]
+    pub ranks: Option<usize>,
+    /// Join a group as this rank (with --world-size and --master; start one process per rank,
+    /// on any hosts, all with the same config and options; rank 0 listens on --master).
+    #[arg(long, requires_all = ["world_size", "master"])]
+    pub rank: Option<usize>,
+    /// Ranks in the group joined with --rank.
+    #[arg(long, requires_all = ["rank", "master"])]
+    pub world_size: Option<usize>,
+    /// host:port where rank 0 of the group listens.
+    #[arg(long, requires_all = ["rank", "world_size"])]
+    pub master: Option<String>,
+    /// Ranks of the group on this host, which share its memory budget for the KV cache (set
+    /// by --ranks for the ranks it starts; default 1).
+    #[arg(long, requires = "rank")]
+    pub host_ranks: Option<usize>,
+    /// How the ranks share the work: `data` (each rank holds the whole model and serves its
+    /// share of the requests) or `expert` (the ranks hold the routed experts between them and
+    /// run every request together: a model larger than one host's memory over several;
+    /// DeepSeek-V3/R1/Kimi-K2 and V4).
+    #[arg(long, value_enum, default_value = "data")]
+    pub parallel: ParallelArg,
+}
+
+impl GroupArgs {
     /// Threads of this process's pool: --threads, or the cores shared out among --ranks.
     pub fn threads_per_rank(&self) -> Option<usize> {
         match (self.threads, self.ranks) {
@@ -114,6 +123,11 @@ impl RunArgs {
             }
             _ => None,
         }
+    }
+
+    /// Ranks of this group on this host.
+    pub fn host_ranks(&self) -> usize {
+        self.ranks.or(self.host_ranks).unwrap_or(1).max(1)
     }
 }
 
@@ -239,25 +253,14 @@ fn config_path(args: &RunArgs) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// How a command joins a group of ranks: `--ranks N` (this process is rank 0 and starts the
-/// others on this host) or `--rank R --world-size N --master HOST:PORT`.
 /// The ranks a process started, by rank.
 pub(crate) type Ranks = Vec<(usize, Child)>;
-
-pub(crate) struct RankArgs {
-    pub ranks: Option<usize>,
-    pub rank: Option<usize>,
-    pub world_size: Option<usize>,
-    pub master: Option<String>,
-    /// Threads of each rank `--ranks` starts.
-    pub threads: Option<usize>,
-}
 
 /// The group this process belongs to (a single process without rank options), and the ranks it
 /// started (wait for them with [`end_ranks`]); the ranks it starts run this command quietly when
 /// `quiet`.
 pub(crate) fn connect_ranks(
-    group: &RankArgs,
+    group: &GroupArgs,
     quiet: bool,
 ) -> Result<(Arc<dyn Communicator>, Ranks)> {
     let mut children = Vec::new();
@@ -265,7 +268,8 @@ pub(crate) fn connect_ranks(
         (Some(n), _) if n > 1 => {
             let listener = TcpListener::bind("127.0.0.1:0")?;
             let master = listener.local_addr()?.to_string();
-            children = spawn_ranks(n, &master, group.threads.unwrap_or(1), quiet)?;
+            let threads = group.threads_per_rank().unwrap_or(1);
+            children = spawn_ranks(n, &master, threads, quiet)?;
             let mut exited = || {
                 children.iter_mut().find_map(|(r, c)| match c.try_wait() {
                     Ok(Some(st)) => Some(format!("rank {r} exited ({st}) before joining")),
@@ -297,7 +301,7 @@ pub(crate) fn connect_ranks(
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    if let Some(n) = args.ranks.filter(|n| !(1..=MAX_RANKS).contains(n)) {
+    if let Some(n) = args.group.ranks.filter(|n| !(1..=MAX_RANKS).contains(n)) {
         bail!("--ranks {n} is out of range: give 1 to {MAX_RANKS}");
     }
     if let Some(n) = args
@@ -328,20 +332,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
         int8_head: args.int8_head,
         bf16_dot: args.bf16_dot,
         kv_cache_dtype: args.kv_cache_dtype.chosen(),
-        host_ranks: args.ranks.or(args.host_ranks).unwrap_or(1),
-        parallel: match args.parallel {
+        host_ranks: args.group.host_ranks(),
+        parallel: match args.group.parallel {
             ParallelArg::Data => offline::Parallel::Data,
             ParallelArg::Expert => offline::Parallel::Expert,
         },
     };
-    let group = RankArgs {
-        ranks: args.ranks,
-        rank: args.rank,
-        world_size: args.world_size,
-        master: args.master.clone(),
-        threads: args.threads_per_rank(),
-    };
-    let (comm, children) = connect_ranks(&group, true)?;
+    let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {
         offline::run_ranked(&cfg, &opts, comm.clone())
     });
@@ -354,7 +351,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             result.dir.display()
         );
     }
-    if args.rank.is_some_and(|r| r != 0) {
+    if args.group.rank.is_some_and(|r| r != 0) {
         return Ok(());
     }
     if args.profile {

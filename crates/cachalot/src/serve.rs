@@ -50,7 +50,10 @@ use cachalot_model::tokenizer::{ChatTemplate, Tokenizer, ToolCallFormat};
 use cachalot_model::{detect_family, ModelFamily};
 use serde_json::{json, Map, Value};
 
+use crate::run::ParallelArg;
 use crate::{load_model, load_v4, model_dir, ModelArgs};
+use cachalot_engine::comm::Communicator;
+use cachalot_model::ExpertShard;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -116,6 +119,18 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 600,
           value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
     kv_timeout_s: u64,
+    /// Several processes behind this server: rank 0 answers HTTP; with --parallel data each
+    /// rank runs its own requests (the least busy rank takes the next), with expert the ranks
+    /// step every request together, holding the routed experts between them.
+    #[command(flatten)]
+    group: crate::run::GroupArgs,
+}
+
+impl ServeArgs {
+    /// Threads of this process's pool: --threads, or the cores shared out among --ranks.
+    pub fn threads_per_rank(&self) -> Option<usize> {
+        self.group.threads_per_rank()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -383,6 +398,45 @@ fn settings(args: &ServeArgs) -> Result<Settings> {
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
     let set = settings(args)?;
+    if let Some(n) = args
+        .group
+        .ranks
+        .filter(|n| !(1..=crate::run::MAX_RANKS).contains(n))
+    {
+        bail!(
+            "--ranks {n} is out of range: give 1 to {}",
+            crate::run::MAX_RANKS
+        );
+    }
+    let in_group = args.group.ranks.is_some_and(|n| n > 1) || args.group.rank.is_some();
+    if in_group && args.role != Role::Both {
+        bail!(
+            "--role {}: prefill and decode servers run as one rank each; serve over several \
+             ranks with --role both",
+            args.role.mode()
+        );
+    }
+    let (comm, children) = crate::run::connect_ranks(&args.group, false)?;
+    let result = serve_rank(args, set, comm.clone());
+    drop(comm);
+    let bad = crate::run::end_ranks(children, result.is_err());
+    result?;
+    if let Some((r, st)) = bad {
+        bail!("rank {r} failed ({st}); its error is above");
+    }
+    Ok(())
+}
+
+/// This process's part of the server: rank 0 answers HTTP and drives the engine loop (alone,
+/// or with the other ranks in lockstep, [`ranked_loop`]); the other ranks run their engines.
+fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) -> Result<()> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let expert = world > 1 && args.group.parallel == ParallelArg::Expert;
+    if expert {
+        set.model.expert_shard = ExpertShard { rank, ranks: world };
+    }
+    // Ranks of this host share its memory for their KV pools.
+    set.kv_fraction /= args.group.host_ranks() as f64;
     let dir = model_dir(&set.model)?;
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
     let family = detect_family(&dir)?;
@@ -410,8 +464,14 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         Role::Prefill => 8001,
         Role::Decode => 8100,
     });
-    let server = tiny_http::Server::http((args.host.as_str(), port))
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}:{port}: {e} (--port)", args.host))?;
+    let server = match rank {
+        0 => Some(
+            tiny_http::Server::http((args.host.as_str(), port)).map_err(|e| {
+                anyhow::anyhow!("cannot listen on {}:{port}: {e} (--port)", args.host)
+            })?,
+        ),
+        _ => None,
+    };
     let (jobs, job_rx) = mpsc::channel();
     let kv_timeout = Duration::from_secs(args.kv_timeout_s);
     // The prefill role's KV port, bound before the model loads so a taken port fails fast.
@@ -439,6 +499,9 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         None => None,
     };
     let launch = |eos: &[u32], max_positions: usize, num_blocks: usize, kv_max_bytes: u64| {
+        let Some(server) = server else {
+            return;
+        };
         // What one sequence can hold (vLLM's max_model_len): the model's positions, within the
         // KV pool.
         let max_positions = max_positions.min((num_blocks - 1) * set.block_size);
@@ -476,9 +539,14 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             );
             std::thread::spawn(move || serve_kv(l, r));
         }
+        let ranks = match world {
+            1 => String::new(),
+            n if expert => format!(", {n} ranks (expert parallel)"),
+            n => format!(", {n} ranks (data parallel)"),
+        };
         eprintln!(
-            "cachalot serve: {name} ({}), role {}, max_model_len {max_positions}, listening on \
-             http://{addr}/v1",
+            "cachalot serve: {name} ({}), role {}{ranks}, max_model_len {max_positions}, \
+             listening on http://{addr}/v1",
             dir.display(),
             args.role.mode()
         );
@@ -487,21 +555,42 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     // Sizes the pool, starts the HTTP side, then runs the engine on this thread.
     let run = |m: &(dyn Model + Sync), eos: &[u32]| -> Result<()> {
         let blocks = pool_blocks(&m, &set)?;
-        // A transferred prompt's KV fits the pool; its MTP hidden states (f32, at most 64 Ki
-        // wide) come with it.
+        // Ranks share requests (data) or step them together (expert): every rank's pool is the
+        // smallest any rank can hold, so a request one rank takes fits every rank.
+        let blocks = if world > 1 {
+            let parts = comm.all_gather(&(blocks as u64).to_le_bytes())?;
+            parts
+                .iter()
+                .filter_map(|p| p.as_slice().try_into().ok().map(u64::from_le_bytes))
+                .fold(blocks as u64, u64::min) as usize
+        } else {
+            blocks
+        };
+        // A transferred prompt's KV fits the pool; its MTP hidden states come with it.
         let per_block = cachalot_engine::engine::kv_bytes_per_block(m.cache_spec(), set.block_size);
         let positions = m.max_positions().min(blocks * set.block_size) as u64;
-        let kv_max_bytes = per_block * blocks as u64 + positions * (4 << 16);
+        let kv_max_bytes = per_block * blocks as u64 + positions * 4 * m.mtp_hidden_width() as u64;
         launch(eos, m.max_positions(), blocks, kv_max_bytes);
-        engine_loop(m, &tokenizer, &set, blocks, job_rx, rooms.clone())
+        if world > 1 {
+            let jobs = (rank == 0).then_some(job_rx);
+            ranked_loop(m, &tokenizer, &set, blocks, jobs, &*comm, expert)
+        } else {
+            engine_loop(m, &tokenizer, &set, blocks, job_rx, rooms.clone())
+        }
     };
     match family {
         ModelFamily::DeepseekV3 => {
-            let m = load_model(&set.model, set.mtp > 0)?;
+            let mut m = load_model(&set.model, set.mtp > 0)?;
+            if expert {
+                m.set_communicator(comm.clone())?;
+            }
             run(&m, &m.config().eos_token_ids)
         }
         ModelFamily::DeepseekV4 => {
-            let m = load_v4(&set.model, set.mtp > 0)?;
+            let mut m = load_v4(&set.model, set.mtp > 0)?;
+            if expert {
+                m.set_communicator(comm.clone())?;
+            }
             run(&m, &m.config().eos_token_ids)
         }
     }
@@ -704,6 +793,217 @@ fn engine_loop<M: Model>(
                 let _ = events.send((choice, Event::Text(rest.to_string(), rest_lps.to_vec())));
             }
             let _ = events.send((choice, Event::Done(Box::new(out))));
+        }
+    }
+}
+
+/// What rank 0 tells every rank before a step of [`ranked_loop`]: the requests that arrived
+/// (by key, with the rank that runs them: all ranks under expert parallelism), the requests to
+/// abort, or that the server is stopping.
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct Command {
+    admit: Vec<(u64, u32, Request)>,
+    abort: Vec<u64>,
+    stop: bool,
+}
+
+/// What each rank tells rank 0 after the step: new text (and log-probabilities) of its
+/// requests, those that finished or were refused, and whether it has work left.
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct Report {
+    text: Vec<(u64, String, Vec<TokenLogprob>)>,
+    done: Vec<(u64, RequestOutput)>,
+    failed: Vec<(u64, u16, String)>,
+    live: usize,
+    unfinished: bool,
+}
+
+/// A random seed for a request that gave none: every rank that samples it must draw the same
+/// tokens, so rank 0 draws the seed for all of them.
+fn random_seed() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(std::process::id())
+}
+
+/// The engine loop of a server over several ranks (`--ranks`, `--rank`), run by every rank in
+/// lockstep, the seed's DP-leader loop in miniature (spec `executor.md` §5.5 ③-⑤): rank 0
+/// broadcasts the requests that arrived and the aborts ([`Command`]); each rank adds those it
+/// runs (data parallel: the least busy rank's; expert parallel: all, in the same order, so the
+/// ranks step the same batches and their MoE layers gather each other's experts) and steps; the
+/// ranks' [`Report`]s are gathered on rank 0, which sends each request's events to its HTTP
+/// thread. When nothing is running anywhere, rank 0 waits for a request and the others wait in
+/// the broadcast. A rank that fails or leaves ends the group (the server stops with its error).
+fn ranked_loop<M: Model>(
+    model: M,
+    tokenizer: &Tokenizer,
+    set: &Settings,
+    num_blocks: usize,
+    jobs: Option<mpsc::Receiver<Job>>,
+    comm: &dyn Communicator,
+    expert: bool,
+) -> Result<()> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let cfg = EngineConfig {
+        block_size: set.block_size,
+        num_blocks,
+        batch_size: set.batch_size,
+        max_prefill_tokens: set.max_prefill_tokens,
+    };
+    let mut engine = Engine::new(model, Some(tokenizer), cfg)?;
+    if set.mtp > 0 {
+        engine.enable_mtp(set.mtp)?;
+    }
+    eprintln!(
+        "cachalot serve: rank {rank} of {world}: KV pool of {num_blocks} blocks of {} tokens \
+         ({:.1} MB), batch {}",
+        set.block_size,
+        engine.cache_bytes() as f64 / 1e6,
+        set.batch_size
+    );
+    // Only one rank reports a request: its own (data) or rank 0 (expert: all run it alike).
+    let reporting = !expert || rank == 0;
+    // This rank's requests: key → (engine id, text bytes and log-probabilities reported).
+    let mut mine: HashMap<u64, (u64, usize, usize)> = HashMap::new();
+    let mut key_of: HashMap<u64, u64> = HashMap::new();
+    // Rank 0: where each request's events go, live requests per rank, aborts to send, and
+    // whether any rank has work left.
+    let mut sinks: HashMap<u64, (mpsc::Sender<(usize, Event)>, usize)> = HashMap::new();
+    let mut load = vec![0usize; world];
+    let mut aborts = Vec::new();
+    let mut busy = false;
+    let mut next_key = 0u64;
+    let bad = |what: &str, e: serde_json::Error| anyhow::anyhow!("rank {rank}: {what}: {e}");
+    loop {
+        let mut cmd = Command::default();
+        if let Some(jobs) = &jobs {
+            let mut incoming = Vec::new();
+            if !busy && aborts.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => incoming.push(job),
+                    Err(_) => cmd.stop = true,
+                }
+            }
+            incoming.extend(jobs.try_iter());
+            for job in incoming {
+                let key = next_key;
+                next_key += 1;
+                let target = if expert {
+                    0
+                } else {
+                    (0..world).min_by_key(|&r| load[r]).unwrap_or(0)
+                };
+                load[target] += 1;
+                let mut request = job.request;
+                request.params.seed = request.params.seed.or_else(|| Some(random_seed()));
+                sinks.insert(key, (job.events, job.choice));
+                cmd.admit.push((key, target as u32, request));
+            }
+            cmd.abort = std::mem::take(&mut aborts);
+        }
+        let bytes = serde_json::to_vec(&cmd).map_err(|e| bad("the step's command", e))?;
+        let cmd: Command = serde_json::from_slice(&comm.broadcast(0, &bytes)?)
+            .map_err(|e| bad("rank 0's command", e))?;
+        if cmd.stop {
+            return Ok(());
+        }
+        let mut report = Report::default();
+        for (key, target, request) in cmd.admit {
+            if !expert && target as usize != rank {
+                continue;
+            }
+            match engine.add_request(request) {
+                Ok(id) => {
+                    mine.insert(key, (id, 0, 0));
+                    key_of.insert(id, key);
+                }
+                Err(e) if reporting => report.failed.push((key, 400, e.to_string())),
+                Err(_) => {}
+            }
+        }
+        for key in cmd.abort {
+            if let Some(&(id, _, _)) = mine.get(&key) {
+                engine.abort(id);
+            }
+        }
+        if engine.has_unfinished() {
+            if let Err(e) = engine.step() {
+                if expert {
+                    // The ranks' steps are one computation: this one cannot go on alone.
+                    bail!("rank {rank}: a step failed: {e}");
+                }
+                eprintln!("cachalot serve: rank {rank}: a step failed: {e}");
+                for (key, (id, _, _)) in mine.drain() {
+                    engine.abort(id);
+                    report
+                        .failed
+                        .push((key, 500, format!("the step failed: {e}")));
+                }
+                key_of.clear();
+                engine.take_finished();
+            }
+        }
+        if reporting {
+            for (&key, (id, sent, sent_lps)) in mine.iter_mut() {
+                let text = engine.text_so_far(*id).unwrap_or_default();
+                let lps = engine.logprobs_so_far(*id).unwrap_or_default();
+                let new = text.get(*sent..).unwrap_or_default();
+                let new_lps = lps.get(*sent_lps..).unwrap_or_default();
+                if !new.is_empty() || !new_lps.is_empty() {
+                    report.text.push((key, new.to_string(), new_lps.to_vec()));
+                    (*sent, *sent_lps) = (text.len(), lps.len());
+                }
+            }
+        }
+        for out in engine.take_finished() {
+            let Some(key) = key_of.remove(&out.id) else {
+                continue;
+            };
+            let Some((_, sent, sent_lps)) = mine.remove(&key) else {
+                continue;
+            };
+            if reporting {
+                let rest = out.text.get(sent..).unwrap_or_default();
+                let rest_lps = out.logprobs.get(sent_lps..).unwrap_or_default();
+                if !rest.is_empty() || !rest_lps.is_empty() {
+                    report.text.push((key, rest.to_string(), rest_lps.to_vec()));
+                }
+                report.done.push((key, out));
+            }
+        }
+        report.live = mine.len();
+        report.unfinished = engine.has_unfinished();
+        let bytes = serde_json::to_vec(&report).map_err(|e| bad("the step's report", e))?;
+        let parts = comm.all_gather(&bytes)?;
+        if rank != 0 {
+            continue;
+        }
+        busy = false;
+        for (r, part) in parts.iter().enumerate() {
+            let rep: Report =
+                serde_json::from_slice(part).map_err(|e| bad(&format!("rank {r}'s report"), e))?;
+            busy |= rep.unfinished;
+            load[r] = rep.live;
+            for (key, text, lps) in rep.text {
+                let gone = match sinks.get(&key) {
+                    Some((tx, choice)) => tx.send((*choice, Event::Text(text, lps))).is_err(),
+                    None => false,
+                };
+                if gone {
+                    eprintln!("cachalot serve: request {key}: the client went away; aborted");
+                    sinks.remove(&key);
+                    aborts.push(key);
+                }
+            }
+            for (key, out) in rep.done {
+                if let Some((tx, choice)) = sinks.remove(&key) {
+                    let _ = tx.send((choice, Event::Done(Box::new(out))));
+                }
+            }
+            for (key, status, message) in rep.failed {
+                if let Some((tx, choice)) = sinks.remove(&key) {
+                    let _ = tx.send((choice, Event::Failed(status, message)));
+                }
+            }
         }
     }
 }

@@ -236,6 +236,7 @@ impl ModelArgs {
             bf16_dot: false,
             kv_cache_dtype: crate::KvDtypeArg::Auto,
             max_layers: None,
+            expert_shard: Default::default(),
         }
     }
 }

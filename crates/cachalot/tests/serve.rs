@@ -822,3 +822,77 @@ fn first_token(addr: &str) -> u64 {
     let text = a["choices"][0]["text"].as_str().unwrap();
     tok.encode(text).unwrap()[0] as u64
 }
+
+/// One server over two ranks (`--ranks 2`), data parallel (each rank runs its own requests) and
+/// expert parallel (the ranks hold half the routed experts each and step every request
+/// together): the answers of one process, whole and streamed, concurrent, with `n` and
+/// unseeded sampling.
+#[test]
+fn serve_over_two_ranks_answers_as_one_process() {
+    let one = start(&["--kv-blocks", "64"]);
+    let bodies = [
+        json!({"prompt": "The meaning of life is", "max_tokens": 16, "temperature": 0,
+               "ignore_eos": true}),
+        json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.8,
+               "seed": 9, "n": 2, "ignore_eos": true, "logprobs": 1}),
+        json!({"messages": [{"role": "user", "content": "Tell me a story."}],
+               "max_tokens": 12, "temperature": 0.7, "seed": 4}),
+    ];
+    let path = |b: &Value| {
+        if b.get("messages").is_some() {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        }
+    };
+    let want: Vec<Value> = bodies
+        .iter()
+        .map(|b| post(&one.addr, path(b), b).1["choices"].clone())
+        .collect();
+    for parallel in ["data", "expert"] {
+        let group = start(&["--kv-blocks", "64", "--ranks", "2", "--parallel", parallel]);
+        let g = group.addr.as_str();
+        // Concurrent: each answer is its own.
+        let got: Vec<Value> = std::thread::scope(|s| {
+            let hs: Vec<_> = bodies
+                .iter()
+                .map(|b| s.spawn(move || post(g, path(b), b)))
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    let (status, v) = h.join().unwrap();
+                    assert_eq!(status, 200, "{parallel}: {v}");
+                    v["choices"].clone()
+                })
+                .collect()
+        });
+        for (a, b) in want.iter().zip(&got) {
+            let strip = |v: &Value| {
+                let mut v = v.clone();
+                for c in v.as_array_mut().unwrap() {
+                    c.as_object_mut().unwrap().remove("logprobs");
+                }
+                v
+            };
+            assert_eq!(strip(a), strip(b), "{parallel}");
+        }
+        // Streamed.
+        let mut stream = bodies[0].clone();
+        stream["stream"] = true.into();
+        let ev = events(g, "/v1/completions", &stream);
+        let text: String = ev[..ev.len() - 1]
+            .iter()
+            .map(|e| {
+                let v: Value = serde_json::from_str(e).unwrap();
+                v["choices"][0]["text"].as_str().unwrap_or("").to_string()
+            })
+            .collect();
+        assert_eq!(text, want[0][0]["text"].as_str().unwrap(), "{parallel}");
+        // Unseeded sampling: the ranks agree on the tokens (rank 0 draws the seed).
+        let free = json!({"prompt": "The sea", "max_tokens": 20, "temperature": 1.0,
+                          "ignore_eos": true});
+        let (status, v) = post(g, "/v1/completions", &free);
+        assert_eq!(status, 200, "{parallel}: {v}");
+        assert_eq!(v["usage"]["completion_tokens"], 20);
+    }
+}
