@@ -267,6 +267,10 @@ pub struct Request {
     /// Record each generated token's log-probability with this many of the most likely
     /// alternatives ([`RequestOutput::logprobs`]); None: none.
     pub logprobs: Option<usize>,
+    /// Record each prompt token's log-probability (given the tokens before it) with this many
+    /// alternatives ([`RequestOutput::prompt_logprobs`], from the second token on); None: none.
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// A generated token's log-probability under the model (the log-softmax of its raw logits,
@@ -349,6 +353,10 @@ pub struct RequestOutput {
     /// Per generated token, its log-probability (when the request asked for them).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logprobs: Vec<TokenLogprob>,
+    /// Per prompt token from the second on, its log-probability given those before it (when
+    /// the request asked for them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prompt_logprobs: Vec<TokenLogprob>,
     /// The prompt's KV and first token, for a request added with
     /// [`Engine::add_request_for_transfer`] that ended with a token sampled.
     #[serde(skip)]
@@ -417,6 +425,9 @@ struct Live<'t> {
     /// Alternatives per token to record, and the records (`Request::logprobs`).
     top_logprobs: Option<usize>,
     logprobs: Vec<TokenLogprob>,
+    /// The same for the prompt's tokens (`Request::prompt_logprobs`): entry i is token i + 1's.
+    top_prompt_logprobs: Option<usize>,
+    prompt_logprobs: Vec<TokenLogprob>,
 }
 
 pub struct Engine<'t, M: Model> {
@@ -771,6 +782,8 @@ impl<'t, M: Model> Engine<'t, M> {
                 accepted: 0,
                 top_logprobs: req.logprobs,
                 logprobs: Vec::new(),
+                top_prompt_logprobs: req.prompt_logprobs,
+                prompt_logprobs: Vec::new(),
             },
         );
     }
@@ -841,7 +854,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 .expect("scheduled requests are live");
             live.first_scheduled.get_or_insert(now);
             let ds = drafts.get(n).map_or(&[][..], Vec::as_slice);
-            let want = if !ds.is_empty() {
+            let want = if !ds.is_empty() || Self::prompt_rows(live, it) > 0 {
                 LogitsWanted::All
             } else if it.sample {
                 LogitsWanted::Last
@@ -886,6 +899,21 @@ impl<'t, M: Model> Engine<'t, M> {
             let mut finished = false;
             // Why the request ends, if it does (it retires once its hidden states are kept).
             let mut ends = None;
+            // A prompt chunk whose prompt log-probabilities are wanted: every row but the
+            // sampled one scores the prompt token after it.
+            let live = self.live.get_mut(&it.id).expect("live");
+            if Self::prompt_rows(live, it) > 0 {
+                let k = live.top_prompt_logprobs.unwrap_or(0);
+                let scored = it.len - usize::from(it.sample);
+                for (j, row) in rows.by_ref().take(scored).enumerate() {
+                    let next = it.start + j + 1;
+                    if next < live.prompt_len && next == live.prompt_logprobs.len() + 1 {
+                        let t = live.tokens[next];
+                        live.prompt_logprobs
+                            .push(TokenLogprob::from_logits(row, t, k));
+                    }
+                }
+            }
             if it.sample {
                 self.stats.sample_steps += 1;
                 let mut accepted = 0;
@@ -964,6 +992,17 @@ impl<'t, M: Model> Engine<'t, M> {
         }
         s.kv_peak_blocks = self.scheduler.kv().peak_used();
         Ok(report)
+    }
+
+    /// How many prompt tokens after `it`'s positions still want their log-probability scored
+    /// by this step (0 for decode steps and requests that did not ask).
+    fn prompt_rows(live: &Live, it: &Scheduled) -> usize {
+        if it.decode || live.top_prompt_logprobs.is_none() {
+            return 0;
+        }
+        let done = live.prompt_logprobs.len() + 1;
+        let end = (it.start + it.len).min(live.prompt_len);
+        end.saturating_sub(done.max(it.start + 1))
     }
 
     /// Keeps the hidden states of the first `valid` tokens of item `n` of `batch` (request
@@ -1194,6 +1233,7 @@ impl<'t, M: Model> Engine<'t, M> {
             drafted: live.drafted,
             accepted_drafts: live.accepted,
             logprobs: live.logprobs,
+            prompt_logprobs: live.prompt_logprobs,
             kv,
         });
     }

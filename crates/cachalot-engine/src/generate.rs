@@ -285,6 +285,7 @@ pub fn generate_mtp<M: crate::Model>(
         stop: stop.clone(),
         ignore_eos: false,
         logprobs: None,
+        prompt_logprobs: None,
     })?;
     let t0 = Instant::now();
     let mut prefill_s = None;

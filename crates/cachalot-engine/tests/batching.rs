@@ -37,6 +37,7 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
         },
         ignore_eos: false,
         logprobs: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -216,6 +217,7 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
             stop,
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
         })
         .unwrap();
         e.run_to_completion(|_, _| {}).unwrap().remove(0)

@@ -58,6 +58,7 @@ fn run(
                 },
                 ignore_eos: true,
                 logprobs: None,
+                prompt_logprobs: None,
             })
             .unwrap();
     }
@@ -206,6 +207,7 @@ fn small_model_greedy_with_mtp_equals_without_and_accepts_drafts() {
                 },
                 ignore_eos: true,
                 logprobs: None,
+                prompt_logprobs: None,
             })
             .unwrap();
     }
@@ -336,6 +338,7 @@ fn sample_triples(
                     },
                     ignore_eos: true,
                     logprobs: None,
+                    prompt_logprobs: None,
                 })
                 .unwrap();
             queued += 1;
@@ -486,6 +489,7 @@ fn nan_logits_are_an_error() {
                 },
                 ignore_eos: true,
                 logprobs: None,
+                prompt_logprobs: None,
             })
             .unwrap();
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();

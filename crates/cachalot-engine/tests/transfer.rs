@@ -41,6 +41,7 @@ fn request(prompt: &[u32], params: &SamplingParams, n: usize) -> Request {
         },
         ignore_eos: true,
         logprobs: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -304,4 +305,54 @@ fn logprobs_survive_the_split_and_mtp() {
     let e = dec.add_prefilled(with_lp(&prompts[0], 4), kv).unwrap_err();
     assert!(e.to_string().contains("logprobs"), "{e}");
     assert!(!dec.has_unfinished());
+}
+
+/// Prompt log-probabilities (completions' `echo`): each prompt token's given those before it,
+/// the same with the prompt prefilled in chunks and with the request preempted and recomputed
+/// as the library's token-by-token scoring (`eval::next_token_logprobs`).
+#[test]
+fn prompt_logprobs_match_one_forward() {
+    let m = load(KvCacheDtype::F32);
+    let dir = root().join("assets/cachalot-tiny-r1");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let text = std::fs::read_to_string(dir.join("eval.txt")).unwrap();
+    let ids = tok.encode(&text).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|i| ids[i * 200..i * 200 + 90].to_vec())
+        .collect();
+    let want: Vec<Vec<f32>> = prompts
+        .iter()
+        .map(|p| cachalot_model::eval::next_token_logprobs(&m, p, 0).unwrap())
+        .collect();
+    // Chunks of 32 with room for two requests at once, then a pool so tight that requests are
+    // preempted and recomputed.
+    for cfg in [
+        PREFILL,
+        EngineConfig {
+            block_size: 8,
+            num_blocks: 20,
+            batch_size: 4,
+            max_prefill_tokens: 32,
+        },
+    ] {
+        let mut e = engine(&m, cfg, 0);
+        for p in &prompts {
+            let mut r = request(p, &SamplingParams::greedy(), 8);
+            r.prompt_logprobs = Some(2);
+            e.add_request(r).unwrap();
+        }
+        let outs = finish(e);
+        for (o, w) in outs.iter().zip(&want) {
+            assert_eq!(o.prompt_logprobs.len(), o.prompt.len() - 1);
+            for (i, lp) in o.prompt_logprobs.iter().enumerate() {
+                assert_eq!(lp.token, o.prompt[i + 1]);
+                assert!(
+                    (lp.logprob - w[i]).abs() < 1e-4,
+                    "{cfg:?} token {i}: {lp:?} {}",
+                    w[i]
+                );
+                assert_eq!(lp.top.len(), 2);
+            }
+        }
+    }
 }

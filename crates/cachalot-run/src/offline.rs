@@ -829,6 +829,7 @@ pub fn run_ranked(
                 },
                 ignore_eos: d.ignore_eos,
                 logprobs: None,
+                prompt_logprobs: None,
             })
             .map_err(|e| {
                 format!(

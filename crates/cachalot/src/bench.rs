@@ -713,6 +713,7 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
                 },
                 ignore_eos: true,
                 logprobs: None,
+                prompt_logprobs: None,
             })?;
         }
         let t = Instant::now();

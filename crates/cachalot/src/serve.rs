@@ -1295,10 +1295,15 @@ struct Call {
     n: usize,
     /// Alternatives per token to report log-probabilities of (None: no log-probabilities).
     logprobs: Option<usize>,
+    /// Completions' `echo`: the prompt goes before the answer, with its log-probabilities when
+    /// asked; `score_only` (echo with `max_tokens: 0`): the prompt alone, nothing generated.
+    echo: bool,
+    score_only: bool,
     stream: bool,
     include_usage: bool,
     prompt_len: usize,
-    /// The rendered chat prompt (to know whether it opens a reasoning block).
+    /// The rendered chat prompt (to know whether it opens a reasoning block); a completion's
+    /// prompt as given (what `echo` repeats).
     prompt_text: String,
     tools: bool,
     request: Request,
@@ -1357,7 +1362,6 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     }
     for (key, unsupported) in [
-        ("echo", "echo is not supported"),
         ("best_of", "best_of is not supported"),
         ("suffix", "suffix is not supported"),
         ("logit_bias", "logit_bias is not supported"),
@@ -1376,6 +1380,26 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     }
     let logprobs = read_logprobs(body, chat)?;
+    let echo = flag(body, "echo")?;
+    let stream = flag(body, "stream")?;
+    if echo && chat {
+        return Err(ApiError::bad(
+            "echo",
+            "a completions field (chat answers do not repeat the messages)",
+        ));
+    }
+    if echo && stream {
+        return Err(ApiError::bad(
+            "echo",
+            "echoed answers come whole here: drop \"stream\"",
+        ));
+    }
+    if echo && shared.role != Role::Both {
+        return Err(ApiError::bad(
+            "echo",
+            "not on prefill/decode servers (the prompt is scored where it is prefilled)",
+        ));
+    }
     let n = match count(body, "n")? {
         None => 1,
         Some(n) if (1..=MAX_CHOICES).contains(&n) => n,
@@ -1444,7 +1468,16 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             .map_err(|e| ApiError::bad("messages", e.to_string()))?;
         (ids, text)
     } else {
-        (completion_prompt(tok, body)?, String::new())
+        // The prompt as given (what `echo` repeats): its text, or the text of its ids.
+        let ids = completion_prompt(tok, body)?;
+        let text = match field(body, "prompt") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                a[0].as_str().unwrap_or_default().to_string()
+            }
+            _ => tok.decode(&ids).unwrap_or_default(),
+        };
+        (ids, text)
     };
     if prompt.is_empty() {
         return Err(ApiError::bad("prompt", "the prompt has no tokens"));
@@ -1472,8 +1505,16 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     } else {
         "max_tokens"
     };
+    // Echo with no tokens asked scores the prompt: one token is generated and dropped.
+    let score_only = echo && count(body, max_key)? == Some(0);
     let max_new = match count(body, max_key)? {
-        Some(0) => return Err(ApiError::bad(max_key, "must be at least 1")),
+        Some(0) if score_only => 1,
+        Some(0) => {
+            return Err(ApiError::bad(
+                max_key,
+                "must be at least 1 (0 only with echo)",
+            ))
+        }
         // A prefill server samples the first token only; the decode server checks the rest.
         Some(_) | None if shared.role == Role::Prefill => 1,
         Some(n) if n > room => {
@@ -1586,7 +1627,9 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         chat,
         n,
         logprobs,
-        stream: flag(body, "stream")?,
+        echo,
+        score_only,
+        stream,
         include_usage,
         prompt_len: prompt.len(),
         prompt_text,
@@ -1601,6 +1644,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             },
             ignore_eos,
             logprobs,
+            prompt_logprobs: if echo { logprobs } else { None },
         },
     })
 }
@@ -1694,6 +1738,44 @@ fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], offset: &mut usize
     }
     json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
            "text_offset": offsets})
+}
+
+/// A completion choice with `echo`: the prompt's text before the answer's (the answer dropped
+/// when only the prompt is scored), and with `logprobs` the prompt's tokens first, the first one
+/// without a log-probability (nothing comes before it).
+fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: usize) -> Value {
+    let tok = &shared.tokenizer;
+    let prompt = &call.request.prompt;
+    let prompt_text = call.prompt_text.clone();
+    let (text, finish, gen): (String, &str, &[TokenLogprob]) = if call.score_only {
+        (prompt_text, "length", &[])
+    } else {
+        (
+            format!("{prompt_text}{text}"),
+            finish_word(out),
+            &out.logprobs,
+        )
+    };
+    let logprobs = match (call.logprobs, prompt.first()) {
+        (Some(_), Some(&first)) => {
+            let t0 = token_text(tok, first);
+            let mut offset = t0.chars().count();
+            let all: Vec<TokenLogprob> = out.prompt_logprobs.iter().chain(gen).cloned().collect();
+            let mut lp = completion_logprobs(tok, &all, &mut offset);
+            let put = |lp: &mut Value, key: &str, v: Value| {
+                if let Some(a) = lp[key].as_array_mut() {
+                    a.insert(0, v);
+                }
+            };
+            put(&mut lp, "tokens", t0.into());
+            put(&mut lp, "token_logprobs", Value::Null);
+            put(&mut lp, "top_logprobs", Value::Null);
+            put(&mut lp, "text_offset", 0.into());
+            lp
+        }
+        _ => Value::Null,
+    };
+    json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
 }
 
 /// Chat's `logprobs` object for some tokens.
@@ -1954,6 +2036,8 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                 None => Value::Null,
             };
             json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        } else if call.echo {
+            echoed(shared, &call, out, &text, i)
         } else {
             let logprobs = match call.logprobs {
                 Some(_) => completion_logprobs(&shared.tokenizer, &out.logprobs, &mut 0),
@@ -1967,8 +2051,13 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     } else {
         "text_completion"
     };
+    let mut usage = usage(call.prompt_len, &outs);
+    if call.score_only {
+        usage["completion_tokens"] = 0.into();
+        usage["total_tokens"] = call.prompt_len.into();
+    }
     let body = json!({"id": id, "object": object, "created": created, "model": shared.name,
-                      "choices": choices, "usage": usage(call.prompt_len, &outs)});
+                      "choices": choices, "usage": usage});
     match (request, writer) {
         (Some(r), _) => respond_json(r, 200, &body),
         (None, Some(w)) => end_body(w, body.to_string().as_bytes()),

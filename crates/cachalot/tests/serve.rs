@@ -726,6 +726,55 @@ fn serve_reports_logprobs() {
         (400, Some("top_logprobs"))
     );
 
+    // Echo: the prompt scored (max_tokens 0), or repeated before the answer.
+    let ids: Vec<u32> = vec![400, 401, 402, 403, 404, 405];
+    let (status, e) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 1}),
+    );
+    assert_eq!(status, 200, "{e}");
+    let l = &e["choices"][0]["logprobs"];
+    assert_eq!(l["tokens"].as_array().unwrap().len(), 6);
+    assert!(l["token_logprobs"][0].is_null() && l["top_logprobs"][0].is_null());
+    assert!((1..6).all(|i| l["token_logprobs"][i].as_f64().unwrap() < 0.0));
+    assert_eq!(e["usage"]["completion_tokens"], 0);
+    let (status, e) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 3, "echo": true, "temperature": 0,
+                "ignore_eos": true}),
+    );
+    assert_eq!(status, 200, "{e}");
+    let echoed = e["choices"][0]["text"].as_str().unwrap();
+    let (_, plain) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0,
+                "ignore_eos": true}),
+    );
+    assert_eq!(
+        echoed,
+        format!(
+            "Once upon a time{}",
+            plain["choices"][0]["text"].as_str().unwrap()
+        )
+    );
+    for (path, b) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "echo": true, "stream": true}),
+        ),
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 0})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "echo": true}),
+        ),
+    ] {
+        let (status, e) = post(addr, path, &b);
+        assert_eq!(status, 400, "{b}: {e}");
+    }
+
     // Through a prefill/decode split: the same tokens and log-probabilities.
     let pre = start(&["--role", "prefill", "--kv-port", "0", "--kv-blocks", "64"]);
     let dec = start(&["--role", "decode", "--kv-blocks", "64"]);
