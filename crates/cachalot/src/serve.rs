@@ -1288,6 +1288,18 @@ fn read_body(request: &mut tiny_http::Request) -> Result<Value, ApiError> {
     Ok(v)
 }
 
+impl Call {
+    /// Choices over all prompts.
+    fn choices(&self) -> usize {
+        self.prompts.len() * self.n
+    }
+
+    /// Prompt tokens of the request, each prompt counted once.
+    fn prompt_tokens(&self) -> usize {
+        self.prompts.iter().map(|p| p.0.len()).sum()
+    }
+}
+
 /// A request read and checked, ready for the engine.
 struct Call {
     chat: bool,
@@ -1301,9 +1313,10 @@ struct Call {
     score_only: bool,
     stream: bool,
     include_usage: bool,
-    prompt_len: usize,
-    /// The rendered chat prompt (to know whether it opens a reasoning block); a completion's
-    /// prompt as given (what `echo` repeats).
+    /// Every prompt (completions take a list; each gets `n` choices, prompt i's being choices
+    /// `i·n..(i+1)·n`) with its text as given (what `echo` repeats; chat: the rendered prompt).
+    prompts: Vec<(Vec<u32>, String)>,
+    /// The rendered chat prompt (to know whether it opens a reasoning block).
     prompt_text: String,
     tools: bool,
     request: Request,
@@ -1438,7 +1451,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             ))
         }
     }
-    let (prompt, prompt_text) = if chat {
+    let prompts: Vec<(Vec<u32>, String)> = if chat {
         let Some(messages) = field(body, "messages") else {
             return Err(ApiError::bad(
                 "messages",
@@ -1466,29 +1479,43 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         let ids = tok
             .encode(&text)
             .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-        (ids, text)
+        vec![(ids, text)]
     } else {
-        // The prompt as given (what `echo` repeats): its text, or the text of its ids.
-        let ids = completion_prompt(tok, body)?;
-        let text = match field(body, "prompt") {
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                a[0].as_str().unwrap_or_default().to_string()
-            }
-            _ => tok.decode(&ids).unwrap_or_default(),
-        };
-        (ids, text)
+        completion_prompts(tok, body)?
     };
-    if prompt.is_empty() {
-        return Err(ApiError::bad("prompt", "the prompt has no tokens"));
-    }
     let vocab = tok.vocab_size();
-    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+    for (prompt, _) in &prompts {
+        if prompt.is_empty() {
+            return Err(ApiError::bad("prompt", "the prompt has no tokens"));
+        }
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad(
+                "prompt",
+                format!("token id {bad} is out of the vocabulary ({vocab} ids)"),
+            ));
+        }
+    }
+    if prompts.len() * n > MAX_CHOICES_TOTAL {
         return Err(ApiError::bad(
             "prompt",
-            format!("token id {bad} is out of the vocabulary ({vocab} ids)"),
+            format!(
+                "{} prompts × n {n}: at most {MAX_CHOICES_TOTAL} choices per request",
+                prompts.len()
+            ),
         ));
     }
+    if prompts.len() > 1 && shared.role != Role::Both {
+        return Err(ApiError::bad(
+            "prompt",
+            "one prompt per request on prefill/decode servers",
+        ));
+    }
+    // The longest prompt bounds what every choice may generate.
+    let prompt = prompts
+        .iter()
+        .map(|p| &p.0)
+        .max_by_key(|p| p.len())
+        .expect("at least one prompt");
     let room = shared.max_positions.saturating_sub(prompt.len());
     if room == 0 {
         return Err(ApiError::bad(
@@ -1631,11 +1658,9 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         score_only,
         stream,
         include_usage,
-        prompt_len: prompt.len(),
-        prompt_text,
         tools: tools.is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty())),
         request: Request {
-            prompt,
+            prompt: prompts[0].0.clone(),
             params,
             stop: StopConditions {
                 max_new_tokens: max_new,
@@ -1646,11 +1671,16 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             logprobs,
             prompt_logprobs: if echo { logprobs } else { None },
         },
+        prompt_text: prompts[0].1.clone(),
+        prompts,
     })
 }
 
 /// The most choices (`n`) one request may ask for.
 const MAX_CHOICES: usize = 64;
+
+/// The most choices over all of a request's prompts.
+const MAX_CHOICES_TOTAL: usize = 1024;
 
 /// The most alternatives per token a request may ask for (vLLM's default `max_logprobs`).
 const MAX_TOP_LOGPROBS: u64 = 20;
@@ -1745,8 +1775,8 @@ fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], offset: &mut usize
 /// without a log-probability (nothing comes before it).
 fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: usize) -> Value {
     let tok = &shared.tokenizer;
-    let prompt = &call.request.prompt;
-    let prompt_text = call.prompt_text.clone();
+    let (prompt, prompt_text) = &call.prompts[index / call.n];
+    let prompt_text = prompt_text.clone();
     let (text, finish, gen): (String, &str, &[TokenLogprob]) = if call.score_only {
         (prompt_text, "length", &[])
     } else {
@@ -1792,8 +1822,9 @@ fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> Value {
     json!({"content": content})
 }
 
-/// `prompt`: a string, a list of token ids, or a list of one of either.
-fn completion_prompt(tok: &Tokenizer, body: &Value) -> Result<Vec<u32>, ApiError> {
+/// `prompt`: a string, a list of token ids, or a list of either (several prompts), each with
+/// its text as given (or the text of its ids).
+fn completion_prompts(tok: &Tokenizer, body: &Value) -> Result<Vec<(Vec<u32>, String)>, ApiError> {
     let ids = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
         a.iter()
             .map(|v| {
@@ -1804,33 +1835,38 @@ fn completion_prompt(tok: &Tokenizer, body: &Value) -> Result<Vec<u32>, ApiError
             })
             .collect()
     };
-    let text = |s: &str| -> Result<Vec<u32>, ApiError> {
+    let text = |s: &str| -> Result<(Vec<u32>, String), ApiError> {
         let mut v: Vec<u32> = tok.prompt_bos_id().into_iter().collect();
         v.extend(
             tok.encode(s)
                 .map_err(|e| ApiError::bad("prompt", e.to_string()))?,
         );
-        Ok(v)
+        Ok((v, s.to_string()))
+    };
+    let with_text = |v: Vec<u32>| {
+        let t = tok.decode(&v).unwrap_or_default();
+        (v, t)
     };
     match field(body, "prompt") {
         None => Err(ApiError::bad(
             "prompt",
             "required: a string or a list of token ids",
         )),
-        Some(Value::String(s)) => text(s),
-        Some(Value::Array(a)) if a.iter().all(Value::is_number) => ids(a),
-        Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
-            Value::String(s) => text(s),
-            Value::Array(inner) => ids(inner),
-            v => Err(ApiError::bad("prompt", format!("{v} is not a prompt"))),
-        },
-        Some(Value::Array(a)) => Err(ApiError::bad(
-            "prompt",
-            format!("{} prompts: one prompt per request here", a.len()),
-        )),
+        Some(Value::String(s)) => Ok(vec![text(s)?]),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => {
+            Ok(vec![with_text(ids(a)?)])
+        }
+        Some(Value::Array(a)) if !a.is_empty() => a
+            .iter()
+            .map(|p| match p {
+                Value::String(s) => text(s),
+                Value::Array(inner) => ids(inner).map(with_text),
+                v => Err(ApiError::bad("prompt", format!("{v} is not a prompt"))),
+            })
+            .collect(),
         Some(v) => Err(ApiError::bad(
             "prompt",
-            format!("expected a string or a list of token ids, got {v}"),
+            format!("expected a string, a list of token ids, or a list of those, got {v}"),
         )),
     }
 }
@@ -1949,10 +1985,15 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
         _ => None,
     };
     let mut kind = kind;
-    for choice in 0..call.n {
-        // Each choice samples on its own: a seeded request's choice i continues from seed + i.
+    for choice in 0..call.choices() {
+        // Each choice samples on its own: a seeded request's choice i of a prompt continues
+        // from seed + i.
         let mut req = call.request.clone();
-        req.params.seed = req.params.seed.map(|s| s.wrapping_add(choice as u64));
+        req.prompt = call.prompts[choice / call.n].0.clone();
+        req.params.seed = req
+            .params
+            .seed
+            .map(|s| s.wrapping_add((choice % call.n) as u64));
         let job = Job {
             request: req,
             events: tx.clone(),
@@ -1983,8 +2024,8 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     let chunked = (v.0, v.1) >= (1, 1);
     let mut request = Some(request);
     let mut writer: Option<Box<dyn Write + Send>> = None;
-    let mut texts = vec![String::new(); call.n];
-    let mut outs: Vec<Option<Box<RequestOutput>>> = (0..call.n).map(|_| None).collect();
+    let mut texts = vec![String::new(); call.choices()];
+    let mut outs: Vec<Option<Box<RequestOutput>>> = (0..call.choices()).map(|_| None).collect();
     let mut last = std::time::Instant::now();
     while outs.iter().any(Option::is_none) {
         match rx.recv_timeout(shared.keepalive) {
@@ -2018,7 +2059,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
         }
     }
     let outs: Vec<Box<RequestOutput>> = outs.into_iter().flatten().collect();
-    let mut choices = Vec::with_capacity(call.n);
+    let mut choices = Vec::with_capacity(call.choices());
     for (i, (out, text)) in outs.iter().zip(texts).enumerate() {
         let mut finish = finish_word(out);
         choices.push(if call.chat {
@@ -2051,10 +2092,10 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     } else {
         "text_completion"
     };
-    let mut usage = usage(call.prompt_len, &outs);
+    let mut usage = usage(call.prompt_tokens(), &outs);
     if call.score_only {
         usage["completion_tokens"] = 0.into();
-        usage["total_tokens"] = call.prompt_len.into();
+        usage["total_tokens"] = call.prompt_tokens().into();
     }
     let body = json!({"id": id, "object": object, "created": created, "model": shared.name,
                       "choices": choices, "usage": usage});
@@ -2177,7 +2218,7 @@ fn stream(
         return;
     }
     if call.chat {
-        for i in 0..call.n {
+        for i in 0..call.choices() {
             let c = json!({"index": i, "delta": {"role": "assistant", "content": ""},
                            "finish_reason": null});
             if !send(&mut w, &chunk(c)) {
@@ -2193,7 +2234,7 @@ fn stream(
         offset: usize,
         out: Option<Box<RequestOutput>>,
     }
-    let mut choices: Vec<Choice> = (0..call.n)
+    let mut choices: Vec<Choice> = (0..call.choices())
         .map(|_| Choice {
             splitter: splitter(shared, &call.prompt_text),
             held: String::new(),
@@ -2328,7 +2369,7 @@ fn stream(
     if call.include_usage {
         let outs: Vec<Box<RequestOutput>> = choices.into_iter().filter_map(|c| c.out).collect();
         let v = json!({"id": id, "object": object, "created": created, "model": shared.name,
-                       "choices": [], "usage": usage(call.prompt_len, &outs)});
+                       "choices": [], "usage": usage(call.prompt_tokens(), &outs)});
         if !send(&mut w, &v) {
             return;
         }

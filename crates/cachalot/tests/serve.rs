@@ -251,7 +251,7 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     // Errors name the field, with OpenAI's error object.
     for (body, param) in [
         (json!({"prompt": "x", "temperature": "hot"}), "temperature"),
-        (json!({"prompt": "x", "echo": true}), "echo"),
+        (json!({"prompt": "x", "suffix": "y"}), "suffix"),
         (
             json!({"prompt": "x", "max_tokens": 1_000_000}),
             "max_tokens",
@@ -859,6 +859,43 @@ fn serve_gives_n_choices() {
     }
     let (status, e) = post(addr, "/v1/completions", &body(65, 1));
     assert_eq!((status, e["error"]["param"].as_str()), (400, Some("n")));
+    // Several prompts (texts or token ids), n each: prompt i's choices are i·n..(i+1)·n.
+    let prompts = json!(["Once upon a time", [400, 401, 402], "The sea"]);
+    let (status, many) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": prompts, "max_tokens": 6, "temperature": 0.9, "seed": 2, "n": 2,
+                "ignore_eos": true, "echo": true}),
+    );
+    assert_eq!(status, 200, "{many}");
+    let choices = many["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    let mut prompt_tokens = 0;
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let p = &prompts[i / 2];
+        let (_, one) = post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": p, "max_tokens": 6, "temperature": 0.9, "seed": 2 + (i % 2),
+                    "ignore_eos": true, "echo": true}),
+        );
+        assert_eq!(c["text"], one["choices"][0]["text"], "choice {i}");
+        if i % 2 == 0 {
+            prompt_tokens += one["usage"]["prompt_tokens"].as_u64().unwrap();
+        }
+    }
+    assert_eq!(many["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(many["usage"]["completion_tokens"], 36);
+    let (status, e) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": [], "max_tokens": 2}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("prompt"))
+    );
 }
 
 /// The greedy first token of "The meaning of life is" on a server.
