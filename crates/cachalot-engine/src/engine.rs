@@ -307,25 +307,28 @@ impl TokenLogprob {
             Some(&x) if !x.is_nan() && (x - lse).is_finite() => x - lse,
             _ => f32::MIN,
         };
-        let mut best: Vec<u32> = Vec::new();
+        // The `top` best in one pass, kept sorted (most likely first, ties to the lower id): k
+        // is small, the vocabulary large.
         let k = top.min(logits.len());
+        let key = |i: usize| {
+            let x = logits[i];
+            if x.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                x
+            }
+        };
+        let mut best: Vec<u32> = Vec::with_capacity(k + 1);
         if k > 0 {
-            let by = |a: &u32, b: &u32| {
-                let (x, y) = (logits[*a as usize], logits[*b as usize]);
-                let (x, y) = (
-                    if x.is_nan() { f32::NEG_INFINITY } else { x },
-                    if y.is_nan() { f32::NEG_INFINITY } else { y },
-                );
-                y.partial_cmp(&x)
-                    .unwrap_or(std::cmp::Ordering::Equal)
-                    .then(a.cmp(b))
-            };
-            best = (0..logits.len() as u32).collect();
-            if k < best.len() {
-                best.select_nth_unstable_by(k - 1, by);
+            for i in 0..logits.len() {
+                let x = key(i);
+                if best.len() == k && x <= key(best[k - 1] as usize) {
+                    continue;
+                }
+                let at = best.partition_point(|&b| key(b as usize) >= x);
+                best.insert(at, i as u32);
                 best.truncate(k);
             }
-            best.sort_unstable_by(by);
         }
         TokenLogprob {
             token,

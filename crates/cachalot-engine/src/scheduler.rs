@@ -244,9 +244,13 @@ impl Scheduler {
         // Room for its next step too (its token and drafts), and a block for each running
         // request's next token, so that the step after placing it need not preempt it and throw
         // the transferred KV away.
-        let next = self.kv.blocks_for(num_tokens + self.lookahead);
+        // (Drafts never pass max_len, as `drafts_for` says.)
+        let ahead = (num_tokens + self.lookahead).min(max_len).max(num_tokens);
+        let next = self.kv.blocks_for(ahead);
+        let room =
+            self.running.is_empty() || self.kv.pool().num_free() >= next + self.running.len();
         if self.running.len() >= self.cfg.batch_size
-            || self.kv.pool().num_free() < next + self.running.len()
+            || !room
             || !self.kv.allocate_slots(id, num_tokens - 1)
         {
             return Ok(false);
@@ -468,6 +472,31 @@ mod tests {
             },
             KvBlockManager::new(blocks, bs),
         )
+    }
+
+    /// A prefilled request is placed with room for its next step, and one that fills the
+    /// whole pool still fits an empty one (drafts never pass its last position).
+    #[test]
+    fn computed_requests_get_headroom_and_a_full_pool_request_still_fits() {
+        // 8 usable blocks of 4 tokens = 32 positions; lookahead 3.
+        let mut s = sched(9, 4, 4, 64);
+        s.set_lookahead(3);
+        assert_eq!(s.add_computed(1, 29, 30, 32), Ok(true));
+        s.check_invariants().unwrap();
+        s.finish(1);
+        // Running requests keep a block each for their next token.
+        let mut s = sched(9, 4, 4, 64);
+        assert_eq!(s.add_computed(1, 8, 9, 12), Ok(true));
+        assert_eq!(s.kv().pool().num_free(), 6);
+        // 5 blocks for 17 tokens + 1 for the running one: 6 free, fits.
+        assert_eq!(s.add_computed(2, 16, 17, 20), Ok(true));
+        // Nothing left: waits (no change), and a second id is refused as a duplicate.
+        assert_eq!(s.add_computed(3, 3, 4, 6), Ok(false));
+        assert_eq!(
+            s.add_computed(2, 3, 4, 6),
+            Err(AdmissionError::Duplicate(2))
+        );
+        s.check_invariants().unwrap();
     }
 
     #[test]

@@ -297,3 +297,18 @@ fn streaming_equals_full_decode_on_broken_utf8() {
         }
     }
 }
+
+/// A token's bytes (chat log-probabilities' `bytes`): for both tokenizer kinds, the bytes of
+/// the tokens of a text concatenate to the text's UTF-8, even where a token holds part of a
+/// character (decoding it alone gives U+FFFD).
+#[test]
+fn token_bytes_rebuild_the_text() {
+    for name in ["r1_style", "kimi_style"] {
+        let tok = Tokenizer::from_dir(&text_fixture(name)).unwrap();
+        for text in ["héllo wörld 中文字符 🐳🐋 ok", "a\tb\n  c", "€100 → ∞"] {
+            let ids = tok.encode(text).unwrap();
+            let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
+            assert_eq!(String::from_utf8(bytes).unwrap(), text, "{name}: {ids:?}");
+        }
+    }
+}

@@ -1724,31 +1724,6 @@ fn token_text(tok: &Tokenizer, id: u32) -> String {
     tok.decode(&[id]).unwrap_or_default()
 }
 
-/// A token's bytes: its text's, or, where that is a partial character of a byte-level BPE
-/// (GPT-2's alphabet of 256 characters, as DeepSeek's tokenizers use), the bytes its name spells.
-fn token_bytes(tok: &Tokenizer, id: u32) -> Vec<u8> {
-    let text = token_text(tok, id);
-    if !text.contains('\u{fffd}') {
-        return text.into_bytes();
-    }
-    let byte_of = |c: char| -> Option<u8> {
-        let c = c as u32;
-        let direct = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-        if c < 256 && direct(c) {
-            return Some(c as u8);
-        }
-        // The others (0-32, 127-160, 173) map to 256, 257, ... in order.
-        let n = c.checked_sub(256)?;
-        (0u32..256)
-            .filter(|&b| !direct(b))
-            .nth(n as usize)
-            .map(|b| b as u8)
-    };
-    tok.id_to_token(id)
-        .and_then(|name| name.chars().map(byte_of).collect::<Option<Vec<u8>>>())
-        .unwrap_or_else(|| text.into_bytes())
-}
-
 /// Completions' `logprobs` object for some tokens; `offset` is the answer's length in characters
 /// before them (their `text_offset`s follow from it), and is advanced past them.
 fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], offset: &mut usize) -> Value {
@@ -1810,7 +1785,7 @@ fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: 
 
 /// Chat's `logprobs` object for some tokens.
 fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> Value {
-    let entry = |id: u32, v: f32| json!({"token": token_text(tok, id), "logprob": v, "bytes": token_bytes(tok, id)});
+    let entry = |id: u32, v: f32| json!({"token": token_text(tok, id), "logprob": v, "bytes": tok.token_bytes(id)});
     let content: Vec<Value> = lps
         .iter()
         .map(|lp| {

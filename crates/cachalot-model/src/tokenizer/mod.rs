@@ -185,6 +185,40 @@ impl Tokenizer {
         }
     }
 
+    /// The bytes of one token's text (a token of a byte-level BPE may hold part of a
+    /// character, which [`Tokenizer::decode`] shows as U+FFFD): tiktoken's bytes as they are;
+    /// for Hugging Face tokenizers, the decoded text's bytes, or where that is a partial
+    /// character, the bytes the token's name spells in GPT-2's byte-level alphabet (as
+    /// DeepSeek's tokenizers use).
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        if let Backend::Tiktoken(t) = &self.backend {
+            if let Ok(b) = t.decode_bytes(&[id]) {
+                return b;
+            }
+        }
+        let text = self.decode(&[id]).unwrap_or_default();
+        if !text.contains('\u{fffd}') {
+            return text.into_bytes();
+        }
+        // GPT-2's alphabet: printable bytes stand for themselves, the others (0-32, 127-160,
+        // 173) for 256, 257, ... in order.
+        let direct = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+        let byte_of = |c: char| -> Option<u8> {
+            let c = c as u32;
+            if c < 256 && direct(c) {
+                return Some(c as u8);
+            }
+            let n = c.checked_sub(256)?;
+            (0u32..256)
+                .filter(|&b| !direct(b))
+                .nth(n as usize)
+                .map(|b| b as u8)
+        };
+        self.id_to_token(id)
+            .and_then(|name| name.chars().map(byte_of).collect::<Option<Vec<u8>>>())
+            .unwrap_or_else(|| text.into_bytes())
+    }
+
     /// An incremental decoder that only hands out complete UTF-8 text.
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
         StreamDecoder::new(self)
