@@ -193,6 +193,8 @@ enum RoomState {
     Prefilling,
     Ready(Box<KvSnapshot>),
     Failed(String),
+    /// Its KV was taken or dropped: a late or second fetch learns why at once.
+    Gone(String),
 }
 
 impl Rooms {
@@ -200,9 +202,19 @@ impl Rooms {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Drops what has waited longer than the timeout (a decode server that never came).
+    /// Drops KV that has waited longer than the timeout (a decode server that never came),
+    /// leaving a note for as long again; forgets older notes and stale rooms.
     fn purge(&self, map: &mut HashMap<u64, (Instant, RoomState)>) {
         let timeout = self.timeout;
+        for (t, state) in map.values_mut() {
+            if t.elapsed() >= timeout && matches!(state, RoomState::Ready(_)) {
+                *state = RoomState::Gone(format!(
+                    "its KV waited {} s (--kv-timeout-s) for a decode server and was dropped",
+                    timeout.as_secs()
+                ));
+                *t = Instant::now();
+            }
+        }
         map.retain(|_, (t, _)| t.elapsed() < timeout);
     }
 
@@ -210,8 +222,10 @@ impl Rooms {
     fn open(&self, room: u64) -> Result<(), String> {
         let mut map = self.lock();
         self.purge(&mut map);
-        if map.contains_key(&room) {
-            return Err(format!("{room} is in use by another request"));
+        if let Some((_, state)) = map.get(&room) {
+            if !matches!(state, RoomState::Gone(_)) {
+                return Err(format!("{room} is in use by another request"));
+            }
         }
         map.insert(room, (Instant::now(), RoomState::Prefilling));
         Ok(())
@@ -229,13 +243,26 @@ impl Rooms {
     fn take(&self, room: u64) -> Result<Box<KvSnapshot>, String> {
         let deadline = Instant::now() + self.timeout;
         let mut map = self.lock();
+        self.purge(&mut map);
         loop {
-            if let Some((_, RoomState::Ready(_) | RoomState::Failed(_))) = map.get(&room) {
-                return match map.remove(&room) {
-                    Some((_, RoomState::Ready(kv))) => Ok(kv),
-                    Some((_, RoomState::Failed(m))) => Err(m),
-                    _ => Err(format!("bootstrap_room {room} vanished")),
-                };
+            match map.get(&room) {
+                Some((_, RoomState::Ready(_))) => {
+                    let gone = RoomState::Gone(format!(
+                        "bootstrap_room {room}'s KV was taken by an earlier request (give each \
+                         request its own room)"
+                    ));
+                    return match map.insert(room, (Instant::now(), gone)) {
+                        Some((_, RoomState::Ready(kv))) => Ok(kv),
+                        _ => Err(format!("bootstrap_room {room} vanished")),
+                    };
+                }
+                Some((_, RoomState::Failed(m))) => {
+                    let m = m.clone();
+                    map.remove(&room);
+                    return Err(m);
+                }
+                Some((_, RoomState::Gone(m))) => return Err(format!("bootstrap_room {room}: {m}")),
+                _ => {}
             }
             let now = Instant::now();
             if now >= deadline {
@@ -264,13 +291,20 @@ struct Permits {
 struct Permit<'a>(&'a Permits);
 
 impl Permits {
-    fn take(&self) -> Permit<'_> {
+    /// A place, waiting at most `wait` for one.
+    fn take(&self, wait: Duration) -> Option<Permit<'_>> {
+        let deadline = Instant::now() + wait;
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         while *held >= self.limit {
-            held = self.freed.wait(held).unwrap_or_else(|e| e.into_inner());
+            let left = deadline.checked_duration_since(Instant::now())?;
+            held = self
+                .freed
+                .wait_timeout(held, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
         *held += 1;
-        Permit(self)
+        Some(Permit(self))
     }
 }
 
@@ -372,8 +406,9 @@ fn settings(args: &ServeArgs) -> Result<Settings> {
         let p = &cfg.parallel_config;
         if p.world_size > 1 {
             eprintln!(
-                "cachalot serve: {}: world_size {} — this server is one rank (one DP group's \
-                 batch of {}); serving over several ranks is not built yet",
+                "cachalot serve: {}: world_size {} — this server takes one DP group's batch \
+                 ({}) per rank and starts no ranks of its own: give --ranks N (or --rank, \
+                 --world-size, --master) and --parallel for several",
                 path.display(),
                 p.world_size,
                 cfg.batch_size_per_dp_rank()
@@ -818,6 +853,9 @@ struct Report {
     unfinished: bool,
 }
 
+/// How often an idle group of ranks checks that every rank is still there.
+const HEARTBEAT: Duration = Duration::from_secs(5);
+
 /// A random seed for a request that gave none: every rank that samples it must draw the same
 /// tokens, so rank 0 draws the seed for all of them.
 fn random_seed() -> u64 {
@@ -868,6 +906,8 @@ fn ranked_loop<M: Model>(
     // Rank 0: where each request's events go, live requests per rank, aborts to send, and
     // whether any rank has work left.
     let mut sinks: HashMap<u64, (mpsc::Sender<(usize, Event)>, usize)> = HashMap::new();
+    // Rank 0: each request's log-probabilities so far, for its output.
+    let mut logprobs: HashMap<u64, Vec<TokenLogprob>> = HashMap::new();
     let mut load = vec![0usize; world];
     let mut aborts = Vec::new();
     let mut busy = false;
@@ -878,9 +918,12 @@ fn ranked_loop<M: Model>(
         if let Some(jobs) = &jobs {
             let mut incoming = Vec::new();
             if !busy && aborts.is_empty() {
-                match jobs.recv() {
+                // Idle: wait for a request, but step (an empty command) every few seconds so
+                // a rank that died is noticed and the server stops instead of looking healthy.
+                match jobs.recv_timeout(HEARTBEAT) {
                     Ok(job) => incoming.push(job),
-                    Err(_) => cmd.stop = true,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => cmd.stop = true,
                 }
             }
             incoming.extend(jobs.try_iter());
@@ -962,11 +1005,15 @@ fn ranked_loop<M: Model>(
                 continue;
             };
             if reporting {
+                let mut out = out;
                 let rest = out.text.get(sent..).unwrap_or_default();
                 let rest_lps = out.logprobs.get(sent_lps..).unwrap_or_default();
                 if !rest.is_empty() || !rest_lps.is_empty() {
                     report.text.push((key, rest.to_string(), rest_lps.to_vec()));
                 }
+                // Rank 0 has the prompt, and the log-probabilities went out piece by piece.
+                out.prompt = Vec::new();
+                out.logprobs = Vec::new();
                 report.done.push((key, out));
             }
         }
@@ -984,6 +1031,9 @@ fn ranked_loop<M: Model>(
             busy |= rep.unfinished;
             load[r] = rep.live;
             for (key, text, lps) in rep.text {
+                if !lps.is_empty() {
+                    logprobs.entry(key).or_default().extend_from_slice(&lps);
+                }
                 let gone = match sinks.get(&key) {
                     Some((tx, choice)) => tx.send((*choice, Event::Text(text, lps))).is_err(),
                     None => false,
@@ -991,15 +1041,18 @@ fn ranked_loop<M: Model>(
                 if gone {
                     eprintln!("cachalot serve: request {key}: the client went away; aborted");
                     sinks.remove(&key);
+                    logprobs.remove(&key);
                     aborts.push(key);
                 }
             }
-            for (key, out) in rep.done {
+            for (key, mut out) in rep.done {
+                out.logprobs = logprobs.remove(&key).unwrap_or_default();
                 if let Some((tx, choice)) = sinks.remove(&key) {
                     let _ = tx.send((choice, Event::Done(Box::new(out))));
                 }
             }
             for (key, status, message) in rep.failed {
+                logprobs.remove(&key);
                 if let Some((tx, choice)) = sinks.remove(&key) {
                     let _ = tx.send((choice, Event::Failed(status, message)));
                 }
@@ -1751,9 +1804,8 @@ fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], offset: &mut usize
 fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: usize) -> Value {
     let tok = &shared.tokenizer;
     let (prompt, prompt_text) = &call.prompts[index / call.n];
-    let prompt_text = prompt_text.clone();
     let (text, finish, gen): (String, &str, &[TokenLogprob]) = if call.score_only {
-        (prompt_text, "length", &[])
+        (prompt_text.clone(), "length", &[])
     } else {
         (
             format!("{prompt_text}{text}"),
@@ -1764,7 +1816,12 @@ fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: 
     let logprobs = match (call.logprobs, prompt.first()) {
         (Some(_), Some(&first)) => {
             let t0 = token_text(tok, first);
-            let mut offset = t0.chars().count();
+            // A BOS the tokenizer added is not in the echoed text: it takes no characters.
+            let mut offset = if prompt_text.starts_with(&t0) {
+                t0.chars().count()
+            } else {
+                0
+            };
             let all: Vec<TokenLogprob> = out.prompt_logprobs.iter().chain(gen).cloned().collect();
             let mut lp = completion_logprobs(tok, &all, &mut offset);
             let put = |lp: &mut Value, key: &str, v: Value| {
@@ -1948,7 +2005,19 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             Some(JobKind::Export(b.room))
         }
         (Role::Decode, Some(b)) => {
-            _permit = Some(shared.transfers.take());
+            // Waiting longer than the prefill server keeps the KV would only fetch nothing.
+            _permit = shared.transfers.take(shared.kv_timeout / 2);
+            if _permit.is_none() {
+                let e = ApiError::new(
+                    503,
+                    format!(
+                        "the decode server is busy: {} transfers held for {} s; retry later",
+                        shared.transfers.limit,
+                        shared.kv_timeout.as_secs() / 2
+                    ),
+                );
+                return respond_json(request, 503, &e.body());
+            }
             match fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes) {
                 Ok(kv) => Some(JobKind::Import(Box::new(kv))),
                 Err(m) => {

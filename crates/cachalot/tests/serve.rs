@@ -569,6 +569,15 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
     let (status, b) = post(&dec.addr, "/v1/completions", &twice);
     assert_eq!(status, 200, "{b}");
     assert_eq!(text_of(&b), text_of(&whole));
+    // A second fetch of the room learns at once that its KV was taken.
+    let t0 = std::time::Instant::now();
+    let (status, e) = post(&dec.addr, "/v1/completions", &twice);
+    assert_eq!(status, 502, "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("taken"),
+        "{e}"
+    );
+    assert!(t0.elapsed() < std::time::Duration::from_secs(10));
 }
 
 /// The seed's way: each side from its YAML (configs/tiny/pd: next_n 1 on both, the prefill
@@ -739,6 +748,21 @@ fn serve_reports_logprobs() {
     assert!(l["token_logprobs"][0].is_null() && l["top_logprobs"][0].is_null());
     assert!((1..6).all(|i| l["token_logprobs"][i].as_f64().unwrap() < 0.0));
     assert_eq!(e["usage"]["completion_tokens"], 0);
+    // A text prompt: its tokens' offsets point into the echoed text (the BOS the tokenizer
+    // adds takes no characters).
+    let (_, e) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 0, "echo": true, "logprobs": 0}),
+    );
+    let text = e["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(text, "Once upon a time");
+    let l = &e["choices"][0]["logprobs"];
+    let toks = l["tokens"].as_array().unwrap();
+    for (i, t) in toks.iter().enumerate().skip(1) {
+        let at = l["text_offset"][i].as_u64().unwrap() as usize;
+        assert!(text[at..].starts_with(t.as_str().unwrap()), "{l}");
+    }
     let (status, e) = post(
         addr,
         "/v1/completions",
