@@ -8,6 +8,7 @@ mod quant;
 mod router;
 mod run;
 mod serve;
+mod serve_metrics;
 mod text;
 
 use std::path::{Path, PathBuf};

@@ -51,6 +51,7 @@ use cachalot_model::{detect_family, ModelFamily};
 use serde_json::{json, Map, Value};
 
 use crate::run::ParallelArg;
+use crate::serve_metrics::Metrics;
 use crate::{load_model, load_v4, model_dir, ModelArgs};
 use cachalot_engine::comm::Communicator;
 use cachalot_model::ExpertShard;
@@ -344,6 +345,8 @@ struct Shared {
     /// Decode role: how long to wait for a prefill's KV, and the most bytes one may hold.
     kv_timeout: Duration,
     kv_max_bytes: u64,
+    /// The figures of `/metrics` and `/stats`.
+    metrics: Arc<Metrics>,
     /// Decode role: requests whose KV is fetched or held at once (twice the batch, as the
     /// seed's metadata slots bound its transfers), so waiting KV cannot fill the memory.
     transfers: Permits,
@@ -533,6 +536,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         Some(l) => Some(l.local_addr()?.port()),
         None => None,
     };
+    let metrics = Arc::new(Metrics::new(world));
     let launch = |eos: &[u32], max_positions: usize, num_blocks: usize, kv_max_bytes: u64| {
         let Some(server) = server else {
             return;
@@ -562,6 +566,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
                 freed: Condvar::new(),
                 limit: 2 * set.batch_size,
             },
+            metrics: metrics.clone(),
         });
         let addr = server
             .server_addr()
@@ -608,9 +613,9 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         launch(eos, m.max_positions(), blocks, kv_max_bytes);
         if world > 1 {
             let jobs = (rank == 0).then_some(job_rx);
-            ranked_loop(m, &tokenizer, &set, blocks, jobs, &*comm, expert)
+            ranked_loop(m, &tokenizer, &set, blocks, jobs, &*comm, expert, &metrics)
         } else {
-            engine_loop(m, &tokenizer, &set, blocks, job_rx, rooms.clone())
+            engine_loop(m, &tokenizer, &set, blocks, job_rx, rooms.clone(), &metrics)
         }
     };
     match family {
@@ -664,6 +669,7 @@ fn engine_loop<M: Model>(
     num_blocks: usize,
     jobs: mpsc::Receiver<Job>,
     rooms: Option<Arc<Rooms>>,
+    metrics: &Metrics,
 ) -> Result<()> {
     let cfg = EngineConfig {
         block_size: args.block_size,
@@ -802,7 +808,15 @@ fn engine_loop<M: Model>(
                 );
             }
         }
+        let sched = engine.scheduler();
+        metrics.gauges(
+            sched.num_running(),
+            sched.num_waiting(),
+            sched.kv().pool().num_used(),
+            sched.kv().pool().capacity(),
+        );
         for mut out in engine.take_finished() {
+            metrics.record(&out);
             let Some(Sink {
                 events,
                 choice,
@@ -879,6 +893,7 @@ fn ranked_loop<M: Model>(
     jobs: Option<mpsc::Receiver<Job>>,
     comm: &dyn Communicator,
     expert: bool,
+    metrics: &Metrics,
 ) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let cfg = EngineConfig {
@@ -1025,11 +1040,15 @@ fn ranked_loop<M: Model>(
             continue;
         }
         busy = false;
+        let sched = engine.scheduler();
+        let (used, capacity) = (sched.kv().pool().num_used(), sched.kv().pool().capacity());
+        let mut running = 0;
         for (r, part) in parts.iter().enumerate() {
             let rep: Report =
                 serde_json::from_slice(part).map_err(|e| bad(&format!("rank {r}'s report"), e))?;
             busy |= rep.unfinished;
             load[r] = rep.live;
+            running += rep.live;
             for (key, text, lps) in rep.text {
                 if !lps.is_empty() {
                     logprobs.entry(key).or_default().extend_from_slice(&lps);
@@ -1047,6 +1066,7 @@ fn ranked_loop<M: Model>(
             }
             for (key, mut out) in rep.done {
                 out.logprobs = logprobs.remove(&key).unwrap_or_default();
+                metrics.record(&out);
                 if let Some((tx, choice)) = sinks.remove(&key) {
                     let _ = tx.send((choice, Event::Done(Box::new(out))));
                 }
@@ -1058,6 +1078,8 @@ fn ranked_loop<M: Model>(
                 }
             }
         }
+        // Requests in the ranks' engines (running or waiting there), rank 0's KV pool.
+        metrics.gauges(running, 0, used, capacity);
     }
 }
 
@@ -1121,6 +1143,22 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
             respond_json(request, 200, &body);
             return;
         }
+        ("GET", "/metrics") => {
+            let header = tiny_http::Header::from_bytes(
+                "Content-Type",
+                "text/plain; version=0.0.4; charset=utf-8",
+            )
+            .expect("a valid header");
+            let body = shared.metrics.render(&shared.name);
+            let _ = request.respond(tiny_http::Response::from_string(body).with_header(header));
+            return;
+        }
+        ("GET", "/stats") => {
+            let body = json!({"status": "running", "pending_requests": shared.metrics.pending(),
+                              "num_workers": shared.metrics.ranks()});
+            respond_json(request, 200, &body);
+            return;
+        }
         ("GET", "/v1/models") => {
             let body = json!({"object": "list", "data": [{
                 "id": shared.name, "object": "model", "created": now(),
@@ -1161,14 +1199,23 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
                 }
             })
         }
-        (_, "/health" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => Err(
-            ApiError::new(405, format!("{method} {path}: method not allowed")),
-        ),
+        (
+            _,
+            "/health"
+            | "/metrics"
+            | "/stats"
+            | "/v1/models"
+            | "/v1/completions"
+            | "/v1/chat/completions",
+        ) => Err(ApiError::new(
+            405,
+            format!("{method} {path}: method not allowed"),
+        )),
         _ => Err(ApiError {
             status: 404,
             message: format!(
-                "{path}: no such endpoint (this server has /health, /v1/models, \
-                 /v1/completions and /v1/chat/completions)"
+                "{path}: no such endpoint (this server has /health, /metrics, /stats, \
+                 /v1/models, /v1/completions and /v1/chat/completions)"
             ),
             param: None,
         }),

@@ -920,6 +920,37 @@ fn serve_gives_n_choices() {
         (status, e["error"]["param"].as_str()),
         (400, Some("prompt"))
     );
+    // The figures: every finished choice counted, its tokens, its latencies.
+    let (status, text) = http(addr, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    let value = |prefix: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("{prefix}: {text}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let reason = "finished_reason=\"length\"";
+    let lengths = value(&format!(
+        "cachalot:request_success_total{{model_name=\"cachalot-tiny-r1\",{reason}}}"
+    ));
+    assert!(lengths >= 16.0, "{text}");
+    assert!(value("cachalot:generation_tokens_total{") >= 66.0);
+    assert_eq!(
+        value("cachalot:time_to_first_token_seconds_count{"),
+        value("cachalot:e2e_request_latency_seconds_count{")
+    );
+    assert_eq!(value("cachalot:num_requests_running{"), 0.0);
+    let (status, stats) = http(addr, "GET", "/stats", "");
+    assert_eq!(status, 200);
+    let stats: Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(
+        (stats["status"].as_str(), stats["pending_requests"].as_u64()),
+        (Some("running"), Some(0))
+    );
 }
 
 /// The greedy first token of "The meaning of life is" on a server.
