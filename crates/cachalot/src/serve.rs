@@ -613,7 +613,11 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         launch(eos, m.max_positions(), blocks, kv_max_bytes);
         if world > 1 {
             let jobs = (rank == 0).then_some(job_rx);
-            ranked_loop(m, &tokenizer, &set, blocks, jobs, &*comm, expert, &metrics)
+            let group = RankGroup {
+                comm: &*comm,
+                expert,
+            };
+            ranked_loop(m, &tokenizer, &set, blocks, jobs, group, &metrics)
         } else {
             engine_loop(m, &tokenizer, &set, blocks, job_rx, rooms.clone(), &metrics)
         }
@@ -867,6 +871,12 @@ struct Report {
     unfinished: bool,
 }
 
+/// The ranks a server runs over, and whether they split the experts (else the requests).
+struct RankGroup<'a> {
+    comm: &'a dyn Communicator,
+    expert: bool,
+}
+
 /// How often an idle group of ranks checks that every rank is still there.
 const HEARTBEAT: Duration = Duration::from_secs(5);
 
@@ -891,10 +901,10 @@ fn ranked_loop<M: Model>(
     set: &Settings,
     num_blocks: usize,
     jobs: Option<mpsc::Receiver<Job>>,
-    comm: &dyn Communicator,
-    expert: bool,
+    group: RankGroup<'_>,
     metrics: &Metrics,
 ) -> Result<()> {
+    let RankGroup { comm, expert } = group;
     let (rank, world) = (comm.rank(), comm.world_size());
     let cfg = EngineConfig {
         block_size: set.block_size,
