@@ -1,19 +1,26 @@
 //! `cachalot serve`: an OpenAI-compatible HTTP server over the engine's step loop (the loop
 //! `cachalot run` drives offline), as vLLM's `vllm serve` and llama.cpp's `llama-server` give.
 //!
-//! One process, one model: `GET /health`, `GET /v1/models`, `POST /v1/completions` and
+//! Endpoints: `GET /health`, `GET /metrics` and `GET /stats` ([`crate::serve_metrics`]),
+//! `GET /v1/models`, `POST /v1/completions` (one prompt or a list) and
 //! `POST /v1/chat/completions`, each answer whole or streamed as server-sent events
 //! (`"stream": true`, ending in `data: [DONE]`; `stream_options.include_usage` adds a usage
-//! chunk). Requests are batched continuously: each HTTP request is a thread that renders and
-//! tokenizes its prompt and hands it to the engine thread, which admits it at the next step
-//! (up to `--batch-size` sequences, prefills packed under `--max-prefill-tokens`, paged KV
-//! blocks, MTP drafts with `--mtp N`) and sends its text back piece by piece. A client that
-//! goes away has its request aborted (its blocks freed) at the next piece that cannot be
-//! written: a streamed answer writes every piece; a whole answer that takes over `--keepalive-ms`
-//! (2 s) starts its 200 response and writes a space that often (JSON allows leading whitespace), so it is
-//! watched too (an error after that comes as the body of the started response).
-//! `max_model_len` (in `/v1/models`) is the
-//! model's positions within the KV pool. Executor spec §2 (the online mode's request flow).
+//! chunk), with `n` choices per prompt, log-probabilities (`logprobs`, `top_logprobs`) and
+//! completions' `echo` (the prompt scored). Requests are batched continuously: each HTTP
+//! request is a thread that renders and tokenizes its prompt and hands it to the engine thread
+//! (one job per choice), which admits it at the next step (up to `--batch-size` sequences,
+//! prefills packed under `--max-prefill-tokens`, paged KV blocks, MTP drafts with `--mtp N`)
+//! and sends its text back piece by piece. A client that goes away has its request aborted
+//! (its blocks freed) at the next piece that cannot be written: a streamed answer writes every
+//! piece; a whole answer that takes over `--keepalive-ms` (2 s) starts its 200 response and
+//! writes a space that often (JSON allows leading whitespace), so it is watched too (an error
+//! after that comes as the body of the started response). `max_model_len` (in `/v1/models`) is
+//! the model's positions within the KV pool. Executor spec §2 (the online mode's request flow).
+//!
+//! Several ranks (`--ranks N`, or `--rank/--world-size/--master` across hosts): rank 0 answers
+//! HTTP and all ranks run [`ranked_loop`] in lockstep, the seed's DP-leader loop (spec §5.5):
+//! data parallel (each request on the least busy rank) or expert parallel (the routed experts
+//! split over the ranks, every request stepped on all of them).
 //!
 //! Prefill/decode disaggregation (spec `executor.md` §5): `--role prefill` and `--role decode`
 //! split the work over two servers (on one host or two) with `cachalot router` in front, which
@@ -24,13 +31,13 @@
 //! fetches them over TCP from the prefill server's `--kv-port` (a [`KvSnapshot`] on the wire)
 //! and hands them to its engine ([`cachalot_engine::Engine::add_prefilled`]), which decodes and
 //! answers (whole or streamed). A failed prefill reaches the decode side as its error; a KV
-//! not fetched within `--kv-timeout-s` is dropped.
+//! not fetched within `--kv-timeout-s` is dropped (a late fetch is told so).
 //!
 //! Chat answers of templates that write `<think>` (R1, Kimi-K2-Thinking, V4's thinking mode)
-//! split it into `reasoning_content` (as vLLM's reasoning parsers do) and read the model's tool calls into `tool_calls` when the request gives
-//! `tools`; with tools and streaming, the answer's text is sent at the end with its calls,
-//! reasoning still as it comes. Bad requests get HTTP 400 with
-//! `{"error": {"message", "type", "param"}}` naming the field.
+//! split it into `reasoning_content` (as vLLM's reasoning parsers do) and read the model's tool
+//! calls into `tool_calls` when the request gives `tools`; with tools and streaming, the
+//! answer's text is sent at the end with its calls, reasoning still as it comes. Bad requests get
+//! HTTP 400 with `{"error": {"message", "type", "param"}}` naming the field.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
