@@ -1420,6 +1420,9 @@ impl Call {
 /// A request read and checked, ready for the engine.
 struct Call {
     chat: bool,
+    /// A forced tool call's start, written into the prompt: the answer is read as this plus
+    /// what the model writes after it.
+    forced_prefix: String,
     /// Choices (`n`): the request runs that many times, each sampling on its own.
     n: usize,
     /// Alternatives per token to report log-probabilities of (None: no log-probabilities).
@@ -1556,18 +1559,53 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             return Err(ApiError::bad("tools", problem));
         }
     }
+    // A forced call: Some(None) for any tool ("required"), Some(Some(name)) for a named one.
+    let mut forced: Option<Option<String>> = None;
     match field(body, "tool_choice") {
         None => {}
         Some(Value::String(c)) if c == "auto" => {}
         // The tools are neither shown to the model nor read from its answer.
         Some(Value::String(c)) if c == "none" => tools = None,
+        Some(Value::String(c)) if c == "required" => forced = Some(None),
+        Some(Value::Object(o))
+            if o.get("type").and_then(Value::as_str).unwrap_or("function") == "function"
+                && o.get("function")
+                    .and_then(|f| f.get("name"))
+                    .is_some_and(Value::is_string) =>
+        {
+            let name = o["function"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let known = tools.and_then(Value::as_array).is_some_and(|ts| {
+                ts.iter()
+                    .any(|t| t["function"]["name"].as_str() == Some(name.as_str()))
+            });
+            if !known {
+                return Err(ApiError::bad(
+                    "tool_choice",
+                    format!("{name:?} is not one of the request's tools"),
+                ));
+            }
+            forced = Some(Some(name));
+        }
         Some(v) => {
             return Err(ApiError::bad(
                 "tool_choice",
-                format!("{v}: \"auto\" and \"none\" are supported (no forced calls)"),
+                format!(
+                    "{v}: expected \"auto\", \"none\", \"required\" or {{\"type\": \
+                     \"function\", \"function\": {{\"name\": ...}}}}"
+                ),
             ))
         }
     }
+    if forced.is_some() && tools.and_then(Value::as_array).is_none_or(|t| t.is_empty()) {
+        return Err(ApiError::bad(
+            "tool_choice",
+            "a forced call needs the request's tools",
+        ));
+    }
+    let mut forced_prefix = String::new();
     let prompts: Vec<(Vec<u32>, String)> = if chat {
         let Some(messages) = field(body, "messages") else {
             return Err(ApiError::bad(
@@ -1590,9 +1628,17 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             }
         };
         let messages = &flatten_text_parts(messages, template);
-        let text = template
-            .render_json(messages, true, tools, &kwargs)
-            .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?;
+        let text = match &forced {
+            None => template
+                .render_json(messages, true, tools, &kwargs)
+                .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?,
+            Some(name) => {
+                let (prompt, prefix) =
+                    forced_call(shared, template, messages, tools, &kwargs, name)?;
+                forced_prefix = prefix;
+                prompt
+            }
+        };
         let ids = tok
             .encode(&text)
             .map_err(|e| ApiError::bad("messages", e.to_string()))?;
@@ -1769,6 +1815,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     };
     Ok(Call {
         chat,
+        forced_prefix,
         n,
         logprobs,
         echo,
@@ -1791,6 +1838,73 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         prompt_text: prompts[0].1.clone(),
         prompts,
     })
+}
+
+/// Stand-ins for a forced call's name and arguments, where the prompt is cut.
+const FORCED_NAME: &str = "CACHALOT_FORCED_NAME_5d1e";
+const FORCED_ARGUMENTS: &str = "CACHALOT_FORCED_ARGUMENTS_5d1e";
+
+/// The prompt of a forced tool call (`tool_choice` "required", or a named function) and the
+/// start of the answer it writes for the model, as the template itself renders an assistant
+/// turn with that call: the conversation plus an assistant message calling `name` (or, for
+/// "required", a stand-in name), cut where the model's own part begins (the arguments, or the
+/// name). Whatever the format (R1's fenced JSON, V3.1's, Kimi-K2's `functions.NAME:0`), the
+/// model continues the call its template would write, and the answer parses as usual.
+fn forced_call(
+    shared: &Shared,
+    template: &ChatTemplate,
+    messages: &Value,
+    tools: Option<&Value>,
+    kwargs: &Map<String, Value>,
+    name: &Option<String>,
+) -> Result<(String, String), ApiError> {
+    let unsupported = |why: &str| {
+        ApiError::bad(
+            "tool_choice",
+            format!("forced tool calls are not available for this model's template: {why}"),
+        )
+    };
+    let format = shared
+        .tool_format
+        .filter(|f| *f != ToolCallFormat::DeepseekV4)
+        .ok_or_else(|| unsupported("its tool-call format"))?;
+    let (fn_name, id) = match name {
+        Some(n) => (n.clone(), format!("functions.{n}:0")),
+        None => (FORCED_NAME.to_string(), FORCED_NAME.to_string()),
+    };
+    let call = json!({"role": "assistant", "content": null, "tool_calls": [{
+        "id": id, "type": "function",
+        "function": {"name": fn_name, "arguments": FORCED_ARGUMENTS}}]});
+    let mut with_call = messages.clone();
+    if let Some(list) = with_call.as_array_mut() {
+        list.push(call);
+    }
+    let render = |m: &Value| {
+        template
+            .render_json(m, false, tools, kwargs)
+            .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))
+    };
+    let base = render(messages)?;
+    let full = render(&with_call)?;
+    let cut = [FORCED_NAME, FORCED_ARGUMENTS]
+        .iter()
+        .filter_map(|s| full.find(s))
+        .min()
+        .ok_or_else(|| unsupported("it does not render an assistant's tool calls"))?;
+    // (A template that quotes the arguments: the model writes the quote too.)
+    let cut = if full[..cut].ends_with('"') {
+        cut - 1
+    } else {
+        cut
+    };
+    let begin = format.section_begin();
+    let start = full
+        .get(base.len()..cut)
+        .filter(|_| full.starts_with(&base))
+        .and_then(|added| added.find(begin))
+        .map(|at| base.len() + at)
+        .ok_or_else(|| unsupported("its rendering of a tool call does not extend the prompt"))?;
+    Ok((full[..cut].to_string(), full[start..cut].to_string()))
 }
 
 /// The most choices (`n`) one request may ask for.
@@ -2251,7 +2365,8 @@ fn write_body(w: &mut Box<dyn Write + Send>, data: &[u8], chunked: bool) -> bool
 
 /// The answer's `content`, with `tool_calls` read from it when the request gave tools.
 fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, finish: &mut &str) {
-    message["content"] = answer.into();
+    let answer = &format!("{}{answer}", call.forced_prefix);
+    message["content"] = answer.as_str().into();
     if !call.tools {
         return;
     }

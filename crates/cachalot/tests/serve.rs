@@ -1037,3 +1037,70 @@ fn serve_over_two_ranks_answers_as_one_process() {
         assert_eq!(v["usage"]["completion_tokens"], 20);
     }
 }
+
+/// Forced tool calls (`tool_choice` "required" or a named function): the template's own
+/// rendering of the call is written into the prompt up to where the model's part begins, and
+/// the answer is read from there (the small model writes no valid JSON, so the raw answer comes
+/// back with the reason; a model that does gets `tool_calls`).
+#[test]
+fn serve_forces_tool_calls() {
+    let server = start(&["--kv-blocks", "64"]);
+    let addr = server.addr.as_str();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]);
+    let ask = |choice: Value| {
+        json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+               "tool_choice": choice, "max_tokens": 24, "temperature": 0})
+    };
+    for (choice, starts) in [
+        (
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n",
+        ),
+        (
+            json!("required"),
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>",
+        ),
+    ] {
+        let (status, v) = post(addr, "/v1/chat/completions", &ask(choice.clone()));
+        assert_eq!(status, 200, "{v}");
+        let m = &v["choices"][0]["message"];
+        match m["tool_calls"].as_array() {
+            Some(calls) => {
+                assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+                if choice.is_object() {
+                    assert_eq!(calls[0]["function"]["name"], "get_time");
+                }
+            }
+            None => {
+                let content = m["content"].as_str().unwrap();
+                assert!(content.starts_with(starts), "{content:?}");
+                assert!(m["tool_call_error"].is_string(), "{m}");
+            }
+        }
+    }
+    for (choice, why) in [
+        (
+            json!({"type": "function", "function": {"name": "nope"}}),
+            "not one of",
+        ),
+        (json!("sometimes"), "expected"),
+    ] {
+        let (status, e) = post(addr, "/v1/chat/completions", &ask(choice));
+        assert_eq!(
+            (status, e["error"]["param"].as_str()),
+            (400, Some("tool_choice"))
+        );
+        assert!(e["error"]["message"].as_str().unwrap().contains(why), "{e}");
+    }
+    let (status, e) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("tool_choice"))
+    );
+}

@@ -108,6 +108,15 @@ impl ToolCallFormat {
         }
     }
 
+    /// The marker that opens the format's tool-call section.
+    pub fn section_begin(self) -> &'static str {
+        match self {
+            ToolCallFormat::DeepseekV3 => V3_CALLS_BEGIN,
+            ToolCallFormat::KimiK2 => KIMI_SECTION_BEGIN,
+            ToolCallFormat::DeepseekV4 => dsv4::DSML,
+        }
+    }
+
     /// Splits an answer (the reasoning removed) into content and tool calls.
     pub fn parse(self, answer: &str) -> Result<ParsedAnswer, ToolCallError> {
         match self {
