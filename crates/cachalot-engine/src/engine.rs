@@ -633,6 +633,8 @@ impl<'t, M: Model> Engine<'t, M> {
             ));
         }
         let max_len = self.check_request(&mut req)?;
+        // The prompt was scored (if at all) where it was prefilled.
+        req.prompt_logprobs = None;
         let mut sampler = Sampler::new(req.params.clone(), &req.prompt)?;
         sampler.set_rng_state(kv.rng);
         let prompt_len = req.prompt.len();

@@ -782,7 +782,16 @@ fn engine_loop<M: Model>(
                         Event::Failed(500, format!("the step failed: {e}")),
                     ));
                 }
-                engine.take_finished();
+                for out in engine.take_finished() {
+                    metrics.record(&out);
+                }
+                let sched = engine.scheduler();
+                metrics.gauges(
+                    sched.num_running(),
+                    sched.num_waiting(),
+                    sched.kv().pool().num_used(),
+                    sched.kv().pool().capacity(),
+                );
                 continue;
             }
         }
@@ -876,6 +885,11 @@ struct Report {
     failed: Vec<(u64, u16, String)>,
     live: usize,
     unfinished: bool,
+    /// The rank's engine: requests running and waiting, KV blocks used and held.
+    running: usize,
+    waiting: usize,
+    kv_used: usize,
+    kv_capacity: usize,
 }
 
 /// The ranks a server runs over, and whether they split the experts (else the requests).
@@ -1051,21 +1065,28 @@ fn ranked_loop<M: Model>(
         }
         report.live = mine.len();
         report.unfinished = engine.has_unfinished();
+        let sched = engine.scheduler();
+        report.running = sched.num_running();
+        report.waiting = sched.num_waiting();
+        report.kv_used = sched.kv().pool().num_used();
+        report.kv_capacity = sched.kv().pool().capacity();
         let bytes = serde_json::to_vec(&report).map_err(|e| bad("the step's report", e))?;
         let parts = comm.all_gather(&bytes)?;
         if rank != 0 {
             continue;
         }
         busy = false;
-        let sched = engine.scheduler();
-        let (used, capacity) = (sched.kv().pool().num_used(), sched.kv().pool().capacity());
-        let mut running = 0;
+        // Gauges: the ranks' engines together (data), or rank 0's (expert: all run the same).
+        let mut gauges = [0usize; 4];
         for (r, part) in parts.iter().enumerate() {
             let rep: Report =
                 serde_json::from_slice(part).map_err(|e| bad(&format!("rank {r}'s report"), e))?;
             busy |= rep.unfinished;
             load[r] = rep.live;
-            running += rep.live;
+            if !expert || r == 0 {
+                let g = [rep.running, rep.waiting, rep.kv_used, rep.kv_capacity];
+                gauges.iter_mut().zip(g).for_each(|(a, b)| *a += b);
+            }
             for (key, text, lps) in rep.text {
                 if !lps.is_empty() {
                     logprobs.entry(key).or_default().extend_from_slice(&lps);
@@ -1095,8 +1116,7 @@ fn ranked_loop<M: Model>(
                 }
             }
         }
-        // Requests in the ranks' engines (running or waiting there), rank 0's KV pool.
-        metrics.gauges(running, 0, used, capacity);
+        metrics.gauges(gauges[0], gauges[1], gauges[2], gauges[3]);
     }
 }
 
@@ -1845,11 +1865,13 @@ const FORCED_NAME: &str = "CACHALOT_FORCED_NAME_5d1e";
 const FORCED_ARGUMENTS: &str = "CACHALOT_FORCED_ARGUMENTS_5d1e";
 
 /// The prompt of a forced tool call (`tool_choice` "required", or a named function) and the
-/// start of the answer it writes for the model, as the template itself renders an assistant
-/// turn with that call: the conversation plus an assistant message calling `name` (or, for
-/// "required", a stand-in name), cut where the model's own part begins (the arguments, or the
-/// name). Whatever the format (R1's fenced JSON, V3.1's, Kimi-K2's `functions.NAME:0`), the
-/// model continues the call its template would write, and the answer parses as usual.
+/// start of the answer it writes for the model: the conversation's generation prompt (without a
+/// reasoning block it would open), then the call as the template itself renders an assistant's
+/// tool call, cut where the model's own part begins (the arguments, or for "required" the
+/// name). The call's text is taken from the template's rendering of a one-question conversation
+/// with that call, so it does not depend on how the template joins turns; whatever the format
+/// (R1's fenced JSON, V3.1's, Kimi-K2's `functions.NAME:INDEX`), the model continues the call its
+/// template writes, and the answer parses as usual.
 fn forced_call(
     shared: &Shared,
     template: &ChatTemplate,
@@ -1868,24 +1890,28 @@ fn forced_call(
         .tool_format
         .filter(|f| *f != ToolCallFormat::DeepseekV4)
         .ok_or_else(|| unsupported("its tool-call format"))?;
-    let (fn_name, id) = match name {
-        Some(n) => (n.clone(), format!("functions.{n}:0")),
-        None => (FORCED_NAME.to_string(), FORCED_NAME.to_string()),
-    };
-    let call = json!({"role": "assistant", "content": null, "tool_calls": [{
-        "id": id, "type": "function",
-        "function": {"name": fn_name, "arguments": FORCED_ARGUMENTS}}]});
-    let mut with_call = messages.clone();
-    if let Some(list) = with_call.as_array_mut() {
-        list.push(call);
-    }
-    let render = |m: &Value| {
+    let render = |m: &Value, generation: bool| {
         template
-            .render_json(m, false, tools, kwargs)
+            .render_json(m, generation, tools, kwargs)
             .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))
     };
-    let base = render(messages)?;
-    let full = render(&with_call)?;
+    // Kimi-K2 numbers calls over the conversation (`functions.NAME:INDEX`).
+    let earlier: usize = messages
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m.get("tool_calls").and_then(Value::as_array))
+        .map(Vec::len)
+        .sum();
+    let (fn_name, id) = match name {
+        Some(n) => (n.clone(), format!("functions.{n}:{earlier}")),
+        None => (FORCED_NAME.to_string(), FORCED_NAME.to_string()),
+    };
+    let call = json!([{"role": "user", "content": "?"},
+        {"role": "assistant", "content": null, "tool_calls": [{
+            "id": id, "type": "function",
+            "function": {"name": fn_name, "arguments": FORCED_ARGUMENTS}}]}]);
+    let full = render(&call, false)?;
     let cut = [FORCED_NAME, FORCED_ARGUMENTS]
         .iter()
         .filter_map(|s| full.find(s))
@@ -1897,14 +1923,17 @@ fn forced_call(
     } else {
         cut
     };
-    let begin = format.section_begin();
-    let start = full
-        .get(base.len()..cut)
-        .filter(|_| full.starts_with(&base))
-        .and_then(|added| added.find(begin))
-        .map(|at| base.len() + at)
-        .ok_or_else(|| unsupported("its rendering of a tool call does not extend the prompt"))?;
-    Ok((full[..cut].to_string(), full[start..cut].to_string()))
+    let start = full[..cut]
+        .find(format.section_begin())
+        .ok_or_else(|| unsupported("its tool calls do not open with the format's marker"))?;
+    let call_text = &full[start..cut];
+    let mut prompt = render(messages, true)?;
+    let kept = prompt.trim_end().len();
+    if prompt[..kept].ends_with(THINK_OPEN) {
+        prompt.truncate(kept - THINK_OPEN.len());
+    }
+    prompt.push_str(call_text);
+    Ok((prompt, call_text.to_string()))
 }
 
 /// The most choices (`n`) one request may ask for.

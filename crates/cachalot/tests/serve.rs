@@ -1080,6 +1080,31 @@ fn serve_forces_tool_calls() {
             }
         }
     }
+    // After a tool round (call, result) and after a later user turn, the call still opens.
+    let rounds = [
+        json!([{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": null, "tool_calls": [{"id": "c0",
+                 "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+               {"role": "tool", "tool_call_id": "c0", "content": "sunny"}]),
+        json!([{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": null, "tool_calls": [{"id": "c0",
+                 "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+               {"role": "assistant", "content": "It is sunny."},
+               {"role": "user", "content": "And the time?"}]),
+    ];
+    for messages in rounds {
+        let body = json!({"messages": messages, "tools": tools, "tool_choice": "required",
+                          "max_tokens": 8, "temperature": 0});
+        let (status, v) = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        let m = &v["choices"][0]["message"];
+        if m["tool_calls"].is_null() {
+            let content = m["content"].as_str().unwrap();
+            assert!(content.starts_with("<｜tool▁calls▁begin｜>"), "{content:?}");
+        }
+    }
     for (choice, why) in [
         (
             json!({"type": "function", "function": {"name": "nope"}}),
