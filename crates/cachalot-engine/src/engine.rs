@@ -35,6 +35,7 @@ use cachalot_model::tokenizer::Tokenizer;
 use cachalot_model::{DeepseekV3, DeepseekV4};
 
 use crate::generate::{FinishReason, StopConditions, TextStream};
+use crate::json_mode::JsonState;
 use crate::kv_pool::KvBlockManager;
 use crate::metrics::{EngineStats, RequestTiming};
 use crate::sampler::{Sampler, SamplingParams};
@@ -229,6 +230,33 @@ impl<T: Model + ?Sized> Model for &T {
     }
 }
 
+/// JSON mode's mask of one row of logits: tokens whose bytes keep the answer one JSON object
+/// keep their logit, the others get −∞; stop tokens only once the object is complete (and then
+/// nothing else).
+fn json_mask(row: &[f32], state: &JsonState, stop: &[u32], bytes: &[Vec<u8>]) -> Vec<f32> {
+    let complete = state.is_complete();
+    row.iter()
+        .enumerate()
+        .map(|(t, &x)| {
+            let ok = if stop.contains(&(t as u32)) {
+                complete
+            } else if complete {
+                false
+            } else {
+                bytes.get(t).is_some_and(|b| {
+                    let mut s = state.clone();
+                    !b.is_empty() && s.feed_all(b)
+                })
+            };
+            if ok {
+                x
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect()
+}
+
 /// NaN logits mean broken weights (a NaN in a norm, the embedding, the head or a router spreads
 /// to every logit): sampling would silently pick token 0 or skip the NaN ids, so it is an error.
 fn check_logits(logits: &[f32], what: &str) -> Result<(), EngineError> {
@@ -271,6 +299,14 @@ pub struct Request {
     /// alternatives ([`RequestOutput::prompt_logprobs`], from the second token on); None: none.
     #[serde(default)]
     pub prompt_logprobs: Option<usize>,
+    /// JSON mode: every token is drawn among those that keep the answer one JSON object
+    /// ([`crate::json_mode`]); once it is complete, only a stop token may follow.
+    #[serde(default)]
+    pub json_object: bool,
+    /// JSON mode starts once the answer's text holds this (e.g. `</think>`: a reasoning model
+    /// thinks freely, then answers in JSON); None: from the first token.
+    #[serde(default)]
+    pub json_after: Option<String>,
 }
 
 /// A generated token's log-probability under the model (the log-softmax of its raw logits,
@@ -431,6 +467,10 @@ struct Live<'t> {
     /// The same for the prompt's tokens (`Request::prompt_logprobs`): entry i is token i + 1's.
     top_prompt_logprobs: Option<usize>,
     prompt_logprobs: Vec<TokenLogprob>,
+    /// JSON mode: where the answer stands in the grammar.
+    json: Option<JsonState>,
+    /// JSON mode waiting for this text before it starts.
+    json_after: Option<String>,
 }
 
 pub struct Engine<'t, M: Model> {
@@ -449,6 +489,8 @@ pub struct Engine<'t, M: Model> {
     /// Prefilled requests waiting for a batch slot and blocks, with their KV rows per layer
     /// ([`Engine::add_prefilled`]), oldest first.
     imports: VecDeque<(u64, Vec<Vec<u8>>)>,
+    /// Every token's bytes, for JSON mode (made when a request first asks for it).
+    token_bytes: Option<Vec<Vec<u8>>>,
 }
 
 impl<'t, M: Model> Engine<'t, M> {
@@ -494,6 +536,7 @@ impl<'t, M: Model> Engine<'t, M> {
             next_n: 0,
             exporting: HashSet::new(),
             imports: VecDeque::new(),
+            token_bytes: None,
         })
     }
 
@@ -725,8 +768,17 @@ impl<'t, M: Model> Engine<'t, M> {
 
     /// The checks of a new request; caps its output at the model's positions and returns the
     /// most tokens it may reach.
-    fn check_request(&self, req: &mut Request) -> Result<usize, EngineError> {
+    fn check_request(&mut self, req: &mut Request) -> Result<usize, EngineError> {
         let vocab = self.model.vocab_size();
+        if req.json_object && self.token_bytes.is_none() {
+            let Some(tok) = self.tokenizer else {
+                return Err(EngineError::Request(
+                    "JSON mode needs the model's tokenizer (the engine was made without one)"
+                        .into(),
+                ));
+            };
+            self.token_bytes = Some((0..vocab as u32).map(|t| tok.token_bytes(t)).collect());
+        }
         let max_positions = self.model.max_positions();
         if req.prompt.len() >= max_positions {
             return Err(EngineError::Request(format!(
@@ -789,6 +841,8 @@ impl<'t, M: Model> Engine<'t, M> {
                 logprobs: Vec::new(),
                 top_prompt_logprobs: req.prompt_logprobs,
                 prompt_logprobs: Vec::new(),
+                json: (req.json_object && req.json_after.is_none()).then(JsonState::new),
+                json_after: req.json_after.filter(|_| req.json_object),
             },
         );
     }
@@ -931,12 +985,27 @@ impl<'t, M: Model> Engine<'t, M> {
                         continue;
                     }
                     let live = self.live.get_mut(&it.id).expect("live");
+                    // JSON mode: only tokens that keep the answer one JSON object.
+                    let masked = live.json.as_ref().map(|state| {
+                        let bytes = self.token_bytes.as_deref().unwrap_or_default();
+                        json_mask(row, state, &live.stop.stop_token_ids, bytes)
+                    });
+                    let raw = row;
+                    let row = masked.as_deref().unwrap_or(row);
+                    if masked.is_some() && !row.iter().any(|x| x.is_finite()) {
+                        // No token continues it (nor may it stop): it ends here.
+                        ends = Some(FinishReason::Length);
+                        report.finished += 1;
+                        finished = true;
+                        done = true;
+                        continue;
+                    }
                     let (token, ok) = match ds.get(j) {
                         Some(d) => live.sampler.verify(d.token, &d.q, row),
                         None => (live.sampler.sample(row), false),
                     };
                     if let Some(k) = live.top_logprobs {
-                        live.logprobs.push(TokenLogprob::from_logits(row, token, k));
+                        live.logprobs.push(TokenLogprob::from_logits(raw, token, k));
                     }
                     report.sampled += 1;
                     if ok {
@@ -1159,6 +1228,18 @@ impl<'t, M: Model> Engine<'t, M> {
         let live = self.live.get_mut(&id).expect("live");
         live.sampler.accept(token);
         live.tokens.push(token);
+        let mut json_done = false;
+        let gated = live.json.is_none() && live.json_after.is_some();
+        if let Some(state) = live.json.as_mut() {
+            if !live.stop.stop_token_ids.contains(&token) {
+                let bytes = self.token_bytes.as_deref().unwrap_or_default();
+                if let Some(b) = bytes.get(token as usize) {
+                    state.feed_all(b);
+                }
+                // Complete, with no stop token to end it: it ends now.
+                json_done = state.is_complete() && live.stop.stop_token_ids.is_empty();
+            }
+        }
         live.first_token.get_or_insert(at);
         live.last_token = Some(at);
         let n_out = live.tokens.len() - live.prompt_len;
@@ -1181,7 +1262,17 @@ impl<'t, M: Model> Engine<'t, M> {
                 }
             }
         }
-        if finish.is_none() && n_out >= live.stop.max_new_tokens {
+        // JSON mode after a gate: it starts with the token after the one that completed it.
+        if gated
+            && live
+                .json_after
+                .as_ref()
+                .is_some_and(|g| live.text.contains(g.as_str()))
+        {
+            live.json = Some(JsonState::new());
+            live.json_after = None;
+        }
+        if finish.is_none() && (n_out >= live.stop.max_new_tokens || json_done) {
             finish = Some(FinishReason::Length);
         }
         Ok(finish)

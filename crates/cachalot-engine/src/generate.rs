@@ -286,6 +286,8 @@ pub fn generate_mtp<M: crate::Model>(
         ignore_eos: false,
         logprobs: None,
         prompt_logprobs: None,
+        json_object: false,
+        json_after: None,
     })?;
     let t0 = Instant::now();
     let mut prefill_s = None;

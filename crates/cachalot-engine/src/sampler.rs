@@ -256,7 +256,9 @@ impl Sampler {
             return vec![(order[0], 1.0)];
         }
         probs.iter_mut().for_each(|x| *x /= total);
-        let mut keep = probs.len();
+        // Tokens of probability 0 (masked to −∞, as JSON mode does, or far below the others)
+        // are never drawn, not even by the last-candidate fallback of a rounding shortfall.
+        let mut keep = probs.iter().take_while(|&&x| x > 0.0).count().max(1);
         if p.top_p < 1.0 {
             let mut cum = 0.0f32;
             for (i, &x) in probs.iter().enumerate() {

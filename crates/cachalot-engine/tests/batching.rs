@@ -38,6 +38,8 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
         ignore_eos: false,
         logprobs: None,
         prompt_logprobs: None,
+        json_object: false,
+        json_after: None,
     }
 }
 
@@ -218,6 +220,8 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
             ignore_eos: false,
             logprobs: None,
             prompt_logprobs: None,
+            json_object: false,
+            json_after: None,
         })
         .unwrap();
         e.run_to_completion(|_, _| {}).unwrap().remove(0)

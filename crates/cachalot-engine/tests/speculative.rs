@@ -59,6 +59,8 @@ fn run(
                 ignore_eos: true,
                 logprobs: None,
                 prompt_logprobs: None,
+                json_object: false,
+                json_after: None,
             })
             .unwrap();
     }
@@ -208,6 +210,8 @@ fn small_model_greedy_with_mtp_equals_without_and_accepts_drafts() {
                 ignore_eos: true,
                 logprobs: None,
                 prompt_logprobs: None,
+                json_object: false,
+                json_after: None,
             })
             .unwrap();
     }
@@ -339,6 +343,8 @@ fn sample_triples(
                     ignore_eos: true,
                     logprobs: None,
                     prompt_logprobs: None,
+                    json_object: false,
+                    json_after: None,
                 })
                 .unwrap();
             queued += 1;
@@ -490,6 +496,8 @@ fn nan_logits_are_an_error() {
                 ignore_eos: true,
                 logprobs: None,
                 prompt_logprobs: None,
+                json_object: false,
+                json_after: None,
             })
             .unwrap();
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();

@@ -42,6 +42,8 @@ fn request(prompt: &[u32], params: &SamplingParams, n: usize) -> Request {
         ignore_eos: true,
         logprobs: None,
         prompt_logprobs: None,
+        json_object: false,
+        json_after: None,
     }
 }
 
@@ -355,4 +357,78 @@ fn prompt_logprobs_match_one_forward() {
             }
         }
     }
+}
+
+/// JSON mode: greedy and sampled answers, with and without MTP drafts, are one JSON object
+/// when they stop, and a JSON object's beginning when cut by the length limit.
+#[test]
+fn json_mode_answers_are_json_objects() {
+    use cachalot_engine::generate::FinishReason;
+    use cachalot_engine::json_mode::JsonState;
+    let m = load(KvCacheDtype::Bf16);
+    let dir = root().join("assets/cachalot-tiny-r1");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let eos = tok.eos_token_id().unwrap();
+    let prompts = ["Give me a JSON object:", "The weather", "{"];
+    let mut stopped = 0;
+    for next_n in [0, 2] {
+        for temperature in [0.0, 1.0] {
+            let mut e = Engine::new(&m, Some(&tok), PREFILL).unwrap();
+            if next_n > 0 {
+                e.enable_mtp(next_n).unwrap();
+            }
+            for (i, p) in prompts.iter().enumerate() {
+                let mut r = request(&tok.encode(p).unwrap(), &SamplingParams::greedy(), 60);
+                r.params.temperature = temperature;
+                r.params.seed = Some(i as u64);
+                r.ignore_eos = false;
+                r.stop.stop_token_ids = vec![eos];
+                r.json_object = true;
+                e.add_request(r).unwrap();
+            }
+            for o in finish(e) {
+                let what = format!("next_n {next_n}, t {temperature}: {:?}", o.text);
+                match o.finish {
+                    FinishReason::StopToken(_) => {
+                        stopped += 1;
+                        let v: serde_json::Value = serde_json::from_str(&o.text).expect(&what);
+                        assert!(v.is_object(), "{what}");
+                    }
+                    _ => {
+                        let mut s = JsonState::new();
+                        assert!(s.feed_all(o.text.as_bytes()), "{what}");
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{stopped} of 12 answers closed their object and stopped");
+    // Gated (a reasoning model's `</think>`): free text up to the gate, JSON after it.
+    let prompt = tok.encode("The weather").unwrap();
+    let mut e = Engine::new(&m, Some(&tok), PREFILL).unwrap();
+    e.add_request(request(&prompt, &SamplingParams::greedy(), 1))
+        .unwrap();
+    let gate = finish(e).remove(0).text;
+    assert!(!gate.is_empty());
+    let mut e = Engine::new(&m, Some(&tok), PREFILL).unwrap();
+    let mut r = request(&prompt, &SamplingParams::greedy(), 30);
+    r.json_object = true;
+    r.json_after = Some(gate.clone());
+    e.add_request(r).unwrap();
+    let text = finish(e).remove(0).text;
+    let rest = text
+        .strip_prefix(gate.as_str())
+        .expect("the free part first");
+    let mut s = JsonState::new();
+    assert!(s.feed_all(rest.as_bytes()), "{text:?}");
+    assert!(rest.trim_start().starts_with('{'), "{text:?}");
+    // Without a tokenizer the engine cannot mask tokens: refused.
+    let mut e = Engine::new(&m, None, PREFILL).unwrap();
+    let mut r = request(&[5, 6, 7], &SamplingParams::greedy(), 4);
+    r.json_object = true;
+    assert!(e
+        .add_request(r)
+        .unwrap_err()
+        .to_string()
+        .contains("tokenizer"));
 }

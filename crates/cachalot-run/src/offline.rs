@@ -830,6 +830,8 @@ pub fn run_ranked(
                 ignore_eos: d.ignore_eos,
                 logprobs: None,
                 prompt_logprobs: None,
+                json_object: false,
+                json_after: None,
             })
             .map_err(|e| {
                 format!(

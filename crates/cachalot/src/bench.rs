@@ -714,6 +714,8 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
                 ignore_eos: true,
                 logprobs: None,
                 prompt_logprobs: None,
+                json_object: false,
+                json_after: None,
             })?;
         }
         let t = Instant::now();

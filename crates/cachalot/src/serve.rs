@@ -48,7 +48,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
-use cachalot_engine::reasoning::THINK_OPEN;
+use cachalot_engine::reasoning::{THINK_CLOSE, THINK_OPEN};
 use cachalot_engine::{
     Engine, EngineConfig, FinishReason, KvSnapshot, Model, ReasoningSplitter, Request,
     RequestOutput, SamplingParams, Segment, StopConditions, TokenLogprob,
@@ -1518,7 +1518,6 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         ("best_of", "best_of is not supported"),
         ("suffix", "suffix is not supported"),
         ("logit_bias", "logit_bias is not supported"),
-        ("response_format", "structured output is not supported"),
     ] {
         match field(body, key) {
             // What clients send when they do not use the feature.
@@ -1527,11 +1526,30 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             Some(Value::String(t)) if t.is_empty() => {}
             Some(Value::Object(o)) if o.is_empty() && key == "logit_bias" => {}
             Some(Value::Number(n)) if key == "best_of" && n.as_u64() == Some(1) => {}
-            Some(Value::Object(o))
-                if key == "response_format" && o.get("type") == Some(&json!("text")) => {}
             Some(_) => return Err(ApiError::bad(key, unsupported)),
         }
     }
+    let json_object =
+        match field(body, "response_format") {
+            None => false,
+            Some(f) => match f.get("type").and_then(Value::as_str) {
+                Some("text") => false,
+                Some("json_object") => true,
+                Some("json_schema") => {
+                    return Err(ApiError::bad(
+                        "response_format",
+                        "json_schema: output constrained to a schema is not supported; \
+                     {\"type\": \"json_object\"} (any JSON object) is",
+                    ))
+                }
+                _ => return Err(ApiError::bad(
+                    "response_format",
+                    format!(
+                        "expected {{\"type\": \"text\"}} or {{\"type\": \"json_object\"}}, got {f}"
+                    ),
+                )),
+            },
+        };
     let logprobs = read_logprobs(body, chat)?;
     let echo = flag(body, "echo")?;
     let stream = flag(body, "stream")?;
@@ -1854,6 +1872,14 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             ignore_eos,
             logprobs,
             prompt_logprobs: if echo { logprobs } else { None },
+            json_object,
+            // A reasoning model's answer is JSON once its thinking ends (as vLLM's guided
+            // decoding starts after the reasoning parser's end marker).
+            json_after: (json_object
+                && chat
+                && splitter(shared, &prompts[0].1).is_some()
+                && prompts[0].1.trim_end().ends_with(THINK_OPEN))
+            .then(|| THINK_CLOSE.to_string()),
         },
         prompt_text: prompts[0].1.clone(),
         prompts,

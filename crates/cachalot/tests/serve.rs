@@ -1129,3 +1129,32 @@ fn serve_forces_tool_calls() {
         (400, Some("tool_choice"))
     );
 }
+
+/// JSON mode (`response_format: {"type": "json_object"}`): the answer is a JSON object, or the
+/// beginning of one when the length limit cuts it; schemas are refused by name.
+#[test]
+fn serve_json_mode() {
+    let server = start(&["--kv-blocks", "64"]);
+    let addr = server.addr.as_str();
+    for seed in 0..3 {
+        let body = json!({"prompt": "Here is the data:", "max_tokens": 40, "temperature": 0.8,
+                          "seed": seed, "response_format": {"type": "json_object"}});
+        let (status, v) = post(addr, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        let text = v["choices"][0]["text"].as_str().unwrap();
+        assert!(text.trim_start().starts_with('{'), "{text:?}");
+        if v["choices"][0]["finish_reason"] == "stop" {
+            let o: Value = serde_json::from_str(text).unwrap();
+            assert!(o.is_object());
+        }
+    }
+    let (status, e) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "response_format": {"type": "json_schema"}}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("response_format"))
+    );
+}

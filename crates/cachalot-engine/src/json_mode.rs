@@ -1,0 +1,379 @@
+//! JSON mode (OpenAI's `response_format: {"type": "json_object"}`): an incremental recognizer
+//! of one JSON object, byte by byte, so the engine can mask every token whose bytes would take
+//! the answer out of the JSON grammar (RFC 8259) before it samples.
+//!
+//! [`JsonState::feed`] takes the next byte and says whether the text so far can still be the
+//! start of one JSON object (optionally preceded and followed by a little whitespace);
+//! [`JsonState::is_complete`] says whether it is one already. Runs of whitespace are capped at
+//! [`MAX_WHITESPACE`] bytes, so a model cannot pad forever. Bytes of 0x80 and above are accepted
+//! inside strings (multi-byte UTF-8 characters; tokens hold whole or partial characters).
+
+/// The longest run of whitespace between tokens of the grammar.
+pub const MAX_WHITESPACE: usize = 8;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Container {
+    /// Inside `{`: what comes next.
+    Object(ObjNext),
+    /// Inside `[`: what comes next.
+    Array(ArrNext),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ObjNext {
+    KeyOrEnd,
+    Key,
+    Colon,
+    Value,
+    CommaOrEnd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ArrNext {
+    ValueOrEnd,
+    Value,
+    CommaOrEnd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Num {
+    Minus,
+    Zero,
+    Int,
+    Dot,
+    Frac,
+    E,
+    ESign,
+    Exp,
+}
+
+impl Num {
+    /// The number may end here.
+    fn complete(self) -> bool {
+        matches!(self, Num::Zero | Num::Int | Num::Frac | Num::Exp)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scalar {
+    None,
+    /// In a string; `escape`: after a backslash; `hex`: hex digits of `\u` still due.
+    Str {
+        escape: bool,
+        hex: u8,
+    },
+    Num(Num),
+    /// The rest of `true`, `false` or `null`.
+    Lit(&'static [u8]),
+}
+
+/// Where a JSON object's text stands (module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JsonState {
+    stack: Vec<Container>,
+    scalar: Scalar,
+    /// The top-level object has opened.
+    started: bool,
+    /// Whitespace bytes in the current run.
+    spaces: usize,
+}
+
+impl Default for JsonState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl JsonState {
+    pub fn new() -> JsonState {
+        JsonState {
+            stack: Vec::new(),
+            scalar: Scalar::None,
+            started: false,
+            spaces: 0,
+        }
+    }
+
+    /// One JSON object has been written (only whitespace may follow).
+    pub fn is_complete(&self) -> bool {
+        self.started && self.stack.is_empty() && self.scalar == Scalar::None
+    }
+
+    /// Feeds every byte; false (the state then undefined) as soon as one does not fit.
+    pub fn feed_all(&mut self, bytes: &[u8]) -> bool {
+        bytes.iter().all(|&b| self.feed(b))
+    }
+
+    /// The next byte; false if the text can no longer be one JSON object.
+    pub fn feed(&mut self, b: u8) -> bool {
+        match self.scalar {
+            Scalar::Str { escape, hex } => return self.string_byte(b, escape, hex),
+            Scalar::Lit(rest) => {
+                if rest.first() != Some(&b) {
+                    return false;
+                }
+                self.scalar = if rest.len() == 1 {
+                    Scalar::None
+                } else {
+                    Scalar::Lit(&rest[1..])
+                };
+                if self.scalar == Scalar::None {
+                    self.value_done();
+                }
+                return true;
+            }
+            Scalar::Num(n) => {
+                if let Some(next) = number_byte(n, b) {
+                    self.scalar = Scalar::Num(next);
+                    return true;
+                }
+                if !n.complete() {
+                    return false;
+                }
+                // The number ended; the byte belongs to what follows it.
+                self.scalar = Scalar::None;
+                self.value_done();
+            }
+            Scalar::None => {}
+        }
+        if matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
+            self.spaces += 1;
+            return self.spaces <= MAX_WHITESPACE;
+        }
+        self.spaces = 0;
+        if !self.started {
+            if b != b'{' {
+                return false;
+            }
+            self.started = true;
+            self.stack.push(Container::Object(ObjNext::KeyOrEnd));
+            return true;
+        }
+        let Some(top) = self.stack.last().copied() else {
+            // The object is complete: nothing but whitespace.
+            return false;
+        };
+        match top {
+            Container::Object(next) => match (next, b) {
+                (ObjNext::KeyOrEnd, b'}') | (ObjNext::CommaOrEnd, b'}') => {
+                    self.stack.pop();
+                    self.value_done();
+                    true
+                }
+                (ObjNext::KeyOrEnd | ObjNext::Key, b'"') => {
+                    self.set_top(Container::Object(ObjNext::Colon));
+                    self.scalar = Scalar::Str {
+                        escape: false,
+                        hex: 0,
+                    };
+                    true
+                }
+                (ObjNext::Colon, b':') => {
+                    self.set_top(Container::Object(ObjNext::Value));
+                    true
+                }
+                (ObjNext::CommaOrEnd, b',') => {
+                    self.set_top(Container::Object(ObjNext::Key));
+                    true
+                }
+                (ObjNext::Value, _) => {
+                    self.set_top(Container::Object(ObjNext::CommaOrEnd));
+                    self.start_value(b)
+                }
+                _ => false,
+            },
+            Container::Array(next) => match (next, b) {
+                (ArrNext::ValueOrEnd | ArrNext::CommaOrEnd, b']') => {
+                    self.stack.pop();
+                    self.value_done();
+                    true
+                }
+                (ArrNext::CommaOrEnd, b',') => {
+                    self.set_top(Container::Array(ArrNext::Value));
+                    true
+                }
+                (ArrNext::ValueOrEnd | ArrNext::Value, _) => {
+                    self.set_top(Container::Array(ArrNext::CommaOrEnd));
+                    self.start_value(b)
+                }
+                _ => false,
+            },
+        }
+    }
+
+    fn set_top(&mut self, c: Container) {
+        if let Some(top) = self.stack.last_mut() {
+            *top = c;
+        }
+    }
+
+    /// A value begins with `b` (its container already expects what follows it).
+    fn start_value(&mut self, b: u8) -> bool {
+        match b {
+            b'{' => self.stack.push(Container::Object(ObjNext::KeyOrEnd)),
+            b'[' => self.stack.push(Container::Array(ArrNext::ValueOrEnd)),
+            b'"' => {
+                self.scalar = Scalar::Str {
+                    escape: false,
+                    hex: 0,
+                }
+            }
+            b'-' => self.scalar = Scalar::Num(Num::Minus),
+            b'0' => self.scalar = Scalar::Num(Num::Zero),
+            b'1'..=b'9' => self.scalar = Scalar::Num(Num::Int),
+            b't' => self.scalar = Scalar::Lit(b"rue"),
+            b'f' => self.scalar = Scalar::Lit(b"alse"),
+            b'n' => self.scalar = Scalar::Lit(b"ull"),
+            _ => return false,
+        }
+        true
+    }
+
+    /// A value (or key) just ended: nothing to do, as its container moved on when it began;
+    /// kept as the one place that would track values (e.g. for a schema).
+    fn value_done(&mut self) {}
+
+    fn string_byte(&mut self, b: u8, escape: bool, hex: u8) -> bool {
+        if hex > 0 {
+            if !b.is_ascii_hexdigit() {
+                return false;
+            }
+            self.scalar = Scalar::Str {
+                escape: false,
+                hex: hex - 1,
+            };
+            return true;
+        }
+        if escape {
+            return match b {
+                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
+                    self.scalar = Scalar::Str {
+                        escape: false,
+                        hex: 0,
+                    };
+                    true
+                }
+                b'u' => {
+                    self.scalar = Scalar::Str {
+                        escape: false,
+                        hex: 4,
+                    };
+                    true
+                }
+                _ => false,
+            };
+        }
+        match b {
+            b'"' => {
+                self.scalar = Scalar::None;
+                self.value_done();
+                true
+            }
+            b'\\' => {
+                self.scalar = Scalar::Str {
+                    escape: true,
+                    hex: 0,
+                };
+                true
+            }
+            0..=0x1f => false,
+            _ => true,
+        }
+    }
+}
+
+/// The number's next phase after `b`, or None if `b` does not continue it.
+fn number_byte(n: Num, b: u8) -> Option<Num> {
+    Some(match (n, b) {
+        (Num::Minus, b'0') => Num::Zero,
+        (Num::Minus, b'1'..=b'9') => Num::Int,
+        (Num::Int, b'0'..=b'9') => Num::Int,
+        (Num::Zero | Num::Int, b'.') => Num::Dot,
+        (Num::Dot | Num::Frac, b'0'..=b'9') => Num::Frac,
+        (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') => Num::E,
+        (Num::E, b'+' | b'-') => Num::ESign,
+        (Num::E | Num::ESign | Num::Exp, b'0'..=b'9') => Num::Exp,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn accepts(text: &str) -> (bool, bool) {
+        let mut s = JsonState::new();
+        let ok = s.feed_all(text.as_bytes());
+        (ok, ok && s.is_complete())
+    }
+
+    #[test]
+    fn objects_are_recognised_and_everything_else_refused() {
+        for good in [
+            "{}",
+            " {\"a\": 1}",
+            "{\"a\":[1,2.5,-3e+2,true,false,null,{\"b\":\"x\\n\\u00e9\"}],\"c\":{}}\n",
+            "{\"é\": \"中文\", \"n\": -0.0E-1}",
+            "{\"a\": [ ], \"b\" : [[]]}",
+        ] {
+            assert_eq!(accepts(good), (true, true), "{good}");
+        }
+        for prefix in [
+            "{\"a\": [1, 2",
+            "{\"a\": tr",
+            "{\"a\": 1",
+            "{\"a\": \"x\\u00",
+        ] {
+            assert_eq!(accepts(prefix), (true, false), "{prefix}");
+        }
+        for bad in [
+            "[1]",
+            "x",
+            "{a: 1}",
+            "{\"a\" 1}",
+            "{\"a\": 01}",
+            "{\"a\": 1.}",
+            "{\"a\": tru }",
+            "{\"a\": 1,}",
+            "{\"a\": [1,]}",
+            "{} {}",
+            "{\"a\": \"\u{1}\"}",
+            "{\"a\": \"\\x\"}",
+            "{\"a\":            1}",
+        ] {
+            assert!(!accepts(bad).0, "{bad}");
+        }
+    }
+
+    /// Whatever serde_json writes as an object is accepted whole, and every prefix of it is
+    /// accepted as a prefix.
+    #[test]
+    fn serde_json_objects_and_their_prefixes_are_accepted() {
+        let values = prop::collection::vec(
+            prop_oneof![
+                any::<i64>().prop_map(serde_json::Value::from),
+                any::<f64>()
+                    .prop_filter("finite", |x| x.is_finite())
+                    .prop_map(serde_json::Value::from),
+                ".*".prop_map(serde_json::Value::from),
+                any::<bool>().prop_map(serde_json::Value::from),
+                Just(serde_json::Value::Null),
+            ],
+            0..6,
+        );
+        proptest!(|(keys in prop::collection::vec(".*", 0..6), vals in values, pretty in any::<bool>())| {
+            let mut o = serde_json::Map::new();
+            for (k, v) in keys.into_iter().zip(vals) {
+                o.insert(k, serde_json::json!([v.clone(), {"x": v}]));
+            }
+            let v = serde_json::Value::Object(o);
+            let text = if pretty { serde_json::to_string_pretty(&v).unwrap() } else { v.to_string() };
+            let mut s = JsonState::new();
+            for (i, &b) in text.as_bytes().iter().enumerate() {
+                prop_assert!(s.feed(b), "byte {} of {}", i, text);
+            }
+            prop_assert!(s.is_complete(), "{}", text);
+        });
+    }
+}
