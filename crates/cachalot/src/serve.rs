@@ -5,8 +5,9 @@
 //! `GET /v1/models`, `POST /v1/completions` (one prompt or a list) and
 //! `POST /v1/chat/completions`, each answer whole or streamed as server-sent events
 //! (`"stream": true`, ending in `data: [DONE]`; `stream_options.include_usage` adds a usage
-//! chunk), with `n` choices per prompt, log-probabilities (`logprobs`, `top_logprobs`) and
-//! completions' `echo` (the prompt scored). Requests are batched continuously: each HTTP
+//! chunk), with `n` choices per prompt, log-probabilities (`logprobs`, `top_logprobs`),
+//! completions' `echo` (the prompt scored), JSON mode (`response_format` `json_object`) and
+//! forced tool calls (`tool_choice` `required` or a named function). Requests are batched continuously: each HTTP
 //! request is a thread that renders and tokenizes its prompt and hands it to the engine thread
 //! (one job per choice), which admits it at the next step (up to `--batch-size` sequences,
 //! prefills packed under `--max-prefill-tokens`, paged KV blocks, MTP drafts with `--mtp N`)
