@@ -8,7 +8,9 @@
 //! reports why. `GET /health` lists the servers, `GET /v1/models` is the first decode server's.
 //!
 //! The backends are `cachalot serve --role prefill` and `--role decode` servers; the router
-//! speaks HTTP/1.0 to them (one connection per request, bodies end at the connection's close).
+//! speaks HTTP/1.1 to them, one connection per request, and relays the body as it comes
+//! (de-chunked, re-chunked for the client), keep-alive chunks of slow whole answers included, so
+//! a client that leaves is noticed and its request aborted on the decode server.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -65,21 +67,28 @@ fn host_port(url: &str) -> Result<String> {
     Ok(rest.to_string())
 }
 
-/// One HTTP/1.0 exchange: the status, the content type and a reader of the body.
+/// A backend's answer body: its bytes as they come (a chunked body de-chunked, one chunk per
+/// read at most, so streamed events pass at once).
+type Body = Box<dyn Read + Send>;
+
+/// One HTTP/1.1 exchange on its own connection: the status, the content type and a reader of
+/// the body. (HTTP/1.1, so a server answering a whole request slowly writes its keep-alive
+/// chunks, which the relay passes on: a client that left is noticed by the write, and the
+/// dropped connection tells the server.)
 fn exchange(
     addr: &str,
     method: &str,
     path: &str,
     body: Option<&[u8]>,
     timeout: Duration,
-) -> std::io::Result<(u16, String, BufReader<TcpStream>)> {
+) -> std::io::Result<(u16, String, Body)> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(timeout))?;
     let _ = s.set_nodelay(true);
     let body = body.unwrap_or_default();
     let head = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes())?;
@@ -98,18 +107,80 @@ fn exchange(
             )
         })?;
     let mut content_type = "application/json".to_string();
+    let (mut chunked, mut length) = (false, None);
     loop {
         line.clear();
         if r.read_line(&mut line)? == 0 || line.trim().is_empty() {
             break;
         }
         if let Some((k, v)) = line.split_once(':') {
-            if k.trim().eq_ignore_ascii_case("content-type") {
-                content_type = v.trim().to_string();
+            let (k, v) = (k.trim(), v.trim());
+            if k.eq_ignore_ascii_case("content-type") {
+                content_type = v.to_string();
+            } else if k.eq_ignore_ascii_case("transfer-encoding") {
+                chunked = v.eq_ignore_ascii_case("chunked");
+            } else if k.eq_ignore_ascii_case("content-length") {
+                length = v.parse::<u64>().ok();
             }
         }
     }
-    Ok((status, content_type, r))
+    let body: Body = match (chunked, length) {
+        (true, _) => Box::new(Chunked {
+            inner: r,
+            left: 0,
+            done: false,
+        }),
+        (false, Some(n)) => Box::new(r.take(n)),
+        (false, None) => Box::new(r),
+    };
+    Ok((status, content_type, body))
+}
+
+/// A chunked body, de-chunked.
+struct Chunked<R> {
+    inner: R,
+    /// Bytes left in the current chunk.
+    left: usize,
+    done: bool,
+}
+
+impl<R: BufRead> Read for Chunked<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let cut =
+            |what: &str| std::io::Error::new(std::io::ErrorKind::UnexpectedEof, what.to_string());
+        if self.done || buf.is_empty() {
+            return Ok(0);
+        }
+        if self.left == 0 {
+            let mut line = String::new();
+            if self.inner.read_line(&mut line)? == 0 {
+                return Err(cut("the chunked body ended before its last chunk"));
+            }
+            let size = line.trim().split(';').next().unwrap_or("").trim();
+            let size = usize::from_str_radix(size, 16).map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("not a chunk size: {line:?}"),
+                )
+            })?;
+            if size == 0 {
+                self.done = true;
+                return Ok(0);
+            }
+            self.left = size;
+        }
+        let want = buf.len().min(self.left);
+        let n = self.inner.read(&mut buf[..want])?;
+        if n == 0 {
+            return Err(cut("the chunked body ended inside a chunk"));
+        }
+        self.left -= n;
+        if self.left == 0 {
+            let mut crlf = [0u8; 2];
+            self.inner.read_exact(&mut crlf)?;
+        }
+        Ok(n)
+    }
 }
 
 /// A prefill server's KV port, from its /health, waiting for it to come up.
@@ -213,7 +284,7 @@ pub fn router(args: &RouterArgs) -> Result<()> {
 /// What ends a routed request first.
 enum Outcome {
     /// The decode server's answer (its head; the body follows), or why there is none.
-    Decode(Result<(u16, String, BufReader<TcpStream>), String>),
+    Decode(Result<(u16, String, Body), String>),
     /// The prefill server refused the request: its status, content type and body.
     Prefill(u16, String, Vec<u8>),
     /// The prefill server could not be reached or did not answer.
@@ -391,5 +462,40 @@ fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body:
     }
     if chunked {
         let _ = w.write_all(b"0\r\n\r\n").and_then(|_| w.flush());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunked_bodies_are_dechunked_a_chunk_at_a_time() {
+        let wire = b"5\r\nhello\r\n1;ext=1\r\n \r\nB\r\nworld again\r\n0\r\n\r\n";
+        let mut r = Chunked {
+            inner: BufReader::new(&wire[..]),
+            left: 0,
+            done: false,
+        };
+        let mut buf = [0u8; 64];
+        let mut pieces = Vec::new();
+        loop {
+            let n = r.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            pieces.push(String::from_utf8(buf[..n].to_vec()).unwrap());
+        }
+        assert_eq!(pieces, ["hello", " ", "world again"]);
+        // Cut short, or not chunked at all: an error, not a clean end.
+        for bad in [&b"5\r\nhel"[..], b"5\r\nhello\r\n", b"zz\r\n"] {
+            let mut r = Chunked {
+                inner: BufReader::new(bad),
+                left: 0,
+                done: false,
+            };
+            let mut all = Vec::new();
+            assert!(r.read_to_end(&mut all).is_err(), "{bad:?}");
+        }
     }
 }

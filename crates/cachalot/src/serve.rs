@@ -1530,27 +1530,28 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             Some(_) => return Err(ApiError::bad(key, unsupported)),
         }
     }
-    let json_object =
-        match field(body, "response_format") {
-            None => false,
-            Some(f) => match f.get("type").and_then(Value::as_str) {
-                Some("text") => false,
-                Some("json_object") => true,
-                Some("json_schema") => {
-                    return Err(ApiError::bad(
-                        "response_format",
-                        "json_schema: output constrained to a schema is not supported; \
+    let json_object = match field(body, "response_format") {
+        None => false,
+        Some(f) => match f.get("type").and_then(Value::as_str) {
+            Some("text") => false,
+            Some("json_object") => true,
+            Some("json_schema") => {
+                return Err(ApiError::bad(
+                    "response_format",
+                    "json_schema: output constrained to a schema is not supported; \
                      {\"type\": \"json_object\"} (any JSON object) is",
-                    ))
-                }
-                _ => return Err(ApiError::bad(
+                ))
+            }
+            _ => {
+                return Err(ApiError::bad(
                     "response_format",
                     format!(
                         "expected {{\"type\": \"text\"}} or {{\"type\": \"json_object\"}}, got {f}"
                     ),
-                )),
-            },
-        };
+                ))
+            }
+        },
+    };
     let logprobs = read_logprobs(body, chat)?;
     let echo = flag(body, "echo")?;
     let stream = flag(body, "stream")?;

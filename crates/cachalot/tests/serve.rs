@@ -1158,3 +1158,64 @@ fn serve_json_mode() {
         (400, Some("response_format"))
     );
 }
+
+/// Through the router too, a client that leaves has its request aborted on the decode server,
+/// whole or streamed (the router relays the decode server's keep-alive chunks, so its write to
+/// the departed client fails and it drops the decode connection).
+#[test]
+fn the_router_passes_a_departed_client_on() {
+    let pre = start(&["--role", "prefill", "--kv-port", "0", "--kv-blocks", "64"]);
+    let dec = start(&[
+        "--role",
+        "decode",
+        "--batch-size",
+        "1",
+        "--kv-blocks",
+        "40",
+        "--keepalive-ms",
+        "50",
+    ]);
+    let router = start_command("router", &["--prefill", &pre.addr, "--decode", &dec.addr]);
+    let addr = router.addr.as_str();
+    for stream in [false, true] {
+        let body = json!({"prompt": "The whale", "max_tokens": 4000, "ignore_eos": true,
+                          "stream": stream})
+        .to_string();
+        let mut s = TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(s);
+        let t = std::time::Instant::now();
+        let seen = loop {
+            let n = dec
+                .log
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains("the client went away; aborted"))
+                .count();
+            if n == usize::from(stream) + 1 || t.elapsed().as_secs() > 30 {
+                break n;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        assert_eq!(
+            seen,
+            usize::from(stream) + 1,
+            "stream {stream}: {:?}",
+            dec.log
+        );
+    }
+    // The decode server's only slot is free again.
+    let (status, v) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{v}");
+}
