@@ -233,8 +233,15 @@ impl<T: Model + ?Sized> Model for &T {
 /// JSON mode's mask of one row of logits: tokens whose bytes keep the answer one JSON object
 /// keep their logit, the others get −∞; stop tokens only once the object is complete (and then
 /// nothing else).
-fn json_mask(row: &[f32], state: &JsonState, stop: &[u32], bytes: &[Vec<u8>]) -> Vec<f32> {
+fn json_mask(
+    row: &[f32],
+    state: &JsonState,
+    stop: &[u32],
+    bytes: &[Vec<u8>],
+    string_safe: &[bool],
+) -> Vec<f32> {
     let complete = state.is_complete();
+    let in_string = state.in_plain_string();
     row.iter()
         .enumerate()
         .map(|(t, &x)| {
@@ -242,6 +249,8 @@ fn json_mask(row: &[f32], state: &JsonState, stop: &[u32], bytes: &[Vec<u8>]) ->
                 complete
             } else if complete {
                 false
+            } else if in_string && string_safe.get(t) == Some(&true) {
+                true
             } else {
                 bytes.get(t).is_some_and(|b| {
                     let mut s = state.clone();
@@ -489,8 +498,10 @@ pub struct Engine<'t, M: Model> {
     /// Prefilled requests waiting for a batch slot and blocks, with their KV rows per layer
     /// ([`Engine::add_prefilled`]), oldest first.
     imports: VecDeque<(u64, Vec<Vec<u8>>)>,
-    /// Every token's bytes, for JSON mode (made when a request first asks for it).
+    /// Every token's bytes, for JSON mode (made when a request first asks for it; empty for
+    /// special tokens, which JSON text never holds), and which of them any plain string takes.
     token_bytes: Option<Vec<Vec<u8>>>,
+    string_safe: Vec<bool>,
 }
 
 impl<'t, M: Model> Engine<'t, M> {
@@ -537,6 +548,7 @@ impl<'t, M: Model> Engine<'t, M> {
             exporting: HashSet::new(),
             imports: VecDeque::new(),
             token_bytes: None,
+            string_safe: Vec::new(),
         })
     }
 
@@ -777,7 +789,23 @@ impl<'t, M: Model> Engine<'t, M> {
                         .into(),
                 ));
             };
-            self.token_bytes = Some((0..vocab as u32).map(|t| tok.token_bytes(t)).collect());
+            let bytes: Vec<Vec<u8>> = (0..vocab as u32)
+                .map(|t| {
+                    if tok.is_special(t) {
+                        Vec::new()
+                    } else {
+                        tok.token_bytes(t)
+                    }
+                })
+                .collect();
+            self.string_safe = bytes
+                .iter()
+                .map(|b| !b.is_empty() && b.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\'))
+                .collect();
+            self.token_bytes = Some(bytes);
+        }
+        if req.json_after.as_deref() == Some("") {
+            req.json_after = None;
         }
         let max_positions = self.model.max_positions();
         if req.prompt.len() >= max_positions {
@@ -988,7 +1016,8 @@ impl<'t, M: Model> Engine<'t, M> {
                     // JSON mode: only tokens that keep the answer one JSON object.
                     let masked = live.json.as_ref().map(|state| {
                         let bytes = self.token_bytes.as_deref().unwrap_or_default();
-                        json_mask(row, state, &live.stop.stop_token_ids, bytes)
+                        let stop = &live.stop.stop_token_ids;
+                        json_mask(row, state, stop, bytes, &self.string_safe)
                     });
                     let raw = row;
                     let row = masked.as_deref().unwrap_or(row);
@@ -1236,7 +1265,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 if let Some(b) = bytes.get(token as usize) {
                     state.feed_all(b);
                 }
-                // Complete, with no stop token to end it: it ends now.
+                // Complete, with no stop token to end it: it ends now (as a stop).
                 json_done = state.is_complete() && live.stop.stop_token_ids.is_empty();
             }
         }
@@ -1272,7 +1301,10 @@ impl<'t, M: Model> Engine<'t, M> {
             live.json = Some(JsonState::new());
             live.json_after = None;
         }
-        if finish.is_none() && (n_out >= live.stop.max_new_tokens || json_done) {
+        if finish.is_none() && json_done {
+            finish = Some(FinishReason::StopString(String::new()));
+        }
+        if finish.is_none() && n_out >= live.stop.max_new_tokens {
             finish = Some(FinishReason::Length);
         }
         Ok(finish)

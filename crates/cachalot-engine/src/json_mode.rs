@@ -5,11 +5,19 @@
 //! [`JsonState::feed`] takes the next byte and says whether the text so far can still be the
 //! start of one JSON object (optionally preceded and followed by a little whitespace);
 //! [`JsonState::is_complete`] says whether it is one already. Runs of whitespace are capped at
-//! [`MAX_WHITESPACE`] bytes, so a model cannot pad forever. Bytes of 0x80 and above are accepted
+//! [`MAX_WHITESPACE`] bytes inside the object and [`MAX_EDGE_WHITESPACE`] around it, and nesting
+//! at [`MAX_DEPTH`], so a model cannot pad forever nor a request nest without bound. Bytes of 0x80 and above are accepted
 //! inside strings (multi-byte UTF-8 characters; tokens hold whole or partial characters).
 
-/// The longest run of whitespace between tokens of the grammar.
-pub const MAX_WHITESPACE: usize = 8;
+/// The longest run of whitespace between tokens of the grammar (room for pretty-printed
+/// indentation; a run always ends at the next token, so the padding is bounded).
+pub const MAX_WHITESPACE: usize = 64;
+
+/// The longest run of whitespace before the object and after it.
+pub const MAX_EDGE_WHITESPACE: usize = 2;
+
+/// The deepest nesting of objects and arrays (serde_json's own parsing limit).
+pub const MAX_DEPTH: usize = 128;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Container {
@@ -94,6 +102,16 @@ impl JsonState {
         }
     }
 
+    /// Inside a string, outside an escape: where any byte but `"`, `\` and control bytes is
+    /// accepted without changing the state (JSON mode's fast path for such tokens).
+    pub fn in_plain_string(&self) -> bool {
+        self.scalar
+            == (Scalar::Str {
+                escape: false,
+                hex: 0,
+            })
+    }
+
     /// One JSON object has been written (only whitespace may follow).
     pub fn is_complete(&self) -> bool {
         self.started && self.stack.is_empty() && self.scalar == Scalar::None
@@ -138,7 +156,13 @@ impl JsonState {
         }
         if matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
             self.spaces += 1;
-            return self.spaces <= MAX_WHITESPACE;
+            // Before the object or after it no indentation is needed: a line break at most.
+            let cap = if self.started && !self.stack.is_empty() {
+                MAX_WHITESPACE
+            } else {
+                MAX_EDGE_WHITESPACE
+            };
+            return self.spaces <= cap;
         }
         self.spaces = 0;
         if !self.started {
@@ -209,6 +233,9 @@ impl JsonState {
 
     /// A value begins with `b` (its container already expects what follows it).
     fn start_value(&mut self, b: u8) -> bool {
+        if matches!(b, b'{' | b'[') && self.stack.len() >= MAX_DEPTH {
+            return false;
+        }
         match b {
             b'{' => self.stack.push(Container::Object(ObjNext::KeyOrEnd)),
             b'[' => self.stack.push(Container::Array(ArrNext::ValueOrEnd)),
@@ -316,6 +343,7 @@ mod tests {
             "{\"a\":[1,2.5,-3e+2,true,false,null,{\"b\":\"x\\n\\u00e9\"}],\"c\":{}}\n",
             "{\"é\": \"中文\", \"n\": -0.0E-1}",
             "{\"a\": [ ], \"b\" : [[]]}",
+            "{\n    \"a\": {\n        \"b\": [\n            1\n        ]\n    }\n}",
         ] {
             assert_eq!(accepts(good), (true, true), "{good}");
         }
@@ -340,10 +368,21 @@ mod tests {
             "{} {}",
             "{\"a\": \"\u{1}\"}",
             "{\"a\": \"\\x\"}",
-            "{\"a\":            1}",
         ] {
             assert!(!accepts(bad).0, "{bad}");
         }
+        // Whitespace runs and nesting are bounded.
+        let pad = format!("{{\"a\":{}1}}", " ".repeat(MAX_WHITESPACE + 1));
+        assert!(!accepts(&pad).0);
+        let deep = format!("{{\"a\":{}", "[".repeat(MAX_DEPTH));
+        assert!(!accepts(&deep).0);
+        let ok = format!("{{\"a\":{}", "[".repeat(MAX_DEPTH - 1));
+        assert!(accepts(&ok).0);
+        // A plain string takes any byte but a quote, a backslash or a control byte.
+        let mut s = JsonState::new();
+        assert!(s.feed_all(b"{\"k\": \"ab") && s.in_plain_string());
+        assert!(s.feed_all("é中\u{7f}".as_bytes()) && s.in_plain_string());
+        assert!(s.feed(b'\\') && !s.in_plain_string());
     }
 
     /// Whatever serde_json writes as an object is accepted whole, and every prefix of it is

@@ -1639,6 +1639,13 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             ))
         }
     }
+    if forced.is_some() && json_object {
+        return Err(ApiError::bad(
+            "response_format",
+            "JSON mode and a forced tool call do not go together (the call's own markup is not \
+             JSON): drop one",
+        ));
+    }
     if forced.is_some() && tools.and_then(Value::as_array).is_none_or(|t| t.is_empty()) {
         return Err(ApiError::bad(
             "tool_choice",

@@ -1157,6 +1157,18 @@ fn serve_json_mode() {
         (status, e["error"]["param"].as_str()),
         (400, Some("response_format"))
     );
+    // A forced tool call's markup is not JSON: the two are refused together.
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let (status, e) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                "tool_choice": "required", "response_format": {"type": "json_object"}}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("response_format"))
+    );
 }
 
 /// Through the router too, a client that leaves has its request aborted on the decode server,

@@ -185,6 +185,15 @@ impl Tokenizer {
         }
     }
 
+    /// A special or added control token (`<｜User｜>`, `<|im_end|>`, `</think>` where it is
+    /// special...): one that decoding with special tokens skipped leaves out.
+    pub fn is_special(&self, id: u32) -> bool {
+        match &self.backend {
+            Backend::HuggingFace(t) => t.decode(&[id], true).map(|s| s.is_empty()).unwrap_or(false),
+            Backend::Tiktoken(t) => t.is_special(id),
+        }
+    }
+
     /// The bytes of one token's text (a token of a byte-level BPE may hold part of a
     /// character, which [`Tokenizer::decode`] shows as U+FFFD): tiktoken's bytes as they are;
     /// for Hugging Face tokenizers, the decoded text's bytes, or where that is a partial
