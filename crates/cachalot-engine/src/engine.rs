@@ -319,7 +319,8 @@ pub struct Request {
 }
 
 /// A generated token's log-probability under the model (the log-softmax of its raw logits,
-/// before temperature, penalties and truncation, as vLLM and OpenAI report it), with the `top`
+/// before temperature, penalties and truncation, as vLLM and OpenAI report it; in JSON mode too,
+/// where vLLM reports the masked distribution), with the `top`
 /// most likely tokens and theirs, most likely first. An impossible token's is `f32::MIN`.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenLogprob {
@@ -690,6 +691,20 @@ impl<'t, M: Model> Engine<'t, M> {
         let max_len = self.check_request(&mut req)?;
         // The prompt was scored (if at all) where it was prefilled.
         req.prompt_logprobs = None;
+        // JSON mode from the first token: the prefill side must have masked that token too.
+        if req.json_object && req.json_after.is_none() {
+            let bytes = self.token_bytes.as_deref().unwrap_or_default();
+            let fits = bytes
+                .get(kv.first_token as usize)
+                .is_some_and(|b| !b.is_empty() && JsonState::new().feed_all(b));
+            if !fits {
+                return refuse(format!(
+                    "the transferred first token {} does not begin a JSON object: the prefill \
+                     side did not run JSON mode (send it the same request)",
+                    kv.first_token
+                ));
+            }
+        }
         let mut sampler = Sampler::new(req.params.clone(), &req.prompt)?;
         sampler.set_rng_state(kv.rng);
         let prompt_len = req.prompt.len();

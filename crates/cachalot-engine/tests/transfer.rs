@@ -422,6 +422,29 @@ fn json_mode_answers_are_json_objects() {
     let mut s = JsonState::new();
     assert!(s.feed_all(rest.as_bytes()), "{text:?}");
     assert!(rest.trim_start().starts_with('{'), "{text:?}");
+    // A decode side in JSON mode refuses a first token the prefill side did not mask.
+    let prompt = tok.encode("The weather").unwrap();
+    let mut pre = Engine::new(&m, Some(&tok), PREFILL).unwrap();
+    pre.add_request_for_transfer(request(&prompt, &SamplingParams::greedy(), 1))
+        .unwrap();
+    let kv = *finish(pre).remove(0).kv.unwrap();
+    let mut dec = Engine::new(&m, Some(&tok), DECODE).unwrap();
+    let mut r = request(&prompt, &SamplingParams::greedy(), 8);
+    r.json_object = true;
+    let e = dec.add_prefilled(r.clone(), kv).unwrap_err();
+    assert!(e.to_string().contains("JSON"), "{e}");
+    // With JSON mode on both sides the split gives one engine's answer.
+    let mut pre = Engine::new(&m, Some(&tok), PREFILL).unwrap();
+    let mut first = r.clone();
+    first.stop.max_new_tokens = 1;
+    pre.add_request_for_transfer(first).unwrap();
+    let kv = *finish(pre).remove(0).kv.unwrap();
+    let mut dec = Engine::new(&m, Some(&tok), DECODE).unwrap();
+    dec.add_prefilled(r.clone(), kv).unwrap();
+    let split = finish(dec).remove(0).tokens;
+    let mut one = Engine::new(&m, Some(&tok), PREFILL).unwrap();
+    one.add_request(r).unwrap();
+    assert_eq!(finish(one).remove(0).tokens, split);
     // Without a tokenizer the engine cannot mask tokens: refused.
     let mut e = Engine::new(&m, None, PREFILL).unwrap();
     let mut r = request(&[5, 6, 7], &SamplingParams::greedy(), 4);
