@@ -708,19 +708,11 @@ impl<'t, M: Model> Engine<'t, M> {
         let mut sampler = Sampler::new(req.params.clone(), &req.prompt)?;
         sampler.set_rng_state(kv.rng);
         let prompt_len = req.prompt.len();
-        // Refuse now what could never run (the scheduler's own size check).
-        let blocks = self.scheduler.kv().blocks_for(max_len.max(prompt_len + 1));
-        if blocks > self.scheduler.kv().pool().capacity() {
-            return refuse(format!(
-                "request needs up to {} tokens of KV cache ({blocks} blocks) but the pool holds \
-                 {} blocks of {}; shorten the prompt or max_new_tokens, or give the KV cache \
-                 more memory",
-                max_len,
-                self.scheduler.kv().pool().capacity(),
-                self.scheduler.kv().block_size()
-            ));
-        }
+        // Refuse now what could never run (the scheduler's own check, as placing it will).
         let id = self.next_id;
+        self.scheduler
+            .check_new(id, max_len.max(prompt_len + 1))
+            .map_err(|e| EngineError::Request(e.to_string()))?;
         self.next_id += 1;
         self.insert_live(id, req, sampler);
         let now = Instant::now();

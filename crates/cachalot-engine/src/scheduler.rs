@@ -173,20 +173,12 @@ impl Scheduler {
         self.seqs.get(&id).map(|s| s.phase)
     }
 
-    /// Queues a request of `prompt_len` tokens that may grow to `max_len` tokens.
-    pub fn add(
-        &mut self,
-        id: u64,
-        prompt_len: usize,
-        max_len: usize,
-    ) -> Result<(), AdmissionError> {
+    /// A new request `id` that may grow to `max_len` tokens: not known yet, and the pool could
+    /// hold it alone.
+    pub fn check_new(&self, id: u64, max_len: usize) -> Result<(), AdmissionError> {
         if self.seqs.contains_key(&id) {
             return Err(AdmissionError::Duplicate(id));
         }
-        if prompt_len == 0 {
-            return Err(AdmissionError::EmptyPrompt);
-        }
-        let max_len = max_len.max(prompt_len);
         let blocks = self.kv.blocks_for(max_len);
         if blocks > self.kv.pool().capacity() {
             return Err(AdmissionError::TooLong {
@@ -196,6 +188,21 @@ impl Scheduler {
                 block_size: self.kv.block_size(),
             });
         }
+        Ok(())
+    }
+
+    /// Queues a request of `prompt_len` tokens that may grow to `max_len` tokens.
+    pub fn add(
+        &mut self,
+        id: u64,
+        prompt_len: usize,
+        max_len: usize,
+    ) -> Result<(), AdmissionError> {
+        if prompt_len == 0 {
+            return Err(AdmissionError::EmptyPrompt);
+        }
+        let max_len = max_len.max(prompt_len);
+        self.check_new(id, max_len)?;
         self.seqs.insert(
             id,
             Seq {
@@ -225,22 +232,11 @@ impl Scheduler {
         num_tokens: usize,
         max_len: usize,
     ) -> Result<bool, AdmissionError> {
-        if self.seqs.contains_key(&id) {
-            return Err(AdmissionError::Duplicate(id));
-        }
         if prompt_len == 0 || num_tokens <= prompt_len {
             return Err(AdmissionError::EmptyPrompt);
         }
         let max_len = max_len.max(num_tokens);
-        let blocks = self.kv.blocks_for(max_len);
-        if blocks > self.kv.pool().capacity() {
-            return Err(AdmissionError::TooLong {
-                tokens: max_len,
-                blocks,
-                capacity: self.kv.pool().capacity(),
-                block_size: self.kv.block_size(),
-            });
-        }
+        self.check_new(id, max_len)?;
         // Room for its next step too (its token and drafts), and a block for each running
         // request's next token, so that the step after placing it need not preempt it and throw
         // the transferred KV away.

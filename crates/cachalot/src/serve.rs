@@ -683,16 +683,7 @@ fn engine_loop<M: Model>(
     rooms: Option<Arc<Rooms>>,
     metrics: &Metrics,
 ) -> Result<()> {
-    let cfg = EngineConfig {
-        block_size: args.block_size,
-        num_blocks,
-        batch_size: args.batch_size,
-        max_prefill_tokens: args.max_prefill_tokens,
-    };
-    let mut engine = Engine::new(model, Some(tokenizer), cfg)?;
-    if args.mtp > 0 {
-        engine.enable_mtp(args.mtp)?;
-    }
+    let mut engine = serving_engine(model, tokenizer, args, num_blocks)?;
     eprintln!(
         "cachalot serve: KV pool of {num_blocks} blocks of {} tokens ({:.1} MB), batch {}, \
          max {} prefill tokens a step{}",
@@ -786,13 +777,7 @@ fn engine_loop<M: Model>(
                 for out in engine.take_finished() {
                     metrics.record(&out);
                 }
-                let sched = engine.scheduler();
-                metrics.gauges(
-                    sched.num_running(),
-                    sched.num_waiting(),
-                    sched.kv().pool().num_used(),
-                    sched.kv().pool().capacity(),
-                );
+                metrics.gauges(engine_gauges(&engine));
                 continue;
             }
         }
@@ -803,19 +788,16 @@ fn engine_loop<M: Model>(
             };
             // The text only grows, so `sent` is a char boundary; `get` keeps a surprise from
             // panicking the engine thread.
-            let new = text.get(sink.sent..).unwrap_or_default();
             let lps = engine.logprobs_so_far(*id).unwrap_or_default();
-            let new_lps = lps.get(sink.sent_logprobs..).unwrap_or_default();
-            if !new.is_empty() || !new_lps.is_empty() {
+            if let Some(news) = unsent(text, lps, sink.sent, sink.sent_logprobs) {
                 if sink
                     .events
-                    .send((sink.choice, Event::Text(new.to_string(), new_lps.to_vec())))
+                    .send((sink.choice, Event::Text(news.0, news.1)))
                     .is_err()
                 {
                     gone.push(*id);
                 } else {
-                    sink.sent = text.len();
-                    sink.sent_logprobs = lps.len();
+                    (sink.sent, sink.sent_logprobs) = (text.len(), lps.len());
                 }
             }
         }
@@ -829,13 +811,7 @@ fn engine_loop<M: Model>(
                 );
             }
         }
-        let sched = engine.scheduler();
-        metrics.gauges(
-            sched.num_running(),
-            sched.num_waiting(),
-            sched.kv().pool().num_used(),
-            sched.kv().pool().capacity(),
-        );
+        metrics.gauges(engine_gauges(&engine));
         for mut out in engine.take_finished() {
             metrics.record(&out);
             let Some(Sink {
@@ -857,10 +833,8 @@ fn engine_loop<M: Model>(
                     ),
                 }
             }
-            let rest = out.text.get(sent..).unwrap_or_default();
-            let rest_lps = out.logprobs.get(sent_logprobs..).unwrap_or_default();
-            if !rest.is_empty() || !rest_lps.is_empty() {
-                let _ = events.send((choice, Event::Text(rest.to_string(), rest_lps.to_vec())));
+            if let Some(rest) = unsent(&out.text, &out.logprobs, sent, sent_logprobs) {
+                let _ = events.send((choice, Event::Text(rest.0, rest.1)));
             }
             let _ = events.send((choice, Event::Done(Box::new(out))));
         }
@@ -886,11 +860,9 @@ struct Report {
     failed: Vec<(u64, u16, String)>,
     live: usize,
     unfinished: bool,
-    /// The rank's engine: requests running and waiting, KV blocks used and held.
-    running: usize,
-    waiting: usize,
-    kv_used: usize,
-    kv_capacity: usize,
+    /// The rank's engine: requests running and waiting, KV blocks used and held
+    /// ([`engine_gauges`]).
+    gauges: [usize; 4],
 }
 
 /// The ranks a server runs over, and whether they split the experts (else the requests).
@@ -928,16 +900,7 @@ fn ranked_loop<M: Model>(
 ) -> Result<()> {
     let RankGroup { comm, expert } = group;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let cfg = EngineConfig {
-        block_size: set.block_size,
-        num_blocks,
-        batch_size: set.batch_size,
-        max_prefill_tokens: set.max_prefill_tokens,
-    };
-    let mut engine = Engine::new(model, Some(tokenizer), cfg)?;
-    if set.mtp > 0 {
-        engine.enable_mtp(set.mtp)?;
-    }
+    let mut engine = serving_engine(model, tokenizer, set, num_blocks)?;
     eprintln!(
         "cachalot serve: rank {rank} of {world}: KV pool of {num_blocks} blocks of {} tokens \
          ({:.1} MB), batch {}",
@@ -1036,10 +999,8 @@ fn ranked_loop<M: Model>(
             for (&key, (id, sent, sent_lps)) in mine.iter_mut() {
                 let text = engine.text_so_far(*id).unwrap_or_default();
                 let lps = engine.logprobs_so_far(*id).unwrap_or_default();
-                let new = text.get(*sent..).unwrap_or_default();
-                let new_lps = lps.get(*sent_lps..).unwrap_or_default();
-                if !new.is_empty() || !new_lps.is_empty() {
-                    report.text.push((key, new.to_string(), new_lps.to_vec()));
+                if let Some((new, new_lps)) = unsent(text, lps, *sent, *sent_lps) {
+                    report.text.push((key, new, new_lps));
                     (*sent, *sent_lps) = (text.len(), lps.len());
                 }
             }
@@ -1053,10 +1014,8 @@ fn ranked_loop<M: Model>(
             };
             if reporting {
                 let mut out = out;
-                let rest = out.text.get(sent..).unwrap_or_default();
-                let rest_lps = out.logprobs.get(sent_lps..).unwrap_or_default();
-                if !rest.is_empty() || !rest_lps.is_empty() {
-                    report.text.push((key, rest.to_string(), rest_lps.to_vec()));
+                if let Some((rest, rest_lps)) = unsent(&out.text, &out.logprobs, sent, sent_lps) {
+                    report.text.push((key, rest, rest_lps));
                 }
                 // Rank 0 has the prompt, and the log-probabilities went out piece by piece.
                 out.prompt = Vec::new();
@@ -1066,11 +1025,7 @@ fn ranked_loop<M: Model>(
         }
         report.live = mine.len();
         report.unfinished = engine.has_unfinished();
-        let sched = engine.scheduler();
-        report.running = sched.num_running();
-        report.waiting = sched.num_waiting();
-        report.kv_used = sched.kv().pool().num_used();
-        report.kv_capacity = sched.kv().pool().capacity();
+        report.gauges = engine_gauges(&engine);
         let bytes = serde_json::to_vec(&report).map_err(|e| bad("the step's report", e))?;
         let parts = comm.all_gather(&bytes)?;
         if rank != 0 {
@@ -1085,8 +1040,7 @@ fn ranked_loop<M: Model>(
             busy |= rep.unfinished;
             load[r] = rep.live;
             if !expert || r == 0 {
-                let g = [rep.running, rep.waiting, rep.kv_used, rep.kv_capacity];
-                gauges.iter_mut().zip(g).for_each(|(a, b)| *a += b);
+                gauges.iter_mut().zip(rep.gauges).for_each(|(a, b)| *a += b);
             }
             for (key, text, lps) in rep.text {
                 if !lps.is_empty() {
@@ -1117,8 +1071,53 @@ fn ranked_loop<M: Model>(
                 }
             }
         }
-        metrics.gauges(gauges[0], gauges[1], gauges[2], gauges[3]);
+        metrics.gauges(gauges);
     }
+}
+
+/// The engine of a server (or of one of its ranks) with its settings.
+fn serving_engine<'t, M: Model>(
+    model: M,
+    tokenizer: &'t Tokenizer,
+    set: &Settings,
+    num_blocks: usize,
+) -> Result<Engine<'t, M>> {
+    let cfg = EngineConfig {
+        block_size: set.block_size,
+        num_blocks,
+        batch_size: set.batch_size,
+        max_prefill_tokens: set.max_prefill_tokens,
+    };
+    let mut engine = Engine::new(model, Some(tokenizer), cfg)?;
+    if set.mtp > 0 {
+        engine.enable_mtp(set.mtp)?;
+    }
+    Ok(engine)
+}
+
+/// An engine's gauges for `/metrics`: requests running and waiting, KV blocks used and held.
+fn engine_gauges<M: Model>(engine: &Engine<M>) -> [usize; 4] {
+    let sched = engine.scheduler();
+    [
+        sched.num_running(),
+        sched.num_waiting(),
+        sched.kv().pool().num_used(),
+        sched.kv().pool().capacity(),
+    ]
+}
+
+/// What of a request's text and log-probabilities has not gone out yet, after the first `sent`
+/// bytes and `sent_lps` entries; None when nothing has. (The text only grows, so `sent` is a
+/// char boundary; `get` keeps a surprise from panicking the engine thread.)
+fn unsent(
+    text: &str,
+    lps: &[TokenLogprob],
+    sent: usize,
+    sent_lps: usize,
+) -> Option<(String, Vec<TokenLogprob>)> {
+    let new = text.get(sent..).unwrap_or_default();
+    let new_lps = lps.get(sent_lps..).unwrap_or_default();
+    (!new.is_empty() || !new_lps.is_empty()).then(|| (new.to_string(), new_lps.to_vec()))
 }
 
 fn accept(server: tiny_http::Server, shared: Arc<Shared>) {

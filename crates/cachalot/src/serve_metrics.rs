@@ -139,8 +139,8 @@ impl Metrics {
         m.e2e.observe(t.e2e_s);
     }
 
-    /// Requests running and waiting, and the KV pool's use, after a step.
-    pub fn gauges(&self, running: usize, waiting: usize, kv_used: usize, kv_capacity: usize) {
+    /// Requests running and waiting, and the KV pool's blocks used and held, after a step.
+    pub fn gauges(&self, [running, waiting, kv_used, kv_capacity]: [usize; 4]) {
         let mut m = self.lock();
         m.running = running;
         m.waiting = waiting;
@@ -286,7 +286,7 @@ mod tests {
         m.record(&out(FinishReason::Length, 4, 0.003));
         m.record(&out(FinishReason::Length, 2, 0.3));
         m.record(&out(FinishReason::Cancelled, 1, 9.0));
-        m.gauges(2, 1, 3, 12);
+        m.gauges([2, 1, 3, 12]);
         let text = m.render("tiny");
         let line = |p: &str| {
             text.lines()

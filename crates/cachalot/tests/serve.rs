@@ -63,6 +63,38 @@ fn start_command(command: &str, extra: &[&str]) -> Server {
     Server { child, addr, log }
 }
 
+/// Starts a long completion at `addr` (whole or streamed), leaves after 300 ms, and waits until
+/// `watched` (the server that runs it) has logged `aborts` aborted requests in all.
+fn leave_a_long_request(addr: &str, stream: bool, watched: &Server, aborts: usize) {
+    let body = json!({"prompt": "The whale", "max_tokens": 4000, "ignore_eos": true,
+                      "stream": stream})
+    .to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    drop(s);
+    let t = std::time::Instant::now();
+    let seen = loop {
+        let n = watched
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains("the client went away; aborted"))
+            .count();
+        if n == aborts || t.elapsed().as_secs() > 30 {
+            break n;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(seen, aborts, "stream {stream}: {:?}", watched.log);
+}
+
 /// One HTTP/1.1 exchange: the status and the body (chunked bodies decoded).
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -364,38 +396,7 @@ fn serve_aborts_requests_whose_client_left() {
     ]);
     let addr = server.addr.as_str();
     for stream in [false, true] {
-        let body = json!({"prompt": "The whale", "max_tokens": 4000, "ignore_eos": true,
-                          "stream": stream})
-        .to_string();
-        let mut s = TcpStream::connect(addr).unwrap();
-        write!(
-            s,
-            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(200));
-        drop(s);
-        let t = std::time::Instant::now();
-        let seen = loop {
-            let n = server
-                .log
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|l| l.contains("the client went away; aborted"))
-                .count();
-            if n == usize::from(stream) + 1 || t.elapsed().as_secs() > 30 {
-                break n;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        };
-        assert_eq!(
-            seen,
-            usize::from(stream) + 1,
-            "stream {stream}: {:?}",
-            server.log
-        );
+        leave_a_long_request(addr, stream, &server, usize::from(stream) + 1);
     }
     // The slot is free again: a short request is answered.
     let (status, r) = post(
@@ -1190,38 +1191,7 @@ fn the_router_passes_a_departed_client_on() {
     let router = start_command("router", &["--prefill", &pre.addr, "--decode", &dec.addr]);
     let addr = router.addr.as_str();
     for stream in [false, true] {
-        let body = json!({"prompt": "The whale", "max_tokens": 4000, "ignore_eos": true,
-                          "stream": stream})
-        .to_string();
-        let mut s = TcpStream::connect(addr).unwrap();
-        write!(
-            s,
-            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        drop(s);
-        let t = std::time::Instant::now();
-        let seen = loop {
-            let n = dec
-                .log
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|l| l.contains("the client went away; aborted"))
-                .count();
-            if n == usize::from(stream) + 1 || t.elapsed().as_secs() > 30 {
-                break n;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        };
-        assert_eq!(
-            seen,
-            usize::from(stream) + 1,
-            "stream {stream}: {:?}",
-            dec.log
-        );
+        leave_a_long_request(addr, stream, &dec, usize::from(stream) + 1);
     }
     // The decode server's only slot is free again.
     let (status, v) = post(
