@@ -160,9 +160,9 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             )?;
             if args.keep_random {
                 r.keep();
-                eprintln!("keeping the random model: --model {}", r.dir.display());
+                say!("keeping the random model: --model {}", r.dir.display());
             }
-            eprintln!(
+            say!(
                 "random {} model ({}) written to {} in {:.1} s",
                 r.shape,
                 r.quant,

@@ -3,6 +3,17 @@
 //! `router` (in front of prefill and decode servers), `convert`, `convert-config` and
 //! `calibrate` (see README.md).
 
+/// `eprintln!` as one write: ranks and servers that share a stderr pipe never cut into each
+/// other's lines (`eprintln!` on the unbuffered stderr writes a line in pieces).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut line = format!($($arg)*);
+        line.push('\n');
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }};
+}
+
 mod bench;
 mod quant;
 mod router;
@@ -275,7 +286,7 @@ fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
 fn main() {
     tune_allocator();
     if let Err(e) = run() {
-        eprintln!("error: {e:#}");
+        say!("error: {e:#}");
         std::process::exit(1);
     }
 }

@@ -72,7 +72,7 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
         progress: true,
     };
     if opts.quant_param_path.is_some() && matches!(mode, QuantMode::W4A8Mx | QuantMode::W4A8MxHif) {
-        eprintln!(
+        say!(
             "note: --quant-param-path: clip factors clamp the INT8/INT4 layers; {} has none, so \
              they are not used",
             mode.name()
@@ -93,7 +93,7 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
             kinds.push_str(&format!(", {n} {what} weights"));
         }
     }
-    eprintln!(
+    say!(
         "converted {} shards, {} tensors ({kinds}) into {} in {:.2} s ({:.2} GB/s of input; \
          {:.3} GB in, {:.3} GB out)",
         r.shards,
@@ -151,7 +151,7 @@ pub struct ConvertConfigArgs {
 
 pub fn run_convert_config(args: &ConvertConfigArgs) -> Result<()> {
     cachalot_convert::convert_config(&args.dir, args.hif)?;
-    eprintln!(
+    say!(
         "rewrote quantization_config of {}",
         args.dir.join("config.json").display()
     );
@@ -221,7 +221,7 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     });
     std::fs::write(&args.out, serde_json::to_string_pretty(&v)? + "\n")
         .with_context(|| format!("cannot write {}", args.out.display()))?;
-    eprintln!(
+    say!(
         "{} layers calibrated on {} tokens; scales written to {}",
         scales.len(),
         ids.len(),

@@ -264,7 +264,7 @@ pub fn router(args: &RouterArgs) -> Result<()> {
         .server_addr()
         .to_ip()
         .map_or(format!("{}:{}", args.host, args.port), |a| a.to_string());
-    eprintln!(
+    say!(
         "cachalot router: {} prefill and {} decode servers, listening on http://{addr}/v1",
         prefill.len(),
         decode.len()
@@ -388,7 +388,7 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                         }
                         Err(e) => Outcome::PrefillLost(format!("prefill server {addr}: {e}")),
                     };
-                    eprintln!("cachalot router: room {room}: the prefill server failed");
+                    say!("cachalot router: room {room}: the prefill server failed");
                     let _ = tx.send(outcome);
                 });
             }

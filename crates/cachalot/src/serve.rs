@@ -416,7 +416,7 @@ fn settings(args: &ServeArgs) -> Result<Settings> {
         }
         let p = &cfg.parallel_config;
         if p.world_size > 1 {
-            eprintln!(
+            say!(
                 "cachalot serve: {}: world_size {} — this server takes one DP group's batch \
                  ({}) per rank and starts no ranks of its own: give --ranks N (or --rank, \
                  --world-size, --master) and --parallel for several",
@@ -581,7 +581,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             .to_ip()
             .map_or(format!("{}:{port}", args.host), |a| a.to_string());
         if let (Some(l), Some(r), Some(p)) = (kv_listener, rooms.clone(), kv_port) {
-            eprintln!(
+            say!(
                 "cachalot serve: prefill role, decode servers fetch KV from {}:{p}",
                 args.host
             );
@@ -592,7 +592,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             n if expert => format!(", {n} ranks (expert parallel)"),
             n => format!(", {n} ranks (data parallel)"),
         };
-        eprintln!(
+        say!(
             "cachalot serve: {name} ({}), role {}{ranks}, max_model_len {max_positions}, \
              listening on http://{addr}/v1",
             dir.display(),
@@ -684,7 +684,7 @@ fn engine_loop<M: Model>(
     metrics: &Metrics,
 ) -> Result<()> {
     let mut engine = serving_engine(model, tokenizer, args, num_blocks)?;
-    eprintln!(
+    say!(
         "cachalot serve: KV pool of {num_blocks} blocks of {} tokens ({:.1} MB), batch {}, \
          max {} prefill tokens a step{}",
         args.block_size,
@@ -765,7 +765,7 @@ fn engine_loop<M: Model>(
         // it. Its output goes out below without a step.)
         if engine.has_unfinished() {
             if let Err(e) = engine.step() {
-                eprintln!("cachalot serve: a step failed: {e}");
+                say!("cachalot serve: a step failed: {e}");
                 for (id, sink) in live.drain() {
                     engine.abort(id);
                     fail_room(sink.room, format!("the step failed: {e}"));
@@ -802,7 +802,7 @@ fn engine_loop<M: Model>(
             }
         }
         for id in gone {
-            eprintln!("cachalot serve: request {id}: the client went away; aborted");
+            say!("cachalot serve: request {id}: the client went away; aborted");
             engine.abort(id);
             if let Some(sink) = live.remove(&id) {
                 fail_room(
@@ -901,7 +901,7 @@ fn ranked_loop<M: Model>(
     let RankGroup { comm, expert } = group;
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut engine = serving_engine(model, tokenizer, set, num_blocks)?;
-    eprintln!(
+    say!(
         "cachalot serve: rank {rank} of {world}: KV pool of {num_blocks} blocks of {} tokens \
          ({:.1} MB), batch {}",
         set.block_size,
@@ -984,7 +984,7 @@ fn ranked_loop<M: Model>(
                     // The ranks' steps are one computation: this one cannot go on alone.
                     bail!("rank {rank}: a step failed: {e}");
                 }
-                eprintln!("cachalot serve: rank {rank}: a step failed: {e}");
+                say!("cachalot serve: rank {rank}: a step failed: {e}");
                 for (key, (id, _, _)) in mine.drain() {
                     engine.abort(id);
                     report
@@ -1051,7 +1051,7 @@ fn ranked_loop<M: Model>(
                     None => false,
                 };
                 if gone {
-                    eprintln!("cachalot serve: request {key}: the client went away; aborted");
+                    say!("cachalot serve: request {key}: the client went away; aborted");
                     sinks.remove(&key);
                     logprobs.remove(&key);
                     aborts.push(key);
@@ -1354,7 +1354,7 @@ fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
                 Err(m) => send_kv_error(&mut w, &m).map_err(anyhow::Error::from),
             };
             if let Err(e) = sent {
-                eprintln!("cachalot serve: KV of bootstrap_room {room} not delivered: {e}");
+                say!("cachalot serve: KV of bootstrap_room {room} not delivered: {e}");
             }
         });
     }

@@ -377,14 +377,14 @@ fn report_tool_calls(parsed: &Option<std::result::Result<ParsedAnswer, String>>)
                     serde_json::Value::String(s) => s.clone(),
                     other => other.to_string(),
                 };
-                eprintln!(
+                say!(
                     "[tool call {}] {} {args}",
                     c.id.as_deref().unwrap_or("?"),
                     c.function.name
                 );
             }
         }
-        Some(Err(e)) => eprintln!("[the tool calls could not be read: {e}]"),
+        Some(Err(e)) => say!("[the tool calls could not be read: {e}]"),
         None => {}
     }
 }
@@ -521,7 +521,7 @@ fn report(g: &Generation) {
     } else {
         0.0
     };
-    eprintln!(
+    say!(
         "[{n} tokens; prefill {:.1} ms; decode {decode_tps:.2} tokens/s; finish: {}]",
         g.prefill_s * 1e3,
         finish_word(&g.finish)
@@ -542,7 +542,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             let absent =
                 !dir.join("tokenizer.json").exists() && !dir.join("tiktoken.model").exists();
             if !absent && args.input.token_ids.is_some() {
-                eprintln!("warning: the tokenizer cannot be used ({e}); output is ids only");
+                say!("warning: the tokenizer cannot be used ({e}); output is ids only");
             }
             None
         }
@@ -717,7 +717,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
 
     let interactive = std::io::stdin().is_terminal();
     if interactive {
-        eprintln!("cachalot chat: /reset clears the history, /system TEXT sets the system prompt, /tool RESULT answers a tool call, /exit leaves; Ctrl-C stops an answer.");
+        say!("cachalot chat: /reset clears the history, /system TEXT sets the system prompt, /tool RESULT answers a tool call, /exit leaves; Ctrl-C stops an answer.");
     }
     let mut system = args.system.clone();
     let mut history: Vec<serde_json::Value> = Vec::new();
@@ -730,7 +730,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         r.map(|bytes| match String::from_utf8(bytes) {
             Ok(s) => s,
             Err(e) => {
-                eprintln!("warning: that line is not UTF-8; invalid bytes read as U+FFFD");
+                say!("warning: that line is not UTF-8; invalid bytes read as U+FFFD");
                 String::from_utf8_lossy(e.as_bytes()).into_owned()
             }
         })
@@ -753,7 +753,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             history.clear();
             pending.clear();
             if interactive {
-                eprintln!("(history cleared)");
+                say!("(history cleared)");
             }
             continue;
         }
@@ -764,7 +764,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             let rest = rest.trim();
             system = (!rest.is_empty()).then(|| rest.to_string());
             if interactive {
-                eprintln!(
+                say!(
                     "(system prompt {})",
                     if system.is_some() { "set" } else { "cleared" }
                 );
@@ -783,7 +783,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             && !command.starts_with("//")
             && command.len() > 1
         {
-            eprintln!(
+            say!(
                 "error: unknown command {command}; commands: /reset, /system TEXT, /tool RESULT, \
                  /exit (start a message with // to send a line beginning with /)"
             );
@@ -795,7 +795,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             .unwrap_or(input);
         let added = if let Some(result) = tool_result {
             let Some(id) = pending.pop_front() else {
-                eprintln!("error: no tool call is waiting for a result");
+                say!("error: no tool call is waiting for a result");
                 continue;
             };
             history.push(serde_json::json!({
@@ -805,14 +805,14 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             }));
             if !pending.is_empty() {
                 if interactive {
-                    eprintln!("({} more tool result(s) to give)", pending.len());
+                    say!("({} more tool result(s) to give)", pending.len());
                 }
                 continue;
             }
             0
         } else {
             if !pending.is_empty() {
-                eprintln!(
+                say!(
                     "error: the model called {} tool(s); give each result with /tool RESULT \
                      (or /reset)",
                     pending.len()
@@ -836,7 +836,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         ) {
             // The turn is refused; the conversation goes on without it. A refused turn after the
             // last tool result gives the results back: they wait for /tool again.
-            eprintln!("error: {e:#} (/reset clears the history)");
+            say!("error: {e:#} (/reset clears the history)");
             history.truncate(history.len() - added);
             if added == 0 {
                 while history.last().is_some_and(|m| m["role"] == "tool") {
@@ -900,7 +900,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
                     "tool_calls": p.tool_calls,
                 }));
                 if interactive {
-                    eprintln!("(give each tool's result with /tool RESULT)");
+                    say!("(give each tool's result with /tool RESULT)");
                 }
                 continue;
             }
