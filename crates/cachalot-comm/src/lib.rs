@@ -22,7 +22,7 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A communication error: names the rank or address and what went wrong.
@@ -325,6 +325,55 @@ impl TcpComm {
 }
 
 /// Rank 0's answer to rank `r`'s greeting.
+/// A group of `n` ranks over loopback TCP inside this process (tests and benchmarks of the
+/// parallel paths): every rank's communicator, in rank order.
+pub fn local_group(n: usize, timeout: Duration) -> CommResult<Vec<TcpComm>> {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .map_err(|e| CommError(format!("local group: cannot listen on loopback: {e}")))?;
+    let master = listener
+        .local_addr()
+        .map_err(|e| CommError(format!("local group: {e}")))?
+        .to_string();
+    let others: Vec<_> = (1..n)
+        .map(|rank| {
+            let rv = TcpRendezvous {
+                rank,
+                world_size: n,
+                master: master.clone(),
+                timeout,
+            };
+            std::thread::spawn(move || TcpComm::connect(&rv))
+        })
+        .collect();
+    let mut all = vec![TcpComm::accept(listener, n, timeout)?];
+    for h in others {
+        all.push(
+            h.join()
+                .map_err(|_| CommError("local group: a rank's connect panicked".into()))??,
+        );
+    }
+    Ok(all)
+}
+
+/// Runs `f` on every rank of a [`local_group`] of `n`, each on its own thread; the results in
+/// rank order (a rank's panic is raised here).
+pub fn run_local_group<T: Send>(
+    n: usize,
+    f: impl Fn(Arc<dyn Communicator>) -> T + Sync,
+) -> CommResult<Vec<T>> {
+    let comms = local_group(n, Duration::from_secs(30))?;
+    Ok(std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| s.spawn(move || f(Arc::new(c))))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    }))
+}
+
 fn ack_bytes(r: usize) -> Vec<u8> {
     [HELLO, r as u64]
         .iter()
@@ -553,23 +602,7 @@ mod tests {
 
     /// A TcpComm group of `n` ranks on threads of this process (rank 0 on port 0).
     fn group(n: usize) -> Vec<TcpComm> {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let master = listener.local_addr().unwrap().to_string();
-        let others: Vec<_> = (1..n)
-            .map(|rank| {
-                let rv = TcpRendezvous {
-                    rank,
-                    world_size: n,
-                    master: master.clone(),
-                    timeout: Duration::from_secs(10),
-                };
-                std::thread::spawn(move || TcpComm::connect(&rv).unwrap())
-            })
-            .collect();
-        let root = TcpComm::accept(listener, n, Duration::from_secs(10)).unwrap();
-        let mut all = vec![root];
-        all.extend(others.into_iter().map(|h| h.join().unwrap()));
-        all
+        local_group(n, Duration::from_secs(10)).unwrap()
     }
 
     #[test]

@@ -74,6 +74,15 @@ pub enum KernelError {
         cols: usize,
         group_size: usize,
     },
+    /// A row or column slice ([`crate::Matrix::slice_rows`], [`crate::Matrix::slice_cols`])
+    /// outside the matrix, or one its format cannot cut.
+    #[error("a {format} matrix of {rows}x{cols} cannot be sliced at {detail}")]
+    BadSlice {
+        format: &'static str,
+        rows: usize,
+        cols: usize,
+        detail: String,
+    },
     /// A scale that is NaN or infinite (it would silently poison every output it touches).
     #[error("{format} scale #{index} is {value}, expected a finite number")]
     NonFiniteScale {

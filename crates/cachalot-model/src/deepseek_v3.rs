@@ -33,6 +33,7 @@ use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
 use crate::profile::{Phase, Timer};
 use crate::rope::Rope;
+use crate::tensor_parallel::{self as tp, TensorShard};
 
 /// How FP8 block-scaled weights are held in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -65,6 +66,9 @@ pub struct LoadOptions {
     pub bf16_dot: bool,
     /// The routed experts this process holds (expert parallelism); default: all of them.
     pub expert_shard: ExpertShard,
+    /// The heads and intermediate features this process holds (tensor parallelism,
+    /// `crate::tensor_parallel`); default: all of them. Not together with `expert_shard`.
+    pub tensor_shard: TensorShard,
     /// Only the first N decoder layers (the seed's `custom_params.num_hidden_layers`, for
     /// reduced-layer testing; the others are skipped, the MTP layers stay those of the
     /// checkpoint); None: all of them.
@@ -100,6 +104,8 @@ enum QProj {
 }
 
 struct Mla {
+    /// The heads held here: all of them, or this rank's share under tensor parallelism.
+    heads: usize,
     q: QProj,
     kv_a: Matrix,
     kv_a_norm: Vec<f32>,
@@ -145,6 +151,8 @@ pub struct DeepseekV3 {
     force_eplb: Option<BalancedRouting>,
     /// The routed experts held here, and the group that holds the others.
     shard: ExpertShard,
+    /// The heads and intermediate features held here (tensor parallelism).
+    tp: TensorShard,
     comm: Option<Arc<dyn Communicator>>,
     /// How the cache's float part is stored (`set_kv_cache_dtype`).
     kv_dtype: KvCacheDtype,
@@ -156,6 +164,33 @@ pub struct ForwardOutput {
     /// `[logits_indices.len(), vocab_size]`.
     pub logits: Vec<f32>,
     pub hidden: Option<Vec<f32>>,
+}
+
+/// Which part of a Linear a rank keeps (tensor parallelism, `crate::tensor_parallel`).
+#[derive(Clone)]
+enum Cut {
+    Whole,
+    /// These output rows (column parallel: q_b/q, kv_b, gate, up).
+    Rows(Range<usize>),
+    /// These input columns (row parallel: o_proj, down).
+    Cols(Range<usize>),
+}
+
+impl Cut {
+    fn apply(self, m: Matrix, name: &str, shard: TensorShard) -> Result<Matrix> {
+        let cut = match self {
+            Cut::Rows(r) if r != (0..m.rows()) => m.slice_rows(r),
+            Cut::Cols(c) if c != (0..m.cols()) => m.slice_cols(c),
+            _ => return Ok(m),
+        };
+        cut.map_err(|e| {
+            ModelError::Options(format!(
+                "tensor `{name}`: rank {} of {} (tensor parallelism) cannot hold its share: {e}; \
+                 use a number of ranks that cuts it there, or --parallel data|expert",
+                shard.rank, shard.ranks
+            ))
+        })
+    }
 }
 
 struct Loader<'a> {
@@ -197,7 +232,12 @@ impl Loader<'_> {
     /// A linear weight `[rows, cols]` under `prefix` (`prefix.weight` plus its scales), bf16
     /// ones multiplied as BF16 × BF16 when `bf16_dot` is asked for.
     fn linear(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
-        let m = self.linear_f32_acts(prefix, rows, cols)?;
+        self.linear_cut(prefix, rows, cols, Cut::Whole)
+    }
+
+    /// [`Loader::linear`], of which only `cut` is kept (tensor parallelism).
+    fn linear_cut(&mut self, prefix: &str, rows: usize, cols: usize, cut: Cut) -> Result<Matrix> {
+        let m = self.linear_f32_acts_cut(prefix, rows, cols, cut)?;
         Ok(if self.opts.bf16_dot {
             m.to_bf16_dot()
         } else {
@@ -208,10 +248,21 @@ impl Loader<'_> {
     /// [`Loader::linear`] with f32 activations whatever `bf16_dot` says (the routers: their
     /// logits pick experts, so they stay exact).
     fn linear_f32_acts(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        self.linear_f32_acts_cut(prefix, rows, cols, Cut::Whole)
+    }
+
+    fn linear_f32_acts_cut(
+        &mut self,
+        prefix: &str,
+        rows: usize,
+        cols: usize,
+        cut: Cut,
+    ) -> Result<Matrix> {
         let name = format!("{prefix}.weight");
         let packed = format!("{prefix}.weight_packed");
         if !self.ckpt.contains(&name) && self.ckpt.contains(&packed) {
-            return self.packed_int4(prefix, rows, cols);
+            let m = self.packed_int4(prefix, rows, cols)?;
+            return cut.apply(m, &name, self.opts.tensor_shard);
         }
         let w = self
             .ckpt
@@ -275,6 +326,7 @@ impl Loader<'_> {
             }
         };
         let m = Matrix::new(rows, cols, data).map_err(|e| w.error(e.to_string()))?;
+        let m = cut.apply(m, &name, self.opts.tensor_shard)?;
         Ok(match (self.opts.fp8, w.dtype) {
             (Fp8Mode::DequantizeF32, Dtype::F8_E4M3) => m.to_f32_matrix(),
             _ => m,
@@ -344,11 +396,28 @@ impl Loader<'_> {
         Matrix::new(rows, cols, data).map_err(|e| w.error(e.to_string()))
     }
 
+    /// An MLP; under tensor parallelism, this rank's share of its intermediate features.
     fn mlp(&mut self, prefix: &str, hidden: usize, inter: usize) -> Result<Mlp> {
+        let part = self.opts.tensor_shard.part(inter);
         Ok(Mlp {
-            gate: self.linear(&format!("{prefix}.gate_proj"), inter, hidden)?,
-            up: self.linear(&format!("{prefix}.up_proj"), inter, hidden)?,
-            down: self.linear(&format!("{prefix}.down_proj"), hidden, inter)?,
+            gate: self.linear_cut(
+                &format!("{prefix}.gate_proj"),
+                inter,
+                hidden,
+                Cut::Rows(part.clone()),
+            )?,
+            up: self.linear_cut(
+                &format!("{prefix}.up_proj"),
+                inter,
+                hidden,
+                Cut::Rows(part.clone()),
+            )?,
+            down: self.linear_cut(
+                &format!("{prefix}.down_proj"),
+                hidden,
+                inter,
+                Cut::Cols(part),
+            )?,
         })
     }
 
@@ -357,21 +426,33 @@ impl Loader<'_> {
         let h = cfg.hidden_size;
         let n = cfg.num_attention_heads;
         let qk = cfg.qk_head_dim();
+        // This rank's heads (all of them without tensor parallelism).
+        let heads = self.opts.tensor_shard.part(n);
+        let rows_of = |width: usize| Cut::Rows(heads.start * width..heads.end * width);
         let q = match cfg.q_lora_rank {
             Some(r) => QProj::Lora {
                 a: self.linear(&format!("{p}.self_attn.q_a_proj"), r, h)?,
                 norm: self.vector(&format!("{p}.self_attn.q_a_layernorm.weight"), r)?,
-                b: self.linear(&format!("{p}.self_attn.q_b_proj"), n * qk, r)?,
+                b: self.linear_cut(&format!("{p}.self_attn.q_b_proj"), n * qk, r, rows_of(qk))?,
             },
-            None => QProj::Direct(self.linear(&format!("{p}.self_attn.q_proj"), n * qk, h)?),
+            None => QProj::Direct(self.linear_cut(
+                &format!("{p}.self_attn.q_proj"),
+                n * qk,
+                h,
+                rows_of(qk),
+            )?),
         };
-        let kv_b = self.linear(
+        let kvw = cfg.qk_nope_head_dim + cfg.v_head_dim;
+        let kv_b = self.linear_cut(
             &format!("{p}.self_attn.kv_b_proj"),
-            n * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            n * kvw,
             cfg.kv_lora_rank,
+            rows_of(kvw),
         )?;
-        let uk_t = uk_transposed(&kv_b, n, cfg.qk_nope_head_dim, cfg.v_head_dim);
+        let uk_t = uk_transposed(&kv_b, heads.len(), cfg.qk_nope_head_dim, cfg.v_head_dim);
+        let vd = cfg.v_head_dim;
         let attn = Mla {
+            heads: heads.len(),
             q,
             kv_a: self.linear(
                 &format!("{p}.self_attn.kv_a_proj_with_mqa"),
@@ -384,7 +465,12 @@ impl Loader<'_> {
             )?,
             kv_b,
             uk_t,
-            o: self.linear(&format!("{p}.self_attn.o_proj"), h, n * cfg.v_head_dim)?,
+            o: self.linear_cut(
+                &format!("{p}.self_attn.o_proj"),
+                h,
+                n * vd,
+                Cut::Cols(heads.start * vd..heads.end * vd),
+            )?,
             ckv_scale: if self.c8 {
                 let name = format!("{p}.self_attn.ckv_scale");
                 let s = self.vector(&name, 1)?[0];
@@ -510,6 +596,14 @@ impl DeepseekV3 {
             Some(QuantizationConfig::PackedInt4 { group_size, .. }) => Some(*group_size),
             _ => None,
         };
+        opts.tensor_shard.validate(&cfg)?;
+        if opts.tensor_shard.ranks > 1 && opts.expert_shard.ranks > 1 {
+            return Err(ModelError::Options(
+                "tensor and expert parallelism together are not supported: give the model a \
+                 tensor shard or an expert shard"
+                    .into(),
+            ));
+        }
         let mut l = Loader {
             ckpt,
             opts,
@@ -574,6 +668,7 @@ impl DeepseekV3 {
             force_eplb: None,
             attention_path: AttentionPath::Auto,
             shard: opts.expert_shard,
+            tp: opts.tensor_shard,
             comm: None,
             kv_dtype: KvCacheDtype::F32,
         })
@@ -732,6 +827,7 @@ impl DeepseekV3 {
         drop(embed);
         let rope = RopeTable::new(&self.rope, &batch.positions, cfg.qk_rope_head_dim / 2);
         let block_size = cache.block_size();
+        let step = self.step_digest(batch, 0);
         for (li, layer) in self.layers.iter().enumerate() {
             self.layer_forward(
                 layer,
@@ -740,6 +836,7 @@ impl DeepseekV3 {
                 &rope,
                 cache.layer_parts_mut(li),
                 block_size,
+                step,
             )?;
         }
         Ok(self.head(&hidden, &self.norm, batch, want_hidden))
@@ -803,6 +900,7 @@ impl DeepseekV3 {
             &rope,
             cache.layer_parts_mut(cache_layer),
             block_size,
+            self.step_digest(batch, 1 + index as u32),
         )?;
         Ok(self.head(&hidden, &mtp.shared_head_norm, batch, want_hidden))
     }
@@ -851,6 +949,20 @@ impl DeepseekV3 {
         }
     }
 
+    /// Under tensor parallelism, a digest of `batch` (and of which forward runs it: 0 the main
+    /// model, 1 + j MTP module j) that every rank's partial sums carry; 0 otherwise.
+    fn step_digest(&self, batch: &Batch, which: u32) -> u64 {
+        if self.tp.ranks > 1 {
+            let mut tokens = batch.tokens.clone();
+            tokens.push(which);
+            tp::step_digest(&tokens, &batch.positions)
+        } else {
+            0
+        }
+    }
+
+    /// `step`: the batch's digest for the ranks' partial sums ([`DeepseekV3::step_digest`]).
+    #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &self,
         layer: &DecoderLayer,
@@ -859,18 +971,24 @@ impl DeepseekV3 {
         rope: &RopeTable,
         cache: LayerMut,
         block_size: usize,
+        step: u64,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let t_count = batch.num_tokens();
         let mut x = vec![0.0f32; t_count * h];
         k::rms_norm_rows(hidden, h, &layer.input_norm, cfg.rms_norm_eps, &mut x);
-        let attn = self.attention(&layer.attn, &x, batch, rope, cache, block_size);
+        let mut attn = self.attention(&layer.attn, &x, batch, rope, cache, block_size);
+        // Tensor parallelism: each rank's heads gave a partial o_proj product.
+        if self.tp.ranks > 1 {
+            let _t = Timer::start(Phase::Reduce);
+            tp::reduce(self.comm.as_deref(), self.tp, step, &mut attn)?;
+        }
         for (a, b) in hidden.iter_mut().zip(&attn) {
             *a += b;
         }
         k::rms_norm_rows(hidden, h, &layer.post_norm, cfg.rms_norm_eps, &mut x);
-        let ffn = match &layer.ffn {
+        let mut ffn = match &layer.ffn {
             Ffn::Dense(m) => {
                 let _t = Timer::start(Phase::Dense);
                 mlp_forward(m, &x, t_count)
@@ -880,6 +998,11 @@ impl DeepseekV3 {
                 self.moe_forward(m, &x, t_count, batch.is_decode())?
             }
         };
+        // Tensor parallelism: each rank's intermediate features gave a partial down product.
+        if self.tp.ranks > 1 {
+            let _t = Timer::start(Phase::Reduce);
+            tp::reduce(self.comm.as_deref(), self.tp, step, &mut ffn)?;
+        }
         for (a, b) in hidden.iter_mut().zip(&ffn) {
             *a += b;
         }
@@ -905,7 +1028,7 @@ impl DeepseekV3 {
             kvr,
             qk,
             ..
-        } = MlaDims::of(cfg);
+        } = MlaDims::of(cfg, mla.heads);
         let width = kvr + rd;
         let proj = Timer::start(Phase::AttnProj);
 
@@ -1194,7 +1317,7 @@ impl DeepseekV3 {
             qk,
             kvw,
             ..
-        } = MlaDims::of(cfg);
+        } = MlaDims::of(cfg, mla.heads);
         let mut c = Vec::with_capacity(ctx * kvr);
         for p in 0..ctx {
             c.extend_from_slice(&latent(p)[..kvr]);
@@ -1273,7 +1396,7 @@ impl DeepseekV3 {
             qk,
             kvw,
             ..
-        } = MlaDims::of(cfg);
+        } = MlaDims::of(cfg, mla.heads);
         let scale = self.softmax_scale;
         let tokens: Vec<usize> = seqs.iter().flat_map(|s| s.tokens.clone()).collect();
         let tq = tokens.len();
@@ -1551,7 +1674,11 @@ impl DeepseekV3 {
     /// The group the routed experts are split over (expert parallelism): every rank of `comm`
     /// must hold its shard (`LoadOptions::expert_shard`) and run the same batches.
     pub fn set_communicator(&mut self, comm: Arc<dyn Communicator>) -> Result<()> {
-        self.shard.check_group(comm.as_ref())?;
+        if self.tp.ranks > 1 {
+            self.tp.check_group(comm.as_ref())?;
+        } else {
+            self.shard.check_group(comm.as_ref())?;
+        }
         self.comm = Some(comm);
         Ok(())
     }
@@ -1559,7 +1686,7 @@ impl DeepseekV3 {
 
 /// The MLA head sizes the attention code indexes with.
 struct MlaDims {
-    /// Heads.
+    /// Heads (this rank's, under tensor parallelism).
     n: usize,
     nope: usize,
     rd: usize,
@@ -1572,10 +1699,11 @@ struct MlaDims {
 }
 
 impl MlaDims {
-    fn of(cfg: &DeepseekV3Config) -> MlaDims {
+    /// `heads`: the heads held here (`Mla::heads`).
+    fn of(cfg: &DeepseekV3Config, heads: usize) -> MlaDims {
         let (nope, rd, vd) = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
         MlaDims {
-            n: cfg.num_attention_heads,
+            n: heads,
             nope,
             rd,
             vd,

@@ -16,6 +16,7 @@ pub mod eval;
 pub mod expert_parallel;
 pub mod profile;
 pub mod rope;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod v4_ops;
 
@@ -28,3 +29,4 @@ pub use deepseek_v3::{
 pub use deepseek_v4::{DeepseekV4, V4LoadOptions};
 pub use eplb::BalancedRouting;
 pub use error::{ModelError, Result};
+pub use tensor_parallel::TensorShard;

@@ -43,10 +43,13 @@ pub enum Phase {
     Moe,
     /// The final norm and lm_head (an MTP layer's shared head included).
     Head,
+    /// Tensor parallelism: adding the ranks' partial attention and MLP outputs (waiting for
+    /// the slowest rank included).
+    Reduce,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 12] = [
+    pub const ALL: [Phase; 13] = [
         Phase::Step,
         Phase::Embed,
         Phase::AttnProj,
@@ -59,6 +62,7 @@ impl Phase {
         Phase::Dense,
         Phase::Moe,
         Phase::Head,
+        Phase::Reduce,
     ];
 
     /// The name in reports (`profile.json`, the bench's JSON).
@@ -76,6 +80,7 @@ impl Phase {
             Phase::Dense => "dense_mlp",
             Phase::Moe => "moe",
             Phase::Head => "head",
+            Phase::Reduce => "tp_reduce",
         }
     }
 

@@ -20,7 +20,7 @@ use cachalot_engine::{
 use cachalot_model::tokenizer::{Tokenizer, ToolCallFormat};
 use cachalot_model::{
     detect_family, BalancedRouting, DeepseekV3, DeepseekV4, ExpertShard, Fp8Mode, KvCacheDtype,
-    LoadOptions, ModelFamily, V4LoadOptions,
+    LoadOptions, ModelFamily, TensorShard, V4LoadOptions,
 };
 use serde::{Deserialize, Serialize};
 
@@ -72,6 +72,10 @@ pub enum Parallel {
     /// the MoE layers gather them (one model too large for one host's memory, spread over
     /// several). DeepSeek-V3/R1/Kimi-K2 and V4 checkpoints.
     Expert,
+    /// The ranks hold the attention heads and every MLP's intermediate features between them
+    /// (`TensorShard`) and run every request together: each layer's attention and MLP outputs
+    /// are partial sums added over the ranks. DeepSeek-V3/R1/Kimi-K2 checkpoints.
+    Tensor,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -112,7 +116,8 @@ pub struct Summary {
     pub kv_cache_dtype: &'static str,
     /// Processes that ran (the config's `world_size` is recorded beside it): with `parallel`
     /// "data" each served every `ranks`-th request; with "expert" they held the routed experts
-    /// between them and ran every request together (`per_rank` is then empty and
+    /// (with "tensor" the heads and intermediate features) between them and ran every request
+    /// together (`per_rank` is then empty and
     /// `output_tok_s_per_rank` is the group's rate over its ranks).
     pub ranks: usize,
     pub parallel: Parallel,
@@ -355,15 +360,20 @@ pub fn run_ranked(
     comm: Arc<dyn Communicator>,
 ) -> Result<RunResult, Error> {
     let (rank, ranks) = (comm.rank(), comm.world_size());
-    let expert = opts.parallel == Parallel::Expert && ranks > 1;
-    // Data-parallel ranks (1 under expert parallelism: the group serves one request stream),
-    // and this rank's place among them.
+    // Expert or tensor parallel: one model over the ranks, which run every request in
+    // lockstep (named `expert` for the lockstep below; `tensor` picks the shard).
+    let tensor = opts.parallel == Parallel::Tensor && ranks > 1;
+    let expert = (opts.parallel == Parallel::Expert || tensor) && ranks > 1;
+    // Data-parallel ranks (1 under expert or tensor parallelism: the group serves one request
+    // stream), and this rank's place among them.
     let (dp_rank, dp) = if expert { (0, 1) } else { (rank, ranks) };
-    // The routed experts this rank holds.
-    let shard = if expert {
-        ExpertShard { rank, ranks }
+    // The routed experts this rank holds, or its share of heads and intermediate features.
+    let (shard, tensor_shard) = if tensor {
+        (ExpertShard::default(), TensorShard { rank, ranks })
+    } else if expert {
+        (ExpertShard { rank, ranks }, TensorShard::default())
     } else {
-        ExpertShard::default()
+        (ExpertShard::default(), TensorShard::default())
     };
     // `batch_size` is the global batch over data-parallel ranks, as the seed's (executor spec
     // §1: `batch_size_per_dp_rank = batch_size / attn_dp_size`, an error when it does not
@@ -554,7 +564,14 @@ pub fn run_ranked(
         }};
     }
     logln!("config {}", opts.config_path.display());
-    if expert {
+    if tensor {
+        logln!(
+            "rank {rank} of {ranks} (tensor parallel: this rank holds heads \
+             [{rank}·H/{ranks}, {}·H/{ranks}) and that share of every MLP's intermediate \
+             features; all ranks run every request)",
+            rank + 1
+        );
+    } else if expert {
         logln!(
             "rank {rank} of {ranks} (expert parallel: this rank holds routed experts \
              [{rank}·E/{ranks}, {}·E/{ranks}) of every MoE layer; all ranks run every request)",
@@ -570,7 +587,7 @@ pub fn run_ranked(
     if cfg.parallel_config.world_size > ranks {
         logln!(
             "note: the config's world_size {} and its TP/EP/CP sizes are recorded, not applied; \
-             {ranks} process(es) run the whole model (--ranks N, --parallel expert)",
+             {ranks} process(es) run the whole model (--ranks N, --parallel expert|tensor)",
             cfg.parallel_config.world_size
         );
     }
@@ -662,6 +679,7 @@ pub fn run_ranked(
                     load_mtp: m.next_n > 0,
                     bf16_dot: opts.bf16_dot,
                     expert_shard: shard,
+                    tensor_shard,
                     max_layers,
                 },
             )?;
@@ -679,7 +697,9 @@ pub fn run_ranked(
             logln!(
                 "{:.1} MB of weights held on this rank{}",
                 model.weight_bytes() as f64 / 1e6,
-                if expert {
+                if tensor {
+                    " (its share of the heads and intermediate features)"
+                } else if expert {
                     " (its share of the routed experts)"
                 } else {
                     ""
@@ -689,6 +709,14 @@ pub fn run_ranked(
             (&v3, v3.config().eos_token_ids.clone())
         }
         ModelFamily::DeepseekV4 => {
+            if tensor {
+                return Err(format!(
+                    "--parallel tensor: {} is DeepSeek-V4, which runs over ranks as data or \
+                     expert parallel only; use --parallel data|expert",
+                    weights_dir.display()
+                )
+                .into());
+            }
             if kv_cache_dtype != KvCacheDtype::F32 {
                 return Err(format!(
                     "--kv-cache-dtype {}: DeepSeek-V4's cache ({}) is held in f32 only; drop the \
@@ -1031,7 +1059,9 @@ pub fn run_ranked(
         bf16_dot: opts.bf16_dot,
         kv_cache_dtype: kv_cache_dtype.name(),
         ranks,
-        parallel: if expert {
+        parallel: if tensor {
+            Parallel::Tensor
+        } else if expert {
             Parallel::Expert
         } else {
             Parallel::Data

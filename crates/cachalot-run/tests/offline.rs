@@ -41,37 +41,13 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
     }
 }
 
-/// `run_ranked` on `n` ranks of a TCP group on threads of this process (rank 0 on this
-/// thread): every rank's result, in rank order.
-fn run_group<T: Send + 'static>(
+/// `run_ranked` on `n` ranks of a TCP group on threads of this process: every rank's result,
+/// in rank order.
+fn run_group<T: Send>(
     n: usize,
-    rank_run: impl Fn(Arc<dyn cachalot_engine::comm::Communicator>) -> T + Send + Sync + 'static,
+    rank_run: impl Fn(Arc<dyn cachalot_engine::comm::Communicator>) -> T + Sync,
 ) -> Vec<T> {
-    use cachalot_engine::comm::{TcpComm, TcpRendezvous};
-    use std::time::Duration;
-
-    let rank_run = Arc::new(rank_run);
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let master = listener.local_addr().unwrap().to_string();
-    let others: Vec<_> = (1..n)
-        .map(|rank| {
-            let (master, rank_run) = (master.clone(), rank_run.clone());
-            std::thread::spawn(move || {
-                let comm = TcpComm::connect(&TcpRendezvous {
-                    rank,
-                    world_size: n,
-                    master,
-                    timeout: Duration::from_secs(30),
-                })
-                .unwrap();
-                rank_run(Arc::new(comm))
-            })
-        })
-        .collect();
-    let comm = TcpComm::accept(listener, n, Duration::from_secs(30)).unwrap();
-    let mut all = vec![rank_run(Arc::new(comm))];
-    all.extend(others.into_iter().map(|h| h.join().unwrap()));
-    all
+    cachalot_engine::comm::run_local_group(n, rank_run).unwrap()
 }
 
 #[test]

@@ -110,6 +110,9 @@ struct ModelArgs {
     /// The routed experts this process holds (expert parallelism over ranks).
     #[arg(skip)]
     expert_shard: cachalot_model::ExpertShard,
+    /// The heads and intermediate features this process holds (tensor parallelism over ranks).
+    #[arg(skip)]
+    tensor_shard: cachalot_model::TensorShard,
 }
 
 #[derive(clap::Args)]
@@ -214,6 +217,7 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
         bf16_dot: args.bf16_dot,
         max_layers: args.max_layers,
         expert_shard: args.expert_shard,
+        tensor_shard: args.tensor_shard,
     };
     let dir = model_dir(args)?;
     let mut model = DeepseekV3::load(&dir, opts)?;
@@ -237,6 +241,13 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
 
 /// The DeepSeek-V4 model of `args` (with its MTP blocks when `load_mtp`).
 fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
+    if args.tensor_shard.ranks > 1 {
+        bail!(
+            "--parallel tensor: {} is DeepSeek-V4, which runs over ranks as data or expert \
+             parallel only; use --parallel data|expert",
+            model_dir(args)?.display()
+        );
+    }
     if matches!(args.kv_cache_dtype, KvDtypeArg::Bf16) {
         bail!(
             "--kv-cache-dtype bf16: DeepSeek-V4's cache ({}) is held in f32 only; drop the option",

@@ -75,6 +75,7 @@ pub struct RunArgs {
 pub(crate) enum ParallelArg {
     Data,
     Expert,
+    Tensor,
 }
 
 /// How a command runs over several processes (`run` and `serve`): `--ranks N` (this process
@@ -87,7 +88,8 @@ pub(crate) struct GroupArgs {
     pub threads: Option<usize>,
     /// N processes on this host: this one is rank 0 (it writes a run's files, or answers a
     /// server's HTTP) and starts the others. With --parallel data each rank serves its share
-    /// of the requests; with expert the ranks hold the routed experts between them.
+    /// of the requests; with expert (tensor) the ranks hold the routed experts (the heads and
+    /// intermediate features) between them.
     #[arg(long, value_name = "N", conflicts_with_all = ["rank", "world_size", "master"])]
     pub ranks: Option<usize>,
     /// Join a group as this rank (with --world-size and --master; start one process per rank,
@@ -107,7 +109,9 @@ pub(crate) struct GroupArgs {
     /// How the ranks share the work: `data` (each rank holds the whole model and serves its
     /// share of the requests) or `expert` (the ranks hold the routed experts between them and
     /// run every request together: a model larger than one host's memory over several;
-    /// DeepSeek-V3/R1/Kimi-K2 and V4).
+    /// DeepSeek-V3/R1/Kimi-K2 and V4) or `tensor` (the ranks hold every layer's attention heads
+    /// and a share of every MLP's intermediate features, and add their partial outputs twice a
+    /// layer; DeepSeek-V3/R1/Kimi-K2).
     #[arg(long, value_enum, default_value = "data")]
     pub parallel: ParallelArg,
 }
@@ -336,6 +340,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         parallel: match args.group.parallel {
             ParallelArg::Data => offline::Parallel::Data,
             ParallelArg::Expert => offline::Parallel::Expert,
+            ParallelArg::Tensor => offline::Parallel::Tensor,
         },
     };
     let (comm, children) = connect_ranks(&args.group, true)?;

@@ -20,8 +20,9 @@
 //!
 //! Several ranks (`--ranks N`, or `--rank/--world-size/--master` across hosts): rank 0 answers
 //! HTTP and all ranks run [`ranked_loop`] in lockstep, the seed's DP-leader loop (spec §5.5):
-//! data parallel (each request on the least busy rank) or expert parallel (the routed experts
-//! split over the ranks, every request stepped on all of them).
+//! data parallel (each request on the least busy rank), expert parallel (the routed experts
+//! split over the ranks, every request stepped on all of them) or tensor parallel (the heads and
+//! intermediate features split, every request stepped on all of them).
 //!
 //! Prefill/decode disaggregation (spec `executor.md` §5): `--role prefill` and `--role decode`
 //! split the work over two servers (on one host or two) with `cachalot router` in front, which
@@ -62,7 +63,7 @@ use crate::run::ParallelArg;
 use crate::serve_metrics::Metrics;
 use crate::{load_model, load_v4, model_dir, ModelArgs};
 use cachalot_engine::comm::Communicator;
-use cachalot_model::ExpertShard;
+use cachalot_model::{ExpertShard, TensorShard};
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -129,8 +130,9 @@ pub struct ServeArgs {
           value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
     kv_timeout_s: u64,
     /// Several processes behind this server: rank 0 answers HTTP; with --parallel data each
-    /// rank runs its own requests (the least busy rank takes the next), with expert the ranks
-    /// step every request together, holding the routed experts between them.
+    /// rank runs its own requests (the least busy rank takes the next), with expert (tensor)
+    /// the ranks step every request together, holding the routed experts (the heads and
+    /// intermediate features) between them.
     #[command(flatten)]
     group: crate::run::GroupArgs,
 }
@@ -477,8 +479,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 /// or with the other ranks in lockstep, [`ranked_loop`]); the other ranks run their engines.
 fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.world_size());
-    let expert = world > 1 && args.group.parallel == ParallelArg::Expert;
-    if expert {
+    // Expert or tensor parallel: one model over the ranks, which step every request together
+    // (`expert` names that lockstep below).
+    let tensor = world > 1 && args.group.parallel == ParallelArg::Tensor;
+    let expert = world > 1 && (args.group.parallel == ParallelArg::Expert || tensor);
+    if tensor {
+        set.model.tensor_shard = TensorShard { rank, ranks: world };
+    } else if expert {
         set.model.expert_shard = ExpertShard { rank, ranks: world };
     }
     // Ranks of this host share its memory for their KV pools.
@@ -589,6 +596,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         }
         let ranks = match world {
             1 => String::new(),
+            n if tensor => format!(", {n} ranks (tensor parallel)"),
             n if expert => format!(", {n} ranks (expert parallel)"),
             n => format!(", {n} ranks (data parallel)"),
         };

@@ -237,6 +237,7 @@ impl ModelArgs {
             kv_cache_dtype: crate::KvDtypeArg::Auto,
             max_layers: None,
             expert_shard: Default::default(),
+            tensor_shard: Default::default(),
         }
     }
 }

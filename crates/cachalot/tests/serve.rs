@@ -965,10 +965,10 @@ fn first_token(addr: &str) -> u64 {
     tok.encode(text).unwrap()[0] as u64
 }
 
-/// One server over two ranks (`--ranks 2`), data parallel (each rank runs its own requests) and
+/// One server over two ranks (`--ranks 2`), data parallel (each rank runs its own requests),
 /// expert parallel (the ranks hold half the routed experts each and step every request
-/// together): the answers of one process, whole and streamed, concurrent, with `n` and
-/// unseeded sampling.
+/// together) and tensor parallel (half the heads and intermediate features each): the answers
+/// of one process, whole and streamed, concurrent, with `n` and unseeded sampling.
 #[test]
 fn serve_over_two_ranks_answers_as_one_process() {
     let one = start(&["--kv-blocks", "64"]);
@@ -991,7 +991,7 @@ fn serve_over_two_ranks_answers_as_one_process() {
         .iter()
         .map(|b| post(&one.addr, path(b), b).1["choices"].clone())
         .collect();
-    for parallel in ["data", "expert"] {
+    for parallel in ["data", "expert", "tensor"] {
         let group = start(&["--kv-blocks", "64", "--ranks", "2", "--parallel", parallel]);
         let g = group.addr.as_str();
         // Concurrent: each answer is its own.

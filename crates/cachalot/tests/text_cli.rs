@@ -651,7 +651,7 @@ fn run_and_bench_profile_the_phases_of_their_steps() {
 }
 
 /// `cachalot run --ranks 2` starts a second process, and rank 0's files hold every request with
-/// the one-process outputs.
+/// the one-process outputs: data, expert and tensor parallel.
 #[test]
 fn run_with_two_ranks_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
@@ -700,6 +700,17 @@ fn run_with_two_ranks_equals_one_process() {
     assert_eq!(s3["ranks"], 2);
     assert_eq!(three.len(), 5);
     for (a, b) in one.iter().zip(&three) {
+        assert_eq!(a["id"], b["id"]);
+        assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
+    }
+    // Tensor parallel: both ranks run every request, each with half of every layer's heads
+    // and intermediate features; the one-process outputs (only the order of the partial sums'
+    // final addition differs).
+    let (s4, four) = run(&["--ranks", "2", "--parallel", "tensor"]);
+    assert_eq!(s4["ranks"], 2);
+    assert_eq!(s4["parallel"], "tensor");
+    assert_eq!(four.len(), 5);
+    for (a, b) in one.iter().zip(&four) {
         assert_eq!(a["id"], b["id"]);
         assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
     }

@@ -39,6 +39,7 @@
 
 pub(crate) mod bf16dot;
 pub(crate) mod scalar;
+mod slice;
 mod w4a8;
 mod w8a8;
 

@@ -1027,3 +1027,80 @@ fn to_w8a8_quantizes_rows_by_the_converters_rule() {
         assert_eq!(bits(&y), bits(&y2));
     }
 }
+
+/// Row `r` of `m`, dequantized.
+fn dequant_row(m: &Matrix, r: usize) -> Vec<u32> {
+    let mut row = vec![0.0f32; m.cols()];
+    m.row_to_f32(r, &mut row);
+    bits(&row)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Slices hold the whole matrix's values at their positions (scales included, FP8 blocks
+    /// and int4 groups cut anywhere), and a row slice's products are the whole product's rows
+    /// bit for bit at every SIMD level.
+    #[test]
+    fn slices_hold_the_matrix_values((format, rows, cols, nt, block, seed) in case(), r in any::<(prop::sample::Index, prop::sample::Index)>(), c in any::<(prop::sample::Index, prop::sample::Index)>(), w8a8 in any::<bool>()) {
+        let mut rng = Rng(seed);
+        let mut m = random_matrix(format, rows, cols, block, &mut rng);
+        if w8a8 && format == Format::Int8 {
+            m = m.to_w8a8();
+        }
+        let (r0, r1) = (r.0.index(rows), r.1.index(rows));
+        let rr = r0.min(r1)..r0.max(r1) + 1;
+        let s = m.slice_rows(rr.clone()).unwrap();
+        prop_assert_eq!(s.rows(), rr.len());
+        for (i, row) in rr.clone().enumerate() {
+            prop_assert_eq!(dequant_row(&s, i), dequant_row(&m, row));
+        }
+        let x: Vec<f32> = (0..nt * cols).map(|_| rng.value()).collect();
+        for level in levels() {
+            let mut whole = vec![0.0f32; nt * rows];
+            m.matmul_rows_at(level, 0..rows, &x, nt, &mut whole);
+            let mut part = vec![0.0f32; nt * rr.len()];
+            s.matmul_rows_at(level, 0..rr.len(), &x, nt, &mut part);
+            for t in 0..nt {
+                prop_assert_eq!(
+                    bits(&part[t * rr.len()..(t + 1) * rr.len()]),
+                    bits(&whole[t * rows + rr.start..t * rows + rr.end]),
+                    "{:?} {:?} rows {:?}", level, format, rr
+                );
+            }
+        }
+        let (c0, c1) = (c.0.index(cols), c.1.index(cols));
+        let cr = c0.min(c1)..c0.max(c1) + 1;
+        let packed = matches!(format, Format::Int4 | Format::Fp4);
+        let refused = (packed && (cr.start % 2 != 0 || cr.len() % 2 != 0))
+            || (matches!(format, Format::Fp4 | Format::Mxfp8) && cr.start % 32 != 0);
+        match m.slice_cols(cr.clone()) {
+            Err(e) => prop_assert!(refused, "{:?} columns {:?}: {}", format, cr, e),
+            Ok(s) => {
+                prop_assert!(!refused, "{:?} columns {:?} were cut", format, cr);
+                prop_assert_eq!(s.cols(), cr.len());
+                for row in 0..rows {
+                    let mut want = vec![0.0f32; cols];
+                    m.row_to_f32(row, &mut want);
+                    prop_assert_eq!(dequant_row(&s, row), bits(&want[cr.clone()]));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn slices_outside_the_matrix_are_refused() {
+    let m = random_matrix(Format::Fp8, 10, 20, (4, 8), &mut Rng(3));
+    for e in [
+        m.slice_rows(5..5).unwrap_err(),
+        m.slice_rows(8..11).unwrap_err(),
+        m.slice_cols(0..21).unwrap_err(),
+    ] {
+        let msg = e.to_string();
+        assert!(
+            msg.contains("cannot be sliced") && msg.contains(".."),
+            "{msg}"
+        );
+    }
+}

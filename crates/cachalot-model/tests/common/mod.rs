@@ -129,3 +129,83 @@ pub fn rewrite(
     }
     std::fs::write(dir.join("model.safetensors.index.json"), idx.to_string()).unwrap();
 }
+
+/// Logits of two packed sequences, one row per token: a prefill, the MTP layer over it (when
+/// loaded: row i pairs token i + 1 with the hidden state at position i), then one decode token
+/// each. The parallel tests compare ranks with one process on it.
+pub fn packed_run(m: &cachalot_model::DeepseekV3) -> Vec<f32> {
+    use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
+    let seqs: [Vec<u32>; 2] = [
+        (0..37).map(|i| (i * 7 + 3) % 500).collect(),
+        (0..21).map(|i| (i * 13 + 5) % 500).collect(),
+    ];
+    let blocks = 24;
+    let mut cache = KvCache::new(m.cache_spec(), 4, blocks);
+    let mut alloc = BlockAllocator::new(blocks);
+    let mut tables = vec![Vec::new(), Vec::new()];
+    let mut b = Batch::default();
+    for (s, t) in seqs.iter().zip(tables.iter_mut()) {
+        alloc.ensure(t, s.len() + 1, 4).unwrap();
+        b.push_seq(s, 0, t.clone(), LogitsWanted::All);
+    }
+    let out = m.forward(&b, &mut cache, true).unwrap();
+    let mut logits = out.logits;
+    let hidden = out.hidden.unwrap();
+    if !m.mtp_layers().is_empty() {
+        let mut mb = Batch::default();
+        let mut prev = Vec::new();
+        let h = m.config().hidden_size;
+        let mut off = 0;
+        for (s, t) in seqs.iter().zip(&tables) {
+            let n = s.len() - 1;
+            mb.push_seq(&s[1..], 0, t.clone(), LogitsWanted::All);
+            prev.extend_from_slice(&hidden[off * h..(off + n) * h]);
+            off += s.len();
+        }
+        let mtp = m.mtp_forward(0, &mb, &prev, &mut cache, false).unwrap();
+        logits.extend(mtp.logits);
+    }
+    let mut d = Batch::default();
+    for (s, t) in seqs.iter().zip(&tables) {
+        d.push_seq(&[s[0]], s.len(), t.clone(), LogitsWanted::All);
+    }
+    logits.extend(m.forward(&d, &mut cache, false).unwrap().logits);
+    logits
+}
+
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// One prefill of `seq` (alone, logits of its last token), for the checks that need a forward
+/// to run or fail.
+pub fn forward_once(m: &cachalot_model::DeepseekV3, seq: &[u32]) -> cachalot_model::Result<()> {
+    use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
+    let blocks = seq.len().div_ceil(4);
+    let mut cache = KvCache::new(m.cache_spec(), 4, blocks);
+    let mut alloc = BlockAllocator::new(blocks);
+    let mut table = Vec::new();
+    alloc.ensure(&mut table, seq.len(), 4).unwrap();
+    let mut b = Batch::default();
+    b.push_seq(seq, 0, table, LogitsWanted::Last);
+    m.forward(&b, &mut cache, false).map(|_| ())
+}
+
+/// Two ranks, each with the model `load(rank)` gives, run different prompts of the same length:
+/// each rank's error.
+pub fn different_batches_on_two_ranks(
+    load: impl Fn(usize) -> cachalot_model::DeepseekV3 + Sync,
+) -> Vec<String> {
+    cachalot_comm::run_local_group(2, |comm| {
+        let rank = comm.rank();
+        let mut m = load(rank);
+        m.set_communicator(comm).unwrap();
+        let seq: &[u32] = if rank == 0 {
+            &[1, 2, 3, 4, 5, 6]
+        } else {
+            &[5, 6, 7, 8, 9, 10]
+        };
+        forward_once(&m, seq).unwrap_err().to_string()
+    })
+    .unwrap()
+}

@@ -1,0 +1,154 @@
+//! Tensor parallelism for DeepSeek-V3/R1/Kimi-K2 (spec `deepseek-v3-r1-kimi-k2.md` §2.4, the
+//! seed's attention TP and moe_tp): each rank of a group of `ranks` holds
+//! - the attention's heads `[rank·N/ranks, (rank+1)·N/ranks)`: their rows of `q_b_proj` (or
+//!   `q_proj`) and `kv_b_proj`, and their columns of `o_proj`; `q_a_proj`,
+//!   `kv_a_proj_with_mqa` and the latent norms stay whole, so the latent KV cache (shared by
+//!   all heads under MLA) is the same on every rank;
+//! - a share of every MLP's intermediate features — dense layers, routed and shared experts:
+//!   rows of `gate_proj`/`up_proj`, columns of `down_proj`;
+//! - the embedding, the routers, the norms and `lm_head` whole.
+//!
+//! A layer's attention output and its MLP (or MoE) output are each a partial sum on every rank;
+//! [`reduce`] adds them in rank order, so every rank holds the same bits afterwards and the
+//! ranks stay in lockstep (the same routing, the same logits, the same samples). The result
+//! differs from one process only by the order of that final addition.
+
+use std::ops::Range;
+
+use cachalot_comm::Communicator;
+
+use crate::config::DeepseekV3Config;
+use crate::error::{ModelError, Result};
+
+/// The share of every split Linear this process holds under tensor parallelism (rank `rank` of
+/// `ranks`; default: one rank holding everything).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorShard {
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+impl Default for TensorShard {
+    fn default() -> Self {
+        TensorShard { rank: 0, ranks: 1 }
+    }
+}
+
+impl TensorShard {
+    /// This rank's part of `len` features split evenly (`len` divides by `ranks`).
+    pub fn part(&self, len: usize) -> Range<usize> {
+        let n = len / self.ranks;
+        self.rank * n..(self.rank + 1) * n
+    }
+
+    /// The shard exists and splits the heads and every MLP's intermediate features evenly.
+    pub(crate) fn validate(&self, cfg: &DeepseekV3Config) -> Result<()> {
+        if self.ranks == 0 || self.rank >= self.ranks {
+            return Err(ModelError::Options(format!(
+                "tensor shard: rank {} of {} ranks does not exist (ranks count from 0)",
+                self.rank, self.ranks
+            )));
+        }
+        if self.ranks == 1 {
+            return Ok(());
+        }
+        let mut sizes = vec![
+            ("num_attention_heads", cfg.num_attention_heads),
+            ("intermediate_size", cfg.intermediate_size),
+        ];
+        if cfg.n_routed_experts.unwrap_or(0) > 0 {
+            sizes.push(("moe_intermediate_size", cfg.moe_intermediate_size));
+        }
+        for (field, v) in sizes {
+            if !v.is_multiple_of(self.ranks) {
+                return Err(ModelError::Options(format!(
+                    "tensor parallelism over {} ranks needs config.json's {field} ({v}) to \
+                     divide by the ranks; use a number of ranks that divides it, or \
+                     --parallel data|expert",
+                    self.ranks
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// `comm` is this shard's group (its rank and size), for a model's `set_communicator`.
+    pub(crate) fn check_group(&self, comm: &dyn Communicator) -> Result<()> {
+        if comm.rank() != self.rank || comm.world_size() != self.ranks {
+            return Err(ModelError::Options(format!(
+                "the communicator is rank {} of {}, the model holds the tensor shard of rank {} \
+                 of {}",
+                comm.rank(),
+                comm.world_size(),
+                self.rank,
+                self.ranks
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Adds every rank's partial `buf` in rank order (the same bits on every rank). `step` is a
+/// digest of the batch being run: ranks that run different batches fail naming the rank
+/// instead of adding unrelated values.
+pub(crate) fn reduce(
+    comm: Option<&dyn Communicator>,
+    shard: TensorShard,
+    step: u64,
+    buf: &mut [f32],
+) -> Result<()> {
+    let comm = comm.ok_or_else(|| {
+        ModelError::Options(format!(
+            "this model holds the tensor shard of rank {} of {} (tensor parallelism) and needs \
+             the group's communicator (set_communicator) to run",
+            shard.rank, shard.ranks
+        ))
+    })?;
+    let mut bytes = Vec::with_capacity(8 + buf.len() * 4);
+    bytes.extend_from_slice(&step.to_le_bytes());
+    for v in buf.iter() {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    let parts = comm
+        .all_gather(&bytes)
+        .map_err(|e| ModelError::Options(format!("tensor parallelism: {e}")))?;
+    for (r, part) in parts.iter().enumerate() {
+        if part.get(..8) != Some(&step.to_le_bytes()[..]) {
+            return Err(ModelError::Options(format!(
+                "tensor parallelism: rank {r} ran a different batch from rank {} (every rank \
+                 must run the same config, options, checkpoint and requests)",
+                shard.rank
+            )));
+        }
+        if part.len() != bytes.len() {
+            return Err(ModelError::Options(format!(
+                "tensor parallelism: rank {r} sent {} values, rank {} holds {}",
+                (part.len() - 8) / 4,
+                shard.rank,
+                buf.len()
+            )));
+        }
+    }
+    buf.fill(0.0);
+    for part in &parts {
+        for (o, b) in buf.iter_mut().zip(part[8..].chunks_exact(4)) {
+            *o += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    }
+    Ok(())
+}
+
+/// FNV-1a over a batch's tokens and positions: the same on ranks that run the same batch.
+pub(crate) fn step_digest(tokens: &[u32], positions: &[usize]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for v in tokens
+        .iter()
+        .map(|&t| t as u64)
+        .chain(positions.iter().map(|&p| p as u64 | 1 << 63))
+    {
+        for b in v.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
