@@ -625,10 +625,13 @@ impl DeepseekV3 {
             pb.inc(1);
         }
         let norm = l.vector("model.norm.weight", h)?;
+        // Under tensor parallelism each rank holds a share of the vocabulary's rows (the seed's
+        // lmhead_tp); the logits are gathered.
+        let vocab_rows = Cut::Rows(opts.tensor_shard.share(v));
         let lm_head = if cfg.tie_word_embeddings && !l.ckpt.contains("lm_head.weight") {
-            l.linear("model.embed_tokens", v, h)?
+            l.linear_cut("model.embed_tokens", v, h, vocab_rows)?
         } else {
-            l.linear("lm_head", v, h)?
+            l.linear_cut("lm_head", v, h, vocab_rows)?
         };
         let mut mtp = Vec::new();
         for j in 0..cfg.num_nextn_predict_layers {
@@ -839,7 +842,7 @@ impl DeepseekV3 {
                 step,
             )?;
         }
-        Ok(self.head(&hidden, &self.norm, batch, want_hidden))
+        self.head(&hidden, &self.norm, batch, want_hidden, step)
     }
 
     /// One step of MTP module `index` (spec §3.8): row i pairs the embedding of
@@ -893,6 +896,7 @@ impl DeepseekV3 {
         mtp.eh_proj.matmul(&both, t_count, &mut hidden);
         let rope = RopeTable::new(&self.rope, &batch.positions, cfg.qk_rope_head_dim / 2);
         let block_size = cache.block_size();
+        let step = self.step_digest(batch, 1 + index as u32);
         self.layer_forward(
             &mtp.layer,
             &mut hidden,
@@ -900,9 +904,9 @@ impl DeepseekV3 {
             &rope,
             cache.layer_parts_mut(cache_layer),
             block_size,
-            self.step_digest(batch, 1 + index as u32),
+            step,
         )?;
-        Ok(self.head(&hidden, &mtp.shared_head_norm, batch, want_hidden))
+        self.head(&hidden, &mtp.shared_head_norm, batch, want_hidden, step)
     }
 
     fn check_cache(&self, cache: &KvCache, layers: usize) -> Result<()> {
@@ -928,7 +932,8 @@ impl DeepseekV3 {
         norm: &[f32],
         batch: &Batch,
         want_hidden: bool,
-    ) -> ForwardOutput {
+        step: u64,
+    ) -> Result<ForwardOutput> {
         let _t = Timer::start(Phase::Head);
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
@@ -939,14 +944,19 @@ impl DeepseekV3 {
         for &i in &batch.logits_indices {
             picked.extend_from_slice(&normed[i * h..(i + 1) * h]);
         }
-        let mut logits = vec![0.0f32; n_out * cfg.vocab_size];
+        let mut logits = vec![0.0f32; n_out * self.lm_head.rows()];
         if n_out > 0 {
             self.lm_head.matmul(&picked, n_out, &mut logits);
         }
-        ForwardOutput {
+        if self.tp.ranks > 1 {
+            // Each rank's share of the vocabulary: gathered into whole rows.
+            let _t = Timer::start(Phase::Reduce);
+            logits = tp::gather_columns(self.comm.as_deref(), self.tp, step, &logits, n_out)?;
+        }
+        Ok(ForwardOutput {
             logits,
             hidden: want_hidden.then_some(normed),
-        }
+        })
     }
 
     /// Under tensor parallelism, a digest of `batch` (and of which forward runs it: 0 the main

@@ -41,6 +41,12 @@ impl TensorShard {
         self.rank * n..(self.rank + 1) * n
     }
 
+    /// This rank's part of `len` rows split as evenly as they go (the vocabulary, which need
+    /// not divide by the ranks): `[rank·len/ranks, (rank+1)·len/ranks)`.
+    pub fn share(&self, len: usize) -> Range<usize> {
+        self.rank * len / self.ranks..(self.rank + 1) * len / self.ranks
+    }
+
     /// The shard exists and splits the heads and every MLP's intermediate features evenly.
     pub(crate) fn validate(&self, cfg: &DeepseekV3Config) -> Result<()> {
         if self.ranks == 0 || self.rank >= self.ranks {
@@ -97,37 +103,18 @@ pub(crate) fn reduce(
     step: u64,
     buf: &mut [f32],
 ) -> Result<()> {
-    let comm = comm.ok_or_else(|| {
-        ModelError::Options(format!(
-            "this model holds the tensor shard of rank {} of {} (tensor parallelism) and needs \
-             the group's communicator (set_communicator) to run",
-            shard.rank, shard.ranks
-        ))
-    })?;
-    let mut bytes = Vec::with_capacity(8 + buf.len() * 4);
-    bytes.extend_from_slice(&step.to_le_bytes());
-    for v in buf.iter() {
-        bytes.extend_from_slice(&v.to_le_bytes());
-    }
-    let parts = comm
-        .all_gather(&bytes)
-        .map_err(|e| ModelError::Options(format!("tensor parallelism: {e}")))?;
-    for (r, part) in parts.iter().enumerate() {
-        if part.get(..8) != Some(&step.to_le_bytes()[..]) {
-            return Err(ModelError::Options(format!(
-                "tensor parallelism: rank {r} ran a different batch from rank {} (every rank \
-                 must run the same config, options, checkpoint and requests)",
-                shard.rank
-            )));
-        }
-        if part.len() != bytes.len() {
-            return Err(ModelError::Options(format!(
-                "tensor parallelism: rank {r} sent {} values, rank {} holds {}",
-                (part.len() - 8) / 4,
-                shard.rank,
-                buf.len()
-            )));
-        }
+    let parts = exchange(comm, shard, step, buf)?;
+    if let Some((r, part)) = parts
+        .iter()
+        .enumerate()
+        .find(|(_, p)| p.len() != 8 + buf.len() * 4)
+    {
+        return Err(ModelError::Options(format!(
+            "tensor parallelism: rank {r} sent {} values, rank {} holds {}",
+            (part.len() - 8) / 4,
+            shard.rank,
+            buf.len()
+        )));
     }
     buf.fill(0.0);
     for part in &parts {
@@ -136,6 +123,71 @@ pub(crate) fn reduce(
         }
     }
     Ok(())
+}
+
+/// Every rank's `values`, each part opening with the batch digest `step`, checked.
+fn exchange(
+    comm: Option<&dyn Communicator>,
+    shard: TensorShard,
+    step: u64,
+    values: &[f32],
+) -> Result<Vec<Vec<u8>>> {
+    let comm = comm.ok_or_else(|| {
+        ModelError::Options(format!(
+            "this model holds the tensor shard of rank {} of {} (tensor parallelism) and needs \
+             the group's communicator (set_communicator) to run",
+            shard.rank, shard.ranks
+        ))
+    })?;
+    let mut bytes = Vec::with_capacity(8 + values.len() * 4);
+    bytes.extend_from_slice(&step.to_le_bytes());
+    for v in values {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    let parts = comm
+        .all_gather(&bytes)
+        .map_err(|e| ModelError::Options(format!("tensor parallelism: {e}")))?;
+    for (r, part) in parts.iter().enumerate() {
+        if part.get(..8) != Some(&step.to_le_bytes()[..]) || (part.len() - 8) % 4 != 0 {
+            return Err(ModelError::Options(format!(
+                "tensor parallelism: rank {r} ran a different batch from rank {} (every rank \
+                 must run the same config, options, checkpoint and requests)",
+                shard.rank
+            )));
+        }
+    }
+    Ok(parts)
+}
+
+/// Rows of `n` values, each split over the ranks by columns ([`TensorShard::share`]; `mine`
+/// is this rank's `[rows, its share]`): the whole rows, `[rows, Σ shares]`, on every rank.
+pub(crate) fn gather_columns(
+    comm: Option<&dyn Communicator>,
+    shard: TensorShard,
+    step: u64,
+    mine: &[f32],
+    rows: usize,
+) -> Result<Vec<f32>> {
+    let parts = exchange(comm, shard, step, mine)?;
+    let widths: Vec<usize> = parts
+        .iter()
+        .map(|p| (p.len() - 8) / 4 / rows.max(1))
+        .collect();
+    let total: usize = widths.iter().sum();
+    let mut out = vec![0.0f32; rows * total];
+    let mut at = 0;
+    for (part, &w) in parts.iter().zip(&widths) {
+        for (r, row) in part[8..].chunks_exact(4 * w.max(1)).take(rows).enumerate() {
+            for (o, b) in out[r * total + at..r * total + at + w]
+                .iter_mut()
+                .zip(row.chunks_exact(4))
+            {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        at += w;
+    }
+    Ok(out)
 }
 
 /// FNV-1a over a batch's tokens and positions: the same on ranks that run the same batch.
