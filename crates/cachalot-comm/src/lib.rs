@@ -20,6 +20,17 @@
 //! collective, fails the collective on every rank: rank 0 sends the others an error frame that
 //! names it.
 
+#[cfg(target_os = "linux")]
+mod shm;
+#[cfg(target_os = "linux")]
+pub use shm::{share_memory, ShmComm};
+
+/// Shared memory is Linux-only here: elsewhere the group stays on TCP.
+#[cfg(not(target_os = "linux"))]
+pub fn share_memory(tcp: TcpComm, _want: bool) -> CommResult<Arc<dyn Communicator>> {
+    Ok(Arc::new(tcp))
+}
+
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
@@ -39,6 +50,10 @@ pub trait Communicator: Send + Sync {
     fn rank(&self) -> usize;
     /// Ranks in the group.
     fn world_size(&self) -> usize;
+    /// How the ranks reach each other, for logs: "none" (one process), "tcp", "shared memory".
+    fn transport(&self) -> &'static str {
+        "none"
+    }
     /// Every rank's bytes, in rank order, on every rank.
     fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>>;
     /// Element-wise sum over ranks, added in rank order (the same bits on every rank).
@@ -527,6 +542,9 @@ impl Communicator for TcpComm {
     fn rank(&self) -> usize {
         self.rank
     }
+    fn transport(&self) -> &'static str {
+        "tcp"
+    }
     fn world_size(&self) -> usize {
         self.world_size
     }
@@ -617,10 +635,9 @@ mod tests {
         c.barrier().unwrap();
     }
 
-    #[test]
-    fn tcp_group_gathers_reduces_and_broadcasts_in_rank_order() {
-        let n = 4;
-        let comms = group(n);
+    /// Every rank's checks of the collectives' contract, each rank on its own thread.
+    fn check_collectives(comms: Vec<Arc<dyn Communicator>>) {
+        let n = comms.len();
         let handles: Vec<_> = comms
             .into_iter()
             .map(|c| {
@@ -633,23 +650,156 @@ mod tests {
                     assert_eq!(all, want, "rank {r}");
                     // Sum in rank order: 0.1 + 1e8 - 1e8 + 0.3 differs from other orders.
                     let vals = [0.1f32, 1e8, -1e8, 0.3];
-                    let mut v = vec![vals[r], r as f32];
+                    let mut v = vec![vals[r % 4], r as f32];
                     c.all_reduce_sum(&mut v).unwrap();
                     let mut s = 0.0f32;
-                    for x in vals {
-                        s += x;
+                    for q in 0..n {
+                        s += vals[q % 4];
                     }
                     assert_eq!(v[0].to_bits(), s.to_bits(), "rank {r}");
-                    assert_eq!(v[1], 6.0);
-                    let b = c.broadcast(2, &[7, r as u8]).unwrap();
-                    assert_eq!(b, vec![7, 2]);
+                    assert_eq!(v[1], (n * (n - 1) / 2) as f32);
+                    let b = c.broadcast(n - 1, &[7, r as u8]).unwrap();
+                    assert_eq!(b, vec![7, (n - 1) as u8]);
                     c.barrier().unwrap();
+                    // Many calls in a row (slots are reused every other call), sizes changing,
+                    // and one part larger than a shared-memory slot (it goes over TCP).
+                    for i in 0..300usize {
+                        let len = if i == 150 && r == 1 {
+                            5 << 20
+                        } else {
+                            (i * 7 + r) % 50
+                        };
+                        let mine = vec![(i + r) as u8; len];
+                        let all = c.all_gather(&mine).unwrap();
+                        for (q, part) in all.iter().enumerate() {
+                            let len = if i == 150 && q == 1 {
+                                5 << 20
+                            } else {
+                                (i * 7 + q) % 50
+                            };
+                            assert_eq!(part.len(), len, "call {i}, rank {r}, part {q}");
+                            assert!(part.iter().all(|&x| x == (i + q) as u8));
+                        }
+                    }
                 })
             })
             .collect();
         for h in handles {
             h.join().unwrap();
         }
+    }
+
+    /// A local group moved onto shared memory (each rank's `share_memory` on its own thread).
+    #[cfg(target_os = "linux")]
+    fn shm_group(n: usize) -> Vec<Arc<dyn Communicator>> {
+        let hs: Vec<_> = group(n)
+            .into_iter()
+            .map(|c| std::thread::spawn(move || share_memory(c, true).unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn tcp_group_gathers_reduces_and_broadcasts_in_rank_order() {
+        let comms = group(4)
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect();
+        check_collectives(comms);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn shared_memory_group_gathers_reduces_and_broadcasts_in_rank_order() {
+        for n in [2, 3] {
+            let comms = shm_group(n);
+            assert!(comms.iter().all(|c| c.transport() == "shared memory"));
+            check_collectives(comms);
+        }
+        // A rank that does not ask for shared memory keeps the whole group on TCP (which
+        // answers the same).
+        let hs: Vec<_> = group(2)
+            .into_iter()
+            .map(|c| std::thread::spawn(move || share_memory(c, false).unwrap()))
+            .collect();
+        let comms: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(comms.iter().all(|c| c.transport() == "tcp"));
+        check_collectives(comms);
+        // The file is gone once the group is made.
+        let left = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("cachalot-comm-{}-", std::process::id()))
+            })
+            .count();
+        assert_eq!(left, 0);
+    }
+
+    /// Rank 1 of a two-rank group in a child process (started by the test below with
+    /// CACHALOT_TEST_MASTER set): one collective, then the process ends without leaving the
+    /// group (as a crash would).
+    #[cfg(target_os = "linux")]
+    #[test]
+    #[ignore = "run by a_rank_process_that_dies_fails_a_shared_memory_group"]
+    fn shared_memory_rank_that_dies() {
+        let Ok(master) = std::env::var("CACHALOT_TEST_MASTER") else {
+            return;
+        };
+        let rv = TcpRendezvous {
+            rank: 1,
+            world_size: 2,
+            master,
+            timeout: Duration::from_secs(10),
+        };
+        let c = share_memory(TcpComm::connect(&rv).unwrap(), true).unwrap();
+        assert_eq!(c.transport(), "shared memory");
+        c.all_gather(b"1").unwrap();
+        std::process::exit(3);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_rank_process_that_dies_fails_a_shared_memory_group() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let master = listener.local_addr().unwrap().to_string();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "tests::shared_memory_rank_that_dies",
+                "--ignored",
+            ])
+            .env("CACHALOT_TEST_MASTER", &master)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let tcp = TcpComm::accept(listener, 2, Duration::from_secs(30)).unwrap();
+        let c = share_memory(tcp, true).unwrap();
+        assert_eq!(c.transport(), "shared memory");
+        assert_eq!(
+            c.all_gather(b"0").unwrap(),
+            vec![b"0".to_vec(), b"1".to_vec()]
+        );
+        let t = Instant::now();
+        let err = c.all_gather(b"0").unwrap_err().to_string();
+        assert!(err.contains("rank 1") && err.contains("exited"), "{err}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert_eq!(child.wait().unwrap().code(), Some(3));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_rank_that_leaves_a_shared_memory_group_fails_the_collective_with_its_name() {
+        let mut comms = shm_group(3);
+        drop(comms.pop());
+        let c1 = comms.pop().unwrap();
+        let h = std::thread::spawn(move || c1.all_gather(b"1").map(|_| ()));
+        let err = comms[0].all_gather(b"0").unwrap_err().to_string();
+        assert!(err.contains("rank 2 left the group"), "{err}");
+        let err1 = h.join().unwrap().unwrap_err().to_string();
+        assert!(err1.contains("rank 2 left the group"), "{err1}");
     }
 
     #[test]

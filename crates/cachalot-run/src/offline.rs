@@ -583,6 +583,9 @@ pub fn run_ranked(
              batch {rank_batch} of the global {batch}, prefill budget {prefill_budget} tokens)"
         );
     }
+    if ranks > 1 {
+        logln!("the ranks exchange data over {}", comm.transport());
+    }
     logln!("{}", serde_json::to_string(cfg)?);
     if cfg.parallel_config.world_size > ranks {
         logln!(

@@ -596,9 +596,9 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         }
         let ranks = match world {
             1 => String::new(),
-            n if tensor => format!(", {n} ranks (tensor parallel)"),
-            n if expert => format!(", {n} ranks (expert parallel)"),
-            n => format!(", {n} ranks (data parallel)"),
+            n if tensor => format!(", {n} ranks (tensor parallel, {})", comm.transport()),
+            n if expert => format!(", {n} ranks (expert parallel, {})", comm.transport()),
+            n => format!(", {n} ranks (data parallel, {})", comm.transport()),
         };
         say!(
             "cachalot serve: {name} ({}), role {}{ranks}, max_model_len {max_positions}, \

@@ -684,7 +684,8 @@ fn run_with_two_ranks_equals_one_process() {
         (summary, reqs)
     };
     let (s1, one) = run(&[]);
-    let (s2, two) = run(&["--ranks", "2"]);
+    // Data parallel over TCP (`--transport tcp`); expert and tensor below over shared memory.
+    let (s2, two) = run(&["--ranks", "2", "--transport", "tcp"]);
     assert_eq!(s1["ranks"], 1);
     assert_eq!(s2["ranks"], 2);
     assert_eq!(s2["per_rank"][0]["requests"], 3);
