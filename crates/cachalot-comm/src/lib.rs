@@ -1,16 +1,17 @@
 //! The parallel runtime's collectives: the [`Communicator`] trait the engine and the model call
 //! for anything that crosses ranks, a single-process backend where every collective is the
-//! identity ([`SingleProcess`]), and a TCP backend for several processes on one or more hosts
-//! ([`TcpComm`]). An MPI backend is another implementation of the same trait (DESIGN.md, "Ranks").
+//! identity ([`SingleProcess`]), a TCP backend for several processes on one or more hosts
+//! ([`TcpComm`]), and a shared-memory one for the processes of one host (`ShmComm`, Linux). An MPI backend is another implementation of the same trait (DESIGN.md, "Ranks").
 //!
 //! Spec: `executor.md` §1 (parallel sizes: `world_size`, data-parallel request shards) and §3
 //! (offline runs report tokens/s per rank); `deepseek-v3-r1-kimi-k2.md` §2.4 (the expert split).
 //! What runs over it today: data-parallel offline runs (`cachalot run --ranks N`), each rank
 //! serving its shard of the requests and rank 0 gathering the outputs and figures, and
 //! expert-parallel ones (`--parallel expert`), where the model gathers each MoE layer's routed
-//! outputs from the ranks that hold the experts. Tensor parallelism will reduce activations
-//! through [`Communicator::all_reduce_sum`] without changing this interface. Its own crate (below
-//! the model, which calls it; the engine re-exports it as `cachalot_engine::comm`).
+//! outputs from the ranks that hold the experts, and tensor-parallel ones (`--parallel tensor`),
+//! where each layer's partial attention and MLP outputs are added over the ranks. Ranks on one
+//! host move onto shared memory ([`share_memory`], `shm.rs`). Its own crate (below the model,
+//! which calls it; the engine re-exports it as `cachalot_engine::comm`).
 //!
 //! TcpComm is a star through rank 0: every collective sends each rank's part to rank 0, which
 //! combines the parts in rank order (so a sum is the same bits on every rank and in every run)
