@@ -652,6 +652,11 @@ impl<'t, M: Model> Engine<'t, M> {
                 kv.spec
             ));
         }
+        // An unseeded request whose prefill side drew its seed (a server over several ranks
+        // draws one for all of them): the sampler's state comes with the KV either way.
+        if req.params.seed.is_none() {
+            req.params.seed = kv.params.seed;
+        }
         if kv.prompt != req.prompt || kv.params != req.params {
             let what = if kv.prompt != req.prompt {
                 format!(

@@ -174,6 +174,19 @@ fn mismatched_sides_are_refused_with_the_reason() {
     other.params.temperature = 0.5;
     let e = dec.add_prefilled(other, kv.clone()).unwrap_err();
     assert!(e.to_string().contains("bootstrap_room"), "{e}");
+    // A seed the prefill side drew for an unseeded request (a server over several ranks
+    // does) is taken; another seed is another request's.
+    let mut pre = engine(&m, PREFILL, 0);
+    let mut seeded = request(&prompt, &params, 1);
+    seeded.params.seed = Some(99);
+    pre.add_request_for_transfer(seeded).unwrap();
+    let drawn = *finish(pre).remove(0).kv.unwrap();
+    dec.add_prefilled(request(&prompt, &params, 4), drawn.clone())
+        .unwrap();
+    let mut other = request(&prompt, &params, 4);
+    other.params.seed = Some(98);
+    let e = dec.add_prefilled(other, drawn).unwrap_err();
+    assert!(e.to_string().contains("bootstrap_room"), "{e}");
     // Another cache dtype.
     let f32_model = load(KvCacheDtype::F32);
     let mut dec = engine(&f32_model, DECODE, 0);

@@ -456,14 +456,6 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             crate::run::MAX_RANKS
         );
     }
-    let in_group = args.group.ranks.is_some_and(|n| n > 1) || args.group.rank.is_some();
-    if in_group && args.role != Role::Both {
-        bail!(
-            "--role {}: prefill and decode servers run as one rank each; serve over several \
-             ranks with --role both",
-            args.role.mode()
-        );
-    }
     let (comm, children) = crate::run::connect_ranks(&args.group, false)?;
     let result = serve_rank(args, set, comm.clone());
     drop(comm);
@@ -529,7 +521,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     let kv_timeout = Duration::from_secs(args.kv_timeout_s);
     // The prefill role's KV port, bound before the model loads so a taken port fails fast.
     let kv_listener = match args.role {
-        Role::Prefill => Some(
+        Role::Prefill if rank == 0 => Some(
             TcpListener::bind((args.host.as_str(), args.kv_port)).map_err(|e| {
                 anyhow::anyhow!(
                     "cannot listen for KV transfers on {}:{} (--kv-port): {e}",
@@ -632,6 +624,8 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             let group = RankGroup {
                 comm: &*comm,
                 expert,
+                rooms: rooms.clone(),
+                kv_max_bytes,
             };
             ranked_loop(m, &tokenizer, &set, blocks, jobs, group, &metrics)
         } else {
@@ -854,9 +848,59 @@ fn engine_loop<M: Model>(
 /// abort, or that the server is stopping.
 #[derive(Default, serde::Serialize, serde::Deserialize)]
 struct Command {
-    admit: Vec<(u64, u32, Request)>,
+    admit: Vec<(u64, u32, Request, Transfer)>,
     abort: Vec<u64>,
     stop: bool,
+}
+
+/// How a request of [`Command::admit`] comes (the prefill and decode roles, [`JobKind`]).
+#[derive(serde::Serialize, serde::Deserialize)]
+enum Transfer {
+    /// The whole request.
+    Whole,
+    /// Prefill role: its KV is reported for its room.
+    Export,
+    /// Decode role: continued from the prefill server's KV, the command's blob of this index
+    /// (`KvSnapshot::write_to`'s bytes).
+    Import(usize),
+}
+
+/// A command or report with binary blobs after it (transferred KV, which JSON would bloat): a
+/// u64 length, the JSON, then each blob as a u64 length and its bytes.
+fn pack_frame<T: serde::Serialize>(value: &T, blobs: &[Vec<u8>]) -> Result<Vec<u8>> {
+    let json = serde_json::to_vec(value)?;
+    let mut out = Vec::with_capacity(16 + json.len() + blobs.iter().map(Vec::len).sum::<usize>());
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    for b in blobs {
+        out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        out.extend_from_slice(b);
+    }
+    Ok(out)
+}
+
+/// [`pack_frame`]'s value and blobs.
+fn unpack_frame<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<(T, Vec<&[u8]>)> {
+    let mut parts = Vec::new();
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        let truncated = || anyhow::anyhow!("a truncated frame");
+        let len = rest
+            .get(..8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .and_then(|l| usize::try_from(l).ok())
+            .ok_or_else(truncated)?;
+        let part = rest
+            .get(8..8usize.saturating_add(len))
+            .ok_or_else(truncated)?;
+        parts.push(part);
+        rest = &rest[8 + len..];
+    }
+    let mut parts = parts.into_iter();
+    let json = parts
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("an empty frame"))?;
+    Ok((serde_json::from_slice(json)?, parts.collect()))
 }
 
 /// What each rank tells rank 0 after the step: new text (and log-probabilities) of its
@@ -865,6 +909,8 @@ struct Command {
 struct Report {
     text: Vec<(u64, String, Vec<TokenLogprob>)>,
     done: Vec<(u64, RequestOutput)>,
+    /// Prefill role: the KV of finished requests, as the report's blob of this index.
+    kv: Vec<(u64, usize)>,
     failed: Vec<(u64, u16, String)>,
     live: usize,
     unfinished: bool,
@@ -873,10 +919,15 @@ struct Report {
     gauges: [usize; 4],
 }
 
-/// The ranks a server runs over, and whether they split the experts (else the requests).
+/// The ranks a server runs over, and whether they split the model (expert or tensor
+/// parallel: every rank steps every request) or the requests.
 struct RankGroup<'a> {
     comm: &'a dyn Communicator,
     expert: bool,
+    /// Rank 0 of a prefill server: where finished prefills leave their KV.
+    rooms: Option<Arc<Rooms>>,
+    /// The largest transferred KV a rank reads.
+    kv_max_bytes: u64,
 }
 
 /// How often an idle group of ranks checks that every rank is still there.
@@ -906,7 +957,24 @@ fn ranked_loop<M: Model>(
     group: RankGroup<'_>,
     metrics: &Metrics,
 ) -> Result<()> {
-    let RankGroup { comm, expert } = group;
+    let RankGroup {
+        comm,
+        expert,
+        rooms,
+        kv_max_bytes,
+    } = group;
+    let rooms = rooms.as_deref();
+    // Prefill role: a request that ends without KV leaves its room the reason.
+    let fail_room = |room: Option<u64>, why: &str| {
+        if let (Some(rooms), Some(room)) = (rooms, room) {
+            rooms.set(
+                room,
+                RoomState::Failed(format!("the prefill server: {why}")),
+            );
+        }
+    };
+    // Rank 0: the room of each prefill-role request.
+    let mut room_of: HashMap<u64, u64> = HashMap::new();
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut engine = serving_engine(model, tokenizer, set, num_blocks)?;
     say!(
@@ -930,9 +998,9 @@ fn ranked_loop<M: Model>(
     let mut aborts = Vec::new();
     let mut busy = false;
     let mut next_key = 0u64;
-    let bad = |what: &str, e: serde_json::Error| anyhow::anyhow!("rank {rank}: {what}: {e}");
     loop {
         let mut cmd = Command::default();
+        let mut blobs = Vec::new();
         if let Some(jobs) = &jobs {
             let mut incoming = Vec::new();
             if !busy && aborts.is_empty() {
@@ -955,29 +1023,72 @@ fn ranked_loop<M: Model>(
                 };
                 load[target] += 1;
                 let mut request = job.request;
-                request.params.seed = request.params.seed.or_else(|| Some(random_seed()));
+                // (A transferred request keeps its own: the prefill server's seed and
+                // sampler state come with its KV.)
+                if !matches!(job.kind, JobKind::Import(_)) {
+                    request.params.seed = request.params.seed.or_else(|| Some(random_seed()));
+                }
+                let transfer = match job.kind {
+                    JobKind::Whole => Transfer::Whole,
+                    JobKind::Export(room) => {
+                        room_of.insert(key, room);
+                        Transfer::Export
+                    }
+                    JobKind::Import(kv) => {
+                        let mut b = Vec::new();
+                        kv.write_to(&mut b)
+                            .map_err(|e| anyhow::anyhow!("rank 0: a transferred KV: {e}"))?;
+                        blobs.push(b);
+                        Transfer::Import(blobs.len() - 1)
+                    }
+                };
                 sinks.insert(key, (job.events, job.choice));
-                cmd.admit.push((key, target as u32, request));
+                cmd.admit.push((key, target as u32, request, transfer));
             }
             cmd.abort = std::mem::take(&mut aborts);
         }
-        let bytes = serde_json::to_vec(&cmd).map_err(|e| bad("the step's command", e))?;
-        let cmd: Command = serde_json::from_slice(&comm.broadcast(0, &bytes)?)
-            .map_err(|e| bad("rank 0's command", e))?;
+        let bytes = pack_frame(&cmd, &blobs)
+            .map_err(|e| anyhow::anyhow!("rank {rank}: the step's command: {e}"))?;
+        let received = comm.broadcast(0, &bytes)?;
+        let (cmd, blobs): (Command, _) = unpack_frame(&received)
+            .map_err(|e| anyhow::anyhow!("rank {rank}: rank 0's command: {e}"))?;
         if cmd.stop {
             return Ok(());
         }
         let mut report = Report::default();
-        for (key, target, request) in cmd.admit {
+        let mut report_blobs = Vec::new();
+        for (key, target, request, transfer) in cmd.admit {
             if !expert && target as usize != rank {
                 continue;
             }
-            match engine.add_request(request) {
+            // A transferred KV this engine cannot take means the two servers do not match: a
+            // server error (500), not the client's.
+            let added = match transfer {
+                Transfer::Whole => engine
+                    .add_request(request)
+                    .map_err(|e| (400, e.to_string())),
+                Transfer::Export => engine
+                    .add_request_for_transfer(request)
+                    .map_err(|e| (400, e.to_string())),
+                Transfer::Import(i) => blobs
+                    .get(i)
+                    .ok_or_else(|| (500, format!("rank 0 sent no KV blob {i}")))
+                    .and_then(|b| {
+                        KvSnapshot::read_from(&mut &b[..], kv_max_bytes)
+                            .map_err(|e| (500, e.to_string()))
+                    })
+                    .and_then(|kv| {
+                        engine
+                            .add_prefilled(request, kv)
+                            .map_err(|e| (500, e.to_string()))
+                    }),
+            };
+            match added {
                 Ok(id) => {
                     mine.insert(key, (id, 0, 0));
                     key_of.insert(id, key);
                 }
-                Err(e) if reporting => report.failed.push((key, 400, e.to_string())),
+                Err((status, e)) if reporting => report.failed.push((key, status, e)),
                 Err(_) => {}
             }
         }
@@ -1025,6 +1136,13 @@ fn ranked_loop<M: Model>(
                 if let Some((rest, rest_lps)) = unsent(&out.text, &out.logprobs, sent, sent_lps) {
                     report.text.push((key, rest, rest_lps));
                 }
+                if let Some(kv) = out.kv.take() {
+                    let mut b = Vec::new();
+                    kv.write_to(&mut b)
+                        .map_err(|e| anyhow::anyhow!("rank {rank}: a prefilled KV: {e}"))?;
+                    report_blobs.push(b);
+                    report.kv.push((key, report_blobs.len() - 1));
+                }
                 // Rank 0 has the prompt, and the log-probabilities went out piece by piece.
                 out.prompt = Vec::new();
                 out.logprobs = Vec::new();
@@ -1034,7 +1152,8 @@ fn ranked_loop<M: Model>(
         report.live = mine.len();
         report.unfinished = engine.has_unfinished();
         report.gauges = engine_gauges(&engine);
-        let bytes = serde_json::to_vec(&report).map_err(|e| bad("the step's report", e))?;
+        let bytes = pack_frame(&report, &report_blobs)
+            .map_err(|e| anyhow::anyhow!("rank {rank}: the step's report: {e}"))?;
         let parts = comm.all_gather(&bytes)?;
         if rank != 0 {
             continue;
@@ -1043,8 +1162,24 @@ fn ranked_loop<M: Model>(
         // Gauges: the ranks' engines together (data), or rank 0's (expert: all run the same).
         let mut gauges = [0usize; 4];
         for (r, part) in parts.iter().enumerate() {
-            let rep: Report =
-                serde_json::from_slice(part).map_err(|e| bad(&format!("rank {r}'s report"), e))?;
+            let (rep, kv_blobs): (Report, _) = unpack_frame(part)
+                .map_err(|e| anyhow::anyhow!("rank 0: rank {r}'s report: {e}"))?;
+            // Prefill role: each finished prefill's KV goes to its room.
+            for (key, i) in rep.kv {
+                let (Some(rooms), Some(&room)) = (rooms, room_of.get(&key)) else {
+                    continue;
+                };
+                match kv_blobs
+                    .get(i)
+                    .ok_or_else(|| format!("rank {r} sent no KV blob {i}"))
+                    .and_then(|b| {
+                        KvSnapshot::read_from(&mut &b[..], kv_max_bytes).map_err(|e| e.to_string())
+                    }) {
+                    Ok(kv) => rooms.set(room, RoomState::Ready(Box::new(kv))),
+                    Err(e) => fail_room(Some(room), &e),
+                }
+                room_of.remove(&key);
+            }
             busy |= rep.unfinished;
             load[r] = rep.live;
             if !expert || r == 0 {
@@ -1062,10 +1197,19 @@ fn ranked_loop<M: Model>(
                     say!("cachalot serve: request {key}: the client went away; aborted");
                     sinks.remove(&key);
                     logprobs.remove(&key);
+                    fail_room(
+                        room_of.remove(&key),
+                        "its request was aborted (the client went away)",
+                    );
                     aborts.push(key);
                 }
             }
             for (key, mut out) in rep.done {
+                // A prefill that ended without KV (its KV, when it had some, went above).
+                fail_room(
+                    room_of.remove(&key),
+                    &format!("the prefill ended without a token ({})", finish_word(&out)),
+                );
                 out.logprobs = logprobs.remove(&key).unwrap_or_default();
                 metrics.record(&out);
                 if let Some((tx, choice)) = sinks.remove(&key) {
@@ -1074,6 +1218,7 @@ fn ranked_loop<M: Model>(
             }
             for (key, status, message) in rep.failed {
                 logprobs.remove(&key);
+                fail_room(room_of.remove(&key), &message);
                 if let Some((tx, choice)) = sinks.remove(&key) {
                     let _ = tx.send((choice, Event::Failed(status, message)));
                 }

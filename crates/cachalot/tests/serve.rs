@@ -410,6 +410,91 @@ fn serve_aborts_requests_whose_client_left() {
 /// Prefill/decode disaggregation (executor spec §5): a prefill server and a decode server (other
 /// block size) behind the router answer greedy, seeded-sampling, chat, streamed and concurrent
 /// requests as one server does; what goes wrong says where.
+/// Prefill and decode servers over several ranks each (the seed's disaggregated deployment):
+/// a tensor-parallel prefill server and a data-parallel decode server, then an expert-parallel
+/// decode server, behind the router, answer as one server; concurrent requests spread over
+/// the decode ranks.
+#[test]
+fn prefill_and_decode_servers_over_ranks_answer_as_one_server() {
+    let one = start(&["--kv-blocks", "64"]);
+    let pre = start(&[
+        "--role",
+        "prefill",
+        "--kv-port",
+        "0",
+        "--kv-blocks",
+        "64",
+        "--ranks",
+        "2",
+        "--parallel",
+        "tensor",
+    ]);
+    let greedy = json!({"prompt": "The meaning of life is", "max_tokens": 16,
+                        "temperature": 0, "ignore_eos": true});
+    let sampled = json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.8,
+                         "seed": 3, "ignore_eos": true});
+    let prompts = [
+        "A",
+        "In the beginning",
+        "Knowledge is",
+        "The sea",
+        "My friend",
+    ];
+    let text_of = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let mut b = greedy.clone();
+            b["prompt"] = (*p).into();
+            text_of(&post(&one.addr, "/v1/completions", &b).1)
+        })
+        .collect();
+    for parallel in ["data", "expert"] {
+        let dec = start(&[
+            "--role",
+            "decode",
+            "--kv-blocks",
+            "64",
+            "--ranks",
+            "2",
+            "--parallel",
+            parallel,
+        ]);
+        let router = start_command(
+            "router",
+            &[
+                "--prefill",
+                &format!("http://{}", pre.addr),
+                "--decode",
+                &format!("http://{}", dec.addr),
+            ],
+        );
+        let r = router.addr.as_str();
+        for body in [&greedy, &sampled] {
+            let (s1, a) = post(&one.addr, "/v1/completions", body);
+            let (s2, b) = post(r, "/v1/completions", body);
+            assert_eq!((s1, s2), (200, 200), "{parallel}: {a} {b}");
+            assert_eq!(text_of(&a), text_of(&b), "{parallel}: {body}");
+        }
+        let got: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let mut b = greedy.clone();
+                    b["prompt"] = (*p).into();
+                    s.spawn(move || {
+                        let (status, v) = post(r, "/v1/completions", &b);
+                        assert_eq!(status, 200, "{v}");
+                        text_of(&v)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(got, want, "{parallel}");
+    }
+}
+
 #[test]
 fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
     let one = start(&["--kv-blocks", "64"]);
