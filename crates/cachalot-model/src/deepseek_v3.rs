@@ -398,7 +398,18 @@ impl Loader<'_> {
 
     /// An MLP; under tensor parallelism, this rank's share of its intermediate features.
     fn mlp(&mut self, prefix: &str, hidden: usize, inter: usize) -> Result<Mlp> {
-        let part = self.opts.tensor_shard.part(inter);
+        self.mlp_of(prefix, hidden, inter, self.opts.tensor_shard)
+    }
+
+    /// An MLP, `shard`'s share of its intermediate features.
+    fn mlp_of(
+        &mut self,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        shard: TensorShard,
+    ) -> Result<Mlp> {
+        let part = shard.part(inter);
         Ok(Mlp {
             gate: self.linear_cut(
                 &format!("{prefix}.gate_proj"),
@@ -503,7 +514,15 @@ impl Loader<'_> {
                 .map(|j| {
                     let name = format!("{p}.mlp.experts.{j}");
                     if shard.owns(j, e) {
-                        self.mlp(&name, h, cfg.moe_intermediate_size).map(Some)
+                        // Whole under expert parallelism (with or without tensor parallelism
+                        // of the rest), else this rank's tensor-parallel share.
+                        let cut = if shard.ranks > 1 {
+                            TensorShard::default()
+                        } else {
+                            self.opts.tensor_shard
+                        };
+                        self.mlp_of(&name, h, cfg.moe_intermediate_size, cut)
+                            .map(Some)
                     } else {
                         // Another rank's expert: never read.
                         self.ckpt.skip_prefix(&format!("{name}."));
@@ -597,12 +616,13 @@ impl DeepseekV3 {
             _ => None,
         };
         opts.tensor_shard.validate(&cfg)?;
-        if opts.tensor_shard.ranks > 1 && opts.expert_shard.ranks > 1 {
-            return Err(ModelError::Options(
-                "tensor and expert parallelism together are not supported: give the model a \
-                 tensor shard or an expert shard"
-                    .into(),
-            ));
+        let (t, e) = (opts.tensor_shard, opts.expert_shard);
+        if t.ranks > 1 && e.ranks > 1 && (t.rank, t.ranks) != (e.rank, e.ranks) {
+            return Err(ModelError::Options(format!(
+                "tensor parallelism as rank {} of {} and expert parallelism as rank {} of {}: \
+                 both together split over one group (the same rank of the same ranks)",
+                t.rank, t.ranks, e.rank, e.ranks
+            )));
         }
         let mut l = Loader {
             ckpt,
@@ -1654,7 +1674,11 @@ impl DeepseekV3 {
             mlp_forward_group(&mlps, &xs, &counts)
         };
         let shared_y = if moe.shared.is_some() { ys.pop() } else { None };
-        if self.shard.ranks > 1 {
+        // The experts whose outputs are summed here: all active ones (gathered from their
+        // ranks under expert parallelism alone), or this rank's own when tensor parallelism
+        // adds the ranks' sums after the layer.
+        let summed = if self.tp.ranks > 1 { &local } else { &active };
+        if self.shard.ranks > 1 && self.tp.ranks == 1 {
             ys = crate::expert_parallel::gather(
                 self.comm.as_deref(),
                 self.shard,
@@ -1668,7 +1692,7 @@ impl DeepseekV3 {
         let mut out = vec![0.0f32; t_count * h];
         // Experts in id order, so a token's sum has the same order whatever else is batched
         // (and whichever rank computed the expert).
-        for (&id, y) in active.iter().zip(&ys) {
+        for (&id, y) in summed.iter().zip(&ys) {
             for (j, &(t, w)) in assigned[id].iter().enumerate() {
                 k::axpy(w, &y[j * h..(j + 1) * h], &mut out[t * h..(t + 1) * h]);
             }

@@ -6,7 +6,12 @@
 //!   all heads under MLA) is the same on every rank;
 //! - a share of every MLP's intermediate features — dense layers, routed and shared experts:
 //!   rows of `gate_proj`/`up_proj`, columns of `down_proj`;
-//! - the embedding, the routers, the norms and `lm_head` whole.
+//! - a share of `lm_head`'s vocabulary rows (the logits are gathered); the embedding, the
+//!   routers and the norms whole.
+//!
+//! With an expert shard of the same group (`--parallel tensor-expert`), the routed experts are
+//! held whole, each on one rank (`crate::expert_parallel`'s split), and a rank sums the outputs
+//! of the active experts it holds; that partial sum joins the layer's reduce.
 //!
 //! A layer's attention output and its MLP (or MoE) output are each a partial sum on every rank;
 //! [`reduce`] adds them in rank order, so every rank holds the same bits afterwards and the

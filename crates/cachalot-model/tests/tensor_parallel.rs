@@ -20,9 +20,22 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn load(dir: &Path, shard: TensorShard) -> DeepseekV3 {
+    load_with(dir, shard, false)
+}
+
+/// With `experts`, the routed experts are split too (expert parallelism over the same ranks).
+fn load_with(dir: &Path, shard: TensorShard, experts: bool) -> DeepseekV3 {
     let opts = LoadOptions {
         load_mtp: true,
         tensor_shard: shard,
+        expert_shard: if experts {
+            ExpertShard {
+                rank: shard.rank,
+                ranks: shard.ranks,
+            }
+        } else {
+            ExpertShard::default()
+        },
         ..Default::default()
     };
     DeepseekV3::load(dir, opts).unwrap()
@@ -30,17 +43,28 @@ fn load(dir: &Path, shard: TensorShard) -> DeepseekV3 {
 
 #[test]
 fn tensor_shards_give_the_one_process_logits() {
-    for (name, n) in [("r1_tiny", 2), ("r1_tiny", 4), ("v3_noq_tiny", 2)] {
+    for (name, n, experts) in [
+        ("r1_tiny", 2, false),
+        ("r1_tiny", 4, false),
+        ("v3_noq_tiny", 2, false),
+        ("r1_tiny", 2, true),
+        ("r1_tiny", 4, true),
+    ] {
+        let name_n = format!(
+            "{name} over {n}{}",
+            if experts { " with experts" } else { "" }
+        );
         let dir = fixture(name);
         let one = load(&dir, TensorShard::default());
         let want = packed_run(&one);
         let got = run_local_group(n, |comm| {
-            let mut m = load(
+            let mut m = load_with(
                 &dir,
                 TensorShard {
                     rank: comm.rank(),
                     ranks: n,
                 },
+                experts,
             );
             m.set_communicator(comm).unwrap();
             (packed_run(&m), m.weight_bytes())
@@ -51,9 +75,9 @@ fn tensor_shards_give_the_one_process_logits() {
             assert_eq!(
                 bits(logits),
                 bits(&got[0].0),
-                "{name} over {n}: rank {r}'s logits differ from rank 0's"
+                "{name_n}: rank {r}'s logits differ from rank 0's"
             );
-            assert!(*bytes < one.weight_bytes(), "{name} over {n}: rank {r}");
+            assert!(*bytes < one.weight_bytes(), "{name_n}: rank {r}");
             assert_eq!(logits.len(), want.len());
             for (row, (a, b)) in logits
                 .chunks_exact(vocab)
@@ -67,7 +91,7 @@ fn tensor_shards_give_the_one_process_logits() {
                     .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
                 assert!(
                     diff <= 1e-4 * scale,
-                    "{name} over {n}: rank {r}, row {row}: logits differ by {diff} (max {scale})"
+                    "{name_n}: rank {r}, row {row}: logits differ by {diff} (max {scale})"
                 );
             }
         }
@@ -95,11 +119,11 @@ fn shards_that_do_not_divide_or_lack_their_group_are_named() {
     assert!(e.contains("rank 2 of 2"), "{e}");
     let opts = LoadOptions {
         tensor_shard: TensorShard { rank: 0, ranks: 2 },
-        expert_shard: ExpertShard { rank: 0, ranks: 2 },
+        expert_shard: ExpertShard { rank: 1, ranks: 2 },
         ..Default::default()
     };
     let e = DeepseekV3::load(&dir, opts).err().unwrap().to_string();
-    assert!(e.contains("not supported"), "{e}");
+    assert!(e.contains("one group"), "{e}");
     // A shard without its communicator says what it needs.
     let m = load(&dir, TensorShard { rank: 0, ranks: 2 });
     let e = forward_once(&m, &(1..9).collect::<Vec<u32>>())

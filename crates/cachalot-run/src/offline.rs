@@ -76,6 +76,11 @@ pub enum Parallel {
     /// (`TensorShard`) and run every request together: each layer's attention and MLP outputs
     /// are partial sums added over the ranks. DeepSeek-V3/R1/Kimi-K2 checkpoints.
     Tensor,
+    /// Tensor parallel, with the routed experts split whole over the same ranks (as Expert)
+    /// instead of each expert's features: vLLM's `--enable-expert-parallel` with tensor
+    /// parallelism. Each MoE layer's routed sum is partial too, added with the rest.
+    #[serde(rename = "tensor-expert")]
+    TensorExpert,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -362,18 +367,23 @@ pub fn run_ranked(
     let (rank, ranks) = (comm.rank(), comm.world_size());
     // Expert or tensor parallel: one model over the ranks, which run every request in
     // lockstep (named `expert` for the lockstep below; `tensor` picks the shard).
-    let tensor = opts.parallel == Parallel::Tensor && ranks > 1;
-    let expert = (opts.parallel == Parallel::Expert || tensor) && ranks > 1;
+    let tensor = matches!(opts.parallel, Parallel::Tensor | Parallel::TensorExpert) && ranks > 1;
+    let experts_split =
+        matches!(opts.parallel, Parallel::Expert | Parallel::TensorExpert) && ranks > 1;
+    let expert = (experts_split || tensor) && ranks > 1;
     // Data-parallel ranks (1 under expert or tensor parallelism: the group serves one request
     // stream), and this rank's place among them.
     let (dp_rank, dp) = if expert { (0, 1) } else { (rank, ranks) };
     // The routed experts this rank holds, or its share of heads and intermediate features.
-    let (shard, tensor_shard) = if tensor {
-        (ExpertShard::default(), TensorShard { rank, ranks })
-    } else if expert {
-        (ExpertShard { rank, ranks }, TensorShard::default())
+    let shard = if experts_split {
+        ExpertShard { rank, ranks }
     } else {
-        (ExpertShard::default(), TensorShard::default())
+        ExpertShard::default()
+    };
+    let tensor_shard = if tensor {
+        TensorShard { rank, ranks }
+    } else {
+        TensorShard::default()
     };
     // `batch_size` is the global batch over data-parallel ranks, as the seed's (executor spec
     // §1: `batch_size_per_dp_rank = batch_size / attn_dp_size`, an error when it does not
@@ -568,8 +578,13 @@ pub fn run_ranked(
         logln!(
             "rank {rank} of {ranks} (tensor parallel: this rank holds heads \
              [{rank}·H/{ranks}, {}·H/{ranks}) and that share of every MLP's intermediate \
-             features; all ranks run every request)",
-            rank + 1
+             features{}; all ranks run every request)",
+            rank + 1,
+            if experts_split {
+                " but the routed experts', which it holds whole: experts [r·E/N, (r+1)·E/N)"
+            } else {
+                ""
+            }
         );
     } else if expert {
         logln!(
@@ -1062,7 +1077,9 @@ pub fn run_ranked(
         bf16_dot: opts.bf16_dot,
         kv_cache_dtype: kv_cache_dtype.name(),
         ranks,
-        parallel: if tensor {
+        parallel: if tensor && experts_split {
+            Parallel::TensorExpert
+        } else if tensor {
             Parallel::Tensor
         } else if expert {
             Parallel::Expert

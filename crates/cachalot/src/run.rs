@@ -76,6 +76,7 @@ pub(crate) enum ParallelArg {
     Data,
     Expert,
     Tensor,
+    TensorExpert,
 }
 
 /// How a command runs over several processes (`run` and `serve`): `--ranks N` (this process
@@ -111,7 +112,9 @@ pub(crate) struct GroupArgs {
     /// run every request together: a model larger than one host's memory over several;
     /// DeepSeek-V3/R1/Kimi-K2 and V4) or `tensor` (the ranks hold every layer's attention heads
     /// and a share of every MLP's intermediate features, and add their partial outputs twice a
-    /// layer; DeepSeek-V3/R1/Kimi-K2).
+    /// layer; DeepSeek-V3/R1/Kimi-K2) or `tensor-expert` (tensor parallel, with the routed
+    /// experts split whole over the ranks instead of cut: vLLM's tensor parallelism with
+    /// --enable-expert-parallel).
     #[arg(long, value_enum, default_value = "data")]
     pub parallel: ParallelArg,
     /// How the ranks exchange data: `auto` (through shared memory when every rank of the group
@@ -354,6 +357,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ParallelArg::Data => offline::Parallel::Data,
             ParallelArg::Expert => offline::Parallel::Expert,
             ParallelArg::Tensor => offline::Parallel::Tensor,
+            ParallelArg::TensorExpert => offline::Parallel::TensorExpert,
         },
     };
     let (comm, children) = connect_ranks(&args.group, true)?;

@@ -473,11 +473,14 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     let (rank, world) = (comm.rank(), comm.world_size());
     // Expert or tensor parallel: one model over the ranks, which step every request together
     // (`expert` names that lockstep below).
-    let tensor = world > 1 && args.group.parallel == ParallelArg::Tensor;
-    let expert = world > 1 && (args.group.parallel == ParallelArg::Expert || tensor);
+    let p = args.group.parallel;
+    let tensor = world > 1 && matches!(p, ParallelArg::Tensor | ParallelArg::TensorExpert);
+    let experts_split = world > 1 && matches!(p, ParallelArg::Expert | ParallelArg::TensorExpert);
+    let expert = tensor || experts_split;
     if tensor {
         set.model.tensor_shard = TensorShard { rank, ranks: world };
-    } else if expert {
+    }
+    if experts_split {
         set.model.expert_shard = ExpertShard { rank, ranks: world };
     }
     // Ranks of this host share its memory for their KV pools.
@@ -588,6 +591,10 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         }
         let ranks = match world {
             1 => String::new(),
+            n if tensor && experts_split => format!(
+                ", {n} ranks (tensor and expert parallel, {})",
+                comm.transport()
+            ),
             n if tensor => format!(", {n} ranks (tensor parallel, {})", comm.transport()),
             n if expert => format!(", {n} ranks (expert parallel, {})", comm.transport()),
             n => format!(", {n} ranks (data parallel, {})", comm.transport()),

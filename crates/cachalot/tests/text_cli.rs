@@ -715,6 +715,12 @@ fn run_with_two_ranks_equals_one_process() {
         assert_eq!(a["id"], b["id"]);
         assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
     }
+    // Tensor parallel with the routed experts split whole (tensor-expert).
+    let (s5, five) = run(&["--ranks", "2", "--parallel", "tensor-expert"]);
+    assert_eq!(s5["parallel"], "tensor-expert");
+    for (a, b) in one.iter().zip(&five) {
+        assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
+    }
     let bad = cachalot(&["run", "--ranks", "0"], None);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--ranks 0"));
