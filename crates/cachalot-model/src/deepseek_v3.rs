@@ -140,6 +140,8 @@ pub struct MtpLayer {
 pub struct DeepseekV3 {
     cfg: DeepseekV3Config,
     embed: Matrix,
+    /// The vocabulary rows `embed` (and `lm_head`) hold: all, or this rank's share.
+    vocab_share: Range<usize>,
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
     lm_head: Matrix,
@@ -634,7 +636,10 @@ impl DeepseekV3 {
         };
         let h = cfg.hidden_size;
         let v = cfg.vocab_size;
-        let embed = l.linear("model.embed_tokens", v, h)?;
+        // Under tensor parallelism each rank holds a share of the vocabulary's embedding rows
+        // (vocabulary-parallel embedding, the seed's embed_tp); a lookup is summed over ranks.
+        let vocab_share = opts.tensor_shard.share(v);
+        let embed = l.linear_cut("model.embed_tokens", v, h, Cut::Rows(vocab_share.clone()))?;
         let mut layers = Vec::with_capacity(keep);
         for i in 0..cfg.num_hidden_layers {
             if i < keep {
@@ -647,7 +652,7 @@ impl DeepseekV3 {
         let norm = l.vector("model.norm.weight", h)?;
         // Under tensor parallelism each rank holds a share of the vocabulary's rows (the seed's
         // lmhead_tp); the logits are gathered.
-        let vocab_rows = Cut::Rows(opts.tensor_shard.share(v));
+        let vocab_rows = Cut::Rows(vocab_share.clone());
         let lm_head = if cfg.tie_word_embeddings && !l.ckpt.contains("lm_head.weight") {
             l.linear_cut("model.embed_tokens", v, h, vocab_rows)?
         } else {
@@ -682,6 +687,7 @@ impl DeepseekV3 {
         Ok(DeepseekV3 {
             cfg,
             embed,
+            vocab_share,
             layers,
             norm,
             lm_head,
@@ -807,7 +813,7 @@ impl DeepseekV3 {
     pub fn decode_bytes_per_token(&self) -> usize {
         let mlp = |m: &Mlp| m.gate.storage_bytes() + m.up.storage_bytes() + m.down.storage_bytes();
         let mut total =
-            self.lm_head.storage_bytes() + self.embed.storage_bytes() / self.cfg.vocab_size;
+            self.lm_head.storage_bytes() + self.embed.storage_bytes() / self.embed.rows();
         for l in &self.layers {
             let a = &l.attn;
             total += match &a.q {
@@ -839,18 +845,10 @@ impl DeepseekV3 {
         let cfg = &self.cfg;
         self.check_cache(cache, self.layers.len())?;
         batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
-        let t_count = batch.num_tokens();
-        let h = cfg.hidden_size;
-        let mut hidden = vec![0.0f32; t_count * h];
-        let embed = Timer::start(Phase::Embed);
-        for (t, &tok) in batch.tokens.iter().enumerate() {
-            self.embed
-                .row_to_f32(tok as usize, &mut hidden[t * h..(t + 1) * h]);
-        }
-        drop(embed);
+        let step = self.step_digest(batch, 0);
+        let mut hidden = self.embed_tokens(&batch.tokens, step)?;
         let rope = RopeTable::new(&self.rope, &batch.positions, cfg.qk_rope_head_dim / 2);
         let block_size = cache.block_size();
-        let step = self.step_digest(batch, 0);
         for (li, layer) in self.layers.iter().enumerate() {
             self.layer_forward(
                 layer,
@@ -899,12 +897,12 @@ impl DeepseekV3 {
                 prev_hidden.len()
             )));
         }
+        let step = self.step_digest(batch, 1 + index as u32);
+        let embedded = self.embed_tokens(&batch.tokens, step)?;
         let mut both = vec![0.0f32; t_count * 2 * h];
-        let mut row = vec![0.0f32; h];
-        for (t, &tok) in batch.tokens.iter().enumerate() {
-            self.embed.row_to_f32(tok as usize, &mut row);
+        for (t, row) in embedded.chunks_exact(h).enumerate() {
             let (e, g) = both[t * 2 * h..(t + 1) * 2 * h].split_at_mut(h);
-            k::rms_norm(&row, &mtp.enorm, cfg.rms_norm_eps, e);
+            k::rms_norm(row, &mtp.enorm, cfg.rms_norm_eps, e);
             k::rms_norm(
                 &prev_hidden[t * h..(t + 1) * h],
                 &mtp.hnorm,
@@ -916,7 +914,6 @@ impl DeepseekV3 {
         mtp.eh_proj.matmul(&both, t_count, &mut hidden);
         let rope = RopeTable::new(&self.rope, &batch.positions, cfg.qk_rope_head_dim / 2);
         let block_size = cache.block_size();
-        let step = self.step_digest(batch, 1 + index as u32);
         self.layer_forward(
             &mtp.layer,
             &mut hidden,
@@ -977,6 +974,25 @@ impl DeepseekV3 {
             logits,
             hidden: want_hidden.then_some(normed),
         })
+    }
+
+    /// Every token's embedding row, `[tokens, hidden]`. Under tensor parallelism a rank holds a
+    /// share of the vocabulary: it fills the rows of its tokens, zeros the others', and the
+    /// ranks' rows are added (one rank's row plus zeros: the row's own bits).
+    fn embed_tokens(&self, tokens: &[u32], step: u64) -> Result<Vec<f32>> {
+        let _t = Timer::start(Phase::Embed);
+        let h = self.cfg.hidden_size;
+        let mut rows = vec![0.0f32; tokens.len() * h];
+        for (row, &tok) in rows.chunks_exact_mut(h).zip(tokens) {
+            let tok = tok as usize;
+            if self.vocab_share.contains(&tok) {
+                self.embed.row_to_f32(tok - self.vocab_share.start, row);
+            }
+        }
+        if self.tp.ranks > 1 {
+            tp::reduce(self.comm.as_deref(), self.tp, step, &mut rows)?;
+        }
+        Ok(rows)
     }
 
     /// Under tensor parallelism, a digest of `batch` (and of which forward runs it: 0 the main

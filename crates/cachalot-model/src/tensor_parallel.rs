@@ -6,8 +6,9 @@
 //!   all heads under MLA) is the same on every rank;
 //! - a share of every MLP's intermediate features — dense layers, routed and shared experts:
 //!   rows of `gate_proj`/`up_proj`, columns of `down_proj`;
-//! - a share of `lm_head`'s vocabulary rows (the logits are gathered); the embedding, the
-//!   routers and the norms whole.
+//! - a share of the vocabulary's rows of the embedding (a lookup fills this rank's tokens and
+//!   is added over the ranks: exact) and of `lm_head` (the logits are gathered); the routers
+//!   and the norms whole.
 //!
 //! With an expert shard of the same group (`--parallel tensor-expert`), the routed experts are
 //! held whole, each on one rank (`crate::expert_parallel`'s split), and a rank sums the outputs
