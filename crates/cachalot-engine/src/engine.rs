@@ -316,6 +316,87 @@ pub struct Request {
     /// thinks freely, then answers in JSON); None: from the first token.
     #[serde(default)]
     pub json_after: Option<String>,
+    /// JSON mode after a lead: the answer opens with one of these texts (every token drawn
+    /// among those that keep it a prefix of one, as a forced tool call's function name and
+    /// the markup before its arguments), then it is one JSON object. Empty: no lead (with
+    /// `json_after` given, this is not used).
+    #[serde(default)]
+    pub json_lead: Vec<String>,
+}
+
+/// JSON mode's lead ([`Request::json_lead`]): the texts the answer may open with, and what it
+/// has written of one so far (a prefix of at least one).
+#[derive(Clone, Debug)]
+struct Lead {
+    options: Vec<Vec<u8>>,
+    written: Vec<u8>,
+}
+
+impl Lead {
+    fn new(options: &[String]) -> Lead {
+        Lead {
+            options: options.iter().map(|o| o.as_bytes().to_vec()).collect(),
+            written: Vec::new(),
+        }
+    }
+
+    /// Token bytes `b` keep the answer on a lead, or finish one and begin the JSON object.
+    fn allows(&self, b: &[u8]) -> bool {
+        !b.is_empty()
+            && self.options.iter().any(|o| {
+                let Some(rest) = o.strip_prefix(self.written.as_slice()) else {
+                    return false;
+                };
+                if rest.starts_with(b) {
+                    true
+                } else if b.starts_with(rest) {
+                    JsonState::new().feed_all(&b[rest.len()..])
+                } else {
+                    false
+                }
+            })
+    }
+
+    /// Takes a token's bytes; once a lead is complete, the bytes after it (the JSON's start).
+    fn push(&mut self, b: &[u8]) -> Option<Vec<u8>> {
+        self.written.extend_from_slice(b);
+        let o = self
+            .options
+            .iter()
+            .filter(|o| self.written.starts_with(o))
+            .max_by_key(|o| o.len())?;
+        Some(self.written[o.len()..].to_vec())
+    }
+}
+
+/// A lead's mask of one row of logits ([`Lead::allows`]; special tokens by their text, which a
+/// lead may hold; stop tokens never).
+fn lead_mask(
+    row: &[f32],
+    lead: &Lead,
+    bytes: &[Vec<u8>],
+    specials: &HashMap<u32, Vec<u8>>,
+    stop: &[u32],
+) -> Vec<f32> {
+    row.iter()
+        .enumerate()
+        .map(|(t, &x)| {
+            let t = t as u32;
+            if !stop.contains(&t) && lead.allows(lead_bytes(t, bytes, specials)) {
+                x
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect()
+}
+
+/// Token `t`'s bytes for a lead: a special token's text, any other token's bytes.
+fn lead_bytes<'a>(t: u32, bytes: &'a [Vec<u8>], specials: &'a HashMap<u32, Vec<u8>>) -> &'a [u8] {
+    specials
+        .get(&t)
+        .or_else(|| bytes.get(t as usize))
+        .map_or(&[][..], Vec::as_slice)
 }
 
 /// A generated token's log-probability under the model (the log-softmax of its raw logits,
@@ -481,6 +562,8 @@ struct Live<'t> {
     json: Option<JsonState>,
     /// JSON mode waiting for this text before it starts.
     json_after: Option<String>,
+    /// JSON mode after a lead, while it is being written.
+    lead: Option<Lead>,
 }
 
 pub struct Engine<'t, M: Model> {
@@ -503,6 +586,9 @@ pub struct Engine<'t, M: Model> {
     /// special tokens, which JSON text never holds), and which of them any plain string takes.
     token_bytes: Option<Vec<Vec<u8>>>,
     string_safe: Vec<bool>,
+    /// The special tokens' texts (their `token_bytes` are empty: JSON never takes them), for
+    /// a JSON lead that holds one (Kimi-K2's `<|tool_call_argument_begin|>`).
+    special_bytes: HashMap<u32, Vec<u8>>,
 }
 
 impl<'t, M: Model> Engine<'t, M> {
@@ -550,6 +636,7 @@ impl<'t, M: Model> Engine<'t, M> {
             imports: VecDeque::new(),
             token_bytes: None,
             string_safe: Vec::new(),
+            special_bytes: HashMap::new(),
         })
     }
 
@@ -699,9 +786,16 @@ impl<'t, M: Model> Engine<'t, M> {
         // JSON mode from the first token: the prefill side must have masked that token too.
         if req.json_object && req.json_after.is_none() {
             let bytes = self.token_bytes.as_deref().unwrap_or_default();
-            let fits = bytes
-                .get(kv.first_token as usize)
-                .is_some_and(|b| !b.is_empty() && JsonState::new().feed_all(b));
+            let first = bytes.get(kv.first_token as usize);
+            let fits = if req.json_lead.is_empty() {
+                first.is_some_and(|b| !b.is_empty() && JsonState::new().feed_all(b))
+            } else {
+                Lead::new(&req.json_lead).allows(lead_bytes(
+                    kv.first_token,
+                    bytes,
+                    &self.special_bytes,
+                ))
+            };
             if !fits {
                 return refuse(format!(
                     "the transferred first token {} does not begin a JSON object: the prefill \
@@ -810,6 +904,10 @@ impl<'t, M: Model> Engine<'t, M> {
                     }
                 })
                 .collect();
+            self.special_bytes = (0..vocab as u32)
+                .filter(|&t| tok.is_special(t))
+                .filter_map(|t| tok.id_to_token(t).map(|s| (t, s.into_bytes())))
+                .collect();
             self.string_safe = bytes
                 .iter()
                 .map(|b| !b.is_empty() && b.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\'))
@@ -881,7 +979,10 @@ impl<'t, M: Model> Engine<'t, M> {
                 logprobs: Vec::new(),
                 top_prompt_logprobs: req.prompt_logprobs,
                 prompt_logprobs: Vec::new(),
-                json: (req.json_object && req.json_after.is_none()).then(JsonState::new),
+                json: (req.json_object && req.json_after.is_none() && req.json_lead.is_empty())
+                    .then(JsonState::new),
+                lead: (req.json_object && req.json_after.is_none() && !req.json_lead.is_empty())
+                    .then(|| Lead::new(&req.json_lead)),
                 json_after: req.json_after.filter(|_| req.json_object),
             },
         );
@@ -1026,11 +1127,21 @@ impl<'t, M: Model> Engine<'t, M> {
                     }
                     let live = self.live.get_mut(&it.id).expect("live");
                     // JSON mode: only tokens that keep the answer one JSON object.
-                    let masked = live.json.as_ref().map(|state| {
-                        let bytes = self.token_bytes.as_deref().unwrap_or_default();
-                        let stop = &live.stop.stop_token_ids;
-                        json_mask(row, state, stop, bytes, &self.string_safe)
-                    });
+                    let bytes = self.token_bytes.as_deref().unwrap_or_default();
+                    let masked = match (&live.json, &live.lead) {
+                        (Some(state), _) => {
+                            let stop = &live.stop.stop_token_ids;
+                            Some(json_mask(row, state, stop, bytes, &self.string_safe))
+                        }
+                        (None, Some(lead)) => Some(lead_mask(
+                            row,
+                            lead,
+                            bytes,
+                            &self.special_bytes,
+                            &live.stop.stop_token_ids,
+                        )),
+                        (None, None) => None,
+                    };
                     let raw = row;
                     let row = masked.as_deref().unwrap_or(row);
                     if masked.is_some() && !row.iter().any(|x| x.is_finite()) {
@@ -1303,6 +1414,16 @@ impl<'t, M: Model> Engine<'t, M> {
                 }
             }
         }
+        // JSON mode after a lead: it starts within the token that completes the lead.
+        if let Some(lead) = live.lead.as_mut() {
+            let bytes = self.token_bytes.as_deref().unwrap_or_default();
+            if let Some(rest) = lead.push(lead_bytes(token, bytes, &self.special_bytes)) {
+                let mut state = JsonState::new();
+                state.feed_all(&rest);
+                live.json = Some(state);
+                live.lead = None;
+            }
+        }
         // JSON mode after a gate: it starts with the token after the one that completed it.
         if gated
             && live
@@ -1437,7 +1558,8 @@ impl<'t, M: Model> Engine<'t, M> {
 
 #[cfg(test)]
 mod tests {
-    use super::TokenLogprob;
+    use super::{lead_mask, Lead, TokenLogprob};
+    use std::collections::HashMap;
 
     #[test]
     fn logprobs_are_the_log_softmax_with_the_most_likely_first() {
@@ -1461,5 +1583,41 @@ mod tests {
         let total: f64 = all.top.iter().map(|t| (t.1 as f64).exp()).sum();
         assert!((total - 1.0).abs() < 1e-6, "{total}");
         assert!(TokenLogprob::from_logits(&logits, 1, 0).top.is_empty());
+    }
+
+    /// A JSON lead keeps the answer on one of its texts, lets a token finish one and begin
+    /// the object, takes special tokens by their text, and hands over the JSON's start.
+    #[test]
+    fn a_json_lead_keeps_to_its_texts() {
+        let mut lead = Lead {
+            options: vec![
+                b"get_time\n```json\n".to_vec(),
+                b"get_weather\n```json\n".to_vec(),
+            ],
+            written: Vec::new(),
+        };
+        assert!(lead.allows(b"get"));
+        assert!(lead.allows(b"get_weather\n```json\n{"));
+        assert!(!lead.allows(b"set"));
+        assert!(!lead.allows(b""));
+        assert_eq!(lead.push(b"get_"), None);
+        assert!(lead.allows(b"time"));
+        assert!(!lead.allows(b"tim e"));
+        assert_eq!(lead.push(b"weather\n```"), None);
+        // Finishing the lead inside a token: what follows must begin a JSON object.
+        assert!(lead.allows(b"json\n{\""));
+        assert!(!lead.allows(b"json\nx"));
+        assert_eq!(lead.push(b"json\n{\""), Some(b"{\"".to_vec()));
+        let specials: HashMap<u32, Vec<u8>> = [(7, b"<|arg|>".to_vec())].into();
+        let bytes = vec![b"a".to_vec(); 8];
+        let lead = Lead {
+            options: vec![b"a<|arg|>".to_vec()],
+            written: b"a".to_vec(),
+        };
+        let row = vec![0.0f32; 8];
+        let masked = lead_mask(&row, &lead, &bytes, &specials, &[]);
+        assert!(masked[7].is_finite());
+        assert!(masked[..7].iter().all(|x| x.is_infinite()));
+        assert!(lead_mask(&row, &lead, &bytes, &specials, &[7])[7].is_infinite());
     }
 }

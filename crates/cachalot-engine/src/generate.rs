@@ -288,6 +288,7 @@ pub fn generate_mtp<M: crate::Model>(
         prompt_logprobs: None,
         json_object: false,
         json_after: None,
+        json_lead: Vec::new(),
     })?;
     let t0 = Instant::now();
     let mut prefill_s = None;

@@ -40,6 +40,7 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
         prompt_logprobs: None,
         json_object: false,
         json_after: None,
+        json_lead: Vec::new(),
     }
 }
 
@@ -222,6 +223,7 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
             prompt_logprobs: None,
             json_object: false,
             json_after: None,
+            json_lead: Vec::new(),
         })
         .unwrap();
         e.run_to_completion(|_, _| {}).unwrap().remove(0)

@@ -61,6 +61,7 @@ fn run(
                 prompt_logprobs: None,
                 json_object: false,
                 json_after: None,
+                json_lead: Vec::new(),
             })
             .unwrap();
     }
@@ -212,6 +213,7 @@ fn small_model_greedy_with_mtp_equals_without_and_accepts_drafts() {
                 prompt_logprobs: None,
                 json_object: false,
                 json_after: None,
+                json_lead: Vec::new(),
             })
             .unwrap();
     }
@@ -345,6 +347,7 @@ fn sample_triples(
                     prompt_logprobs: None,
                     json_object: false,
                     json_after: None,
+                    json_lead: Vec::new(),
                 })
                 .unwrap();
             queued += 1;
@@ -498,6 +501,7 @@ fn nan_logits_are_an_error() {
                 prompt_logprobs: None,
                 json_object: false,
                 json_after: None,
+                json_lead: Vec::new(),
             })
             .unwrap();
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();

@@ -44,6 +44,7 @@ fn request(prompt: &[u32], params: &SamplingParams, n: usize) -> Request {
         prompt_logprobs: None,
         json_object: false,
         json_after: None,
+        json_lead: Vec::new(),
     }
 }
 

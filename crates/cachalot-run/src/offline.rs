@@ -878,6 +878,7 @@ pub fn run_ranked(
                 prompt_logprobs: None,
                 json_object: false,
                 json_after: None,
+                json_lead: Vec::new(),
             })
             .map_err(|e| {
                 format!(

@@ -716,6 +716,7 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
                 prompt_logprobs: None,
                 json_object: false,
                 json_after: None,
+                json_lead: Vec::new(),
             })?;
         }
         let t = Instant::now();

@@ -1603,6 +1603,10 @@ struct Call {
     /// A forced tool call's start, written into the prompt: the answer is read as this plus
     /// what the model writes after it.
     forced_prefix: String,
+    /// A forced call whose arguments are held to one JSON object: the call's closing markup,
+    /// which the answer gets after the object (the model may write nothing but a stop token
+    /// there).
+    forced_suffix: String,
     /// Choices (`n`): the request runs that many times, each sampling on its own.
     n: usize,
     /// Alternatives per token to report log-probabilities of (None: no log-probabilities).
@@ -1812,6 +1816,10 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         ));
     }
     let mut forced_prefix = String::new();
+    let mut forced_suffix = String::new();
+    // A forced call's arguments are one JSON object (after `Some(gate)` when the model writes
+    // the function's name first).
+    let mut forced_json: Option<Option<String>> = None;
     let prompts: Vec<(Vec<u32>, String)> = if chat {
         let Some(messages) = field(body, "messages") else {
             return Err(ApiError::bad(
@@ -1839,10 +1847,13 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 .render_json(messages, true, tools, &kwargs)
                 .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?,
             Some(name) => {
-                let (prompt, prefix) =
-                    forced_call(shared, template, messages, tools, &kwargs, name)?;
-                forced_prefix = prefix;
-                prompt
+                let f = forced_call(shared, template, messages, tools, &kwargs, name)?;
+                forced_prefix = f.prefix;
+                if let Some((gate, suffix)) = f.json {
+                    forced_json = Some(gate);
+                    forced_suffix = suffix;
+                }
+                f.prompt
             }
         };
         let ids = tok
@@ -2022,6 +2033,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     Ok(Call {
         chat,
         forced_prefix,
+        forced_suffix,
         n,
         logprobs,
         echo,
@@ -2040,14 +2052,30 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             ignore_eos,
             logprobs,
             prompt_logprobs: if echo { logprobs } else { None },
-            json_object,
+            json_object: json_object || forced_json.is_some(),
             // A reasoning model's answer is JSON once its thinking ends (as vLLM's guided
-            // decoding starts after the reasoning parser's end marker).
-            json_after: (json_object
-                && chat
-                && splitter(shared, &prompts[0].1).is_some()
-                && prompts[0].1.trim_end().ends_with(THINK_OPEN))
-            .then(|| THINK_CLOSE.to_string()),
+            // decoding starts after the reasoning parser's end marker); a forced call's
+            // arguments once the model has written the name (or at once when it is given).
+            json_after: match forced_json {
+                Some(_) => None,
+                None => (json_object
+                    && chat
+                    && splitter(shared, &prompts[0].1).is_some()
+                    && prompts[0].1.trim_end().ends_with(THINK_OPEN))
+                .then(|| THINK_CLOSE.to_string()),
+            },
+            // "required": the model picks the function: its answer opens with one of the
+            // tools' names and the markup before the arguments.
+            json_lead: match &forced_json {
+                Some(Some(gate)) => tools
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|t| t["function"]["name"].as_str())
+                    .map(|n| format!("{n}{gate}"))
+                    .collect(),
+                _ => Vec::new(),
+            },
         },
         prompt_text: prompts[0].1.clone(),
         prompts,
@@ -2073,7 +2101,7 @@ fn forced_call(
     tools: Option<&Value>,
     kwargs: &Map<String, Value>,
     name: &Option<String>,
-) -> Result<(String, String), ApiError> {
+) -> Result<ForcedCall, ApiError> {
     let unsupported = |why: &str| {
         ApiError::bad(
             "tool_choice",
@@ -2127,7 +2155,48 @@ fn forced_call(
         prompt.truncate(kept - THINK_OPEN.len());
     }
     prompt.push_str(call_text);
-    Ok((prompt, call_text.to_string()))
+    // The arguments as a JSON object, unless the template writes them as a string: what
+    // comes between the name and them (the gate; none when the name is given), and the markup
+    // from them to the section's end.
+    let json = full.find(FORCED_ARGUMENTS).and_then(|args_at| {
+        if full[..args_at].ends_with('"') {
+            return None;
+        }
+        let after = &full[args_at + FORCED_ARGUMENTS.len()..];
+        let (end_at, end) = format
+            .section_ends()
+            .iter()
+            .filter_map(|m| after.find(m).map(|i| (i, m.len())))
+            .min()?;
+        let suffix = after[..end_at + end].to_string();
+        let gate = match name {
+            Some(_) => None,
+            None => {
+                let name_end = full.find(FORCED_NAME)? + FORCED_NAME.len();
+                Some(
+                    full.get(name_end..args_at)
+                        .filter(|g| !g.is_empty())?
+                        .to_string(),
+                )
+            }
+        };
+        Some((gate, suffix))
+    });
+    Ok(ForcedCall {
+        prompt,
+        prefix: call_text.to_string(),
+        json,
+    })
+}
+
+/// A forced tool call's prompt and the answer's start ([`forced_call`]).
+struct ForcedCall {
+    prompt: String,
+    prefix: String,
+    /// The arguments held to one JSON object: `(gate, suffix)`, JSON from the token after
+    /// `gate` (None: from the first), and the call's closing markup to append. None when the
+    /// template quotes the arguments (the model writes them as a JSON string).
+    json: Option<(Option<String>, String)>,
 }
 
 /// The most choices (`n`) one request may ask for.
@@ -2588,7 +2657,13 @@ fn write_body(w: &mut Box<dyn Write + Send>, data: &[u8], chunked: bool) -> bool
 
 /// The answer's `content`, with `tool_calls` read from it when the request gave tools.
 fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, finish: &mut &str) {
-    let answer = &format!("{}{answer}", call.forced_prefix);
+    // A forced call's JSON arguments that completed (a stop) get the call's closing markup.
+    let suffix = if *finish == "stop" {
+        call.forced_suffix.as_str()
+    } else {
+        ""
+    };
+    let answer = &format!("{}{answer}{suffix}", call.forced_prefix);
     message["content"] = answer.as_str().into();
     if !call.tools {
         return;

@@ -1158,10 +1158,29 @@ fn serve_forces_tool_calls() {
                 if choice.is_object() {
                     assert_eq!(calls[0]["function"]["name"], "get_time");
                 }
+                // The arguments are held to one JSON object.
+                let args = calls[0]["function"]["arguments"].as_str().unwrap();
+                assert!(
+                    serde_json::from_str::<Value>(args).is_ok_and(|a| a.is_object()),
+                    "{args}"
+                );
             }
             None => {
+                // Only cut off: the name is one of the tools', the arguments a JSON object's
+                // start.
+                assert!(
+                    choice.is_string(),
+                    "a named call always completes here: {v}"
+                );
+                assert_eq!(v["choices"][0]["finish_reason"], "length");
                 let content = m["content"].as_str().unwrap();
                 assert!(content.starts_with(starts), "{content:?}");
+                let rest = &content[starts.len()..];
+                let args = ["get_weather\n```json\n", "get_time\n```json\n"]
+                    .iter()
+                    .find_map(|lead| rest.strip_prefix(lead))
+                    .unwrap_or_else(|| panic!("{content:?}"));
+                assert!(args.trim_start().starts_with('{'), "{content:?}");
                 assert!(m["tool_call_error"].is_string(), "{m}");
             }
         }

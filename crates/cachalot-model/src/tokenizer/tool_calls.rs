@@ -117,6 +117,16 @@ impl ToolCallFormat {
         }
     }
 
+    /// The markers that close the format's tool-call section (Kimi-K2 has two spellings; V4's
+    /// DSML has none of this kind).
+    pub fn section_ends(self) -> &'static [&'static str] {
+        match self {
+            ToolCallFormat::DeepseekV3 => &[V3_CALLS_END],
+            ToolCallFormat::KimiK2 => &[KIMI_SECTION_END, KIMI_SECTION_END_1],
+            ToolCallFormat::DeepseekV4 => &[],
+        }
+    }
+
     /// Splits an answer (the reasoning removed) into content and tool calls.
     pub fn parse(self, answer: &str) -> Result<ParsedAnswer, ToolCallError> {
         match self {
