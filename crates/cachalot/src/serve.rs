@@ -1288,6 +1288,7 @@ fn accept(server: tiny_http::Server, shared: Arc<Shared>) {
 }
 
 /// An HTTP error answer: status and OpenAI's error object.
+#[derive(Debug)]
 struct ApiError {
     status: u16,
     message: String,
@@ -1817,9 +1818,9 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     }
     let mut forced_prefix = String::new();
     let mut forced_suffix = String::new();
-    // A forced call's arguments are one JSON object (after `Some(gate)` when the model writes
-    // the function's name first).
-    let mut forced_json: Option<Option<String>> = None;
+    // A forced call's arguments are one JSON object, after one of these leads when the model
+    // writes the function's name first.
+    let mut forced_json: Option<Vec<String>> = None;
     let prompts: Vec<(Vec<u32>, String)> = if chat {
         let Some(messages) = field(body, "messages") else {
             return Err(ApiError::bad(
@@ -1847,10 +1848,10 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 .render_json(messages, true, tools, &kwargs)
                 .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?,
             Some(name) => {
-                let f = forced_call(shared, template, messages, tools, &kwargs, name)?;
+                let f = forced_call(shared.tool_format, template, messages, tools, &kwargs, name)?;
                 forced_prefix = f.prefix;
-                if let Some((gate, suffix)) = f.json {
-                    forced_json = Some(gate);
+                if let Some((leads, suffix)) = f.json {
+                    forced_json = Some(leads);
                     forced_suffix = suffix;
                 }
                 f.prompt
@@ -2066,16 +2067,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             },
             // "required": the model picks the function: its answer opens with one of the
             // tools' names and the markup before the arguments.
-            json_lead: match &forced_json {
-                Some(Some(gate)) => tools
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|t| t["function"]["name"].as_str())
-                    .map(|n| format!("{n}{gate}"))
-                    .collect(),
-                _ => Vec::new(),
-            },
+            json_lead: forced_json.unwrap_or_default(),
         },
         prompt_text: prompts[0].1.clone(),
         prompts,
@@ -2095,7 +2087,7 @@ const FORCED_ARGUMENTS: &str = "CACHALOT_FORCED_ARGUMENTS_5d1e";
 /// (R1's fenced JSON, V3.1's, Kimi-K2's `functions.NAME:INDEX`), the model continues the call its
 /// template writes, and the answer parses as usual.
 fn forced_call(
-    shared: &Shared,
+    format: Option<ToolCallFormat>,
     template: &ChatTemplate,
     messages: &Value,
     tools: Option<&Value>,
@@ -2108,8 +2100,7 @@ fn forced_call(
             format!("forced tool calls are not available for this model's template: {why}"),
         )
     };
-    let format = shared
-        .tool_format
+    let format = format
         .filter(|f| *f != ToolCallFormat::DeepseekV4)
         .ok_or_else(|| unsupported("its tool-call format"))?;
     let render = |m: &Value, generation: bool| {
@@ -2125,15 +2116,21 @@ fn forced_call(
         .filter_map(|m| m.get("tool_calls").and_then(Value::as_array))
         .map(Vec::len)
         .sum();
-    let (fn_name, id) = match name {
-        Some(n) => (n.clone(), format!("functions.{n}:{earlier}")),
-        None => (FORCED_NAME.to_string(), FORCED_NAME.to_string()),
+    // The one-question conversation with a call of `name` (its arguments the stand-in),
+    // rendered.
+    let render_call = |name: &str| {
+        let id = if name == FORCED_NAME {
+            FORCED_NAME.to_string()
+        } else {
+            format!("functions.{name}:{earlier}")
+        };
+        let call = json!([{"role": "user", "content": "?"},
+            {"role": "assistant", "content": null, "tool_calls": [{
+                "id": id, "type": "function",
+                "function": {"name": name, "arguments": FORCED_ARGUMENTS}}]}]);
+        render(&call, false)
     };
-    let call = json!([{"role": "user", "content": "?"},
-        {"role": "assistant", "content": null, "tool_calls": [{
-            "id": id, "type": "function",
-            "function": {"name": fn_name, "arguments": FORCED_ARGUMENTS}}]}]);
-    let full = render(&call, false)?;
+    let full = render_call(name.as_deref().unwrap_or(FORCED_NAME))?;
     let cut = [FORCED_NAME, FORCED_ARGUMENTS]
         .iter()
         .filter_map(|s| full.find(s))
@@ -2155,9 +2152,10 @@ fn forced_call(
         prompt.truncate(kept - THINK_OPEN.len());
     }
     prompt.push_str(call_text);
-    // The arguments as a JSON object, unless the template writes them as a string: what
-    // comes between the name and them (the gate; none when the name is given), and the markup
-    // from them to the section's end.
+    // The arguments as a JSON object, unless the template writes them as a string: for
+    // "required", what the model writes before them for each tool (as the template renders a
+    // call of it: R1's name and fence, Kimi-K2's `functions.NAME:INDEX` and marker), and the
+    // markup from them to the section's end.
     let json = full.find(FORCED_ARGUMENTS).and_then(|args_at| {
         if full[..args_at].ends_with('"') {
             return None;
@@ -2169,18 +2167,24 @@ fn forced_call(
             .filter_map(|m| after.find(m).map(|i| (i, m.len())))
             .min()?;
         let suffix = after[..end_at + end].to_string();
-        let gate = match name {
-            Some(_) => None,
-            None => {
-                let name_end = full.find(FORCED_NAME)? + FORCED_NAME.len();
-                Some(
-                    full.get(name_end..args_at)
-                        .filter(|g| !g.is_empty())?
-                        .to_string(),
-                )
-            }
+        let leads = match name {
+            Some(_) => Vec::new(),
+            None => tools
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t["function"]["name"].as_str())
+                .map(|n| {
+                    let f = render_call(n).ok()?;
+                    let args_at = f.find(FORCED_ARGUMENTS)?;
+                    (f.get(..cut) == Some(&full[..cut]))
+                        .then(|| f.get(cut..args_at).map(str::to_string))
+                        .flatten()
+                        .filter(|lead| !lead.is_empty())
+                })
+                .collect::<Option<Vec<String>>>()?,
         };
-        Some((gate, suffix))
+        Some((leads, suffix))
     });
     Ok(ForcedCall {
         prompt,
@@ -2190,13 +2194,15 @@ fn forced_call(
 }
 
 /// A forced tool call's prompt and the answer's start ([`forced_call`]).
+#[derive(Debug)]
 struct ForcedCall {
     prompt: String,
     prefix: String,
-    /// The arguments held to one JSON object: `(gate, suffix)`, JSON from the token after
-    /// `gate` (None: from the first), and the call's closing markup to append. None when the
+    /// The arguments held to one JSON object: `(leads, suffix)`, the texts one of which the
+    /// model writes first ("required": a tool's name and what precedes the arguments; empty:
+    /// JSON from the first token), and the call's closing markup to append. None when the
     /// template quotes the arguments (the model writes them as a JSON string).
-    json: Option<(Option<String>, String)>,
+    json: Option<(Vec<String>, String)>,
 }
 
 /// The most choices (`n`) one request may ask for.
@@ -2897,5 +2903,49 @@ fn stream(
     }
     if write_chunk(&mut w, b"data: [DONE]\n\n") {
         write_chunk(&mut w, b"");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Kimi-K2's template: for "required" a forced call's prompt ends where the function's name
+    /// goes, and each lead completes `functions.NAME:INDEX` with the argument marker; a named
+    /// call's prompt ends at its arguments; both close with the call's and section's markers.
+    #[test]
+    fn forced_calls_in_kimi_k2s_format() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/text/kimi_style");
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        let format = ToolCallFormat::for_tokenizer(&tok, false);
+        assert_eq!(format, Some(ToolCallFormat::KimiK2));
+        let template = tok.chat_template().unwrap().unwrap();
+        let messages = json!([{"role": "user", "content": "Weather in Paris?"}]);
+        let tools = json!([
+            {"type": "function", "function": {"name": "get_weather", "parameters": {}}},
+            {"type": "function", "function": {"name": "get_time", "parameters": {}}}]);
+        let kwargs = Map::new();
+        let any = forced_call(format, &template, &messages, Some(&tools), &kwargs, &None).unwrap();
+        let (leads, suffix) = any.json.expect("JSON arguments");
+        let calls: Vec<String> = leads.iter().map(|l| format!("{}{l}", any.prefix)).collect();
+        for (call, name) in calls.iter().zip(["get_weather", "get_time"]) {
+            let want = format!("<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>");
+            assert!(call.ends_with(&want), "{call}");
+        }
+        assert_eq!(suffix, "<|tool_call_end|><|tool_calls_section_end|>");
+        // A lead, JSON arguments and the suffix parse as the call.
+        let answer = format!("{}{}{{\"city\": \"Paris\"}}{suffix}", any.prefix, leads[0]);
+        let parsed = ToolCallFormat::KimiK2.parse(&answer).unwrap();
+        assert_eq!(parsed.tool_calls[0].function.name, "get_weather");
+        let named = Some("get_time".to_string());
+        let one = forced_call(format, &template, &messages, Some(&tools), &kwargs, &named).unwrap();
+        assert!(
+            one.prefix
+                .ends_with("functions.get_time:0<|tool_call_argument_begin|>"),
+            "{}",
+            one.prefix
+        );
+        assert_eq!(one.json, Some((Vec::new(), suffix)));
     }
 }
