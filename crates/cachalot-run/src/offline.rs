@@ -544,17 +544,28 @@ pub fn run_ranked(
     let (run_id, theirs) = named
         .split_once('\n')
         .ok_or_else(|| format!("rank {rank}: rank 0 sent no run name"))?;
-    if theirs != fingerprint {
+    let verdict = if theirs != fingerprint {
         let differs = fields
             .iter()
             .zip(theirs.lines())
             .find(|((k, v), line)| *line != format!("{k}={v}"))
             .map_or("the run's settings", |((k, _), _)| *k);
-        return Err(format!(
+        format!(
             "rank {rank}: {differs} differs from rank 0's; every rank must run the same YAML, \
              options, checkpoint and prompts"
         )
-        .into());
+    } else {
+        String::new()
+    };
+    // Every rank (rank 0 included) learns which ranks refused and why.
+    let refusals: Vec<String> = comm
+        .all_gather(verdict.as_bytes())?
+        .iter()
+        .filter(|v| !v.is_empty())
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect();
+    if !refusals.is_empty() {
+        return Err(refusals.join("; ").into());
     }
     let run_id = run_id.to_string();
     // Each rank's own --res-dir (ranks on other hosts write their logs there).
