@@ -28,6 +28,7 @@
 //! MTP methods have defaults meaning "no MTP layer".
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cachalot_model::batch::{Batch, CacheSpec, KvCache, LogitsWanted};
@@ -36,6 +37,7 @@ use cachalot_model::{DeepseekV3, DeepseekV4};
 
 use crate::generate::{FinishReason, StopConditions, TextStream};
 use crate::json_mode::JsonState;
+use crate::json_schema::{Schema, SchemaState};
 use crate::kv_pool::KvBlockManager;
 use crate::metrics::{EngineStats, RequestTiming};
 use crate::sampler::{Sampler, SamplingParams};
@@ -235,7 +237,7 @@ impl<T: Model + ?Sized> Model for &T {
 /// nothing else).
 fn json_mask(
     row: &[f32],
-    state: &JsonState,
+    state: &Grammar,
     stop: &[u32],
     bytes: &[Vec<u8>],
     string_safe: &[bool],
@@ -322,6 +324,48 @@ pub struct Request {
     /// `json_after` given, this is not used).
     #[serde(default)]
     pub json_lead: Vec<String>,
+    /// Structured output: with `json_object`, the JSON value must be one this JSON Schema
+    /// accepts ([`crate::json_schema`]; any JSON value type, not only an object). Checked
+    /// (compiled) when the request is added; a keyword it cannot enforce is refused by name.
+    #[serde(default)]
+    pub json_schema: Option<serde_json::Value>,
+}
+
+/// What JSON mode holds the answer to: any JSON object, or a value under a schema.
+#[derive(Clone, Debug)]
+enum Grammar {
+    Object(JsonState),
+    Schema(SchemaState),
+}
+
+impl Grammar {
+    fn new(schema: Option<&Arc<Schema>>) -> Grammar {
+        match schema {
+            Some(s) => Grammar::Schema(SchemaState::new(s.clone())),
+            None => Grammar::Object(JsonState::new()),
+        }
+    }
+
+    fn feed_all(&mut self, bytes: &[u8]) -> bool {
+        match self {
+            Grammar::Object(s) => s.feed_all(bytes),
+            Grammar::Schema(s) => s.feed_all(bytes),
+        }
+    }
+
+    fn is_complete(&self) -> bool {
+        match self {
+            Grammar::Object(s) => s.is_complete(),
+            Grammar::Schema(s) => s.is_complete(),
+        }
+    }
+
+    fn in_plain_string(&self) -> bool {
+        match self {
+            Grammar::Object(s) => s.in_plain_string(),
+            Grammar::Schema(s) => s.in_plain_string(),
+        }
+    }
 }
 
 /// JSON mode's lead ([`Request::json_lead`]): the texts the answer may open with, and what it
@@ -559,7 +603,10 @@ struct Live<'t> {
     top_prompt_logprobs: Option<usize>,
     prompt_logprobs: Vec<TokenLogprob>,
     /// JSON mode: where the answer stands in the grammar.
-    json: Option<JsonState>,
+    json: Option<Grammar>,
+    /// Structured output's compiled schema (`Request::json_schema`), for the grammar made when
+    /// JSON mode starts.
+    schema: Option<Arc<Schema>>,
     /// JSON mode waiting for this text before it starts.
     json_after: Option<String>,
     /// JSON mode after a lead, while it is being written.
@@ -787,8 +834,9 @@ impl<'t, M: Model> Engine<'t, M> {
         if req.json_object && req.json_after.is_none() {
             let bytes = self.token_bytes.as_deref().unwrap_or_default();
             let first = bytes.get(kv.first_token as usize);
+            let schema = self.compile_schema(&req)?;
             let fits = if req.json_lead.is_empty() {
-                first.is_some_and(|b| !b.is_empty() && JsonState::new().feed_all(b))
+                first.is_some_and(|b| !b.is_empty() && Grammar::new(schema.as_ref()).feed_all(b))
             } else {
                 Lead::new(&req.json_lead).allows(lead_bytes(
                     kv.first_token,
@@ -884,10 +932,21 @@ impl<'t, M: Model> Engine<'t, M> {
         }
     }
 
+    /// Structured output's schema, compiled (None without one).
+    fn compile_schema(&self, req: &Request) -> Result<Option<Arc<Schema>>, EngineError> {
+        match &req.json_schema {
+            Some(s) if req.json_object => Schema::compile(s)
+                .map(Some)
+                .map_err(|e| EngineError::Request(format!("json_schema: {e}"))),
+            _ => Ok(None),
+        }
+    }
+
     /// The checks of a new request; caps its output at the model's positions and returns the
     /// most tokens it may reach.
     fn check_request(&mut self, req: &mut Request) -> Result<usize, EngineError> {
         let vocab = self.model.vocab_size();
+        self.compile_schema(req)?;
         if req.json_object && self.token_bytes.is_none() {
             let Some(tok) = self.tokenizer else {
                 return Err(EngineError::Request(
@@ -953,6 +1012,8 @@ impl<'t, M: Model> Engine<'t, M> {
     }
 
     fn insert_live(&mut self, id: u64, req: Request, sampler: Sampler) {
+        // (Compiled in `check_request` already: it cannot fail here.)
+        let schema = self.compile_schema(&req).ok().flatten();
         let stream = self
             .tokenizer
             .map(|t| TextStream::new(t, &req.stop.stop_strings));
@@ -980,7 +1041,8 @@ impl<'t, M: Model> Engine<'t, M> {
                 top_prompt_logprobs: req.prompt_logprobs,
                 prompt_logprobs: Vec::new(),
                 json: (req.json_object && req.json_after.is_none() && req.json_lead.is_empty())
-                    .then(JsonState::new),
+                    .then(|| Grammar::new(schema.as_ref())),
+                schema,
                 lead: (req.json_object && req.json_after.is_none() && !req.json_lead.is_empty())
                     .then(|| Lead::new(&req.json_lead)),
                 json_after: req.json_after.filter(|_| req.json_object),
@@ -1418,7 +1480,7 @@ impl<'t, M: Model> Engine<'t, M> {
         if let Some(lead) = live.lead.as_mut() {
             let bytes = self.token_bytes.as_deref().unwrap_or_default();
             if let Some(rest) = lead.push(lead_bytes(token, bytes, &self.special_bytes)) {
-                let mut state = JsonState::new();
+                let mut state = Grammar::Object(JsonState::new());
                 state.feed_all(&rest);
                 live.json = Some(state);
                 live.lead = None;
@@ -1431,7 +1493,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 .as_ref()
                 .is_some_and(|g| live.text.contains(g.as_str()))
         {
-            live.json = Some(JsonState::new());
+            live.json = Some(Grammar::new(live.schema.as_ref()));
             live.json_after = None;
         }
         if finish.is_none() && json_done {

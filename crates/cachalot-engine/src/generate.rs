@@ -289,6 +289,7 @@ pub fn generate_mtp<M: crate::Model>(
         json_object: false,
         json_after: None,
         json_lead: Vec::new(),
+        json_schema: None,
     })?;
     let t0 = Instant::now();
     let mut prefill_s = None;

@@ -44,7 +44,7 @@ enum ArrNext {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Num {
+pub(crate) enum Num {
     Minus,
     Zero,
     Int,
@@ -57,7 +57,7 @@ enum Num {
 
 impl Num {
     /// The number may end here.
-    fn complete(self) -> bool {
+    pub(crate) fn complete(self) -> bool {
         matches!(self, Num::Zero | Num::Int | Num::Frac | Num::Exp)
     }
 }
@@ -310,7 +310,7 @@ impl JsonState {
 }
 
 /// The number's next phase after `b`, or None if `b` does not continue it.
-fn number_byte(n: Num, b: u8) -> Option<Num> {
+pub(crate) fn number_byte(n: Num, b: u8) -> Option<Num> {
     Some(match (n, b) {
         (Num::Minus, b'0') => Num::Zero,
         (Num::Minus, b'1'..=b'9') => Num::Int,

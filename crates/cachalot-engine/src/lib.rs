@@ -9,6 +9,7 @@ pub use cachalot_comm as comm;
 pub mod engine;
 pub mod generate;
 pub mod json_mode;
+pub mod json_schema;
 pub mod kv_pool;
 pub mod metrics;
 pub mod reasoning;

@@ -41,6 +41,7 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
         json_object: false,
         json_after: None,
         json_lead: Vec::new(),
+        json_schema: None,
     }
 }
 
@@ -224,6 +225,7 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
             json_object: false,
             json_after: None,
             json_lead: Vec::new(),
+            json_schema: None,
         })
         .unwrap();
         e.run_to_completion(|_, _| {}).unwrap().remove(0)

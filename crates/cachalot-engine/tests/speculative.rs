@@ -62,6 +62,7 @@ fn run(
                 json_object: false,
                 json_after: None,
                 json_lead: Vec::new(),
+                json_schema: None,
             })
             .unwrap();
     }
@@ -214,6 +215,7 @@ fn small_model_greedy_with_mtp_equals_without_and_accepts_drafts() {
                 json_object: false,
                 json_after: None,
                 json_lead: Vec::new(),
+                json_schema: None,
             })
             .unwrap();
     }
@@ -348,6 +350,7 @@ fn sample_triples(
                     json_object: false,
                     json_after: None,
                     json_lead: Vec::new(),
+                    json_schema: None,
                 })
                 .unwrap();
             queued += 1;
@@ -502,6 +505,7 @@ fn nan_logits_are_an_error() {
                 json_object: false,
                 json_after: None,
                 json_lead: Vec::new(),
+                json_schema: None,
             })
             .unwrap();
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();

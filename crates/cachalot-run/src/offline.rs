@@ -890,6 +890,7 @@ pub fn run_ranked(
                 json_object: false,
                 json_after: None,
                 json_lead: Vec::new(),
+                json_schema: None,
             })
             .map_err(|e| {
                 format!(

@@ -717,6 +717,7 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
                 json_object: false,
                 json_after: None,
                 json_lead: Vec::new(),
+                json_schema: None,
             })?;
         }
         let t = Instant::now();

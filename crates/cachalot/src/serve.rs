@@ -1694,23 +1694,36 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             Some(_) => return Err(ApiError::bad(key, unsupported)),
         }
     }
+    let mut json_schema = None;
     let json_object = match field(body, "response_format") {
         None => false,
         Some(f) => match f.get("type").and_then(Value::as_str) {
             Some("text") => false,
             Some("json_object") => true,
             Some("json_schema") => {
-                return Err(ApiError::bad(
-                    "response_format",
-                    "json_schema: output constrained to a schema is not supported; \
-                     {\"type\": \"json_object\"} (any JSON object) is",
-                ))
+                // {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+                let schema = f
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .ok_or_else(|| {
+                        ApiError::bad(
+                            "response_format",
+                            "json_schema: expected {\"type\": \"json_schema\", \"json_schema\": \
+                             {\"name\": ..., \"schema\": {...}}}",
+                        )
+                    })?;
+                cachalot_engine::json_schema::Schema::compile(schema).map_err(|e| {
+                    ApiError::bad("response_format", format!("json_schema.schema: {e}"))
+                })?;
+                json_schema = Some(schema.clone());
+                true
             }
             _ => {
                 return Err(ApiError::bad(
                     "response_format",
                     format!(
-                        "expected {{\"type\": \"text\"}} or {{\"type\": \"json_object\"}}, got {f}"
+                        "expected {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or \
+                         {{\"type\": \"json_schema\", ...}}, got {f}"
                     ),
                 ))
             }
@@ -2068,6 +2081,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             // "required": the model picks the function: its answer opens with one of the
             // tools' names and the markup before the arguments.
             json_lead: forced_json.unwrap_or_default(),
+            json_schema,
         },
         prompt_text: prompts[0].1.clone(),
         prompts,

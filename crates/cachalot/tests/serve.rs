@@ -1253,15 +1253,63 @@ fn serve_json_mode() {
             assert!(o.is_object());
         }
     }
-    let (status, e) = post(
-        addr,
-        "/v1/completions",
-        &json!({"prompt": "x", "response_format": {"type": "json_schema"}}),
-    );
-    assert_eq!(
-        (status, e["error"]["param"].as_str()),
-        (400, Some("response_format"))
-    );
+    // Structured output: the answer is a value the schema accepts (or cut off by max_tokens).
+    let schemas = [
+        json!({"type": "array", "items": {"type": "boolean"}, "maxItems": 3}),
+        json!({"type": "integer"}),
+        json!({"type": "object", "properties": {"ok": {"type": "boolean"},
+               "color": {"enum": ["red", "green"]}}, "required": ["ok", "color"],
+               "additionalProperties": false}),
+    ];
+    for (i, schema) in schemas.iter().enumerate() {
+        let mut completed = 0;
+        for seed in 0..2 {
+            let body = json!({"prompt": "The whale", "max_tokens": 300, "temperature": 0.8,
+                "seed": seed, "response_format": {"type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema}}});
+            let (status, v) = post(addr, "/v1/completions", &body);
+            assert_eq!(status, 200, "{v}");
+            let text = v["choices"][0]["text"].as_str().unwrap();
+            if v["choices"][0]["finish_reason"] != "stop" {
+                continue;
+            }
+            completed += 1;
+            let got: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+            match i {
+                0 => assert!(
+                    got.as_array()
+                        .is_some_and(|a| a.len() <= 3 && a.iter().all(Value::is_boolean)),
+                    "{got}"
+                ),
+                1 => assert!(got.is_i64() || got.is_u64(), "{got}"),
+                _ => {
+                    assert!(got["ok"].is_boolean(), "{got}");
+                    assert!(got["color"] == "red" || got["color"] == "green", "{got}");
+                    assert_eq!(got.as_object().unwrap().len(), 2, "{got}");
+                }
+            }
+        }
+        assert!(completed > 0, "no answer under {schema} completed");
+    }
+    for (format, why) in [
+        (json!({"type": "json_schema"}), "json_schema"),
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "x",
+                "schema": {"type": "string", "minLength": 2}}}),
+            "minLength",
+        ),
+    ] {
+        let (status, e) = post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "x", "response_format": format}),
+        );
+        assert_eq!(
+            (status, e["error"]["param"].as_str()),
+            (400, Some("response_format"))
+        );
+        assert!(e["error"]["message"].as_str().unwrap().contains(why), "{e}");
+    }
     // A forced tool call's markup is not JSON: the two are refused together.
     let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
     let (status, e) = post(
