@@ -903,4 +903,67 @@ mod tests {
             assert!(e.contains(word), "{e}");
         }
     }
+
+    /// The schema a value has: its type, with every property required and no others, and an
+    /// array's items those of its first element (the generated arrays hold one type).
+    fn schema_of(v: &Value) -> Value {
+        match v {
+            Value::Object(o) => json!({
+                "type": "object",
+                "properties": o.iter().map(|(k, v)| (k.clone(), schema_of(v))).collect::<serde_json::Map<_, _>>(),
+                "required": o.keys().collect::<Vec<_>>(),
+                "additionalProperties": false
+            }),
+            Value::Array(a) => match a.first() {
+                Some(x) => json!({"type": "array", "items": schema_of(x)}),
+                None => json!({"type": "array"}),
+            },
+            Value::String(_) => json!({"type": "string"}),
+            Value::Number(n) if n.is_i64() || n.is_u64() => json!({"type": "integer"}),
+            Value::Number(_) => json!({"type": "number"}),
+            Value::Bool(_) => json!({"type": "boolean"}),
+            Value::Null => json!({"type": "null"}),
+        }
+    }
+
+    /// Whatever serde_json writes is accepted byte by byte, complete at the end, under the
+    /// schema `true` and under the value's own schema.
+    #[test]
+    fn serde_json_values_are_accepted_under_their_schema() {
+        use proptest::prelude::*;
+        let scalar = prop_oneof![
+            any::<i64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("finite", |x| x.is_finite())
+                .prop_map(Value::from),
+            "[a-z ]{0,8}".prop_map(Value::from),
+            any::<bool>().prop_map(Value::from),
+            Just(Value::Null),
+        ];
+        let value = scalar.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(|v| {
+                    // One type per array, as schema_of reads it from the first element.
+                    let first = v.first().cloned();
+                    Value::Array(
+                        v.into_iter()
+                            .filter(|x| Some(schema_of(x)) == first.as_ref().map(schema_of))
+                            .collect(),
+                    )
+                }),
+                prop::collection::btree_map("[a-z_]{1,6}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        });
+        proptest!(|(v in value, pretty in any::<bool>())| {
+            let text = if pretty { serde_json::to_string_pretty(&v).unwrap() } else { v.to_string() };
+            for schema in [json!(true), schema_of(&v)] {
+                let mut s = SchemaState::new(Schema::compile(&schema).unwrap());
+                for (i, &b) in text.as_bytes().iter().enumerate() {
+                    prop_assert!(s.feed(b), "byte {} of {} under {}", i, text, schema);
+                }
+                prop_assert!(s.is_complete(), "{} under {}", text, schema);
+            }
+        });
+    }
 }
