@@ -320,15 +320,24 @@ pub struct Request {
     pub json_after: Option<String>,
     /// JSON mode after a lead: the answer opens with one of these texts (every token drawn
     /// among those that keep it a prefix of one, as a forced tool call's function name and
-    /// the markup before its arguments), then it is one JSON object. Empty: no lead (with
-    /// `json_after` given, this is not used).
+    /// the markup before its arguments), then it is one JSON object, under the lead's own
+    /// schema when it has one (the tool's parameters). Empty: no lead (with `json_after`
+    /// given, this is not used).
     #[serde(default)]
-    pub json_lead: Vec<String>,
+    pub json_lead: Vec<JsonLead>,
     /// Structured output: with `json_object`, the JSON value must be one this JSON Schema
     /// accepts ([`crate::json_schema`]; any JSON value type, not only an object). Checked
     /// (compiled) when the request is added; a keyword it cannot enforce is refused by name.
     #[serde(default)]
     pub json_schema: Option<serde_json::Value>,
+}
+
+/// One of [`Request::json_lead`]'s texts, and the schema of the JSON after it (None: any
+/// object).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct JsonLead {
+    pub text: String,
+    pub schema: Option<serde_json::Value>,
 }
 
 /// What JSON mode holds the answer to: any JSON object, or a value under a schema.
@@ -373,13 +382,21 @@ impl Grammar {
 #[derive(Clone, Debug)]
 struct Lead {
     options: Vec<Vec<u8>>,
+    /// Each option's schema, compiled.
+    schemas: Vec<Option<Arc<Schema>>>,
     written: Vec<u8>,
 }
 
 impl Lead {
-    fn new(options: &[String]) -> Lead {
+    /// The request's leads with their schemas compiled (`Engine::compile_schema` checked
+    /// them: one that does not compile is any object here).
+    fn new(leads: &[JsonLead]) -> Lead {
         Lead {
-            options: options.iter().map(|o| o.as_bytes().to_vec()).collect(),
+            options: leads.iter().map(|l| l.text.as_bytes().to_vec()).collect(),
+            schemas: leads
+                .iter()
+                .map(|l| l.schema.as_ref().and_then(|s| Schema::compile(s).ok()))
+                .collect(),
             written: Vec::new(),
         }
     }
@@ -394,22 +411,27 @@ impl Lead {
                 if rest.starts_with(b) {
                     true
                 } else if b.starts_with(rest) {
-                    JsonState::new().feed_all(&b[rest.len()..])
+                    let i = self.options.iter().position(|x| x == o).unwrap_or(0);
+                    Grammar::new(self.schemas[i].as_ref()).feed_all(&b[rest.len()..])
                 } else {
                     false
                 }
             })
     }
 
-    /// Takes a token's bytes; once a lead is complete, the bytes after it (the JSON's start).
-    fn push(&mut self, b: &[u8]) -> Option<Vec<u8>> {
+    /// Takes a token's bytes; once a lead is complete, its JSON grammar with the bytes after
+    /// the lead fed.
+    fn push(&mut self, b: &[u8]) -> Option<Grammar> {
         self.written.extend_from_slice(b);
-        let o = self
+        let (i, o) = self
             .options
             .iter()
-            .filter(|o| self.written.starts_with(o))
-            .max_by_key(|o| o.len())?;
-        Some(self.written[o.len()..].to_vec())
+            .enumerate()
+            .filter(|(_, o)| self.written.starts_with(o))
+            .max_by_key(|(_, o)| o.len())?;
+        let mut g = Grammar::new(self.schemas[i].as_ref());
+        g.feed_all(&self.written[o.len()..]);
+        Some(g)
     }
 }
 
@@ -934,6 +956,13 @@ impl<'t, M: Model> Engine<'t, M> {
 
     /// Structured output's schema, compiled (None without one).
     fn compile_schema(&self, req: &Request) -> Result<Option<Arc<Schema>>, EngineError> {
+        for lead in &req.json_lead {
+            if let Some(s) = &lead.schema {
+                Schema::compile(s).map_err(|e| {
+                    EngineError::Request(format!("the schema after {:?}: {e}", lead.text))
+                })?;
+            }
+        }
         match &req.json_schema {
             Some(s) if req.json_object => Schema::compile(s)
                 .map(Some)
@@ -1479,10 +1508,8 @@ impl<'t, M: Model> Engine<'t, M> {
         // JSON mode after a lead: it starts within the token that completes the lead.
         if let Some(lead) = live.lead.as_mut() {
             let bytes = self.token_bytes.as_deref().unwrap_or_default();
-            if let Some(rest) = lead.push(lead_bytes(token, bytes, &self.special_bytes)) {
-                let mut state = Grammar::Object(JsonState::new());
-                state.feed_all(&rest);
-                live.json = Some(state);
+            if let Some(grammar) = lead.push(lead_bytes(token, bytes, &self.special_bytes)) {
+                live.json = Some(grammar);
                 live.lead = None;
             }
         }
@@ -1652,6 +1679,7 @@ mod tests {
     #[test]
     fn a_json_lead_keeps_to_its_texts() {
         let mut lead = Lead {
+            schemas: vec![None, None],
             options: vec![
                 b"get_time\n```json\n".to_vec(),
                 b"get_weather\n```json\n".to_vec(),
@@ -1662,17 +1690,19 @@ mod tests {
         assert!(lead.allows(b"get_weather\n```json\n{"));
         assert!(!lead.allows(b"set"));
         assert!(!lead.allows(b""));
-        assert_eq!(lead.push(b"get_"), None);
+        assert!(lead.push(b"get_").is_none());
         assert!(lead.allows(b"time"));
         assert!(!lead.allows(b"tim e"));
-        assert_eq!(lead.push(b"weather\n```"), None);
+        assert!(lead.push(b"weather\n```").is_none());
         // Finishing the lead inside a token: what follows must begin a JSON object.
         assert!(lead.allows(b"json\n{\""));
         assert!(!lead.allows(b"json\nx"));
-        assert_eq!(lead.push(b"json\n{\""), Some(b"{\"".to_vec()));
+        let mut json = lead.push(b"json\n{\"").expect("the lead is complete");
+        assert!(json.feed_all(b"k\": 1}") && json.is_complete());
         let specials: HashMap<u32, Vec<u8>> = [(7, b"<|arg|>".to_vec())].into();
         let bytes = vec![b"a".to_vec(); 8];
         let lead = Lead {
+            schemas: vec![None],
             options: vec![b"a<|arg|>".to_vec()],
             written: b"a".to_vec(),
         };

@@ -18,7 +18,9 @@ pub mod scheduler;
 pub mod transfer;
 
 pub use comm::{CommError, Communicator, SingleProcess, TcpComm, TcpRendezvous};
-pub use engine::{Engine, EngineConfig, Model, Request, RequestOutput, StepReport, TokenLogprob};
+pub use engine::{
+    Engine, EngineConfig, JsonLead, Model, Request, RequestOutput, StepReport, TokenLogprob,
+};
 pub use generate::{generate, generate_mtp, FinishReason, Generation, StopConditions, TextStream};
 pub use reasoning::{ReasoningSplitter, Segment};
 pub use sampler::{RngState, Sampler, SamplingError, SamplingParams};

@@ -52,7 +52,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Result};
 use cachalot_engine::reasoning::{THINK_CLOSE, THINK_OPEN};
 use cachalot_engine::{
-    Engine, EngineConfig, FinishReason, KvSnapshot, Model, ReasoningSplitter, Request,
+    Engine, EngineConfig, FinishReason, JsonLead, KvSnapshot, Model, ReasoningSplitter, Request,
     RequestOutput, SamplingParams, Segment, StopConditions, TokenLogprob,
 };
 use cachalot_model::tokenizer::{ChatTemplate, Tokenizer, ToolCallFormat};
@@ -1833,7 +1833,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     let mut forced_suffix = String::new();
     // A forced call's arguments are one JSON object, after one of these leads when the model
     // writes the function's name first.
-    let mut forced_json: Option<Vec<String>> = None;
+    let mut forced_json: Option<ForcedJson> = None;
     let prompts: Vec<(Vec<u32>, String)> = if chat {
         let Some(messages) = field(body, "messages") else {
             return Err(ApiError::bad(
@@ -1863,9 +1863,9 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             Some(name) => {
                 let f = forced_call(shared.tool_format, template, messages, tools, &kwargs, name)?;
                 forced_prefix = f.prefix;
-                if let Some((leads, suffix)) = f.json {
-                    forced_json = Some(leads);
-                    forced_suffix = suffix;
+                if let Some(j) = f.json {
+                    forced_suffix = j.suffix.clone();
+                    forced_json = Some(j);
                 }
                 f.prompt
             }
@@ -2080,8 +2080,11 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             },
             // "required": the model picks the function: its answer opens with one of the
             // tools' names and the markup before the arguments.
-            json_lead: forced_json.unwrap_or_default(),
-            json_schema,
+            json_schema: match &forced_json {
+                Some(j) => j.schema.clone(),
+                None => json_schema,
+            },
+            json_lead: forced_json.map(|j| j.leads).unwrap_or_default(),
         },
         prompt_text: prompts[0].1.clone(),
         prompts,
@@ -2181,24 +2184,48 @@ fn forced_call(
             .filter_map(|m| after.find(m).map(|i| (i, m.len())))
             .min()?;
         let suffix = after[..end_at + end].to_string();
-        let leads = match name {
-            Some(_) => Vec::new(),
-            None => tools
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(|t| t["function"]["name"].as_str())
-                .map(|n| {
-                    let f = render_call(n).ok()?;
-                    let args_at = f.find(FORCED_ARGUMENTS)?;
-                    (f.get(..cut) == Some(&full[..cut]))
-                        .then(|| f.get(cut..args_at).map(str::to_string))
-                        .flatten()
-                        .filter(|lead| !lead.is_empty())
-                })
-                .collect::<Option<Vec<String>>>()?,
+        // A tool's parameters, when structured output can hold the arguments to them (else
+        // any object).
+        let tool_list: Vec<&Value> = tools
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .collect();
+        let parameters = |n: &str| {
+            tool_list
+                .iter()
+                .find(|t| t["function"]["name"] == n)
+                .and_then(|t| t["function"].get("parameters"))
+                .filter(|p| cachalot_engine::json_schema::Schema::compile(p).is_ok())
+                .cloned()
         };
-        Some((leads, suffix))
+        let (leads, schema) = match name {
+            Some(n) => (Vec::new(), parameters(n)),
+            None => (
+                tool_list
+                    .iter()
+                    .filter_map(|t| t["function"]["name"].as_str())
+                    .map(|n| {
+                        let f = render_call(n).ok()?;
+                        let args_at = f.find(FORCED_ARGUMENTS)?;
+                        let text = (f.get(..cut) == Some(&full[..cut]))
+                            .then(|| f.get(cut..args_at).map(str::to_string))
+                            .flatten()
+                            .filter(|lead| !lead.is_empty())?;
+                        Some(JsonLead {
+                            text,
+                            schema: parameters(n),
+                        })
+                    })
+                    .collect::<Option<Vec<JsonLead>>>()?,
+                None,
+            ),
+        };
+        Some(ForcedJson {
+            leads,
+            schema,
+            suffix,
+        })
     });
     Ok(ForcedCall {
         prompt,
@@ -2212,11 +2239,22 @@ fn forced_call(
 struct ForcedCall {
     prompt: String,
     prefix: String,
-    /// The arguments held to one JSON object: `(leads, suffix)`, the texts one of which the
-    /// model writes first ("required": a tool's name and what precedes the arguments; empty:
-    /// JSON from the first token), and the call's closing markup to append. None when the
-    /// template quotes the arguments (the model writes them as a JSON string).
-    json: Option<(Vec<String>, String)>,
+    /// The arguments held to one JSON object (None when the template quotes the arguments:
+    /// the model writes them as a JSON string).
+    json: Option<ForcedJson>,
+}
+
+/// How a forced call's arguments are held ([`ForcedCall::json`]).
+#[derive(Debug, PartialEq)]
+struct ForcedJson {
+    /// "required": the texts one of which the model writes first (a tool's name and what
+    /// precedes the arguments), each with its tool's parameters; empty: JSON from the first
+    /// token.
+    leads: Vec<JsonLead>,
+    /// A named call: its tool's parameters (None: any object).
+    schema: Option<Value>,
+    /// The call's closing markup, appended once the object completes.
+    suffix: String,
 }
 
 /// The most choices (`n`) one request may ask for.
@@ -2936,20 +2974,32 @@ mod tests {
         assert_eq!(format, Some(ToolCallFormat::KimiK2));
         let template = tok.chat_template().unwrap().unwrap();
         let messages = json!([{"role": "user", "content": "Weather in Paris?"}]);
+        let weather = json!({"type": "object", "properties": {"city": {"type": "string"}},
+                             "required": ["city"]});
+        // (A keyword structured output cannot hold: the arguments are any object.)
+        let time = json!({"type": "object", "properties": {"tz": {"pattern": "^[A-Z]"}}});
         let tools = json!([
-            {"type": "function", "function": {"name": "get_weather", "parameters": {}}},
-            {"type": "function", "function": {"name": "get_time", "parameters": {}}}]);
+            {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+            {"type": "function", "function": {"name": "get_time", "parameters": time}}]);
         let kwargs = Map::new();
         let any = forced_call(format, &template, &messages, Some(&tools), &kwargs, &None).unwrap();
-        let (leads, suffix) = any.json.expect("JSON arguments");
-        let calls: Vec<String> = leads.iter().map(|l| format!("{}{l}", any.prefix)).collect();
+        let ForcedJson { leads, suffix, .. } = any.json.expect("JSON arguments");
+        let calls: Vec<String> = leads
+            .iter()
+            .map(|l| format!("{}{}", any.prefix, l.text))
+            .collect();
         for (call, name) in calls.iter().zip(["get_weather", "get_time"]) {
             let want = format!("<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>");
             assert!(call.ends_with(&want), "{call}");
         }
         assert_eq!(suffix, "<|tool_call_end|><|tool_calls_section_end|>");
+        assert_eq!(leads[0].schema.as_ref(), Some(&weather));
+        assert_eq!(leads[1].schema, None);
         // A lead, JSON arguments and the suffix parse as the call.
-        let answer = format!("{}{}{{\"city\": \"Paris\"}}{suffix}", any.prefix, leads[0]);
+        let answer = format!(
+            "{}{}{{\"city\": \"Paris\"}}{suffix}",
+            any.prefix, leads[0].text
+        );
         let parsed = ToolCallFormat::KimiK2.parse(&answer).unwrap();
         assert_eq!(parsed.tool_calls[0].function.name, "get_weather");
         let named = Some("get_time".to_string());
@@ -2960,6 +3010,16 @@ mod tests {
             "{}",
             one.prefix
         );
-        assert_eq!(one.json, Some((Vec::new(), suffix)));
+        assert_eq!(
+            one.json,
+            Some(ForcedJson {
+                leads: Vec::new(),
+                schema: None,
+                suffix: suffix.clone(),
+            })
+        );
+        let named = Some("get_weather".to_string());
+        let w = forced_call(format, &template, &messages, Some(&tools), &kwargs, &named).unwrap();
+        assert_eq!(w.json.unwrap().schema, Some(weather));
     }
 }

@@ -1185,6 +1185,37 @@ fn serve_forces_tool_calls() {
             }
         }
     }
+    // Tools whose parameters structured output can hold: the arguments follow them.
+    let strict = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {"utc": {"type": "boolean"}},
+            "required": ["utc"], "additionalProperties": false}}}]);
+    for choice in [
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+        json!("required"),
+    ] {
+        let body = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                          "tools": strict, "tool_choice": choice, "max_tokens": 200,
+                          "temperature": 0});
+        let (status, v) = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+        let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        match call["name"].as_str().unwrap() {
+            "get_weather" => assert!(
+                args == json!({"city": "Paris"}) || args == json!({"city": "Rome"}),
+                "{args}"
+            ),
+            "get_time" => assert!(
+                args["utc"].is_boolean() && args.as_object().unwrap().len() == 1,
+                "{args}"
+            ),
+            other => panic!("{other}"),
+        }
+    }
     // After a tool round (call, result) and after a later user turn, the call still opens.
     let rounds = [
         json!([{"role": "user", "content": "Weather in Paris?"},
