@@ -338,6 +338,14 @@ pub struct Request {
 pub struct JsonLead {
     pub text: String,
     pub schema: Option<serde_json::Value>,
+    /// False: the text after the lead is free (DeepSeek-V4's DSML parameters are not JSON);
+    /// only the lead is held.
+    #[serde(default = "yes")]
+    pub then_json: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// What JSON mode holds the answer to: any JSON object, or a value under a schema.
@@ -384,6 +392,8 @@ struct Lead {
     options: Vec<Vec<u8>>,
     /// Each option's schema, compiled.
     schemas: Vec<Option<Arc<Schema>>>,
+    /// Each option's `then_json`.
+    then_json: Vec<bool>,
     written: Vec<u8>,
 }
 
@@ -397,6 +407,7 @@ impl Lead {
                 .iter()
                 .map(|l| l.schema.as_ref().and_then(|s| Schema::compile(s).ok()))
                 .collect(),
+            then_json: leads.iter().map(|l| l.then_json).collect(),
             written: Vec::new(),
         }
     }
@@ -412,16 +423,17 @@ impl Lead {
                     true
                 } else if b.starts_with(rest) {
                     let i = self.options.iter().position(|x| x == o).unwrap_or(0);
-                    Grammar::new(self.schemas[i].as_ref()).feed_all(&b[rest.len()..])
+                    !self.then_json[i]
+                        || Grammar::new(self.schemas[i].as_ref()).feed_all(&b[rest.len()..])
                 } else {
                     false
                 }
             })
     }
 
-    /// Takes a token's bytes; once a lead is complete, its JSON grammar with the bytes after
-    /// the lead fed.
-    fn push(&mut self, b: &[u8]) -> Option<Grammar> {
+    /// Takes a token's bytes; once a lead is complete, `Some` of its JSON grammar with the
+    /// bytes after the lead fed (`Some(None)`: free text follows).
+    fn push(&mut self, b: &[u8]) -> Option<Option<Grammar>> {
         self.written.extend_from_slice(b);
         let (i, o) = self
             .options
@@ -429,9 +441,12 @@ impl Lead {
             .enumerate()
             .filter(|(_, o)| self.written.starts_with(o))
             .max_by_key(|(_, o)| o.len())?;
+        if !self.then_json[i] {
+            return Some(None);
+        }
         let mut g = Grammar::new(self.schemas[i].as_ref());
         g.feed_all(&self.written[o.len()..]);
-        Some(g)
+        Some(Some(g))
     }
 }
 
@@ -1509,7 +1524,7 @@ impl<'t, M: Model> Engine<'t, M> {
         if let Some(lead) = live.lead.as_mut() {
             let bytes = self.token_bytes.as_deref().unwrap_or_default();
             if let Some(grammar) = lead.push(lead_bytes(token, bytes, &self.special_bytes)) {
-                live.json = Some(grammar);
+                live.json = grammar;
                 live.lead = None;
             }
         }
@@ -1680,6 +1695,7 @@ mod tests {
     fn a_json_lead_keeps_to_its_texts() {
         let mut lead = Lead {
             schemas: vec![None, None],
+            then_json: vec![true, true],
             options: vec![
                 b"get_time\n```json\n".to_vec(),
                 b"get_weather\n```json\n".to_vec(),
@@ -1697,12 +1713,26 @@ mod tests {
         // Finishing the lead inside a token: what follows must begin a JSON object.
         assert!(lead.allows(b"json\n{\""));
         assert!(!lead.allows(b"json\nx"));
-        let mut json = lead.push(b"json\n{\"").expect("the lead is complete");
+        let mut json = lead
+            .push(b"json\n{\"")
+            .flatten()
+            .expect("the lead is complete");
         assert!(json.feed_all(b"k\": 1}") && json.is_complete());
+        // A lead with free text after it (DeepSeek-V4's DSML parameters).
+        let mut free = Lead {
+            schemas: vec![None],
+            then_json: vec![false],
+            options: vec![b"f\">\n".to_vec()],
+            written: Vec::new(),
+        };
+        assert!(free.allows(b"f\">\n<x"));
+        assert!(!free.allows(b"g"));
+        assert!(matches!(free.push(b"f\">\n<x"), Some(None)));
         let specials: HashMap<u32, Vec<u8>> = [(7, b"<|arg|>".to_vec())].into();
         let bytes = vec![b"a".to_vec(); 8];
         let lead = Lead {
             schemas: vec![None],
+            then_json: vec![true],
             options: vec![b"a<|arg|>".to_vec()],
             written: b"a".to_vec(),
         };

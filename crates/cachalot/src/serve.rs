@@ -2117,9 +2117,24 @@ fn forced_call(
             format!("forced tool calls are not available for this model's template: {why}"),
         )
     };
-    let format = format
-        .filter(|f| *f != ToolCallFormat::DeepseekV4)
-        .ok_or_else(|| unsupported("its tool-call format"))?;
+    let format = format.ok_or_else(|| unsupported("its tool-call format"))?;
+    // DeepSeek-V4 writes the arguments as DSML parameters, not JSON: the model's part begins
+    // where the first parameter would, and only the function's name is held ("required").
+    let v4 = format == ToolCallFormat::DeepseekV4;
+    let dsml_param = format!("<{}parameter", cachalot_model::tokenizer::dsv4::DSML);
+    let args_start = |f: &str| -> Option<usize> {
+        let at = f.find(FORCED_ARGUMENTS)?;
+        if v4 {
+            f[..at].rfind(&dsml_param)
+        } else {
+            Some(at)
+        }
+    };
+    let section_begin = if v4 {
+        format!("\n\n<{}tool_calls>", cachalot_model::tokenizer::dsv4::DSML)
+    } else {
+        format.section_begin().to_string()
+    };
     let render = |m: &Value, generation: bool| {
         template
             .render_json(m, generation, tools, kwargs)
@@ -2148,9 +2163,9 @@ fn forced_call(
         render(&call, false)
     };
     let full = render_call(name.as_deref().unwrap_or(FORCED_NAME))?;
-    let cut = [FORCED_NAME, FORCED_ARGUMENTS]
-        .iter()
-        .filter_map(|s| full.find(s))
+    let cut = [full.find(FORCED_NAME), args_start(&full)]
+        .into_iter()
+        .flatten()
         .min()
         .ok_or_else(|| unsupported("it does not render an assistant's tool calls"))?;
     // (A template that quotes the arguments: the model writes the quote too.)
@@ -2159,8 +2174,9 @@ fn forced_call(
     } else {
         cut
     };
+    // (The last marker before the call: a tools block in the system prompt may show one.)
     let start = full[..cut]
-        .find(format.section_begin())
+        .rfind(&section_begin)
         .ok_or_else(|| unsupported("its tool calls do not open with the format's marker"))?;
     let call_text = &full[start..cut];
     let mut prompt = render(messages, true)?;
@@ -2173,17 +2189,21 @@ fn forced_call(
     // "required", what the model writes before them for each tool (as the template renders a
     // call of it: R1's name and fence, Kimi-K2's `functions.NAME:INDEX` and marker), and the
     // markup from them to the section's end.
-    let json = full.find(FORCED_ARGUMENTS).and_then(|args_at| {
-        if full[..args_at].ends_with('"') {
+    let json = args_start(&full).and_then(|args_at| {
+        if full[..args_at].ends_with('"') || v4 && name.is_some() {
             return None;
         }
-        let after = &full[args_at + FORCED_ARGUMENTS.len()..];
-        let (end_at, end) = format
-            .section_ends()
-            .iter()
-            .filter_map(|m| after.find(m).map(|i| (i, m.len())))
-            .min()?;
-        let suffix = after[..end_at + end].to_string();
+        let suffix = if v4 {
+            String::new()
+        } else {
+            let after = &full[args_at + FORCED_ARGUMENTS.len()..];
+            let (end_at, end) = format
+                .section_ends()
+                .iter()
+                .filter_map(|m| after.find(m).map(|i| (i, m.len())))
+                .min()?;
+            after[..end_at + end].to_string()
+        };
         // A tool's parameters, when structured output can hold the arguments to them (else
         // any object).
         let tool_list: Vec<&Value> = tools
@@ -2207,14 +2227,15 @@ fn forced_call(
                     .filter_map(|t| t["function"]["name"].as_str())
                     .map(|n| {
                         let f = render_call(n).ok()?;
-                        let args_at = f.find(FORCED_ARGUMENTS)?;
+                        let args_at = args_start(&f)?;
                         let text = (f.get(..cut) == Some(&full[..cut]))
                             .then(|| f.get(cut..args_at).map(str::to_string))
                             .flatten()
                             .filter(|lead| !lead.is_empty())?;
                         Some(JsonLead {
                             text,
-                            schema: parameters(n),
+                            schema: parameters(n).filter(|_| !v4),
+                            then_json: !v4,
                         })
                     })
                     .collect::<Option<Vec<JsonLead>>>()?,
@@ -3021,5 +3042,44 @@ mod tests {
         let named = Some("get_weather".to_string());
         let w = forced_call(format, &template, &messages, Some(&tools), &kwargs, &named).unwrap();
         assert_eq!(w.json.unwrap().schema, Some(weather));
+    }
+
+    /// DeepSeek-V4's DSML: a forced call's prompt ends where the model names the function
+    /// ("required": each lead is a tool's name up to its first parameter, and the parameters
+    /// after it are free) or writes its first parameter (a named call); the answer parses as
+    /// the call.
+    #[test]
+    fn forced_calls_in_deepseek_v4s_dsml() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        let format = ToolCallFormat::for_tokenizer(&tok, true);
+        let template = tok.chat_template().unwrap().unwrap();
+        let messages = json!([{"role": "user", "content": "Weather in Paris?"}]);
+        let tools = json!([
+            {"type": "function", "function": {"name": "get_weather", "parameters":
+                {"type": "object", "properties": {"city": {"type": "string"}}}}},
+            {"type": "function", "function": {"name": "get_time", "parameters": {}}}]);
+        let kwargs = Map::new();
+        let any = forced_call(format, &template, &messages, Some(&tools), &kwargs, &None).unwrap();
+        let j = any.json.expect("the name is held");
+        assert!(j.leads.iter().all(|l| !l.then_json && l.schema.is_none()));
+        assert!(j.suffix.is_empty());
+        let answer = format!(
+            "{}{}<{d}parameter name=\"city\" string=\"true\">Paris</{d}parameter>\n</{d}invoke>\n</{d}tool_calls>",
+            any.prefix,
+            j.leads[0].text,
+            d = cachalot_model::tokenizer::dsv4::DSML
+        );
+        let parsed = ToolCallFormat::DeepseekV4.parse(&answer).unwrap();
+        assert_eq!(parsed.tool_calls[0].function.name, "get_weather");
+        let named = Some("get_time".to_string());
+        let one = forced_call(format, &template, &messages, Some(&tools), &kwargs, &named).unwrap();
+        assert!(one.json.is_none());
+        assert!(
+            one.prefix.ends_with("name=\"get_time\">\n"),
+            "{:?}",
+            one.prefix
+        );
     }
 }

@@ -1268,6 +1268,36 @@ fn serve_forces_tool_calls() {
 
 /// JSON mode (`response_format: {"type": "json_object"}`): the answer is a JSON object, or the
 /// beginning of one when the length limit cuts it; schemas are refused by name.
+/// DeepSeek-V4 (DSML): a forced "required" call opens with one of the tools' names, whatever
+/// the model would write; a named call opens with its own.
+#[test]
+fn serve_forces_tool_calls_in_dsml() {
+    let server = start(&["--model", "fixtures/v4/flash_tiny", "--kv-blocks", "64"]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {}}}]);
+    for (choice, names) in [
+        (json!("required"), vec!["get_weather", "get_time"]),
+        (json!({"type": "function", "function": {"name": "get_time"}}), vec!["get_time"]),
+    ] {
+        let body = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                          "tools": tools, "tool_choice": choice, "max_tokens": 12,
+                          "temperature": 0});
+        let (status, v) = post(&server.addr, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        let m = &v["choices"][0]["message"];
+        let named = match m["tool_calls"].as_array() {
+            Some(calls) => calls[0]["function"]["name"].as_str().unwrap().to_string(),
+            None => {
+                let content = m["content"].as_str().unwrap();
+                let opening = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"";
+                let rest = content.strip_prefix(opening).unwrap_or_else(|| panic!("{content:?}"));
+                rest.split('"').next().unwrap().to_string()
+            }
+        };
+        assert!(names.contains(&named.as_str()), "{named}: {v}");
+    }
+}
+
 #[test]
 fn serve_json_mode() {
     let server = start(&["--kv-blocks", "64"]);
