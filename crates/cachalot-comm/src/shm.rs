@@ -45,8 +45,12 @@ pub struct ShmComm {
     tcp: TcpComm,
     map: memmap2::MmapRaw,
     /// The call counter; held for the whole collective (collectives are sequential).
-    calls: Mutex<u32>,
-    pids: Vec<i32>,
+    /// The call counter (never wraps; its low 32 bits are published, its parity picks the
+    /// slot); held for the whole collective (collectives are sequential).
+    calls: Mutex<u64>,
+    /// Every rank's process: its pid and start time (so a pid reused, or one of another pid
+    /// namespace, is not taken for the rank).
+    procs: Vec<(i32, u64)>,
 }
 
 struct Slot<'a> {
@@ -86,7 +90,9 @@ impl ShmComm {
             if v == call {
                 return Ok(());
             }
-            if slot.closed.load(Ordering::Acquire) != 0 {
+            // (A rank that published this call and then left is not a failure: `seq` is
+            // read again after the sign that it left.)
+            if slot.closed.load(Ordering::Acquire) != 0 && seq.load(Ordering::Acquire) != call {
                 return Err(CommError(format!(
                     "rank {r} left the group (it failed or finished; see its log)"
                 )));
@@ -98,10 +104,10 @@ impl ShmComm {
             futex_wait(seq, v, LIVENESS);
             if checked.elapsed() >= LIVENESS {
                 checked = Instant::now();
-                if !alive(self.pids[r]) {
+                let (pid, started) = self.procs[r];
+                if !alive(pid, started) && seq.load(Ordering::Acquire) != call {
                     return Err(CommError(format!(
-                        "rank {r} (process {}) exited (it failed; see its log)",
-                        self.pids[r]
+                        "rank {r} (process {pid}) exited (it failed; see its log)"
                     )));
                 }
             }
@@ -132,9 +138,8 @@ impl Communicator for ShmComm {
     }
     fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
         let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
-        *calls = calls.wrapping_add(1).max(1);
-        let call = *calls;
-        let parity = (call & 1) as usize;
+        *calls += 1;
+        let (call, parity) = (*calls as u32, (*calls & 1) as usize);
         let (rank, n) = (self.rank(), self.world_size());
         let me = self.slot(rank, parity);
         if mine.len() <= SLOT_BYTES {
@@ -208,6 +213,17 @@ pub fn share_memory(tcp: TcpComm, want: bool) -> CommResult<Arc<dyn Communicator
         announce.extend_from_slice(&token.to_le_bytes());
         announce.extend_from_slice(path.to_string_lossy().as_bytes());
     }
+    // Rank 0 unlinks the file however setup ends (every rank has mapped it or given up by the
+    // vote below; an error before then leaves no file behind either).
+    struct Unlink(Option<PathBuf>);
+    impl Drop for Unlink {
+        fn drop(&mut self) {
+            if let Some(p) = &self.0 {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+    let _unlink = Unlink(made.as_ref().map(|(p, _)| p.clone()));
     let announced = tcp.broadcast(0, &announce)?;
     let map = match made {
         Some((_, m)) => Some(m),
@@ -218,29 +234,34 @@ pub fn share_memory(tcp: TcpComm, want: bool) -> CommResult<Arc<dyn Communicator
         }
         None => None,
     };
-    // Every rank's pid, or 0 when it cannot take part.
-    let pid = if map.is_some() {
-        std::process::id() as i32
-    } else {
-        0
+    // Every rank's pid and start time, or zeros when it cannot take part.
+    let me = std::process::id() as i32;
+    let mine = match (&map, start_time(me)) {
+        (Some(_), Some(t)) => (me, t),
+        _ => (0, 0),
     };
-    let pids: Vec<i32> = tcp
-        .all_gather(&pid.to_le_bytes())?
+    let mut bytes = mine.0.to_le_bytes().to_vec();
+    bytes.extend_from_slice(&mine.1.to_le_bytes());
+    let procs: Vec<(i32, u64)> = tcp
+        .all_gather(&bytes)?
         .iter()
-        .map(|b| b.as_slice().try_into().map_or(0, i32::from_le_bytes))
+        .map(|b| match (b.get(..4), b.get(4..12)) {
+            (Some(p), Some(t)) => (
+                i32::from_le_bytes(p.try_into().expect("4 bytes")),
+                u64::from_le_bytes(t.try_into().expect("8 bytes")),
+            ),
+            _ => (0, 0),
+        })
         .collect();
-    let sees_all = map.is_some() && pids.iter().all(|&p| p > 0 && alive(p));
+    // Every rank's process is visible from here as itself (same host, same pid namespace).
+    let sees_all = map.is_some() && procs.iter().all(|&(p, t)| p > 0 && alive(p, t));
     let votes = tcp.all_gather(&[sees_all as u8])?;
-    // Every rank has mapped (or given up on) the file: it can go.
-    if let Some(path) = announced.get(8..).filter(|_| rank == 0) {
-        let _ = std::fs::remove_file(String::from_utf8_lossy(path).as_ref());
-    }
     match map {
         Some(map) if votes.iter().all(|v| v.as_slice() == [1]) => Ok(Arc::new(ShmComm {
             tcp,
             map,
             calls: Mutex::new(0),
-            pids,
+            procs,
         })),
         _ => Ok(Arc::new(tcp)),
     }
@@ -281,23 +302,28 @@ fn open(path: &PathBuf, size: usize, token: u64) -> std::io::Result<memmap2::Mma
     Ok(map)
 }
 
-/// The process `pid` exists (on this host, in this pid namespace) and has not ended: a rank
-/// that died stays a zombie until its parent (often rank 0, the launcher) reaps it.
-fn alive(pid: i32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists and may be signalled.
-    let r = unsafe { libc::kill(pid, 0) };
-    if r != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EPERM) {
+/// Process `pid`'s start time (field 22 of `/proc/PID/stat`, clock ticks since boot).
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) S ppid ...": fields from the state on, after the last ')'.
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Process `pid`, started at `started`, is still running: not gone, not a zombie (a rank
+/// that died stays one until its parent — often rank 0, the launcher — reaps it), and not
+/// another process that took its pid (or a process of another pid namespace).
+fn alive(pid: i32, started: u64) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
-    }
-    // /proc/PID/stat: "pid (comm) S ..."; the state follows the last ')'.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !matches!(
-            stat.rsplit_once(')')
-                .and_then(|(_, rest)| rest.trim_start().chars().next()),
-            Some('Z' | 'X')
-        ),
-        Err(_) => true,
-    }
+    };
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return false;
+    };
+    let mut fields = rest.split_whitespace();
+    let state = fields.next();
+    let time = fields.nth(18).and_then(|t| t.parse::<u64>().ok());
+    !matches!(state, Some("Z" | "X")) && time == Some(started)
 }
 
 /// Sleeps while `word` holds `expected`, at most `timeout` (spurious wake-ups are fine: the

@@ -617,7 +617,8 @@ impl DeepseekV3 {
             Some(QuantizationConfig::PackedInt4 { group_size, .. }) => Some(*group_size),
             _ => None,
         };
-        opts.tensor_shard.validate(&cfg)?;
+        opts.tensor_shard
+            .validate(&cfg, opts.expert_shard.ranks > 1)?;
         let (t, e) = (opts.tensor_shard, opts.expert_shard);
         if t.ranks > 1 && e.ranks > 1 && (t.rank, t.ranks) != (e.rank, e.ranks) {
             return Err(ModelError::Options(format!(

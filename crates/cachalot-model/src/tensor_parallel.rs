@@ -53,8 +53,10 @@ impl TensorShard {
         self.rank * len / self.ranks..(self.rank + 1) * len / self.ranks
     }
 
-    /// The shard exists and splits the heads and every MLP's intermediate features evenly.
-    pub(crate) fn validate(&self, cfg: &DeepseekV3Config) -> Result<()> {
+    /// The shard exists and splits the heads and every MLP's intermediate features evenly
+    /// (`experts_whole`: the routed experts are held whole, so only the shared experts' are
+    /// cut).
+    pub(crate) fn validate(&self, cfg: &DeepseekV3Config, experts_whole: bool) -> Result<()> {
         if self.ranks == 0 || self.rank >= self.ranks {
             return Err(ModelError::Options(format!(
                 "tensor shard: rank {} of {} ranks does not exist (ranks count from 0)",
@@ -69,7 +71,15 @@ impl TensorShard {
             ("intermediate_size", cfg.intermediate_size),
         ];
         if cfg.n_routed_experts.unwrap_or(0) > 0 {
-            sizes.push(("moe_intermediate_size", cfg.moe_intermediate_size));
+            if !experts_whole {
+                sizes.push(("moe_intermediate_size", cfg.moe_intermediate_size));
+            }
+            if cfg.n_shared_experts > 0 {
+                sizes.push((
+                    "moe_intermediate_size × n_shared_experts",
+                    cfg.moe_intermediate_size * cfg.n_shared_experts,
+                ));
+            }
         }
         for (field, v) in sizes {
             if !v.is_multiple_of(self.ranks) {

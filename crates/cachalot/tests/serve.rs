@@ -1277,7 +1277,10 @@ fn serve_forces_tool_calls_in_dsml() {
         {"type": "function", "function": {"name": "get_time", "parameters": {}}}]);
     for (choice, names) in [
         (json!("required"), vec!["get_weather", "get_time"]),
-        (json!({"type": "function", "function": {"name": "get_time"}}), vec!["get_time"]),
+        (
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            vec!["get_time"],
+        ),
     ] {
         let body = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}],
                           "tools": tools, "tool_choice": choice, "max_tokens": 12,
@@ -1290,7 +1293,9 @@ fn serve_forces_tool_calls_in_dsml() {
             None => {
                 let content = m["content"].as_str().unwrap();
                 let opening = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"";
-                let rest = content.strip_prefix(opening).unwrap_or_else(|| panic!("{content:?}"));
+                let rest = content
+                    .strip_prefix(opening)
+                    .unwrap_or_else(|| panic!("{content:?}"));
                 rest.split('"').next().unwrap().to_string()
             }
         };
