@@ -261,51 +261,37 @@ impl JsonState {
     fn value_done(&mut self) {}
 
     fn string_byte(&mut self, b: u8, escape: bool, hex: u8) -> bool {
-        if hex > 0 {
-            if !b.is_ascii_hexdigit() {
-                return false;
-            }
-            self.scalar = Scalar::Str {
-                escape: false,
-                hex: hex - 1,
-            };
-            return true;
-        }
-        if escape {
-            return match b {
-                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
-                    self.scalar = Scalar::Str {
-                        escape: false,
-                        hex: 0,
-                    };
-                    true
-                }
-                b'u' => {
-                    self.scalar = Scalar::Str {
-                        escape: false,
-                        hex: 4,
-                    };
-                    true
-                }
-                _ => false,
-            };
-        }
-        match b {
-            b'"' => {
+        match string_byte(b, escape, hex) {
+            Some(Some((escape, hex))) => self.scalar = Scalar::Str { escape, hex },
+            Some(None) => {
                 self.scalar = Scalar::None;
                 self.value_done();
-                true
             }
-            b'\\' => {
-                self.scalar = Scalar::Str {
-                    escape: true,
-                    hex: 0,
-                };
-                true
-            }
-            0..=0x1f => false,
-            _ => true,
+            None => return false,
         }
+        true
+    }
+}
+
+/// A string's next state after `b`: `Some(Some((escape, hex)))` inside it (after a backslash;
+/// hex digits of `\u` still due), `Some(None)` when `b` closes it, None when `b` cannot be in
+/// it.
+pub(crate) fn string_byte(b: u8, escape: bool, hex: u8) -> Option<Option<(bool, u8)>> {
+    if hex > 0 {
+        return b.is_ascii_hexdigit().then_some(Some((false, hex - 1)));
+    }
+    if escape {
+        return match b {
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(Some((false, 0))),
+            b'u' => Some(Some((false, 4))),
+            _ => None,
+        };
+    }
+    match b {
+        b'"' => Some(None),
+        b'\\' => Some(Some((true, 0))),
+        0..=0x1f => None,
+        _ => Some(Some((false, 0))),
     }
 }
 

@@ -17,7 +17,9 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use crate::json_mode::{number_byte, Num, MAX_DEPTH, MAX_EDGE_WHITESPACE, MAX_WHITESPACE};
+use crate::json_mode::{
+    number_byte, string_byte, Num, MAX_DEPTH, MAX_EDGE_WHITESPACE, MAX_WHITESPACE,
+};
 
 const STR: u8 = 1;
 const INT: u8 = 2;
@@ -776,27 +778,6 @@ impl SchemaState {
             .filter(|(i, _)| seen & (1 << i) == 0)
             .any(|(_, (p, _))| p.starts_with(&buf));
         on_prop || n.additional.is_some()
-    }
-}
-
-/// A string's next state after `b`: Some(Some((escape, hex))) inside it, Some(None) when `b`
-/// closes it, None when `b` cannot be in it.
-fn string_byte(b: u8, escape: bool, hex: u8) -> Option<Option<(bool, u8)>> {
-    if hex > 0 {
-        return b.is_ascii_hexdigit().then_some(Some((false, hex - 1)));
-    }
-    if escape {
-        return match b {
-            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(Some((false, 0))),
-            b'u' => Some(Some((false, 4))),
-            _ => None,
-        };
-    }
-    match b {
-        b'"' => Some(None),
-        b'\\' => Some(Some((true, 0))),
-        0..=0x1f => None,
-        _ => Some(Some((false, 0))),
     }
 }
 

@@ -407,9 +407,6 @@ fn serve_aborts_requests_whose_client_left() {
     assert_eq!(status, 200, "{r}");
 }
 
-/// Prefill/decode disaggregation (executor spec §5): a prefill server and a decode server (other
-/// block size) behind the router answer greedy, seeded-sampling, chat, streamed and concurrent
-/// requests as one server does; what goes wrong says where.
 /// Prefill and decode servers over several ranks each (the seed's disaggregated deployment):
 /// a tensor-parallel prefill server and a data-parallel decode server, then an expert-parallel
 /// decode server, behind the router, answer as one server; concurrent requests spread over
@@ -495,6 +492,9 @@ fn prefill_and_decode_servers_over_ranks_answer_as_one_server() {
     }
 }
 
+/// Prefill/decode disaggregation (executor spec §5): a prefill server and a decode server (other
+/// block size) behind the router answer greedy, seeded-sampling, chat, streamed and concurrent
+/// requests as one server does; what goes wrong says where.
 #[test]
 fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
     let one = start(&["--kv-blocks", "64"]);
