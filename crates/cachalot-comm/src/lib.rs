@@ -101,6 +101,56 @@ pub trait Communicator: Send + Sync {
     fn barrier(&self) -> CommResult<()> {
         self.all_gather(&[]).map(|_| ())
     }
+    /// Personalised exchange: `parts[s]` goes to rank `s`; returns what each rank sent this
+    /// one, in rank order (MPI's `Alltoallv`). `parts` has one entry per rank (this rank's own
+    /// comes back to it). The default rides on [`Communicator::all_gather`] (every rank
+    /// receives every part and keeps its own); a transport with point-to-point links can send
+    /// each part only where it goes.
+    fn all_to_all(&self, parts: &[Vec<u8>]) -> CommResult<Vec<Vec<u8>>> {
+        let n = self.world_size();
+        if parts.len() != n {
+            return Err(CommError(format!(
+                "all_to_all: {} parts for a group of {n} ranks (one per rank)",
+                parts.len()
+            )));
+        }
+        let me = self.rank();
+        let gathered = self.all_gather(&pack(parts))?;
+        gathered
+            .iter()
+            .enumerate()
+            .map(|(r, blob)| {
+                let mut theirs = unpack_parts(blob, n).ok_or_else(|| {
+                    CommError(format!(
+                        "all_to_all: rank {r} sent a malformed frame of {} bytes (not {n} parts)",
+                        blob.len()
+                    ))
+                })?;
+                Ok(theirs.swap_remove(me))
+            })
+            .collect()
+    }
+}
+
+/// The parts of a [`pack`]ed frame, `None` unless it holds exactly `expect` well-formed parts.
+fn unpack_parts(b: &[u8], expect: usize) -> Option<Vec<Vec<u8>>> {
+    let word = |at: usize| -> Option<usize> {
+        let w = u64::from_le_bytes(b.get(at..at.checked_add(8)?)?.try_into().ok()?);
+        usize::try_from(w).ok()
+    };
+    if word(0)? != expect {
+        return None;
+    }
+    let mut at = 8usize;
+    let mut parts = Vec::with_capacity(expect);
+    for _ in 0..expect {
+        let len = word(at)?;
+        at += 8;
+        let end = at.checked_add(len)?;
+        parts.push(b.get(at..end)?.to_vec());
+        at = end;
+    }
+    (at == b.len()).then_some(parts)
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -662,6 +712,16 @@ mod tests {
                     let b = c.broadcast(n - 1, &[7, r as u8]).unwrap();
                     assert_eq!(b, vec![7, (n - 1) as u8]);
                     c.barrier().unwrap();
+                    // All-to-all: rank r sends rank s `s + 1` copies of `r * 16 + s` (its own
+                    // part included); a wrong part count is refused on the caller.
+                    let parts: Vec<Vec<u8>> =
+                        (0..n).map(|s| vec![(r * 16 + s) as u8; s + 1]).collect();
+                    let got = c.all_to_all(&parts).unwrap();
+                    let want: Vec<Vec<u8>> =
+                        (0..n).map(|q| vec![(q * 16 + r) as u8; r + 1]).collect();
+                    assert_eq!(got, want, "rank {r}");
+                    let err = c.all_to_all(&parts[..n - 1]).unwrap_err().to_string();
+                    assert!(err.contains("parts for a group of"), "{err}");
                     // Many calls in a row (slots are reused every other call), sizes changing,
                     // and one part larger than a shared-memory slot (it goes over TCP).
                     for i in 0..300usize {

@@ -101,6 +101,14 @@ pub trait Model {
     ) -> Result<HiddenForward, EngineError> {
         Err(no_mtp())
     }
+    /// Called after every step by each rank of a group whose MoE layers dispatch tokens
+    /// between ranks with their own batches (data-parallel attention, expert-parallel MoE),
+    /// a rank without work too: serves the other ranks' tokens until every rank's step is
+    /// over, and returns whether any rank has more work (`more`: this rank's). Callers step
+    /// until it returns false. A model without such a group returns `more`.
+    fn end_step(&self, more: bool) -> Result<bool, EngineError> {
+        Ok(more)
+    }
 }
 
 impl Model for DeepseekV3 {
@@ -145,6 +153,9 @@ impl Model for DeepseekV3 {
             logits: out.logits,
             hidden: out.hidden.expect("asked for hidden states"),
         })
+    }
+    fn end_step(&self, more: bool) -> Result<bool, EngineError> {
+        Ok(DeepseekV3::end_step(self, more)?)
     }
 }
 
@@ -193,6 +204,9 @@ impl Model for DeepseekV4 {
             hidden: out.hidden.expect("asked for hidden states"),
         })
     }
+    fn end_step(&self, more: bool) -> Result<bool, EngineError> {
+        Ok(DeepseekV4::end_step(self, more)?)
+    }
 }
 
 impl<T: Model + ?Sized> Model for &T {
@@ -229,6 +243,9 @@ impl<T: Model + ?Sized> Model for &T {
         cache: &mut KvCache,
     ) -> Result<HiddenForward, EngineError> {
         (**self).mtp_forward(index, batch, prev_hidden, cache)
+    }
+    fn end_step(&self, more: bool) -> Result<bool, EngineError> {
+        (**self).end_step(more)
     }
 }
 
@@ -770,6 +787,13 @@ impl<'t, M: Model> Engine<'t, M> {
     }
     pub fn has_unfinished(&self) -> bool {
         self.scheduler.has_unfinished() || !self.imports.is_empty()
+    }
+
+    /// [`Model::end_step`] with this engine's work: the group's step barrier for ranks whose
+    /// MoE layers dispatch tokens between their own batches. Call it after every step, and
+    /// (without work) in place of one, until it returns false on every rank.
+    pub fn end_step(&self) -> Result<bool, EngineError> {
+        self.model.end_step(self.has_unfinished())
     }
 
     /// Queues a request; its id comes back with its output.

@@ -82,6 +82,9 @@ struct Mlp {
 }
 
 struct Moe {
+    /// The layer's index in the checkpoint (`model.layers.{key}`, MTP layers after the main
+    /// ones): how ranks name the layer when they dispatch tokens to its experts.
+    key: u32,
     router: Matrix,
     bias: Vec<f32>,
     /// Every routed expert by id; `None` where another rank holds it (`ExpertShard`).
@@ -542,6 +545,7 @@ impl Loader<'_> {
                 None
             };
             Ffn::Moe(Moe {
+                key: i as u32,
                 router,
                 bias,
                 experts,
@@ -620,6 +624,14 @@ impl DeepseekV3 {
         opts.tensor_shard
             .validate(&cfg, opts.expert_shard.ranks > 1)?;
         let (t, e) = (opts.tensor_shard, opts.expert_shard);
+        if t.ranks > 1 && e.dispatch {
+            return Err(ModelError::Options(
+                "tensor parallelism with dispatched experts (data-parallel attention): the \
+                 tensor-parallel ranks run one batch together, so their experts are gathered, \
+                 not dispatched; use expert_shard.dispatch = false (--parallel tensor-expert)"
+                    .into(),
+            ));
+        }
         if t.ranks > 1 && e.ranks > 1 && (t.rank, t.ranks) != (e.rank, e.ranks) {
             return Err(ModelError::Options(format!(
                 "tensor parallelism as rank {} of {} and expert parallelism as rank {} of {}: \
@@ -1633,11 +1645,13 @@ impl DeepseekV3 {
             xs
         };
         let active: Vec<usize> = (0..e).filter(|&id| !assigned[id].is_empty()).collect();
-        // The active experts held here (all of them without expert parallelism).
+        // The active experts held here (all of them without expert parallelism); none when the
+        // tokens are dispatched to their experts' ranks (this rank's own included).
+        let dispatch = self.shard.dispatch && self.shard.ranks > 1;
         let local: Vec<usize> = active
             .iter()
             .copied()
-            .filter(|&id| self.shard.owns(id, e))
+            .filter(|&id| !dispatch && self.shard.owns(id, e))
             .collect();
         let expert = |id: usize| -> &Mlp {
             moe.experts[id]
@@ -1695,7 +1709,32 @@ impl DeepseekV3 {
         // ranks under expert parallelism alone), or this rank's own when tensor parallelism
         // adds the ranks' sums after the layer.
         let summed = if self.tp.ranks > 1 { &local } else { &active };
-        if self.shard.ranks > 1 && self.tp.ranks == 1 {
+        if dispatch {
+            let turn = crate::expert_parallel::Turn::Layer {
+                key: moe.key,
+                x,
+                active: &active,
+                assigned: &assigned,
+            };
+            let serve = |key: u32, id: usize, xs: &[f32], _ws: &[f32], n: usize| {
+                self.serve_expert(key, id, xs, n)
+            };
+            match crate::expert_parallel::dispatch_round(
+                self.comm.as_deref(),
+                self.shard,
+                h,
+                e,
+                turn,
+                &serve,
+            )? {
+                crate::expert_parallel::Outcome::Outputs(o) => ys = o,
+                _ => {
+                    return Err(ModelError::Options(
+                        "expert dispatch: a layer's round returned no outputs".into(),
+                    ))
+                }
+            }
+        } else if self.shard.ranks > 1 && self.tp.ranks == 1 {
             ys = crate::expert_parallel::gather(
                 self.comm.as_deref(),
                 self.shard,
@@ -1720,6 +1759,42 @@ impl DeepseekV3 {
             }
         }
         Ok(out)
+    }
+
+    /// Routed expert `id` of MoE layer `key` over `n` rows another rank (or this one)
+    /// dispatched here: its unweighted outputs (the sender weighs and adds them).
+    fn serve_expert(&self, key: u32, id: usize, xs: &[f32], n: usize) -> Result<Vec<f32>> {
+        let experts = self
+            .layers
+            .iter()
+            .chain(self.mtp.iter().map(|m| &m.layer))
+            .find_map(|l| match &l.ffn {
+                Ffn::Moe(m) if m.key == key => Some(m.experts.as_slice()),
+                _ => None,
+            });
+        let expert = crate::expert_parallel::served_expert(experts, key, id)?;
+        Ok(mlp_forward(expert, xs, n))
+    }
+
+    /// The end of this rank's step ([`ExpertShard::dispatch`]): serves the other ranks' MoE
+    /// tokens until every rank's step is over; returns whether any rank has more work (`more`:
+    /// this rank's). Every rank calls it after each step, a rank without work too, until it
+    /// returns false. Without dispatch it returns `more`.
+    pub fn end_step(&self, more: bool) -> Result<bool> {
+        if !(self.shard.dispatch && self.shard.ranks > 1) {
+            return Ok(more);
+        }
+        let serve = |key: u32, id: usize, xs: &[f32], _ws: &[f32], n: usize| {
+            self.serve_expert(key, id, xs, n)
+        };
+        crate::expert_parallel::end_step(
+            self.comm.as_deref(),
+            self.shard,
+            self.cfg.hidden_size,
+            self.cfg.n_routed_experts.unwrap_or(0),
+            more,
+            &serve,
+        )
     }
 
     /// The group the routed experts are split over (expert parallelism): every rank of `comm`

@@ -116,6 +116,9 @@ struct Expert {
 }
 
 struct Moe {
+    /// The block's index (`layers.{key}`, MTP blocks after the main ones): how ranks name the
+    /// layer when they dispatch tokens to its experts.
+    key: u32,
     gate: Matrix,
     bias: Option<Vec<f32>>,
     /// `[vocab, k]` expert ids of hash layers.
@@ -486,6 +489,7 @@ impl Loader<'_> {
         p: &str,
         ratio: usize,
         hash: bool,
+        key: usize,
     ) -> Result<Block> {
         let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
         let mix = (2 + hc) * hc;
@@ -565,6 +569,7 @@ impl Loader<'_> {
             })
             .collect::<Result<Vec<_>>>()?;
         let ffn = Moe {
+            key: key as u32,
             gate,
             bias,
             tid2eid,
@@ -673,6 +678,7 @@ impl DeepseekV4 {
                 &format!("layers.{i}."),
                 cfg.compress_ratio(i),
                 cfg.is_hash_layer(i),
+                i,
             )?);
         }
         let norm = l.vector("norm.weight", h)?;
@@ -701,7 +707,7 @@ impl DeepseekV4 {
                         hc * h,
                         1,
                     )?,
-                    block: l.block(&cfg, &p, ratio, false)?,
+                    block: l.block(&cfg, &p, ratio, false, cfg.num_hidden_layers + j)?,
                 });
                 // Some exports carry copies of the shared embedding / head here.
                 l.ckpt.skip(&format!("{p}embed.weight"));
@@ -1398,10 +1404,15 @@ impl DeepseekV4 {
             }
         };
         let sharded = self.shard.ranks > 1;
+        // Dispatched to the experts' ranks (this rank's own included): nothing computed here.
+        let dispatch = sharded && self.shard.dispatch;
         let active: Vec<usize> = (0..e).filter(|&id| !assigned[id].is_empty()).collect();
         let mut out = vec![0.0f32; t_count * h];
         let mut mine = Vec::new();
-        for &id in active.iter().filter(|&&id| self.shard.owns(id, e)) {
+        for &id in active
+            .iter()
+            .filter(|&&id| !dispatch && self.shard.owns(id, e))
+        {
             let pairs = &assigned[id];
             let mut xs = Vec::with_capacity(pairs.len() * h);
             for &(t, _) in pairs {
@@ -1418,7 +1429,34 @@ impl DeepseekV4 {
                 add(&mut out, pairs, &y);
             }
         }
-        if sharded {
+        if dispatch {
+            let turn = crate::expert_parallel::Turn::Layer {
+                key: m.key,
+                x,
+                active: &active,
+                assigned: &assigned,
+            };
+            let serve = |key: u32, id: usize, xs: &[f32], ws: &[f32], n: usize| {
+                self.serve_expert(key, id, xs, ws, n)
+            };
+            let crate::expert_parallel::Outcome::Outputs(ys) =
+                crate::expert_parallel::dispatch_round(
+                    self.comm.as_deref(),
+                    self.shard,
+                    h,
+                    e,
+                    turn,
+                    &serve,
+                )?
+            else {
+                return Err(ModelError::Options(
+                    "expert dispatch: a layer's round returned no outputs".into(),
+                ));
+            };
+            for (&id, y) in active.iter().zip(&ys) {
+                add(&mut out, &assigned[id], y);
+            }
+        } else if sharded {
             let ys = crate::expert_parallel::gather(
                 self.comm.as_deref(),
                 self.shard,
@@ -1437,6 +1475,46 @@ impl DeepseekV4 {
             *a += b;
         }
         Ok(out)
+    }
+
+    /// Routed expert `id` of MoE layer `key` over `n` rows a rank dispatched here, weighted by
+    /// `ws` inside (the SwiGLU output, as in one process).
+    fn serve_expert(
+        &self,
+        key: u32,
+        id: usize,
+        xs: &[f32],
+        ws: &[f32],
+        n: usize,
+    ) -> Result<Vec<f32>> {
+        let experts = self
+            .layers
+            .iter()
+            .chain(self.mtp.iter().map(|m| &m.block))
+            .map(|b| &b.ffn)
+            .find(|m| m.key == key)
+            .map(|m| m.experts.as_slice());
+        let expert = crate::expert_parallel::served_expert(experts, key, id)?;
+        Ok(self.expert_forward(expert, xs, n, Some(ws)))
+    }
+
+    /// The end of this rank's step under dispatched expert parallelism; as
+    /// [`crate::DeepseekV3::end_step`].
+    pub fn end_step(&self, more: bool) -> Result<bool> {
+        if !(self.shard.dispatch && self.shard.ranks > 1) {
+            return Ok(more);
+        }
+        let serve = |key: u32, id: usize, xs: &[f32], ws: &[f32], n: usize| {
+            self.serve_expert(key, id, xs, ws, n)
+        };
+        crate::expert_parallel::end_step(
+            self.comm.as_deref(),
+            self.shard,
+            self.cfg.hidden_size,
+            self.cfg.n_routed_experts,
+            more,
+            &serve,
+        )
     }
 
     /// The group the routed experts are split over (expert parallelism): every rank of `comm`

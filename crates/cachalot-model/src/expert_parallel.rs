@@ -3,6 +3,12 @@
 //! outputs between the ranks, shared by DeepSeek-V3/R1/Kimi-K2 and V4. Every rank routes all
 //! tokens (the same result everywhere), computes its own experts' outputs, and `gather`s the
 //! others'; each rank then sums all experts in id order, so logits are the one-process bits.
+//!
+//! With data-parallel attention ([`ExpertShard::dispatch`], executor spec §4.3 "MoE EP": the
+//! seed's decode dispatch/combine and prefill "double routing") each rank routes only its own
+//! tokens and [`dispatch_round`] sends their rows to the experts' owners and the outputs back.
+//! The seed pads every rank's collectives to a common count (§4.3, "padding rule"); here a rank
+//! whose step is over keeps serving the others' rounds ([`end_step`]) until all are over.
 
 use cachalot_comm::Communicator;
 
@@ -18,11 +24,21 @@ use crate::error::{ModelError, Result};
 pub struct ExpertShard {
     pub rank: usize,
     pub ranks: usize,
+    /// Data-parallel attention (the seed's `attn_tp_size: 1` with `moe_tp_size: 1`, vLLM's
+    /// data parallelism with `--enable-expert-parallel`): each rank runs its own batch, and a
+    /// MoE layer sends each token's rows to the ranks holding its experts and takes the outputs
+    /// back ([`dispatch_round`]); the ranks step together, a rank without work serving the
+    /// others. Without it (false) every rank runs the same batch and gathers the outputs.
+    pub dispatch: bool,
 }
 
 impl Default for ExpertShard {
     fn default() -> Self {
-        ExpertShard { rank: 0, ranks: 1 }
+        ExpertShard {
+            rank: 0,
+            ranks: 1,
+            dispatch: false,
+        }
     }
 }
 
@@ -163,4 +179,309 @@ fn routing_digest(active: &[usize], assigned: &[Vec<(usize, f32)>]) -> u64 {
         }
     }
     h
+}
+
+/// `compute(key, id, rows, weights, n)`: routed expert `id` of the MoE layer whose checkpoint
+/// index is `key`, over `n` rows another rank (or this one) dispatched here.
+pub(crate) type ServeExpert<'a> =
+    dyn Fn(u32, usize, &[f32], &[f32], usize) -> Result<Vec<f32>> + Sync + 'a;
+
+/// The expert a dispatched round asks for: `experts` of the MoE layer `key` (None: no such
+/// layer here), expert `id` of them (None where another rank holds it).
+pub(crate) fn served_expert<T>(experts: Option<&[Option<T>]>, key: u32, id: usize) -> Result<&T> {
+    let experts = experts.ok_or_else(|| {
+        ModelError::Options(format!(
+            "expert dispatch: a rank sent tokens for MoE layer {key}, which this rank has not \
+             loaded (every rank must load the same layers, MTP included)"
+        ))
+    })?;
+    experts.get(id).and_then(Option::as_ref).ok_or_else(|| {
+        ModelError::Options(format!(
+            "expert dispatch: a rank sent tokens for expert {id} of layer {key}, which this \
+             rank does not hold"
+        ))
+    })
+}
+
+/// What a rank brings to one round of dispatched expert parallelism (data-parallel attention,
+/// [`ExpertShard::dispatch`]): a MoE layer of its own batch, or the end of its step.
+pub(crate) enum Turn<'a> {
+    /// MoE layer `key` of this rank's batch: the layer's input rows `x` (`h` floats per
+    /// token), its active experts in id order and each expert's (token, weight) pairs.
+    Layer {
+        key: u32,
+        x: &'a [f32],
+        active: &'a [usize],
+        assigned: &'a [Vec<(usize, f32)>],
+    },
+    /// This rank's step is over; `more`: it has work for another step.
+    Done { more: bool },
+}
+
+/// What a round gave this rank.
+pub(crate) enum Outcome {
+    /// For [`Turn::Layer`]: the outputs of its active experts, in id order (`n × h` each).
+    Outputs(Vec<Vec<f32>>),
+    /// For [`Turn::Done`] while some rank was still in its step (this rank served it).
+    Served,
+    /// For [`Turn::Done`] when every rank's step was over: whether any rank has more work.
+    AllDone { more: bool },
+}
+
+/// One expert's job from one rank: `n` tokens of layer `key`.
+struct Job<'a> {
+    src: usize,
+    key: u32,
+    id: usize,
+    n: usize,
+    ws: Vec<f32>,
+    rows: &'a [u8],
+}
+
+const TURN_LAYER: u8 = 1;
+const TURN_DONE: u8 = 2;
+
+/// One round of dispatched expert parallelism (the seed's attention-DP ranks with experts split
+/// over all of them, `attn_tp_size: 1, moe_tp_size: 1`): each rank sends every other rank the
+/// rows of its tokens routed to that rank's experts (with the routing weights), every rank runs
+/// its experts over all the rows it received, and the outputs go back to their tokens' ranks
+/// (two [`Communicator::all_to_all`]s). `compute(key, id, rows, weights, n)` is expert `id` of
+/// MoE layer `key` over `n` rows. A rank whose step is over ([`Turn::Done`]) still serves the
+/// others' tokens, so ranks with different batches (or none) step together; the rows of each
+/// expert are computed together whatever rank they came from.
+pub(crate) fn dispatch_round(
+    comm: Option<&dyn Communicator>,
+    shard: ExpertShard,
+    h: usize,
+    experts: usize,
+    turn: Turn<'_>,
+    compute: &ServeExpert<'_>,
+) -> Result<Outcome> {
+    use rayon::prelude::*;
+    let comm = comm.ok_or_else(|| {
+        ModelError::Options(format!(
+            "this model dispatches tokens to the routed experts of {} ranks (data-parallel \
+             attention with expert parallelism) and needs the group's communicator \
+             (set_communicator) to run",
+            shard.ranks
+        ))
+    })?;
+    let err = |m: String| ModelError::Options(format!("expert dispatch: {m}"));
+    let ranks = shard.ranks;
+    // Dispatch: to each rank, this rank's turn and the rows of its experts.
+    let mut parts: Vec<Vec<u8>> = vec![Vec::new(); ranks];
+    match &turn {
+        Turn::Layer {
+            key,
+            x,
+            active,
+            assigned,
+        } => {
+            for (s, part) in parts.iter_mut().enumerate() {
+                let mine: Vec<usize> = active
+                    .iter()
+                    .copied()
+                    .filter(|&id| shard.owner(id, experts) == s)
+                    .collect();
+                part.push(TURN_LAYER);
+                part.extend_from_slice(&key.to_le_bytes());
+                part.extend_from_slice(&(mine.len() as u32).to_le_bytes());
+                for id in mine {
+                    let pairs = &assigned[id];
+                    part.extend_from_slice(&(id as u32).to_le_bytes());
+                    part.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+                    for &(_, w) in pairs {
+                        part.extend_from_slice(&w.to_le_bytes());
+                    }
+                    for &(t, _) in pairs {
+                        for v in &x[t * h..(t + 1) * h] {
+                            part.extend_from_slice(&v.to_le_bytes());
+                        }
+                    }
+                }
+            }
+        }
+        Turn::Done { more } => {
+            for part in &mut parts {
+                part.extend_from_slice(&[TURN_DONE, *more as u8]);
+            }
+        }
+    }
+    let received = comm.all_to_all(&parts).map_err(|e| err(e.to_string()))?;
+    drop(parts);
+    // What each rank asked of this one.
+    let mut jobs: Vec<Job> = Vec::new();
+    let mut any_layer = false;
+    let mut any_more = false;
+    for (src, b) in received.iter().enumerate() {
+        let bad = || {
+            err(format!(
+                "rank {src} sent a malformed request of {} bytes (the ranks run different \
+                 builds or models)",
+                b.len()
+            ))
+        };
+        let u32_at = |at: usize| -> Result<u32> {
+            b.get(at..at + 4)
+                .map(|s| u32::from_le_bytes(s.try_into().expect("4 bytes")))
+                .ok_or_else(bad)
+        };
+        match b.first() {
+            Some(&TURN_DONE) if b.len() == 2 => any_more |= b[1] != 0,
+            Some(&TURN_LAYER) => {
+                any_layer = true;
+                let key = u32_at(1)?;
+                let count = u32_at(5)? as usize;
+                let mut at = 9usize;
+                for _ in 0..count {
+                    let id = u32_at(at)? as usize;
+                    let n = u32_at(at + 4)? as usize;
+                    at += 8;
+                    if id >= experts || !shard.owns(id, experts) {
+                        return Err(err(format!(
+                            "rank {src} sent tokens for expert {id}, which rank {} does not \
+                             hold (the ranks split the experts differently)",
+                            shard.rank
+                        )));
+                    }
+                    let wb = b.get(at..at + n * 4).ok_or_else(bad)?;
+                    let ws = wb
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect();
+                    at += n * 4;
+                    let rows = b.get(at..at + n * h * 4).ok_or_else(bad)?;
+                    at += n * h * 4;
+                    jobs.push(Job {
+                        src,
+                        key,
+                        id,
+                        n,
+                        ws,
+                        rows,
+                    });
+                }
+                if at != b.len() {
+                    return Err(bad());
+                }
+            }
+            _ => return Err(bad()),
+        }
+    }
+    if !any_layer {
+        // Every rank's step is over: nothing to compute, nothing to send back.
+        return Ok(Outcome::AllDone { more: any_more });
+    }
+    // Each (layer, expert) over the rows of every rank that sent it some, in rank order.
+    let mut groups: Vec<(u32, usize, Vec<usize>)> = Vec::new();
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by_key(|&j| (jobs[j].key, jobs[j].id, jobs[j].src));
+    for j in order {
+        match groups.last_mut() {
+            Some((k, id, members)) if *k == jobs[j].key && *id == jobs[j].id => members.push(j),
+            _ => groups.push((jobs[j].key, jobs[j].id, vec![j])),
+        }
+    }
+    let run = |(key, id, members): &(u32, usize, Vec<usize>)| -> Result<Vec<f32>> {
+        let n: usize = members.iter().map(|&j| jobs[j].n).sum();
+        let mut xs = Vec::with_capacity(n * h);
+        let mut ws = Vec::with_capacity(n);
+        for &j in members {
+            xs.extend(
+                jobs[j]
+                    .rows
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+            ws.extend_from_slice(&jobs[j].ws);
+        }
+        compute(*key, *id, &xs, &ws, n)
+    };
+    // Many experts: each on one thread (one fork/join); few: each with parallel products.
+    let outs: Vec<Vec<f32>> = if groups.len() >= 2 * rayon::current_num_threads() {
+        groups
+            .par_iter()
+            .map(|g| cachalot_kernels::serial(|| run(g)))
+            .collect::<Result<_>>()?
+    } else {
+        groups.iter().map(run).collect::<Result<_>>()?
+    };
+    // Combine: each job's outputs back to its rank, in the order it sent them.
+    let mut slices: Vec<Option<&[f32]>> = vec![None; jobs.len()];
+    for ((_, _, members), y) in groups.iter().zip(&outs) {
+        let mut at = 0;
+        for &j in members {
+            slices[j] = Some(&y[at * h..(at + jobs[j].n) * h]);
+            at += jobs[j].n;
+        }
+    }
+    let mut replies: Vec<Vec<u8>> = vec![Vec::new(); ranks];
+    for (j, job) in jobs.iter().enumerate() {
+        let y = slices[j].expect("every job is in a group");
+        let reply = &mut replies[job.src];
+        for v in y {
+            reply.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    drop(slices);
+    drop(jobs);
+    let back = comm.all_to_all(&replies).map_err(|e| err(e.to_string()))?;
+    match turn {
+        Turn::Done { .. } => Ok(Outcome::Served),
+        Turn::Layer {
+            active, assigned, ..
+        } => {
+            let mut offsets = vec![0usize; ranks];
+            let mut out = Vec::with_capacity(active.len());
+            for &id in active {
+                let s = shard.owner(id, experts);
+                let n = assigned[id].len() * h * 4;
+                let raw = back[s].get(offsets[s]..offsets[s] + n).ok_or_else(|| {
+                    err(format!(
+                        "rank {s} sent back {} bytes, fewer than its experts' outputs need",
+                        back[s].len()
+                    ))
+                })?;
+                offsets[s] += n;
+                out.push(
+                    raw.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
+                );
+            }
+            if let Some(s) = (0..ranks).find(|&s| back[s].len() != offsets[s]) {
+                return Err(err(format!(
+                    "rank {s} sent back {} bytes, its experts' outputs are {}",
+                    back[s].len(),
+                    offsets[s]
+                )));
+            }
+            Ok(Outcome::Outputs(out))
+        }
+    }
+}
+
+/// The end of a rank's step under dispatched expert parallelism: serves the other ranks'
+/// tokens ([`dispatch_round`] with [`Turn::Done`]) until every rank's step is over; returns
+/// whether any rank has more work (`more` is this rank's). Every rank calls it once per step,
+/// a rank without work too, until it returns false on all of them (the same round everywhere).
+pub(crate) fn end_step(
+    comm: Option<&dyn Communicator>,
+    shard: ExpertShard,
+    h: usize,
+    experts: usize,
+    more: bool,
+    compute: &ServeExpert<'_>,
+) -> Result<bool> {
+    loop {
+        match dispatch_round(comm, shard, h, experts, Turn::Done { more }, compute)? {
+            Outcome::AllDone { more } => return Ok(more),
+            Outcome::Served => continue,
+            Outcome::Outputs(_) => {
+                return Err(ModelError::Options(
+                    "expert dispatch: a finished step's round returned outputs".into(),
+                ))
+            }
+        }
+    }
 }

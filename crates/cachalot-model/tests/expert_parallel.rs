@@ -10,7 +10,7 @@ mod common;
 use cachalot_comm::run_local_group;
 use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
 use cachalot_model::{DeepseekV3, ExpertShard, LoadOptions};
-use common::{bits, different_batches_on_two_ranks, forward_once, packed_run};
+use common::{bits, different_batches_on_two_ranks, forward_once, packed_run, packed_run_of};
 
 fn r1_tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny")
@@ -35,6 +35,7 @@ fn expert_shards_give_the_one_process_logits() {
         let mut m = load(ExpertShard {
             rank: comm.rank(),
             ranks: n,
+            dispatch: false,
         });
         m.set_communicator(comm).unwrap();
         (bits(&packed_run(&m)), m.weight_bytes())
@@ -51,16 +52,104 @@ fn expert_shards_give_the_one_process_logits() {
     }
 }
 
+/// Data-parallel attention with dispatched experts (`ExpertShard::dispatch`): each rank runs
+/// its own batches — different prompts, a different number of forwards, and in a second step
+/// none at all on rank 0 — and gets the logits one process gives for those batches alone, bit
+/// for bit; every rank's `end_step` returns together, true while any rank has work.
+#[test]
+fn dispatched_experts_give_each_rank_its_own_one_process_logits() {
+    let prompts = |rank: usize| -> Vec<Vec<u32>> {
+        if rank == 0 {
+            vec![
+                (0..37).map(|i| (i * 7 + 3) % 500).collect(),
+                (0..21).map(|i| (i * 13 + 5) % 500).collect(),
+            ]
+        } else {
+            vec![(0..9).map(|i| (i * 31 + 2) % 500).collect()]
+        }
+    };
+    let second: Vec<Vec<u32>> = vec![(0..13).map(|i| (i * 3 + 40) % 500).collect(); 3];
+    let one = load(ExpertShard::default());
+    let want: Vec<(Vec<u32>, Vec<u32>)> = (0..2)
+        .map(|r| {
+            let first = bits(&packed_run_of(&one, &prompts(r)));
+            let later = if r == 1 {
+                bits(&packed_run_of(&one, &second))
+            } else {
+                Vec::new()
+            };
+            (first, later)
+        })
+        .collect();
+    let got = run_local_group(2, |comm| {
+        let rank = comm.rank();
+        let mut m = load(ExpertShard {
+            rank,
+            ranks: 2,
+            dispatch: true,
+        });
+        m.set_communicator(comm).unwrap();
+        // Step 1: both ranks run (three forwards on rank 0, three on rank 1 with other
+        // shapes); rank 1 has more work after it.
+        let first = bits(&packed_run_of(&m, &prompts(rank)));
+        let more_1 = m.end_step(rank == 1).unwrap();
+        // Step 2: only rank 1 runs; rank 0 serves its experts.
+        let later = if rank == 1 {
+            bits(&packed_run_of(&m, &second))
+        } else {
+            Vec::new()
+        };
+        let more_2 = m.end_step(false).unwrap();
+        ((first, later), more_1, more_2)
+    })
+    .unwrap();
+    for (r, (logits, more_1, more_2)) in got.into_iter().enumerate() {
+        assert!(more_1, "rank {r}: rank 1 said it had more work");
+        assert!(!more_2, "rank {r}: no rank has work after step 2");
+        assert!(
+            logits.0 == want[r].0,
+            "rank {r}'s first-step logits differ from one process's"
+        );
+        assert!(
+            logits.1 == want[r].1,
+            "rank {r}'s second-step logits differ from one process's"
+        );
+    }
+    // Tensor parallelism runs one batch over the ranks: it refuses dispatched experts.
+    let opts = LoadOptions {
+        expert_shard: ExpertShard {
+            rank: 0,
+            ranks: 2,
+            dispatch: true,
+        },
+        tensor_shard: cachalot_model::TensorShard { rank: 0, ranks: 2 },
+        ..Default::default()
+    };
+    let e = DeepseekV3::load(&r1_tiny(), opts)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("dispatched experts"), "{e}");
+}
+
 #[test]
 fn a_shard_without_its_group_or_with_experts_that_do_not_divide_is_named() {
-    let m = load(ExpertShard { rank: 0, ranks: 2 });
+    let m = load(ExpertShard {
+        rank: 0,
+        ranks: 2,
+        dispatch: false,
+    });
     let e = forward_once(&m, &(1..9).collect::<Vec<u32>>())
         .unwrap_err()
         .to_string();
     assert!(e.contains("set_communicator"), "{e}");
     // r1_tiny has 16 routed experts: 3 ranks cannot split them evenly.
     let opts = LoadOptions {
-        expert_shard: ExpertShard { rank: 0, ranks: 3 },
+        expert_shard: ExpertShard {
+            rank: 0,
+            ranks: 3,
+            dispatch: false,
+        },
         ..Default::default()
     };
     let e = DeepseekV3::load(&r1_tiny(), opts)
@@ -75,12 +164,22 @@ fn a_shard_without_its_group_or_with_experts_that_do_not_divide_is_named() {
 
 #[test]
 fn ranks_that_run_different_batches_fail_instead_of_mixing_outputs() {
-    for e in different_batches_on_two_ranks(|rank| load(ExpertShard { rank, ranks: 2 })) {
+    for e in different_batches_on_two_ranks(|rank| {
+        load(ExpertShard {
+            rank,
+            ranks: 2,
+            dispatch: false,
+        })
+    }) {
         assert!(e.contains("routed this layer's tokens differently"), "{e}");
     }
     // A shard that does not exist is named at load.
     let opts = LoadOptions {
-        expert_shard: ExpertShard { rank: 2, ranks: 2 },
+        expert_shard: ExpertShard {
+            rank: 2,
+            ranks: 2,
+            dispatch: false,
+        },
         ..Default::default()
     };
     let e = DeepseekV3::load(&r1_tiny(), opts)
@@ -90,42 +189,54 @@ fn ranks_that_run_different_batches_fail_instead_of_mixing_outputs() {
     assert!(e.contains("rank 2 of 2"), "{e}");
 }
 
+fn load_v4(shard: ExpertShard) -> cachalot_model::DeepseekV4 {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
+    let opts = cachalot_model::V4LoadOptions {
+        expert_shard: shard,
+        ..Default::default()
+    };
+    cachalot_model::DeepseekV4::load(&dir, opts).unwrap()
+}
+
+/// The slices `steps` of `toks`, forwarded in order through one fresh cache (`after(i)` once
+/// step i is done): every logit's bits.
+fn v4_steps(
+    m: &cachalot_model::DeepseekV4,
+    toks: &[u32],
+    steps: &[(usize, usize)],
+    mut after: impl FnMut(usize),
+) -> Vec<u32> {
+    let bs = 16;
+    let blocks = toks.len().div_ceil(bs) + 1;
+    let mut cache = KvCache::new(m.cache_spec(), bs, blocks);
+    let mut alloc = BlockAllocator::new(blocks);
+    let mut table = Vec::new();
+    alloc.ensure(&mut table, toks.len(), bs).unwrap();
+    let mut out_bits = Vec::new();
+    for (i, &(lo, hi)) in steps.iter().enumerate() {
+        let mut b = Batch::default();
+        b.push_seq(&toks[lo..hi], lo, table.clone(), LogitsWanted::All);
+        let out = m.forward(&b, &mut cache, false).unwrap();
+        out_bits.extend(bits(&out.logits));
+        after(i);
+    }
+    out_bits
+}
+
 /// DeepSeek-V4 (flash_tiny, 8 routed experts over 2 ranks): prefill in two chunks then a
 /// decode token, the same logits bit for bit on both ranks as in one process.
 #[test]
 fn v4_expert_shards_give_the_one_process_logits() {
-    use cachalot_model::{DeepseekV4, V4LoadOptions};
-
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
-    let load = |shard: ExpertShard| {
-        let opts = V4LoadOptions {
-            expert_shard: shard,
-            ..Default::default()
-        };
-        DeepseekV4::load(&dir, opts).unwrap()
+    let toks: Vec<u32> = (0..150).map(|i| (i * 37 + 11) % 200).collect();
+    let run = |m: &cachalot_model::DeepseekV4| {
+        v4_steps(m, &toks, &[(0, 90), (90, 149), (149, 150)], |_| {})
     };
-    let run = |m: &DeepseekV4| -> Vec<u32> {
-        let toks: Vec<u32> = (0..150).map(|i| (i * 37 + 11) % 200).collect();
-        let bs = 16;
-        let blocks = toks.len().div_ceil(bs) + 1;
-        let mut cache = KvCache::new(m.cache_spec(), bs, blocks);
-        let mut alloc = BlockAllocator::new(blocks);
-        let mut table = Vec::new();
-        alloc.ensure(&mut table, toks.len(), bs).unwrap();
-        let mut bits = Vec::new();
-        for (lo, hi) in [(0, 90), (90, 149), (149, 150)] {
-            let mut b = Batch::default();
-            b.push_seq(&toks[lo..hi], lo, table.clone(), LogitsWanted::All);
-            let out = m.forward(&b, &mut cache, false).unwrap();
-            bits.extend(out.logits.iter().map(|v| v.to_bits()));
-        }
-        bits
-    };
-    let want = run(&load(ExpertShard::default()));
+    let want = run(&load_v4(ExpertShard::default()));
     let got = run_local_group(2, |comm| {
-        let mut m = load(ExpertShard {
+        let mut m = load_v4(ExpertShard {
             rank: comm.rank(),
             ranks: 2,
+            dispatch: false,
         });
         m.set_communicator(comm).unwrap();
         run(&m)
@@ -134,6 +245,60 @@ fn v4_expert_shards_give_the_one_process_logits() {
     for (r, logits) in got.iter().enumerate() {
         assert!(
             *logits == want,
+            "rank {r}'s logits differ from one process's"
+        );
+    }
+}
+
+/// DeepSeek-V4 with dispatched experts (data-parallel attention; hash-routed layers and the
+/// weights applied inside the expert included): rank 0 prefills in two chunks and decodes,
+/// rank 1 prefills other tokens in one step and then serves; each gets the one-process logits
+/// of its own sequence.
+#[test]
+fn v4_dispatched_experts_give_each_rank_its_own_one_process_logits() {
+    let work = |rank: usize| -> (Vec<u32>, Vec<(usize, usize)>) {
+        if rank == 0 {
+            (
+                (0..150).map(|i| (i * 37 + 11) % 200).collect(),
+                vec![(0, 90), (90, 149), (149, 150)],
+            )
+        } else {
+            ((0..40).map(|i| (i * 17 + 5) % 200).collect(), vec![(0, 40)])
+        }
+    };
+    let one = load_v4(ExpertShard::default());
+    let want: Vec<Vec<u32>> = (0..2)
+        .map(|r| {
+            let (toks, steps) = work(r);
+            v4_steps(&one, &toks, &steps, |_| {})
+        })
+        .collect();
+    let got = run_local_group(2, |comm| {
+        let rank = comm.rank();
+        let mut m = load_v4(ExpertShard {
+            rank,
+            ranks: 2,
+            dispatch: true,
+        });
+        m.set_communicator(comm).unwrap();
+        let (toks, steps) = work(rank);
+        // After each step the group's end; then, done here, serve the other rank until no
+        // rank has work.
+        let mut group_more = true;
+        let logits = v4_steps(&m, &toks, &steps, |i| {
+            let mine = i + 1 < steps.len();
+            group_more = m.end_step(mine).unwrap();
+            assert!(group_more || !mine, "rank {rank} has work left");
+        });
+        while group_more {
+            group_more = m.end_step(false).unwrap();
+        }
+        logits
+    })
+    .unwrap();
+    for (r, logits) in got.iter().enumerate() {
+        assert!(
+            *logits == want[r],
             "rank {r}'s logits differ from one process's"
         );
     }

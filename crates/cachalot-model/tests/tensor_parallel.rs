@@ -32,6 +32,7 @@ fn load_with(dir: &Path, shard: TensorShard, experts: bool) -> DeepseekV3 {
             ExpertShard {
                 rank: shard.rank,
                 ranks: shard.ranks,
+                dispatch: false,
             }
         } else {
             ExpertShard::default()
@@ -119,7 +120,11 @@ fn shards_that_do_not_divide_or_lack_their_group_are_named() {
     assert!(e.contains("rank 2 of 2"), "{e}");
     let opts = LoadOptions {
         tensor_shard: TensorShard { rank: 0, ranks: 2 },
-        expert_shard: ExpertShard { rank: 1, ranks: 2 },
+        expert_shard: ExpertShard {
+            rank: 1,
+            ranks: 2,
+            dispatch: false,
+        },
         ..Default::default()
     };
     let e = DeepseekV3::load(&dir, opts).err().unwrap().to_string();

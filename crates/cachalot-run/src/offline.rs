@@ -81,6 +81,84 @@ pub enum Parallel {
     /// parallelism. Each MoE layer's routed sum is partial too, added with the rest.
     #[serde(rename = "tensor-expert")]
     TensorExpert,
+    /// Data-parallel attention with the routed experts split over the same ranks (the seed's
+    /// layout with `attn_tp_size: 1, moe_tp_size: 1`; vLLM's data parallelism with
+    /// `--enable-expert-parallel`): each rank serves its share of the requests as under Data,
+    /// and each MoE layer sends every token to the ranks holding its experts and takes the
+    /// outputs back (`ExpertShard::dispatch`). The ranks step together. DeepSeek-V3/R1/Kimi-K2
+    /// and V4 checkpoints.
+    #[serde(rename = "data-expert")]
+    DataExpert,
+}
+
+impl Parallel {
+    /// The layout a YAML's `parallel_config` asks of a group of `ranks` processes (executor
+    /// spec §4.3), for a command line that gives no `--parallel`: None when the config's
+    /// `world_size` is not `ranks` (its sizes are then recorded, not applied, and the ranks run
+    /// data parallel), else the layout with a note on the sizes held whole here, or an error
+    /// naming the sizes when it is a layout not done here.
+    ///
+    /// - `attn_tp_size: 1, moe_tp_size: 1` (the seed's DP attention with EP experts): DataExpert
+    ///   (Data for one rank).
+    /// - `attn_tp_size` = `moe_tp_size` = `world_size`: Tensor.
+    /// - `attn_tp_size` = `world_size`, `moe_tp_size: 1`: TensorExpert.
+    pub fn from_config(
+        pc: &crate::config::ParallelConfig,
+        ranks: usize,
+    ) -> Result<Option<(Parallel, Option<String>)>, String> {
+        let w = pc.world_size;
+        if w != ranks {
+            return Ok(None);
+        }
+        if w == 1 {
+            return Ok(Some((Parallel::Data, None)));
+        }
+        let sizes = format!(
+            "parallel_config world_size {w}, attn_tp_size {}, moe_tp_size {}, cp_size {}",
+            pc.attn_tp_size, pc.moe_tp_size, pc.cp_size
+        );
+        if pc.cp_size > 1 {
+            return Err(format!(
+                "{sizes}: context parallelism (cp_size > 1) is not done here; give --parallel \
+                 data|expert|tensor|tensor-expert|data-expert to choose a layout, or set \
+                 cp_size: 1"
+            ));
+        }
+        let (layout, whole) = match (pc.attn_tp_size, pc.moe_tp_size) {
+            (1, 1) => (
+                Parallel::DataExpert,
+                [
+                    ("embed_tp_size", pc.embed_tp_size),
+                    ("lmhead_tp_size", pc.lmhead_tp_size),
+                    ("dense_tp_size", pc.dense_tp_size),
+                    ("o_proj_tp_size", pc.o_proj_tp_size),
+                    ("shared_tp_size", pc.shared_tp_size),
+                ]
+                .iter()
+                .filter(|(_, v)| *v > 1)
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>(),
+            ),
+            (a, m) if a == w && m == w => (Parallel::Tensor, Vec::new()),
+            (a, 1) if a == w => (Parallel::TensorExpert, Vec::new()),
+            _ => {
+                return Err(format!(
+                    "{sizes}: this mix is not done here (the layouts run over ranks are DP \
+                     attention with EP experts, attn_tp_size 1 and moe_tp_size 1; tensor \
+                     parallel, both equal to world_size; and tensor parallel with EP experts, \
+                     attn_tp_size world_size and moe_tp_size 1); give --parallel to choose one"
+                ))
+            }
+        };
+        let note = (!whole.is_empty()).then(|| {
+            format!(
+                "parallel_config: {} held whole on every rank (each rank runs its own batch \
+                 through them; the routed experts are split)",
+                whole.join(", ")
+            )
+        });
+        Ok(Some((layout, note)))
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -368,6 +446,8 @@ pub fn run_ranked(
     // Expert or tensor parallel: one model over the ranks, which run every request in
     // lockstep (named `expert` for the lockstep below; `tensor` picks the shard).
     let tensor = matches!(opts.parallel, Parallel::Tensor | Parallel::TensorExpert) && ranks > 1;
+    // Data-parallel ranks whose MoE layers dispatch tokens to the experts' ranks.
+    let dispatch = opts.parallel == Parallel::DataExpert && ranks > 1;
     let experts_split =
         matches!(opts.parallel, Parallel::Expert | Parallel::TensorExpert) && ranks > 1;
     let expert = (experts_split || tensor) && ranks > 1;
@@ -375,8 +455,12 @@ pub fn run_ranked(
     // stream), and this rank's place among them.
     let (dp_rank, dp) = if expert { (0, 1) } else { (rank, ranks) };
     // The routed experts this rank holds, or its share of heads and intermediate features.
-    let shard = if experts_split {
-        ExpertShard { rank, ranks }
+    let shard = if experts_split || dispatch {
+        ExpertShard {
+            rank,
+            ranks,
+            dispatch,
+        }
     } else {
         ExpertShard::default()
     };
@@ -603,6 +687,14 @@ pub fn run_ranked(
              [{rank}·E/{ranks}, {}·E/{ranks}) of every MoE layer; all ranks run every request)",
             rank + 1
         );
+    } else if dispatch {
+        logln!(
+            "rank {rank} of {ranks} (data parallel with expert parallel MoE: requests {rank}, \
+             {rank} + {ranks}, ...; batch {rank_batch} of the global {batch}, prefill budget \
+             {prefill_budget} tokens; this rank holds routed experts [{rank}·E/{ranks}, \
+             {}·E/{ranks}) and each MoE layer sends tokens to their experts' ranks)",
+            rank + 1
+        );
     } else if ranks > 1 {
         logln!(
             "rank {rank} of {ranks} (data parallel: requests {rank}, {rank} + {ranks}, ...; \
@@ -712,7 +804,7 @@ pub fn run_ranked(
                     max_layers,
                 },
             )?;
-            if expert {
+            if expert || dispatch {
                 model.set_communicator(comm.clone())?;
             }
             if opts.int8_head {
@@ -728,7 +820,7 @@ pub fn run_ranked(
                 model.weight_bytes() as f64 / 1e6,
                 if tensor {
                     " (its share of the heads and intermediate features)"
-                } else if expert {
+                } else if expert || dispatch {
                     " (its share of the routed experts)"
                 } else {
                     ""
@@ -741,7 +833,7 @@ pub fn run_ranked(
             if tensor {
                 return Err(format!(
                     "--parallel tensor: {} is DeepSeek-V4, which runs over ranks as data or \
-                     expert parallel only; use --parallel data|expert",
+                     expert parallel only; use --parallel data|expert|data-expert",
                     weights_dir.display()
                 )
                 .into());
@@ -763,7 +855,7 @@ pub fn run_ranked(
                     expert_shard: shard,
                 },
             )?;
-            if expert {
+            if expert || dispatch {
                 model.set_communicator(comm.clone())?;
             }
             if opts.int8_head {
@@ -920,8 +1012,18 @@ pub fn run_ranked(
     let mut outputs = Vec::with_capacity(n_local);
     let mut step = 0usize;
     let capacity = engine.stats().kv_capacity_blocks;
-    while engine.has_unfinished() {
+    // Dispatched experts: the ranks step together; one whose requests are done keeps serving
+    // the others' MoE tokens (`Engine::end_step`) until no rank has work.
+    loop {
+        if !engine.has_unfinished() {
+            if dispatch && engine.end_step()? {
+                continue;
+            }
+            break;
+        }
         let r = engine.step()?;
+        // Every rank ends each step together; when none has work left, all leave here.
+        let group_more = !dispatch || engine.end_step()?;
         step += 1;
         let done = engine.take_finished();
         logln!(
@@ -960,6 +1062,9 @@ pub fn run_ranked(
             100.0 * r.kv_used_blocks as f64 / capacity as f64
         ));
         outputs.extend(done);
+        if !group_more {
+            break;
+        }
     }
     bar.finish_and_clear();
     let mut wall_s = t_run.elapsed().as_secs_f64();
@@ -1096,6 +1201,8 @@ pub fn run_ranked(
             Parallel::Tensor
         } else if expert {
             Parallel::Expert
+        } else if dispatch {
+            Parallel::DataExpert
         } else {
             Parallel::Data
         },
@@ -1357,7 +1464,84 @@ pub fn summary_table(s: &Summary) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::check_kv_pool;
+    use super::{check_kv_pool, Parallel};
+    use crate::config::{ParallelConfig, RunConfig};
+
+    /// The seed's layouts map onto --parallel when the config's world_size is the group's:
+    /// every shipped config of the seed, and the mixes not done here are named.
+    #[test]
+    fn parallel_config_names_the_layout_of_its_own_group_size() {
+        let pc = |w, a, m, cp| ParallelConfig {
+            world_size: w,
+            attn_tp_size: a,
+            moe_tp_size: m,
+            cp_size: cp,
+            ..Default::default()
+        };
+        let layout = |p: &ParallelConfig, n| Parallel::from_config(p, n).map(|o| o.map(|x| x.0));
+        assert_eq!(layout(&pc(16, 1, 1, 1), 16), Ok(Some(Parallel::DataExpert)));
+        assert_eq!(layout(&pc(16, 1, 1, 1), 2), Ok(None));
+        assert_eq!(layout(&pc(1, 1, 1, 1), 1), Ok(Some(Parallel::Data)));
+        assert_eq!(layout(&pc(4, 4, 4, 1), 4), Ok(Some(Parallel::Tensor)));
+        assert_eq!(layout(&pc(4, 4, 1, 1), 4), Ok(Some(Parallel::TensorExpert)));
+        let e = layout(&pc(8, 2, 1, 1), 8).unwrap_err();
+        assert!(
+            e.contains("attn_tp_size 2") && e.contains("--parallel"),
+            "{e}"
+        );
+        let e = layout(&pc(4, 1, 1, 4), 4).unwrap_err();
+        assert!(e.contains("cp_size"), "{e}");
+        // Sizes held whole are said.
+        let mut p = pc(16, 1, 1, 1);
+        p.lmhead_tp_size = 4;
+        let (l, note) = Parallel::from_config(&p, 16).unwrap().unwrap();
+        assert_eq!(l, Parallel::DataExpert);
+        assert!(note.unwrap().contains("lmhead_tp_size 4"));
+        // The seed's configs at their own world_size, by the layout their names give: `Ntp`
+        // alone tensor, `Ntp_Nep` tensor-expert, `Ncp` context parallel (not done), the
+        // `Nep`/`Ndp_Nep` ones DP attention with EP experts.
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut seen = 0;
+        for dir in [
+            "deepseek_r1",
+            "deepseek_v4/ci_a3",
+            "deepseek_v4/ci_950",
+            "kimi_k2_thinking",
+        ] {
+            for f in std::fs::read_dir(root.join(dir)).unwrap() {
+                let f = f.unwrap().path();
+                if f.extension().is_none_or(|e| e != "yaml") {
+                    continue;
+                }
+                let name = f.file_name().unwrap().to_string_lossy().into_owned();
+                let cfg = RunConfig::from_file(&f).unwrap();
+                let w = cfg.parallel_config.world_size;
+                let got = Parallel::from_config(&cfg.parallel_config, w).map(|o| o.map(|x| x.0));
+                // Parts like `16tp`: digits, then the kind.
+                let has = |kind: &str| {
+                    name.trim_end_matches(".yaml").split('_').any(|part| {
+                        part.strip_suffix(kind)
+                            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                    })
+                };
+                let want = if cfg.parallel_config.cp_size > 1 {
+                    None
+                } else if has("tp") && has("ep") {
+                    Some(Parallel::TensorExpert)
+                } else if has("tp") {
+                    Some(Parallel::Tensor)
+                } else {
+                    Some(Parallel::DataExpert)
+                };
+                match want {
+                    Some(l) => assert_eq!(got, Ok(Some(l)), "{name}"),
+                    None => assert!(got.is_err(), "{name}: {got:?}"),
+                }
+                seen += 1;
+            }
+        }
+        assert!(seen >= 14, "{seen} configs");
+    }
 
     #[test]
     fn kv_pool_sizes_the_engine_cannot_hold_are_named() {

@@ -77,6 +77,7 @@ pub(crate) enum ParallelArg {
     Expert,
     Tensor,
     TensorExpert,
+    DataExpert,
 }
 
 /// How a command runs over several processes (`run` and `serve`): `--ranks N` (this process
@@ -114,9 +115,16 @@ pub(crate) struct GroupArgs {
     /// and a share of every MLP's intermediate features, and add their partial outputs twice a
     /// layer; DeepSeek-V3/R1/Kimi-K2) or `tensor-expert` (tensor parallel, with the routed
     /// experts split whole over the ranks instead of cut: vLLM's tensor parallelism with
-    /// --enable-expert-parallel).
-    #[arg(long, value_enum, default_value = "data")]
-    pub parallel: ParallelArg,
+    /// --enable-expert-parallel) or `data-expert` (each rank serves its share of the requests
+    /// as with data, and the routed experts are split over the ranks: each MoE layer sends
+    /// tokens to their experts' ranks and takes the outputs back; the seed's attention-DP
+    /// with expert parallelism, vLLM's data parallelism with --enable-expert-parallel;
+    /// `run` only).
+    /// Without it: the layout of the YAML's `parallel_config` when its world_size is the
+    /// number of ranks (attn_tp_size 1 with moe_tp_size 1: data-expert; both world_size:
+    /// tensor; attn_tp_size world_size with moe_tp_size 1: tensor-expert), else data.
+    #[arg(long, value_enum)]
+    pub parallel: Option<ParallelArg>,
     /// How the ranks exchange data: `auto` (through shared memory when every rank of the group
     /// is on one host and can map it, a few µs a collective; TCP otherwise) or `tcp` (always
     /// through rank 0 over TCP, ~60 µs a collective on a small VM). Large payloads (prefill
@@ -132,6 +140,42 @@ pub(crate) enum TransportArg {
 }
 
 impl GroupArgs {
+    /// Processes in the group: --ranks or --world-size (1 without either).
+    pub fn size(&self) -> usize {
+        self.ranks.or(self.world_size).unwrap_or(1)
+    }
+
+    /// How the ranks share the work: --parallel, or else the layout the YAML's
+    /// `parallel_config` names when its world_size is the group's (`Parallel::from_config`;
+    /// rank 0 says which), else data parallel.
+    pub fn layout(&self, pc: &cachalot_run::config::ParallelConfig) -> Result<offline::Parallel> {
+        Ok(match self.parallel {
+            Some(ParallelArg::Data) => offline::Parallel::Data,
+            Some(ParallelArg::Expert) => offline::Parallel::Expert,
+            Some(ParallelArg::Tensor) => offline::Parallel::Tensor,
+            Some(ParallelArg::TensorExpert) => offline::Parallel::TensorExpert,
+            Some(ParallelArg::DataExpert) => offline::Parallel::DataExpert,
+            None => match offline::Parallel::from_config(pc, self.size())
+                .map_err(|e| anyhow!("{e}"))?
+            {
+                Some((p, note)) => {
+                    if self.size() > 1 && self.rank.unwrap_or(0) == 0 {
+                        let name = serde_json::to_value(p)
+                            .ok()
+                            .and_then(|v| v.as_str().map(str::to_string))
+                            .unwrap_or_default();
+                        say!("cachalot: the config's parallel_config runs as --parallel {name}");
+                        if let Some(n) = note {
+                            say!("cachalot: {n}");
+                        }
+                    }
+                    p
+                }
+                None => offline::Parallel::Data,
+            },
+        })
+    }
+
     /// Threads of this process's pool: --threads, or the cores shared out among --ranks.
     pub fn threads_per_rank(&self) -> Option<usize> {
         match (self.threads, self.ranks) {
@@ -353,12 +397,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         bf16_dot: args.bf16_dot,
         kv_cache_dtype: args.kv_cache_dtype.chosen(),
         host_ranks: args.group.host_ranks(),
-        parallel: match args.group.parallel {
-            ParallelArg::Data => offline::Parallel::Data,
-            ParallelArg::Expert => offline::Parallel::Expert,
-            ParallelArg::Tensor => offline::Parallel::Tensor,
-            ParallelArg::TensorExpert => offline::Parallel::TensorExpert,
-        },
+        parallel: args.group.layout(&cfg.parallel_config)?,
     };
     let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {

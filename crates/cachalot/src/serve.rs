@@ -59,11 +59,11 @@ use cachalot_model::tokenizer::{ChatTemplate, Tokenizer, ToolCallFormat};
 use cachalot_model::{detect_family, ModelFamily};
 use serde_json::{json, Map, Value};
 
-use crate::run::ParallelArg;
 use crate::serve_metrics::Metrics;
 use crate::{load_model, load_v4, model_dir, ModelArgs};
 use cachalot_engine::comm::Communicator;
 use cachalot_model::{ExpertShard, TensorShard};
+use cachalot_run::offline::Parallel;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -372,6 +372,8 @@ struct Settings {
     /// Share of the available memory the KV pool may take.
     kv_fraction: f64,
     mtp: usize,
+    /// How the ranks share the work (--parallel, or the YAML's parallel_config).
+    parallel: cachalot_run::offline::Parallel,
 }
 
 fn settings(args: &ServeArgs) -> Result<Settings> {
@@ -384,6 +386,9 @@ fn settings(args: &ServeArgs) -> Result<Settings> {
         kv_blocks: args.kv_blocks,
         kv_fraction: 0.5,
         mtp: 0,
+        parallel: args
+            .group
+            .layout(&cachalot_run::config::ParallelConfig::default())?,
     };
     if let Some(path) = &args.config {
         let cfg =
@@ -417,7 +422,8 @@ fn settings(args: &ServeArgs) -> Result<Settings> {
             model.max_layers = Some(n as usize);
         }
         let p = &cfg.parallel_config;
-        if p.world_size > 1 {
+        s.parallel = args.group.layout(p)?;
+        if p.world_size > 1 && p.world_size != args.group.size() {
             say!(
                 "cachalot serve: {}: world_size {} — this server takes one DP group's batch \
                  ({}) per rank and starts no ranks of its own: give --ranks N (or --rank, \
@@ -473,15 +479,28 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     let (rank, world) = (comm.rank(), comm.world_size());
     // Expert or tensor parallel: one model over the ranks, which step every request together
     // (`expert` names that lockstep below).
-    let p = args.group.parallel;
-    let tensor = world > 1 && matches!(p, ParallelArg::Tensor | ParallelArg::TensorExpert);
-    let experts_split = world > 1 && matches!(p, ParallelArg::Expert | ParallelArg::TensorExpert);
+    let p = set.parallel;
+    let tensor = world > 1 && matches!(p, Parallel::Tensor | Parallel::TensorExpert);
+    let experts_split = world > 1 && matches!(p, Parallel::Expert | Parallel::TensorExpert);
     let expert = tensor || experts_split;
+    // Data parallel, the MoE layers dispatching tokens to the experts' ranks.
+    let dispatch = world > 1 && p == Parallel::DataExpert;
     if tensor {
         set.model.tensor_shard = TensorShard { rank, ranks: world };
     }
     if experts_split {
-        set.model.expert_shard = ExpertShard { rank, ranks: world };
+        set.model.expert_shard = ExpertShard {
+            rank,
+            ranks: world,
+            dispatch: false,
+        };
+    }
+    if dispatch {
+        set.model.expert_shard = ExpertShard {
+            rank,
+            ranks: world,
+            dispatch: true,
+        };
     }
     // Ranks of this host share its memory for their KV pools.
     set.kv_fraction /= args.group.host_ranks() as f64;
@@ -597,6 +616,10 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             ),
             n if tensor => format!(", {n} ranks (tensor parallel, {})", comm.transport()),
             n if expert => format!(", {n} ranks (expert parallel, {})", comm.transport()),
+            n if dispatch => format!(
+                ", {n} ranks (data parallel, experts split, {})",
+                comm.transport()
+            ),
             n => format!(", {n} ranks (data parallel, {})", comm.transport()),
         };
         say!(
@@ -631,6 +654,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             let group = RankGroup {
                 comm: &*comm,
                 expert,
+                dispatch,
                 rooms: rooms.clone(),
                 kv_max_bytes,
             };
@@ -642,14 +666,14 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     match family {
         ModelFamily::DeepseekV3 => {
             let mut m = load_model(&set.model, set.mtp > 0)?;
-            if expert {
+            if expert || dispatch {
                 m.set_communicator(comm.clone())?;
             }
             run(&m, &m.config().eos_token_ids)
         }
         ModelFamily::DeepseekV4 => {
             let mut m = load_v4(&set.model, set.mtp > 0)?;
-            if expert {
+            if expert || dispatch {
                 m.set_communicator(comm.clone())?;
             }
             run(&m, &m.config().eos_token_ids)
@@ -931,6 +955,9 @@ struct Report {
 struct RankGroup<'a> {
     comm: &'a dyn Communicator,
     expert: bool,
+    /// Data-parallel ranks whose MoE layers dispatch tokens to each other's experts: every
+    /// rank ends each step together ([`Engine::end_step`]), stepped or not.
+    dispatch: bool,
     /// Rank 0 of a prefill server: where finished prefills leave their KV.
     rooms: Option<Arc<Rooms>>,
     /// The largest transferred KV a rank reads.
@@ -967,6 +994,7 @@ fn ranked_loop<M: Model>(
     let RankGroup {
         comm,
         expert,
+        dispatch,
         rooms,
         kv_max_bytes,
     } = group;
@@ -1120,6 +1148,14 @@ fn ranked_loop<M: Model>(
                 key_of.clear();
                 engine.take_finished();
             }
+        }
+        // Dispatched experts: every rank ends the step together, serving the others' MoE
+        // tokens meanwhile (a rank whose step failed above too). The group goes on whatever
+        // the answer: rank 0's next command decides.
+        if dispatch {
+            engine
+                .end_step()
+                .map_err(|e| anyhow::anyhow!("rank {rank}: the group's step: {e}"))?;
         }
         if reporting {
             for (&key, (id, sent, sent_lps)) in mine.iter_mut() {

@@ -651,7 +651,7 @@ fn run_and_bench_profile_the_phases_of_their_steps() {
 }
 
 /// `cachalot run --ranks 2` starts a second process, and rank 0's files hold every request with
-/// the one-process outputs: data, expert and tensor parallel.
+/// the one-process outputs: data, expert, tensor, tensor-expert and data-expert parallel.
 #[test]
 fn run_with_two_ranks_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
@@ -721,6 +721,42 @@ fn run_with_two_ranks_equals_one_process() {
     for (a, b) in one.iter().zip(&five) {
         assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
     }
+    // Data parallel with the routed experts split (data-expert): each rank runs its own
+    // requests (3 and 2: rank 1 serves rank 0's MoE tokens after its own are done).
+    let (s6, six) = run(&["--ranks", "2", "--parallel", "data-expert"]);
+    assert_eq!(s6["parallel"], "data-expert");
+    assert_eq!(s6["per_rank"][0]["requests"], 3);
+    assert_eq!(s6["per_rank"][1]["requests"], 2);
+    for (a, b) in one.iter().zip(&six) {
+        assert_eq!(a["id"], b["id"]);
+        assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
+    }
+    // Without --parallel, a config whose world_size is the group's names the layout: the
+    // seed's attn_tp_size 1 with moe_tp_size 1 is data-expert.
+    let yaml = tmp.path().join("ep2.yaml");
+    let text = std::fs::read_to_string(root().join("configs/tiny/r1_tiny.yaml")).unwrap();
+    std::fs::write(
+        &yaml,
+        format!("{text}\nparallel_config:\n  world_size: 2\n  lmhead_tp_size: 2\n"),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+        .args([
+            "run",
+            "--config",
+            yaml.to_str().unwrap(),
+            "--num-requests",
+            "5",
+        ])
+        .args(["--res-dir", &res, "--json", "--quiet", "--ranks", "2"])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let s7 = json(&ok(out));
+    assert_eq!(s7["parallel"], "data-expert", "{err}");
+    assert!(err.contains("runs as --parallel data-expert"), "{err}");
+    assert!(err.contains("lmhead_tp_size 2 held whole"), "{err}");
     let bad = cachalot(&["run", "--ranks", "0"], None);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--ranks 0"));

@@ -134,15 +134,20 @@ pub fn rewrite(
 /// loaded: row i pairs token i + 1 with the hidden state at position i), then one decode token
 /// each. The parallel tests compare ranks with one process on it.
 pub fn packed_run(m: &cachalot_model::DeepseekV3) -> Vec<f32> {
-    use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
     let seqs: [Vec<u32>; 2] = [
         (0..37).map(|i| (i * 7 + 3) % 500).collect(),
         (0..21).map(|i| (i * 13 + 5) % 500).collect(),
     ];
+    packed_run_of(m, &seqs)
+}
+
+/// [`packed_run`] over the prompts `seqs` (each at least 2 tokens, together at most 80).
+pub fn packed_run_of(m: &cachalot_model::DeepseekV3, seqs: &[Vec<u32>]) -> Vec<f32> {
+    use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
     let blocks = 24;
     let mut cache = KvCache::new(m.cache_spec(), 4, blocks);
     let mut alloc = BlockAllocator::new(blocks);
-    let mut tables = vec![Vec::new(), Vec::new()];
+    let mut tables = vec![Vec::new(); seqs.len()];
     let mut b = Batch::default();
     for (s, t) in seqs.iter().zip(tables.iter_mut()) {
         alloc.ensure(t, s.len() + 1, 4).unwrap();
