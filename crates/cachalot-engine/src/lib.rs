@@ -8,6 +8,7 @@
 pub use cachalot_comm as comm;
 pub mod engine;
 pub mod generate;
+mod json_constraints;
 pub mod json_mode;
 pub mod json_schema;
 pub mod kv_pool;

@@ -1326,6 +1326,11 @@ fn serve_json_mode() {
         json!({"type": "object", "properties": {"ok": {"type": "boolean"},
                "color": {"enum": ["red", "green"]}}, "required": ["ok", "color"],
                "additionalProperties": false}),
+        json!({"type": "object", "properties": {
+               "code": {"type": "string", "pattern": "^[a-z]{3}$"},
+               "n": {"type": "integer", "minimum": 5, "maximum": 9},
+               "w": {"type": "string", "maxLength": 2}},
+               "required": ["code", "n", "w"], "additionalProperties": false}),
     ];
     for (i, schema) in schemas.iter().enumerate() {
         let mut completed = 0;
@@ -1348,6 +1353,12 @@ fn serve_json_mode() {
                     "{got}"
                 ),
                 1 => assert!(got.is_i64() || got.is_u64(), "{got}"),
+                3 => {
+                    let code = got["code"].as_str().unwrap();
+                    assert!(code.len() == 3 && code.bytes().all(|b| b.is_ascii_lowercase()));
+                    assert!((5..=9).contains(&got["n"].as_i64().unwrap()), "{got}");
+                    assert!(got["w"].as_str().unwrap().chars().count() <= 2, "{got}");
+                }
                 _ => {
                     assert!(got["ok"].is_boolean(), "{got}");
                     assert!(got["color"] == "red" || got["color"] == "green", "{got}");
@@ -1361,8 +1372,8 @@ fn serve_json_mode() {
         (json!({"type": "json_schema"}), "json_schema"),
         (
             json!({"type": "json_schema", "json_schema": {"name": "x",
-                "schema": {"type": "string", "minLength": 2}}}),
-            "minLength",
+                "schema": {"type": "integer", "multipleOf": 2}}}),
+            "multipleOf",
         ),
     ] {
         let (status, e) = post(
