@@ -76,6 +76,24 @@ struct Node {
     pattern: Option<Arc<Pattern>>,
     /// A number's bounds (exponents are not written under bounds).
     bounds: Bounds,
+    /// `anyOf`/`oneOf`: the branches' nodes (the others fields unused) and the types each
+    /// takes (its enum's values' types, or its own); a value goes to the one whose types take
+    /// its first byte.
+    alts: Vec<usize>,
+    alt_types: Vec<u8>,
+}
+
+impl Node {
+    /// The types of the values it takes.
+    fn value_types(&self) -> u8 {
+        match &self.enumv {
+            Some(vs) => vs
+                .iter()
+                .filter_map(|t| serde_json::from_slice::<Value>(t).ok())
+                .fold(0, |acc, v| acc | types_of_value(&v)),
+            None => self.types,
+        }
+    }
 }
 
 impl Node {
@@ -105,6 +123,8 @@ fn any_node() -> Node {
         max_len: usize::MAX,
         pattern: None,
         bounds: Bounds::NONE,
+        alts: Vec::new(),
+        alt_types: Vec::new(),
     }
 }
 
@@ -115,9 +135,19 @@ impl Schema {
             root: schema,
             nodes: vec![any_node(), any_node()],
             refs: Vec::new(),
+            pending: Vec::new(),
         };
         let n = c.node(schema, "#", 0)?;
         c.nodes[0] = c.nodes[n].clone();
+        // Every branch is compiled now (recursive ones included): their types, for dispatch.
+        for i in 0..c.nodes.len() {
+            let types = c.nodes[i]
+                .alts
+                .iter()
+                .map(|&a| c.nodes[a].value_types())
+                .collect();
+            c.nodes[i].alt_types = types;
+        }
         Ok(Arc::new(Schema { nodes: c.nodes }))
     }
 }
@@ -127,9 +157,15 @@ struct Compiler<'a> {
     nodes: Vec<Node>,
     /// `$ref` targets compiled (or being compiled) and their nodes.
     refs: Vec<(String, usize)>,
+    /// `$ref` nodes reserved and not yet compiled (a recursive reference meets them).
+    pending: Vec<usize>,
 }
 
 impl Compiler<'_> {
+    fn pending(&self, n: usize) -> bool {
+        self.pending.contains(&n)
+    }
+
     fn node(&mut self, s: &Value, at: &str, depth: usize) -> Result<usize, String> {
         if depth > MAX_DEPTH {
             return Err(format!("{at}: the schema nests deeper than {MAX_DEPTH}"));
@@ -165,8 +201,10 @@ impl Compiler<'_> {
             let n = self.nodes.len();
             self.nodes.push(any_node());
             self.refs.push((r.to_string(), n));
+            self.pending.push(n);
             let t = self.node(target, r, depth + 1)?;
             self.nodes[n] = self.nodes[t].clone();
+            self.pending.retain(|&p| p != n);
             return Ok(n);
         }
         for k in obj.keys() {
@@ -336,48 +374,97 @@ impl Compiler<'_> {
             .as_array()
             .filter(|a| !a.is_empty())
             .ok_or_else(|| format!("{at}/anyOf: not a non-empty list"))?;
+        // The branches stay nodes of their own (a recursive `$ref` among them is compiled
+        // later); a value goes to the branch its first byte's type picks.
         let mut merged = any_node();
         merged.types = 0;
+        let mut numeric: Vec<(usize, u8)> = Vec::new();
         for (i, a) in alts.iter().enumerate() {
             let n = self.node(a, &format!("{at}/anyOf/{i}"), depth + 1)?;
-            let b = self.nodes[n].clone();
-            // Numbers: an integer branch beside a number branch is the number branch.
-            let types = if b.types & NUM != 0 {
-                b.types | INT
+            let types = if self.pending(n) {
+                declared_types(self.root, a, 0)
             } else {
-                b.types
+                self.nodes[n].value_types()
             };
-            let clash = merged.types & types & !(if merged.types & NUM != 0 { INT } else { 0 });
-            if clash != 0 || b.enumv.is_some() && alts.len() > 1 {
+            // Numbers: an integer branch beside a number branch is the number branch, when
+            // neither bounds them.
+            let num = types & (INT | NUM);
+            let clash = merged.types & types & !(INT | NUM);
+            if clash != 0 {
                 return Err(format!(
-                    "{at}/anyOf: branches that share a type (or enums among several branches) \
-                     are not supported"
+                    "{at}/anyOf: branches that share a type are not supported (a value's first \
+                     byte must pick its branch)"
                 ));
             }
+            if num != 0 {
+                numeric.push((n, types));
+            }
             merged.types |= types;
-            if b.types & OBJ != 0 {
-                merged.props = b.props;
-                merged.required = b.required;
-                merged.additional = b.additional;
+            merged.alts.push(n);
+        }
+        if numeric.len() > 1 {
+            let plain = numeric.iter().all(|&(n, t)| {
+                let b = &self.nodes[n];
+                !self.pending(n) && t & !(INT | NUM) == 0 && b.enumv.is_none() && b.bounds.is_none()
+            });
+            if !plain || !numeric.iter().any(|&(_, t)| t & NUM != 0) {
+                return Err(format!(
+                    "{at}/anyOf: several number branches are supported only as an integer \
+                     branch beside a number branch without bounds or enums"
+                ));
             }
-            if b.types & ARR != 0 {
-                (merged.items, merged.min_items, merged.max_items) =
-                    (b.items, b.min_items, b.max_items);
-            }
-            if b.types & STR != 0 {
-                (merged.min_len, merged.max_len, merged.pattern) =
-                    (b.min_len, b.max_len, b.pattern.clone());
-            }
-            if b.types & (INT | NUM) != 0 {
-                merged.bounds = b.bounds;
-            }
-            if alts.len() == 1 {
-                merged.enumv = b.enumv;
-            }
+            // The number branch takes numbers.
+            merged
+                .alts
+                .retain(|n| numeric.iter().all(|&(m, t)| m != *n || t & NUM != 0));
         }
         let n = self.nodes.len();
         self.nodes.push(merged);
         Ok(n)
+    }
+}
+
+/// The types a schema's values can have, read from the schema itself (for a `$ref` whose node
+/// is still being compiled): `type`, an enum's values, `properties`/`items`, the branches of
+/// `anyOf`/`oneOf`, what a `$ref` points at; any type where it says nothing.
+fn declared_types(root: &Value, s: &Value, depth: usize) -> u8 {
+    let Some(o) = s.as_object() else {
+        return ALL;
+    };
+    if depth > MAX_DEPTH {
+        return ALL;
+    }
+    if let Some(r) = o.get("$ref").and_then(Value::as_str) {
+        let target = r
+            .strip_prefix("#/$defs/")
+            .map(|k| ("$defs", k))
+            .or_else(|| r.strip_prefix("#/definitions/").map(|k| ("definitions", k)))
+            .and_then(|(section, k)| root.get(section)?.get(k));
+        return target.map_or(ALL, |t| declared_types(root, t, depth + 1));
+    }
+    if let Some(alts) = o
+        .get("anyOf")
+        .or_else(|| o.get("oneOf"))
+        .and_then(Value::as_array)
+    {
+        return alts
+            .iter()
+            .fold(0, |acc, a| acc | declared_types(root, a, depth + 1));
+    }
+    if let Some(t) = o.get("type").and_then(types_of) {
+        return t;
+    }
+    match (o.get("enum"), o.get("const")) {
+        (Some(Value::Array(vs)), _) => return vs.iter().fold(0, |acc, v| acc | types_of_value(v)),
+        (None, Some(v)) => return types_of_value(v),
+        _ => {}
+    }
+    if o.contains_key("properties") {
+        OBJ
+    } else if o.contains_key("items") {
+        ARR
+    } else {
+        ALL
     }
 }
 
@@ -836,6 +923,28 @@ impl SchemaState {
     /// A value of `node` begins with `b`.
     fn start_value(&mut self, b: u8, node: usize) -> bool {
         let n = &self.schema.nodes[node];
+        if !n.alts.is_empty() {
+            // The branch whose types take this first byte (at most one: compile checks).
+            let want = match b {
+                b'{' => OBJ,
+                b'[' => ARR,
+                b'"' => STR,
+                b'-' | b'0'..=b'9' => INT | NUM,
+                b't' | b'f' => BOOL,
+                b'n' => NULL,
+                _ => return false,
+            };
+            let Some(alt) = n
+                .alts
+                .iter()
+                .zip(&n.alt_types)
+                .find(|(_, &t)| t & want != 0)
+                .map(|(&a, _)| a)
+            else {
+                return false;
+            };
+            return self.start_value(b, alt);
+        }
         if let Some(values) = &n.enumv {
             if !values.iter().any(|v| v.first() == Some(&b)) {
                 return false;
@@ -1185,6 +1294,106 @@ mod tests {
             completed >= 100,
             "{completed} of 300 walks completed; {last:?}"
         );
+    }
+
+    /// Random walks over the allowed bytes, for schemas using every supported keyword: at
+    /// every step some byte is allowed or the value is complete, and a completed value parses.
+    #[test]
+    fn no_schema_leads_to_a_dead_end() {
+        let schemas = [
+            json!({"enum": [1, 10, -2.5, "a", "ab", true, null]}),
+            json!({"type": "number", "enum": [0, 0.5, 12]}),
+            json!({"const": "x\"y"}),
+            json!({"type": "integer"}),
+            json!({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3}),
+            json!({"type": "array", "maxItems": 0}),
+            json!({"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 1}),
+            json!({"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"}},
+                   "required": ["a", "b"], "additionalProperties": false}),
+            json!({"type": "object", "properties": {"a": {"type": "boolean"}},
+                   "additionalProperties": false}),
+            json!({"type": "object", "properties": {}, "additionalProperties": false}),
+            json!({"type": "object", "properties": {"k": {"type": "integer"}},
+                   "additionalProperties": {"type": "string", "maxLength": 3}}),
+            json!({"anyOf": [{"type": "string", "pattern": "^x+$"}, {"type": "integer",
+                   "minimum": -3, "maximum": 3}, {"type": "null"},
+                   {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}]}),
+            json!({"$defs": {"node": {"type": "object", "properties": {
+                      "v": {"type": "integer", "minimum": 0, "maximum": 99},
+                      "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                   "required": ["v", "next"], "additionalProperties": false}},
+                   "$ref": "#/$defs/node"}),
+            json!({"type": ["string", "number"], "minLength": 1, "maximum": 0.5,
+                   "exclusiveMinimum": -0.5}),
+            json!({"anyOf": [{"enum": ["a", "b"]}, {"type": "integer"}, {"const": true}]}),
+            json!({"type": "object", "properties": {"a": {"type": "integer"}},
+                   "additionalProperties": {"type": "integer", "maximum": 5}}),
+        ];
+        // Literal["a", "b"] | int | True: a branch each, by the first byte.
+        let lit = &schemas[schemas.len() - 2];
+        assert_eq!(accepts(lit, r#""b""#), (true, true));
+        assert_eq!(accepts(lit, "-12"), (true, true));
+        assert_eq!(accepts(lit, "true"), (true, true));
+        assert!(!accepts(lit, r#""c"#).0 && !accepts(lit, "false").0 && !accepts(lit, "1.5").0);
+        // A recursive Optional: each level holds another or null.
+        let list = &schemas[12];
+        assert_eq!(
+            accepts(list, r#"{"v": 1, "next": {"v": 2, "next": null}}"#),
+            (true, true)
+        );
+        assert!(!accepts(list, r#"{"v": 1, "next": {"v": 100"#).0);
+        let alphabet: Vec<u8> = (0x20..0x7f).collect();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rand = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for schema in &schemas {
+            let compiled = Schema::compile(schema).unwrap_or_else(|e| panic!("{schema}: {e}"));
+            let mut completed = 0;
+            for walk in 0..150 {
+                let mut st = SchemaState::new(compiled.clone());
+                let mut text = Vec::new();
+                for _ in 0..300 {
+                    let allowed: Vec<u8> = alphabet
+                        .iter()
+                        .copied()
+                        .filter(|&b| st.clone().feed(b))
+                        .collect();
+                    if allowed.is_empty() {
+                        assert!(
+                            st.is_complete(),
+                            "{schema}, walk {walk}: stuck after {:?}",
+                            String::from_utf8_lossy(&text)
+                        );
+                        break;
+                    }
+                    let closing: Vec<u8> = allowed
+                        .iter()
+                        .copied()
+                        .filter(|b| b"\"}],".contains(b))
+                        .collect();
+                    let b = if !closing.is_empty() && rand(3) == 0 {
+                        closing[rand(closing.len())]
+                    } else {
+                        allowed[rand(allowed.len())]
+                    };
+                    assert!(st.feed(b));
+                    text.push(b);
+                    if st.is_complete() && rand(2) == 0 {
+                        // Complete: it parses (a number may still grow; stop here).
+                        serde_json::from_slice::<Value>(&text).unwrap_or_else(|e| {
+                            panic!("{schema}: {e}: {:?}", String::from_utf8_lossy(&text))
+                        });
+                        completed += 1;
+                        break;
+                    }
+                }
+            }
+            assert!(completed > 0, "{schema}: no walk completed");
+        }
     }
 
     #[test]
