@@ -33,7 +33,7 @@ use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
 use crate::profile::{Phase, Timer};
 use crate::rope::Rope;
-use crate::tensor_parallel::{self as tp, TensorShard};
+use crate::tensor_parallel::{self as tp, Cut, TensorShard, VocabRows};
 
 /// How FP8 block-scaled weights are held in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -142,9 +142,7 @@ pub struct MtpLayer {
 
 pub struct DeepseekV3 {
     cfg: DeepseekV3Config,
-    embed: Matrix,
-    /// The vocabulary rows `embed` (and `lm_head`) hold: all, or this rank's share.
-    vocab_share: Range<usize>,
+    embed: VocabRows,
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
     lm_head: Matrix,
@@ -169,33 +167,6 @@ pub struct ForwardOutput {
     /// `[logits_indices.len(), vocab_size]`.
     pub logits: Vec<f32>,
     pub hidden: Option<Vec<f32>>,
-}
-
-/// Which part of a Linear a rank keeps (tensor parallelism, `crate::tensor_parallel`).
-#[derive(Clone)]
-enum Cut {
-    Whole,
-    /// These output rows (column parallel: q_b/q, kv_b, gate, up).
-    Rows(Range<usize>),
-    /// These input columns (row parallel: o_proj, down).
-    Cols(Range<usize>),
-}
-
-impl Cut {
-    fn apply(self, m: Matrix, name: &str, shard: TensorShard) -> Result<Matrix> {
-        let cut = match self {
-            Cut::Rows(r) if r != (0..m.rows()) => m.slice_rows(r),
-            Cut::Cols(c) if c != (0..m.cols()) => m.slice_cols(c),
-            _ => return Ok(m),
-        };
-        cut.map_err(|e| {
-            ModelError::Options(format!(
-                "tensor `{name}`: rank {} of {} (tensor parallelism) cannot hold its share: {e}; \
-                 use a number of ranks that cuts it there, or --parallel data|expert",
-                shard.rank, shard.ranks
-            ))
-        })
-    }
 }
 
 struct Loader<'a> {
@@ -699,8 +670,10 @@ impl DeepseekV3 {
         let softmax_scale = cfg.softmax_scale();
         Ok(DeepseekV3 {
             cfg,
-            embed,
-            vocab_share,
+            embed: VocabRows {
+                table: embed,
+                share: vocab_share,
+            },
             layers,
             norm,
             lm_head,
@@ -795,7 +768,7 @@ impl DeepseekV3 {
             let uk_t: usize = a.uk_t.iter().flatten().map(Matrix::storage_bytes).sum();
             q + a.kv_a.storage_bytes() + a.kv_b.storage_bytes() + uk_t + a.o.storage_bytes() + f
         };
-        self.embed.storage_bytes()
+        self.embed.table.storage_bytes()
             + self.lm_head.storage_bytes()
             + self.layers.iter().map(layer).sum::<usize>()
             + self
@@ -825,8 +798,8 @@ impl DeepseekV3 {
     /// but one embedding row (the floor of decode time at a given memory bandwidth).
     pub fn decode_bytes_per_token(&self) -> usize {
         let mlp = |m: &Mlp| m.gate.storage_bytes() + m.up.storage_bytes() + m.down.storage_bytes();
-        let mut total =
-            self.lm_head.storage_bytes() + self.embed.storage_bytes() / self.embed.rows();
+        let mut total = self.lm_head.storage_bytes()
+            + self.embed.table.storage_bytes() / self.embed.table.rows();
         for l in &self.layers {
             let a = &l.attn;
             total += match &a.q {
@@ -858,8 +831,10 @@ impl DeepseekV3 {
         let cfg = &self.cfg;
         self.check_cache(cache, self.layers.len())?;
         batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
-        let step = self.step_digest(batch, 0);
-        let mut hidden = self.embed_tokens(&batch.tokens, step)?;
+        let step = tp::batch_digest(self.tp, batch, 0);
+        let mut hidden = self
+            .embed
+            .lookup(self.comm.as_deref(), self.tp, step, &batch.tokens)?;
         let rope = RopeTable::new(&self.rope, &batch.positions, cfg.qk_rope_head_dim / 2);
         let block_size = cache.block_size();
         for (li, layer) in self.layers.iter().enumerate() {
@@ -910,8 +885,10 @@ impl DeepseekV3 {
                 prev_hidden.len()
             )));
         }
-        let step = self.step_digest(batch, 1 + index as u32);
-        let embedded = self.embed_tokens(&batch.tokens, step)?;
+        let step = tp::batch_digest(self.tp, batch, 1 + index as u32);
+        let embedded = self
+            .embed
+            .lookup(self.comm.as_deref(), self.tp, step, &batch.tokens)?;
         let mut both = vec![0.0f32; t_count * 2 * h];
         for (t, row) in embedded.chunks_exact(h).enumerate() {
             let (e, g) = both[t * 2 * h..(t + 1) * 2 * h].split_at_mut(h);
@@ -992,34 +969,6 @@ impl DeepseekV3 {
     /// Every token's embedding row, `[tokens, hidden]`. Under tensor parallelism a rank holds a
     /// share of the vocabulary: it fills the rows of its tokens, zeros the others', and the
     /// ranks' rows are added (one rank's row plus zeros: the row's own bits).
-    fn embed_tokens(&self, tokens: &[u32], step: u64) -> Result<Vec<f32>> {
-        let _t = Timer::start(Phase::Embed);
-        let h = self.cfg.hidden_size;
-        let mut rows = vec![0.0f32; tokens.len() * h];
-        for (row, &tok) in rows.chunks_exact_mut(h).zip(tokens) {
-            let tok = tok as usize;
-            if self.vocab_share.contains(&tok) {
-                self.embed.row_to_f32(tok - self.vocab_share.start, row);
-            }
-        }
-        if self.tp.ranks > 1 {
-            tp::reduce(self.comm.as_deref(), self.tp, step, &mut rows)?;
-        }
-        Ok(rows)
-    }
-
-    /// Under tensor parallelism, a digest of `batch` (and of which forward runs it: 0 the main
-    /// model, 1 + j MTP module j) that every rank's partial sums carry; 0 otherwise.
-    fn step_digest(&self, batch: &Batch, which: u32) -> u64 {
-        if self.tp.ranks > 1 {
-            let mut tokens = batch.tokens.clone();
-            tokens.push(which);
-            tp::step_digest(&tokens, &batch.positions)
-        } else {
-            0
-        }
-    }
-
     /// `step`: the batch's digest for the ranks' partial sums ([`DeepseekV3::step_digest`]).
     #[allow(clippy::too_many_arguments)]
     fn layer_forward(

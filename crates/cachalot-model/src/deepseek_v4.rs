@@ -43,6 +43,7 @@ use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
 use crate::expert_parallel::ExpertShard;
 use crate::profile::{Phase, Timer};
+use crate::tensor_parallel::{self as tp, Cut, TensorShard, VocabRows};
 use crate::v4_ops::{self as ops, V4Rope};
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -54,6 +55,9 @@ pub struct V4LoadOptions {
     pub bf16_dot: bool,
     /// The routed experts this process holds (expert parallelism, `ExpertShard`); default all.
     pub expert_shard: ExpertShard,
+    /// This process's share of the heads, output groups, intermediate features and
+    /// vocabulary (tensor parallelism, `TensorShard`; see [`DeepseekV4::load_from`]).
+    pub tensor_shard: TensorShard,
 }
 
 /// mHC parameters of one site (`hc_{attn,ffn}_*` or `hc_head_*`).
@@ -210,7 +214,7 @@ impl SlotLayout {
 
 pub struct DeepseekV4 {
     cfg: DeepseekV4Config,
-    embed: Matrix,
+    embed: VocabRows,
     layers: Vec<Block>,
     norm: Vec<f32>,
     head: Matrix,
@@ -229,6 +233,10 @@ pub struct DeepseekV4 {
     force_eplb: Option<BalancedRouting>,
     /// The routed experts held here, and the group that holds the others.
     shard: ExpertShard,
+    /// The heads, output groups, features and vocabulary rows held here.
+    tp: TensorShard,
+    /// The vocabulary rows `head` holds (all, or this rank's share).
+    vocab_share: std::ops::Range<usize>,
     comm: Option<Arc<dyn Communicator>>,
 }
 
@@ -284,6 +292,7 @@ struct Loader<'a> {
     block: (usize, usize),
     bf16_dot: bool,
     shard: ExpertShard,
+    tp: TensorShard,
 }
 
 impl Loader<'_> {
@@ -300,7 +309,13 @@ impl Loader<'_> {
     /// A weight `[rows, cols]` under `prefix` in any stored format, bf16 ones multiplied as
     /// BF16 × BF16 when `bf16_dot` is asked for.
     fn matrix(&mut self, prefix: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        self.matrix_cut(prefix, rows, cols, Cut::Whole)
+    }
+
+    /// [`Loader::matrix`], of which only `cut` is kept (tensor parallelism).
+    fn matrix_cut(&mut self, prefix: &str, rows: usize, cols: usize, cut: Cut) -> Result<Matrix> {
         let m = self.matrix_f32_acts(prefix, rows, cols)?;
+        let m = cut.apply(m, &format!("{prefix}.weight"), self.tp)?;
         Ok(if self.bf16_dot { m.to_bf16_dot() } else { m })
     }
 
@@ -475,11 +490,19 @@ impl Loader<'_> {
         })
     }
 
-    fn expert(&mut self, p: &str, h: usize, f: usize) -> Result<Expert> {
+    /// An expert whose intermediate features `features` of `f` are held (all, or a
+    /// tensor-parallel share: rows of w1/w3, columns of w2).
+    fn expert(
+        &mut self,
+        p: &str,
+        h: usize,
+        f: usize,
+        features: std::ops::Range<usize>,
+    ) -> Result<Expert> {
         Ok(Expert {
-            w1: self.matrix(&format!("{p}.w1"), f, h)?,
-            w2: self.matrix(&format!("{p}.w2"), h, f)?,
-            w3: self.matrix(&format!("{p}.w3"), f, h)?,
+            w1: self.matrix_cut(&format!("{p}.w1"), f, h, Cut::Rows(features.clone()))?,
+            w2: self.matrix_cut(&format!("{p}.w2"), h, f, Cut::Cols(features.clone()))?,
+            w3: self.matrix_cut(&format!("{p}.w3"), f, h, Cut::Rows(features))?,
         })
     }
 
@@ -516,16 +539,34 @@ impl Loader<'_> {
         } else {
             None
         };
+        // Tensor parallelism: this rank's output groups and their heads (a group's heads are
+        // contiguous), the rows of wq_b and wo_a and the columns of wo_b they use.
+        let (heads, groups) = (self.tp.part(nh), self.tp.part(g));
         let attn = Attention {
             ratio,
             wq_a: self.matrix(&format!("{a}wq_a"), ql, h)?,
             q_norm: self.vector(&format!("{a}q_norm.weight"), ql)?,
-            wq_b: self.matrix(&format!("{a}wq_b"), nh * dh, ql)?,
+            wq_b: self.matrix_cut(
+                &format!("{a}wq_b"),
+                nh * dh,
+                ql,
+                Cut::Rows(heads.start * dh..heads.end * dh),
+            )?,
             wkv: self.matrix(&format!("{a}wkv"), dh, h)?,
             kv_norm: self.vector(&format!("{a}kv_norm.weight"), dh)?,
-            wo_a: self.matrix(&format!("{a}wo_a"), g * ol, nh * dh / g)?,
-            wo_b: self.matrix(&format!("{a}wo_b"), h, g * ol)?,
-            sink: self.vector(&format!("{a}attn_sink"), nh)?,
+            wo_a: self.matrix_cut(
+                &format!("{a}wo_a"),
+                g * ol,
+                nh * dh / g,
+                Cut::Rows(groups.start * ol..groups.end * ol),
+            )?,
+            wo_b: self.matrix_cut(
+                &format!("{a}wo_b"),
+                h,
+                g * ol,
+                Cut::Cols(groups.start * ol..groups.end * ol),
+            )?,
+            sink: self.vector(&format!("{a}attn_sink"), nh)?[heads].to_vec(),
             compressor,
             indexer,
             layout: SlotLayout::for_ratio(cfg, ratio),
@@ -560,7 +601,14 @@ impl Loader<'_> {
             .map(|j| {
                 let name = format!("{f}experts.{j}");
                 if self.shard.owns(j, e) {
-                    self.expert(&name, h, fi).map(Some)
+                    // Whole under expert parallelism (with or without tensor parallelism of
+                    // the rest), else this rank's tensor-parallel share.
+                    let features = if self.shard.ranks > 1 {
+                        0..fi
+                    } else {
+                        self.tp.part(fi)
+                    };
+                    self.expert(&name, h, fi, features).map(Some)
                 } else {
                     // Another rank's expert: never read.
                     self.ckpt.skip_prefix(&format!("{name}."));
@@ -574,7 +622,7 @@ impl Loader<'_> {
             bias,
             tid2eid,
             experts,
-            shared: self.expert(&format!("{f}shared_experts"), h, fi)?,
+            shared: self.expert(&format!("{f}shared_experts"), h, fi, self.tp.part(fi))?,
         };
         Ok(Block {
             hc_attn: self.hc(
@@ -663,14 +711,50 @@ impl DeepseekV4 {
         let shard = opts.expert_shard;
         let e = cfg.n_routed_experts;
         shard.validate(e)?;
+        // Tensor parallelism (spec `deepseek-v4.md` §2.6/§2.9 split as the seed's attention and
+        // MoE TP): each rank holds `num_attention_heads / ranks` heads — whole output groups,
+        // so `o_groups` divides too — their rows of wq_b and wo_a, their columns of wo_b and
+        // their attention sinks; a share of every expert's intermediate features (the routed
+        // experts held whole with an expert shard of the same group); a share of the
+        // vocabulary's rows of the embedding and head. wq_a, wkv, the norms, the compressors,
+        // the indexer, the gates and the mHC parameters are whole, so the cache is the same on
+        // every rank. A block's attention and MoE outputs are added over the ranks before mHC.
+        let t = opts.tensor_shard;
+        let mut sizes = vec![
+            ("num_attention_heads", cfg.num_attention_heads),
+            ("o_groups", cfg.o_groups),
+            ("moe_intermediate_size", cfg.moe_intermediate_size),
+        ];
+        if shard.ranks > 1 && t.ranks > 1 {
+            if shard.dispatch || (t.rank, t.ranks) != (shard.rank, shard.ranks) {
+                return Err(ModelError::Options(format!(
+                    "tensor parallelism as rank {} of {} with expert parallelism as rank {} of \
+                     {}{}: both together split over one group (the same rank of the same \
+                     ranks), experts gathered",
+                    t.rank,
+                    t.ranks,
+                    shard.rank,
+                    shard.ranks,
+                    if shard.dispatch { " (dispatched)" } else { "" }
+                )));
+            }
+            sizes.pop();
+            sizes.push((
+                "moe_intermediate_size (shared expert)",
+                cfg.moe_intermediate_size,
+            ));
+        }
+        t.check_sizes(&sizes)?;
         let mut l = Loader {
             ckpt,
             block,
             bf16_dot: opts.bf16_dot,
             shard,
+            tp: t,
         };
         let (h, v, hc) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
-        let embed = l.matrix("embed", v, h)?;
+        let vocab_share = t.share(v);
+        let embed = l.matrix_cut("embed", v, h, Cut::Rows(vocab_share.clone()))?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             layers.push(l.block(
@@ -682,10 +766,11 @@ impl DeepseekV4 {
             )?);
         }
         let norm = l.vector("norm.weight", h)?;
+        let vocab_rows = Cut::Rows(vocab_share.clone());
         let head = if cfg.tie_word_embeddings && !l.ckpt.contains("head.weight") {
-            l.matrix("embed", v, h)?
+            l.matrix_cut("embed", v, h, vocab_rows)?
         } else {
-            l.matrix("head", v, h)?
+            l.matrix_cut("head", v, h, vocab_rows)?
         };
         let hc_head = l.hc("hc_head_fn", "hc_head_base", "hc_head_scale", hc, hc * h, 1)?;
         let mut mtp = Vec::new();
@@ -728,7 +813,10 @@ impl DeepseekV4 {
             .unwrap_or(cfg.head_dim);
         Ok(DeepseekV4 {
             cfg,
-            embed,
+            embed: VocabRows {
+                table: embed,
+                share: vocab_share.clone(),
+            },
             layers,
             norm,
             head,
@@ -740,6 +828,8 @@ impl DeepseekV4 {
             quant_sim: false,
             force_eplb: None,
             shard: opts.expert_shard,
+            tp: t,
+            vocab_share,
             comm: None,
         })
     }
@@ -790,24 +880,58 @@ impl DeepseekV4 {
 
     /// Bytes of weights one decode token reads (all but unrouted experts and the embedding).
     pub fn decode_bytes_per_token(&self) -> usize {
-        let ex = |e: &Expert| e.w1.storage_bytes() + e.w2.storage_bytes() + e.w3.storage_bytes();
-        let blk = |b: &Block| {
-            let a = &b.attn;
-            let comp = |c: &Compressor| c.wkv.storage_bytes() + c.wgate.storage_bytes();
-            a.wq_a.storage_bytes()
-                + a.wq_b.storage_bytes()
-                + a.wkv.storage_bytes()
-                + a.wo_a.storage_bytes()
-                + a.wo_b.storage_bytes()
-                + a.compressor.as_ref().map_or(0, comp)
-                + a.indexer.as_ref().map_or(0, |i| {
-                    i.wq_b.storage_bytes() + i.weights_proj.storage_bytes() + comp(&i.compressor)
+        self.head.storage_bytes()
+            + self
+                .layers
+                .iter()
+                .map(|b| self.block_bytes(b, false))
+                .sum::<usize>()
+    }
+
+    /// Bytes of the weights this process holds (its shares under tensor or expert
+    /// parallelism), MTP blocks included.
+    pub fn weight_bytes(&self) -> usize {
+        self.embed.table.storage_bytes()
+            + self.head.storage_bytes()
+            + self
+                .layers
+                .iter()
+                .map(|b| self.block_bytes(b, true))
+                .sum::<usize>()
+            + self
+                .mtp
+                .iter()
+                .map(|m| {
+                    m.e_proj.storage_bytes()
+                        + m.h_proj.storage_bytes()
+                        + self.block_bytes(&m.block, true)
                 })
-                + b.ffn.gate.storage_bytes()
-                + self.cfg.num_experts_per_tok * b.ffn.experts.iter().flatten().next().map_or(0, ex)
-                + ex(&b.ffn.shared)
+                .sum::<usize>()
+    }
+
+    /// A block's weight bytes: with every routed expert held (`all_experts`), or with the
+    /// `num_experts_per_tok` a decode token reads.
+    fn block_bytes(&self, b: &Block, all_experts: bool) -> usize {
+        let ex = |e: &Expert| e.w1.storage_bytes() + e.w2.storage_bytes() + e.w3.storage_bytes();
+        let a = &b.attn;
+        let comp = |c: &Compressor| c.wkv.storage_bytes() + c.wgate.storage_bytes();
+        let routed = if all_experts {
+            b.ffn.experts.iter().flatten().map(ex).sum::<usize>()
+        } else {
+            self.cfg.num_experts_per_tok * b.ffn.experts.iter().flatten().next().map_or(0, ex)
         };
-        self.head.storage_bytes() + self.layers.iter().map(blk).sum::<usize>()
+        a.wq_a.storage_bytes()
+            + a.wq_b.storage_bytes()
+            + a.wkv.storage_bytes()
+            + a.wo_a.storage_bytes()
+            + a.wo_b.storage_bytes()
+            + a.compressor.as_ref().map_or(0, comp)
+            + a.indexer.as_ref().map_or(0, |i| {
+                i.wq_b.storage_bytes() + i.weights_proj.storage_bytes() + comp(&i.compressor)
+            })
+            + b.ffn.gate.storage_bytes()
+            + routed
+            + ex(&b.ffn.shared)
     }
 
     fn check_cache(&self, cache: &KvCache, layers: usize) -> Result<()> {
@@ -840,19 +964,21 @@ impl DeepseekV4 {
         batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
         let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
         let t_count = batch.num_tokens();
+        let step = tp::batch_digest(self.tp, batch, 0);
+        let rows = self
+            .embed
+            .lookup(self.comm.as_deref(), self.tp, step, &batch.tokens)?;
         let mut x = vec![0.0f32; t_count * hc * h];
-        let mut row = vec![0.0f32; h];
-        for (t, &tok) in batch.tokens.iter().enumerate() {
-            self.embed.row_to_f32(tok as usize, &mut row);
+        for (t, row) in rows.chunks_exact(h).enumerate() {
             for s in 0..hc {
-                x[(t * hc + s) * h..(t * hc + s + 1) * h].copy_from_slice(&row);
+                x[(t * hc + s) * h..(t * hc + s + 1) * h].copy_from_slice(row);
             }
         }
         let ropes = BatchRopes::new(self, &batch.positions);
         for (li, layer) in self.layers.iter().enumerate() {
-            self.block_forward(layer, &mut x, batch, &ropes, cache, li)?;
+            self.block_forward(layer, &mut x, batch, &ropes, cache, li, step)?;
         }
-        Ok(self.output(&x, &self.hc_head, &self.norm, batch, want_hidden))
+        self.output(&x, &self.hc_head, &self.norm, batch, want_hidden, step)
     }
 
     /// One step of MTP block `index` (spec §2.11, [REF] `MTPBlock`): row i pairs
@@ -889,12 +1015,12 @@ impl DeepseekV4 {
             )));
         }
         let eps = cfg.rms_norm_eps;
+        let step = tp::batch_digest(self.tp, batch, 1 + index as u32);
+        let rows = self
+            .embed
+            .lookup(self.comm.as_deref(), self.tp, step, &batch.tokens)?;
         let mut e = vec![0.0f32; t_count * h];
-        let mut row = vec![0.0f32; h];
-        for (t, &tok) in batch.tokens.iter().enumerate() {
-            self.embed.row_to_f32(tok as usize, &mut row);
-            k::rms_norm(&row, &mtp.enorm, eps, &mut e[t * h..(t + 1) * h]);
-        }
+        k::rms_norm_rows(&rows, h, &mtp.enorm, eps, &mut e);
         let mut ep = vec![0.0f32; t_count * h];
         mtp.e_proj.matmul(&self.act_in(&e, h), t_count, &mut ep);
         let mut hn = vec![0.0f32; t_count * hc * h];
@@ -913,8 +1039,8 @@ impl DeepseekV4 {
             }
         }
         let ropes = BatchRopes::new(self, &batch.positions);
-        self.block_forward(&mtp.block, &mut x, batch, &ropes, cache, cache_layer)?;
-        Ok(self.output(&x, &mtp.hc_head, &mtp.norm, batch, want_hidden))
+        self.block_forward(&mtp.block, &mut x, batch, &ropes, cache, cache_layer, step)?;
+        self.output(&x, &mtp.hc_head, &mtp.norm, batch, want_hidden, step)
     }
 
     /// The input of an FP8/FP4 linear as [REF] feeds it: with the sims on, each `width`-long row
@@ -938,7 +1064,8 @@ impl DeepseekV4 {
         norm: &[f32],
         batch: &Batch,
         want_hidden: bool,
-    ) -> ForwardOutput {
+        step: u64,
+    ) -> Result<ForwardOutput> {
         let _t = Timer::start(Phase::Head);
         let cfg = &self.cfg;
         let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
@@ -957,14 +1084,19 @@ impl DeepseekV4 {
             ops::hc_collapse(&pre, xt, &mut y);
             k::rms_norm(&y, norm, cfg.rms_norm_eps, &mut picked[o * h..(o + 1) * h]);
         }
-        let mut logits = vec![0.0f32; n_out * cfg.vocab_size];
+        let mut logits = vec![0.0f32; n_out * self.vocab_share.len()];
         if n_out > 0 {
             self.head.matmul(&picked, n_out, &mut logits);
         }
-        ForwardOutput {
+        if self.tp.ranks > 1 {
+            // Each rank's share of the vocabulary: gathered into whole rows.
+            let _t = Timer::start(Phase::Reduce);
+            logits = tp::gather_columns(self.comm.as_deref(), self.tp, step, &logits, n_out)?;
+        }
+        Ok(ForwardOutput {
             logits,
             hidden: want_hidden.then(|| x.to_vec()),
-        }
+        })
     }
 
     /// hc_pre for every token: (collapsed input [T, D], post [T, hc], comb [T, hc·hc]).
@@ -996,6 +1128,7 @@ impl DeepseekV4 {
         (y, post, comb)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn block_forward(
         &self,
         b: &Block,
@@ -1004,6 +1137,7 @@ impl DeepseekV4 {
         ropes: &BatchRopes,
         cache: &mut KvCache,
         li: usize,
+        step: u64,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
@@ -1012,10 +1146,15 @@ impl DeepseekV4 {
         let mut xn = vec![0.0f32; t_count * h];
         let (u, post, comb) = self.hc_pre(&b.hc_attn, x, t_count);
         k::rms_norm_rows(&u, h, &b.attn_norm, cfg.rms_norm_eps, &mut xn);
-        let a = {
+        let mut a = {
             let _t = Timer::start(Phase::Attention);
             self.attention(&b.attn, &xn, batch, ropes, cache.layer_mut(li), bs)
         };
+        // Tensor parallelism: each rank's heads gave a partial wo_b product.
+        if self.tp.ranks > 1 {
+            let _t = Timer::start(Phase::Reduce);
+            tp::reduce(self.comm.as_deref(), self.tp, step, &mut a)?;
+        }
         for t in 0..t_count {
             ops::hc_expand(
                 &a[t * h..(t + 1) * h],
@@ -1026,10 +1165,15 @@ impl DeepseekV4 {
         }
         let (u, post, comb) = self.hc_pre(&b.hc_ffn, x, t_count);
         k::rms_norm_rows(&u, h, &b.ffn_norm, cfg.rms_norm_eps, &mut xn);
-        let f = {
+        let mut f = {
             let _t = Timer::start(Phase::Moe);
             self.moe(&b.ffn, &xn, &batch.tokens, batch.is_decode())?
         };
+        // Tensor parallelism: each rank's features (or whole experts) gave a partial sum.
+        if self.tp.ranks > 1 {
+            let _t = Timer::start(Phase::Reduce);
+            tp::reduce(self.comm.as_deref(), self.tp, step, &mut f)?;
+        }
         for t in 0..t_count {
             ops::hc_expand(
                 &f[t * h..(t + 1) * h],
@@ -1140,7 +1284,8 @@ impl DeepseekV4 {
     ) -> Vec<f32> {
         let cfg = &self.cfg;
         let t_count = batch.num_tokens();
-        let (nh, dh, rd) = (cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim);
+        // The heads held here (all, or a tensor-parallel share).
+        let (nh, dh, rd) = (at.sink.len(), cfg.head_dim, cfg.qk_rope_head_dim);
         let nope = dh - rd;
         let eps = cfg.rms_norm_eps;
         let ql = cfg.q_lora_rank;
@@ -1320,8 +1465,9 @@ impl DeepseekV4 {
             })
             .collect();
 
-        // Grouped output (§2.6): z_g = wo_a[g] · o_g, then wo_b.
-        let (g, ol) = (cfg.o_groups, cfg.o_lora_rank);
+        // Grouped output (§2.6): z_g = wo_a[g] · o_g, then wo_b (this rank's groups).
+        let ol = cfg.o_lora_rank;
+        let g = at.wo_a.rows() / ol;
         let gw = nh * dh / g;
         let mut z = vec![0.0f32; t_count * g * ol];
         let mut og = vec![0.0f32; t_count * gw];
@@ -1403,7 +1549,9 @@ impl DeepseekV4 {
                 }
             }
         };
-        let sharded = self.shard.ranks > 1;
+        // Under tensor parallelism the experts held here give a partial sum that the block adds
+        // over the ranks; otherwise the other ranks' experts are gathered or dispatched to.
+        let sharded = self.shard.ranks > 1 && self.tp.ranks == 1;
         // Dispatched to the experts' ranks (this rank's own included): nothing computed here.
         let dispatch = sharded && self.shard.dispatch;
         let active: Vec<usize> = (0..e).filter(|&id| !assigned[id].is_empty()).collect();
@@ -1520,7 +1668,11 @@ impl DeepseekV4 {
     /// The group the routed experts are split over (expert parallelism): every rank of `comm`
     /// must hold its shard (`V4LoadOptions::expert_shard`) and run the same batches.
     pub fn set_communicator(&mut self, comm: Arc<dyn Communicator>) -> Result<()> {
-        self.shard.check_group(comm.as_ref())?;
+        if self.tp.ranks > 1 {
+            self.tp.check_group(comm.as_ref())?;
+        } else {
+            self.shard.check_group(comm.as_ref())?;
+        }
         self.comm = Some(comm);
         Ok(())
     }

@@ -23,6 +23,8 @@ use std::ops::Range;
 
 use cachalot_comm::Communicator;
 
+use cachalot_kernels::Matrix;
+
 use crate::config::DeepseekV3Config;
 use crate::error::{ModelError, Result};
 
@@ -57,15 +59,6 @@ impl TensorShard {
     /// (`experts_whole`: the routed experts are held whole, so only the shared experts' are
     /// cut).
     pub(crate) fn validate(&self, cfg: &DeepseekV3Config, experts_whole: bool) -> Result<()> {
-        if self.ranks == 0 || self.rank >= self.ranks {
-            return Err(ModelError::Options(format!(
-                "tensor shard: rank {} of {} ranks does not exist (ranks count from 0)",
-                self.rank, self.ranks
-            )));
-        }
-        if self.ranks == 1 {
-            return Ok(());
-        }
         let mut sizes = vec![
             ("num_attention_heads", cfg.num_attention_heads),
             ("intermediate_size", cfg.intermediate_size),
@@ -81,7 +74,21 @@ impl TensorShard {
                 ));
             }
         }
-        for (field, v) in sizes {
+        self.check_sizes(&sizes)
+    }
+
+    /// The shard exists and every `(config field, size)` divides by the ranks.
+    pub(crate) fn check_sizes(&self, sizes: &[(&str, usize)]) -> Result<()> {
+        if self.ranks == 0 || self.rank >= self.ranks {
+            return Err(ModelError::Options(format!(
+                "tensor shard: rank {} of {} ranks does not exist (ranks count from 0)",
+                self.rank, self.ranks
+            )));
+        }
+        if self.ranks == 1 {
+            return Ok(());
+        }
+        for &(field, v) in sizes {
             if !v.is_multiple_of(self.ranks) {
                 return Err(ModelError::Options(format!(
                     "tensor parallelism over {} ranks needs config.json's {field} ({v}) to \
@@ -107,6 +114,33 @@ impl TensorShard {
             )));
         }
         Ok(())
+    }
+}
+
+/// Which part of a Linear a rank keeps (tensor parallelism).
+#[derive(Clone)]
+pub(crate) enum Cut {
+    Whole,
+    /// These output rows (column parallel: q_b/q, kv_b, gate, up).
+    Rows(Range<usize>),
+    /// These input columns (row parallel: o_proj, down).
+    Cols(Range<usize>),
+}
+
+impl Cut {
+    pub(crate) fn apply(self, m: Matrix, name: &str, shard: TensorShard) -> Result<Matrix> {
+        let cut = match self {
+            Cut::Rows(r) if r != (0..m.rows()) => m.slice_rows(r),
+            Cut::Cols(c) if c != (0..m.cols()) => m.slice_cols(c),
+            _ => return Ok(m),
+        };
+        cut.map_err(|e| {
+            ModelError::Options(format!(
+                "tensor `{name}`: rank {} of {} (tensor parallelism) cannot hold its share: {e}; \
+                 use a number of ranks that cuts it there, or --parallel data|expert",
+                shard.rank, shard.ranks
+            ))
+        })
     }
 }
 
@@ -204,6 +238,52 @@ pub(crate) fn gather_columns(
         at += w;
     }
     Ok(out)
+}
+
+/// Under tensor parallelism, a digest of `batch` (and of which forward runs it: 0 the main
+/// model, 1 + j MTP layer j) that every rank's partial sums carry; 0 otherwise.
+pub(crate) fn batch_digest(shard: TensorShard, batch: &crate::batch::Batch, which: u32) -> u64 {
+    if shard.ranks > 1 {
+        let mut tokens = batch.tokens.clone();
+        tokens.push(which);
+        step_digest(&tokens, &batch.positions)
+    } else {
+        0
+    }
+}
+
+/// An embedding table holding the vocabulary rows `share` (all of them in one process; a
+/// tensor-parallel rank's share otherwise).
+pub(crate) struct VocabRows {
+    pub table: Matrix,
+    pub share: Range<usize>,
+}
+
+impl VocabRows {
+    /// The embedding rows of `tokens` (`[tokens, width]`): each rank fills the rows of its
+    /// share and the ranks' rows are added (exact: one rank holds each token). `step`: the
+    /// batch's digest ([`batch_digest`]).
+    pub(crate) fn lookup(
+        &self,
+        comm: Option<&dyn Communicator>,
+        shard: TensorShard,
+        step: u64,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>> {
+        let _t = crate::profile::Timer::start(crate::profile::Phase::Embed);
+        let width = self.table.cols();
+        let mut rows = vec![0.0f32; tokens.len() * width];
+        for (row, &tok) in rows.chunks_exact_mut(width).zip(tokens) {
+            let tok = tok as usize;
+            if self.share.contains(&tok) {
+                self.table.row_to_f32(tok - self.share.start, row);
+            }
+        }
+        if shard.ranks > 1 {
+            reduce(comm, shard, step, &mut rows)?;
+        }
+        Ok(rows)
+    }
 }
 
 /// FNV-1a over a batch's tokens and positions: the same on ranks that run the same batch.

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 mod common;
 
 use cachalot_comm::run_local_group;
-use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
+use cachalot_model::batch::{Batch, LogitsWanted};
 use cachalot_model::{DeepseekV3, ExpertShard, LoadOptions};
 use common::{bits, different_batches_on_two_ranks, forward_once, packed_run, packed_run_of};
 
@@ -206,12 +206,7 @@ fn v4_steps(
     steps: &[(usize, usize)],
     mut after: impl FnMut(usize),
 ) -> Vec<u32> {
-    let bs = 16;
-    let blocks = toks.len().div_ceil(bs) + 1;
-    let mut cache = KvCache::new(m.cache_spec(), bs, blocks);
-    let mut alloc = BlockAllocator::new(blocks);
-    let mut table = Vec::new();
-    alloc.ensure(&mut table, toks.len(), bs).unwrap();
+    let (mut cache, table) = common::one_sequence_cache(m.cache_spec(), toks.len());
     let mut out_bits = Vec::new();
     for (i, &(lo, hi)) in steps.iter().enumerate() {
         let mut b = Batch::default();

@@ -71,32 +71,131 @@ fn tensor_shards_give_the_one_process_logits() {
             (packed_run(&m), m.weight_bytes())
         })
         .unwrap();
-        let vocab = one.config().vocab_size;
-        for (r, (logits, bytes)) in got.iter().enumerate() {
-            assert_eq!(
-                bits(logits),
-                bits(&got[0].0),
-                "{name_n}: rank {r}'s logits differ from rank 0's"
+        check_ranks(
+            &name_n,
+            &got,
+            &want,
+            one.config().vocab_size,
+            one.weight_bytes(),
+        );
+    }
+}
+
+/// Every rank's `(logits, weight bytes)`: the same bits on every rank, within 1e-4 (of each
+/// row's largest logit) of one process's `want`, and less than its `whole` bytes of weights.
+fn check_ranks(name: &str, got: &[(Vec<f32>, usize)], want: &[f32], vocab: usize, whole: usize) {
+    for (r, (logits, bytes)) in got.iter().enumerate() {
+        assert_eq!(
+            bits(logits),
+            bits(&got[0].0),
+            "{name}: rank {r}'s logits differ from rank 0's"
+        );
+        assert!(*bytes < whole, "{name}: rank {r}");
+        assert_eq!(logits.len(), want.len());
+        for (row, (a, b)) in logits
+            .chunks_exact(vocab)
+            .zip(want.chunks_exact(vocab))
+            .enumerate()
+        {
+            let scale = b.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let diff = a
+                .iter()
+                .zip(b)
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                diff <= 1e-4 * scale,
+                "{name}: rank {r}, row {row}: logits differ by {diff} (max {scale})"
             );
-            assert!(*bytes < one.weight_bytes(), "{name_n}: rank {r}");
-            assert_eq!(logits.len(), want.len());
-            for (row, (a, b)) in logits
-                .chunks_exact(vocab)
-                .zip(want.chunks_exact(vocab))
-                .enumerate()
-            {
-                let scale = b.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-                let diff = a
-                    .iter()
-                    .zip(b)
-                    .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-                assert!(
-                    diff <= 1e-4 * scale,
-                    "{name_n}: rank {r}, row {row}: logits differ by {diff} (max {scale})"
-                );
-            }
         }
     }
+}
+
+/// DeepSeek-V4 (flash_tiny: FP8 blocks cut inside, MXFP4 experts split at 32 features; pro_tiny)
+/// over 2 ranks, with and without the routed experts split whole: a chunked prefill, the MTP
+/// block over it and a decode token give every rank the same logits, within 1e-4 of one
+/// process's.
+#[test]
+fn v4_tensor_shards_give_the_one_process_logits() {
+    use cachalot_model::batch::{Batch, LogitsWanted};
+    use cachalot_model::{DeepseekV4, V4LoadOptions};
+
+    let run = |m: &DeepseekV4| -> Vec<f32> {
+        let toks: Vec<u32> = (0..100).map(|i| (i * 37 + 11) % 500).collect();
+        let (mut cache, table) = common::one_sequence_cache(m.cache_spec(), toks.len());
+        let mut logits = Vec::new();
+        let mut hidden = Vec::new();
+        for (lo, hi) in [(0, 60), (60, 99)] {
+            let mut b = Batch::default();
+            b.push_seq(&toks[lo..hi], lo, table.clone(), LogitsWanted::All);
+            let out = m.forward(&b, &mut cache, true).unwrap();
+            logits.extend(out.logits);
+            hidden.extend(out.hidden.unwrap());
+        }
+        let width = hidden.len() / 99;
+        let mut b = Batch::default();
+        b.push_seq(&toks[1..99], 0, table.clone(), LogitsWanted::All);
+        let mtp = m
+            .mtp_forward(0, &b, &hidden[..98 * width], &mut cache, false)
+            .unwrap();
+        logits.extend(mtp.logits);
+        let mut b = Batch::default();
+        b.push_seq(&toks[99..100], 99, table, LogitsWanted::All);
+        logits.extend(m.forward(&b, &mut cache, false).unwrap().logits);
+        logits
+    };
+    for (name, experts) in [
+        ("flash_tiny", false),
+        ("flash_tiny", true),
+        ("pro_tiny", false),
+    ] {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/v4")
+            .join(name);
+        let load = |t: TensorShard| {
+            let opts = V4LoadOptions {
+                load_mtp: true,
+                tensor_shard: t,
+                expert_shard: if experts {
+                    ExpertShard {
+                        rank: t.rank,
+                        ranks: t.ranks,
+                        dispatch: false,
+                    }
+                } else {
+                    ExpertShard::default()
+                },
+                ..Default::default()
+            };
+            DeepseekV4::load(&dir, opts).unwrap()
+        };
+        let one = load(TensorShard::default());
+        let want = run(&one);
+        let got = run_local_group(2, |comm| {
+            let mut m = load(TensorShard {
+                rank: comm.rank(),
+                ranks: 2,
+            });
+            m.set_communicator(comm).unwrap();
+            (run(&m), m.weight_bytes())
+        })
+        .unwrap();
+        let name = format!("{name}{}", if experts { " with experts" } else { "" });
+        check_ranks(
+            &name,
+            &got,
+            &want,
+            one.config().vocab_size,
+            one.weight_bytes(),
+        );
+    }
+    // 4 heads in 2 output groups: 4 ranks cannot split the groups.
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
+    let opts = V4LoadOptions {
+        tensor_shard: TensorShard { rank: 0, ranks: 4 },
+        ..Default::default()
+    };
+    let e = DeepseekV4::load(&dir, opts).err().unwrap().to_string();
+    assert!(e.contains("o_groups (2)") && e.contains("4 ranks"), "{e}");
 }
 
 #[test]

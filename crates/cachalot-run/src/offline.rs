@@ -830,14 +830,6 @@ pub fn run_ranked(
             (&v3, v3.config().eos_token_ids.clone())
         }
         ModelFamily::DeepseekV4 => {
-            if tensor {
-                return Err(format!(
-                    "--parallel tensor: {} is DeepSeek-V4, which runs over ranks as data or \
-                     expert parallel only; use --parallel data|expert|data-expert",
-                    weights_dir.display()
-                )
-                .into());
-            }
             if kv_cache_dtype != KvCacheDtype::F32 {
                 return Err(format!(
                     "--kv-cache-dtype {}: DeepSeek-V4's cache ({}) is held in f32 only; drop the \
@@ -853,6 +845,7 @@ pub fn run_ranked(
                     load_mtp: m.next_n > 0,
                     bf16_dot: opts.bf16_dot,
                     expert_shard: shard,
+                    tensor_shard,
                 },
             )?;
             if expert || dispatch {

@@ -241,13 +241,6 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
 
 /// The DeepSeek-V4 model of `args` (with its MTP blocks when `load_mtp`).
 fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
-    if args.tensor_shard.ranks > 1 {
-        bail!(
-            "--parallel tensor: {} is DeepSeek-V4, which runs over ranks as data or expert \
-             parallel only; use --parallel data|expert",
-            model_dir(args)?.display()
-        );
-    }
     if matches!(args.kv_cache_dtype, KvDtypeArg::Bf16) {
         bail!(
             "--kv-cache-dtype bf16: DeepSeek-V4's cache ({}) is held in f32 only; drop the option",
@@ -260,6 +253,7 @@ fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
             load_mtp,
             bf16_dot: args.bf16_dot,
             expert_shard: args.expert_shard,
+            tensor_shard: args.tensor_shard,
         },
     )?;
     if args.int8_head {

@@ -113,7 +113,7 @@ pub(crate) struct GroupArgs {
     /// run every request together: a model larger than one host's memory over several;
     /// DeepSeek-V3/R1/Kimi-K2 and V4) or `tensor` (the ranks hold every layer's attention heads
     /// and a share of every MLP's intermediate features, and add their partial outputs twice a
-    /// layer; DeepSeek-V3/R1/Kimi-K2) or `tensor-expert` (tensor parallel, with the routed
+    /// layer; V4 splits whole output groups of heads) or `tensor-expert` (tensor parallel, with the routed
     /// experts split whole over the ranks instead of cut: vLLM's tensor parallelism with
     /// --enable-expert-parallel) or `data-expert` (each rank serves its share of the requests
     /// as with data, and the routed experts are split over the ranks: each MoE layer sends

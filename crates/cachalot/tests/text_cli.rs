@@ -656,11 +656,12 @@ fn run_and_bench_profile_the_phases_of_their_steps() {
 fn run_with_two_ranks_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let res = tmp.path().display().to_string();
-    let run = |extra: &[&str]| -> (Value, Vec<Value>) {
+    // A run of `config` with `extra` options: its summary and requests.
+    let run_config = |config: &str, extra: &[&str]| -> (Value, Vec<Value>) {
         let mut args = vec![
             "run",
             "--config",
-            "configs/tiny/r1_tiny.yaml",
+            config,
             "--num-requests",
             "5",
             "--res-dir",
@@ -683,6 +684,7 @@ fn run_with_two_ranks_equals_one_process() {
             .collect();
         (summary, reqs)
     };
+    let run = |extra: &[&str]| run_config("configs/tiny/r1_tiny.yaml", extra);
     let (s1, one) = run(&[]);
     // Data parallel over TCP (`--transport tcp`); expert and tensor below over shared memory.
     let (s2, two) = run(&["--ranks", "2", "--transport", "tcp"]);
@@ -731,6 +733,15 @@ fn run_with_two_ranks_equals_one_process() {
         assert_eq!(a["id"], b["id"]);
         assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
     }
+    // DeepSeek-V4 over two tensor-parallel ranks (heads, output groups, expert features and
+    // vocabulary split): the one-process outputs, MTP drafts included.
+    let v4 = |extra: &[&str]| -> Vec<Value> {
+        let config = "configs/tiny/v4_flash_tiny.yaml";
+        let with_mtp = [&["--mtp", "1"], extra].concat();
+        let reqs = run_config(config, &with_mtp).1;
+        reqs.iter().map(|r| r["output_ids"].clone()).collect()
+    };
+    assert_eq!(v4(&[]), v4(&["--ranks", "2", "--parallel", "tensor"]));
     // Without --parallel, a config whose world_size is the group's names the layout: the
     // seed's attn_tp_size 1 with moe_tp_size 1 is data-expert.
     let yaml = tmp.path().join("ep2.yaml");

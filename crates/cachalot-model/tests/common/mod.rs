@@ -214,3 +214,18 @@ pub fn different_batches_on_two_ranks(
     })
     .unwrap()
 }
+
+/// A cache of 16-position blocks for one sequence of `len` tokens of `spec`'s model, and the
+/// sequence's block table.
+pub fn one_sequence_cache(
+    spec: cachalot_model::CacheSpec,
+    len: usize,
+) -> (cachalot_model::KvCache, Vec<u32>) {
+    let bs = 16;
+    let blocks = len.div_ceil(bs) + 1;
+    let cache = cachalot_model::KvCache::new(spec, bs, blocks);
+    let mut alloc = cachalot_model::BlockAllocator::new(blocks);
+    let mut table = Vec::new();
+    alloc.ensure(&mut table, len, bs).unwrap();
+    (cache, table)
+}
