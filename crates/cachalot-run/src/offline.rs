@@ -790,6 +790,20 @@ pub fn run_ranked(
             logln!("custom_params.{k}: an NPU switch, no effect here");
         }
     }
+    // The run log's line on the weights this rank holds.
+    let held = |bytes: usize| {
+        format!(
+            "{:.1} MB of weights held on this rank{}",
+            bytes as f64 / 1e6,
+            if tensor {
+                " (its share of the heads, intermediate features and vocabulary)"
+            } else if expert || dispatch {
+                " (its share of the routed experts)"
+            } else {
+                ""
+            }
+        )
+    };
     let (v3, v4);
     let (model, config_eos): (&(dyn Model + Sync), Vec<u32>) = match family {
         ModelFamily::DeepseekV3 => {
@@ -815,17 +829,7 @@ pub fn run_ranked(
                 let e = model.config().n_routed_experts.unwrap_or(0);
                 model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
             }
-            logln!(
-                "{:.1} MB of weights held on this rank{}",
-                model.weight_bytes() as f64 / 1e6,
-                if tensor {
-                    " (its share of the heads and intermediate features)"
-                } else if expert || dispatch {
-                    " (its share of the routed experts)"
-                } else {
-                    ""
-                }
-            );
+            logln!("{}", held(model.weight_bytes()));
             v3 = model;
             (&v3, v3.config().eos_token_ids.clone())
         }
@@ -858,6 +862,7 @@ pub fn run_ranked(
                 let e = model.config().n_routed_experts;
                 model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
             }
+            logln!("{}", held(model.weight_bytes()));
             v4 = model;
             (&v4, v4.config().eos_token_ids.clone())
         }
