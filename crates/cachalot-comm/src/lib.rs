@@ -132,6 +132,29 @@ pub trait Communicator: Send + Sync {
     }
 }
 
+/// Part `which` of a [`pack`]ed frame of `expect` parts (`None` unless the frame is well formed
+/// up to it), read without copying the others.
+pub(crate) fn packed_part(b: &[u8], expect: usize, which: usize) -> Option<&[u8]> {
+    let word = |at: usize| -> Option<usize> {
+        let w = u64::from_le_bytes(b.get(at..at.checked_add(8)?)?.try_into().ok()?);
+        usize::try_from(w).ok()
+    };
+    if word(0)? != expect || which >= expect {
+        return None;
+    }
+    let mut at = 8usize;
+    for i in 0..=which {
+        let len = word(at)?;
+        at += 8;
+        let end = at.checked_add(len)?;
+        if i == which {
+            return b.get(at..end);
+        }
+        at = end;
+    }
+    None
+}
+
 /// The parts of a [`pack`]ed frame, `None` unless it holds exactly `expect` well-formed parts.
 fn unpack_parts(b: &[u8], expect: usize) -> Option<Vec<Vec<u8>>> {
     let word = |at: usize| -> Option<usize> {
@@ -554,7 +577,7 @@ fn recv(p: &mut Peer) -> CommResult<Vec<u8>> {
 }
 
 /// Concatenated parts: a u64 count, then each part as a u64 length and its bytes.
-fn pack(parts: &[Vec<u8>]) -> Vec<u8> {
+pub(crate) fn pack(parts: &[Vec<u8>]) -> Vec<u8> {
     let mut out = (parts.len() as u64).to_le_bytes().to_vec();
     for p in parts {
         out.extend_from_slice(&(p.len() as u64).to_le_bytes());
@@ -602,26 +625,7 @@ impl Communicator for TcpComm {
     fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if self.rank == 0 {
-            let mut parts = vec![mine.to_vec()];
-            let mut failed = None;
-            for p in peers.iter_mut() {
-                match recv(p) {
-                    Ok(b) => parts.push(b),
-                    Err(e) => {
-                        failed = Some(e);
-                        break;
-                    }
-                }
-            }
-            if let Some(e) = failed {
-                // The ranks still there learn which one failed, not just that rank 0 left.
-                let mut frame = FAILED.to_le_bytes().to_vec();
-                frame.extend_from_slice(format!("rank 0 reports: {e}").as_bytes());
-                for p in peers.iter_mut() {
-                    let _ = send(p, &frame);
-                }
-                return Err(e);
-            }
+            let parts = collect_at_root(&mut peers, mine.to_vec())?;
             let packed = pack(&parts);
             for p in peers.iter_mut() {
                 send(p, &packed)?;
@@ -632,6 +636,75 @@ impl Communicator for TcpComm {
             send(root, mine)?;
             unpack(&recv(root)?, self.world_size)
         }
+    }
+    /// Through rank 0, which forwards to each rank only the parts addressed to it.
+    fn all_to_all(&self, parts: &[Vec<u8>]) -> CommResult<Vec<Vec<u8>>> {
+        let n = self.world_size;
+        if parts.len() != n {
+            return Err(CommError(format!(
+                "all_to_all: {} parts for a group of {n} ranks (one per rank)",
+                parts.len()
+            )));
+        }
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if self.rank == 0 {
+            let frames = collect_at_root(&mut peers, pack(parts))?;
+            // Every rank's parts, by sender; a malformed one fails the group.
+            let mut by_sender = Vec::with_capacity(n);
+            for (r, f) in frames.iter().enumerate() {
+                match unpack_parts(f, n) {
+                    Some(p) => by_sender.push(p),
+                    None => {
+                        let e = CommError(format!(
+                            "all_to_all: rank {r} sent a malformed frame of {} bytes",
+                            f.len()
+                        ));
+                        fail_peers(&mut peers, &e);
+                        return Err(e);
+                    }
+                }
+            }
+            for (s, p) in peers.iter_mut().enumerate() {
+                let to_s: Vec<Vec<u8>> = by_sender
+                    .iter_mut()
+                    .map(|q| std::mem::take(&mut q[s + 1]))
+                    .collect();
+                send(p, &pack(&to_s))?;
+            }
+            Ok(by_sender
+                .iter_mut()
+                .map(|q| std::mem::take(&mut q[0]))
+                .collect())
+        } else {
+            let root = &mut peers[0];
+            send(root, &pack(parts))?;
+            unpack(&recv(root)?, n)
+        }
+    }
+}
+
+/// Rank 0's side of a gather: its own part and every other rank's, in rank order. A rank that
+/// fails makes rank 0 tell the others which one before it returns the error.
+fn collect_at_root(peers: &mut [Peer], mine: Vec<u8>) -> CommResult<Vec<Vec<u8>>> {
+    let mut parts = vec![mine];
+    for i in 0..peers.len() {
+        match recv(&mut peers[i]) {
+            Ok(b) => parts.push(b),
+            Err(e) => {
+                fail_peers(peers, &e);
+                return Err(e);
+            }
+        }
+    }
+    Ok(parts)
+}
+
+/// Rank 0 tells the ranks still there which one failed, not just that rank 0 left.
+fn fail_peers(peers: &mut [Peer], e: &CommError) {
+    let mut frame = FAILED.to_le_bytes().to_vec();
+    frame.extend_from_slice(format!("rank 0 reports: {e}").as_bytes());
+    for p in peers.iter_mut() {
+        let _ = send(p, &frame);
     }
 }
 
@@ -725,11 +798,28 @@ mod tests {
                     // Many calls in a row (slots are reused every other call), sizes changing,
                     // and one part larger than a shared-memory slot (it goes over TCP).
                     for i in 0..300usize {
-                        let len = if i == 150 && r == 1 {
+                        let len = if (i == 150 || i == 151) && r == 1 {
                             5 << 20
                         } else {
                             (i * 7 + r) % 50
                         };
+                        if i % 3 == 1 {
+                            // All-to-all between the gathers (call 151: rank 1's frame over a
+                            // slot); part r -> s holds `i + r + s`, `len + s` bytes long.
+                            let parts: Vec<Vec<u8>> =
+                                (0..n).map(|s| vec![(i + r + s) as u8; len + s]).collect();
+                            let got = c.all_to_all(&parts).unwrap();
+                            for (q, part) in got.iter().enumerate() {
+                                let qlen = if i == 151 && q == 1 {
+                                    5 << 20
+                                } else {
+                                    (i * 7 + q) % 50
+                                };
+                                assert_eq!(part.len(), qlen + r, "call {i}, rank {r}, from {q}");
+                                assert!(part.iter().all(|&x| x == (i + q + r) as u8));
+                            }
+                            continue;
+                        }
                         let mine = vec![(i + r) as u8; len];
                         let all = c.all_gather(&mine).unwrap();
                         for (q, part) in all.iter().enumerate() {

@@ -137,6 +137,41 @@ impl Communicator for ShmComm {
         "shared memory"
     }
     fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
+        self.exchange(mine, |_, b| Ok(b.to_vec()), || self.tcp.all_gather(mine))
+    }
+    /// Each rank publishes its packed parts; each reads only its own part of the others'.
+    fn all_to_all(&self, parts: &[Vec<u8>]) -> CommResult<Vec<Vec<u8>>> {
+        let (me, n) = (self.rank(), self.world_size());
+        if parts.len() != n {
+            return Err(CommError(format!(
+                "all_to_all: {} parts for a group of {n} ranks (one per rank)",
+                parts.len()
+            )));
+        }
+        let read = |r: usize, b: &[u8]| {
+            crate::packed_part(b, n, me)
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| {
+                    CommError(format!(
+                        "all_to_all: rank {r} published a malformed frame of {} bytes",
+                        b.len()
+                    ))
+                })
+        };
+        self.exchange(&crate::pack(parts), read, || self.tcp.all_to_all(parts))
+    }
+}
+
+impl ShmComm {
+    /// One collective through the slots: publishes `mine` (or marks it too large), waits for
+    /// every rank's, and reads each with `read(rank, its bytes)` (this rank's own too). When
+    /// any rank's bytes overflow a slot, every rank runs `over_tcp` instead.
+    fn exchange<T>(
+        &self,
+        mine: &[u8],
+        read: impl Fn(usize, &[u8]) -> CommResult<T>,
+        over_tcp: impl FnOnce() -> CommResult<Vec<T>>,
+    ) -> CommResult<Vec<T>> {
         let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         *calls += 1;
         let (call, parity) = (*calls as u32, (*calls & 1) as usize);
@@ -159,23 +194,20 @@ impl Communicator for ShmComm {
             .map(|r| self.slot(r, parity).len.load(Ordering::Relaxed))
             .collect();
         if lens.contains(&OVERFLOW) {
-            return self.tcp.all_gather(mine);
+            return over_tcp();
         }
-        Ok((0..n)
+        (0..n)
             .map(|r| {
                 if r == rank {
-                    return mine.to_vec();
+                    return read(r, mine);
                 }
                 let len = (lens[r] as usize).min(SLOT_BYTES);
-                let mut v = vec![0u8; len];
                 // SAFETY: rank r published this slot for this call (acquire above) and will
                 // not write it again before this rank publishes its next call.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(self.slot(r, parity).data, v.as_mut_ptr(), len)
-                };
-                v
+                let bytes = unsafe { std::slice::from_raw_parts(self.slot(r, parity).data, len) };
+                read(r, bytes)
             })
-            .collect())
+            .collect()
     }
 }
 

@@ -228,14 +228,17 @@ pub(crate) enum Outcome {
     AllDone { more: bool },
 }
 
-/// One expert's job from one rank: `n` tokens of layer `key`.
+/// One expert's job from one rank: `n` tokens of layer `key`, rows `idx` of the rank's
+/// `table` (its tokens' hidden states, each sent once whatever number of this rank's
+/// experts it goes to).
 struct Job<'a> {
     src: usize,
     key: u32,
     id: usize,
     n: usize,
     ws: Vec<f32>,
-    rows: &'a [u8],
+    idx: Vec<usize>,
+    table: &'a [u8],
 }
 
 const TURN_LAYER: u8 = 1;
@@ -277,26 +280,39 @@ pub(crate) fn dispatch_round(
             active,
             assigned,
         } => {
+            // To rank s: the rows of the tokens any of its experts takes (each once), then per
+            // expert its id, its tokens' places among those rows and their weights.
             for (s, part) in parts.iter_mut().enumerate() {
                 let mine: Vec<usize> = active
                     .iter()
                     .copied()
                     .filter(|&id| shard.owner(id, experts) == s)
                     .collect();
+                let mut tokens: Vec<usize> = mine
+                    .iter()
+                    .flat_map(|&id| assigned[id].iter().map(|&(t, _)| t))
+                    .collect();
+                tokens.sort_unstable();
+                tokens.dedup();
                 part.push(TURN_LAYER);
                 part.extend_from_slice(&key.to_le_bytes());
+                part.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
                 part.extend_from_slice(&(mine.len() as u32).to_le_bytes());
+                for &t in &tokens {
+                    for v in &x[t * h..(t + 1) * h] {
+                        part.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
                 for id in mine {
                     let pairs = &assigned[id];
                     part.extend_from_slice(&(id as u32).to_le_bytes());
                     part.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+                    for &(t, _) in pairs {
+                        let i = tokens.binary_search(&t).expect("every token is listed");
+                        part.extend_from_slice(&(i as u32).to_le_bytes());
+                    }
                     for &(_, w) in pairs {
                         part.extend_from_slice(&w.to_le_bytes());
-                    }
-                    for &(t, _) in pairs {
-                        for v in &x[t * h..(t + 1) * h] {
-                            part.extend_from_slice(&v.to_le_bytes());
-                        }
                     }
                 }
             }
@@ -331,8 +347,10 @@ pub(crate) fn dispatch_round(
             Some(&TURN_LAYER) => {
                 any_layer = true;
                 let key = u32_at(1)?;
-                let count = u32_at(5)? as usize;
-                let mut at = 9usize;
+                let n_rows = u32_at(5)? as usize;
+                let count = u32_at(9)? as usize;
+                let table = b.get(13..13 + n_rows * h * 4).ok_or_else(bad)?;
+                let mut at = 13 + n_rows * h * 4;
                 for _ in 0..count {
                     let id = u32_at(at)? as usize;
                     let n = u32_at(at + 4)? as usize;
@@ -344,21 +362,31 @@ pub(crate) fn dispatch_round(
                             shard.rank
                         )));
                     }
+                    let idx = (0..n)
+                        .map(|j| {
+                            let i = u32_at(at + 4 * j)? as usize;
+                            if i < n_rows {
+                                Ok(i)
+                            } else {
+                                Err(bad())
+                            }
+                        })
+                        .collect::<Result<Vec<usize>>>()?;
+                    at += n * 4;
                     let wb = b.get(at..at + n * 4).ok_or_else(bad)?;
                     let ws = wb
                         .chunks_exact(4)
                         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                         .collect();
                     at += n * 4;
-                    let rows = b.get(at..at + n * h * 4).ok_or_else(bad)?;
-                    at += n * h * 4;
                     jobs.push(Job {
                         src,
                         key,
                         id,
                         n,
                         ws,
-                        rows,
+                        idx,
+                        table,
                     });
                 }
                 if at != b.len() {
@@ -387,12 +415,13 @@ pub(crate) fn dispatch_round(
         let mut xs = Vec::with_capacity(n * h);
         let mut ws = Vec::with_capacity(n);
         for &j in members {
-            xs.extend(
-                jobs[j]
-                    .rows
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-            );
+            for &i in &jobs[j].idx {
+                xs.extend(
+                    jobs[j].table[i * h * 4..(i + 1) * h * 4]
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                );
+            }
             ws.extend_from_slice(&jobs[j].ws);
         }
         compute(*key, *id, &xs, &ws, n)

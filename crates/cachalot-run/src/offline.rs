@@ -790,6 +790,16 @@ pub fn run_ranked(
             logln!("custom_params.{k}: an NPU switch, no effect here");
         }
     }
+    // force_eplb's balanced assignment: data-parallel ranks that dispatch to each other's
+    // experts shift it by their rank, as the seed's ranks do, so each rank's tokens start on
+    // other experts; otherwise as one process.
+    let balanced = |e: usize| {
+        if dispatch {
+            BalancedRouting::new(rank, ranks, e)
+        } else {
+            BalancedRouting::single_process(e)
+        }
+    };
     // The run log's line on the weights this rank holds.
     let held = |bytes: usize| {
         format!(
@@ -827,7 +837,7 @@ pub fn run_ranked(
             model.set_kv_cache_dtype(kv_cache_dtype);
             if m.force_eplb {
                 let e = model.config().n_routed_experts.unwrap_or(0);
-                model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
+                model.set_force_eplb(Some(balanced(e)?))?;
             }
             logln!("{}", held(model.weight_bytes()));
             v3 = model;
@@ -860,7 +870,7 @@ pub fn run_ranked(
             }
             if m.force_eplb {
                 let e = model.config().n_routed_experts;
-                model.set_force_eplb(Some(BalancedRouting::single_process(e)?))?;
+                model.set_force_eplb(Some(balanced(e)?))?;
             }
             logln!("{}", held(model.weight_bytes()));
             v4 = model;
