@@ -260,13 +260,15 @@ fn json_mask(
     string_safe: &[bool],
 ) -> Vec<f32> {
     let complete = state.is_complete();
+    // A complete value that can go on (a top-level number): a stop token or more of it.
+    let done = complete && !state.can_continue();
     let in_string = state.in_plain_string();
     row.iter()
         .enumerate()
         .map(|(t, &x)| {
             let ok = if stop.contains(&(t as u32)) {
                 complete
-            } else if complete {
+            } else if done {
                 false
             } else if in_string && string_safe.get(t) == Some(&true) {
                 true
@@ -398,6 +400,15 @@ impl Grammar {
         match self {
             Grammar::Object(s) => s.in_plain_string(),
             Grammar::Schema(s) => s.in_plain_string(),
+        }
+    }
+
+    /// Complete, yet more bytes could extend it (a top-level number; JSON mode's object is
+    /// done once closed).
+    fn can_continue(&self) -> bool {
+        match self {
+            Grammar::Object(_) => false,
+            Grammar::Schema(s) => s.can_continue(),
         }
     }
 }
@@ -1519,7 +1530,9 @@ impl<'t, M: Model> Engine<'t, M> {
                     state.feed_all(b);
                 }
                 // Complete, with no stop token to end it: it ends now (as a stop).
-                json_done = state.is_complete() && live.stop.stop_token_ids.is_empty();
+                json_done = state.is_complete()
+                    && !state.can_continue()
+                    && live.stop.stop_token_ids.is_empty();
             }
         }
         live.first_token.get_or_insert(at);

@@ -18,6 +18,151 @@ use regex_automata::{Anchored, MatchKind};
 
 /// DFA states a pattern may take before it is refused as too large.
 const MAX_PATTERN_STATES: usize = 20_000;
+/// Patterns up to this many states get their distances in characters measured (for lengths).
+const MAX_MEASURED_STATES: usize = 2_000;
+
+/// A byte's place in UTF-8 from `cont` continuation bytes due: the bytes due after it and
+/// whether it starts a character; None if it cannot come here.
+pub(crate) fn utf8_step(cont: u8, b: u8) -> Option<(u8, bool)> {
+    match (cont, b) {
+        (0, 0x00..=0x7f) => Some((0, true)),
+        (0, 0xc2..=0xdf) => Some((1, true)),
+        (0, 0xe0..=0xef) => Some((2, true)),
+        (0, 0xf0..=0xf4) => Some((3, true)),
+        (1..=3, 0x80..=0xbf) => Some((cont - 1, false)),
+        _ => None,
+    }
+}
+
+/// For every (state, continuation bytes due) pair: the fewest and most characters to a match
+/// at the end (characters cost 1 at their first byte). Pairs from which no match is reachable
+/// are left out.
+fn char_distances(
+    dfa: &dense::DFA<Vec<u32>>,
+    states: &[StateID],
+) -> HashMap<(StateID, u8), (u32, u32)> {
+    let index: HashMap<StateID, usize> = states.iter().enumerate().map(|(i, &s)| (s, i)).collect();
+    let nodes = states.len() * 4;
+    let id = |s: usize, c: u8| s * 4 + c as usize;
+    // Edges (to, cost) of each node.
+    let mut edges: Vec<Vec<(usize, u32)>> = vec![Vec::new(); nodes];
+    for (i, &s) in states.iter().enumerate() {
+        for c in 0..4u8 {
+            for b in 0..=255u8 {
+                let Some((c2, starts)) = utf8_step(c, b) else {
+                    continue;
+                };
+                let t = dfa.next_state(s, b);
+                if let Some(&j) = index.get(&t) {
+                    edges[id(i, c)].push((id(j, c2), starts as u32));
+                }
+            }
+        }
+    }
+    let accept: Vec<bool> = (0..nodes)
+        .map(|n| n % 4 == 0 && dfa.is_match_state(dfa.next_eoi_state(states[n / 4])))
+        .collect();
+    // Fewest: Bellman-Ford style relaxation over 0/1 costs (few nodes).
+    let mut min = vec![u32::MAX; nodes];
+    for (n, &a) in accept.iter().enumerate() {
+        if a {
+            min[n] = 0;
+        }
+    }
+    let mut changed = true;
+    while changed {
+        changed = false;
+        for n in 0..nodes {
+            for &(t, w) in &edges[n] {
+                if min[t] != u32::MAX && min[t] + w < min[n] {
+                    min[n] = min[t] + w;
+                    changed = true;
+                }
+            }
+        }
+    }
+    // Most: unbounded where a cycle through a character lies on a way to a match; else the
+    // longest way. Over the nodes that can reach a match, by strongly connected components
+    // (Kosaraju): a component with an inner character edge is such a cycle.
+    let useful = |n: usize| min[n] != u32::MAX;
+    let mut order = Vec::with_capacity(nodes);
+    let mut visited = vec![false; nodes];
+    for root in (0..nodes).filter(|&n| useful(n)) {
+        if visited[root] {
+            continue;
+        }
+        visited[root] = true;
+        let mut stack = vec![(root, 0usize)];
+        while let Some(&mut (n, ref mut i)) = stack.last_mut() {
+            if let Some(&(t, _)) = edges[n].get(*i) {
+                *i += 1;
+                if useful(t) && !visited[t] {
+                    visited[t] = true;
+                    stack.push((t, 0));
+                }
+            } else {
+                order.push(n);
+                stack.pop();
+            }
+        }
+    }
+    let mut back: Vec<Vec<usize>> = vec![Vec::new(); nodes];
+    for n in (0..nodes).filter(|&n| useful(n)) {
+        for &(t, _) in &edges[n] {
+            if useful(t) {
+                back[t].push(n);
+            }
+        }
+    }
+    let mut comp = vec![usize::MAX; nodes];
+    let mut comps = 0;
+    for &root in order.iter().rev() {
+        if comp[root] != usize::MAX {
+            continue;
+        }
+        comp[root] = comps;
+        let mut stack = vec![root];
+        while let Some(n) = stack.pop() {
+            for &f in &back[n] {
+                if comp[f] == usize::MAX {
+                    comp[f] = comps;
+                    stack.push(f);
+                }
+            }
+        }
+        comps += 1;
+    }
+    // Components come out sources first: the longest way to a match is settled from the last.
+    let mut members: Vec<Vec<usize>> = vec![Vec::new(); comps];
+    for n in (0..nodes).filter(|&n| useful(n)) {
+        members[comp[n]].push(n);
+    }
+    let mut max = vec![0u32; nodes];
+    for c in (0..comps).rev() {
+        let cyclic = members[c].iter().any(|&n| {
+            edges[n]
+                .iter()
+                .any(|&(t, w)| w == 1 && useful(t) && comp[t] == c)
+        });
+        // Within a component without a character cycle, ways cost nothing (continuation
+        // bytes only): every member shares the best way out.
+        let mut best = 0u32;
+        for &n in &members[c] {
+            for &(t, w) in &edges[n] {
+                if useful(t) && comp[t] != c {
+                    best = best.max(max[t].saturating_add(w));
+                }
+            }
+        }
+        for &n in &members[c] {
+            max[n] = if cyclic { u32::MAX } else { best };
+        }
+    }
+    (0..nodes)
+        .filter(|&n| min[n] != u32::MAX)
+        .map(|n| ((states[n / 4], (n % 4) as u8), (min[n], max[n])))
+        .collect()
+}
 
 /// A compiled `pattern`: the DFA of `(?s:.)*(?:PATTERN)(?s:.)*` over a string's UTF-8 bytes
 /// (unescaped), anchored at the string's start, and the states from which a match at the
@@ -27,6 +172,10 @@ pub(crate) struct Pattern {
     dfa: dense::DFA<Vec<u32>>,
     start: StateID,
     live: HashMap<StateID, bool>,
+    /// Per state and UTF-8 continuation bytes still due (0-3): the fewest and the most
+    /// characters a match at the end still needs (`u32::MAX`: unbounded); empty when the
+    /// automaton is too large to measure (lengths are then checked at the end only).
+    reach: HashMap<(StateID, u8), (u32, u32)>,
 }
 
 impl std::fmt::Debug for Pattern {
@@ -103,13 +252,48 @@ impl Pattern {
         if !live[0] {
             return Err(format!("{at}: the pattern {pattern:?} matches no string"));
         }
+        let reach = if states.len() <= MAX_MEASURED_STATES {
+            char_distances(&dfa, &states)
+        } else {
+            HashMap::new()
+        };
         let live = states.iter().zip(live).map(|(&s, l)| (s, l)).collect();
         Ok(Pattern {
             source: pattern.to_string(),
             dfa,
             start,
             live,
+            reach,
         })
+    }
+
+    /// Characters a match still needs from `s` with `cont` continuation bytes due: (fewest,
+    /// most); None when not measured.
+    pub(crate) fn reach(&self, s: StateID, cont: u8) -> Option<(u32, u32)> {
+        self.reach.get(&(s, cont)).copied()
+    }
+
+    /// From state `s` with `cont` continuation bytes due and `chars` characters written, a
+    /// match can still end with a length in `[min_len, max_len]` (when measured; else true).
+    pub(crate) fn fits(
+        &self,
+        s: StateID,
+        cont: u8,
+        chars: usize,
+        min_len: usize,
+        max_len: usize,
+    ) -> bool {
+        if self.reach.is_empty() {
+            return true;
+        }
+        match self.reach(s, cont) {
+            Some((fewest, most)) => {
+                let room = max_len.saturating_sub(chars);
+                let need = min_len.saturating_sub(chars);
+                (fewest as usize) <= room && (most == u32::MAX || most as usize >= need)
+            }
+            None => false,
+        }
     }
 
     pub(crate) fn start(&self) -> StateID {
@@ -150,7 +334,7 @@ impl Bounds {
         *self == Bounds::NONE
     }
 
-    fn holds(&self, v: f64) -> bool {
+    pub(crate) fn holds(&self, v: f64) -> bool {
         (if self.lo_excl {
             v > self.lo
         } else {
@@ -182,7 +366,7 @@ impl Bounds {
     }
 
     /// Some integer of `[a, b]` (integral ends) is inside the bounds.
-    fn meets_int(&self, a: f64, b: f64) -> bool {
+    pub(crate) fn meets_int(&self, a: f64, b: f64) -> bool {
         let lo = if self.lo_excl {
             self.lo.floor() + 1.0
         } else {

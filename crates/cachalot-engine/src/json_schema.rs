@@ -136,8 +136,28 @@ impl Schema {
             nodes: vec![any_node(), any_node()],
             refs: Vec::new(),
             pending: Vec::new(),
+            aliases: Vec::new(),
         };
         let n = c.node(schema, "#", 0)?;
+        // References to references: each takes its target's node (a chain that comes back to
+        // itself holds no schema).
+        for _ in 0..=c.aliases.len() {
+            for &(a, t, _) in &c.aliases {
+                c.nodes[a] = c.nodes[t].clone();
+            }
+        }
+        for (a, _, r) in &c.aliases {
+            let mut at = *a;
+            for _ in 0..=c.aliases.len() {
+                match c.aliases.iter().find(|(x, _, _)| *x == at) {
+                    Some(&(_, t, _)) if t == *a => {
+                        return Err(format!("{r}: the $ref refers to itself without a schema"))
+                    }
+                    Some(&(_, t, _)) => at = t,
+                    None => break,
+                }
+            }
+        }
         c.nodes[0] = c.nodes[n].clone();
         // Every branch is compiled now (recursive ones included): their types, for dispatch.
         for i in 0..c.nodes.len() {
@@ -148,7 +168,38 @@ impl Schema {
                 .collect();
             c.nodes[i].alt_types = types;
         }
+        // A branch that is itself a union dispatches again: a chain of unions that comes back
+        // to one never reaches a value.
+        for i in 0..c.nodes.len() {
+            let mut seen = vec![i];
+            let mut todo: Vec<usize> = c.nodes[i].alts.clone();
+            while let Some(a) = todo.pop() {
+                if c.nodes[a].alts.is_empty() {
+                    continue;
+                }
+                if seen.contains(&a) {
+                    return Err(
+                        "#: an anyOf/oneOf refers to itself without a value between".to_string()
+                    );
+                }
+                seen.push(a);
+                todo.extend(c.nodes[a].alts.iter().copied());
+            }
+        }
         Ok(Arc::new(Schema { nodes: c.nodes }))
+    }
+}
+
+impl Schema {
+    /// Its values are objects only (what a tool's arguments must be).
+    pub fn takes_only_objects(&self) -> bool {
+        let root = &self.nodes[0];
+        let types = if root.alts.is_empty() {
+            root.value_types()
+        } else {
+            root.alt_types.iter().fold(0, |a, t| a | t)
+        };
+        types == OBJ
     }
 }
 
@@ -159,6 +210,10 @@ struct Compiler<'a> {
     refs: Vec<(String, usize)>,
     /// `$ref` nodes reserved and not yet compiled (a recursive reference meets them).
     pending: Vec<usize>,
+    /// `(node, target, ref)`: every `$ref`'s node and its target's; the node takes the
+    /// target's compiled node again once everything is compiled (a target that was a pending
+    /// reference itself held a placeholder).
+    aliases: Vec<(usize, usize, String)>,
 }
 
 impl Compiler<'_> {
@@ -197,12 +252,24 @@ impl Compiler<'_> {
                         "{at}/$ref: {r:?} is not a schema under this schema's $defs or definitions"
                     )
                 })?;
+            if let Some(k) = obj.keys().find(|k| {
+                !ANNOTATIONS.contains(&k.as_str())
+                    && !matches!(k.as_str(), "$ref" | "$defs" | "definitions")
+            }) {
+                return Err(format!(
+                    "{at}: `{k}` beside `$ref` is not supported in structured output (move it \
+                     into the referenced schema)"
+                ));
+            }
             // Reserved before compiling, so a recursive reference finds it.
             let n = self.nodes.len();
             self.nodes.push(any_node());
             self.refs.push((r.to_string(), n));
             self.pending.push(n);
             let t = self.node(target, r, depth + 1)?;
+            // (A target that is itself a reference still being compiled is copied again at
+            // the end.)
+            self.aliases.push((n, t, r.to_string()));
             self.nodes[n] = self.nodes[t].clone();
             self.pending.retain(|&p| p != n);
             return Ok(n);
@@ -240,6 +307,11 @@ impl Compiler<'_> {
                 ));
             }
         }
+        if obj.contains_key("anyOf") && obj.contains_key("oneOf") {
+            return Err(format!(
+                "{at}: anyOf and oneOf together are not supported in structured output"
+            ));
+        }
         if let Some(alts) = obj.get("anyOf").or_else(|| obj.get("oneOf")) {
             return self.union(obj, alts, at, depth);
         }
@@ -248,7 +320,9 @@ impl Compiler<'_> {
             None if obj.contains_key("properties") => OBJ,
             None if obj.contains_key("items") => ARR,
             None => ALL,
-            Some(t) => types_of(t).ok_or_else(|| format!("{at}/type: {t} is not a JSON type"))?,
+            Some(t) => types_of(t)
+                .filter(|&t| t != 0)
+                .ok_or_else(|| format!("{at}/type: {t} is not a JSON type (or list of them)"))?,
         };
         let values = match (obj.get("enum"), obj.get("const")) {
             (Some(Value::Array(vs)), _) => Some(vs.clone()),
@@ -285,10 +359,11 @@ impl Compiler<'_> {
                 ));
             }
             for (k, v) in p {
-                if k.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
+                if k.len() > MAX_KEY {
                     return Err(format!(
-                        "{at}/properties: the name {k:?} holds a quote, backslash or control \
-                         character (not supported)"
+                        "{at}/properties: a name of {} bytes; structured output takes names of \
+                         at most {MAX_KEY}",
+                        k.len()
                     ));
                 }
                 let n = self.node(v, &format!("{at}/properties/{k}"), depth + 1)?;
@@ -344,9 +419,51 @@ impl Compiler<'_> {
             let p = p
                 .as_str()
                 .ok_or_else(|| format!("{at}/pattern: {p} is not a string"))?;
-            node.pattern = Some(Arc::new(Pattern::compile(p, &format!("{at}/pattern"))?));
+            let pat = Pattern::compile(p, &format!("{at}/pattern"))?;
+            if !pat.fits(pat.start(), 0, 0, node.min_len, node.max_len) {
+                return Err(format!(
+                    "{at}: the pattern {p:?} matches no string of minLength {} to maxLength {}",
+                    node.min_len, node.max_len
+                ));
+            }
+            node.pattern = Some(Arc::new(pat));
         }
         node.bounds = bounds_of(obj, at)?;
+        // Integers only, and no integer inside the bounds: no value.
+        if node.types & (INT | NUM) == INT
+            && !node.bounds.meets_int(f64::NEG_INFINITY, f64::INFINITY)
+        {
+            node.types &= !INT;
+            if node.types == 0 {
+                return Err(format!("{at}: no integer lies inside the bounds"));
+            }
+        }
+        // Enum values beside string or number constraints: those that meet them.
+        if let Some(texts) = node.enumv.take() {
+            let kept: Vec<Vec<u8>> = texts
+                .into_iter()
+                .filter(|t| match serde_json::from_slice::<Value>(t) {
+                    Ok(Value::String(v)) => {
+                        let chars = v.chars().count();
+                        chars >= node.min_len
+                            && chars <= node.max_len
+                            && node.pattern.as_ref().is_none_or(|p| {
+                                v.bytes()
+                                    .try_fold(p.start(), |st, b| p.next(st, b))
+                                    .is_some_and(|st| p.accepts_end(st))
+                            })
+                    }
+                    Ok(Value::Number(v)) => v.as_f64().is_some_and(|x| node.bounds.holds(x)),
+                    _ => true,
+                })
+                .collect();
+            if kept.is_empty() {
+                return Err(format!(
+                    "{at}: no enum value meets the schema's other constraints"
+                ));
+            }
+            node.enumv = Some(kept);
+        }
         let n = self.nodes.len();
         self.nodes.push(node);
         Ok(n)
@@ -382,7 +499,7 @@ impl Compiler<'_> {
         for (i, a) in alts.iter().enumerate() {
             let n = self.node(a, &format!("{at}/anyOf/{i}"), depth + 1)?;
             let types = if self.pending(n) {
-                declared_types(self.root, a, 0)
+                declared_types(self.root, a, 0, &mut Vec::new())
             } else {
                 self.nodes[n].value_types()
             };
@@ -401,6 +518,13 @@ impl Compiler<'_> {
             }
             merged.types |= types;
             merged.alts.push(n);
+        }
+        if numeric.len() > 1 && obj.contains_key("oneOf") {
+            // An integer is a number too: it would match both branches, which oneOf forbids.
+            return Err(format!(
+                "{at}/oneOf: an integer branch beside a number branch matches integers twice \
+                 (not supported); use anyOf"
+            ));
         }
         if numeric.len() > 1 {
             let plain = numeric.iter().all(|&(n, t)| {
@@ -427,7 +551,9 @@ impl Compiler<'_> {
 /// The types a schema's values can have, read from the schema itself (for a `$ref` whose node
 /// is still being compiled): `type`, an enum's values, `properties`/`items`, the branches of
 /// `anyOf`/`oneOf`, what a `$ref` points at; any type where it says nothing.
-fn declared_types(root: &Value, s: &Value, depth: usize) -> u8 {
+/// `seen`: the references followed so far (each is followed once: its types are already in the
+/// union being built).
+fn declared_types(root: &Value, s: &Value, depth: usize, seen: &mut Vec<String>) -> u8 {
     let Some(o) = s.as_object() else {
         return ALL;
     };
@@ -435,12 +561,16 @@ fn declared_types(root: &Value, s: &Value, depth: usize) -> u8 {
         return ALL;
     }
     if let Some(r) = o.get("$ref").and_then(Value::as_str) {
+        if seen.iter().any(|x| x == r) {
+            return 0;
+        }
+        seen.push(r.to_string());
         let target = r
             .strip_prefix("#/$defs/")
             .map(|k| ("$defs", k))
             .or_else(|| r.strip_prefix("#/definitions/").map(|k| ("definitions", k)))
             .and_then(|(section, k)| root.get(section)?.get(k));
-        return target.map_or(ALL, |t| declared_types(root, t, depth + 1));
+        return target.map_or(ALL, |t| declared_types(root, t, depth + 1, seen));
     }
     if let Some(alts) = o
         .get("anyOf")
@@ -449,7 +579,7 @@ fn declared_types(root: &Value, s: &Value, depth: usize) -> u8 {
     {
         return alts
             .iter()
-            .fold(0, |acc, a| acc | declared_types(root, a, depth + 1));
+            .fold(0, |acc, a| acc | declared_types(root, a, depth + 1, seen));
     }
     if let Some(t) = o.get("type").and_then(types_of) {
         return t;
@@ -574,19 +704,23 @@ enum Next {
 enum Scalar {
     None,
     /// A string of `node`: `chars` characters so far, `re` its pattern's state.
+    /// `cont`: UTF-8 continuation bytes still due (tracked under a pattern).
     Str {
         escape: bool,
         hex: u8,
         node: usize,
         chars: usize,
         re: Option<regex_automata::util::primitives::StateID>,
+        cont: u8,
     },
-    /// An object's key so far (`escaped`: it held an escape, so it is no property's).
+    /// An object's key so far: `buf` the text it stands for (escapes decoded); `code` the
+    /// code point of a `\u` escape being read; `other`: it is no property's name.
     Key {
         buf: Vec<u8>,
         escape: bool,
         hex: u8,
-        escaped: bool,
+        code: u32,
+        other: bool,
     },
     /// A number of `node` (`text`: its bytes so far, kept under bounds).
     Num {
@@ -663,6 +797,22 @@ impl SchemaState {
         }
     }
 
+    /// A complete value that more bytes could still extend (a top-level number, or an enum
+    /// value that is a prefix of a longer one): a stop token may end it here, or it may go on.
+    pub fn can_continue(&self) -> bool {
+        match &self.scalar {
+            Scalar::Num { .. } => self.stack.is_empty(),
+            Scalar::Enum { node, buf } => {
+                self.stack.is_empty()
+                    && self
+                        .enum_values(*node)
+                        .iter()
+                        .any(|v| v.len() > buf.len() && v.starts_with(buf))
+            }
+            _ => false,
+        }
+    }
+
     pub fn feed_all(&mut self, bytes: &[u8]) -> bool {
         bytes.iter().all(|&b| self.feed(b))
     }
@@ -679,8 +829,10 @@ impl SchemaState {
                 node,
                 chars,
                 re,
+                cont,
             } => {
-                let (e, h, node, mut chars, mut re) = (*escape, *hex, *node, *chars, *re);
+                let (e, h, node, mut chars, mut re, mut cont) =
+                    (*escape, *hex, *node, *chars, *re, *cont);
                 let schema = self.schema.clone();
                 let nd = &schema.nodes[node];
                 match string_byte(b, e, h) {
@@ -701,7 +853,11 @@ impl SchemaState {
                                 // A backslash only when some escaped character can follow.
                                 if !e && h == 0 && b == b'\\' {
                                     let escapable = [b'"', b'\\', b'/', b'\n', b'\t', b'\r', 8, 12];
-                                    if !escapable.iter().any(|&c| p.next(st, c).is_some()) {
+                                    if !escapable.iter().any(|&c| {
+                                        p.next(st, c).is_some_and(|t| {
+                                            p.fits(t, 0, chars, nd.min_len, nd.max_len)
+                                        })
+                                    }) {
                                         return false;
                                     }
                                 }
@@ -720,9 +876,22 @@ impl SchemaState {
                                     _ => None,
                                 };
                                 if let Some(c) = c {
+                                    // Raw bytes walk UTF-8; an escape is one ASCII character.
+                                    if !e {
+                                        match crate::json_constraints::utf8_step(cont, c) {
+                                            Some((next, _)) => cont = next,
+                                            None => return false,
+                                        }
+                                    }
                                     match p.next(st, c) {
-                                        Some(next) => re = Some(next),
-                                        None => return false,
+                                        Some(next)
+                                            if p.fits(
+                                                next, cont, chars, nd.min_len, nd.max_len,
+                                            ) =>
+                                        {
+                                            re = Some(next)
+                                        }
+                                        _ => return false,
                                     }
                                 }
                             }
@@ -733,6 +902,7 @@ impl SchemaState {
                             node,
                             chars,
                             re,
+                            cont,
                         };
                     }
                     Some(None) => {
@@ -864,7 +1034,8 @@ impl SchemaState {
                             buf: Vec::new(),
                             escape: false,
                             hex: 0,
-                            escaped: false,
+                            code: 0,
+                            other: false,
                         };
                         true
                     }
@@ -896,7 +1067,9 @@ impl SchemaState {
                         self.value_done();
                         true
                     }
-                    (Next::CommaOrEnd, b',') if count < max => {
+                    (Next::CommaOrEnd, b',')
+                        if count < max && self.can_start(items, self.stack.len()) =>
+                    {
                         self.set_next(Next::Item);
                         true
                     }
@@ -981,6 +1154,7 @@ impl SchemaState {
                     node,
                     chars: 0,
                     re: n.pattern.as_ref().map(|p| p.start()),
+                    cont: 0,
                 };
                 true
             }
@@ -1022,6 +1196,18 @@ impl SchemaState {
         }
     }
 
+    /// A value of `node` can begin inside `depth` open containers (containers stop at the
+    /// nesting limit).
+    fn can_start(&self, node: usize, depth: usize) -> bool {
+        let n = &self.schema.nodes[node];
+        let types = if n.alts.is_empty() {
+            n.value_types()
+        } else {
+            n.alt_types.iter().fold(0, |a, t| a | t)
+        };
+        depth < MAX_DEPTH || types & !(OBJ | ARR) != 0
+    }
+
     /// A value ended: at the top level the answer is complete.
     fn value_done(&mut self) {
         if self.stack.is_empty() {
@@ -1029,25 +1215,30 @@ impl SchemaState {
         }
     }
 
-    /// A byte of an object's key.
+    /// A byte of an object's key. The key is matched against the properties as the text it
+    /// stands for (escapes decoded), so `"\u0061"` is property `a`.
     fn key_byte(&mut self, b: u8) -> bool {
         let Some(Frame::Obj { node, seen, .. }) = self.stack.last().cloned() else {
             return false;
         };
-        let n = &self.schema.nodes[node];
+        let schema = self.schema.clone();
+        let n = &schema.nodes[node];
         let Scalar::Key {
             buf,
             escape,
             hex,
-            escaped,
+            code,
+            other,
         } = &mut self.scalar
         else {
             return false;
         };
+        // The unseen properties the key so far is a prefix of.
+        let open = |buf: &[u8]| -> Vec<&[u8]> { open_props(n, seen, buf) };
         let plain = !*escape && *hex == 0;
         if plain && b == b'"' {
             // The key ends: a property not yet written, or (open objects) another key.
-            let prop = (!*escaped)
+            let prop = (!*other)
                 .then(|| n.props.iter().position(|(p, _)| p == buf))
                 .flatten();
             let value = match prop {
@@ -1065,35 +1256,87 @@ impl SchemaState {
                     None => return false,
                 },
             };
+            // At the nesting limit a key whose value must be an object or array could take
+            // no value.
+            if !self.can_start(value, self.stack.len()) {
+                return false;
+            }
             if let Some(Frame::Obj { value: v, .. }) = self.stack.last_mut() {
                 *v = value;
             }
             self.scalar = Scalar::None;
             return true;
         }
-        match string_byte(b, *escape, *hex) {
-            Some(Some((e, h))) => {
-                *escaped |= e || h > 0 || *hex > 0;
-                (*escape, *hex) = (e, h);
+        let Some(Some((e, h))) = string_byte(b, *escape, *hex) else {
+            return false;
+        };
+        let additional = n.additional.is_some();
+        if *other {
+            (*escape, *hex) = (e, h);
+            return additional;
+        }
+        if *hex > 0 {
+            // A `\u` escape's hex digit: the code point so far, and the range it can still be.
+            *code = *code * 16 + (b as char).to_digit(16).unwrap_or(0);
+            (*escape, *hex) = (e, h);
+            if h > 0 {
+                let lo = *code << (4 * h as u32);
+                let hi = lo + (1 << (4 * h as u32)) - 1;
+                let at = buf.len();
+                return additional
+                    || open(buf).iter().any(|p| {
+                        std::str::from_utf8(&p[at..])
+                            .ok()
+                            .and_then(|t| t.chars().next())
+                            .is_some_and(|c| (lo..=hi).contains(&(c as u32)))
+                    });
             }
-            _ => return false,
-        }
-        if *escaped {
-            // Not a property's name: an open object takes it.
-            return n.additional.is_some();
-        }
-        if buf.len() < MAX_KEY {
+            match char::from_u32(std::mem::take(code)) {
+                Some(c) => {
+                    let mut utf8 = [0u8; 4];
+                    buf.extend_from_slice(c.encode_utf8(&mut utf8).as_bytes());
+                }
+                // Half of a surrogate pair: no property's name (they are written raw).
+                None => *other = true,
+            }
+        } else if *escape {
+            (*escape, *hex) = (e, h);
+            match b {
+                b'u' => {
+                    let at = buf.len();
+                    return additional || open(buf).iter().any(|p| p.len() > at);
+                }
+                b'b' => buf.push(8),
+                b'f' => buf.push(12),
+                b'n' => buf.push(b'\n'),
+                b'r' => buf.push(b'\r'),
+                b't' => buf.push(b'\t'),
+                other => buf.push(other),
+            }
+        } else if b == b'\\' {
+            (*escape, *hex) = (e, h);
+            let at = buf.len();
+            return additional || open(buf).iter().any(|p| p.len() > at);
+        } else {
             buf.push(b);
         }
-        let buf = buf.clone();
-        let on_prop = n
-            .props
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| seen & (1 << i) == 0)
-            .any(|(_, (p, _))| p.starts_with(&buf));
-        on_prop || n.additional.is_some()
+        if buf.len() > MAX_KEY {
+            // Longer than any property's name (compile refuses longer ones).
+            *other = true;
+            return additional;
+        }
+        !open(buf).is_empty() || additional
     }
+}
+
+/// The names of `n`'s properties not in `seen` that begin with `buf`.
+fn open_props<'a>(n: &'a Node, seen: u64, buf: &[u8]) -> Vec<&'a [u8]> {
+    n.props
+        .iter()
+        .enumerate()
+        .filter(|(i, (p, _))| seen & (1 << i) == 0 && p.starts_with(buf))
+        .map(|(_, (p, _))| p.as_slice())
+        .collect()
 }
 
 #[cfg(test)]
@@ -1328,9 +1571,12 @@ mod tests {
             json!({"anyOf": [{"enum": ["a", "b"]}, {"type": "integer"}, {"const": true}]}),
             json!({"type": "object", "properties": {"a": {"type": "integer"}},
                    "additionalProperties": {"type": "integer", "maximum": 5}}),
+            json!({"type": "object", "properties": {"\"q": {"type": "null"}, "é": {"type": "null"}},
+                   "additionalProperties": false}),
+            json!({"type": "string", "pattern": "^(ab|c+)$", "minLength": 2, "maxLength": 4}),
         ];
         // Literal["a", "b"] | int | True: a branch each, by the first byte.
-        let lit = &schemas[schemas.len() - 2];
+        let lit = &schemas[14];
         assert_eq!(accepts(lit, r#""b""#), (true, true));
         assert_eq!(accepts(lit, "-12"), (true, true));
         assert_eq!(accepts(lit, "true"), (true, true));
@@ -1394,6 +1640,91 @@ mod tests {
             }
             assert!(completed > 0, "{schema}: no walk completed");
         }
+    }
+
+    /// The cases of a review: self-reference without a value, reference chains, escaped
+    /// keys, schemas that leave no value, enums beside constraints, top-level numbers.
+    #[test]
+    fn references_escapes_and_empty_schemas_are_handled() {
+        let refuse = |schema: Value, why: &str| {
+            let e = Schema::compile(&schema).unwrap_err();
+            assert!(e.contains(why), "{schema}: {e}");
+        };
+        refuse(
+            json!({"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}]}}, "$ref": "#/$defs/A"}),
+            "refers to itself",
+        );
+        refuse(
+            json!({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}},
+                   "$ref": "#/$defs/A"}),
+            "refers to itself",
+        );
+        refuse(json!({"type": []}), "type");
+        refuse(
+            json!({"type": "integer", "minimum": 0.5, "maximum": 0.7}),
+            "no integer",
+        );
+        refuse(
+            json!({"type": "string", "pattern": "^abc$", "maxLength": 2}),
+            "matches no string",
+        );
+        refuse(
+            json!({"properties": {"a".repeat(300): {"type": "null"}}}),
+            "at most 256",
+        );
+        refuse(
+            json!({"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "maximum": 3}),
+            "beside `$ref`",
+        );
+        refuse(
+            json!({"anyOf": [{"type": "string"}], "oneOf": [{"type": "null"}]}),
+            "anyOf and oneOf",
+        );
+        refuse(
+            json!({"oneOf": [{"type": "integer"}, {"type": "number"}]}),
+            "oneOf",
+        );
+        refuse(
+            json!({"enum": ["abc"], "maxLength": 2}),
+            "no enum value meets",
+        );
+        // Two references to one union: compiled in time (each reference is followed once).
+        let t = std::time::Instant::now();
+        let _ = Schema::compile(&json!({"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"},
+            {"$ref": "#/$defs/A"}]}}, "$ref": "#/$defs/A"}));
+        assert!(t.elapsed().as_secs() < 5);
+        // A reference to a reference takes its schema.
+        let chain = json!({"$defs": {
+            "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}},
+                  "additionalProperties": false},
+            "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"});
+        assert!(!accepts(&chain, r#"{"b": 5"#).0);
+        assert_eq!(accepts(&chain, r#"{"b": {"b": {}}}"#), (true, true));
+        // Escaped keys are the properties they spell.
+        let s = json!({"properties": {"a": {"type": "integer"}, "q\"x": {"type": "null"}},
+                       "required": ["a"], "additionalProperties": false});
+        assert_eq!(accepts(&s, r#"{"\u0061": 1}"#), (true, true));
+        assert!(!accepts(&s, r#"{"\u0061": "x""#).0);
+        assert!(!accepts(&s, r#"{"\u0062"#).0);
+        assert_eq!(accepts(&s, r#"{"a": 1, "q\"x": null}"#), (true, true));
+        assert!(!accepts(&s, r#"{"a": 1, "\u0061"#).0);
+        // A pattern whose short branch would leave minLength unmet.
+        let p = json!({"type": "string", "pattern": "^(a|bbb)$", "minLength": 2});
+        assert!(!accepts(&p, r#""a"#).0);
+        assert_eq!(accepts(&p, r#""bbb""#), (true, true));
+        // Enum values that break the constraints are dropped; integers only where bounded.
+        let e = json!({"enum": ["abc", "ab", 7, 2], "maxLength": 2, "maximum": 5});
+        assert_eq!(accepts(&e, r#""ab""#), (true, true));
+        assert!(!accepts(&e, r#""abc"#).0 && !accepts(&e, "7").0);
+        // A top-level number is complete and can still go on.
+        let mut n = SchemaState::new(Schema::compile(&json!({"type": "integer"})).unwrap());
+        assert!(n.feed_all(b"4") && n.is_complete() && n.can_continue());
+        assert!(n.feed_all(b"2 ") && n.is_complete() && !n.can_continue());
+        // Tool arguments: objects only.
+        assert!(Schema::compile(&json!({"type": "object"}))
+            .unwrap()
+            .takes_only_objects());
+        assert!(!Schema::compile(&json!({})).unwrap().takes_only_objects());
     }
 
     #[test]

@@ -2252,8 +2252,23 @@ fn forced_call(
                 .iter()
                 .find(|t| t["function"]["name"] == n)
                 .and_then(|t| t["function"].get("parameters"))
-                .filter(|p| cachalot_engine::json_schema::Schema::compile(p).is_ok())
-                .cloned()
+                .map(|p| {
+                    // Arguments are an object: `{}` or a schema without a type says so.
+                    let mut p = p.clone();
+                    if let Some(o) = p.as_object_mut() {
+                        if !["type", "anyOf", "oneOf", "$ref", "enum", "const"]
+                            .iter()
+                            .any(|k| o.contains_key(*k))
+                        {
+                            o.insert("type".into(), "object".into());
+                        }
+                    }
+                    p
+                })
+                .filter(|p| {
+                    cachalot_engine::json_schema::Schema::compile(p)
+                        .is_ok_and(|s| s.takes_only_objects())
+                })
         };
         let (leads, schema) = match name {
             Some(n) => (Vec::new(), parameters(n)),
