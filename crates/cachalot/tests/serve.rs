@@ -1354,8 +1354,7 @@ fn serve_json_mode() {
                 ),
                 // An integer's text (a top-level number may run past i64).
                 1 => assert!(
-                    got.is_number()
-                        && text.trim().bytes().all(|b| b == b'-' || b.is_ascii_digit()),
+                    got.is_number() && text.trim().bytes().all(|b| b == b'-' || b.is_ascii_digit()),
                     "{text:?}"
                 ),
                 3 => {
