@@ -1668,21 +1668,8 @@ impl DeepseekV3 {
             let serve = |key: u32, id: usize, xs: &[f32], _ws: &[f32], n: usize| {
                 self.serve_expert(key, id, xs, n)
             };
-            match crate::expert_parallel::dispatch_round(
-                self.comm.as_deref(),
-                self.shard,
-                h,
-                e,
-                turn,
-                &serve,
-            )? {
-                crate::expert_parallel::Outcome::Outputs(o) => ys = o,
-                _ => {
-                    return Err(ModelError::Options(
-                        "expert dispatch: a layer's round returned no outputs".into(),
-                    ))
-                }
-            }
+            let comm = self.comm.as_deref();
+            ys = crate::expert_parallel::dispatch_layer(comm, self.shard, h, e, turn, &serve)?;
         } else if self.shard.ranks > 1 && self.tp.ranks == 1 {
             ys = crate::expert_parallel::gather(
                 self.comm.as_deref(),

@@ -1587,20 +1587,8 @@ impl DeepseekV4 {
             let serve = |key: u32, id: usize, xs: &[f32], ws: &[f32], n: usize| {
                 self.serve_expert(key, id, xs, ws, n)
             };
-            let crate::expert_parallel::Outcome::Outputs(ys) =
-                crate::expert_parallel::dispatch_round(
-                    self.comm.as_deref(),
-                    self.shard,
-                    h,
-                    e,
-                    turn,
-                    &serve,
-                )?
-            else {
-                return Err(ModelError::Options(
-                    "expert dispatch: a layer's round returned no outputs".into(),
-                ));
-            };
+            let comm = self.comm.as_deref();
+            let ys = crate::expert_parallel::dispatch_layer(comm, self.shard, h, e, turn, &serve)?;
             for (&id, y) in active.iter().zip(&ys) {
                 add(&mut out, &assigned[id], y);
             }

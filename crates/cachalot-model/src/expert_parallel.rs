@@ -219,7 +219,7 @@ pub(crate) enum Turn<'a> {
 }
 
 /// What a round gave this rank.
-pub(crate) enum Outcome {
+enum Outcome {
     /// For [`Turn::Layer`]: the outputs of its active experts, in id order (`n × h` each).
     Outputs(Vec<Vec<f32>>),
     /// For [`Turn::Done`] while some rank was still in its step (this rank served it).
@@ -252,7 +252,7 @@ const TURN_DONE: u8 = 2;
 /// MoE layer `key` over `n` rows. A rank whose step is over ([`Turn::Done`]) still serves the
 /// others' tokens, so ranks with different batches (or none) step together; the rows of each
 /// expert are computed together whatever rank they came from.
-pub(crate) fn dispatch_round(
+fn dispatch_round(
     comm: Option<&dyn Communicator>,
     shard: ExpertShard,
     h: usize,
@@ -487,6 +487,24 @@ pub(crate) fn dispatch_round(
             }
             Ok(Outcome::Outputs(out))
         }
+    }
+}
+
+/// A MoE layer's round ([`dispatch_round`] with a [`Turn::Layer`]): the outputs of the
+/// layer's active experts, in id order.
+pub(crate) fn dispatch_layer(
+    comm: Option<&dyn Communicator>,
+    shard: ExpertShard,
+    h: usize,
+    experts: usize,
+    turn: Turn<'_>,
+    compute: &ServeExpert<'_>,
+) -> Result<Vec<Vec<f32>>> {
+    match dispatch_round(comm, shard, h, experts, turn, compute)? {
+        Outcome::Outputs(ys) => Ok(ys),
+        _ => Err(ModelError::Options(
+            "expert dispatch: a layer's round returned no outputs".into(),
+        )),
     }
 }
 
