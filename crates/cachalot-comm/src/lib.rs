@@ -413,7 +413,6 @@ impl TcpComm {
     }
 }
 
-/// Rank 0's answer to rank `r`'s greeting.
 /// A group of `n` ranks over loopback TCP inside this process (tests and benchmarks of the
 /// parallel paths): every rank's communicator, in rank order.
 pub fn local_group(n: usize, timeout: Duration) -> CommResult<Vec<TcpComm>> {

@@ -5,9 +5,13 @@
 //!
 //! JSON Schema's `pattern` is an ECMA-262 regular expression that matches anywhere in the
 //! string (it is not anchored; `^` and `$` anchor it). It is compiled here with Rust's regex
-//! syntax (`regex-automata`), which agrees with ECMA-262 on the common subset (classes, `\d`,
-//! `\w`, `\s`, quantifiers, groups, alternation, anchors); look-around and backreferences are
-//! refused by the compiler, and the error names the pattern.
+//! syntax (`regex-automata`) after rewriting what the two read differently (`\d`, `\w`, `\b`
+//! are ASCII in ECMA-262, `.` leaves out every line terminator, classes do not nest:
+//! [`ecma_to_rust`]); look-around and backreferences are refused by the compiler, and the
+//! error names the pattern. Compiling walks the automaton once (liveness over predecessor
+//! lists); with `minLength`/`maxLength` beside it, the exact numbers of characters a match
+//! can still take from each state are tabulated ([`lengths`]), so a string never reaches a
+//! point where no allowed length is left (a gap between the fewest and the most included).
 
 use std::collections::HashMap;
 
@@ -18,8 +22,9 @@ use regex_automata::{Anchored, MatchKind};
 
 /// DFA states a pattern may take before it is refused as too large.
 const MAX_PATTERN_STATES: usize = 20_000;
-/// Patterns up to this many states get their distances in characters measured (for lengths).
-const MAX_MEASURED_STATES: usize = 2_000;
+/// Steps the length table of a pattern with lengths may take (node visits) before the pair is
+/// refused as too costly to hold.
+const MAX_LENGTH_WORK: usize = 40_000_000;
 
 /// A byte's place in UTF-8 from `cont` continuation bytes due: the bytes due after it and
 /// whether it starts a character; None if it cannot come here.
@@ -34,148 +39,96 @@ pub(crate) fn utf8_step(cont: u8, b: u8) -> Option<(u8, bool)> {
     }
 }
 
-/// For every (state, continuation bytes due) pair: the fewest and most characters to a match
-/// at the end (characters cost 1 at their first byte). Pairs from which no match is reachable
-/// are left out.
-fn char_distances(
-    dfa: &dense::DFA<Vec<u32>>,
-    states: &[StateID],
-) -> HashMap<(StateID, u8), (u32, u32)> {
-    let index: HashMap<StateID, usize> = states.iter().enumerate().map(|(i, &s)| (s, i)).collect();
-    let nodes = states.len() * 4;
-    let id = |s: usize, c: u8| s * 4 + c as usize;
-    // Edges (to, cost) of each node.
-    let mut edges: Vec<Vec<(usize, u32)>> = vec![Vec::new(); nodes];
-    for (i, &s) in states.iter().enumerate() {
-        for c in 0..4u8 {
-            for b in 0..=255u8 {
-                let Some((c2, starts)) = utf8_step(c, b) else {
+/// An ECMA-262 pattern in Rust's regex syntax where the two read the same text differently:
+/// `\d`, `\w`, `\b` are ASCII in ECMA-262 (Unicode in Rust); `.` leaves out every line
+/// terminator (`\r`, U+2028, U+2029 too); inside a class `\b` is a backspace, and `[`, `&&`,
+/// `--`, `~~` are literal (Rust nests classes and has set operators there); `[^]` is any
+/// character and `[]` none.
+fn ecma_to_rust(pattern: &str) -> String {
+    const DIGIT: &str = "0-9";
+    const WORD: &str = "0-9A-Za-z_";
+    let mut out = String::with_capacity(pattern.len() + 16);
+    let mut chars = pattern.chars().peekable();
+    let mut class = false;
+    // The last character written inside a class (for `--`, `&&`, `~~`).
+    let mut last: Option<char> = None;
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            let Some(e) = chars.next() else {
+                out.push('\\');
+                break;
+            };
+            match (e, class) {
+                ('d', false) => out.push_str(&format!("[{DIGIT}]")),
+                ('D', false) => out.push_str(&format!("[^{DIGIT}]")),
+                ('w', false) => out.push_str(&format!("[{WORD}]")),
+                ('W', false) => out.push_str(&format!("[^{WORD}]")),
+                ('b', false) => out.push_str("(?-u:\\b)"),
+                ('B', false) => out.push_str("(?-u:\\B)"),
+                ('d', true) => out.push_str(&format!("[{DIGIT}]")),
+                ('D', true) => out.push_str(&format!("[^{DIGIT}]")),
+                ('w', true) => out.push_str(&format!("[{WORD}]")),
+                ('W', true) => out.push_str(&format!("[^{WORD}]")),
+                ('b', true) => out.push_str("\\x08"),
+                _ => {
+                    out.push('\\');
+                    out.push(e);
+                }
+            }
+            last = None;
+            continue;
+        }
+        if class {
+            match c {
+                ']' => class = false,
+                '[' => out.push('\\'),
+                '&' | '~' | '-' if last == Some(c) => out.push('\\'),
+                _ => {}
+            }
+            out.push(c);
+            last = Some(c);
+            continue;
+        }
+        match c {
+            '[' => {
+                let negated = chars.peek() == Some(&'^');
+                if negated {
+                    chars.next();
+                }
+                if chars.peek() == Some(&']') {
+                    chars.next();
+                    out.push_str(if negated { "(?s:.)" } else { "[a&&b]" });
                     continue;
-                };
-                let t = dfa.next_state(s, b);
-                if let Some(&j) = index.get(&t) {
-                    edges[id(i, c)].push((id(j, c2), starts as u32));
                 }
+                out.push_str(if negated { "[^" } else { "[" });
+                class = true;
+                last = None;
             }
+            '.' => out.push_str("[^\\n\\r\\x{2028}\\x{2029}]"),
+            _ => out.push(c),
         }
     }
-    let accept: Vec<bool> = (0..nodes)
-        .map(|n| n % 4 == 0 && dfa.is_match_state(dfa.next_eoi_state(states[n / 4])))
-        .collect();
-    // Fewest: Bellman-Ford style relaxation over 0/1 costs (few nodes).
-    let mut min = vec![u32::MAX; nodes];
-    for (n, &a) in accept.iter().enumerate() {
-        if a {
-            min[n] = 0;
-        }
-    }
-    let mut changed = true;
-    while changed {
-        changed = false;
-        for n in 0..nodes {
-            for &(t, w) in &edges[n] {
-                if min[t] != u32::MAX && min[t] + w < min[n] {
-                    min[n] = min[t] + w;
-                    changed = true;
-                }
-            }
-        }
-    }
-    // Most: unbounded where a cycle through a character lies on a way to a match; else the
-    // longest way. Over the nodes that can reach a match, by strongly connected components
-    // (Kosaraju): a component with an inner character edge is such a cycle.
-    let useful = |n: usize| min[n] != u32::MAX;
-    let mut order = Vec::with_capacity(nodes);
-    let mut visited = vec![false; nodes];
-    for root in (0..nodes).filter(|&n| useful(n)) {
-        if visited[root] {
-            continue;
-        }
-        visited[root] = true;
-        let mut stack = vec![(root, 0usize)];
-        while let Some(&mut (n, ref mut i)) = stack.last_mut() {
-            if let Some(&(t, _)) = edges[n].get(*i) {
-                *i += 1;
-                if useful(t) && !visited[t] {
-                    visited[t] = true;
-                    stack.push((t, 0));
-                }
-            } else {
-                order.push(n);
-                stack.pop();
-            }
-        }
-    }
-    let mut back: Vec<Vec<usize>> = vec![Vec::new(); nodes];
-    for n in (0..nodes).filter(|&n| useful(n)) {
-        for &(t, _) in &edges[n] {
-            if useful(t) {
-                back[t].push(n);
-            }
-        }
-    }
-    let mut comp = vec![usize::MAX; nodes];
-    let mut comps = 0;
-    for &root in order.iter().rev() {
-        if comp[root] != usize::MAX {
-            continue;
-        }
-        comp[root] = comps;
-        let mut stack = vec![root];
-        while let Some(n) = stack.pop() {
-            for &f in &back[n] {
-                if comp[f] == usize::MAX {
-                    comp[f] = comps;
-                    stack.push(f);
-                }
-            }
-        }
-        comps += 1;
-    }
-    // Components come out sources first: the longest way to a match is settled from the last.
-    let mut members: Vec<Vec<usize>> = vec![Vec::new(); comps];
-    for n in (0..nodes).filter(|&n| useful(n)) {
-        members[comp[n]].push(n);
-    }
-    let mut max = vec![0u32; nodes];
-    for c in (0..comps).rev() {
-        let cyclic = members[c].iter().any(|&n| {
-            edges[n]
-                .iter()
-                .any(|&(t, w)| w == 1 && useful(t) && comp[t] == c)
-        });
-        // Within a component without a character cycle, ways cost nothing (continuation
-        // bytes only): every member shares the best way out.
-        let mut best = 0u32;
-        for &n in &members[c] {
-            for &(t, w) in &edges[n] {
-                if useful(t) && comp[t] != c {
-                    best = best.max(max[t].saturating_add(w));
-                }
-            }
-        }
-        for &n in &members[c] {
-            max[n] = if cyclic { u32::MAX } else { best };
-        }
-    }
-    (0..nodes)
-        .filter(|&n| min[n] != u32::MAX)
-        .map(|n| ((states[n / 4], (n % 4) as u8), (min[n], max[n])))
-        .collect()
+    out
 }
 
 /// A compiled `pattern`: the DFA of `(?s:.)*(?:PATTERN)(?s:.)*` over a string's UTF-8 bytes
-/// (unescaped), anchored at the string's start, and the states from which a match at the
-/// string's end is still reachable (a byte that leaves them is refused).
+/// (unescaped), anchored at the string's start, the states from which a match at the string's
+/// end is still reachable (a byte that leaves them is refused), and, with a string length
+/// asked for (`minLength`/`maxLength`), the lengths a match can still take from each state.
 pub(crate) struct Pattern {
     source: String,
     dfa: dense::DFA<Vec<u32>>,
     start: StateID,
-    live: HashMap<StateID, bool>,
-    /// Per state and UTF-8 continuation bytes still due (0-3): the fewest and the most
-    /// characters a match at the end still needs (`u32::MAX`: unbounded); empty when the
-    /// automaton is too large to measure (lengths are then checked at the end only).
-    reach: HashMap<(StateID, u8), (u32, u32)>,
+    /// The number of each state reachable from the start.
+    index: HashMap<StateID, u32>,
+    live: Vec<bool>,
+    min_len: usize,
+    max_len: usize,
+    /// Per node (state number × 4 + UTF-8 continuation bytes still due): the numbers of
+    /// characters a match at the end can still take, as sorted inclusive runs; with no
+    /// `maxLength` the last value (`minLength`) stands for "that many or more". None without
+    /// lengths.
+    ways: Option<Vec<Vec<(u32, u32)>>>,
 }
 
 impl std::fmt::Debug for Pattern {
@@ -185,8 +138,14 @@ impl std::fmt::Debug for Pattern {
 }
 
 impl Pattern {
-    /// `at`: where the pattern is in the schema, for the error.
-    pub(crate) fn compile(pattern: &str, at: &str) -> Result<Pattern, String> {
+    /// `at`: where the pattern is in the schema, for the error; `min_len`/`max_len`: the
+    /// string's lengths in characters (0 and `usize::MAX` when the schema gives none).
+    pub(crate) fn compile(
+        pattern: &str,
+        at: &str,
+        min_len: usize,
+        max_len: usize,
+    ) -> Result<Pattern, String> {
         let dfa = dense::Builder::new()
             .configure(
                 dense::Config::new()
@@ -195,7 +154,7 @@ impl Pattern {
                     .dfa_size_limit(Some(16 << 20))
                     .determinize_size_limit(Some(16 << 20)),
             )
-            .build(&format!("(?s:.)*(?:{pattern})(?s:.)*"))
+            .build(&format!("(?s:.)*(?:{})(?s:.)*", ecma_to_rust(pattern)))
             .map_err(|e| {
                 format!(
                     "{at}: the pattern {pattern:?} cannot be enforced ({e}); structured output \
@@ -206,14 +165,14 @@ impl Pattern {
         let start = dfa
             .start_state(&start::Config::new().anchored(Anchored::Yes))
             .map_err(|e| format!("{at}: the pattern {pattern:?}: {e}"))?;
-        // Every state reachable from the start, and its successors.
-        let mut index: HashMap<StateID, usize> = HashMap::from([(start, 0)]);
+        // Every state reachable from the start, and its successors as runs of bytes.
+        let mut index: HashMap<StateID, u32> = HashMap::from([(start, 0)]);
         let mut states = vec![start];
-        let mut edges: Vec<Vec<usize>> = Vec::new();
+        let mut runs: Vec<Vec<(u8, u8, u32)>> = Vec::new();
         let mut i = 0;
         while i < states.len() {
             let s = states[i];
-            let mut next = Vec::new();
+            let mut out: Vec<(u8, u8, u32)> = Vec::new();
             for b in 0..=255u8 {
                 let t = dfa.next_state(s, b);
                 if dfa.is_dead_state(t) || dfa.is_quit_state(t) {
@@ -221,11 +180,14 @@ impl Pattern {
                 }
                 let j = *index.entry(t).or_insert_with(|| {
                     states.push(t);
-                    states.len() - 1
+                    (states.len() - 1) as u32
                 });
-                next.push(j);
+                match out.last_mut() {
+                    Some((_, hi, k)) if *k == j && *hi as usize + 1 == b as usize => *hi = b,
+                    _ => out.push((b, b, j)),
+                }
             }
-            edges.push(next);
+            runs.push(out);
             if states.len() > MAX_PATTERN_STATES {
                 return Err(format!(
                     "{at}: the pattern {pattern:?} needs more than {MAX_PATTERN_STATES} \
@@ -234,66 +196,95 @@ impl Pattern {
             }
             i += 1;
         }
-        // Live: a match at the end is reachable (reverse reachability from the accepting ones).
+        // Live: a match at the end is reachable (backwards from the accepting states, over
+        // predecessor lists).
+        let mut preds: Vec<Vec<u32>> = vec![Vec::new(); states.len()];
+        for (k, out) in runs.iter().enumerate() {
+            for &(_, _, j) in out {
+                if preds[j as usize].last() != Some(&(k as u32)) {
+                    preds[j as usize].push(k as u32);
+                }
+            }
+        }
         let mut live: Vec<bool> = states
             .iter()
             .map(|&s| dfa.is_match_state(dfa.next_eoi_state(s)))
             .collect();
-        let mut changed = true;
-        while changed {
-            changed = false;
-            for (k, next) in edges.iter().enumerate() {
-                if !live[k] && next.iter().any(|&j| live[j]) {
-                    live[k] = true;
-                    changed = true;
+        let mut work: Vec<u32> = (0..states.len() as u32)
+            .filter(|&k| live[k as usize])
+            .collect();
+        while let Some(j) = work.pop() {
+            for &k in &preds[j as usize] {
+                if !live[k as usize] {
+                    live[k as usize] = true;
+                    work.push(k);
                 }
             }
         }
         if !live[0] {
             return Err(format!("{at}: the pattern {pattern:?} matches no string"));
         }
-        let reach = if states.len() <= MAX_MEASURED_STATES {
-            char_distances(&dfa, &states)
+        let accepting: Vec<bool> = states
+            .iter()
+            .map(|&s| dfa.is_match_state(dfa.next_eoi_state(s)))
+            .collect();
+        let ways = if min_len > 0 || max_len < usize::MAX {
+            let ways = lengths(&runs, &live, &accepting, min_len, max_len).ok_or_else(|| {
+                format!(
+                    "{at}: the pattern {pattern:?} with minLength {min_len} and maxLength \
+                     {} is too costly to hold (the lengths its matches take would need more \
+                     than {MAX_LENGTH_WORK} steps to tabulate); lower maxLength or simplify \
+                     the pattern",
+                    if max_len == usize::MAX {
+                        "unset".to_string()
+                    } else {
+                        max_len.to_string()
+                    }
+                )
+            })?;
+            Some(ways)
         } else {
-            HashMap::new()
+            None
         };
-        let live = states.iter().zip(live).map(|(&s, l)| (s, l)).collect();
-        Ok(Pattern {
+        let p = Pattern {
             source: pattern.to_string(),
             dfa,
             start,
+            index,
             live,
-            reach,
-        })
-    }
-
-    /// Characters a match still needs from `s` with `cont` continuation bytes due: (fewest,
-    /// most); None when not measured.
-    pub(crate) fn reach(&self, s: StateID, cont: u8) -> Option<(u32, u32)> {
-        self.reach.get(&(s, cont)).copied()
+            min_len,
+            max_len,
+            ways,
+        };
+        if !p.fits(start, 0, 0) {
+            return Err(format!(
+                "{at}: the pattern {pattern:?} matches no string of minLength {min_len} to \
+                 maxLength {max_len}"
+            ));
+        }
+        Ok(p)
     }
 
     /// From state `s` with `cont` continuation bytes due and `chars` characters written, a
-    /// match can still end with a length in `[min_len, max_len]` (when measured; else true).
-    pub(crate) fn fits(
-        &self,
-        s: StateID,
-        cont: u8,
-        chars: usize,
-        min_len: usize,
-        max_len: usize,
-    ) -> bool {
-        if self.reach.is_empty() {
+    /// match can still end with a length in `[min_len, max_len]` (always true without lengths).
+    pub(crate) fn fits(&self, s: StateID, cont: u8, chars: usize) -> bool {
+        let Some(ways) = &self.ways else {
             return true;
+        };
+        let Some(&i) = self.index.get(&s) else {
+            return false;
+        };
+        if chars > self.max_len {
+            return false;
         }
-        match self.reach(s, cont) {
-            Some((fewest, most)) => {
-                let room = max_len.saturating_sub(chars);
-                let need = min_len.saturating_sub(chars);
-                (fewest as usize) <= room && (most == u32::MAX || most as usize >= need)
-            }
-            None => false,
-        }
+        let need = self.min_len.saturating_sub(chars) as u64;
+        let room = match self.max_len {
+            usize::MAX => u64::MAX,
+            m => (m - chars) as u64,
+        };
+        ways[i as usize * 4 + cont as usize]
+            .iter()
+            .any(|&(a, b)| a as u64 <= room && b as u64 >= need)
     }
 
     pub(crate) fn start(&self) -> StateID {
@@ -303,13 +294,140 @@ impl Pattern {
     /// The state after the string's byte `b`, None if no match could follow.
     pub(crate) fn next(&self, s: StateID, b: u8) -> Option<StateID> {
         let t = self.dfa.next_state(s, b);
-        (self.live.get(&t) == Some(&true)).then_some(t)
+        self.index
+            .get(&t)
+            .is_some_and(|&i| self.live[i as usize])
+            .then_some(t)
     }
 
     /// The string may end in state `s`.
     pub(crate) fn accepts_end(&self, s: StateID) -> bool {
         self.dfa.is_match_state(self.dfa.next_eoi_state(s))
     }
+}
+
+/// The numbers of characters a match can still take from each node (state × 4 + continuation
+/// bytes due), up to `max_len` (or `min_len`, standing for "that many or more", without a
+/// maximum), as sorted runs; None when that costs more than [`MAX_LENGTH_WORK`] steps.
+///
+/// A character costs 1 at its first byte, continuation bytes 0. F(k), the nodes with a way of
+/// exactly k characters to a match at the end, is built from F(k-1) over predecessor lists:
+/// the lead-byte predecessors of F(k-1), then those reaching them by continuation bytes.
+/// Once F(k) = F(k-1) it stays so for every later k, and the runs are closed at the cap.
+fn lengths(
+    runs: &[Vec<(u8, u8, u32)>],
+    live: &[bool],
+    accepting: &[bool],
+    min_len: usize,
+    max_len: usize,
+) -> Option<Vec<Vec<(u32, u32)>>> {
+    let nodes = runs.len() * 4;
+    let open = max_len == usize::MAX;
+    let cap = if open { min_len } else { max_len };
+    let cap = u32::try_from(cap).ok()?;
+    // Predecessors over a lead byte (from continuation 0, cost 1) and over a continuation
+    // byte (cost 0).
+    const LEADS: [(u8, u8, u8); 4] = [
+        (0x00, 0x7f, 0),
+        (0xc2, 0xdf, 1),
+        (0xe0, 0xef, 2),
+        (0xf0, 0xf4, 3),
+    ];
+    let mut pred1: Vec<Vec<u32>> = vec![Vec::new(); nodes];
+    let mut pred0: Vec<Vec<u32>> = vec![Vec::new(); nodes];
+    for (i, out) in runs.iter().enumerate() {
+        for &(lo, hi, j) in out {
+            let j = j as usize;
+            if !live[j] {
+                continue;
+            }
+            for (a, b, c) in LEADS {
+                if lo.max(a) <= hi.min(b) {
+                    pred1[j * 4 + c as usize].push(i as u32 * 4);
+                }
+            }
+            if lo.max(0x80) <= hi.min(0xbf) {
+                for c in 1..4 {
+                    pred0[j * 4 + c - 1].push((i * 4 + c) as u32);
+                }
+            }
+        }
+    }
+    for p in pred1.iter_mut().chain(pred0.iter_mut()) {
+        p.sort_unstable();
+        p.dedup();
+    }
+    let mut work = 0usize;
+    let mut ways: Vec<Vec<(u32, u32)>> = vec![Vec::new(); nodes];
+    // The k at which a node last joined a frontier.
+    let mut mark = vec![u32::MAX; nodes];
+    let mut frontier: Vec<u32> = Vec::new();
+    for (i, &a) in accepting.iter().enumerate() {
+        if a && live[i] {
+            frontier.push(i as u32 * 4);
+            mark[i * 4] = 0;
+        }
+    }
+    // Adds the continuation-byte predecessors of the frontier (and theirs), then returns the
+    // work done.
+    let close = |frontier: &mut Vec<u32>, mark: &mut [u32], k: u32, also_leads: bool| {
+        let mut done = 0usize;
+        let mut i = 0;
+        while i < frontier.len() {
+            let n = frontier[i] as usize;
+            let lead: &[u32] = if also_leads { &pred1[n] } else { &[] };
+            for &p in pred0[n].iter().chain(lead) {
+                done += 1;
+                if mark[p as usize] != k {
+                    mark[p as usize] = k;
+                    frontier.push(p);
+                }
+            }
+            i += 1;
+        }
+        done
+    };
+    work += close(&mut frontier, &mut mark, 0, open && cap == 0);
+    let record = |ways: &mut [Vec<(u32, u32)>], frontier: &[u32], k: u32, to: u32| {
+        for &n in frontier {
+            let w = &mut ways[n as usize];
+            match w.last_mut() {
+                Some((_, end)) if *end + 1 == k => *end = to,
+                _ => w.push((k, to)),
+            }
+        }
+    };
+    frontier.sort_unstable();
+    record(&mut ways, &frontier, 0, 0);
+    for k in 1..=cap {
+        if frontier.is_empty() {
+            break;
+        }
+        let mut next: Vec<u32> = Vec::new();
+        for &n in &frontier {
+            for &p in &pred1[n as usize] {
+                work += 1;
+                if mark[p as usize] != k {
+                    mark[p as usize] = k;
+                    next.push(p);
+                }
+            }
+        }
+        // With no maximum the cap stands for "that many or more": every way on from there.
+        work += close(&mut next, &mut mark, k, open && k == cap);
+        next.sort_unstable();
+        if work > MAX_LENGTH_WORK {
+            return None;
+        }
+        if next == frontier {
+            // Stationary: the same nodes at every later k.
+            record(&mut ways, &next, k, cap);
+            break;
+        }
+        record(&mut ways, &next, k, k);
+        frontier = next;
+    }
+    Some(ways)
 }
 
 /// A number's bounds: `lo` ≤ (or <, `lo_excl`) the value ≤ (or <, `hi_excl`) `hi`; infinite
@@ -481,24 +599,24 @@ mod tests {
 
     #[test]
     fn patterns_match_anywhere_and_refuse_dead_prefixes() {
-        let p = Pattern::compile("^[a-z]+-[0-9]{3}$", "#").unwrap();
+        let p = Pattern::compile("^[a-z]+-[0-9]{3}$", "#", 0, usize::MAX).unwrap();
         let st = feed(&p, "abc-12").unwrap();
         assert!(!p.accepts_end(st));
         assert!(p.accepts_end(feed(&p, "abc-123").unwrap()));
         assert!(feed(&p, "abc-1234").is_none());
         assert!(feed(&p, "1").is_none());
         // Unanchored: a match anywhere.
-        let p = Pattern::compile("cat", "#").unwrap();
+        let p = Pattern::compile("cat", "#", 0, usize::MAX).unwrap();
         assert!(!p.accepts_end(feed(&p, "a ca").unwrap()));
         assert!(p.accepts_end(feed(&p, "a cat sat").unwrap()));
         // Multi-byte UTF-8, byte by byte.
-        let p = Pattern::compile("^é+$", "#").unwrap();
+        let p = Pattern::compile("^é+$", "#", 0, usize::MAX).unwrap();
         assert!(p.accepts_end(feed(&p, "éé").unwrap()));
         assert!(feed(&p, "e").is_none());
         // Refused with the pattern named.
-        let e = Pattern::compile("(?=a)b", "#/properties/x").unwrap_err();
+        let e = Pattern::compile("(?=a)b", "#/properties/x", 0, usize::MAX).unwrap_err();
         assert!(e.contains("#/properties/x") && e.contains("(?=a)b"), "{e}");
-        let e = Pattern::compile("^a$b", "#").unwrap_err();
+        let e = Pattern::compile("^a$b", "#", 0, usize::MAX).unwrap_err();
         assert!(e.contains("matches no string"), "{e}");
     }
 

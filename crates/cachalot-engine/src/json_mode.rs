@@ -65,11 +65,8 @@ impl Num {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Scalar {
     None,
-    /// In a string; `escape`: after a backslash; `hex`: hex digits of `\u` still due.
-    Str {
-        escape: bool,
-        hex: u8,
-    },
+    /// In a string, where its escapes stand.
+    Str(StrLex),
     Num(Num),
     /// The rest of `true`, `false` or `null`.
     Lit(&'static [u8]),
@@ -105,11 +102,7 @@ impl JsonState {
     /// Inside a string, outside an escape: where any byte but `"`, `\` and control bytes is
     /// accepted without changing the state (JSON mode's fast path for such tokens).
     pub fn in_plain_string(&self) -> bool {
-        self.scalar
-            == (Scalar::Str {
-                escape: false,
-                hex: 0,
-            })
+        self.scalar == Scalar::Str(StrLex::default())
     }
 
     /// One JSON object has been written (only whitespace may follow).
@@ -125,7 +118,7 @@ impl JsonState {
     /// The next byte; false if the text can no longer be one JSON object.
     pub fn feed(&mut self, b: u8) -> bool {
         match self.scalar {
-            Scalar::Str { escape, hex } => return self.string_byte(b, escape, hex),
+            Scalar::Str(lex) => return self.string_byte(b, lex),
             Scalar::Lit(rest) => {
                 if rest.first() != Some(&b) {
                     return false;
@@ -186,10 +179,7 @@ impl JsonState {
                 }
                 (ObjNext::KeyOrEnd | ObjNext::Key, b'"') => {
                     self.set_top(Container::Object(ObjNext::Colon));
-                    self.scalar = Scalar::Str {
-                        escape: false,
-                        hex: 0,
-                    };
+                    self.scalar = Scalar::Str(StrLex::default());
                     true
                 }
                 (ObjNext::Colon, b':') => {
@@ -239,12 +229,7 @@ impl JsonState {
         match b {
             b'{' => self.stack.push(Container::Object(ObjNext::KeyOrEnd)),
             b'[' => self.stack.push(Container::Array(ArrNext::ValueOrEnd)),
-            b'"' => {
-                self.scalar = Scalar::Str {
-                    escape: false,
-                    hex: 0,
-                }
-            }
+            b'"' => self.scalar = Scalar::Str(StrLex::default()),
             b'-' => self.scalar = Scalar::Num(Num::Minus),
             b'0' => self.scalar = Scalar::Num(Num::Zero),
             b'1'..=b'9' => self.scalar = Scalar::Num(Num::Int),
@@ -260,9 +245,9 @@ impl JsonState {
     /// kept as the one place that would track values (e.g. for a schema).
     fn value_done(&mut self) {}
 
-    fn string_byte(&mut self, b: u8, escape: bool, hex: u8) -> bool {
-        match string_byte(b, escape, hex) {
-            Some(Some((escape, hex))) => self.scalar = Scalar::Str { escape, hex },
+    fn string_byte(&mut self, b: u8, lex: StrLex) -> bool {
+        match string_byte(b, lex) {
+            Some(Some(lex)) => self.scalar = Scalar::Str(lex),
             Some(None) => {
                 self.scalar = Scalar::None;
                 self.value_done();
@@ -273,25 +258,75 @@ impl JsonState {
     }
 }
 
-/// A string's next state after `b`: `Some(Some((escape, hex)))` inside it (after a backslash;
-/// hex digits of `\u` still due), `Some(None)` when `b` closes it, None when `b` cannot be in
-/// it.
-pub(crate) fn string_byte(b: u8, escape: bool, hex: u8) -> Option<Option<(bool, u8)>> {
-    if hex > 0 {
-        return b.is_ascii_hexdigit().then_some(Some((false, hex - 1)));
+/// Where a string's bytes stand in its escapes: `escape` after a backslash, `hex` digits of a
+/// `\u` escape still due (`code` the digits so far), `high` while a high surrogate's `\u` escape
+/// awaits its low half. RFC 8259 §7 writes a character beyond the BMP as a pair of `\u`
+/// escapes; a lone half is no character (serde_json refuses it), so a lone half is refused and
+/// a high half must be followed by a low one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StrLex {
+    pub escape: bool,
+    pub hex: u8,
+    code: u16,
+    pub high: bool,
+}
+
+impl StrLex {
+    /// Outside any escape, with no pair half pending.
+    pub(crate) fn plain(self) -> bool {
+        self == StrLex::default()
     }
-    if escape {
+}
+
+/// A string's next state after `b`: `Some(Some(lex))` inside it, `Some(None)` when `b` closes
+/// it, None when `b` cannot be in it (nor a `\u` digit that leaves no code point to finish).
+pub(crate) fn string_byte(b: u8, s: StrLex) -> Option<Option<StrLex>> {
+    if s.hex > 0 {
+        let code = (s.code << 4) | (b as char).to_digit(16)? as u16;
+        let hex = s.hex - 1;
+        // The codes this escape can still end as must hold one that fits.
+        let lo = (code as u32) << (4 * hex as u32);
+        let hi = lo + (1u32 << (4 * hex as u32)) - 1;
+        let low_half = |c: u32| (0xDC00..=0xDFFF).contains(&c);
+        let fits = if s.high {
+            lo <= 0xDFFF && hi >= 0xDC00
+        } else {
+            !(low_half(lo) && low_half(hi))
+        };
+        if !fits {
+            return None;
+        }
+        if hex > 0 {
+            return Some(Some(StrLex { code, hex, ..s }));
+        }
+        let high = !s.high && (0xD800..=0xDBFF).contains(&code);
+        return Some(Some(StrLex {
+            high,
+            ..StrLex::default()
+        }));
+    }
+    if s.escape {
         return match b {
-            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(Some((false, 0))),
-            b'u' => Some(Some((false, 4))),
+            b'u' => Some(Some(StrLex {
+                hex: 4,
+                high: s.high,
+                ..StrLex::default()
+            })),
+            _ if s.high => None,
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(Some(StrLex::default())),
             _ => None,
         };
     }
     match b {
+        b'\\' => Some(Some(StrLex {
+            escape: true,
+            high: s.high,
+            ..StrLex::default()
+        })),
+        _ if s.high => None,
         b'"' => Some(None),
-        b'\\' => Some(Some((true, 0))),
         0..=0x1f => None,
-        _ => Some(Some((false, 0))),
+        _ => Some(Some(StrLex::default())),
     }
 }
 
@@ -369,6 +404,14 @@ mod tests {
         assert!(s.feed_all(b"{\"k\": \"ab") && s.in_plain_string());
         assert!(s.feed_all("é中\u{7f}".as_bytes()) && s.in_plain_string());
         assert!(s.feed(b'\\') && !s.in_plain_string());
+        // Surrogate pairs: whole pairs only (serde_json refuses a lone half).
+        assert_eq!(accepts(r#"{"k": "\ud83d\ude00"}"#), (true, true));
+        assert!(!accepts(r#"{"k": "\ud83d"}"#).0);
+        assert!(!accepts(r#"{"k": "\ud83dx"#).0);
+        assert!(!accepts(r#"{"k": "\udc00"#).0);
+        assert!(!accepts(r#"{"k": "\ud83d\u00"#).0);
+        assert!(!accepts(r#"{"k": "\udc"#).0);
+        assert!(accepts(r#"{"k": "\ud"#).0);
     }
 
     /// Whatever serde_json writes as an object is accepted whole, and every prefix of it is

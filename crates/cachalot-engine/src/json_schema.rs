@@ -22,7 +22,7 @@ use serde_json::Value;
 
 use crate::json_constraints::{Bounds, Pattern};
 use crate::json_mode::{
-    number_byte, string_byte, Num, MAX_DEPTH, MAX_EDGE_WHITESPACE, MAX_WHITESPACE,
+    number_byte, string_byte, Num, StrLex, MAX_DEPTH, MAX_EDGE_WHITESPACE, MAX_WHITESPACE,
 };
 
 const STR: u8 = 1;
@@ -128,9 +128,36 @@ fn any_node() -> Node {
     }
 }
 
+/// Schemas compiled lately, by their text, with what compiling gave: a request's schema is
+/// checked where it arrives (the server, the engine's checks) and used again when it is
+/// scheduled and by each lead, and a pattern's automaton can take a while to build.
+const RECENT_SCHEMAS: usize = 16;
+type Compiled = Result<Arc<Schema>, String>;
+static RECENT: std::sync::Mutex<Vec<(String, Compiled)>> = std::sync::Mutex::new(Vec::new());
+
 impl Schema {
-    /// Compiles `schema`; the error names the keyword (and where) that cannot be enforced.
+    /// Compiles `schema` (once for a recent one: [`RECENT_SCHEMAS`]); the error names the
+    /// keyword (and where) that cannot be enforced.
     pub fn compile(schema: &Value) -> Result<Arc<Schema>, String> {
+        let key = schema.to_string();
+        let mut recent = RECENT.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = recent.iter().position(|(k, _)| *k == key) {
+            let hit = recent.remove(i);
+            let out = hit.1.clone();
+            recent.push(hit);
+            return out;
+        }
+        drop(recent);
+        let out = Schema::compile_new(schema);
+        let mut recent = RECENT.lock().unwrap_or_else(|e| e.into_inner());
+        if recent.len() >= RECENT_SCHEMAS {
+            let _ = recent.remove(0);
+        }
+        recent.push((key, out.clone()));
+        out
+    }
+
+    fn compile_new(schema: &Value) -> Result<Arc<Schema>, String> {
         let mut c = Compiler {
             root: schema,
             nodes: vec![any_node(), any_node()],
@@ -419,13 +446,7 @@ impl Compiler<'_> {
             let p = p
                 .as_str()
                 .ok_or_else(|| format!("{at}/pattern: {p} is not a string"))?;
-            let pat = Pattern::compile(p, &format!("{at}/pattern"))?;
-            if !pat.fits(pat.start(), 0, 0, node.min_len, node.max_len) {
-                return Err(format!(
-                    "{at}: the pattern {p:?} matches no string of minLength {} to maxLength {}",
-                    node.min_len, node.max_len
-                ));
-            }
+            let pat = Pattern::compile(p, &format!("{at}/pattern"), node.min_len, node.max_len)?;
             node.pattern = Some(Arc::new(pat));
         }
         node.bounds = bounds_of(obj, at)?;
@@ -704,10 +725,9 @@ enum Next {
 enum Scalar {
     None,
     /// A string of `node`: `chars` characters so far, `re` its pattern's state.
-    /// `cont`: UTF-8 continuation bytes still due (tracked under a pattern).
+    /// `cont`: UTF-8 continuation bytes still due (tracked when the string is constrained).
     Str {
-        escape: bool,
-        hex: u8,
+        lex: StrLex,
         node: usize,
         chars: usize,
         re: Option<regex_automata::util::primitives::StateID>,
@@ -717,8 +737,7 @@ enum Scalar {
     /// code point of a `\u` escape being read; `other`: it is no property's name.
     Key {
         buf: Vec<u8>,
-        escape: bool,
-        hex: u8,
+        lex: StrLex,
         code: u32,
         other: bool,
     },
@@ -764,12 +783,9 @@ impl SchemaState {
     /// control bytes is accepted without changing the state.
     pub fn in_plain_string(&self) -> bool {
         match self.scalar {
-            Scalar::Str {
-                escape: false,
-                hex: 0,
-                node,
-                ..
-            } => !self.schema.nodes[node].constrains_strings(),
+            Scalar::Str { lex, node, .. } if lex.plain() => {
+                !self.schema.nodes[node].constrains_strings()
+            }
             _ => false,
         }
     }
@@ -824,22 +840,38 @@ impl SchemaState {
     pub fn feed(&mut self, b: u8) -> bool {
         match &mut self.scalar {
             Scalar::Str {
-                escape,
-                hex,
+                lex,
                 node,
                 chars,
                 re,
                 cont,
             } => {
-                let (e, h, node, mut chars, mut re, mut cont) =
-                    (*escape, *hex, *node, *chars, *re, *cont);
+                let (lex, node, mut chars, mut re, mut cont) = (*lex, *node, *chars, *re, *cont);
                 let schema = self.schema.clone();
                 let nd = &schema.nodes[node];
-                match string_byte(b, e, h) {
-                    Some(Some((e2, h2))) => {
+                match string_byte(b, lex) {
+                    Some(Some(lex2)) => {
                         if nd.constrains_strings() {
-                            // A character starts at an unescaped lead byte or a backslash.
-                            let starts = !e && h == 0 && (b == b'\\' || b & 0xC0 != 0x80);
+                            let plain = !lex.escape && lex.hex == 0;
+                            // A character starts at a raw lead byte (raw bytes must walk
+                            // UTF-8, so each character counts once) or at a backslash, but
+                            // not the backslash of a surrogate pair's low half.
+                            let starts = if plain && b != b'\\' {
+                                match crate::json_constraints::utf8_step(cont, b) {
+                                    Some((next, starts)) => {
+                                        cont = next;
+                                        starts
+                                    }
+                                    None => return false,
+                                }
+                            } else if plain {
+                                if cont > 0 {
+                                    return false;
+                                }
+                                !lex.high
+                            } else {
+                                false
+                            };
                             if starts {
                                 if chars >= nd.max_len {
                                     return false;
@@ -851,17 +883,15 @@ impl SchemaState {
                                 // character once it is known (`\u` escapes are not written
                                 // under a pattern).
                                 // A backslash only when some escaped character can follow.
-                                if !e && h == 0 && b == b'\\' {
+                                if plain && b == b'\\' {
                                     let escapable = [b'"', b'\\', b'/', b'\n', b'\t', b'\r', 8, 12];
                                     if !escapable.iter().any(|&c| {
-                                        p.next(st, c).is_some_and(|t| {
-                                            p.fits(t, 0, chars, nd.min_len, nd.max_len)
-                                        })
+                                        p.next(st, c).is_some_and(|t| p.fits(t, 0, chars))
                                     }) {
                                         return false;
                                     }
                                 }
-                                let c = match (e, h) {
+                                let c = match (lex.escape, lex.hex) {
                                     (false, 0) if b != b'\\' => Some(b),
                                     (false, 0) => None,
                                     (true, _) => match b {
@@ -876,29 +906,16 @@ impl SchemaState {
                                     _ => None,
                                 };
                                 if let Some(c) = c {
-                                    // Raw bytes walk UTF-8; an escape is one ASCII character.
-                                    if !e {
-                                        match crate::json_constraints::utf8_step(cont, c) {
-                                            Some((next, _)) => cont = next,
-                                            None => return false,
-                                        }
-                                    }
+                                    // An escape is one ASCII character (`cont` stays 0).
                                     match p.next(st, c) {
-                                        Some(next)
-                                            if p.fits(
-                                                next, cont, chars, nd.min_len, nd.max_len,
-                                            ) =>
-                                        {
-                                            re = Some(next)
-                                        }
+                                        Some(next) if p.fits(next, cont, chars) => re = Some(next),
                                         _ => return false,
                                     }
                                 }
                             }
                         }
                         self.scalar = Scalar::Str {
-                            escape: e2,
-                            hex: h2,
+                            lex: lex2,
                             node,
                             chars,
                             re,
@@ -906,7 +923,7 @@ impl SchemaState {
                         };
                     }
                     Some(None) => {
-                        if chars < nd.min_len {
+                        if chars < nd.min_len || cont > 0 {
                             return false;
                         }
                         if let (Some(p), Some(st)) = (&nd.pattern, re) {
@@ -1032,8 +1049,7 @@ impl SchemaState {
                         self.set_next(Next::Colon);
                         self.scalar = Scalar::Key {
                             buf: Vec::new(),
-                            escape: false,
-                            hex: 0,
+                            lex: StrLex::default(),
                             code: 0,
                             other: false,
                         };
@@ -1149,8 +1165,7 @@ impl SchemaState {
             }
             b'"' if t & STR != 0 => {
                 self.scalar = Scalar::Str {
-                    escape: false,
-                    hex: 0,
+                    lex: StrLex::default(),
                     node,
                     chars: 0,
                     re: n.pattern.as_ref().map(|p| p.start()),
@@ -1225,8 +1240,7 @@ impl SchemaState {
         let n = &schema.nodes[node];
         let Scalar::Key {
             buf,
-            escape,
-            hex,
+            lex,
             code,
             other,
         } = &mut self.scalar
@@ -1235,7 +1249,7 @@ impl SchemaState {
         };
         // The unseen properties the key so far is a prefix of.
         let open = |buf: &[u8]| -> Vec<&[u8]> { open_props(n, seen, buf) };
-        let plain = !*escape && *hex == 0;
+        let plain = lex.plain();
         if plain && b == b'"' {
             // The key ends: a property not yet written, or (open objects) another key.
             let prop = (!*other)
@@ -1267,21 +1281,21 @@ impl SchemaState {
             self.scalar = Scalar::None;
             return true;
         }
-        let Some(Some((e, h))) = string_byte(b, *escape, *hex) else {
+        let Some(Some(l2)) = string_byte(b, *lex) else {
             return false;
         };
         let additional = n.additional.is_some();
         if *other {
-            (*escape, *hex) = (e, h);
+            *lex = l2;
             return additional;
         }
-        if *hex > 0 {
+        if lex.hex > 0 {
             // A `\u` escape's hex digit: the code point so far, and the range it can still be.
             *code = *code * 16 + (b as char).to_digit(16).unwrap_or(0);
-            (*escape, *hex) = (e, h);
-            if h > 0 {
-                let lo = *code << (4 * h as u32);
-                let hi = lo + (1 << (4 * h as u32)) - 1;
+            *lex = l2;
+            if l2.hex > 0 {
+                let lo = *code << (4 * l2.hex as u32);
+                let hi = lo + (1 << (4 * l2.hex as u32)) - 1;
                 let at = buf.len();
                 return additional
                     || open(buf).iter().any(|p| {
@@ -1299,8 +1313,8 @@ impl SchemaState {
                 // Half of a surrogate pair: no property's name (they are written raw).
                 None => *other = true,
             }
-        } else if *escape {
-            (*escape, *hex) = (e, h);
+        } else if lex.escape {
+            *lex = l2;
             match b {
                 b'u' => {
                     let at = buf.len();
@@ -1314,7 +1328,7 @@ impl SchemaState {
                 other => buf.push(other),
             }
         } else if b == b'\\' {
-            (*escape, *hex) = (e, h);
+            *lex = l2;
             let at = buf.len();
             return additional || open(buf).iter().any(|p| p.len() > at);
         } else {
@@ -1606,6 +1620,73 @@ mod tests {
             let completed = random_walks(schema, 150, 300, seed, |_| {});
             assert!(completed > 0, "{schema}: no walk completed");
         }
+    }
+
+    /// A second review's cases: lengths a pattern cannot reach between its fewest and most
+    /// (a gap), long patterns, ECMA-262's ASCII classes, surrogate pairs counted once, raw
+    /// bytes that must walk UTF-8 so that each character counts.
+    #[test]
+    fn pattern_lengths_classes_and_characters_count_exactly() {
+        // Matches take 3 or 8 characters: with lengths 3..=7, "123" may not go on to "-".
+        let phone = json!({"type": "string", "pattern": "^(\\d{3}|\\d{3}-\\d{4})$",
+                           "minLength": 3, "maxLength": 7});
+        assert_eq!(accepts(&phone, r#""123""#), (true, true));
+        assert!(!accepts(&phone, r#""123-"#).0);
+        let e = Schema::compile(
+            &json!({"type": "string", "pattern": "^(\\d{3}|\\d{3}-\\d{4})$",
+                                        "minLength": 5, "maxLength": 7}),
+        )
+        .unwrap_err();
+        assert!(e.contains("matches no string"), "{e}");
+        // Exactly 4 or 7 a's, between 2 and 6: only 4.
+        let gaps = json!({"type": "string", "pattern": "^(a|aaaa|aaaaaaa)$", "minLength": 2,
+                          "maxLength": 6});
+        assert!(!accepts(&gaps, r#""a""#).0);
+        assert_eq!(accepts(&gaps, r#""aaaa""#), (true, true));
+        assert!(!accepts(&gaps, r#""aaaaa"#).0);
+        for schema in [&phone, &gaps] {
+            let completed = random_walks(schema, 60, 40, 7, |v| {
+                let n = v.as_str().unwrap().chars().count();
+                assert!((3..=7).contains(&n) || (2..=6).contains(&n), "{v}");
+            });
+            assert!(completed > 0);
+        }
+        // A long pattern compiles in linear time (the review's 19 000-state case), lengths too.
+        let long = json!({"type": "string", "pattern": "^[ -~]{19000}$", "maxLength": 19000});
+        let compiled = Schema::compile(&long).unwrap();
+        let mut st = SchemaState::new(compiled);
+        assert!(st.feed(b'"') && st.feed_all(&[b'x'; 18999]) && !st.feed(b'"'));
+        assert!(st.feed(b'y') && !st.feed(b'z') && st.feed(b'"') && st.is_complete());
+        // ECMA-262: \d and \w are ASCII, `.` leaves out line terminators.
+        let digits = json!({"type": "string", "pattern": "^\\d+$"});
+        assert_eq!(accepts(&digits, r#""42""#), (true, true));
+        assert!(!accepts(&digits, "\"\u{0663}").0);
+        let word = json!({"type": "string", "pattern": "^\\w+$"});
+        assert!(accepts(&word, r#""a_1""#).1 && !accepts(&word, "\"é").0);
+        let dot = json!({"type": "string", "pattern": "^a.b$"});
+        assert!(accepts(&dot, r#""a-b""#).1 && !accepts(&dot, r#""a\rb""#).0);
+        assert!(
+            accepts(
+                &json!({"type": "string", "pattern": "^[\\d-]+$"}),
+                r#""1-2""#
+            )
+            .1
+        );
+        // A surrogate pair is one character; a lone half is refused.
+        let one = json!({"type": "string", "maxLength": 1});
+        assert_eq!(accepts(&one, r#""\ud83d\ude00""#), (true, true));
+        assert!(!accepts(&one, r#""\ud83d""#).0);
+        assert!(!accepts(&one, r#""\udc00"#).0);
+        assert!(!accepts(&one, r#""\ud83d\u00"#).0);
+        assert!(!accepts(&one, r#""ab"#).0);
+        // Raw bytes walk UTF-8: "é" is one character, a stray continuation byte none.
+        let mut st = SchemaState::new(Schema::compile(&one).unwrap());
+        assert!(st.feed(b'"') && st.feed_all("é".as_bytes()) && !st.feed(b'a'));
+        let mut st = SchemaState::new(Schema::compile(&one).unwrap());
+        assert!(st.feed(b'"') && !st.feed(0xA9) && st.feed(0xC3) && !st.feed(b'"'));
+        let two = json!({"type": "string", "minLength": 2});
+        let mut st = SchemaState::new(Schema::compile(&two).unwrap());
+        assert!(st.feed(b'"') && st.feed_all("é".as_bytes()) && !st.feed(b'"'));
     }
 
     /// The cases of a review: self-reference without a value, reference chains, escaped

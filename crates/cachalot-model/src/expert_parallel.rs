@@ -325,136 +325,150 @@ fn dispatch_round(
     }
     let received = comm.all_to_all(&parts).map_err(|e| err(e.to_string()))?;
     drop(parts);
-    // What each rank asked of this one.
-    let mut jobs: Vec<Job> = Vec::new();
-    let mut any_layer = false;
-    let mut any_more = false;
-    for (src, b) in received.iter().enumerate() {
-        let bad = || {
-            err(format!(
-                "rank {src} sent a malformed request of {} bytes (the ranks run different \
-                 builds or models)",
-                b.len()
-            ))
-        };
-        let u32_at = |at: usize| -> Result<u32> {
-            b.get(at..at + 4)
-                .map(|s| u32::from_le_bytes(s.try_into().expect("4 bytes")))
-                .ok_or_else(bad)
-        };
-        match b.first() {
-            Some(&TURN_DONE) if b.len() == 2 => any_more |= b[1] != 0,
-            Some(&TURN_LAYER) => {
-                any_layer = true;
-                let key = u32_at(1)?;
-                let n_rows = u32_at(5)? as usize;
-                let count = u32_at(9)? as usize;
-                let table = b.get(13..13 + n_rows * h * 4).ok_or_else(bad)?;
-                let mut at = 13 + n_rows * h * 4;
-                for _ in 0..count {
-                    let id = u32_at(at)? as usize;
-                    let n = u32_at(at + 4)? as usize;
-                    at += 8;
-                    if id >= experts || !shard.owns(id, experts) {
-                        return Err(err(format!(
-                            "rank {src} sent tokens for expert {id}, which rank {} does not \
-                             hold (the ranks split the experts differently)",
-                            shard.rank
-                        )));
+    // Every rank sees every turn, so all agree whether outputs go back (a second exchange).
+    let any_layer = received.iter().any(|b| b.first() == Some(&TURN_LAYER));
+    // What each rank asked of this one, computed: the replies, and whether any rank has work
+    // left.
+    let served = (|| -> Result<(Vec<Vec<u8>>, bool)> {
+        let mut jobs: Vec<Job> = Vec::new();
+        let mut any_more = false;
+        for (src, b) in received.iter().enumerate() {
+            let bad = || {
+                err(format!(
+                    "rank {src} sent a malformed request of {} bytes (the ranks run different \
+                     builds or models)",
+                    b.len()
+                ))
+            };
+            let u32_at = |at: usize| -> Result<u32> {
+                b.get(at..at + 4)
+                    .map(|s| u32::from_le_bytes(s.try_into().expect("4 bytes")))
+                    .ok_or_else(bad)
+            };
+            match b.first() {
+                Some(&TURN_DONE) if b.len() == 2 => any_more |= b[1] != 0,
+                Some(&TURN_LAYER) => {
+                    let key = u32_at(1)?;
+                    let n_rows = u32_at(5)? as usize;
+                    let count = u32_at(9)? as usize;
+                    let table = b.get(13..13 + n_rows * h * 4).ok_or_else(bad)?;
+                    let mut at = 13 + n_rows * h * 4;
+                    for _ in 0..count {
+                        let id = u32_at(at)? as usize;
+                        let n = u32_at(at + 4)? as usize;
+                        at += 8;
+                        if id >= experts || !shard.owns(id, experts) {
+                            return Err(err(format!(
+                                "rank {src} sent tokens for expert {id}, which rank {} does not \
+                                 hold (the ranks split the experts differently)",
+                                shard.rank
+                            )));
+                        }
+                        let idx = (0..n)
+                            .map(|j| {
+                                let i = u32_at(at + 4 * j)? as usize;
+                                if i < n_rows {
+                                    Ok(i)
+                                } else {
+                                    Err(bad())
+                                }
+                            })
+                            .collect::<Result<Vec<usize>>>()?;
+                        at += n * 4;
+                        let wb = b.get(at..at + n * 4).ok_or_else(bad)?;
+                        let ws = wb
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                            .collect();
+                        at += n * 4;
+                        jobs.push(Job {
+                            src,
+                            key,
+                            id,
+                            n,
+                            ws,
+                            idx,
+                            table,
+                        });
                     }
-                    let idx = (0..n)
-                        .map(|j| {
-                            let i = u32_at(at + 4 * j)? as usize;
-                            if i < n_rows {
-                                Ok(i)
-                            } else {
-                                Err(bad())
-                            }
-                        })
-                        .collect::<Result<Vec<usize>>>()?;
-                    at += n * 4;
-                    let wb = b.get(at..at + n * 4).ok_or_else(bad)?;
-                    let ws = wb
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect();
-                    at += n * 4;
-                    jobs.push(Job {
-                        src,
-                        key,
-                        id,
-                        n,
-                        ws,
-                        idx,
-                        table,
-                    });
+                    if at != b.len() {
+                        return Err(bad());
+                    }
                 }
-                if at != b.len() {
-                    return Err(bad());
-                }
+                _ => return Err(bad()),
             }
-            _ => return Err(bad()),
         }
-    }
+        if !any_layer {
+            // Every rank's step is over: nothing to compute, nothing to send back.
+            return Ok((Vec::new(), any_more));
+        }
+        // Each (layer, expert) over the rows of every rank that sent it some, in rank order.
+        let mut groups: Vec<(u32, usize, Vec<usize>)> = Vec::new();
+        let mut order: Vec<usize> = (0..jobs.len()).collect();
+        order.sort_by_key(|&j| (jobs[j].key, jobs[j].id, jobs[j].src));
+        for j in order {
+            match groups.last_mut() {
+                Some((k, id, members)) if *k == jobs[j].key && *id == jobs[j].id => members.push(j),
+                _ => groups.push((jobs[j].key, jobs[j].id, vec![j])),
+            }
+        }
+        let run = |(key, id, members): &(u32, usize, Vec<usize>)| -> Result<Vec<f32>> {
+            let n: usize = members.iter().map(|&j| jobs[j].n).sum();
+            let mut xs = Vec::with_capacity(n * h);
+            let mut ws = Vec::with_capacity(n);
+            for &j in members {
+                for &i in &jobs[j].idx {
+                    xs.extend(
+                        jobs[j].table[i * h * 4..(i + 1) * h * 4]
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                    );
+                }
+                ws.extend_from_slice(&jobs[j].ws);
+            }
+            compute(*key, *id, &xs, &ws, n)
+        };
+        // Many experts: each on one thread (one fork/join); few: each with parallel products.
+        let outs: Vec<Vec<f32>> = if groups.len() >= 2 * rayon::current_num_threads() {
+            groups
+                .par_iter()
+                .map(|g| cachalot_kernels::serial(|| run(g)))
+                .collect::<Result<_>>()?
+        } else {
+            groups.iter().map(run).collect::<Result<_>>()?
+        };
+        // Combine: each job's outputs back to its rank, in the order it sent them.
+        let mut slices: Vec<Option<&[f32]>> = vec![None; jobs.len()];
+        for ((_, _, members), y) in groups.iter().zip(&outs) {
+            let mut at = 0;
+            for &j in members {
+                slices[j] = Some(&y[at * h..(at + jobs[j].n) * h]);
+                at += jobs[j].n;
+            }
+        }
+        let mut replies: Vec<Vec<u8>> = vec![Vec::new(); ranks];
+        for (j, job) in jobs.iter().enumerate() {
+            let y = slices[j].expect("every job is in a group");
+            let reply = &mut replies[job.src];
+            for v in y {
+                reply.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        Ok((replies, any_more))
+    })();
     if !any_layer {
-        // Every rank's step is over: nothing to compute, nothing to send back.
-        return Ok(Outcome::AllDone { more: any_more });
+        return served.map(|(_, more)| Outcome::AllDone { more });
     }
-    // Each (layer, expert) over the rows of every rank that sent it some, in rank order.
-    let mut groups: Vec<(u32, usize, Vec<usize>)> = Vec::new();
-    let mut order: Vec<usize> = (0..jobs.len()).collect();
-    order.sort_by_key(|&j| (jobs[j].key, jobs[j].id, jobs[j].src));
-    for j in order {
-        match groups.last_mut() {
-            Some((k, id, members)) if *k == jobs[j].key && *id == jobs[j].id => members.push(j),
-            _ => groups.push((jobs[j].key, jobs[j].id, vec![j])),
-        }
-    }
-    let run = |(key, id, members): &(u32, usize, Vec<usize>)| -> Result<Vec<f32>> {
-        let n: usize = members.iter().map(|&j| jobs[j].n).sum();
-        let mut xs = Vec::with_capacity(n * h);
-        let mut ws = Vec::with_capacity(n);
-        for &j in members {
-            for &i in &jobs[j].idx {
-                xs.extend(
-                    jobs[j].table[i * h * 4..(i + 1) * h * 4]
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                );
-            }
-            ws.extend_from_slice(&jobs[j].ws);
-        }
-        compute(*key, *id, &xs, &ws, n)
+    // A rank that cannot serve still takes part in the second exchange (with nothing), so the
+    // ranks stay in step; those waiting on it then fail on the short replies.
+    let (replies, failed) = match served {
+        Ok((replies, _)) => (replies, None),
+        Err(e) => (vec![Vec::new(); ranks], Some(e)),
     };
-    // Many experts: each on one thread (one fork/join); few: each with parallel products.
-    let outs: Vec<Vec<f32>> = if groups.len() >= 2 * rayon::current_num_threads() {
-        groups
-            .par_iter()
-            .map(|g| cachalot_kernels::serial(|| run(g)))
-            .collect::<Result<_>>()?
-    } else {
-        groups.iter().map(run).collect::<Result<_>>()?
-    };
-    // Combine: each job's outputs back to its rank, in the order it sent them.
-    let mut slices: Vec<Option<&[f32]>> = vec![None; jobs.len()];
-    for ((_, _, members), y) in groups.iter().zip(&outs) {
-        let mut at = 0;
-        for &j in members {
-            slices[j] = Some(&y[at * h..(at + jobs[j].n) * h]);
-            at += jobs[j].n;
-        }
-    }
-    let mut replies: Vec<Vec<u8>> = vec![Vec::new(); ranks];
-    for (j, job) in jobs.iter().enumerate() {
-        let y = slices[j].expect("every job is in a group");
-        let reply = &mut replies[job.src];
-        for v in y {
-            reply.extend_from_slice(&v.to_le_bytes());
-        }
-    }
-    drop(slices);
-    drop(jobs);
     let back = comm.all_to_all(&replies).map_err(|e| err(e.to_string()))?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
     match turn {
         Turn::Done { .. } => Ok(Outcome::Served),
         Turn::Layer {
@@ -530,5 +544,67 @@ pub(crate) fn end_step(
                 ))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A rank that fails to serve a round (here its expert errs) still takes part in the
+    /// round's second exchange: both ranks report an error, and their next collective pairs
+    /// up as it should.
+    #[test]
+    fn a_failed_round_leaves_the_ranks_in_step() {
+        let comms = cachalot_comm::local_group(2, Duration::from_secs(20)).unwrap();
+        let (h, experts) = (2usize, 2usize);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    scope.spawn(move || {
+                        let shard = ExpertShard {
+                            rank,
+                            ranks: 2,
+                            dispatch: true,
+                        };
+                        let compute = |_key: u32, _id: usize, _x: &[f32], _w: &[f32], _n: usize| {
+                            Err(ModelError::Options(format!("rank {rank}'s expert failed")))
+                        };
+                        let comm: &dyn Communicator = comm;
+                        let got = if rank == 0 {
+                            // One token for expert 1, which rank 1 holds.
+                            let x = [1.0f32, 2.0];
+                            let assigned = vec![Vec::new(), vec![(0usize, 1.0f32)]];
+                            let turn = Turn::Layer {
+                                key: 3,
+                                x: &x,
+                                active: &[1],
+                                assigned: &assigned,
+                            };
+                            dispatch_layer(Some(comm), shard, h, experts, turn, &compute)
+                                .map(|_| ())
+                        } else {
+                            end_step(Some(comm), shard, h, experts, false, &compute).map(|_| ())
+                        };
+                        let after = comm.all_gather(&[rank as u8 + 10]).unwrap();
+                        (got, after)
+                    })
+                })
+                .collect();
+            for (rank, handle) in handles.into_iter().enumerate() {
+                let (got, after) = handle.join().unwrap();
+                let e = got.unwrap_err().to_string();
+                let want = if rank == 0 {
+                    "sent back 0 bytes"
+                } else {
+                    "rank 1's expert failed"
+                };
+                assert!(e.contains(want), "rank {rank}: {e}");
+                assert_eq!(after, vec![vec![10u8], vec![11u8]], "rank {rank}");
+            }
+        });
     }
 }
