@@ -830,15 +830,7 @@ impl SchemaState {
     pub fn new(schema: Arc<Schema>) -> SchemaState {
         SchemaState {
             more: Vec::new(),
-            path: Path {
-                schema,
-                stack: Vec::new(),
-                scalar: Scalar::None,
-                started: false,
-                done: false,
-                spaces: 0,
-                choices: None,
-            },
+            path: Path::new(schema),
         }
     }
 
@@ -894,15 +886,7 @@ impl SchemaState {
     #[inline(never)]
     fn feed_readings(&mut self, b: u8) -> bool {
         let mut paths = std::mem::take(&mut self.more);
-        let blank = Path {
-            schema: self.path.schema.clone(),
-            stack: Vec::new(),
-            scalar: Scalar::None,
-            started: false,
-            done: false,
-            spaces: 0,
-            choices: None,
-        };
+        let blank = Path::new(self.path.schema.clone());
         paths.insert(0, std::mem::replace(&mut self.path, blank));
         let mut out: Vec<Path> = Vec::with_capacity(paths.len());
         for mut p in paths {
@@ -979,6 +963,19 @@ struct Choices {
 }
 
 impl Path {
+    /// Before the value's first byte.
+    fn new(schema: Arc<Schema>) -> Path {
+        Path {
+            schema,
+            stack: Vec::new(),
+            scalar: Scalar::None,
+            started: false,
+            done: false,
+            spaces: 0,
+            choices: None,
+        }
+    }
+
     /// `b` may start a value read several ways ([`Schema::forks`]).
     #[inline]
     fn may_fork(&self, b: u8) -> bool {
