@@ -26,7 +26,7 @@ use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
-use crate::batch::{slot_of, Batch, CacheSpec, KvCache, KvCacheDtype, LayerMut};
+use crate::batch::{slot_of, Batch, CacheSpec, KvCache, KvCacheDtype, LayerMut, LogitsWanted};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config::{DeepseekV3Config, QuantizationConfig, LATENT_NORM_EPS};
 use crate::eplb::BalancedRouting;
@@ -828,6 +828,23 @@ impl DeepseekV3 {
         cache: &mut KvCache,
         want_hidden: bool,
     ) -> Result<ForwardOutput> {
+        if self.shard.context && self.shard.ranks > 1 {
+            return self
+                .forward_cp(Some((batch, cache)), None, want_hidden)?
+                .ok_or_else(|| {
+                    ModelError::Batch("context parallel forward gave no output".into())
+                });
+        }
+        self.forward_plain(batch, cache, want_hidden)
+    }
+
+    /// [`DeepseekV3::forward`] of this rank's batch alone.
+    fn forward_plain(
+        &self,
+        batch: &Batch,
+        cache: &mut KvCache,
+        want_hidden: bool,
+    ) -> Result<ForwardOutput> {
         let cfg = &self.cfg;
         self.check_cache(cache, self.layers.len())?;
         batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
@@ -849,6 +866,298 @@ impl DeepseekV3 {
             )?;
         }
         self.head(&hidden, &self.norm, batch, want_hidden, step)
+    }
+
+    /// A forward under prefill context parallelism ([`ExpertShard::context`], executor spec
+    /// §4.5). Every rank takes part: `own` is this rank's batch and cache (None for a rank
+    /// whose step is over, joining from [`DeepseekV3::end_step`] with the ranks' `plans`).
+    /// The prompts of all ranks' batches (sequences that start at position 0 with more than
+    /// one token) are split over the ranks: prompt of length L in 2·ranks pieces of
+    /// ⌈L / 2·ranks⌉, rank r computing pieces r and 2·ranks − 1 − r (zigzag, so the causal work
+    /// is even). At every layer the ranks' latent rows of each prompt are gathered (a
+    /// temporary full-latent cache per rank, as the seed's) so each piece attends to all rows
+    /// before it, and the prompt's own rank writes them into its cache; the MoE layers
+    /// dispatch every rank's rows to the experts' ranks. At the end each prompt's hidden rows
+    /// go back to its rank, which computes the logits `own` asks for. The other sequences of
+    /// `own` (decode, later chunks, MTP verification) run on this rank as usual, in the same
+    /// layers. Returns `own`'s output.
+    fn forward_cp(
+        &self,
+        own: Option<(&Batch, &mut KvCache)>,
+        plans: Option<Vec<Vec<u8>>>,
+        want_hidden: bool,
+    ) -> Result<Option<ForwardOutput>> {
+        let cfg = &self.cfg;
+        let h = cfg.hidden_size;
+        let (rank, ranks) = (self.shard.rank, self.shard.ranks);
+        let experts = cfg.n_routed_experts.unwrap_or(0);
+        let comm = self.comm.as_deref().ok_or_else(|| {
+            ModelError::Options(
+                "context parallelism needs the group's communicator (set_communicator)".into(),
+            )
+        })?;
+        let err = |m: String| ModelError::Options(format!("context parallelism: {m}"));
+        let (own_batch, mut own_cache) = match own {
+            Some((b, c)) => {
+                self.check_cache(c, self.layers.len())?;
+                b.validate(c.block_size(), c.num_blocks(), cfg.vocab_size)?;
+                (Some(b), Some(c))
+            }
+            None => (None, None),
+        };
+        let is_prompt = |b: &Batch, s: usize| {
+            let r = b.seq_starts[s]..b.seq_starts[s + 1];
+            r.len() > 1 && b.positions[r.start] == 0
+        };
+        let plans = match plans {
+            Some(p) => p,
+            None => {
+                let b =
+                    own_batch.ok_or_else(|| err("a forward without a batch or plans".into()))?;
+                let mut payload = Vec::new();
+                let mine: Vec<usize> = (0..b.num_seqs()).filter(|&s| is_prompt(b, s)).collect();
+                payload.extend_from_slice(&(mine.len() as u32).to_le_bytes());
+                for &s in &mine {
+                    let r = b.seq_starts[s]..b.seq_starts[s + 1];
+                    payload.extend_from_slice(&(s as u32).to_le_bytes());
+                    payload.extend_from_slice(&(r.len() as u32).to_le_bytes());
+                    for &t in &b.tokens[r] {
+                        payload.extend_from_slice(&t.to_le_bytes());
+                    }
+                }
+                let serve = |key: u32, id: usize, xs: &[f32], _ws: &[f32], n: usize| {
+                    self.serve_expert(key, id, xs, n)
+                };
+                crate::expert_parallel::plan_round(
+                    Some(comm),
+                    self.shard,
+                    h,
+                    experts,
+                    &payload,
+                    &serve,
+                )?
+            }
+        };
+        let prompts = parse_prompts(&plans).map_err(err)?;
+        if prompts.is_empty() {
+            return match (own_batch, own_cache) {
+                (Some(b), Some(c)) => self.forward_plain(b, c, want_hidden).map(Some),
+                _ => Ok(None),
+            };
+        }
+        if let Some(b) = own_batch {
+            let mine = prompts.iter().filter(|p| p.owner == rank).count();
+            if mine != (0..b.num_seqs()).filter(|&s| is_prompt(b, s)).count() {
+                return Err(err("the plans lost this rank's prompts".into()));
+            }
+        }
+        // This rank's rows: its batch's other sequences, then its pieces of every prompt (in a
+        // scratch cache of its own: one layer, each prompt's rows in blocks of their own).
+        const SCRATCH_BLOCK: usize = 64;
+        let mut local = Batch::default();
+        if let Some(b) = own_batch {
+            for s in (0..b.num_seqs()).filter(|&s| !is_prompt(b, s)) {
+                let r = b.seq_starts[s]..b.seq_starts[s + 1];
+                local.push_seq(
+                    &b.tokens[r.clone()],
+                    b.positions[r.start],
+                    b.block_tables[s].clone(),
+                    LogitsWanted::None,
+                );
+            }
+        }
+        let mut segs = Batch::default();
+        let mut seg_of: Vec<usize> = Vec::new();
+        let mut blocks = 0u32;
+        for (j, p) in prompts.iter().enumerate() {
+            let n = p.tokens.len().div_ceil(SCRATCH_BLOCK) as u32;
+            let table: Vec<u32> = (blocks..blocks + n).collect();
+            blocks += n;
+            for (a, e) in cp_pieces(p.tokens.len(), rank, ranks) {
+                segs.push_seq(&p.tokens[a..e], a, table.clone(), LogitsWanted::None);
+                seg_of.push(j);
+            }
+        }
+        let spec = self.cache_spec();
+        let mut scratch = KvCache::new(
+            CacheSpec { layers: 1, ..spec },
+            SCRATCH_BLOCK,
+            (blocks as usize).max(1),
+        );
+        let (nl, ns) = (local.num_tokens(), segs.num_tokens());
+        let width = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
+        // Every rank's rows of every prompt, from each rank's pieces in plan order.
+        let exchange = |rows: &[f32]| -> Result<Vec<Vec<f32>>> {
+            let _t = Timer::start(Phase::Reduce);
+            let mut bytes = Vec::with_capacity(rows.len() * 4);
+            for v in rows {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+            let all = comm
+                .all_gather(&bytes)
+                .map_err(|e| err(format!("gathering the latent rows: {e}")))?;
+            let mut full: Vec<Vec<f32>> = prompts
+                .iter()
+                .map(|p| vec![0.0f32; p.tokens.len() * width])
+                .collect();
+            for (r, part) in all.iter().enumerate() {
+                let mut at = 0;
+                for (j, p) in prompts.iter().enumerate() {
+                    for (a, e) in cp_pieces(p.tokens.len(), r, ranks) {
+                        let n = (e - a) * width;
+                        let src = part.get(at * 4..(at + n) * 4).ok_or_else(|| {
+                            err(format!("rank {r} sent fewer latent rows than its pieces"))
+                        })?;
+                        for (o, c) in full[j][a * width..e * width]
+                            .iter_mut()
+                            .zip(src.chunks_exact(4))
+                        {
+                            *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                        }
+                        at += n;
+                    }
+                }
+                if at * 4 != part.len() {
+                    return Err(err(format!(
+                        "rank {r} sent more latent rows than its pieces"
+                    )));
+                }
+            }
+            Ok(full)
+        };
+        let mut tokens = local.tokens.clone();
+        tokens.extend_from_slice(&segs.tokens);
+        let mut hidden = self.embed.lookup(Some(comm), self.tp, 0, &tokens)?;
+        let rope_l = RopeTable::new(&self.rope, &local.positions, cfg.qk_rope_head_dim / 2);
+        let rope_s = RopeTable::new(&self.rope, &segs.positions, cfg.qk_rope_head_dim / 2);
+        let bs = own_cache.as_ref().map_or(SCRATCH_BLOCK, |c| c.block_size());
+        let t_all = nl + ns;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut x = vec![0.0f32; t_all * h];
+            k::rms_norm_rows(&hidden, h, &layer.input_norm, cfg.rms_norm_eps, &mut x);
+            let mut attn = Vec::with_capacity(t_all * h);
+            if nl > 0 {
+                let cache = own_cache
+                    .as_deref_mut()
+                    .ok_or_else(|| err("rows of this rank without its cache".into()))?;
+                let parts = cache.layer_parts_mut(li);
+                let (a, _) =
+                    self.attention(&layer.attn, &x[..nl * h], &local, &rope_l, parts, bs, None)?;
+                attn.extend_from_slice(&a);
+            }
+            let cp = CpAttend {
+                of_seq: &seg_of,
+                exchange: &exchange,
+            };
+            let full = if ns > 0 {
+                let parts = scratch.layer_parts_mut(0);
+                let (a, full) = self.attention(
+                    &layer.attn,
+                    &x[nl * h..],
+                    &segs,
+                    &rope_s,
+                    parts,
+                    SCRATCH_BLOCK,
+                    Some(&cp),
+                )?;
+                attn.extend_from_slice(&a);
+                full
+            } else {
+                exchange(&[])?
+            };
+            // This rank's prompts: their rows into its cache, for decoding.
+            if let (Some(b), Some(c)) = (own_batch, own_cache.as_deref_mut()) {
+                let mut parts = c.layer_parts_mut(li);
+                for (j, p) in prompts.iter().enumerate().filter(|(_, p)| p.owner == rank) {
+                    let table = &b.block_tables[p.seq];
+                    for (pos, row) in full[j].chunks_exact(width).enumerate() {
+                        self.store_latent(&layer.attn, &mut parts, slot_of(table, pos, bs), row);
+                    }
+                }
+            }
+            for (a, b) in hidden.iter_mut().zip(&attn) {
+                *a += b;
+            }
+            k::rms_norm_rows(&hidden, h, &layer.post_norm, cfg.rms_norm_eps, &mut x);
+            let ffn = match &layer.ffn {
+                Ffn::Dense(m) => {
+                    let _t = Timer::start(Phase::Dense);
+                    mlp_forward(m, &x, t_all)
+                }
+                Ffn::Moe(m) => {
+                    let _t = Timer::start(Phase::Moe);
+                    self.moe_forward(m, &x, t_all, false)?
+                }
+            };
+            for (a, b) in hidden.iter_mut().zip(&ffn) {
+                *a += b;
+            }
+        }
+        // Each prompt's hidden rows to its rank: (prompt, first position, rows) per piece.
+        let mut parts: Vec<Vec<u8>> = vec![Vec::new(); ranks];
+        for (q, &j) in seg_of.iter().enumerate() {
+            let r = segs.seq_starts[q]..segs.seq_starts[q + 1];
+            let part = &mut parts[prompts[j].owner];
+            part.extend_from_slice(&(j as u32).to_le_bytes());
+            part.extend_from_slice(&(segs.positions[r.start] as u32).to_le_bytes());
+            part.extend_from_slice(&(r.len() as u32).to_le_bytes());
+            for v in &hidden[(nl + r.start) * h..(nl + r.end) * h] {
+                part.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let back = comm
+            .all_to_all(&parts)
+            .map_err(|e| err(format!("returning the prompts' hidden rows: {e}")))?;
+        let Some(b) = own_batch else {
+            return Ok(None);
+        };
+        // This rank's batch in its own order: its other sequences' rows, then its prompts'.
+        let mut own_hidden = vec![0.0f32; b.num_tokens() * h];
+        let mut at = 0;
+        for s in (0..b.num_seqs()).filter(|&s| !is_prompt(b, s)) {
+            let r = b.seq_starts[s]..b.seq_starts[s + 1];
+            own_hidden[r.start * h..r.end * h].copy_from_slice(&hidden[at * h..(at + r.len()) * h]);
+            at += r.len();
+        }
+        let mut filled = 0usize;
+        for (r, msg) in back.iter().enumerate() {
+            let bad = || err(format!("rank {r} sent back malformed hidden rows"));
+            let mut at = 0;
+            while at < msg.len() {
+                let u = |o: usize| -> Result<usize> {
+                    msg.get(at + o..at + o + 4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
+                        .ok_or_else(bad)
+                };
+                let (j, start, n) = (u(0)?, u(4)?, u(8)?);
+                let p = prompts.get(j).filter(|p| p.owner == rank).ok_or_else(bad)?;
+                if start + n > p.tokens.len() {
+                    return Err(bad());
+                }
+                let src = msg.get(at + 12..at + 12 + n * h * 4).ok_or_else(bad)?;
+                let base = (b.seq_starts[p.seq] + start) * h;
+                for (o, c) in own_hidden[base..base + n * h]
+                    .iter_mut()
+                    .zip(src.chunks_exact(4))
+                {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+                filled += n;
+                at += 12 + n * h * 4;
+            }
+        }
+        let want: usize = prompts
+            .iter()
+            .filter(|p| p.owner == rank)
+            .map(|p| p.tokens.len())
+            .sum();
+        if filled != want {
+            return Err(err(format!(
+                "{filled} of this rank's {want} prompt rows came back"
+            )));
+        }
+        self.head(&own_hidden, &self.norm, b, want_hidden, 0)
+            .map(Some)
     }
 
     /// One step of MTP module `index` (spec §3.8): row i pairs the embedding of
@@ -986,7 +1295,8 @@ impl DeepseekV3 {
         let t_count = batch.num_tokens();
         let mut x = vec![0.0f32; t_count * h];
         k::rms_norm_rows(hidden, h, &layer.input_norm, cfg.rms_norm_eps, &mut x);
-        let mut attn = self.attention(&layer.attn, &x, batch, rope, cache, block_size);
+        let (mut attn, _) =
+            self.attention(&layer.attn, &x, batch, rope, cache, block_size, None)?;
         // Tensor parallelism: each rank's heads gave a partial o_proj product.
         if self.tp.ranks > 1 {
             let _t = Timer::start(Phase::Reduce);
@@ -1017,6 +1327,12 @@ impl DeepseekV3 {
         Ok(())
     }
 
+    /// MLA over `batch`'s tokens (rows of `x`): writes each token's latent row into its cache
+    /// slot and attends causally over the cache. With `cp` (context parallelism, the batch's
+    /// sequences being segments of prompts split over the ranks) the ranks' rows are exchanged
+    /// first and every prompt's rows written; they come back, one `[len, width]` array per
+    /// prompt (empty without `cp`).
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         mla: &Mla,
@@ -1025,7 +1341,8 @@ impl DeepseekV3 {
         rope: &RopeTable,
         cache: LayerMut,
         block_size: usize,
-    ) -> Vec<f32> {
+        cp: Option<&CpAttend>,
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
         let cfg = &self.cfg;
         let t_count = batch.num_tokens();
         let MlaDims {
@@ -1104,6 +1421,33 @@ impl DeepseekV3 {
             }
         }
         let bs = block_size;
+        let mut cache = cache;
+        for s in 0..batch.num_seqs() {
+            for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
+                let slot = batch.slot(s, i, bs);
+                self.store_latent(mla, &mut cache, slot, &kv[i * width..(i + 1) * width]);
+            }
+        }
+        // Context parallelism: every rank's rows of each prompt, written where this call's
+        // segments of it attend (this rank's own rows again among them: the same values).
+        let full = match cp {
+            Some(cp) => {
+                let full = (cp.exchange)(&kv)?;
+                let mut written = vec![false; full.len()];
+                for s in 0..batch.num_seqs() {
+                    let j = cp.of_seq[s];
+                    if std::mem::replace(&mut written[j], true) {
+                        continue;
+                    }
+                    for (pos, row) in full[j].chunks_exact(width).enumerate() {
+                        let slot = slot_of(&batch.block_tables[s], pos, bs);
+                        self.store_latent(mla, &mut cache, slot, row);
+                    }
+                }
+                full
+            }
+            None => Vec::new(),
+        };
         let LayerMut {
             int8: cache_i8,
             f32: cache_f32,
@@ -1111,35 +1455,6 @@ impl DeepseekV3 {
         } = cache;
         // The float part's width per slot: all of the row, or k^R alone under C8.
         let fw = if mla.ckv_scale.is_some() { rd } else { width };
-        for s in 0..batch.num_seqs() {
-            for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
-                let slot = batch.slot(s, i, bs);
-                let row = &kv[i * width..(i + 1) * width];
-                if let Some(scale) = mla.ckv_scale {
-                    // C8: c_kv as saturate_int8(round(c_kv · (1/s))), k^R as a float.
-                    let inv = 1.0 / scale;
-                    for (q, &v) in cache_i8[slot * kvr..(slot + 1) * kvr]
-                        .iter_mut()
-                        .zip(&row[..kvr])
-                    {
-                        *q = quantize_static_int8(v, inv);
-                    }
-                }
-                let float = &row[width - fw..];
-                match self.kv_dtype {
-                    KvCacheDtype::F32 => {
-                        cache_f32[slot * fw..(slot + 1) * fw].copy_from_slice(float)
-                    }
-                    // Already bf16 values: the conversion is exact.
-                    KvCacheDtype::Bf16 => {
-                        for (o, &v) in cache_bf16[slot * fw..(slot + 1) * fw].iter_mut().zip(float)
-                        {
-                            *o = k::f32_to_bf16(v);
-                        }
-                    }
-                }
-            }
-        }
         let (cache_i8, cache_f32, cache_bf16): (&[i8], &[f32], &[u16]) =
             (cache_i8, cache_f32, cache_bf16);
         drop(latents_t);
@@ -1152,8 +1467,14 @@ impl DeepseekV3 {
             if range.is_empty() {
                 return None;
             }
-            let tq = range.len();
-            let ctx = batch.positions[range.end - 1] + 1;
+            // A prompt's segment takes the path the whole prompt would.
+            let (tq, ctx) = match cp {
+                Some(cp) => {
+                    let len = full[cp.of_seq[s]].len() / width;
+                    (len, len)
+                }
+                None => (range.len(), batch.positions[range.end - 1] + 1),
+            };
             Some(match self.attention_path {
                 AttentionPath::Auto => {
                     let (tq, ctx, n, kvr) = (tq as u64, ctx as u64, n as u64, kvr as u64);
@@ -1202,10 +1523,18 @@ impl DeepseekV3 {
                 float_of(slot, &mut row[width - fw..]);
             }
             if path == AttentionPath::Naive {
-                for i in range {
-                    let pos = batch.positions[i];
-                    g[pos * width..(pos + 1) * width]
-                        .copy_from_slice(&kv[i * width..(i + 1) * width]);
+                match cp {
+                    // Every row of the prompt is this step's.
+                    Some(cp) => {
+                        g.copy_from_slice(&full[cp.of_seq[s]][..ctx * width]);
+                    }
+                    None => {
+                        for i in range {
+                            let pos = batch.positions[i];
+                            g[pos * width..(pos + 1) * width]
+                                .copy_from_slice(&kv[i * width..(i + 1) * width]);
+                        }
+                    }
                 }
             }
             Some(g)
@@ -1303,7 +1632,35 @@ impl DeepseekV3 {
         let _t = Timer::start(Phase::AttnOut);
         let mut out = vec![0.0f32; t_count * cfg.hidden_size];
         mla.o.matmul(&o, t_count, &mut out);
-        out
+        Ok((out, full))
+    }
+
+    /// One latent row into its cache slot, as the cache stores it (C8: c_kv as
+    /// saturate_int8(round(c_kv / s)) and k^R as a float; else the whole row, f32 or bf16).
+    fn store_latent(&self, mla: &Mla, cache: &mut LayerMut, slot: usize, row: &[f32]) {
+        let width = row.len();
+        let rd = self.cfg.qk_rope_head_dim;
+        let kvr = width - rd;
+        let fw = if mla.ckv_scale.is_some() { rd } else { width };
+        if let Some(scale) = mla.ckv_scale {
+            let inv = 1.0 / scale;
+            for (q, &v) in cache.int8[slot * kvr..(slot + 1) * kvr]
+                .iter_mut()
+                .zip(&row[..kvr])
+            {
+                *q = quantize_static_int8(v, inv);
+            }
+        }
+        let float = &row[width - fw..];
+        match self.kv_dtype {
+            KvCacheDtype::F32 => cache.f32[slot * fw..(slot + 1) * fw].copy_from_slice(float),
+            // Already bf16 values: the conversion is exact.
+            KvCacheDtype::Bf16 => {
+                for (o, &v) in cache.bf16[slot * fw..(slot + 1) * fw].iter_mut().zip(float) {
+                    *o = k::f32_to_bf16(v);
+                }
+            }
+        }
     }
 
     /// Spec §3.3: up-project every cached latent to per-head keys and values.
@@ -1723,6 +2080,18 @@ impl DeepseekV3 {
         let serve = |key: u32, id: usize, xs: &[f32], _ws: &[f32], n: usize| {
             self.serve_expert(key, id, xs, n)
         };
+        // Another rank began a context-parallel forward: this rank's pieces of its prompts.
+        let join = |plans: Vec<Vec<u8>>| -> Result<()> {
+            if !self.shard.context {
+                return Err(ModelError::Options(
+                    "expert dispatch: a rank began a context-parallel forward and this one does \
+                     not run context parallelism (the ranks were started with different \
+                     layouts)"
+                        .into(),
+                ));
+            }
+            self.forward_cp(None, Some(plans), false).map(|_| ())
+        };
         crate::expert_parallel::end_step(
             self.comm.as_deref(),
             self.shard,
@@ -1730,6 +2099,7 @@ impl DeepseekV3 {
             self.cfg.n_routed_experts.unwrap_or(0),
             more,
             &serve,
+            &join,
         )
     }
 
@@ -1744,6 +2114,66 @@ impl DeepseekV3 {
         self.comm = Some(comm);
         Ok(())
     }
+}
+
+/// What [`DeepseekV3::attention`] needs under context parallelism: the prompt each of the
+/// batch's sequences (segments) belongs to, and the exchange of the call's latent rows for
+/// every prompt's whole rows (`[len, width]` each, in the plan's order).
+type CpExchange<'a> = dyn Fn(&[f32]) -> Result<Vec<Vec<f32>>> + Sync + 'a;
+
+struct CpAttend<'a> {
+    of_seq: &'a [usize],
+    exchange: &'a CpExchange<'a>,
+}
+
+/// A prompt of some rank's batch under context parallelism: its rank, its sequence there, its
+/// tokens.
+struct CpPrompt {
+    owner: usize,
+    seq: usize,
+    tokens: Vec<u32>,
+}
+
+/// Every rank's prompts from the plan payloads ([`DeepseekV3::forward_cp`]), in rank order.
+fn parse_prompts(plans: &[Vec<u8>]) -> std::result::Result<Vec<CpPrompt>, String> {
+    let mut out = Vec::new();
+    for (owner, b) in plans.iter().enumerate() {
+        if b.is_empty() {
+            continue;
+        }
+        let bad = || format!("rank {owner} sent a malformed plan of {} bytes", b.len());
+        let u = |at: usize| -> std::result::Result<usize, String> {
+            b.get(at..at + 4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
+                .ok_or_else(bad)
+        };
+        let count = u(0)?;
+        let mut at = 4;
+        for _ in 0..count {
+            let (seq, len) = (u(at)?, u(at + 4)?);
+            at += 8;
+            let tokens = (0..len)
+                .map(|i| u(at + 4 * i).map(|t| t as u32))
+                .collect::<std::result::Result<Vec<u32>, String>>()?;
+            at += 4 * len;
+            out.push(CpPrompt { owner, seq, tokens });
+        }
+        if at != b.len() {
+            return Err(bad());
+        }
+    }
+    Ok(out)
+}
+
+/// Rank `rank`'s pieces `[start, end)` of a prompt of `len` tokens split over `ranks`: pieces
+/// `rank` and `2·ranks − 1 − rank` of ⌈len / 2·ranks⌉ tokens (empty ones left out).
+fn cp_pieces(len: usize, rank: usize, ranks: usize) -> Vec<(usize, usize)> {
+    let piece = len.div_ceil(2 * ranks);
+    [rank, 2 * ranks - 1 - rank]
+        .into_iter()
+        .map(|k| ((k * piece).min(len), ((k + 1) * piece).min(len)))
+        .filter(|(a, e)| a < e)
+        .collect()
 }
 
 /// The MLA head sizes the attention code indexes with.

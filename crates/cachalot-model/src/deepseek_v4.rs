@@ -711,6 +711,14 @@ impl DeepseekV4 {
         let shard = opts.expert_shard;
         let e = cfg.n_routed_experts;
         shard.validate(e)?;
+        if shard.context && shard.ranks > 1 {
+            return Err(ModelError::Options(
+                "prefill context parallelism (cp_size > 1) is done for DeepSeek-V3/R1/Kimi-K2 \
+                 checkpoints; DeepSeek-V4's compressed caches and sliding window are not split \
+                 over ranks yet: run V4 with --parallel data-expert (cp_size: 1)"
+                    .into(),
+            ));
+        }
         // Tensor parallelism (spec `deepseek-v4.md` §2.6/§2.9 split as the seed's attention and
         // MoE TP): each rank holds `num_attention_heads / ranks` heads — whole output groups,
         // so `o_groups` divides too — their rows of wq_b and wo_a, their columns of wo_b and
@@ -1650,6 +1658,13 @@ impl DeepseekV4 {
             self.cfg.n_routed_experts,
             more,
             &serve,
+            &|_| {
+                Err(ModelError::Options(
+                    "expert dispatch: a rank began a context-parallel forward, which DeepSeek-V4 \
+                     does not run"
+                        .into(),
+                ))
+            },
         )
     }
 

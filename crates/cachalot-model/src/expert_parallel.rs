@@ -30,6 +30,12 @@ pub struct ExpertShard {
     /// back ([`dispatch_round`]); the ranks step together, a rank without work serving the
     /// others. Without it (false) every rank runs the same batch and gathers the outputs.
     pub dispatch: bool,
+    /// Prefill context parallelism on top of `dispatch` (the seed's `cp_size` = `world_size`
+    /// with `attn_tp_size: 1`, executor spec §4.5): every prompt that starts in a step (at
+    /// position 0) is computed by all ranks, each taking two of its 2·ranks segments (zigzag),
+    /// with every layer's latent rows gathered so that each segment attends to all before it;
+    /// the request's own rank keeps its KV and decodes it.
+    pub context: bool,
 }
 
 impl Default for ExpertShard {
@@ -38,6 +44,7 @@ impl Default for ExpertShard {
             rank: 0,
             ranks: 1,
             dispatch: false,
+            context: false,
         }
     }
 }
@@ -66,6 +73,13 @@ impl ExpertShard {
                  by the ranks; use a number of ranks that divides {experts}",
                 self.ranks
             )));
+        }
+        if self.context && !self.dispatch {
+            return Err(ModelError::Options(
+                "prefill context parallelism runs on data-parallel attention with dispatched \
+                 experts (dispatch with context)"
+                    .into(),
+            ));
         }
         Ok(())
     }
@@ -216,6 +230,10 @@ pub(crate) enum Turn<'a> {
     },
     /// This rank's step is over; `more`: it has work for another step.
     Done { more: bool },
+    /// This rank begins a forward under prefill context parallelism
+    /// ([`ExpertShard::context`]) and tells every rank its prompts (`payload`); it serves
+    /// the others' rounds meanwhile, as a finished rank does.
+    Plan { payload: &'a [u8] },
 }
 
 /// What a round gave this rank.
@@ -226,6 +244,9 @@ enum Outcome {
     Served,
     /// For [`Turn::Done`] when every rank's step was over: whether any rank has more work.
     AllDone { more: bool },
+    /// A round without layers in which some rank began a forward ([`Turn::Plan`]): every
+    /// rank's plan payload (empty for ranks whose step is over), in rank order.
+    Plan(Vec<Vec<u8>>),
 }
 
 /// One expert's job from one rank: `n` tokens of layer `key`, rows `idx` of the rank's
@@ -243,6 +264,7 @@ struct Job<'a> {
 
 const TURN_LAYER: u8 = 1;
 const TURN_DONE: u8 = 2;
+const TURN_PLAN: u8 = 3;
 
 /// One round of dispatched expert parallelism (the seed's attention-DP ranks with experts split
 /// over all of them, `attn_tp_size: 1, moe_tp_size: 1`): each rank sends every other rank the
@@ -322,6 +344,12 @@ fn dispatch_round(
                 part.extend_from_slice(&[TURN_DONE, *more as u8]);
             }
         }
+        Turn::Plan { payload } => {
+            for part in &mut parts {
+                part.push(TURN_PLAN);
+                part.extend_from_slice(payload);
+            }
+        }
     }
     let received = comm.all_to_all(&parts).map_err(|e| err(e.to_string()))?;
     drop(parts);
@@ -347,6 +375,7 @@ fn dispatch_round(
             };
             match b.first() {
                 Some(&TURN_DONE) if b.len() == 2 => any_more |= b[1] != 0,
+                Some(&TURN_PLAN) => {}
                 Some(&TURN_LAYER) => {
                     let key = u32_at(1)?;
                     let n_rows = u32_at(5)? as usize;
@@ -457,7 +486,22 @@ fn dispatch_round(
         Ok((replies, any_more))
     })();
     if !any_layer {
-        return served.map(|(_, more)| Outcome::AllDone { more });
+        let plans = received.iter().any(|b| b.first() == Some(&TURN_PLAN));
+        return served.map(|(_, more)| {
+            if plans {
+                Outcome::Plan(
+                    received
+                        .iter()
+                        .map(|b| match b.split_first() {
+                            Some((&TURN_PLAN, rest)) => rest.to_vec(),
+                            _ => Vec::new(),
+                        })
+                        .collect(),
+                )
+            } else {
+                Outcome::AllDone { more }
+            }
+        });
     }
     // A rank that cannot serve still takes part in the second exchange (with nothing), so the
     // ranks stay in step; those waiting on it then fail on the short replies.
@@ -470,7 +514,7 @@ fn dispatch_round(
         return Err(e);
     }
     match turn {
-        Turn::Done { .. } => Ok(Outcome::Served),
+        Turn::Done { .. } | Turn::Plan { .. } => Ok(Outcome::Served),
         Turn::Layer {
             active, assigned, ..
         } => {
@@ -526,6 +570,8 @@ pub(crate) fn dispatch_layer(
 /// tokens ([`dispatch_round`] with [`Turn::Done`]) until every rank's step is over; returns
 /// whether any rank has more work (`more` is this rank's). Every rank calls it once per step,
 /// a rank without work too, until it returns false on all of them (the same round everywhere).
+/// `on_plan`: under prefill context parallelism, another rank began a forward with these plans
+/// ([`Outcome::Plan`]); this rank takes its part of it.
 pub(crate) fn end_step(
     comm: Option<&dyn Communicator>,
     shard: ExpertShard,
@@ -533,14 +579,41 @@ pub(crate) fn end_step(
     experts: usize,
     more: bool,
     compute: &ServeExpert<'_>,
+    on_plan: &dyn Fn(Vec<Vec<u8>>) -> Result<()>,
 ) -> Result<bool> {
     loop {
         match dispatch_round(comm, shard, h, experts, Turn::Done { more }, compute)? {
             Outcome::AllDone { more } => return Ok(more),
             Outcome::Served => continue,
+            Outcome::Plan(plans) => on_plan(plans)?,
             Outcome::Outputs(_) => {
                 return Err(ModelError::Options(
                     "expert dispatch: a finished step's round returned outputs".into(),
+                ))
+            }
+        }
+    }
+}
+
+/// The first round of a forward under prefill context parallelism ([`ExpertShard::context`]):
+/// sends every rank this rank's `payload` (its prompts) and serves the others' MoE rounds until
+/// a round in which every rank either begins a forward too or has finished its step; returns
+/// every rank's payload, in rank order (empty for finished ranks).
+pub(crate) fn plan_round(
+    comm: Option<&dyn Communicator>,
+    shard: ExpertShard,
+    h: usize,
+    experts: usize,
+    payload: &[u8],
+    compute: &ServeExpert<'_>,
+) -> Result<Vec<Vec<u8>>> {
+    loop {
+        match dispatch_round(comm, shard, h, experts, Turn::Plan { payload }, compute)? {
+            Outcome::Plan(plans) => return Ok(plans),
+            Outcome::Served => continue,
+            _ => {
+                return Err(ModelError::Options(
+                    "expert dispatch: a plan round ended without the plans".into(),
                 ))
             }
         }
@@ -569,6 +642,7 @@ mod tests {
                             rank,
                             ranks: 2,
                             dispatch: true,
+                            context: false,
                         };
                         let compute = |_key: u32, _id: usize, _x: &[f32], _w: &[f32], _n: usize| {
                             Err(ModelError::Options(format!("rank {rank}'s expert failed")))
@@ -587,7 +661,8 @@ mod tests {
                             dispatch_layer(Some(comm), shard, h, experts, turn, &compute)
                                 .map(|_| ())
                         } else {
-                            end_step(Some(comm), shard, h, experts, false, &compute).map(|_| ())
+                            end_step(Some(comm), shard, h, experts, false, &compute, &|_| Ok(()))
+                                .map(|_| ())
                         };
                         let after = comm.all_gather(&[rank as u8 + 10]).unwrap();
                         (got, after)

@@ -36,6 +36,7 @@ fn expert_shards_give_the_one_process_logits() {
             rank: comm.rank(),
             ranks: n,
             dispatch: false,
+            context: false,
         });
         m.set_communicator(comm).unwrap();
         (bits(&packed_run(&m)), m.weight_bytes())
@@ -52,12 +53,13 @@ fn expert_shards_give_the_one_process_logits() {
     }
 }
 
-/// Data-parallel attention with dispatched experts (`ExpertShard::dispatch`): each rank runs
-/// its own batches — different prompts, a different number of forwards, and in a second step
-/// none at all on rank 0 — and gets the logits one process gives for those batches alone, bit
-/// for bit; every rank's `end_step` returns together, true while any rank has work.
-#[test]
-fn dispatched_experts_give_each_rank_its_own_one_process_logits() {
+/// Two ranks with their own batches (`ExpertShard::dispatch`, and `context` as given): in a
+/// first step rank 0 runs two prompts and rank 1 one (prefill with every row's logits, MTP
+/// over the prompts, a decode step), in a second step only rank 1 runs (two prompts, one of
+/// 3 tokens) while rank 0 serves from `end_step`; each rank gets the logits one process gives
+/// for its own batches alone, bit for bit, and every rank's `end_step` returns together, true
+/// while any rank has work.
+fn own_batches_give_the_one_process_logits(context: bool) {
     let prompts = |rank: usize| -> Vec<Vec<u32>> {
         if rank == 0 {
             vec![
@@ -68,7 +70,11 @@ fn dispatched_experts_give_each_rank_its_own_one_process_logits() {
             vec![(0..9).map(|i| (i * 31 + 2) % 500).collect()]
         }
     };
-    let second: Vec<Vec<u32>> = vec![(0..13).map(|i| (i * 3 + 40) % 500).collect(); 3];
+    let second: Vec<Vec<u32>> = vec![
+        (0..13).map(|i| (i * 3 + 40) % 500).collect(),
+        (0..13).map(|i| (i * 3 + 41) % 500).collect(),
+        (0..3).map(|i| (i * 5 + 1) % 500).collect(),
+    ];
     let one = load(ExpertShard::default());
     let want: Vec<(Vec<u32>, Vec<u32>)> = (0..2)
         .map(|r| {
@@ -87,13 +93,11 @@ fn dispatched_experts_give_each_rank_its_own_one_process_logits() {
             rank,
             ranks: 2,
             dispatch: true,
+            context,
         });
         m.set_communicator(comm).unwrap();
-        // Step 1: both ranks run (three forwards on rank 0, three on rank 1 with other
-        // shapes); rank 1 has more work after it.
         let first = bits(&packed_run_of(&m, &prompts(rank)));
         let more_1 = m.end_step(rank == 1).unwrap();
-        // Step 2: only rank 1 runs; rank 0 serves its experts.
         let later = if rank == 1 {
             bits(&packed_run_of(&m, &second))
         } else {
@@ -108,19 +112,37 @@ fn dispatched_experts_give_each_rank_its_own_one_process_logits() {
         assert!(!more_2, "rank {r}: no rank has work after step 2");
         assert!(
             logits.0 == want[r].0,
-            "rank {r}'s first-step logits differ from one process's"
+            "rank {r}'s first-step logits differ from one process's (context {context})"
         );
         assert!(
             logits.1 == want[r].1,
-            "rank {r}'s second-step logits differ from one process's"
+            "rank {r}'s second-step logits differ from one process's (context {context})"
         );
     }
+}
+
+/// Prefill context parallelism (`ExpertShard::context`): every rank's prompts are split over
+/// both ranks (each layer's latent rows gathered; a piece takes the attention path the whole
+/// prompt would), the rest of a batch runs on its own rank, the decode step reads the KV the
+/// gathered rows wrote, and in the second step rank 0 takes its pieces of rank 1's prompts
+/// from `end_step`: the one-process logits bit for bit.
+#[test]
+fn context_parallel_prefill_gives_each_rank_its_own_one_process_logits() {
+    own_batches_give_the_one_process_logits(true);
+}
+
+/// Data-parallel attention with dispatched experts (`ExpertShard::dispatch`): each rank runs
+/// its own batches and gets the logits one process gives for those batches alone.
+#[test]
+fn dispatched_experts_give_each_rank_its_own_one_process_logits() {
+    own_batches_give_the_one_process_logits(false);
     // Tensor parallelism runs one batch over the ranks: it refuses dispatched experts.
     let opts = LoadOptions {
         expert_shard: ExpertShard {
             rank: 0,
             ranks: 2,
             dispatch: true,
+            context: false,
         },
         tensor_shard: cachalot_model::TensorShard { rank: 0, ranks: 2 },
         ..Default::default()
@@ -138,6 +160,7 @@ fn a_shard_without_its_group_or_with_experts_that_do_not_divide_is_named() {
         rank: 0,
         ranks: 2,
         dispatch: false,
+        context: false,
     });
     let e = forward_once(&m, &(1..9).collect::<Vec<u32>>())
         .unwrap_err()
@@ -149,6 +172,7 @@ fn a_shard_without_its_group_or_with_experts_that_do_not_divide_is_named() {
             rank: 0,
             ranks: 3,
             dispatch: false,
+            context: false,
         },
         ..Default::default()
     };
@@ -169,6 +193,7 @@ fn ranks_that_run_different_batches_fail_instead_of_mixing_outputs() {
             rank,
             ranks: 2,
             dispatch: false,
+            context: false,
         })
     }) {
         assert!(e.contains("routed this layer's tokens differently"), "{e}");
@@ -179,6 +204,7 @@ fn ranks_that_run_different_batches_fail_instead_of_mixing_outputs() {
             rank: 2,
             ranks: 2,
             dispatch: false,
+            context: false,
         },
         ..Default::default()
     };
@@ -232,6 +258,7 @@ fn v4_expert_shards_give_the_one_process_logits() {
             rank: comm.rank(),
             ranks: 2,
             dispatch: false,
+            context: false,
         });
         m.set_communicator(comm).unwrap();
         run(&m)
@@ -274,6 +301,7 @@ fn v4_dispatched_experts_give_each_rank_its_own_one_process_logits() {
             rank,
             ranks: 2,
             dispatch: true,
+            context: false,
         });
         m.set_communicator(comm).unwrap();
         let (toks, steps) = work(rank);

@@ -33,6 +33,7 @@ fn load_with(dir: &Path, shard: TensorShard, experts: bool) -> DeepseekV3 {
                 rank: shard.rank,
                 ranks: shard.ranks,
                 dispatch: false,
+                context: false,
             }
         } else {
             ExpertShard::default()
@@ -160,6 +161,7 @@ fn v4_tensor_shards_give_the_one_process_logits() {
                         rank: t.rank,
                         ranks: t.ranks,
                         dispatch: false,
+                        context: false,
                     }
                 } else {
                     ExpertShard::default()
@@ -223,6 +225,7 @@ fn shards_that_do_not_divide_or_lack_their_group_are_named() {
             rank: 1,
             ranks: 2,
             dispatch: false,
+            context: false,
         },
         ..Default::default()
     };

@@ -89,6 +89,12 @@ pub enum Parallel {
     /// and V4 checkpoints.
     #[serde(rename = "data-expert")]
     DataExpert,
+    /// DataExpert with prefill context parallelism (the seed's `cp_size` = `world_size`,
+    /// `attn_tp_size: 1`): every prompt is computed by all ranks, each taking two of its
+    /// 2·ranks pieces, with each layer's latent rows gathered; the request's own rank keeps
+    /// its KV and decodes it as under DataExpert (`ExpertShard::context`). DeepSeek-V3/R1/
+    /// Kimi-K2 checkpoints.
+    Context,
 }
 
 impl Parallel {
@@ -102,6 +108,7 @@ impl Parallel {
     ///   (Data for one rank).
     /// - `attn_tp_size` = `moe_tp_size` = `world_size`: Tensor.
     /// - `attn_tp_size` = `world_size`, `moe_tp_size: 1`: TensorExpert.
+    /// - `cp_size` = `world_size` with `attn_tp_size: 1, moe_tp_size: 1`: Context.
     pub fn from_config(
         pc: &crate::config::ParallelConfig,
         ranks: usize,
@@ -117,16 +124,20 @@ impl Parallel {
             "parallel_config world_size {w}, attn_tp_size {}, moe_tp_size {}, cp_size {}",
             pc.attn_tp_size, pc.moe_tp_size, pc.cp_size
         );
-        if pc.cp_size > 1 {
+        if pc.cp_size > 1 && (pc.cp_size != w || pc.attn_tp_size != 1 || pc.moe_tp_size != 1) {
             return Err(format!(
-                "{sizes}: context parallelism (cp_size > 1) is not done here; give --parallel \
-                 data|expert|tensor|tensor-expert|data-expert to choose a layout, or set \
-                 cp_size: 1"
+                "{sizes}: context parallelism runs with cp_size equal to world_size, \
+                 attn_tp_size 1 and moe_tp_size 1 (as the seed's); give --parallel \
+                 data|expert|tensor|tensor-expert|data-expert|context to choose a layout"
             ));
         }
         let (layout, whole) = match (pc.attn_tp_size, pc.moe_tp_size) {
             (1, 1) => (
-                Parallel::DataExpert,
+                if pc.cp_size > 1 {
+                    Parallel::Context
+                } else {
+                    Parallel::DataExpert
+                },
                 [
                     ("embed_tp_size", pc.embed_tp_size),
                     ("lmhead_tp_size", pc.lmhead_tp_size),
@@ -447,7 +458,8 @@ pub fn run_ranked(
     // lockstep (named `expert` for the lockstep below; `tensor` picks the shard).
     let tensor = matches!(opts.parallel, Parallel::Tensor | Parallel::TensorExpert) && ranks > 1;
     // Data-parallel ranks whose MoE layers dispatch tokens to the experts' ranks.
-    let dispatch = opts.parallel == Parallel::DataExpert && ranks > 1;
+    let dispatch = matches!(opts.parallel, Parallel::DataExpert | Parallel::Context) && ranks > 1;
+    let context = opts.parallel == Parallel::Context && ranks > 1;
     let experts_split =
         matches!(opts.parallel, Parallel::Expert | Parallel::TensorExpert) && ranks > 1;
     let expert = (experts_split || tensor) && ranks > 1;
@@ -460,6 +472,7 @@ pub fn run_ranked(
             rank,
             ranks,
             dispatch,
+            context,
         }
     } else {
         ExpertShard::default()
@@ -1209,6 +1222,8 @@ pub fn run_ranked(
             Parallel::Tensor
         } else if expert {
             Parallel::Expert
+        } else if context {
+            Parallel::Context
         } else if dispatch {
             Parallel::DataExpert
         } else {
@@ -1497,7 +1512,8 @@ mod tests {
             e.contains("attn_tp_size 2") && e.contains("--parallel"),
             "{e}"
         );
-        let e = layout(&pc(4, 1, 1, 4), 4).unwrap_err();
+        assert_eq!(layout(&pc(4, 1, 1, 4), 4), Ok(Some(Parallel::Context)));
+        let e = layout(&pc(4, 1, 1, 2), 4).unwrap_err();
         assert!(e.contains("cp_size"), "{e}");
         // Sizes held whole are said.
         let mut p = pc(16, 1, 1, 1);
@@ -1506,7 +1522,7 @@ mod tests {
         assert_eq!(l, Parallel::DataExpert);
         assert!(note.unwrap().contains("lmhead_tp_size 4"));
         // The seed's configs at their own world_size, by the layout their names give: `Ntp`
-        // alone tensor, `Ntp_Nep` tensor-expert, `Ncp` context parallel (not done), the
+        // alone tensor, `Ntp_Nep` tensor-expert, `cp_size` > 1 context parallel, the
         // `Nep`/`Ndp_Nep` ones DP attention with EP experts.
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
         let mut seen = 0;
@@ -1533,7 +1549,7 @@ mod tests {
                     })
                 };
                 let want = if cfg.parallel_config.cp_size > 1 {
-                    None
+                    Some(Parallel::Context)
                 } else if has("tp") && has("ep") {
                     Some(Parallel::TensorExpert)
                 } else if has("tp") {

@@ -78,6 +78,7 @@ pub(crate) enum ParallelArg {
     Tensor,
     TensorExpert,
     DataExpert,
+    Context,
 }
 
 /// How a command runs over several processes (`run` and `serve`): `--ranks N` (this process
@@ -155,6 +156,7 @@ impl GroupArgs {
             Some(ParallelArg::Tensor) => offline::Parallel::Tensor,
             Some(ParallelArg::TensorExpert) => offline::Parallel::TensorExpert,
             Some(ParallelArg::DataExpert) => offline::Parallel::DataExpert,
+            Some(ParallelArg::Context) => offline::Parallel::Context,
             None => match offline::Parallel::from_config(pc, self.size())
                 .map_err(|e| anyhow!("{e}"))?
             {

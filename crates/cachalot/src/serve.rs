@@ -484,7 +484,8 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     let experts_split = world > 1 && matches!(p, Parallel::Expert | Parallel::TensorExpert);
     let expert = tensor || experts_split;
     // Data parallel, the MoE layers dispatching tokens to the experts' ranks.
-    let dispatch = world > 1 && p == Parallel::DataExpert;
+    let dispatch = world > 1 && matches!(p, Parallel::DataExpert | Parallel::Context);
+    let context = world > 1 && p == Parallel::Context;
     if tensor {
         set.model.tensor_shard = TensorShard { rank, ranks: world };
     }
@@ -493,6 +494,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             rank,
             ranks: world,
             dispatch: false,
+            context: false,
         };
     }
     if dispatch {
@@ -500,6 +502,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             rank,
             ranks: world,
             dispatch: true,
+            context,
         };
     }
     // Ranks of this host share its memory for their KV pools.

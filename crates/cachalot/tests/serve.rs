@@ -1076,7 +1076,14 @@ fn serve_over_two_ranks_answers_as_one_process() {
         .iter()
         .map(|b| post(&one.addr, path(b), b).1["choices"].clone())
         .collect();
-    for parallel in ["data", "expert", "tensor", "tensor-expert", "data-expert"] {
+    for parallel in [
+        "data",
+        "expert",
+        "tensor",
+        "tensor-expert",
+        "data-expert",
+        "context",
+    ] {
         let group = start(&["--kv-blocks", "64", "--ranks", "2", "--parallel", parallel]);
         let g = group.addr.as_str();
         // Concurrent: each answer is its own.

@@ -656,8 +656,8 @@ fn run_and_bench_profile_the_phases_of_their_steps() {
 fn run_with_two_ranks_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let res = tmp.path().display().to_string();
-    // A run of `config` with `extra` options: its summary and requests.
-    let run_config = |config: &str, extra: &[&str]| -> (Value, Vec<Value>) {
+    // A run of `config` with `extra` options: its summary and stderr.
+    let run_raw = |config: &str, extra: &[&str]| -> (Value, String) {
         let mut args = vec![
             "run",
             "--config",
@@ -675,7 +675,12 @@ fn run_with_two_ranks_equals_one_process() {
             .current_dir(root())
             .output()
             .unwrap();
-        let summary = json(&ok(out));
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (json(&ok(out)), err)
+    };
+    // Its summary and requests.
+    let run_config = |config: &str, extra: &[&str]| -> (Value, Vec<Value>) {
+        let summary = run_raw(config, extra).0;
         let dir = PathBuf::from(&res).join(summary["run_id"].as_str().unwrap());
         let reqs = std::fs::read_to_string(dir.join("requests.jsonl"))
             .unwrap()
@@ -733,6 +738,15 @@ fn run_with_two_ranks_equals_one_process() {
         assert_eq!(a["id"], b["id"]);
         assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
     }
+    // Prefill context parallelism (context): every prompt computed by both ranks (each takes
+    // two of its four pieces), decoded by its own rank as under data-expert; MTP too.
+    let (s8, eight) = run(&["--ranks", "2", "--parallel", "context", "--mtp", "1"]);
+    assert_eq!(s8["parallel"], "context");
+    assert_eq!(s8["per_rank"][0]["requests"], 3);
+    for (a, b) in one.iter().zip(&eight) {
+        assert_eq!(a["id"], b["id"]);
+        assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
+    }
     // DeepSeek-V4 over two tensor-parallel ranks (heads, output groups, expert features and
     // vocabulary split): the one-process outputs, MTP drafts included.
     let v4 = |extra: &[&str]| -> Vec<Value> {
@@ -746,28 +760,19 @@ fn run_with_two_ranks_equals_one_process() {
     // seed's attn_tp_size 1 with moe_tp_size 1 is data-expert.
     let yaml = tmp.path().join("ep2.yaml");
     let text = std::fs::read_to_string(root().join("configs/tiny/r1_tiny.yaml")).unwrap();
-    std::fs::write(
-        &yaml,
-        format!("{text}\nparallel_config:\n  world_size: 2\n  lmhead_tp_size: 2\n"),
-    )
-    .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
-        .args([
-            "run",
-            "--config",
-            yaml.to_str().unwrap(),
-            "--num-requests",
-            "5",
-        ])
-        .args(["--res-dir", &res, "--json", "--quiet", "--ranks", "2"])
-        .current_dir(root())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    let s7 = json(&ok(out));
+    // A run over two ranks of r1_tiny with `parallel_config` (YAML lines): summary, stderr.
+    let with_sizes = |sizes: &str| -> (Value, String) {
+        std::fs::write(&yaml, format!("{text}\nparallel_config:\n{sizes}")).unwrap();
+        run_raw(yaml.to_str().unwrap(), &["--ranks", "2"])
+    };
+    let (s7, err) = with_sizes("  world_size: 2\n  lmhead_tp_size: 2\n");
     assert_eq!(s7["parallel"], "data-expert", "{err}");
     assert!(err.contains("runs as --parallel data-expert"), "{err}");
     assert!(err.contains("lmhead_tp_size 2 held whole"), "{err}");
+    // cp_size equal to world_size: context parallel.
+    let (s9, err) = with_sizes("  world_size: 2\n  cp_size: 2\n");
+    assert_eq!(s9["parallel"], "context", "{err}");
+    assert!(err.contains("runs as --parallel context"), "{err}");
     let bad = cachalot(&["run", "--ranks", "0"], None);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--ranks 0"));
