@@ -795,10 +795,15 @@ mod tests {
                     let err = c.all_to_all(&parts[..n - 1]).unwrap_err().to_string();
                     assert!(err.contains("parts for a group of"), "{err}");
                     // Many calls in a row (slots are reused every other call), sizes changing,
-                    // and one part larger than a shared-memory slot (it goes over TCP).
+                    // and parts larger than a shared-memory slot (several calls each, ranks
+                    // needing different numbers of them); the bytes vary along a part.
+                    let big = |q: usize| if q == 1 { 9 << 20 } else { 5 << 20 };
+                    let pat = |seed: usize, len: usize| -> Vec<u8> {
+                        (0..len).map(|k| (seed + k / 4099) as u8).collect()
+                    };
                     for i in 0..300usize {
-                        let len = if (i == 150 || i == 151) && r == 1 {
-                            5 << 20
+                        let len = if (i == 150 || i == 151) && r <= 1 {
+                            big(r)
                         } else {
                             (i * 7 + r) % 50
                         };
@@ -806,29 +811,29 @@ mod tests {
                             // All-to-all between the gathers (call 151: rank 1's frame over a
                             // slot); part r -> s holds `i + r + s`, `len + s` bytes long.
                             let parts: Vec<Vec<u8>> =
-                                (0..n).map(|s| vec![(i + r + s) as u8; len + s]).collect();
+                                (0..n).map(|s| pat(i + r + s, len + s)).collect();
                             let got = c.all_to_all(&parts).unwrap();
                             for (q, part) in got.iter().enumerate() {
-                                let qlen = if i == 151 && q == 1 {
-                                    5 << 20
+                                let qlen = if i == 151 && q <= 1 {
+                                    big(q)
                                 } else {
                                     (i * 7 + q) % 50
                                 };
                                 assert_eq!(part.len(), qlen + r, "call {i}, rank {r}, from {q}");
-                                assert!(part.iter().all(|&x| x == (i + q + r) as u8));
+                                assert!(*part == pat(i + q + r, qlen + r), "call {i}, from {q}");
                             }
                             continue;
                         }
-                        let mine = vec![(i + r) as u8; len];
+                        let mine = pat(i + r, len);
                         let all = c.all_gather(&mine).unwrap();
                         for (q, part) in all.iter().enumerate() {
-                            let len = if i == 150 && q == 1 {
-                                5 << 20
+                            let len = if i == 150 && q <= 1 {
+                                big(q)
                             } else {
                                 (i * 7 + q) % 50
                             };
                             assert_eq!(part.len(), len, "call {i}, rank {r}, part {q}");
-                            assert!(part.iter().all(|&x| x == (i + q) as u8));
+                            assert!(*part == pat(i + q, len), "call {i}, rank {r}, part {q}");
                         }
                     }
                 })

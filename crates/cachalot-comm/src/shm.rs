@@ -12,8 +12,8 @@
 //! same call (acquire): spinning for [`SPIN`], then sleeping on the futex. A rank reuses a slot
 //! two calls later, after every rank has published the call in between — which each does only
 //! once it has read all slots of the call before — so no slot is overwritten while read.
-//! A payload larger than a slot marks its slot "overflow"; every rank sees the mark and the
-//! call goes through the group's TCP connections instead (prefill-sized activations).
+//! A payload larger than a slot (prefill-sized activations) goes in slot-sized chunks, one call
+//! each, as many calls as the longest payload of the collective needs.
 //!
 //! A rank that exits is noticed within [`LIVENESS`] (its pid is gone) and fails the collective
 //! on the others with its name, as with TCP. The group chooses this transport only when every
@@ -29,12 +29,12 @@ use std::time::{Duration, Instant};
 use crate::{CommError, CommResult, Communicator, TcpComm};
 
 /// Payload bytes per slot: a decode step's activations fit many times over (16 tokens × 7168
-/// f32 are 459 KB); larger payloads go over TCP. A group of N ranks holds 2·N slots of memory.
+/// f32 are 459 KB); larger payloads take several calls. A group of N ranks holds 2·N slots of
+/// memory.
 pub const SLOT_BYTES: usize = 4 << 20;
 const HEADER: usize = 64;
 /// The file's own header: a token that proves a rank mapped the file rank 0 made.
 const FILE_HEADER: usize = 64;
-const OVERFLOW: u64 = u64::MAX;
 /// How long a waiting rank spins before it sleeps on the futex.
 pub const SPIN: Duration = Duration::from_micros(100);
 /// How often a sleeping rank checks that the ranks it waits for still exist.
@@ -137,7 +137,7 @@ impl Communicator for ShmComm {
         "shared memory"
     }
     fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
-        self.exchange(mine, |_, b| Ok(b.to_vec()), || self.tcp.all_gather(mine))
+        self.exchange(mine, |_, b| Ok(b.to_vec()))
     }
     /// Each rank publishes its packed parts; each reads only its own part of the others'.
     fn all_to_all(&self, parts: &[Vec<u8>]) -> CommResult<Vec<Vec<u8>>> {
@@ -158,52 +158,84 @@ impl Communicator for ShmComm {
                     ))
                 })
         };
-        self.exchange(&crate::pack(parts), read, || self.tcp.all_to_all(parts))
+        self.exchange(&crate::pack(parts), read)
     }
 }
 
 impl ShmComm {
-    /// One collective through the slots: publishes `mine` (or marks it too large), waits for
-    /// every rank's, and reads each with `read(rank, its bytes)` (this rank's own too). When
-    /// any rank's bytes overflow a slot, every rank runs `over_tcp` instead.
+    /// One collective through the slots: publishes `mine`, waits for every rank's, and reads
+    /// each with `read(rank, its bytes)` (this rank's own too). A payload larger than a slot
+    /// goes in slot-sized chunks, one call each: every rank publishes its total length with
+    /// its first chunk, and all take as many calls as the longest payload needs (a rank whose
+    /// bytes are all sent publishes empty chunks meanwhile).
     fn exchange<T>(
         &self,
         mine: &[u8],
         read: impl Fn(usize, &[u8]) -> CommResult<T>,
-        over_tcp: impl FnOnce() -> CommResult<Vec<T>>,
     ) -> CommResult<Vec<T>> {
         let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
-        *calls += 1;
-        let (call, parity) = (*calls as u32, (*calls & 1) as usize);
         let (rank, n) = (self.rank(), self.world_size());
-        let me = self.slot(rank, parity);
-        if mine.len() <= SLOT_BYTES {
+        let chunk = |total: usize, round: usize| -> std::ops::Range<usize> {
+            (round * SLOT_BYTES).min(total)..((round + 1) * SLOT_BYTES).min(total)
+        };
+        let mut totals: Vec<usize> = Vec::new();
+        let mut rounds = 1;
+        let mut round = 0;
+        // Bytes of the others, when they span more than one call.
+        let mut gathered: Vec<Vec<u8>> = vec![Vec::new(); n];
+        let mut parity = 0;
+        while round < rounds {
+            *calls += 1;
+            let call = *calls as u32;
+            parity = (*calls & 1) as usize;
+            let me = self.slot(rank, parity);
+            let part = &mine[chunk(mine.len(), round)];
             // SAFETY: this rank owns its slot, and no rank reads it until the call number
             // below is published (see the module doc for why no one reads it still).
-            unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), me.data, mine.len()) };
+            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), me.data, part.len()) };
             me.len.store(mine.len() as u64, Ordering::Relaxed);
-        } else {
-            me.len.store(OVERFLOW, Ordering::Relaxed);
-        }
-        me.seq.store(call, Ordering::Release);
-        futex_wake(me.seq);
-        for r in (0..n).filter(|&r| r != rank) {
-            self.wait(r, parity, call)?;
-        }
-        let lens: Vec<u64> = (0..n)
-            .map(|r| self.slot(r, parity).len.load(Ordering::Relaxed))
-            .collect();
-        if lens.contains(&OVERFLOW) {
-            return over_tcp();
+            me.seq.store(call, Ordering::Release);
+            futex_wake(me.seq);
+            for r in (0..n).filter(|&r| r != rank) {
+                self.wait(r, parity, call)?;
+            }
+            if round == 0 {
+                totals = (0..n)
+                    .map(|r| self.slot(r, parity).len.load(Ordering::Relaxed) as usize)
+                    .collect();
+                rounds = totals
+                    .iter()
+                    .map(|&t| t.div_ceil(SLOT_BYTES))
+                    .max()
+                    .unwrap_or(1)
+                    .max(1);
+                if rounds == 1 {
+                    break;
+                }
+                for r in (0..n).filter(|&r| r != rank) {
+                    gathered[r].reserve_exact(totals[r]);
+                }
+            }
+            for r in (0..n).filter(|&r| r != rank) {
+                let range = chunk(totals[r], round);
+                // SAFETY: rank r published this slot for this call (acquire above) and will
+                // not write it again before this rank publishes its next call.
+                let bytes =
+                    unsafe { std::slice::from_raw_parts(self.slot(r, parity).data, range.len()) };
+                gathered[r].extend_from_slice(bytes);
+            }
+            round += 1;
         }
         (0..n)
             .map(|r| {
                 if r == rank {
                     return read(r, mine);
                 }
-                let len = (lens[r] as usize).min(SLOT_BYTES);
-                // SAFETY: rank r published this slot for this call (acquire above) and will
-                // not write it again before this rank publishes its next call.
+                if rounds > 1 {
+                    return read(r, &gathered[r]);
+                }
+                let len = totals[r].min(SLOT_BYTES);
+                // SAFETY: as above, for the one call.
                 let bytes = unsafe { std::slice::from_raw_parts(self.slot(r, parity).data, len) };
                 read(r, bytes)
             })

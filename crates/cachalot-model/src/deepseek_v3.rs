@@ -969,14 +969,24 @@ impl DeepseekV3 {
         let mut segs = Batch::default();
         let mut seg_of: Vec<usize> = Vec::new();
         let mut blocks = 0u32;
+        // A rank's two pieces of a prompt are one sequence (positions with a gap): its keys
+        // and values are up-projected once for both (the naive path).
+        segs.seq_starts.push(0);
         for (j, p) in prompts.iter().enumerate() {
             let n = p.tokens.len().div_ceil(SCRATCH_BLOCK) as u32;
             let table: Vec<u32> = (blocks..blocks + n).collect();
             blocks += n;
-            for (a, e) in cp_pieces(p.tokens.len(), rank, ranks) {
-                segs.push_seq(&p.tokens[a..e], a, table.clone(), LogitsWanted::None);
-                seg_of.push(j);
+            let pieces = cp_pieces(p.tokens.len(), rank, ranks);
+            if pieces.is_empty() {
+                continue;
             }
+            for (a, e) in pieces {
+                segs.tokens.extend_from_slice(&p.tokens[a..e]);
+                segs.positions.extend(a..e);
+            }
+            segs.seq_starts.push(segs.tokens.len());
+            segs.block_tables.push(table);
+            seg_of.push(j);
         }
         let spec = self.cache_spec();
         let mut scratch = KvCache::new(
@@ -1096,13 +1106,16 @@ impl DeepseekV3 {
         // Each prompt's hidden rows to its rank: (prompt, first position, rows) per piece.
         let mut parts: Vec<Vec<u8>> = vec![Vec::new(); ranks];
         for (q, &j) in seg_of.iter().enumerate() {
-            let r = segs.seq_starts[q]..segs.seq_starts[q + 1];
-            let part = &mut parts[prompts[j].owner];
-            part.extend_from_slice(&(j as u32).to_le_bytes());
-            part.extend_from_slice(&(segs.positions[r.start] as u32).to_le_bytes());
-            part.extend_from_slice(&(r.len() as u32).to_le_bytes());
-            for v in &hidden[(nl + r.start) * h..(nl + r.end) * h] {
-                part.extend_from_slice(&v.to_le_bytes());
+            let mut row = nl + segs.seq_starts[q];
+            for (a, e) in cp_pieces(prompts[j].tokens.len(), rank, ranks) {
+                let part = &mut parts[prompts[j].owner];
+                part.extend_from_slice(&(j as u32).to_le_bytes());
+                part.extend_from_slice(&(a as u32).to_le_bytes());
+                part.extend_from_slice(&((e - a) as u32).to_le_bytes());
+                for v in &hidden[row * h..(row + e - a) * h] {
+                    part.extend_from_slice(&v.to_le_bytes());
+                }
+                row += e - a;
             }
         }
         let back = comm
