@@ -131,6 +131,61 @@ fn context_parallel_prefill_gives_each_rank_its_own_one_process_logits() {
     own_batches_give_the_one_process_logits(true);
 }
 
+/// Context parallelism over four ranks with a bf16 latent cache, each attention path forced in
+/// turn: prompts of 2 to 41 tokens (a short one leaves some ranks without a piece of it), a
+/// rank with none, and each rank gets the one-process logits bit for bit.
+#[test]
+fn context_parallel_over_four_ranks_with_a_bf16_cache() {
+    use cachalot_model::{AttentionPath, KvCacheDtype};
+    let prompts = |rank: usize| -> Vec<Vec<u32>> {
+        match rank {
+            0 => vec![(0..41).map(|i| (i * 11 + 7) % 500).collect()],
+            1 => vec![vec![4, 9], (0..6).map(|i| (i * 3 + 1) % 500).collect()],
+            2 => Vec::new(),
+            _ => vec![(0..17).map(|i| (i * 5 + 2) % 500).collect()],
+        }
+    };
+    for path in [AttentionPath::Naive, AttentionPath::Absorbed] {
+        let with = |shard: ExpertShard| {
+            let mut m = load(shard);
+            m.set_kv_cache_dtype(KvCacheDtype::Bf16);
+            m.attention_path = path;
+            m
+        };
+        let one = with(ExpertShard::default());
+        let want: Vec<Vec<u32>> = (0..4)
+            .map(|r| match prompts(r) {
+                p if p.is_empty() => Vec::new(),
+                p => bits(&packed_run_of(&one, &p)),
+            })
+            .collect();
+        let got = run_local_group(4, |comm| {
+            let rank = comm.rank();
+            let mut m = with(ExpertShard {
+                rank,
+                ranks: 4,
+                dispatch: true,
+                context: true,
+            });
+            m.set_communicator(comm).unwrap();
+            let logits = match prompts(rank) {
+                p if p.is_empty() => Vec::new(),
+                p => bits(&packed_run_of(&m, &p)),
+            };
+            let more = m.end_step(false).unwrap();
+            (logits, more)
+        })
+        .unwrap();
+        for (r, (logits, more)) in got.into_iter().enumerate() {
+            assert!(!more, "rank {r}");
+            assert!(
+                logits == want[r],
+                "rank {r}, {path:?}: logits differ from one process's"
+            );
+        }
+    }
+}
+
 /// Data-parallel attention with dispatched experts (`ExpertShard::dispatch`): each rank runs
 /// its own batches and gets the logits one process gives for those batches alone.
 #[test]
