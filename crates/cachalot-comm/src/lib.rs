@@ -15,7 +15,9 @@
 //!
 //! TcpComm is a star through rank 0: every collective sends each rank's part to rank 0, which
 //! combines the parts in rank order (so a sum is the same bits on every rank and in every run)
-//! and sends the result back. Frames are a little-endian u64 length and the bytes; a rank opens
+//! and sends the result back. With three ranks or more the other ranks also link every pair
+//! directly when they can (`TcpComm::link_pairs`); gathers and all-to-alls then send each
+//! part once, straight to its rank (a sum still adds the parts in rank order on every rank). Frames are a little-endian u64 length and the bytes; a rank opens
 //! with a greeting (a magic word, its rank, the world size it was given), and connections that
 //! do not greet so are dropped. A rank that disconnects, or sends a frame that does not fit the
 //! collective, fails the collective on every rank: rank 0 sends the others an error frame that
@@ -221,6 +223,10 @@ pub struct TcpRendezvous {
     pub timeout: Duration,
 }
 
+/// Parts up to this size go out without a writer thread (they fit a socket's send buffer, so
+/// writing them all before reading cannot stall).
+const SMALL_PART: usize = 8 << 10;
+
 /// Largest frame accepted (a corrupt length must not allocate without bound).
 const MAX_FRAME: u64 = 1 << 36;
 
@@ -242,6 +248,10 @@ pub struct TcpComm {
     world_size: usize,
     /// Rank 0: one connection per other rank, in rank order. Others: the one to rank 0.
     peers: Mutex<Vec<Peer>>,
+    /// Ranks other than 0: a direct connection to every other rank but 0, by rank (None for
+    /// itself and rank 0), when the group could link every pair ([`TcpComm::link_pairs`]);
+    /// empty otherwise. Held while `peers` is.
+    links: Mutex<Vec<Option<Peer>>>,
 }
 
 impl TcpComm {
@@ -323,11 +333,14 @@ impl TcpComm {
                 .get_ref()
                 .set_read_timeout(None)
                 .map_err(|e| not_rank0(e.to_string()))?;
-            Ok(TcpComm {
+            let comm = TcpComm {
                 rank: rv.rank,
                 world_size: rv.world_size,
                 peers: Mutex::new(vec![peer]),
-            })
+                links: Mutex::new(Vec::new()),
+            };
+            comm.link_pairs(rv.timeout)?;
+            Ok(comm)
         }
     }
 
@@ -405,10 +418,200 @@ impl TcpComm {
                 Err(e) => return Err(CommError(format!("rank 0: accept on {addr}: {e}"))),
             }
         }
-        Ok(TcpComm {
+        let comm = TcpComm {
             rank: 0,
             world_size,
             peers: Mutex::new(slots.into_iter().flatten().collect()),
+            links: Mutex::new(Vec::new()),
+        };
+        comm.link_pairs(timeout)?;
+        Ok(comm)
+    }
+
+    /// Connects every pair of ranks other than 0 directly (rank 0 is linked to all already),
+    /// so an all-to-all or a gather moves each part once, straight to its rank, instead of
+    /// through rank 0. Collective. Each rank but 0 listens on the address it reaches rank 0
+    /// from (port chosen by the system), the addresses are gathered, each rank connects to the
+    /// lower ones and accepts the higher ones; when any rank cannot, the group keeps the star
+    /// (every rank agrees through one more gather).
+    /// `CACHALOT_TCP_LINKS=0` (on every rank) keeps the star, for networks where ranks other
+    /// than 0 cannot reach each other.
+    fn link_pairs(&self, timeout: Duration) -> CommResult<()> {
+        let (me, n) = (self.rank, self.world_size);
+        if n <= 2 || std::env::var("CACHALOT_TCP_LINKS").is_ok_and(|v| v == "0") {
+            return Ok(());
+        }
+        let listener = (me != 0)
+            .then(|| {
+                let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+                let ip = peers[0].writer.get_ref().local_addr().ok()?.ip();
+                TcpListener::bind((ip, 0)).ok()
+            })
+            .flatten();
+        let mine = listener
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map_or(String::new(), |a| a.to_string());
+        let addrs = self.all_gather(mine.as_bytes())?;
+        let addrs: Vec<String> = addrs
+            .iter()
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let mut links: Vec<Option<Peer>> = (0..n).map(|_| None).collect();
+        let ok = me == 0
+            || (1..n).filter(|&r| r != me).all(|r| !addrs[r].is_empty()) && {
+                let deadline = Instant::now() + timeout;
+                let hello: Vec<u8> = [HELLO, me as u64, n as u64]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                // Lower ranks (their listeners exist: the connection waits in their backlog).
+                let connected = (1..me).all(|r| {
+                    let Ok(stream) = TcpStream::connect_timeout(
+                        &match addrs[r].parse() {
+                            Ok(a) => a,
+                            Err(_) => return false,
+                        },
+                        timeout,
+                    ) else {
+                        return false;
+                    };
+                    let Ok(mut p) = peer(stream, r) else {
+                        return false;
+                    };
+                    let sent = send(&mut p, &hello).is_ok();
+                    links[r] = Some(p);
+                    sent
+                });
+                // Higher ranks.
+                let accepted = connected
+                    && listener.as_ref().is_some_and(|l| {
+                        let _ = l.set_nonblocking(true);
+                        let mut left = n - 1 - me;
+                        while left > 0 {
+                            match l.accept() {
+                                Ok((stream, _)) => {
+                                    let wait = deadline.saturating_duration_since(Instant::now());
+                                    let Some((mut p, r, w)) =
+                                        greeting(stream, wait.max(Duration::from_secs(1)))
+                                    else {
+                                        continue;
+                                    };
+                                    if w != n || r <= me || r >= n || links[r].is_some() {
+                                        return false;
+                                    }
+                                    p.rank = r;
+                                    links[r] = Some(p);
+                                    left -= 1;
+                                }
+                                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                                    if Instant::now() >= deadline {
+                                        return false;
+                                    }
+                                    std::thread::sleep(Duration::from_millis(2));
+                                }
+                                Err(_) => return false,
+                            }
+                        }
+                        true
+                    });
+                accepted
+            };
+        let all_ok = self.all_gather(&[ok as u8])?.iter().all(|v| v == &[1]);
+        if all_ok && me != 0 {
+            *self.links.lock().unwrap_or_else(|e| e.into_inner()) = links;
+        }
+        // Rank 0 marks the mesh with an empty placeholder list of the right length.
+        if all_ok && me == 0 {
+            *self.links.lock().unwrap_or_else(|e| e.into_inner()) = (0..n).map(|_| None).collect();
+        }
+        Ok(())
+    }
+
+    /// Every pair of ranks is linked directly (all-to-alls and gathers skip rank 0).
+    pub fn pairwise(&self) -> bool {
+        self.links.lock().unwrap_or_else(|e| e.into_inner()).len() == self.world_size
+    }
+
+    /// Every other rank's connection (`peers` for rank 0 and to rank 0, `links` for the rest),
+    /// by rank; None without pairwise links.
+    fn direct<'a>(
+        &self,
+        peers: &'a mut [Peer],
+        links: &'a mut [Option<Peer>],
+    ) -> Option<Vec<&'a mut Peer>> {
+        if links.len() != self.world_size {
+            return None;
+        }
+        let mut out: Vec<&mut Peer> = Vec::with_capacity(self.world_size - 1);
+        if self.rank == 0 {
+            out.extend(peers.iter_mut());
+        } else {
+            out.push(&mut peers[0]);
+            out.extend(links.iter_mut().flatten());
+        }
+        out.sort_by_key(|p| p.rank);
+        Some(out)
+    }
+
+    /// Sends `part(s)` to each other rank `s` over the pairwise links while reading what each
+    /// sends this rank (a thread writes, so large parts cannot fill both directions' buffers
+    /// and stall): every rank's bytes, in rank order, `mine` at this rank's place.
+    fn exchange_direct<'b>(
+        &self,
+        mut conns: Vec<&mut Peer>,
+        mine: Vec<u8>,
+        part: &(dyn Fn(usize) -> &'b [u8] + Sync),
+    ) -> CommResult<Vec<Vec<u8>>> {
+        // Parts that fit a socket's buffer are written first, then read, on this thread.
+        if conns.iter().all(|p| part(p.rank).len() <= SMALL_PART) {
+            let mut got: Vec<Vec<u8>> = vec![Vec::new(); self.world_size];
+            for p in conns.iter_mut() {
+                write_frame(&mut p.writer, p.rank, part(p.rank))?;
+            }
+            for p in conns {
+                got[p.rank] = read_frame(&mut p.reader, p.rank)?;
+            }
+            got[self.rank] = mine;
+            return Ok(got);
+        }
+        let mut writers = Vec::with_capacity(conns.len());
+        let mut readers = Vec::with_capacity(conns.len());
+        for p in conns {
+            let Peer {
+                rank,
+                reader,
+                writer,
+            } = p;
+            writers.push((*rank, writer));
+            readers.push((*rank, reader));
+        }
+        std::thread::scope(|sc| {
+            let sending = sc.spawn(move || -> CommResult<()> {
+                for (r, w) in writers {
+                    write_frame(w, r, part(r))?;
+                }
+                Ok(())
+            });
+            let mut got: Vec<Vec<u8>> = vec![Vec::new(); self.world_size];
+            got[self.rank] = mine;
+            let mut failed = None;
+            for (r, rd) in readers {
+                match read_frame(rd, r) {
+                    Ok(b) => got[r] = b,
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            let sent = sending
+                .join()
+                .unwrap_or_else(|_| Err(CommError("a sending thread panicked".into())));
+            match (failed, sent) {
+                (Some(e), _) | (None, Err(e)) => Err(e),
+                (None, Ok(())) => Ok(got),
+            }
         })
     }
 }
@@ -542,17 +745,24 @@ fn peer(stream: TcpStream, rank: usize) -> CommResult<Peer> {
 }
 
 fn send(p: &mut Peer, bytes: &[u8]) -> CommResult<()> {
-    let r = p.rank;
-    let err = |e: std::io::Error| CommError(format!("sending to rank {r}: {e}"));
-    p.writer
-        .write_all(&(bytes.len() as u64).to_le_bytes())
-        .map_err(err)?;
-    p.writer.write_all(bytes).map_err(err)?;
-    p.writer.flush().map_err(err)
+    write_frame(&mut p.writer, p.rank, bytes)
 }
 
 fn recv(p: &mut Peer) -> CommResult<Vec<u8>> {
-    let r = p.rank;
+    read_frame(&mut p.reader, p.rank)
+}
+
+/// One frame to rank `r`: its length (u64) and its bytes.
+fn write_frame(w: &mut BufWriter<TcpStream>, r: usize, bytes: &[u8]) -> CommResult<()> {
+    let err = |e: std::io::Error| CommError(format!("sending to rank {r}: {e}"));
+    w.write_all(&(bytes.len() as u64).to_le_bytes())
+        .map_err(err)?;
+    w.write_all(bytes).map_err(err)?;
+    w.flush().map_err(err)
+}
+
+/// One frame from rank `r`.
+fn read_frame(rd: &mut BufReader<TcpStream>, r: usize) -> CommResult<Vec<u8>> {
     let err = |e: std::io::Error| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             CommError(format!(
@@ -563,7 +773,7 @@ fn recv(p: &mut Peer) -> CommResult<Vec<u8>> {
         }
     };
     let mut len = [0u8; 8];
-    p.reader.read_exact(&mut len).map_err(err)?;
+    rd.read_exact(&mut len).map_err(err)?;
     let len = u64::from_le_bytes(len);
     if len > MAX_FRAME {
         return Err(CommError(format!(
@@ -571,7 +781,7 @@ fn recv(p: &mut Peer) -> CommResult<Vec<u8>> {
         )));
     }
     let mut buf = vec![0u8; len as usize];
-    p.reader.read_exact(&mut buf).map_err(err)?;
+    rd.read_exact(&mut buf).map_err(err)?;
     Ok(buf)
 }
 
@@ -623,6 +833,10 @@ impl Communicator for TcpComm {
     }
     fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(conns) = self.direct(&mut peers, &mut links) {
+            return self.exchange_direct(conns, mine.to_vec(), &|_| mine);
+        }
         if self.rank == 0 {
             let parts = collect_at_root(&mut peers, mine.to_vec())?;
             let packed = pack(&parts);
@@ -646,6 +860,10 @@ impl Communicator for TcpComm {
             )));
         }
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(conns) = self.direct(&mut peers, &mut links) {
+            return self.exchange_direct(conns, parts[self.rank].clone(), &|r| &parts[r]);
+        }
         if self.rank == 0 {
             let frames = collect_at_root(&mut peers, pack(parts))?;
             // Every rank's parts, by sender; a malformed one fails the group.
@@ -856,7 +1074,10 @@ mod tests {
 
     #[test]
     fn tcp_group_gathers_reduces_and_broadcasts_in_rank_order() {
-        let comms = group(4)
+        let tcp = group(4);
+        // Four ranks link every pair (gathers and all-to-alls go straight to each rank).
+        assert!(tcp.iter().all(TcpComm::pairwise));
+        let comms = tcp
             .into_iter()
             .map(|c| Arc::new(c) as Arc<dyn Communicator>)
             .collect();
