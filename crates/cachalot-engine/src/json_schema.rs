@@ -220,6 +220,21 @@ impl Schema {
                 todo.extend(c.nodes[a].alts.iter().copied());
             }
         }
+        // A value read more ways at once than a state follows would lose branches: refused.
+        for (i, n) in c.nodes.iter().enumerate() {
+            if n.alts.is_empty() {
+                continue;
+            }
+            for first in [OBJ, ARR, STR, INT | NUM, BOOL, NULL] {
+                let ways = alike_ways(&c.nodes, i, first);
+                if ways > MAX_PATHS {
+                    return Err(format!(
+                        "an anyOf/oneOf has {ways} branches (through nested unions) whose values \
+                         start alike; structured output follows at most {MAX_PATHS} at once"
+                    ));
+                }
+            }
+        }
         let mut forks: Vec<bool> = c
             .nodes
             .iter()
@@ -900,11 +915,14 @@ impl SchemaState {
             };
             p.choices = Some(Box::default());
             let ok = p.feed(b);
-            let mut todo = p.choices.take().map(|c| c.forks).unwrap_or_default();
+            // Other readings in the order of their branches (the first branches kept when
+            // there are too many).
+            let mut todo: std::collections::VecDeque<Vec<usize>> =
+                p.choices.take().map(|c| c.forks.into()).unwrap_or_default();
             if ok {
                 push_path(&mut out, p);
             }
-            while let Some(force) = todo.pop() {
+            while let Some(force) = todo.pop_front() {
                 let mut q = before.clone();
                 q.choices = Some(Box::new(Choices {
                     force,
@@ -912,7 +930,9 @@ impl SchemaState {
                 }));
                 let ok = q.feed(b);
                 if let Some(c) = q.choices.take() {
-                    todo.extend(c.forks);
+                    for f in c.forks.into_iter().rev() {
+                        todo.push_front(f);
+                    }
                 }
                 if ok {
                     push_path(&mut out, q);
@@ -927,6 +947,22 @@ impl SchemaState {
         self.more = out;
         true
     }
+}
+
+/// The readings a value of `node` starting with a byte of type `first` opens: its branches of
+/// that type, counted through branches that are unions themselves (compile refuses cycles of
+/// those before asking).
+fn alike_ways(nodes: &[Node], node: usize, first: u8) -> usize {
+    let n = &nodes[node];
+    if n.alts.is_empty() {
+        return usize::from(n.value_types() & first != 0);
+    }
+    n.alts
+        .iter()
+        .zip(&n.alt_types)
+        .filter(|(_, &t)| t & first != 0)
+        .map(|(&a, _)| alike_ways(nodes, a, first))
+        .fold(0usize, usize::saturating_add)
 }
 
 /// Adds a reading unless an equal one is already there.
@@ -1932,6 +1968,16 @@ mod tests {
         assert!(
             !accepts(&ranges, "6").1 && !accepts(&ranges, "99").1 && !accepts(&ranges, "5 0").0
         );
+        // More alike branches than a state follows at once: refused, not silently narrowed.
+        let many: Vec<Value> = (0..33)
+            .map(|i| json!({"type": "object", "properties": {format!("k{i}"): {"type": "null"}}}))
+            .collect();
+        let e = Schema::compile(&json!({"anyOf": many})).unwrap_err();
+        assert!(
+            e.contains("33 branches") && e.contains("start alike"),
+            "{e}"
+        );
+        assert!(Schema::compile(&json!({"anyOf": many[..32]})).is_ok());
         for schema in [&pets, &strings, &ranges] {
             let completed = random_walks(schema, 100, 200, 11, |v| {
                 if let Some(pet) = v.get("pet") {

@@ -1042,6 +1042,7 @@ impl DeepseekV3 {
         let rope_s = RopeTable::new(&self.rope, &segs.positions, cfg.qk_rope_head_dim / 2);
         let bs = own_cache.as_ref().map_or(SCRATCH_BLOCK, |c| c.block_size());
         let t_all = nl + ns;
+        let decode = ns == 0 && local.is_decode();
         for (li, layer) in self.layers.iter().enumerate() {
             let mut x = vec![0.0f32; t_all * h];
             k::rms_norm_rows(&hidden, h, &layer.input_norm, cfg.rms_norm_eps, &mut x);
@@ -1096,7 +1097,8 @@ impl DeepseekV3 {
                 }
                 Ffn::Moe(m) => {
                     let _t = Timer::start(Phase::Moe);
-                    self.moe_forward(m, &x, t_all, false)?
+                    // (A decode step here when this rank's rows are its own decode tokens.)
+                    self.moe_forward(m, &x, t_all, decode)?
                 }
             };
             for (a, b) in hidden.iter_mut().zip(&ffn) {

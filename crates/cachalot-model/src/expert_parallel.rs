@@ -475,7 +475,8 @@ fn dispatch_round(
                 at += jobs[j].n;
             }
         }
-        let mut replies: Vec<Vec<u8>> = vec![Vec::new(); ranks];
+        // Each reply opens with this rank's status (0: served).
+        let mut replies: Vec<Vec<u8>> = vec![vec![0u8]; ranks];
         for (j, job) in jobs.iter().enumerate() {
             let y = slices[j].expect("every job is in a group");
             let reply = &mut replies[job.src];
@@ -503,15 +504,24 @@ fn dispatch_round(
             }
         });
     }
-    // A rank that cannot serve still takes part in the second exchange (with nothing), so the
-    // ranks stay in step; those waiting on it then fail on the short replies.
+    // A rank that cannot serve still takes part in the second exchange, saying so to every
+    // rank: all of them fail this round together (none goes on to a collective the others
+    // are not in).
     let (replies, failed) = match served {
         Ok((replies, _)) => (replies, None),
-        Err(e) => (vec![Vec::new(); ranks], Some(e)),
+        Err(e) => (vec![vec![1u8]; ranks], Some(e)),
     };
-    let back = comm.all_to_all(&replies).map_err(|e| err(e.to_string()))?;
+    let mut back = comm.all_to_all(&replies).map_err(|e| err(e.to_string()))?;
     if let Some(e) = failed {
         return Err(e);
+    }
+    if let Some(s) = (0..ranks).find(|&s| back[s].first() != Some(&0)) {
+        return Err(err(format!(
+            "rank {s} could not serve its experts this round (its log says why)"
+        )));
+    }
+    for b in &mut back {
+        b.remove(0);
     }
     match turn {
         Turn::Done { .. } | Turn::Plan { .. } => Ok(Outcome::Served),
@@ -626,12 +636,14 @@ mod tests {
     use std::time::Duration;
 
     /// A rank that fails to serve a round (here its expert errs) still takes part in the
-    /// round's second exchange: both ranks report an error, and their next collective pairs
-    /// up as it should.
+    /// round's second exchange and says so: every rank reports an error for that round — the
+    /// one that asked it, the one that failed, and one that was only serving (its step over) —
+    /// and their next collective pairs up as it should.
     #[test]
-    fn a_failed_round_leaves_the_ranks_in_step() {
-        let comms = cachalot_comm::local_group(2, Duration::from_secs(20)).unwrap();
-        let (h, experts) = (2usize, 2usize);
+    fn a_failed_round_fails_every_rank_in_step() {
+        let ranks = 3;
+        let comms = cachalot_comm::local_group(ranks, Duration::from_secs(20)).unwrap();
+        let (h, experts) = (2usize, 3usize);
         std::thread::scope(|scope| {
             let handles: Vec<_> = comms
                 .iter()
@@ -640,7 +652,7 @@ mod tests {
                     scope.spawn(move || {
                         let shard = ExpertShard {
                             rank,
-                            ranks: 2,
+                            ranks,
                             dispatch: true,
                             context: false,
                         };
@@ -651,7 +663,7 @@ mod tests {
                         let got = if rank == 0 {
                             // One token for expert 1, which rank 1 holds.
                             let x = [1.0f32, 2.0];
-                            let assigned = vec![Vec::new(), vec![(0usize, 1.0f32)]];
+                            let assigned = vec![Vec::new(), vec![(0usize, 1.0f32)], Vec::new()];
                             let turn = Turn::Layer {
                                 key: 3,
                                 x: &x,
@@ -672,13 +684,17 @@ mod tests {
             for (rank, handle) in handles.into_iter().enumerate() {
                 let (got, after) = handle.join().unwrap();
                 let e = got.unwrap_err().to_string();
-                let want = if rank == 0 {
-                    "sent back 0 bytes"
-                } else {
+                let want = if rank == 1 {
                     "rank 1's expert failed"
+                } else {
+                    "rank 1 could not serve its experts"
                 };
                 assert!(e.contains(want), "rank {rank}: {e}");
-                assert_eq!(after, vec![vec![10u8], vec![11u8]], "rank {rank}");
+                assert_eq!(
+                    after,
+                    vec![vec![10u8], vec![11u8], vec![12u8]],
+                    "rank {rank}"
+                );
             }
         });
     }
