@@ -438,6 +438,8 @@ pub(crate) struct Bounds {
     pub lo_excl: bool,
     pub hi: f64,
     pub hi_excl: bool,
+    /// `multipleOf` (a whole number; 0: none): the value is a multiple of it, so an integer.
+    pub step: f64,
 }
 
 impl Bounds {
@@ -446,6 +448,7 @@ impl Bounds {
         lo_excl: false,
         hi: f64::INFINITY,
         hi_excl: false,
+        step: 0.0,
     };
 
     pub(crate) fn is_none(&self) -> bool {
@@ -461,7 +464,7 @@ impl Bounds {
             v < self.hi
         } else {
             v <= self.hi
-        })
+        }) && (self.step == 0.0 || v % self.step == 0.0)
     }
 
     /// Some value of `[a, b)` (`b_open`) or `[a, b]` is inside the bounds.
@@ -483,7 +486,8 @@ impl Bounds {
         above_lo && below_hi
     }
 
-    /// Some integer of `[a, b]` (integral ends) is inside the bounds.
+    /// Some integer of `[a, b]` (integral ends) is inside the bounds (a multiple of `step`
+    /// when there is one).
     pub(crate) fn meets_int(&self, a: f64, b: f64) -> bool {
         let lo = if self.lo_excl {
             self.lo.floor() + 1.0
@@ -495,7 +499,12 @@ impl Bounds {
         } else {
             self.hi.floor()
         };
-        a.max(lo) <= b.min(hi)
+        let (a, b) = (a.max(lo), b.min(hi));
+        if self.step > 0.0 {
+            (a / self.step).ceil() * self.step <= b
+        } else {
+            a <= b
+        }
     }
 
     /// A number written so far (`text`: JSON number bytes without exponent) can still end
@@ -509,6 +518,16 @@ impl Bounds {
                 .ok()
                 .and_then(|t| t.parse::<f64>().ok())
                 .unwrap_or(f64::NAN);
+            if self.step > 0.0 {
+                // The remainder from the digits themselves (a float loses them past 2^53).
+                let step = self.step as u128;
+                let rem = body.iter().try_fold(0u128, |r, &c| {
+                    c.is_ascii_digit()
+                        .then(|| (r * 10 + (c - b'0') as u128) % step)
+                });
+                let unstepped = Bounds { step: 0.0, ..*self };
+                return rem == Some(0) && unstepped.holds(v);
+            }
             return self.holds(v);
         }
         // The magnitudes reachable from `body` as intervals [a, b) (b_open) or [a, b].
@@ -532,6 +551,7 @@ impl Bounds {
                     lo_excl: self.hi_excl,
                     hi: -self.lo,
                     hi_excl: self.lo_excl,
+                    step: self.step,
                 };
                 flipped.meets(a, b, b_open)
             } else {
@@ -627,6 +647,7 @@ mod tests {
             lo_excl: false,
             hi: 250.0,
             hi_excl: false,
+            step: 0.0,
         };
         let ok = |t: &str, int: bool| b.viable(t.as_bytes(), int, false);
         let end = |t: &str| b.viable(t.as_bytes(), true, true);
@@ -650,6 +671,7 @@ mod tests {
             lo_excl: true,
             hi: 0.0,
             hi_excl: true,
+            step: 0.0,
         };
         let ok = |t: &str, int: bool| n.viable(t.as_bytes(), int, false);
         assert!(ok("-", true) && ok("-4", true) && !ok("-5", true) && !ok("0", true));

@@ -10,11 +10,11 @@
 //! of object models, each is followed until its branch refuses a byte: [`SchemaState`]; oneOf
 //! is read as anyOf), `allOf` of one schema, `$ref` into `$defs` or
 //! `definitions` (recursion included), a string's `minLength`, `maxLength` and `pattern` and a
-//! number's `minimum`, `maximum`, `exclusiveMinimum` and `exclusiveMaximum`
+//! number's `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` and a whole `multipleOf`
 //! ([`crate::json_constraints`]: every prefix can still end inside them; numbers under bounds
 //! are written without exponents, strings under a pattern without `\u` escapes). Annotations
 //! (`title`, `description`, `default`, `examples`, `format`, ...) are ignored. Any other
-//! keyword (`multipleOf`, `allOf` of several schemas, `not`, ...) is refused by name at compile time rather than
+//! keyword (`allOf` of several schemas, `not`, a fractional `multipleOf`, ...) is refused by name at compile time rather than
 //! silently not enforced. An object's keys are written at most once; a closed object takes only its
 //! properties, and it can only close once its required ones are there.
 
@@ -396,6 +396,7 @@ impl Compiler<'_> {
                     | "maximum"
                     | "exclusiveMinimum"
                     | "exclusiveMaximum"
+                    | "multipleOf"
                     | "enum"
                     | "const"
                     | "anyOf"
@@ -408,7 +409,7 @@ impl Compiler<'_> {
                     "{at}: the keyword `{k}` is not supported in structured output (supported: \
                      type, properties, required, additionalProperties, items, minItems, \
                      maxItems, minLength, maxLength, pattern, minimum, maximum, \
-                     exclusiveMinimum, exclusiveMaximum, enum, const, anyOf, oneOf, $ref/$defs)"
+                     exclusiveMinimum, exclusiveMaximum, multipleOf, enum, const, anyOf, oneOf, allOf, $ref/$defs)"
                 ));
             }
         }
@@ -528,13 +529,20 @@ impl Compiler<'_> {
             node.pattern = Some(Arc::new(pat));
         }
         node.bounds = bounds_of(obj, at)?;
+        // Multiples of a whole step are integers: a number is written as one.
+        if node.bounds.step > 0.0 && node.types & NUM != 0 {
+            node.types = (node.types & !NUM) | INT;
+        }
         // Integers only, and no integer inside the bounds: no value.
         if node.types & (INT | NUM) == INT
             && !node.bounds.meets_int(f64::NEG_INFINITY, f64::INFINITY)
         {
             node.types &= !INT;
             if node.types == 0 {
-                return Err(format!("{at}: no integer lies inside the bounds"));
+                return Err(format!(
+                    "{at}: no integer lies inside the bounds (a multiple of multipleOf, when \
+                     given)"
+                ));
             }
         }
         // Enum values beside string or number constraints: those that meet them.
@@ -724,6 +732,16 @@ fn bounds_of(obj: &serde_json::Map<String, Value>, at: &str) -> Result<Bounds, S
             "{at}: the bounds (minimum {}, maximum {}) leave no number",
             b.lo, b.hi
         ));
+    }
+    if let Some(m) = num("multipleOf")? {
+        // Whole steps only (their multiples are integers, written without a fraction).
+        if !(m >= 1.0 && m.fract() == 0.0 && m <= 9.0e15) {
+            return Err(format!(
+                "{at}/multipleOf: {m} is not supported in structured output (a whole number \
+                 from 1 is; fractional steps such as 0.01 are not)"
+            ));
+        }
+        b.step = m;
     }
     Ok(b)
 }
@@ -1968,6 +1986,38 @@ mod tests {
         assert!(
             !accepts(&ranges, "6").1 && !accepts(&ranges, "99").1 && !accepts(&ranges, "5 0").0
         );
+        // multipleOf (whole steps): every prefix can still end on a multiple inside the
+        // bounds; numbers are written as integers; no multiple inside the bounds is refused.
+        let fives = json!({"type": "number", "multipleOf": 5, "minimum": 11, "maximum": 42});
+        assert!(accepts(&fives, "15").1 && accepts(&fives, "40").1 && !accepts(&fives, "41").1);
+        // "1" → 15, "2" → 20, 25, "3" → 30, 35, "4" → 40; "5" → nothing in 11..=42.
+        for p in ["1", "2", "3", "4"] {
+            assert!(accepts(&fives, p).0 && !accepts(&fives, p).1, "{p}");
+        }
+        assert!(!accepts(&fives, "15.").0 && !accepts(&fives, "5").0 && !accepts(&fives, "-").0);
+        let e = Schema::compile(&json!({"type": "integer", "multipleOf": 7, "minimum": 8,
+                                        "maximum": 13}))
+        .unwrap_err();
+        assert!(e.contains("no integer"), "{e}");
+        assert!(Schema::compile(&json!({"multipleOf": 0.01}))
+            .unwrap_err()
+            .contains("0.01"));
+        let any_sign = json!({"type": "array", "items": {"type": "integer", "multipleOf": 3,
+                              "minimum": -1_000_000, "maximum": 1_000_000}});
+        assert!(accepts(&any_sign, "[-9, 0, 12]").1 && !accepts(&any_sign, "[-10]").1);
+        for schema in [&fives, &any_sign] {
+            let completed = random_walks(schema, 100, 60, 5, |v| {
+                // (`-0` reads as a float.)
+                let ns: Vec<f64> = match v {
+                    Value::Array(a) => a.iter().map(|x| x.as_f64().unwrap()).collect(),
+                    x => vec![x.as_f64().unwrap()],
+                };
+                for n in ns {
+                    assert!(n % if v.is_array() { 3.0 } else { 5.0 } == 0.0, "{v}");
+                }
+            });
+            assert!(completed > 0, "{schema}: no walk completed");
+        }
         // More alike branches than a state follows at once: refused, not silently narrowed.
         let many: Vec<Value> = (0..33)
             .map(|i| json!({"type": "object", "properties": {format!("k{i}"): {"type": "null"}}}))
@@ -2159,7 +2209,7 @@ mod tests {
         for (schema, word) in [
             (json!({"type": "string", "pattern": "(?=a)b"}), "pattern"),
             (
-                json!({"type": "object", "properties": {"a": {"multipleOf": 2}}}),
+                json!({"type": "object", "properties": {"a": {"multipleOf": 0.5}}}),
                 "multipleOf",
             ),
             (json!({"minimum": 3, "maximum": 2}), "leave no number"),
