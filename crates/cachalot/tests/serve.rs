@@ -1383,7 +1383,7 @@ fn serve_json_mode() {
         (json!({"type": "json_schema"}), "json_schema"),
         (
             json!({"type": "json_schema", "json_schema": {"name": "x",
-                "schema": {"type": "integer", "multipleOf": 2}}}),
+                "schema": {"type": "number", "multipleOf": 0.5}}}),
             "multipleOf",
         ),
     ] {
