@@ -96,6 +96,61 @@ mod avx2 {
             q[k] = super::quantize_bf16(row[k], s);
         }
     }
+
+    /// `quantize_activation_int8_scalar`, 8 at a time, the same bits: `max` is exact in any
+    /// order and `vmaxps(|x|, m)` keeps `m` when `x` is NaN, as `f32::max` does; the product by
+    /// the reciprocal is IEEE in both; rounding to nearest even is the scalar's exact
+    /// `(x + 1.5·2^23) − 1.5·2^23`; NaN lanes become 0 as the scalar cast makes them.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `q.len() == x.len()`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_activation(x: &[f32], q: &mut [i8]) -> f32 {
+        let n = x.len();
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= n {
+            let v = _mm256_andnot_ps(sign, _mm256_loadu_ps(x.as_ptr().add(i)));
+            m = _mm256_max_ps(v, m);
+            i += 8;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        let mut amax = lanes.iter().fold(0.0f32, |a, &v| a.max(v));
+        for &v in &x[i..] {
+            amax = amax.max(v.abs());
+        }
+        if amax == 0.0 || !amax.is_finite() {
+            q.fill(0);
+            return if amax == 0.0 { 0.0 } else { f32::NAN };
+        }
+        let inv = super::INT8_QMAX / amax;
+        let vinv = _mm256_set1_ps(inv);
+        let (lo, hi) = (
+            _mm256_set1_ps(-super::INT8_QMAX),
+            _mm256_set1_ps(super::INT8_QMAX),
+        );
+        let mut i = 0;
+        while i + 16 <= n {
+            let mut halves = [_mm256_setzero_si256(); 2];
+            for (h, half) in halves.iter_mut().enumerate() {
+                let p = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8 * h)), vinv);
+                let t = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(p);
+                let t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+                let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(p, p);
+                *half = _mm256_cvtps_epi32(_mm256_andnot_ps(nan, t));
+            }
+            // i32 → i16 → i8 (values within ±127: no saturation), restoring lane order.
+            let w = _mm256_packs_epi32(halves[0], halves[1]);
+            let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(w);
+            let b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256::<1>(w));
+            _mm_storeu_si128(q.as_mut_ptr().add(i) as *mut __m128i, b);
+            i += 16;
+        }
+        super::quantize_with(&x[i..], inv, &mut q[i..]);
+        amax / super::INT8_QMAX
+    }
 }
 
 /// Spec §4: dynamic per-token symmetric quantization of an f32 activation row. With
@@ -108,16 +163,31 @@ pub fn quantize_activation_int8(x: &[f32], q: &mut [i8]) -> f32 {
         q.len(),
         "quantize_activation: input and output lengths"
     );
+    #[cfg(target_arch = "x86_64")]
+    if matches!(simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512) {
+        // SAFETY: the level is supported (from `simd_level`); lengths are equal (asserted).
+        return unsafe { avx2::quantize_activation(x, q) };
+    }
+    quantize_activation_int8_scalar(x, q)
+}
+
+/// [`quantize_activation_int8`] one element at a time (the reference of the SIMD twin).
+fn quantize_activation_int8_scalar(x: &[f32], q: &mut [i8]) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 || !amax.is_finite() {
         q.fill(0);
         return if amax == 0.0 { 0.0 } else { f32::NAN };
     }
     let inv = INT8_QMAX / amax;
+    quantize_with(x, inv, q);
+    amax / INT8_QMAX
+}
+
+#[inline]
+fn quantize_with(x: &[f32], inv: f32, q: &mut [i8]) {
     for (o, &v) in q.iter_mut().zip(x) {
         *o = round_ties_even_small(v * inv).clamp(-INT8_QMAX, INT8_QMAX) as i8;
     }
-    amax / INT8_QMAX
 }
 
 /// `x.round_ties_even()` for |x| < 2^22 (and NaN → NaN), without the libm `rintf` call that
@@ -147,6 +217,39 @@ pub fn quantize_static_int8(x: f32, inv_scale: f32) -> i8 {
 #[allow(clippy::excessive_precision)] // the spec's exact decimal expansions
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The SIMD activation quantizer gives the scalar reference's bits and scale, with
+        /// zeros, NaN, infinities, ties and ragged lengths among the inputs.
+        #[test]
+        fn activation_quantizer_matches_the_scalar_reference(
+            vals in prop::collection::vec(
+                prop_oneof![
+                    8 => -3.0f32..3.0,
+                    1 => Just(0.0f32),
+                    1 => Just(-0.0f32),
+                    1 => Just(f32::NAN),
+                    1 => (-20i32..20).prop_map(|k| k as f32 * 0.5),
+                    1 => Just(f32::INFINITY),
+                ],
+                0..80,
+            ),
+            drop_specials in any::<bool>(),
+        ) {
+            let x: Vec<f32> = if drop_specials {
+                vals.iter().map(|v| if v.is_finite() { *v } else { 1.0 }).collect()
+            } else {
+                vals
+            };
+            let mut want = vec![0i8; x.len()];
+            let s_want = quantize_activation_int8_scalar(&x, &mut want);
+            let mut got = vec![7i8; x.len()];
+            let s_got = quantize_activation_int8(&x, &mut got);
+            prop_assert_eq!(s_got.to_bits(), s_want.to_bits());
+            prop_assert_eq!(got, want);
+        }
+    }
 
     #[test]
     fn spec_double_rounding_vector() {

@@ -37,6 +37,8 @@
 //! grid). Only the SIMD level changes results, and AVX2 and AVX-512 give the same bits
 //! (`avx512.rs`); scalar differs in rounding.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 pub(crate) mod bf16dot;
 pub(crate) mod scalar;
 mod slice;
@@ -586,12 +588,12 @@ impl Matrix {
         let m = rows.len();
         let first = rows.start;
         let out = DisjointOut::new(out);
+        let acts = Acts::prepare(&self.data, x, n_tokens, self.cols);
         let split = Split {
-            align: 4,
+            align: acts.row_align(),
             min_task: 16,
             max_task: max_task_rows(self.cols, n_tokens),
         };
-        let acts = Acts::prepare(&self.data, x, n_tokens, self.cols);
         for_each_task(m, m * self.cols * n_tokens, split, |task| {
             let task_rows = first + task.start..first + task.end;
             let out = OutRows {
@@ -859,6 +861,12 @@ unsafe fn rows_task(
                 w8a8::avx2::matmul_rows(view, task_rows, xq, n_tokens, out)
             },
             #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below; the tiles exist only where `amx::supported()` said yes.
+            SimdLevel::Avx512 if xq.amx.is_some() => unsafe {
+                let packed = xq.amx.as_ref().expect("checked");
+                amx::matmul_rows(view, task_rows, xq, packed, n_tokens, out)
+            },
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: as below.
             SimdLevel::Avx512 => unsafe {
                 w8a8::avx512::matmul_rows(view, task_rows, xq, n_tokens, out)
@@ -945,17 +953,18 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     let fork =
         threads > 1 && work >= crate::parallel::min_parallel_work() && crate::parallel::may_fork();
     // About four tasks per thread over all jobs, each 16 rows to `max_task_rows` (a multiple of
-    // 4).
-    let rows_per_task = |rows: usize, job_work: usize, cols: usize, n_tokens: usize| -> usize {
-        if !fork {
-            return rows.max(1);
-        }
-        let share = (threads * 4 * job_work).div_ceil(work.max(1)).max(1);
-        rows.div_ceil(share)
-            .clamp(16, max_task_rows(cols, n_tokens))
-            .div_ceil(4)
-            * 4
-    };
+    // the job's row alignment: 4, or 16 for AMX tiles).
+    let rows_per_task =
+        |rows: usize, job_work: usize, cols: usize, n_tokens: usize, align: usize| -> usize {
+            if !fork {
+                return rows.max(1);
+            }
+            let share = (threads * 4 * job_work).div_ceil(work.max(1)).max(1);
+            rows.div_ceil(share)
+                .clamp(16, max_task_rows(cols, n_tokens))
+                .div_ceil(align)
+                * align
+        };
     let mut tasks: Vec<(usize, Range<usize>)> = Vec::new();
     for (i, j) in jobs.iter().enumerate() {
         if j.n_tokens == 0 {
@@ -966,6 +975,7 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
             j.w.rows * j.w.cols * j.n_tokens,
             j.w.cols,
             j.n_tokens,
+            xqs[xq_of[i]].3.row_align(),
         );
         let mut r = 0;
         while r < j.w.rows {
@@ -1028,6 +1038,15 @@ pub(crate) enum Acts {
 }
 
 impl Acts {
+    /// Row alignment of a product's tasks: 16 where the AMX tiles (16 rows) run it.
+    fn row_align(&self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Acts::Int8(q) if q.amx.is_some() => 16,
+            _ => 4,
+        }
+    }
+
     /// The width the activations were prepared for (None for f32, used as given).
     fn cols(&self) -> Option<usize> {
         match self {
@@ -1040,7 +1059,19 @@ impl Acts {
     fn prepare(data: &MatrixData, x: &[f32], n_tokens: usize, cols: usize) -> Acts {
         match ActKind::of(data) {
             ActKind::F32 => Acts::F32,
-            ActKind::Int8 => Acts::Int8(w8a8::QuantizedTokens::new(x, n_tokens, cols)),
+            ActKind::Int8 => {
+                #[allow(unused_mut)]
+                let mut xq = w8a8::QuantizedTokens::new(x, n_tokens, cols);
+                #[cfg(target_arch = "x86_64")]
+                if matches!(data, MatrixData::W8A8 { .. })
+                    && n_tokens >= amx::MIN_TOKENS
+                    && simd_level() == SimdLevel::Avx512
+                    && amx::supported()
+                {
+                    xq.amx = Some(amx::AmxTokens::new(&xq, n_tokens));
+                }
+                Acts::Int8(xq)
+            }
             ActKind::Bf16 => Acts::Bf16(bf16dot::Bf16Tokens::new(x, cols)),
         }
     }

@@ -716,7 +716,8 @@ proptest! {
     #[test]
     fn matmul_group_equals_separate_products(
         n_jobs in 1usize..6,
-        nt in 1usize..=4,
+        // 9 and 17 tokens take W8A8's AMX tiles where the CPU has them.
+        nt in prop_oneof![1usize..=4, Just(9usize), Just(17usize)],
         seed in any::<u64>(),
         big in any::<bool>(),
     ) {

@@ -29,6 +29,9 @@ pub(crate) struct QuantizedTokens {
     pub q: Vec<i8>,
     pub scale: Vec<f32>,
     pub cols: usize,
+    /// The same values as AMX tiles, where the product takes the AMX path (`amx.rs`).
+    #[cfg(target_arch = "x86_64")]
+    pub amx: Option<super::amx::AmxTokens>,
 }
 
 impl QuantizedTokens {
@@ -39,7 +42,13 @@ impl QuantizedTokens {
             .zip(q.chunks_exact_mut(cols))
             .map(|(xt, qt)| quantize_activation_int8(xt, qt))
             .collect();
-        QuantizedTokens { q, scale, cols }
+        QuantizedTokens {
+            q,
+            scale,
+            cols,
+            #[cfg(target_arch = "x86_64")]
+            amx: None,
+        }
     }
 
     #[inline]
@@ -570,5 +579,62 @@ pub(crate) mod tests {
             let acc = (128 * 127 * cols) as f32;
             assert_eq!(out, [acc / 127.0, acc * 0.5 / 127.0], "{level:?}");
         }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Products of 8 and more tokens, which take the AMX tiles where the CPU has them
+        /// (16-row tiles, 64-column blocks, 16-token tiles: ragged on every side here), equal
+        /// the exact reference bit for bit at every level.
+        #[test]
+        fn many_tokens_equal_the_exact_reference(
+            rows in 1usize..72, cols in 1usize..300, n_tokens in 8usize..48, seed in any::<u64>()
+        ) {
+            let (m, x) = case(rows, cols, n_tokens, seed);
+            let want = reference(&m, &x, n_tokens);
+            every_level_gives(&m, &x, n_tokens, &want)?;
+        }
+    }
+
+    /// Worst-case sums through the many-token path (AMX where present).
+    #[test]
+    fn large_sums_stay_exact_for_many_tokens() {
+        let (rows, cols, n_tokens) = (33, 4096 + 24, 19);
+        let data = Bytes::from_vec(vec![0x80u8; rows * cols]);
+        let m = Matrix::new(
+            rows,
+            cols,
+            MatrixData::W8A8 {
+                data,
+                scale: vec![1.0; rows],
+            },
+        )
+        .unwrap();
+        let x = vec![-1.0f32; n_tokens * cols];
+        let acc = (128 * 127 * cols) as f32;
+        for level in levels() {
+            let mut out = vec![f32::NAN; n_tokens * rows];
+            m.matmul_rows_at(level, 0..rows, &x, n_tokens, &mut out);
+            assert!(out.iter().all(|&v| v == acc / 127.0), "{level:?}");
+        }
+    }
+
+    /// Where the CPU and OS allow AMX, products of many tokens are prepared for it (so the
+    /// tests above run the tiles), and products of few are not.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_prepares_products_of_many_tokens() {
+        use crate::matrix::{amx, Acts};
+        let (m, x) = case(16, 64, amx::MIN_TOKENS, 7);
+        let amx_level = crate::simd::simd_level() == SimdLevel::Avx512 && amx::supported();
+        let Acts::Int8(many) = Acts::prepare(m.data(), &x, amx::MIN_TOKENS, 64) else {
+            panic!("W8A8 activations are int8")
+        };
+        assert_eq!(many.amx.is_some(), amx_level);
+        let Acts::Int8(few) = Acts::prepare(m.data(), &x[..64], 1, 64) else {
+            panic!("W8A8 activations are int8")
+        };
+        assert!(few.amx.is_none());
+        eprintln!("AMX tiles in use: {amx_level}");
     }
 }
