@@ -130,6 +130,21 @@ def run_json(cmd):
     return json.loads(r.stdout)
 
 
+def llama_json(cmd, fallbacks: set, name: str):
+    """llama-bench's JSON. Where its default weight repacking (the CPU backend's extra buffer types,
+    AMX tiles among them) aborts, as the vendored build does for Q8_0 DeepSeek-2 on AMX CPUs
+    (`GGML_ASSERT(*cur_backend_id != -1)` while reserving the graph), the pair is rerun with
+    `--repack 0` and recorded as such."""
+    if name not in fallbacks:
+        try:
+            return run_json(cmd)
+        except subprocess.CalledProcessError as e:
+            print(f"llama-bench failed ({e.returncode}) with its default repacking; {name} reruns with --repack 0",
+                  flush=True)
+            fallbacks.add(name)
+    return run_json([*cmd, "--repack", "0"])
+
+
 def gguf_bytes_per_token(path: Path, src: Path):
     """Bytes of GGUF tensors one decoded token reads: all but the unrouted experts (k/E of each merged
     expert tensor) and all but one row of token_embd."""
@@ -178,12 +193,14 @@ def cmd_run(a):
     pairs = [(n, m, g, e) for k, n, m, g, e in all_pairs if k in wanted]
     gguf_bytes = {name: gguf_bytes_per_token(g, src) for name, _, g, _ in pairs}
     res = {name: {"ours": [], "llama": []} for name, _, _, _ in pairs}
+    fallbacks = set()
     for rnd in range(a.rounds):
         for name, ours, gg, extra in pairs:
             # A: llama.cpp. pp512 at depth 0; tg128 after a 512-token context (-d 512).
-            pp = run_json([lb, "-m", gg, "-p", a.prompt, "-n", "0", "-t", a.threads, "-r", "1", "-o", "json"])
-            tg = run_json([lb, "-m", gg, "-p", "0", "-n", a.gen, "-d", a.prompt, "-t", a.threads, "-r", "1",
-                           "-o", "json"])
+            pp = llama_json([lb, "-m", gg, "-p", a.prompt, "-n", "0", "-t", a.threads, "-r", "1", "-o", "json"],
+                            fallbacks, name)
+            tg = llama_json([lb, "-m", gg, "-p", "0", "-n", a.gen, "-d", a.prompt, "-t", a.threads, "-r", "1",
+                             "-o", "json"], fallbacks, name)
             lpp = pp[0]["avg_ts"]
             ltg = tg[0]["avg_ts"]
             # B: cachalot.
@@ -222,8 +239,11 @@ def cmd_run(a):
         print(f"{name}: bytes/token ours {s['ours_bytes_per_token'] / 1e6:.1f} MB, llama.cpp "
               f"{s['llama_bytes_per_token'] / 1e6:.1f} MB; membw median {s['membw_gb_s']:.2f} GB/s; "
               f"our peak RSS {s['ours_peak_rss'] / 1e6:.0f} MB")
+    if fallbacks:
+        print(f"llama.cpp ran with --repack 0 (its default aborted) for: {', '.join(sorted(fallbacks))}")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"summary": summary, "rounds": res}, indent=1))
+        Path(a.json_out).write_text(json.dumps({"summary": summary, "rounds": res,
+                                                "llama_repack_off": sorted(fallbacks)}, indent=1))
 
 
 def main():
