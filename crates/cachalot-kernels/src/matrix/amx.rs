@@ -211,7 +211,8 @@ macro_rules! tdp {
 /// # Safety
 /// [`supported`] returned true; the CPU supports the `Avx512` level; `out` accepts writes for
 /// every row in `rows`; `xq` and `packed` hold `n_tokens` tokens of `w.cols` values; `w` is an
-/// int8 matrix (`W8A8`) with valid row scales.
+/// int8 (`W8A8`, `weights` Int8) or int4 (`W4A8`, Int4) matrix with valid row scales.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn matmul_rows(
     w: &WeightsView,
     rows: Range<usize>,
@@ -219,17 +220,74 @@ pub(crate) unsafe fn matmul_rows(
     packed: &AmxTokens,
     n_tokens: usize,
     out: &OutRows,
+    weights: Stored,
 ) {
     let tiled_end = rows.start + rows.len() / 16 * 16;
     if tiled_end > rows.start {
-        tiles(w, rows.start..tiled_end, xq, packed, n_tokens, out);
+        tiles(w, rows.start..tiled_end, xq, packed, n_tokens, out, weights);
     }
     if tiled_end < rows.end {
-        super::w8a8::avx512::matmul_rows(w, tiled_end..rows.end, xq, n_tokens, out);
+        let rest = tiled_end..rows.end;
+        match weights {
+            Stored::Int8 => super::w8a8::avx512::matmul_rows(w, rest, xq, n_tokens, out),
+            Stored::Int4 => super::w4a8::avx2::matmul_rows(w, rest, xq, n_tokens, out),
+        }
+    }
+}
+
+/// How the weights are stored: int8 (`W8A8`, loaded into tiles as they are) or int4 nibbles
+/// (`W4A8`, unpacked to int8 once per pair of row tiles, for all tokens).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stored {
+    Int8,
+    Int4,
+}
+
+/// Rows `row0..row0 + n_rows` (at most 32) of a W4A8 matrix as int8 A tiles: tile (h, b) at
+/// `(h·blocks + b)·TILE`, row i of it at `+ i·64` holding q = nibble − 8 of columns
+/// 64·b..64·b + 64 (zero past the row's end).
+#[target_feature(enable = "avx2")]
+unsafe fn unpack_int4(
+    w: &WeightsView,
+    row0: usize,
+    n_rows: usize,
+    blocks: usize,
+    panel: &mut [u8],
+) {
+    use std::arch::x86_64::*;
+    let rb = w.cols / 2;
+    let full = w.cols / 64;
+    let mask = _mm256_set1_epi8(0x0F);
+    let eight = _mm256_set1_epi8(8);
+    for hi_row in 0..n_rows {
+        let (h, i) = (hi_row / 16, hi_row % 16);
+        let src = &w.data[(row0 + hi_row) * rb..][..rb];
+        for b in 0..full {
+            // 32 bytes = 64 nibbles; low nibble first within a byte.
+            let v = _mm256_loadu_si256(src.as_ptr().add(b * 32) as *const __m256i);
+            let lo = _mm256_and_si256(v, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
+            let ul = _mm256_unpacklo_epi8(lo, hi);
+            let uh = _mm256_unpackhi_epi8(lo, hi);
+            let first = _mm256_sub_epi8(_mm256_permute2x128_si256::<0x20>(ul, uh), eight);
+            let second = _mm256_sub_epi8(_mm256_permute2x128_si256::<0x31>(ul, uh), eight);
+            let dst = panel.as_mut_ptr().add((h * blocks + b) * TILE + i * 64);
+            _mm256_storeu_si256(dst as *mut __m256i, first);
+            _mm256_storeu_si256(dst.add(32) as *mut __m256i, second);
+        }
+        if full < blocks {
+            let dst = &mut panel[(h * blocks + full) * TILE + i * 64..][..64];
+            dst.fill(0);
+            for c in full * 64..w.cols {
+                let q = ((src[c / 2] >> (4 * (c % 2))) & 0x0F) as i8 - 8;
+                dst[c - full * 64] = q as u8;
+            }
+        }
     }
 }
 
 /// Rows `rows` (a multiple of 16 of them), all tokens.
+#[allow(clippy::too_many_arguments)]
 unsafe fn tiles(
     w: &WeightsView,
     rows: Range<usize>,
@@ -237,11 +295,14 @@ unsafe fn tiles(
     packed: &AmxTokens,
     n_tokens: usize,
     out: &OutRows,
+    weights: Stored,
 ) {
     let cols = w.cols;
     let base = w.data.as_ptr();
     let full = cols / 64;
     let blocks = packed.blocks;
+    let int4 = weights == Stored::Int4;
+    let mut panel = vec![0u8; if int4 { 2 * blocks * TILE } else { 0 }];
     let cfg = TileConfig::all_16x64();
     asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileConfig, options(nostack, readonly));
     // The partial last column block of each of the (up to) two row tiles, zero-padded.
@@ -256,7 +317,9 @@ unsafe fn tiles(
     while r < rows.end {
         let two_r = r + 32 <= rows.end;
         let n_rt = if two_r { 2 } else { 1 };
-        if full < blocks {
+        if int4 {
+            unpack_int4(w, r, n_rt * 16, blocks, &mut panel);
+        } else if full < blocks {
             let width = cols - full * 64;
             for (h, t) in tail.iter_mut().enumerate().take(n_rt) {
                 for i in 0..16 {
@@ -267,7 +330,9 @@ unsafe fn tiles(
         }
         // Weight tile `h` of column block `b`: pointer and stride.
         let a = |h: usize, b: usize| -> (*const u8, usize) {
-            if b < full {
+            if int4 {
+                (panel.as_ptr().add((h * blocks + b) * TILE), 64)
+            } else if b < full {
                 (base.add((r + h * 16) * cols + b * 64), cols)
             } else {
                 (tail[h].0.as_ptr(), 64)

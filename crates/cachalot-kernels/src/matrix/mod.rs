@@ -851,6 +851,17 @@ unsafe fn rows_task(
         let int4 = view.format == Format::Int4;
         match level {
             #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below; the tiles exist only where `amx::supported()` said yes.
+            SimdLevel::Avx512 if xq.amx.is_some() => unsafe {
+                let packed = xq.amx.as_ref().expect("checked");
+                let stored = if int4 {
+                    amx::Stored::Int4
+                } else {
+                    amx::Stored::Int8
+                };
+                amx::matmul_rows(view, task_rows, xq, packed, n_tokens, out, stored)
+            },
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: as below.
             SimdLevel::Avx2 | SimdLevel::Avx512 if int4 => unsafe {
                 w4a8::avx2::matmul_rows(view, task_rows, xq, n_tokens, out)
@@ -859,12 +870,6 @@ unsafe fn rows_task(
             // SAFETY: as below.
             SimdLevel::Avx2 => unsafe {
                 w8a8::avx2::matmul_rows(view, task_rows, xq, n_tokens, out)
-            },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as below; the tiles exist only where `amx::supported()` said yes.
-            SimdLevel::Avx512 if xq.amx.is_some() => unsafe {
-                let packed = xq.amx.as_ref().expect("checked");
-                amx::matmul_rows(view, task_rows, xq, packed, n_tokens, out)
             },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as below.
@@ -1063,7 +1068,7 @@ impl Acts {
                 #[allow(unused_mut)]
                 let mut xq = w8a8::QuantizedTokens::new(x, n_tokens, cols);
                 #[cfg(target_arch = "x86_64")]
-                if matches!(data, MatrixData::W8A8 { .. })
+                if matches!(data, MatrixData::W8A8 { .. } | MatrixData::W4A8 { .. })
                     && n_tokens >= amx::MIN_TOKENS
                     && simd_level() == SimdLevel::Avx512
                     && amx::supported()

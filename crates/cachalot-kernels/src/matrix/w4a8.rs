@@ -294,6 +294,23 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Products of 8 and more tokens, which take the AMX tiles where the CPU has them
+        /// (nibbles unpacked to int8 tiles; ragged rows, columns and tokens), equal the exact
+        /// reference bit for bit at every level.
+        #[test]
+        fn many_tokens_equal_the_exact_reference(
+            half_rows in 1usize..36, half_cols in 1usize..150, n_tokens in 8usize..40,
+            seed in any::<u64>()
+        ) {
+            let (rows, cols) = (2 * half_rows, 2 * half_cols);
+            let (m, q, x) = case(rows, cols, n_tokens, seed);
+            let want = reference(&m, &q, &x, n_tokens);
+            every_level_gives(&m, &x, n_tokens, &want)?;
+        }
+    }
+
     #[test]
     fn extreme_values_stay_exact() {
         // q = −8 everywhere, x = ±127 over 4 096 columns (two rows).
