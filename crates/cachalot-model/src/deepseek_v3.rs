@@ -1706,43 +1706,47 @@ impl DeepseekV3 {
         mla.kv_b.matmul(&c, ctx, &mut kvf);
         let scale = self.softmax_scale;
         let tq = positions.len();
-        // Per head, scores and outputs as products over blocks of queries (the tiled f32 kernel,
+        // Per head, scores and outputs as products over blocks of queries (the tiled f32 kernels,
         // not a dot per query-key pair): S = Q Kᵀ with the keys as the matrix's rows, then each
-        // query's causal softmax, then O = P V with Vᵀ as the matrix. A query's scores beyond
-        // its position are computed and ignored, and its weights there are zero (they add
-        // nothing to its output, whatever the chunking). Queries go in blocks of QB so S stays
-        // small at long contexts.
+        // query's causal softmax, then O = P V with V's rows as the transposed product's rows
+        // (one FMA chain per output over the keys in order). A block reads only the keys up to
+        // its last query's position (`seen`): the keys after it are masked for every query of
+        // the block, and the ones a query sees are computed as with all keys present (a row
+        // sub-range of the product; its chain stops before terms whose weight is zero), so the
+        // output does not depend on the chunking. Within a block a query's scores past its
+        // position are computed and ignored and its weights there are zero. Queries go in blocks
+        // of QB so S stays small at long contexts; a whole prompt's block row reads about half
+        // the keys on average.
         const QB: usize = 64;
         let per_head: Vec<Vec<f32>> = (0..n)
             .into_par_iter()
             .map(|hd| {
                 k::serial(|| {
                     let mut keys = Vec::with_capacity(ctx * qk);
-                    let mut vt = vec![0.0f32; vd * ctx];
+                    let mut values = Vec::with_capacity(ctx * vd);
                     for s in 0..ctx {
                         let row = &kvf[(s * n + hd) * kvw..(s * n + hd + 1) * kvw];
                         keys.extend_from_slice(&row[..nope]);
                         keys.extend_from_slice(&latent(s)[kvr..]);
-                        for (c, &v) in row[nope..].iter().enumerate() {
-                            vt[c * ctx + s] = v;
-                        }
+                        values.extend_from_slice(&row[nope..]);
                     }
                     let keys = f32_matrix(ctx, qk, &keys);
-                    let vt = f32_matrix(vd, ctx, &vt);
+                    let values = f32_matrix(ctx, vd, &values);
                     let mut out = vec![0.0f32; tq * vd];
                     let mut qb = Vec::with_capacity(QB * qk);
                     let mut sc = vec![0.0f32; tq.min(QB) * ctx];
                     let mut t0 = 0;
                     while t0 < tq {
                         let b = (tq - t0).min(QB);
+                        let block = &positions[t0..t0 + b];
+                        let seen = (block.iter().max().copied().unwrap_or(0) + 1).min(ctx);
                         qb.clear();
                         for t in t0..t0 + b {
                             qb.extend_from_slice(&q[(t * n + hd) * qk..(t * n + hd + 1) * qk]);
                         }
-                        let sc = &mut sc[..b * ctx];
-                        keys.matmul(&qb, b, sc);
-                        for (j, row) in sc.chunks_exact_mut(ctx).enumerate() {
-                            let pos = positions[t0 + j];
+                        let sc = &mut sc[..b * seen];
+                        keys.matmul_rows(0..seen, &qb, b, sc);
+                        for (row, &pos) in sc.chunks_exact_mut(seen).zip(block) {
                             let (live, masked) = row.split_at_mut(pos + 1);
                             for v in live.iter_mut() {
                                 *v *= scale;
@@ -1750,7 +1754,7 @@ impl DeepseekV3 {
                             k::softmax_in_place(live);
                             masked.fill(0.0);
                         }
-                        vt.matmul(sc, b, &mut out[t0 * vd..(t0 + b) * vd]);
+                        values.matmul_t_rows(0..seen, sc, b, &mut out[t0 * vd..(t0 + b) * vd]);
                         t0 += b;
                     }
                     out

@@ -119,17 +119,19 @@ pub(crate) struct GroupArgs {
     /// --enable-expert-parallel) or `data-expert` (each rank serves its share of the requests
     /// as with data, and the routed experts are split over the ranks: each MoE layer sends
     /// tokens to their experts' ranks and takes the outputs back; the seed's attention-DP
-    /// with expert parallelism, vLLM's data parallelism with --enable-expert-parallel;
-    /// `run` only).
+    /// with expert parallelism, vLLM's data parallelism with --enable-expert-parallel) or
+    /// `context` (data-expert, and each prompt's first prefill chunk is cut over all ranks,
+    /// each computing its share of the tokens' attention against every rank's latents: the
+    /// seed's prefill context parallelism, `cp_size`; DeepSeek-V3/R1/Kimi-K2).
     /// Without it: the layout of the YAML's `parallel_config` when its world_size is the
     /// number of ranks (attn_tp_size 1 with moe_tp_size 1: data-expert; both world_size:
     /// tensor; attn_tp_size world_size with moe_tp_size 1: tensor-expert), else data.
     #[arg(long, value_enum)]
     pub parallel: Option<ParallelArg>,
     /// How the ranks exchange data: `auto` (through shared memory when every rank of the group
-    /// is on one host and can map it, a few µs a collective; TCP otherwise) or `tcp` (always
-    /// through rank 0 over TCP, ~60 µs a collective on a small VM). Large payloads (prefill
-    /// activations over 4 MB) go over TCP either way.
+    /// is on one host and can map it, a few µs a collective; payloads larger than a slot go in
+    /// slot-sized pieces; TCP otherwise) or `tcp` (TCP through rank 0 for two ranks, every
+    /// pair linked for three or more; ~60 µs a collective on a small VM).
     #[arg(long, value_enum, default_value = "auto")]
     pub transport: TransportArg,
 }
