@@ -387,7 +387,7 @@ unsafe fn tiles(
 
 /// Writes one tile of sums, `s[i·16 + m]` for row `row0 + i` and token `t0 + m` (`nt` tokens
 /// valid): `(f32(sum) · sw) · sx` as [`finish`] computes it, 16 tokens per vector; the results
-/// are transposed through a buffer so each token's 16 rows go out as one store.
+/// are transposed in registers so each token's 16 rows go out as one store.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 unsafe fn emit(
     s: &Sums,
@@ -415,20 +415,34 @@ unsafe fn emit(
     let mut sx = [0f32; 16];
     sx[..nt].copy_from_slice(&xq.scale[t0..t0 + nt]);
     let sx = _mm512_loadu_ps(sx.as_ptr());
-    let index = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(16),
-    );
-    #[repr(C, align(64))]
-    struct Out([f32; 256]);
-    let mut tr = Out([0.0; 256]);
-    for i in 0..16 {
+    let mut v: [__m512; 16] = std::array::from_fn(|i| {
         let acc = _mm512_cvtepi32_ps(_mm512_load_si512(s.0[i * 16..].as_ptr() as *const _));
-        let v = _mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(row_scale[row0 + i])), sx);
-        _mm512_i32scatter_ps::<4>(tr.0.as_mut_ptr().add(i), index, v);
+        _mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(row_scale[row0 + i])), sx)
+    });
+    // Transpose in registers, by halves, quarters, eighths and sixteenths: at step s, rows i
+    // and i + s (i without bit s) swap the blocks that lie off the diagonal of their 2s × 2s
+    // squares. Then v[m] holds token m's 16 rows.
+    for step in [8usize, 4, 2, 1] {
+        let index = |hi: bool| -> __m512i {
+            let idx: [i32; 16] = std::array::from_fn(|j| {
+                let own = j & step == 0;
+                (match (hi, own) {
+                    (false, true) => j,
+                    (false, false) => 16 + j - step,
+                    (true, true) => j + step,
+                    (true, false) => 16 + j,
+                }) as i32
+            });
+            _mm512_loadu_si512(idx.as_ptr() as *const _)
+        };
+        let (lo, hi) = (index(false), index(true));
+        for i in (0..16).filter(|i| i & step == 0) {
+            let (a, b) = (v[i], v[i + step]);
+            v[i] = _mm512_permutex2var_ps(a, lo, b);
+            v[i + step] = _mm512_permutex2var_ps(a, hi, b);
+        }
     }
-    for m in 0..nt {
-        let v = _mm512_load_ps(tr.0[m * 16..].as_ptr());
-        _mm512_storeu_ps(out.rows_mut(t0 + m, row0, 16).as_mut_ptr(), v);
+    for (m, row) in v.iter().enumerate().take(nt) {
+        _mm512_storeu_ps(out.rows_mut(t0 + m, row0, 16).as_mut_ptr(), *row);
     }
 }
