@@ -279,8 +279,7 @@ unsafe fn unpack_int4(
             let dst = &mut panel[(h * blocks + full) * TILE + i * 64..][..64];
             dst.fill(0);
             for c in full * 64..w.cols {
-                let q = ((src[c / 2] >> (4 * (c % 2))) & 0x0F) as i8 - 8;
-                dst[c - full * 64] = q as u8;
+                dst[c - full * 64] = super::w4a8::q_at(src, c) as i8 as u8;
             }
         }
     }

@@ -22,7 +22,7 @@ use super::{OutRows, WeightsView};
 
 /// q = nibble − 8 of column c of a packed row.
 #[inline]
-fn q_at(row: &[u8], c: usize) -> i32 {
+pub(crate) fn q_at(row: &[u8], c: usize) -> i32 {
     ((row[c / 2] >> (4 * (c % 2))) & 0x0F) as i32 - 8
 }
 
