@@ -3,20 +3,30 @@
 //! as JSON mode ([`crate::json_mode`], whose whitespace and nesting bounds it keeps).
 //!
 //! The schema is compiled once ([`Schema::compile`]) into nodes; the keywords that shape the
-//! grammar are honoured: `type` (one or a list), `properties`, `required`,
-//! `additionalProperties` (true by default, false, or a schema), `items`, `minItems`,
-//! `maxItems`, `enum` and `const` (of strings, numbers, booleans and null), `anyOf`/`oneOf`
+//! grammar are honoured: `type` (one or a list), `properties`, `required` (a required name
+//! that is not listed is a property under `additionalProperties`' rule),
+//! `additionalProperties` (true by default, false, or a schema), `items`, `prefixItems` (and
+//! draft 7's `items` list with `additionalItems`; `items: false` closes a tuple), `minItems`,
+//! `maxItems`, `uniqueItems` (over enum values, booleans, null and strings without a
+//! `maxLength` or `pattern`: a value written is not offered again, a repeated string cannot
+//! close), `enum` and `const` (of strings, numbers, booleans and null), `anyOf`/`oneOf`
 //! (a value's first byte picks the branches of its type; where several take it, as in a union
 //! of object models, each is followed until its branch refuses a byte: [`SchemaState`]; oneOf
-//! is read as anyOf), `allOf` of one schema, `$ref` into `$defs` or
+//! is read as anyOf), `allOf` (one schema is that schema; several, or constraints beside it,
+//! are merged into one schema keyword by keyword: [`intersect`]), `$ref` into `$defs` or
 //! `definitions` (recursion included), a string's `minLength`, `maxLength` and `pattern` and a
 //! number's `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` and a whole `multipleOf`
 //! ([`crate::json_constraints`]: every prefix can still end inside them; numbers under bounds
 //! are written without exponents, strings under a pattern without `\u` escapes). Annotations
 //! (`title`, `description`, `default`, `examples`, `format`, ...) are ignored. Any other
-//! keyword (`allOf` of several schemas, `not`, a fractional `multipleOf`, ...) is refused by name at compile time rather than
-//! silently not enforced. An object's keys are written at most once; a closed object takes only its
-//! properties, and it can only close once its required ones are there.
+//! keyword (`not`, `if`/`then`, `patternProperties`, a fractional `multipleOf`, ...) and any
+//! `allOf` that cannot be written as one schema (two different `pattern`s, two unions) is
+//! refused by name at compile time rather than silently not enforced. An object's keys are
+//! written at most once; a closed object takes only its properties, and it can only close once
+//! its required ones are there.
+//!
+//! The keywords' meaning is JSON Schema 2020-12's (draft 7's tuple form and boolean
+//! exclusive bounds are read too), as OpenAI's `response_format` and vLLM take it.
 
 use std::sync::Arc;
 
@@ -68,7 +78,14 @@ struct Node {
     required: u64,
     /// The node of other keys; None: no others.
     additional: Option<usize>,
+    /// The node of the items after `prefix` (`items`, or draft 7's `additionalItems` after a
+    /// list of `items`; `items: false` is `max_items` at the prefix's length).
     items: usize,
+    /// `prefixItems` (draft 7: `items` as a list): the nodes of the first items, in order.
+    prefix: Vec<usize>,
+    /// `uniqueItems`: no item equals another (items of finitely many values, or strings free
+    /// to grow: compile refuses other item schemas).
+    unique: bool,
     min_items: usize,
     max_items: usize,
     /// The allowed values' compact JSON texts.
@@ -101,6 +118,11 @@ impl Node {
 }
 
 impl Node {
+    /// The node of the item at `index` of an array.
+    fn item_at(&self, index: usize) -> usize {
+        self.prefix.get(index).copied().unwrap_or(self.items)
+    }
+
     /// Its strings are constrained beyond JSON's own rules.
     fn constrains_strings(&self) -> bool {
         self.min_len > 0 || self.max_len < usize::MAX || self.pattern.is_some()
@@ -123,6 +145,8 @@ fn any_node() -> Node {
         required: 0,
         additional: Some(1),
         items: 1,
+        prefix: Vec::new(),
+        unique: false,
         min_items: 0,
         max_items: usize::MAX,
         enumv: None,
@@ -325,16 +349,9 @@ impl Compiler<'_> {
             if let Some(&(_, n)) = self.refs.iter().find(|(k, _)| k == r) {
                 return Ok(n);
             }
-            let target = r
-                .strip_prefix("#/$defs/")
-                .map(|k| ("$defs", k))
-                .or_else(|| r.strip_prefix("#/definitions/").map(|k| ("definitions", k)))
-                .and_then(|(section, k)| self.root.get(section)?.get(k))
-                .ok_or_else(|| {
-                    format!(
-                        "{at}/$ref: {r:?} is not a schema under this schema's $defs or definitions"
-                    )
-                })?;
+            let target = ref_target(self.root, r).ok_or_else(|| {
+                format!("{at}/$ref: {r:?} is not a schema under this schema's $defs or definitions")
+            })?;
             if let Some(k) = obj.keys().find(|k| {
                 !ANNOTATIONS.contains(&k.as_str())
                     && !matches!(k.as_str(), "$ref" | "$defs" | "definitions")
@@ -358,26 +375,21 @@ impl Compiler<'_> {
             return Ok(n);
         }
         if let Some(all) = obj.get("allOf") {
-            // One schema in allOf is that schema (Pydantic writes a described reference so).
-            let only = match all.as_array().map(Vec::as_slice) {
-                Some([one]) => one,
-                _ => {
-                    return Err(format!(
-                        "{at}/allOf: only an allOf of one schema is supported in structured \
-                         output (merge the schemas into one)"
-                    ))
-                }
-            };
-            if let Some(k) = obj.keys().find(|k| {
+            let members = all
+                .as_array()
+                .filter(|a| !a.is_empty())
+                .ok_or_else(|| format!("{at}/allOf: not a non-empty list"))?;
+            let beside = obj.keys().any(|k| {
                 !ANNOTATIONS.contains(&k.as_str())
                     && !matches!(k.as_str(), "allOf" | "$defs" | "definitions")
-            }) {
-                return Err(format!(
-                    "{at}: `{k}` beside `allOf` is not supported in structured output (move it \
-                     into the schema inside allOf)"
-                ));
+            });
+            // One schema in allOf is that schema (Pydantic writes a described reference so);
+            // a reference stays one, so recursion through it is followed.
+            if let ([only], false) = (members.as_slice(), beside) {
+                return self.node(only, &format!("{at}/allOf/0"), depth + 1);
             }
-            return self.node(only, &format!("{at}/allOf/0"), depth + 1);
+            let merged = merge_all_of(self.root, obj, at, depth)?;
+            return self.node(&merged, at, depth + 1);
         }
         for k in obj.keys() {
             let known = matches!(
@@ -387,6 +399,9 @@ impl Compiler<'_> {
                     | "required"
                     | "additionalProperties"
                     | "items"
+                    | "prefixItems"
+                    | "additionalItems"
+                    | "uniqueItems"
                     | "minItems"
                     | "maxItems"
                     | "minLength"
@@ -407,7 +422,7 @@ impl Compiler<'_> {
             if !known {
                 return Err(format!(
                     "{at}: the keyword `{k}` is not supported in structured output (supported: \
-                     type, properties, required, additionalProperties, items, minItems, \
+                     type, properties, required, additionalProperties, items, prefixItems, uniqueItems, minItems, \
                      maxItems, minLength, maxLength, pattern, minimum, maximum, \
                      exclusiveMinimum, exclusiveMaximum, multipleOf, enum, const, anyOf, oneOf, allOf, $ref/$defs)"
                 ));
@@ -424,7 +439,7 @@ impl Compiler<'_> {
         let mut node = any_node();
         node.types = match obj.get("type") {
             None if obj.contains_key("properties") => OBJ,
-            None if obj.contains_key("items") => ARR,
+            None if obj.contains_key("items") || obj.contains_key("prefixItems") => ARR,
             None => ALL,
             Some(t) => types_of(t)
                 .filter(|&t| t != 0)
@@ -476,6 +491,11 @@ impl Compiler<'_> {
                 node.props.push((k.as_bytes().to_vec(), n));
             }
         }
+        node.additional = match obj.get("additionalProperties") {
+            None | Some(Value::Bool(true)) => Some(1),
+            Some(Value::Bool(false)) => None,
+            Some(s) => Some(self.node(s, &format!("{at}/additionalProperties"), depth + 1)?),
+        };
         if let Some(r) = obj.get("required") {
             let r = r
                 .as_array()
@@ -484,23 +504,56 @@ impl Compiler<'_> {
                 let name = name
                     .as_str()
                     .ok_or_else(|| format!("{at}/required: {name} is not a string"))?;
-                let i = node
-                    .props
-                    .iter()
-                    .position(|(k, _)| k == name.as_bytes())
-                    .ok_or_else(|| {
-                        format!("{at}/required: {name:?} is not one of the schema's properties")
-                    })?;
+                let i = match node.props.iter().position(|(k, _)| k == name.as_bytes()) {
+                    Some(i) => i,
+                    // Required but not listed: a property under additionalProperties' rule.
+                    None => {
+                        let Some(rule) = node.additional else {
+                            return Err(format!(
+                                "{at}/required: {name:?} is not one of the schema's properties \
+                                 and additionalProperties is false: no object has it"
+                            ));
+                        };
+                        if node.props.len() >= MAX_PROPERTIES || name.len() > MAX_KEY {
+                            return Err(format!(
+                                "{at}/required: {name:?} is one property too many for \
+                                 structured output (at most {MAX_PROPERTIES}, names of at most \
+                                 {MAX_KEY} bytes)"
+                            ));
+                        }
+                        node.props.push((name.as_bytes().to_vec(), rule));
+                        node.props.len() - 1
+                    }
+                };
                 node.required |= 1 << i;
             }
         }
-        node.additional = match obj.get("additionalProperties") {
-            None | Some(Value::Bool(true)) => Some(1),
-            Some(Value::Bool(false)) => None,
-            Some(s) => Some(self.node(s, &format!("{at}/additionalProperties"), depth + 1)?),
+        // A tuple: `prefixItems` and the rest under `items` (2020-12), or `items` as a list
+        // and the rest under `additionalItems` (draft 7).
+        let (prefix, rest) = match (obj.get("prefixItems"), obj.get("items")) {
+            (Some(p), rest) => (Some(("prefixItems", p)), rest.map(|r| ("items", r))),
+            (None, Some(p @ Value::Array(_))) => (
+                Some(("items", p)),
+                obj.get("additionalItems").map(|r| ("additionalItems", r)),
+            ),
+            (None, rest) => (None, rest.map(|r| ("items", r))),
         };
-        if let Some(items) = obj.get("items") {
-            node.items = self.node(items, &format!("{at}/items"), depth + 1)?;
+        if let Some((key, p)) = prefix {
+            let p = p
+                .as_array()
+                .ok_or_else(|| format!("{at}/{key}: not a list of schemas"))?;
+            for (i, s) in p.iter().enumerate() {
+                let n = self.node(s, &format!("{at}/{key}/{i}"), depth + 1)?;
+                node.prefix.push(n);
+            }
+        }
+        let mut closed = false;
+        match rest {
+            Some((_, Value::Bool(false))) => closed = true,
+            Some((key, items)) => {
+                node.items = self.node(items, &format!("{at}/{key}"), depth + 1)?
+            }
+            None => {}
         }
         let count = |k: &str| -> Result<Option<usize>, String> {
             obj.get(k)
@@ -515,6 +568,32 @@ impl Compiler<'_> {
         node.max_items = count("maxItems")?.unwrap_or(usize::MAX);
         if node.min_items > node.max_items {
             return Err(format!("{at}: minItems is above maxItems"));
+        }
+        match obj.get("uniqueItems") {
+            None | Some(Value::Bool(false)) => {}
+            Some(Value::Bool(true)) => {
+                let distinct = self.distinct_items(&node, at)?;
+                if node.min_items > distinct {
+                    return Err(format!(
+                        "{at}: minItems {} unique items, but the items take only {distinct} \
+                         values",
+                        node.min_items
+                    ));
+                }
+                node.unique = true;
+            }
+            Some(v) => return Err(format!("{at}/uniqueItems: {v} is not a boolean")),
+        }
+        if closed {
+            node.max_items = node.max_items.min(node.prefix.len());
+            if node.min_items > node.max_items {
+                return Err(format!(
+                    "{at}: minItems {} is above the {} items that prefixItems (with items \
+                     false) allow",
+                    node.min_items,
+                    node.prefix.len()
+                ));
+            }
         }
         node.min_len = count("minLength")?.unwrap_or(0);
         node.max_len = count("maxLength")?.unwrap_or(usize::MAX);
@@ -574,6 +653,43 @@ impl Compiler<'_> {
         let n = self.nodes.len();
         self.nodes.push(node);
         Ok(n)
+    }
+
+    /// How many different items an array of `node` with `uniqueItems` can hold
+    /// (`usize::MAX` for strings); the item schemas where that is not followed exactly are
+    /// refused: unions, numbers, objects, arrays, strings under a pattern or a maxLength (a
+    /// repeated item could be written up to a point where it cannot become another), and
+    /// `prefixItems`.
+    fn distinct_items(&self, node: &Node, at: &str) -> Result<usize, String> {
+        if !node.prefix.is_empty() {
+            return Err(format!(
+                "{at}: uniqueItems beside prefixItems is not supported in structured output"
+            ));
+        }
+        let n = &self.nodes[node.items];
+        let refuse = |what: &str| {
+            Err(format!(
+                "{at}: uniqueItems over {what} is not supported in structured output (it holds \
+                 for items that are enum values, booleans, null, or strings without a \
+                 maxLength or pattern)"
+            ))
+        };
+        if node.items == 1 || self.pending(node.items) || !n.alts.is_empty() {
+            return refuse("items of any schema, a union or a recursive reference");
+        }
+        if let Some(values) = &n.enumv {
+            return Ok(values.len());
+        }
+        if n.types & (INT | NUM | OBJ | ARR) != 0 {
+            return refuse("numbers, objects or arrays");
+        }
+        if n.types & STR != 0 {
+            if n.pattern.is_some() || n.max_len < usize::MAX {
+                return refuse("strings under a pattern or maxLength");
+            }
+            return Ok(usize::MAX);
+        }
+        Ok(usize::from(n.types & BOOL != 0) * 2 + usize::from(n.types & NULL != 0))
     }
 
     /// `anyOf`/`oneOf`: one node whose types are the union; a value follows every branch its
@@ -643,6 +759,352 @@ impl Compiler<'_> {
     }
 }
 
+/// The schema a `$ref` names under the root's `$defs` or `definitions`.
+fn ref_target<'a>(root: &'a Value, r: &str) -> Option<&'a Value> {
+    let (section, k) = r
+        .strip_prefix("#/$defs/")
+        .map(|k| ("$defs", k))
+        .or_else(|| r.strip_prefix("#/definitions/").map(|k| ("definitions", k)))?;
+    root.get(section)?.get(k)
+}
+
+/// `allOf` (with any constraints beside it) as one schema: the members' constraints
+/// intersected keyword by keyword ([`intersect`]), each `$ref` member read as its target.
+fn merge_all_of(
+    root: &Value,
+    obj: &serde_json::Map<String, Value>,
+    at: &str,
+    depth: usize,
+) -> Result<Value, String> {
+    if depth > MAX_DEPTH {
+        return Err(format!("{at}: allOf nests deeper than {MAX_DEPTH}"));
+    }
+    let mut out: serde_json::Map<String, Value> = obj
+        .iter()
+        .filter(|(k, _)| !matches!(k.as_str(), "allOf" | "$defs" | "definitions"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let members = obj
+        .get("allOf")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten();
+    for (i, m) in members.enumerate() {
+        let here = format!("{at}/allOf/{i}");
+        let m = flatten(root, m, &here, depth + 1)?;
+        let m = match m {
+            Value::Bool(true) => continue,
+            Value::Object(m) => m,
+            Value::Bool(false) => {
+                return Err(format!("{here}: the schema `false` accepts nothing"))
+            }
+            other => {
+                return Err(format!(
+                    "{here}: a schema is an object or a boolean, not {other}"
+                ))
+            }
+        };
+        out = intersect(root, &out, &m, &here, depth + 1)?;
+    }
+    Ok(Value::Object(out))
+}
+
+/// A schema as the constraints it stands for: a `$ref` (with annotations only beside it) read
+/// as its target, an `allOf` merged.
+fn flatten(root: &Value, s: &Value, at: &str, depth: usize) -> Result<Value, String> {
+    if depth > MAX_DEPTH {
+        return Err(format!(
+            "{at}: allOf nests deeper than {MAX_DEPTH} (a $ref through allOf back to itself?)"
+        ));
+    }
+    let Some(o) = s.as_object() else {
+        return Ok(s.clone());
+    };
+    if let Some(r) = o.get("$ref").and_then(Value::as_str) {
+        if o.keys()
+            .all(|k| ANNOTATIONS.contains(&k.as_str()) || k == "$ref")
+        {
+            let target = ref_target(root, r).ok_or_else(|| {
+                format!("{at}/$ref: {r:?} is not a schema under this schema's $defs or definitions")
+            })?;
+            return flatten(root, target, r, depth + 1);
+        }
+    }
+    if o.contains_key("allOf") {
+        return merge_all_of(root, o, at, depth + 1);
+    }
+    Ok(s.clone())
+}
+
+/// Two schemas (objects, `true` or `false`) as one that takes what both take.
+fn intersect_schemas(
+    root: &Value,
+    x: &Value,
+    y: &Value,
+    at: &str,
+    depth: usize,
+) -> Result<Value, String> {
+    if x == y {
+        return Ok(x.clone());
+    }
+    let (x, y) = (flatten(root, x, at, depth)?, flatten(root, y, at, depth)?);
+    Ok(match (&x, &y) {
+        (Value::Bool(true), s) | (s, Value::Bool(true)) => s.clone(),
+        (Value::Bool(false), _) | (_, Value::Bool(false)) => Value::Bool(false),
+        (Value::Object(a), Value::Object(b)) => Value::Object(intersect(root, a, b, at, depth)?),
+        _ => return Err(format!("{at}: a schema is an object or a boolean")),
+    })
+}
+
+/// The schema that takes exactly what both `a` and `b` take, keyword by keyword: bounds
+/// tighten, `type`s and `enum`s intersect, `required` lists join, properties and item
+/// schemas intersect, and a closed object (`additionalProperties` false or a schema) holds the
+/// other's properties to its rule. Where that cannot be written as one schema here (two
+/// different `pattern`s, two unions, ...) the keyword is refused by name.
+fn intersect(
+    root: &Value,
+    a: &serde_json::Map<String, Value>,
+    b: &serde_json::Map<String, Value>,
+    at: &str,
+    depth: usize,
+) -> Result<serde_json::Map<String, Value>, String> {
+    if depth > MAX_DEPTH {
+        return Err(format!("{at}: allOf nests deeper than {MAX_DEPTH}"));
+    }
+    let sub = |x: &Value, y: &Value, k: &str| {
+        intersect_schemas(root, x, y, &format!("{at}/{k}"), depth + 1)
+    };
+    // A union on one side: each branch meets the other side.
+    for (u, other) in [(a, b), (b, a)] {
+        let Some((key, alts)) = ["anyOf", "oneOf"]
+            .iter()
+            .find_map(|k| Some((*k, u.get(*k)?.as_array()?)))
+        else {
+            continue;
+        };
+        if other.contains_key("anyOf") || other.contains_key("oneOf") {
+            return Err(format!(
+                "{at}: allOf of two anyOf/oneOf unions is not supported in structured output"
+            ));
+        }
+        let rest: serde_json::Map<String, Value> = u
+            .iter()
+            .filter(|(k, _)| k.as_str() != key)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let base = intersect(root, &rest, other, at, depth + 1)?;
+        // A branch that cannot meet the other side (two types with nothing in common, ...)
+        // is left out; if none can, the first one's reason is the error.
+        let mut branches = Vec::new();
+        let mut first_error = None;
+        for (i, alt) in alts.iter().enumerate() {
+            match sub(&Value::Object(base.clone()), alt, &format!("{key}/{i}")) {
+                Ok(Value::Bool(false)) => {}
+                Ok(m) => branches.push(m),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if branches.is_empty() {
+            return Err(first_error.unwrap_or_else(|| {
+                format!("{at}: no branch of {key} meets allOf's other members")
+            }));
+        }
+        let mut out = serde_json::Map::new();
+        out.insert(key.to_string(), Value::Array(branches));
+        return Ok(out);
+    }
+    let mut out = a.clone();
+    for (k, vb) in b {
+        let Some(va) = a.get(k) else {
+            out.insert(k.clone(), vb.clone());
+            continue;
+        };
+        if va == vb {
+            continue;
+        }
+        let num = |v: &Value| v.as_f64();
+        let merged = match k.as_str() {
+            key if ANNOTATIONS.contains(&key) => va.clone(),
+            "$defs" | "definitions" => va.clone(),
+            "type" => {
+                let (ta, tb) = (types_of(va), types_of(vb));
+                let (Some(ta), Some(tb)) = (ta, tb) else {
+                    return Err(format!(
+                        "{at}/type: {va} or {vb} is not a JSON type (or list of them)"
+                    ));
+                };
+                let t = ta & tb;
+                if t == 0 {
+                    return Err(format!(
+                        "{at}: allOf asks for types {va} and {vb} at once: no value has both"
+                    ));
+                }
+                type_names(t)
+            }
+            "required" => {
+                let mut names = va.as_array().cloned().unwrap_or_default();
+                for n in vb.as_array().into_iter().flatten() {
+                    if !names.contains(n) {
+                        names.push(n.clone());
+                    }
+                }
+                Value::Array(names)
+            }
+            "properties" => {
+                let (Some(pa), Some(pb)) = (va.as_object(), vb.as_object()) else {
+                    return Err(format!("{at}/properties: not an object"));
+                };
+                let mut p = pa.clone();
+                for (name, sb) in pb {
+                    let m = match pa.get(name) {
+                        Some(sa) => sub(sa, sb, &format!("properties/{name}"))?,
+                        None => sb.clone(),
+                    };
+                    p.insert(name.clone(), m);
+                }
+                Value::Object(p)
+            }
+            "items" | "additionalProperties" | "additionalItems" => sub(va, vb, k)?,
+            "minItems" | "minLength" | "minimum" | "exclusiveMinimum"
+                if num(va).is_some() && num(vb).is_some() =>
+            {
+                if num(va) >= num(vb) {
+                    va.clone()
+                } else {
+                    vb.clone()
+                }
+            }
+            "maxItems" | "maxLength" | "maximum" | "exclusiveMaximum"
+                if num(va).is_some() && num(vb).is_some() =>
+            {
+                if num(va) <= num(vb) {
+                    va.clone()
+                } else {
+                    vb.clone()
+                }
+            }
+            "enum" => {
+                let (Some(ea), Some(eb)) = (va.as_array(), vb.as_array()) else {
+                    return Err(format!("{at}/enum: not a list"));
+                };
+                let both: Vec<Value> = ea.iter().filter(|v| eb.contains(v)).cloned().collect();
+                if both.is_empty() {
+                    return Err(format!("{at}: allOf's enums have no value in common"));
+                }
+                Value::Array(both)
+            }
+            "const" => {
+                return Err(format!(
+                    "{at}: allOf asks for const {va} and const {vb} at once"
+                ))
+            }
+            "multipleOf" => match (va.as_u64(), vb.as_u64()) {
+                (Some(x), Some(y)) if x > 0 && y > 0 => {
+                    let (mut g, mut h) = (x, y);
+                    while h != 0 {
+                        (g, h) = (h, g % h);
+                    }
+                    Value::from((x / g).saturating_mul(y))
+                }
+                _ => {
+                    return Err(format!(
+                        "{at}/multipleOf: allOf of multipleOf {va} and {vb} is not supported in \
+                         structured output (whole numbers are)"
+                    ))
+                }
+            },
+            _ => {
+                return Err(format!(
+                    "{at}: allOf gives `{k}` two different values ({va} and {vb}); structured \
+                     output cannot merge those (write the schema as one)"
+                ))
+            }
+        };
+        out.insert(k.clone(), merged);
+    }
+    // const beside enum: the const, if the enum has it.
+    if let (Some(c), Some(e)) = (out.get("const"), out.get("enum").and_then(Value::as_array)) {
+        if !e.contains(c) {
+            return Err(format!("{at}: allOf's const {c} is not in its enum"));
+        }
+        out.remove("enum");
+    }
+    // A closed object holds the other side's other properties to its rule.
+    let empty = serde_json::Map::new();
+    for (side, other) in [(a, b), (b, a)] {
+        let Some(rule) = other.get("additionalProperties") else {
+            continue;
+        };
+        if *rule == Value::Bool(true) {
+            continue;
+        }
+        let listed = other
+            .get("properties")
+            .and_then(Value::as_object)
+            .unwrap_or(&empty);
+        let names: Vec<String> = side
+            .get("properties")
+            .and_then(Value::as_object)
+            .into_iter()
+            .flat_map(|p| p.keys())
+            .filter(|n| !listed.contains_key(*n))
+            .cloned()
+            .collect();
+        for name in names {
+            let Some(Value::Object(props)) = out.get_mut("properties") else {
+                break;
+            };
+            let Some(current) = props.get(&name).cloned() else {
+                continue;
+            };
+            let m = sub(&current, rule, &format!("properties/{name}"))?;
+            if m == Value::Bool(false) {
+                props.remove(&name);
+                let required = out
+                    .get("required")
+                    .and_then(Value::as_array)
+                    .is_some_and(|r| r.iter().any(|x| x.as_str() == Some(name.as_str())));
+                if required {
+                    return Err(format!(
+                        "{at}: allOf requires property {name:?}, which another member's \
+                         additionalProperties forbids"
+                    ));
+                }
+            } else {
+                props.insert(name, m);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A `type` value for a set of type bits.
+fn type_names(t: u8) -> Value {
+    let mut names = Vec::new();
+    for (bit, name) in [
+        (STR, "string"),
+        (BOOL, "boolean"),
+        (NULL, "null"),
+        (OBJ, "object"),
+        (ARR, "array"),
+    ] {
+        if t & bit != 0 {
+            names.push(name);
+        }
+    }
+    if t & NUM != 0 {
+        names.push("number");
+    } else if t & INT != 0 {
+        names.push("integer");
+    }
+    match names.as_slice() {
+        [one] => Value::from(*one),
+        _ => Value::from(names),
+    }
+}
+
 /// The types a schema's values can have, read from the schema itself (for a `$ref` whose node
 /// is still being compiled): `type`, an enum's values, `properties`/`items`, the branches of
 /// `anyOf`/`oneOf`, what a `$ref` points at; any type where it says nothing.
@@ -660,15 +1122,15 @@ fn declared_types(root: &Value, s: &Value, depth: usize, seen: &mut Vec<String>)
             return 0;
         }
         seen.push(r.to_string());
-        let target = r
-            .strip_prefix("#/$defs/")
-            .map(|k| ("$defs", k))
-            .or_else(|| r.strip_prefix("#/definitions/").map(|k| ("definitions", k)))
-            .and_then(|(section, k)| root.get(section)?.get(k));
+        let target = ref_target(root, r);
         return target.map_or(ALL, |t| declared_types(root, t, depth + 1, seen));
     }
-    if let Some([one]) = o.get("allOf").and_then(Value::as_array).map(Vec::as_slice) {
-        return declared_types(root, one, depth + 1, seen);
+    if let Some(all) = o.get("allOf").and_then(Value::as_array) {
+        // What every member (and the type beside them) allows.
+        let beside = o.get("type").and_then(types_of).unwrap_or(ALL);
+        return all.iter().fold(beside, |acc, m| {
+            acc & declared_types(root, m, depth + 1, seen)
+        });
     }
     if let Some(alts) = o
         .get("anyOf")
@@ -689,7 +1151,7 @@ fn declared_types(root: &Value, s: &Value, depth: usize, seen: &mut Vec<String>)
     }
     if o.contains_key("properties") {
         OBJ
-    } else if o.contains_key("items") {
+    } else if o.contains_key("items") || o.contains_key("prefixItems") {
         ARR
     } else {
         ALL
@@ -794,7 +1256,31 @@ enum Frame {
         node: usize,
         next: Next,
         count: usize,
+        /// Under `uniqueItems`: the items written so far.
+        uniq: Option<Box<Uniq>>,
     },
+}
+
+/// The items of an array under `uniqueItems`: each one's compact JSON text (a string's with
+/// its escapes decoded and written again), and the raw text of a string item being written.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+struct Uniq {
+    used: Vec<Vec<u8>>,
+    cur: Vec<u8>,
+}
+
+/// The items a unique array holds so far (`None`: not under uniqueItems).
+struct UsedItems<'a>(Option<&'a Vec<Vec<u8>>>);
+
+impl UsedItems<'_> {
+    fn contains(&self, text: &[u8]) -> bool {
+        self.0.is_some_and(|u| u.iter().any(|t| t == text))
+    }
+
+    /// Not under uniqueItems at all.
+    fn is_empty_set(&self) -> bool {
+        self.0.is_none()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1054,8 +1540,9 @@ impl Path {
             Some(Frame::Arr {
                 node,
                 next: Next::FirstOrEnd | Next::Item,
+                count,
                 ..
-            }) => forks[self.schema.nodes[*node].items],
+            }) => forks[self.schema.nodes[*node].item_at(*count)],
             _ => false,
         }
     }
@@ -1071,7 +1558,7 @@ impl Path {
     fn in_plain_string(&self) -> bool {
         match self.scalar {
             Scalar::Str { lex, node, .. } if lex.plain() => {
-                !self.schema.nodes[node].constrains_strings()
+                !self.schema.nodes[node].constrains_strings() && self.used_items().is_empty_set()
             }
             _ => false,
         }
@@ -1204,6 +1691,9 @@ impl Path {
                             re,
                             cont,
                         };
+                        if let Some(u) = self.uniq_mut() {
+                            u.cur.push(b);
+                        }
                     }
                     Some(None) => {
                         if chars < nd.min_len || cont > 0 {
@@ -1213,6 +1703,22 @@ impl Path {
                             if !p.accepts_end(st) {
                                 return false;
                             }
+                        }
+                        // Under uniqueItems: the string as a value, unless written before
+                        // (the writer goes on with more characters instead).
+                        if let Some(u) = self.uniq_mut() {
+                            let mut quoted = Vec::with_capacity(u.cur.len() + 2);
+                            quoted.push(b'"');
+                            quoted.extend_from_slice(&u.cur);
+                            quoted.push(b'"');
+                            let text = serde_json::from_slice::<String>(&quoted)
+                                .ok()
+                                .and_then(|v| serde_json::to_vec(&v).ok())
+                                .unwrap_or(quoted);
+                            if u.used.contains(&text) {
+                                return false;
+                            }
+                            u.used.push(text);
                         }
                         self.scalar = Scalar::None;
                         self.value_done();
@@ -1275,10 +1781,17 @@ impl Path {
                 ext.push(b);
                 let schema = self.schema.clone();
                 let values = schema.nodes[node].enumv.as_deref().unwrap_or(&[]);
-                if values.iter().any(|v| v.starts_with(&ext)) {
+                // (Under uniqueItems, the values not yet written.)
+                let used = self.used_items();
+                let open = |v: &&Vec<u8>| !used.contains(v);
+                if values.iter().filter(open).any(|v| v.starts_with(&ext)) {
                     // A string value ends at its closing quote: nothing can follow inside it.
-                    if ext.len() > 1 && ext[0] == b'"' && values.contains(&ext) {
+                    if ext.len() > 1
+                        && ext[0] == b'"'
+                        && values.iter().filter(open).any(|v| *v == ext)
+                    {
                         self.scalar = Scalar::None;
+                        self.item_written(ext);
                         self.value_done();
                     } else {
                         self.scalar = Scalar::Enum { node, buf: ext };
@@ -1286,11 +1799,12 @@ impl Path {
                     return true;
                 }
                 ext.pop();
-                if !values.contains(&ext) {
+                if !values.iter().filter(open).any(|v| *v == ext) {
                     return false;
                 }
                 // The value ended; the byte belongs to what follows it.
                 self.scalar = Scalar::None;
+                self.item_written(ext);
                 self.value_done();
             }
             Scalar::None => {}
@@ -1357,9 +1871,12 @@ impl Path {
                     _ => false,
                 }
             }
-            Frame::Arr { node, next, count } => {
+            Frame::Arr {
+                node, next, count, ..
+            } => {
                 let n = &self.schema.nodes[node];
-                let (min, max, items) = (n.min_items, n.max_items, n.items);
+                // The next item's node (`count` items are written).
+                let (min, max, items) = (n.min_items, n.max_items, n.item_at(count));
                 match (next, b) {
                     (Next::FirstOrEnd | Next::CommaOrEnd, b']') if count >= min => {
                         self.stack.pop();
@@ -1367,7 +1884,9 @@ impl Path {
                         true
                     }
                     (Next::CommaOrEnd, b',')
-                        if count < max && self.can_start(items, self.stack.len()) =>
+                        if count < max
+                            && self.can_start(items, self.stack.len())
+                            && self.unused_item_left(items) =>
                     {
                         self.set_next(Next::Item);
                         true
@@ -1385,6 +1904,46 @@ impl Path {
         }
     }
 
+    /// The array this scalar is an item of, when it holds its items unique.
+    fn uniq_mut(&mut self) -> Option<&mut Uniq> {
+        match self.stack.last_mut() {
+            Some(Frame::Arr { uniq: Some(u), .. }) => Some(u),
+            _ => None,
+        }
+    }
+
+    /// The items written so far of the array this scalar is an item of, under uniqueItems.
+    fn used_items(&self) -> UsedItems<'_> {
+        match self.stack.last() {
+            Some(Frame::Arr { uniq: Some(u), .. }) => UsedItems(Some(&u.used)),
+            _ => UsedItems(None),
+        }
+    }
+
+    /// An enum value was written as an item (of a unique array, which records it).
+    fn item_written(&mut self, text: Vec<u8>) {
+        if let Some(u) = self.uniq_mut() {
+            u.used.push(text);
+        }
+    }
+
+    /// Under uniqueItems some value of `items` is not yet written (strings always have one).
+    fn unused_item_left(&self, items: usize) -> bool {
+        let UsedItems(Some(used)) = self.used_items() else {
+            return true;
+        };
+        let n = &self.schema.nodes[items];
+        match &n.enumv {
+            Some(values) => values.iter().any(|v| !used.contains(v)),
+            None => {
+                n.types & STR != 0
+                    || (n.types & BOOL != 0
+                        && !(used.contains(&b"true".to_vec()) && used.contains(&b"false".to_vec())))
+                    || (n.types & NULL != 0 && !used.contains(&b"null".to_vec()))
+            }
+        }
+    }
+
     fn set_next(&mut self, to: Next) {
         match self.stack.last_mut() {
             Some(Frame::Obj { next, .. }) | Some(Frame::Arr { next, .. }) => *next = to,
@@ -1394,7 +1953,8 @@ impl Path {
 
     /// A value of `node` begins with `b`.
     fn start_value(&mut self, b: u8, node: usize) -> bool {
-        let n = &self.schema.nodes[node];
+        let schema = self.schema.clone();
+        let n = &schema.nodes[node];
         if !n.alts.is_empty() {
             // The branch whose types take this first byte; where several do, this reading takes
             // the forced one or the first, and the others are left to other readings.
@@ -1441,7 +2001,11 @@ impl Path {
             return self.start_value(b, alt);
         }
         if let Some(values) = &n.enumv {
-            if !values.iter().any(|v| v.first() == Some(&b)) {
+            let used = self.used_items();
+            if !values
+                .iter()
+                .any(|v| v.first() == Some(&b) && !used.contains(v))
+            {
                 return false;
             }
             self.scalar = Scalar::Enum { node, buf: vec![b] };
@@ -1466,10 +2030,14 @@ impl Path {
                     node,
                     next: Next::FirstOrEnd,
                     count: 0,
+                    uniq: n.unique.then(Box::default),
                 });
                 true
             }
             b'"' if t & STR != 0 => {
+                if let Some(u) = self.uniq_mut() {
+                    u.cur.clear();
+                }
                 self.scalar = Scalar::Str {
                     lex: StrLex::default(),
                     node,
@@ -1501,15 +2069,27 @@ impl Path {
                 };
                 true
             }
-            b't' if t & BOOL != 0 => {
+            b't' if t & BOOL != 0 && !self.used_items().contains(b"true") => {
+                // A literal once begun is that literal: an item from here.
+                if let Some(u) = self.uniq_mut() {
+                    u.used.push(b"true".to_vec());
+                }
                 self.scalar = Scalar::Lit(b"rue");
                 true
             }
-            b'f' if t & BOOL != 0 => {
+            b'f' if t & BOOL != 0 && !self.used_items().contains(b"false") => {
+                // A literal once begun is that literal: an item from here.
+                if let Some(u) = self.uniq_mut() {
+                    u.used.push(b"false".to_vec());
+                }
                 self.scalar = Scalar::Lit(b"alse");
                 true
             }
-            b'n' if t & NULL != 0 => {
+            b'n' if t & NULL != 0 && !self.used_items().contains(b"null") => {
+                // A literal once begun is that literal: an item from here.
+                if let Some(u) = self.uniq_mut() {
+                    u.used.push(b"null".to_vec());
+                }
                 self.scalar = Scalar::Lit(b"ull");
                 true
             }
@@ -2216,12 +2796,29 @@ mod tests {
             (json!({"minLength": 3, "maxLength": 2}), "minLength"),
             (json!({"not": {"type": "string"}}), "not"),
             (
-                json!({"allOf": [{"type": "string"}, {"maxLength": 3}]}),
-                "allOf",
+                json!({"allOf": [{"pattern": "^a"}, {"pattern": "b$"}]}),
+                "`pattern`",
             ),
             (
-                json!({"allOf": [{"type": "string"}], "maxLength": 3}),
-                "beside `allOf`",
+                json!({"allOf": [{"type": "string"}, {"type": "integer"}]}),
+                "no value has both",
+            ),
+            (
+                json!({"allOf": [{"anyOf": [{"type": "string"}]}, {"oneOf": [{"type": "null"}]}]}),
+                "two anyOf/oneOf",
+            ),
+            (
+                json!({"$defs": {"A": {"allOf": [{"$ref": "#/$defs/A"}, {"type": "object"}]}},
+                       "$ref": "#/$defs/A"}),
+                "allOf nests deeper",
+            ),
+            (
+                json!({"type": "array", "prefixItems": [{}, {}], "items": false, "minItems": 3}),
+                "prefixItems",
+            ),
+            (
+                json!({"properties": {"a": {}}, "required": ["b"], "additionalProperties": false}),
+                "\"b\" is not one of the schema's properties",
             ),
             (json!({"$ref": "#/$defs/missing"}), "$ref"),
             (json!({"type": "strings"}), "type"),
@@ -2229,6 +2826,201 @@ mod tests {
             let e = Schema::compile(&schema).unwrap_err();
             assert!(e.contains(word), "{e}");
         }
+    }
+
+    /// Tuples: `prefixItems` (and draft 7's `items` list with `additionalItems`) hold each
+    /// position to its schema; `items: false` closes the array after them.
+    #[test]
+    fn tuples_hold_each_position() {
+        let pair = json!({"type": "array", "prefixItems": [{"type": "integer"},
+            {"type": "string", "maxLength": 2}], "items": false});
+        for good in ["[]", "[1]", r#"[1, "ab"]"#, r#"[ -3 ,"" ]"#] {
+            assert_eq!(accepts(&pair, good), (true, true), "{good}");
+        }
+        for bad in [r#"["a""#, "[1, 2", r#"[1, "abc"#, r#"[1, "a","#, "[1.5"] {
+            assert!(!accepts(&pair, bad).0, "{bad}");
+        }
+        let at_least = json!({"prefixItems": [{"type": "integer"}, {"type": "string"}],
+            "minItems": 2, "items": {"type": "boolean"}});
+        assert!(!accepts(&at_least, "[1]").0);
+        assert_eq!(accepts(&at_least, r#"[1, "x", true, false]"#), (true, true));
+        assert!(!accepts(&at_least, r#"[1, "x", 3"#).0);
+        let draft7 = json!({"type": "array", "items": [{"const": "a"}, {"type": "null"}],
+            "additionalItems": {"type": "integer"}});
+        assert_eq!(accepts(&draft7, r#"["a", null, 1, 2]"#), (true, true));
+        assert!(!accepts(&draft7, r#"["a", null, "b""#).0);
+        assert!(!accepts(&draft7, r#"["b"#).0);
+        assert_eq!(accepts(&json!({"items": false}), "[]"), (true, true));
+        assert!(!accepts(&json!({"items": false}), "[1").0);
+        // Random walks: every finished value has the tuple's shape.
+        let shape = json!({"type": "array", "prefixItems": [{"type": "integer"},
+            {"enum": ["x", "yy"]}, {"type": "array", "prefixItems": [{"type": "boolean"}]}],
+            "items": {"type": "null"}, "maxItems": 5});
+        let done = random_walks(&shape, 200, 200, 0x1234_5678_9abc_def1, |v| {
+            let a = v.as_array().unwrap();
+            assert!(a.len() <= 5);
+            if let Some(x) = a.first() {
+                // (serde reads `-0` as a float.)
+                assert!(x.as_f64().is_some_and(|x| x.fract() == 0.0), "{v}");
+            }
+            if let Some(x) = a.get(1) {
+                assert!(x == "x" || x == "yy", "{v}");
+            }
+            if let Some(x) = a.get(2) {
+                assert!(
+                    x.as_array().unwrap().first().is_none_or(Value::is_boolean),
+                    "{v}"
+                );
+            }
+            assert!(a.iter().skip(3).all(Value::is_null), "{v}");
+        });
+        assert!(done > 50, "{done}");
+    }
+
+    /// `uniqueItems`: an enum value, boolean or null is not offered again once written; a
+    /// string item that repeats one (escapes read) cannot close, and the writer goes on.
+    #[test]
+    fn unique_items_are_not_repeated() {
+        let set = json!({"type": "array", "items": {"enum": ["a", "b", "c", 1, 12]},
+            "uniqueItems": true});
+        assert_eq!(accepts(&set, r#"["a", 1, "b", 12]"#), (true, true));
+        assert!(!accepts(&set, r#"["a", "a"#).0);
+        assert!(!accepts(&set, r#"[1, 1]"#).0);
+        assert!(accepts(&set, r#"[1, 12"#).0);
+        assert!(!accepts(&set, r#"["a", "b", "c", 1, 12,"#).0);
+        assert_eq!(accepts(&set, r#"["a", "b", "c", 1, 12]"#), (true, true));
+        let flags = json!({"items": {"type": ["boolean", "null"]}, "uniqueItems": true});
+        assert_eq!(accepts(&flags, "[true, null, false]"), (true, true));
+        assert!(!accepts(&flags, "[true, t").0 && !accepts(&flags, "[null, n").0);
+        assert!(!accepts(&flags, "[true, false, null,").0);
+        let words = json!({"type": "array", "items": {"type": "string", "minLength": 1},
+            "uniqueItems": true});
+        assert_eq!(accepts(&words, r#"["x", "xy", "y"]"#), (true, true));
+        assert!(!accepts(&words, r#"["x", "x""#).0);
+        assert!(!accepts(&words, r#"["x", "\u0078""#).0);
+        assert!(accepts(&words, r#"["x", "x\n"#).0);
+        // A string item under uniqueItems is checked byte by byte.
+        let mut st = SchemaState::new(Schema::compile(&words).unwrap());
+        assert!(st.feed_all(br#"["a"#) && !st.in_plain_string());
+        // Nested arrays each keep their own items; `false` is no constraint.
+        let nested = json!({"type": "array", "items": {"type": "array",
+            "items": {"type": "boolean"}, "uniqueItems": true}});
+        assert_eq!(accepts(&nested, "[[true, false], [true]]"), (true, true));
+        let not_unique = json!({"items": {"type": "integer"}, "uniqueItems": false});
+        assert_eq!(accepts(&not_unique, "[1, 1]"), (true, true));
+        // Random walks never repeat an item and never get stuck.
+        for schema in [&set, &flags, &words] {
+            let done = random_walks(schema, 150, 120, 0x5eed_0000_0000_0007, |v| {
+                let a = v.as_array().unwrap();
+                for (i, x) in a.iter().enumerate() {
+                    assert!(!a[..i].contains(x), "{v}");
+                }
+            });
+            assert!(done > 20, "{schema}: {done}");
+        }
+        let refuse = |schema: Value, why: &str| {
+            let e = Schema::compile(&schema).unwrap_err();
+            assert!(e.contains(why), "{schema}: {e}");
+        };
+        refuse(
+            json!({"items": {"type": "integer"}, "uniqueItems": true}),
+            "uniqueItems over numbers",
+        );
+        refuse(
+            json!({"type": "array", "uniqueItems": true}),
+            "uniqueItems over items of any",
+        );
+        refuse(
+            json!({"items": {"type": "string", "maxLength": 3}, "uniqueItems": true}),
+            "maxLength",
+        );
+        refuse(
+            json!({"items": {"enum": ["a", "b"]}, "uniqueItems": true, "minItems": 3}),
+            "only 2 values",
+        );
+        refuse(
+            json!({"items": {"enum": [1]}, "uniqueItems": "yes"}),
+            "not a boolean",
+        );
+    }
+
+    /// `allOf` of several schemas (and constraints beside it) is their intersection: objects
+    /// extended through `$ref`, bounds tightened, enums and types intersected, a closed member
+    /// holding the others' properties to its rule, a union meeting the other members.
+    #[test]
+    fn all_of_is_the_intersection() {
+        let extended = json!({
+            "$defs": {"Base": {"type": "object", "properties": {"a": {"type": "string"}},
+                               "required": ["a"]}},
+            "allOf": [{"$ref": "#/$defs/Base"},
+                      {"properties": {"b": {"type": "integer"}}, "required": ["b"]}],
+            "description": "a Base with b"
+        });
+        assert_eq!(accepts(&extended, r#"{"a": "x", "b": 1}"#), (true, true));
+        assert_eq!(
+            accepts(&extended, r#"{"b": 1, "a": "x", "c": []}"#),
+            (true, true)
+        );
+        assert!(!accepts(&extended, r#"{"a": "x"}"#).1);
+        assert!(!accepts(&extended, r#"{"b": 1}"#).1);
+        assert!(!accepts(&extended, r#"{"a": 1"#).0);
+        // A closed member: the other member's property cannot be written.
+        let closed = json!({"allOf": [
+            {"properties": {"a": {"type": "string"}}, "additionalProperties": false},
+            {"properties": {"b": {"type": "integer"}, "a": {"maxLength": 1}}}]});
+        assert_eq!(accepts(&closed, r#"{"a": "x"}"#), (true, true));
+        assert!(!accepts(&closed, r#"{"b""#).0);
+        assert!(!accepts(&closed, r#"{"a": "xy"#).0);
+        // additionalProperties as a schema holds the other member's extra property.
+        let typed = json!({"allOf": [
+            {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+            {"properties": {"b": {}}}]});
+        assert_eq!(accepts(&typed, r#"{"a": "s", "b": 2}"#), (true, true));
+        assert!(!accepts(&typed, r#"{"b": "s""#).0);
+        // Numbers: bounds tighten, integer wins over number, steps combine (6 = lcm(2, 3)).
+        let n = json!({"allOf": [{"type": "number", "minimum": 0, "multipleOf": 2},
+            {"type": "integer", "maximum": 20}, {"multipleOf": 3}, {"exclusiveMaximum": 18}]});
+        for good in ["0", "6", "12"] {
+            assert_eq!(accepts(&n, good), (true, true), "{good}");
+        }
+        for bad in ["4", "18", "-6", "3", "1.5"] {
+            assert!(!accepts(&n, bad).1, "{bad}");
+        }
+        // Enums intersect; a const must be in the other member's enum.
+        let e = json!({"allOf": [{"enum": ["a", "b", "c"]}, {"enum": ["c", "b", "z"]}]});
+        assert_eq!(accepts(&e, r#""b""#), (true, true));
+        assert!(!accepts(&e, r#""a"#).0);
+        let c = json!({"allOf": [{"enum": ["a", "b"]}, {"const": "b"}]});
+        assert_eq!(accepts(&c, r#""b""#), (true, true));
+        assert!(!accepts(&c, r#""a"#).0);
+        // A union on one side: each branch meets the rest; a branch that cannot is left out.
+        let u = json!({"allOf": [{"anyOf": [{"type": "string"}, {"type": "integer"}]},
+            {"type": "integer", "minimum": 5}]});
+        assert_eq!(accepts(&u, "7"), (true, true));
+        assert!(!accepts(&u, "3").1 && !accepts(&u, r#""s"#).0);
+        // Siblings of allOf are members too; allOf nested in a member is merged.
+        let s = json!({"type": "string", "maxLength": 3,
+            "allOf": [{"allOf": [{"minLength": 2}, {"pattern": "^a"}]}]});
+        assert_eq!(accepts(&s, r#""ab""#), (true, true));
+        assert!(!accepts(&s, r#""a""#).0 && !accepts(&s, r#""abcd"#).0 && !accepts(&s, r#""b"#).0);
+        // A required name without a listed property: any value (or additionalProperties').
+        let r = json!({"type": "object", "required": ["id"],
+            "additionalProperties": {"type": "integer"}});
+        assert_eq!(accepts(&r, r#"{"id": 3}"#), (true, true));
+        assert!(!accepts(&r, "{}").1 && !accepts(&r, r#"{"id": "x"#).0);
+        // Random walks over a merged closed object: both required properties, both members'
+        // constraints, nothing else.
+        let merged = json!({"allOf": [
+            {"properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a"]},
+            {"properties": {"a": {"maxLength": 3}, "b": {"minimum": 0}}, "required": ["b"],
+             "additionalProperties": false}]});
+        let done = random_walks(&merged, 150, 300, 0x0bad_cafe_f00d_0001, |v| {
+            let o = v.as_object().unwrap();
+            assert_eq!(o.len(), 2, "{v}");
+            assert!(v["a"].as_str().unwrap().chars().count() <= 3, "{v}");
+            assert!(v["b"].as_f64().unwrap() >= 0.0, "{v}");
+        });
+        assert!(done > 20, "{done}");
     }
 
     /// The schema a value has: its type, with every property required and no others, and an

@@ -128,7 +128,7 @@ impl KvSnapshot {
                 return Err(bad(format!(
                     "MTP rows {}..{} ({} floats) do not end at the prompt's end ({n})",
                     m.first,
-                    m.first + m.rows,
+                    m.first.saturating_add(m.rows),
                     m.hidden.len()
                 )));
             }
