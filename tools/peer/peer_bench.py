@@ -57,15 +57,31 @@ def llama_src(work: Path) -> Path:
     return cands[-1] if cands else None
 
 
-def llama_bench(work: Path) -> Path:
+# `--isa`: `native` builds llama.cpp with -DGGML_NATIVE=ON and runs ours at its best level; `avx2` builds
+# llama.cpp for AVX2 + FMA + F16C only (no AVX-512, VNNI or AMX; in build-avx2/) and runs ours with
+# CACHALOT_SIMD=avx2 and CACHALOT_AMX=0: what a CI-class x86 machine without AVX-512 runs, on this CPU.
+ISA_FLAGS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF",
+             "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
+}
+ISA_ENV = {"native": {}, "avx2": {"CACHALOT_SIMD": "avx2", "CACHALOT_AMX": "0"}}
+
+
+def build_dir(isa: str) -> str:
+    return "build" if isa == "native" else f"build-{isa}"
+
+
+def llama_bench(work: Path, isa: str = "native") -> Path:
     src = llama_src(work)
-    return src / "build" / "bin" / "llama-bench" if src else None
+    return src / build_dir(isa) / "bin" / "llama-bench" if src else None
 
 
 def cmd_build(a):
     work = a.work
     work.mkdir(parents=True, exist_ok=True)
-    lb = llama_bench(work)
+    lb = llama_bench(work, a.isa)
     if lb and lb.exists():
         print(f"llama-bench already built: {lb}")
         return
@@ -84,10 +100,11 @@ def cmd_build(a):
     if not shutil.which("cmake", path=env["PATH"]):
         sh([python(), "-m", "pip", "install", "-q", "cmake", "ninja"])
     gen = ["-G", "Ninja"] if shutil.which("ninja", path=env["PATH"]) else []
-    sh(["cmake", "-S", src, "-B", src / "build", *gen, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+    out = src / build_dir(a.isa)
+    sh(["cmake", "-S", src, "-B", out, *gen, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
         "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-        "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"], env=env)
-    sh(["cmake", "--build", src / "build", "--target", "llama-bench", f"-j{a.jobs}"], env=env)
+        *ISA_FLAGS[a.isa], "-DBUILD_SHARED_LIBS=OFF"], env=env)
+    sh(["cmake", "--build", out, "--target", "llama-bench", f"-j{a.jobs}"], env=env)
 
 
 def cachalot_bin():
@@ -124,9 +141,10 @@ def cmd_model(a):
                 "--outfile", p[key]])
 
 
-def run_json(cmd):
-    print("+", " ".join(str(c) for c in cmd), flush=True)
-    r = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True)
+def run_json(cmd, env=None):
+    print("+", " ".join(f"{k}={v}" for k, v in (env or {}).items()), " ".join(str(c) for c in cmd), flush=True)
+    r = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True,
+                       env=dict(os.environ, **(env or {})))
     return json.loads(r.stdout)
 
 
@@ -174,10 +192,10 @@ def gguf_bytes_per_token(path: Path, src: Path):
 
 def cmd_run(a):
     p = models(a.work)
-    lb = llama_bench(a.work)
+    lb = llama_bench(a.work, a.isa)
     src = llama_src(a.work)
     if not lb or not lb.exists():
-        sys.exit("llama-bench not built; run `build` first")
+        sys.exit(f"llama-bench not built for --isa {a.isa}; run `build --isa {a.isa}` first")
     # (key, name, our model, its GGUF, our extra flags). `bf16-dot` multiplies our BF16 weights
     # with bf16-rounded activations (`--bf16-dot`, `vdpbf16ps`), as llama.cpp does with BF16;
     # `w8a8-int8-head` holds our head in int8 as the Q8_0 file holds output.weight
@@ -206,7 +224,7 @@ def cmd_run(a):
             # B: cachalot.
             o = run_json([cachalot_bin(), "bench", "--model", ours, *extra, *a.ours_extra.split(), "--prompt-len",
                           a.prompt, "--gen-len",
-                          a.gen, "--threads", a.threads, "--json", "--membw-passes", "5"])
+                          a.gen, "--threads", a.threads, "--json", "--membw-passes", "5"], env=ISA_ENV[a.isa])
             res[name]["llama"].append({"prefill_tok_s": lpp, "decode_tok_s": ltg})
             res[name]["ours"].append(o)
             print(f"round {rnd + 1} {name}: llama.cpp pp {lpp:.1f} tg {ltg:.2f} | cachalot prefill "
@@ -215,7 +233,8 @@ def cmd_run(a):
     med = statistics.median
     summary = {}
     print()
-    print(f"medians over {a.rounds} alternating rounds, {a.threads} threads, prompt {a.prompt}, gen {a.gen}")
+    print(f"medians over {a.rounds} alternating rounds, {a.threads} threads, prompt {a.prompt}, gen {a.gen}, "
+          f"isa {a.isa}")
     print("| pair | figure | cachalot | llama.cpp | ratio | cachalot frac. of BW | llama.cpp frac. of BW |")
     print("|---|---|---|---|---|---|---|")
     for name, _, _, _ in pairs:
@@ -242,7 +261,7 @@ def cmd_run(a):
     if fallbacks:
         print(f"llama.cpp ran with --repack 0 (its default aborted) for: {', '.join(sorted(fallbacks))}")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"summary": summary, "rounds": res,
+        Path(a.json_out).write_text(json.dumps({"isa": a.isa, "summary": summary, "rounds": res,
                                                 "llama_repack_off": sorted(fallbacks)}, indent=1))
 
 
@@ -252,6 +271,8 @@ def main():
     ap.add_argument("--work", type=Path, default=Path("/work/peer"), help="llama.cpp, GGUF and models go here")
     ap.add_argument("--jobs", type=int, default=2, help="parallel jobs of the llama.cpp build")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--isa", choices=sorted(ISA_FLAGS), default="native",
+                    help="native: both at this CPU's best; avx2: both held to AVX2+FMA+F16C (llama.cpp in build-avx2/)")
     ap.add_argument("--threads", default="2")
     ap.add_argument("--prompt", default="512")
     ap.add_argument("--gen", default="128")
