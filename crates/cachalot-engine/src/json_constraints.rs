@@ -438,8 +438,12 @@ pub(crate) struct Bounds {
     pub lo_excl: bool,
     pub hi: f64,
     pub hi_excl: bool,
-    /// `multipleOf` (a whole number; 0: none): the value is a multiple of it, so an integer.
+    /// `multipleOf` (0: none): the value is a multiple of it. A whole step makes the value an
+    /// integer; a fractional one is `step_units / 10^step_digits` exactly (its decimal text),
+    /// and its multiples are written with at most `step_digits` fraction digits.
     pub step: f64,
+    pub step_units: u64,
+    pub step_digits: u32,
 }
 
 impl Bounds {
@@ -449,7 +453,39 @@ impl Bounds {
         hi: f64::INFINITY,
         hi_excl: false,
         step: 0.0,
+        step_units: 0,
+        step_digits: 0,
     };
+
+    /// A whole `multipleOf` step (`m` ≥ 1, an integer).
+    pub(crate) fn with_whole_step(self, m: f64) -> Bounds {
+        Bounds {
+            step: m,
+            step_units: m as u64,
+            step_digits: 0,
+            ..self
+        }
+    }
+
+    /// The step is a fraction (0.01, 2.5, ...).
+    pub(crate) fn fractional_step(&self) -> bool {
+        self.step_digits > 0
+    }
+
+    /// A number value (its JSON text) is inside the bounds, on a multiple of the step (exactly
+    /// from its digits where it has no exponent).
+    pub(crate) fn holds_number(&self, text: &str) -> bool {
+        if text.bytes().any(|c| c == b'e' || c == b'E') {
+            let v: f64 = text.parse().unwrap_or(f64::NAN);
+            return if self.fractional_step() {
+                let q = v * 10f64.powi(self.step_digits as i32) / self.step_units as f64;
+                (q - q.round()).abs() < 1e-9 && Bounds { step: 0.0, ..*self }.holds(v)
+            } else {
+                self.holds(v)
+            };
+        }
+        self.viable(text.as_bytes(), false, true)
+    }
 
     pub(crate) fn is_none(&self) -> bool {
         *self == Bounds::NONE
@@ -483,7 +519,45 @@ impl Bounds {
         } else {
             a <= self.hi
         };
-        above_lo && below_hi
+        if !(above_lo && below_hi) {
+            return false;
+        }
+        if !self.fractional_step() {
+            return true;
+        }
+        // Some multiple of the step in the interval and the bounds: the ends, scaled by
+        // 10^step_digits (exact for the decimal prefixes written here), and the first multiple
+        // of step_units from the low end.
+        let (lo, lo_strict) = match a.partial_cmp(&self.lo) {
+            Some(std::cmp::Ordering::Greater) => (a, false),
+            Some(std::cmp::Ordering::Equal) => (a, self.lo_excl),
+            _ => (self.lo, self.lo_excl),
+        };
+        let (hi, hi_strict) = match b.partial_cmp(&self.hi) {
+            Some(std::cmp::Ordering::Less) => (b, b_open),
+            Some(std::cmp::Ordering::Equal) => (b, b_open || self.hi_excl),
+            _ => (self.hi, self.hi_excl),
+        };
+        if lo == f64::NEG_INFINITY || hi == f64::INFINITY {
+            return true;
+        }
+        let scale = 10f64.powi(self.step_digits as i32);
+        let snap = |x: f64| {
+            let r = x.round();
+            if (x - r).abs() <= 1e-7 * x.abs().max(1.0) {
+                r
+            } else {
+                x
+            }
+        };
+        let (l, h) = (snap(lo * scale), snap(hi * scale));
+        let p = self.step_units as f64;
+        let mut m = (l / p).ceil();
+        if lo_strict && m * p == l {
+            m += 1.0;
+        }
+        let x = m * p;
+        x < h || (x == h && !hi_strict)
     }
 
     /// Some integer of `[a, b]` (integral ends) is inside the bounds (a multiple of `step`
@@ -519,12 +593,29 @@ impl Bounds {
                 .and_then(|t| t.parse::<f64>().ok())
                 .unwrap_or(f64::NAN);
             if self.step > 0.0 {
-                // The remainder from the digits themselves (a float loses them past 2^53).
-                let step = self.step as u128;
-                let rem = body.iter().try_fold(0u128, |r, &c| {
-                    c.is_ascii_digit()
-                        .then(|| (r * 10 + (c - b'0') as u128) % step)
-                });
+                // The remainder from the digits themselves (a float loses them past 2^53), the
+                // value scaled by 10^step_digits: at most that many fraction digits.
+                let step = self.step_units.max(1) as u128;
+                let (int_part, frac) = match body.iter().position(|&c| c == b'.') {
+                    Some(d) => (&body[..d], &body[d + 1..]),
+                    None => (body, &[][..]),
+                };
+                if frac.len() > self.step_digits as usize {
+                    return false;
+                }
+                let pad = self.step_digits as usize - frac.len();
+                let digits = int_part
+                    .iter()
+                    .chain(frac)
+                    .copied()
+                    .chain(std::iter::repeat_n(b'0', pad));
+                let mut rem = Some(0u128);
+                for c in digits {
+                    rem = rem.and_then(|r| {
+                        c.is_ascii_digit()
+                            .then(|| (r * 10 + (c - b'0') as u128) % step)
+                    });
+                }
                 let unstepped = Bounds { step: 0.0, ..*self };
                 return rem == Some(0) && unstepped.holds(v);
             }
@@ -535,6 +626,10 @@ impl Bounds {
             Some(d) => (&body[..d], Some(&body[d + 1..])),
             None => (body, None),
         };
+        // A fractional step's multiples have at most its digits after the point.
+        if frac.is_some_and(|f| f.len() > self.step_digits as usize) && self.fractional_step() {
+            return false;
+        }
         // Check one magnitude interval, mapped through the sign.
         let check = |a: f64, b: f64, b_open: bool| -> bool {
             if integer {
@@ -551,7 +646,7 @@ impl Bounds {
                     lo_excl: self.hi_excl,
                     hi: -self.lo,
                     hi_excl: self.lo_excl,
-                    step: self.step,
+                    ..*self
                 };
                 flipped.meets(a, b, b_open)
             } else {
@@ -647,7 +742,7 @@ mod tests {
             lo_excl: false,
             hi: 250.0,
             hi_excl: false,
-            step: 0.0,
+            ..Bounds::NONE
         };
         let ok = |t: &str, int: bool| b.viable(t.as_bytes(), int, false);
         let end = |t: &str| b.viable(t.as_bytes(), true, true);
@@ -671,7 +766,7 @@ mod tests {
             lo_excl: true,
             hi: 0.0,
             hi_excl: true,
-            step: 0.0,
+            ..Bounds::NONE
         };
         let ok = |t: &str, int: bool| n.viable(t.as_bytes(), int, false);
         assert!(ok("-", true) && ok("-4", true) && !ok("-5", true) && !ok("0", true));

@@ -15,11 +15,13 @@
 //! is read as anyOf), `allOf` (one schema is that schema; several, or constraints beside it,
 //! are merged into one schema keyword by keyword: [`intersect`]), `$ref` into `$defs` or
 //! `definitions` (recursion included), a string's `minLength`, `maxLength` and `pattern` and a
-//! number's `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` and a whole `multipleOf`
+//! number's `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` and `multipleOf` (a
+//! whole step makes the number an integer; a decimal one such as 0.01 or 2.5 is read exactly
+//! from its text and its multiples are written with at most its decimals)
 //! ([`crate::json_constraints`]: every prefix can still end inside them; numbers under bounds
 //! are written without exponents, strings under a pattern without `\u` escapes). Annotations
 //! (`title`, `description`, `default`, `examples`, `format`, ...) are ignored. Any other
-//! keyword (`not`, `if`/`then`, `patternProperties`, a fractional `multipleOf`, ...) and any
+//! keyword (`not`, `if`/`then`, `patternProperties`, ...) and any
 //! `allOf` that cannot be written as one schema (two different `pattern`s, two unions) is
 //! refused by name at compile time rather than silently not enforced. An object's keys are
 //! written at most once; a closed object takes only its properties, and it can only close once
@@ -608,8 +610,18 @@ impl Compiler<'_> {
             node.pattern = Some(Arc::new(pat));
         }
         node.bounds = bounds_of(obj, at)?;
+        // Integers on a fractional step (units / 10^d) are the multiples of
+        // units / gcd(units, 10^d): a whole step.
+        if node.bounds.fractional_step() && node.types & (INT | NUM) == INT {
+            let (mut g, mut h) = (node.bounds.step_units, 10u64.pow(node.bounds.step_digits));
+            while h != 0 {
+                (g, h) = (h, g % h);
+            }
+            let whole = node.bounds.step_units / g;
+            node.bounds = node.bounds.with_whole_step(whole as f64);
+        }
         // Multiples of a whole step are integers: a number is written as one.
-        if node.bounds.step > 0.0 && node.types & NUM != 0 {
+        if node.bounds.step > 0.0 && !node.bounds.fractional_step() && node.types & NUM != 0 {
             node.types = (node.types & !NUM) | INT;
         }
         // Integers only, and no integer inside the bounds: no value.
@@ -639,7 +651,7 @@ impl Compiler<'_> {
                                     .is_some_and(|st| p.accepts_end(st))
                             })
                     }
-                    Ok(Value::Number(v)) => v.as_f64().is_some_and(|x| node.bounds.holds(x)),
+                    Ok(Value::Number(v)) => node.bounds.holds_number(&v.to_string()),
                     _ => true,
                 })
                 .collect();
@@ -1196,16 +1208,53 @@ fn bounds_of(obj: &serde_json::Map<String, Value>, at: &str) -> Result<Bounds, S
         ));
     }
     if let Some(m) = num("multipleOf")? {
-        // Whole steps only (their multiples are integers, written without a fraction).
-        if !(m >= 1.0 && m.fract() == 0.0 && m <= 9.0e15) {
-            return Err(format!(
-                "{at}/multipleOf: {m} is not supported in structured output (a whole number \
-                 from 1 is; fractional steps such as 0.01 are not)"
-            ));
+        if m >= 1.0 && m.fract() == 0.0 && m <= 9.0e15 {
+            // A whole step: its multiples are integers, written without a fraction.
+            b = b.with_whole_step(m);
+        } else {
+            // A fractional step, read exactly from its decimal text: units / 10^digits.
+            let (units, digits) = decimal_step(&obj["multipleOf"]).ok_or_else(|| {
+                format!(
+                    "{at}/multipleOf: {m} is not supported in structured output (a positive \
+                     step of at most 15 significant digits and 12 decimals is)"
+                )
+            })?;
+            b.step = m;
+            b.step_units = units;
+            b.step_digits = digits;
         }
-        b.step = m;
     }
     Ok(b)
+}
+
+/// A positive decimal as `units / 10^digits` from its JSON text (`0.01` → (1, 2), `2.5` →
+/// (25, 1), `1e-3` → (1, 3)); None where it takes over 15 significant digits or 12 decimals.
+fn decimal_step(v: &Value) -> Option<(u64, u32)> {
+    let text = v.to_string();
+    let (mantissa, exp) = match text.find(['e', 'E']) {
+        Some(i) => (&text[..i], text[i + 1..].parse::<i32>().ok()?),
+        None => (text.as_str(), 0),
+    };
+    if mantissa.starts_with('-') {
+        return None;
+    }
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let frac = frac.trim_end_matches('0');
+    let digits: String = format!("{int}{frac}");
+    let digits = digits.trim_start_matches('0');
+    if digits.is_empty() || digits.len() > 15 || !digits.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let mut units: u64 = digits.parse().ok()?;
+    let mut scale = frac.len() as i32 - exp;
+    while scale < 0 {
+        units = units.checked_mul(10)?;
+        scale += 1;
+    }
+    if scale > 12 || units > 9_000_000_000_000_000 {
+        return None;
+    }
+    Some((units, scale as u32))
 }
 
 fn types_of(t: &Value) -> Option<u8> {
@@ -2579,9 +2628,40 @@ mod tests {
                                         "maximum": 13}))
         .unwrap_err();
         assert!(e.contains("no integer"), "{e}");
-        assert!(Schema::compile(&json!({"multipleOf": 0.01}))
+        // Fractional steps: at most the step's decimals, on a multiple, inside the bounds.
+        let cents = json!({"type": "number", "multipleOf": 0.01, "minimum": 0, "maximum": 10});
+        for good in ["0", "0.07", "9.99", "10", "3.1", "10.00"] {
+            assert_eq!(accepts(&cents, good), (true, true), "{good}");
+        }
+        for bad in ["0.001", "10.01", "-0.01", "11", "1e"] {
+            assert!(!accepts(&cents, bad).1, "{bad}");
+        }
+        let halves = json!({"multipleOf": 2.5, "exclusiveMinimum": -5, "maximum": 7});
+        for good in ["-2.5", "0", "2.5", "5", "5.0", "7.5e0"] {
+            let want = good != "7.5e0";
+            assert_eq!(accepts(&halves, good).1, want, "{good}");
+        }
+        for bad in ["-5", "1", "2.6", "7.5", "2.55"] {
+            assert!(!accepts(&halves, bad).1, "{bad}");
+        }
+        // "7" can only go on to 7.x (above 7) or 7x: no multiple of 2.5 inside the bounds.
+        assert!(!accepts(&halves, "7").0);
+        // Integers on a fractional step: the whole step it implies (0.4 → 2).
+        let ints = json!({"type": "integer", "multipleOf": 0.4});
+        assert!(accepts(&ints, "4").1 && !accepts(&ints, "3").1);
+        // Enum values are held to the step from their digits.
+        let e = json!({"enum": [0.3, 0.35, 1], "multipleOf": 0.1});
+        assert!(accepts(&e, "0.3").1 && accepts(&e, "1").1 && !accepts(&e, "0.35").0);
+        assert!(Schema::compile(&json!({"multipleOf": 1e-20}))
             .unwrap_err()
-            .contains("0.01"));
+            .contains("multipleOf"));
+        let completed = random_walks(&cents, 200, 40, 11, |v| {
+            let t = v.to_string();
+            let x = v.as_f64().unwrap();
+            assert!((0.0..=10.0).contains(&x), "{t}");
+            assert!(t.split('.').nth(1).is_none_or(|f| f.len() <= 2), "{t}");
+        });
+        assert!(completed > 20, "{completed}");
         let any_sign = json!({"type": "array", "items": {"type": "integer", "multipleOf": 3,
                               "minimum": -1_000_000, "maximum": 1_000_000}});
         assert!(accepts(&any_sign, "[-9, 0, 12]").1 && !accepts(&any_sign, "[-10]").1);
@@ -2789,7 +2869,7 @@ mod tests {
         for (schema, word) in [
             (json!({"type": "string", "pattern": "(?=a)b"}), "pattern"),
             (
-                json!({"type": "object", "properties": {"a": {"multipleOf": 0.5}}}),
+                json!({"type": "object", "properties": {"a": {"multipleOf": 1e-30}}}),
                 "multipleOf",
             ),
             (json!({"minimum": 3, "maximum": 2}), "leave no number"),
