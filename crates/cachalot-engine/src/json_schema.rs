@@ -14,7 +14,8 @@
 //! of object models, each is followed until its branch refuses a byte: [`SchemaState`]; oneOf
 //! is read as anyOf), `allOf` (one schema is that schema; several, or constraints beside it,
 //! are merged into one schema keyword by keyword: [`intersect`]), `$ref` into `$defs` or
-//! `definitions` (recursion included), a string's `minLength`, `maxLength` and `pattern` and a
+//! `definitions` (recursion included; constraints beside it are merged with its target as an
+//! `allOf`), a string's `minLength`, `maxLength` and `pattern` and a
 //! number's `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` and `multipleOf` (a
 //! whole step makes the number an integer; a decimal one such as 0.01 or 2.5 is read exactly
 //! from its text and its multiples are written with at most its decimals)
@@ -354,14 +355,23 @@ impl Compiler<'_> {
             let target = ref_target(self.root, r).ok_or_else(|| {
                 format!("{at}/$ref: {r:?} is not a schema under this schema's $defs or definitions")
             })?;
-            if let Some(k) = obj.keys().find(|k| {
+            // Constraints beside a reference (2020-12 allows them): both hold, as an allOf.
+            if obj.keys().any(|k| {
                 !ANNOTATIONS.contains(&k.as_str())
                     && !matches!(k.as_str(), "$ref" | "$defs" | "definitions")
             }) {
-                return Err(format!(
-                    "{at}: `{k}` beside `$ref` is not supported in structured output (move it \
-                     into the referenced schema)"
-                ));
+                let mut beside = obj.clone();
+                beside.remove("$ref");
+                let mut both = serde_json::Map::new();
+                both.insert(
+                    "allOf".to_string(),
+                    Value::Array(vec![
+                        serde_json::json!({ "$ref": r }),
+                        Value::Object(beside),
+                    ]),
+                );
+                let merged = merge_all_of(self.root, &both, at, depth)?;
+                return self.node(&merged, at, depth + 1);
             }
             // Reserved before compiling, so a recursive reference finds it.
             let n = self.nodes.len();
@@ -2809,10 +2819,11 @@ mod tests {
             json!({"properties": {"a".repeat(300): {"type": "null"}}}),
             "at most 256",
         );
-        refuse(
-            json!({"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "maximum": 3}),
-            "beside `$ref`",
-        );
+        // Constraints beside a reference hold with it.
+        let capped = json!({"$defs": {"A": {"type": "integer", "minimum": 0}}, "$ref": "#/$defs/A",
+                            "maximum": 3});
+        assert_eq!(accepts(&capped, "3"), (true, true));
+        assert!(!accepts(&capped, "4").1 && !accepts(&capped, "-1").0);
         refuse(
             json!({"anyOf": [{"type": "string"}], "oneOf": [{"type": "null"}]}),
             "anyOf and oneOf",
