@@ -5,7 +5,9 @@
 //! The schema is compiled once ([`Schema::compile`]) into nodes; the keywords that shape the
 //! grammar are honoured: `type` (one or a list), `properties`, `required` (a required name
 //! that is not listed is a property under `additionalProperties`' rule),
-//! `additionalProperties` (true by default, false, or a schema), `items`, `prefixItems` (and
+//! `additionalProperties` (true by default, false, or a schema), `minProperties` and
+//! `maxProperties` (every key counts; once only the required keys not yet written fit under
+//! the maximum, only those can start), `items`, `prefixItems` (and
 //! draft 7's `items` list with `additionalItems`; `items: false` closes a tuple), `minItems`,
 //! `maxItems`, `uniqueItems` (over enum values, booleans, null and strings without a
 //! `maxLength` or `pattern`: a value written is not offered again, a repeated string cannot
@@ -81,6 +83,9 @@ struct Node {
     required: u64,
     /// The node of other keys; None: no others.
     additional: Option<usize>,
+    /// `minProperties`/`maxProperties`: how many keys the object has.
+    min_props: usize,
+    max_props: usize,
     /// The node of the items after `prefix` (`items`, or draft 7's `additionalItems` after a
     /// list of `items`; `items: false` is `max_items` at the prefix's length).
     items: usize,
@@ -147,6 +152,8 @@ fn any_node() -> Node {
         props: Vec::new(),
         required: 0,
         additional: Some(1),
+        min_props: 0,
+        max_props: usize::MAX,
         items: 1,
         prefix: Vec::new(),
         unique: false,
@@ -414,6 +421,8 @@ impl Compiler<'_> {
                     | "prefixItems"
                     | "additionalItems"
                     | "uniqueItems"
+                    | "minProperties"
+                    | "maxProperties"
                     | "minItems"
                     | "maxItems"
                     | "minLength"
@@ -434,7 +443,7 @@ impl Compiler<'_> {
             if !known {
                 return Err(format!(
                     "{at}: the keyword `{k}` is not supported in structured output (supported: \
-                     type, properties, required, additionalProperties, items, prefixItems, uniqueItems, minItems, \
+                     type, properties, required, additionalProperties, items, prefixItems, uniqueItems, minProperties, maxProperties, minItems, \
                      maxItems, minLength, maxLength, pattern, minimum, maximum, \
                      exclusiveMinimum, exclusiveMaximum, multipleOf, enum, const, anyOf, oneOf, allOf, $ref/$defs)"
                 ));
@@ -576,6 +585,22 @@ impl Compiler<'_> {
                 })
                 .transpose()
         };
+        node.min_props = count("minProperties")?.unwrap_or(0);
+        node.max_props = count("maxProperties")?.unwrap_or(usize::MAX);
+        let required = node.required.count_ones() as usize;
+        if node.min_props > node.max_props || required > node.max_props {
+            return Err(format!(
+                "{at}: maxProperties {} leaves no object (minProperties {}, {required} required)",
+                node.max_props, node.min_props
+            ));
+        }
+        if node.additional.is_none() && node.min_props > node.props.len() {
+            return Err(format!(
+                "{at}: minProperties {} is above the {} properties a closed object can have",
+                node.min_props,
+                node.props.len()
+            ));
+        }
         node.min_items = count("minItems")?.unwrap_or(0);
         node.max_items = count("maxItems")?.unwrap_or(usize::MAX);
         if node.min_items > node.max_items {
@@ -1308,6 +1333,8 @@ enum Frame {
         next: Next,
         /// Bits of the properties written.
         seen: u64,
+        /// Keys written (properties and others).
+        keys: usize,
         /// The node of the value after the key just read.
         value: usize,
     },
@@ -1887,14 +1914,24 @@ impl Path {
         };
         match top {
             Frame::Obj {
-                node, next, seen, ..
+                node,
+                next,
+                seen,
+                keys,
+                ..
             } => {
                 let n = &self.schema.nodes[node];
                 let unseen_props = n.props.len() > seen.count_ones() as usize;
-                let more = n.additional.is_some() || unseen_props;
+                // Under maxProperties: once the keys left are the required ones, only those.
+                let missing = (n.required & !seen).count_ones() as usize;
+                let more = if keys.saturating_add(missing) >= n.max_props {
+                    missing > 0
+                } else {
+                    n.additional.is_some() || unseen_props
+                };
                 match (next, b) {
                     (Next::FirstOrEnd | Next::CommaOrEnd, b'}') => {
-                        if n.required & !seen != 0 {
+                        if n.required & !seen != 0 || keys < n.min_props {
                             return false;
                         }
                         self.stack.pop();
@@ -2080,6 +2117,7 @@ impl Path {
                     node,
                     next: Next::FirstOrEnd,
                     seen: 0,
+                    keys: 0,
                     value: 1,
                 });
                 true
@@ -2178,11 +2216,22 @@ impl Path {
     /// A byte of an object's key. The key is matched against the properties as the text it
     /// stands for (escapes decoded), so `"\u0061"` is property `a`.
     fn key_byte(&mut self, b: u8) -> bool {
-        let Some(Frame::Obj { node, seen, .. }) = self.stack.last().cloned() else {
+        let Some(Frame::Obj {
+            node, seen, keys, ..
+        }) = self.stack.last().cloned()
+        else {
             return false;
         };
         let schema = self.schema.clone();
         let n = &schema.nodes[node];
+        // Under maxProperties, with only room for the required keys not yet written: those
+        // (the others count as written, and no other key is taken).
+        let tight = keys.saturating_add((n.required & !seen).count_ones() as usize) >= n.max_props;
+        let (seen, other_node) = if tight {
+            (seen | !n.required, None)
+        } else {
+            (seen, n.additional)
+        };
         let Scalar::Key {
             buf,
             lex,
@@ -2210,11 +2259,14 @@ impl Path {
                 }
                 // Written already.
                 Some(_) => return false,
-                None => match n.additional {
+                None => match other_node {
                     Some(a) => a,
                     None => return false,
                 },
             };
+            if let Some(Frame::Obj { keys, .. }) = self.stack.last_mut() {
+                *keys += 1;
+            }
             // At the nesting limit a key whose value must be an object or array could take
             // no value.
             if !self.can_start(value, self.stack.len()) {
@@ -2229,7 +2281,7 @@ impl Path {
         let Some(Some(l2)) = string_byte(b, *lex) else {
             return false;
         };
-        let additional = n.additional.is_some();
+        let additional = other_node.is_some();
         if *other {
             *lex = l2;
             return additional;
@@ -2966,6 +3018,45 @@ mod tests {
             assert!(a.iter().skip(3).all(Value::is_null), "{v}");
         });
         assert!(done > 50, "{done}");
+    }
+
+    /// `minProperties`/`maxProperties` count every key; once only the required keys not yet
+    /// written fit under the maximum, only those can be started.
+    #[test]
+    fn property_counts_are_held() {
+        let some = json!({"type": "object", "minProperties": 1});
+        assert!(!accepts(&some, "{}").1);
+        assert_eq!(accepts(&some, r#"{"a": 1}"#), (true, true));
+        let two = json!({"maxProperties": 2, "additionalProperties": {"type": "integer"}});
+        assert_eq!(accepts(&two, r#"{"a": 1, "b": 2}"#), (true, true));
+        assert!(!accepts(&two, r#"{"a": 1, "b": 2,"#).0);
+        let id = json!({"properties": {"id": {"type": "integer"}, "tag": {}}, "required": ["id"],
+                        "maxProperties": 2});
+        assert_eq!(accepts(&id, r#"{"x": 1, "id": 2}"#), (true, true));
+        assert!(accepts(&id, r#"{"x": 1, "i"#).0);
+        assert!(!accepts(&id, r#"{"x": 1, "y"#).0);
+        assert!(!accepts(&id, r#"{"x": 1, "t"#).0);
+        assert_eq!(accepts(&id, r#"{"tag": 1, "id": 2}"#), (true, true));
+        let refuse = |schema: Value, why: &str| {
+            let e = Schema::compile(&schema).unwrap_err();
+            assert!(e.contains(why), "{schema}: {e}");
+        };
+        refuse(
+            json!({"properties": {"a": {}}, "additionalProperties": false, "minProperties": 2}),
+            "closed object",
+        );
+        refuse(
+            json!({"properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1}),
+            "leaves no object",
+        );
+        let bounded = json!({"type": "object", "properties": {"k": {"type": "boolean"}},
+            "required": ["k"], "additionalProperties": {"type": "null"}, "minProperties": 2,
+            "maxProperties": 3});
+        let done = random_walks(&bounded, 200, 120, 0xfeed_beef_0000_0003, |v| {
+            let o = v.as_object().unwrap();
+            assert!(o.len() <= 3 && o["k"].is_boolean(), "{v}");
+        });
+        assert!(done > 20, "{done}");
     }
 
     /// `uniqueItems`: an enum value, boolean or null is not offered again once written; a
