@@ -1338,6 +1338,16 @@ fn serve_json_mode() {
                "n": {"type": "integer", "minimum": 5, "maximum": 9},
                "w": {"type": "string", "maxLength": 2}},
                "required": ["code", "n", "w"], "additionalProperties": false}),
+        // A tuple, a set of enum values, a decimal step, merged through allOf.
+        json!({"allOf": [{"type": "object", "properties": {
+               "pair": {"type": "array", "prefixItems": [{"type": "integer"},
+                        {"type": "string", "maxLength": 5}], "items": false, "minItems": 2},
+               "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                        "uniqueItems": true, "minItems": 2}},
+               "required": ["pair", "tags"]},
+               {"properties": {"price": {"type": "number", "multipleOf": 0.25, "minimum": 0,
+                "maximum": 100}, "pair": {}, "tags": {}}, "required": ["price"],
+                "additionalProperties": false}]}),
     ];
     for (i, schema) in schemas.iter().enumerate() {
         let mut completed = 0;
@@ -1364,6 +1374,19 @@ fn serve_json_mode() {
                     got.is_number() && text.trim().bytes().all(|b| b == b'-' || b.is_ascii_digit()),
                     "{text:?}"
                 ),
+                4 => {
+                    let pair = got["pair"].as_array().unwrap();
+                    assert!(pair.len() == 2 && pair[0].is_number(), "{got}");
+                    assert!(pair[1].as_str().unwrap().chars().count() <= 5, "{got}");
+                    let tags = got["tags"].as_array().unwrap();
+                    assert!(tags.len() >= 2, "{got}");
+                    for (i, t) in tags.iter().enumerate() {
+                        assert!(!tags[..i].contains(t), "{got}");
+                    }
+                    let price = got["price"].as_f64().unwrap();
+                    assert!((0.0..=100.0).contains(&price) && (price * 4.0).fract() == 0.0);
+                    assert_eq!(got.as_object().unwrap().len(), 3, "{got}");
+                }
                 3 => {
                     let code = got["code"].as_str().unwrap();
                     assert!(code.len() == 3 && code.bytes().all(|b| b.is_ascii_lowercase()));
@@ -1383,8 +1406,8 @@ fn serve_json_mode() {
         (json!({"type": "json_schema"}), "json_schema"),
         (
             json!({"type": "json_schema", "json_schema": {"name": "x",
-                "schema": {"type": "number", "multipleOf": 0.5}}}),
-            "multipleOf",
+                "schema": {"type": "number", "not": {"const": 0.5}}}}),
+            "`not`",
         ),
     ] {
         let (status, e) = post(
