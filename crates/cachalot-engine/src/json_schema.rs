@@ -11,7 +11,8 @@
 //! draft 7's `items` list with `additionalItems`; `items: false` closes a tuple), `minItems`,
 //! `maxItems`, `uniqueItems` (over enum values, booleans, null and strings without a
 //! `maxLength` or `pattern`: a value written is not offered again, a repeated string cannot
-//! close), `enum` and `const` (of strings, numbers, booleans and null), `anyOf`/`oneOf`
+//! close), `enum` and `const` (of strings, numbers, booleans and null), `not` of a type or of
+//! values (taken out of an enum, or out of booleans and null), `anyOf`/`oneOf`
 //! (a value's first byte picks the branches of its type; where several take it, as in a union
 //! of object models, each is followed until its branch refuses a byte: [`SchemaState`]; oneOf
 //! is read as anyOf), `allOf` (one schema is that schema; several, or constraints beside it,
@@ -24,7 +25,8 @@
 //! ([`crate::json_constraints`]: every prefix can still end inside them; numbers under bounds
 //! are written without exponents, strings under a pattern without `\u` escapes). Annotations
 //! (`title`, `description`, `default`, `examples`, `format`, ...) are ignored. Any other
-//! keyword (`not`, `if`/`then`, `patternProperties`, ...) and any
+//! keyword (`if`/`then`, `patternProperties`, `not` of anything but a type or of enum values
+//! over an enum, booleans or null, ...) and any
 //! `allOf` that cannot be written as one schema (two different `pattern`s, two unions) is
 //! refused by name at compile time rather than silently not enforced. An object's keys are
 //! written at most once; a closed object takes only its properties, and it can only close once
@@ -421,6 +423,7 @@ impl Compiler<'_> {
                     | "prefixItems"
                     | "additionalItems"
                     | "uniqueItems"
+                    | "not"
                     | "minProperties"
                     | "maxProperties"
                     | "minItems"
@@ -443,7 +446,8 @@ impl Compiler<'_> {
             if !known {
                 return Err(format!(
                     "{at}: the keyword `{k}` is not supported in structured output (supported: \
-                     type, properties, required, additionalProperties, items, prefixItems, uniqueItems, minProperties, maxProperties, minItems, \
+                     type, properties, required, additionalProperties, items, prefixItems, uniqueItems, minProperties, maxProperties, not (of a type, or of enum values \
+                     over an enum, booleans or null), minItems, \
                      maxItems, minLength, maxLength, pattern, minimum, maximum, \
                      exclusiveMinimum, exclusiveMaximum, multipleOf, enum, const, anyOf, oneOf, allOf, $ref/$defs)"
                 ));
@@ -466,6 +470,54 @@ impl Compiler<'_> {
                 .filter(|&t| t != 0)
                 .ok_or_else(|| format!("{at}/type: {t} is not a JSON type (or list of them)"))?,
         };
+        // `not`: of a type (the types left), or of values (taken out of an enum, or out of
+        // booleans and null); other negations are refused.
+        let mut excluded: Vec<Value> = Vec::new();
+        match obj.get("not") {
+            None | Some(Value::Bool(false)) => {}
+            Some(Value::Object(o)) => {
+                let keys: Vec<&str> = o
+                    .keys()
+                    .map(String::as_str)
+                    .filter(|k| !ANNOTATIONS.contains(k))
+                    .collect();
+                match keys.as_slice() {
+                    ["type"] => {
+                        let t = types_of(&o["type"]).ok_or_else(|| {
+                            format!("{at}/not/type: {} is not a JSON type", o["type"])
+                        })?;
+                        if t & (INT | NUM) == INT && node.types & NUM != 0 {
+                            return Err(format!(
+                                "{at}/not: a number that is not an integer is not supported in \
+                                 structured output (3.0 is an integer too)"
+                            ));
+                        }
+                        node.types &= !t;
+                    }
+                    ["enum"] | ["const"] => {
+                        excluded = match (o.get("enum"), o.get("const")) {
+                            (Some(Value::Array(vs)), _) => vs.clone(),
+                            (None, Some(v)) => vec![v.clone()],
+                            _ => return Err(format!("{at}/not/enum: not a list")),
+                        };
+                    }
+                    _ => {
+                        return Err(format!(
+                            "{at}/not: `not` of {keys:?} is not supported in structured output \
+                             (`not` of a type, or of enum/const values, is)"
+                        ))
+                    }
+                }
+            }
+            Some(other) => {
+                return Err(format!(
+                    "{at}/not: {other} leaves no value (or is not a schema)"
+                ))
+            }
+        }
+        if node.types == 0 {
+            return Err(format!("{at}: `not` leaves no type"));
+        }
         let values = match (obj.get("enum"), obj.get("const")) {
             (Some(Value::Array(vs)), _) => Some(vs.clone()),
             (Some(e), _) => return Err(format!("{at}/enum: {e} is not a list")),
@@ -489,6 +541,42 @@ impl Compiler<'_> {
                 return Err(format!("{at}: no enum value has the schema's type"));
             }
             node.enumv = Some(texts);
+        }
+        if !excluded.is_empty() {
+            // Equal as JSON values (1 and 1.0 are one number).
+            let same = |a: &Value, b: &Value| {
+                a == b || matches!((a.as_f64(), b.as_f64()), (Some(x), Some(y)) if x == y)
+            };
+            let texts = match node.enumv.take() {
+                Some(texts) => texts,
+                None if node.types & !(BOOL | NULL) == 0 => {
+                    let mut lits = Vec::new();
+                    if node.types & BOOL != 0 {
+                        lits.extend([b"true".to_vec(), b"false".to_vec()]);
+                    }
+                    if node.types & NULL != 0 {
+                        lits.push(b"null".to_vec());
+                    }
+                    lits
+                }
+                None => {
+                    return Err(format!(
+                        "{at}/not: `not` of values is supported over an enum, booleans or null \
+                         in structured output"
+                    ))
+                }
+            };
+            let kept: Vec<Vec<u8>> = texts
+                .into_iter()
+                .filter(|t| {
+                    serde_json::from_slice::<Value>(t)
+                        .is_ok_and(|v| !excluded.iter().any(|x| same(x, &v)))
+                })
+                .collect();
+            if kept.is_empty() {
+                return Err(format!("{at}: `not` excludes every value"));
+            }
+            node.enumv = Some(kept);
         }
         if let Some(p) = obj.get("properties") {
             let p = p
@@ -2937,7 +3025,19 @@ mod tests {
             ),
             (json!({"minimum": 3, "maximum": 2}), "leave no number"),
             (json!({"minLength": 3, "maxLength": 2}), "minLength"),
-            (json!({"not": {"type": "string"}}), "not"),
+            (json!({"not": {"pattern": "^a"}}), "`not` of"),
+            (
+                json!({"type": "string", "not": {"const": "a"}}),
+                "`not` of values",
+            ),
+            (
+                json!({"type": "number", "not": {"type": "integer"}}),
+                "not an integer",
+            ),
+            (
+                json!({"type": "null", "not": {"type": "null"}}),
+                "leaves no type",
+            ),
             (
                 json!({"allOf": [{"pattern": "^a"}, {"pattern": "b$"}]}),
                 "`pattern`",
@@ -3018,6 +3118,22 @@ mod tests {
             assert!(a.iter().skip(3).all(Value::is_null), "{v}");
         });
         assert!(done > 50, "{done}");
+    }
+
+    /// `not` of a type takes that type away; `not` of values takes them out of an enum, or out
+    /// of booleans and null.
+    #[test]
+    fn negations_of_types_and_values() {
+        let not_null = json!({"not": {"type": "null"}});
+        assert_eq!(accepts(&not_null, r#"{"a": null}"#), (true, true));
+        assert!(!accepts(&not_null, "n").0);
+        let e = json!({"enum": ["a", "b", 1, 2.0], "not": {"enum": ["b", 2]}});
+        assert_eq!(accepts(&e, r#""a""#), (true, true));
+        assert!(!accepts(&e, r#""b"#).0 && !accepts(&e, "2.0").1);
+        assert_eq!(accepts(&e, "1"), (true, true));
+        let t = json!({"type": ["boolean", "null"], "not": {"const": false}});
+        assert!(accepts(&t, "true").1 && accepts(&t, "null").1 && !accepts(&t, "f").0);
+        assert_eq!(accepts(&json!({"not": false}), "3"), (true, true));
     }
 
     /// `minProperties`/`maxProperties` count every key; once only the required keys not yet

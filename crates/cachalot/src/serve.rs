@@ -3052,7 +3052,7 @@ mod tests {
         let weather = json!({"type": "object", "properties": {"city": {"type": "string"}},
                              "required": ["city"]});
         // (A keyword structured output cannot hold: the arguments are any object.)
-        let time = json!({"type": "object", "properties": {"tz": {"not": {"type": "null"}}}});
+        let time = json!({"type": "object", "properties": {"tz": {"if": {"type": "null"}}}});
         let tools = json!([
             {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
             {"type": "function", "function": {"name": "get_time", "parameters": time}}]);
