@@ -304,6 +304,30 @@ impl Pattern {
     pub(crate) fn accepts_end(&self, s: StateID) -> bool {
         self.dfa.is_match_state(self.dfa.next_eoi_state(s))
     }
+
+    /// Some string matches both patterns (a search over pairs of states; past `budget` pairs
+    /// the answer is yes, as if they met).
+    pub(crate) fn overlaps(&self, other: &Pattern, budget: usize) -> bool {
+        let mut seen = std::collections::HashSet::new();
+        let mut todo = vec![(self.start, other.start)];
+        seen.insert((self.start, other.start));
+        while let Some((a, b)) = todo.pop() {
+            if self.accepts_end(a) && other.accepts_end(b) {
+                return true;
+            }
+            for c in 0..=255u8 {
+                if let (Some(x), Some(y)) = (self.next(a, c), other.next(b, c)) {
+                    if seen.insert((x, y)) {
+                        if seen.len() > budget {
+                            return true;
+                        }
+                        todo.push((x, y));
+                    }
+                }
+            }
+        }
+        false
+    }
 }
 
 /// The numbers of characters a match can still take from each node (state × 4 + continuation

@@ -5,7 +5,10 @@
 //! The schema is compiled once ([`Schema::compile`]) into nodes; the keywords that shape the
 //! grammar are honoured: `type` (one or a list), `properties`, `required` (a required name
 //! that is not listed is a property under `additionalProperties`' rule),
-//! `additionalProperties` (true by default, false, or a schema), `minProperties` and
+//! `additionalProperties` (true by default, false, or a schema), `patternProperties` (up to
+//! four; a key takes the schemas of every pattern it matches, merged as an `allOf`, and a
+//! listed property's own; a closed object's other keys are written only while a pattern can
+//! still match, without escapes), `minProperties` and
 //! `maxProperties` (every key counts; once only the required keys not yet written fit under
 //! the maximum, only those can start), `items`, `prefixItems` (and
 //! draft 7's `items` list with `additionalItems`; `items: false` closes a tuple), `minItems`,
@@ -25,7 +28,7 @@
 //! ([`crate::json_constraints`]: every prefix can still end inside them; numbers under bounds
 //! are written without exponents, strings under a pattern without `\u` escapes). Annotations
 //! (`title`, `description`, `default`, `examples`, `format`, ...) are ignored. Any other
-//! keyword (`if`/`then`, `patternProperties`, `not` of anything but a type or of enum values
+//! keyword (`if`/`then`, `propertyNames`, `not` of anything but a type or of enum values
 //! over an enum, booleans or null, ...) and any
 //! `allOf` that cannot be written as one schema (two different `pattern`s, two unions) is
 //! refused by name at compile time rather than silently not enforced. An object's keys are
@@ -55,6 +58,9 @@ const ALL: u8 = 127;
 
 /// Keys of an object a schema may list (a bit each in the recognizer).
 const MAX_PROPERTIES: usize = 64;
+/// `patternProperties` patterns of one object (each set of them that a key may match gets
+/// its merged node).
+const MAX_PATTERN_PROPERTIES: usize = 4;
 /// The longest key remembered in an open object (longer ones are "other" keys).
 const MAX_KEY: usize = 256;
 
@@ -85,6 +91,11 @@ struct Node {
     required: u64,
     /// The node of other keys; None: no others.
     additional: Option<usize>,
+    /// `patternProperties`' patterns (matched anywhere in a key, as `pattern` is), and per set
+    /// of them (a bit each) the node of a key that matches exactly those (the intersection of
+    /// their schemas); index 0 unused.
+    pattern_props: Vec<Arc<Pattern>>,
+    pattern_nodes: Vec<usize>,
     /// `minProperties`/`maxProperties`: how many keys the object has.
     min_props: usize,
     max_props: usize,
@@ -154,6 +165,8 @@ fn any_node() -> Node {
         props: Vec::new(),
         required: 0,
         additional: Some(1),
+        pattern_props: Vec::new(),
+        pattern_nodes: Vec::new(),
         min_props: 0,
         max_props: usize::MAX,
         items: 1,
@@ -419,6 +432,7 @@ impl Compiler<'_> {
                     | "properties"
                     | "required"
                     | "additionalProperties"
+                    | "patternProperties"
                     | "items"
                     | "prefixItems"
                     | "additionalItems"
@@ -446,7 +460,7 @@ impl Compiler<'_> {
             if !known {
                 return Err(format!(
                     "{at}: the keyword `{k}` is not supported in structured output (supported: \
-                     type, properties, required, additionalProperties, items, prefixItems, uniqueItems, minProperties, maxProperties, not (of a type, or of enum values \
+                     type, properties, required, additionalProperties, patternProperties, items, prefixItems, uniqueItems, minProperties, maxProperties, not (of a type, or of enum values \
                      over an enum, booleans or null), minItems, \
                      maxItems, minLength, maxLength, pattern, minimum, maximum, \
                      exclusiveMinimum, exclusiveMaximum, multipleOf, enum, const, anyOf, oneOf, allOf, $ref/$defs)"
@@ -463,7 +477,7 @@ impl Compiler<'_> {
         }
         let mut node = any_node();
         node.types = match obj.get("type") {
-            None if obj.contains_key("properties") => OBJ,
+            None if obj.contains_key("properties") || obj.contains_key("patternProperties") => OBJ,
             None if obj.contains_key("items") || obj.contains_key("prefixItems") => ARR,
             None => ALL,
             Some(t) => types_of(t)
@@ -578,6 +592,85 @@ impl Compiler<'_> {
             }
             node.enumv = Some(kept);
         }
+        // patternProperties: a key matching patterns takes all their schemas (and a listed
+        // property's own); a key matching none takes additionalProperties'.
+        let mut pattern_schemas: Vec<&Value> = Vec::new();
+        if let Some(pp) = obj.get("patternProperties") {
+            let pp = pp
+                .as_object()
+                .ok_or_else(|| format!("{at}/patternProperties: not an object"))?;
+            if pp.len() > MAX_PATTERN_PROPERTIES {
+                return Err(format!(
+                    "{at}/patternProperties: {} patterns; structured output takes at most \
+                     {MAX_PATTERN_PROPERTIES}",
+                    pp.len()
+                ));
+            }
+            for (pat, sch) in pp {
+                let here = format!("{at}/patternProperties/{pat}");
+                let compiled = Pattern::compile(pat, &here, 0, usize::MAX)?;
+                node.pattern_props.push(Arc::new(compiled));
+                pattern_schemas.push(sch);
+            }
+            // Which patterns some key matches together (pairwise; a set with two patterns
+            // that never meet is never matched as a whole).
+            let k = pp.len();
+            let names: Vec<&String> = pp.keys().collect();
+            let meet: Vec<Vec<bool>> = (0..k)
+                .map(|i| {
+                    (0..k)
+                        .map(|j| {
+                            i == j
+                                || node.pattern_props[i].overlaps(&node.pattern_props[j], 200_000)
+                        })
+                        .collect()
+                })
+                .collect();
+            node.pattern_nodes = vec![usize::MAX; 1 << k];
+            for mask in 1..1usize << k {
+                let idx: Vec<usize> = (0..k).filter(|i| mask & (1 << i) != 0).collect();
+                if idx.iter().any(|&i| idx.iter().any(|&j| !meet[i][j])) {
+                    continue;
+                }
+                let here = format!("{at}/patternProperties/{}", names[idx[0]]);
+                node.pattern_nodes[mask] = match idx.as_slice() {
+                    [one] => self.node(pattern_schemas[*one], &here, depth + 1)?,
+                    _ => {
+                        let chosen: Vec<Value> =
+                            idx.iter().map(|&i| pattern_schemas[i].clone()).collect();
+                        let all = serde_json::json!({ "allOf": chosen });
+                        let empty = serde_json::Map::new();
+                        let merged = merge_all_of(
+                            self.root,
+                            all.as_object().unwrap_or(&empty),
+                            &here,
+                            depth,
+                        )
+                        .map_err(|e| {
+                            let which: Vec<&str> = idx.iter().map(|&i| names[i].as_str()).collect();
+                            format!(
+                                "{at}/patternProperties: a key can match {which:?} at \
+                                         once and would take all their schemas, which cannot be \
+                                         merged ({e})"
+                            )
+                        })?;
+                        self.node(&merged, &here, depth + 1)?
+                    }
+                };
+            }
+        }
+        // The patterns a name matches, as bits.
+        let matching = |node: &Node, name: &[u8]| -> usize {
+            node.pattern_props
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| {
+                    name.iter()
+                        .try_fold(p.start(), |st, &c| p.next(st, c))
+                        .is_some_and(|st| p.accepts_end(st))
+                })
+                .fold(0, |m, (i, _)| m | 1 << i)
+        };
         if let Some(p) = obj.get("properties") {
             let p = p
                 .as_object()
@@ -596,7 +689,26 @@ impl Compiler<'_> {
                         k.len()
                     ));
                 }
-                let n = self.node(v, &format!("{at}/properties/{k}"), depth + 1)?;
+                let here = format!("{at}/properties/{k}");
+                let mask = matching(&node, k.as_bytes());
+                let n = if mask == 0 {
+                    self.node(v, &here, depth + 1)?
+                } else {
+                    let mut all = vec![v.clone()];
+                    all.extend(
+                        (0..pattern_schemas.len())
+                            .filter(|i| mask & (1 << i) != 0)
+                            .map(|i| pattern_schemas[i].clone()),
+                    );
+                    let all = serde_json::json!({ "allOf": all });
+                    let merged = merge_all_of(
+                        self.root,
+                        all.as_object().unwrap_or(&serde_json::Map::new()),
+                        &here,
+                        depth,
+                    )?;
+                    self.node(&merged, &here, depth + 1)?
+                };
                 node.props.push((k.as_bytes().to_vec(), n));
             }
         }
@@ -617,7 +729,13 @@ impl Compiler<'_> {
                     Some(i) => i,
                     // Required but not listed: a property under additionalProperties' rule.
                     None => {
-                        let Some(rule) = node.additional else {
+                        let mask = matching(&node, name.as_bytes());
+                        let rule = if mask != 0 {
+                            Some(node.pattern_nodes[mask])
+                        } else {
+                            node.additional
+                        };
+                        let Some(rule) = rule else {
                             return Err(format!(
                                 "{at}/required: {name:?} is not one of the schema's properties \
                                  and additionalProperties is false: no object has it"
@@ -682,7 +800,10 @@ impl Compiler<'_> {
                 node.max_props, node.min_props
             ));
         }
-        if node.additional.is_none() && node.min_props > node.props.len() {
+        if node.additional.is_none()
+            && node.pattern_props.is_empty()
+            && node.min_props > node.props.len()
+        {
             return Err(format!(
                 "{at}: minProperties {} is above the {} properties a closed object can have",
                 node.min_props,
@@ -1487,6 +1608,9 @@ enum Scalar {
         lex: StrLex,
         code: u32,
         other: bool,
+        /// Per `patternProperties` pattern, its state over the key so far (None: it cannot
+        /// match any more).
+        pats: Vec<Option<regex_automata::util::primitives::StateID>>,
     },
     /// A number of `node` (`text`: its bytes so far, kept under bounds).
     Num {
@@ -2015,7 +2139,7 @@ impl Path {
                 let more = if keys.saturating_add(missing) >= n.max_props {
                     missing > 0
                 } else {
-                    n.additional.is_some() || unseen_props
+                    n.additional.is_some() || unseen_props || !n.pattern_props.is_empty()
                 };
                 match (next, b) {
                     (Next::FirstOrEnd | Next::CommaOrEnd, b'}') => {
@@ -2027,12 +2151,14 @@ impl Path {
                         true
                     }
                     (Next::FirstOrEnd | Next::Item, b'"') if more => {
+                        let pats = n.pattern_props.iter().map(|p| Some(p.start())).collect();
                         self.set_next(Next::Colon);
                         self.scalar = Scalar::Key {
                             buf: Vec::new(),
                             lex: StrLex::default(),
                             code: 0,
                             other: false,
+                            pats,
                         };
                         true
                     }
@@ -2320,11 +2446,16 @@ impl Path {
         } else {
             (seen, n.additional)
         };
+        // patternProperties: a key no property starts with may go on while a pattern can still
+        // match it (written without escapes; up to MAX_KEY bytes, past which no pattern is
+        // followed and the key is refused).
+        let patterns = !tight && !n.pattern_props.is_empty();
         let Scalar::Key {
             buf,
             lex,
             code,
             other,
+            pats,
         } = &mut self.scalar
         else {
             return false;
@@ -2347,10 +2478,27 @@ impl Path {
                 }
                 // Written already.
                 Some(_) => return false,
-                None => match other_node {
-                    Some(a) => a,
-                    None => return false,
-                },
+                None => {
+                    // The patterns the whole key matches.
+                    let mask = if patterns {
+                        pats.iter()
+                            .zip(&n.pattern_props)
+                            .enumerate()
+                            .filter(|(_, (st, p))| st.is_some_and(|st| p.accepts_end(st)))
+                            .fold(0usize, |m, (i, _)| m | 1 << i)
+                    } else {
+                        0
+                    };
+                    match (mask, other_node) {
+                        (0, Some(a)) => a,
+                        (0, None) => return false,
+                        (m, _) => match n.pattern_nodes[m] {
+                            // (Patterns that never meet: not matched together.)
+                            usize::MAX => return false,
+                            v => v,
+                        },
+                    }
+                }
             };
             if let Some(Frame::Obj { keys, .. }) = self.stack.last_mut() {
                 *keys += 1;
@@ -2374,6 +2522,7 @@ impl Path {
             *lex = l2;
             return additional;
         }
+        let at = buf.len();
         if lex.hex > 0 {
             // A `\u` escape's hex digit: the code point so far, and the range it can still be.
             *code = *code * 16 + (b as char).to_digit(16).unwrap_or(0);
@@ -2381,7 +2530,6 @@ impl Path {
             if l2.hex > 0 {
                 let lo = *code << (4 * l2.hex as u32);
                 let hi = lo + (1 << (4 * l2.hex as u32)) - 1;
-                let at = buf.len();
                 return additional
                     || open(buf).iter().any(|p| {
                         std::str::from_utf8(&p[at..])
@@ -2395,16 +2543,17 @@ impl Path {
                     let mut utf8 = [0u8; 4];
                     buf.extend_from_slice(c.encode_utf8(&mut utf8).as_bytes());
                 }
-                // Half of a surrogate pair: no property's name (they are written raw).
-                None => *other = true,
+                // Half of a surrogate pair: no property's name (they are written raw), and no
+                // pattern's key.
+                None => {
+                    *other = true;
+                    pats.iter_mut().for_each(|p| *p = None);
+                }
             }
         } else if lex.escape {
             *lex = l2;
             match b {
-                b'u' => {
-                    let at = buf.len();
-                    return additional || open(buf).iter().any(|p| p.len() > at);
-                }
+                b'u' => return additional || open(buf).iter().any(|p| p.len() > at),
                 b'b' => buf.push(8),
                 b'f' => buf.push(12),
                 b'n' => buf.push(b'\n'),
@@ -2414,17 +2563,24 @@ impl Path {
             }
         } else if b == b'\\' {
             *lex = l2;
-            let at = buf.len();
             return additional || open(buf).iter().any(|p| p.len() > at);
         } else {
             buf.push(b);
         }
-        if buf.len() > MAX_KEY {
-            // Longer than any property's name (compile refuses longer ones).
-            *other = true;
-            return additional;
+        if patterns {
+            for (st, p) in pats.iter_mut().zip(&n.pattern_props) {
+                for &c in &buf[at..] {
+                    *st = st.and_then(|s| p.next(s, c));
+                }
+            }
         }
-        !open(buf).is_empty() || additional
+        if buf.len() > MAX_KEY {
+            // Longer than any property's name (compile refuses longer ones), and than the keys
+            // patterns are followed over.
+            *other = true;
+            return additional && !patterns;
+        }
+        !open(buf).is_empty() || additional || (patterns && pats.iter().any(Option::is_some))
     }
 }
 
@@ -3118,6 +3274,73 @@ mod tests {
             assert!(a.iter().skip(3).all(Value::is_null), "{v}");
         });
         assert!(done > 50, "{done}");
+    }
+
+    /// `patternProperties`: a key matching patterns takes their schemas (with a listed
+    /// property's own); a closed object takes only keys some pattern can still match.
+    #[test]
+    fn pattern_properties_hold_their_keys() {
+        let counts = json!({"type": "object", "patternProperties": {"^n_": {"type": "integer"},
+            "^[a-m].*_s$": {"type": "string"}}, "additionalProperties": false});
+        assert_eq!(accepts(&counts, r#"{"n_a": 1, "b_s": "x"}"#), (true, true));
+        assert!(!accepts(&counts, r#"{"n_a": "x""#).0);
+        assert!(
+            !accepts(&counts, r#"{"x"#).0,
+            "no pattern can match a key starting x"
+        );
+        assert!(
+            accepts(&counts, r#"{"by_"#).0,
+            "the second pattern can still match"
+        );
+        assert!(
+            !accepts(&counts, r#"{"by_": 1"#).0,
+            "the key matched no pattern"
+        );
+        // Both patterns: both schemas (an integer that is a string: nothing; here a number
+        // under both bounds).
+        let both = json!({"patternProperties": {"^a": {"type": "number", "minimum": 0},
+            "z$": {"maximum": 5}}, "additionalProperties": {"type": "null"}});
+        assert_eq!(
+            accepts(&both, r#"{"az": 5, "ab": 9, "q": null}"#),
+            (true, true)
+        );
+        assert!(!accepts(&both, r#"{"az": 6"#).1 && !accepts(&both, r#"{"q": 1"#).0);
+        // A listed property matching a pattern takes both schemas.
+        let listed = json!({"properties": {"n_max": {"maximum": 3}},
+            "patternProperties": {"^n_": {"type": "integer"}}});
+        assert_eq!(accepts(&listed, r#"{"n_max": 3}"#), (true, true));
+        assert!(!accepts(&listed, r#"{"n_max": 4"#).1 && !accepts(&listed, r#"{"n_max": 1."#).0);
+        // Keys are matched as the text they spell.
+        assert_eq!(accepts(&both, r#"{"\u0061": 1}"#), (true, true));
+        assert!(
+            Schema::compile(&json!({"patternProperties": {"(?=a)": {}}}))
+                .unwrap_err()
+                .contains("patternProperties")
+        );
+        // Patterns that meet in some key with schemas that cannot be merged: refused, naming
+        // them; patterns that never meet may disagree.
+        let e = Schema::compile(&json!({"patternProperties": {"^a": {"type": "integer"},
+            "b$": {"type": "string"}}}))
+        .unwrap_err();
+        assert!(e.contains("^a") && e.contains("b$"), "{e}");
+        let apart = json!({"patternProperties": {"^a": {"type": "integer"},
+            "^b": {"type": "string"}}, "additionalProperties": false});
+        assert_eq!(accepts(&apart, r#"{"ax": 1, "bx": "y"}"#), (true, true));
+        assert!(!accepts(&apart, r#"{"ax": "y""#).0);
+        let done = random_walks(&counts, 200, 150, 0xabcd_0000_1111_2222, |v| {
+            for (k, x) in v.as_object().unwrap() {
+                let (n, s) = (
+                    k.starts_with("n_"),
+                    k.ends_with("_s")
+                        && k.as_bytes()[0].is_ascii_lowercase()
+                        && k.as_bytes()[0] <= b'm',
+                );
+                assert!(n || s, "{v}");
+                assert!(!n || x.as_f64().is_some_and(|f| f.fract() == 0.0), "{v}");
+                assert!(!s || x.is_string(), "{v}");
+            }
+        });
+        assert!(done > 20, "{done}");
     }
 
     /// `not` of a type takes that type away; `not` of values takes them out of an enum, or out
