@@ -527,6 +527,11 @@ impl Bounds {
         }) && (self.step == 0.0 || v % self.step == 0.0)
     }
 
+    /// Some number is inside the bounds (on a multiple of a fractional step).
+    pub(crate) fn has_value(&self) -> bool {
+        self.meets(f64::NEG_INFINITY, f64::INFINITY, false)
+    }
+
     /// Some value of `[a, b)` (`b_open`) or `[a, b]` is inside the bounds.
     fn meets(&self, a: f64, b: f64, b_open: bool) -> bool {
         if a > b || (a == b && b_open) {
@@ -679,10 +684,10 @@ impl Bounds {
         };
         match frac {
             Some(f) => {
-                // v ≤ value < v + 10^-k
+                // v ≤ value < v + 10^-k, the upper end read from its own digits (0.2 + 0.1 in
+                // floats is above 0.3, which would let "0.2" through under a minimum of 0.3).
                 let v = value_of(int_part, f);
-                let step = 10f64.powi(-(f.len() as i32));
-                check(v, v + step, true)
+                check(v, value_above(int_part, f), true)
             }
             None if int_part.is_empty() => {
                 // "-" alone: any magnitude.
@@ -713,6 +718,28 @@ impl Bounds {
             }
         }
     }
+}
+
+/// `int.frac` plus one unit of its last digit, as a magnitude (read from the digits, so as
+/// exact as a float can be).
+fn value_above(int: &[u8], frac: &[u8]) -> f64 {
+    let mut digits: Vec<u8> = int.iter().chain(frac).copied().collect();
+    let mut i = digits.len();
+    loop {
+        if i == 0 {
+            digits.insert(0, b'1');
+            break;
+        }
+        i -= 1;
+        if digits[i] == b'9' {
+            digits[i] = b'0';
+        } else {
+            digits[i] += 1;
+            break;
+        }
+    }
+    let point = digits.len() - frac.len();
+    value_of(&digits[..point], &digits[point..])
 }
 
 /// `int.frac` as a magnitude.

@@ -355,7 +355,10 @@ impl Compiler<'_> {
 
     fn node(&mut self, s: &Value, at: &str, depth: usize) -> Result<usize, String> {
         if depth > MAX_DEPTH {
-            return Err(format!("{at}: the schema nests deeper than {MAX_DEPTH}"));
+            return Err(format!(
+                "{}: the schema nests deeper than {MAX_DEPTH}",
+                short_path(at)
+            ));
         }
         let obj = match s {
             Value::Bool(true) => return Ok(1),
@@ -371,13 +374,11 @@ impl Compiler<'_> {
             let r = r
                 .as_str()
                 .ok_or_else(|| format!("{at}/$ref: not a string"))?;
-            if let Some(&(_, n)) = self.refs.iter().find(|(k, _)| k == r) {
-                return Ok(n);
-            }
             let target = ref_target(self.root, r).ok_or_else(|| {
                 format!("{at}/$ref: {r:?} is not a schema under this schema's $defs or definitions")
             })?;
-            // Constraints beside a reference (2020-12 allows them): both hold, as an allOf.
+            // Constraints beside a reference (2020-12 allows them): both hold, as an allOf
+            // (before the reference's compiled node is reused, which holds the target only).
             if obj.keys().any(|k| {
                 !ANNOTATIONS.contains(&k.as_str())
                     && !matches!(k.as_str(), "$ref" | "$defs" | "definitions")
@@ -394,6 +395,9 @@ impl Compiler<'_> {
                 );
                 let merged = merge_all_of(self.root, &both, at, depth)?;
                 return self.node(&merged, at, depth + 1);
+            }
+            if let Some(&(_, n)) = self.refs.iter().find(|(k, _)| k == r) {
+                return Ok(n);
             }
             // Reserved before compiling, so a recursive reference finds it.
             let n = self.nodes.len();
@@ -557,10 +561,7 @@ impl Compiler<'_> {
             node.enumv = Some(texts);
         }
         if !excluded.is_empty() {
-            // Equal as JSON values (1 and 1.0 are one number).
-            let same = |a: &Value, b: &Value| {
-                a == b || matches!((a.as_f64(), b.as_f64()), (Some(x), Some(y)) if x == y)
-            };
+            let same = same_value;
             let texts = match node.enumv.take() {
                 Some(texts) => texts,
                 None if node.types & !(BOOL | NULL) == 0 => {
@@ -868,6 +869,15 @@ impl Compiler<'_> {
         if node.bounds.step > 0.0 && !node.bounds.fractional_step() && node.types & NUM != 0 {
             node.types = (node.types & !NUM) | INT;
         }
+        // Numbers on a decimal step with no multiple inside the bounds: no number.
+        if node.bounds.fractional_step() && node.types & NUM != 0 && !node.bounds.has_value() {
+            node.types &= !(NUM | INT);
+            if node.types == 0 {
+                return Err(format!(
+                    "{at}: no multiple of multipleOf lies inside the bounds"
+                ));
+            }
+        }
         // Integers only, and no integer inside the bounds: no value.
         if node.types & (INT | NUM) == INT
             && !node.bounds.meets_int(f64::NEG_INFINITY, f64::INFINITY)
@@ -934,7 +944,15 @@ impl Compiler<'_> {
             return refuse("items of any schema, a union or a recursive reference");
         }
         if let Some(values) = &n.enumv {
-            return Ok(values.len());
+            // Values, not texts: 1 and 1.0 are one number.
+            let mut distinct: Vec<Value> = Vec::new();
+            for t in values {
+                let v: Value = serde_json::from_slice(t).unwrap_or(Value::Null);
+                if !distinct.iter().any(|d| same_value(d, &v)) {
+                    distinct.push(v);
+                }
+            }
+            return Ok(distinct.len());
         }
         if n.types & (INT | NUM | OBJ | ARR) != 0 {
             return refuse("numbers, objects or arrays");
@@ -1015,6 +1033,17 @@ impl Compiler<'_> {
     }
 }
 
+/// A schema path for an error: its start and end where it is long (a recursion repeats it).
+fn short_path(at: &str) -> String {
+    let chars: Vec<char> = at.chars().collect();
+    if chars.len() <= 160 {
+        return at.to_string();
+    }
+    let head: String = chars[..60].iter().collect();
+    let tail: String = chars[chars.len() - 60..].iter().collect();
+    format!("{head}…{tail}")
+}
+
 /// The schema a `$ref` names under the root's `$defs` or `definitions`.
 fn ref_target<'a>(root: &'a Value, r: &str) -> Option<&'a Value> {
     let (section, k) = r
@@ -1033,7 +1062,10 @@ fn merge_all_of(
     depth: usize,
 ) -> Result<Value, String> {
     if depth > MAX_DEPTH {
-        return Err(format!("{at}: allOf nests deeper than {MAX_DEPTH}"));
+        return Err(format!(
+            "{}: allOf nests deeper than {MAX_DEPTH}",
+            short_path(at)
+        ));
     }
     let mut out: serde_json::Map<String, Value> = obj
         .iter()
@@ -1070,7 +1102,9 @@ fn merge_all_of(
 fn flatten(root: &Value, s: &Value, at: &str, depth: usize) -> Result<Value, String> {
     if depth > MAX_DEPTH {
         return Err(format!(
-            "{at}: allOf nests deeper than {MAX_DEPTH} (a $ref through allOf back to itself?)"
+            "{}: allOf nests deeper than {MAX_DEPTH} (a $ref through allOf or with constraints \
+             beside it back to itself?)",
+            short_path(at)
         ));
     }
     let Some(o) = s.as_object() else {
@@ -1125,7 +1159,10 @@ fn intersect(
     depth: usize,
 ) -> Result<serde_json::Map<String, Value>, String> {
     if depth > MAX_DEPTH {
-        return Err(format!("{at}: allOf nests deeper than {MAX_DEPTH}"));
+        return Err(format!(
+            "{}: allOf nests deeper than {MAX_DEPTH}",
+            short_path(at)
+        ));
     }
     let sub = |x: &Value, y: &Value, k: &str| {
         intersect_schemas(root, x, y, &format!("{at}/{k}"), depth + 1)
@@ -1171,6 +1208,58 @@ fn intersect(
         out.insert(key.to_string(), Value::Array(branches));
         return Ok(out);
     }
+    // Arrays where either side is a tuple: position by position (a position past a tuple
+    // takes its `items`), since `items` only covers the positions after its own schema's
+    // prefix.
+    let tuple = |m: &serde_json::Map<String, Value>| {
+        m.contains_key("prefixItems") || m.get("items").is_some_and(Value::is_array)
+    };
+    let arrayish = |m: &serde_json::Map<String, Value>| {
+        ["prefixItems", "items", "additionalItems"]
+            .iter()
+            .any(|k| m.contains_key(*k))
+    };
+    let (a_own, b_own);
+    let (a, b) = if (tuple(a) || tuple(b)) && arrayish(a) && arrayish(b) {
+        let (pa, ra) = tuple_parts(a);
+        let (pb, rb) = tuple_parts(b);
+        let mut prefix = Vec::new();
+        let mut closed = false;
+        for i in 0..pa.len().max(pb.len()) {
+            let x = pa.get(i).unwrap_or(&ra);
+            let y = pb.get(i).unwrap_or(&rb);
+            let m = sub(x, y, &format!("prefixItems/{i}"))?;
+            if m == Value::Bool(false) {
+                // Nothing fits here: the array ends before it.
+                closed = true;
+                break;
+            }
+            prefix.push(m);
+        }
+        let rest = if closed {
+            Value::Bool(false)
+        } else {
+            sub(&ra, &rb, "items")?
+        };
+        let strip = |m: &serde_json::Map<String, Value>| -> serde_json::Map<String, Value> {
+            m.iter()
+                .filter(|(k, _)| !matches!(k.as_str(), "prefixItems" | "items" | "additionalItems"))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        };
+        let mut a2 = strip(a);
+        if !prefix.is_empty() {
+            a2.insert("prefixItems".to_string(), Value::Array(prefix));
+        }
+        if rest != Value::Bool(true) {
+            a2.insert("items".to_string(), rest);
+        }
+        a_own = a2;
+        b_own = strip(b);
+        (&a_own, &b_own)
+    } else {
+        (a, b)
+    };
     let mut out = a.clone();
     for (k, vb) in b {
         let Some(va) = a.get(k) else {
@@ -1336,6 +1425,23 @@ fn intersect(
     Ok(out)
 }
 
+/// An array schema's positions: the tuple's schemas (`prefixItems`, or draft 7's `items`
+/// list) and the schema of every item after them (`items`, or `additionalItems`; `true`
+/// where none is given).
+fn tuple_parts(m: &serde_json::Map<String, Value>) -> (Vec<Value>, Value) {
+    let any = Value::Bool(true);
+    match (m.get("prefixItems"), m.get("items")) {
+        (Some(p), rest) => (
+            p.as_array().cloned().unwrap_or_default(),
+            rest.cloned().unwrap_or(any),
+        ),
+        (None, Some(Value::Array(p))) => {
+            (p.clone(), m.get("additionalItems").cloned().unwrap_or(any))
+        }
+        (None, rest) => (Vec::new(), rest.cloned().unwrap_or(any)),
+    }
+}
+
 /// A `type` value for a set of type bits.
 fn type_names(t: u8) -> Value {
     let mut names = Vec::new();
@@ -1459,8 +1565,9 @@ fn bounds_of(obj: &serde_json::Map<String, Value>, at: &str) -> Result<Bounds, S
             // A fractional step, read exactly from its decimal text: units / 10^digits.
             let (units, digits) = decimal_step(&obj["multipleOf"]).ok_or_else(|| {
                 format!(
-                    "{at}/multipleOf: {m} is not supported in structured output (a positive \
-                     step of at most 15 significant digits and 12 decimals is)"
+                    "{at}/multipleOf: {} is not supported in structured output (a positive \
+                     step of at most 15 significant digits and 12 decimals is)",
+                    obj["multipleOf"]
                 )
             })?;
             b.step = m;
@@ -1523,6 +1630,11 @@ fn types_of(t: &Value) -> Option<u8> {
     }
 }
 
+/// Equal as JSON values (numbers by value: 1 and 1.0 are one number).
+fn same_value(a: &Value, b: &Value) -> bool {
+    a == b || matches!((a.as_f64(), b.as_f64()), (Some(x), Some(y)) if x == y)
+}
+
 fn types_of_value(v: &Value) -> u8 {
     match v {
         Value::String(_) => STR,
@@ -1542,8 +1654,12 @@ enum Frame {
         next: Next,
         /// Bits of the properties written.
         seen: u64,
-        /// Keys written (properties and others).
+        /// Keys written (properties and others, a repeated key each time: what maxProperties
+        /// holds).
         keys: usize,
+        /// Under minProperties: the other keys written, each once (a repeated key is one
+        /// property, as the last one wins).
+        others: Vec<Vec<u8>>,
         /// The node of the value after the key just read.
         value: usize,
     },
@@ -2089,7 +2205,7 @@ impl Path {
                         && values.iter().filter(open).any(|v| *v == ext)
                     {
                         self.scalar = Scalar::None;
-                        self.item_written(ext);
+                        self.item_written(node, ext);
                         self.value_done();
                     } else {
                         self.scalar = Scalar::Enum { node, buf: ext };
@@ -2102,7 +2218,7 @@ impl Path {
                 }
                 // The value ended; the byte belongs to what follows it.
                 self.scalar = Scalar::None;
-                self.item_written(ext);
+                self.item_written(node, ext);
                 self.value_done();
             }
             Scalar::None => {}
@@ -2130,8 +2246,11 @@ impl Path {
                 next,
                 seen,
                 keys,
+                ref others,
                 ..
             } => {
+                // Distinct keys, for minProperties.
+                let distinct = seen.count_ones() as usize + others.len();
                 let n = &self.schema.nodes[node];
                 let unseen_props = n.props.len() > seen.count_ones() as usize;
                 // Under maxProperties: once the keys left are the required ones, only those.
@@ -2143,7 +2262,7 @@ impl Path {
                 };
                 match (next, b) {
                     (Next::FirstOrEnd | Next::CommaOrEnd, b'}') => {
-                        if n.required & !seen != 0 || keys < n.min_props {
+                        if n.required & !seen != 0 || distinct < n.min_props {
                             return false;
                         }
                         self.stack.pop();
@@ -2231,8 +2350,20 @@ impl Path {
     }
 
     /// An enum value was written as an item (of a unique array, which records it).
-    fn item_written(&mut self, text: Vec<u8>) {
+    /// With it, every other value of `node`'s enum equal to it (1 and 1.0) counts as written.
+    fn item_written(&mut self, node: usize, text: Vec<u8>) {
+        let schema = self.schema.clone();
         if let Some(u) = self.uniq_mut() {
+            let v: Option<Value> = serde_json::from_slice(&text).ok();
+            if let (Some(v), Some(values)) = (v, &schema.nodes[node].enumv) {
+                for t in values {
+                    let equal =
+                        serde_json::from_slice::<Value>(t).is_ok_and(|w| same_value(&v, &w));
+                    if equal && *t != text {
+                        u.used.push(t.clone());
+                    }
+                }
+            }
             u.used.push(text);
         }
     }
@@ -2332,6 +2463,7 @@ impl Path {
                     next: Next::FirstOrEnd,
                     seen: 0,
                     keys: 0,
+                    others: Vec::new(),
                     value: 1,
                 });
                 true
@@ -2468,6 +2600,7 @@ impl Path {
             let prop = (!*other)
                 .then(|| n.props.iter().position(|(p, _)| p == buf))
                 .flatten();
+            let name = (prop.is_none() && !*other && n.min_props > 0).then(|| buf.clone());
             let value = match prop {
                 Some(i) if seen & (1 << i) == 0 => {
                     let v = n.props[i].1;
@@ -2500,8 +2633,13 @@ impl Path {
                     }
                 }
             };
-            if let Some(Frame::Obj { keys, .. }) = self.stack.last_mut() {
+            if let Some(Frame::Obj { keys, others, .. }) = self.stack.last_mut() {
                 *keys += 1;
+                if let Some(name) = name {
+                    if !others.contains(&name) {
+                        others.push(name);
+                    }
+                }
             }
             // At the nesting limit a key whose value must be an object or array could take
             // no value.
@@ -3274,6 +3412,68 @@ mod tests {
             assert!(a.iter().skip(3).all(Value::is_null), "{v}");
         });
         assert!(done > 50, "{done}");
+    }
+
+    /// Cases a differential test against Python's `jsonschema` found (each once accepted an
+    /// invalid text or left the writer with no byte to take).
+    #[test]
+    fn differential_findings_stay_fixed() {
+        // allOf of a tuple and another member's items: position by position.
+        let t = json!({"allOf": [{"prefixItems": [{"type": "number"}]},
+                                 {"items": {"type": "integer", "minimum": 0}}]});
+        assert_eq!(accepts(&t, "[3, 4]"), (true, true));
+        assert!(!accepts(&t, "[1.5").0 && !accepts(&t, "[-1").0 && !accepts(&t, "[3, -1").0);
+        let closed = json!({"allOf": [{"items": false}, {"prefixItems": [{"type": "integer"}]}]});
+        assert_eq!(accepts(&closed, "[]"), (true, true));
+        assert!(!accepts(&closed, "[1").0);
+        let clash = json!({"$defs": {"T": {"type": "array", "prefixItems": [{"type": "string"}]}},
+                           "$ref": "#/$defs/T", "items": {"type": "integer"}});
+        assert!(Schema::compile(&clash).is_err() || !accepts(&clash, r#"["a"]"#).1);
+        // Constraints beside a $ref whose target was compiled before.
+        let again = json!({"$defs": {"t": {"type": "object"}}, "type": "object", "properties": {
+            "x": {"$ref": "#/$defs/t"}, "y": {"$ref": "#/$defs/t", "maxProperties": 1}}});
+        assert!(!accepts(&again, r#"{"y": {"a": 1, "b""#).0);
+        let five = json!({"$defs": {"n": {"type": "integer"}}, "type": "array",
+            "prefixItems": [{"$ref": "#/$defs/n"}, {"$ref": "#/$defs/n", "minimum": 5}]});
+        assert!(!accepts(&five, "[1, 1]").1 && accepts(&five, "[1, 5]").1);
+        // A repeated key is one property.
+        let two = json!({"type": "object", "minProperties": 2});
+        assert!(!accepts(&two, r#"{"a": 1, "a": 2}"#).1);
+        assert_eq!(accepts(&two, r#"{"a": 1, "b": 2}"#), (true, true));
+        // uniqueItems: 1 and 1.0 are one value.
+        assert!(
+            Schema::compile(&json!({"type": "array", "items": {"enum": [1, 1.0]},
+            "uniqueItems": true, "minItems": 2}))
+            .is_err()
+        );
+        let nums = json!({"items": {"enum": [1, 1.0, 2]}, "uniqueItems": true});
+        assert!(!accepts(&nums, "[1, 1.0").0 && accepts(&nums, "[1.0, 2]").1);
+        // Decimal prefixes read exactly: "0.2" cannot reach a minimum of 0.3.
+        for (schema, stuck) in [
+            (json!({"type": "number", "minimum": 0.3}), "0.2"),
+            (json!({"type": "number", "exclusiveMinimum": 3.3}), "3.2"),
+            (json!({"type": "number", "maximum": -0.3}), "-0.2"),
+            (
+                json!({"type": "number", "multipleOf": 0.1, "minimum": 0.25, "maximum": 0.3}),
+                "0.2",
+            ),
+        ] {
+            assert!(!accepts(&schema, stuck).0, "{schema}: {stuck}");
+            let done = random_walks(&schema, 60, 30, 17, |_| {});
+            assert!(done > 0, "{schema}");
+        }
+        assert_eq!(
+            accepts(
+                &json!({"multipleOf": 0.1, "minimum": 0.25, "maximum": 0.3}),
+                "0.3"
+            ),
+            (true, true)
+        );
+        // No multiple of a decimal step inside the bounds: refused.
+        let e = Schema::compile(&json!({"type": "number", "multipleOf": 0.5, "minimum": 0.1,
+            "maximum": 0.4}))
+        .unwrap_err();
+        assert!(e.contains("no multiple"), "{e}");
     }
 
     /// `patternProperties`: a key matching patterns takes their schemas (with a listed
