@@ -454,6 +454,13 @@ fn lengths(
     Some(ways)
 }
 
+/// Integer digits of a number written under bounds or a step (below 2^53, where floats are
+/// exact integers).
+pub(crate) const MAX_INT_DIGITS: usize = 15;
+
+/// The magnitudes numbers under bounds or a step are written below (10^15).
+pub(crate) const MAX_WRITTEN: f64 = 1e15;
+
 /// A number's bounds: `lo` ≤ (or <, `lo_excl`) the value ≤ (or <, `hi_excl`) `hi`; infinite
 /// where the schema gives none.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -529,7 +536,7 @@ impl Bounds {
 
     /// Some number is inside the bounds (on a multiple of a fractional step).
     pub(crate) fn has_value(&self) -> bool {
-        self.meets(f64::NEG_INFINITY, f64::INFINITY, false)
+        self.meets(-MAX_WRITTEN, MAX_WRITTEN, true)
     }
 
     /// Some value of `[a, b)` (`b_open`) or `[a, b]` is inside the bounds.
@@ -616,6 +623,12 @@ impl Bounds {
     pub(crate) fn viable(&self, text: &[u8], integer: bool, complete: bool) -> bool {
         let neg = text.first() == Some(&b'-');
         let body = if neg { &text[1..] } else { text };
+        // At most MAX_INT_DIGITS digits before the point: past them a float no longer tells
+        // one integer from the next, and the intervals below would close up.
+        let int_digits = body.iter().take_while(|c| c.is_ascii_digit()).count();
+        if int_digits > MAX_INT_DIGITS {
+            return false;
+        }
         if complete {
             let v = std::str::from_utf8(text)
                 .ok()

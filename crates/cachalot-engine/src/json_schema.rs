@@ -869,19 +869,28 @@ impl Compiler<'_> {
         if node.bounds.step > 0.0 && !node.bounds.fractional_step() && node.types & NUM != 0 {
             node.types = (node.types & !NUM) | INT;
         }
-        // Numbers on a decimal step with no multiple inside the bounds: no number.
-        if node.bounds.fractional_step() && node.types & NUM != 0 && !node.bounds.has_value() {
+        // Numbers on a decimal step (or under bounds) with no value inside the bounds below
+        // 10^15, where they are written: no number.
+        if !node.bounds.is_none() && node.types & NUM != 0 && !node.bounds.has_value() {
             node.types &= !(NUM | INT);
             if node.types == 0 {
                 return Err(format!(
-                    "{at}: no multiple of multipleOf lies inside the bounds"
+                    "{at}: no number (a multiple of multipleOf, when given) lies inside the \
+                     bounds below 10^15 in magnitude, where structured output writes numbers \
+                     under bounds"
                 ));
             }
         }
-        // Integers only, and no integer inside the bounds: no value.
-        if node.types & (INT | NUM) == INT
-            && !node.bounds.meets_int(f64::NEG_INFINITY, f64::INFINITY)
-        {
+        // Integers only, and no integer inside the bounds (below 10^15 under bounds): no value.
+        let (lo_w, hi_w) = if node.bounds.is_none() {
+            (f64::NEG_INFINITY, f64::INFINITY)
+        } else {
+            (
+                -crate::json_constraints::MAX_WRITTEN + 1.0,
+                crate::json_constraints::MAX_WRITTEN - 1.0,
+            )
+        };
+        if node.types & (INT | NUM) == INT && !node.bounds.meets_int(lo_w, hi_w) {
             node.types &= !INT;
             if node.types == 0 {
                 return Err(format!(
@@ -1654,11 +1663,9 @@ enum Frame {
         next: Next,
         /// Bits of the properties written.
         seen: u64,
-        /// Keys written (properties and others, a repeated key each time: what maxProperties
-        /// holds).
+        /// Keys written, a repeated one once (it is one property: the last one wins).
         keys: usize,
-        /// Under minProperties: the other keys written, each once (a repeated key is one
-        /// property, as the last one wins).
+        /// Under minProperties or maxProperties: the other keys written, each once.
         others: Vec<Vec<u8>>,
         /// The node of the value after the key just read.
         value: usize,
@@ -2246,11 +2253,8 @@ impl Path {
                 next,
                 seen,
                 keys,
-                ref others,
                 ..
             } => {
-                // Distinct keys, for minProperties.
-                let distinct = seen.count_ones() as usize + others.len();
                 let n = &self.schema.nodes[node];
                 let unseen_props = n.props.len() > seen.count_ones() as usize;
                 // Under maxProperties: once the keys left are the required ones, only those.
@@ -2262,7 +2266,7 @@ impl Path {
                 };
                 match (next, b) {
                     (Next::FirstOrEnd | Next::CommaOrEnd, b'}') => {
-                        if n.required & !seen != 0 || distinct < n.min_props {
+                        if n.required & !seen != 0 || keys < n.min_props {
                             return false;
                         }
                         self.stack.pop();
@@ -2582,6 +2586,9 @@ impl Path {
         // match it (written without escapes; up to MAX_KEY bytes, past which no pattern is
         // followed and the key is refused).
         let patterns = !tight && !n.pattern_props.is_empty();
+        // Keys are counted (min/maxProperties): other keys are told apart by their text, so
+        // they are written without `\u` escapes and up to MAX_KEY bytes.
+        let counting = n.min_props > 0 || n.max_props < usize::MAX;
         let Scalar::Key {
             buf,
             lex,
@@ -2600,7 +2607,7 @@ impl Path {
             let prop = (!*other)
                 .then(|| n.props.iter().position(|(p, _)| p == buf))
                 .flatten();
-            let name = (prop.is_none() && !*other && n.min_props > 0).then(|| buf.clone());
+            let name = (prop.is_none() && counting).then(|| buf.clone());
             let value = match prop {
                 Some(i) if seen & (1 << i) == 0 => {
                     let v = n.props[i].1;
@@ -2634,11 +2641,13 @@ impl Path {
                 }
             };
             if let Some(Frame::Obj { keys, others, .. }) = self.stack.last_mut() {
-                *keys += 1;
-                if let Some(name) = name {
-                    if !others.contains(&name) {
+                match name {
+                    Some(name) if others.contains(&name) => {}
+                    Some(name) => {
                         others.push(name);
+                        *keys += 1;
                     }
+                    None => *keys += 1,
                 }
             }
             // At the nesting limit a key whose value must be an object or array could take
@@ -2668,7 +2677,7 @@ impl Path {
             if l2.hex > 0 {
                 let lo = *code << (4 * l2.hex as u32);
                 let hi = lo + (1 << (4 * l2.hex as u32)) - 1;
-                return additional
+                return (additional && !counting)
                     || open(buf).iter().any(|p| {
                         std::str::from_utf8(&p[at..])
                             .ok()
@@ -2691,7 +2700,7 @@ impl Path {
         } else if lex.escape {
             *lex = l2;
             match b {
-                b'u' => return additional || open(buf).iter().any(|p| p.len() > at),
+                b'u' => return (additional && !counting) || open(buf).iter().any(|p| p.len() > at),
                 b'b' => buf.push(8),
                 b'f' => buf.push(12),
                 b'n' => buf.push(b'\n'),
@@ -2716,7 +2725,7 @@ impl Path {
             // Longer than any property's name (compile refuses longer ones), and than the keys
             // patterns are followed over.
             *other = true;
-            return additional && !patterns;
+            return additional && !patterns && !counting;
         }
         !open(buf).is_empty() || additional || (patterns && pats.iter().any(Option::is_some))
     }
@@ -3473,7 +3482,7 @@ mod tests {
         let e = Schema::compile(&json!({"type": "number", "multipleOf": 0.5, "minimum": 0.1,
             "maximum": 0.4}))
         .unwrap_err();
-        assert!(e.contains("no multiple"), "{e}");
+        assert!(e.contains("no number"), "{e}");
     }
 
     /// `patternProperties`: a key matching patterns takes their schemas (with a listed
