@@ -703,8 +703,8 @@ impl Bounds {
                 check(v, value_above(int_part, f), true)
             }
             None if int_part.is_empty() => {
-                // "-" alone: any magnitude.
-                check(0.0, f64::INFINITY, false)
+                // "-" alone: any magnitude written.
+                check(0.0, MAX_WRITTEN, true)
             }
             None if int_part == b"0" => {
                 if integer {
@@ -717,7 +717,8 @@ impl Bounds {
                 let i = value_of(int_part, b"");
                 // More integer digits: [i·10^j, (i+1)·10^j) for j ≥ 0 (a fraction may follow).
                 let mut scale = 1.0f64;
-                for _ in 0..=330 {
+                // Up to MAX_INT_DIGITS digits in all.
+                for _ in 0..=MAX_INT_DIGITS - int_digits {
                     let a = i * scale;
                     if !a.is_finite() {
                         break;
