@@ -536,7 +536,14 @@ impl Bounds {
 
     /// Some number is inside the bounds (on a multiple of a fractional step).
     pub(crate) fn has_value(&self) -> bool {
-        self.meets(-MAX_WRITTEN, MAX_WRITTEN, true)
+        let top = 10f64.powi(self.max_int_digits() as i32);
+        self.meets(-top, top, true)
+    }
+
+    /// Integer digits written under these bounds: MAX_INT_DIGITS, less a decimal step's
+    /// decimals (the value scaled by 10^decimals stays below 2^53).
+    pub(crate) fn max_int_digits(&self) -> usize {
+        MAX_INT_DIGITS.saturating_sub(self.step_digits as usize)
     }
 
     /// Some value of `[a, b)` (`b_open`) or `[a, b]` is inside the bounds.
@@ -626,7 +633,8 @@ impl Bounds {
         // At most MAX_INT_DIGITS digits before the point: past them a float no longer tells
         // one integer from the next, and the intervals below would close up.
         let int_digits = body.iter().take_while(|c| c.is_ascii_digit()).count();
-        if int_digits > MAX_INT_DIGITS {
+        let max_int = self.max_int_digits();
+        if int_digits > max_int {
             return false;
         }
         if complete {
@@ -704,7 +712,7 @@ impl Bounds {
             }
             None if int_part.is_empty() => {
                 // "-" alone: any magnitude written.
-                check(0.0, MAX_WRITTEN, true)
+                check(0.0, 10f64.powi(max_int as i32), true)
             }
             None if int_part == b"0" => {
                 if integer {
@@ -718,7 +726,7 @@ impl Bounds {
                 // More integer digits: [i·10^j, (i+1)·10^j) for j ≥ 0 (a fraction may follow).
                 let mut scale = 1.0f64;
                 // Up to MAX_INT_DIGITS digits in all.
-                for _ in 0..=MAX_INT_DIGITS - int_digits {
+                for _ in 0..=max_int - int_digits {
                     let a = i * scale;
                     if !a.is_finite() {
                         break;
