@@ -26,7 +26,8 @@
 //! whole step makes the number an integer; a decimal one such as 0.01 or 2.5 is read exactly
 //! from its text and its multiples are written with at most its decimals)
 //! ([`crate::json_constraints`]: every prefix can still end inside them; numbers under bounds
-//! are written without exponents, strings under a pattern without `\u` escapes). Annotations
+//! are written without exponents and with at most 15 integer digits, less a decimal step's
+//! decimals, strings under a pattern without `\u` escapes). Annotations
 //! (`title`, `description`, `default`, `examples`, `format`, ...) are ignored. Any other
 //! keyword (`if`/`then`, `propertyNames`, `not` of anything but a type or of enum values
 //! over an enum, booleans or null, ...) and any
