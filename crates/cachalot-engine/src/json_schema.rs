@@ -97,6 +97,10 @@ struct Node {
     /// their schemas); index 0 unused.
     pattern_props: Vec<Arc<Pattern>>,
     pattern_nodes: Vec<usize>,
+    /// `propertyNames`: what every key's text must match (a pattern with its lengths), and
+    /// its fewest characters.
+    names: Option<Arc<Pattern>>,
+    names_min: usize,
     /// `minProperties`/`maxProperties`: how many keys the object has.
     min_props: usize,
     max_props: usize,
@@ -168,6 +172,8 @@ fn any_node() -> Node {
         additional: Some(1),
         pattern_props: Vec::new(),
         pattern_nodes: Vec::new(),
+        names: None,
+        names_min: 0,
         min_props: 0,
         max_props: usize::MAX,
         items: 1,
@@ -438,6 +444,7 @@ impl Compiler<'_> {
                     | "required"
                     | "additionalProperties"
                     | "patternProperties"
+                    | "propertyNames"
                     | "items"
                     | "prefixItems"
                     | "additionalItems"
@@ -465,7 +472,7 @@ impl Compiler<'_> {
             if !known {
                 return Err(format!(
                     "{at}: the keyword `{k}` is not supported in structured output (supported: \
-                     type, properties, required, additionalProperties, patternProperties, items, prefixItems, uniqueItems, minProperties, maxProperties, not (of a type, or of enum values \
+                     type, properties, required, additionalProperties, patternProperties, propertyNames, items, prefixItems, uniqueItems, minProperties, maxProperties, not (of a type, or of enum values \
                      over an enum, booleans or null), minItems, \
                      maxItems, minLength, maxLength, pattern, minimum, maximum, \
                      exclusiveMinimum, exclusiveMaximum, multipleOf, enum, const, anyOf, oneOf, allOf, $ref/$defs)"
@@ -661,6 +668,99 @@ impl Compiler<'_> {
                 };
             }
         }
+        // propertyNames: a `pattern`, `minLength`/`maxLength`, `enum`/`const` of strings.
+        if let Some(pn) = obj.get("propertyNames") {
+            let here = format!("{at}/propertyNames");
+            let o = match pn {
+                Value::Bool(true) => None,
+                Value::Object(o) => Some(o),
+                other => {
+                    return Err(format!(
+                        "{here}: {other} is not supported in structured output (a schema of \
+                         pattern, minLength, maxLength, enum or const is)"
+                    ))
+                }
+            };
+            if let Some(o) = o {
+                if let Some(k) = o.keys().find(|k| {
+                    !ANNOTATIONS.contains(&k.as_str())
+                        && !matches!(
+                            k.as_str(),
+                            "type" | "pattern" | "minLength" | "maxLength" | "enum" | "const"
+                        )
+                }) {
+                    return Err(format!(
+                        "{here}: `{k}` is not supported in structured output (pattern, \
+                         minLength, maxLength, enum and const are)"
+                    ));
+                }
+                if o.get("type").is_some_and(|t| t != "string") {
+                    return Err(format!("{here}/type: keys are strings"));
+                }
+                let len = |k: &str| -> Result<Option<usize>, String> {
+                    o.get(k)
+                        .map(|v| {
+                            v.as_u64()
+                                .map(|n| n as usize)
+                                .ok_or_else(|| format!("{here}/{k}: {v} is not a count"))
+                        })
+                        .transpose()
+                };
+                let (min, max) = (
+                    len("minLength")?.unwrap_or(0),
+                    len("maxLength")?.unwrap_or(usize::MAX),
+                );
+                let values: Option<Vec<&str>> = match (o.get("enum"), o.get("const")) {
+                    (Some(Value::Array(vs)), _) => {
+                        Some(vs.iter().filter_map(Value::as_str).collect())
+                    }
+                    (None, Some(v)) => Some(v.as_str().into_iter().collect()),
+                    (Some(_), _) => return Err(format!("{here}/enum: not a list")),
+                    (None, None) => None,
+                };
+                let mut pats: Vec<String> = Vec::new();
+                if let Some(p) = o.get("pattern") {
+                    pats.push(
+                        p.as_str()
+                            .ok_or_else(|| format!("{here}/pattern: {p} is not a string"))?
+                            .to_string(),
+                    );
+                }
+                if let Some(vs) = &values {
+                    if vs.is_empty() {
+                        return Err(format!("{here}: no key name is allowed"));
+                    }
+                    let alts: Vec<String> = vs.iter().map(|v| ecma_escape(v)).collect();
+                    pats.push(format!("^(?:{})$", alts.join("|")));
+                }
+                // Both a pattern and names: keys in both (the names that match the pattern).
+                let pattern = match pats.as_slice() {
+                    [] => String::new(),
+                    [one] => one.clone(),
+                    [p, _] => {
+                        let kept: Vec<String> = values
+                            .iter()
+                            .flatten()
+                            .filter(|v| {
+                                Pattern::compile(p, &here, 0, usize::MAX).is_ok_and(|pat| {
+                                    v.bytes()
+                                        .try_fold(pat.start(), |st, c| pat.next(st, c))
+                                        .is_some_and(|st| pat.accepts_end(st))
+                                })
+                            })
+                            .map(|v| ecma_escape(v))
+                            .collect();
+                        if kept.is_empty() {
+                            return Err(format!("{here}: no name in enum matches the pattern"));
+                        }
+                        format!("^(?:{})$", kept.join("|"))
+                    }
+                    _ => unreachable!("at most a pattern and a list of names"),
+                };
+                node.names = Some(Arc::new(Pattern::compile(&pattern, &here, min, max)?));
+                node.names_min = min;
+            }
+        }
         // The patterns a name matches, as bits.
         let matching = |node: &Node, name: &[u8]| -> usize {
             node.pattern_props
@@ -684,6 +784,21 @@ impl Compiler<'_> {
                 ));
             }
             for (k, v) in p {
+                // A property propertyNames refuses cannot be written.
+                if let Some(names) = &node.names {
+                    if !name_allowed(names, node.names_min, k) {
+                        if obj
+                            .get("required")
+                            .and_then(Value::as_array)
+                            .is_some_and(|r| r.iter().any(|x| x == k.as_str()))
+                        {
+                            return Err(format!(
+                                "{at}/required: {k:?} is a name propertyNames refuses"
+                            ));
+                        }
+                        continue;
+                    }
+                }
                 if k.len() > MAX_KEY {
                     return Err(format!(
                         "{at}/properties: a name of {} bytes; structured output takes names of \
@@ -731,6 +846,15 @@ impl Compiler<'_> {
                     Some(i) => i,
                     // Required but not listed: a property under additionalProperties' rule.
                     None => {
+                        if node
+                            .names
+                            .as_ref()
+                            .is_some_and(|p| !name_allowed(p, node.names_min, name))
+                        {
+                            return Err(format!(
+                                "{at}/required: {name:?} is a name propertyNames refuses"
+                            ));
+                        }
                         let mask = matching(&node, name.as_bytes());
                         let rule = if mask != 0 {
                             Some(node.pattern_nodes[mask])
@@ -1041,6 +1165,36 @@ impl Compiler<'_> {
         self.nodes.push(merged);
         Ok(n)
     }
+}
+
+/// `text` as an ECMA-262 pattern that matches it literally.
+fn ecma_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 2);
+    for c in text.chars() {
+        if "^$\\.*+?()[]{}|/-".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A whole key name meets propertyNames (its pattern, lengths included).
+fn name_allowed(p: &Pattern, min_chars: usize, name: &str) -> bool {
+    let mut st = Some(p.start());
+    let mut chars = 0;
+    let mut cont = 0u8;
+    for &b in name.as_bytes() {
+        let Some((c, starts)) = crate::json_constraints::utf8_step(cont, b) else {
+            return false;
+        };
+        cont = c;
+        chars += usize::from(starts);
+        st = st
+            .and_then(|s| p.next(s, b))
+            .filter(|&s| p.fits(s, cont, chars));
+    }
+    chars >= min_chars && st.is_some_and(|s| p.accepts_end(s))
 }
 
 /// A schema path for an error: its start and end where it is long (a recursion repeats it).
@@ -1735,6 +1889,9 @@ enum Scalar {
         /// Per `patternProperties` pattern, its state over the key so far (None: it cannot
         /// match any more).
         pats: Vec<Option<regex_automata::util::primitives::StateID>>,
+        /// propertyNames' state over the key so far (None: the key can no longer meet it,
+        /// or there is no propertyNames).
+        nst: Option<regex_automata::util::primitives::StateID>,
     },
     /// A number of `node` (`text`: its bytes so far, kept under bounds).
     Num {
@@ -2276,6 +2433,7 @@ impl Path {
                     }
                     (Next::FirstOrEnd | Next::Item, b'"') if more => {
                         let pats = n.pattern_props.iter().map(|p| Some(p.start())).collect();
+                        let nst = n.names.as_ref().map(|p| p.start());
                         self.set_next(Next::Colon);
                         self.scalar = Scalar::Key {
                             buf: Vec::new(),
@@ -2283,6 +2441,7 @@ impl Path {
                             code: 0,
                             other: false,
                             pats,
+                            nst,
                         };
                         true
                     }
@@ -2590,12 +2749,16 @@ impl Path {
         // Keys are counted (min/maxProperties): other keys are told apart by their text, so
         // they are written without `\u` escapes and up to MAX_KEY bytes.
         let counting = n.min_props > 0 || n.max_props < usize::MAX;
+        // propertyNames: other keys must meet it (written without escapes); listed properties
+        // that do not were left out at compile time.
+        let named = n.names.is_some();
         let Scalar::Key {
             buf,
             lex,
             code,
             other,
             pats,
+            nst,
         } = &mut self.scalar
         else {
             return false;
@@ -2619,6 +2782,14 @@ impl Path {
                 }
                 // Written already.
                 Some(_) => return false,
+                None if named
+                    && !n.names.as_ref().is_some_and(|p| {
+                        nst.is_some_and(|s| p.accepts_end(s))
+                            && String::from_utf8_lossy(buf).chars().count() >= n.names_min
+                    }) =>
+                {
+                    return false
+                }
                 None => {
                     // The patterns the whole key matches.
                     let mask = if patterns {
@@ -2678,7 +2849,7 @@ impl Path {
             if l2.hex > 0 {
                 let lo = *code << (4 * l2.hex as u32);
                 let hi = lo + (1 << (4 * l2.hex as u32)) - 1;
-                return (additional && !counting)
+                return (additional && !counting && !named)
                     || open(buf).iter().any(|p| {
                         std::str::from_utf8(&p[at..])
                             .ok()
@@ -2701,7 +2872,10 @@ impl Path {
         } else if lex.escape {
             *lex = l2;
             match b {
-                b'u' => return (additional && !counting) || open(buf).iter().any(|p| p.len() > at),
+                b'u' => {
+                    return (additional && !counting && !named)
+                        || open(buf).iter().any(|p| p.len() > at)
+                }
                 b'b' => buf.push(8),
                 b'f' => buf.push(12),
                 b'n' => buf.push(b'\n'),
@@ -2711,9 +2885,26 @@ impl Path {
             }
         } else if b == b'\\' {
             *lex = l2;
-            return additional || open(buf).iter().any(|p| p.len() > at);
+            return (additional && !named) || open(buf).iter().any(|p| p.len() > at);
         } else {
             buf.push(b);
+        }
+        if let Some(p) = &n.names {
+            // Characters and continuation bytes due, from the key so far.
+            let (mut chars, mut cont) = (0usize, 0u8);
+            for &c in buf.iter() {
+                match crate::json_constraints::utf8_step(cont, c) {
+                    Some((next, starts)) => {
+                        cont = next;
+                        chars += usize::from(starts);
+                    }
+                    None => cont = 0,
+                }
+            }
+            for &c in &buf[at..] {
+                *nst = nst.and_then(|s| p.next(s, c));
+            }
+            *nst = nst.filter(|&s| p.fits(s, cont, chars));
         }
         if patterns {
             for (st, p) in pats.iter_mut().zip(&n.pattern_props) {
@@ -2726,9 +2917,10 @@ impl Path {
             // Longer than any property's name (compile refuses longer ones), and than the keys
             // patterns are followed over.
             *other = true;
-            return additional && !patterns && !counting;
+            return additional && !patterns && !counting && !named;
         }
-        !open(buf).is_empty() || additional || (patterns && pats.iter().any(Option::is_some))
+        let others_ok = additional || (patterns && pats.iter().any(Option::is_some));
+        !open(buf).is_empty() || (others_ok && (!named || nst.is_some()))
     }
 }
 
@@ -3548,6 +3740,40 @@ mod tests {
                 assert!(n || s, "{v}");
                 assert!(!n || x.as_f64().is_some_and(|f| f.fract() == 0.0), "{v}");
                 assert!(!s || x.is_string(), "{v}");
+            }
+        });
+        assert!(done > 20, "{done}");
+    }
+
+    /// `propertyNames`: every key meets it (listed properties that cannot are left out).
+    #[test]
+    fn property_names_hold_every_key() {
+        let snake = json!({"type": "object", "propertyNames": {"pattern": "^[a-z_]+$",
+            "maxLength": 4}, "properties": {"ok": {"type": "integer"}, "Bad": {}}});
+        assert_eq!(accepts(&snake, r#"{"ok": 1, "ab_c": true}"#), (true, true));
+        assert!(!accepts(&snake, r#"{"A"#).0 && !accepts(&snake, r#"{"B"#).0);
+        assert!(!accepts(&snake, r#"{"abcde"#).0 && !accepts(&snake, r#"{"a-"#).0);
+        let listed = json!({"propertyNames": {"enum": ["x", "y.z"]},
+            "additionalProperties": {"type": "null"}});
+        assert_eq!(
+            accepts(&listed, r#"{"y.z": null, "x": null}"#),
+            (true, true)
+        );
+        assert!(!accepts(&listed, r#"{"yaz"#).0 && !accepts(&listed, r#"{"x2"#).0);
+        assert!(!accepts(&listed, r#"{"y": null"#).0);
+        let short = json!({"propertyNames": {"minLength": 2}});
+        assert!(!accepts(&short, r#"{"a": 1"#).0 && accepts(&short, r#"{"ab": 1}"#).1);
+        assert!(
+            Schema::compile(&json!({"propertyNames": {"pattern": "^a"}, "required": ["b"]}))
+                .unwrap_err()
+                .contains("propertyNames")
+        );
+        let done = random_walks(&snake, 200, 120, 0x5151_0000_2222_3333, |v| {
+            for k in v.as_object().unwrap().keys() {
+                assert!(
+                    k.len() <= 4 && k.bytes().all(|c| c.is_ascii_lowercase() || c == b'_'),
+                    "{v}"
+                );
             }
         });
         assert!(done > 20, "{done}");
