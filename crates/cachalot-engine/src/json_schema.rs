@@ -101,6 +101,11 @@ struct Node {
     /// its fewest characters.
     names: Option<Arc<Pattern>>,
     names_min: usize,
+    /// propertyNames is given (with `names` None: no other key meets it), the whole of it
+    /// (`names_full`, for listed properties), and its `enum`/`const` names.
+    names_on: bool,
+    names_full: Option<Arc<Pattern>>,
+    names_listed: Option<Vec<String>>,
     /// `minProperties`/`maxProperties`: how many keys the object has.
     min_props: usize,
     max_props: usize,
@@ -144,6 +149,18 @@ impl Node {
 }
 
 impl Node {
+    /// A key name meets `propertyNames` (or there is none).
+    fn name_ok(&self, name: &str) -> bool {
+        if !self.names_on {
+            return true;
+        }
+        match (&self.names_listed, &self.names_full) {
+            (Some(listed), _) => listed.iter().any(|l| l == name),
+            (None, Some(full)) => name_allowed(full, self.names_min, name),
+            (None, None) => true,
+        }
+    }
+
     /// The node of the item at `index` of an array.
     fn item_at(&self, index: usize) -> usize {
         self.prefix.get(index).copied().unwrap_or(self.items)
@@ -174,6 +191,9 @@ fn any_node() -> Node {
         pattern_nodes: Vec::new(),
         names: None,
         names_min: 0,
+        names_on: false,
+        names_full: None,
+        names_listed: None,
         min_props: 0,
         max_props: usize::MAX,
         items: 1,
@@ -718,46 +738,60 @@ impl Compiler<'_> {
                     (Some(_), _) => return Err(format!("{here}/enum: not a list")),
                     (None, None) => None,
                 };
-                let mut pats: Vec<String> = Vec::new();
-                if let Some(p) = o.get("pattern") {
-                    pats.push(
+                let pattern = match o.get("pattern") {
+                    Some(p) => Some(
                         p.as_str()
-                            .ok_or_else(|| format!("{here}/pattern: {p} is not a string"))?
-                            .to_string(),
-                    );
-                }
-                if let Some(vs) = &values {
-                    if vs.is_empty() {
-                        return Err(format!("{here}: no key name is allowed"));
-                    }
-                    let alts: Vec<String> = vs.iter().map(|v| ecma_escape(v)).collect();
-                    pats.push(format!("^(?:{})$", alts.join("|")));
-                }
-                // Both a pattern and names: keys in both (the names that match the pattern).
-                let pattern = match pats.as_slice() {
-                    [] => String::new(),
-                    [one] => one.clone(),
-                    [p, _] => {
-                        let kept: Vec<String> = values
+                            .ok_or_else(|| format!("{here}/pattern: {p} is not a string"))?,
+                    ),
+                    None => None,
+                };
+                let full = Pattern::compile(pattern.unwrap_or(""), &here, min, max)?;
+                // Names listed: those the pattern and lengths take. Other keys (those that are
+                // not listed properties: a listed one is written as itself) then take the rest,
+                // so that a key started as another never comes to a listed name.
+                let others = match &values {
+                    None => Some(full),
+                    Some(vs) => {
+                        let kept: Vec<&str> = vs
                             .iter()
-                            .flatten()
-                            .filter(|v| {
-                                Pattern::compile(p, &here, 0, usize::MAX).is_ok_and(|pat| {
-                                    v.bytes()
-                                        .try_fold(pat.start(), |st, c| pat.next(st, c))
-                                        .is_some_and(|st| pat.accepts_end(st))
-                                })
-                            })
-                            .map(|v| ecma_escape(v))
+                            .copied()
+                            .filter(|v| name_allowed(&full, min, v))
                             .collect();
                         if kept.is_empty() {
-                            return Err(format!("{here}: no name in enum matches the pattern"));
+                            return Err(format!("{here}: no key name is allowed"));
                         }
-                        format!("^(?:{})$", kept.join("|"))
+                        node.names_listed = Some(kept.iter().map(|v| v.to_string()).collect());
+                        let listed: Vec<&String> = obj
+                            .get("properties")
+                            .and_then(Value::as_object)
+                            .into_iter()
+                            .flat_map(|p| p.keys())
+                            .collect();
+                        let rest: Vec<String> = kept
+                            .iter()
+                            .filter(|v| !listed.iter().any(|l| l.as_str() == **v))
+                            .map(|v| ecma_escape(v))
+                            .collect();
+                        if rest.is_empty() {
+                            None
+                        } else {
+                            Some(Pattern::compile(
+                                &format!("^(?:{})$", rest.join("|")),
+                                &here,
+                                0,
+                                usize::MAX,
+                            )?)
+                        }
                     }
-                    _ => unreachable!("at most a pattern and a list of names"),
                 };
-                node.names = Some(Arc::new(Pattern::compile(&pattern, &here, min, max)?));
+                node.names_full = Some(Arc::new(Pattern::compile(
+                    pattern.unwrap_or(""),
+                    &here,
+                    min,
+                    max,
+                )?));
+                node.names = others.map(Arc::new);
+                node.names_on = true;
                 node.names_min = min;
             }
         }
@@ -785,8 +819,8 @@ impl Compiler<'_> {
             }
             for (k, v) in p {
                 // A property propertyNames refuses cannot be written.
-                if let Some(names) = &node.names {
-                    if !name_allowed(names, node.names_min, k) {
+                {
+                    if !node.name_ok(k) {
                         if obj
                             .get("required")
                             .and_then(Value::as_array)
@@ -846,11 +880,7 @@ impl Compiler<'_> {
                     Some(i) => i,
                     // Required but not listed: a property under additionalProperties' rule.
                     None => {
-                        if node
-                            .names
-                            .as_ref()
-                            .is_some_and(|p| !name_allowed(p, node.names_min, name))
-                        {
+                        if !node.name_ok(name) {
                             return Err(format!(
                                 "{at}/required: {name:?} is a name propertyNames refuses"
                             ));
@@ -2751,7 +2781,7 @@ impl Path {
         let counting = n.min_props > 0 || n.max_props < usize::MAX;
         // propertyNames: other keys must meet it (written without escapes); listed properties
         // that do not were left out at compile time.
-        let named = n.names.is_some();
+        let named = n.names_on;
         let Scalar::Key {
             buf,
             lex,
