@@ -749,6 +749,22 @@ impl Compiler<'_> {
                 // Names listed: those the pattern and lengths take. Other keys (those that are
                 // not listed properties: a listed one is written as itself) then take the rest,
                 // so that a key started as another never comes to a listed name.
+                // In a closed object with patternProperties, another key must meet both; a
+                // list of names is cut to those a pattern matches, a pattern of names is refused.
+                let closed = obj.get("additionalProperties") == Some(&Value::Bool(false));
+                let by_pattern = |v: &str| {
+                    node.pattern_props.iter().any(|p| {
+                        v.bytes()
+                            .try_fold(p.start(), |st, c| p.next(st, c))
+                            .is_some_and(|st| p.accepts_end(st))
+                    })
+                };
+                if closed && !node.pattern_props.is_empty() && values.is_none() {
+                    return Err(format!(
+                        "{here}: a pattern of names beside patternProperties in a closed object \
+                         is not supported in structured output (list the names with enum)"
+                    ));
+                }
                 let others = match &values {
                     None => Some(full),
                     Some(vs) => {
@@ -770,6 +786,7 @@ impl Compiler<'_> {
                         let rest: Vec<String> = kept
                             .iter()
                             .filter(|v| !listed.iter().any(|l| l.as_str() == **v))
+                            .filter(|v| !closed || by_pattern(v))
                             .map(|v| ecma_escape(v))
                             .collect();
                         if rest.is_empty() {
@@ -2447,10 +2464,13 @@ impl Path {
                 let unseen_props = n.props.len() > seen.count_ones() as usize;
                 // Under maxProperties: once the keys left are the required ones, only those.
                 let missing = (n.required & !seen).count_ones() as usize;
+                // Other keys: any propertyNames leaves some.
+                let others = !n.names_on || n.names.is_some();
                 let more = if keys.saturating_add(missing) >= n.max_props {
                     missing > 0
                 } else {
-                    n.additional.is_some() || unseen_props || !n.pattern_props.is_empty()
+                    (others && (n.additional.is_some() || !n.pattern_props.is_empty()))
+                        || unseen_props
                 };
                 match (next, b) {
                     (Next::FirstOrEnd | Next::CommaOrEnd, b'}') => {
