@@ -8,7 +8,9 @@
 //! `additionalProperties` (true by default, false, or a schema), `patternProperties` (up to
 //! four; a key takes the schemas of every pattern it matches, merged as an `allOf`, and a
 //! listed property's own; a closed object's other keys are written only while a pattern can
-//! still match, without escapes), `minProperties` and
+//! still match, without escapes), `propertyNames` (a `pattern`, lengths, `enum`/`const`:
+//! listed properties it refuses are left out, other keys meet it as they are written),
+//! `minProperties` and
 //! `maxProperties` (every key counts; once only the required keys not yet written fit under
 //! the maximum, only those can start), `items`, `prefixItems` (and
 //! draft 7's `items` list with `additionalItems`; `items: false` closes a tuple), `minItems`,
@@ -29,7 +31,7 @@
 //! are written without exponents and with at most 15 integer digits, less a decimal step's
 //! decimals, strings under a pattern without `\u` escapes). Annotations
 //! (`title`, `description`, `default`, `examples`, `format`, ...) are ignored. Any other
-//! keyword (`if`/`then`, `propertyNames`, `not` of anything but a type or of enum values
+//! keyword (`if`/`then`, `not` of anything but a type or of enum values
 //! over an enum, booleans or null, ...) and any
 //! `allOf` that cannot be written as one schema (two different `pattern`s, two unions) is
 //! refused by name at compile time rather than silently not enforced. An object's keys are
