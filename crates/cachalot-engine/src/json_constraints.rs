@@ -305,6 +305,13 @@ impl Pattern {
         self.dfa.is_match_state(self.dfa.next_eoi_state(s))
     }
 
+    /// The whole of `text` matches (lengths aside).
+    pub(crate) fn matches(&self, text: &[u8]) -> bool {
+        text.iter()
+            .try_fold(self.start, |st, &b| self.next(st, b))
+            .is_some_and(|st| self.accepts_end(st))
+    }
+
     /// Some string matches both patterns (a search over pairs of states; past `budget` pairs
     /// the answer is yes, as if they met).
     pub(crate) fn overlaps(&self, other: &Pattern, budget: usize) -> bool {

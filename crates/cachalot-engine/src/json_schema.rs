@@ -719,15 +719,7 @@ impl Compiler<'_> {
                 if o.get("type").is_some_and(|t| t != "string") {
                     return Err(format!("{here}/type: keys are strings"));
                 }
-                let len = |k: &str| -> Result<Option<usize>, String> {
-                    o.get(k)
-                        .map(|v| {
-                            v.as_u64()
-                                .map(|n| n as usize)
-                                .ok_or_else(|| format!("{here}/{k}: {v} is not a count"))
-                        })
-                        .transpose()
-                };
+                let len = |k: &str| count_of(o, &here, k);
                 let (min, max) = (
                     len("minLength")?.unwrap_or(0),
                     len("maxLength")?.unwrap_or(usize::MAX),
@@ -747,20 +739,15 @@ impl Compiler<'_> {
                     ),
                     None => None,
                 };
-                let full = Pattern::compile(pattern.unwrap_or(""), &here, min, max)?;
+                let full = Arc::new(Pattern::compile(pattern.unwrap_or(""), &here, min, max)?);
                 // Names listed: those the pattern and lengths take. Other keys (those that are
                 // not listed properties: a listed one is written as itself) then take the rest,
                 // so that a key started as another never comes to a listed name.
                 // In a closed object with patternProperties, another key must meet both; a
                 // list of names is cut to those a pattern matches, a pattern of names is refused.
                 let closed = obj.get("additionalProperties") == Some(&Value::Bool(false));
-                let by_pattern = |v: &str| {
-                    node.pattern_props.iter().any(|p| {
-                        v.bytes()
-                            .try_fold(p.start(), |st, c| p.next(st, c))
-                            .is_some_and(|st| p.accepts_end(st))
-                    })
-                };
+                let by_pattern =
+                    |v: &str| node.pattern_props.iter().any(|p| p.matches(v.as_bytes()));
                 if closed && !node.pattern_props.is_empty() && values.is_none() {
                     return Err(format!(
                         "{here}: a pattern of names beside patternProperties in a closed object \
@@ -768,7 +755,7 @@ impl Compiler<'_> {
                     ));
                 }
                 let others = match &values {
-                    None => Some(full),
+                    None => Some(full.clone()),
                     Some(vs) => {
                         let kept: Vec<&str> = vs
                             .iter()
@@ -794,22 +781,17 @@ impl Compiler<'_> {
                         if rest.is_empty() {
                             None
                         } else {
-                            Some(Pattern::compile(
+                            Some(Arc::new(Pattern::compile(
                                 &format!("^(?:{})$", rest.join("|")),
                                 &here,
                                 0,
                                 usize::MAX,
-                            )?)
+                            )?))
                         }
                     }
                 };
-                node.names_full = Some(Arc::new(Pattern::compile(
-                    pattern.unwrap_or(""),
-                    &here,
-                    min,
-                    max,
-                )?));
-                node.names = others.map(Arc::new);
+                node.names_full = Some(full);
+                node.names = others;
                 node.names_on = true;
                 node.names_min = min;
             }
@@ -819,11 +801,7 @@ impl Compiler<'_> {
             node.pattern_props
                 .iter()
                 .enumerate()
-                .filter(|(_, p)| {
-                    name.iter()
-                        .try_fold(p.start(), |st, &c| p.next(st, c))
-                        .is_some_and(|st| p.accepts_end(st))
-                })
+                .filter(|(_, p)| p.matches(name))
                 .fold(0, |m, (i, _)| m | 1 << i)
         };
         if let Some(p) = obj.get("properties") {
@@ -957,15 +935,7 @@ impl Compiler<'_> {
             }
             None => {}
         }
-        let count = |k: &str| -> Result<Option<usize>, String> {
-            obj.get(k)
-                .map(|v| {
-                    v.as_u64()
-                        .map(|n| n as usize)
-                        .ok_or_else(|| format!("{at}/{k}: {v} is not a count"))
-                })
-                .transpose()
-        };
+        let count = |k: &str| count_of(obj, at, k);
         node.min_props = count("minProperties")?.unwrap_or(0);
         node.max_props = count("maxProperties")?.unwrap_or(usize::MAX);
         let required = node.required.count_ones() as usize;
@@ -1082,11 +1052,10 @@ impl Compiler<'_> {
                         let chars = v.chars().count();
                         chars >= node.min_len
                             && chars <= node.max_len
-                            && node.pattern.as_ref().is_none_or(|p| {
-                                v.bytes()
-                                    .try_fold(p.start(), |st, b| p.next(st, b))
-                                    .is_some_and(|st| p.accepts_end(st))
-                            })
+                            && node
+                                .pattern
+                                .as_ref()
+                                .is_none_or(|p| p.matches(v.as_bytes()))
                     }
                     Ok(Value::Number(v)) => node.bounds.holds_number(&v.to_string()),
                     _ => true,
@@ -1214,6 +1183,21 @@ impl Compiler<'_> {
         self.nodes.push(merged);
         Ok(n)
     }
+}
+
+/// The count keyword `k` of a schema (`minItems`, `maxLength`, ...), if given.
+fn count_of(
+    obj: &serde_json::Map<String, Value>,
+    at: &str,
+    k: &str,
+) -> Result<Option<usize>, String> {
+    obj.get(k)
+        .map(|v| {
+            v.as_u64()
+                .map(|n| n as usize)
+                .ok_or_else(|| format!("{at}/{k}: {v} is not a count"))
+        })
+        .transpose()
 }
 
 /// `text` as an ECMA-262 pattern that matches it literally.
