@@ -59,14 +59,23 @@ def llama_src(work: Path) -> Path:
 
 # `--isa`: `native` builds llama.cpp with -DGGML_NATIVE=ON and runs ours at its best level; `avx2` builds
 # llama.cpp for AVX2 + FMA + F16C only (no AVX-512, VNNI or AMX; in build-avx2/) and runs ours with
-# CACHALOT_SIMD=avx2 and CACHALOT_AMX=0: what a CI-class x86 machine without AVX-512 runs, on this CPU.
+# CACHALOT_SIMD=avx2, CACHALOT_AVX_VNNI=0 and CACHALOT_AMX=0: what a CI-class x86 machine without
+# AVX-512 runs, on this CPU. `avx2-vnni` is the same plus AVX-VNNI on both sides (llama.cpp's
+# GGML_AVX_VNNI, our AVX-VNNI W8A8 kernel): an x86 machine with AVX-VNNI but no AVX-512 (Intel client
+# cores from Alder Lake, AMD Zen 5 with AVX-512 off).
+AVX2_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+              "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+              "-DGGML_AMX_BF16=OFF"]
 ISA_FLAGS = {
     "native": ["-DGGML_NATIVE=ON"],
-    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-             "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF",
-             "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
+    "avx2": AVX2_FLAGS + ["-DGGML_AVX_VNNI=OFF"],
+    "avx2-vnni": AVX2_FLAGS + ["-DGGML_AVX_VNNI=ON"],
 }
-ISA_ENV = {"native": {}, "avx2": {"CACHALOT_SIMD": "avx2", "CACHALOT_AMX": "0"}}
+ISA_ENV = {
+    "native": {},
+    "avx2": {"CACHALOT_SIMD": "avx2", "CACHALOT_AVX_VNNI": "0", "CACHALOT_AMX": "0"},
+    "avx2-vnni": {"CACHALOT_SIMD": "avx2", "CACHALOT_AVX_VNNI": "1", "CACHALOT_AMX": "0"},
+}
 
 
 def build_dir(isa: str) -> str:
@@ -272,7 +281,8 @@ def main():
     ap.add_argument("--jobs", type=int, default=2, help="parallel jobs of the llama.cpp build")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--isa", choices=sorted(ISA_FLAGS), default="native",
-                    help="native: both at this CPU's best; avx2: both held to AVX2+FMA+F16C (llama.cpp in build-avx2/)")
+                    help="native: both at this CPU's best; avx2: both held to AVX2+FMA+F16C (llama.cpp in "
+                         "build-avx2/); avx2-vnni: the same plus AVX-VNNI (build-avx2-vnni/)")
     ap.add_argument("--threads", default="2")
     ap.add_argument("--prompt", default="512")
     ap.add_argument("--gen", default="128")

@@ -230,7 +230,7 @@ pub(crate) unsafe fn matmul_rows(
         let rest = tiled_end..rows.end;
         match weights {
             Stored::Int8 => super::w8a8::avx512::matmul_rows(w, rest, xq, n_tokens, out),
-            Stored::Int4 => super::w4a8::avx2::matmul_rows(w, rest, xq, n_tokens, out),
+            Stored::Int4 => super::w4a8::avx512::matmul_rows(w, rest, xq, n_tokens, out),
         }
     }
 }

@@ -863,8 +863,23 @@ unsafe fn rows_task(
             },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as below.
-            SimdLevel::Avx2 | SimdLevel::Avx512 if int4 => unsafe {
+            SimdLevel::Avx512 if int4 => unsafe {
+                w4a8::avx512::matmul_rows(view, task_rows, xq, n_tokens, out)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below; `supported` checked AVX2 and AVX-VNNI.
+            SimdLevel::Avx2 if int4 && w8a8::avx_vnni::supported() => unsafe {
+                w4a8::avx_vnni::matmul_rows(view, task_rows, xq, n_tokens, out)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below.
+            SimdLevel::Avx2 if int4 => unsafe {
                 w4a8::avx2::matmul_rows(view, task_rows, xq, n_tokens, out)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as below; `supported` checked AVX2 and AVX-VNNI.
+            SimdLevel::Avx2 if w8a8::avx_vnni::supported() => unsafe {
+                w8a8::avx_vnni::matmul_rows(view, task_rows, xq, n_tokens, out)
             },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as below.
@@ -1074,6 +1089,12 @@ impl Acts {
                     && amx::supported()
                 {
                     xq.amx = Some(amx::AmxTokens::new(&xq, n_tokens));
+                }
+                // The x86 W4A8 kernels' split activations, made here once rather than by the
+                // first row task while the others wait on it.
+                #[cfg(target_arch = "x86_64")]
+                if matches!(data, MatrixData::W4A8 { .. }) && SimdLevel::Avx2.supported() {
+                    w4a8::Split::of(&xq, simd_level() == SimdLevel::Avx512);
                 }
                 Acts::Int8(xq)
             }

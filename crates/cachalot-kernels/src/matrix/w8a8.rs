@@ -18,6 +18,9 @@
 //! (computed once per tile of tokens) times 128 is subtracted. All of it is i32 arithmetic
 //! modulo 2^32 whose true result fits i32, so it is exact. The ragged row end goes through
 //! masked loads (zeros add nothing). NEON `sdot` (signed × signed, no offset) is in `neon.rs`.
+//!
+//! AVX-VNNI (`avx_vnni`): at the AVX2 level, on CPUs that have the 256-bit VEX form of
+//! `vpdpbusd` without AVX-512, the AVX-512 kernel's offset scheme in 256-bit lanes.
 
 use std::ops::Range;
 
@@ -32,6 +35,10 @@ pub(crate) struct QuantizedTokens {
     /// The same values as AMX tiles, where the product takes the AMX path (`amx.rs`).
     #[cfg(target_arch = "x86_64")]
     pub amx: Option<super::amx::AmxTokens>,
+    /// The tokens split by column parity for the x86 W4A8 kernels, made once per call by the
+    /// first task that needs them.
+    #[cfg(target_arch = "x86_64")]
+    pub w4_split: std::sync::OnceLock<super::w4a8::Split>,
 }
 
 impl QuantizedTokens {
@@ -48,6 +55,8 @@ impl QuantizedTokens {
             cols,
             #[cfg(target_arch = "x86_64")]
             amx: None,
+            #[cfg(target_arch = "x86_64")]
+            w4_split: std::sync::OnceLock::new(),
         }
     }
 
@@ -98,6 +107,92 @@ pub(crate) fn matmul_rows_scalar(
     }
 }
 
+/// 128·Σ_c x[t, c], what the +128 bias of the weights adds to token t's sums in the `vpdpbusd`
+/// kernels (wrapping: only the final difference fits i32).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn offset_of(xq: &QuantizedTokens, t: usize) -> i32 {
+    let s: i32 = xq.token(t).iter().map(|&v| v as i32).sum();
+    s.wrapping_mul(128)
+}
+
+/// What every integer kernel's row loop does: the exact i32 sums of rows `rows` × tokens
+/// t0..t0+NT come R rows at a time from `tile(r)` and then one row at a time from `single(r)`,
+/// and each is written as `finish(sum − offset[t], ...)` (wrapping: a kernel's bias term).
+///
+/// # Safety
+/// `out` accepts writes for every row in `rows` (the calling task's rows).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn emit_row_tiles<const R: usize, const NT: usize>(
+    w: &WeightsView,
+    rows: Range<usize>,
+    xq: &QuantizedTokens,
+    t0: usize,
+    offset: &[i32; NT],
+    out: &OutRows,
+    mut tile: impl FnMut(usize) -> [[i32; NT]; R],
+    mut single: impl FnMut(usize) -> [i32; NT],
+) {
+    let emit = |r: usize, acc: &[i32; NT]| {
+        for t in 0..NT {
+            let v = finish(acc[t].wrapping_sub(offset[t]), w, r, xq.scale[t0 + t]);
+            // SAFETY: row r is one of the caller's rows.
+            unsafe { out.write(t0 + t, r, v) };
+        }
+    };
+    let mut r = rows.start;
+    while r + R <= rows.end {
+        let acc = tile(r);
+        for (i, a) in acc.iter().enumerate() {
+            emit(r + i, a);
+        }
+        r += R;
+    }
+    while r < rows.end {
+        emit(r, &single(r));
+        r += 1;
+    }
+}
+
+/// One token's sums of eight rows, each spread over the 8 i32 lanes of `h[i]` (row r + i),
+/// reduced together (pairs of rows summed pairwise twice, then the two 128-bit halves added:
+/// lane i holds row r + i's sum) and finished as one vector, `((Σ − offset) as f32 · scale[i]) ·
+/// sx`: the operations of [`finish`] in its order, so the same bits. Per 8 rows this replaces
+/// eight lane reductions and eight scalar finishes, which on a 256-column row (a down
+/// projection) cost about as much as its loads.
+///
+/// # Safety
+/// The CPU supports AVX2; `scales` holds at least 8 values.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn finish8(
+    h: &[std::arch::x86_64::__m256i; 8],
+    offset: i32,
+    scales: &[f32],
+    sx: f32,
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let p0 = _mm256_hadd_epi32(h[0], h[1]);
+    let p1 = _mm256_hadd_epi32(h[2], h[3]);
+    let p2 = _mm256_hadd_epi32(h[4], h[5]);
+    let p3 = _mm256_hadd_epi32(h[6], h[7]);
+    let q0 = _mm256_hadd_epi32(p0, p1);
+    let q1 = _mm256_hadd_epi32(p2, p3);
+    let sums = _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(q0, q1),
+        _mm256_permute2x128_si256::<0x31>(q0, q1),
+    );
+    _mm256_mul_ps(
+        _mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, _mm256_set1_epi32(offset))),
+            _mm256_loadu_ps(scales[..8].as_ptr()),
+        ),
+        _mm256_set1_ps(sx),
+    )
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     #![allow(clippy::needless_range_loop)]
@@ -105,7 +200,7 @@ pub(crate) mod avx2 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{dot_i8, finish, weight_row, QuantizedTokens};
+    use super::{dot_i8, emit_row_tiles, weight_row, QuantizedTokens};
     use crate::matrix::{OutRows, WeightsView};
 
     /// # Safety
@@ -141,24 +236,9 @@ pub(crate) mod avx2 {
         t0: usize,
         out: &OutRows,
     ) {
-        let mut r = rows.start;
-        while r + R <= rows.end {
-            let acc = tile::<R, NT>(w, r, xq, t0);
-            for i in 0..R {
-                for t in 0..NT {
-                    let v = finish(acc[i][t], w, r + i, xq.scale[t0 + t]);
-                    out.write(t0 + t, r + i, v);
-                }
-            }
-            r += R;
-        }
-        while r < rows.end {
-            let acc = tile::<1, NT>(w, r, xq, t0);
-            for t in 0..NT {
-                out.write(t0 + t, r, finish(acc[0][t], w, r, xq.scale[t0 + t]));
-            }
-            r += 1;
-        }
+        let tile_r = |r| tile::<R, NT>(w, r, xq, t0);
+        let single = |r| tile::<1, NT>(w, r, xq, t0)[0];
+        emit_row_tiles(w, rows, xq, t0, &[0; NT], out, tile_r, single);
     }
 
     /// Exact i32 dot products of rows row0..row0+R with tokens t0..t0+NT.
@@ -223,6 +303,190 @@ pub(crate) mod avx2 {
     }
 }
 
+/// AVX2 with AVX-VNNI (`vpdpbusd` on 256 bits, VEX-encoded: Intel from Alder Lake and
+/// Sapphire Rapids, AMD from Zen 5), used at the `Avx2` level where the CPU has it. One
+/// instruction adds four u8·i8 products into each i32 lane, where the plain AVX2 kernel takes
+/// four (`vpsignb`, `vpmaddubsw`, `vpmaddwd`, `vpaddd`); the weights go in offset to unsigned as
+/// in the AVX-512 kernel (u = w + 128, and 128·Σx subtracted per token). A ragged row end goes
+/// through zero-padded copies (x = 0 adds nothing). Exact i32 sums, so the same bits as every
+/// other level. `CACHALOT_AVX_VNNI=0` turns it off (to compare against the plain AVX2 kernel).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx_vnni {
+    #![allow(clippy::needless_range_loop)]
+
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+    use std::sync::OnceLock;
+
+    use super::avx2::hsum_i32;
+    use super::{emit_row_tiles, finish8, offset_of, QuantizedTokens};
+    use crate::matrix::{OutRows, WeightsView};
+
+    /// Whether the CPU has AVX2 and AVX-VNNI and `CACHALOT_AVX_VNNI` does not say no (asked
+    /// once).
+    pub(crate) fn supported() -> bool {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            let off = std::env::var("CACHALOT_AVX_VNNI")
+                .map(|v| matches!(v.trim(), "0" | "off" | "no" | "false"))
+                .unwrap_or(false);
+            !off && detected()
+        })
+    }
+
+    /// Whether the CPU has AVX2 and AVX-VNNI, whatever the environment says.
+    pub(crate) fn detected() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni")
+    }
+
+    /// # Safety
+    /// [`detected`]; `out` accepts writes for every row in `rows`; `xq` holds `n_tokens` tokens
+    /// of `w.cols` values.
+    #[target_feature(enable = "avx2,avxvnni")]
+    pub(crate) unsafe fn matmul_rows(
+        w: &WeightsView,
+        rows: Range<usize>,
+        xq: &QuantizedTokens,
+        n_tokens: usize,
+        out: &OutRows,
+    ) {
+        let mut t0 = 0;
+        while t0 < n_tokens {
+            let nt = (n_tokens - t0).min(4);
+            match nt {
+                1 => row_tiles_1(w, rows.clone(), xq, t0, out),
+                2 => row_tiles::<4, 2>(w, rows.clone(), xq, t0, out),
+                3 => row_tiles::<3, 3>(w, rows.clone(), xq, t0, out),
+                _ => row_tiles::<2, 4>(w, rows.clone(), xq, t0, out),
+            }
+            t0 += nt;
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,avxvnni")]
+    unsafe fn row_tiles<const R: usize, const NT: usize>(
+        w: &WeightsView,
+        rows: Range<usize>,
+        xq: &QuantizedTokens,
+        t0: usize,
+        out: &OutRows,
+    ) {
+        let offset: [i32; NT] = std::array::from_fn(|t| offset_of(xq, t0 + t));
+        let tile_r = |r| tile::<R, NT>(w, r, xq, t0);
+        let single = |r| tile::<1, NT>(w, r, xq, t0)[0];
+        emit_row_tiles(w, rows, xq, t0, &offset, out, tile_r, single);
+    }
+
+    /// [`tile_acc`]'s sums reduced to one i32 each (here, not in the caller's closures, so that
+    /// the vectors never cross a call).
+    #[inline]
+    #[target_feature(enable = "avx2,avxvnni")]
+    unsafe fn tile<const R: usize, const NT: usize>(
+        w: &WeightsView,
+        row0: usize,
+        xq: &QuantizedTokens,
+        t0: usize,
+    ) -> [[i32; NT]; R] {
+        let acc = tile_acc::<R, NT>(w, row0, xq, t0);
+        let mut res = [[0i32; NT]; R];
+        for i in 0..R {
+            for t in 0..NT {
+                res[i][t] = hsum_i32(acc[i][t]);
+            }
+        }
+        res
+    }
+
+    /// Σ_c (w[r, c] + 128)·x[t, c] (mod 2^32) for rows row0..row0+R, tokens t0..t0+NT, spread
+    /// over the 8 lanes of each accumulator.
+    #[inline]
+    #[target_feature(enable = "avx2,avxvnni")]
+    unsafe fn tile_acc<const R: usize, const NT: usize>(
+        w: &WeightsView,
+        row0: usize,
+        xq: &QuantizedTokens,
+        t0: usize,
+    ) -> [[__m256i; NT]; R] {
+        let cols = w.cols;
+        let bias = _mm256_set1_epi8(0x80u8 as i8);
+        let mut acc = [[_mm256_setzero_si256(); NT]; R];
+        let mut wp = [std::ptr::null::<u8>(); R];
+        for i in 0..R {
+            wp[i] = w.data.as_ptr().add((row0 + i) * cols);
+        }
+        let ahead = crate::matrix::avx2::tile_prefetch_distance(R * cols);
+        let mut xp = [std::ptr::null::<i8>(); NT];
+        for t in 0..NT {
+            xp[t] = xq.token(t0 + t).as_ptr();
+        }
+        let mut c = 0;
+        while c + 32 <= cols {
+            let mut xs = [_mm256_setzero_si256(); NT];
+            for t in 0..NT {
+                xs[t] = _mm256_loadu_si256(xp[t].add(c) as *const __m256i);
+            }
+            for i in 0..R {
+                if c.is_multiple_of(64) {
+                    crate::matrix::avx2::prefetch_tile_ahead(wp[i], ahead + c);
+                }
+                let wu = _mm256_xor_si256(_mm256_loadu_si256(wp[i].add(c) as *const __m256i), bias);
+                for t in 0..NT {
+                    acc[i][t] = _mm256_dpbusd_avx_epi32(acc[i][t], wu, xs[t]);
+                }
+            }
+            c += 32;
+        }
+        if c < cols {
+            // Ragged end: zero-padded copies (x = 0 adds nothing whatever the weight byte).
+            let k = cols - c;
+            let mut xs = [_mm256_setzero_si256(); NT];
+            for t in 0..NT {
+                let mut pad = [0i8; 32];
+                std::ptr::copy_nonoverlapping(xp[t].add(c), pad.as_mut_ptr(), k);
+                xs[t] = _mm256_loadu_si256(pad.as_ptr() as *const __m256i);
+            }
+            for i in 0..R {
+                let mut pad = [0u8; 32];
+                std::ptr::copy_nonoverlapping(wp[i].add(c), pad.as_mut_ptr(), k);
+                let wu = _mm256_xor_si256(_mm256_loadu_si256(pad.as_ptr() as *const __m256i), bias);
+                for t in 0..NT {
+                    acc[i][t] = _mm256_dpbusd_avx_epi32(acc[i][t], wu, xs[t]);
+                }
+            }
+        }
+        acc
+    }
+
+    /// One token, rows in tiles of 8 reduced together and finished as one vector, as the
+    /// AVX-512 kernel's `row_tiles_1` (the operations of [`finish`] in its order: same bits).
+    #[inline]
+    #[target_feature(enable = "avx2,avxvnni")]
+    unsafe fn row_tiles_1(
+        w: &WeightsView,
+        rows: Range<usize>,
+        xq: &QuantizedTokens,
+        t0: usize,
+        out: &OutRows,
+    ) {
+        let crate::matrix::Scales::Row(row_scale) = w.scales else {
+            return row_tiles::<4, 1>(w, rows, xq, t0, out);
+        };
+        let off = offset_of(xq, t0);
+        let mut r = rows.start;
+        while r + 8 <= rows.end {
+            let acc = tile_acc::<8, 1>(w, r, xq, t0);
+            let h: [__m256i; 8] = std::array::from_fn(|i| acc[i][0]);
+            let v = finish8(&h, off, &row_scale[r..r + 8], xq.scale[t0]);
+            _mm256_storeu_ps(out.rows_mut(t0, r, 8).as_mut_ptr(), v);
+            r += 8;
+        }
+        if r < rows.end {
+            row_tiles::<4, 1>(w, r..rows.end, xq, t0, out);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     #![allow(clippy::needless_range_loop)]
@@ -230,7 +494,7 @@ pub(crate) mod avx512 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{finish, QuantizedTokens};
+    use super::{emit_row_tiles, finish8, offset_of, QuantizedTokens};
     use crate::matrix::{OutRows, WeightsView};
 
     /// # Safety
@@ -267,33 +531,9 @@ pub(crate) mod avx512 {
         out: &OutRows,
     ) {
         let offset: [i32; NT] = std::array::from_fn(|t| offset_of(xq, t0 + t));
-        let emit = |r: usize, acc: &[i32; NT]| {
-            for t in 0..NT {
-                let v = finish(acc[t].wrapping_sub(offset[t]), w, r, xq.scale[t0 + t]);
-                out.write(t0 + t, r, v);
-            }
-        };
-        let mut r = rows.start;
-        while r + R <= rows.end {
-            let acc = tile::<R, NT>(w, r, xq, t0);
-            for i in 0..R {
-                emit(r + i, &acc[i]);
-            }
-            r += R;
-        }
-        while r < rows.end {
-            let acc = tile::<1, NT>(w, r, xq, t0);
-            emit(r, &acc[0]);
-            r += 1;
-        }
-    }
-
-    /// 128·Σ_c x[t, c], what the +128 bias of the weights adds to token t's sums (wrapping: only
-    /// the final difference fits i32).
-    #[inline]
-    fn offset_of(xq: &QuantizedTokens, t: usize) -> i32 {
-        let s: i32 = xq.token(t).iter().map(|&v| v as i32).sum();
-        s.wrapping_mul(128)
+        let tile_r = |r| tile::<R, NT>(w, r, xq, t0);
+        let single = |r| tile::<1, NT>(w, r, xq, t0)[0];
+        emit_row_tiles(w, rows, xq, t0, &offset, out, tile_r, single);
     }
 
     /// Σ_c (w[r, c] + 128)·x[t, c] (mod 2^32) for rows row0..row0+R, tokens t0..t0+NT.
@@ -386,8 +626,7 @@ pub(crate) mod avx512 {
         let crate::matrix::Scales::Row(row_scale) = w.scales else {
             return row_tiles::<8, 1>(w, rows, xq, t0, out);
         };
-        let offset = _mm256_set1_epi32(offset_of(xq, t0));
-        let sx = _mm256_set1_ps(xq.scale[t0]);
+        let off = offset_of(xq, t0);
         let mut r = rows.start;
         while r + 8 <= rows.end {
             let acc = tile_acc::<8, 1>(w, r, xq, t0);
@@ -399,24 +638,7 @@ pub(crate) mod avx512 {
                     _mm512_extracti64x4_epi64::<1>(acc[i][0]),
                 )
             });
-            let p0 = _mm256_hadd_epi32(h[0], h[1]);
-            let p1 = _mm256_hadd_epi32(h[2], h[3]);
-            let p2 = _mm256_hadd_epi32(h[4], h[5]);
-            let p3 = _mm256_hadd_epi32(h[6], h[7]);
-            let q0 = _mm256_hadd_epi32(p0, p1);
-            let q1 = _mm256_hadd_epi32(p2, p3);
-            let sums = _mm256_add_epi32(
-                _mm256_permute2x128_si256::<0x20>(q0, q1),
-                _mm256_permute2x128_si256::<0x31>(q0, q1),
-            );
-            let scales = &row_scale[r..r + 8];
-            let v = _mm256_mul_ps(
-                _mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, offset)),
-                    _mm256_loadu_ps(scales.as_ptr()),
-                ),
-                sx,
-            );
+            let v = finish8(&h, off, &row_scale[r..r + 8], xq.scale[t0]);
             _mm256_storeu_ps(out.rows_mut(t0, r, 8).as_mut_ptr(), v);
             r += 8;
         }
@@ -555,6 +777,98 @@ pub(crate) mod tests {
                         want[t * rows + r], exact[t * rows + r], bound);
                 }
             }
+        }
+    }
+
+    /// Runs one x86 kernel of this module directly: `vnni` picks the AVX-VNNI kernel, else
+    /// the plain AVX2 one (the `Avx2` level takes the first where the CPU has it, so the
+    /// level-wide tests reach only one of the two).
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_kernel(
+        m: &Matrix,
+        x: &[f32],
+        n_tokens: usize,
+        rows: std::ops::Range<usize>,
+        vnni: bool,
+    ) -> Vec<f32> {
+        use crate::matrix::OutRows;
+        use crate::parallel::DisjointOut;
+        let xq = super::QuantizedTokens::new(x, n_tokens, m.cols());
+        let view = m.view();
+        let mut out = vec![f32::NAN; n_tokens * rows.len()];
+        let d = DisjointOut::new(&mut out);
+        let o = OutRows {
+            out: &d,
+            stride: rows.len(),
+            first_row: rows.start,
+        };
+        // SAFETY: AVX2 (and AVX-VNNI for `vnni`) checked by the caller; one task owns `out`.
+        unsafe {
+            if vnni {
+                super::avx_vnni::matmul_rows(&view, rows, &xq, n_tokens, &o);
+            } else {
+                super::avx2::matmul_rows(&view, rows, &xq, n_tokens, &o);
+            }
+        }
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Both AVX2 kernels, with and without AVX-VNNI, equal the exact reference bit for bit
+        /// (each where the CPU has it), over all rows and a sub-range.
+        #[test]
+        fn avx2_and_avx_vnni_kernels_equal_the_exact_reference(
+            rows in 1usize..40, cols in 1usize..300, n_tokens in 1usize..10, seed in any::<u64>()
+        ) {
+            let (m, x) = case(rows, cols, n_tokens, seed);
+            let want = reference(&m, &x, n_tokens);
+            let mut kernels = vec![];
+            if SimdLevel::Avx2.supported() {
+                kernels.push(false);
+            }
+            if super::avx_vnni::detected() {
+                kernels.push(true);
+            }
+            for vnni in kernels {
+                prop_assert_eq!(&avx2_kernel(&m, &x, n_tokens, 0..rows, vnni)[..], &want[..], "vnni {}", vnni);
+                let sub = rows / 3..rows;
+                let got = avx2_kernel(&m, &x, n_tokens, sub.clone(), vnni);
+                for t in 0..n_tokens {
+                    prop_assert_eq!(
+                        &got[t * sub.len()..(t + 1) * sub.len()],
+                        &want[t * rows + sub.start..(t + 1) * rows],
+                        "vnni {} sub-range", vnni
+                    );
+                }
+            }
+        }
+    }
+
+    /// Worst-case magnitudes through both AVX2 kernels.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_kernels_keep_large_sums_exact() {
+        let (rows, cols, n_tokens) = (11, 4096 + 7, 5);
+        let data = Bytes::from_vec(vec![0x80u8; rows * cols]);
+        let m = Matrix::new(
+            rows,
+            cols,
+            MatrixData::W8A8 {
+                data,
+                scale: vec![1.0; rows],
+            },
+        )
+        .unwrap();
+        let x = vec![-1.0f32; n_tokens * cols];
+        let acc = (128 * 127 * cols) as f32;
+        for vnni in [false, true] {
+            if (vnni && !super::avx_vnni::detected()) || !SimdLevel::Avx2.supported() {
+                continue;
+            }
+            let out = avx2_kernel(&m, &x, n_tokens, 0..rows, vnni);
+            assert!(out.iter().all(|&v| v == acc / 127.0), "vnni {vnni}");
         }
     }
 
