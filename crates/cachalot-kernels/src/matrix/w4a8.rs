@@ -432,14 +432,7 @@ pub(crate) mod avx512 {
         x: &Split,
         t0: usize,
     ) -> [[i32; NT]; R] {
-        let acc = tile_acc::<R, NT>(w, row0, x, t0);
-        let mut res = [[0i32; NT]; R];
-        for i in 0..R {
-            for t in 0..NT {
-                res[i][t] = _mm512_reduce_add_epi32(acc[i][t]);
-            }
-        }
-        res
+        crate::matrix::w8a8::avx512::reduce_tile(&tile_acc::<R, NT>(w, row0, x, t0))
     }
 
     /// Σ_c n[r, c]·x[t, c] (nibbles unsigned, before the −8) for rows row0..row0+R, tokens

@@ -545,14 +545,76 @@ pub(crate) mod avx512 {
         xq: &QuantizedTokens,
         t0: usize,
     ) -> [[i32; NT]; R] {
-        let acc = tile_acc::<R, NT>(w, row0, xq, t0);
+        reduce_tile(&tile_acc::<R, NT>(w, row0, xq, t0))
+    }
+
+    /// The lane sums of a tile's accumulators (at most 16), all at once: [`reduce16`] on the
+    /// accumulators in (row, token) order, zeros after them.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+    pub(crate) unsafe fn reduce_tile<const R: usize, const NT: usize>(
+        acc: &[[__m512i; NT]; R],
+    ) -> [[i32; NT]; R] {
         let mut res = [[0i32; NT]; R];
+        if R * NT > 16 {
+            for i in 0..R {
+                for t in 0..NT {
+                    res[i][t] = _mm512_reduce_add_epi32(acc[i][t]);
+                }
+            }
+            return res;
+        }
+        let mut flat = [_mm512_setzero_si512(); 16];
         for i in 0..R {
             for t in 0..NT {
-                res[i][t] = _mm512_reduce_add_epi32(acc[i][t]);
+                flat[i * NT + t] = acc[i][t];
+            }
+        }
+        let sums = reduce16(&flat);
+        for i in 0..R {
+            for t in 0..NT {
+                res[i][t] = sums[i * NT + t];
             }
         }
         res
+    }
+
+    /// The lane sums of 16 vectors by a transposing tree of adds (45 instructions where 16
+    /// separate reductions take about 130): halves of pairs of vectors, then quarters, then
+    /// pairs of lanes, then lanes. i32 sums (mod 2^32) are exact in any order.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+    pub(crate) unsafe fn reduce16(v: &[__m512i; 16]) -> [i32; 16] {
+        // Level 1: t[k] = [v(2k) lo + hi | v(2k+1) lo + hi] (8 partial sums each).
+        let t: [__m512i; 8] = std::array::from_fn(|k| {
+            let (a, b) = (v[2 * k], v[2 * k + 1]);
+            _mm512_add_epi32(
+                _mm512_shuffle_i64x2::<0x44>(a, b),
+                _mm512_shuffle_i64x2::<0xEE>(a, b),
+            )
+        });
+        // Level 2: s[m]'s 128-bit lane j holds 4 partial sums of v(4m + j).
+        let s: [__m512i; 4] = std::array::from_fn(|m| {
+            let (a, b) = (t[2 * m], t[2 * m + 1]);
+            _mm512_add_epi32(
+                _mm512_shuffle_i64x2::<0x88>(a, b),
+                _mm512_shuffle_i64x2::<0xDD>(a, b),
+            )
+        });
+        // Level 3: x[h]'s lane j holds 2 partial sums of v(8h + j), then 2 of v(8h + 4 + j).
+        let x: [__m512i; 2] = std::array::from_fn(|h| {
+            let (a, b) = (s[2 * h], s[2 * h + 1]);
+            _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
+        });
+        // Level 4: lane j holds the sums of v(j), v(4 + j), v(8 + j), v(12 + j).
+        let (a, b) = (_mm512_castsi512_ps(x[0]), _mm512_castsi512_ps(x[1]));
+        let f = _mm512_add_epi32(
+            _mm512_castps_si512(_mm512_shuffle_ps::<0x88>(a, b)),
+            _mm512_castps_si512(_mm512_shuffle_ps::<0xDD>(a, b)),
+        );
+        let mut lanes = [0i32; 16];
+        _mm512_storeu_si512(lanes.as_mut_ptr() as *mut __m512i, f);
+        std::array::from_fn(|o| lanes[4 * (o % 4) + o / 4])
     }
 
     /// [`tile`]'s sums still spread over the 16 lanes of each accumulator.
@@ -842,6 +904,29 @@ pub(crate) mod tests {
                         "vnni {} sub-range", vnni
                     );
                 }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    proptest! {
+        /// The transposing reduction gives each vector's wrapping lane sum in its place.
+        #[test]
+        fn reduce16_sums_each_vector(v in prop::collection::vec(any::<i32>(), 256)) {
+            if !SimdLevel::Avx512.supported() {
+                return Ok(());
+            }
+            use std::arch::x86_64::*;
+            // SAFETY: AVX-512 checked; each load reads 16 of the 256 values.
+            let got = unsafe {
+                let vs: [__m512i; 16] = std::array::from_fn(|k| {
+                    _mm512_loadu_si512(v[16 * k..].as_ptr() as *const __m512i)
+                });
+                super::avx512::reduce16(&vs)
+            };
+            for k in 0..16 {
+                let want = v[16 * k..16 * (k + 1)].iter().fold(0i32, |a, &b| a.wrapping_add(b));
+                prop_assert_eq!(got[k], want, "vector {}", k);
             }
         }
     }
