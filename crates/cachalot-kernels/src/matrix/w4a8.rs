@@ -9,14 +9,17 @@
 //! [`super::MatrixData::Int4Group`] stores them with one group per row: column c is the low
 //! (even c) or high (odd c) nibble of byte c/2, offset binary.
 //!
-//! The sum is exact, so every level, tile and thread split gives the same bits. AVX2 splits 16
-//! bytes into 32 nibbles in column order (mask, shift, `vpunpck{l,h}bw`), multiplies the
-//! unsigned nibbles n ∈ [0, 15] by the signed activations with `vpmaddubsw` (pairs ≤ 2·15·127,
-//! no i16 saturation), widens with `vpmaddwd`, and subtracts 8·Σ_c xq[t, c] once per (row,
-//! token): Σ (n − 8)·x = Σ n·x − 8·Σ x. |acc| ≤ 8·127·cols stays in i32 for any real width.
-//! Where the CPU has AVX-VNNI (at the AVX2 and AVX-512 levels alike), one `vpdpbusd` does the
-//! multiply, pair and widen steps (`avx_vnni`, the same kernel written once by
-//! `w4a8_x86_kernel!`); `CACHALOT_AVX_VNNI=0` keeps the plain AVX2 one.
+//! The sum is exact, so every level, tile and thread split gives the same bits, whatever order
+//! the x86 kernels add in. They never put nibbles back in column order: since low nibbles are
+//! the even columns and high nibbles the odd ones, each call splits the activations once into
+//! even and odd columns ([`Split`]), and a step is a load, a mask, a shift and a mask per row
+//! (unsigned nibbles n ∈ [0, 15]) plus two dot steps per token; 8·Σ_c xq[t, c] is subtracted
+//! once per (row, token): Σ (n − 8)·x = Σ n·x − 8·Σ x. |acc| ≤ 8·127·cols stays in i32 for any
+//! real width. The dot step is `vpmaddubsw` (pairs ≤ 2·15·127, no i16 saturation) + `vpmaddwd`
+//! + `vpaddd` on AVX2, one `vpdpbusd` with AVX-VNNI (the same kernel written once by
+//! `w4a8_x86_kernel!`, AVX-VNNI taken at the AVX2 level where the CPU has it;
+//! `CACHALOT_AVX_VNNI=0` keeps the plain AVX2 one), and AVX-512 has its own VNNI kernel
+//! (`avx512`, 128 columns a step).
 
 use std::ops::Range;
 
