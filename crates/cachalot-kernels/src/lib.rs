@@ -37,7 +37,7 @@ pub use error::KernelError;
 pub use float16::{bf16_round, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use matrix::{MatmulJob, Matrix, MatrixData};
 pub use parallel::{serial, KeepWarm};
-pub use simd::{simd_level, SimdLevel};
+pub use simd::{kernel_isa, simd_level, SimdLevel};
 pub use vector::{
     argmax, axpy, axpy_rows, axpy_rows_bf16, axpy_rows_many, dot, dot_rows, dot_rows_bf16,
     dot_rows_lanes, dot_rows_many, log_softmax_at, rms_norm, rms_norm_rows,

@@ -150,9 +150,39 @@ pub fn simd_level() -> SimdLevel {
     })
 }
 
+/// What this process's products run on, for reports: the level's name, plus `amx-int8` where
+/// W8A8/W4A8 products of many tokens take AMX tiles and `avx-vnni` where the AVX2 level's
+/// integer products use it (e.g. "avx512+amx-int8", "avx2+avx-vnni", "avx2", "neon").
+pub fn kernel_isa() -> String {
+    let level = simd_level();
+    #[allow(unused_mut)]
+    let mut isa = level.name().to_string();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level == SimdLevel::Avx512 && crate::matrix::amx_supported() {
+            isa.push_str("+amx-int8");
+        }
+        if level == SimdLevel::Avx2 && crate::matrix::avx_vnni_supported() {
+            isa.push_str("+avx-vnni");
+        }
+    }
+    isa
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_isa_names_the_level_and_its_extras() {
+        let isa = kernel_isa();
+        let mut parts = isa.split('+');
+        assert_eq!(parts.next(), Some(simd_level().name()));
+        for extra in parts {
+            assert!(["amx-int8", "avx-vnni"].contains(&extra), "{isa}");
+        }
+        eprintln!("kernels: {isa}");
+    }
 
     #[test]
     fn names_and_clamping() {

@@ -217,6 +217,8 @@ pub struct Summary {
     pub parallel: Parallel,
     pub world_size_in_config: usize,
     pub threads: usize,
+    /// What the products ran on (`cachalot_kernels::kernel_isa`: "avx512+amx-int8", "avx2", …).
+    pub kernels: String,
     pub load_s: f64,
     pub wall_s: f64,
     pub prompt_tokens: usize,
@@ -682,6 +684,11 @@ pub fn run_ranked(
         }};
     }
     logln!("config {}", opts.config_path.display());
+    logln!(
+        "kernels: {} ({} threads)",
+        cachalot_kernels::kernel_isa(),
+        rayon_threads()
+    );
     if tensor {
         logln!(
             "rank {rank} of {ranks} (tensor parallel: this rank holds heads \
@@ -1231,6 +1238,7 @@ pub fn run_ranked(
         },
         world_size_in_config: cfg.parallel_config.world_size,
         threads: rayon_threads(),
+        kernels: cachalot_kernels::kernel_isa(),
         load_s,
         wall_s,
         prompt_tokens,

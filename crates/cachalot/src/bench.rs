@@ -446,6 +446,7 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "bf16_dot": args.model.bf16_dot,
         "kv_cache_dtype": kv_dtype,
         "threads": rayon::current_num_threads(),
+        "kernels": cachalot_kernels::kernel_isa(),
         "params_total": params.total,
         "params_active": params.active,
         "load_s": load_s,
@@ -495,10 +496,11 @@ fn print_text(r: &serde_json::Value) {
     let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
     println!("model: {}", r["model"].as_str().unwrap_or("?"));
     println!(
-        "parameters: {:.3} B total, {:.3} B active; {} threads; load {:.1} s; KV cache {}",
+        "parameters: {:.3} B total, {:.3} B active; {} threads ({}); load {:.1} s; KV cache {}",
         f("params_total") / 1e9,
         f("params_active") / 1e9,
         r["threads"],
+        r["kernels"].as_str().unwrap_or("?"),
         f("load_s"),
         r["kv_cache_dtype"].as_str().unwrap_or("f32")
     );
@@ -601,6 +603,7 @@ fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize, prof: bool) 
         "model": dir.display().to_string(),
         "family": "deepseek_v4",
         "threads": rayon::current_num_threads(),
+        "kernels": cachalot_kernels::kernel_isa(),
         "decode_bytes_per_token": m.decode_bytes_per_token(),
         "load_s": load_s,
         "prompt_len": prompt.len(),

@@ -55,6 +55,18 @@ mod neon;
 #[cfg(test)]
 mod tests;
 
+/// Whether W8A8/W4A8 products of many tokens take AMX tiles in this process.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn amx_supported() -> bool {
+    amx::supported()
+}
+
+/// Whether the AVX2 level's integer products use AVX-VNNI in this process.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx_vnni_supported() -> bool {
+    w8a8::avx_vnni::supported()
+}
+
 use std::ops::Range;
 
 use crate::bytes::{f32s_to_le_bytes, Bytes};

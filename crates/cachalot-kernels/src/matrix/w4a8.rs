@@ -15,8 +15,8 @@
 //! even and odd columns ([`Split`]), and a step is a load, a mask, a shift and a mask per row
 //! (unsigned nibbles n ∈ [0, 15]) plus two dot steps per token; 8·Σ_c xq[t, c] is subtracted
 //! once per (row, token): Σ (n − 8)·x = Σ n·x − 8·Σ x. |acc| ≤ 8·127·cols stays in i32 for any
-//! real width. The dot step is `vpmaddubsw` (pairs ≤ 2·15·127, no i16 saturation) + `vpmaddwd`
-//! + `vpaddd` on AVX2, one `vpdpbusd` with AVX-VNNI (the same kernel written once by
+//! real width. The dot step is `vpmaddubsw` (pairs ≤ 2·15·127, no i16 saturation), `vpmaddwd`
+//! and `vpaddd` on AVX2, one `vpdpbusd` with AVX-VNNI (the same kernel written once by
 //! `w4a8_x86_kernel!`, AVX-VNNI taken at the AVX2 level where the CPU has it;
 //! `CACHALOT_AVX_VNNI=0` keeps the plain AVX2 one), and AVX-512 has its own VNNI kernel
 //! (`avx512`, 128 columns a step).
