@@ -294,6 +294,21 @@ pub(crate) mod avx2 {
         res
     }
 
+    /// The lane sums of a tile's 8-lane accumulators, one i32 each.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn hsum_tile<const R: usize, const NT: usize>(
+        acc: &[[__m256i; NT]; R],
+    ) -> [[i32; NT]; R] {
+        let mut res = [[0i32; NT]; R];
+        for i in 0..R {
+            for t in 0..NT {
+                res[i][t] = hsum_i32(acc[i][t]);
+            }
+        }
+        res
+    }
+
     #[inline]
     #[target_feature(enable = "avx2")]
     pub(crate) unsafe fn hsum_i32(v: __m256i) -> i32 {
@@ -319,7 +334,7 @@ pub(crate) mod avx_vnni {
     use std::ops::Range;
     use std::sync::OnceLock;
 
-    use super::avx2::hsum_i32;
+    use super::avx2::hsum_tile;
     use super::{emit_row_tiles, finish8, offset_of, QuantizedTokens};
     use crate::matrix::{OutRows, WeightsView};
 
@@ -389,14 +404,7 @@ pub(crate) mod avx_vnni {
         xq: &QuantizedTokens,
         t0: usize,
     ) -> [[i32; NT]; R] {
-        let acc = tile_acc::<R, NT>(w, row0, xq, t0);
-        let mut res = [[0i32; NT]; R];
-        for i in 0..R {
-            for t in 0..NT {
-                res[i][t] = hsum_i32(acc[i][t]);
-            }
-        }
-        res
+        hsum_tile(&tile_acc::<R, NT>(w, row0, xq, t0))
     }
 
     /// Σ_c (w[r, c] + 128)·x[t, c] (mod 2^32) for rows row0..row0+R, tokens t0..t0+NT, spread
