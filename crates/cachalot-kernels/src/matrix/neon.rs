@@ -71,8 +71,6 @@ trait IntWeights {
     );
     /// Exact Σ over columns `cols` of q·x for the vector loop's remainder.
     fn tail(w: &WeightsView, r: usize, x: &[i8], cols: Range<usize>) -> i32;
-    /// The output value of row r's exact sum `acc` for a token of scale `sx`.
-    fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32;
 }
 
 struct Int8;
@@ -101,10 +99,6 @@ impl IntWeights for Int8 {
     }
     fn tail(w: &WeightsView, r: usize, x: &[i8], cols: Range<usize>) -> i32 {
         w8a8::dot_i8(&w8a8::weight_row(w, r)[cols.clone()], &x[cols])
-    }
-    #[inline(always)]
-    fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
-        w8a8::finish(acc, w, r, sx)
     }
 }
 
@@ -137,10 +131,6 @@ impl IntWeights for Int4 {
     }
     fn tail(w: &WeightsView, r: usize, x: &[i8], cols: Range<usize>) -> i32 {
         w4a8::dot_w4(w4a8::weight_row(w, r), x, cols)
-    }
-    #[inline(always)]
-    fn finish(acc: i32, w: &WeightsView, r: usize, sx: f32) -> f32 {
-        w4a8::finish(acc, w, r, sx)
     }
 }
 
@@ -211,28 +201,11 @@ unsafe fn row_tiles<K: IntWeights, const R: usize, const NT: usize>(
     t0: usize,
     out: &OutRows,
 ) {
-    let emit = |r: usize, acc: &[i32; NT]| {
-        for t in 0..NT {
-            let v = K::finish(acc[t], w, r, xq.scale[t0 + t]);
-            // SAFETY: row r is in this task's rows (the caller's contract).
-            unsafe { out.write(t0 + t, r, v) };
-        }
-    };
-    let mut r = rows.start;
-    while r + R <= rows.end {
-        // SAFETY: rows r..r+R exist.
-        let acc = unsafe { tile::<K, R, NT>(w, r, xq, t0) };
-        for i in 0..R {
-            emit(r + i, &acc[i]);
-        }
-        r += R;
-    }
-    while r < rows.end {
-        // SAFETY: row r exists.
-        let acc = unsafe { tile::<K, 1, NT>(w, r, xq, t0) };
-        emit(r, &acc[0]);
-        r += 1;
-    }
+    // SAFETY (both closures): rows r..r+R and row r exist; the caller's contract covers out.
+    let tile_r = |r| unsafe { tile::<K, R, NT>(w, r, xq, t0) };
+    let single = |r| unsafe { tile::<K, 1, NT>(w, r, xq, t0)[0] };
+    // SAFETY: forwarded contract (rows are this task's).
+    unsafe { w8a8::emit_row_tiles(w, rows, xq, t0, &[0; NT], out, tile_r, single) }
 }
 
 /// Exact i32 dot products of rows row0..row0+R with tokens t0..t0+NT.

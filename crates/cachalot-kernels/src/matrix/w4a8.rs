@@ -23,7 +23,7 @@
 
 use std::ops::Range;
 
-pub(crate) use super::w8a8::finish;
+use super::w8a8::finish;
 use super::w8a8::QuantizedTokens;
 use super::{OutRows, WeightsView};
 

@@ -122,7 +122,6 @@ pub(crate) fn offset_of(xq: &QuantizedTokens, t: usize) -> i32 {
 ///
 /// # Safety
 /// `out` accepts writes for every row in `rows` (the calling task's rows).
-#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn emit_row_tiles<const R: usize, const NT: usize>(
