@@ -81,17 +81,7 @@ pub(crate) fn prefetch_tile_ahead(base: *const u8, offset: usize) {
     unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(offset) as *const i8) }
 }
 
-/// How far ahead [`prefetch_tile_ahead`] reaches from a tile of `tile_bytes` (its rows' bytes):
-/// whole tiles, at least 16 KiB. One tile ahead is too close for narrow rows (8 rows of 512
-/// bytes: a down projection of 256 columns): the line arrives late. At 2 threads, 256-wide BF16
-/// rows streamed at 27 GB/s one tile ahead, 36 GB/s 16-32 KiB ahead; 2048-wide rows (one tile
-/// = 32 KiB) the same either way.
-#[inline(always)]
-pub(crate) fn tile_prefetch_distance(tile_bytes: usize) -> usize {
-    const MIN_AHEAD: usize = 16 * 1024;
-    let t = tile_bytes.max(1);
-    t * MIN_AHEAD.div_ceil(t)
-}
+pub(crate) use super::tile_prefetch_distance;
 
 pub(crate) struct F32W;
 pub(crate) struct Bf16W;

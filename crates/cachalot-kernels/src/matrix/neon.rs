@@ -1,4 +1,5 @@
-//! NEON integer products for aarch64 with the dot-product extension (`SimdLevel::Neon`): the
+//! NEON integer products for aarch64 with the dot-product extension (`SimdLevel::Neon`; the
+//! float formats' products are in `neon_float.rs`): the
 //! W8A8 sum of `w8a8.rs` and the W4A8 sum of `w4a8.rs` (spec `deepseek-v3-r1-kimi-k2.md` §4,
 //! `deepseek-v4.md` §4.2/§4.4), with `sdot`, which adds four i8·i8 products into each i32 lane.
 //!
