@@ -23,6 +23,13 @@
 //! Raspberry Pi 4) run the scalar level. `sdot` is issued through `asm!` because its intrinsic
 //! is not yet stable Rust.
 //!
+//! Every level gives the same bits. The scalar twins do the SIMD kernels' operations lane by
+//! lane (AVX2's 8-lane accumulators, fused multiply-adds, `hsum` order and Cephes `exp`), AVX-512
+//! and NEON repeat AVX2's operations in wider or narrower registers, and the integer products
+//! are exact; the tests hold every level to the scalar bits, and `tools/cross_aarch64.sh` checks
+//! the shipped model's log-probabilities on aarch64 against x86-64's. (One exception:
+//! `--bf16-dot` on AVX-512 BF16, whose `vdpbf16ps` flushes subnormals.)
+//!
 //! Adding a level: a variant here, its detection in [`SimdLevel::supported`], its place in its
 //! architecture's `ALL`, and one more arm in each dispatching `match`.
 

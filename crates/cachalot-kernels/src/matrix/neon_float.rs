@@ -18,10 +18,10 @@
 //! The transposed product (`matmul_t_cols`, MLA's absorption `W_UKᵀ q`) is AVX2's too: each
 //! (token, column) one chain of fused multiply-adds over the rows in order.
 //!
-//! Checked against a portable statement of these operations (`tests.rs`,
-//! `simd_order_reference`), which the AVX2 kernel is also checked against on x86-64; on x86-64
-//! this file is compiled and its tests run under `qemu-aarch64` (`tools/cross_aarch64.sh`). Not
-//! timed on an Arm host.
+//! Checked against the scalar kernels (`scalar.rs`), which state these operations lane by lane
+//! and which AVX2 and AVX-512 are checked against too (`tests.rs`); on x86-64 this file is
+//! compiled and its tests run under `qemu-aarch64` (`tools/cross_aarch64.sh`). Not timed on an
+//! Arm host.
 //!
 //! Spec: `deepseek-v3-r1-kimi-k2.md` §2.2 (FP8 block scales) and §4 (quantized formats),
 //! `deepseek-v4.md` §4 (MXFP4, HiF8); the operations are those of the AVX2 module.

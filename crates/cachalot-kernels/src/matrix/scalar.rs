@@ -2,8 +2,9 @@
 //! exact dequantization used by `row_to_f32` / `to_f32_vec`.
 //!
 //! Weights are decoded to their exact values (FP8 through the table, int8/int4 as integers) one
-//! row at a time into a buffer that every token of the call then reuses; scales are applied per
-//! column segment, as in the SIMD kernels.
+//! row at a time into a buffer that every token of the call then reuses. The products do the
+//! SIMD kernels' operations lane by lane (AVX2's, which AVX-512 and NEON repeat), so every level
+//! on every architecture gives the same bits (`matrix/tests.rs` checks it).
 
 use std::ops::Range;
 
@@ -105,7 +106,25 @@ pub(crate) fn dequantize_row(w: &WeightsView, r: usize, cols: Range<usize>, out:
     }
 }
 
-/// The forward product for rows `rows` (all tokens), written through `out`.
+/// The decoding's own scale, as the SIMD kernels decode (`avx2::Weights16::FACTOR`): FP8
+/// through its f16 pattern is value·2^−8, e2m1 through a table 2·value; the kernels multiply
+/// the factor back into the scale.
+pub(crate) fn simd_factor(format: Format) -> f32 {
+    match format {
+        Format::Fp8 | Format::Mxfp8 => 256.0,
+        Format::Fp4 => 0.5,
+        _ => 1.0,
+    }
+}
+
+/// The forward product for rows `rows` (all tokens), written through `out`: the SIMD kernels'
+/// operations (AVX2's, which AVX-512 and NEON repeat), lane by lane, so every level gives the
+/// same bits. Per (row, token) and column segment, two 8-lane accumulators of fused
+/// multiply-adds over 16-column chunks from the segment's first column (a0 the chunk's first 8
+/// columns, a1 its last 8; zeros past the segment's end), folded into an 8-lane total as
+/// `fma(a0 + a1, scale·FACTOR, total)`, the 8 lanes summed in AVX2's `hsum` order. Weights
+/// enter as the kernels decode them: the stored value divided by [`simd_factor`] (a power of
+/// two, so exact).
 pub(crate) fn matmul_rows(
     w: &WeightsView,
     rows: Range<usize>,
@@ -113,25 +132,55 @@ pub(crate) fn matmul_rows(
     n_tokens: usize,
     out: &OutRows,
 ) {
-    let mut buf = vec![0.0f32; w.cols];
+    let cols = w.cols;
+    let factor = simd_factor(w.format);
+    let mut buf = vec![0.0f32; cols];
     for r in rows {
-        decode_row(w, r, 0..w.cols, &mut buf);
+        decode_row(w, r, 0..cols, &mut buf);
+        for v in buf.iter_mut() {
+            *v /= factor;
+        }
         let row_scales = w.scales.row(r);
         for t in 0..n_tokens {
-            let xt = &x[t * w.cols..(t + 1) * w.cols];
-            let mut total = 0.0f32;
-            for (s, seg) in segments(w, 0..w.cols) {
-                let partial = scalar::dot(&buf[seg.clone()], &xt[seg]);
-                total += partial * row_scales.get(s);
+            let xt = &x[t * cols..(t + 1) * cols];
+            let mut total = [0.0f32; 8];
+            for (s, seg) in segments(w, 0..cols) {
+                let (mut a0, mut a1) = ([0.0f32; 8], [0.0f32; 8]);
+                let mut c = seg.start;
+                while c < seg.end {
+                    for j in 0..8 {
+                        let (wa, xa) = lane(&buf, xt, c + j, seg.end);
+                        a0[j] = wa.mul_add(xa, a0[j]);
+                        let (wb, xb) = lane(&buf, xt, c + 8 + j, seg.end);
+                        a1[j] = wb.mul_add(xb, a1[j]);
+                    }
+                    c += 16;
+                }
+                let scale = row_scales.get(s) * factor;
+                for j in 0..8 {
+                    total[j] = (a0[j] + a1[j]).mul_add(scale, total[j]);
+                }
             }
             // SAFETY: row r is in this task's row range.
-            unsafe { out.write(t, r, total) };
+            unsafe { out.write(t, r, scalar::hsum8(total)) };
         }
     }
 }
 
+/// Column c's decoded weight and activation, or zeros past the segment's end `end`.
+#[inline]
+fn lane(w: &[f32], x: &[f32], c: usize, end: usize) -> (f32, f32) {
+    if c < end {
+        (w[c], x[c])
+    } else {
+        (0.0, 0.0)
+    }
+}
+
 /// The transposed product for output columns `cols` (all tokens): out[t*w.cols + c] =
-/// Σ_{r in rows} W[r,c]·x[t*rows.len() + r - rows.start], accumulated over r in order.
+/// Σ_{r in rows} W[r,c]·x[t*rows.len() + r - rows.start], as the SIMD kernels compute it: per
+/// (token, column) one chain of fused multiply-adds over the rows in order from zero, of the
+/// decoded weight (value / [`simd_factor`]) and the coefficient `x·(scale·FACTOR)`.
 pub(crate) fn matmul_t_cols(
     w: &WeightsView,
     rows: Range<usize>,
@@ -141,6 +190,7 @@ pub(crate) fn matmul_t_cols(
     out: &DisjointOut,
 ) {
     let m = rows.len();
+    let factor = simd_factor(w.format);
     let mut buf = vec![0.0f32; cols.len()];
     // SAFETY: this task owns out[t*w.cols + c] for c in `cols` (disjoint from other tasks).
     let mut outs: Vec<&mut [f32]> = (0..n_tokens)
@@ -155,10 +205,11 @@ pub(crate) fn matmul_t_cols(
         let row_scales = w.scales.row(r);
         for (s, seg) in segments(w, cols.clone()) {
             let local = seg.start - cols.start..seg.end - cols.start;
+            let scale = row_scales.get(s) * factor;
             for (t, o) in outs.iter_mut().enumerate() {
-                let a = x[t * m + i] * row_scales.get(s);
+                let a = x[t * m + i] * scale;
                 for (o, wv) in o[local.clone()].iter_mut().zip(&buf[local.clone()]) {
-                    *o += wv * a;
+                    *o = (wv / factor).mul_add(a, *o);
                 }
             }
         }

@@ -309,160 +309,55 @@ proptest! {
     }
 }
 
-/// The SIMD forward products' operations (AVX2's, which AVX-512 and NEON repeat bit for bit),
-/// stated in portable Rust: per (row, token) and column segment, two 8-lane accumulators of
-/// fused multiply-adds over 16-column chunks from the segment's first column (a0 the chunk's
-/// first 8 columns, a1 its last 8; past the segment's end, zeros), folded into an 8-lane total
-/// as `fma(a0 + a1, scale·FACTOR, total)`, the 8 lanes summed in AVX2's `hsum` order. Weights
-/// enter as the kernels decode them: the stored value divided by the format's FACTOR (FP8
-/// through f16 as value·2^−8, e2m1 as 2·value; powers of two, so exact).
-fn simd_order_reference(m: &Matrix, rows: Range<usize>, x: &[f32], nt: usize) -> Vec<f32> {
-    let w = m.view();
-    let factor = match w.format {
-        Format::Fp8 | Format::Mxfp8 => 256.0f32,
-        Format::Fp4 => 0.5,
-        _ => 1.0,
-    };
-    let cols = w.cols;
-    let mut out = vec![0.0f32; nt * rows.len()];
-    let mut dec = vec![0.0f32; cols];
-    for r in rows.clone() {
-        scalar::decode_row(&w, r, 0..cols, &mut dec);
-        for v in dec.iter_mut() {
-            *v /= factor;
-        }
-        let row_scales = w.scales.row(r);
-        for t in 0..nt {
-            let xt = &x[t * cols..(t + 1) * cols];
-            let lane = |c: usize, c1: usize| if c < c1 { (dec[c], xt[c]) } else { (0.0, 0.0) };
-            let mut total = [0.0f32; 8];
-            let (mut c0, mut segment) = (0, 0);
-            while c0 < cols {
-                let c1 = (c0 + w.segment_cols).min(cols);
-                let (mut a0, mut a1) = ([0.0f32; 8], [0.0f32; 8]);
-                let mut c = c0;
-                while c < c1 {
-                    for j in 0..8 {
-                        let (wa, xa) = lane(c + j, c1);
-                        a0[j] = wa.mul_add(xa, a0[j]);
-                        let (wb, xb) = lane(c + 8 + j, c1);
-                        a1[j] = wb.mul_add(xb, a1[j]);
-                    }
-                    c += 16;
-                }
-                let scale = row_scales.get(segment) * factor;
-                for j in 0..8 {
-                    total[j] = (a0[j] + a1[j]).mul_add(scale, total[j]);
-                }
-                c0 = c1;
-                segment += 1;
-            }
-            let h = ((total[0] + total[4]) + (total[2] + total[6]))
-                + ((total[1] + total[5]) + (total[3] + total[7]));
-            out[t * rows.len() + (r - rows.start)] = h;
-        }
-    }
-    out
-}
-
-/// The SIMD transposed products' operations (AVX2's; AVX-512 and NEON repeat them): each
-/// (token, column) is one chain of fused multiply-adds over the rows in order from zero, of the
-/// decoded weight (value / FACTOR) and the coefficient `x·(scale·FACTOR)`.
-fn simd_order_transposed_reference(
-    m: &Matrix,
-    rows: Range<usize>,
-    x: &[f32],
-    nt: usize,
-) -> Vec<f32> {
-    let w = m.view();
-    let factor = match w.format {
-        Format::Fp8 | Format::Mxfp8 => 256.0f32,
-        Format::Fp4 => 0.5,
-        _ => 1.0,
-    };
-    let (cols, k) = (w.cols, rows.len());
-    let mut out = vec![0.0f32; nt * cols];
-    let mut dec = vec![0.0f32; cols];
-    for (i, r) in rows.enumerate() {
-        scalar::decode_row(&w, r, 0..cols, &mut dec);
-        let row_scales = w.scales.row(r);
-        for (segment, seg) in scalar::segments(&w, 0..cols) {
-            let scale = row_scales.get(segment) * factor;
-            for t in 0..nt {
-                let coef = x[t * k + i] * scale;
-                for c in seg.clone() {
-                    let o = &mut out[t * cols + c];
-                    *o = (dec[c] / factor).mul_add(coef, *o);
-                }
-            }
-        }
-    }
-    out
-}
-
-/// The level whose forward product `simd_order_reference` states: AVX2 on x86-64, NEON on
-/// aarch64 (None where the CPU has neither).
-fn stated_level() -> Option<SimdLevel> {
-    let level = if cfg!(target_arch = "aarch64") {
-        SimdLevel::Neon
-    } else {
-        SimdLevel::Avx2
-    };
-    (SimdLevel::ALL.contains(&level) && level.supported()).then_some(level)
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
-    /// The SIMD forward product (AVX2 on x86-64, NEON on aarch64) does the stated operations
-    /// bit for bit, for every format, token count (every tile shape) and row sub-range: with
-    /// the AVX-512 test above, x86-64 and aarch64 give a model the same bits.
+    /// Every level's forward product (AVX2 and AVX-512 on x86-64, NEON on aarch64) gives the
+    /// scalar kernel's bits (the SIMD operations stated lane by lane), for every format, token
+    /// count (every tile shape) and row sub-range: one model, the same bits on every CPU.
     #[test]
-    fn simd_forward_follows_the_stated_order((format, rows, cols, _nt, block, seed) in case(), nt in 1usize..=9, sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
-        let Some(level) = stated_level() else {
-            return Ok(());
-        };
+    fn forward_gives_the_scalar_bits_at_every_level((format, rows, cols, _nt, block, seed) in case(), nt in 1usize..=9, sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
         let mut rng = Rng(seed);
         let m = random_matrix(format, rows, cols, block, &mut rng);
         let x: Vec<f32> = (0..nt * cols).map(|_| rng.value()).collect();
         let (a, b) = (sub.0.index(rows + 1), sub.1.index(rows + 1));
         let range = a.min(b)..a.max(b);
-        let want = simd_order_reference(&m, range.clone(), &x, nt);
-        let mut got = vec![f32::NAN; nt * range.len()];
-        m.matmul_rows_at(level, range.clone(), &x, nt, &mut got);
-        prop_assert_eq!(bits(&got), bits(&want), "{:?} {:?} {}x{} block {:?} nt {} rows {:?}", level, format, rows, cols, block, nt, range);
+        let mut want = vec![f32::NAN; nt * range.len()];
+        m.matmul_rows_at(SimdLevel::Scalar, range.clone(), &x, nt, &mut want);
+        for level in levels() {
+            let mut got = vec![f32::NAN; nt * range.len()];
+            m.matmul_rows_at(level, range.clone(), &x, nt, &mut got);
+            prop_assert_eq!(bits(&got), bits(&want), "{:?} {:?} {}x{} block {:?} nt {} rows {:?}", level, format, rows, cols, block, nt, range);
+        }
     }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
-    /// The SIMD transposed product (AVX2 on x86-64, NEON on aarch64) does the stated
-    /// operations bit for bit, for every format, token count and row sub-range.
+    /// Every level's transposed product gives the scalar kernel's bits, for every format, token
+    /// count and row sub-range.
     #[test]
-    fn simd_transposed_follows_the_stated_order((format, rows, cols, _nt, block, seed) in case(), nt in 1usize..=9, sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
-        let Some(level) = stated_level() else {
-            return Ok(());
-        };
+    fn transposed_gives_the_scalar_bits_at_every_level((format, rows, cols, _nt, block, seed) in case(), nt in 1usize..=9, sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
         let mut rng = Rng(seed);
         let m = random_matrix(format, rows, cols, block, &mut rng);
         let (a, b) = (sub.0.index(rows + 1), sub.1.index(rows + 1));
         let range = a.min(b)..a.max(b);
         let x: Vec<f32> = (0..nt * range.len()).map(|_| rng.value()).collect();
-        let want = simd_order_transposed_reference(&m, range.clone(), &x, nt);
-        let mut got = vec![f32::NAN; nt * cols];
-        m.matmul_t_rows_at(level, range.clone(), &x, nt, &mut got);
-        prop_assert_eq!(bits(&got), bits(&want), "{:?} {:?} {}x{} block {:?} nt {} rows {:?}", level, format, rows, cols, block, nt, range);
+        let mut want = vec![f32::NAN; nt * cols];
+        m.matmul_t_rows_at(SimdLevel::Scalar, range.clone(), &x, nt, &mut want);
+        for level in levels() {
+            let mut got = vec![f32::NAN; nt * cols];
+            m.matmul_t_rows_at(level, range.clone(), &x, nt, &mut got);
+            prop_assert_eq!(bits(&got), bits(&want), "{:?} {:?} {}x{} block {:?} nt {} rows {:?}", level, format, rows, cols, block, nt, range);
+        }
     }
 }
 
 #[test]
-fn simd_forward_follows_the_stated_order_on_wide_rows() {
+fn forward_gives_the_scalar_bits_on_wide_rows() {
     // DeepSeek's 128 x 128 FP8 blocks over long rows, and magnitudes far apart, so that any
     // change in the order of operations shows.
-    let Some(level) = stated_level() else {
-        return;
-    };
     for (k, &format) in FORMATS.iter().enumerate() {
         let mut rng = Rng(0x5EED + k as u64);
         let (rows, cols) = (13, 1000);
@@ -471,10 +366,13 @@ fn simd_forward_follows_the_stated_order_on_wide_rows() {
             let x: Vec<f32> = (0..nt * cols)
                 .map(|i| rng.value() * if i % 7 == 0 { 1e4 } else { 1e-3 })
                 .collect();
-            let want = simd_order_reference(&m, 0..rows, &x, nt);
-            let mut got = vec![f32::NAN; nt * rows];
-            m.matmul_rows_at(level, 0..rows, &x, nt, &mut got);
-            assert_eq!(bits(&got), bits(&want), "{level:?} {format:?} nt {nt}");
+            let mut want = vec![f32::NAN; nt * rows];
+            m.matmul_rows_at(SimdLevel::Scalar, 0..rows, &x, nt, &mut want);
+            for level in levels() {
+                let mut got = vec![f32::NAN; nt * rows];
+                m.matmul_rows_at(level, 0..rows, &x, nt, &mut got);
+                assert_eq!(bits(&got), bits(&want), "{level:?} {format:?} nt {nt}");
+            }
         }
     }
 }

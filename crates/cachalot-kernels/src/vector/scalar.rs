@@ -1,28 +1,101 @@
-//! Scalar twins of the vector kernels: the reference in tests and the fallback elsewhere.
+//! Scalar twins of the vector kernels: the reference in tests, the fallback elsewhere, and on
+//! aarch64 the kernels themselves.
 //!
-//! Reductions keep 8 independent partial sums (lane j takes the elements ≡ j mod 8), which
-//! compilers vectorize on any target and which mirrors the SIMD kernels' summation shape.
+//! Each twin does the AVX2 kernel's operations lane by lane (8 lanes: lane j takes the elements
+//! ≡ j mod 8 of the full chunks, fused multiply-adds where AVX2 fuses, lanes added in AVX2's
+//! `hsum` order, AVX2's Cephes `exp`), so every level gives the same bits; the tests check it.
+//! Compilers vectorize the lane loops (on aarch64, `mul_add` is one `fmla`).
 
 const LANES: usize = 8;
 
-fn sum_lanes(acc: [f32; LANES]) -> f32 {
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+/// AVX2's `hsum` of 8 lanes: ((v0+v4) + (v2+v6)) + ((v1+v5) + (v3+v7)).
+pub(crate) fn hsum8(v: [f32; LANES]) -> f32 {
+    ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
 }
 
+/// x86 `maxps`: `a > b ? a : b` (the second operand when either is NaN).
+fn max_ps(a: f32, b: f32) -> f32 {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// AVX2's `hmax` of 8 lanes, in its order.
+fn hmax8(v: [f32; LANES]) -> f32 {
+    let m = [
+        max_ps(v[0], v[4]),
+        max_ps(v[1], v[5]),
+        max_ps(v[2], v[6]),
+        max_ps(v[3], v[7]),
+    ];
+    max_ps(max_ps(m[0], m[2]), max_ps(m[1], m[3]))
+}
+
+/// e^x as `avx2::exp` computes one lane (Cephes `expf`: range reduction by ln 2 in two parts,
+/// degree-6 polynomial; within 2 ulp of the correctly rounded result). 0 below ln(2^−126),
+/// +inf above ln(f32::MAX), NaN for NaN.
+pub(crate) fn exp(x: f32) -> f32 {
+    const LO: f32 = -87.336_55;
+    const HI: f32 = 88.722_83;
+    let xc = max_ps(x, LO);
+    let xc = if xc < HI { xc } else { HI };
+    let n = (xc * std::f32::consts::LOG2_E).round_ties_even();
+    let n = max_ps(n, -126.0);
+    let n = if n < 127.0 { n } else { 127.0 };
+    let r = (-n).mul_add(0.693_359_4, xc);
+    let r = (-n).mul_add(-2.121_944_4e-4, r);
+    let mut p = 1.987_569_1e-4f32;
+    p = p.mul_add(r, 1.398_2e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 0.5);
+    let y = p.mul_add(r * r, r) + 1.0;
+    let pow2 = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let mut e = y * pow2;
+    if x < LO {
+        e = 0.0;
+    }
+    if x > HI {
+        e = f32::INFINITY;
+    }
+    if x.is_nan() {
+        e = x;
+    }
+    e
+}
+
+/// Σ a\[i\]·b\[i\] as `avx2::dot`: four 8-lane accumulators over 32-element chunks, then 8-element
+/// chunks into the first, the four added pairwise, `hsum`, and the tail fused in order.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let ca = a.chunks_exact(LANES);
-    let cb = b.chunks_exact(LANES);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for j in 0..LANES {
-            acc[j] += x[j] * y[j];
+    let n = a.len();
+    let mut acc = [[0.0f32; LANES]; 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let o = i + 8 * k;
+            for j in 0..LANES {
+                acc[j] = a[o + j].mul_add(b[o + j], acc[j]);
+            }
         }
+        i += 32;
     }
-    for j in 0..ra.len() {
-        acc[j] += ra[j] * rb[j];
+    while i + 8 <= n {
+        for j in 0..LANES {
+            acc[0][j] = a[i + j].mul_add(b[i + j], acc[0][j]);
+        }
+        i += 8;
     }
-    sum_lanes(acc)
+    let v: [f32; LANES] =
+        std::array::from_fn(|j| (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]));
+    let mut s = hsum8(v);
+    while i < n {
+        s = a[i].mul_add(b[i], s);
+        i += 1;
+    }
+    s
 }
 
 /// One row of `dot_rows`: lane j accumulates the columns ≡ j mod 8 of the full chunks with
@@ -38,8 +111,7 @@ fn dot_row(q: &[f32], l: &[f32]) -> f32 {
             acc[j] = x[j].mul_add(y[j], acc[j]);
         }
     }
-    // The AVX2 `hsum` order.
-    let mut s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    let mut s = hsum8(acc);
     for c in full..l.len() {
         s = q[c].mul_add(l[c], s);
     }
@@ -98,7 +170,7 @@ pub fn axpy_rows(p: &[f32], x: &[f32], y: &mut [f32]) {
 
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += alpha * xi;
+        *yi = alpha.mul_add(*xi, *yi);
     }
 }
 
@@ -117,18 +189,41 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
+        *o = g / (1.0 + exp(0.0 - g)) * u;
     }
 }
 
 pub fn softmax_in_place(x: &mut [f32]) -> (f32, f32) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut acc = [0.0f32; LANES];
-    for (i, v) in x.iter_mut().enumerate() {
-        *v = (*v - max).exp();
-        acc[i % LANES] += *v;
+    let n = x.len();
+    let full = n / LANES * LANES;
+    let mut vmax = [f32::NEG_INFINITY; LANES];
+    for chunk in x[..full].chunks_exact(LANES) {
+        for j in 0..LANES {
+            vmax[j] = max_ps(vmax[j], chunk[j]);
+        }
     }
-    let sum = sum_lanes(acc);
+    let mut max = hmax8(vmax);
+    for &v in &x[full..] {
+        max = max.max(v);
+    }
+    let mut sum = [0.0f32; LANES];
+    for chunk in x[..full].chunks_exact_mut(LANES) {
+        for j in 0..LANES {
+            chunk[j] = exp(chunk[j] - max);
+            sum[j] += chunk[j];
+        }
+    }
+    if full < n {
+        // As AVX2: the tail padded with −inf, whose lanes add exp(−inf) = 0.
+        for j in 0..LANES {
+            let e = exp(x.get(full + j).copied().unwrap_or(f32::NEG_INFINITY) - max);
+            if full + j < n {
+                x[full + j] = e;
+            }
+            sum[j] += e;
+        }
+    }
+    let sum = hsum8(sum);
     scale_in_place(x, 1.0 / sum);
     (max, sum)
 }
@@ -148,7 +243,8 @@ pub fn rope_deinterleave_in_place(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     };
     for i in 0..half {
         let (e, o) = (copy[2 * i], copy[2 * i + 1]);
-        x[i] = e * cos[i] - o * sin[i];
-        x[half + i] = o * cos[i] + e * sin[i];
+        // AVX2's `fmsub(even, c, odd·s)` and `fmadd(odd, c, even·s)`.
+        x[i] = e.mul_add(cos[i], -(o * sin[i]));
+        x[half + i] = o.mul_add(cos[i], e * sin[i]);
     }
 }

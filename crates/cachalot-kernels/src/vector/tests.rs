@@ -254,6 +254,59 @@ proptest! {
     }
 }
 
+proptest! {
+    /// dot, axpy, RMSNorm, SwiGLU, softmax and RoPE give the scalar twin's bits at every level
+    /// (the twins do AVX2's operations lane by lane, its `exp` included): one model, the same
+    /// bits on every CPU. Gates reach ±100 so that `exp` meets its clamps.
+    #[test]
+    fn every_level_gives_the_scalar_bits((a, b) in (1usize..300).prop_flat_map(|n| (values(n, 0.01, 100.0), values(n, 0.01, 4.0))), alpha in -3.0f32..3.0) {
+        let n = a.len();
+        let h = n / 2;
+        let angles: Vec<f32> = b[..h].iter().map(|v| v * 1.5).collect();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+        let run = |level: SimdLevel| {
+            let d = dot_at(level, &a, &b);
+            let mut y = b.clone();
+            axpy_at(level, alpha, &a, &mut y);
+            let mut norm = vec![f32::NAN; n];
+            rms_norm_at(level, &a, &b, 1e-6, &mut norm);
+            let mut silu = vec![f32::NAN; n];
+            silu_mul_at(level, &a, &b, &mut silu);
+            let mut soft = a.clone();
+            let stats = softmax_in_place_at(level, &mut soft);
+            let mut rope = a[..2 * h].to_vec();
+            rope_deinterleave_in_place_at(level, &mut rope, &cos, &sin);
+            let mut all = vec![d, stats.0, stats.1];
+            for v in [y, norm, silu, soft, rope] {
+                all.extend(v);
+            }
+            bits(&all)
+        };
+        let want = run(SimdLevel::Scalar);
+        for level in levels() {
+            prop_assert_eq!(run(level), want.clone(), "{:?}", level);
+        }
+    }
+}
+
+#[test]
+fn scalar_exp_is_accurate_and_handles_limits() {
+    let mut worst = 0.0f64;
+    let mut v = -87.0f32;
+    while v < 88.7 {
+        let want = (v as f64).exp();
+        let err = ((scalar::exp(v) as f64 - want) / want).abs() / f32::EPSILON as f64;
+        worst = worst.max(err);
+        v += 0.0137;
+    }
+    assert!(worst < 4.0, "worst relative error {worst} eps");
+    assert_eq!(scalar::exp(-100.0), 0.0);
+    assert_eq!(scalar::exp(f32::NEG_INFINITY), 0.0);
+    assert_eq!(scalar::exp(100.0), f32::INFINITY);
+    assert!(scalar::exp(f32::NAN).is_nan());
+    assert_eq!(scalar::exp(0.0), 1.0);
+}
+
 #[test]
 fn rope_long_vectors_use_the_heap_copy() {
     // Longer than the 256-element stack copy, where overwriting would corrupt later pairs.
