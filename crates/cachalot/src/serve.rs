@@ -32,7 +32,10 @@
 //! ([`cachalot_engine::Engine::add_request_for_transfer`]); the decode server's request thread
 //! fetches them over TCP from the prefill server's `--kv-port` (a [`KvSnapshot`] on the wire)
 //! and hands them to its engine ([`cachalot_engine::Engine::add_prefilled`]), which decodes and
-//! answers (whole or streamed). A failed prefill reaches the decode side as its error; a KV
+//! answers (whole or streamed). A request of several choices (`n`, several prompts) has one
+//! prefill per choice on the prefill server (its own seed and first token) and one KV per choice
+//! in its room, fetched together; `echo` is refused there (the prompt is scored where it is
+//! prefilled). A failed prefill reaches the decode side as its error; a KV
 //! not fetched within `--kv-timeout-s` is dropped (a late fetch is told so).
 //!
 //! Chat answers of templates that write `<think>` (R1, Kimi-K2-Thinking, V4's thinking mode)
@@ -193,7 +196,8 @@ enum JobKind {
     Import(Box<KvSnapshot>),
 }
 
-/// The prefill role's prefilled KV, by `bootstrap_room`, until a decode server takes it.
+/// The prefill role's prefilled KV, by `bootstrap_room`, until a decode server takes it: one KV
+/// per choice of the request (`n` choices of each prompt, in order), handed over together.
 struct Rooms {
     map: Mutex<HashMap<u64, (Instant, RoomState)>>,
     changed: Condvar,
@@ -201,8 +205,10 @@ struct Rooms {
 }
 
 enum RoomState {
-    Prefilling,
-    Ready(Box<KvSnapshot>),
+    /// The choices' KVs so far (`None`: still prefilling).
+    Prefilling(Vec<Option<Box<KvSnapshot>>>),
+    /// Every choice's KV, in choice order.
+    Ready(Vec<KvSnapshot>),
     Failed(String),
     /// Its KV was taken or dropped: a late or second fetch learns why at once.
     Gone(String),
@@ -229,8 +235,8 @@ impl Rooms {
         map.retain(|_, (t, _)| t.elapsed() < timeout);
     }
 
-    /// A prefill starts for `room`; refused if the room is in use.
-    fn open(&self, room: u64) -> Result<(), String> {
+    /// The prefills of a request's `choices` start for `room`; refused if the room is in use.
+    fn open(&self, room: u64, choices: usize) -> Result<(), String> {
         let mut map = self.lock();
         self.purge(&mut map);
         if let Some((_, state)) = map.get(&room) {
@@ -238,8 +244,46 @@ impl Rooms {
                 return Err(format!("{room} is in use by another request"));
             }
         }
-        map.insert(room, (Instant::now(), RoomState::Prefilling));
+        let slots = (0..choices.max(1)).map(|_| None).collect();
+        map.insert(room, (Instant::now(), RoomState::Prefilling(slots)));
         Ok(())
+    }
+
+    /// Choice `choice` of `room` is prefilled; the room is ready once every choice is. (A room
+    /// that failed meanwhile stays failed.)
+    fn ready(&self, room: u64, choice: usize, kv: Box<KvSnapshot>) {
+        let mut map = self.lock();
+        self.purge(&mut map);
+        let Some((t, state)) = map.get_mut(&room) else {
+            return;
+        };
+        let RoomState::Prefilling(slots) = state else {
+            return;
+        };
+        match slots.get_mut(choice) {
+            Some(slot) => *slot = Some(kv),
+            None => {
+                *state = RoomState::Failed(format!(
+                    "the prefill server: choice {choice} of a request of {} choices",
+                    slots.len()
+                ));
+                *t = Instant::now();
+                drop(map);
+                self.changed.notify_all();
+                return;
+            }
+        }
+        if slots.iter().all(Option::is_some) {
+            let kvs = std::mem::take(slots)
+                .into_iter()
+                .flatten()
+                .map(|k| *k)
+                .collect();
+            *state = RoomState::Ready(kvs);
+            *t = Instant::now();
+        }
+        drop(map);
+        self.changed.notify_all();
     }
 
     fn set(&self, room: u64, state: RoomState) {
@@ -250,8 +294,8 @@ impl Rooms {
         self.changed.notify_all();
     }
 
-    /// Waits (up to the timeout) for `room`'s KV or failure, and takes it.
-    fn take(&self, room: u64) -> Result<Box<KvSnapshot>, String> {
+    /// Waits (up to the timeout) for `room`'s KVs (every choice's) or failure, and takes them.
+    fn take(&self, room: u64) -> Result<Vec<KvSnapshot>, String> {
         let deadline = Instant::now() + self.timeout;
         let mut map = self.lock();
         self.purge(&mut map);
@@ -862,7 +906,7 @@ fn engine_loop<M: Model>(
             };
             if let (Some(rooms), Some(room)) = (rooms, room) {
                 match out.kv.take() {
-                    Some(kv) => rooms.set(room, RoomState::Ready(kv)),
+                    Some(kv) => rooms.ready(room, choice, kv),
                     None => fail_room(
                         Some(room),
                         format!("the prefill ended without a token ({})", finish_word(&out)),
@@ -1011,8 +1055,8 @@ fn ranked_loop<M: Model>(
             );
         }
     };
-    // Rank 0: the room of each prefill-role request.
-    let mut room_of: HashMap<u64, u64> = HashMap::new();
+    // Rank 0: the room and choice of each prefill-role request.
+    let mut room_of: HashMap<u64, (u64, usize)> = HashMap::new();
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut engine = serving_engine(model, tokenizer, set, num_blocks)?;
     say!(
@@ -1069,7 +1113,7 @@ fn ranked_loop<M: Model>(
                 let transfer = match job.kind {
                     JobKind::Whole => Transfer::Whole,
                     JobKind::Export(room) => {
-                        room_of.insert(key, room);
+                        room_of.insert(key, (room, job.choice));
                         Transfer::Export
                     }
                     JobKind::Import(kv) => {
@@ -1212,7 +1256,7 @@ fn ranked_loop<M: Model>(
                 .map_err(|e| anyhow::anyhow!("rank 0: rank {r}'s report: {e}"))?;
             // Prefill role: each finished prefill's KV goes to its room.
             for (key, i) in rep.kv {
-                let (Some(rooms), Some(&room)) = (rooms, room_of.get(&key)) else {
+                let (Some(rooms), Some(&(room, choice))) = (rooms, room_of.get(&key)) else {
                     continue;
                 };
                 match kv_blobs
@@ -1221,7 +1265,7 @@ fn ranked_loop<M: Model>(
                     .and_then(|b| {
                         KvSnapshot::read_from(&mut &b[..], kv_max_bytes).map_err(|e| e.to_string())
                     }) {
-                    Ok(kv) => rooms.set(room, RoomState::Ready(Box::new(kv))),
+                    Ok(kv) => rooms.ready(room, choice, Box::new(kv)),
                     Err(e) => fail_room(Some(room), &e),
                 }
                 room_of.remove(&key);
@@ -1244,7 +1288,7 @@ fn ranked_loop<M: Model>(
                     sinks.remove(&key);
                     logprobs.remove(&key);
                     fail_room(
-                        room_of.remove(&key),
+                        room_of.remove(&key).map(|r| r.0),
                         "its request was aborted (the client went away)",
                     );
                     aborts.push(key);
@@ -1253,7 +1297,7 @@ fn ranked_loop<M: Model>(
             for (key, mut out) in rep.done {
                 // A prefill that ended without KV (its KV, when it had some, went above).
                 fail_room(
-                    room_of.remove(&key),
+                    room_of.remove(&key).map(|r| r.0),
                     &format!("the prefill ended without a token ({})", finish_word(&out)),
                 );
                 out.logprobs = logprobs.remove(&key).unwrap_or_default();
@@ -1264,7 +1308,7 @@ fn ranked_loop<M: Model>(
             }
             for (key, status, message) in rep.failed {
                 logprobs.remove(&key);
-                fail_room(room_of.remove(&key), &message);
+                fail_room(room_of.remove(&key).map(|r| r.0), &message);
                 if let Some((tx, choice)) = sinks.remove(&key) {
                     let _ = tx.send((choice, Event::Failed(status, message)));
                 }
@@ -1421,7 +1465,7 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
                         }
                         // The decode server waiting on this room learns why at once.
                         if let (Some(rooms), Some(room)) = (&shared.rooms, room) {
-                            if rooms.open(room).is_ok() {
+                            if rooms.open(room, 1).is_ok() {
                                 rooms.set(
                                     room,
                                     RoomState::Failed(format!(
@@ -1528,11 +1572,14 @@ fn bootstrap(shared: &Shared, body: &Value) -> Result<Option<Bootstrap>, ApiErro
     Ok(Some(Bootstrap { room, host, port }))
 }
 
-/// What a decode server sends on a prefill server's KV port: this, then the room (u64 LE).
-const KV_GET: &[u8; 8] = b"CKV-GET1";
+/// What a decode server sends on a prefill server's KV port: this, then the room (u64 LE). The
+/// answer: status 0, the number of choices (u32 LE) and each choice's snapshot; or status 1 and
+/// why not. (Version 2: version 1 answered one snapshot.)
+const KV_GET: &[u8; 8] = b"CKV-GET2";
 
-/// The prefill role's KV port: each connection names a room, waits for its prefill and gets
-/// its KV (status byte 0, then the snapshot) or why there is none (1, a u32 length, the text).
+/// The prefill role's KV port: each connection names a room, waits for its prefills and gets
+/// their KVs (status byte 0, the number of choices as a u32, then a snapshot per choice) or why
+/// there are none (1, a u32 length, the text).
 fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
     for conn in listener.incoming() {
         let Ok(mut conn) = conn else { continue };
@@ -1541,16 +1588,24 @@ fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
             let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
             let mut ask = [0u8; 16];
             if conn.read_exact(&mut ask).is_err() || &ask[..8] != KV_GET {
-                let _ = send_kv_error(&mut conn, "not a KV request (expected CKV-GET1 + room)");
+                let _ = send_kv_error(
+                    &mut conn,
+                    "not a KV request (expected CKV-GET2 + room; is the decode server the same \
+                     version of cachalot?)",
+                );
                 return;
             }
             let room = u64::from_le_bytes(ask[8..].try_into().expect("8 bytes"));
             let mut w = std::io::BufWriter::with_capacity(1 << 20, &mut conn);
             let sent = match rooms.take(room) {
-                Ok(kv) => w
-                    .write_all(&[0])
-                    .map_err(anyhow::Error::from)
-                    .and_then(|_| kv.write_to(&mut w).map_err(anyhow::Error::from)),
+                Ok(kvs) => (|| -> anyhow::Result<()> {
+                    w.write_all(&[0])?;
+                    w.write_all(&(kvs.len() as u32).to_le_bytes())?;
+                    for kv in &kvs {
+                        kv.write_to(&mut w)?;
+                    }
+                    Ok(w.flush()?)
+                })(),
                 Err(m) => send_kv_error(&mut w, &m).map_err(anyhow::Error::from),
             };
             if let Err(e) = sent {
@@ -1567,8 +1622,13 @@ fn send_kv_error(w: &mut impl Write, message: &str) -> std::io::Result<()> {
     w.flush()
 }
 
-/// The decode role: fetches `boot.room`'s prefilled KV from the prefill server.
-fn fetch_kv(boot: &Bootstrap, timeout: Duration, max_bytes: u64) -> Result<KvSnapshot, String> {
+/// The decode role: fetches `boot.room`'s prefilled KVs (one per choice, in order) from the
+/// prefill server.
+fn fetch_kv(
+    boot: &Bootstrap,
+    timeout: Duration,
+    max_bytes: u64,
+) -> Result<Vec<KvSnapshot>, String> {
     let at = format!("{}:{}", boot.host, boot.port);
     let fail = |e: &dyn std::fmt::Display| {
         format!(
@@ -1601,7 +1661,17 @@ fn fetch_kv(boot: &Bootstrap, timeout: Duration, max_bytes: u64) -> Result<KvSna
             .map_err(|e| fail(&e))?;
         return Err(String::from_utf8_lossy(&msg).into_owned());
     }
-    KvSnapshot::read_from(&mut r, max_bytes).map_err(|e| fail(&e))
+    let mut count = [0u8; 4];
+    r.read_exact(&mut count).map_err(|e| fail(&e))?;
+    let count = u32::from_le_bytes(count) as usize;
+    if count == 0 || count > MAX_CHOICES_TOTAL {
+        return Err(fail(&format!(
+            "{count} choices (expected 1 to {MAX_CHOICES_TOTAL})"
+        )));
+    }
+    (0..count)
+        .map(|_| KvSnapshot::read_from(&mut r, max_bytes).map_err(|e| fail(&e)))
+        .collect()
 }
 
 fn read_body(request: &mut tiny_http::Request) -> Result<Value, ApiError> {
@@ -1799,12 +1869,6 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             ))
         }
     };
-    if n > 1 && shared.role != Role::Both {
-        return Err(ApiError::bad(
-            "n",
-            "one choice per request on prefill/decode servers (n = 1)",
-        ));
-    }
     let tok = &shared.tokenizer;
     let mut tools = field(body, "tools");
     if let Some(t) = tools {
@@ -1935,12 +1999,6 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 "{} prompts × n {n}: at most {MAX_CHOICES_TOTAL} choices per request",
                 prompts.len()
             ),
-        ));
-    }
-    if prompts.len() > 1 && shared.role != Role::Both {
-        return Err(ApiError::bad(
-            "prompt",
-            "one prompt per request on prefill/decode servers",
         ));
     }
     // The longest prompt bounds what every choice may generate.
@@ -2595,17 +2653,20 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     let (tx, rx) = mpsc::channel();
     // Held (decode role) until the answer is done.
     let mut _permit = None;
-    let kind = match (shared.role, boot) {
+    // One job kind per choice (a prefill or decode server's request: one KV per choice).
+    let mut kinds: Vec<JobKind> = match (shared.role, boot) {
         (Role::Prefill, Some(b)) => {
             let rooms = shared.rooms.as_ref().expect("the prefill role has rooms");
-            if let Err(m) = rooms.open(b.room) {
+            if let Err(m) = rooms.open(b.room, call.choices()) {
                 let e = ApiError::bad("bootstrap_room", m);
                 return respond_json(request, 400, &e.body());
             }
-            // The prefill computes the prompt and samples the first token; the decode server
-            // does the rest under the request's own limits.
+            // Each choice's prefill computes the prompt and samples its first token; the
+            // decode server does the rest under the request's own limits.
             call.request.stop.max_new_tokens = 1;
-            Some(JobKind::Export(b.room))
+            (0..call.choices())
+                .map(|_| JobKind::Export(b.room))
+                .collect()
         }
         (Role::Decode, Some(b)) => {
             // Waiting longer than the prefill server keeps the KV would only fetch nothing.
@@ -2622,16 +2683,32 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                 return respond_json(request, 503, &e.body());
             }
             match fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes) {
-                Ok(kv) => Some(JobKind::Import(Box::new(kv))),
+                Ok(kvs) if kvs.len() == call.choices() => kvs
+                    .into_iter()
+                    .map(|kv| JobKind::Import(Box::new(kv)))
+                    .collect(),
+                Ok(kvs) => {
+                    let e = ApiError::new(
+                        502,
+                        format!(
+                            "the prefill server prefilled {} choices of bootstrap_room {} for a \
+                             request of {} (prompts × n): send the same request to both servers",
+                            kvs.len(),
+                            b.room,
+                            call.choices()
+                        ),
+                    );
+                    return respond_json(request, 502, &e.body());
+                }
                 Err(m) => {
                     let e = ApiError::new(502, m);
                     return respond_json(request, 502, &e.body());
                 }
             }
         }
-        _ => None,
+        _ => (0..call.choices()).map(|_| JobKind::Whole).collect(),
     };
-    let mut kind = kind;
+    kinds.reverse();
     for choice in 0..call.choices() {
         // Each choice samples on its own: a seeded request's choice i of a prompt continues
         // from seed + i.
@@ -2645,7 +2722,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             request: req,
             events: tx.clone(),
             choice,
-            kind: kind.take().unwrap_or(JobKind::Whole),
+            kind: kinds.pop().unwrap_or(JobKind::Whole),
         };
         if let Err(mpsc::SendError(job)) = shared.jobs.send(job) {
             if let (JobKind::Export(room), Some(rooms)) = (job.kind, &shared.rooms) {

@@ -540,6 +540,20 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
         assert_eq!(text_of(&a), text_of(&b), "{body}");
         assert_eq!(a["usage"], b["usage"]);
     }
+    // `n` choices and several prompts: each choice prefilled on the prefill server and decoded
+    // on the decode server (its KV one of the room's), as one server answers them.
+    for body in [
+        json!({"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.9,
+               "seed": 40, "n": 3, "ignore_eos": true}),
+        json!({"prompt": ["Once upon a time", [400, 401, 402]], "max_tokens": 6,
+               "temperature": 0.9, "seed": 2, "n": 2, "ignore_eos": true, "logprobs": 1}),
+    ] {
+        let (s1, a) = post(&one.addr, "/v1/completions", &body);
+        let (s2, b) = post(r, "/v1/completions", &body);
+        assert_eq!((s1, s2), (200, 200), "{a} {b}");
+        assert_eq!(a["choices"], b["choices"], "{body}");
+        assert_eq!(a["usage"], b["usage"], "{body}");
+    }
     let chat = json!({"messages": [{"role": "user", "content": "Tell me a story."}],
                       "max_tokens": 20, "temperature": 0.7, "seed": 5});
     let (s1, a) = post(&one.addr, "/v1/chat/completions", &chat);
@@ -889,12 +903,20 @@ fn serve_reports_logprobs() {
     let pre = start(&["--role", "prefill", "--kv-port", "0", "--kv-blocks", "64"]);
     let dec = start(&["--role", "decode", "--kv-blocks", "64"]);
     let router = start_command("router", &["--prefill", &pre.addr, "--decode", &dec.addr]);
+    // Two choices: each prefilled and decoded on its own, as one server gives them.
     let mut two = body.clone();
     two["n"] = 2.into();
-    let (status, e) = post(&router.addr, "/v1/completions", &two);
+    let (status, split_two) = post(&router.addr, "/v1/completions", &two);
+    assert_eq!(status, 200, "{split_two}");
+    let (_, one_two) = post(addr, "/v1/completions", &two);
+    assert_eq!(split_two["choices"], one_two["choices"]);
+    // Echo is not served split: the prompt is scored where it is prefilled.
+    let mut echo = body.clone();
+    echo["echo"] = true.into();
+    let (status, e) = post(&router.addr, "/v1/completions", &echo);
     assert_eq!(
         (status, e["error"]["param"].as_str()),
-        (400, Some("n")),
+        (400, Some("echo")),
         "{e}"
     );
     let (status, split) = post(&router.addr, "/v1/completions", &body);
