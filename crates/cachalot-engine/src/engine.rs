@@ -900,8 +900,16 @@ impl<'t, M: Model> Engine<'t, M> {
             ));
         }
         let max_len = self.check_request(&mut req)?;
-        // The prompt was scored (if at all) where it was prefilled.
-        req.prompt_logprobs = None;
+        // The prompt was scored (if at all) where it was prefilled: its log-probabilities come
+        // with the KV.
+        let scored = req.prompt_logprobs.take().is_some();
+        if scored && kv.prompt_logprobs.len() + 1 != kv.prompt.len() {
+            return refuse(
+                "the request asks for the prompt's log-probabilities (echo) but the prefill \
+                 side did not record them: send the prefill server the same request"
+                    .into(),
+            );
+        }
         // JSON mode from the first token: the prefill side must have masked that token too.
         if req.json_object && req.json_after.is_none() {
             let bytes = self.token_bytes.as_deref().unwrap_or_default();
@@ -937,6 +945,9 @@ impl<'t, M: Model> Engine<'t, M> {
         let now = Instant::now();
         if let Some(live) = self.live.get_mut(&id) {
             live.first_scheduled = Some(now);
+            if scored {
+                live.prompt_logprobs = kv.prompt_logprobs;
+            }
             if live.top_logprobs.is_some() {
                 match kv.first_logprob {
                     Some(lp) => live.logprobs.push(lp),
@@ -1674,6 +1685,7 @@ impl<'t, M: Model> Engine<'t, M> {
             params: live.sampler.params().clone(),
             first_token: live.tokens[n],
             first_logprob: live.logprobs.first().cloned(),
+            prompt_logprobs: live.prompt_logprobs.clone(),
             layers,
             mtp,
             rng: live.sampler.rng_state(),

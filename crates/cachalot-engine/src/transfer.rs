@@ -17,8 +17,10 @@
 //! side, which then drafts as an engine that prefilled the prompt itself would.
 //!
 //! Wire format (little-endian): the magic `CACHALOT-KV1`, a u64 header length, a JSON header
-//! (cache spec, prompt, first token, row bytes per layer, MTP rows, random stream), then each
-//! layer's rows and the MTP hidden states as f32.
+//! (cache spec, prompt, first token and its log-probability, the prompt's log-probabilities when
+//! the request scores it (`echo`), row bytes per layer, MTP rows, random stream), then each
+//! layer's rows and the MTP hidden states as f32. A header without `prompt_logprobs` (an older
+//! sender) reads as none.
 
 use std::io::{Read, Write};
 
@@ -50,6 +52,9 @@ pub struct KvSnapshot {
     pub first_token: u32,
     /// The first token's log-probability, when the request asked for them.
     pub first_logprob: Option<TokenLogprob>,
+    /// The prompt's log-probabilities (token i + 1's at i), when the request asked for them
+    /// (`Request::prompt_logprobs`: completions' `echo`); empty otherwise.
+    pub prompt_logprobs: Vec<TokenLogprob>,
     /// Per cache layer, the rows of positions `0..prompt.len()` as
     /// [`cachalot_model::batch::KvCache::read_rows`] lays them out.
     pub layers: Vec<Vec<u8>>,
@@ -146,6 +151,7 @@ impl KvSnapshot {
             "params": self.params,
             "first_token": self.first_token,
             "first_logprob": self.first_logprob,
+            "prompt_logprobs": self.prompt_logprobs,
             "layer_bytes": self.layers.iter().map(Vec::len).collect::<Vec<_>>(),
             "mtp": self.mtp.as_ref().map(|m| json!({"first": m.first, "rows": m.rows,
                                                     "floats": m.hidden.len()})),
@@ -241,6 +247,18 @@ impl KvSnapshot {
                     .map_err(|e| bad(format!("first_logprob: {e}")))?,
             ),
         };
+        let prompt_logprobs: Vec<TokenLogprob> = match h.get("prompt_logprobs") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(v) => serde_json::from_value(v.clone())
+                .map_err(|e| bad(format!("prompt_logprobs: {e}")))?,
+        };
+        if prompt_logprobs.len() >= prompt.len().max(1) {
+            return Err(bad(format!(
+                "{} prompt log-probabilities for a prompt of {} tokens",
+                prompt_logprobs.len(),
+                prompt.len()
+            )));
+        }
         let layer_bytes: Vec<u64> = h
             .get("layer_bytes")
             .and_then(Value::as_array)
@@ -332,6 +350,7 @@ impl KvSnapshot {
             params,
             first_token,
             first_logprob,
+            prompt_logprobs,
             layers,
             mtp,
             rng,
@@ -374,6 +393,17 @@ mod tests {
                 logprob: -0.75,
                 top: vec![(9, -0.75), (2, -1.5)],
             }),
+            prompt_logprobs: if mtp {
+                (2..6)
+                    .map(|t| TokenLogprob {
+                        token: t,
+                        logprob: -(t as f32) / 4.0,
+                        top: vec![(t, -(t as f32) / 4.0)],
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
             layers,
             mtp: mtp.then(|| MtpRows {
                 first: 3,

@@ -322,6 +322,40 @@ fn logprobs_survive_the_split_and_mtp() {
     let e = dec.add_prefilled(with_lp(&prompts[0], 4), kv).unwrap_err();
     assert!(e.to_string().contains("logprobs"), "{e}");
     assert!(!dec.has_unfinished());
+
+    // The prompt's log-probabilities (echo) are computed on the prefill side and travel with
+    // the KV: the decode side's output carries them, bit for bit; a decode side that asks for
+    // them from a prefill that did not record them is refused.
+    let echo = |p: &[u32], n: usize| {
+        let mut r = with_lp(p, n);
+        r.prompt_logprobs = Some(2);
+        r
+    };
+    let mut pre = engine(&m, PREFILL, 0);
+    for p in &prompts {
+        pre.add_request_for_transfer(echo(p, 1)).unwrap();
+    }
+    let firsts = finish(pre);
+    let mut dec = engine(&m, DECODE, 0);
+    for (p, out) in prompts.iter().zip(&firsts) {
+        let kv = *out.kv.clone().unwrap();
+        assert_eq!(kv.prompt_logprobs.len() + 1, p.len());
+        assert_eq!(kv.prompt_logprobs, out.prompt_logprobs);
+        dec.add_prefilled(echo(p, 12), kv).unwrap();
+    }
+    for ((a, b), first) in want.iter().zip(&finish(dec)).zip(&firsts) {
+        close(a, b, "split with echo");
+        assert_eq!(b.prompt_logprobs, first.prompt_logprobs);
+        assert_eq!(b.prompt_logprobs.len() + 1, b.prompt.len());
+    }
+    let mut pre = engine(&m, PREFILL, 0);
+    pre.add_request_for_transfer(with_lp(&prompts[0], 1))
+        .unwrap();
+    let kv = *finish(pre).remove(0).kv.unwrap();
+    let mut dec = engine(&m, DECODE, 0);
+    let e = dec.add_prefilled(echo(&prompts[0], 4), kv).unwrap_err();
+    assert!(e.to_string().contains("echo"), "{e}");
+    assert!(!dec.has_unfinished());
 }
 
 /// Prompt log-probabilities (completions' `echo`): each prompt token's given those before it,

@@ -34,8 +34,8 @@
 //! and hands them to its engine ([`cachalot_engine::Engine::add_prefilled`]), which decodes and
 //! answers (whole or streamed). A request of several choices (`n`, several prompts) has one
 //! prefill per choice on the prefill server (its own seed and first token) and one KV per choice
-//! in its room, fetched together; `echo` is refused there (the prompt is scored where it is
-//! prefilled). A failed prefill reaches the decode side as its error; a KV
+//! in its room, fetched together; `echo` scores the prompt on the prefill server, and its
+//! log-probabilities travel with the KV. A failed prefill reaches the decode side as its error; a KV
 //! not fetched within `--kv-timeout-s` is dropped (a late fetch is told so).
 //!
 //! Chat answers of templates that write `<think>` (R1, Kimi-K2-Thinking, V4's thinking mode)
@@ -1851,12 +1851,6 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         return Err(ApiError::bad(
             "echo",
             "echoed answers come whole here: drop \"stream\"",
-        ));
-    }
-    if echo && shared.role != Role::Both {
-        return Err(ApiError::bad(
-            "echo",
-            "not on prefill/decode servers (the prompt is scored where it is prefilled)",
         ));
     }
     let n = match count(body, "n")? {

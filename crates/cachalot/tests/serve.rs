@@ -910,15 +910,22 @@ fn serve_reports_logprobs() {
     assert_eq!(status, 200, "{split_two}");
     let (_, one_two) = post(addr, "/v1/completions", &two);
     assert_eq!(split_two["choices"], one_two["choices"]);
-    // Echo is not served split: the prompt is scored where it is prefilled.
-    let mut echo = body.clone();
-    echo["echo"] = true.into();
-    let (status, e) = post(&router.addr, "/v1/completions", &echo);
-    assert_eq!(
-        (status, e["error"]["param"].as_str()),
-        (400, Some("echo")),
-        "{e}"
-    );
+    // Echo, and echo alone (`max_tokens: 0`): the prompt is scored on the prefill server, its
+    // log-probabilities travel with the KV, and the answer is one server's.
+    for extra in [
+        json!({"echo": true}),
+        json!({"echo": true, "max_tokens": 0}),
+    ] {
+        let mut echo = body.clone();
+        for (k, v) in extra.as_object().unwrap() {
+            echo[k] = v.clone();
+        }
+        let (status, split_echo) = post(&router.addr, "/v1/completions", &echo);
+        assert_eq!(status, 200, "{split_echo}");
+        let (_, one_echo) = post(addr, "/v1/completions", &echo);
+        assert_eq!(split_echo["choices"], one_echo["choices"], "{echo}");
+        assert_eq!(split_echo["usage"], one_echo["usage"], "{echo}");
+    }
     let (status, split) = post(&router.addr, "/v1/completions", &body);
     assert_eq!(status, 200, "{split}");
     let slp = &split["choices"][0]["logprobs"];
