@@ -473,6 +473,18 @@ fn prefill_and_decode_servers_over_ranks_answer_as_one_server() {
             assert_eq!((s1, s2), (200, 200), "{parallel}: {a} {b}");
             assert_eq!(text_of(&a), text_of(&b), "{parallel}: {body}");
         }
+        // Two choices over the ranks: each choice's KV through the room, decoded on its rank.
+        let mut two = sampled.clone();
+        two["n"] = 2.into();
+        let (s1, a) = post(&one.addr, "/v1/completions", &two);
+        let (s2, b) = post(r, "/v1/completions", &two);
+        assert_eq!((s1, s2), (200, 200), "{parallel}: {a} {b}");
+        for i in 0..2 {
+            assert_eq!(
+                a["choices"][i]["text"], b["choices"][i]["text"],
+                "{parallel}: choice {i}"
+            );
+        }
         let got: Vec<String> = std::thread::scope(|s| {
             let hs: Vec<_> = prompts
                 .iter()
