@@ -2,8 +2,9 @@
 # Cross-checks the aarch64 build: clippy over the whole workspace for aarch64-unknown-linux-gnu,
 # then the kernel crate's tests (every SIMD level against its scalar reference, NEON `sdot`
 # included) run under qemu-aarch64, whose default CPU has the dot-product extension, and last
-# the shipped model end to end: its log-probabilities of a text (`cachalot perplexity --json`)
-# from the aarch64 build under qemu must equal the x86-64 build's bit for bit.
+# two models end to end (the shipped one and the DeepSeek-V4 Flash fixture): their
+# log-probabilities of a text (`cachalot perplexity --json`) from the aarch64 build under qemu
+# must equal the x86-64 build's bit for bit.
 #
 #   tools/cross_aarch64.sh            # needs qemu-user, gcc-aarch64-linux-gnu, the rustup target
 #   CI=true tools/cross_aarch64.sh    # installs them first (apt, rustup)
@@ -34,19 +35,27 @@ export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch
 cargo clippy --release --target "$TARGET" --workspace --all-targets -- -D warnings
 cargo test --release --target "$TARGET" -p cachalot-kernels
 
-# End to end: every kernel level gives the scalar kernels' bits, so the shipped model's
-# log-probabilities are the same on aarch64 (NEON) as on x86-64 (AVX2 or AVX-512).
+# End to end: every kernel level gives the scalar kernels' bits and the model code avoids libm
+# functions whose bits differ between the two (f32 `log1pf`), so a model's log-probabilities
+# are the same on aarch64 (NEON) as on x86-64 (AVX2 or AVX-512): the shipped model (DeepSeek-V3
+# shape, FP8) and the DeepSeek-V4 Flash fixture (FP8 + MXFP4 experts, compressed attention,
+# sqrt-softplus routing), each over the start of a text.
 cargo build --release --target "$TARGET" -p cachalot
 cargo build --release -p cachalot
 text=$(mktemp)
 trap 'rm -f "$text"' EXIT
-head -c 1000 assets/cachalot-tiny-r1/eval.txt > "$text"
-x86=$(target/release/cachalot perplexity --file "$text" --json)
-arm=$(qemu-aarch64 -L /usr/aarch64-linux-gnu "target/$TARGET/release/cachalot" perplexity --file "$text" --json)
-if [ "$x86" != "$arm" ]; then
-  echo "cross_aarch64: the shipped model's log-probabilities differ between x86-64 and aarch64" >&2
-  echo "x86-64:  ${x86:0:300}" >&2
-  echo "aarch64: ${arm:0:300}" >&2
-  exit 1
-fi
-echo "cross_aarch64: log-probabilities of $(printf '%s' "$x86" | grep -o '"n_tokens":[0-9]*') equal on x86-64 and aarch64"
+while read -r model source bytes; do
+  head -c "$bytes" "$source" > "$text"
+  x86=$(target/release/cachalot perplexity --model "$model" --file "$text" --json)
+  arm=$(qemu-aarch64 -L /usr/aarch64-linux-gnu "target/$TARGET/release/cachalot" perplexity --model "$model" --file "$text" --json)
+  if [ "$x86" != "$arm" ]; then
+    echo "cross_aarch64: $model's log-probabilities differ between x86-64 and aarch64" >&2
+    echo "x86-64:  ${x86:0:300}" >&2
+    echo "aarch64: ${arm:0:300}" >&2
+    exit 1
+  fi
+  echo "cross_aarch64: $model: log-probabilities of $(printf '%s' "$x86" | grep -o '"n_tokens":[0-9]*') equal on x86-64 and aarch64"
+done <<'MODELS'
+assets/cachalot-tiny-r1 assets/cachalot-tiny-r1/eval.txt 1000
+fixtures/v4/flash_tiny fixtures/v4/text.txt 600
+MODELS

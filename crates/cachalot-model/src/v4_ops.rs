@@ -274,9 +274,15 @@ pub fn pool_compressed(cands: &[(&[f32], &[f32])], out: &mut [f32]) {
 /// Router score of one logit (spec §2.9; softmax is handled over the whole row in [`route_v4`]).
 fn score(l: f32, f: ScoringFunc) -> f32 {
     match f {
-        // torch softplus: threshold 20.
+        // torch softplus: threshold 20. ln(1 + e^l) through f64's `ln_1p`: glibc's f32
+        // `log1pf` gives other bits on aarch64 than on x86-64 (its f64 `log1p`, `expf` do not),
+        // and a model's outputs should not depend on the CPU (`tools/cross_aarch64.sh`).
         ScoringFunc::SqrtSoftplus => {
-            let sp = if l > 20.0 { l } else { l.exp().ln_1p() };
+            let sp = if l > 20.0 {
+                l
+            } else {
+                (l.exp() as f64).ln_1p() as f32
+            };
             sp.sqrt()
         }
         ScoringFunc::Sigmoid => 1.0 / (1.0 + (-l).exp()),
