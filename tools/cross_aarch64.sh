@@ -34,6 +34,10 @@ export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
 cargo clippy --release --target "$TARGET" --workspace --all-targets -- -D warnings
 cargo test --release --target "$TARGET" -p cachalot-kernels
+# Again on a core without the dot-product extension (Cortex-A72: Graviton 1, Raspberry Pi 4),
+# where the NEON level runs the float products and the W8A8/W4A8 products run scalar.
+CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu cortex-a72 -L /usr/aarch64-linux-gnu" \
+  cargo test --release --target "$TARGET" -p cachalot-kernels
 
 # End to end: every kernel level gives the scalar kernels' bits and the model code avoids libm
 # functions whose bits differ between the two (f32 `log1pf`), so a model's log-probabilities

@@ -18,10 +18,12 @@
 //! Lake, Ice Lake and Zen 4 on has it, and one level per CPU keeps dispatch a single `match`.
 //! Skylake-SP/X (AVX-512 without VNNI, and with a 512-bit clock penalty) runs the AVX2 level.
 //!
-//! `Neon` requires Advanced SIMD and the dot-product extension (`sdot`, Armv8.2-A+: Neoverse
-//! N1/V1/V2 — Graviton 2-4 —, Apple M1 on, Ampere Altra); Cortex-A72-class cores (Graviton 1,
-//! Raspberry Pi 4) run the scalar level. `sdot` is issued through `asm!` because its intrinsic
-//! is not yet stable Rust.
+//! `Neon` requires Advanced SIMD, which every AArch64 CPU has: the float products run NEON
+//! everywhere. The W8A8 and W4A8 products also need the dot-product extension (`sdot`,
+//! Armv8.2-A+: Neoverse N1/V1/V2 — Graviton 2-4 —, Apple M1 on, Ampere Altra), checked on its
+//! own (`matrix::neon_dotprod_supported`); Cortex-A72-class cores (Graviton 1, Raspberry Pi 4)
+//! run those two scalar, with the same bits. `sdot` is issued through `asm!` because its
+//! intrinsic is not yet stable Rust.
 //!
 //! Every level gives the same bits. The scalar twins do the SIMD kernels' operations lane by
 //! lane (AVX2's 8-lane accumulators, fused multiply-adds, `hsum` order and Cephes `exp`), AVX-512
@@ -137,7 +139,6 @@ fn avx512_supported() -> bool {
 #[cfg(target_arch = "aarch64")]
 fn neon_supported() -> bool {
     std::arch::is_aarch64_feature_detected!("neon")
-        && std::arch::is_aarch64_feature_detected!("dotprod")
 }
 
 #[cfg(not(target_arch = "aarch64"))]
@@ -173,6 +174,10 @@ pub fn kernel_isa() -> String {
             isa.push_str("+avx-vnni");
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if level == SimdLevel::Neon && crate::matrix::neon_dotprod_supported() {
+        isa.push_str("+dotprod");
+    }
     isa
 }
 
@@ -186,7 +191,10 @@ mod tests {
         let mut parts = isa.split('+');
         assert_eq!(parts.next(), Some(simd_level().name()));
         for extra in parts {
-            assert!(["amx-int8", "avx-vnni"].contains(&extra), "{isa}");
+            assert!(
+                ["amx-int8", "avx-vnni", "dotprod"].contains(&extra),
+                "{isa}"
+            );
         }
         eprintln!("kernels: {isa}");
     }

@@ -74,6 +74,14 @@ pub(crate) fn tile_prefetch_distance(tile_bytes: usize) -> usize {
     t * MIN_AHEAD.div_ceil(t)
 }
 
+/// Whether this aarch64 CPU has the dot-product extension (`sdot`), which the NEON W8A8 and
+/// W4A8 products need (without it they run scalar, with the same bits).
+#[cfg(target_arch = "aarch64")]
+pub(crate) fn neon_dotprod_supported() -> bool {
+    static DOTPROD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DOTPROD.get_or_init(|| std::arch::is_aarch64_feature_detected!("dotprod"))
+}
+
 /// Whether W8A8/W4A8 products of many tokens take AMX tiles in this process.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn amx_supported() -> bool {
@@ -928,13 +936,13 @@ unsafe fn rows_task(
                 w8a8::avx512::matmul_rows(view, task_rows, xq, n_tokens, out)
             },
             #[cfg(target_arch = "aarch64")]
-            // SAFETY: as below, for `Neon` (supported: NEON with dotprod).
-            SimdLevel::Neon if int4 => unsafe {
+            // SAFETY: as below, for `Neon`; `neon_dotprod_supported` checked `sdot`.
+            SimdLevel::Neon if int4 && neon_dotprod_supported() => unsafe {
                 neon::matmul_rows_w4a8(view, task_rows, xq, n_tokens, out)
             },
             #[cfg(target_arch = "aarch64")]
-            // SAFETY: as below, for `Neon`.
-            SimdLevel::Neon => unsafe {
+            // SAFETY: as below, for `Neon`; `neon_dotprod_supported` checked `sdot`.
+            SimdLevel::Neon if neon_dotprod_supported() => unsafe {
                 neon::matmul_rows_w8a8(view, task_rows, xq, n_tokens, out)
             },
             _ if int4 => w4a8::matmul_rows_scalar(view, task_rows, xq, n_tokens, out),
@@ -951,8 +959,7 @@ unsafe fn rows_task(
         // SAFETY: as above, for `Avx512`.
         SimdLevel::Avx512 => unsafe { avx512::matmul_rows(view, task_rows, x, n_tokens, out) },
         #[cfg(target_arch = "aarch64")]
-        // SAFETY: as above; every aarch64 CPU has NEON (`Neon` also needs `sdot`, which this
-        // kernel does not use).
+        // SAFETY: as above; `Neon` is only used where the CPU has NEON (every aarch64 CPU).
         SimdLevel::Neon => unsafe { neon_float::matmul_rows(view, task_rows, x, n_tokens, out) },
         _ => scalar::matmul_rows(view, task_rows, x, n_tokens, out),
     }
