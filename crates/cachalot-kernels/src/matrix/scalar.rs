@@ -132,6 +132,39 @@ pub(crate) fn matmul_rows(
     n_tokens: usize,
     out: &OutRows,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has FMA (checked above).
+        return unsafe { matmul_rows_fma(w, rows, x, n_tokens, out) };
+    }
+    matmul_rows_body(w, rows, x, n_tokens, out)
+}
+
+/// [`matmul_rows`] compiled with FMA, where `mul_add` is one instruction (and the lane loops
+/// vectorize) instead of a call to libm's `fmaf`: the same operations, so the same bits.
+///
+/// # Safety
+/// The CPU has FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn matmul_rows_fma(
+    w: &WeightsView,
+    rows: Range<usize>,
+    x: &[f32],
+    n_tokens: usize,
+    out: &OutRows,
+) {
+    matmul_rows_body(w, rows, x, n_tokens, out)
+}
+
+#[inline(always)]
+fn matmul_rows_body(
+    w: &WeightsView,
+    rows: Range<usize>,
+    x: &[f32],
+    n_tokens: usize,
+    out: &OutRows,
+) {
     let cols = w.cols;
     let factor = simd_factor(w.format);
     let mut buf = vec![0.0f32; cols];
@@ -182,6 +215,40 @@ fn lane(w: &[f32], x: &[f32], c: usize, end: usize) -> (f32, f32) {
 /// (token, column) one chain of fused multiply-adds over the rows in order from zero, of the
 /// decoded weight (value / [`simd_factor`]) and the coefficient `x·(scale·FACTOR)`.
 pub(crate) fn matmul_t_cols(
+    w: &WeightsView,
+    rows: Range<usize>,
+    x: &[f32],
+    n_tokens: usize,
+    cols: Range<usize>,
+    out: &DisjointOut,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has FMA (checked above).
+        return unsafe { matmul_t_cols_fma(w, rows, x, n_tokens, cols, out) };
+    }
+    matmul_t_cols_body(w, rows, x, n_tokens, cols, out)
+}
+
+/// [`matmul_t_cols`] compiled with FMA (as [`matmul_rows_fma`]).
+///
+/// # Safety
+/// The CPU has FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn matmul_t_cols_fma(
+    w: &WeightsView,
+    rows: Range<usize>,
+    x: &[f32],
+    n_tokens: usize,
+    cols: Range<usize>,
+    out: &DisjointOut,
+) {
+    matmul_t_cols_body(w, rows, x, n_tokens, cols, out)
+}
+
+#[inline(always)]
+fn matmul_t_cols_body(
     w: &WeightsView,
     rows: Range<usize>,
     x: &[f32],
