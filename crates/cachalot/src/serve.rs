@@ -2648,7 +2648,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     // Held (decode role) until the answer is done.
     let mut _permit = None;
     // One job kind per choice (a prefill or decode server's request: one KV per choice).
-    let mut kinds: Vec<JobKind> = match (shared.role, boot) {
+    let kinds: Vec<JobKind> = match (shared.role, boot) {
         (Role::Prefill, Some(b)) => {
             let rooms = shared.rooms.as_ref().expect("the prefill role has rooms");
             if let Err(m) = rooms.open(b.room, call.choices()) {
@@ -2702,8 +2702,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
         }
         _ => (0..call.choices()).map(|_| JobKind::Whole).collect(),
     };
-    kinds.reverse();
-    for choice in 0..call.choices() {
+    for (choice, kind) in kinds.into_iter().enumerate() {
         // Each choice samples on its own: a seeded request's choice i of a prompt continues
         // from seed + i.
         let mut req = call.request.clone();
@@ -2716,7 +2715,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             request: req,
             events: tx.clone(),
             choice,
-            kind: kinds.pop().unwrap_or(JobKind::Whole),
+            kind,
         };
         if let Err(mpsc::SendError(job)) = shared.jobs.send(job) {
             if let (JobKind::Export(room), Some(rooms)) = (job.kind, &shared.rooms) {

@@ -78,8 +78,8 @@ pub(crate) fn tile_prefetch_distance(tile_bytes: usize) -> usize {
 /// W4A8 products need (without it they run scalar, with the same bits).
 #[cfg(target_arch = "aarch64")]
 pub(crate) fn neon_dotprod_supported() -> bool {
-    static DOTPROD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DOTPROD.get_or_init(|| std::arch::is_aarch64_feature_detected!("dotprod"))
+    // std caches the detection.
+    std::arch::is_aarch64_feature_detected!("dotprod")
 }
 
 /// Whether W8A8/W4A8 products of many tokens take AMX tiles in this process.

@@ -180,14 +180,21 @@ fn matmul_rows_body(
             for (s, seg) in segments(w, 0..cols) {
                 let (mut a0, mut a1) = ([0.0f32; 8], [0.0f32; 8]);
                 let mut c = seg.start;
-                while c < seg.end {
+                while c + 16 <= seg.end {
+                    for j in 0..8 {
+                        a0[j] = buf[c + j].mul_add(xt[c + j], a0[j]);
+                        a1[j] = buf[c + 8 + j].mul_add(xt[c + 8 + j], a1[j]);
+                    }
+                    c += 16;
+                }
+                if c < seg.end {
+                    // The ragged chunk: zeros past the segment's end.
                     for j in 0..8 {
                         let (wa, xa) = lane(&buf, xt, c + j, seg.end);
                         a0[j] = wa.mul_add(xa, a0[j]);
                         let (wb, xb) = lane(&buf, xt, c + 8 + j, seg.end);
                         a1[j] = wb.mul_add(xb, a1[j]);
                     }
-                    c += 16;
                 }
                 let scale = row_scales.get(s) * factor;
                 for j in 0..8 {
@@ -269,6 +276,9 @@ fn matmul_t_cols_body(
     // Row after row (what prefetchers follow); each column still sums over r in order.
     for (i, r) in rows.enumerate() {
         decode_row(w, r, cols.clone(), &mut buf);
+        for v in buf.iter_mut() {
+            *v /= factor;
+        }
         let row_scales = w.scales.row(r);
         for (s, seg) in segments(w, cols.clone()) {
             let local = seg.start - cols.start..seg.end - cols.start;
@@ -276,7 +286,7 @@ fn matmul_t_cols_body(
             for (t, o) in outs.iter_mut().enumerate() {
                 let a = x[t * m + i] * scale;
                 for (o, wv) in o[local.clone()].iter_mut().zip(&buf[local.clone()]) {
-                    *o = (wv / factor).mul_add(a, *o);
+                    *o = wv.mul_add(a, *o);
                 }
             }
         }
