@@ -109,6 +109,13 @@ pub trait Model {
     fn end_step(&self, more: bool) -> Result<bool, EngineError> {
         Ok(more)
     }
+    /// A prompt's KV up to a block boundary, once computed, can serve any later request with
+    /// the same first tokens (prefix caching): true where each position's cache entry depends
+    /// only on the tokens up to it. A family whose cache holds state that runs across blocks
+    /// (DeepSeek-V4's compressors and windows) says false.
+    fn supports_prefix_caching(&self) -> bool {
+        false
+    }
 }
 
 impl Model for DeepseekV3 {
@@ -156,6 +163,9 @@ impl Model for DeepseekV3 {
     }
     fn end_step(&self, more: bool) -> Result<bool, EngineError> {
         Ok(DeepseekV3::end_step(self, more)?)
+    }
+    fn supports_prefix_caching(&self) -> bool {
+        true
     }
 }
 
@@ -246,6 +256,9 @@ impl<T: Model + ?Sized> Model for &T {
     }
     fn end_step(&self, more: bool) -> Result<bool, EngineError> {
         (**self).end_step(more)
+    }
+    fn supports_prefix_caching(&self) -> bool {
+        (**self).supports_prefix_caching()
     }
 }
 
@@ -661,6 +674,8 @@ struct Live<'t> {
     mtp_pending: Option<Pending>,
     drafted: usize,
     accepted: usize,
+    /// Prompt tokens taken from the prefix cache at its first admission (None: not admitted).
+    cached_tokens: Option<usize>,
     /// Alternatives per token to record, and the records (`Request::logprobs`).
     top_logprobs: Option<usize>,
     logprobs: Vec<TokenLogprob>,
@@ -773,10 +788,60 @@ impl<'t, M: Model> Engine<'t, M> {
                 "enable MTP before adding requests".into(),
             ));
         }
+        if self.scheduler.kv().prefix_caching() {
+            return Err(EngineError::Request(
+                "MTP speculative decoding does not run with prefix caching on (the MTP layer's                  cache of a shared block would be incomplete): turn one of them off"
+                    .into(),
+            ));
+        }
         self.next_n = next_n;
         self.scheduler.set_lookahead(next_n);
         self.stats.mtp_next_n = next_n;
         Ok(())
+    }
+
+    /// Turns on prefix caching (vLLM's automatic prefix caching; [`crate::kv_pool`]): a
+    /// request's prompt blocks already computed for an earlier request are shared instead of
+    /// computed again (outputs unchanged: the shared KV is what the prompt's own prefill would
+    /// have written, as a chunked prefill reads it). Not with MTP (the MTP layer's cache rows
+    /// of a block's last position wait for the next token), nor for a model family that does
+    /// not support it (DeepSeek-V4). Requests that score their prompt (echo) compute every
+    /// position. Call before adding requests.
+    pub fn enable_prefix_caching(&mut self) -> Result<(), EngineError> {
+        if !self.model.supports_prefix_caching() {
+            return Err(EngineError::Request(
+                "this model family's cache cannot be shared between requests (prefix caching):                  DeepSeek-V4's compressed caches and windows carry state across blocks"
+                    .into(),
+            ));
+        }
+        if self.next_n > 0 {
+            return Err(EngineError::Request(
+                "prefix caching does not run with MTP speculative decoding (the MTP layer's                  cache of a shared block would be incomplete): turn one of them off"
+                    .into(),
+            ));
+        }
+        if self.scheduler.has_unfinished() {
+            return Err(EngineError::Request(
+                "enable prefix caching before adding requests".into(),
+            ));
+        }
+        self.scheduler.enable_prefix_caching();
+        self.stats.prefix_caching = true;
+        Ok(())
+    }
+
+    /// `--prefix-caching`: `Some(true)` turns it on (an error where it cannot run),
+    /// `Some(false)` leaves it off, `None` turns it on where it can (no MTP, a family that
+    /// supports it). Returns whether it is on.
+    pub fn set_prefix_caching(&mut self, want: Option<bool>) -> Result<bool, EngineError> {
+        match want {
+            Some(false) => Ok(false),
+            Some(true) => self.enable_prefix_caching().map(|()| true),
+            None if self.next_n == 0 && self.model.supports_prefix_caching() => {
+                self.enable_prefix_caching().map(|()| true)
+            }
+            None => Ok(false),
+        }
     }
 
     /// Draft tokens per step (0 when speculative decoding is off).
@@ -812,8 +877,10 @@ impl<'t, M: Model> Engine<'t, M> {
         let max_len = self.check_request(&mut req)?;
         let id = self.next_id;
         let sampler = Sampler::new(req.params.clone(), &req.prompt)?;
+        // A prompt to be scored runs every position.
+        let reuse = req.prompt_logprobs.is_none();
         self.scheduler
-            .add(id, req.prompt.len(), max_len)
+            .add_prompt(id, &req.prompt, max_len, reuse)
             .map_err(|e: AdmissionError| EngineError::Request(e.to_string()))?;
         self.next_id += 1;
         self.insert_live(id, req, sampler);
@@ -1126,6 +1193,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 mtp_pending: None,
                 drafted: 0,
                 accepted: 0,
+                cached_tokens: None,
                 top_logprobs: req.logprobs,
                 logprobs: Vec::new(),
                 top_prompt_logprobs: req.prompt_logprobs,
@@ -1164,8 +1232,17 @@ impl<'t, M: Model> Engine<'t, M> {
         std::mem::take(&mut self.finished)
     }
 
-    /// Runs one step. A step with nothing to do (no request) returns an empty report.
+    /// Runs one step. A step with nothing to do (no request) returns an empty report. After a
+    /// step that fails, no block computed before it is shared any more (prefix caching).
     pub fn step(&mut self) -> Result<StepReport, EngineError> {
+        let r = self.step_inner();
+        if r.is_err() {
+            self.scheduler.poison_prefix_cache();
+        }
+        r
+    }
+
+    fn step_inner(&mut self) -> Result<StepReport, EngineError> {
         let _profile = cachalot_model::profile::Timer::start(cachalot_model::profile::Phase::Step);
         // The step's many short parallel regions find the other workers awake.
         let _warm = cachalot_kernels::KeepWarm::new();
@@ -1205,6 +1282,11 @@ impl<'t, M: Model> Engine<'t, M> {
                 .get_mut(&it.id)
                 .expect("scheduled requests are live");
             live.first_scheduled.get_or_insert(now);
+            if it.admitted && self.stats.prefix_caching {
+                live.cached_tokens.get_or_insert(it.cached);
+                self.stats.prefix_cached_tokens += it.cached;
+                self.stats.prefix_query_tokens += live.tokens.len();
+            }
             let ds = drafts.get(n).map_or(&[][..], Vec::as_slice);
             let want = if !ds.is_empty() || Self::prompt_rows(live, it) > 0 {
                 LogitsWanted::All
@@ -1222,6 +1304,11 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.scheduler.block_table(it.id).to_vec(),
                 want,
             );
+            // Prompt positions only (a recompute that reaches generated tokens is left to the
+            // model's choice, as those tokens' decode steps were).
+            if it.start + it.len <= live.prompt_len {
+                batch.mark_prefill();
+            }
             if it.decode {
                 report.decode_tokens += it.len;
             } else {
@@ -1337,7 +1424,9 @@ impl<'t, M: Model> Engine<'t, M> {
                     if it.drafts > 0 {
                         self.scheduler.accept_drafts(it.id, accepted);
                     }
-                    self.scheduler.append_tokens(it.id, accepted + 1);
+                    let live = &self.live[&it.id];
+                    let new = &live.tokens[live.tokens.len() - (accepted + 1)..];
+                    self.scheduler.append_token_ids(it.id, new);
                 }
             }
             // A request that ends keeps them only to hand them over with its KV.
@@ -1634,6 +1723,7 @@ impl<'t, M: Model> Engine<'t, M> {
             tpot_s,
             e2e_s: (end - live.arrival).as_secs_f64(),
             preemptions,
+            cached_tokens: live.cached_tokens.unwrap_or(0),
         };
         self.finished.push(RequestOutput {
             id,

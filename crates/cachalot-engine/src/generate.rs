@@ -210,6 +210,9 @@ pub fn generate<M: Model + ?Sized>(
         alloc.ensure(&mut table, pos + step_tokens.len(), BLOCK_SIZE)?;
         let mut batch = Batch::default();
         batch.push_seq(&step_tokens, pos, table.clone(), LogitsWanted::Last);
+        if pos == 0 {
+            batch.mark_prefill();
+        }
         let out = Model::forward(model, &batch, &mut cache)?;
         let logits = &out[out.len() - vocab..];
         let next = sampler.sample(logits);

@@ -18,6 +18,10 @@ pub struct RequestTiming {
     pub e2e_s: f64,
     /// Times its KV was dropped and recomputed because the pool was full.
     pub preemptions: usize,
+    /// Prompt tokens whose KV came from the prefix cache at its first admission (not computed
+    /// for it; OpenAI's `usage.prompt_tokens_details.cached_tokens`).
+    #[serde(default)]
+    pub cached_tokens: usize,
 }
 
 /// Counters of the engine's steps.
@@ -53,6 +57,14 @@ pub struct EngineStats {
     pub kv_peak_blocks: usize,
     pub kv_capacity_blocks: usize,
     pub kv_block_size: usize,
+    /// Prefix caching on; tokens of admitted requests (first admissions and recomputes) and how
+    /// many of them came from the cache.
+    #[serde(default)]
+    pub prefix_caching: bool,
+    #[serde(default)]
+    pub prefix_query_tokens: usize,
+    #[serde(default)]
+    pub prefix_cached_tokens: usize,
 }
 
 impl EngineStats {

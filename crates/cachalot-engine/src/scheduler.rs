@@ -28,6 +28,15 @@
 //! [`Scheduler::check_invariants`]). Rejected drafts' KV beyond that is simply not counted and
 //! gets overwritten.
 //!
+//! Prefix caching (when the pool has it on, [`KvBlockManager::enable_prefix_caching`]): a request
+//! added with its tokens ([`Scheduler::add_prompt`]) registers each of its blocks of prompt
+//! tokens once they are all computed (checked at the start of every step, and when it finishes or is
+//! preempted), and when it is admitted with nothing computed (first admission, or recompute
+//! after preemption) it takes the longest run of registered blocks matching its first tokens:
+//! they count as computed and its first chunk starts after them. At least the last known token
+//! is always computed (its logits are sampled), so at most `(num_tokens − 1) / block_size` full
+//! blocks are taken; the shared blocks are never written.
+//!
 //! Progress: a request is accepted only if it fits the pool alone, so the oldest running
 //! request always gets its tokens (by preempting everyone after it if need be), and with no
 //! request running the pool is empty and the queue's head fits. Every step with unfinished
@@ -35,7 +44,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::kv_pool::KvBlockManager;
+use crate::kv_pool::{block_key, BlockKey, KvBlockManager};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -83,6 +92,17 @@ struct Seq {
     pending_drafts: usize,
     phase: Phase,
     num_preemptions: usize,
+    /// The token list, for prefix caching (None: the request was added by counts alone).
+    tokens: Option<Vec<u32>>,
+    /// Keys of its full blocks of known tokens, in order (computed as far as needed).
+    keys: Vec<BlockKey>,
+    /// Blocks of its current table already offered to the prefix cache.
+    registered: usize,
+    /// It may take cached blocks when admitted (false: every prompt position must run, e.g.
+    /// to score the prompt).
+    reuse: bool,
+    /// Tokens taken from the prefix cache at its latest admission.
+    cached: usize,
 }
 
 /// One request's share of a step: tokens `start..start + len` of its token list, at positions
@@ -100,6 +120,11 @@ pub struct Scheduled {
     /// (speculative decoding; 0 otherwise). The step must end with
     /// [`Scheduler::accept_drafts`] for this request when it is not zero.
     pub drafts: usize,
+    /// Admitted this step with its first `cached` tokens' KV taken from the prefix cache
+    /// (`start` equals it then); 0 otherwise.
+    pub cached: usize,
+    /// Admitted from the queue this step (first admission or recompute after preemption).
+    pub admitted: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -213,10 +238,115 @@ impl Scheduler {
                 pending_drafts: 0,
                 phase: Phase::Waiting,
                 num_preemptions: 0,
+                tokens: None,
+                keys: Vec::new(),
+                registered: 0,
+                reuse: false,
+                cached: 0,
             },
         );
         self.waiting.push_back(id);
         Ok(())
+    }
+
+    /// [`Scheduler::add`] with the prompt's tokens, for prefix caching: its computed blocks are
+    /// registered, and with `reuse` it takes cached blocks of the same prefix when admitted.
+    /// Its tokens must then be appended with [`Scheduler::append_token_ids`].
+    pub fn add_prompt(
+        &mut self,
+        id: u64,
+        prompt: &[u32],
+        max_len: usize,
+        reuse: bool,
+    ) -> Result<(), AdmissionError> {
+        self.add(id, prompt.len(), max_len)?;
+        if self.kv.prefix_caching() {
+            let s = self.seqs.get_mut(&id).expect("just added");
+            s.tokens = Some(prompt.to_vec());
+            s.reuse = reuse;
+        }
+        Ok(())
+    }
+
+    /// Turns on prefix caching (module docs); before any request is added.
+    pub fn enable_prefix_caching(&mut self) {
+        self.kv.enable_prefix_caching();
+    }
+
+    /// After a step that failed part way (its scheduled tokens counted as computed, their KV
+    /// perhaps never written): forgets the prefix cache, and the requests known now never
+    /// register blocks.
+    pub fn poison_prefix_cache(&mut self) {
+        self.kv.clear_prefix_cache();
+        for s in self.seqs.values_mut() {
+            s.tokens = None;
+            s.reuse = false;
+        }
+    }
+
+    /// Tokens of `id`'s prompt taken from the prefix cache when it was last admitted.
+    pub fn cached_tokens(&self, id: u64) -> usize {
+        self.seqs.get(&id).map_or(0, |s| s.cached)
+    }
+
+    /// Extends `id`'s key list to its first `blocks` full blocks (as far as its tokens go).
+    fn extend_keys(&mut self, id: u64, blocks: usize) {
+        let bs = self.kv.block_size();
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let Some(tokens) = &s.tokens else { return };
+        let blocks = blocks.min(tokens.len() / bs);
+        while s.keys.len() < blocks {
+            let i = s.keys.len();
+            let key = block_key(s.keys.last().copied(), &tokens[i * bs..(i + 1) * bs]);
+            s.keys.push(key);
+        }
+    }
+
+    /// Offers `id`'s blocks of prompt tokens, all computed, to the prefix cache. Blocks that
+    /// hold generated tokens are not offered: their KV was made by decode steps, and a later
+    /// prompt that repeats them (a second turn) must get the KV a prefill makes (the same up to
+    /// rounding on an f32 cache, but a bf16 cache's decode attention runs BF16 × BF16).
+    fn register_computed(&mut self, id: u64) {
+        if !self.kv.prefix_caching() {
+            return;
+        }
+        let bs = self.kv.block_size();
+        let Some(s) = self.seqs.get(&id) else { return };
+        if s.tokens.is_none() {
+            return;
+        }
+        let full = s.num_computed.min(s.prompt_len) / bs;
+        if full <= s.registered {
+            return;
+        }
+        self.extend_keys(id, full);
+        let s = &self.seqs[&id];
+        let tokens = s.tokens.as_deref().unwrap_or_default();
+        let from = s.registered;
+        let upto = full.min(s.keys.len());
+        for i in from..upto {
+            let parent = i.checked_sub(1).map(|j| s.keys[j]);
+            self.kv
+                .register(id, i, s.keys[i], parent, &tokens[i * bs..(i + 1) * bs]);
+        }
+        self.seqs.get_mut(&id).expect("known").registered = upto;
+    }
+
+    /// The cached blocks a request being admitted with nothing computed may take.
+    fn prefix_hits(&mut self, id: u64) -> Vec<u32> {
+        let s = &self.seqs[&id];
+        if !s.reuse || s.num_computed != 0 || s.tokens.is_none() {
+            return Vec::new();
+        }
+        // Its last known token always runs.
+        let most = (s.num_tokens - 1) / self.kv.block_size();
+        self.extend_keys(id, most);
+        let s = &self.seqs[&id];
+        let keys = &s.keys[..most.min(s.keys.len())];
+        self.kv
+            .cached_prefix(keys, s.tokens.as_deref().unwrap_or_default())
     }
 
     /// Takes a request whose first `num_tokens - 1` tokens already have their KV (a prompt
@@ -261,6 +391,11 @@ impl Scheduler {
                 pending_drafts: 0,
                 phase: Phase::Running,
                 num_preemptions: 0,
+                tokens: None,
+                keys: Vec::new(),
+                registered: 0,
+                reuse: false,
+                cached: 0,
             },
         );
         self.running.push(id);
@@ -275,6 +410,9 @@ impl Scheduler {
     /// Plans the next step; the caller must run it (the scheduled tokens count as cached from
     /// now on) and then report each sampled token with [`Scheduler::append_token`].
     pub fn schedule(&mut self) -> Schedule {
+        for i in 0..self.running.len() {
+            self.register_computed(self.running[i]);
+        }
         let mut budget = self.cfg.max_prefill_tokens;
         let mut out = Schedule::default();
         let mut i = 0;
@@ -316,14 +454,24 @@ impl Scheduler {
                 let Some(&id) = self.waiting.front() else {
                     break;
                 };
+                let hits = self.prefix_hits(id);
+                let cached = hits.len() * self.kv.block_size();
+                self.seqs.get_mut(&id).unwrap().num_computed = cached;
                 let len = self.chunk_len(id, budget);
-                if len == 0 || !self.kv.allocate_slots(id, len) {
+                if len == 0 || !self.kv.allocate_with_prefix(id, &hits, cached + len) {
+                    self.seqs.get_mut(&id).unwrap().num_computed = 0;
                     break;
                 }
+                let s = self.seqs.get_mut(&id).unwrap();
+                s.cached = cached;
+                s.registered = hits.len();
                 self.waiting.pop_front();
                 self.running.push(id);
                 self.seqs.get_mut(&id).unwrap().phase = Phase::Running;
                 budget -= self.take(id, len, 0, &mut out);
+                let item = out.items.last_mut().expect("just taken");
+                item.cached = cached;
+                item.admitted = true;
             }
         }
         out
@@ -371,6 +519,8 @@ impl Scheduler {
             sample,
             decode,
             drafts,
+            cached: 0,
+            admitted: false,
         });
         if decode {
             0
@@ -380,9 +530,11 @@ impl Scheduler {
     }
 
     fn preempt(&mut self, id: u64) {
+        self.register_computed(id);
         self.kv.free(id);
         let s = self.seqs.get_mut(&id).unwrap();
         s.num_computed = 0;
+        s.registered = 0;
         s.pending_drafts = 0;
         s.phase = Phase::Waiting;
         s.num_preemptions += 1;
@@ -396,9 +548,24 @@ impl Scheduler {
 
     /// `n` tokens appended to `id` (after speculative verification: the accepted drafts and the
     /// token sampled after them).
+    /// A request added with its tokens stops taking part in prefix caching here (its token
+    /// list would be stale): give it [`Scheduler::append_token_ids`] instead.
     pub fn append_tokens(&mut self, id: u64, n: usize) {
         if let Some(s) = self.seqs.get_mut(&id) {
             s.num_tokens += n;
+            s.tokens = None;
+            s.reuse = false;
+        }
+    }
+
+    /// [`Scheduler::append_tokens`] with the tokens themselves (a request added with
+    /// [`Scheduler::add_prompt`] keeps its token list for prefix caching).
+    pub fn append_token_ids(&mut self, id: u64, ids: &[u32]) {
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.num_tokens += ids.len();
+            if let Some(t) = &mut s.tokens {
+                t.extend_from_slice(ids);
+            }
         }
     }
 
@@ -419,6 +586,7 @@ impl Scheduler {
 
     /// Removes a request (finished or aborted) and frees its blocks. Unknown ids are ignored.
     pub fn finish(&mut self, id: u64) {
+        self.register_computed(id);
         if self.seqs.remove(&id).is_none() {
             return;
         }
@@ -788,5 +956,208 @@ mod tests {
         ) {
             run_ops(sched(blocks, bs, batch, budget), 0, ops, &mut |_| 0)?;
         }
+
+        /// Prefix caching under any sequence of admissions, chunked prefills, finishes,
+        /// aborts and preemptions: every KV a step reads is what the request itself would have
+        /// written, a shared block is never written, nothing leaks (`run_cached`).
+        #[test]
+        fn prefix_cache_reads_are_exact_and_blocks_balance(
+            blocks in 2usize..24,
+            bs in 1usize..6,
+            batch in 1usize..6,
+            budget in 1usize..20,
+            ops in proptest::collection::vec(cached_op(), 1..80),
+        ) {
+            run_cached(blocks, bs, batch, budget, ops)?;
+        }
+    }
+
+    /// What the simulated cache holds at a position: a hash of the tokens up to it (the KV a
+    /// causal model writes there depends on exactly those).
+    fn prefix_id(tokens: &[u32]) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        tokens.hash(&mut h);
+        h.finish()
+    }
+
+    /// The next token of a deterministic "model" (greedy: the same prefix, the same token).
+    fn next_token(tokens: &[u32]) -> u32 {
+        (prefix_id(tokens) % 3) as u32 + 1
+    }
+
+    #[derive(Clone, Debug)]
+    enum CachedOp {
+        /// A prompt of the first `shared` tokens of a common text, then `tail` tokens of its
+        /// own, generating `out` tokens.
+        Add {
+            shared: usize,
+            tail: usize,
+            out: usize,
+        },
+        Step,
+        Abort(u64),
+    }
+
+    fn cached_op() -> impl Strategy<Value = CachedOp> {
+        prop_oneof![
+            (1usize..30, 0usize..3, 1usize..10).prop_map(|(shared, tail, out)| CachedOp::Add {
+                shared,
+                tail,
+                out
+            }),
+            Just(CachedOp::Step),
+            Just(CachedOp::Step),
+            Just(CachedOp::Step),
+            (0u64..20).prop_map(CachedOp::Abort),
+        ]
+    }
+
+    /// Runs `ops` with prefix caching through a simulated cache: every position a step reads
+    /// (before its first scheduled token) must hold what the request's own tokens would have
+    /// written there, no step writes a block another request holds, cached tokens are whole
+    /// blocks short of the last known token, and the invariants hold throughout; then
+    /// everything finishes with every block back. Returns the tokens taken from the cache.
+    fn run_cached(
+        blocks: usize,
+        bs: usize,
+        batch: usize,
+        budget: usize,
+        ops: Vec<CachedOp>,
+    ) -> Result<usize, TestCaseError> {
+        let mut s = sched(blocks, bs, batch, budget);
+        s.enable_prefix_caching();
+        let common: Vec<u32> = (0..40u32).map(|i| i * 7 % 5 + 1).collect();
+        let mut cache: Vec<Vec<Option<u64>>> = vec![vec![None; bs]; blocks];
+        let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut left: HashMap<u64, usize> = HashMap::new();
+        let mut hits = 0usize;
+        let step = |s: &mut Scheduler,
+                    toks: &mut HashMap<u64, Vec<u32>>,
+                    left: &mut HashMap<u64, usize>,
+                    cache: &mut Vec<Vec<Option<u64>>>|
+         -> Result<usize, TestCaseError> {
+            let plan = s.schedule();
+            s.check_invariants().map_err(TestCaseError::fail)?;
+            if s.has_unfinished() {
+                prop_assert!(!plan.is_empty(), "nothing scheduled");
+            }
+            let mut taken = 0;
+            for it in &plan.items {
+                let t = &toks[&it.id];
+                let table = s.block_table(it.id).to_vec();
+                prop_assert!(it.cached % bs == 0 && it.cached < t.len(), "{:?}", it);
+                prop_assert!(it.cached == 0 || it.admitted);
+                taken += it.cached;
+                for pos in 0..it.start {
+                    prop_assert_eq!(
+                        cache[table[pos / bs] as usize][pos % bs],
+                        Some(prefix_id(&t[..=pos])),
+                        "request {} reads a wrong KV at {}",
+                        it.id,
+                        pos
+                    );
+                }
+                for pos in it.start..it.start + it.len {
+                    let b = table[pos / bs];
+                    prop_assert_eq!(s.kv().pool().holders(b), 1, "block {} is shared", b);
+                    cache[b as usize][pos % bs] = Some(prefix_id(&t[..=pos]));
+                }
+            }
+            for it in plan.items.iter().filter(|it| it.sample) {
+                let t = toks.get_mut(&it.id).unwrap();
+                let next = next_token(t);
+                t.push(next);
+                let l = left.get_mut(&it.id).unwrap();
+                *l -= 1;
+                if *l == 0 {
+                    s.finish(it.id);
+                } else {
+                    s.append_token_ids(it.id, &[next]);
+                }
+            }
+            s.check_invariants().map_err(TestCaseError::fail)?;
+            Ok(taken)
+        };
+        let mut next_id = 0u64;
+        for op in ops {
+            match op {
+                CachedOp::Add { shared, tail, out } => {
+                    let mut prompt = common[..shared].to_vec();
+                    prompt.extend((0..tail).map(|i| (next_id as u32 + i as u32) % 4 + 1));
+                    if s.add_prompt(next_id, &prompt, prompt.len() + out, true)
+                        .is_ok()
+                    {
+                        toks.insert(next_id, prompt);
+                        left.insert(next_id, out);
+                    }
+                    next_id += 1;
+                }
+                CachedOp::Abort(id) => s.finish(id),
+                CachedOp::Step => hits += step(&mut s, &mut toks, &mut left, &mut cache)?,
+            }
+            s.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        for _ in 0..10_000 {
+            if !s.has_unfinished() {
+                break;
+            }
+            hits += step(&mut s, &mut toks, &mut left, &mut cache)?;
+        }
+        prop_assert!(!s.has_unfinished(), "not done after 10 000 steps");
+        prop_assert_eq!(s.kv().pool().num_free(), s.kv().pool().capacity());
+        Ok(hits)
+    }
+
+    /// Requests with the same first blocks share them; a recompute after preemption and a
+    /// prompt that extends an earlier request's whole text (a second turn) take cached blocks
+    /// too, those of its prompt (blocks of generated tokens are not registered).
+    #[test]
+    fn shared_prefixes_are_taken_from_the_cache() {
+        let ops = |n: usize| {
+            let mut v = Vec::new();
+            for _ in 0..n {
+                v.push(CachedOp::Add {
+                    shared: 17,
+                    tail: 1,
+                    out: 6,
+                });
+                v.push(CachedOp::Step);
+            }
+            v
+        };
+        // Roomy pool: every request after the first takes 4 blocks of 4 (16 of its 18 tokens).
+        let hits = run_cached(64, 4, 8, 64, ops(4)).unwrap();
+        assert_eq!(hits, 3 * 16);
+        // A tight pool preempts and recomputes, still exact.
+        run_cached(9, 4, 4, 8, ops(6)).unwrap();
+        // A second turn: of the first request's prompt and output (17 + 7 = 24 tokens, all
+        // computed), the 4 whole blocks of its prompt are registered, and the new prompt of 27
+        // tokens takes them.
+        let mut s = sched(64, 4, 8, 64);
+        s.enable_prefix_caching();
+        let mut t: Vec<u32> = (0..17).map(|i| i % 3 + 1).collect();
+        s.add_prompt(1, &t, 30, true).unwrap();
+        let p = s.schedule();
+        assert_eq!(p.items[0].len, 17);
+        for _ in 0..7 {
+            let next = next_token(&t);
+            t.push(next);
+            s.append_token_ids(1, &[next]);
+            s.schedule();
+        }
+        s.finish(1);
+        assert_eq!(s.kv().num_cached_blocks(), 4);
+        t.extend([9, 9, 9]);
+        s.add_prompt(2, &t, 40, true).unwrap();
+        let p = s.schedule();
+        assert_eq!((p.items[0].cached, p.items[0].start), (16, 16));
+        assert_eq!(s.cached_tokens(2), 16);
+        // Without reuse (a prompt to be scored) nothing is taken.
+        s.add_prompt(3, &t, 40, false).unwrap();
+        let p = s.schedule();
+        let it = p.items.iter().find(|i| i.id == 3).unwrap();
+        assert_eq!((it.cached, it.start, it.len), (0, 0, 27));
+        s.check_invariants().unwrap();
     }
 }

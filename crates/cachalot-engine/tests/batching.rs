@@ -274,3 +274,126 @@ fn bf16_cache_batched_greedy_equals_each_request_alone() {
         }
     }
 }
+
+/// Prefix caching: requests whose prompts share first blocks with earlier ones (a common
+/// system prompt, a second turn that repeats a whole first exchange) take those blocks from
+/// the cache and still get each request's greedy tokens alone, in a roomy pool and in one
+/// tight enough to preempt and recompute (from the cache again), over an f32 and a bf16 cache
+/// (whose prompt positions are attended in f32 on either MLA path: a prompt cut after its
+/// cached blocks takes the absorbed path where the whole prompt took the naive one).
+#[test]
+fn prefix_cached_greedy_equals_each_request_alone() {
+    let roomy = EngineConfig {
+        block_size: 4,
+        num_blocks: 128,
+        batch_size: 4,
+        max_prefill_tokens: 16,
+    };
+    let tight = EngineConfig {
+        num_blocks: 24,
+        ..roomy
+    };
+    let n_new = 8;
+    for (name, dtype) in ["r1_tiny", "kimi_tiny", "v3_noq_tiny"]
+        .into_iter()
+        .flat_map(|n| [(n, KvCacheDtype::F32), (n, KvCacheDtype::Bf16)])
+    {
+        let mut m = load(name);
+        m.set_kv_cache_dtype(dtype);
+        let vocab = Model::vocab_size(&m);
+        let parts = common::prompts(&[30, 3, 9, 1, 14, 5], vocab);
+        let system = &parts[0];
+        let first: Vec<Vec<u32>> = parts[1..]
+            .iter()
+            .map(|t| [system.as_slice(), t].concat())
+            .collect();
+        for (cfg, tight_pool) in [(roomy, false), (tight, true)] {
+            let mut engine = Engine::new(&m, None, cfg).unwrap();
+            engine.enable_prefix_caching().unwrap();
+            // Wave 1: the same system prompt, different questions, all at once.
+            for p in &first {
+                engine.add_request(greedy_request(p, n_new)).unwrap();
+            }
+            let outs = engine.run_to_completion(|_, _| {}).unwrap();
+            // Each second turn, with the length of the first exchange's prompt.
+            let mut second = Vec::new();
+            let mut base = Vec::new();
+            for o in &outs {
+                let alone = eval::greedy(&m, &first[o.id as usize], n_new).unwrap();
+                assert_eq!(o.tokens, alone, "{name}: wave 1 request {}", o.id);
+                // A second turn: the whole first exchange, then more.
+                second.push([first[o.id as usize].as_slice(), &o.tokens, &parts[2]].concat());
+                base.push(first[o.id as usize].len());
+            }
+            let wave1 = engine.stats().prefix_cached_tokens;
+            // Wave 2: each second turn finds its first exchange (and the system prompt).
+            let mut ids = Vec::new();
+            for p in &second {
+                ids.push(engine.add_request(greedy_request(p, n_new)).unwrap());
+            }
+            let outs = engine.run_to_completion(|_, _| {}).unwrap();
+            let stats = engine.stats().clone();
+            for o in &outs {
+                let k = ids.iter().position(|&i| i == o.id).unwrap();
+                let alone = eval::greedy(&m, &second[k], n_new).unwrap();
+                assert_eq!(o.tokens, alone, "{name}: wave 2 request {k}");
+                if !tight_pool {
+                    // The first exchange's prompt (30-token system prompt + a question of
+                    // 3-14 tokens: 33-44 tokens) in whole blocks of 4.
+                    assert_eq!(
+                        o.timing.cached_tokens,
+                        base[k] / 4 * 4,
+                        "{name}: {:?}",
+                        o.timing
+                    );
+                }
+            }
+            assert!(stats.prefix_cached_tokens > wave1, "{name}: {stats:?}");
+            if tight_pool {
+                assert!(
+                    stats.preemptions > 0,
+                    "{name}: the tight pool never preempted"
+                );
+            }
+            assert_eq!(engine.scheduler().kv().pool().num_used(), 0);
+            engine.scheduler().check_invariants().unwrap();
+        }
+    }
+}
+
+/// DeepSeek-V4's caches carry state across blocks: prefix caching is refused by name, and
+/// MTP with it too.
+#[test]
+fn prefix_caching_is_refused_where_it_cannot_be_exact() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
+    let m = DeepseekV4::load(&dir, V4LoadOptions::default()).unwrap();
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 64,
+        batch_size: 4,
+        max_prefill_tokens: 64,
+    };
+    let mut e = Engine::new(&m, None, cfg).unwrap();
+    let err = e.enable_prefix_caching().unwrap_err().to_string();
+    assert!(err.contains("DeepSeek-V4"), "{err}");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny");
+    let r1 = DeepseekV3::load(
+        &dir,
+        LoadOptions {
+            load_mtp: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut e = Engine::new(&r1, None, cfg).unwrap();
+    e.enable_mtp(1).unwrap();
+    let err = e.enable_prefix_caching().unwrap_err().to_string();
+    assert!(err.contains("MTP"), "{err}");
+    let mut e = Engine::new(&r1, None, cfg).unwrap();
+    e.enable_prefix_caching().unwrap();
+    assert!(e
+        .enable_mtp(1)
+        .unwrap_err()
+        .to_string()
+        .contains("prefix caching"));
+}

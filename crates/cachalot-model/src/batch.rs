@@ -291,6 +291,9 @@ pub struct Batch {
     pub block_tables: Vec<Vec<u32>>,
     /// Token indices (into `tokens`) whose logits are returned, in this order.
     pub logits_indices: Vec<usize>,
+    /// Per sequence (missing entries: false): its tokens are prompt (or recompute) positions,
+    /// not generated ones ([`Batch::mark_prefill`]).
+    pub prefill: Vec<bool>,
 }
 
 impl Batch {
@@ -323,6 +326,8 @@ impl Batch {
             .extend((0..tokens.len()).map(|i| start_pos + i));
         self.seq_starts.push(self.tokens.len());
         self.block_tables.push(block_table);
+        self.prefill.resize(self.block_tables.len() - 1, false);
+        self.prefill.push(false);
         match want_logits {
             LogitsWanted::None => {}
             LogitsWanted::Last => {
@@ -332,6 +337,22 @@ impl Batch {
             }
             LogitsWanted::All => self.logits_indices.extend(base..base + tokens.len()),
         }
+    }
+
+    /// Marks the last sequence pushed as prompt (or recompute) positions: a prompt's positions
+    /// are then computed alike however it was split into chunks or taken from a prefix cache
+    /// (DeepSeek-V3 over a bf16 cache attends to them in f32 on either MLA path, where a
+    /// decode token's absorbed attention runs BF16 × BF16).
+    pub fn mark_prefill(&mut self) {
+        if let Some(last) = self.block_tables.len().checked_sub(1) {
+            self.prefill.resize(last + 1, false);
+            self.prefill[last] = true;
+        }
+    }
+
+    /// Sequence `s` holds prompt positions ([`Batch::mark_prefill`]).
+    pub fn is_prefill(&self, s: usize) -> bool {
+        self.prefill.get(s).copied().unwrap_or(false)
     }
 
     /// Checks the invariants the forward pass relies on.

@@ -964,6 +964,9 @@ impl DeepseekV3 {
                     b.block_tables[s].clone(),
                     LogitsWanted::None,
                 );
+                if b.is_prefill(s) {
+                    local.mark_prefill();
+                }
             }
         }
         let mut segs = Batch::default();
@@ -986,6 +989,7 @@ impl DeepseekV3 {
             }
             segs.seq_starts.push(segs.tokens.len());
             segs.block_tables.push(table);
+            segs.prefill.push(true);
             seg_of.push(j);
         }
         let spec = self.cache_spec();
@@ -1491,6 +1495,11 @@ impl DeepseekV3 {
                 None => (range.len(), batch.positions[range.end - 1] + 1),
             };
             Some(match self.attention_path {
+                // Prompt positions always take the naive path, which computes each row alike
+                // whatever the chunk: a prompt split over steps, or cut after the blocks a
+                // prefix cache gave it, gets the bits of its whole prefill (a short chunk
+                // after a long context pays the context's up-projection for it).
+                AttentionPath::Auto if batch.is_prefill(s) => AttentionPath::Naive,
                 AttentionPath::Auto => {
                     let (tq, ctx, n, kvr) = (tq as u64, ctx as u64, n as u64, kvr as u64);
                     let (nope, rd, vd) = (nope as u64, rd as u64, vd as u64);
@@ -1517,8 +1526,10 @@ impl DeepseekV3 {
         let dequantize = |s: usize| -> Option<Vec<f32>> {
             let path = paths[s]?;
             let c8 = mla.ckv_scale;
-            if c8.is_none() && (self.kv_dtype == KvCacheDtype::F32 || path != AttentionPath::Naive)
-            {
+            // A bf16 cache is widened for the naive path, and for prompt positions on the
+            // absorbed one (attended in f32: `attend_absorbed`).
+            let widen = path == AttentionPath::Naive || batch.is_prefill(s);
+            if c8.is_none() && (self.kv_dtype == KvCacheDtype::F32 || !widen) {
                 return None;
             }
             let range = batch.seq_starts[s]..batch.seq_starts[s + 1];
@@ -1590,6 +1601,7 @@ impl DeepseekV3 {
                     positions: &batch.positions[tokens.clone()],
                     tokens,
                     latents: &latents[s],
+                    prefill: batch.is_prefill(s),
                 }
             })
             .collect();
@@ -1824,8 +1836,11 @@ impl DeepseekV3 {
         // gives the single-softmax bits.
         let mut chunks: Vec<(usize, usize, Range<usize>)> = Vec::new(); // (t, seq, positions)
         let mut t = 0;
+        // Per token: its sequence holds prompt positions.
+        let mut prompt_token = Vec::with_capacity(tq);
         for (si, seq) in seqs.iter().enumerate() {
             for &pos in seq.positions {
+                prompt_token.push(seq.prefill);
                 let ctx = pos + 1;
                 for c0 in (0..ctx).step_by(ATTN_CHUNK) {
                     chunks.push((t, si, c0..(c0 + ATTN_CHUNK).min(ctx)));
@@ -1838,7 +1853,9 @@ impl DeepseekV3 {
         let groups = n.div_ceil(per_group);
         // Each (token, head group)'s queries in vector lanes, once for all its chunks: f32, or
         // bf16 pairs over a bf16 cache (attended in BF16 × BF16; C8's rows are dequantized
-        // to f32 instead).
+        // to f32 instead). Prompt positions stay f32 over the widened bf16 rows, so they come
+        // out as the naive path computes them (up to rounding), wherever the prompt was split
+        // or a prefix cache took its first blocks.
         let head_range = |g: usize| g * per_group..((g + 1) * per_group).min(n);
         let bf16_scores = self.kv_dtype == KvCacheDtype::Bf16 && mla.ckv_scale.is_none();
         let lanes: Vec<Queries> = (0..tq * groups)
@@ -1846,7 +1863,7 @@ impl DeepseekV3 {
             .map(|i| {
                 let (t, heads) = (i / groups, head_range(i % groups));
                 let qrows = &qc[(t * n + heads.start) * width..(t * n + heads.end) * width];
-                if bf16_scores {
+                if bf16_scores && !prompt_token[t] {
                     Queries::Bf16(k::HeadPairs::new(qrows, heads.len()))
                 } else {
                     Queries::F32(k::HeadLanes::new(qrows, heads.len()))
@@ -2308,6 +2325,8 @@ struct AbsorbedSeq<'a> {
     tokens: Range<usize>,
     positions: &'a [usize],
     latents: &'a Latents<'a>,
+    /// Prompt positions ([`Batch::mark_prefill`]): scored in f32 over a bf16 cache too.
+    prefill: bool,
 }
 
 /// [`Mla::uk_t`]: per head, the `nope` key rows of `kv_b` (`[n * (nope + vd), kvr]`, head

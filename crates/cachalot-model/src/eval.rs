@@ -87,6 +87,7 @@ pub fn next_token_logprobs<M: CausalLm + ?Sized>(
         alloc.ensure(&mut table, end, BLOCK_SIZE)?;
         let mut batch = Batch::default();
         batch.push_seq(&tokens[start..end], start, table.clone(), LogitsWanted::All);
+        batch.mark_prefill();
         let logits = model.logits(&batch, &mut cache)?;
         if let Some(i) = logits.iter().position(|x| x.is_nan()) {
             return Err(ModelError::Batch(format!(
@@ -124,6 +125,9 @@ pub fn greedy<M: CausalLm + ?Sized>(model: &M, prompt: &[u32], n_new: usize) -> 
         alloc.ensure(&mut table, pos + step_tokens.len(), BLOCK_SIZE)?;
         let mut batch = Batch::default();
         batch.push_seq(&step_tokens, pos, table.clone(), LogitsWanted::Last);
+        if pos == 0 {
+            batch.mark_prefill();
+        }
         let logits = model.logits(&batch, &mut cache)?;
         let next = k::argmax(&logits) as u32;
         pos += step_tokens.len();
@@ -251,6 +255,9 @@ pub fn speculative_greedy(
         alloc.ensure(&mut table, start + inputs.len(), BLOCK_SIZE)?;
         let mut batch = Batch::default();
         batch.push_seq(&inputs, start, table.clone(), LogitsWanted::All);
+        if start == 0 {
+            batch.mark_prefill();
+        }
         let fwd = model.forward(&batch, &mut cache, true)?;
         stats.main_steps += 1;
         let argmax: Vec<u32> = fwd
@@ -334,6 +341,7 @@ pub fn latent_absmax(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> Result
             table.clone(),
             LogitsWanted::None,
         );
+        batch.mark_prefill();
         model.forward(&batch, &mut cache, false)?;
         start = end;
     }

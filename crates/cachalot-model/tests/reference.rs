@@ -503,3 +503,43 @@ fn packed_and_alone(m: &DeepseekV3, seqs: &[Vec<u32>]) -> (Vec<Vec<f32>>, Vec<Ve
     }
     (got, alone)
 }
+
+/// A prompt's positions get the bits of its whole prefill however it is split into steps
+/// (chunked prefill, or a prefix cache's blocks followed by the rest), over an f32 and a bf16
+/// cache: prompt positions (`Batch::mark_prefill`) always take the naive path, and are
+/// attended in f32.
+#[test]
+fn a_prompt_split_anywhere_gives_its_whole_prefill_bits() {
+    for name in MODELS {
+        for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
+            let mut m = DeepseekV3::load(&fixture_dir(name), LoadOptions::default()).unwrap();
+            m.set_kv_cache_dtype(dtype);
+            let vocab = m.config().vocab_size;
+            let prompt: Vec<u32> = (0..37u32).map(|i| (i * 37 + 11) % vocab as u32).collect();
+            let run = |cuts: &[usize]| -> Vec<u32> {
+                let mut cache = KvCache::new(m.cache_spec(), 4, 16);
+                let mut alloc = BlockAllocator::new(16);
+                let mut table = Vec::new();
+                alloc.ensure(&mut table, prompt.len(), 4).unwrap();
+                let mut bits = Vec::new();
+                let mut start = 0;
+                for &end in cuts.iter().chain([&prompt.len()]) {
+                    let mut b = Batch::default();
+                    b.push_seq(&prompt[start..end], start, table.clone(), LogitsWanted::All);
+                    b.mark_prefill();
+                    let out = m.forward(&b, &mut cache, false).unwrap();
+                    bits.extend(out.logits.iter().map(|x| x.to_bits()));
+                    start = end;
+                }
+                bits
+            };
+            let whole = run(&[]);
+            for cuts in [&[28][..], &[13, 16], &[1, 2, 3, 36], &[32]] {
+                assert!(
+                    run(cuts) == whole,
+                    "{name} {dtype:?}: split at {cuts:?} differs from the whole prefill"
+                );
+            }
+        }
+    }
+}

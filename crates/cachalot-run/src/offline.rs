@@ -52,6 +52,8 @@ pub struct RunOptions {
     /// V4 takes f32 only). None (`--kv-cache-dtype auto`): f32 when `model_config.dtype` is
     /// float32, else bf16 (the seed's C16) for the DeepSeek-V3 family and f32 for V4.
     pub kv_cache_dtype: Option<KvCacheDtype>,
+    /// Prefix caching (`Engine::set_prefix_caching`): None where it can run.
+    pub prefix_caching: Option<bool>,
     /// Ranks of the run on this host (each sizes its KV pool from its share of the memory
     /// budget); 1 for a one-process run.
     pub host_ranks: usize,
@@ -243,6 +245,20 @@ pub struct Summary {
     /// MTP speculative decoding figures (absent when `next_n` is 0).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mtp: Option<MtpSummary>,
+    /// Prefix caching figures (absent when it was off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_cache: Option<PrefixCacheSummary>,
+}
+
+/// Figures of prefix caching over a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct PrefixCacheSummary {
+    /// Tokens of requests when admitted (first admissions and recomputes after preemption),
+    /// and how many of them had their KV taken from the cache instead of computed.
+    pub queried_tokens: usize,
+    pub cached_tokens: usize,
+    /// cached / queried.
+    pub hit_rate: f64,
 }
 
 /// One rank's share of a data-parallel run.
@@ -978,6 +994,12 @@ pub fn run_ranked(
         })?;
         logln!("MTP speculative decoding: {} drafts per step", m.next_n);
     }
+    if engine
+        .set_prefix_caching(opts.prefix_caching)
+        .map_err(|e| format!("--prefix-caching on: {e} ({})", model_dir.display()))?
+    {
+        logln!("prefix caching: on (blocks of {block_size} tokens)");
+    }
     let mut prompt_tokens = 0;
     // Engine request id -> index of the request in the run.
     let mut global_id = std::collections::HashMap::new();
@@ -1276,6 +1298,11 @@ pub fn run_ranked(
             tokens_per_main_step: stats.tokens_per_main_step(),
             draft_s: stats.draft_s,
         }),
+        prefix_cache: stats.prefix_caching.then(|| PrefixCacheSummary {
+            queried_tokens: stats.prefix_query_tokens,
+            cached_tokens: stats.prefix_cached_tokens,
+            hit_rate: stats.prefix_cached_tokens as f64 / stats.prefix_query_tokens.max(1) as f64,
+        }),
     };
     if rank != 0 {
         logln!(
@@ -1337,6 +1364,9 @@ fn merge_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
             kv_peak_blocks,
             kv_capacity_blocks,
             kv_block_size,
+            prefix_caching,
+            prefix_query_tokens,
+            prefix_cached_tokens,
         } = s;
         m.steps += steps;
         m.prefill_tokens += prefill_tokens;
@@ -1362,6 +1392,9 @@ fn merge_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
             m.kv_capacity_blocks = *kv_capacity_blocks;
         }
         m.kv_block_size = *kv_block_size;
+        m.prefix_caching |= prefix_caching;
+        m.prefix_query_tokens += prefix_query_tokens;
+        m.prefix_cached_tokens += prefix_cached_tokens;
     }
     m
 }
@@ -1459,6 +1492,17 @@ pub fn summary_table(s: &Summary) -> String {
         "KV cache".into(),
         format!("latents stored as {} (--kv-cache-dtype)", s.kv_cache_dtype),
     ));
+    if let Some(p) = &s.prefix_cache {
+        rows.push((
+            "prefix cache".into(),
+            format!(
+                "{} of {} prompt tokens taken from the cache ({:.1}%)",
+                p.cached_tokens,
+                p.queried_tokens,
+                100.0 * p.hit_rate
+            ),
+        ));
+    }
     if s.bf16_dot {
         rows.push((
             "bf16 products".into(),

@@ -36,6 +36,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         int8_head: false,
         bf16_dot: false,
         kv_cache_dtype: None,
+        prefix_caching: None,
         host_ranks: 1,
         parallel: Parallel::Data,
     }

@@ -314,6 +314,7 @@ fn prefill(m: &DeepseekV3, s: &mut Seqs, i: usize, prompt: &[u32]) -> Result<u32
     let _warm = cachalot_kernels::KeepWarm::new();
     let mut b = Batch::default();
     b.push_seq(prompt, 0, s.tables[i].clone(), LogitsWanted::Last);
+    b.mark_prefill();
     let out = m.forward(&b, &mut s.cache, false)?;
     Ok(cachalot_kernels::argmax(&out.logits) as u32)
 }
@@ -567,6 +568,7 @@ fn time_prefill_decode<M: CausalLm>(
     alloc.ensure(&mut table, total, BLOCK_SIZE)?;
     let mut batch = Batch::default();
     batch.push_seq(prompt, 0, table.clone(), LogitsWanted::Last);
+    batch.mark_prefill();
     let t = Instant::now();
     let logits = m.logits(&batch, &mut cache)?;
     let prefill_s = t.elapsed().as_secs_f64();

@@ -69,6 +69,27 @@ impl KvDtypeArg {
     }
 }
 
+/// `--prefix-caching`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PrefixCachingArg {
+    /// On where it runs exactly: the DeepSeek-V3 family without MTP.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl PrefixCachingArg {
+    /// What [`cachalot_engine::Engine::set_prefix_caching`] takes.
+    pub(crate) fn chosen(self) -> Option<bool> {
+        match self {
+            PrefixCachingArg::Auto => None,
+            PrefixCachingArg::On => Some(true),
+            PrefixCachingArg::Off => Some(false),
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum AttnArg {
     Auto,

@@ -64,6 +64,12 @@ pub struct RunArgs {
     /// DeepSeek-V3 family and f32 for DeepSeek-V4. Recorded as kv_cache_dtype in summary.json.
     #[arg(long, value_enum, default_value = "auto")]
     kv_cache_dtype: crate::KvDtypeArg,
+    /// Prefix caching (vLLM's automatic prefix caching; the seed has none): a prompt's first
+    /// whole KV blocks already computed for an earlier request are shared, not computed again
+    /// (outputs unchanged). `auto`: on for the DeepSeek-V3 family without MTP (next_n 0), off
+    /// otherwise; `on` refuses a run where it cannot be. Recorded in summary.json.
+    #[arg(long, value_enum, default_value = "auto")]
+    prefix_caching: crate::PrefixCachingArg,
     /// Time the phases of every step (attention's parts, dense MLP, MoE, head, the engine's
     /// own work): a table on stderr and profile.json beside summary.json (this process's
     /// steps: rank 0's in a run over several ranks).
@@ -400,6 +406,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         int8_head: args.int8_head,
         bf16_dot: args.bf16_dot,
         kv_cache_dtype: args.kv_cache_dtype.chosen(),
+        prefix_caching: args.prefix_caching.chosen(),
         host_ranks: args.group.host_ranks(),
         parallel: args.group.layout(&cfg.parallel_config)?,
     };

@@ -109,6 +109,13 @@ pub struct ServeArgs {
     /// YAML's next_n].
     #[arg(long, value_name = "N")]
     mtp: Option<usize>,
+    /// Prefix caching (vLLM's automatic prefix caching): a prompt's first whole KV blocks
+    /// already computed for an earlier request (a shared system prompt, the earlier turns of a
+    /// conversation) are shared instead of computed again; outputs are unchanged. `auto`: on
+    /// for the DeepSeek-V3 family without MTP. Answers report
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    #[arg(long, value_enum, default_value = "auto")]
+    prefix_caching: crate::PrefixCachingArg,
     /// Chat template (a tokenizer_config.json or a Jinja file) instead of the model's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
@@ -416,6 +423,8 @@ struct Settings {
     /// Share of the available memory the KV pool may take.
     kv_fraction: f64,
     mtp: usize,
+    /// `Engine::set_prefix_caching`.
+    prefix_caching: Option<bool>,
     /// How the ranks share the work (--parallel, or the YAML's parallel_config).
     parallel: cachalot_run::offline::Parallel,
 }
@@ -430,6 +439,7 @@ fn settings(args: &ServeArgs) -> Result<Settings> {
         kv_blocks: args.kv_blocks,
         kv_fraction: 0.5,
         mtp: 0,
+        prefix_caching: args.prefix_caching.chosen(),
         parallel: args
             .group
             .layout(&cachalot_run::config::ParallelConfig::default())?,
@@ -1335,6 +1345,9 @@ fn serving_engine<'t, M: Model>(
     if set.mtp > 0 {
         engine.enable_mtp(set.mtp)?;
     }
+    engine
+        .set_prefix_caching(set.prefix_caching)
+        .map_err(|e| anyhow::anyhow!("--prefix-caching on: {e}"))?;
     Ok(engine)
 }
 
@@ -2628,11 +2641,17 @@ fn finish_word(out: &RequestOutput) -> &'static str {
     }
 }
 
-/// Usage of a request: its prompt once, the tokens of all its choices.
+/// Usage of a request: its prompt once, the tokens of all its choices; with
+/// `prompt_tokens_details.cached_tokens` the prompt tokens whose KV came from the prefix cache
+/// (each choice is prefilled on its own: their share, averaged over the choices).
 fn usage(prompt: usize, outs: &[Box<RequestOutput>]) -> Value {
     let completion: usize = outs.iter().map(|o| o.tokens.len()).sum();
+    let prompts: usize = outs.iter().map(|o| o.timing.prompt_tokens).sum();
+    let cached: usize = outs.iter().map(|o| o.timing.cached_tokens).sum();
+    let cached = (cached as f64 * prompt as f64 / prompts.max(1) as f64).round() as usize;
     json!({"prompt_tokens": prompt, "completion_tokens": completion,
-           "total_tokens": prompt + completion})
+           "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached.min(prompt)}})
 }
 
 /// Sends the request to the engine (`n` times for `n` choices) and answers it, whole or

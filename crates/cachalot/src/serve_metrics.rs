@@ -78,6 +78,7 @@ struct Inner {
     prompt_tokens: u64,
     generation_tokens: u64,
     preemptions: u64,
+    cached_tokens: u64,
     finished: BTreeMap<&'static str, u64>,
     ttft: Histogram,
     tpot: Histogram,
@@ -102,6 +103,7 @@ impl Metrics {
                 prompt_tokens: 0,
                 generation_tokens: 0,
                 preemptions: 0,
+                cached_tokens: 0,
                 finished: BTreeMap::new(),
                 ttft: Histogram::new(TTFT_BOUNDS),
                 tpot: Histogram::new(TPOT_BOUNDS),
@@ -128,6 +130,7 @@ impl Metrics {
         m.prompt_tokens += t.prompt_tokens as u64;
         m.generation_tokens += t.output_tokens as u64;
         m.preemptions += t.preemptions as u64;
+        m.cached_tokens += t.cached_tokens as u64;
         if out.finish == FinishReason::Cancelled || t.output_tokens == 0 {
             return;
         }
@@ -206,6 +209,18 @@ impl Metrics {
             m.generation_tokens as f64,
         );
         gauge(
+            "prefix_cache_queries_total",
+            "Prompt tokens of finished requests looked up in the prefix cache.",
+            "counter",
+            m.prompt_tokens as f64,
+        );
+        gauge(
+            "prefix_cache_hits_total",
+            "Prompt tokens of finished requests whose KV came from the prefix cache.",
+            "counter",
+            m.cached_tokens as f64,
+        );
+        gauge(
             "num_preemptions_total",
             "Times a request's KV was dropped and recomputed.",
             "counter",
@@ -271,6 +286,7 @@ mod tests {
                 tpot_s: Some(0.002),
                 e2e_s: 0.05,
                 preemptions: 1,
+                cached_tokens: 0,
             },
             drafted: 0,
             accepted_drafts: 0,

@@ -1505,3 +1505,83 @@ fn the_router_passes_a_departed_client_on() {
     );
     assert_eq!(status, 200, "{v}");
 }
+
+/// Prefix caching (on by default for this model): a repeated system prompt and a repeated
+/// request take their first blocks from the cache, answer as a server without it does, and
+/// say so in `usage.prompt_tokens_details.cached_tokens` and `/metrics`; a prompt to be
+/// scored (echo) computes every position.
+#[test]
+fn serve_shares_cached_prefixes() {
+    let system = "You are a careful assistant who answers questions about whales, their \
+                  songs, their migrations and the ships that hunted them, in plain words.";
+    let chat = |question: &str| {
+        json!({"messages": [{"role": "system", "content": system},
+                            {"role": "user", "content": question}],
+               "max_tokens": 8, "temperature": 0})
+    };
+    let questions = ["Why do whales sing?", "Where do they go in winter?"];
+    let mut answers: Vec<Vec<Value>> = Vec::new();
+    for mode in ["off", "auto"] {
+        let server = start(&["--block-size", "16", "--prefix-caching", mode]);
+        let addr = server.addr.as_str();
+        let mut got = Vec::new();
+        for q in questions.iter().chain(&questions[..1]) {
+            let (status, r) = post(addr, "/v1/chat/completions", &chat(q));
+            assert_eq!(status, 200, "{r}");
+            got.push(r);
+        }
+        let cached: Vec<u64> = got
+            .iter()
+            .map(|r| {
+                r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        let prompt = got[2]["usage"]["prompt_tokens"].as_u64().unwrap();
+        if mode == "off" {
+            assert_eq!(cached, [0, 0, 0]);
+        } else {
+            // The first request finds nothing; the second its system prompt's whole blocks;
+            // the repeat everything but the last block boundary before its final token.
+            assert_eq!(cached[0], 0);
+            assert!(cached[1] >= 16, "{cached:?}");
+            assert_eq!(cached[2], (prompt - 1) / 16 * 16, "{cached:?}");
+            let (_, m) = http(addr, "GET", "/metrics", "");
+            let hits = m
+                .lines()
+                .find(|l| l.starts_with("cachalot:prefix_cache_hits_total"))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap();
+            assert_eq!(hits as u64, cached.iter().sum::<u64>(), "{m}");
+            // Echo scores the whole prompt, cached or not.
+            let (status, e) = post(
+                addr,
+                "/v1/completions",
+                &json!({"prompt": system, "max_tokens": 0, "echo": true, "logprobs": 0}),
+            );
+            assert_eq!(status, 200, "{e}");
+            let l = &e["choices"][0]["logprobs"]["token_logprobs"];
+            let n = l.as_array().unwrap().len();
+            assert!(
+                n > 16 && (1..n).all(|i| l[i].as_f64().unwrap() < 0.0),
+                "{e}"
+            );
+            assert_eq!(e["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        }
+        answers.push(got);
+    }
+    for (i, (off, on)) in answers[0].iter().zip(&answers[1]).enumerate() {
+        assert_eq!(
+            off["choices"][0]["message"], on["choices"][0]["message"],
+            "answer {i}"
+        );
+    }
+    assert_eq!(
+        answers[1][0]["choices"][0]["message"],
+        answers[1][2]["choices"][0]["message"]
+    );
+    let m = &answers[1][0]["choices"][0]["message"];
+    assert!(m.to_string().len() > 40, "an answer to compare: {m}");
+}

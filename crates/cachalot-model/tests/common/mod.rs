@@ -152,6 +152,8 @@ pub fn packed_run_of(m: &cachalot_model::DeepseekV3, seqs: &[Vec<u32>]) -> Vec<f
     for (s, t) in seqs.iter().zip(tables.iter_mut()) {
         alloc.ensure(t, s.len() + 1, 4).unwrap();
         b.push_seq(s, 0, t.clone(), LogitsWanted::All);
+        // Prompts, as the engine marks them.
+        b.mark_prefill();
     }
     let out = m.forward(&b, &mut cache, true).unwrap();
     let mut logits = out.logits;
