@@ -1304,10 +1304,12 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.scheduler.block_table(it.id).to_vec(),
                 want,
             );
-            // Prompt positions only (a recompute that reaches generated tokens is left to the
-            // model's choice, as those tokens' decode steps were).
+            // Prompt or generated positions (the scheduler never mixes them in one item): each
+            // kind computed one way, so chunking, prefix caching and recompute leave bits alone.
             if it.start + it.len <= live.prompt_len {
                 batch.mark_prefill();
+            } else if it.start >= live.prompt_len {
+                batch.mark_generated();
             }
             if it.decode {
                 report.decode_tokens += it.len;

@@ -212,6 +212,8 @@ pub fn generate<M: Model + ?Sized>(
         batch.push_seq(&step_tokens, pos, table.clone(), LogitsWanted::Last);
         if pos == 0 {
             batch.mark_prefill();
+        } else {
+            batch.mark_generated();
         }
         let out = Model::forward(model, &batch, &mut cache)?;
         let logits = &out[out.len() - vocab..];

@@ -484,6 +484,10 @@ impl Scheduler {
         if remaining == 1 && s.num_computed >= s.prompt_len {
             // A decode token: not counted against the prefill budget.
             1
+        } else if s.num_computed < s.prompt_len {
+            // A recompute stops at the end of the prompt: its generated tokens run in chunks of
+            // their own, so the model can compute them as their decode steps did.
+            remaining.min(s.prompt_len - s.num_computed).min(budget)
         } else {
             remaining.min(budget)
         }
@@ -728,12 +732,19 @@ mod tests {
         assert_eq!(s.phase(2), Some(Phase::Waiting));
         s.check_invariants().unwrap();
         s.finish(1);
-        // Request 2 comes back and recomputes its 5 known tokens in one chunk, then samples.
+        // Request 2 comes back and recomputes its 3-token prompt, then its 2 generated tokens
+        // in a chunk of their own (computed as generated positions), then samples.
         let p = s.schedule();
         assert_eq!(p.items[0].id, 2);
         assert_eq!(
             (p.items[0].start, p.items[0].len, p.items[0].sample),
-            (0, 5, true)
+            (0, 3, false)
+        );
+        assert!(!p.items[0].decode);
+        let p = s.schedule();
+        assert_eq!(
+            (p.items[0].start, p.items[0].len, p.items[0].sample),
+            (3, 2, true)
         );
         assert!(!p.items[0].decode);
         assert_eq!(s.num_preemptions(2), 1);

@@ -291,9 +291,12 @@ pub struct Batch {
     pub block_tables: Vec<Vec<u32>>,
     /// Token indices (into `tokens`) whose logits are returned, in this order.
     pub logits_indices: Vec<usize>,
-    /// Per sequence (missing entries: false): its tokens are prompt (or recompute) positions,
-    /// not generated ones ([`Batch::mark_prefill`]).
+    /// Per sequence (missing entries: false): its tokens are prompt positions
+    /// ([`Batch::mark_prefill`]).
     pub prefill: Vec<bool>,
+    /// Per sequence (missing entries: false): its tokens are generated ones (decode, MTP
+    /// verification, or their recompute after preemption; [`Batch::mark_generated`]).
+    pub generated: Vec<bool>,
 }
 
 impl Batch {
@@ -328,6 +331,8 @@ impl Batch {
         self.block_tables.push(block_table);
         self.prefill.resize(self.block_tables.len() - 1, false);
         self.prefill.push(false);
+        self.generated.resize(self.block_tables.len() - 1, false);
+        self.generated.push(false);
         match want_logits {
             LogitsWanted::None => {}
             LogitsWanted::Last => {
@@ -339,10 +344,9 @@ impl Batch {
         }
     }
 
-    /// Marks the last sequence pushed as prompt (or recompute) positions: a prompt's positions
-    /// are then computed alike however it was split into chunks or taken from a prefix cache
-    /// (DeepSeek-V3 over a bf16 cache attends to them in f32 on either MLA path, where a
-    /// decode token's absorbed attention runs BF16 × BF16).
+    /// Marks the last sequence pushed as prompt positions: a prompt's positions are then
+    /// computed alike however it was split into chunks or taken from a prefix cache
+    /// (DeepSeek-V3: the naive MLA path, attended in f32 over a bf16 cache too).
     pub fn mark_prefill(&mut self) {
         if let Some(last) = self.block_tables.len().checked_sub(1) {
             self.prefill.resize(last + 1, false);
@@ -350,9 +354,24 @@ impl Batch {
         }
     }
 
+    /// Marks the last sequence pushed as generated positions: computed as a decode step
+    /// computes them, however many run together (DeepSeek-V3: the absorbed MLA path), so a
+    /// recompute after preemption gives their first computation's bits.
+    pub fn mark_generated(&mut self) {
+        if let Some(last) = self.block_tables.len().checked_sub(1) {
+            self.generated.resize(last + 1, false);
+            self.generated[last] = true;
+        }
+    }
+
     /// Sequence `s` holds prompt positions ([`Batch::mark_prefill`]).
     pub fn is_prefill(&self, s: usize) -> bool {
         self.prefill.get(s).copied().unwrap_or(false)
+    }
+
+    /// Sequence `s` holds generated positions ([`Batch::mark_generated`]).
+    pub fn is_generated(&self, s: usize) -> bool {
+        self.generated.get(s).copied().unwrap_or(false)
     }
 
     /// Checks the invariants the forward pass relies on.

@@ -967,6 +967,9 @@ impl DeepseekV3 {
                 if b.is_prefill(s) {
                     local.mark_prefill();
                 }
+                if b.is_generated(s) {
+                    local.mark_generated();
+                }
             }
         }
         let mut segs = Batch::default();
@@ -1500,6 +1503,9 @@ impl DeepseekV3 {
                 // prefix cache gave it, gets the bits of its whole prefill (a short chunk
                 // after a long context pays the context's up-projection for it).
                 AttentionPath::Auto if batch.is_prefill(s) => AttentionPath::Naive,
+                // Generated positions always take the absorbed path, as their decode steps did
+                // (a recompute after preemption then gives the same bits).
+                AttentionPath::Auto if batch.is_generated(s) => AttentionPath::Absorbed,
                 AttentionPath::Auto => {
                     let (tq, ctx, n, kvr) = (tq as u64, ctx as u64, n as u64, kvr as u64);
                     let (nope, rd, vd) = (nope as u64, rd as u64, vd as u64);

@@ -127,6 +127,8 @@ pub fn greedy<M: CausalLm + ?Sized>(model: &M, prompt: &[u32], n_new: usize) -> 
         batch.push_seq(&step_tokens, pos, table.clone(), LogitsWanted::Last);
         if pos == 0 {
             batch.mark_prefill();
+        } else {
+            batch.mark_generated();
         }
         let logits = model.logits(&batch, &mut cache)?;
         let next = k::argmax(&logits) as u32;
@@ -257,6 +259,8 @@ pub fn speculative_greedy(
         batch.push_seq(&inputs, start, table.clone(), LogitsWanted::All);
         if start == 0 {
             batch.mark_prefill();
+        } else {
+            batch.mark_generated();
         }
         let fwd = model.forward(&batch, &mut cache, true)?;
         stats.main_steps += 1;

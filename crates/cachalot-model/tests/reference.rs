@@ -543,3 +543,65 @@ fn a_prompt_split_anywhere_gives_its_whole_prefill_bits() {
         }
     }
 }
+
+/// Generated positions computed together (a recompute after preemption, an MTP verification)
+/// give the bits their one-token decode steps gave, over an f32 and a bf16 cache: generated
+/// positions (`Batch::mark_generated`) always take the absorbed path.
+#[test]
+fn generated_positions_recomputed_together_give_their_decode_bits() {
+    for name in MODELS {
+        for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
+            let mut m = DeepseekV3::load(&fixture_dir(name), LoadOptions::default()).unwrap();
+            m.set_kv_cache_dtype(dtype);
+            let vocab = m.config().vocab_size;
+            // A short prompt and many generated tokens: the cost rule alone would take the naive
+            // path for them together.
+            let prompt: Vec<u32> = (0..3u32).map(|i| (i * 29 + 5) % vocab as u32).collect();
+            let generated: Vec<u32> = (0..30u32).map(|i| (i * 13 + 3) % vocab as u32).collect();
+            let fresh = || {
+                let mut cache = KvCache::new(m.cache_spec(), 4, 16);
+                let mut alloc = BlockAllocator::new(16);
+                let mut table = Vec::new();
+                alloc.ensure(&mut table, 40, 4).unwrap();
+                let mut b = Batch::default();
+                b.push_seq(&prompt, 0, table.clone(), LogitsWanted::None);
+                b.mark_prefill();
+                m.forward(&b, &mut cache, false).unwrap();
+                (cache, table)
+            };
+            let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            // One token a step.
+            let (mut cache, table) = fresh();
+            let mut steps = Vec::new();
+            for (i, &t) in generated.iter().enumerate() {
+                let mut b = Batch::default();
+                b.push_seq(&[t], prompt.len() + i, table.clone(), LogitsWanted::Last);
+                b.mark_generated();
+                steps.extend(bits(m.forward(&b, &mut cache, false).unwrap().logits));
+            }
+            // All of them in one chunk, and in two.
+            for cuts in [&[][..], &[12]] {
+                let (mut cache, table) = fresh();
+                let mut together = Vec::new();
+                let mut start = 0;
+                for &end in cuts.iter().chain([&generated.len()]) {
+                    let mut b = Batch::default();
+                    b.push_seq(
+                        &generated[start..end],
+                        prompt.len() + start,
+                        table.clone(),
+                        LogitsWanted::All,
+                    );
+                    b.mark_generated();
+                    together.extend(bits(m.forward(&b, &mut cache, false).unwrap().logits));
+                    start = end;
+                }
+                assert!(
+                    together == steps,
+                    "{name} {dtype:?}: generated positions cut at {cuts:?} differ from their \
+                     decode steps"
+                );
+            }
+        }
+    }
+}
