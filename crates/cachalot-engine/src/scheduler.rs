@@ -35,14 +35,16 @@
 //! after preemption) it takes the longest run of registered blocks matching its first tokens:
 //! they count as computed and its first chunk starts after them. At least the last known token
 //! is always computed (its logits are sampled), so at most `(num_tokens − 1) / block_size` full
-//! blocks are taken; the shared blocks are never written.
+//! blocks are taken; the shared blocks are never written. A waiting request whose next block
+//! to compute is a prompt block a running request is still computing waits (admission stops
+//! there for the step), so requests that arrive together with the same prompt compute it once.
 //!
 //! Progress: a request is accepted only if it fits the pool alone, so the oldest running
 //! request always gets its tokens (by preempting everyone after it if need be), and with no
 //! request running the pool is empty and the queue's head fits. Every step with unfinished
 //! requests therefore schedules at least one token.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::kv_pool::{block_key, BlockKey, KvBlockManager};
 
@@ -334,14 +336,21 @@ impl Scheduler {
         self.seqs.get_mut(&id).expect("known").registered = upto;
     }
 
+    /// How many whole blocks a request admitted with nothing computed may take from the cache:
+    /// its last known token always runs, and a recompute takes only blocks of its prompt (its
+    /// generated tokens run as generated positions, with their decode steps' bits, where a
+    /// longer prompt that holds the same tokens registered prompt-computed ones).
+    fn most_hits(s: &Seq, block_size: usize) -> usize {
+        ((s.num_tokens - 1) / block_size).min(s.prompt_len / block_size)
+    }
+
     /// The cached blocks a request being admitted with nothing computed may take.
     fn prefix_hits(&mut self, id: u64) -> Vec<u32> {
         let s = &self.seqs[&id];
         if !s.reuse || s.num_computed != 0 || s.tokens.is_none() {
             return Vec::new();
         }
-        // Its last known token always runs.
-        let most = (s.num_tokens - 1) / self.kv.block_size();
+        let most = Self::most_hits(s, self.kv.block_size());
         self.extend_keys(id, most);
         let s = &self.seqs[&id];
         let keys = &s.keys[..most.min(s.keys.len())];
@@ -450,11 +459,23 @@ impl Scheduler {
             i += 1;
         }
         if out.preempted.is_empty() {
+            // Prompt blocks running requests are computing (prefix caching).
+            let mut in_flight: HashSet<BlockKey> = HashSet::new();
+            if self.kv.prefix_caching() {
+                for i in 0..self.running.len() {
+                    self.add_in_flight(self.running[i], &mut in_flight);
+                }
+            }
             while self.running.len() < self.cfg.batch_size {
                 let Some(&id) = self.waiting.front() else {
                     break;
                 };
                 let hits = self.prefix_hits(id);
+                if self.waits_for(id, hits.len(), &in_flight) {
+                    // A running request is computing its next block: it takes it from the
+                    // cache once that is done, instead of computing it beside it.
+                    break;
+                }
                 let cached = hits.len() * self.kv.block_size();
                 self.seqs.get_mut(&id).unwrap().num_computed = cached;
                 let len = self.chunk_len(id, budget);
@@ -472,9 +493,40 @@ impl Scheduler {
                 let item = out.items.last_mut().expect("just taken");
                 item.cached = cached;
                 item.admitted = true;
+                if self.kv.prefix_caching() {
+                    self.add_in_flight(id, &mut in_flight);
+                }
             }
         }
         out
+    }
+
+    /// Adds the keys of `id`'s whole prompt blocks that it has not offered to the prefix cache
+    /// yet (it computes them in this step or later ones) to `keys`.
+    fn add_in_flight(&mut self, id: u64, keys: &mut HashSet<BlockKey>) {
+        let s = &self.seqs[&id];
+        if s.tokens.is_none() {
+            return;
+        }
+        let full = s.prompt_len / self.kv.block_size();
+        self.extend_keys(id, full);
+        let s = &self.seqs[&id];
+        let end = full.min(s.keys.len());
+        keys.extend(s.keys[s.registered.min(end)..end].iter());
+    }
+
+    /// A waiting request that would take `hits` cached blocks should wait instead: the next
+    /// block it would compute is one a running request is computing (`in_flight`). Requests
+    /// that arrive together with the same prompt (a request's `n` choices, users of one system
+    /// prompt) then compute it once. The running request makes progress every step it runs,
+    /// so the wait ends.
+    fn waits_for(&self, id: u64, hits: usize, in_flight: &HashSet<BlockKey>) -> bool {
+        let s = &self.seqs[&id];
+        if !s.reuse || in_flight.is_empty() {
+            return false;
+        }
+        hits < Self::most_hits(s, self.kv.block_size()).min(s.keys.len())
+            && in_flight.contains(&s.keys[hits])
     }
 
     /// Tokens of `id` to schedule now given the prefill budget left.
@@ -928,6 +980,33 @@ mod tests {
         prop_assert!(!s.has_unfinished(), "not done after 10 000 steps");
         prop_assert_eq!(s.kv().pool().num_free(), s.kv().pool().capacity());
         Ok(())
+    }
+
+    /// Requests that arrive together with the same prompt compute it once: the second waits
+    /// while the first computes the blocks, then takes them (and admission behind it waits too).
+    #[test]
+    fn requests_arriving_together_compute_a_shared_prompt_once() {
+        let mut s = sched(64, 4, 8, 100);
+        s.enable_prefix_caching();
+        let t: Vec<u32> = (0..18).collect();
+        s.add_prompt(1, &t, 30, true).unwrap();
+        s.add_prompt(2, &t, 30, true).unwrap();
+        s.add_prompt(3, &[7, 7, 7], 10, true).unwrap();
+        let p = s.schedule();
+        assert_eq!(p.items.len(), 1, "{p:?}");
+        assert_eq!((p.items[0].id, p.items[0].len), (1, 18));
+        s.append_token_ids(1, &[5]);
+        let p = s.schedule();
+        let two = p.items.iter().find(|i| i.id == 2).unwrap();
+        assert_eq!((two.cached, two.start, two.len), (16, 16, 2));
+        assert!(p.items.iter().any(|i| i.id == 3));
+        // A prompt to be scored does not wait (it takes nothing from the cache).
+        let mut s = sched(64, 4, 8, 100);
+        s.enable_prefix_caching();
+        s.add_prompt(1, &t, 30, true).unwrap();
+        s.add_prompt(2, &t, 30, false).unwrap();
+        assert_eq!(s.schedule().items.len(), 2);
+        s.check_invariants().unwrap();
     }
 
     proptest! {
