@@ -36,8 +36,9 @@
 //! they count as computed and its first chunk starts after them. At least the last known token
 //! is always computed (its logits are sampled), so at most `(num_tokens − 1) / block_size` full
 //! blocks are taken; the shared blocks are never written. A waiting request whose next block
-//! to compute is a prompt block a running request is still computing waits (admission stops
-//! there for the step), so requests that arrive together with the same prompt compute it once.
+//! to compute is a prompt block a running request is still computing waits (keeping its place
+//! in the queue; admission goes on with the requests after it), so requests that arrive
+//! together with the same prompt compute it once.
 //!
 //! Progress: a request is accepted only if it fits the pool alone, so the oldest running
 //! request always gets its tokens (by preempting everyone after it if need be), and with no
@@ -466,15 +467,19 @@ impl Scheduler {
                     self.add_in_flight(self.running[i], &mut in_flight);
                 }
             }
+            // The queue position looked at: requests before it wait for blocks in flight.
+            let mut at = 0;
             while self.running.len() < self.cfg.batch_size {
-                let Some(&id) = self.waiting.front() else {
+                let Some(&id) = self.waiting.get(at) else {
                     break;
                 };
                 let hits = self.prefix_hits(id);
                 if self.waits_for(id, hits.len(), &in_flight) {
                     // A running request is computing its next block: it takes it from the
-                    // cache once that is done, instead of computing it beside it.
-                    break;
+                    // cache once that is done, instead of computing it beside it; it keeps
+                    // its place and the requests after it go on.
+                    at += 1;
+                    continue;
                 }
                 let cached = hits.len() * self.kv.block_size();
                 self.seqs.get_mut(&id).unwrap().num_computed = cached;
@@ -486,7 +491,7 @@ impl Scheduler {
                 let s = self.seqs.get_mut(&id).unwrap();
                 s.cached = cached;
                 s.registered = hits.len();
-                self.waiting.pop_front();
+                self.waiting.remove(at);
                 self.running.push(id);
                 self.seqs.get_mut(&id).unwrap().phase = Phase::Running;
                 budget -= self.take(id, len, 0, &mut out);
@@ -983,7 +988,7 @@ mod tests {
     }
 
     /// Requests that arrive together with the same prompt compute it once: the second waits
-    /// while the first computes the blocks, then takes them (and admission behind it waits too).
+    /// while the first computes the blocks, then takes them; a request behind it goes on.
     #[test]
     fn requests_arriving_together_compute_a_shared_prompt_once() {
         let mut s = sched(64, 4, 8, 100);
@@ -993,13 +998,15 @@ mod tests {
         s.add_prompt(2, &t, 30, true).unwrap();
         s.add_prompt(3, &[7, 7, 7], 10, true).unwrap();
         let p = s.schedule();
-        assert_eq!(p.items.len(), 1, "{p:?}");
-        assert_eq!((p.items[0].id, p.items[0].len), (1, 18));
+        let ids: Vec<u64> = p.items.iter().map(|i| i.id).collect();
+        assert_eq!(ids, [1, 3], "{p:?}");
+        assert_eq!(p.items[0].len, 18);
+        assert_eq!(s.num_waiting(), 1);
         s.append_token_ids(1, &[5]);
+        s.append_token_ids(3, &[5]);
         let p = s.schedule();
         let two = p.items.iter().find(|i| i.id == 2).unwrap();
         assert_eq!((two.cached, two.start, two.len), (16, 16, 2));
-        assert!(p.items.iter().any(|i| i.id == 3));
         // A prompt to be scored does not wait (it takes nothing from the cache).
         let mut s = sched(64, 4, 8, 100);
         s.enable_prefix_caching();
