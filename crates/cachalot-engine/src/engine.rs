@@ -165,7 +165,9 @@ impl Model for DeepseekV3 {
         Ok(DeepseekV3::end_step(self, more)?)
     }
     fn supports_prefix_caching(&self) -> bool {
-        true
+        // C8: a prompt's naive attention reads its own rows un-quantized but cached rows as
+        // int8, so a prompt cut after cached blocks would not get its whole prefill's bits.
+        self.cache_spec().int8_width == 0
     }
 }
 
@@ -790,7 +792,7 @@ impl<'t, M: Model> Engine<'t, M> {
         }
         if self.scheduler.kv().prefix_caching() {
             return Err(EngineError::Request(
-                "MTP speculative decoding does not run with prefix caching on (the MTP layer's                  cache of a shared block would be incomplete): turn one of them off"
+                "MTP speculative decoding does not run with prefix caching on (the MTP layer's cache of a shared block would be incomplete): turn one of them off"
                     .into(),
             ));
         }
@@ -810,13 +812,15 @@ impl<'t, M: Model> Engine<'t, M> {
     pub fn enable_prefix_caching(&mut self) -> Result<(), EngineError> {
         if !self.model.supports_prefix_caching() {
             return Err(EngineError::Request(
-                "this model family's cache cannot be shared between requests (prefix caching):                  DeepSeek-V4's compressed caches and windows carry state across blocks"
+                "this model's cache cannot be shared between requests (prefix caching): \
+                 DeepSeek-V4's compressed caches and windows carry state across blocks, and a \
+                 C8 (int8) latent cache is read quantized where a prompt's own rows are not"
                     .into(),
             ));
         }
         if self.next_n > 0 {
             return Err(EngineError::Request(
-                "prefix caching does not run with MTP speculative decoding (the MTP layer's                  cache of a shared block would be incomplete): turn one of them off"
+                "prefix caching does not run with MTP speculative decoding (the MTP layer's cache of a shared block would be incomplete): turn one of them off"
                     .into(),
             ));
         }
@@ -1285,7 +1289,9 @@ impl<'t, M: Model> Engine<'t, M> {
             if it.admitted && self.stats.prefix_caching {
                 live.cached_tokens.get_or_insert(it.cached);
                 self.stats.prefix_cached_tokens += it.cached;
-                self.stats.prefix_query_tokens += live.tokens.len();
+                if live.top_prompt_logprobs.is_none() {
+                    self.stats.prefix_query_tokens += live.prompt_len;
+                }
             }
             let ds = drafts.get(n).map_or(&[][..], Vec::as_slice);
             let want = if !ds.is_empty() || Self::prompt_rows(live, it) > 0 {

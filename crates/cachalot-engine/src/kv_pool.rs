@@ -210,6 +210,8 @@ struct Registered {
 /// The prefix cache's index over the pool's blocks.
 #[derive(Debug, Clone, Default)]
 struct PrefixIndex {
+    /// Cleared since it was made (blocks shared before may now be held unregistered).
+    cleared: bool,
     by_key: HashMap<BlockKey, u32>,
     /// Per block.
     entry: Vec<Option<Registered>>,
@@ -242,6 +244,7 @@ impl KvBlockManager {
     pub fn enable_prefix_caching(&mut self) {
         if self.prefix.is_none() {
             self.prefix = Some(PrefixIndex {
+                cleared: false,
                 by_key: HashMap::new(),
                 entry: vec![None; self.pool.num_blocks()],
             });
@@ -258,6 +261,7 @@ impl KvBlockManager {
     /// forward that failed part way).
     pub fn clear_prefix_cache(&mut self) {
         if let Some(p) = &mut self.prefix {
+            p.cleared = true;
             p.by_key.clear();
             p.entry.iter_mut().for_each(|e| *e = None);
         }
@@ -461,7 +465,10 @@ impl KvBlockManager {
                     "block {b} counts {refs} holders, {c} tables hold it"
                 ));
             }
-            let registered = self.prefix.as_ref().is_some_and(|p| p.entry[b].is_some());
+            let registered = self
+                .prefix
+                .as_ref()
+                .is_some_and(|p| p.cleared || p.entry[b].is_some());
             if c > 1 && !registered {
                 return Err(format!("unregistered block {b} is held by {c} requests"));
             }

@@ -57,8 +57,8 @@ pub struct EngineStats {
     pub kv_peak_blocks: usize,
     pub kv_capacity_blocks: usize,
     pub kv_block_size: usize,
-    /// Prefix caching on; tokens of admitted requests (first admissions and recomputes) and how
-    /// many of them came from the cache.
+    /// Prefix caching on; prompt tokens of admitted requests that may take cached blocks (first
+    /// admissions and recomputes; not prompts being scored) and how many came from the cache.
     #[serde(default)]
     pub prefix_caching: bool,
     #[serde(default)]

@@ -656,7 +656,8 @@ impl Scheduler {
         self.waiting.retain(|&r| r != id);
     }
 
-    /// Every block free or owned by exactly one request; running requests hold blocks covering
+    /// Every block free or held by as many tables as its count (only registered blocks by
+    /// several); running requests hold blocks covering
     /// their computed tokens, waiting ones none. For tests.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.kv.check_invariants()?;

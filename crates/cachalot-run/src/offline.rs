@@ -253,8 +253,9 @@ pub struct Summary {
 /// Figures of prefix caching over a run.
 #[derive(Clone, Debug, Serialize)]
 pub struct PrefixCacheSummary {
-    /// Tokens of requests when admitted (first admissions and recomputes after preemption),
-    /// and how many of them had their KV taken from the cache instead of computed.
+    /// Prompt tokens of requests when admitted (first admissions and recomputes after
+    /// preemption; not prompts being scored), and how many of them had their KV taken from the
+    /// cache instead of computed.
     pub queried_tokens: usize,
     pub cached_tokens: usize,
     /// cached / queried.

@@ -210,7 +210,7 @@ impl Metrics {
         );
         gauge(
             "prefix_cache_queries_total",
-            "Prompt tokens of finished requests looked up in the prefix cache.",
+            "Prompt tokens of finished requests (looked up in the prefix cache when it is on).",
             "counter",
             m.prompt_tokens as f64,
         );
