@@ -45,6 +45,11 @@ use crate::scheduler::{AdmissionError, Scheduled, Scheduler, SchedulerConfig};
 use crate::transfer::{KvSnapshot, MtpRows};
 use crate::EngineError;
 
+/// Why MTP and prefix caching do not run together (either one refused once the other is on).
+const MTP_WITH_PREFIX_CACHING: &str = "MTP speculative decoding does not run with prefix \
+     caching (the MTP layer's cache row of a shared block's last position depends on the token \
+     after the block): turn one of them off";
+
 fn no_mtp() -> EngineError {
     EngineError::Request("this model has no MTP layer: it cannot run speculative decoding".into())
 }
@@ -791,10 +796,7 @@ impl<'t, M: Model> Engine<'t, M> {
             ));
         }
         if self.scheduler.kv().prefix_caching() {
-            return Err(EngineError::Request(
-                "MTP speculative decoding does not run with prefix caching on (the MTP layer's cache of a shared block would be incomplete): turn one of them off"
-                    .into(),
-            ));
+            return Err(EngineError::Request(MTP_WITH_PREFIX_CACHING.into()));
         }
         self.next_n = next_n;
         self.scheduler.set_lookahead(next_n);
@@ -819,10 +821,7 @@ impl<'t, M: Model> Engine<'t, M> {
             ));
         }
         if self.next_n > 0 {
-            return Err(EngineError::Request(
-                "prefix caching does not run with MTP speculative decoding (the MTP layer's cache of a shared block would be incomplete): turn one of them off"
-                    .into(),
-            ));
+            return Err(EngineError::Request(MTP_WITH_PREFIX_CACHING.into()));
         }
         if self.scheduler.has_unfinished() {
             return Err(EngineError::Request(

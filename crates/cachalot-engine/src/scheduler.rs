@@ -104,8 +104,32 @@ struct Seq {
     /// It may take cached blocks when admitted (false: every prompt position must run, e.g.
     /// to score the prompt).
     reuse: bool,
-    /// Tokens taken from the prefix cache at its latest admission.
-    cached: usize,
+}
+
+impl Seq {
+    /// A request of `num_tokens` known tokens, `num_computed` of them cached, outside prefix
+    /// caching until [`Scheduler::add_prompt`] gives it its tokens.
+    fn new(
+        num_tokens: usize,
+        num_computed: usize,
+        prompt_len: usize,
+        max_len: usize,
+        phase: Phase,
+    ) -> Seq {
+        Seq {
+            num_tokens,
+            num_computed,
+            prompt_len,
+            max_len,
+            pending_drafts: 0,
+            phase,
+            num_preemptions: 0,
+            tokens: None,
+            keys: Vec::new(),
+            registered: 0,
+            reuse: false,
+        }
+    }
 }
 
 /// One request's share of a step: tokens `start..start + len` of its token list, at positions
@@ -233,20 +257,7 @@ impl Scheduler {
         self.check_new(id, max_len)?;
         self.seqs.insert(
             id,
-            Seq {
-                num_tokens: prompt_len,
-                num_computed: 0,
-                prompt_len,
-                max_len,
-                pending_drafts: 0,
-                phase: Phase::Waiting,
-                num_preemptions: 0,
-                tokens: None,
-                keys: Vec::new(),
-                registered: 0,
-                reuse: false,
-                cached: 0,
-            },
+            Seq::new(prompt_len, 0, prompt_len, max_len, Phase::Waiting),
         );
         self.waiting.push_back(id);
         Ok(())
@@ -285,11 +296,6 @@ impl Scheduler {
             s.tokens = None;
             s.reuse = false;
         }
-    }
-
-    /// Tokens of `id`'s prompt taken from the prefix cache when it was last admitted.
-    pub fn cached_tokens(&self, id: u64) -> usize {
-        self.seqs.get(&id).map_or(0, |s| s.cached)
     }
 
     /// Extends `id`'s key list to its first `blocks` full blocks (as far as its tokens go).
@@ -393,20 +399,13 @@ impl Scheduler {
         }
         self.seqs.insert(
             id,
-            Seq {
+            Seq::new(
                 num_tokens,
-                num_computed: num_tokens - 1,
+                num_tokens - 1,
                 prompt_len,
                 max_len,
-                pending_drafts: 0,
-                phase: Phase::Running,
-                num_preemptions: 0,
-                tokens: None,
-                keys: Vec::new(),
-                registered: 0,
-                reuse: false,
-                cached: 0,
-            },
+                Phase::Running,
+            ),
         );
         self.running.push(id);
         Ok(true)
@@ -462,7 +461,7 @@ impl Scheduler {
         if out.preempted.is_empty() {
             // Prompt blocks running requests are computing (prefix caching).
             let mut in_flight: HashSet<BlockKey> = HashSet::new();
-            if self.kv.prefix_caching() {
+            if self.kv.prefix_caching() && !self.waiting.is_empty() {
                 for i in 0..self.running.len() {
                     self.add_in_flight(self.running[i], &mut in_flight);
                 }
@@ -488,9 +487,7 @@ impl Scheduler {
                     self.seqs.get_mut(&id).unwrap().num_computed = 0;
                     break;
                 }
-                let s = self.seqs.get_mut(&id).unwrap();
-                s.cached = cached;
-                s.registered = hits.len();
+                self.seqs.get_mut(&id).unwrap().registered = hits.len();
                 self.waiting.remove(at);
                 self.running.push(id);
                 self.seqs.get_mut(&id).unwrap().phase = Phase::Running;
@@ -1250,7 +1247,6 @@ mod tests {
         s.add_prompt(2, &t, 40, true).unwrap();
         let p = s.schedule();
         assert_eq!((p.items[0].cached, p.items[0].start), (16, 16));
-        assert_eq!(s.cached_tokens(2), 16);
         // Without reuse (a prompt to be scored) nothing is taken.
         s.add_prompt(3, &t, 40, false).unwrap();
         let p = s.schedule();

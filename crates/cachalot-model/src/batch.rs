@@ -291,12 +291,21 @@ pub struct Batch {
     pub block_tables: Vec<Vec<u32>>,
     /// Token indices (into `tokens`) whose logits are returned, in this order.
     pub logits_indices: Vec<usize>,
-    /// Per sequence (missing entries: false): its tokens are prompt positions
-    /// ([`Batch::mark_prefill`]).
-    pub prefill: Vec<bool>,
-    /// Per sequence (missing entries: false): its tokens are generated ones (decode, MTP
-    /// verification, or their recompute after preemption; [`Batch::mark_generated`]).
-    pub generated: Vec<bool>,
+    /// Per sequence (missing entries: unmarked): what its positions are
+    /// ([`Batch::mark_prefill`], [`Batch::mark_generated`]).
+    pub kinds: Vec<SeqKind>,
+}
+
+/// What a sequence's positions in a [`Batch`] are, for a model that computes each kind one way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SeqKind {
+    /// Not said: the model chooses by cost.
+    #[default]
+    Unmarked,
+    /// Prompt positions.
+    Prompt,
+    /// Generated ones (decode, MTP verification, or their recompute after preemption).
+    Generated,
 }
 
 impl Batch {
@@ -329,10 +338,6 @@ impl Batch {
             .extend((0..tokens.len()).map(|i| start_pos + i));
         self.seq_starts.push(self.tokens.len());
         self.block_tables.push(block_table);
-        self.prefill.resize(self.block_tables.len() - 1, false);
-        self.prefill.push(false);
-        self.generated.resize(self.block_tables.len() - 1, false);
-        self.generated.push(false);
         match want_logits {
             LogitsWanted::None => {}
             LogitsWanted::Last => {
@@ -348,30 +353,27 @@ impl Batch {
     /// computed alike however it was split into chunks or taken from a prefix cache
     /// (DeepSeek-V3: the naive MLA path, attended in f32 over a bf16 cache too).
     pub fn mark_prefill(&mut self) {
-        if let Some(last) = self.block_tables.len().checked_sub(1) {
-            self.prefill.resize(last + 1, false);
-            self.prefill[last] = true;
-        }
+        self.mark(SeqKind::Prompt);
     }
 
     /// Marks the last sequence pushed as generated positions: computed as a decode step
     /// computes them, however many run together (DeepSeek-V3: the absorbed MLA path), so a
     /// recompute after preemption gives their first computation's bits.
     pub fn mark_generated(&mut self) {
+        self.mark(SeqKind::Generated);
+    }
+
+    /// Says what the last sequence pushed is.
+    pub fn mark(&mut self, kind: SeqKind) {
         if let Some(last) = self.block_tables.len().checked_sub(1) {
-            self.generated.resize(last + 1, false);
-            self.generated[last] = true;
+            self.kinds.resize(last + 1, SeqKind::Unmarked);
+            self.kinds[last] = kind;
         }
     }
 
-    /// Sequence `s` holds prompt positions ([`Batch::mark_prefill`]).
-    pub fn is_prefill(&self, s: usize) -> bool {
-        self.prefill.get(s).copied().unwrap_or(false)
-    }
-
-    /// Sequence `s` holds generated positions ([`Batch::mark_generated`]).
-    pub fn is_generated(&self, s: usize) -> bool {
-        self.generated.get(s).copied().unwrap_or(false)
+    /// What sequence `s` is.
+    pub fn kind(&self, s: usize) -> SeqKind {
+        self.kinds.get(s).copied().unwrap_or_default()
     }
 
     /// Checks the invariants the forward pass relies on.

@@ -26,7 +26,9 @@ use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
-use crate::batch::{slot_of, Batch, CacheSpec, KvCache, KvCacheDtype, LayerMut, LogitsWanted};
+use crate::batch::{
+    slot_of, Batch, CacheSpec, KvCache, KvCacheDtype, LayerMut, LogitsWanted, SeqKind,
+};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config::{DeepseekV3Config, QuantizationConfig, LATENT_NORM_EPS};
 use crate::eplb::BalancedRouting;
@@ -964,12 +966,7 @@ impl DeepseekV3 {
                     b.block_tables[s].clone(),
                     LogitsWanted::None,
                 );
-                if b.is_prefill(s) {
-                    local.mark_prefill();
-                }
-                if b.is_generated(s) {
-                    local.mark_generated();
-                }
+                local.mark(b.kind(s));
             }
         }
         let mut segs = Batch::default();
@@ -992,7 +989,7 @@ impl DeepseekV3 {
             }
             segs.seq_starts.push(segs.tokens.len());
             segs.block_tables.push(table);
-            segs.prefill.push(true);
+            segs.kinds.push(SeqKind::Prompt);
             seg_of.push(j);
         }
         let spec = self.cache_spec();
@@ -1502,10 +1499,12 @@ impl DeepseekV3 {
                 // whatever the chunk: a prompt split over steps, or cut after the blocks a
                 // prefix cache gave it, gets the bits of its whole prefill (a short chunk
                 // after a long context pays the context's up-projection for it).
-                AttentionPath::Auto if batch.is_prefill(s) => AttentionPath::Naive,
+                AttentionPath::Auto if batch.kind(s) == SeqKind::Prompt => AttentionPath::Naive,
                 // Generated positions always take the absorbed path, as their decode steps did
                 // (a recompute after preemption then gives the same bits).
-                AttentionPath::Auto if batch.is_generated(s) => AttentionPath::Absorbed,
+                AttentionPath::Auto if batch.kind(s) == SeqKind::Generated => {
+                    AttentionPath::Absorbed
+                }
                 AttentionPath::Auto => {
                     let (tq, ctx, n, kvr) = (tq as u64, ctx as u64, n as u64, kvr as u64);
                     let (nope, rd, vd) = (nope as u64, rd as u64, vd as u64);
@@ -1534,7 +1533,7 @@ impl DeepseekV3 {
             let c8 = mla.ckv_scale;
             // A bf16 cache is widened for the naive path, and for prompt positions on the
             // absorbed one (attended in f32: `attend_absorbed`).
-            let widen = path == AttentionPath::Naive || batch.is_prefill(s);
+            let widen = path == AttentionPath::Naive || batch.kind(s) == SeqKind::Prompt;
             if c8.is_none() && (self.kv_dtype == KvCacheDtype::F32 || !widen) {
                 return None;
             }
@@ -1607,7 +1606,7 @@ impl DeepseekV3 {
                     positions: &batch.positions[tokens.clone()],
                     tokens,
                     latents: &latents[s],
-                    prefill: batch.is_prefill(s),
+                    prefill: batch.kind(s) == SeqKind::Prompt,
                 }
             })
             .collect();
