@@ -1,7 +1,7 @@
 //! NEON forward and transposed products for every float weight format on aarch64
 //! (`SimdLevel::Neon`), bit for bit the x86 kernels' (`avx2.rs`, `avx512.rs`): a product gives
-//! the same bits on an Arm server as on an x86 one (the vector kernels around them still run
-//! portable scalar code on aarch64, so a model's logits agree with x86's only nearly).
+//! the same bits on an Arm server as on an x86 one (and so do the vector kernels around them,
+//! `vector::neon`, so a model's logits are x86's).
 //!
 //! The operations are AVX2's, written in 128-bit registers: per (row, token) and column
 //! segment, AVX2 keeps two 8-lane accumulators, a0 for columns c..c+8 of each 16-column chunk

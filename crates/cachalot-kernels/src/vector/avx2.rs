@@ -288,15 +288,8 @@ pub unsafe fn softmax_in_place(x: &mut [f32]) -> (f32, f32) {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn rope_deinterleave_in_place(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = cos.len();
-    let mut stack = [0.0f32; 256];
-    let mut heap = Vec::new();
-    let copy: &[f32] = if x.len() <= stack.len() {
-        stack[..x.len()].copy_from_slice(x);
-        &stack[..x.len()]
-    } else {
-        heap.extend_from_slice(x);
-        &heap
-    };
+    let (mut stack, mut heap) = ([0.0f32; 256], Vec::new());
+    let copy = super::scalar::input_copy(x, &mut stack, &mut heap);
     let (pc, ps, pin, po) = (cos.as_ptr(), sin.as_ptr(), copy.as_ptr(), x.as_mut_ptr());
     let mut i = 0;
     while i + 8 <= half {
@@ -318,10 +311,5 @@ pub unsafe fn rope_deinterleave_in_place(x: &mut [f32], cos: &[f32], sin: &[f32]
         _mm256_storeu_ps(po.add(half + i), hi);
         i += 8;
     }
-    while i < half {
-        let (e, o) = (copy[2 * i], copy[2 * i + 1]);
-        x[i] = e.mul_add(cos[i], -(o * sin[i]));
-        x[half + i] = o.mul_add(cos[i], e * sin[i]);
-        i += 1;
-    }
+    super::scalar::rope_pairs(copy, x, cos, sin, i);
 }

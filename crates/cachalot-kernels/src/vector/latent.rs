@@ -46,15 +46,18 @@ macro_rules! latent_kernels {
             // `attn_core` of the small model's batch-16 decode at 64-576 positions 0.72 /
             // 0.54 / 0.52 → 0.61 / 0.44 / 0.45 s, the 1 B W8A8 model's at 512 0.114 / 0.122
             // / 0.113 → 0.106 / 0.113 / 0.113 s. Hints only.
-            crate::vector::prefetch_rows::<_MM_HINT_T1, _>(ls, 0..n);
+            crate::vector::prefetch_rows::<{ crate::vector::PREFETCH_L2 }, _>(ls, 0..n);
             let mut hb = 0;
             while hb < heads {
                 let mut s0 = 0;
-                crate::vector::prefetch_rows::<_MM_HINT_T0, _>(ls, 0..8);
+                crate::vector::prefetch_rows::<{ crate::vector::PREFETCH_L1 }, _>(ls, 0..8);
                 while s0 + 8 <= n {
                     // The next tile's rows (scattered over the paged cache, so the hardware
                     // prefetcher does not see them coming) load while this tile computes.
-                    crate::vector::prefetch_rows::<_MM_HINT_T0, _>(ls, s0 + 8..s0 + 16);
+                    crate::vector::prefetch_rows::<{ crate::vector::PREFETCH_L1 }, _>(
+                        ls,
+                        s0 + 8..s0 + 16,
+                    );
                     dot_heads_tile::<8>(qt, hp, hb, d, ls, s0, out);
                     s0 += 8;
                 }

@@ -4,8 +4,9 @@
 //!
 //! Each public function checks its slice lengths (a mismatch is a programmer error and panics
 //! with a message) and dispatches on [`simd_level`] to an AVX2 kernel (also at the AVX-512 level,
-//! except the latent-attention kernels, which have 16-lane twins: `vector::latent`) or its scalar
-//! twin.
+//! except the latent-attention kernels, which have 16-lane twins: `vector::latent`), a NEON
+//! kernel on aarch64 (`vector::neon`, AVX2's operations in 4-lane registers), or its scalar
+//! twin; every level gives the scalar twin's bits.
 //! `argmax` and `log_softmax_at` run once per sequence per step and stay scalar.
 
 pub(crate) mod scalar;
@@ -16,34 +17,68 @@ pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod latent;
 
 mod latent_bf16;
 pub use latent_bf16::{axpy_rows_bf16, dot_rows_bf16, HeadPairs};
 
-/// Asks for every cache line of rows `range` (those that exist) to be brought toward the core
-/// (`HINT`: `_MM_HINT_T0` into L1, `_MM_HINT_T1` into L2): a hint, nothing is read. The latent
-/// attention kernels use it because rows of the paged cache are scattered, so the hardware
-/// prefetcher does not see them coming.
+/// [`prefetch_rows`]' hint for L1.
 #[cfg(target_arch = "x86_64")]
+pub(crate) const PREFETCH_L1: i32 = std::arch::x86_64::_MM_HINT_T0;
+/// [`prefetch_rows`]' hint for L2.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const PREFETCH_L2: i32 = std::arch::x86_64::_MM_HINT_T1;
+/// [`prefetch_rows`]' hint for L1 (`prfm pldl1keep`).
+#[cfg(target_arch = "aarch64")]
+pub(crate) const PREFETCH_L1: i32 = 1;
+/// [`prefetch_rows`]' hint for L2 (`prfm pldl2keep`).
+#[cfg(target_arch = "aarch64")]
+pub(crate) const PREFETCH_L2: i32 = 2;
+
+/// Asks for every cache line of rows `range` (those that exist) to be brought toward the core
+/// (`HINT`: [`PREFETCH_L1`] or [`PREFETCH_L2`]): a hint, nothing is read. The latent attention
+/// kernels use it because rows of the paged cache are scattered, so the hardware prefetcher
+/// does not see them coming.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[inline]
 pub(crate) fn prefetch_rows<const HINT: i32, T>(rows: &[&[T]], range: std::ops::Range<usize>) {
-    use std::arch::x86_64::_mm_prefetch;
     let end = range.end.min(rows.len());
     for row in &rows[range.start.min(end)..end] {
         let p = row.as_ptr() as *const i8;
         let bytes = std::mem::size_of_val(*row);
         let mut o = 0;
         while o < bytes {
-            // SAFETY: a prefetch reads nothing; the address is only a hint.
-            unsafe { _mm_prefetch::<HINT>(p.wrapping_add(o)) };
+            prefetch_line::<HINT>(p.wrapping_add(o));
             o += 64;
         }
         if bytes > 0 {
             // The line of the last value (a row need not start on a line).
-            // SAFETY: as above.
-            unsafe { _mm_prefetch::<HINT>(p.wrapping_add(bytes - 1)) };
+            prefetch_line::<HINT>(p.wrapping_add(bytes - 1));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_line<const HINT: i32>(p: *const i8) {
+    // SAFETY: a prefetch reads nothing; the address is only a hint.
+    unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p) }
+}
+
+#[cfg(target_arch = "aarch64")]
+#[inline(always)]
+fn prefetch_line<const HINT: i32>(p: *const i8) {
+    // SAFETY: `prfm` has no architectural effect beyond the caches and never faults; the
+    // pointer is not dereferenced.
+    unsafe {
+        if HINT == PREFETCH_L1 {
+            std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
+        } else {
+            std::arch::asm!("prfm pldl2keep, [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
         }
     }
 }
@@ -55,7 +90,8 @@ use rayon::prelude::*;
 
 use crate::simd::{simd_level, SimdLevel};
 
-/// Runs `$scalar` or, on an AVX2 level, `$avx2` (an `unsafe` kernel from `vector::avx2`).
+/// Runs the scalar twin `scalar::$name` or, on an AVX2 or AVX-512 level, `avx2::$name`, on
+/// NEON `neon::$name` (`unsafe` kernels with the scalar twin's bits).
 macro_rules! dispatch {
     ($level:expr, $name:ident ( $($arg:expr),* )) => {{
         let level: SimdLevel = $level;
@@ -66,6 +102,10 @@ macro_rules! dispatch {
             // and f16c (`simd_level` and the tests check `supported()`; `Avx512` implies
             // them); lengths were checked above. `Avx512` runs the AVX2 vector kernels.
             SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::$name($($arg),*) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: a level is only ever `Neon` when the CPU has Advanced SIMD (every
+            // AArch64 CPU); lengths were checked above.
+            SimdLevel::Neon => unsafe { neon::$name($($arg),*) },
             _ => scalar::$name($($arg),*),
         }
     }};

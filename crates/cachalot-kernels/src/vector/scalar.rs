@@ -1,10 +1,10 @@
-//! Scalar twins of the vector kernels: the reference in tests, the fallback elsewhere, and on
-//! aarch64 the kernels themselves.
+//! Scalar twins of the vector kernels: the reference in tests and the fallback on CPUs without a
+//! vector level (`CACHALOT_SIMD=scalar`, x86-64 without AVX2).
 //!
 //! Each twin does the AVX2 kernel's operations lane by lane (8 lanes: lane j takes the elements
 //! ≡ j mod 8 of the full chunks, fused multiply-adds where AVX2 fuses, lanes added in AVX2's
 //! `hsum` order, AVX2's Cephes `exp`), so every level gives the same bits; the tests check it.
-//! Compilers vectorize the lane loops (on aarch64, `mul_add` is one `fmla`).
+//! Compilers vectorize some lane loops (where the CPU has FMA, `mul_add` is one instruction).
 
 const LANES: usize = 8;
 
@@ -229,21 +229,34 @@ pub fn softmax_in_place(x: &mut [f32]) -> (f32, f32) {
 }
 
 pub fn rope_deinterleave_in_place(x: &mut [f32], cos: &[f32], sin: &[f32]) {
-    let half = cos.len();
-    // Outputs overwrite inputs that later pairs still need, so read the pairs first (on the
-    // stack for the usual head sizes: DeepSeek's rope dim is 64).
-    let mut stack = [0.0f32; 256];
-    let mut heap = Vec::new();
-    let copy: &[f32] = if x.len() <= stack.len() {
+    let (mut stack, mut heap) = ([0.0f32; 256], Vec::new());
+    let copy = input_copy(x, &mut stack, &mut heap);
+    rope_pairs(copy, x, cos, sin, 0);
+}
+
+/// A copy of `x` to read RoPE's pairs from (its outputs overwrite inputs that later pairs still
+/// need): in `stack` for the usual head sizes (DeepSeek's rope dim is 64), else in `heap`.
+pub(crate) fn input_copy<'a>(
+    x: &[f32],
+    stack: &'a mut [f32; 256],
+    heap: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    if x.len() <= stack.len() {
         stack[..x.len()].copy_from_slice(x);
         &stack[..x.len()]
     } else {
         heap.extend_from_slice(x);
-        &heap
-    };
-    for i in 0..half {
+        heap
+    }
+}
+
+/// RoPE's pairs `from..cos.len()` from `copy` (the input) into `x`, as the SIMD kernels compute
+/// each lane: AVX2's `fmsub(even, c, odd·s)` and `fmadd(odd, c, even·s)`. The SIMD kernels
+/// finish their ragged tails here.
+pub(crate) fn rope_pairs(copy: &[f32], x: &mut [f32], cos: &[f32], sin: &[f32], from: usize) {
+    let half = cos.len();
+    for i in from..half {
         let (e, o) = (copy[2 * i], copy[2 * i + 1]);
-        // AVX2's `fmsub(even, c, odd·s)` and `fmadd(odd, c, even·s)`.
         x[i] = e.mul_add(cos[i], -(o * sin[i]));
         x[half + i] = o.mul_add(cos[i], e * sin[i]);
     }

@@ -387,3 +387,69 @@ fn avx2_exp_is_accurate_and_handles_limits() {
     assert!(eval(f32::NAN).is_nan());
     assert_eq!(eval(0.0), 1.0);
 }
+
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_exp_gives_the_scalar_bits_everywhere() {
+    let mut args = vec![
+        0.0f32,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::MIN_POSITIVE,
+        -87.336_55,
+        88.722_83,
+        f32::from_bits(88.722_83f32.to_bits() + 1),
+        f32::from_bits((-87.336_55f32).to_bits() + 1),
+        f32::MAX,
+        f32::MIN,
+    ];
+    let mut v = -120.0f32;
+    while v < 120.0 {
+        args.push(v);
+        v += 0.0173;
+    }
+    for chunk in args.chunks(4) {
+        let mut x = [0.5f32; 4];
+        x[..chunk.len()].copy_from_slice(chunk);
+        let got = neon::exp_lanes(x);
+        for (g, &a) in got.iter().zip(&x) {
+            let want = scalar::exp(a);
+            assert!(
+                g.to_bits() == want.to_bits() || g.is_nan() && want.is_nan(),
+                "exp({a:e}): neon {g:e} vs scalar {want:e}"
+            );
+        }
+    }
+}
+
+/// x86's `maxps` keeps its second operand for ±0 against ±0: the softmax maximum (and so the
+/// returned statistics) has the scalar twin's sign on every level, in full chunks and the tail.
+#[test]
+fn softmax_maximum_of_signed_zeros_has_the_scalar_bits() {
+    for n in [3usize, 8, 11, 16, 19] {
+        for pattern in 0..4u32 {
+            let x: Vec<f32> = (0..n)
+                .map(|i| match (i as u32 + pattern) % 3 {
+                    0 => -0.0,
+                    1 => 0.0,
+                    _ => -1.5,
+                })
+                .collect();
+            let mut want = x.clone();
+            let ws = scalar::softmax_in_place(&mut want);
+            for level in levels() {
+                let mut got = x.clone();
+                let gs = softmax_in_place_at(level, &mut got);
+                assert_eq!(bits(&got), bits(&want), "{level:?} n={n} pattern={pattern}");
+                assert_eq!(
+                    (gs.0.to_bits(), gs.1.to_bits()),
+                    (ws.0.to_bits(), ws.1.to_bits()),
+                    "{level:?} n={n} pattern={pattern}"
+                );
+            }
+        }
+    }
+}
