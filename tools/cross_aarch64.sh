@@ -42,24 +42,29 @@ CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -cpu cortex-a72 -L /
 # End to end: every kernel level gives the scalar kernels' bits and the model code avoids libm
 # functions whose bits differ between the two (f32 `log1pf`), so a model's log-probabilities
 # are the same on aarch64 (NEON) as on x86-64 (AVX2 or AVX-512): the shipped model (DeepSeek-V3
-# shape, FP8) and the DeepSeek-V4 Flash fixture (FP8 + MXFP4 experts, compressed attention,
-# sqrt-softplus routing), each over the start of a text.
+# shape, FP8), the DeepSeek-V4 Flash fixture (FP8 + MXFP4 experts, compressed attention,
+# sqrt-softplus routing), and the shipped model with `--bf16-dot` (BF16 × BF16 head and latent
+# attention), each over the start of a text. (x86-64's AVX-512 BF16 flushes subnormals, the
+# other levels do not; no value of these runs comes near them.)
 cargo build --release --target "$TARGET" -p cachalot
 cargo build --release -p cachalot
 text=$(mktemp)
 trap 'rm -f "$text"' EXIT
-while read -r model source bytes; do
+while read -r model source bytes flags; do
   head -c "$bytes" "$source" > "$text"
-  x86=$(target/release/cachalot perplexity --model "$model" --file "$text" --json)
-  arm=$(qemu-aarch64 -L /usr/aarch64-linux-gnu "target/$TARGET/release/cachalot" perplexity --model "$model" --file "$text" --json)
+  # shellcheck disable=SC2086 # flags: zero or more words
+  x86=$(target/release/cachalot perplexity --model "$model" --file "$text" --json $flags)
+  # shellcheck disable=SC2086
+  arm=$(qemu-aarch64 -L /usr/aarch64-linux-gnu "target/$TARGET/release/cachalot" perplexity --model "$model" --file "$text" --json $flags)
   if [ "$x86" != "$arm" ]; then
     echo "cross_aarch64: $model's log-probabilities differ between x86-64 and aarch64" >&2
     echo "x86-64:  ${x86:0:300}" >&2
     echo "aarch64: ${arm:0:300}" >&2
     exit 1
   fi
-  echo "cross_aarch64: $model: log-probabilities of $(printf '%s' "$x86" | grep -o '"n_tokens":[0-9]*') equal on x86-64 and aarch64"
+  echo "cross_aarch64: $model${flags:+ $flags}: log-probabilities of $(printf '%s' "$x86" | grep -o '"n_tokens":[0-9]*') equal on x86-64 and aarch64"
 done <<'MODELS'
 assets/cachalot-tiny-r1 assets/cachalot-tiny-r1/eval.txt 1000
 fixtures/v4/flash_tiny fixtures/v4/text.txt 600
+assets/cachalot-tiny-r1 assets/cachalot-tiny-r1/eval.txt 600 --bf16-dot
 MODELS

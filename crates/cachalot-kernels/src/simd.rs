@@ -11,8 +11,7 @@
 //! Avx512, aarch64 Scalar < Neon. Within a chain a CPU supporting a level supports every lower
 //! one, and a kernel family without its own code at a level runs the next lower level's
 //! (AVX-512 → AVX2 for the transposed product, W4A8 and the vector kernels but the
-//! latent-attention ones; NEON → scalar for the BF16 × BF16 product of `--bf16-dot` and its
-//! latent-attention kernels).
+//! latent-attention ones).
 //!
 //! `Avx512` requires AVX2 + FMA + F16C and AVX-512 F, BW, VL and VNNI. VNNI (`vpdpbusd`, used by
 //! W8A8) is part of the level rather than checked separately: every AVX-512 CPU from Cascade

@@ -18,11 +18,12 @@
 //! Levels: AVX-512 with the BF16 extension (`avx512bf16`: Zen 4/5, Sapphire Rapids on) runs
 //! `vdpbf16ps`, 32 products per instruction against 16 for the f32 FMA on decoded weights; the
 //! AVX2 level (and AVX-512 CPUs without BF16) splits each 32-bit pair into its odd (`and
-//! 0xFFFF0000`) and even (`<< 16`) element and does the same two FMAs per lane; scalar follows
-//! the definition. One caveat: `vdpbf16ps` also treats subnormal weights as zero and flushes
-//! subnormal sums to zero, the other levels do not, so results can differ where a weight, a
-//! product or a partial sum falls below 2^−126 (never in a trained network's useful range; the
-//! property tests draw normal values).
+//! 0xFFFF0000`) and even (`<< 16`) element and does the same two FMAs per lane; NEON (aarch64)
+//! does AVX2's operations in 4-lane registers; scalar follows the definition. One caveat:
+//! `vdpbf16ps` also treats subnormal weights as zero and flushes subnormal sums to zero, the
+//! other levels do not, so results can differ where a weight, a product or a partial sum falls
+//! below 2^−126 (never in a trained network's useful range; the property tests draw normal
+//! values).
 //!
 //! Spec: `deepseek-v3-r1-kimi-k2.md` §4 lists BF16 as a stored format; this is a runtime choice
 //! of how to multiply it, as `--int8-head` is for the head.
@@ -115,13 +116,13 @@ pub(crate) fn matmul_rows_scalar(
 }
 
 /// Weight bytes per row block: a block stays in L2 while every group of tokens passes over it.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const L2_BLOCK_BYTES: usize = 128 * 1024;
 
 /// Rows `rows` × all tokens in tiles: L2-sized row blocks (a multiple of 8 rows), tokens in
 /// groups of at most 4, and within a block `tile(row0, rows_in_tile, t0, nt)` for R rows at a
 /// time (`r_of(nt)`) and then single rows; each tile's sums go to `out`.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[inline(always)]
 fn drive<F>(cols: usize, rows: Range<usize>, n_tokens: usize, r_of: fn(usize) -> usize, mut tile: F)
 where
@@ -154,7 +155,7 @@ where
 ///
 /// # Safety
 /// The rows are in the calling task's rows.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[inline(always)]
 unsafe fn write<const R: usize, const NT: usize>(
     out: &OutRows,
@@ -171,7 +172,7 @@ unsafe fn write<const R: usize, const NT: usize>(
 }
 
 /// A one-row tile of `nt` (1..=4) tokens through the level's `tile` function.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 macro_rules! one_row {
     ($tile:ident, $w:expr, $xb:expr, $out:expr, $r:expr, $t0:expr, $nt:expr) => {
         match $nt {
@@ -295,6 +296,146 @@ pub(crate) mod avx2 {
         for i in 0..R {
             for t in 0..NT {
                 res[i][t] = hsum(_mm256_add_ps(acc[i][t].0, acc[i][t].1));
+            }
+        }
+        res
+    }
+}
+
+/// AVX2's kernel in 128-bit registers: a (row, token)'s 16 lanes are four 4-lane accumulators
+/// (lanes 0-3 and 4-7 take the chunk's first 8 column pairs, 8-11 and 12-15 the next 8), each
+/// pair split into its odd (`and 0xFFFF0000`) and even (`<< 16`) element for two fused
+/// multiply-adds, odd first; the lanes are summed as AVX2 sums them (`hsum(lo + hi)`).
+#[cfg(target_arch = "aarch64")]
+pub(crate) mod neon {
+    #![allow(clippy::needless_range_loop)]
+
+    use std::arch::aarch64::*;
+    use std::ops::Range;
+
+    use super::{drive, write, Bf16Tokens, CHUNK};
+    use crate::matrix::neon_float::prefetch_tile_ahead;
+    use crate::matrix::{tile_prefetch_distance, OutRows, WeightsView};
+
+    /// # Safety
+    /// The CPU supports NEON (every aarch64 CPU); `out` accepts writes for every row in `rows`;
+    /// `xb` holds `n_tokens` tokens of `w.cols` values; `w` is a bf16 view.
+    #[target_feature(enable = "neon")]
+    pub(crate) unsafe fn matmul_rows(
+        w: &WeightsView,
+        rows: Range<usize>,
+        xb: &Bf16Tokens,
+        n_tokens: usize,
+        out: &OutRows,
+    ) {
+        // AVX2's tiles: 4×1, 2×2, then one row at a time (four accumulators per pair).
+        let r_of = |nt: usize| [4, 2, 1, 1][nt - 1];
+        drive(w.cols, rows, n_tokens, r_of, |r, big, t0, nt| {
+            // SAFETY: the tile's rows and tokens exist and are this task's (from `drive`).
+            unsafe {
+                match (big, nt) {
+                    (4, _) => write(out, r, t0, &tile::<4, 1>(w, r, xb, t0)),
+                    (2, _) => write(out, r, t0, &tile::<2, 2>(w, r, xb, t0)),
+                    _ => one_row!(tile, w, xb, out, r, t0, nt),
+                }
+            }
+        })
+    }
+
+    /// (odd, even) elements of the 4 bf16 pairs at `p` as f32 lanes.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn split(p: *const u8) -> (float32x4_t, float32x4_t) {
+        let v = vld1q_u32(p as *const u32);
+        let odd = vandq_u32(v, vdupq_n_u32(0xFFFF_0000));
+        let even = vshlq_n_u32::<16>(v);
+        (vreinterpretq_f32_u32(odd), vreinterpretq_f32_u32(even))
+    }
+
+    /// The four 4-lane weight vectors of one 32-column chunk at `p`.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn split_chunk(p: *const u8) -> [(float32x4_t, float32x4_t); 4] {
+        [
+            split(p),
+            split(p.add(16)),
+            split(p.add(32)),
+            split(p.add(48)),
+        ]
+    }
+
+    /// One 32-column chunk of a token at `xp` into a (row, token)'s 16 lanes.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn chunk(
+        acc: &mut [float32x4_t; 4],
+        wv: &[(float32x4_t, float32x4_t); 4],
+        xp: *const u8,
+    ) {
+        for q in 0..4 {
+            let x = split(xp.add(16 * q));
+            acc[q] = vfmaq_f32(acc[q], wv[q].0, x.0);
+            acc[q] = vfmaq_f32(acc[q], wv[q].1, x.1);
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn tile<const R: usize, const NT: usize>(
+        w: &WeightsView,
+        row0: usize,
+        xb: &Bf16Tokens,
+        t0: usize,
+    ) -> [[f32; NT]; R] {
+        let cols = w.cols;
+        let rb = 2 * cols;
+        let z = vdupq_n_f32(0.0);
+        let mut acc = [[[z; 4]; NT]; R];
+        let mut wp = [std::ptr::null::<u8>(); R];
+        for i in 0..R {
+            wp[i] = w.data.as_ptr().add((row0 + i) * rb);
+        }
+        let ahead = tile_prefetch_distance(R * rb);
+        let mut xp = [std::ptr::null::<u8>(); NT];
+        for t in 0..NT {
+            xp[t] = xb.token(t0 + t).as_ptr() as *const u8;
+        }
+        let full = cols / CHUNK * CHUNK;
+        let mut c = 0;
+        while c < full {
+            for i in 0..R {
+                prefetch_tile_ahead(wp[i], ahead + 2 * c);
+                let wv = split_chunk(wp[i].add(2 * c));
+                for t in 0..NT {
+                    chunk(&mut acc[i][t], &wv, xp[t].add(2 * c));
+                }
+            }
+            c += CHUNK;
+        }
+        if c < cols {
+            let k = 2 * (cols - c);
+            let mut xpad = [[0u8; 64]; NT];
+            for t in 0..NT {
+                std::ptr::copy_nonoverlapping(xp[t].add(2 * c), xpad[t].as_mut_ptr(), k);
+            }
+            for i in 0..R {
+                let mut wpad = [0u8; 64];
+                std::ptr::copy_nonoverlapping(wp[i].add(2 * c), wpad.as_mut_ptr(), k);
+                let wv = split_chunk(wpad.as_ptr());
+                for t in 0..NT {
+                    chunk(&mut acc[i][t], &wv, xpad[t].as_ptr());
+                }
+            }
+        }
+        let mut res = [[0.0f32; NT]; R];
+        for i in 0..R {
+            for t in 0..NT {
+                let a = &acc[i][t];
+                // AVX2's lo + hi (lanes i and i + 8), then its `hsum`.
+                let (lo, hi) = (vaddq_f32(a[0], a[2]), vaddq_f32(a[1], a[3]));
+                let s = vaddq_f32(lo, hi);
+                let p = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+                res[i][t] = vget_lane_f32::<0>(p) + vget_lane_f32::<1>(p);
             }
         }
         res

@@ -886,6 +886,11 @@ unsafe fn rows_task(
             SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe {
                 bf16dot::avx2::matmul_rows(view, task_rows, xb, n_tokens, out)
             },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as below.
+            SimdLevel::Neon => unsafe {
+                bf16dot::neon::matmul_rows(view, task_rows, xb, n_tokens, out)
+            },
             _ => bf16dot::matmul_rows_scalar(view, task_rows, xb, n_tokens, out),
         }
         return;

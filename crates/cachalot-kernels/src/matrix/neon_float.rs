@@ -230,7 +230,7 @@ fn bytes_of<W: Weights16>(n: usize) -> usize {
 /// Prefetch the line at `base + offset` into L2 (as `avx2::prefetch_tile_ahead`); the address
 /// may lie past the matrix.
 #[inline(always)]
-fn prefetch_tile_ahead(base: *const u8, offset: usize) {
+pub(crate) fn prefetch_tile_ahead(base: *const u8, offset: usize) {
     let p = base.wrapping_add(offset);
     // SAFETY: `prfm` has no architectural effect beyond the caches and never faults; the
     // pointer is not dereferenced.

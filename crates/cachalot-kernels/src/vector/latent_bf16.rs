@@ -20,9 +20,9 @@
 //!
 //! Levels: AVX-512 with the BF16 extension runs `vdpbf16ps` (two columns of 16 heads per
 //! instruction, or of 8 in 256 bits for up to 8 heads, against one column for the f32 FMA of
-//! `dot_rows_lanes`); AVX2, and AVX-512 without BF16,
-//! split each pair into its odd (`and 0xFFFF0000`) and even (`<< 16`) element for two FMAs in 8
-//! lanes; scalar follows the definition. As for `matrix::bf16dot`, `vdpbf16ps` also treats
+//! `dot_rows_lanes`); AVX2, and AVX-512 without BF16, split each pair into its odd (`and
+//! 0xFFFF0000`) and even (`<< 16`) element for two FMAs in 8 lanes, NEON the same in 4 lanes;
+//! scalar follows the definition. As for `matrix::bf16dot`, `vdpbf16ps` also treats
 //! subnormal row values as zero and flushes subnormal sums, the other levels do not: results
 //! can differ below 2^−126 (never for RMS-normed latents; the property tests draw normal values).
 
@@ -94,6 +94,9 @@ pub(crate) fn dot_rows_bf16_at(level: SimdLevel, q: &HeadPairs, rows: &[&[u16]],
         #[cfg(target_arch = "x86_64")]
         // SAFETY: both levels have AVX2 and FMA; lengths were checked above.
         SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::dot_rows(q, rows, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: every aarch64 CPU has NEON; lengths were checked above.
+        SimdLevel::Neon => unsafe { neon::dot_rows(q, rows, out) },
         _ => scalar_dot_rows(q, rows, out),
     }
 }
@@ -152,6 +155,9 @@ pub(crate) fn axpy_rows_bf16_at(level: SimdLevel, p: &[f32], rows: &[&[u16]], y:
         #[cfg(target_arch = "x86_64")]
         // SAFETY: both levels have AVX2 and FMA; lengths were checked above.
         SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::axpy_rows(&pp, heads, rows, d, y) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: every aarch64 CPU has NEON; lengths were checked above.
+        SimdLevel::Neon => unsafe { neon::axpy_rows(&pp, heads, rows, d, y) },
         _ => 0,
     };
     scalar_axpy_columns(&pp, heads, rows, d, done..d, y);
@@ -201,8 +207,26 @@ pub(crate) fn scalar_dot_rows(q: &HeadPairs, rows: &[&[u16]], out: &mut [f32]) {
     }
 }
 
+/// Per pair of rows, each head's probability of the odd row (`p1`) and of the even one (`p0`)
+/// as f32, `hp` (heads rounded up to 8) per pair; heads past H are zero (their sums are not
+/// stored). For the value kernels that broadcast each head's probability.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+fn prob_halves(pp: &[u32], heads: usize, pairs: usize) -> (Vec<f32>, Vec<f32>, usize) {
+    let hp = heads.div_ceil(8) * 8;
+    let mut p1 = vec![0.0f32; pairs * hp];
+    let mut p0 = vec![0.0f32; pairs * hp];
+    for sp in 0..pairs {
+        for h in 0..heads {
+            let v = pp[sp * heads + h];
+            p1[sp * hp + h] = f32::from_bits(v & 0xFFFF_0000);
+            p0[sp * hp + h] = f32::from_bits(v << 16);
+        }
+    }
+    (p1, p0, hp)
+}
+
 /// Row `r`'s pair `p` as a u32 (column 2p low); an odd last column pairs with zero.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[inline]
 fn pair(row: &[u16], p: usize) -> u32 {
     let lo = row[2 * p] as u32;
@@ -211,7 +235,7 @@ fn pair(row: &[u16], p: usize) -> u32 {
 }
 
 /// Tiles of 8, 4 and 1 rows for every group of `lanes` heads, `tile(r0, R, hb)` doing the work.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[inline]
 fn for_tiles(n: usize, heads: usize, lanes: usize, mut tile: impl FnMut(usize, usize, usize)) {
     let mut hb = 0;
@@ -236,7 +260,7 @@ mod avx2 {
 
     use std::arch::x86_64::*;
 
-    use super::{for_tiles, pair, HeadPairs};
+    use super::{for_tiles, pair, prob_halves, HeadPairs};
 
     /// # Safety
     /// The CPU has AVX2 and FMA; lengths as `dot_rows_bf16_at` checks them.
@@ -379,20 +403,8 @@ mod avx2 {
         d: usize,
         y: &mut [f32],
     ) -> usize {
-        let n = rows.len();
-        let pairs = n.div_ceil(2);
-        let hp = heads.div_ceil(8) * 8;
-        // Per pair, each head's probability of the odd row (`p1`) and of the even one (`p0`)
-        // as f32; heads past H are zero (their sums are not stored).
-        let mut p1 = vec![0.0f32; pairs * hp];
-        let mut p0 = vec![0.0f32; pairs * hp];
-        for sp in 0..pairs {
-            for h in 0..heads {
-                let v = pp[sp * heads + h];
-                p1[sp * hp + h] = f32::from_bits(v & 0xFFFF_0000);
-                p0[sp * hp + h] = f32::from_bits(v << 16);
-            }
-        }
+        let pairs = rows.len().div_ceil(2);
+        let (p1, p0, hp) = prob_halves(pp, heads, pairs);
         let widen = |p: *const u16| {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
                 _mm_loadu_si128(p as *const __m128i),
@@ -423,6 +435,131 @@ mod avx2 {
                 hg += 8;
             }
             c += 8;
+        }
+        full
+    }
+}
+
+/// The AVX2 level's split of each pair into its odd (`and 0xFFFF0000`) and even (`<< 16`)
+/// element, in 4-lane registers: the scores hold 4 heads in lanes, the values 4 columns; every
+/// (row, head) or (head, column) chain is the module doc's, so the bits are every level's.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    #![allow(clippy::needless_range_loop)]
+
+    use std::arch::aarch64::*;
+
+    use super::{for_tiles, pair, prob_halves, HeadPairs};
+    use crate::vector::prefetch_rows;
+    use crate::vector::{PREFETCH_L1, PREFETCH_L2};
+
+    /// (odd, even) elements of 4 bf16 pairs as f32 lanes.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn split(v: uint32x4_t) -> (float32x4_t, float32x4_t) {
+        (
+            vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xFFFF_0000))),
+            vreinterpretq_f32_u32(vshlq_n_u32::<16>(v)),
+        )
+    }
+
+    /// # Safety
+    /// The CPU has NEON; lengths as `dot_rows_bf16_at` checks them.
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn dot_rows(q: &HeadPairs, rows: &[&[u16]], out: &mut [f32]) {
+        prefetch_rows::<PREFETCH_L2, _>(rows, 0..rows.len());
+        for_tiles(rows.len(), q.heads, 4, |s0, r, hb| {
+            prefetch_rows::<PREFETCH_L1, _>(rows, s0 + r..s0 + 2 * r);
+            match r {
+                // SAFETY: this function's contract.
+                8 => unsafe { tile::<8>(q, rows, s0, hb, out) },
+                4 => unsafe { tile::<4>(q, rows, s0, hb, out) },
+                _ => unsafe { tile::<1>(q, rows, s0, hb, out) },
+            }
+        });
+    }
+
+    /// Rows s0..s0+R against heads hb..hb+4 (those below H written).
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn tile<const R: usize>(
+        q: &HeadPairs,
+        rows: &[&[u16]],
+        s0: usize,
+        hb: usize,
+        out: &mut [f32],
+    ) {
+        let pairs = q.d.div_ceil(2);
+        let full = q.d / 2;
+        let mut acc = [vdupq_n_f32(0.0); R];
+        let mut rp = [std::ptr::null::<u16>(); R];
+        for r in 0..R {
+            rp[r] = rows[s0 + r].as_ptr();
+        }
+        for p in 0..pairs {
+            let (q1, q0) = split(vld1q_u32(q.qp.as_ptr().add(p * q.hp + hb)));
+            for r in 0..R {
+                let k = if p < full {
+                    (rp[r].add(2 * p) as *const u32).read_unaligned()
+                } else {
+                    pair(rows[s0 + r], p)
+                };
+                let (k1, k0) = split(vdupq_n_u32(k));
+                acc[r] = vfmaq_f32(acc[r], q1, k1);
+                acc[r] = vfmaq_f32(acc[r], q0, k0);
+            }
+        }
+        let nh = (q.heads - hb).min(4);
+        let mut tmp = [0.0f32; 4];
+        for r in 0..R {
+            vst1q_f32(tmp.as_mut_ptr(), acc[r]);
+            let o = (s0 + r) * q.heads + hb;
+            out[o..o + nh].copy_from_slice(&tmp[..nh]);
+        }
+    }
+
+    /// Columns in blocks of 4 for groups of 8 heads; returns the first column not done (the
+    /// rest go to the scalar definition). Each row pair's 4 columns are widened once per head
+    /// group and meet each head's probabilities, split once into f32 halves.
+    ///
+    /// # Safety
+    /// The CPU has NEON; lengths as `axpy_rows_bf16_at` checks them.
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn axpy_rows(
+        pp: &[u32],
+        heads: usize,
+        rows: &[&[u16]],
+        d: usize,
+        y: &mut [f32],
+    ) -> usize {
+        let pairs = rows.len().div_ceil(2);
+        let (p1, p0, hp) = prob_halves(pp, heads, pairs);
+        let widen = |p: *const u16| vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(p)));
+        let full = d / 4 * 4;
+        let mut c = 0;
+        while c < full {
+            let mut hg = 0;
+            while hg < heads {
+                let mut acc = [vdupq_n_f32(0.0); 8];
+                for sp in 0..pairs {
+                    let k0 = widen(rows[2 * sp].as_ptr().add(c));
+                    let k1 = match rows.get(2 * sp + 1) {
+                        Some(r) => widen(r.as_ptr().add(c)),
+                        None => vdupq_n_f32(0.0),
+                    };
+                    let a1 = p1.as_ptr().add(sp * hp + hg);
+                    let a0 = p0.as_ptr().add(sp * hp + hg);
+                    for j in 0..8 {
+                        acc[j] = vfmaq_f32(acc[j], vdupq_n_f32(*a1.add(j)), k1);
+                        acc[j] = vfmaq_f32(acc[j], vdupq_n_f32(*a0.add(j)), k0);
+                    }
+                }
+                for j in 0..(heads - hg).min(8) {
+                    vst1q_f32(y.as_mut_ptr().add((hg + j) * d + c), acc[j]);
+                }
+                hg += 8;
+            }
+            c += 4;
         }
         full
     }
@@ -662,9 +799,10 @@ mod tests {
         len: usize,
         run: impl Fn(SimdLevel, &mut [f32]),
     ) -> Vec<(SimdLevel, Vec<f32>)> {
-        [SimdLevel::Avx2, SimdLevel::Avx512]
-            .into_iter()
-            .filter(|l| l.supported())
+        SimdLevel::ALL
+            .iter()
+            .copied()
+            .filter(|l| *l != SimdLevel::Scalar && l.supported())
             .map(|l| {
                 let mut out = vec![f32::NAN; len];
                 run(l, &mut out);
@@ -738,8 +876,14 @@ mod tests {
             seed in any::<u64>()
         ) {
             let p: Vec<f32> = (0..n * heads).map(|i| normal(seed, i).abs() / 4.0).collect();
+            // Row values over 2^-6..2^6, so partial sums need more than f32's bits and their
+            // order shows in the result (with values of one scale most sums are exact).
             let rows: Vec<Vec<u16>> = (0..n)
-                .map(|s| (0..d + extra).map(|c| f32_to_bf16(normal(seed + 3, s * 131 + c))).collect())
+                .map(|s| (0..d + extra).map(|c| {
+                    let i = s * 131 + c;
+                    let scale = 2f32.powi((i * 7919 % 13) as i32 - 6);
+                    f32_to_bf16(normal(seed + 3, i) * scale)
+                }).collect())
                 .collect();
             let refs: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
             let pp = prob_pairs(&p, n, heads);
