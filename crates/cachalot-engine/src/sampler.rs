@@ -1,7 +1,9 @@
 //! Per-request sampling: penalties, temperature, top-k, top-p, min-p and a seeded RNG.
 //!
 //! Order of operations on one step's logits (Hugging Face `generate`'s processor order):
-//! 1. penalties on the raw logits —
+//! 0. `logit_bias` (OpenAI, vLLM): each listed token's bias is added to its raw logit (−100
+//!    all but bans a token, +100 all but forces it);
+//! 1. penalties on the biased logits —
 //!    - `repetition_penalty` r (CTRL; HF `RepetitionPenaltyLogitsProcessor`, vLLM): every token
 //!      seen in the prompt or the output so far has its logit divided by r if positive,
 //!      multiplied by r if not;
@@ -65,6 +67,10 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// None: seeded from the OS.
     pub seed: Option<u64>,
+    /// (token id, bias) added to the logits before anything else; empty = off. Ids past the
+    /// vocabulary are ignored here (the server refuses them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -78,6 +84,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -119,6 +126,13 @@ impl SamplingParams {
                 self.frequency_penalty,
                 "must be finite",
             );
+        }
+        if let Some(&(_, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return bad("logit_bias", b, "each bias must be from -100 to 100");
         }
         Ok(())
     }
@@ -190,9 +204,14 @@ impl Sampler {
         *self.output_counts.entry(token).or_insert(0) += 1;
     }
 
-    /// Step 1: the penalties, in place.
+    /// Steps 0 and 1: the logit bias, then the penalties, in place.
     pub fn apply_penalties(&self, logits: &mut [f32]) {
         let p = &self.params;
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         if p.repetition_penalty != 1.0 {
             let r = p.repetition_penalty;
             let seen = self.prompt_tokens.iter().copied().chain(
@@ -423,6 +442,53 @@ mod tests {
         SamplingParams {
             seed: Some(seed),
             ..Default::default()
+        }
+    }
+
+    /// The bias is added to the raw logits: it moves the greedy choice, −100 all but bans the
+    /// top token, a bias of ln 2 doubles a token's odds against the rest, and out-of-range
+    /// biases are refused by name.
+    #[test]
+    fn logit_bias_shifts_the_logits_before_anything_else() {
+        let l = logits();
+        let greedy = |bias: Vec<(u32, f32)>| {
+            let params = SamplingParams {
+                logit_bias: bias,
+                ..SamplingParams::greedy()
+            };
+            Sampler::new(params, &[]).unwrap().candidates(&l)[0].0
+        };
+        assert_eq!(greedy(vec![]), 0);
+        assert_eq!(greedy(vec![(0, -100.0)]), 1);
+        assert_eq!(greedy(vec![(9, 100.0)]), 9);
+        // Ids past the vocabulary do nothing here (the server refuses them).
+        assert_eq!(greedy(vec![(10_000, 100.0)]), 0);
+        let params = SamplingParams {
+            logit_bias: vec![(9, std::f32::consts::LN_2)],
+            ..Default::default()
+        };
+        let c = Sampler::new(params, &[]).unwrap().candidates(&l);
+        let p = |t: u32| c.iter().find(|x| x.0 == t).unwrap().1 as f64;
+        // p ∝ [30, …, 1, 2]: token 9 now has 2 of 101 parts, token 8 still 1.
+        assert!((p(9) - 2.0 / 101.0).abs() < 1e-6, "{}", p(9));
+        assert!((p(8) - 1.0 / 101.0).abs() < 1e-6, "{}", p(8));
+        // Before the repetition penalty: a biased logit of a seen token is then penalised.
+        let params = SamplingParams {
+            logit_bias: vec![(1, 10.0)],
+            repetition_penalty: 100.0,
+            ..SamplingParams::greedy()
+        };
+        let s = Sampler::new(params, &[1]).unwrap();
+        let mut biased = l.clone();
+        s.apply_penalties(&mut biased);
+        assert_eq!(biased[1], (l[1] + 10.0) / 100.0);
+        for bad in [100.5f32, -101.0, f32::NAN] {
+            let params = SamplingParams {
+                logit_bias: vec![(3, bad)],
+                ..SamplingParams::greedy()
+            };
+            let err = Sampler::new(params, &[]).err().expect("refused");
+            assert!(err.to_string().contains("logit_bias"), "{err}");
         }
     }
 

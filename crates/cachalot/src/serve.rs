@@ -1790,6 +1790,49 @@ fn flag(body: &Value, key: &'static str) -> Result<bool, ApiError> {
     }
 }
 
+/// OpenAI's `logit_bias`: an object from token ids (as strings, or numbers) to a bias from
+/// −100 to 100 added to that token's logit; sorted by id.
+fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(v) = field(body, "logit_bias") else {
+        return Ok(Vec::new());
+    };
+    let Some(map) = v.as_object() else {
+        return Err(ApiError::bad(
+            "logit_bias",
+            format!("expected an object from token ids to biases, got {v}"),
+        ));
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (key, bias) in map {
+        let id = match key.trim().parse::<u64>() {
+            Ok(id) if (id as usize) < vocab => id as u32,
+            Ok(id) => {
+                return Err(ApiError::bad(
+                    "logit_bias",
+                    format!("token id {id} is out of the vocabulary ({vocab} ids)"),
+                ))
+            }
+            Err(_) => {
+                return Err(ApiError::bad(
+                    "logit_bias",
+                    format!("key {key:?} is not a token id"),
+                ))
+            }
+        };
+        match bias.as_f64() {
+            Some(b) if (-100.0..=100.0).contains(&b) => out.push((id, b as f32)),
+            _ => {
+                return Err(ApiError::bad(
+                    "logit_bias",
+                    format!("token {id}: expected a bias from -100 to 100, got {bias}"),
+                ))
+            }
+        }
+    }
+    out.sort_unstable_by_key(|&(id, _)| id);
+    Ok(out)
+}
+
 /// Reads a completion or chat request: its prompt (tokenized), sampling and stop fields.
 fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> {
     if let Some(m) = field(body, "model") {
@@ -1804,14 +1847,12 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     for (key, unsupported) in [
         ("best_of", "best_of is not supported"),
         ("suffix", "suffix is not supported"),
-        ("logit_bias", "logit_bias is not supported"),
     ] {
         match field(body, key) {
             // What clients send when they do not use the feature.
             None | Some(Value::Bool(false)) => {}
             Some(Value::Number(n)) if n.as_u64() == Some(0) && key != "best_of" => {}
             Some(Value::String(t)) if t.is_empty() => {}
-            Some(Value::Object(o)) if o.is_empty() && key == "logit_bias" => {}
             Some(Value::Number(n)) if key == "best_of" && n.as_u64() == Some(1) => {}
             Some(_) => return Err(ApiError::bad(key, unsupported)),
         }
@@ -2083,6 +2124,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 })?)
             }
         },
+        logit_bias: logit_bias(body, vocab)?,
     };
     if params.top_p == 0.0 {
         return Err(ApiError::bad("top_p", "must be above 0"));

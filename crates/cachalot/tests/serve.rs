@@ -342,6 +342,39 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     let (status, again) = post(addr, "/v1/completions", &completion(&prompt, 12));
     assert_eq!(status, 200);
     assert_eq!(again["choices"][0]["text"], whole_text(&tok, &want));
+
+    // logit_bias (token ids as keys): +100 on one token makes greedy decoding write only it,
+    // −100 on greedy's first token makes the answer start otherwise.
+    let the = tok.encode(" the").unwrap();
+    assert_eq!(the.len(), 1, "{the:?}");
+    let mut body = completion(&prompt, 4);
+    body["logit_bias"] = json!({ the[0].to_string(): 100 });
+    let (status, forced) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{forced}");
+    assert_eq!(forced["choices"][0]["text"], " the the the the");
+    let mut body = completion(&prompt, 12);
+    body["logit_bias"] = json!({ want[0].to_string(): -100.0, "5": 0 });
+    body["logprobs"] = 1.into();
+    let (status, banned) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{banned}");
+    assert_eq!(banned["usage"]["completion_tokens"], 12);
+    let first = banned["choices"][0]["logprobs"]["tokens"][0]
+        .as_str()
+        .unwrap();
+    assert_ne!(first, tok.decode(&want[..1]).unwrap(), "{banned}");
+    for bias in [
+        json!({"x": 1}),
+        json!({"99999999": 1}),
+        json!({"5": 101}),
+        json!({"5": "big"}),
+        json!([5]),
+    ] {
+        let mut body = completion(&prompt, 2);
+        body["logit_bias"] = bias.clone();
+        let (status, e) = post(addr, "/v1/completions", &body);
+        assert_eq!(status, 400, "{bias}: {e}");
+        assert_eq!(e["error"]["param"], "logit_bias", "{e}");
+    }
 }
 
 fn whole_text(tok: &cachalot_model::tokenizer::Tokenizer, ids: &[u32]) -> String {
