@@ -3,11 +3,12 @@
 # about the same ~1 900-token document (the first 6 000 bytes of the shipped model's eval.txt),
 # through `cachalot run` with --prefix-caching off and on, alternating; prints wall time,
 # generated tokens/s, TTFT and the cache's figures of each run, and checks that both modes give
-# the same outputs. Usage: tools/prefix_bench.sh [ROUNDS] (default 2), after
-# `cargo build --release`.
+# the same outputs. Usage: tools/prefix_bench.sh [ROUNDS] [RUN OPTIONS…] (default 2 rounds;
+# options go to both runs, e.g. `--mtp 1`), after `cargo build --release`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-2}
+shift || true
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 python3 - "$dir" <<'PY'
@@ -39,7 +40,7 @@ YAML
 for r in $(seq "$rounds"); do
   for mode in off on; do
     target/release/cachalot run --config "$dir/run.yaml" --res-dir "$dir/res" \
-      --prefix-caching "$mode" --quiet --json > "$dir/$mode.json"
+      --prefix-caching "$mode" --quiet --json "$@" > "$dir/$mode.json"
     python3 - "$dir" "$mode" <<'PY'
 import json, sys
 d = json.load(open(f"{sys.argv[1]}/{sys.argv[2]}.json"))
@@ -48,7 +49,9 @@ outs = [json.loads(l)["output_ids"]
 json.dump(outs, open(f"{sys.argv[1]}/{sys.argv[2]}.out", "w"))
 print(f"prefix caching {sys.argv[2]:3}: {d['prompt_tokens']} prompt tokens, wall {d['wall_s']:.2f} s, "
       f"{d['throughput']['output_tok_s']:.0f} generated tok/s, TTFT mean {d['ttft_s']['mean']*1e3:.0f} ms "
-      f"p50 {d['ttft_s']['p50']*1e3:.0f} ms, cache {d.get('prefix_cache')}")
+      f"p50 {d['ttft_s']['p50']*1e3:.0f} ms, cache {d.get('prefix_cache')}"
+      + (f", MTP acceptance {d['mtp']['acceptance_rate']:.3f} ({d['mtp']['accepted']}/{d['mtp']['drafted']})"
+         if d.get('mtp') else ""))
 PY
   done
   cmp -s "$dir/off.out" "$dir/on.out" || { echo "outputs differ between the modes" >&2; exit 1; }

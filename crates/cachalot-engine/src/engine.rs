@@ -45,11 +45,6 @@ use crate::scheduler::{AdmissionError, Scheduled, Scheduler, SchedulerConfig};
 use crate::transfer::{KvSnapshot, MtpRows};
 use crate::EngineError;
 
-/// Why MTP and prefix caching do not run together (either one refused once the other is on).
-const MTP_WITH_PREFIX_CACHING: &str = "MTP speculative decoding does not run with prefix \
-     caching (the MTP layer's cache row of a shared block's last position depends on the token \
-     after the block): turn one of them off";
-
 fn no_mtp() -> EngineError {
     EngineError::Request("this model has no MTP layer: it cannot run speculative decoding".into())
 }
@@ -795,11 +790,9 @@ impl<'t, M: Model> Engine<'t, M> {
                 "enable MTP before adding requests".into(),
             ));
         }
-        if self.scheduler.kv().prefix_caching() {
-            return Err(EngineError::Request(MTP_WITH_PREFIX_CACHING.into()));
-        }
         self.next_n = next_n;
         self.scheduler.set_lookahead(next_n);
+        self.match_prefix_lookahead();
         self.stats.mtp_next_n = next_n;
         Ok(())
     }
@@ -807,10 +800,11 @@ impl<'t, M: Model> Engine<'t, M> {
     /// Turns on prefix caching (vLLM's automatic prefix caching; [`crate::kv_pool`]): a
     /// request's prompt blocks already computed for an earlier request are shared instead of
     /// computed again (outputs unchanged: the shared KV is what the prompt's own prefill would
-    /// have written, as a chunked prefill reads it). Not with MTP (the MTP layer's cache rows
-    /// of a block's last position wait for the next token), nor for a model family that does
-    /// not support it (DeepSeek-V4). Requests that score their prompt (echo) compute every
-    /// position. Call before adding requests.
+    /// have written, as a chunked prefill reads it). With MTP a block is shared only with
+    /// requests whose token after it is the same (the MTP layer's cache row of its last position
+    /// pairs the hidden state there with that token), once its MTP rows are written. Not for a
+    /// model family that does not support it (DeepSeek-V4, a C8 cache). Requests that score
+    /// their prompt (echo) compute every position. Call before adding requests.
     pub fn enable_prefix_caching(&mut self) -> Result<(), EngineError> {
         if !self.model.supports_prefix_caching() {
             return Err(EngineError::Request(
@@ -820,27 +814,31 @@ impl<'t, M: Model> Engine<'t, M> {
                     .into(),
             ));
         }
-        if self.next_n > 0 {
-            return Err(EngineError::Request(MTP_WITH_PREFIX_CACHING.into()));
-        }
         if self.scheduler.has_unfinished() {
             return Err(EngineError::Request(
                 "enable prefix caching before adding requests".into(),
             ));
         }
         self.scheduler.enable_prefix_caching();
+        self.match_prefix_lookahead();
         self.stats.prefix_caching = true;
         Ok(())
     }
 
+    /// With MTP, a shared block's cache rows depend on the token after it (module docs).
+    fn match_prefix_lookahead(&mut self) {
+        let n = usize::from(self.next_n > 0 && self.scheduler.kv().prefix_caching());
+        self.scheduler.set_prefix_lookahead(n);
+    }
+
     /// `--prefix-caching`: `Some(true)` turns it on (an error where it cannot run),
-    /// `Some(false)` leaves it off, `None` turns it on where it can (no MTP, a family that
-    /// supports it). Returns whether it is on.
+    /// `Some(false)` leaves it off, `None` turns it on where it can (a family and cache that
+    /// support it). Returns whether it is on.
     pub fn set_prefix_caching(&mut self, want: Option<bool>) -> Result<bool, EngineError> {
         match want {
             Some(false) => Ok(false),
             Some(true) => self.enable_prefix_caching().map(|()| true),
-            None if self.next_n == 0 && self.model.supports_prefix_caching() => {
+            None if self.model.supports_prefix_caching() => {
                 self.enable_prefix_caching().map(|()| true)
             }
             None => Ok(false),
@@ -1545,9 +1543,26 @@ impl<'t, M: Model> Engine<'t, M> {
         let mut prev = Vec::new();
         // (plan item, request, sequence in the batch) of each logits row, in order.
         let mut drafting: Vec<(usize, u64, usize)> = Vec::new();
+        // (request, first position, end) of each catch-up, for the scheduler once it ran.
+        let mut caught: Vec<(u64, usize, usize)> = Vec::with_capacity(ids.len());
         for (s, &id) in ids.iter().enumerate() {
             let live = self.live.get_mut(&id).expect("listed");
-            let p = live.mtp_pending.take().expect("listed");
+            let mut p = live.mtp_pending.take().expect("listed");
+            // Rows of prompt positions and of generated ones run apart, each kind one way (as
+            // the main model's positions do), so a row's bits do not depend on how the
+            // catch-ups were cut (a prefix cache shares them): rows spanning the prompt's end
+            // run the prompt's now and the rest next step.
+            let pl = live.prompt_len;
+            if p.first < pl && p.first + p.rows > pl {
+                let k = pl - p.first;
+                let h = p.hidden.len() / p.rows;
+                live.mtp_pending = Some(Pending {
+                    first: pl,
+                    rows: p.rows - k,
+                    hidden: p.hidden.split_off(k * h),
+                });
+                p.rows = k;
+            }
             rows += p.rows;
             prompt_rows += live.prompt_len.saturating_sub(p.first).min(p.rows);
             let n = item_of.get(&id).copied();
@@ -1565,10 +1580,19 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.scheduler.block_table(id).to_vec(),
                 want,
             );
+            if p.first < pl {
+                batch.mark_prefill();
+            } else {
+                batch.mark_generated();
+            }
             prev.extend_from_slice(&p.hidden);
+            caught.push((id, p.first, p.first + p.rows));
         }
         let r = self.model.mtp_forward(0, &batch, &prev, &mut self.cache)?;
         check_logits(&r.logits, "the MTP layer")?;
+        for (id, first, end) in caught {
+            self.scheduler.mtp_computed(id, first, end);
+        }
         let vocab = self.model.vocab_size();
         let h = prev.len() / batch.num_tokens();
         // Chain state per drafting request: (plan item, request, last hidden row).
@@ -1600,6 +1624,7 @@ impl<'t, M: Model> Engine<'t, M> {
                     self.scheduler.block_table(*id).to_vec(),
                     LogitsWanted::Last,
                 );
+                b.mark_generated();
                 prev.extend_from_slice(hid);
             }
             rows += chain.len();

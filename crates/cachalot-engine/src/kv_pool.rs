@@ -22,7 +22,11 @@
 //!   full blocks are registered, and a request writes only past its computed tokens);
 //! - a block whose last holder lets go stays registered while it waits in the free queue; any
 //!   allocation may take it (least recently freed first), which unregisters it. A table is
-//!   freed tail first, so a prefix outlives its continuations.
+//!   freed tail first, so a prefix outlives its continuations;
+//! - with a lookahead of k tokens ([`KvBlockManager::set_prefix_lookahead`]; MTP: the MTP
+//!   layer's cache row at position i pairs the hidden state at i with token i + 1), a block's
+//!   key and compared tokens also take the k tokens after it, so a block is shared only where
+//!   its cache rows, the MTP layer's included, are what the sharer would write.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
@@ -225,6 +229,8 @@ pub struct KvBlockManager {
     tables: HashMap<u64, Vec<u32>>,
     peak_used: usize,
     prefix: Option<PrefixIndex>,
+    /// Tokens after a block that its cache rows depend on (and its key takes).
+    lookahead: usize,
 }
 
 impl KvBlockManager {
@@ -236,7 +242,19 @@ impl KvBlockManager {
             tables: HashMap::new(),
             peak_used: 0,
             prefix: None,
+            lookahead: 0,
         }
+    }
+
+    /// How many tokens after a block its cache rows depend on (0: none; 1 with MTP): keys and
+    /// the compared tokens of a block span `block_size + n` tokens. Set before any block is
+    /// registered.
+    pub fn set_prefix_lookahead(&mut self, n: usize) {
+        debug_assert_eq!(self.num_cached_blocks(), 0);
+        self.lookahead = n;
+    }
+    pub fn prefix_lookahead(&self) -> usize {
+        self.lookahead
     }
 
     /// Turns on prefix caching (module docs). Blocks computed from now on can be registered
@@ -324,7 +342,7 @@ impl KvBlockManager {
     }
 
     /// The registered blocks of the longest cached prefix of full blocks: `keys[i]` is the key
-    /// of tokens `i·block_size..(i + 1)·block_size` of `tokens`. Nothing is taken.
+    /// of tokens `i·block_size..(i + 1)·block_size + lookahead` of `tokens`. Nothing is taken.
     pub fn cached_prefix(&self, keys: &[BlockKey], tokens: &[u32]) -> Vec<u32> {
         let Some(p) = &self.prefix else {
             return Vec::new();
@@ -337,7 +355,8 @@ impl KvBlockManager {
             let exact = p.entry[b as usize].as_ref().is_some_and(|e| {
                 e.key == *key
                     && e.parent == parent
-                    && tokens.get(i * bs..(i + 1) * bs) == Some(e.tokens.as_slice())
+                    && tokens.get(i * bs..(i + 1) * bs + self.lookahead)
+                        == Some(e.tokens.as_slice())
             });
             if !exact {
                 break;
@@ -368,7 +387,8 @@ impl KvBlockManager {
         true
     }
 
-    /// Registers block `index` of `req`'s table, whose tokens (all computed) are `tokens`, under
+    /// Registers block `index` of `req`'s table, whose tokens (all computed; then the lookahead's)
+    /// are `tokens`, under
     /// `key` (after the block keyed `parent`). Nothing happens when prefix caching is off, the
     /// key is registered already (another request computed the same prefix: this block stays
     /// private) or the block is.
@@ -387,7 +407,7 @@ impl KvBlockManager {
         if b == NULL_BLOCK || p.by_key.contains_key(&key) || p.entry[b as usize].is_some() {
             return;
         }
-        debug_assert_eq!(tokens.len(), self.block_size);
+        debug_assert_eq!(tokens.len(), self.block_size + self.lookahead);
         p.by_key.insert(key, b);
         p.entry[b as usize] = Some(Registered {
             key,

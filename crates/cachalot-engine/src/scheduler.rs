@@ -104,6 +104,9 @@ struct Seq {
     /// It may take cached blocks when admitted (false: every prompt position must run, e.g.
     /// to score the prompt).
     reuse: bool,
+    /// Positions whose MTP layer cache rows are written (they wait for the next token), from
+    /// the first on; with a prefix lookahead only blocks within it are offered to the cache.
+    mtp_computed: usize,
 }
 
 impl Seq {
@@ -128,6 +131,7 @@ impl Seq {
             keys: Vec::new(),
             registered: 0,
             reuse: false,
+            mtp_computed: 0,
         }
     }
 }
@@ -287,6 +291,24 @@ impl Scheduler {
         self.kv.enable_prefix_caching();
     }
 
+    /// Blocks' cache rows depend on the `n` tokens after them (MTP: 1); see
+    /// [`KvBlockManager::set_prefix_lookahead`]. Set before requests are added. A request's
+    /// blocks are then offered to the prefix cache as its MTP rows are reported
+    /// ([`Scheduler::mtp_computed`]).
+    pub fn set_prefix_lookahead(&mut self, n: usize) {
+        self.kv.set_prefix_lookahead(n);
+    }
+
+    /// The MTP layer's cache rows of `id`'s positions `first..upto` are written (a catch-up):
+    /// its count of caught-up positions grows where the rows continue it.
+    pub fn mtp_computed(&mut self, id: u64, first: usize, upto: usize) {
+        if let Some(s) = self.seqs.get_mut(&id) {
+            if first <= s.mtp_computed {
+                s.mtp_computed = s.mtp_computed.max(upto);
+            }
+        }
+    }
+
     /// After a step that failed part way (its scheduled tokens counted as computed, their KV
     /// perhaps never written): forgets the prefix cache, and the requests known now never
     /// register blocks.
@@ -305,10 +327,11 @@ impl Scheduler {
             return;
         };
         let Some(tokens) = &s.tokens else { return };
-        let blocks = blocks.min(tokens.len() / bs);
+        let la = self.kv.prefix_lookahead();
+        let blocks = blocks.min(tokens.len().saturating_sub(la) / bs);
         while s.keys.len() < blocks {
             let i = s.keys.len();
-            let key = block_key(s.keys.last().copied(), &tokens[i * bs..(i + 1) * bs]);
+            let key = block_key(s.keys.last().copied(), &tokens[i * bs..(i + 1) * bs + la]);
             s.keys.push(key);
         }
     }
@@ -316,17 +339,24 @@ impl Scheduler {
     /// Offers `id`'s blocks of prompt tokens, all computed, to the prefix cache. Blocks that
     /// hold generated tokens are not offered: their KV was made by decode steps, and a later
     /// prompt that repeats them (a second turn) must get the KV a prefill makes (the same up to
-    /// rounding on an f32 cache, but a bf16 cache's decode attention runs BF16 × BF16).
+    /// rounding on an f32 cache, but a bf16 cache's decode attention runs BF16 × BF16). With a
+    /// prefix lookahead (MTP), a block is offered once the MTP layer's rows of all its positions
+    /// are written too.
     fn register_computed(&mut self, id: u64) {
         if !self.kv.prefix_caching() {
             return;
         }
         let bs = self.kv.block_size();
+        let la = self.kv.prefix_lookahead();
         let Some(s) = self.seqs.get(&id) else { return };
         if s.tokens.is_none() {
             return;
         }
-        let full = s.num_computed.min(s.prompt_len) / bs;
+        let mut done = s.num_computed.min(s.prompt_len);
+        if la > 0 {
+            done = done.min(s.mtp_computed);
+        }
+        let full = done / bs;
         if full <= s.registered {
             return;
         }
@@ -338,7 +368,7 @@ impl Scheduler {
         for i in from..upto {
             let parent = i.checked_sub(1).map(|j| s.keys[j]);
             self.kv
-                .register(id, i, s.keys[i], parent, &tokens[i * bs..(i + 1) * bs]);
+                .register(id, i, s.keys[i], parent, &tokens[i * bs..(i + 1) * bs + la]);
         }
         self.seqs.get_mut(&id).expect("known").registered = upto;
     }
@@ -481,7 +511,10 @@ impl Scheduler {
                     continue;
                 }
                 let cached = hits.len() * self.kv.block_size();
-                self.seqs.get_mut(&id).unwrap().num_computed = cached;
+                let s = self.seqs.get_mut(&id).unwrap();
+                s.num_computed = cached;
+                // A shared block's MTP rows came with it (its key took the token after it).
+                s.mtp_computed = cached;
                 let len = self.chunk_len(id, budget);
                 if len == 0 || !self.kv.allocate_with_prefix(id, &hits, cached + len) {
                     self.seqs.get_mut(&id).unwrap().num_computed = 0;
@@ -593,6 +626,7 @@ impl Scheduler {
         let s = self.seqs.get_mut(&id).unwrap();
         s.num_computed = 0;
         s.registered = 0;
+        s.mtp_computed = 0;
         s.pending_drafts = 0;
         s.phase = Phase::Waiting;
         s.num_preemptions += 1;
@@ -1011,6 +1045,46 @@ mod tests {
         s.add_prompt(1, &t, 30, true).unwrap();
         s.add_prompt(2, &t, 30, false).unwrap();
         assert_eq!(s.schedule().items.len(), 2);
+        s.check_invariants().unwrap();
+    }
+
+    /// With a prefix lookahead of one token (MTP), a computed block is offered only once its
+    /// MTP rows are reported, and taken only by a request whose token after it is the same.
+    #[test]
+    fn mtp_blocks_wait_for_their_rows_and_match_the_next_token() {
+        let mut s = sched(64, 4, 8, 100);
+        s.enable_prefix_caching();
+        s.set_prefix_lookahead(1);
+        let t: Vec<u32> = (0..10).collect();
+        s.add_prompt(1, &t, 30, true).unwrap();
+        assert_eq!(s.schedule().items[0].len, 10);
+        s.append_token_ids(1, &[77]);
+        // Computed, but no MTP row yet: nothing to share.
+        s.schedule();
+        assert_eq!(s.kv().num_cached_blocks(), 0);
+        // The catch-up wrote rows 0..10 (not after a gap: rows 12.. alone change nothing).
+        s.mtp_computed(1, 12, 14);
+        s.schedule();
+        assert_eq!(s.kv().num_cached_blocks(), 0);
+        s.mtp_computed(1, 0, 10);
+        s.append_token_ids(1, &[78]);
+        s.schedule();
+        assert_eq!(s.kv().num_cached_blocks(), 2);
+        // Same first 8 tokens, then the token after block 1 differs: one block shared.
+        let mut other = t[..8].to_vec();
+        other.extend([99, 9, 3]);
+        s.add_prompt(2, &other, 30, true).unwrap();
+        // Same first 9 tokens: both blocks.
+        s.add_prompt(
+            3,
+            &t[..9].iter().copied().chain([5, 5]).collect::<Vec<_>>(),
+            30,
+            true,
+        )
+        .unwrap();
+        let p = s.schedule();
+        let cached = |id| p.items.iter().find(|i| i.id == id).unwrap().cached;
+        assert_eq!((cached(2), cached(3)), (4, 8), "{p:?}");
         s.check_invariants().unwrap();
     }
 

@@ -385,17 +385,131 @@ fn prefix_caching_is_refused_where_it_cannot_be_exact() {
         },
     )
     .unwrap();
+    // With MTP it runs (its blocks keyed with the token after them), in either order.
     let mut e = Engine::new(&r1, None, cfg).unwrap();
     e.enable_mtp(1).unwrap();
-    let err = e.enable_prefix_caching().unwrap_err().to_string();
-    assert!(err.contains("MTP"), "{err}");
+    e.enable_prefix_caching().unwrap();
+    assert_eq!(e.scheduler().kv().prefix_lookahead(), 1);
     let mut e = Engine::new(&r1, None, cfg).unwrap();
     e.enable_prefix_caching().unwrap();
-    assert!(e
-        .enable_mtp(1)
-        .unwrap_err()
-        .to_string()
-        .contains("prefix caching"));
+    e.enable_mtp(2).unwrap();
+    assert_eq!(e.scheduler().kv().prefix_lookahead(), 1);
+    let mut e = Engine::new(&r1, None, cfg).unwrap();
+    assert!(e.set_prefix_caching(None).unwrap());
+    assert_eq!(e.scheduler().kv().prefix_lookahead(), 0);
+}
+
+/// MTP with prefix caching: random streams of greedy and seeded sampled requests on the MTP
+/// fixture (f32 and bf16 caches, next_n 1-3), prompts sharing their starts, in waves, with the
+/// pool large enough that nothing is preempted. Each request gets the tokens, drafts and
+/// accepted drafts it gets alone with MTP and without the cache: shared blocks hold the MTP
+/// layer's rows that its own prefill would have written (a sampled answer draws its drafts
+/// from them, so any difference would show), and blocks are shared only with requests whose
+/// token after them is the same.
+#[test]
+fn mtp_with_prefix_caching_equals_each_request_alone() {
+    let iters: usize = std::env::var("CACHALOT_FUZZ_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let mut state = 0x9d1c_0f2e_77a3_5b61u64;
+    let mut rnd = |n: usize| {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) as usize) % n
+    };
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny");
+    let mut models = Vec::new();
+    for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
+        let mut m = DeepseekV3::load(
+            &dir,
+            LoadOptions {
+                load_mtp: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        m.set_kv_cache_dtype(dtype);
+        models.push((dtype, m));
+    }
+    let (mut hits, mut drafted) = (0, 0);
+    for it in 0..iters {
+        let (dtype, m) = &models[rnd(models.len())];
+        let vocab = Model::vocab_size(m);
+        let next_n = 1 + rnd(3);
+        let bs = [2, 3, 4, 8][rnd(4)];
+        let cfg = EngineConfig {
+            block_size: bs,
+            num_blocks: 256,
+            batch_size: 1 + rnd(6),
+            max_prefill_tokens: 1 + rnd(40),
+        };
+        let texts = common::prompts(&[5 + rnd(40), 5 + rnd(40)], vocab);
+        let n = 2 + rnd(8);
+        let prompts: Vec<Vec<u32>> = (0..n)
+            .map(|i| {
+                let t = &texts[rnd(2)];
+                let mut p = t[..1 + rnd(t.len())].to_vec();
+                let len = rnd(4);
+                p.extend(
+                    common::prompts(&[len], vocab)[0]
+                        .iter()
+                        .map(|&x| 2 + (x + i as u32) % (vocab as u32 - 2)),
+                );
+                p
+            })
+            .collect();
+        let request = |i: usize| {
+            let mut r = greedy_request(&prompts[i], 1 + (i * 7 + it) % 9);
+            r.ignore_eos = true;
+            if i % 2 == 1 {
+                r.params = SamplingParams {
+                    temperature: 0.9,
+                    seed: Some((it * 100 + i) as u64),
+                    ..Default::default()
+                };
+            }
+            r
+        };
+        let run = |e: &mut Engine<&DeepseekV3>| e.run_to_completion(|_, _| {}).unwrap();
+        let alone: Vec<_> = (0..n)
+            .map(|i| {
+                let mut e = Engine::new(m, None, cfg).unwrap();
+                e.enable_mtp(next_n).unwrap();
+                e.add_request(request(i)).unwrap();
+                run(&mut e).pop().unwrap()
+            })
+            .collect();
+        let wave: Vec<usize> = (0..n).map(|_| rnd(3)).collect();
+        let what = format!("case {it}: {dtype:?} next_n {next_n} {cfg:?}");
+        let mut e = Engine::new(m, None, cfg).unwrap();
+        e.enable_mtp(next_n).unwrap();
+        e.enable_prefix_caching().unwrap();
+        for w in 0..3 {
+            let mut ids = Vec::new();
+            for i in (0..n).filter(|&i| wave[i] == w) {
+                ids.push((e.add_request(request(i)).unwrap(), i));
+            }
+            for o in run(&mut e) {
+                let i = ids.iter().find(|(id, _)| *id == o.id).unwrap().1;
+                let a = &alone[i];
+                assert_eq!(o.tokens, a.tokens, "{what}: request {i}");
+                assert_eq!(
+                    (o.drafted, o.accepted_drafts),
+                    (a.drafted, a.accepted_drafts),
+                    "{what}: request {i}"
+                );
+                hits += o.timing.cached_tokens;
+                drafted += o.drafted;
+            }
+        }
+        assert_eq!(e.stats().preemptions, 0, "{what}");
+        e.scheduler().check_invariants().unwrap();
+        assert_eq!(e.scheduler().kv().pool().num_used(), 0, "{what}");
+    }
+    assert!(hits > 0, "no prompt ever took cached blocks");
+    assert!(drafted > 0, "no request drafted");
 }
 
 /// Random request streams on the fixture models, f32 and bf16 caches: prompts cut from three

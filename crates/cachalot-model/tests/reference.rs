@@ -544,6 +544,66 @@ fn a_prompt_split_anywhere_gives_its_whole_prefill_bits() {
     }
 }
 
+/// The MTP layer's rows of prompt positions, marked as prompt (as the engine's catch-up marks
+/// them), give the same bits however they are cut into forwards: a prefix cache shares rows a
+/// request computed in other chunks than the sharer would have (f32 and bf16 caches).
+#[test]
+fn mtp_prompt_rows_split_anywhere_give_their_whole_bits() {
+    for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
+        let mut m = DeepseekV3::load(
+            &fixture_dir("r1_tiny"),
+            LoadOptions {
+                load_mtp: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        m.set_kv_cache_dtype(dtype);
+        let vocab = m.config().vocab_size;
+        let prompt: Vec<u32> = (0..38u32).map(|i| (i * 41 + 7) % vocab as u32).collect();
+        let n = prompt.len() - 1;
+        let mut cache = KvCache::new(m.cache_spec(), 4, 16);
+        let mut alloc = BlockAllocator::new(16);
+        let mut table = Vec::new();
+        alloc.ensure(&mut table, prompt.len(), 4).unwrap();
+        let mut b = Batch::default();
+        b.push_seq(&prompt, 0, table.clone(), LogitsWanted::None);
+        b.mark_prefill();
+        let hidden = m.forward(&b, &mut cache, true).unwrap().hidden.unwrap();
+        let h = hidden.len() / prompt.len();
+        // MTP rows 0..n pair the hidden state at i with token i + 1; each run writes them all
+        // again from the first (a chunk reads only rows before its end).
+        let mut run = |cuts: &[usize]| -> Vec<u32> {
+            let c = &mut cache;
+            let mut bits = Vec::new();
+            let mut start = 0;
+            for &end in cuts.iter().chain([&n]) {
+                let mut b = Batch::default();
+                b.push_seq(
+                    &prompt[start + 1..end + 1],
+                    start,
+                    table.clone(),
+                    LogitsWanted::All,
+                );
+                b.mark_prefill();
+                let out = m
+                    .mtp_forward(0, &b, &hidden[start * h..end * h], c, false)
+                    .unwrap();
+                bits.extend(out.logits.iter().map(|x| x.to_bits()));
+                start = end;
+            }
+            bits
+        };
+        let whole = run(&[]);
+        for cuts in [&[30][..], &[5, 6], &[1, 2, 3, 35], &[16]] {
+            assert!(
+                run(cuts) == whole,
+                "{dtype:?}: MTP rows split at {cuts:?} differ from the whole catch-up"
+            );
+        }
+    }
+}
+
 /// Generated positions computed together (a recompute after preemption, an MTP verification)
 /// give the bits their one-token decode steps gave, over an f32 and a bf16 cache: generated
 /// positions (`Batch::mark_generated`) always take the absorbed path.

@@ -72,7 +72,7 @@ impl KvDtypeArg {
 /// `--prefix-caching`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub(crate) enum PrefixCachingArg {
-    /// On where it runs exactly: the DeepSeek-V3 family without MTP.
+    /// On where it runs exactly: the DeepSeek-V3 family without a C8 (int8) cache.
     #[default]
     Auto,
     On,
