@@ -723,6 +723,34 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
         "{e}"
     );
     assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+
+    // Prefix caching on the prefill server (on by default): requests sharing a prompt's first
+    // blocks take them from its cache, and the answers are still one server's.
+    let doc = "Whales sing long songs that travel far through the cold sea, and every song \
+               changes a little from one year to the next.";
+    let before = prefix_hits(&pre.addr);
+    for q in [" Why?", " How far?", " Why?"] {
+        let body = json!({"prompt": format!("{doc}{q}"), "max_tokens": 8, "temperature": 0});
+        let (s1, a) = post(&one.addr, "/v1/completions", &body);
+        let (s2, b) = post(r, "/v1/completions", &body);
+        assert_eq!((s1, s2), (200, 200), "{a} {b}");
+        assert_eq!(text_of(&a), text_of(&b), "{body}");
+    }
+    assert!(
+        prefix_hits(&pre.addr) >= before + 32,
+        "{}",
+        prefix_hits(&pre.addr)
+    );
+}
+
+/// A server's `cachalot:prefix_cache_hits_total` (prompt tokens taken from its prefix cache).
+fn prefix_hits(addr: &str) -> u64 {
+    let (_, m) = http(addr, "GET", "/metrics", "");
+    m.lines()
+        .find(|l| l.starts_with("cachalot:prefix_cache_hits_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no prefix_cache_hits_total in {m}")) as u64
 }
 
 /// The seed's way: each side from its YAML (configs/tiny/pd: next_n 1 on both, the prefill
@@ -1554,8 +1582,9 @@ fn serve_shares_cached_prefixes() {
     };
     let questions = ["Why do whales sing?", "Where do they go in winter?"];
     let mut answers: Vec<Vec<Value>> = Vec::new();
-    for mode in ["off", "auto"] {
-        let server = start(&["--block-size", "16", "--prefix-caching", mode]);
+    // Off, on, and on with MTP drafts (blocks keyed with the token after them).
+    for (mode, mtp) in [("off", "0"), ("auto", "0"), ("auto", "1")] {
+        let server = start(&["--block-size", "16", "--prefix-caching", mode, "--mtp", mtp]);
         let addr = server.addr.as_str();
         let mut got = Vec::new();
         for q in questions.iter().chain(&questions[..1]) {
@@ -1580,14 +1609,7 @@ fn serve_shares_cached_prefixes() {
             assert_eq!(cached[0], 0);
             assert!(cached[1] >= 16, "{cached:?}");
             assert_eq!(cached[2], (prompt - 1) / 16 * 16, "{cached:?}");
-            let (_, m) = http(addr, "GET", "/metrics", "");
-            let hits = m
-                .lines()
-                .find(|l| l.starts_with("cachalot:prefix_cache_hits_total"))
-                .and_then(|l| l.rsplit(' ').next())
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap();
-            assert_eq!(hits as u64, cached.iter().sum::<u64>(), "{m}");
+            assert_eq!(prefix_hits(addr), cached.iter().sum::<u64>());
             // Echo scores the whole prompt, cached or not.
             let (status, e) = post(
                 addr,
@@ -1605,11 +1627,13 @@ fn serve_shares_cached_prefixes() {
         }
         answers.push(got);
     }
-    for (i, (off, on)) in answers[0].iter().zip(&answers[1]).enumerate() {
-        assert_eq!(
-            off["choices"][0]["message"], on["choices"][0]["message"],
-            "answer {i}"
-        );
+    for on in &answers[1..] {
+        for (i, (off, on)) in answers[0].iter().zip(on).enumerate() {
+            assert_eq!(
+                off["choices"][0]["message"], on["choices"][0]["message"],
+                "answer {i}"
+            );
+        }
     }
     assert_eq!(
         answers[1][0]["choices"][0]["message"],
