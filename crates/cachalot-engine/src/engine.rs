@@ -1386,6 +1386,21 @@ impl<'t, M: Model> Engine<'t, M> {
                         )),
                         (None, None) => None,
                     };
+                    // min_tokens: no stop token before that many generated tokens.
+                    let generated = live.tokens.len() - live.prompt_len;
+                    let stops = &live.stop.stop_token_ids;
+                    let masked =
+                        if generated < live.sampler.params().min_tokens && !stops.is_empty() {
+                            let mut r = masked.unwrap_or_else(|| row.to_vec());
+                            for &t in stops {
+                                if let Some(x) = r.get_mut(t as usize) {
+                                    *x = f32::NEG_INFINITY;
+                                }
+                            }
+                            Some(r)
+                        } else {
+                            masked
+                        };
                     let raw = row;
                     let row = masked.as_deref().unwrap_or(row);
                     if masked.is_some() && !row.iter().any(|x| x.is_finite()) {
@@ -1678,6 +1693,7 @@ impl<'t, M: Model> Engine<'t, M> {
             }
         } else if live.eos_at.is_none() {
             if let Some(stream) = live.stream.as_mut() {
+                stream.set_stop_armed(n_out >= live.sampler.params().min_tokens);
                 let (piece, hit) = stream.push(token)?;
                 live.text.push_str(&piece);
                 if let Some(hit) = hit {

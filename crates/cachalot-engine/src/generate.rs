@@ -102,6 +102,8 @@ pub struct TextStream<'t> {
     decoder: StreamDecoder<'t>,
     stop_strings: Vec<String>,
     held: String,
+    /// Stop strings end the text (false before `min_tokens`: text is released as it comes).
+    armed: bool,
 }
 
 impl<'t> TextStream<'t> {
@@ -114,7 +116,15 @@ impl<'t> TextStream<'t> {
                 .cloned()
                 .collect(),
             held: String::new(),
+            armed: true,
         }
+    }
+
+    /// Whether stop strings end the text from the next token on (vLLM's `min_tokens` holds
+    /// them back: while disarmed, text is released as it comes and a stop string in it is
+    /// text; once armed, only text after that is searched).
+    pub fn set_stop_armed(&mut self, armed: bool) {
+        self.armed = armed;
     }
 
     /// Adds a token; returns the text that can be shown now and, if a stop string appeared,
@@ -136,7 +146,7 @@ impl<'t> TextStream<'t> {
 
     fn release(&mut self, piece: &str) -> (String, Option<String>) {
         self.held.push_str(piece);
-        if self.stop_strings.is_empty() {
+        if self.stop_strings.is_empty() || !self.armed {
             return (std::mem::take(&mut self.held), None);
         }
         let first = self
@@ -383,6 +393,31 @@ mod tests {
         let (out, hit, _) = run(&tok, "no stop in this 🐋 text", &["STOP", "\n\n"]);
         assert_eq!(out, "no stop in this 🐋 text");
         assert_eq!(hit, None);
+    }
+
+    /// Disarmed (before `min_tokens`), a stop string is text; armed again, later text is
+    /// searched.
+    #[test]
+    fn a_disarmed_stream_lets_stop_strings_through() {
+        let tok = r1_style();
+        let ids = tok.encode("STOP one STOP two").unwrap();
+        let stops = vec!["STOP".to_string()];
+        let mut s = TextStream::new(&tok, &stops);
+        s.set_stop_armed(false);
+        let mut out = String::new();
+        let mut hit = None;
+        for (i, &id) in ids.iter().enumerate() {
+            s.set_stop_armed(i >= 2);
+            let (p, h) = s.push(id).unwrap();
+            out.push_str(&p);
+            if h.is_some() {
+                hit = h;
+                break;
+            }
+        }
+        assert!(out.starts_with("STOP one "), "{out:?}");
+        assert!(!out.contains("two"), "{out:?}");
+        assert_eq!(hit.as_deref(), Some("STOP"));
     }
 
     #[test]

@@ -71,6 +71,10 @@ pub struct SamplingParams {
     /// vocabulary are ignored here (the server refuses them).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `min_tokens`: before this many generated tokens no stop token is drawn (the
+    /// engine masks them) and no stop string ends the answer. 0 = off.
+    #[serde(default)]
+    pub min_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -85,6 +89,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: None,
             logit_bias: Vec::new(),
+            min_tokens: 0,
         }
     }
 }

@@ -2125,6 +2125,16 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             }
         },
         logit_bias: logit_bias(body, vocab)?,
+        min_tokens: match count(body, "min_tokens")? {
+            // (A prefill server samples one token; the decode server checks the answer's.)
+            Some(n) if n > max_new && shared.role != Role::Prefill => {
+                return Err(ApiError::bad(
+                    "min_tokens",
+                    format!("{n} is more than the {max_new} tokens the answer may take"),
+                ))
+            }
+            n => n.unwrap_or(0),
+        },
     };
     if params.top_p == 0.0 {
         return Err(ApiError::bad("top_p", "must be above 0"));

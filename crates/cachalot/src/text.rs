@@ -125,6 +125,7 @@ impl SamplingArgs {
             frequency_penalty: self.frequency_penalty,
             seed: self.seed,
             logit_bias: Vec::new(),
+            min_tokens: 0,
         }
     }
 }

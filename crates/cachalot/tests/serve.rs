@@ -375,6 +375,51 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
         assert_eq!(status, 400, "{bias}: {e}");
         assert_eq!(e["error"]["param"], "logit_bias", "{e}");
     }
+
+    // min_tokens (vLLM): greedy's first token as a stop token ends the answer at once, but
+    // not before min_tokens tokens; a stop string at the answer's start is text before then.
+    let mut body = completion(&prompt, 12);
+    body["ignore_eos"] = false.into();
+    body["stop_token_ids"] = json!([want[0]]);
+    let (status, a) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(a["usage"]["completion_tokens"], 1, "{a}");
+    body["min_tokens"] = 5.into();
+    body["logprobs"] = 1.into();
+    let (status, a) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{a}");
+    let first = tok.decode(&want[..1]).unwrap();
+    let tokens = a["choices"][0]["logprobs"]["tokens"].as_array().unwrap();
+    assert!(tokens.len() >= 5, "{a}");
+    assert!(
+        tokens[..5].iter().all(|t| t.as_str() != Some(&first)),
+        "{a}"
+    );
+    let start = tok.decode(&want[..2]).unwrap();
+    let mut body = completion(&prompt, 12);
+    body["ignore_eos"] = false.into();
+    body["stop"] = json!([start.clone()]);
+    let (status, a) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(a["choices"][0]["text"], "", "{a}");
+    assert_eq!(a["choices"][0]["finish_reason"], "stop", "{a}");
+    body["min_tokens"] = 4.into();
+    let (status, a) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{a}");
+    assert!(
+        a["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(&start),
+        "{a}"
+    );
+    body["min_tokens"] = 13.into();
+    let (status, e) = post(addr, "/v1/completions", &body);
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("min_tokens")),
+        "{e}"
+    );
 }
 
 fn whole_text(tok: &cachalot_model::tokenizer::Tokenizer, ids: &[u32]) -> String {
