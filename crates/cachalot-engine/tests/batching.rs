@@ -445,21 +445,8 @@ fn mtp_with_prefix_caching_equals_each_request_alone() {
             batch_size: 1 + rnd(6),
             max_prefill_tokens: 1 + rnd(40),
         };
-        let texts = common::prompts(&[5 + rnd(40), 5 + rnd(40)], vocab);
         let n = 2 + rnd(8);
-        let prompts: Vec<Vec<u32>> = (0..n)
-            .map(|i| {
-                let t = &texts[rnd(2)];
-                let mut p = t[..1 + rnd(t.len())].to_vec();
-                let len = rnd(4);
-                p.extend(
-                    common::prompts(&[len], vocab)[0]
-                        .iter()
-                        .map(|&x| 2 + (x + i as u32) % (vocab as u32 - 2)),
-                );
-                p
-            })
-            .collect();
+        let prompts = shared_prompts(&mut rnd, 2, n, 4, vocab);
         let request = |i: usize| {
             let mut r = greedy_request(&prompts[i], 1 + (i * 7 + it) % 9);
             r.ignore_eos = true;
@@ -512,11 +499,38 @@ fn mtp_with_prefix_caching_equals_each_request_alone() {
     assert!(drafted > 0, "no request drafted");
 }
 
+/// `n` prompts for the random-stream tests: each a random start of one of `texts` random texts
+/// (5-44 tokens), so prompts share their first blocks, then up to `tail - 1` tokens of its own.
+fn shared_prompts(
+    rnd: &mut impl FnMut(usize) -> usize,
+    texts: usize,
+    n: usize,
+    tail: usize,
+    vocab: usize,
+) -> Vec<Vec<u32>> {
+    let lens: Vec<usize> = (0..texts).map(|_| 5 + rnd(40)).collect();
+    let texts = common::prompts(&lens, vocab);
+    (0..n)
+        .map(|i| {
+            let t = &texts[rnd(texts.len())];
+            let mut p = t[..1 + rnd(t.len())].to_vec();
+            let len = rnd(tail);
+            p.extend(
+                common::prompts(&[len], vocab)[0]
+                    .iter()
+                    .map(|&x| 2 + (x + i as u32) % (vocab as u32 - 2)),
+            );
+            p
+        })
+        .collect()
+}
+
 /// Random request streams on the fixture models, f32 and bf16 caches: prompts cut from three
 /// shared texts plus tails of their own, in up to three waves, under random block sizes, pool
 /// sizes (preemption and recompute included), batch sizes and prefill budgets. With prefix
 /// caching and without, every request gets its greedy tokens alone, and the pool balances.
-/// (`CACHALOT_FUZZ_ITERS` runs more cases: 2 000 passed when this was written.)
+/// (`CACHALOT_FUZZ_ITERS` runs more cases: 2 000 passed when this was written, 1 000 after the
+/// prompts moved into `shared_prompts`.)
 #[test]
 fn random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
     let iters: usize = std::env::var("CACHALOT_FUZZ_ITERS")
@@ -549,21 +563,8 @@ fn random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
             batch_size: 1 + rnd(6),
             max_prefill_tokens: 1 + rnd(40),
         };
-        let texts = common::prompts(&[5 + rnd(40), 5 + rnd(40), 5 + rnd(40)], vocab);
         let n = 2 + rnd(10);
-        let prompts: Vec<Vec<u32>> = (0..n)
-            .map(|i| {
-                let t = &texts[rnd(3)];
-                let mut p = t[..1 + rnd(t.len())].to_vec();
-                let len = rnd(6);
-                p.extend(
-                    common::prompts(&[len], vocab)[0]
-                        .iter()
-                        .map(|&x| 2 + (x + i as u32) % (vocab as u32 - 2)),
-                );
-                p
-            })
-            .collect();
+        let prompts = shared_prompts(&mut rnd, 3, n, 6, vocab);
         let new: Vec<usize> = (0..n).map(|_| 1 + rnd(10)).collect();
         let wave: Vec<usize> = (0..n).map(|_| rnd(3)).collect();
         if (0..n).any(|i| (prompts[i].len() + new[i]).div_ceil(bs) >= cfg.num_blocks) {
