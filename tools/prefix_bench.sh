@@ -7,8 +7,8 @@
 # options go to both runs, e.g. `--mtp 1`), after `cargo build --release`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=${1:-2}
-shift || true
+rounds=2
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 python3 - "$dir" <<'PY'

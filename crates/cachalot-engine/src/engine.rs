@@ -110,9 +110,10 @@ pub trait Model {
         Ok(more)
     }
     /// A prompt's KV up to a block boundary, once computed, can serve any later request with
-    /// the same first tokens (prefix caching): true where each position's cache entry depends
-    /// only on the tokens up to it. A family whose cache holds state that runs across blocks
-    /// (DeepSeek-V4's compressors and windows) says false.
+    /// the same first tokens (prefix caching): true where each position's main-model cache
+    /// entry depends only on the tokens up to it (the MTP layer's rows also take the next token:
+    /// the engine keys blocks with it). A family whose cache holds state that runs across
+    /// blocks (DeepSeek-V4's compressors and windows) says false.
     fn supports_prefix_caching(&self) -> bool {
         false
     }
@@ -1449,8 +1450,12 @@ impl<'t, M: Model> Engine<'t, M> {
                     self.scheduler.append_token_ids(it.id, new);
                 }
             }
-            // A request that ends keeps them only to hand them over with its KV.
-            if let (Some(h), true) = (&hidden, !finished || self.exporting.contains(&it.id)) {
+            // A request that ends keeps them only to hand them over with its KV, or for the
+            // MTP catch-up of its last prompt rows as it retires (prefix caching).
+            let keep = !finished
+                || self.exporting.contains(&it.id)
+                || self.scheduler.kv().prefix_lookahead() > 0;
+            if let (Some(h), true) = (&hidden, keep) {
                 self.keep_hidden(it.id, it.start, valid, &batch, n, h);
             }
             if let Some(reason) = ends {
@@ -1732,6 +1737,42 @@ impl<'t, M: Model> Engine<'t, M> {
         Ok(finish)
     }
 
+    /// With MTP and prefix caching: a request that ends before the MTP catch-up of its last
+    /// prompt rows (a prefill server's request, which exports them; an answer of one token)
+    /// runs it now, so its last prompt blocks can be shared too. A forward that fails leaves
+    /// them unshared (its rows are the request's own, and it is ending).
+    fn catch_up_prompt_rows(&mut self, id: u64) {
+        if self.next_n == 0 || self.scheduler.kv().prefix_lookahead() == 0 {
+            return;
+        }
+        let Some(live) = self.live.get(&id) else {
+            return;
+        };
+        let Some(p) = &live.mtp_pending else { return };
+        let end = (p.first + p.rows).min(live.prompt_len);
+        if p.first >= end || live.tokens.len() <= end {
+            return;
+        }
+        let h = p.hidden.len() / p.rows;
+        let prev = p.hidden[..(end - p.first) * h].to_vec();
+        let mut batch = Batch::default();
+        batch.push_seq(
+            &live.tokens[p.first + 1..end + 1],
+            p.first,
+            self.scheduler.block_table(id).to_vec(),
+            LogitsWanted::None,
+        );
+        batch.mark_prefill();
+        let first = p.first;
+        if self
+            .model
+            .mtp_forward(0, &batch, &prev, &mut self.cache)
+            .is_ok()
+        {
+            self.scheduler.mtp_computed(id, first, end);
+        }
+    }
+
     /// Moves a request out of the scheduler (freeing its blocks) into the finished list.
     fn retire(&mut self, id: u64, finish: FinishReason) {
         let preemptions = self.scheduler.num_preemptions(id);
@@ -1740,6 +1781,9 @@ impl<'t, M: Model> Engine<'t, M> {
         } else {
             None
         };
+        if finish != FinishReason::Cancelled {
+            self.catch_up_prompt_rows(id);
+        }
         self.scheduler.finish(id);
         self.imports.retain(|(i, _)| *i != id);
         let Some(mut live) = self.live.remove(&id) else {

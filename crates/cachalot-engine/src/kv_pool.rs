@@ -247,10 +247,12 @@ impl KvBlockManager {
     }
 
     /// How many tokens after a block its cache rows depend on (0: none; 1 with MTP): keys and
-    /// the compared tokens of a block span `block_size + n` tokens. Set before any block is
-    /// registered.
+    /// the compared tokens of a block span `block_size + n` tokens. A change forgets the blocks
+    /// registered before it.
     pub fn set_prefix_lookahead(&mut self, n: usize) {
-        debug_assert_eq!(self.num_cached_blocks(), 0);
+        if n != self.lookahead && self.num_cached_blocks() > 0 {
+            self.clear_prefix_cache();
+        }
         self.lookahead = n;
     }
     pub fn prefix_lookahead(&self) -> usize {

@@ -499,6 +499,54 @@ fn mtp_with_prefix_caching_equals_each_request_alone() {
     assert!(drafted > 0, "no request drafted");
 }
 
+/// With MTP, a request that ends right after its prompt (one token: as a prefill server's
+/// requests do) still shares its prompt blocks: the MTP catch-up of its last rows runs as it
+/// retires, and a later request with the same start takes them.
+#[test]
+fn mtp_prompt_blocks_are_shared_after_a_one_token_answer() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny");
+    let m = DeepseekV3::load(
+        &dir,
+        LoadOptions {
+            load_mtp: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let cfg = EngineConfig {
+        block_size: 8,
+        num_blocks: 64,
+        batch_size: 4,
+        max_prefill_tokens: 64,
+    };
+    let vocab = Model::vocab_size(&m);
+    let prompt = common::prompts(&[40], vocab).remove(0);
+    let mut longer = prompt.clone();
+    longer.extend(common::prompts(&[5, 5], vocab).remove(1));
+    let mut e = Engine::new(&m, None, cfg).unwrap();
+    e.enable_mtp(1).unwrap();
+    e.enable_prefix_caching().unwrap();
+    e.add_request(greedy_request(&prompt, 1)).unwrap();
+    e.run_to_completion(|_, _| {}).unwrap();
+    e.add_request(greedy_request(&longer, 6)).unwrap();
+    let out = e.run_to_completion(|_, _| {}).unwrap().remove(0);
+    assert!(
+        out.timing.cached_tokens >= 32,
+        "{}",
+        out.timing.cached_tokens
+    );
+    let mut alone = Engine::new(&m, None, cfg).unwrap();
+    alone.enable_mtp(1).unwrap();
+    alone.add_request(greedy_request(&longer, 6)).unwrap();
+    let want = alone.run_to_completion(|_, _| {}).unwrap().remove(0);
+    assert_eq!(out.tokens, want.tokens);
+    assert_eq!(
+        (out.drafted, out.accepted_drafts),
+        (want.drafted, want.accepted_drafts)
+    );
+    e.scheduler().check_invariants().unwrap();
+}
+
 /// `n` prompts for the random-stream tests: each a random start of one of `texts` random texts
 /// (5-44 tokens), so prompts share their first blocks, then up to `tail - 1` tokens of its own.
 fn shared_prompts(

@@ -1790,8 +1790,8 @@ fn flag(body: &Value, key: &'static str) -> Result<bool, ApiError> {
     }
 }
 
-/// OpenAI's `logit_bias`: an object from token ids (as strings, or numbers) to a bias from
-/// −100 to 100 added to that token's logit; sorted by id.
+/// OpenAI's `logit_bias`: an object from token ids (its keys, decimal strings) to a bias from
+/// −100 to 100 added to that token's logit; sorted by id, each id once.
 fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
     let Some(v) = field(body, "logit_bias") else {
         return Ok(Vec::new());
@@ -1830,6 +1830,12 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
         }
     }
     out.sort_unstable_by_key(|&(id, _)| id);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::bad(
+            "logit_bias",
+            format!("token id {} is given twice", w[0].0),
+        ));
+    }
     Ok(out)
 }
 

@@ -365,6 +365,7 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     for bias in [
         json!({"x": 1}),
         json!({"99999999": 1}),
+        json!({"5": 1, "05": 1}),
         json!({"5": 101}),
         json!({"5": "big"}),
         json!([5]),
@@ -843,6 +844,27 @@ fn prefill_and_decode_servers_from_the_seed_yamls() {
     assert_eq!(status, 200, "{h}");
     let log = dec.log.lock().unwrap().join("\n");
     assert!(log.contains("MTP"), "{log}");
+    // With MTP the prefill server's prefix cache still shares a prompt's blocks of 128 (its
+    // requests end after one token: the MTP catch-up of their last prompt rows runs as they
+    // retire), and the answers stay one server's.
+    let doc: String = std::fs::read_to_string(root().join("assets/cachalot-tiny-r1/eval.txt"))
+        .unwrap()
+        .chars()
+        .take(1500)
+        .collect();
+    let before = prefix_hits(&pre.addr);
+    for q in ["\nWho?", "\nWhere?"] {
+        let body = json!({"prompt": format!("{doc}{q}"), "max_tokens": 8, "temperature": 0});
+        let (s1, a) = post(&one.addr, "/v1/completions", &body);
+        let (s2, b) = post(&router.addr, "/v1/completions", &body);
+        assert_eq!((s1, s2), (200, 200), "{a} {b}");
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    }
+    assert!(
+        prefix_hits(&pre.addr) >= before + 128,
+        "{}",
+        prefix_hits(&pre.addr)
+    );
 }
 
 /// Log-probabilities: completions' `logprobs: N` and chat's `logprobs`/`top_logprobs`, whole and

@@ -259,7 +259,9 @@ pub unsafe fn softmax_in_place(x: &mut [f32]) -> (f32, f32) {
     }
     let mut max = hmax(vmax);
     for &v in &x[i..] {
-        max = max.max(v);
+        // One rule on every architecture (`f32::max` leaves ±0 to the target: aarch64's
+        // `fmaxnm` gives +0): NaN never wins, a tie keeps the first.
+        max = if max.is_nan() || v > max { v } else { max };
     }
     let vm = _mm256_set1_ps(max);
     let mut vsum = _mm256_setzero_ps();

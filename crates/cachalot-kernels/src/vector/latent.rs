@@ -1,6 +1,7 @@
 //! The latent-attention kernels (`dot_rows_lanes` for `dot_rows_many`, `axpy_rows_many`)
 //! written once for any f32 vector width: `latent_kernels!` expands them inside `avx2.rs` (8
-//! lanes) and `avx512.rs` (16 lanes). Neither sum depends on the width, so every level gives the scalar twin's bits:
+//! lanes), `avx512.rs` (16 lanes) and `neon.rs` (4 lanes). Neither sum depends on the width, so
+//! every level gives the scalar twin's bits:
 //!
 //! - `dot_rows_many` holds heads in lanes: the queries transposed to column-major
 //!   ([`super::HeadLanes`]), a tile of R latent rows × LANES heads keeps R accumulators, and

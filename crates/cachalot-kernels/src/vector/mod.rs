@@ -167,7 +167,7 @@ pub(crate) fn axpy_rows_at(level: SimdLevel, p: &[f32], x: &[f32], y: &mut [f32]
 /// (H = `out.len() / ls.len()` query rows of d = `q.len() / H` values), each sum one chain of
 /// fused multiply-adds over the columns in order (not [`dot_rows`]' lane order: the SIMD
 /// kernels hold heads in lanes, so every level and width gives the same bits). Attention over a
-/// sequence's cached latent rows: each row value is loaded once for 8 or 16 heads.
+/// sequence's cached latent rows: each row value is loaded once for 4, 8 or 16 heads.
 pub fn dot_rows_many(q: &[f32], ls: &[&[f32]], out: &mut [f32]) {
     dot_rows_many_at(simd_level(), q, ls, out)
 }

@@ -204,7 +204,9 @@ pub fn softmax_in_place(x: &mut [f32]) -> (f32, f32) {
     }
     let mut max = hmax8(vmax);
     for &v in &x[full..] {
-        max = max.max(v);
+        // One rule on every architecture (`f32::max` leaves ±0 to the target: aarch64's
+        // `fmaxnm` gives +0): NaN never wins, a tie keeps the first.
+        max = if max.is_nan() || v > max { v } else { max };
     }
     let mut sum = [0.0f32; LANES];
     for chunk in x[..full].chunks_exact_mut(LANES) {
