@@ -1460,6 +1460,20 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
             respond_json(request, 200, &body);
             return;
         }
+        ("POST", "/tokenize") | ("POST", "/detokenize") => {
+            let answer = read_body(&mut request).and_then(|body| {
+                if path == "/tokenize" {
+                    tokenize(shared, &body)
+                } else {
+                    detokenize(shared, &body)
+                }
+            });
+            match answer {
+                Ok(body) => respond_json(request, 200, &body),
+                Err(e) => respond_json(request, e.status, &e.body()),
+            }
+            return;
+        }
         ("POST", "/v1/completions") | ("POST", "/v1/chat/completions") => {
             read_body(&mut request).and_then(|body| {
                 let boot = bootstrap(shared, &body)?;
@@ -1500,7 +1514,9 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
             | "/stats"
             | "/v1/models"
             | "/v1/completions"
-            | "/v1/chat/completions",
+            | "/v1/chat/completions"
+            | "/tokenize"
+            | "/detokenize",
         ) => Err(ApiError::new(
             405,
             format!("{method} {path}: method not allowed"),
@@ -1509,7 +1525,7 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
             status: 404,
             message: format!(
                 "{path}: no such endpoint (this server has /health, /metrics, /stats, \
-                 /v1/models, /v1/completions and /v1/chat/completions)"
+                 /v1/models, /v1/completions, /v1/chat/completions, /tokenize and /detokenize)"
             ),
             param: None,
         }),
@@ -1518,6 +1534,114 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
         Ok((call, boot)) => run_call(request, shared, call, boot),
         Err(e) => respond_json(request, e.status, &e.body()),
     }
+}
+
+/// vLLM's `POST /tokenize`: `{"prompt": text, "add_special_tokens": bool}` (the prompt's ids
+/// as a completion request would have them: BOS first where the tokenizer config adds it,
+/// unless `add_special_tokens` is false) or `{"messages": [...], "add_generation_prompt":
+/// bool, "chat_template_kwargs": {...}, "tools": [...]}` (the chat template's rendering, as a
+/// chat request's prompt); answers `{"count", "max_model_len", "tokens"}`.
+fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
+    let tok = &shared.tokenizer;
+    let special = match field(body, "add_special_tokens") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(ApiError::bad(
+                "add_special_tokens",
+                format!("expected true or false, got {v}"),
+            ))
+        }
+    };
+    let tokens: Vec<u32> = match (field(body, "prompt"), field(body, "messages")) {
+        (Some(Value::String(s)), None) => {
+            let mut v: Vec<u32> = if special {
+                tok.prompt_bos_id().into_iter().collect()
+            } else {
+                Vec::new()
+            };
+            v.extend(
+                tok.encode(s)
+                    .map_err(|e| ApiError::bad("prompt", e.to_string()))?,
+            );
+            v
+        }
+        (None, Some(messages)) => {
+            check_messages(messages)?;
+            let Some(template) = &shared.template else {
+                return Err(ApiError::bad("messages", shared.template_error.clone()));
+            };
+            let kwargs = match field(body, "chat_template_kwargs") {
+                None => Map::new(),
+                Some(Value::Object(o)) => o.clone(),
+                Some(v) => {
+                    return Err(ApiError::bad(
+                        "chat_template_kwargs",
+                        format!("expected an object, got {v}"),
+                    ))
+                }
+            };
+            let generation = match field(body, "add_generation_prompt") {
+                None => true,
+                Some(Value::Bool(b)) => *b,
+                Some(v) => {
+                    return Err(ApiError::bad(
+                        "add_generation_prompt",
+                        format!("expected true or false, got {v}"),
+                    ))
+                }
+            };
+            let messages = &flatten_text_parts(messages, template);
+            let text = template
+                .render_json(messages, generation, field(body, "tools"), &kwargs)
+                .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?;
+            tok.encode(&text)
+                .map_err(|e| ApiError::bad("messages", e.to_string()))?
+        }
+        (Some(Value::String(_)), Some(_)) => {
+            return Err(ApiError::bad(
+                "messages",
+                "give a prompt or messages, not both",
+            ))
+        }
+        (Some(v), _) => {
+            return Err(ApiError::bad(
+                "prompt",
+                format!("expected a string, got {v}"),
+            ))
+        }
+        (None, None) => {
+            return Err(ApiError::bad(
+                "prompt",
+                "required: a prompt (string) or messages (a chat)",
+            ))
+        }
+    };
+    Ok(json!({"count": tokens.len(), "max_model_len": shared.max_positions, "tokens": tokens}))
+}
+
+/// vLLM's `POST /detokenize`: `{"tokens": [ids]}` → `{"prompt": text}` (special tokens
+/// included, as their text).
+fn detokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
+    let tok = &shared.tokenizer;
+    let vocab = tok.vocab_size();
+    let Some(Value::Array(a)) = field(body, "tokens") else {
+        return Err(ApiError::bad("tokens", "required: a list of token ids"));
+    };
+    let ids = a
+        .iter()
+        .map(|v| match v.as_u64() {
+            Some(x) if (x as usize) < vocab => Ok(x as u32),
+            _ => Err(ApiError::bad(
+                "tokens",
+                format!("{v} is not a token id of the vocabulary ({vocab} ids)"),
+            )),
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    let text = tok
+        .decode(&ids)
+        .map_err(|e| ApiError::bad("tokens", e.to_string()))?;
+    Ok(json!({"prompt": text}))
 }
 
 /// The bootstrap fields the role needs: the prefill role a `bootstrap_room`, the decode role

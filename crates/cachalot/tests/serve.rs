@@ -421,6 +421,53 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
         (400, Some("min_tokens")),
         "{e}"
     );
+
+    // vLLM's /tokenize and /detokenize: the ids a completion or chat request would have.
+    let text = "Once upon a time";
+    let (status, t) = post(addr, "/tokenize", &json!({"prompt": text}));
+    assert_eq!(status, 200, "{t}");
+    let ids: Vec<u32> = serde_json::from_value(t["tokens"].clone()).unwrap();
+    let mut want_ids: Vec<u32> = tok.prompt_bos_id().into_iter().collect();
+    want_ids.extend(tok.encode(text).unwrap());
+    assert_eq!(ids, want_ids);
+    assert_eq!(t["count"], ids.len());
+    assert_eq!(t["max_model_len"], models["data"][0]["max_model_len"]);
+    let (_, bare) = post(
+        addr,
+        "/tokenize",
+        &json!({"prompt": text, "add_special_tokens": false}),
+    );
+    assert_eq!(bare["tokens"], json!(tok.encode(text).unwrap()));
+    let (status, d) = post(addr, "/detokenize", &json!({"tokens": bare["tokens"]}));
+    assert_eq!((status, d["prompt"].as_str()), (200, Some(text)), "{d}");
+    let messages = json!([{"role": "user", "content": "Tell me about whales."}]);
+    let (status, chat) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    let (_, t) = post(addr, "/tokenize", &json!({"messages": messages}));
+    assert_eq!(t["count"], chat["usage"]["prompt_tokens"], "{t}");
+    for (path, body, param) in [
+        ("/tokenize", json!({}), "prompt"),
+        ("/tokenize", json!({"prompt": 5}), "prompt"),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "messages": messages}),
+            "messages",
+        ),
+        ("/detokenize", json!({"tokens": [99999999]}), "tokens"),
+        ("/detokenize", json!({"tokens": "x"}), "tokens"),
+    ] {
+        let (status, e) = post(addr, path, &body);
+        assert_eq!(
+            (status, e["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{path} {body}: {e}"
+        );
+    }
+    assert_eq!(http(addr, "GET", "/tokenize", "").0, 405);
 }
 
 fn whole_text(tok: &cachalot_model::tokenizer::Tokenizer, ids: &[u32]) -> String {
