@@ -712,6 +712,8 @@ pub struct Engine<'t, M: Model> {
     /// Prefilled requests waiting for a batch slot and blocks, with their KV rows per layer
     /// ([`Engine::add_prefilled`]), oldest first.
     imports: VecDeque<(u64, Vec<Vec<u8>>)>,
+    /// An error met while retiring a request (its MTP catch-up), returned when the step ends.
+    deferred_error: Option<EngineError>,
     /// Every token's bytes, for JSON mode (made when a request first asks for it; empty for
     /// special tokens, which JSON text never holds), and which of them any plain string takes.
     token_bytes: Option<Vec<Vec<u8>>>,
@@ -764,6 +766,7 @@ impl<'t, M: Model> Engine<'t, M> {
             next_n: 0,
             exporting: HashSet::new(),
             imports: VecDeque::new(),
+            deferred_error: None,
             token_bytes: None,
             string_safe: Vec::new(),
             special_bytes: HashMap::new(),
@@ -1237,7 +1240,12 @@ impl<'t, M: Model> Engine<'t, M> {
     /// Runs one step. A step with nothing to do (no request) returns an empty report. After a
     /// step that fails, no block computed before it is shared any more (prefix caching).
     pub fn step(&mut self) -> Result<StepReport, EngineError> {
-        let r = self.step_inner();
+        let r = self
+            .step_inner()
+            .and_then(|report| match self.deferred_error.take() {
+                Some(e) => Err(e),
+                None => Ok(report),
+            });
         if r.is_err() {
             self.scheduler.poison_prefix_cache();
         }
@@ -1390,15 +1398,21 @@ impl<'t, M: Model> Engine<'t, M> {
                     // min_tokens: no stop token before that many generated tokens.
                     let generated = live.tokens.len() - live.prompt_len;
                     let stops = &live.stop.stop_token_ids;
+                    // Where nothing but a stop token may follow (a JSON answer complete), it
+                    // yields: the answer ends as it would without it.
                     let masked =
                         if generated < live.sampler.params().min_tokens && !stops.is_empty() {
-                            let mut r = masked.unwrap_or_else(|| row.to_vec());
+                            let mut r = masked.as_deref().unwrap_or(row).to_vec();
                             for &t in stops {
                                 if let Some(x) = r.get_mut(t as usize) {
                                     *x = f32::NEG_INFINITY;
                                 }
                             }
-                            Some(r)
+                            if r.iter().any(|x| x.is_finite()) {
+                                Some(r)
+                            } else {
+                                masked
+                            }
                         } else {
                             masked
                         };
@@ -1739,20 +1753,35 @@ impl<'t, M: Model> Engine<'t, M> {
 
     /// With MTP and prefix caching: a request that ends before the MTP catch-up of its last
     /// prompt rows (a prefill server's request, which exports them; an answer of one token)
-    /// runs it now, so its last prompt blocks can be shared too. A forward that fails leaves
-    /// them unshared (its rows are the request's own, and it is ending).
-    fn catch_up_prompt_rows(&mut self, id: u64) {
+    /// runs it now, up to its last whole prompt block, so those blocks can be shared too (its
+    /// time counts as prefill). The error of a forward that fails ends the step.
+    fn catch_up_prompt_rows(&mut self, id: u64) -> Result<(), EngineError> {
         if self.next_n == 0 || self.scheduler.kv().prefix_lookahead() == 0 {
-            return;
+            return Ok(());
         }
         let Some(live) = self.live.get(&id) else {
-            return;
+            return Ok(());
         };
-        let Some(p) = &live.mtp_pending else { return };
-        let end = (p.first + p.rows).min(live.prompt_len);
+        let Some(p) = &live.mtp_pending else {
+            return Ok(());
+        };
+        let bs = self.scheduler.kv().block_size();
+        let end = (p.first + p.rows).min(live.prompt_len / bs * bs);
         if p.first >= end || live.tokens.len() <= end {
-            return;
+            return Ok(());
         }
+        // The scheduler's list lacks the token sampled in the step that ended the request
+        // (the key of a block ending at the prompt's end takes it).
+        let known = self.scheduler.num_known_tokens(id);
+        if known < live.tokens.len() {
+            let missing = live.tokens[known..].to_vec();
+            self.scheduler.append_token_ids(id, &missing);
+        }
+        let t0 = Instant::now();
+        let live = &self.live[&id];
+        let Some(p) = &live.mtp_pending else {
+            return Ok(());
+        };
         let h = p.hidden.len() / p.rows;
         let prev = p.hidden[..(end - p.first) * h].to_vec();
         let mut batch = Batch::default();
@@ -1764,13 +1793,10 @@ impl<'t, M: Model> Engine<'t, M> {
         );
         batch.mark_prefill();
         let first = p.first;
-        if self
-            .model
-            .mtp_forward(0, &batch, &prev, &mut self.cache)
-            .is_ok()
-        {
-            self.scheduler.mtp_computed(id, first, end);
-        }
+        self.model.mtp_forward(0, &batch, &prev, &mut self.cache)?;
+        self.scheduler.mtp_computed(id, first, end);
+        self.stats.prefill_step_s += t0.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// Moves a request out of the scheduler (freeing its blocks) into the finished list.
@@ -1782,7 +1808,9 @@ impl<'t, M: Model> Engine<'t, M> {
             None
         };
         if finish != FinishReason::Cancelled {
-            self.catch_up_prompt_rows(id);
+            if let Err(e) = self.catch_up_prompt_rows(id) {
+                self.deferred_error.get_or_insert(e);
+            }
         }
         self.scheduler.finish(id);
         self.imports.retain(|(i, _)| *i != id);

@@ -73,8 +73,12 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// vLLM's `min_tokens`: before this many generated tokens no stop token is drawn (the
     /// engine masks them) and no stop string ends the answer. 0 = off.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub min_tokens: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl Default for SamplingParams {

@@ -442,6 +442,11 @@ impl Scheduler {
     }
 
     /// Tokens of `id` whose KV is in the cache (0 for unknown ids).
+    /// Tokens of `id` known to the scheduler (0 for an unknown id).
+    pub fn num_known_tokens(&self, id: u64) -> usize {
+        self.seqs.get(&id).map_or(0, |s| s.num_tokens)
+    }
+
     pub fn num_computed(&self, id: u64) -> usize {
         self.seqs.get(&id).map_or(0, |s| s.num_computed)
     }

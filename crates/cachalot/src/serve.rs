@@ -1539,12 +1539,24 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
 /// vLLM's `POST /tokenize`: `{"prompt": text, "add_special_tokens": bool}` (the prompt's ids
 /// as a completion request would have them: BOS first where the tokenizer config adds it,
 /// unless `add_special_tokens` is false) or `{"messages": [...], "add_generation_prompt":
-/// bool, "chat_template_kwargs": {...}, "tools": [...]}` (the chat template's rendering, as a
-/// chat request's prompt); answers `{"count", "max_model_len", "tokens"}`.
+/// bool, "chat_template_kwargs": {...}, "tools": [...], "tool_choice": ...}` (the chat
+/// template's rendering, as a chat request's prompt; `add_special_tokens` defaults to false
+/// there, as in vLLM, and true puts a BOS before it); answers `{"count", "max_model_len",
+/// "tokens"}`.
 fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
     let tok = &shared.tokenizer;
+    if let Some(m) = field(body, "model") {
+        if m.as_str() != Some(shared.name.as_str()) {
+            return Err(ApiError {
+                status: 404,
+                message: format!("model {m}: this server serves {:?}", shared.name),
+                param: Some("model"),
+            });
+        }
+    }
+    let chat = field(body, "messages").is_some();
     let special = match field(body, "add_special_tokens") {
-        None => true,
+        None => !chat,
         Some(Value::Bool(b)) => *b,
         Some(v) => {
             return Err(ApiError::bad(
@@ -1591,12 +1603,28 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
                     ))
                 }
             };
+            let mut tools = field(body, "tools");
+            if let Some(problem) = tools.and_then(crate::text::tools_problem) {
+                return Err(ApiError::bad("tools", problem));
+            }
+            // As the chat endpoint: with `tool_choice: "none"` the tools are not shown.
+            if field(body, "tool_choice").and_then(Value::as_str) == Some("none") {
+                tools = None;
+            }
             let messages = &flatten_text_parts(messages, template);
             let text = template
-                .render_json(messages, generation, field(body, "tools"), &kwargs)
+                .render_json(messages, generation, tools, &kwargs)
                 .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?;
-            tok.encode(&text)
-                .map_err(|e| ApiError::bad("messages", e.to_string()))?
+            let mut v: Vec<u32> = if special {
+                tok.prompt_bos_id().into_iter().collect()
+            } else {
+                Vec::new()
+            };
+            v.extend(
+                tok.encode(&text)
+                    .map_err(|e| ApiError::bad("messages", e.to_string()))?,
+            );
+            v
         }
         (Some(Value::String(_)), Some(_)) => {
             return Err(ApiError::bad(

@@ -1542,6 +1542,21 @@ fn serve_json_mode() {
             assert!(o.is_object());
         }
     }
+    // min_tokens yields where only a stop token may follow (the value closed): the same
+    // answer and finish as without it.
+    let schema = json!({"type": "boolean"});
+    for seed in 0..2 {
+        let body = json!({"prompt": "The whale", "max_tokens": 60, "temperature": 0.8,
+            "seed": seed, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema}}});
+        let (_, a) = post(addr, "/v1/completions", &body);
+        let mut held = body.clone();
+        held["min_tokens"] = 50.into();
+        let (status, b) = post(addr, "/v1/completions", &held);
+        assert_eq!(status, 200, "{b}");
+        assert_eq!(a["choices"][0]["finish_reason"], "stop", "{a}");
+        assert_eq!(a["choices"], b["choices"]);
+    }
     // Structured output: the answer is a value the schema accepts (or cut off by max_tokens).
     let schemas = [
         json!({"type": "array", "items": {"type": "boolean"}, "maxItems": 3}),
