@@ -712,8 +712,6 @@ pub struct Engine<'t, M: Model> {
     /// Prefilled requests waiting for a batch slot and blocks, with their KV rows per layer
     /// ([`Engine::add_prefilled`]), oldest first.
     imports: VecDeque<(u64, Vec<Vec<u8>>)>,
-    /// An error met while retiring a request (its MTP catch-up), returned when the step ends.
-    deferred_error: Option<EngineError>,
     /// Every token's bytes, for JSON mode (made when a request first asks for it; empty for
     /// special tokens, which JSON text never holds), and which of them any plain string takes.
     token_bytes: Option<Vec<Vec<u8>>>,
@@ -766,7 +764,6 @@ impl<'t, M: Model> Engine<'t, M> {
             next_n: 0,
             exporting: HashSet::new(),
             imports: VecDeque::new(),
-            deferred_error: None,
             token_bytes: None,
             string_safe: Vec::new(),
             special_bytes: HashMap::new(),
@@ -1240,12 +1237,7 @@ impl<'t, M: Model> Engine<'t, M> {
     /// Runs one step. A step with nothing to do (no request) returns an empty report. After a
     /// step that fails, no block computed before it is shared any more (prefix caching).
     pub fn step(&mut self) -> Result<StepReport, EngineError> {
-        let r = self
-            .step_inner()
-            .and_then(|report| match self.deferred_error.take() {
-                Some(e) => Err(e),
-                None => Ok(report),
-            });
+        let r = self.step_inner();
         if r.is_err() {
             self.scheduler.poison_prefix_cache();
         }
@@ -1343,6 +1335,8 @@ impl<'t, M: Model> Engine<'t, M> {
         let vocab = self.model.vocab_size();
         let sampled_at = Instant::now();
         let mut rows = logits.chunks_exact(vocab);
+        // Requests that end this step, retired after the loop.
+        let mut ended: Vec<(u64, FinishReason)> = Vec::new();
         let short =
             || EngineError::Request("the model returned fewer logits rows than asked".into());
         for (n, it) in plan.items.iter().enumerate() {
@@ -1473,8 +1467,19 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.keep_hidden(it.id, it.start, valid, &batch, n, h);
             }
             if let Some(reason) = ends {
-                self.retire(it.id, reason);
+                ended.push((it.id, reason));
             }
+        }
+        // Requests that end retire together, after one MTP catch-up of the prompt rows they
+        // would otherwise leave unshared.
+        let catch_up: Vec<u64> = ended
+            .iter()
+            .filter(|(_, r)| *r != FinishReason::Cancelled)
+            .map(|&(id, _)| id)
+            .collect();
+        self.catch_up_prompt_rows(&catch_up)?;
+        for (id, reason) in ended {
+            self.retire(id, reason);
         }
         report.kv_used_blocks = self.scheduler.kv().pool().num_used();
         let s = &mut self.stats;
@@ -1751,50 +1756,55 @@ impl<'t, M: Model> Engine<'t, M> {
         Ok(finish)
     }
 
-    /// With MTP and prefix caching: a request that ends before the MTP catch-up of its last
-    /// prompt rows (a prefill server's request, which exports them; an answer of one token)
-    /// runs it now, up to its last whole prompt block, so those blocks can be shared too (its
-    /// time counts as prefill). The error of a forward that fails ends the step.
-    fn catch_up_prompt_rows(&mut self, id: u64) -> Result<(), EngineError> {
-        if self.next_n == 0 || self.scheduler.kv().prefix_lookahead() == 0 {
+    /// With MTP and prefix caching: requests that end before the MTP catch-up of their last
+    /// prompt rows (a prefill server's requests, which export them; answers of one token) run
+    /// it now, in one forward, up to their last whole prompt block, so those blocks can be
+    /// shared too (its time counts as prefill). Call before they retire.
+    fn catch_up_prompt_rows(&mut self, ids: &[u64]) -> Result<(), EngineError> {
+        if ids.is_empty() || self.next_n == 0 || self.scheduler.kv().prefix_lookahead() == 0 {
             return Ok(());
-        }
-        let Some(live) = self.live.get(&id) else {
-            return Ok(());
-        };
-        let Some(p) = &live.mtp_pending else {
-            return Ok(());
-        };
-        let bs = self.scheduler.kv().block_size();
-        let end = (p.first + p.rows).min(live.prompt_len / bs * bs);
-        if p.first >= end || live.tokens.len() <= end {
-            return Ok(());
-        }
-        // The scheduler's list lacks the token sampled in the step that ended the request
-        // (the key of a block ending at the prompt's end takes it).
-        let known = self.scheduler.num_known_tokens(id);
-        if known < live.tokens.len() {
-            let missing = live.tokens[known..].to_vec();
-            self.scheduler.append_token_ids(id, &missing);
         }
         let t0 = Instant::now();
-        let live = &self.live[&id];
-        let Some(p) = &live.mtp_pending else {
-            return Ok(());
-        };
-        let h = p.hidden.len() / p.rows;
-        let prev = p.hidden[..(end - p.first) * h].to_vec();
+        let bs = self.scheduler.kv().block_size();
         let mut batch = Batch::default();
-        batch.push_seq(
-            &live.tokens[p.first + 1..end + 1],
-            p.first,
-            self.scheduler.block_table(id).to_vec(),
-            LogitsWanted::None,
-        );
-        batch.mark_prefill();
-        let first = p.first;
+        let mut prev = Vec::new();
+        let mut caught = Vec::new();
+        for &id in ids {
+            let Some(live) = self.live.get(&id) else {
+                continue;
+            };
+            let Some(p) = &live.mtp_pending else {
+                continue;
+            };
+            let end = (p.first + p.rows).min(live.prompt_len / bs * bs);
+            if p.first >= end || live.tokens.len() <= end {
+                continue;
+            }
+            let h = p.hidden.len() / p.rows;
+            batch.push_seq(
+                &live.tokens[p.first + 1..end + 1],
+                p.first,
+                self.scheduler.block_table(id).to_vec(),
+                LogitsWanted::None,
+            );
+            batch.mark_prefill();
+            prev.extend_from_slice(&p.hidden[..(end - p.first) * h]);
+            caught.push((id, p.first, end, live.tokens.len()));
+        }
+        if caught.is_empty() {
+            return Ok(());
+        }
         self.model.mtp_forward(0, &batch, &prev, &mut self.cache)?;
-        self.scheduler.mtp_computed(id, first, end);
+        for (id, first, end, len) in caught {
+            // The scheduler's list lacks the token sampled in the step that ended the request
+            // (the key of a block ending at the prompt's end takes it).
+            let known = self.scheduler.num_known_tokens(id);
+            if known < len {
+                let missing = self.live[&id].tokens[known..].to_vec();
+                self.scheduler.append_token_ids(id, &missing);
+            }
+            self.scheduler.mtp_computed(id, first, end);
+        }
         self.stats.prefill_step_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
@@ -1807,11 +1817,6 @@ impl<'t, M: Model> Engine<'t, M> {
         } else {
             None
         };
-        if finish != FinishReason::Cancelled {
-            if let Err(e) = self.catch_up_prompt_rows(id) {
-                self.deferred_error.get_or_insert(e);
-            }
-        }
         self.scheduler.finish(id);
         self.imports.retain(|(i, _)| *i != id);
         let Some(mut live) = self.live.remove(&id) else {
