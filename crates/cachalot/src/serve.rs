@@ -1579,20 +1579,7 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
             v
         }
         (None, Some(messages)) => {
-            check_messages(messages)?;
-            let Some(template) = &shared.template else {
-                return Err(ApiError::bad("messages", shared.template_error.clone()));
-            };
-            let kwargs = match field(body, "chat_template_kwargs") {
-                None => Map::new(),
-                Some(Value::Object(o)) => o.clone(),
-                Some(v) => {
-                    return Err(ApiError::bad(
-                        "chat_template_kwargs",
-                        format!("expected an object, got {v}"),
-                    ))
-                }
-            };
+            let (template, kwargs) = chat_setup(shared, body, messages)?;
             let generation = match field(body, "add_generation_prompt") {
                 None => true,
                 Some(Value::Bool(b)) => *b,
@@ -1646,6 +1633,30 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
         }
     };
     Ok(json!({"count": tokens.len(), "max_model_len": shared.max_positions, "tokens": tokens}))
+}
+
+/// A chat request's checked messages, the server's template and the request's
+/// `chat_template_kwargs`.
+fn chat_setup<'s>(
+    shared: &'s Shared,
+    body: &Value,
+    messages: &Value,
+) -> Result<(&'s ChatTemplate, Map<String, Value>), ApiError> {
+    check_messages(messages)?;
+    let Some(template) = &shared.template else {
+        return Err(ApiError::bad("messages", shared.template_error.clone()));
+    };
+    let kwargs = match field(body, "chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(o)) => o.clone(),
+        Some(v) => {
+            return Err(ApiError::bad(
+                "chat_template_kwargs",
+                format!("expected an object, got {v}"),
+            ))
+        }
+    };
+    Ok((template, kwargs))
 }
 
 /// vLLM's `POST /detokenize`: `{"tokens": [ids]}` → `{"prompt": text}` (special tokens
@@ -2150,20 +2161,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 "required: a list of {\"role\", \"content\"}",
             ));
         };
-        check_messages(messages)?;
-        let Some(template) = &shared.template else {
-            return Err(ApiError::bad("messages", shared.template_error.clone()));
-        };
-        let kwargs = match field(body, "chat_template_kwargs") {
-            None => Map::new(),
-            Some(Value::Object(o)) => o.clone(),
-            Some(v) => {
-                return Err(ApiError::bad(
-                    "chat_template_kwargs",
-                    format!("expected an object, got {v}"),
-                ))
-            }
-        };
+        let (template, kwargs) = chat_setup(shared, body, messages)?;
         let messages = &flatten_text_parts(messages, template);
         let text = match &forced {
             None => template
