@@ -1449,14 +1449,14 @@ impl<'t, M: Model> Engine<'t, M> {
                     self.stats.verify_steps += 1;
                 }
                 valid += accepted;
-                if !finished {
-                    if it.drafts > 0 {
-                        self.scheduler.accept_drafts(it.id, accepted);
-                    }
-                    let live = &self.live[&it.id];
-                    let new = &live.tokens[live.tokens.len() - (accepted + 1)..];
-                    self.scheduler.append_token_ids(it.id, new);
+                if !finished && it.drafts > 0 {
+                    self.scheduler.accept_drafts(it.id, accepted);
                 }
+                // The step's tokens, also of a request that ends (its last block's key may
+                // take the token after it, prefix caching with MTP).
+                let known = self.scheduler.num_known_tokens(it.id);
+                self.scheduler
+                    .append_token_ids(it.id, &self.live[&it.id].tokens[known..]);
             }
             // A request that ends keeps them only to hand them over with its KV, or for the
             // MTP catch-up of its last prompt rows as it retires (prefix caching).
@@ -1789,20 +1789,13 @@ impl<'t, M: Model> Engine<'t, M> {
             );
             batch.mark_prefill();
             prev.extend_from_slice(&p.hidden[..(end - p.first) * h]);
-            caught.push((id, p.first, end, live.tokens.len()));
+            caught.push((id, p.first, end));
         }
         if caught.is_empty() {
             return Ok(());
         }
         self.model.mtp_forward(0, &batch, &prev, &mut self.cache)?;
-        for (id, first, end, len) in caught {
-            // The scheduler's list lacks the token sampled in the step that ended the request
-            // (the key of a block ending at the prompt's end takes it).
-            let known = self.scheduler.num_known_tokens(id);
-            if known < len {
-                let missing = self.live[&id].tokens[known..].to_vec();
-                self.scheduler.append_token_ids(id, &missing);
-            }
+        for (id, first, end) in caught {
             self.scheduler.mtp_computed(id, first, end);
         }
         self.stats.prefill_step_s += t0.elapsed().as_secs_f64();

@@ -1545,15 +1545,7 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
 /// "tokens"}`.
 fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
     let tok = &shared.tokenizer;
-    if let Some(m) = field(body, "model") {
-        if m.as_str() != Some(shared.name.as_str()) {
-            return Err(ApiError {
-                status: 404,
-                message: format!("model {m}: this server serves {:?}", shared.name),
-                param: Some("model"),
-            });
-        }
-    }
+    check_model(shared, body)?;
     let chat = field(body, "messages").is_some();
     let special = match field(body, "add_special_tokens") {
         None => !chat,
@@ -1566,18 +1558,7 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
         }
     };
     let tokens: Vec<u32> = match (field(body, "prompt"), field(body, "messages")) {
-        (Some(Value::String(s)), None) => {
-            let mut v: Vec<u32> = if special {
-                tok.prompt_bos_id().into_iter().collect()
-            } else {
-                Vec::new()
-            };
-            v.extend(
-                tok.encode(s)
-                    .map_err(|e| ApiError::bad("prompt", e.to_string()))?,
-            );
-            v
-        }
+        (Some(Value::String(s)), None) => encode_with_bos(tok, s, special, "prompt")?,
         (None, Some(messages)) => {
             let (template, kwargs) = chat_setup(shared, body, messages)?;
             let generation = match field(body, "add_generation_prompt") {
@@ -1602,16 +1583,7 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
             let text = template
                 .render_json(messages, generation, tools, &kwargs)
                 .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?;
-            let mut v: Vec<u32> = if special {
-                tok.prompt_bos_id().into_iter().collect()
-            } else {
-                Vec::new()
-            };
-            v.extend(
-                tok.encode(&text)
-                    .map_err(|e| ApiError::bad("messages", e.to_string()))?,
-            );
-            v
+            encode_with_bos(tok, &text, special, "messages")?
         }
         (Some(Value::String(_)), Some(_)) => {
             return Err(ApiError::bad(
@@ -1633,6 +1605,37 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
         }
     };
     Ok(json!({"count": tokens.len(), "max_model_len": shared.max_positions, "tokens": tokens}))
+}
+
+/// `text`'s ids, after the tokenizer config's BOS when `bos` (errors name `param`).
+fn encode_with_bos(
+    tok: &Tokenizer,
+    text: &str,
+    bos: bool,
+    param: &'static str,
+) -> Result<Vec<u32>, ApiError> {
+    let mut v: Vec<u32> = if bos {
+        tok.prompt_bos_id().into_iter().collect()
+    } else {
+        Vec::new()
+    };
+    v.extend(
+        tok.encode(text)
+            .map_err(|e| ApiError::bad(param, e.to_string()))?,
+    );
+    Ok(v)
+}
+
+/// A request's `model`, when given, must be this server's (404 otherwise, as OpenAI's).
+fn check_model(shared: &Shared, body: &Value) -> Result<(), ApiError> {
+    match field(body, "model") {
+        Some(m) if m.as_str() != Some(shared.name.as_str()) => Err(ApiError {
+            status: 404,
+            message: format!("model {m}: this server serves {:?}", shared.name),
+            param: Some("model"),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// A chat request's checked messages, the server's template and the request's
@@ -2004,15 +2007,7 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
 
 /// Reads a completion or chat request: its prompt (tokenized), sampling and stop fields.
 fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> {
-    if let Some(m) = field(body, "model") {
-        if m.as_str() != Some(shared.name.as_str()) {
-            return Err(ApiError {
-                status: 404,
-                message: format!("model {m}: this server serves {:?}", shared.name),
-                param: Some("model"),
-            });
-        }
-    }
+    check_model(shared, body)?;
     for (key, unsupported) in [
         ("best_of", "best_of is not supported"),
         ("suffix", "suffix is not supported"),
@@ -2744,12 +2739,7 @@ fn completion_prompts(tok: &Tokenizer, body: &Value) -> Result<Vec<(Vec<u32>, St
             .collect()
     };
     let text = |s: &str| -> Result<(Vec<u32>, String), ApiError> {
-        let mut v: Vec<u32> = tok.prompt_bos_id().into_iter().collect();
-        v.extend(
-            tok.encode(s)
-                .map_err(|e| ApiError::bad("prompt", e.to_string()))?,
-        );
-        Ok((v, s.to_string()))
+        Ok((encode_with_bos(tok, s, true, "prompt")?, s.to_string()))
     };
     let with_text = |v: Vec<u32>| {
         let t = tok.decode(&v).unwrap_or_default();

@@ -171,6 +171,26 @@ unsafe fn write<const R: usize, const NT: usize>(
     }
 }
 
+/// Rows `rows` × all tokens through the level's `tile::<R, NT>` in AVX2's tiles: 4 rows × 1
+/// token, 2 × 2, then one row at a time.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! avx2_tiles {
+    ($tile:ident, $w:expr, $rows:expr, $xb:expr, $n_tokens:expr, $out:expr) => {{
+        let (w, xb, out) = ($w, $xb, $out);
+        let r_of = |nt: usize| [4, 2, 1, 1][nt - 1];
+        drive(w.cols, $rows, $n_tokens, r_of, |r, big, t0, nt| {
+            // SAFETY: the tile's rows and tokens exist and are this task's (from `drive`).
+            unsafe {
+                match (big, nt) {
+                    (4, _) => write(out, r, t0, &$tile::<4, 1>(w, r, xb, t0)),
+                    (2, _) => write(out, r, t0, &$tile::<2, 2>(w, r, xb, t0)),
+                    _ => one_row!($tile, w, xb, out, r, t0, nt),
+                }
+            }
+        })
+    }};
+}
+
 /// A one-row tile of `nt` (1..=4) tokens through the level's `tile` function.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 macro_rules! one_row {
@@ -207,18 +227,8 @@ pub(crate) mod avx2 {
         n_tokens: usize,
         out: &OutRows,
     ) {
-        // Two 8-lane accumulators per (row, token): 4×1, 2×2, then one row at a time.
-        let r_of = |nt: usize| [4, 2, 1, 1][nt - 1];
-        drive(w.cols, rows, n_tokens, r_of, |r, big, t0, nt| {
-            // SAFETY: the tile's rows and tokens exist and are this task's (from `drive`).
-            unsafe {
-                match (big, nt) {
-                    (4, _) => write(out, r, t0, &tile::<4, 1>(w, r, xb, t0)),
-                    (2, _) => write(out, r, t0, &tile::<2, 2>(w, r, xb, t0)),
-                    _ => one_row!(tile, w, xb, out, r, t0, nt),
-                }
-            }
-        })
+        // Two 8-lane accumulators per (row, token).
+        avx2_tiles!(tile, w, rows, xb, n_tokens, out)
     }
 
     /// (odd, even) elements of the 8 bf16 pairs at `p` as f32 lanes.
@@ -328,18 +338,8 @@ pub(crate) mod neon {
         n_tokens: usize,
         out: &OutRows,
     ) {
-        // AVX2's tiles: 4×1, 2×2, then one row at a time (four accumulators per pair).
-        let r_of = |nt: usize| [4, 2, 1, 1][nt - 1];
-        drive(w.cols, rows, n_tokens, r_of, |r, big, t0, nt| {
-            // SAFETY: the tile's rows and tokens exist and are this task's (from `drive`).
-            unsafe {
-                match (big, nt) {
-                    (4, _) => write(out, r, t0, &tile::<4, 1>(w, r, xb, t0)),
-                    (2, _) => write(out, r, t0, &tile::<2, 2>(w, r, xb, t0)),
-                    _ => one_row!(tile, w, xb, out, r, t0, nt),
-                }
-            }
-        })
+        // Four 4-lane accumulators per (row, token).
+        avx2_tiles!(tile, w, rows, xb, n_tokens, out)
     }
 
     /// (odd, even) elements of the 4 bf16 pairs at `p` as f32 lanes.
