@@ -1,7 +1,7 @@
 //! The parallel runtime's collectives: the [`Communicator`] trait the engine and the model call
 //! for anything that crosses ranks, a single-process backend where every collective is the
 //! identity ([`SingleProcess`]), a TCP backend for several processes on one or more hosts
-//! ([`TcpComm`]), and a shared-memory one for the processes of one host (`ShmComm`, Linux). An MPI backend is another implementation of the same trait (DESIGN.md, "Ranks").
+//! ([`TcpComm`]), and a shared-memory one for the processes of one host (`ShmComm`, Linux). With the cargo feature `mpi`, an MPI one for processes started by `mpirun` (`mpi.rs`).
 //!
 //! Spec: `executor.md` §1 (parallel sizes: `world_size`, data-parallel request shards) and §3
 //! (offline runs report tokens/s per rank); `deepseek-v3-r1-kimi-k2.md` §2.4 (the expert split).
@@ -32,6 +32,50 @@ pub use shm::{share_memory, ShmComm};
 #[cfg(not(target_os = "linux"))]
 pub fn share_memory(tcp: TcpComm, _want: bool) -> CommResult<Arc<dyn Communicator>> {
     Ok(Arc::new(tcp))
+}
+
+#[cfg(feature = "mpi")]
+pub mod mpi;
+
+/// Whether this binary has the MPI backend (cargo feature `mpi`).
+pub const MPI_BUILT: bool = cfg!(feature = "mpi");
+
+/// Whether an MPI launcher started this process (`mpirun`/`mpiexec` of Open MPI or MPICH, or a
+/// PMI/PMIx launcher such as Slurm's `srun`), with the world size it gave when it says one.
+pub fn mpi_launch() -> Option<Option<usize>> {
+    let size = |var: &str| std::env::var(var).ok().and_then(|v| v.trim().parse().ok());
+    for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"] {
+        if std::env::var_os(var).is_some() {
+            return Some(size(var));
+        }
+    }
+    std::env::var_os("PMIX_RANK").map(|_| None)
+}
+
+/// Joins the MPI job this process belongs to: the world group and the number of its ranks on
+/// this host. Without the `mpi` feature, an error that says how to get it.
+pub fn mpi_world() -> CommResult<(Arc<dyn Communicator>, usize)> {
+    #[cfg(feature = "mpi")]
+    {
+        let w = mpi::world()?;
+        let host = w.host_ranks();
+        Ok((w, host))
+    }
+    #[cfg(not(feature = "mpi"))]
+    Err(CommError(
+        "this cachalot was built without MPI: build it with `cargo build --release --features \
+         mpi` (needs an MPI, e.g. Debian's libopenmpi-dev and openmpi-bin), or start the ranks \
+         with --ranks N on one host or --rank R --world-size N --master HOST:PORT on several"
+            .into(),
+    ))
+}
+
+/// Ends MPI where [`mpi_world`] started it (see [`mpi::finish`]); nothing otherwise.
+pub fn mpi_finish(ok: bool) {
+    #[cfg(feature = "mpi")]
+    mpi::finish(ok);
+    #[cfg(not(feature = "mpi"))]
+    let _ = ok;
 }
 
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -110,12 +154,7 @@ pub trait Communicator: Send + Sync {
     /// each part only where it goes.
     fn all_to_all(&self, parts: &[Vec<u8>]) -> CommResult<Vec<Vec<u8>>> {
         let n = self.world_size();
-        if parts.len() != n {
-            return Err(CommError(format!(
-                "all_to_all: {} parts for a group of {n} ranks (one per rank)",
-                parts.len()
-            )));
-        }
+        check_parts(parts, n)?;
         let me = self.rank();
         let gathered = self.all_gather(&pack(parts))?;
         gathered
@@ -131,6 +170,18 @@ pub trait Communicator: Send + Sync {
                 Ok(theirs.swap_remove(me))
             })
             .collect()
+    }
+}
+
+/// An all-to-all's parts must be one per rank of a group of `n`.
+pub(crate) fn check_parts(parts: &[Vec<u8>], n: usize) -> CommResult<()> {
+    if parts.len() == n {
+        Ok(())
+    } else {
+        Err(CommError(format!(
+            "all_to_all: {} parts for a group of {n} ranks (one per rank)",
+            parts.len()
+        )))
     }
 }
 
@@ -853,12 +904,7 @@ impl Communicator for TcpComm {
     /// Through rank 0, which forwards to each rank only the parts addressed to it.
     fn all_to_all(&self, parts: &[Vec<u8>]) -> CommResult<Vec<Vec<u8>>> {
         let n = self.world_size;
-        if parts.len() != n {
-            return Err(CommError(format!(
-                "all_to_all: {} parts for a group of {n} ranks (one per rank)",
-                parts.len()
-            )));
-        }
+        check_parts(parts, n)?;
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(conns) = self.direct(&mut peers, &mut links) {

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::{CommError, CommResult, Communicator, TcpComm};
+use crate::{check_parts, CommError, CommResult, Communicator, TcpComm};
 
 /// Payload bytes per slot: a decode step's activations fit many times over (16 tokens × 7168
 /// f32 are 459 KB); larger payloads take several calls. A group of N ranks holds 2·N slots of
@@ -142,12 +142,7 @@ impl Communicator for ShmComm {
     /// Each rank publishes its packed parts; each reads only its own part of the others'.
     fn all_to_all(&self, parts: &[Vec<u8>]) -> CommResult<Vec<Vec<u8>>> {
         let (me, n) = (self.rank(), self.world_size());
-        if parts.len() != n {
-            return Err(CommError(format!(
-                "all_to_all: {} parts for a group of {n} ranks (one per rank)",
-                parts.len()
-            )));
-        }
+        check_parts(parts, n)?;
         let read = |r: usize, b: &[u8]| {
             crate::packed_part(b, n, me)
                 .map(<[u8]>::to_vec)

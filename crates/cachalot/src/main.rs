@@ -311,8 +311,13 @@ fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
 
 fn main() {
     tune_allocator();
-    if let Err(e) = run() {
+    let result = run();
+    if let Err(e) = &result {
         say!("error: {e:#}");
+    }
+    // Under MPI: finalize, or abort the job so no rank waits for this one.
+    cachalot_engine::comm::mpi_finish(result.is_ok());
+    if result.is_err() {
         std::process::exit(1);
     }
 }
@@ -334,7 +339,12 @@ fn tune_allocator() {
 }
 
 fn run() -> Result<()> {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    match &mut cli.command {
+        Command::Run(a) => a.group.join_mpi()?,
+        Command::Serve(a) => a.group_mut().join_mpi()?,
+        _ => {}
+    }
     let threads = match &cli.command {
         Command::Run(a) => a.group.threads_per_rank(),
         Command::Serve(a) => a.threads_per_rank(),

@@ -136,19 +136,81 @@ pub(crate) struct GroupArgs {
     pub parallel: Option<ParallelArg>,
     /// How the ranks exchange data: `auto` (through shared memory when every rank of the group
     /// is on one host and can map it, a few µs a collective; payloads larger than a slot go in
-    /// slot-sized pieces; TCP otherwise) or `tcp` (TCP through rank 0 for two ranks, every
-    /// pair linked for three or more; ~60 µs a collective on a small VM).
+    /// slot-sized pieces; TCP otherwise; MPI when an MPI launcher started this process) or
+    /// `tcp` (TCP through rank 0 for two ranks, every pair linked for three or more; ~60 µs a
+    /// collective on a small VM) or `mpi` (the ranks of the MPI job this process belongs to:
+    /// start them with `mpirun -n N cachalot …`; needs a build with `--features mpi`).
     #[arg(long, value_enum, default_value = "auto")]
     pub transport: TransportArg,
+    /// The MPI world this process joined ([`GroupArgs::join_mpi`]).
+    #[arg(skip)]
+    pub mpi: Option<Arc<dyn Communicator>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum TransportArg {
     Auto,
     Tcp,
+    Mpi,
 }
 
 impl GroupArgs {
+    /// With `--transport mpi`, or `auto` in a process an MPI launcher started: joins the MPI
+    /// job (before the thread pool starts, which takes its size from the ranks on this host)
+    /// and takes this process's rank, the world size and the ranks on this host from it.
+    pub fn join_mpi(&mut self) -> Result<()> {
+        use cachalot_engine::comm::{mpi_launch, mpi_world};
+        if !self.wants_mpi(mpi_launch())? {
+            return Ok(());
+        }
+        let (comm, host_ranks) = mpi_world().map_err(|e| {
+            if self.transport == TransportArg::Auto {
+                anyhow!("an MPI launcher started this process (its environment says so), but {e}")
+            } else {
+                anyhow!("--transport mpi: {e}")
+            }
+        })?;
+        self.rank = Some(comm.rank());
+        self.world_size = Some(comm.world_size());
+        self.host_ranks = Some(host_ranks);
+        self.transport = TransportArg::Mpi;
+        self.mpi = Some(comm);
+        Ok(())
+    }
+
+    /// Whether this process joins an MPI job, given what [`mpi_launch`] says of its launcher:
+    /// with `--transport mpi`, or `auto` under a launcher of more than one rank; `--ranks` and
+    /// `--rank` are refused there.
+    ///
+    /// [`mpi_launch`]: cachalot_engine::comm::mpi_launch
+    fn wants_mpi(&self, launch: Option<Option<usize>>) -> Result<bool> {
+        let want = match self.transport {
+            TransportArg::Mpi => true,
+            TransportArg::Tcp => false,
+            // A launch of one rank is a process on its own.
+            TransportArg::Auto => launch.is_some_and(|n| n != Some(1)),
+        };
+        let why = if self.transport == TransportArg::Mpi {
+            "--transport mpi"
+        } else {
+            "under an MPI launcher"
+        };
+        if let Some(n) = self.ranks.filter(|_| want) {
+            bail!(
+                "--ranks {n} {why}: MPI's launcher starts the ranks; give their number to it \
+                 (mpirun -n {n} cachalot …) and drop --ranks (or give --transport tcp to run \
+                 each launched process as a group of its own)"
+            );
+        }
+        if let Some(r) = self.rank.filter(|_| want) {
+            bail!(
+                "--rank {r} {why}: MPI's launcher gives each process its rank; drop --rank, \
+                 --world-size and --master"
+            );
+        }
+        Ok(want)
+    }
+
     /// Processes in the group: --ranks or --world-size (1 without either).
     pub fn size(&self) -> usize {
         self.ranks.or(self.world_size).unwrap_or(1)
@@ -188,11 +250,13 @@ impl GroupArgs {
 
     /// Threads of this process's pool: --threads, or the cores shared out among --ranks.
     pub fn threads_per_rank(&self) -> Option<usize> {
+        let cores = || std::thread::available_parallelism().map_or(1, |c| c.get());
         match (self.threads, self.ranks) {
             (Some(t), _) => Some(t),
-            (None, Some(n)) if n > 1 => {
-                let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-                Some((cores / n).max(1))
+            (None, Some(n)) if n > 1 => Some((cores() / n).max(1)),
+            // MPI ranks share their host's cores (those the launcher bound this one to).
+            (None, None) if self.mpi.is_some() && self.host_ranks() > 1 => {
+                Some((cores() / self.host_ranks()).max(1))
             }
             _ => None,
         }
@@ -336,6 +400,9 @@ pub(crate) fn connect_ranks(
     group: &GroupArgs,
     quiet: bool,
 ) -> Result<(Arc<dyn Communicator>, Ranks)> {
+    if let Some(comm) = &group.mpi {
+        return Ok((comm.clone(), Vec::new()));
+    }
     let mut children = Vec::new();
     let comm: Arc<dyn Communicator> = match (group.ranks, group.rank) {
         (Some(n), _) if n > 1 => {
@@ -439,4 +506,60 @@ pub fn run(args: &RunArgs) -> Result<()> {
         println!("results in {}", result.dir.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        group: GroupArgs,
+    }
+
+    fn group(args: &[&str]) -> GroupArgs {
+        Cmd::try_parse_from(std::iter::once("cachalot").chain(args.iter().copied()))
+            .unwrap()
+            .group
+    }
+
+    #[test]
+    fn processes_join_mpi_under_its_launcher_or_when_told() {
+        let two = Some(Some(2));
+        // Not launched by MPI: only --transport mpi joins (a singleton world).
+        assert!(!group(&[]).wants_mpi(None).unwrap());
+        assert!(group(&["--transport", "mpi"]).wants_mpi(None).unwrap());
+        assert!(!group(&["--ranks", "2"]).wants_mpi(None).unwrap());
+        // Under a launcher of two ranks (or of an unknown count): auto joins, tcp does not.
+        assert!(group(&[]).wants_mpi(two).unwrap());
+        assert!(group(&[]).wants_mpi(Some(None)).unwrap());
+        assert!(!group(&["--transport", "tcp"]).wants_mpi(two).unwrap());
+        assert!(!group(&["--transport", "tcp", "--ranks", "2"])
+            .wants_mpi(two)
+            .unwrap());
+        // One launched rank is a process on its own.
+        assert!(!group(&[]).wants_mpi(Some(Some(1))).unwrap());
+        // The launcher starts the ranks: --ranks and --rank are refused by name.
+        let e = group(&["--ranks", "2"])
+            .wants_mpi(two)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--ranks 2 under an MPI launcher"), "{e}");
+        let e = group(&[
+            "--transport",
+            "mpi",
+            "--rank",
+            "1",
+            "--world-size",
+            "2",
+            "--master",
+            "127.0.0.1:1",
+        ])
+        .wants_mpi(None)
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--rank 1 --transport mpi"), "{e}");
+    }
 }

@@ -149,6 +149,10 @@ pub struct ServeArgs {
 
 impl ServeArgs {
     /// Threads of this process's pool: --threads, or the cores shared out among --ranks.
+    pub fn group_mut(&mut self) -> &mut crate::run::GroupArgs {
+        &mut self.group
+    }
+
     pub fn threads_per_rank(&self) -> Option<usize> {
         self.group.threads_per_rank()
     }

@@ -778,6 +778,94 @@ fn run_with_two_ranks_equals_one_process() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--ranks 0"));
 }
 
+/// `mpirun -n 2 cachalot run` (the `mpi` feature): the processes join the MPI job as ranks 0
+/// and 1 and give `--ranks 2`'s outputs (data-expert and tensor parallel, MTP on); `--ranks`
+/// under the launcher is refused by name.
+#[cfg(feature = "mpi")]
+#[test]
+fn run_under_mpirun_equals_ranks_over_shared_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let res = tmp.path().display().to_string();
+    let mpirun = |args: &[&str]| -> Output {
+        let version = Command::new("mpirun")
+            .arg("--version")
+            .output()
+            .expect("the `mpi` feature's tests need mpirun (Debian: openmpi-bin)");
+        let mut cmd = Command::new("mpirun");
+        if String::from_utf8_lossy(&version.stdout).contains("Open MPI") {
+            cmd.args(["--allow-run-as-root", "--oversubscribe", "--timeout", "300"]);
+        }
+        cmd.args(["-n", "2", env!("CARGO_BIN_EXE_cachalot")])
+            .args(args)
+            .current_dir(root())
+            .output()
+            .unwrap()
+    };
+    // The requests of a run of r1_tiny with `extra` options (`launch`: under mpirun).
+    let run = |launch: bool, extra: &[&str]| -> (Value, Vec<Value>) {
+        let mut args = vec![
+            "run",
+            "--config",
+            "configs/tiny/r1_tiny.yaml",
+            "--num-requests",
+            "5",
+            "--res-dir",
+            &res,
+            "--json",
+            "--quiet",
+            "--mtp",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        let out = if launch {
+            mpirun(&args)
+        } else {
+            Command::new(env!("CARGO_BIN_EXE_cachalot"))
+                .args(&args)
+                .current_dir(root())
+                .output()
+                .unwrap()
+        };
+        let summary = json(&ok(out));
+        let dir = PathBuf::from(&res).join(summary["run_id"].as_str().unwrap());
+        let log = std::fs::read_to_string(dir.join("run.log")).unwrap();
+        if launch {
+            assert!(log.contains("exchange data over mpi"), "{log}");
+        }
+        let reqs = std::fs::read_to_string(dir.join("requests.jsonl"))
+            .unwrap()
+            .lines()
+            .map(json)
+            .collect();
+        (summary, reqs)
+    };
+    for parallel in ["data-expert", "tensor"] {
+        let (s1, shm) = run(false, &["--ranks", "2", "--parallel", parallel]);
+        let (s2, mpi) = run(true, &["--parallel", parallel]);
+        assert_eq!((&s1["ranks"], &s2["ranks"]), (&2.into(), &2.into()));
+        assert_eq!(s2["parallel"], parallel);
+        assert_eq!(s1["per_rank"][0]["requests"], s2["per_rank"][0]["requests"]);
+        assert_eq!(shm.len(), 5);
+        assert_eq!(mpi.len(), 5);
+        for (a, b) in shm.iter().zip(&mpi) {
+            assert_eq!(a["id"], b["id"]);
+            assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]), "{parallel}");
+        }
+        assert!(s2["mtp"]["accepted"].as_u64().is_some(), "{s2}");
+        assert_eq!(s1["mtp"]["accepted"], s2["mtp"]["accepted"], "{parallel}");
+    }
+    let bad = mpirun(&[
+        "run",
+        "--config",
+        "configs/tiny/r1_tiny.yaml",
+        "--ranks",
+        "2",
+    ]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("--ranks 2 under an MPI launcher"), "{err}");
+}
+
 #[test]
 fn generate_past_the_models_positions_is_named() {
     for max_new in ["18446744073709551615", "100000000"] {
