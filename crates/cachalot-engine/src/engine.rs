@@ -1717,7 +1717,8 @@ impl<'t, M: Model> Engine<'t, M> {
             }
         } else if live.eos_at.is_none() {
             if let Some(stream) = live.stream.as_mut() {
-                stream.set_stop_armed(n_out >= live.sampler.params().min_tokens);
+                // vLLM's rule: the text of the first min_tokens tokens is not searched.
+                stream.set_stop_armed(n_out > live.sampler.params().min_tokens);
                 let (piece, hit) = stream.push(token)?;
                 live.text.push_str(&piece);
                 if let Some(hit) = hit {

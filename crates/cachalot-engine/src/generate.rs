@@ -102,8 +102,12 @@ pub struct TextStream<'t> {
     decoder: StreamDecoder<'t>,
     stop_strings: Vec<String>,
     held: String,
-    /// Stop strings end the text (false before `min_tokens`: text is released as it comes).
+    /// Stop strings end the text (false before `min_tokens`: a stop string there is text).
     armed: bool,
+    /// Where in `held` the text searched for stop strings begins to count: a match must end
+    /// past it (text from before arming is held back only as the start of a stop string that
+    /// ends after it).
+    fresh_from: usize,
 }
 
 impl<'t> TextStream<'t> {
@@ -117,13 +121,18 @@ impl<'t> TextStream<'t> {
                 .collect(),
             held: String::new(),
             armed: true,
+            fresh_from: 0,
         }
     }
 
-    /// Whether stop strings end the text from the next token on (vLLM's `min_tokens` holds
-    /// them back: while disarmed, text is released as it comes and a stop string in it is
-    /// text; once armed, only text after that is searched).
+    /// Whether stop strings end the text from the next token on (vLLM's `min_tokens`: while
+    /// disarmed a stop string is text; once armed, a stop string counts if it ends in text
+    /// pushed since, including one that began before: vLLM searches back a stop string's
+    /// length less one from where the check starts).
     pub fn set_stop_armed(&mut self, armed: bool) {
+        if armed && !self.armed {
+            self.fresh_from = self.held.len();
+        }
         self.armed = armed;
     }
 
@@ -146,19 +155,28 @@ impl<'t> TextStream<'t> {
 
     fn release(&mut self, piece: &str) -> (String, Option<String>) {
         self.held.push_str(piece);
-        if self.stop_strings.is_empty() || !self.armed {
+        if self.stop_strings.is_empty() {
             return (std::mem::take(&mut self.held), None);
         }
-        let first = self
-            .stop_strings
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
-            .min_by_key(|(at, _)| *at);
-        if let Some((at, s)) = first {
-            let s = s.clone();
-            let out = self.held[..at].to_string();
-            self.held.clear();
-            return (out, Some(s));
+        if self.armed {
+            let fresh = self.fresh_from;
+            let first = self
+                .stop_strings
+                .iter()
+                .filter_map(|s| {
+                    self.held
+                        .match_indices(s.as_str())
+                        .find(|(at, _)| at + s.len() > fresh)
+                        .map(|(at, _)| (at, s))
+                })
+                .min_by_key(|(at, _)| *at);
+            if let Some((at, s)) = first {
+                let s = s.clone();
+                let out = self.held[..at].to_string();
+                self.held.clear();
+                self.fresh_from = 0;
+                return (out, Some(s));
+            }
         }
         // Keep the longest tail that is a prefix of some stop string.
         let cut = self
@@ -172,6 +190,7 @@ impl<'t> TextStream<'t> {
             .unwrap_or(self.held.len());
         let out = self.held[..cut].to_string();
         self.held.drain(..cut);
+        self.fresh_from = self.fresh_from.saturating_sub(cut);
         (out, None)
     }
 }
@@ -402,12 +421,16 @@ mod tests {
         let tok = r1_style();
         let ids = tok.encode("STOP one STOP two").unwrap();
         let stops = vec!["STOP".to_string()];
+        // Armed from the first token after "STOP one" (the first STOP wholly before it).
+        let arm = (0..ids.len())
+            .find(|&i| tok.decode(&ids[..i]).unwrap().len() >= "STOP one".len())
+            .unwrap();
         let mut s = TextStream::new(&tok, &stops);
         s.set_stop_armed(false);
         let mut out = String::new();
         let mut hit = None;
         for (i, &id) in ids.iter().enumerate() {
-            s.set_stop_armed(i >= 2);
+            s.set_stop_armed(i >= arm);
             let (p, h) = s.push(id).unwrap();
             out.push_str(&p);
             if h.is_some() {
@@ -418,6 +441,53 @@ mod tests {
         assert!(out.starts_with("STOP one "), "{out:?}");
         assert!(!out.contains("two"), "{out:?}");
         assert_eq!(hit.as_deref(), Some("STOP"));
+    }
+
+    /// A stop string that begins in text from before arming and ends after it counts (as in
+    /// vLLM, which searches back a stop string's length less one); one wholly before does not,
+    /// even when the same string occurs again later.
+    #[test]
+    fn a_stop_string_straddling_the_arming_point_counts() {
+        let tok = r1_style();
+        let stops = vec!["STOP".to_string(), "xyz".to_string()];
+        // Push `text` one character at a time, armed from character `arm` on.
+        let run = |text: &str, arm: usize| -> (String, Option<String>) {
+            let ids: Vec<u32> = text
+                .chars()
+                .map(|c| {
+                    let id = tok.encode(&c.to_string()).unwrap();
+                    assert_eq!(id.len(), 1, "{c:?}");
+                    id[0]
+                })
+                .collect();
+            let mut s = TextStream::new(&tok, &stops);
+            let mut out = String::new();
+            for (i, &id) in ids.iter().enumerate() {
+                s.set_stop_armed(i >= arm);
+                let (p, h) = s.push(id).unwrap();
+                out.push_str(&p);
+                if h.is_some() {
+                    return (out, h);
+                }
+            }
+            let (p, h) = s.finish().unwrap();
+            out.push_str(&p);
+            (out, h)
+        };
+        // "ab STOP": armed at the P (index 6), inside the stop string: it counts.
+        assert_eq!(run("ab STOP more", 6), ("ab ".into(), Some("STOP".into())));
+        // Armed just after it: the stop string is text, and so is the rest.
+        assert_eq!(run("ab STOP more", 7), ("ab STOP more".into(), None));
+        // A second occurrence after arming counts; the first stays text.
+        assert_eq!(
+            run("STOP a STOP b", 5),
+            ("STOP a ".into(), Some("STOP".into()))
+        );
+        // The earliest stop string that ends after arming wins.
+        assert_eq!(run("q xyzSTOP", 4), ("q ".into(), Some("xyz".into())));
+        assert_eq!(run("q xyzSTOP", 5), ("q xyz".into(), Some("STOP".into())));
+        // Armed from the start: as before.
+        assert_eq!(run("ab STOP", 0), ("ab ".into(), Some("STOP".into())));
     }
 
     #[test]

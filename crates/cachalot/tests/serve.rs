@@ -414,6 +414,18 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
             .starts_with(&start),
         "{a}"
     );
+    // The stop string spans tokens 1-2: with min_tokens 1 it ends after the first token's
+    // text and counts (vLLM searches back from where its check starts); with 2 it is text.
+    body["min_tokens"] = 1.into();
+    let (status, a) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(a["choices"][0]["text"], "", "{a}");
+    assert_eq!(a["choices"][0]["finish_reason"], "stop", "{a}");
+    body["min_tokens"] = 2.into();
+    let (status, a) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{a}");
+    let text = a["choices"][0]["text"].as_str().unwrap();
+    assert!(text.starts_with(&start) && text.len() > start.len(), "{a}");
     body["min_tokens"] = 13.into();
     let (status, e) = post(addr, "/v1/completions", &body);
     assert_eq!(
