@@ -6,6 +6,8 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=mpi/shim.c");
     println!("cargo:rerun-if-env-changed=CACHALOT_MPICC");
+    // `mpicc` is looked up on the PATH: another MPI there is another build.
+    println!("cargo:rerun-if-env-changed=PATH");
     if std::env::var_os("CARGO_FEATURE_MPI").is_none() {
         return;
     }
@@ -72,18 +74,53 @@ mod mpi {
                 println!("cargo:rustc-link-search=native={dir}");
             } else if let Some(lib) = w.strip_prefix("-l") {
                 println!("cargo:rustc-link-lib={lib}");
-            } else if w.ends_with(".so") || w.ends_with(".a") {
-                // A library named by its path (some MPICH builds).
-                let p = std::path::Path::new(w);
-                if let (Some(dir), Some(stem)) = (p.parent(), p.file_stem()) {
-                    let stem = stem.to_string_lossy();
-                    println!("cargo:rustc-link-search=native={}", dir.display());
-                    println!(
-                        "cargo:rustc-link-lib={}",
-                        stem.strip_prefix("lib").unwrap_or(&stem)
-                    );
+            } else if let Some(lib) = library_path(w) {
+                // A library named by its path (some MPICH builds), versioned or not.
+                let (dir, name) = lib;
+                println!("cargo:rustc-link-search=native={dir}");
+                println!("cargo:rustc-link-lib={name}");
+            }
+        }
+        // An MPI outside the loader's paths (e.g. under /opt) needs LD_LIBRARY_PATH at run time
+        // (README); this crate's own tests and examples get its rpath.
+        for dir in rpaths(&link) {
+            println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+        }
+    }
+
+    /// `/dir/libNAME.so`, `.so.12` or `.a` as (dir, NAME).
+    fn library_path(w: &str) -> Option<(String, String)> {
+        let p = std::path::Path::new(w);
+        let file = p.file_name()?.to_str()?;
+        let stem = file.strip_prefix("lib")?;
+        let name = match stem.find(".so") {
+            Some(i) if stem[i + 3..].is_empty() || stem[i + 3..].starts_with('.') => &stem[..i],
+            _ => stem.strip_suffix(".a")?,
+        };
+        Some((p.parent()?.display().to_string(), name.to_string()))
+    }
+
+    /// The run paths the wrapper passes to the linker (`-Wl,-rpath,DIR`, `-Wl,-rpath -Wl,DIR`,
+    /// `-Wl,-rpath=DIR`).
+    fn rpaths(link: &[String]) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut next_is_dir = false;
+        for w in link {
+            let Some(args) = w.strip_prefix("-Wl,") else {
+                continue;
+            };
+            for a in args.split(',') {
+                if next_is_dir {
+                    out.push(a.to_string());
+                    next_is_dir = false;
+                } else if a == "-rpath" || a == "--rpath" {
+                    next_is_dir = true;
+                } else if let Some(d) = a.strip_prefix("-rpath=").or(a.strip_prefix("--rpath=")) {
+                    out.push(d.to_string());
                 }
             }
         }
+        out.retain(|d| !d.is_empty());
+        out
     }
 }

@@ -43,33 +43,38 @@ int cachalot_mpi_init(int *rank, int *size, int *host_ranks, int *provided, int 
 /* The thread level cachalot needs, for the check against `provided`. */
 int cachalot_mpi_thread_serialized(void) { return MPI_THREAD_SERIALIZED; }
 
+/* The collectives are nonblocking: each starts the operation and keeps its request here; the
+ * Rust side polls cachalot_mpi_test until it is done (spinning briefly, then sleeping, so a
+ * rank that waits long, as an idle server's, does not hold a core). Calls are serialized by the
+ * Rust side's lock and each waits for its request before the next starts, so one request is
+ * pending at most. */
+static MPI_Request pending = MPI_REQUEST_NULL;
+
+/* Whether the pending operation is done (*done 1; the request is then freed). */
+int cachalot_mpi_test(int *done) { return MPI_Test(&pending, done, MPI_STATUS_IGNORE); }
+
 /* `bytes` bytes from every rank, in rank order, into `all` (bytes * size). */
-int cachalot_mpi_allgather(const void *mine, int bytes, void *all) {
-    return MPI_Allgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, MPI_COMM_WORLD);
+int cachalot_mpi_iallgather(const void *mine, int bytes, void *all) {
+    return MPI_Iallgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, MPI_COMM_WORLD, &pending);
 }
 
-int cachalot_mpi_allgatherv(const void *mine, int bytes, void *all, const int *counts,
-                            const int *displs) {
-    return MPI_Allgatherv(mine, bytes, MPI_BYTE, all, counts, displs, MPI_BYTE, MPI_COMM_WORLD);
+int cachalot_mpi_iallgatherv(const void *mine, int bytes, void *all, const int *counts,
+                             const int *displs) {
+    return MPI_Iallgatherv(mine, bytes, MPI_BYTE, all, counts, displs, MPI_BYTE, MPI_COMM_WORLD,
+                           &pending);
 }
 
-/* `bytes` bytes to and from every rank: the i-th block of `send` goes to rank i, rank i's block
- * lands at the i-th block of `recv`. */
-int cachalot_mpi_alltoall(const void *send, int bytes, void *recv) {
-    return MPI_Alltoall(send, bytes, MPI_BYTE, recv, bytes, MPI_BYTE, MPI_COMM_WORLD);
+int cachalot_mpi_ialltoallv(const void *send, const int *scounts, const int *sdispls,
+                            void *recv, const int *rcounts, const int *rdispls) {
+    return MPI_Ialltoallv(send, scounts, sdispls, MPI_BYTE, recv, rcounts, rdispls, MPI_BYTE,
+                          MPI_COMM_WORLD, &pending);
 }
 
-int cachalot_mpi_alltoallv(const void *send, const int *scounts, const int *sdispls, void *recv,
-                           const int *rcounts, const int *rdispls) {
-    return MPI_Alltoallv(send, scounts, sdispls, MPI_BYTE, recv, rcounts, rdispls, MPI_BYTE,
-                         MPI_COMM_WORLD);
+int cachalot_mpi_ibcast(void *buf, int bytes, int root) {
+    return MPI_Ibcast(buf, bytes, MPI_BYTE, root, MPI_COMM_WORLD, &pending);
 }
 
-int cachalot_mpi_bcast(void *buf, int bytes, int root) {
-    return MPI_Bcast(buf, bytes, MPI_BYTE, root, MPI_COMM_WORLD);
-}
-
-int cachalot_mpi_barrier(void) { return MPI_Barrier(MPI_COMM_WORLD); }
+int cachalot_mpi_ibarrier(void) { return MPI_Ibarrier(MPI_COMM_WORLD, &pending); }
 
 /* MPI's text for an error code into buf (at least MPI_MAX_ERROR_STRING bytes; *len set). */
 int cachalot_mpi_error_string(int code, char *buf, int *len) {

@@ -37,9 +37,6 @@ pub fn share_memory(tcp: TcpComm, _want: bool) -> CommResult<Arc<dyn Communicato
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
-/// Whether this binary has the MPI backend (cargo feature `mpi`).
-pub const MPI_BUILT: bool = cfg!(feature = "mpi");
-
 /// Whether an MPI launcher started this process (`mpirun`/`mpiexec` of Open MPI or MPICH, or a
 /// PMI/PMIx launcher such as Slurm's `srun`), with the world size it gave when it says one.
 pub fn mpi_launch() -> Option<Option<usize>> {
@@ -70,7 +67,8 @@ pub fn mpi_world() -> CommResult<(Arc<dyn Communicator>, usize)> {
     ))
 }
 
-/// Ends MPI where [`mpi_world`] started it (see [`mpi::finish`]); nothing otherwise.
+/// Ends MPI where [`mpi_world`] joined it (`mpi::finish`: `MPI_Finalize` when `ok`, else
+/// `MPI_Abort`); nothing otherwise.
 pub fn mpi_finish(ok: bool) {
     #[cfg(feature = "mpi")]
     mpi::finish(ok);

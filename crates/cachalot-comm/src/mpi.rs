@@ -27,6 +27,7 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use crate::{check_parts, CommError, CommResult, Communicator};
 
@@ -41,18 +42,20 @@ mod ffi {
             already: *mut c_int,
         ) -> c_int;
         pub fn cachalot_mpi_thread_serialized() -> c_int;
-        pub fn cachalot_mpi_allgather(mine: *const c_void, bytes: c_int, all: *mut c_void)
-            -> c_int;
-        pub fn cachalot_mpi_allgatherv(
+        pub fn cachalot_mpi_test(done: *mut c_int) -> c_int;
+        pub fn cachalot_mpi_iallgather(
+            mine: *const c_void,
+            bytes: c_int,
+            all: *mut c_void,
+        ) -> c_int;
+        pub fn cachalot_mpi_iallgatherv(
             mine: *const c_void,
             bytes: c_int,
             all: *mut c_void,
             counts: *const c_int,
             displs: *const c_int,
         ) -> c_int;
-        pub fn cachalot_mpi_alltoall(send: *const c_void, bytes: c_int, recv: *mut c_void)
-            -> c_int;
-        pub fn cachalot_mpi_alltoallv(
+        pub fn cachalot_mpi_ialltoallv(
             send: *const c_void,
             scounts: *const c_int,
             sdispls: *const c_int,
@@ -60,8 +63,8 @@ mod ffi {
             rcounts: *const c_int,
             rdispls: *const c_int,
         ) -> c_int;
-        pub fn cachalot_mpi_bcast(buf: *mut c_void, bytes: c_int, root: c_int) -> c_int;
-        pub fn cachalot_mpi_barrier() -> c_int;
+        pub fn cachalot_mpi_ibcast(buf: *mut c_void, bytes: c_int, root: c_int) -> c_int;
+        pub fn cachalot_mpi_ibarrier() -> c_int;
         pub fn cachalot_mpi_error_string(code: c_int, buf: *mut c_char, len: *mut c_int) -> c_int;
         pub fn cachalot_mpi_max_error_string() -> c_int;
         pub fn cachalot_mpi_finalize() -> c_int;
@@ -92,6 +95,37 @@ fn check(rc: c_int, what: &str) -> CommResult<()> {
             "MPI {what} failed: {} (error {rc})",
             error_text(rc)
         )))
+    }
+}
+
+/// How long a wait polls without pause before it starts to sleep between polls (a step's
+/// collectives finish within it; an idle server's rank waits on and sleeps).
+const SPIN: Duration = Duration::from_micros(200);
+
+/// The longest sleep between polls of a long wait (the delay a rank that waited long may add
+/// before it sees the operation done).
+const MAX_NAP: Duration = Duration::from_micros(500);
+
+/// Starts a nonblocking operation (`start` returns MPI's code) and waits for it: polls
+/// `MPI_Test` for [`SPIN`], then sleeps between polls, 10 µs doubling up to [`MAX_NAP`]. The
+/// buffers `start` names must outlive the call (they are the caller's locals).
+fn run_op(what: &str, start: impl FnOnce() -> c_int) -> CommResult<()> {
+    check(start(), what)?;
+    let t0 = Instant::now();
+    let mut nap = Duration::from_micros(10);
+    loop {
+        let mut done: c_int = 0;
+        // SAFETY: tests the request the shim keeps for the operation just started.
+        check(unsafe { ffi::cachalot_mpi_test(&mut done) }, what)?;
+        if done != 0 {
+            return Ok(());
+        }
+        if t0.elapsed() < SPIN {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(MAX_NAP);
+        }
     }
 }
 
@@ -178,6 +212,8 @@ pub fn world() -> CommResult<Arc<MpiComm>> {
             // SAFETY: returns a constant.
             let needed = unsafe { ffi::cachalot_mpi_thread_serialized() };
             if provided < needed {
+                // SAFETY: MPI was started above; no call is pending.
+                unsafe { ffi::cachalot_mpi_finalize() };
                 return Err(format!(
                     "MPI provides thread level {provided}, below MPI_THREAD_SERIALIZED \
                      ({needed}) that cachalot needs (its collectives run on pool threads): use \
@@ -202,7 +238,7 @@ fn default_chunk(world_size: usize) -> usize {
     (i32::MAX as usize / world_size.max(1)).max(1)
 }
 
-/// Ends MPI if this process started it: `MPI_Finalize` after a command that succeeded,
+/// Ends MPI if this process joined it through [`world`]: `MPI_Finalize` after a command that succeeded,
 /// `MPI_Abort` (every rank of the job ends) after one that failed, so no rank waits forever
 /// for one that left. Does nothing in a process without MPI.
 pub fn finish(ok: bool) {
@@ -241,18 +277,19 @@ impl MpiComm {
         self.lock.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// One `u64` from every rank, in rank order (the lock held).
-    fn gather_words(&self, word: u64) -> CommResult<Vec<u64>> {
-        let mut all = vec![0u64; self.world_size];
-        // SAFETY: 8 bytes sent, 8 bytes per rank received into a buffer of world_size words.
-        let rc = unsafe {
-            ffi::cachalot_mpi_allgather(
-                &word as *const u64 as *const c_void,
-                8,
+    /// `words` (the same count on every rank) from every rank, in rank order, one after the
+    /// other (the lock held).
+    fn gather_words(&self, words: &[u64], what: &str) -> CommResult<Vec<u64>> {
+        let mut all = vec![0u64; words.len() * self.world_size];
+        let bytes = count(words.len() * 8);
+        // SAFETY: `words` holds `bytes` bytes; `all` holds that many per rank.
+        run_op(what, || unsafe {
+            ffi::cachalot_mpi_iallgather(
+                words.as_ptr() as *const c_void,
+                bytes,
                 all.as_mut_ptr() as *mut c_void,
             )
-        };
-        check(rc, "all-gather of sizes")?;
+        })?;
         Ok(all)
     }
 }
@@ -279,7 +316,7 @@ impl Communicator for MpiComm {
     fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
         let _g = self.locked();
         let lens = self
-            .gather_words(mine.len() as u64)?
+            .gather_words(&[mine.len() as u64], "all-gather of sizes")?
             .into_iter()
             .enumerate()
             .map(|(r, w)| to_usize(w, "all-gather", r))
@@ -301,16 +338,15 @@ impl Communicator for MpiComm {
             let part = &mine[piece(mine.len(), chunk, round)];
             // SAFETY: `part` holds counts[rank] bytes; `buf` holds the sum of `counts`, laid out
             // by `displs`; both arrays have world_size entries.
-            let rc = unsafe {
-                ffi::cachalot_mpi_allgatherv(
+            run_op("all-gather", || unsafe {
+                ffi::cachalot_mpi_iallgatherv(
                     send_ptr(part),
                     count(part.len()),
                     buf.as_mut_ptr() as *mut c_void,
                     counts.as_ptr(),
                     displs.as_ptr(),
                 )
-            };
-            check(rc, "all-gather")?;
+            })?;
             append_pieces(&mut out, &buf, &counts, &displs);
         }
         Ok(out)
@@ -320,37 +356,19 @@ impl Communicator for MpiComm {
         let n = self.world_size;
         check_parts(parts, n)?;
         let _g = self.locked();
-        // What each rank sends this one.
-        let send_lens: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
-        let mut recv_lens = vec![0u64; n];
-        // SAFETY: 8 bytes to and from every rank; both buffers hold world_size words.
-        let rc = unsafe {
-            ffi::cachalot_mpi_alltoall(
-                send_lens.as_ptr() as *const c_void,
-                8,
-                recv_lens.as_mut_ptr() as *mut c_void,
-            )
-        };
-        check(rc, "all-to-all of sizes")?;
-        let recv_lens = recv_lens
-            .into_iter()
-            .enumerate()
-            .map(|(r, w)| to_usize(w, "all-to-all", r))
+        // Every rank's sizes for every rank (row s: what rank s sends to each): this rank's
+        // column is what it receives, and the largest entry sets the rounds on every rank.
+        let sizes: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
+        let all = self.gather_words(&sizes, "all-to-all of sizes")?;
+        let me = self.rank;
+        let recv_lens = (0..n)
+            .map(|s| to_usize(all[s * n + me], "all-to-all", s))
             .collect::<CommResult<Vec<usize>>>()?;
         let chunk = self.chunk();
-        // Every rank must run as many rounds as the largest pair needs.
-        let mine = parts
-            .iter()
-            .map(|p| p.len())
-            .chain(recv_lens.iter().copied())
-            .map(|l| rounds_for(l, chunk))
-            .max()
-            .unwrap_or(0);
-        let rounds = self
-            .gather_words(mine as u64)?
-            .into_iter()
-            .max()
-            .unwrap_or(0) as usize;
+        let mut rounds = 0;
+        for (i, &l) in all.iter().enumerate() {
+            rounds = rounds.max(rounds_for(to_usize(l, "all-to-all", i / n)?, chunk));
+        }
         let mut out: Vec<Vec<u8>> = recv_lens.iter().map(|&l| Vec::with_capacity(l)).collect();
         for round in 0..rounds {
             let pieces: Vec<&[u8]> = parts
@@ -368,8 +386,8 @@ impl Communicator for MpiComm {
             let mut recv = recv_buf(total);
             // SAFETY: `send` and `recv` hold the sums of their counts, laid out by their
             // displacements; every array has world_size entries.
-            let rc = unsafe {
-                ffi::cachalot_mpi_alltoallv(
+            run_op("all-to-all", || unsafe {
+                ffi::cachalot_mpi_ialltoallv(
                     send_ptr(&send),
                     scounts.as_ptr(),
                     sdispls.as_ptr(),
@@ -377,8 +395,7 @@ impl Communicator for MpiComm {
                     rcounts.as_ptr(),
                     rdispls.as_ptr(),
                 )
-            };
-            check(rc, "all-to-all")?;
+            })?;
             append_pieces(&mut out, &recv, &rcounts, &rdispls);
         }
         Ok(out)
@@ -394,9 +411,9 @@ impl Communicator for MpiComm {
         let _g = self.locked();
         let mut len = mine.len() as u64;
         // SAFETY: 8 bytes from the root into `len` on every rank.
-        let rc =
-            unsafe { ffi::cachalot_mpi_bcast(&mut len as *mut u64 as *mut c_void, 8, count(root)) };
-        check(rc, "broadcast of the size")?;
+        run_op("broadcast of the size", || unsafe {
+            ffi::cachalot_mpi_ibcast(&mut len as *mut u64 as *mut c_void, 8, count(root))
+        })?;
         let len = to_usize(len, "broadcast", root)?;
         let mut buf = if self.rank == root {
             mine.to_vec()
@@ -408,14 +425,13 @@ impl Communicator for MpiComm {
             let r = piece(len, chunk, round);
             let part = &mut buf[r];
             // SAFETY: every rank passes the same count into a buffer that long.
-            let rc = unsafe {
-                ffi::cachalot_mpi_bcast(
+            run_op("broadcast", || unsafe {
+                ffi::cachalot_mpi_ibcast(
                     part.as_mut_ptr() as *mut c_void,
                     count(part.len()),
                     count(root),
                 )
-            };
-            check(rc, "broadcast")?;
+            })?;
         }
         Ok(buf)
     }
@@ -423,14 +439,35 @@ impl Communicator for MpiComm {
     fn barrier(&self) -> CommResult<()> {
         let _g = self.locked();
         // SAFETY: takes no arguments.
-        check(unsafe { ffi::cachalot_mpi_barrier() }, "barrier")
+        run_op("barrier", || unsafe { ffi::cachalot_mpi_ibarrier() })
     }
+}
+
+/// `mpirun -n N` for tests, with what CI containers need: Open MPI's run-as-root and
+/// oversubscription (ranks beyond the cores), no single-copy shared memory (containers without
+/// ptrace refuse it), and a time limit (MPICH's Hydra takes it from the environment). Add the
+/// program and its arguments.
+#[doc(hidden)]
+pub fn test_launcher(ranks: usize, timeout_s: u32) -> std::process::Command {
+    let version = std::process::Command::new("mpirun")
+        .arg("--version")
+        .output()
+        .expect("the `mpi` feature's tests need mpirun (Debian: openmpi-bin)");
+    let mut cmd = std::process::Command::new("mpirun");
+    if String::from_utf8_lossy(&version.stdout).contains("Open MPI") {
+        cmd.env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+            .args(["--allow-run-as-root", "--oversubscribe", "--timeout"])
+            .arg(timeout_s.to_string());
+    } else {
+        cmd.env("MPIEXEC_TIMEOUT", timeout_s.to_string());
+    }
+    cmd.arg("-n").arg(ranks.to_string());
+    cmd
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::process::Command;
 
     #[test]
     fn rounds_cover_every_byte_once() {
@@ -459,17 +496,8 @@ mod tests {
             return child();
         }
         let exe = std::env::current_exe().unwrap();
-        let version = Command::new("mpirun")
-            .arg("--version")
-            .output()
-            .expect("the `mpi` feature's tests need mpirun (Debian: openmpi-bin)");
-        let mut cmd = Command::new("mpirun");
-        if String::from_utf8_lossy(&version.stdout).contains("Open MPI") {
-            // Root in CI containers; three ranks on two cores.
-            cmd.args(["--allow-run-as-root", "--oversubscribe", "--timeout", "120"]);
-        }
+        let mut cmd = test_launcher(3, 120);
         let out = cmd
-            .args(["-n", "3"])
             .env("CACHALOT_MPI_CHILD", "1")
             .arg(exe)
             .args([

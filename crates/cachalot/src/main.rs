@@ -311,14 +311,19 @@ fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
 
 fn main() {
     tune_allocator();
-    let result = run();
-    if let Err(e) = &result {
-        say!("error: {e:#}");
+    // A panic is caught here too, so that under MPI it aborts the job like an error (a
+    // launcher that does not end a job on a rank's failed exit would leave the others waiting).
+    let result = std::panic::catch_unwind(run);
+    match &result {
+        Ok(Err(e)) => say!("error: {e:#}"),
+        Err(_) => say!("error: cachalot panicked (the message is above)"),
+        Ok(Ok(())) => {}
     }
+    let ok = matches!(result, Ok(Ok(())));
     // Under MPI: finalize, or abort the job so no rank waits for this one.
-    cachalot_engine::comm::mpi_finish(result.is_ok());
-    if result.is_err() {
-        std::process::exit(1);
+    cachalot_engine::comm::mpi_finish(ok);
+    if !ok {
+        std::process::exit(if result.is_err() { 101 } else { 1 });
     }
 }
 

@@ -254,9 +254,17 @@ impl GroupArgs {
         match (self.threads, self.ranks) {
             (Some(t), _) => Some(t),
             (None, Some(n)) if n > 1 => Some((cores() / n).max(1)),
-            // MPI ranks share their host's cores (those the launcher bound this one to).
-            (None, None) if self.mpi.is_some() && self.host_ranks() > 1 => {
-                Some((cores() / self.host_ranks()).max(1))
+            // MPI ranks: the cores the launcher bound this one to (Open MPI binds each of up
+            // to two ranks to a core, more to a socket: `--bind-to none` or `--map-by
+            // socket:PE=N` give more), or, unbound, the host's cores shared among its ranks.
+            (None, None) if self.mpi.is_some() => {
+                let online = online_cores();
+                let allowed = cores();
+                Some(if allowed < online {
+                    allowed
+                } else {
+                    (online / self.host_ranks()).max(1)
+                })
             }
             _ => None,
         }
@@ -266,6 +274,19 @@ impl GroupArgs {
     pub fn host_ranks(&self) -> usize {
         self.ranks.or(self.host_ranks).unwrap_or(1).max(1)
     }
+}
+
+/// The host's cores (online), whatever this process is bound to.
+fn online_cores() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf only reads a system value.
+        let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        if n > 0 {
+            return n as usize;
+        }
+    }
+    std::thread::available_parallelism().map_or(1, |c| c.get())
 }
 
 /// The most ranks `--ranks` starts on one host.

@@ -148,11 +148,12 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// Threads of this process's pool: --threads, or the cores shared out among --ranks.
+    /// The ranks' options (joined to an MPI job before the thread pool starts).
     pub fn group_mut(&mut self) -> &mut crate::run::GroupArgs {
         &mut self.group
     }
 
+    /// Threads of this process's pool: --threads, or the cores shared out among --ranks.
     pub fn threads_per_rank(&self) -> Option<usize> {
         self.group.threads_per_rank()
     }

@@ -19,10 +19,23 @@ struct Server {
     addr: String,
     /// What it wrote to stderr after its address.
     log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// Ended with SIGTERM (mpirun passes it to the ranks; SIGKILL would leave them behind).
+    terminate: bool,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
+        if self.terminate {
+            // SAFETY: signals our own child.
+            unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -34,9 +47,14 @@ fn start(extra: &[&str]) -> Server {
 
 /// `cachalot COMMAND --port 0 EXTRA…` (a server or the router), once it listens.
 fn start_command(command: &str, extra: &[&str]) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
-        .args([command, "--port", "0"])
-        .args(extra)
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachalot"));
+    cmd.args([command, "--port", "0"]).args(extra);
+    spawn_server(cmd, false)
+}
+
+/// Starts `cmd` (a server that prints its address on stderr) and waits until it listens.
+fn spawn_server(mut cmd: Command, terminate: bool) -> Server {
+    let mut child = cmd
         .current_dir(root())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -60,7 +78,12 @@ fn start_command(command: &str, extra: &[&str]) -> Server {
             sink.lock().unwrap().push(l);
         }
     });
-    Server { child, addr, log }
+    Server {
+        child,
+        addr,
+        log,
+        terminate,
+    }
 }
 
 /// Starts a long completion at `addr` (whole or streamed), leaves after 300 ms, and waits until
@@ -1357,6 +1380,46 @@ fn serve_over_two_ranks_answers_as_one_process() {
         assert_eq!(status, 200, "{parallel}: {v}");
         assert_eq!(v["usage"]["completion_tokens"], 20);
     }
+}
+
+/// `mpirun -n 2 cachalot serve` (the `mpi` feature): rank 0 answers HTTP, the ranks step over
+/// MPI, and the answers (greedy, seeded sampling with `n`, streamed) are one process's.
+#[cfg(feature = "mpi")]
+#[test]
+fn serve_under_mpirun_answers_as_one_process() {
+    let one = start(&["--kv-blocks", "64"]);
+    let bodies = [
+        json!({"prompt": "The meaning of life is", "max_tokens": 16, "temperature": 0,
+               "ignore_eos": true}),
+        json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.8,
+               "seed": 9, "n": 2, "ignore_eos": true}),
+    ];
+    let want: Vec<Value> = bodies
+        .iter()
+        .map(|b| post(&one.addr, "/v1/completions", b).1["choices"].clone())
+        .collect();
+    let mut cmd = cachalot_engine::comm::mpi::test_launcher(2, 300);
+    cmd.args([env!("CARGO_BIN_EXE_cachalot"), "serve", "--port", "0"])
+        .args(["--kv-blocks", "64", "--parallel", "data-expert"]);
+    let group = spawn_server(cmd, true);
+    for (b, w) in bodies.iter().zip(&want) {
+        let (status, v) = post(&group.addr, "/v1/completions", b);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(&v["choices"], w, "{b}");
+    }
+    let mut stream = bodies[0].clone();
+    stream["stream"] = true.into();
+    let ev = events(&group.addr, "/v1/completions", &stream);
+    let text: String = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"].as_str().unwrap_or("").to_string()
+        })
+        .collect();
+    assert_eq!(text, want[0][0]["text"].as_str().unwrap());
+    let log = group.log.lock().unwrap().join("\n");
+    assert!(log.contains("rank 1 of 2"), "{log}");
 }
 
 /// Forced tool calls (`tool_choice` "required" or a named function): the template's own

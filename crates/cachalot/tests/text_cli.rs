@@ -787,15 +787,8 @@ fn run_under_mpirun_equals_ranks_over_shared_memory() {
     let tmp = tempfile::tempdir().unwrap();
     let res = tmp.path().display().to_string();
     let mpirun = |args: &[&str]| -> Output {
-        let version = Command::new("mpirun")
-            .arg("--version")
-            .output()
-            .expect("the `mpi` feature's tests need mpirun (Debian: openmpi-bin)");
-        let mut cmd = Command::new("mpirun");
-        if String::from_utf8_lossy(&version.stdout).contains("Open MPI") {
-            cmd.args(["--allow-run-as-root", "--oversubscribe", "--timeout", "300"]);
-        }
-        cmd.args(["-n", "2", env!("CARGO_BIN_EXE_cachalot")])
+        cachalot_engine::comm::mpi::test_launcher(2, 300)
+            .arg(env!("CARGO_BIN_EXE_cachalot"))
             .args(args)
             .current_dir(root())
             .output()
