@@ -446,14 +446,18 @@ impl Communicator for MpiComm {
 /// `mpirun -n N` for tests, with what CI containers need: Open MPI's run-as-root and
 /// oversubscription (ranks beyond the cores), no single-copy shared memory (containers without
 /// ptrace refuse it), and a time limit (MPICH's Hydra takes it from the environment). Add the
-/// program and its arguments.
+/// program and its arguments. `CACHALOT_MPIRUN` names another launcher (the one of the MPI
+/// that `CACHALOT_MPICC` built against, e.g. `mpirun.mpich`).
 #[doc(hidden)]
 pub fn test_launcher(ranks: usize, timeout_s: u32) -> std::process::Command {
-    let version = std::process::Command::new("mpirun")
+    let mpirun = std::env::var("CACHALOT_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    let version = std::process::Command::new(&mpirun)
         .arg("--version")
         .output()
-        .expect("the `mpi` feature's tests need mpirun (Debian: openmpi-bin)");
-    let mut cmd = std::process::Command::new("mpirun");
+        .unwrap_or_else(|e| {
+            panic!("the `mpi` feature's tests need {mpirun} (Debian: openmpi-bin): {e}")
+        });
+    let mut cmd = std::process::Command::new(&mpirun);
     if String::from_utf8_lossy(&version.stdout).contains("Open MPI") {
         cmd.env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
             .args(["--allow-run-as-root", "--oversubscribe", "--timeout"])
