@@ -4,7 +4,8 @@
 # through `cachalot run` with --prefix-caching off and on, alternating; prints wall time,
 # generated tokens/s, TTFT and the cache's figures of each run, and checks that both modes give
 # the same outputs. Usage: tools/prefix_bench.sh [ROUNDS] [RUN OPTIONS…] (default 2 rounds;
-# options go to both runs, e.g. `--mtp 1`), after `cargo build --release`.
+# options go to both runs, e.g. `--mtp 1`), after `cargo build --release`. MODEL=DIR runs
+# another model (its directory needs a tokenizer; MODEL_NAME names it in the run id).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=2
@@ -23,8 +24,8 @@ json.dump({"text": [doc + "\n\nQuestion: " + q for q in qs]},
 PY
 cat > "$dir/run.yaml" <<YAML
 model_config:
-  model_name: "deepseek_r1"
-  model_path: "$PWD/assets/cachalot-tiny-r1"
+  model_name: "${MODEL_NAME:-deepseek_r1}"
+  model_path: "${MODEL:-$PWD/assets/cachalot-tiny-r1}"
 data_config:
   dataset: "default"
   dataset_path: "$dir"

@@ -112,8 +112,9 @@ pub trait Model {
     /// A prompt's KV up to a block boundary, once computed, can serve any later request with
     /// the same first tokens (prefix caching): true where each position's main-model cache
     /// entry depends only on the tokens up to it (the MTP layer's rows also take the next token:
-    /// the engine keys blocks with it). A family whose cache holds state that runs across
-    /// blocks (DeepSeek-V4's compressors and windows) says false.
+    /// the engine keys blocks with it). A family whose cache holds state that is not the tokens'
+    /// own (a running state outside the cache), or whose positions' bits depend on how a prompt
+    /// is cut, says false.
     fn supports_prefix_caching(&self) -> bool {
         false
     }
@@ -175,6 +176,12 @@ impl Model for DeepseekV3 {
 /// V4's hidden state per token is the last block's `hc_mult` residual streams (`[hc, D]`,
 /// before the hc_head collapse), which is what its MTP block takes (spec `deepseek-v4.md` §2.11).
 impl Model for DeepseekV4 {
+    /// Every piece of a position's state (window K, compressor inputs, the compressed entry
+    /// and indexer key of a block it ends) sits at its own slot and depends only on the tokens
+    /// up to it, and a position's bits do not depend on how a prompt is cut into steps.
+    fn supports_prefix_caching(&self) -> bool {
+        true
+    }
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
         Ok(DeepseekV4::forward(self, batch, cache, false)?.logits)
     }
@@ -804,14 +811,14 @@ impl<'t, M: Model> Engine<'t, M> {
     /// have written, as a chunked prefill reads it). With MTP a block is shared only with
     /// requests whose token after it is the same (the MTP layer's cache row of its last position
     /// pairs the hidden state there with that token), once its MTP rows are written. Not for a
-    /// model family that does not support it (DeepSeek-V4, a C8 cache). Requests that score
+    /// model whose cache does not support it (a C8 cache). Requests that score
     /// their prompt (echo) compute every position. Call before adding requests.
     pub fn enable_prefix_caching(&mut self) -> Result<(), EngineError> {
         if !self.model.supports_prefix_caching() {
             return Err(EngineError::Request(
-                "this model's cache cannot be shared between requests (prefix caching): \
-                 DeepSeek-V4's compressed caches and windows carry state across blocks, and a \
-                 C8 (int8) latent cache is read quantized where a prompt's own rows are not"
+                "this model's cache cannot be shared between requests (prefix caching): a C8 \
+                 (int8) latent cache is read quantized where a prompt's own rows are not, so a \
+                 prompt cut after shared blocks would not get its own prefill's bits"
                     .into(),
             ));
         }

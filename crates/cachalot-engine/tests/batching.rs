@@ -289,80 +289,116 @@ fn prefix_cached_greedy_equals_each_request_alone() {
         batch_size: 4,
         max_prefill_tokens: 16,
     };
-    let tight = EngineConfig {
-        num_blocks: 24,
-        ..roomy
-    };
-    let n_new = 8;
     for (name, dtype) in ["r1_tiny", "kimi_tiny", "v3_noq_tiny"]
         .into_iter()
         .flat_map(|n| [(n, KvCacheDtype::F32), (n, KvCacheDtype::Bf16)])
     {
         let mut m = load(name);
         m.set_kv_cache_dtype(dtype);
-        let vocab = Model::vocab_size(&m);
-        let parts = common::prompts(&[30, 3, 9, 1, 14, 5], vocab);
-        let system = &parts[0];
-        let first: Vec<Vec<u32>> = parts[1..]
-            .iter()
-            .map(|t| [system.as_slice(), t].concat())
-            .collect();
-        for (cfg, tight_pool) in [(roomy, false), (tight, true)] {
-            let mut engine = Engine::new(&m, None, cfg).unwrap();
-            engine.enable_prefix_caching().unwrap();
-            // Wave 1: the same system prompt, different questions, all at once.
-            for p in &first {
-                engine.add_request(greedy_request(p, n_new)).unwrap();
-            }
-            let outs = engine.run_to_completion(|_, _| {}).unwrap();
-            // Each second turn, with the length of the first exchange's prompt.
-            let mut second = Vec::new();
-            let mut base = Vec::new();
-            for o in &outs {
-                let alone = eval::greedy(&m, &first[o.id as usize], n_new).unwrap();
-                assert_eq!(o.tokens, alone, "{name}: wave 1 request {}", o.id);
-                // A second turn: the whole first exchange, then more.
-                second.push([first[o.id as usize].as_slice(), &o.tokens, &parts[2]].concat());
-                base.push(first[o.id as usize].len());
-            }
-            let wave1 = engine.stats().prefix_cached_tokens;
-            // Wave 2: each second turn finds its first exchange (and the system prompt).
-            let mut ids = Vec::new();
-            for p in &second {
-                ids.push(engine.add_request(greedy_request(p, n_new)).unwrap());
-            }
-            let outs = engine.run_to_completion(|_, _| {}).unwrap();
-            let stats = engine.stats().clone();
-            for o in &outs {
-                let k = ids.iter().position(|&i| i == o.id).unwrap();
-                let alone = eval::greedy(&m, &second[k], n_new).unwrap();
-                assert_eq!(o.tokens, alone, "{name}: wave 2 request {k}");
-                if !tight_pool {
-                    // The first exchange's prompt (30-token system prompt + a question of
-                    // 3-14 tokens: 33-44 tokens) in whole blocks of 4.
-                    assert_eq!(
-                        o.timing.cached_tokens,
-                        base[k] / 4 * 4,
-                        "{name}: {:?}",
-                        o.timing
-                    );
-                }
-            }
-            assert!(stats.prefix_cached_tokens > wave1, "{name}: {stats:?}");
-            if tight_pool {
-                assert!(
-                    stats.preemptions > 0,
-                    "{name}: the tight pool never preempted"
-                );
-            }
-            assert_eq!(engine.scheduler().kv().pool().num_used(), 0);
-            engine.scheduler().check_invariants().unwrap();
-        }
+        prefix_waves(name, &m, &[30, 3, 9, 1, 14, 5], roomy, 24);
     }
 }
 
-/// DeepSeek-V4's caches carry state across blocks: prefix caching is refused by name, and
-/// MTP with it too.
+/// DeepSeek-V4: every piece of a position's state (its window K, its compressors' inputs, the
+/// compressed entry and indexer key of a block it ends) sits at its own slot and depends only
+/// on the tokens up to it, so shared prompt blocks are what the sharer would write: a system
+/// prompt past the 128-token window and the first ratio-128 block, cut at blocks of 16, and
+/// second turns that repeat a whole first exchange, in a roomy pool and a tight one.
+#[test]
+fn v4_prefix_cached_greedy_equals_each_request_alone() {
+    for fixture in ["flash_tiny", "pro_tiny"] {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/v4")
+            .join(fixture);
+        let m = DeepseekV4::load(&dir, V4LoadOptions::default()).unwrap();
+        let cfg = EngineConfig {
+            block_size: 16,
+            num_blocks: 96,
+            batch_size: 4,
+            max_prefill_tokens: 48,
+        };
+        prefix_waves(fixture, &m, &[150, 3, 21, 1, 33, 5], cfg, 18);
+    }
+}
+
+/// Two waves of requests (`lens`: a system prompt, then questions) through an engine with
+/// prefix caching, in `roomy` and in a pool of `tight_blocks`: wave 1 shares the system
+/// prompt, wave 2 each first exchange; every request gets its greedy tokens alone.
+fn prefix_waves<M: Model + CausalLm>(
+    name: &str,
+    m: &M,
+    lens: &[usize],
+    roomy: EngineConfig,
+    tight_blocks: usize,
+) {
+    let tight = EngineConfig {
+        num_blocks: tight_blocks,
+        ..roomy
+    };
+    let bs = roomy.block_size;
+    let n_new = 8;
+    let vocab = Model::vocab_size(m);
+    let parts = common::prompts(lens, vocab);
+    let system = &parts[0];
+    let first: Vec<Vec<u32>> = parts[1..]
+        .iter()
+        .map(|t| [system.as_slice(), t].concat())
+        .collect();
+    for (cfg, tight_pool) in [(roomy, false), (tight, true)] {
+        let mut engine = Engine::new(m, None, cfg).unwrap();
+        engine.enable_prefix_caching().unwrap();
+        // Wave 1: the same system prompt, different questions, all at once.
+        for p in &first {
+            engine.add_request(greedy_request(p, n_new)).unwrap();
+        }
+        let outs = engine.run_to_completion(|_, _| {}).unwrap();
+        // Each second turn, with the length of the first exchange's prompt.
+        let mut second = Vec::new();
+        let mut base = Vec::new();
+        for o in &outs {
+            let alone = eval::greedy(m, &first[o.id as usize], n_new).unwrap();
+            assert_eq!(o.tokens, alone, "{name}: wave 1 request {}", o.id);
+            // A second turn: the whole first exchange, then more.
+            second.push([first[o.id as usize].as_slice(), &o.tokens, &parts[2]].concat());
+            base.push(first[o.id as usize].len());
+        }
+        let wave1 = engine.stats().prefix_cached_tokens;
+        // Wave 2: each second turn finds its first exchange (and the system prompt).
+        let mut ids = Vec::new();
+        for p in &second {
+            ids.push(engine.add_request(greedy_request(p, n_new)).unwrap());
+        }
+        let outs = engine.run_to_completion(|_, _| {}).unwrap();
+        let stats = engine.stats().clone();
+        for o in &outs {
+            let k = ids.iter().position(|&i| i == o.id).unwrap();
+            let alone = eval::greedy(m, &second[k], n_new).unwrap();
+            assert_eq!(o.tokens, alone, "{name}: wave 2 request {k}");
+            if !tight_pool {
+                // The first exchange's prompt in whole blocks.
+                assert_eq!(
+                    o.timing.cached_tokens,
+                    base[k] / bs * bs,
+                    "{name}: {:?}",
+                    o.timing
+                );
+            }
+        }
+        assert!(stats.prefix_cached_tokens > wave1, "{name}: {stats:?}");
+        if tight_pool {
+            assert!(
+                stats.preemptions > 0,
+                "{name}: the tight pool never preempted"
+            );
+        }
+        assert_eq!(engine.scheduler().kv().pool().num_used(), 0);
+        engine.scheduler().check_invariants().unwrap();
+    }
+}
+
+/// Prefix caching with MTP: blocks keyed with the token after them, whichever is turned on
+/// first; DeepSeek-V4 takes it too, `auto` included. (A C8 cache refuses it: the offline run
+/// tests in cachalot-run check that on a converted W8A8C8 model.)
 #[test]
 fn prefix_caching_is_refused_where_it_cannot_be_exact() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
@@ -374,8 +410,7 @@ fn prefix_caching_is_refused_where_it_cannot_be_exact() {
         max_prefill_tokens: 64,
     };
     let mut e = Engine::new(&m, None, cfg).unwrap();
-    let err = e.enable_prefix_caching().unwrap_err().to_string();
-    assert!(err.contains("DeepSeek-V4"), "{err}");
+    assert!(e.set_prefix_caching(None).unwrap());
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny");
     let r1 = DeepseekV3::load(
         &dir,
@@ -408,17 +443,6 @@ fn prefix_caching_is_refused_where_it_cannot_be_exact() {
 /// token after them is the same.
 #[test]
 fn mtp_with_prefix_caching_equals_each_request_alone() {
-    let iters: usize = std::env::var("CACHALOT_FUZZ_ITERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(16);
-    let mut state = 0x9d1c_0f2e_77a3_5b61u64;
-    let mut rnd = |n: usize| {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((state >> 33) as usize) % n
-    };
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny");
     let mut models = Vec::new();
     for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
@@ -431,22 +455,67 @@ fn mtp_with_prefix_caching_equals_each_request_alone() {
         )
         .unwrap();
         m.set_kv_cache_dtype(dtype);
-        models.push((dtype, m));
+        models.push((format!("{dtype:?}"), m));
     }
+    mtp_prefix_cases(&models, 16, 0x9d1c_0f2e_77a3_5b61, &[2, 3, 4, 8], 5..45);
+}
+
+/// The same over DeepSeek-V4's MTP fixtures (its MTP block's cache rows keyed with the token
+/// after a block, as V3's), blocks of 4 to 16 over prompts that reach past the 128-token window.
+#[test]
+fn v4_mtp_with_prefix_caching_equals_each_request_alone() {
+    let models: Vec<(String, DeepseekV4)> = ["flash_tiny", "pro_tiny"]
+        .into_iter()
+        .map(|f| {
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../fixtures/v4")
+                .join(f);
+            let opts = V4LoadOptions {
+                load_mtp: true,
+                ..Default::default()
+            };
+            (f.to_string(), DeepseekV4::load(&dir, opts).unwrap())
+        })
+        .collect();
+    mtp_prefix_cases(&models, 6, 0x51f0_77c3_2a9e_d411, &[4, 8, 16], 100..220);
+}
+
+/// `iters` random cases (`CACHALOT_FUZZ_ITERS` overrides) of streams over `models`: each
+/// request, batched in waves with prefix caching and MTP, gets the tokens, drafts and accepted
+/// drafts it gets alone with MTP and without the cache. Prompts start with a piece of one of
+/// two shared texts of `text_lens` tokens.
+fn mtp_prefix_cases<M: Model>(
+    models: &[(String, M)],
+    iters: usize,
+    seed: u64,
+    block_sizes: &[usize],
+    text_lens: std::ops::Range<usize>,
+) {
+    let iters: usize = std::env::var("CACHALOT_FUZZ_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(iters);
+    let mut state = seed;
+    let mut rnd = |n: usize| {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) as usize) % n
+    };
     let (mut hits, mut drafted) = (0, 0);
     for it in 0..iters {
-        let (dtype, m) = &models[rnd(models.len())];
+        let (label, m) = &models[rnd(models.len())];
         let vocab = Model::vocab_size(m);
         let next_n = 1 + rnd(3);
-        let bs = [2, 3, 4, 8][rnd(4)];
+        let bs = block_sizes[rnd(block_sizes.len())];
         let cfg = EngineConfig {
             block_size: bs,
-            num_blocks: 256,
+            num_blocks: 512,
             batch_size: 1 + rnd(6),
             max_prefill_tokens: 1 + rnd(40),
         };
         let n = 2 + rnd(8);
-        let prompts = shared_prompts(&mut rnd, 2, n, 4, vocab);
+        let prompts = shared_prompts(&mut rnd, 2, n, 4, text_lens.clone(), vocab);
         let request = |i: usize| {
             let mut r = greedy_request(&prompts[i], 1 + (i * 7 + it) % 9);
             r.ignore_eos = true;
@@ -459,7 +528,7 @@ fn mtp_with_prefix_caching_equals_each_request_alone() {
             }
             r
         };
-        let run = |e: &mut Engine<&DeepseekV3>| e.run_to_completion(|_, _| {}).unwrap();
+        let run = |e: &mut Engine<&M>| e.run_to_completion(|_, _| {}).unwrap();
         let alone: Vec<_> = (0..n)
             .map(|i| {
                 let mut e = Engine::new(m, None, cfg).unwrap();
@@ -469,7 +538,7 @@ fn mtp_with_prefix_caching_equals_each_request_alone() {
             })
             .collect();
         let wave: Vec<usize> = (0..n).map(|_| rnd(3)).collect();
-        let what = format!("case {it}: {dtype:?} next_n {next_n} {cfg:?}");
+        let what = format!("case {it}: {label} next_n {next_n} {cfg:?}");
         let mut e = Engine::new(m, None, cfg).unwrap();
         e.enable_mtp(next_n).unwrap();
         e.enable_prefix_caching().unwrap();
@@ -553,9 +622,12 @@ fn shared_prompts(
     texts: usize,
     n: usize,
     tail: usize,
+    text_lens: std::ops::Range<usize>,
     vocab: usize,
 ) -> Vec<Vec<u32>> {
-    let lens: Vec<usize> = (0..texts).map(|_| 5 + rnd(40)).collect();
+    let lens: Vec<usize> = (0..texts)
+        .map(|_| text_lens.start + rnd(text_lens.len()))
+        .collect();
     let texts = common::prompts(&lens, vocab);
     (0..n)
         .map(|i| {
@@ -611,7 +683,7 @@ fn random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
             max_prefill_tokens: 1 + rnd(40),
         };
         let n = 2 + rnd(10);
-        let prompts = shared_prompts(&mut rnd, 3, n, 6, vocab);
+        let prompts = shared_prompts(&mut rnd, 3, n, 6, 5..45, vocab);
         let new: Vec<usize> = (0..n).map(|_| 1 + rnd(10)).collect();
         let wave: Vec<usize> = (0..n).map(|_| rnd(3)).collect();
         if (0..n).any(|i| (prompts[i].len() + new[i]).div_ceil(bs) >= cfg.num_blocks) {

@@ -319,6 +319,19 @@ fn with_ckpt_false_runs_random_weights_of_the_configs_shapes() {
     let log = std::fs::read_to_string(c8.dir.join("run.log")).unwrap();
     assert!(log.contains("random w8a8c8 weights"), "{log}");
     assert_eq!(c8.outputs.len(), 2);
+    // A C8 cache is read quantized where a prompt's own rows are not: prefix caching stays off
+    // under `auto` and is refused by name when asked for.
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(c8.dir.join("summary.json")).unwrap())
+            .unwrap();
+    assert!(summary["prefix_cache"].is_null(), "{summary}");
+    let mut on = opts(tmp.path(), None);
+    on.prefix_caching = Some(true);
+    let e = match run(&cfg, &on) {
+        Ok(_) => panic!("prefix caching ran over a C8 cache"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("C8"), "{e}");
 
     // A Kimi-K2-Thinking-style directory (compressed-tensors pack-quantized int4 experts): the
     // random weights are written in that layout and loaded as such, not converted.

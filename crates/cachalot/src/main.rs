@@ -72,7 +72,8 @@ impl KvDtypeArg {
 /// `--prefix-caching`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub(crate) enum PrefixCachingArg {
-    /// On where it runs exactly: the DeepSeek-V3 family without a C8 (int8) cache.
+    /// On where it runs exactly: DeepSeek-V3/R1/Kimi-K2 without a C8 (int8) cache, and
+    /// DeepSeek-V4.
     #[default]
     Auto,
     On,

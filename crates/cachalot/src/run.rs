@@ -66,8 +66,8 @@ pub struct RunArgs {
     kv_cache_dtype: crate::KvDtypeArg,
     /// Prefix caching (vLLM's automatic prefix caching; the seed has none): a prompt's first
     /// whole KV blocks already computed for an earlier request are shared, not computed again
-    /// (outputs unchanged). `auto`: on for the DeepSeek-V3 family without a C8 cache, off
-    /// otherwise; `on` refuses a run where it cannot be. Recorded in summary.json.
+    /// (outputs unchanged). `auto`: on for DeepSeek-V3/R1/Kimi-K2 without a C8 cache and for
+    /// DeepSeek-V4, off otherwise; `on` refuses a run where it cannot be. Recorded in summary.json.
     #[arg(long, value_enum, default_value = "auto")]
     prefix_caching: crate::PrefixCachingArg,
     /// Time the phases of every step (attention's parts, dense MLP, MoE, head, the engine's
