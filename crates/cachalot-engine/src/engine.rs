@@ -118,6 +118,12 @@ pub trait Model {
     fn supports_prefix_caching(&self) -> bool {
         false
     }
+    /// A generated position's cache entries have the bits a prefill of the same tokens writes
+    /// (no path that depends on whether a position is a prompt's), so prefix caching may share
+    /// blocks of generated tokens too (a second turn that repeats the first exchange).
+    fn generated_rows_are_prefill_rows(&self) -> bool {
+        false
+    }
 }
 
 impl Model for DeepseekV3 {
@@ -180,6 +186,11 @@ impl Model for DeepseekV4 {
     /// and indexer key of a block it ends) sits at its own slot and depends only on the tokens
     /// up to it, and a position's bits do not depend on how a prompt is cut into steps.
     fn supports_prefix_caching(&self) -> bool {
+        true
+    }
+    /// Decode and verify steps compute a position as a prefill chunk does (no MLA-style path
+    /// rule): generated blocks are shared too.
+    fn generated_rows_are_prefill_rows(&self) -> bool {
         true
     }
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
@@ -269,6 +280,9 @@ impl<T: Model + ?Sized> Model for &T {
     }
     fn supports_prefix_caching(&self) -> bool {
         (**self).supports_prefix_caching()
+    }
+    fn generated_rows_are_prefill_rows(&self) -> bool {
+        (**self).generated_rows_are_prefill_rows()
     }
 }
 
@@ -828,6 +842,8 @@ impl<'t, M: Model> Engine<'t, M> {
             ));
         }
         self.scheduler.enable_prefix_caching();
+        self.scheduler
+            .set_share_generated(self.model.generated_rows_are_prefill_rows());
         self.match_prefix_lookahead();
         self.stats.prefix_caching = true;
         Ok(())

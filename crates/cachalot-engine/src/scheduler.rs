@@ -181,6 +181,9 @@ pub struct Scheduler {
     running: Vec<u64>,
     seqs: HashMap<u64, Seq>,
     lookahead: usize,
+    /// Blocks of generated tokens are offered to the prefix cache too: the model computes a
+    /// generated position's KV with the bits a prefill of the same tokens gives (DeepSeek-V4).
+    share_generated: bool,
 }
 
 impl Scheduler {
@@ -193,6 +196,7 @@ impl Scheduler {
             running: Vec::new(),
             seqs: HashMap::new(),
             lookahead: 0,
+            share_generated: false,
         }
     }
 
@@ -291,6 +295,15 @@ impl Scheduler {
         self.kv.enable_prefix_caching();
     }
 
+    /// Whether blocks of generated tokens are offered to the prefix cache too (and taken back
+    /// when a preempted request recomputes): only for a model whose decode steps write a
+    /// position's KV with the bits a prefill of the same tokens writes (DeepSeek-V4; not the
+    /// V3 family, whose generated positions take the absorbed MLA path). A second turn that
+    /// repeats a whole first exchange then finds the answer's blocks too.
+    pub fn set_share_generated(&mut self, on: bool) {
+        self.share_generated = on;
+    }
+
     /// Blocks' cache rows depend on the `n` tokens after them (MTP: 1); see
     /// [`KvBlockManager::set_prefix_lookahead`]. Set before requests are added. A request's
     /// blocks are then offered to the prefix cache as its MTP rows are reported
@@ -337,11 +350,12 @@ impl Scheduler {
     }
 
     /// Offers `id`'s blocks of prompt tokens, all computed, to the prefix cache. Blocks that
-    /// hold generated tokens are not offered: their KV was made by decode steps, and a later
-    /// prompt that repeats them (a second turn) must get the KV a prefill makes (the same up to
-    /// rounding on an f32 cache, but a bf16 cache's decode attention runs BF16 × BF16). With a
-    /// prefix lookahead (MTP), a block is offered once the MTP layer's rows of all its positions
-    /// are written too.
+    /// hold generated tokens are not offered unless [`Scheduler::set_share_generated`] says the
+    /// model's decode steps write a prefill's bits: their KV was made by decode steps, and a
+    /// later prompt that repeats them (a second turn) must get the KV a prefill makes (on the V3
+    /// family the same only up to rounding: generated positions take the absorbed MLA path).
+    /// With a prefix lookahead (MTP), a block is offered once the MTP layer's rows of all its
+    /// positions are written too.
     fn register_computed(&mut self, id: u64) {
         if !self.kv.prefix_caching() {
             return;
@@ -352,7 +366,11 @@ impl Scheduler {
         if s.tokens.is_none() {
             return;
         }
-        let mut done = s.num_computed.min(s.prompt_len);
+        let mut done = if self.share_generated {
+            s.num_computed
+        } else {
+            s.num_computed.min(s.prompt_len)
+        };
         if la > 0 {
             done = done.min(s.mtp_computed);
         }
@@ -376,9 +394,15 @@ impl Scheduler {
     /// How many whole blocks a request admitted with nothing computed may take from the cache:
     /// its last known token always runs, and a recompute takes only blocks of its prompt (its
     /// generated tokens run as generated positions, with their decode steps' bits, where a
-    /// longer prompt that holds the same tokens registered prompt-computed ones).
-    fn most_hits(s: &Seq, block_size: usize) -> usize {
-        ((s.num_tokens - 1) / block_size).min(s.prompt_len / block_size)
+    /// longer prompt that holds the same tokens registered prompt-computed ones) unless
+    /// generated blocks are shared (`share_generated`: the bits are the same either way).
+    fn most_hits(s: &Seq, block_size: usize, share_generated: bool) -> usize {
+        let known = (s.num_tokens - 1) / block_size;
+        if share_generated {
+            known
+        } else {
+            known.min(s.prompt_len / block_size)
+        }
     }
 
     /// The cached blocks a request being admitted with nothing computed may take.
@@ -387,7 +411,7 @@ impl Scheduler {
         if !s.reuse || s.num_computed != 0 || s.tokens.is_none() {
             return Vec::new();
         }
-        let most = Self::most_hits(s, self.kv.block_size());
+        let most = Self::most_hits(s, self.kv.block_size(), self.share_generated);
         self.extend_keys(id, most);
         let s = &self.seqs[&id];
         let keys = &s.keys[..most.min(s.keys.len())];
@@ -565,7 +589,7 @@ impl Scheduler {
         if !s.reuse || in_flight.is_empty() {
             return false;
         }
-        hits < Self::most_hits(s, self.kv.block_size()).min(s.keys.len())
+        hits < Self::most_hits(s, self.kv.block_size(), self.share_generated).min(s.keys.len())
             && in_flight.contains(&s.keys[hits])
     }
 

@@ -295,7 +295,7 @@ fn prefix_cached_greedy_equals_each_request_alone() {
     {
         let mut m = load(name);
         m.set_kv_cache_dtype(dtype);
-        prefix_waves(name, &m, &[30, 3, 9, 1, 14, 5], roomy, 24);
+        prefix_waves(name, &m, &[30, 3, 9, 1, 14, 5], roomy, 24, false);
     }
 }
 
@@ -303,7 +303,9 @@ fn prefix_cached_greedy_equals_each_request_alone() {
 /// compressed entry and indexer key of a block it ends) sits at its own slot and depends only
 /// on the tokens up to it, so shared prompt blocks are what the sharer would write: a system
 /// prompt past the 128-token window and the first ratio-128 block, cut at blocks of 16, and
-/// second turns that repeat a whole first exchange, in a roomy pool and a tight one.
+/// second turns that repeat a whole first exchange, in a roomy pool and a tight one. A decode
+/// step writes a position's state with the bits a prefill does, so the answer's blocks are
+/// shared too.
 #[test]
 fn v4_prefix_cached_greedy_equals_each_request_alone() {
     for fixture in ["flash_tiny", "pro_tiny"] {
@@ -317,19 +319,21 @@ fn v4_prefix_cached_greedy_equals_each_request_alone() {
             batch_size: 4,
             max_prefill_tokens: 48,
         };
-        prefix_waves(fixture, &m, &[150, 3, 21, 1, 33, 5], cfg, 18);
+        prefix_waves(fixture, &m, &[150, 3, 21, 1, 33, 5], cfg, 18, true);
     }
 }
 
 /// Two waves of requests (`lens`: a system prompt, then questions) through an engine with
 /// prefix caching, in `roomy` and in a pool of `tight_blocks`: wave 1 shares the system
-/// prompt, wave 2 each first exchange; every request gets its greedy tokens alone.
+/// prompt, wave 2 each first exchange (its prompt's blocks, and with `generated` its answer's
+/// too); every request gets its greedy tokens alone.
 fn prefix_waves<M: Model + CausalLm>(
     name: &str,
     m: &M,
     lens: &[usize],
     roomy: EngineConfig,
     tight_blocks: usize,
+    generated: bool,
 ) {
     let tight = EngineConfig {
         num_blocks: tight_blocks,
@@ -360,7 +364,13 @@ fn prefix_waves<M: Model + CausalLm>(
             assert_eq!(o.tokens, alone, "{name}: wave 1 request {}", o.id);
             // A second turn: the whole first exchange, then more.
             second.push([first[o.id as usize].as_slice(), &o.tokens, &parts[2]].concat());
-            base.push(first[o.id as usize].len());
+            // Positions whose KV the first exchange computed (all but its last token), or only
+            // its prompt's.
+            base.push(if generated {
+                first[o.id as usize].len() + o.tokens.len() - 1
+            } else {
+                first[o.id as usize].len()
+            });
         }
         let wave1 = engine.stats().prefix_cached_tokens;
         // Wave 2: each second turn finds its first exchange (and the system prompt).
@@ -375,7 +385,7 @@ fn prefix_waves<M: Model + CausalLm>(
             let alone = eval::greedy(m, &second[k], n_new).unwrap();
             assert_eq!(o.tokens, alone, "{name}: wave 2 request {k}");
             if !tight_pool {
-                // The first exchange's prompt in whole blocks.
+                // The first exchange's computed positions in whole blocks.
                 assert_eq!(
                     o.timing.cached_tokens,
                     base[k] / bs * bs,
@@ -502,9 +512,11 @@ fn mtp_prefix_cases<M: Model>(
             .wrapping_add(1442695040888963407);
         ((state >> 33) as usize) % n
     };
-    let (mut hits, mut drafted) = (0, 0);
+    let (mut hits, mut drafted, mut answer_hits) = (0, 0, 0);
+    let mut shares_answers = false;
     for it in 0..iters {
         let (label, m) = &models[rnd(models.len())];
+        shares_answers |= Model::generated_rows_are_prefill_rows(m);
         let vocab = Model::vocab_size(m);
         let next_n = 1 + rnd(3);
         let bs = block_sizes[rnd(block_sizes.len())];
@@ -560,12 +572,50 @@ fn mtp_prefix_cases<M: Model>(
                 drafted += o.drafted;
             }
         }
+        // Second turns: a request's prompt and answer, then a token more (the answer's blocks
+        // are shared where the model says generated rows are prefill rows).
+        let turns: Vec<Request> = (0..n.min(3))
+            .map(|i| {
+                let mut r = request(i);
+                r.prompt = [prompts[i].as_slice(), &alone[i].tokens, &[2 + i as u32]].concat();
+                r
+            })
+            .collect();
+        let mut ids = Vec::new();
+        for (k, r) in turns.iter().enumerate() {
+            ids.push((e.add_request(r.clone()).unwrap(), k));
+        }
+        for o in run(&mut e) {
+            let k = ids.iter().find(|(id, _)| *id == o.id).unwrap().1;
+            let mut one = Engine::new(m, None, cfg).unwrap();
+            one.enable_mtp(next_n).unwrap();
+            one.add_request(turns[k].clone()).unwrap();
+            let a = run(&mut one).pop().unwrap();
+            assert_eq!(o.tokens, a.tokens, "{what}: second turn {k}");
+            assert_eq!(
+                (o.drafted, o.accepted_drafts),
+                (a.drafted, a.accepted_drafts),
+                "{what}: second turn {k}"
+            );
+            hits += o.timing.cached_tokens;
+            // Cached past the first turn's whole prompt blocks: its answer's blocks.
+            if o.timing.cached_tokens > prompts[k].len() / bs * bs {
+                answer_hits += 1;
+            }
+        }
         assert_eq!(e.stats().preemptions, 0, "{what}");
         e.scheduler().check_invariants().unwrap();
         assert_eq!(e.scheduler().kv().pool().num_used(), 0, "{what}");
     }
     assert!(hits > 0, "no prompt ever took cached blocks");
     assert!(drafted > 0, "no request drafted");
+    // Where generated blocks are shared, some second turn took its first answer's blocks;
+    // elsewhere none did.
+    assert_eq!(
+        answer_hits > 0,
+        shares_answers,
+        "{answer_hits} second turns"
+    );
 }
 
 /// With MTP, a request that ends right after its prompt (one token: as a prefill server's
