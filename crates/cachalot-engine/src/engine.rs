@@ -175,7 +175,8 @@ impl Model for DeepseekV3 {
     fn supports_prefix_caching(&self) -> bool {
         // C8: a prompt's naive attention reads its own rows un-quantized but cached rows as
         // int8, so a prompt cut after cached blocks would not get its whole prefill's bits.
-        self.cache_spec().int8_width == 0
+        // force_eplb: a token's experts depend on its place in the step.
+        self.cache_spec().int8_width == 0 && !self.forces_eplb()
     }
 }
 
@@ -184,14 +185,15 @@ impl Model for DeepseekV3 {
 impl Model for DeepseekV4 {
     /// Every piece of a position's state (window K, compressor inputs, the compressed entry
     /// and indexer key of a block it ends) sits at its own slot and depends only on the tokens
-    /// up to it, and a position's bits do not depend on how a prompt is cut into steps.
+    /// up to it, and a position's bits do not depend on how a prompt is cut into steps (not
+    /// under force_eplb, where a token's experts depend on its place in the step).
     fn supports_prefix_caching(&self) -> bool {
-        true
+        !self.forces_eplb()
     }
     /// Decode and verify steps compute a position as a prefill chunk does (no MLA-style path
     /// rule): generated blocks are shared too.
     fn generated_rows_are_prefill_rows(&self) -> bool {
-        true
+        !self.forces_eplb()
     }
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
         Ok(DeepseekV4::forward(self, batch, cache, false)?.logits)
@@ -832,7 +834,8 @@ impl<'t, M: Model> Engine<'t, M> {
             return Err(EngineError::Request(
                 "this model's cache cannot be shared between requests (prefix caching): a C8 \
                  (int8) latent cache is read quantized where a prompt's own rows are not, so a \
-                 prompt cut after shared blocks would not get its own prefill's bits"
+                 prompt cut after shared blocks would not get its own prefill's bits; under \
+                 force_eplb a token's experts depend on its place in the step"
                     .into(),
             ));
         }
@@ -1309,7 +1312,9 @@ impl<'t, M: Model> Engine<'t, M> {
             live.first_scheduled.get_or_insert(now);
             if it.admitted && self.stats.prefix_caching {
                 live.cached_tokens.get_or_insert(it.cached);
-                self.stats.prefix_cached_tokens += it.cached;
+                // A recompute may take back its own generated blocks: only the prompt's count
+                // against the prompt tokens looked up.
+                self.stats.prefix_cached_tokens += it.cached.min(live.prompt_len);
                 if live.top_prompt_logprobs.is_none() {
                     self.stats.prefix_query_tokens += live.prompt_len;
                 }
@@ -1782,7 +1787,8 @@ impl<'t, M: Model> Engine<'t, M> {
 
     /// With MTP and prefix caching: requests that end before the MTP catch-up of their last
     /// prompt rows (a prefill server's requests, which export them; answers of one token) run
-    /// it now, in one forward, up to their last whole prompt block, so those blocks can be
+    /// it now, in one forward, up to their last whole prompt block (or, where generated blocks
+    /// are shared, their last whole block of computed positions), so those blocks can be
     /// shared too (its time counts as prefill). Call before they retire.
     fn catch_up_prompt_rows(&mut self, ids: &[u64]) -> Result<(), EngineError> {
         if ids.is_empty() || self.next_n == 0 || self.scheduler.kv().prefix_lookahead() == 0 {
@@ -1800,7 +1806,14 @@ impl<'t, M: Model> Engine<'t, M> {
             let Some(p) = &live.mtp_pending else {
                 continue;
             };
-            let end = (p.first + p.rows).min(live.prompt_len / bs * bs);
+            // Up to the last whole block that may be offered: of the prompt, or where generated
+            // blocks are shared, of the positions computed (the last token is never fed).
+            let offered = if self.scheduler.shares_generated() {
+                live.tokens.len() - 1
+            } else {
+                live.prompt_len
+            };
+            let end = (p.first + p.rows).min(offered / bs * bs);
             if p.first >= end || live.tokens.len() <= end {
                 continue;
             }

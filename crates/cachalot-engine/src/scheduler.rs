@@ -30,7 +30,8 @@
 //!
 //! Prefix caching (when the pool has it on, [`KvBlockManager::enable_prefix_caching`]): a request
 //! added with its tokens ([`Scheduler::add_prompt`]) registers each of its blocks of prompt
-//! tokens once they are all computed (checked at the start of every step, and when it finishes or is
+//! tokens (and of generated ones too with [`Scheduler::set_share_generated`]) once they are all
+//! computed (checked at the start of every step, and when it finishes or is
 //! preempted), and when it is admitted with nothing computed (first admission, or recompute
 //! after preemption) it takes the longest run of registered blocks matching its first tokens:
 //! they count as computed and its first chunk starts after them. At least the last known token
@@ -303,6 +304,9 @@ impl Scheduler {
     pub fn set_share_generated(&mut self, on: bool) {
         self.share_generated = on;
     }
+    pub fn shares_generated(&self) -> bool {
+        self.share_generated
+    }
 
     /// Blocks' cache rows depend on the `n` tokens after them (MTP: 1); see
     /// [`KvBlockManager::set_prefix_lookahead`]. Set before requests are added. A request's
@@ -566,7 +570,9 @@ impl Scheduler {
     }
 
     /// Adds the keys of `id`'s whole prompt blocks that it has not offered to the prefix cache
-    /// yet (it computes them in this step or later ones) to `keys`.
+    /// yet (it computes them in this step or later ones) to `keys`. Generated blocks in flight
+    /// are not listed (a request whose next block one of them is computes it too: no harm, no
+    /// wait).
     fn add_in_flight(&mut self, id: u64, keys: &mut HashSet<BlockKey>) {
         let s = &self.seqs[&id];
         if s.tokens.is_none() {
@@ -1157,16 +1163,18 @@ mod tests {
 
         /// Prefix caching under any sequence of admissions, chunked prefills, finishes,
         /// aborts and preemptions: every KV a step reads is what the request itself would have
-        /// written, a shared block is never written, nothing leaks (`run_cached`).
+        /// written, a shared block is never written, nothing leaks (`run_cached`); with blocks
+        /// of generated tokens shared too (`share`) or not.
         #[test]
         fn prefix_cache_reads_are_exact_and_blocks_balance(
             blocks in 2usize..24,
             bs in 1usize..6,
             batch in 1usize..6,
             budget in 1usize..20,
+            share in proptest::bool::ANY,
             ops in proptest::collection::vec(cached_op(), 1..80),
         ) {
-            run_cached(blocks, bs, batch, budget, ops)?;
+            run_cached(blocks, bs, batch, budget, share, ops)?;
         }
     }
 
@@ -1221,10 +1229,12 @@ mod tests {
         bs: usize,
         batch: usize,
         budget: usize,
+        share_generated: bool,
         ops: Vec<CachedOp>,
     ) -> Result<usize, TestCaseError> {
         let mut s = sched(blocks, bs, batch, budget);
         s.enable_prefix_caching();
+        s.set_share_generated(share_generated);
         let common: Vec<u32> = (0..40u32).map(|i| i * 7 % 5 + 1).collect();
         let mut cache: Vec<Vec<Option<u64>>> = vec![vec![None; bs]; blocks];
         let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
@@ -1325,10 +1335,12 @@ mod tests {
             v
         };
         // Roomy pool: every request after the first takes 4 blocks of 4 (16 of its 18 tokens).
-        let hits = run_cached(64, 4, 8, 64, ops(4)).unwrap();
+        let hits = run_cached(64, 4, 8, 64, false, ops(4)).unwrap();
         assert_eq!(hits, 3 * 16);
-        // A tight pool preempts and recomputes, still exact.
-        run_cached(9, 4, 4, 8, ops(6)).unwrap();
+        // A tight pool preempts and recomputes, still exact, with generated blocks shared or
+        // not.
+        run_cached(9, 4, 4, 8, false, ops(6)).unwrap();
+        run_cached(9, 4, 4, 8, true, ops(6)).unwrap();
         // A second turn: of the first request's prompt and output (17 + 7 = 24 tokens, all
         // computed), the 4 whole blocks of its prompt are registered, and the new prompt of 27
         // tokens takes them.
@@ -1355,6 +1367,29 @@ mod tests {
         let p = s.schedule();
         let it = p.items.iter().find(|i| i.id == 3).unwrap();
         assert_eq!((it.cached, it.start, it.len), (0, 0, 27));
+        s.check_invariants().unwrap();
+
+        // Sharing generated blocks (DeepSeek-V4): all 24 positions of the first exchange are
+        // computed here (each appended token is scheduled), so its 6 blocks are registered,
+        // generated ones too, and the second turn takes them all.
+        let mut s = sched(64, 4, 8, 64);
+        s.enable_prefix_caching();
+        s.set_share_generated(true);
+        let mut t: Vec<u32> = (0..17).map(|i| i % 3 + 1).collect();
+        s.add_prompt(1, &t, 30, true).unwrap();
+        s.schedule();
+        for _ in 0..7 {
+            let next = next_token(&t);
+            t.push(next);
+            s.append_token_ids(1, &[next]);
+            s.schedule();
+        }
+        s.finish(1);
+        assert_eq!(s.kv().num_cached_blocks(), 6);
+        t.extend([9, 9, 9]);
+        s.add_prompt(2, &t, 40, true).unwrap();
+        let p = s.schedule();
+        assert_eq!((p.items[0].cached, p.items[0].start), (24, 24));
         s.check_invariants().unwrap();
     }
 }

@@ -319,8 +319,30 @@ fn v4_prefix_cached_greedy_equals_each_request_alone() {
             batch_size: 4,
             max_prefill_tokens: 48,
         };
-        prefix_waves(fixture, &m, &[150, 3, 21, 1, 33, 5], cfg, 18, true);
+        // The longest first exchange (150 + 110 + 8) passes position 255, where the second
+        // ratio-128 block's entry is pooled from A/Z rows partly in shared blocks.
+        prefix_waves(fixture, &m, &[150, 3, 21, 1, 110, 5], cfg, 24, true);
     }
+}
+
+/// A greedy request of `n` tokens that records each token's log-probability.
+fn with_logprobs(prompt: &[u32], n: usize) -> Request {
+    Request {
+        logprobs: Some(1),
+        ..greedy_request(prompt, n)
+    }
+}
+
+/// `prompt` run alone (no prefix caching), with log-probabilities.
+fn alone_with_logprobs<M: Model>(
+    m: &M,
+    prompt: &[u32],
+    n: usize,
+    cfg: EngineConfig,
+) -> cachalot_engine::RequestOutput {
+    let mut e = Engine::new(m, None, cfg).unwrap();
+    e.add_request(with_logprobs(prompt, n)).unwrap();
+    e.run_to_completion(|_, _| {}).unwrap().pop().unwrap()
 }
 
 /// Two waves of requests (`lens`: a system prompt, then questions) through an engine with
@@ -353,15 +375,21 @@ fn prefix_waves<M: Model + CausalLm>(
         engine.enable_prefix_caching().unwrap();
         // Wave 1: the same system prompt, different questions, all at once.
         for p in &first {
-            engine.add_request(greedy_request(p, n_new)).unwrap();
+            engine.add_request(with_logprobs(p, n_new)).unwrap();
         }
         let outs = engine.run_to_completion(|_, _| {}).unwrap();
         // Each second turn, with the length of the first exchange's prompt.
         let mut second = Vec::new();
         let mut base = Vec::new();
         for o in &outs {
-            let alone = eval::greedy(m, &first[o.id as usize], n_new).unwrap();
-            assert_eq!(o.tokens, alone, "{name}: wave 1 request {}", o.id);
+            let alone = alone_with_logprobs(m, &first[o.id as usize], n_new, roomy);
+            assert_eq!(o.tokens, alone.tokens, "{name}: wave 1 request {}", o.id);
+            // The bits: each token's log-probability, exactly.
+            assert_eq!(
+                o.logprobs, alone.logprobs,
+                "{name}: wave 1 request {}",
+                o.id
+            );
             // A second turn: the whole first exchange, then more.
             second.push([first[o.id as usize].as_slice(), &o.tokens, &parts[2]].concat());
             // Positions whose KV the first exchange computed (all but its last token), or only
@@ -376,14 +404,15 @@ fn prefix_waves<M: Model + CausalLm>(
         // Wave 2: each second turn finds its first exchange (and the system prompt).
         let mut ids = Vec::new();
         for p in &second {
-            ids.push(engine.add_request(greedy_request(p, n_new)).unwrap());
+            ids.push(engine.add_request(with_logprobs(p, n_new)).unwrap());
         }
         let outs = engine.run_to_completion(|_, _| {}).unwrap();
         let stats = engine.stats().clone();
         for o in &outs {
             let k = ids.iter().position(|&i| i == o.id).unwrap();
-            let alone = eval::greedy(m, &second[k], n_new).unwrap();
-            assert_eq!(o.tokens, alone, "{name}: wave 2 request {k}");
+            let alone = alone_with_logprobs(m, &second[k], n_new, roomy);
+            assert_eq!(o.tokens, alone.tokens, "{name}: wave 2 request {k}");
+            assert_eq!(o.logprobs, alone.logprobs, "{name}: wave 2 request {k}");
             if !tight_pool {
                 // The first exchange's computed positions in whole blocks.
                 assert_eq!(

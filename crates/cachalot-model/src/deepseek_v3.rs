@@ -717,6 +717,12 @@ impl DeepseekV3 {
         Ok(())
     }
 
+    /// Whether `force_eplb` routes the experts (then a token's experts depend on its place in
+    /// the step, so its KV depends on the batch: no prefix caching).
+    pub fn forces_eplb(&self) -> bool {
+        self.force_eplb.is_some()
+    }
+
     /// Holds `lm_head` in int8 (W8A8: one scale per vocabulary row, int8 token activations;
     /// `Matrix::to_w8a8`), as llama.cpp's Q8_0 files hold their output matrix. A runtime
     /// choice, off by default: the seed's W8A8 checkpoints keep `lm_head` in bf16 (spec §5), so

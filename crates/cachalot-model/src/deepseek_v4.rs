@@ -854,6 +854,12 @@ impl DeepseekV4 {
         Ok(())
     }
 
+    /// Whether `force_eplb` routes the experts (then a token's experts depend on its place in
+    /// the step, so its KV depends on the batch: no prefix caching).
+    pub fn forces_eplb(&self) -> bool {
+        self.force_eplb.is_some()
+    }
+
     /// Holds the output `head` in int8 (W8A8, one scale per row; see
     /// `DeepseekV3::quantize_head_int8`). Off by default (the seed keeps it in bf16).
     pub fn quantize_head_int8(&mut self) {
