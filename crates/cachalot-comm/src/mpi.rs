@@ -98,17 +98,40 @@ fn check(rc: c_int, what: &str) -> CommResult<()> {
     }
 }
 
-/// How long a wait polls without pause before it starts to sleep between polls (a step's
-/// collectives finish within it; an idle server's rank waits on and sleeps).
+/// How long a wait polls without pause before it starts to sleep between polls, unless
+/// `CACHALOT_MPI_SPIN_US` says otherwise. On one host 200 µs keeps a step's collectives as
+/// fast as blocking calls; where ranks share cores with the kernel's network work (several
+/// ranks per core, or Open MPI's TCP transport on a small machine) a shorter spin frees them
+/// sooner (docs/PERF.md).
 const SPIN: Duration = Duration::from_micros(200);
 
-/// The longest sleep between polls of a long wait (the delay a rank that waited long may add
-/// before it sees the operation done).
-const MAX_NAP: Duration = Duration::from_micros(500);
+/// [`SPIN`], or `CACHALOT_MPI_SPIN_US` microseconds.
+fn spin() -> Duration {
+    static SPIN_US: OnceLock<Duration> = OnceLock::new();
+    *SPIN_US.get_or_init(|| {
+        std::env::var("CACHALOT_MPI_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(SPIN, Duration::from_micros)
+    })
+}
+
+/// The longest sleep between polls while a wait is young: MPI moves a transfer along only
+/// inside its calls (Open MPI's TCP transport needs several rounds of them per collective), so
+/// a step's collectives are polled often, yet the core is left to the kernel's network work
+/// and the other processes on it.
+const SHORT_NAP: Duration = Duration::from_micros(50);
+
+/// After this long a wait is an idle one (a server's rank waiting for requests)...
+const IDLE_AFTER: Duration = Duration::from_millis(10);
+
+/// ... and sleeps up to this long between polls.
+const IDLE_NAP: Duration = Duration::from_millis(1);
 
 /// Starts a nonblocking operation (`start` returns MPI's code) and waits for it: polls
-/// `MPI_Test` for [`SPIN`], then sleeps between polls, 10 µs doubling up to [`MAX_NAP`]. The
-/// buffers `start` names must outlive the call (they are the caller's locals).
+/// `MPI_Test` for [`spin`], then sleeps between polls, 10 µs doubling up to [`SHORT_NAP`], and
+/// past [`IDLE_AFTER`] up to [`IDLE_NAP`]. The buffers `start` names must outlive the call
+/// (they are the caller's locals).
 fn run_op(what: &str, start: impl FnOnce() -> c_int) -> CommResult<()> {
     check(start(), what)?;
     let t0 = Instant::now();
@@ -120,11 +143,17 @@ fn run_op(what: &str, start: impl FnOnce() -> c_int) -> CommResult<()> {
         if done != 0 {
             return Ok(());
         }
-        if t0.elapsed() < SPIN {
+        let waited = t0.elapsed();
+        if waited < spin() {
             std::hint::spin_loop();
         } else {
             std::thread::sleep(nap);
-            nap = (nap * 2).min(MAX_NAP);
+            let cap = if waited < IDLE_AFTER {
+                SHORT_NAP
+            } else {
+                IDLE_NAP
+            };
+            nap = (nap * 2).min(cap);
         }
     }
 }
