@@ -349,7 +349,18 @@ fn run() -> Result<()> {
     match &mut cli.command {
         Command::Run(a) => a.group.join_mpi()?,
         Command::Serve(a) => a.group_mut().join_mpi()?,
-        _ => {}
+        // Other commands run in one process: copies of them under a launcher of several ranks
+        // would each do the whole job (and write the same files).
+        _ => {
+            if let Some(n) = cachalot_engine::comm::mpi_launch().filter(|&n| n != Some(1)) {
+                let n = n.map_or("several".to_string(), |n| n.to_string());
+                bail!(
+                    "an MPI launcher started this process as one of {n} ranks, but only `run` \
+                     and `serve` run over ranks; start this command on its own (or with \
+                     mpirun -n 1)"
+                );
+            }
+        }
     }
     let threads = match &cli.command {
         Command::Run(a) => a.group.threads_per_rank(),

@@ -857,6 +857,20 @@ fn run_under_mpirun_equals_ranks_over_shared_memory() {
     assert!(!bad.status.success());
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("--ranks 2 under an MPI launcher"), "{err}");
+    // A one-process command under a launcher of two ranks is refused, not run twice.
+    let bad = mpirun(&[
+        "generate",
+        "--model",
+        "fixtures/v3/r1_tiny",
+        "--prompt",
+        "x",
+    ]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("only `run` and `serve` run over ranks"),
+        "{err}"
+    );
 }
 
 #[test]
