@@ -217,6 +217,8 @@ pub struct Summary {
     /// `output_tok_s_per_rank` is the group's rate over its ranks).
     pub ranks: usize,
     pub parallel: Parallel,
+    /// How the ranks exchanged data: "none" (one process), "tcp", "shared memory" or "mpi".
+    pub transport: &'static str,
     pub world_size_in_config: usize,
     pub threads: usize,
     /// What the products ran on (`cachalot_kernels::kernel_isa`: "avx512+amx-int8", "avx2", …).
@@ -1246,6 +1248,7 @@ pub fn run_ranked(
         bf16_dot: opts.bf16_dot,
         kv_cache_dtype: kv_cache_dtype.name(),
         ranks,
+        transport: comm.transport(),
         parallel: if tensor && experts_split {
             Parallel::TensorExpert
         } else if tensor {

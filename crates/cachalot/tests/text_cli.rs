@@ -695,6 +695,10 @@ fn run_with_two_ranks_equals_one_process() {
     let (s2, two) = run(&["--ranks", "2", "--transport", "tcp"]);
     assert_eq!(s1["ranks"], 1);
     assert_eq!(s2["ranks"], 2);
+    assert_eq!(
+        (&s1["transport"], &s2["transport"]),
+        (&"none".into(), &"tcp".into())
+    );
     assert_eq!(s2["per_rank"][0]["requests"], 3);
     assert_eq!(s2["per_rank"][1]["requests"], 2);
     assert_eq!(one.len(), 5);
@@ -837,6 +841,10 @@ fn run_under_mpirun_equals_ranks_over_shared_memory() {
         let (s2, mpi) = run(true, &["--parallel", parallel]);
         assert_eq!((&s1["ranks"], &s2["ranks"]), (&2.into(), &2.into()));
         assert_eq!(s2["parallel"], parallel);
+        assert_eq!(
+            (&s1["transport"], &s2["transport"]),
+            (&"shared memory".into(), &"mpi".into())
+        );
         assert_eq!(s1["per_rank"][0]["requests"], s2["per_rank"][0]["requests"]);
         assert_eq!(shm.len(), 5);
         assert_eq!(mpi.len(), 5);
