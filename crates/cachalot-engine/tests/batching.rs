@@ -731,48 +731,98 @@ fn shared_prompts(
 /// prompts moved into `shared_prompts`.)
 #[test]
 fn random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
+    let mut models = Vec::new();
+    for name in ["r1_tiny", "kimi_tiny", "v3_noq_tiny"] {
+        for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
+            let mut m = load(name);
+            m.set_kv_cache_dtype(dtype);
+            models.push((format!("{name} {dtype:?}"), m));
+        }
+    }
+    random_stream_cases(&models, 40, 0x2545_f491_4f6c_dd1d, 5..45);
+}
+
+/// The same on DeepSeek-V4's fixtures: prompts past the 128-token window and a ratio-128 block,
+/// pools small enough to preempt, and second turns that repeat an earlier request's prompt and
+/// answer (whose blocks V4 shares too).
+#[test]
+fn v4_random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
+    let models: Vec<(String, DeepseekV4)> = ["flash_tiny", "pro_tiny"]
+        .into_iter()
+        .map(|f| {
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../fixtures/v4")
+                .join(f);
+            (
+                f.to_string(),
+                DeepseekV4::load(&dir, V4LoadOptions::default()).unwrap(),
+            )
+        })
+        .collect();
+    random_stream_cases(&models, 10, 0x7f4a_7c15_9e37_79b9, 100..220);
+}
+
+/// `iters` random cases (`CACHALOT_FUZZ_ITERS` overrides) over `models`: requests in three
+/// waves (prompts starting with pieces of shared texts of `text_lens` tokens; in the last wave
+/// also second turns: an earlier request's prompt and greedy answer, then a token), blocks of
+/// 2 to 16, pools of `min_blocks` and up (some preempt); with and without prefix caching,
+/// each request gets its greedy tokens alone.
+fn random_stream_cases<M: Model + CausalLm>(
+    models: &[(String, M)],
+    iters: usize,
+    seed: u64,
+    text_lens: std::ops::Range<usize>,
+) {
     let iters: usize = std::env::var("CACHALOT_FUZZ_ITERS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(40);
-    let mut state = 0x2545_f491_4f6c_dd1du64;
+        .unwrap_or(iters);
+    let mut state = seed;
     let mut rnd = |n: usize| {
         state = state
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((state >> 33) as usize) % n
     };
-    let mut models = Vec::new();
-    for name in ["r1_tiny", "kimi_tiny", "v3_noq_tiny"] {
-        for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
-            let mut m = load(name);
-            m.set_kv_cache_dtype(dtype);
-            models.push((name, dtype, m));
-        }
-    }
-    let mut hits = 0;
+    let (mut hits, mut preempted) = (0, 0);
     for it in 0..iters {
-        let (name, dtype, m) = &models[rnd(models.len())];
+        let (name, m) = &models[rnd(models.len())];
         let vocab = Model::vocab_size(m);
         let bs = [2, 3, 4, 8, 16][rnd(5)];
-        let cfg = EngineConfig {
-            block_size: bs,
-            num_blocks: 8 + rnd(80),
-            batch_size: 1 + rnd(6),
-            max_prefill_tokens: 1 + rnd(40),
-        };
+        let (batch_size, max_prefill_tokens) = (1 + rnd(6), 1 + rnd(40));
         let n = 2 + rnd(10);
-        let prompts = shared_prompts(&mut rnd, 3, n, 6, 5..45, vocab);
-        let new: Vec<usize> = (0..n).map(|_| 1 + rnd(10)).collect();
-        let wave: Vec<usize> = (0..n).map(|_| rnd(3)).collect();
-        if (0..n).any(|i| (prompts[i].len() + new[i]).div_ceil(bs) >= cfg.num_blocks) {
-            continue;
-        }
-        let alone: Vec<Vec<u32>> = (0..n)
+        let mut prompts = shared_prompts(&mut rnd, 3, n, 6, text_lens.clone(), vocab);
+        let mut new: Vec<usize> = (0..n).map(|_| 1 + rnd(10)).collect();
+        let mut wave: Vec<usize> = (0..n).map(|_| rnd(3)).collect();
+        let mut alone: Vec<Vec<u32>> = (0..n)
             .map(|i| eval::greedy(m, &prompts[i], new[i]).unwrap())
             .collect();
+        // Second turns of first-wave requests, in the last wave.
+        let firsts: Vec<usize> = (0..n).filter(|&j| wave[j] == 0).take(2).collect();
+        for j in firsts {
+            let p = [prompts[j].as_slice(), &alone[j], &[2 + j as u32]].concat();
+            let k = 1 + rnd(6);
+            alone.push(eval::greedy(m, &p, k).unwrap());
+            prompts.push(p);
+            new.push(k);
+            wave.push(2);
+        }
+        let n = prompts.len();
+        // A pool from one that just fits the longest request (the null block aside) to four
+        // times that: the small ones preempt.
+        let need = (0..n)
+            .map(|i| (prompts[i].len() + new[i]).div_ceil(bs))
+            .max()
+            .unwrap_or(1)
+            + 1;
+        let cfg = EngineConfig {
+            block_size: bs,
+            num_blocks: need + rnd(4 * need),
+            batch_size,
+            max_prefill_tokens,
+        };
         for cached in [false, true] {
-            let what = format!("case {it}: {name} {dtype:?} {cfg:?}, prefix caching {cached}");
+            let what = format!("case {it}: {name} {cfg:?}, prefix caching {cached}");
             let mut e = Engine::new(m, None, cfg).unwrap();
             if cached {
                 e.enable_prefix_caching().unwrap();
@@ -792,7 +842,9 @@ fn random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
             }
             e.scheduler().check_invariants().unwrap();
             assert_eq!(e.scheduler().kv().pool().num_used(), 0, "{what}");
+            preempted += e.stats().preemptions;
         }
     }
     assert!(hits > 0, "no prompt ever took cached blocks");
+    assert!(preempted > 0, "no case preempted");
 }
