@@ -27,6 +27,23 @@ fn load(name: &str) -> DeepseekV3 {
     .unwrap()
 }
 
+/// Both DeepSeek-V4 fixtures (Flash- and Pro-shaped), by name, with or without their MTP block.
+fn v4_fixtures(load_mtp: bool) -> Vec<(String, DeepseekV4)> {
+    ["flash_tiny", "pro_tiny"]
+        .into_iter()
+        .map(|f| {
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../fixtures/v4")
+                .join(f);
+            let opts = V4LoadOptions {
+                load_mtp,
+                ..Default::default()
+            };
+            (f.to_string(), DeepseekV4::load(&dir, opts).unwrap())
+        })
+        .collect()
+}
+
 fn greedy_request(prompt: &[u32], n: usize) -> Request {
     Request {
         prompt: prompt.to_vec(),
@@ -308,11 +325,7 @@ fn prefix_cached_greedy_equals_each_request_alone() {
 /// shared too.
 #[test]
 fn v4_prefix_cached_greedy_equals_each_request_alone() {
-    for fixture in ["flash_tiny", "pro_tiny"] {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/v4")
-            .join(fixture);
-        let m = DeepseekV4::load(&dir, V4LoadOptions::default()).unwrap();
+    for (fixture, m) in v4_fixtures(false) {
         let cfg = EngineConfig {
             block_size: 16,
             num_blocks: 96,
@@ -321,7 +334,7 @@ fn v4_prefix_cached_greedy_equals_each_request_alone() {
         };
         // The longest first exchange (150 + 110 + 8) passes position 255, where the second
         // ratio-128 block's entry is pooled from A/Z rows partly in shared blocks.
-        prefix_waves(fixture, &m, &[150, 3, 21, 1, 110, 5], cfg, 24, true);
+        prefix_waves(&fixture, &m, &[150, 3, 21, 1, 110, 5], cfg, 24, true);
     }
 }
 
@@ -503,19 +516,7 @@ fn mtp_with_prefix_caching_equals_each_request_alone() {
 /// after a block, as V3's), blocks of 4 to 16 over prompts that reach past the 128-token window.
 #[test]
 fn v4_mtp_with_prefix_caching_equals_each_request_alone() {
-    let models: Vec<(String, DeepseekV4)> = ["flash_tiny", "pro_tiny"]
-        .into_iter()
-        .map(|f| {
-            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../fixtures/v4")
-                .join(f);
-            let opts = V4LoadOptions {
-                load_mtp: true,
-                ..Default::default()
-            };
-            (f.to_string(), DeepseekV4::load(&dir, opts).unwrap())
-        })
-        .collect();
+    let models = v4_fixtures(true);
     mtp_prefix_cases(&models, 6, 0x51f0_77c3_2a9e_d411, &[4, 8, 16], 100..220);
 }
 
@@ -747,18 +748,7 @@ fn random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
 /// answer (whose blocks V4 shares too).
 #[test]
 fn v4_random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
-    let models: Vec<(String, DeepseekV4)> = ["flash_tiny", "pro_tiny"]
-        .into_iter()
-        .map(|f| {
-            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../fixtures/v4")
-                .join(f);
-            (
-                f.to_string(),
-                DeepseekV4::load(&dir, V4LoadOptions::default()).unwrap(),
-            )
-        })
-        .collect();
+    let models = v4_fixtures(false);
     random_stream_cases(&models, 10, 0x7f4a_7c15_9e37_79b9, 100..220);
 }
 
