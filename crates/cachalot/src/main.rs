@@ -73,7 +73,7 @@ impl KvDtypeArg {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub(crate) enum PrefixCachingArg {
     /// On where it runs exactly: DeepSeek-V3/R1/Kimi-K2 without a C8 (int8) cache, and
-    /// DeepSeek-V4.
+    /// DeepSeek-V4; not under force_eplb.
     #[default]
     Auto,
     On,

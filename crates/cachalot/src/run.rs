@@ -67,7 +67,7 @@ pub struct RunArgs {
     /// Prefix caching (vLLM's automatic prefix caching; the seed has none): a prompt's first
     /// whole KV blocks already computed for an earlier request are shared, not computed again
     /// (outputs unchanged). `auto`: on for DeepSeek-V3/R1/Kimi-K2 without a C8 cache and for
-    /// DeepSeek-V4, off otherwise; `on` refuses a run where it cannot be. Recorded in summary.json.
+    /// DeepSeek-V4 (not under force_eplb), off otherwise; `on` refuses a run where it cannot be. Recorded in summary.json.
     #[arg(long, value_enum, default_value = "auto")]
     prefix_caching: crate::PrefixCachingArg,
     /// Time the phases of every step (attention's parts, dense MLP, MoE, head, the engine's
@@ -92,7 +92,9 @@ pub(crate) enum ParallelArg {
 /// HOST:PORT` (one process per rank, on any hosts, all with the same options).
 #[derive(clap::Args)]
 pub(crate) struct GroupArgs {
-    /// Threads (per rank; default: all cores, shared out among --ranks).
+    /// Threads (per rank; default: all cores, shared out among --ranks; under mpirun: the
+    /// cores the launcher bound the rank to, or, unbound, the host's cores shared among its
+    /// ranks).
     #[arg(long)]
     pub threads: Option<usize>,
     /// N processes on this host: this one is rank 0 (it writes a run's files, or answers a
@@ -112,7 +114,8 @@ pub(crate) struct GroupArgs {
     #[arg(long, requires_all = ["rank", "world_size"])]
     pub master: Option<String>,
     /// Ranks of the group on this host, which share its memory budget for the KV cache (set
-    /// by --ranks for the ranks it starts; default 1).
+    /// by --ranks for the ranks it starts; under mpirun, MPI's count of ranks on this host;
+    /// default 1).
     #[arg(long, requires = "rank")]
     pub host_ranks: Option<usize>,
     /// How the ranks share the work: `data` (each rank holds the whole model and serves its
@@ -136,7 +139,8 @@ pub(crate) struct GroupArgs {
     pub parallel: Option<ParallelArg>,
     /// How the ranks exchange data: `auto` (through shared memory when every rank of the group
     /// is on one host and can map it, a few µs a collective; payloads larger than a slot go in
-    /// slot-sized pieces; TCP otherwise; MPI when an MPI launcher started this process) or
+    /// slot-sized pieces; TCP otherwise; MPI when an MPI launcher started this process as one of
+    /// several ranks) or
     /// `tcp` (TCP through rank 0 for two ranks, every pair linked for three or more; ~60 µs a
     /// collective on a small VM) or `mpi` (the ranks of the MPI job this process belongs to:
     /// start them with `mpirun -n N cachalot …`; needs a build with `--features mpi`).
