@@ -21,7 +21,9 @@ Builds:
   dsv4_random_cases.json          "conversations": random conversations (all roles, tool calls and results with
                                   shuffled ids, tasks, wo_eos, tools, response formats) under random options with
                                   encode_messages' prompt; "completions": rendered assistant turns, intact and
-                                  randomly cut or edited, with the parser's result or error
+                                  randomly cut or edited, with the parser's result or error; "context": each
+                                  conversation cut at a random point, the tail encoded with the head as its
+                                  `context`, or the error
   dsv4_cases.json                 "wrapper": conversations through the seed tokenizer wrapper's apply_chat_template
                                   (tokenize=False -> prompt, tokenize=True -> ids) on v4_style;
                                   "encode": direct encode_messages calls (all options);
@@ -389,7 +391,30 @@ def random_cases(n_conversations=110, n_completions=260, seed=1):
         except (AssertionError, ValueError) as e:
             result, error = None, f"{type(e).__name__}: {e}"
         completions.append({"text": t, "thinking_mode": mode, "result": result, "python_error": error})
-    return {"conversations": conversations, "completions": completions}
+    return {"conversations": conversations, "completions": completions,
+            "context": context_cases(conversations)}
+
+
+def context_cases(conversations, seed=7):
+    """Each random conversation of two messages or more cut at a random point: encode_messages of the
+    tail with the head as its `context` (the already-encoded prefix), or the error it raises."""
+    rng = random.Random(seed)
+    out = []
+    for i, c in enumerate(conversations):
+        n = len(c["messages"])
+        if n < 2:
+            continue
+        k = rng.randint(1, n - 1)
+        try:
+            prompt = enc.encode_messages(copy.deepcopy(c["messages"][k:]), thinking_mode=c["thinking_mode"],
+                                         context=copy.deepcopy(c["messages"][:k]),
+                                         drop_thinking=c["drop_thinking"], add_default_bos_token=c["add_bos"],
+                                         reasoning_effort=c["reasoning_effort"])
+            error = None
+        except Exception as e:  # noqa: BLE001 - the Rust side must refuse the same inputs
+            prompt, error = None, type(e).__name__
+        out.append({"conversation": i, "split": k, "prompt": prompt, "python_error": error})
+    return out
 
 
 def main():
@@ -435,7 +460,8 @@ def main():
     (ROOT / "dsv4_random_cases.json").write_text(json.dumps(rand, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {OUT}/ and {ROOT / 'dsv4_cases.json'}: {len(out['wrapper'])} wrapper, {len(out['encode'])} encode, "
           f"{len(out['encode_errors'])} encode-error, {len(out['parse'])} parse cases; "
-          f"{len(rand['conversations'])} random conversations, {len(rand['completions'])} random completions")
+          f"{len(rand['conversations'])} random conversations, {len(rand['completions'])} random completions, "
+          f"{len(rand['context'])} of them cut into context and tail")
 
 
 if __name__ == "__main__":

@@ -422,6 +422,48 @@ fn random_conversations_match_the_seed() {
     }
 }
 
+/// The random conversations cut at a random point: the tail encoded with the head as its
+/// `context` renders as the seed renders it (no BOS after a context; tool results sorted and
+/// thinking dropped by the whole conversation).
+#[test]
+fn random_conversations_continued_from_a_context_match_the_seed() {
+    let all = random_cases();
+    let conversations = all["conversations"].as_array().unwrap();
+    let cases = all["context"].as_array().unwrap();
+    assert!(cases.len() >= 80);
+    let mut differs_from_whole = 0;
+    for case in cases {
+        let i = case["conversation"].as_u64().unwrap() as usize;
+        let k = case["split"].as_u64().unwrap() as usize;
+        let conv = &conversations[i];
+        let all_messages = messages(&conv["messages"]);
+        let (head, tail) = all_messages.split_at(k);
+        let got = dsv4::encode_messages_with_context(head, tail, &options(conv));
+        match (&case["python_error"], got) {
+            (Value::Null, Ok(text)) => {
+                assert_eq!(
+                    text,
+                    case["prompt"].as_str().unwrap(),
+                    "conversation {i} cut at {k}"
+                );
+                // Where the whole prompt does not simply end with it, the context mattered.
+                let whole = conv["prompt"].as_str().unwrap();
+                if !whole.ends_with(&text) {
+                    differs_from_whole += 1;
+                }
+            }
+            (Value::Null, Err(e)) => panic!("conversation {i} cut at {k}: {e}"),
+            (err, Ok(text)) => {
+                panic!("conversation {i} cut at {k}: the seed raised {err}, got {text:?}")
+            }
+            (_, Err(_)) => {}
+        }
+    }
+    // Dropped thinking and sorted results make some continuations differ from the whole
+    // conversation's tail: the cases test the context's rules, not only concatenation.
+    assert!(differs_from_whole > 0);
+}
+
 /// Rendered assistant turns, intact or randomly edited, parse (or fail) as the seed's parser
 /// does, except that a tool-call block cut off at the end is an error here.
 #[test]

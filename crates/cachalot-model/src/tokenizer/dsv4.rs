@@ -16,7 +16,6 @@
 //!   it is an error rather than Python's `str(list)`.
 //! - The completion parser rejects a tool-call block that is cut off (no closing
 //!   `</｜DSML｜invoke>` / `</｜DSML｜tool_calls>`), which [ENC]'s parser lets through.
-//! - No `context` prefix argument (incremental encoding of a conversation's tail).
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -546,29 +545,36 @@ fn last_user_index(turns: &[Turn<'_>]) -> Option<usize> {
 
 /// [ENC] `encode_messages`: the prompt text of a conversation.
 pub fn encode_messages(messages: &[V4Message], opts: &EncodeOptions) -> Result<String, Dsv4Error> {
-    let mut turns = merge(messages)?;
+    encode_messages_with_context(&[], messages, opts)
+}
+
+/// [ENC]'s `encode_messages(messages, context=…)`: the text that continues the already-encoded
+/// `context` with `messages` (no BOS after a context; a multi-turn client encodes each new turn
+/// alone and appends it). The whole conversation decides what is rendered (tool results sorted
+/// by the calls before them, the last user message for dropped thinking), as [ENC] does: each
+/// part is merged on its own, and with dropped thinking the rendered tail is the whole
+/// conversation's turns past as many as the context keeps on its own.
+pub fn encode_messages_with_context(
+    context: &[V4Message],
+    messages: &[V4Message],
+    opts: &EncodeOptions,
+) -> Result<String, Dsv4Error> {
+    let mut turns = merge(context)?;
+    let context_turns = turns.len();
+    turns.extend(merge(messages)?.into_iter().map(|mut t| {
+        t.index += context.len();
+        t
+    }));
     sort_tool_results(&mut turns);
     let drop_thinking = opts.drop_thinking && !turns.iter().any(|t| !t.tools.is_empty());
     let thinking = opts.thinking_mode == ThinkingMode::Thinking;
+    let mut skip = context_turns;
     if thinking && drop_thinking {
-        if let Some(last) = last_user_index(&turns) {
-            let mut kept = Vec::with_capacity(turns.len());
-            for (i, mut t) in turns.into_iter().enumerate() {
-                match t.role {
-                    _ if i >= last => kept.push(t),
-                    Role::User | Role::System | Role::LatestReminder => kept.push(t),
-                    Role::Assistant => {
-                        t.reasoning = None;
-                        kept.push(t);
-                    }
-                    Role::Developer => {}
-                }
-            }
-            turns = kept;
-        }
+        skip = kept_after_dropping(&turns[..context_turns]);
+        turns = drop_thinking_turns(turns);
     }
     let mut prompt = String::new();
-    if opts.add_bos {
+    if opts.add_bos && context.is_empty() {
         prompt.push_str(BOS);
     }
     let r = Renderer {
@@ -577,7 +583,7 @@ pub fn encode_messages(messages: &[V4Message], opts: &EncodeOptions) -> Result<S
         thinking,
         drop_thinking,
     };
-    for i in 0..turns.len() {
+    for i in skip..turns.len() {
         if i == 0 && thinking && opts.reasoning_effort == Some(ReasoningEffort::Max) {
             prompt.push_str(REASONING_EFFORT_MAX);
         }
@@ -585,6 +591,39 @@ pub fn encode_messages(messages: &[V4Message], opts: &EncodeOptions) -> Result<S
         r.transition(i, &mut prompt);
     }
     Ok(prompt)
+}
+
+/// Thinking mode's dropping: before the last user/developer turn, assistants lose their
+/// reasoning and developer turns are removed.
+fn drop_thinking_turns(turns: Vec<Turn<'_>>) -> Vec<Turn<'_>> {
+    let Some(last) = last_user_index(&turns) else {
+        return turns;
+    };
+    let mut kept = Vec::with_capacity(turns.len());
+    for (i, mut t) in turns.into_iter().enumerate() {
+        match t.role {
+            _ if i >= last => kept.push(t),
+            Role::User | Role::System | Role::LatestReminder => kept.push(t),
+            Role::Assistant => {
+                t.reasoning = None;
+                kept.push(t);
+            }
+            Role::Developer => {}
+        }
+    }
+    kept
+}
+
+/// How many of `turns` [`drop_thinking_turns`] keeps (judged by their own last user turn).
+fn kept_after_dropping(turns: &[Turn<'_>]) -> usize {
+    match last_user_index(turns) {
+        None => turns.len(),
+        Some(last) => turns
+            .iter()
+            .enumerate()
+            .filter(|(i, t)| *i >= last || t.role != Role::Developer)
+            .count(),
+    }
 }
 
 /// The tokenizer wrapper's `apply_chat_template(conversation, tools, tokenize=False, **kwargs)`:
