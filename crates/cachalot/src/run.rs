@@ -92,9 +92,9 @@ pub(crate) enum ParallelArg {
 /// HOST:PORT` (one process per rank, on any hosts, all with the same options).
 #[derive(clap::Args)]
 pub(crate) struct GroupArgs {
-    /// Threads (per rank; default: all cores, shared out among --ranks; under mpirun: the
-    /// cores the launcher bound the rank to, or, unbound, the host's cores shared among its
-    /// ranks).
+    /// Threads (per rank; default: all cores, shared out among --ranks or the --host-ranks of
+    /// this host; under mpirun: the cores the launcher bound the rank to, or, unbound, the
+    /// host's cores shared among its ranks).
     #[arg(long)]
     pub threads: Option<usize>,
     /// N processes on this host: this one is rank 0 (it writes a run's files, or answers a
@@ -113,9 +113,9 @@ pub(crate) struct GroupArgs {
     /// host:port where rank 0 of the group listens.
     #[arg(long, requires_all = ["rank", "world_size"])]
     pub master: Option<String>,
-    /// Ranks of the group on this host, which share its memory budget for the KV cache (set
-    /// by --ranks for the ranks it starts; under mpirun, MPI's count of ranks on this host;
-    /// default 1).
+    /// Ranks of the group on this host, which share its memory budget for the KV cache and its
+    /// cores (set by --ranks for the ranks it starts; under mpirun, MPI's count of ranks on
+    /// this host; default 1).
     #[arg(long, requires = "rank")]
     pub host_ranks: Option<usize>,
     /// How the ranks share the work: `data` (each rank holds the whole model and serves its
@@ -270,6 +270,9 @@ impl GroupArgs {
                     (online / self.host_ranks()).max(1)
                 })
             }
+            // Ranks started by hand, several on this host (`--host-ranks`): its cores shared
+            // among them (all of them each would oversubscribe the host).
+            (None, None) if self.host_ranks() > 1 => Some((cores() / self.host_ranks()).max(1)),
             _ => None,
         }
     }
@@ -586,5 +589,21 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("--rank 1 --transport mpi"), "{e}");
+    }
+
+    /// Ranks share their host's cores: those --ranks starts, and those started by hand with
+    /// --host-ranks; --threads wins; one rank per host takes them all (the pool's default).
+    #[test]
+    fn ranks_on_one_host_share_its_cores() {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let share = |n: usize| Some((cores / n).max(1));
+        assert_eq!(group(&["--ranks", "2"]).threads_per_rank(), share(2));
+        let by_hand = ["--rank", "1", "--world-size", "4", "--master", "h:1"];
+        assert_eq!(group(&by_hand).threads_per_rank(), None);
+        let two_here = [&by_hand[..], &["--host-ranks", "2"]].concat();
+        assert_eq!(group(&two_here).threads_per_rank(), share(2));
+        let told = [&two_here[..], &["--threads", "3"]].concat();
+        assert_eq!(group(&told).threads_per_rank(), Some(3));
+        assert_eq!(group(&[]).threads_per_rank(), None);
     }
 }
