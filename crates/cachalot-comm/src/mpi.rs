@@ -209,6 +209,21 @@ fn append_pieces(out: &mut [Vec<u8>], buf: &[u8], counts: &[c_int], displs: &[c_
     }
 }
 
+/// The rounds of `chunk` bytes that the longest of `lens` takes (every rank runs as many).
+fn most_rounds(lens: &[usize], chunk: usize) -> usize {
+    lens.iter()
+        .map(|&l| rounds_for(l, chunk))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Each of `lens`'s bytes in round `round`, as MPI's counts.
+fn round_counts(lens: &[usize], chunk: usize, round: usize) -> Vec<c_int> {
+    lens.iter()
+        .map(|&l| count(piece(l, chunk, round).len()))
+        .collect()
+}
+
 /// Rounds of `chunk` bytes that `len` bytes take.
 fn rounds_for(len: usize, chunk: usize) -> usize {
     len.div_ceil(chunk)
@@ -351,17 +366,10 @@ impl Communicator for MpiComm {
             .map(|(r, w)| to_usize(w, "all-gather", r))
             .collect::<CommResult<Vec<usize>>>()?;
         let chunk = self.chunk();
-        let rounds = lens
-            .iter()
-            .map(|&l| rounds_for(l, chunk))
-            .max()
-            .unwrap_or(0);
+        let rounds = most_rounds(&lens, chunk);
         let mut out: Vec<Vec<u8>> = lens.iter().map(|&l| Vec::with_capacity(l)).collect();
         for round in 0..rounds {
-            let counts: Vec<c_int> = lens
-                .iter()
-                .map(|&l| count(piece(l, chunk, round).len()))
-                .collect();
+            let counts = round_counts(&lens, chunk, round);
             let (displs, total) = displacements(&counts);
             let mut buf = recv_buf(total);
             let part = &mine[piece(mine.len(), chunk, round)];
@@ -388,16 +396,15 @@ impl Communicator for MpiComm {
         // Every rank's sizes for every rank (row s: what rank s sends to each): this rank's
         // column is what it receives, and the largest entry sets the rounds on every rank.
         let sizes: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
-        let all = self.gather_words(&sizes, "all-to-all of sizes")?;
-        let me = self.rank;
-        let recv_lens = (0..n)
-            .map(|s| to_usize(all[s * n + me], "all-to-all", s))
+        let all = self
+            .gather_words(&sizes, "all-to-all of sizes")?
+            .into_iter()
+            .enumerate()
+            .map(|(i, w)| to_usize(w, "all-to-all", i / n))
             .collect::<CommResult<Vec<usize>>>()?;
+        let recv_lens: Vec<usize> = (0..n).map(|s| all[s * n + self.rank]).collect();
         let chunk = self.chunk();
-        let mut rounds = 0;
-        for (i, &l) in all.iter().enumerate() {
-            rounds = rounds.max(rounds_for(to_usize(l, "all-to-all", i / n)?, chunk));
-        }
+        let rounds = most_rounds(&all, chunk);
         let mut out: Vec<Vec<u8>> = recv_lens.iter().map(|&l| Vec::with_capacity(l)).collect();
         for round in 0..rounds {
             let pieces: Vec<&[u8]> = parts
@@ -407,10 +414,7 @@ impl Communicator for MpiComm {
             let scounts: Vec<c_int> = pieces.iter().map(|p| count(p.len())).collect();
             let (sdispls, _) = displacements(&scounts);
             let send = pieces.concat();
-            let rcounts: Vec<c_int> = recv_lens
-                .iter()
-                .map(|&l| count(piece(l, chunk, round).len()))
-                .collect();
+            let rcounts = round_counts(&recv_lens, chunk, round);
             let (rdispls, total) = displacements(&rcounts);
             let mut recv = recv_buf(total);
             // SAFETY: `send` and `recv` hold the sums of their counts, laid out by their

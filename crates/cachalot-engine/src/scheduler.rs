@@ -1344,19 +1344,26 @@ mod tests {
         // A second turn: of the first request's prompt and output (17 + 7 = 24 tokens, all
         // computed), the 4 whole blocks of its prompt are registered, and the new prompt of 27
         // tokens takes them.
-        let mut s = sched(64, 4, 8, 64);
-        s.enable_prefix_caching();
-        let mut t: Vec<u32> = (0..17).map(|i| i % 3 + 1).collect();
-        s.add_prompt(1, &t, 30, true).unwrap();
-        let p = s.schedule();
-        assert_eq!(p.items[0].len, 17);
-        for _ in 0..7 {
-            let next = next_token(&t);
-            t.push(next);
-            s.append_token_ids(1, &[next]);
-            s.schedule();
-        }
-        s.finish(1);
+        // A first exchange: a 17-token prompt, then 7 tokens each appended and scheduled
+        // (all 24 positions computed); its scheduler and token list.
+        let first_exchange = |share_generated: bool| {
+            let mut s = sched(64, 4, 8, 64);
+            s.enable_prefix_caching();
+            s.set_share_generated(share_generated);
+            let mut t: Vec<u32> = (0..17).map(|i| i % 3 + 1).collect();
+            s.add_prompt(1, &t, 30, true).unwrap();
+            let p = s.schedule();
+            assert_eq!(p.items[0].len, 17);
+            for _ in 0..7 {
+                let next = next_token(&t);
+                t.push(next);
+                s.append_token_ids(1, &[next]);
+                s.schedule();
+            }
+            s.finish(1);
+            (s, t)
+        };
+        let (mut s, mut t) = first_exchange(false);
         assert_eq!(s.kv().num_cached_blocks(), 4);
         t.extend([9, 9, 9]);
         s.add_prompt(2, &t, 40, true).unwrap();
@@ -1372,19 +1379,7 @@ mod tests {
         // Sharing generated blocks (DeepSeek-V4): all 24 positions of the first exchange are
         // computed here (each appended token is scheduled), so its 6 blocks are registered,
         // generated ones too, and the second turn takes them all.
-        let mut s = sched(64, 4, 8, 64);
-        s.enable_prefix_caching();
-        s.set_share_generated(true);
-        let mut t: Vec<u32> = (0..17).map(|i| i % 3 + 1).collect();
-        s.add_prompt(1, &t, 30, true).unwrap();
-        s.schedule();
-        for _ in 0..7 {
-            let next = next_token(&t);
-            t.push(next);
-            s.append_token_ids(1, &[next]);
-            s.schedule();
-        }
-        s.finish(1);
+        let (mut s, mut t) = first_exchange(true);
         assert_eq!(s.kv().num_cached_blocks(), 6);
         t.extend([9, 9, 9]);
         s.add_prompt(2, &t, 40, true).unwrap();

@@ -338,6 +338,25 @@ fn v4_prefix_cached_greedy_equals_each_request_alone() {
     }
 }
 
+/// The number of random cases: `CACHALOT_FUZZ_ITERS`, or `default`.
+fn fuzz_iters(default: usize) -> usize {
+    std::env::var("CACHALOT_FUZZ_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A seeded generator of `0..n` (a 64-bit LCG's high bits), the cases' only randomness.
+fn fuzz_rng(seed: u64) -> impl FnMut(usize) -> usize {
+    let mut state = seed;
+    move |n| {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) as usize) % n
+    }
+}
+
 /// A greedy request of `n` tokens that records each token's log-probability.
 fn with_logprobs(prompt: &[u32], n: usize) -> Request {
     Request {
@@ -531,17 +550,8 @@ fn mtp_prefix_cases<M: Model>(
     block_sizes: &[usize],
     text_lens: std::ops::Range<usize>,
 ) {
-    let iters: usize = std::env::var("CACHALOT_FUZZ_ITERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(iters);
-    let mut state = seed;
-    let mut rnd = |n: usize| {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((state >> 33) as usize) % n
-    };
+    let iters = fuzz_iters(iters);
+    let mut rnd = fuzz_rng(seed);
     let (mut hits, mut drafted, mut answer_hits) = (0, 0, 0);
     let mut shares_answers = false;
     for it in 0..iters {
@@ -755,25 +765,16 @@ fn v4_random_streams_equal_each_request_alone_with_and_without_prefix_caching() 
 /// `iters` random cases (`CACHALOT_FUZZ_ITERS` overrides) over `models`: requests in three
 /// waves (prompts starting with pieces of shared texts of `text_lens` tokens; in the last wave
 /// also second turns: an earlier request's prompt and greedy answer, then a token), blocks of
-/// 2 to 16, pools of `min_blocks` and up (some preempt); with and without prefix caching,
-/// each request gets its greedy tokens alone.
+/// 2 to 16, pools from one that just fits the longest request to five times that (the small
+/// ones preempt); with and without prefix caching, each request gets its greedy tokens alone.
 fn random_stream_cases<M: Model + CausalLm>(
     models: &[(String, M)],
     iters: usize,
     seed: u64,
     text_lens: std::ops::Range<usize>,
 ) {
-    let iters: usize = std::env::var("CACHALOT_FUZZ_ITERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(iters);
-    let mut state = seed;
-    let mut rnd = |n: usize| {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((state >> 33) as usize) % n
-    };
+    let iters = fuzz_iters(iters);
+    let mut rnd = fuzz_rng(seed);
     let (mut hits, mut preempted) = (0, 0);
     for it in 0..iters {
         let (name, m) = &models[rnd(models.len())];

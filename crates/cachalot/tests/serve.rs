@@ -423,32 +423,30 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     let mut body = completion(&prompt, 12);
     body["ignore_eos"] = false.into();
     body["stop"] = json!([start.clone()]);
-    let (status, a) = post(addr, "/v1/completions", &body);
-    assert_eq!(status, 200, "{a}");
-    assert_eq!(a["choices"][0]["text"], "", "{a}");
-    assert_eq!(a["choices"][0]["finish_reason"], "stop", "{a}");
-    body["min_tokens"] = 4.into();
-    let (status, a) = post(addr, "/v1/completions", &body);
-    assert_eq!(status, 200, "{a}");
-    assert!(
-        a["choices"][0]["text"]
-            .as_str()
-            .unwrap()
-            .starts_with(&start),
-        "{a}"
-    );
+    // The answer's text and finish reason with `min_tokens` (None: without).
+    let answer = |min_tokens: Option<u64>| -> (String, Value) {
+        let mut b = body.clone();
+        if let Some(m) = min_tokens {
+            b["min_tokens"] = m.into();
+        }
+        let (status, a) = post(addr, "/v1/completions", &b);
+        assert_eq!(status, 200, "{a}");
+        let c = &a["choices"][0];
+        (
+            c["text"].as_str().unwrap().to_string(),
+            c["finish_reason"].clone(),
+        )
+    };
+    assert_eq!(answer(None), (String::new(), "stop".into()));
+    assert!(answer(Some(4)).0.starts_with(&start));
     // The stop string spans tokens 1-2: with min_tokens 1 it ends after the first token's
     // text and counts (vLLM searches back from where its check starts); with 2 it is text.
-    body["min_tokens"] = 1.into();
-    let (status, a) = post(addr, "/v1/completions", &body);
-    assert_eq!(status, 200, "{a}");
-    assert_eq!(a["choices"][0]["text"], "", "{a}");
-    assert_eq!(a["choices"][0]["finish_reason"], "stop", "{a}");
-    body["min_tokens"] = 2.into();
-    let (status, a) = post(addr, "/v1/completions", &body);
-    assert_eq!(status, 200, "{a}");
-    let text = a["choices"][0]["text"].as_str().unwrap();
-    assert!(text.starts_with(&start) && text.len() > start.len(), "{a}");
+    assert_eq!(answer(Some(1)), (String::new(), "stop".into()));
+    let (text, _) = answer(Some(2));
+    assert!(
+        text.starts_with(&start) && text.len() > start.len(),
+        "{text:?}"
+    );
     body["min_tokens"] = 13.into();
     let (status, e) = post(addr, "/v1/completions", &body);
     assert_eq!(

@@ -855,26 +855,28 @@ fn run_under_mpirun_equals_ranks_over_shared_memory() {
         assert!(s2["mtp"]["accepted"].as_u64().is_some(), "{s2}");
         assert_eq!(s1["mtp"]["accepted"], s2["mtp"]["accepted"], "{parallel}");
     }
-    let bad = mpirun(&[
+    // What a launch refused by name wrote to stderr.
+    let refused = |args: &[&str]| -> String {
+        let out = mpirun(args);
+        assert!(!out.status.success(), "{args:?} ran");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refused(&[
         "run",
         "--config",
         "configs/tiny/r1_tiny.yaml",
         "--ranks",
         "2",
     ]);
-    assert!(!bad.status.success());
-    let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("--ranks 2 under an MPI launcher"), "{err}");
     // A one-process command under a launcher of two ranks is refused, not run twice.
-    let bad = mpirun(&[
+    let err = refused(&[
         "generate",
         "--model",
         "fixtures/v3/r1_tiny",
         "--prompt",
         "x",
     ]);
-    assert!(!bad.status.success());
-    let err = String::from_utf8_lossy(&bad.stderr);
     assert!(
         err.contains("only `run` and `serve` run over ranks"),
         "{err}"
