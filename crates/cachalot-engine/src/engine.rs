@@ -35,6 +35,7 @@ use cachalot_model::batch::{Batch, CacheSpec, KvCache, LogitsWanted};
 use cachalot_model::tokenizer::Tokenizer;
 use cachalot_model::{DeepseekV3, DeepseekV4};
 
+use crate::dsml_args::{DsmlSpec, DsmlState};
 use crate::generate::{FinishReason, StopConditions, TextStream};
 use crate::json_mode::JsonState;
 use crate::json_schema::{Schema, SchemaState};
@@ -296,9 +297,14 @@ fn json_mask(
     state: &Grammar,
     stop: &[u32],
     bytes: &[Vec<u8>],
-    string_safe: &[bool],
+    specials: &HashMap<u32, Vec<u8>>,
+    (string_safe, value_safe): (&[bool], &[bool]),
 ) -> Vec<f32> {
     let complete = state.is_complete();
+    let string_safe = match state {
+        Grammar::Dsml(_) => value_safe,
+        _ => string_safe,
+    };
     // A complete value that can go on (a top-level number): a stop token or more of it.
     let done = complete && !state.can_continue();
     let in_string = state.in_plain_string();
@@ -312,10 +318,8 @@ fn json_mask(
             } else if in_string && string_safe.get(t) == Some(&true) {
                 true
             } else {
-                bytes.get(t).is_some_and(|b| {
-                    let mut s = state.clone();
-                    !b.is_empty() && s.feed_all(b)
-                })
+                let b = state.token_bytes(t as u32, bytes, specials);
+                !b.is_empty() && state.clone().feed_all(b)
             };
             if ok {
                 x
@@ -388,6 +392,12 @@ pub struct Request {
     /// (compiled) when the request is added; a keyword it cannot enforce is refused by name.
     #[serde(default)]
     pub json_schema: Option<serde_json::Value>,
+    /// With `json_object`: the answer (after its lead, where it has leads) is not JSON but
+    /// DeepSeek-V4's DSML parameters closing a tool call, held to `json_schema` (or the lead's
+    /// schema) as the tool's `parameters` ([`crate::dsml_args`]; a schema it cannot hold:
+    /// any parameters).
+    #[serde(default)]
+    pub dsml: bool,
 }
 
 /// One of [`Request::json_lead`]'s texts, and the schema of the JSON after it (None: any
@@ -396,8 +406,8 @@ pub struct Request {
 pub struct JsonLead {
     pub text: String,
     pub schema: Option<serde_json::Value>,
-    /// False: the text after the lead is free (DeepSeek-V4's DSML parameters are not JSON);
-    /// only the lead is held.
+    /// False: the text after the lead is free; only the lead is held. True: JSON follows (or
+    /// DSML parameters, with [`Request::dsml`]).
     #[serde(default = "yes")]
     pub then_json: bool,
 }
@@ -406,18 +416,44 @@ fn yes() -> bool {
     true
 }
 
-/// What JSON mode holds the answer to: any JSON object, or a value under a schema.
+/// What JSON mode holds an answer to, compiled: any JSON object, a value under a schema, or
+/// DSML parameters under a tool's (`Request::dsml`).
+#[derive(Clone, Debug)]
+enum Spec {
+    Object,
+    Schema(Arc<Schema>),
+    Dsml(Arc<DsmlSpec>),
+}
+
+impl Spec {
+    /// A request's (or a lead's) schema, as JSON or as DSML parameters.
+    fn compile(schema: Option<&serde_json::Value>, dsml: bool) -> Result<Spec, String> {
+        match (schema, dsml) {
+            (Some(s), false) => Schema::compile(s).map(Spec::Schema),
+            (None, false) => Ok(Spec::Object),
+            // A tool's parameters DSML cannot hold: any parameters, in DSML's form.
+            (Some(s), true) => Ok(Spec::Dsml(
+                DsmlSpec::compile(s).unwrap_or_else(|_| DsmlSpec::any()),
+            )),
+            (None, true) => Ok(Spec::Dsml(DsmlSpec::any())),
+        }
+    }
+}
+
+/// Where an answer stands in JSON mode's grammar ([`Spec`]).
 #[derive(Clone, Debug)]
 enum Grammar {
     Object(JsonState),
     Schema(SchemaState),
+    Dsml(DsmlState),
 }
 
 impl Grammar {
-    fn new(schema: Option<&Arc<Schema>>) -> Grammar {
-        match schema {
-            Some(s) => Grammar::Schema(SchemaState::new(s.clone())),
-            None => Grammar::Object(JsonState::new()),
+    fn new(spec: &Spec) -> Grammar {
+        match spec {
+            Spec::Schema(s) => Grammar::Schema(SchemaState::new(s.clone())),
+            Spec::Object => Grammar::Object(JsonState::new()),
+            Spec::Dsml(s) => Grammar::Dsml(DsmlState::new(s.clone())),
         }
     }
 
@@ -425,6 +461,7 @@ impl Grammar {
         match self {
             Grammar::Object(s) => s.feed_all(bytes),
             Grammar::Schema(s) => s.feed_all(bytes),
+            Grammar::Dsml(s) => s.feed_all(bytes),
         }
     }
 
@@ -432,22 +469,40 @@ impl Grammar {
         match self {
             Grammar::Object(s) => s.is_complete(),
             Grammar::Schema(s) => s.is_complete(),
+            Grammar::Dsml(s) => s.is_complete(),
         }
     }
 
+    /// Where any token free of `"`, `\` and control bytes fits without a check (in DSML,
+    /// free of `<` and 0xEF too: [`DsmlState::in_plain_value`]).
     fn in_plain_string(&self) -> bool {
         match self {
             Grammar::Object(s) => s.in_plain_string(),
             Grammar::Schema(s) => s.in_plain_string(),
+            Grammar::Dsml(s) => s.in_plain_value(),
         }
     }
 
     /// Complete, yet more bytes could extend it (a top-level number; JSON mode's object is
-    /// done once closed).
+    /// done once closed, and DSML once the call block is).
     fn can_continue(&self) -> bool {
         match self {
-            Grammar::Object(_) => false,
+            Grammar::Object(_) | Grammar::Dsml(_) => false,
             Grammar::Schema(s) => s.can_continue(),
+        }
+    }
+
+    /// Token `t`'s bytes for this grammar: DSML's markup may be special tokens, taken by their
+    /// text; JSON takes no special token.
+    fn token_bytes<'a>(
+        &self,
+        t: u32,
+        bytes: &'a [Vec<u8>],
+        specials: &'a HashMap<u32, Vec<u8>>,
+    ) -> &'a [u8] {
+        match self {
+            Grammar::Dsml(_) => lead_bytes(t, bytes, specials),
+            _ => bytes.get(t as usize).map_or(&[][..], Vec::as_slice),
         }
     }
 }
@@ -457,24 +512,24 @@ impl Grammar {
 #[derive(Clone, Debug)]
 struct Lead {
     options: Vec<Vec<u8>>,
-    /// Each option's schema, compiled.
-    schemas: Vec<Option<Arc<Schema>>>,
-    /// Each option's `then_json`.
-    then_json: Vec<bool>,
+    /// What each option holds the text after it to (None: free text).
+    then: Vec<Option<Spec>>,
     written: Vec<u8>,
 }
 
 impl Lead {
-    /// The request's leads with their schemas compiled (`Engine::compile_schema` checked
+    /// The request's leads with their schemas compiled (`Engine::compile_spec` checked
     /// them: one that does not compile is any object here).
-    fn new(leads: &[JsonLead]) -> Lead {
+    fn new(leads: &[JsonLead], dsml: bool) -> Lead {
         Lead {
             options: leads.iter().map(|l| l.text.as_bytes().to_vec()).collect(),
-            schemas: leads
+            then: leads
                 .iter()
-                .map(|l| l.schema.as_ref().and_then(|s| Schema::compile(s).ok()))
+                .map(|l| {
+                    l.then_json
+                        .then(|| Spec::compile(l.schema.as_ref(), dsml).unwrap_or(Spec::Object))
+                })
                 .collect(),
-            then_json: leads.iter().map(|l| l.then_json).collect(),
             written: Vec::new(),
         }
     }
@@ -490,8 +545,9 @@ impl Lead {
                     true
                 } else if b.starts_with(rest) {
                     let i = self.options.iter().position(|x| x == o).unwrap_or(0);
-                    !self.then_json[i]
-                        || Grammar::new(self.schemas[i].as_ref()).feed_all(&b[rest.len()..])
+                    self.then[i]
+                        .as_ref()
+                        .is_none_or(|s| Grammar::new(s).feed_all(&b[rest.len()..]))
                 } else {
                     false
                 }
@@ -508,10 +564,10 @@ impl Lead {
             .enumerate()
             .filter(|(_, o)| self.written.starts_with(o))
             .max_by_key(|(_, o)| o.len())?;
-        if !self.then_json[i] {
+        let Some(spec) = &self.then[i] else {
             return Some(None);
-        }
-        let mut g = Grammar::new(self.schemas[i].as_ref());
+        };
+        let mut g = Grammar::new(spec);
         g.feed_all(&self.written[o.len()..]);
         Some(Some(g))
     }
@@ -710,9 +766,9 @@ struct Live<'t> {
     prompt_logprobs: Vec<TokenLogprob>,
     /// JSON mode: where the answer stands in the grammar.
     json: Option<Grammar>,
-    /// Structured output's compiled schema (`Request::json_schema`), for the grammar made when
-    /// JSON mode starts.
-    schema: Option<Arc<Schema>>,
+    /// Structured output's compiled schema (`Request::json_schema`, `Request::dsml`), for the
+    /// grammar made when JSON mode starts.
+    schema: Spec,
     /// JSON mode waiting for this text before it starts.
     json_after: Option<String>,
     /// JSON mode after a lead, while it is being written.
@@ -739,6 +795,8 @@ pub struct Engine<'t, M: Model> {
     /// special tokens, which JSON text never holds), and which of them any plain string takes.
     token_bytes: Option<Vec<Vec<u8>>>,
     string_safe: Vec<bool>,
+    /// Which tokens a DSML value's plain string takes (`string_safe`, without `<` or 0xEF).
+    value_safe: Vec<bool>,
     /// The special tokens' texts (their `token_bytes` are empty: JSON never takes them), for
     /// a JSON lead that holds one (Kimi-K2's `<|tool_call_argument_begin|>`).
     special_bytes: HashMap<u32, Vec<u8>>,
@@ -789,6 +847,7 @@ impl<'t, M: Model> Engine<'t, M> {
             imports: VecDeque::new(),
             token_bytes: None,
             string_safe: Vec::new(),
+            value_safe: Vec::new(),
             special_bytes: HashMap::new(),
         })
     }
@@ -1008,12 +1067,13 @@ impl<'t, M: Model> Engine<'t, M> {
         // JSON mode from the first token: the prefill side must have masked that token too.
         if req.json_object && req.json_after.is_none() {
             let bytes = self.token_bytes.as_deref().unwrap_or_default();
-            let first = bytes.get(kv.first_token as usize);
-            let schema = self.compile_schema(&req)?;
+            let spec = self.compile_spec(&req)?;
             let fits = if req.json_lead.is_empty() {
-                first.is_some_and(|b| !b.is_empty() && Grammar::new(schema.as_ref()).feed_all(b))
+                let g = Grammar::new(&spec);
+                let b = g.token_bytes(kv.first_token, bytes, &self.special_bytes);
+                !b.is_empty() && g.clone().feed_all(b)
             } else {
-                Lead::new(&req.json_lead).allows(lead_bytes(
+                Lead::new(&req.json_lead, req.dsml).allows(lead_bytes(
                     kv.first_token,
                     bytes,
                     &self.special_bytes,
@@ -1110,28 +1170,23 @@ impl<'t, M: Model> Engine<'t, M> {
         }
     }
 
-    /// Structured output's schema, compiled (None without one).
-    fn compile_schema(&self, req: &Request) -> Result<Option<Arc<Schema>>, EngineError> {
+    /// What JSON mode holds the answer to, compiled (any object without a schema).
+    fn compile_spec(&self, req: &Request) -> Result<Spec, EngineError> {
         for lead in &req.json_lead {
-            if let Some(s) = &lead.schema {
-                Schema::compile(s).map_err(|e| {
-                    EngineError::Request(format!("the schema after {:?}: {e}", lead.text))
-                })?;
-            }
+            Spec::compile(lead.schema.as_ref(), req.dsml).map_err(|e| {
+                EngineError::Request(format!("the schema after {:?}: {e}", lead.text))
+            })?;
         }
-        match &req.json_schema {
-            Some(s) if req.json_object => Schema::compile(s)
-                .map(Some)
-                .map_err(|e| EngineError::Request(format!("json_schema: {e}"))),
-            _ => Ok(None),
-        }
+        let schema = req.json_schema.as_ref().filter(|_| req.json_object);
+        Spec::compile(schema, req.dsml)
+            .map_err(|e| EngineError::Request(format!("json_schema: {e}")))
     }
 
     /// The checks of a new request; caps its output at the model's positions and returns the
     /// most tokens it may reach.
     fn check_request(&mut self, req: &mut Request) -> Result<usize, EngineError> {
         let vocab = self.model.vocab_size();
-        self.compile_schema(req)?;
+        self.compile_spec(req)?;
         if req.json_object && self.token_bytes.is_none() {
             let Some(tok) = self.tokenizer else {
                 return Err(EngineError::Request(
@@ -1155,6 +1210,13 @@ impl<'t, M: Model> Engine<'t, M> {
             self.string_safe = bytes
                 .iter()
                 .map(|b| !b.is_empty() && b.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\'))
+                .collect();
+            // DSML values: no `<` (a closing marker's start) nor 0xEF (`｜`'s first byte).
+            self.value_safe = self
+                .string_safe
+                .iter()
+                .zip(&bytes)
+                .map(|(&safe, b)| safe && !b.iter().any(|&c| c == b'<' || c == 0xEF))
                 .collect();
             self.token_bytes = Some(bytes);
         }
@@ -1198,7 +1260,7 @@ impl<'t, M: Model> Engine<'t, M> {
 
     fn insert_live(&mut self, id: u64, req: Request, sampler: Sampler) {
         // (Compiled in `check_request` already: it cannot fail here.)
-        let schema = self.compile_schema(&req).ok().flatten();
+        let schema = self.compile_spec(&req).unwrap_or(Spec::Object);
         let stream = self
             .tokenizer
             .map(|t| TextStream::new(t, &req.stop.stop_strings));
@@ -1227,10 +1289,10 @@ impl<'t, M: Model> Engine<'t, M> {
                 top_prompt_logprobs: req.prompt_logprobs,
                 prompt_logprobs: Vec::new(),
                 json: (req.json_object && req.json_after.is_none() && req.json_lead.is_empty())
-                    .then(|| Grammar::new(schema.as_ref())),
+                    .then(|| Grammar::new(&schema)),
                 schema,
                 lead: (req.json_object && req.json_after.is_none() && !req.json_lead.is_empty())
-                    .then(|| Lead::new(&req.json_lead)),
+                    .then(|| Lead::new(&req.json_lead, req.dsml)),
                 json_after: req.json_after.filter(|_| req.json_object),
             },
         );
@@ -1406,7 +1468,14 @@ impl<'t, M: Model> Engine<'t, M> {
                     let masked = match (&live.json, &live.lead) {
                         (Some(state), _) => {
                             let stop = &live.stop.stop_token_ids;
-                            Some(json_mask(row, state, stop, bytes, &self.string_safe))
+                            Some(json_mask(
+                                row,
+                                state,
+                                stop,
+                                bytes,
+                                &self.special_bytes,
+                                (&self.string_safe, &self.value_safe),
+                            ))
                         }
                         (None, Some(lead)) => Some(lead_mask(
                             row,
@@ -1725,9 +1794,8 @@ impl<'t, M: Model> Engine<'t, M> {
         if let Some(state) = live.json.as_mut() {
             if !live.stop.stop_token_ids.contains(&token) {
                 let bytes = self.token_bytes.as_deref().unwrap_or_default();
-                if let Some(b) = bytes.get(token as usize) {
-                    state.feed_all(b);
-                }
+                let b = state.token_bytes(token, bytes, &self.special_bytes);
+                state.feed_all(b);
                 // Complete, with no stop token to end it: it ends now (as a stop).
                 json_done = state.is_complete()
                     && !state.can_continue()
@@ -1773,7 +1841,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 .as_ref()
                 .is_some_and(|g| live.text.contains(g.as_str()))
         {
-            live.json = Some(Grammar::new(live.schema.as_ref()));
+            live.json = Some(Grammar::new(&live.schema));
             live.json_after = None;
         }
         if finish.is_none() && json_done {
@@ -1956,7 +2024,7 @@ impl<'t, M: Model> Engine<'t, M> {
 
 #[cfg(test)]
 mod tests {
-    use super::{lead_mask, Lead, TokenLogprob};
+    use super::{lead_mask, Lead, Spec, TokenLogprob};
     use std::collections::HashMap;
 
     #[test]
@@ -1988,8 +2056,7 @@ mod tests {
     #[test]
     fn a_json_lead_keeps_to_its_texts() {
         let mut lead = Lead {
-            schemas: vec![None, None],
-            then_json: vec![true, true],
+            then: vec![Some(Spec::Object), Some(Spec::Object)],
             options: vec![
                 b"get_time\n```json\n".to_vec(),
                 b"get_weather\n```json\n".to_vec(),
@@ -2014,8 +2081,7 @@ mod tests {
         assert!(json.feed_all(b"k\": 1}") && json.is_complete());
         // A lead with free text after it (DeepSeek-V4's DSML parameters).
         let mut free = Lead {
-            schemas: vec![None],
-            then_json: vec![false],
+            then: vec![None],
             options: vec![b"f\">\n".to_vec()],
             written: Vec::new(),
         };
@@ -2025,8 +2091,7 @@ mod tests {
         let specials: HashMap<u32, Vec<u8>> = [(7, b"<|arg|>".to_vec())].into();
         let bytes = vec![b"a".to_vec(); 8];
         let lead = Lead {
-            schemas: vec![None],
-            then_json: vec![true],
+            then: vec![Some(Spec::Object)],
             options: vec![b"a<|arg|>".to_vec()],
             written: b"a".to_vec(),
         };

@@ -324,6 +324,7 @@ pub fn generate_mtp<M: crate::Model>(
         json_after: None,
         json_lead: Vec::new(),
         json_schema: None,
+        dsml: false,
     })?;
     let t0 = Instant::now();
     let mut prefill_s = None;

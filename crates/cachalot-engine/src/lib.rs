@@ -6,6 +6,7 @@
 /// The collectives (re-exported: `cachalot-comm` sits below the model, which uses them for
 /// expert parallelism).
 pub use cachalot_comm as comm;
+pub mod dsml_args;
 pub mod engine;
 pub mod generate;
 mod json_constraints;

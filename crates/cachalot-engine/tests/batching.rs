@@ -59,6 +59,7 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
         json_after: None,
         json_lead: Vec::new(),
         json_schema: None,
+        dsml: false,
     }
 }
 
@@ -243,6 +244,7 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
             json_after: None,
             json_lead: Vec::new(),
             json_schema: None,
+            dsml: false,
         })
         .unwrap();
         e.run_to_completion(|_, _| {}).unwrap().remove(0)

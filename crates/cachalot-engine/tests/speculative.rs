@@ -63,6 +63,7 @@ fn run(
                 json_after: None,
                 json_lead: Vec::new(),
                 json_schema: None,
+                dsml: false,
             })
             .unwrap();
     }
@@ -216,6 +217,7 @@ fn small_model_greedy_with_mtp_equals_without_and_accepts_drafts() {
                 json_after: None,
                 json_lead: Vec::new(),
                 json_schema: None,
+                dsml: false,
             })
             .unwrap();
     }
@@ -351,6 +353,7 @@ fn sample_triples(
                     json_after: None,
                     json_lead: Vec::new(),
                     json_schema: None,
+                    dsml: false,
                 })
                 .unwrap();
             queued += 1;
@@ -506,6 +509,7 @@ fn nan_logits_are_an_error() {
                 json_after: None,
                 json_lead: Vec::new(),
                 json_schema: None,
+                dsml: false,
             })
             .unwrap();
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();

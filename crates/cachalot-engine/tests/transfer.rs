@@ -46,6 +46,7 @@ fn request(prompt: &[u32], params: &SamplingParams, n: usize) -> Request {
         json_after: None,
         json_lead: Vec::new(),
         json_schema: None,
+        dsml: false,
     }
 }
 

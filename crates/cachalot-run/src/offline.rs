@@ -1036,6 +1036,7 @@ pub fn run_ranked(
                 json_after: None,
                 json_lead: Vec::new(),
                 json_schema: None,
+                dsml: false,
             })
             .map_err(|e| {
                 format!(

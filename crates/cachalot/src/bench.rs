@@ -723,6 +723,7 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
                 json_after: None,
                 json_lead: Vec::new(),
                 json_schema: None,
+                dsml: false,
             })?;
         }
         let t = Instant::now();

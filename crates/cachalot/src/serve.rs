@@ -2397,6 +2397,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 Some(j) => j.schema.clone(),
                 None => json_schema,
             },
+            dsml: forced_json.as_ref().is_some_and(|j| j.dsml),
             json_lead: forced_json.map(|j| j.leads).unwrap_or_default(),
         },
         prompt_text: prompts[0].1.clone(),
@@ -2432,7 +2433,8 @@ fn forced_call(
     };
     let format = format.ok_or_else(|| unsupported("its tool-call format"))?;
     // DeepSeek-V4 writes the arguments as DSML parameters, not JSON: the model's part begins
-    // where the first parameter would, and only the function's name is held ("required").
+    // where the first parameter would, and the parameters are held to the tool's schema as
+    // DSML (`cachalot_engine::dsml_args`) through the closing markup.
     let v4 = format == ToolCallFormat::DeepseekV4;
     let dsml_param = format!("<{}parameter", cachalot_model::tokenizer::dsv4::DSML);
     let args_start = |f: &str| -> Option<usize> {
@@ -2503,7 +2505,7 @@ fn forced_call(
     // call of it: R1's name and fence, Kimi-K2's `functions.NAME:INDEX` and marker), and the
     // markup from them to the section's end.
     let json = args_start(&full).and_then(|args_at| {
-        if full[..args_at].ends_with('"') || v4 && name.is_some() {
+        if full[..args_at].ends_with('"') {
             return None;
         }
         let suffix = if v4 {
@@ -2543,8 +2545,12 @@ fn forced_call(
                     p
                 })
                 .filter(|p| {
-                    cachalot_engine::json_schema::Schema::compile(p)
-                        .is_ok_and(|s| s.takes_only_objects())
+                    if v4 {
+                        cachalot_engine::dsml_args::DsmlSpec::compile(p).is_ok()
+                    } else {
+                        cachalot_engine::json_schema::Schema::compile(p)
+                            .is_ok_and(|s| s.takes_only_objects())
+                    }
                 })
         };
         let (leads, schema) = match name {
@@ -2562,8 +2568,8 @@ fn forced_call(
                             .filter(|lead| !lead.is_empty())?;
                         Some(JsonLead {
                             text,
-                            schema: parameters(n).filter(|_| !v4),
-                            then_json: !v4,
+                            schema: parameters(n),
+                            then_json: true,
                         })
                     })
                     .collect::<Option<Vec<JsonLead>>>()?,
@@ -2574,6 +2580,7 @@ fn forced_call(
             leads,
             schema,
             suffix,
+            dsml: v4,
         })
     });
     Ok(ForcedCall {
@@ -2604,6 +2611,9 @@ struct ForcedJson {
     schema: Option<Value>,
     /// The call's closing markup, appended once the object completes.
     suffix: String,
+    /// The arguments are DeepSeek-V4's DSML parameters, not JSON (`Request::dsml`): the
+    /// grammar holds them through the closing markup.
+    dsml: bool,
 }
 
 /// The most choices (`n`) one request may ask for.
@@ -3384,6 +3394,7 @@ mod tests {
                 leads: Vec::new(),
                 schema: None,
                 suffix: suffix.clone(),
+                dsml: false,
             })
         );
         let named = Some("get_weather".to_string());
@@ -3392,9 +3403,9 @@ mod tests {
     }
 
     /// DeepSeek-V4's DSML: a forced call's prompt ends where the model names the function
-    /// ("required": each lead is a tool's name up to its first parameter, and the parameters
-    /// after it are free) or writes its first parameter (a named call); the answer parses as
-    /// the call.
+    /// ("required": each lead is a tool's name up to its first parameter, with its tool's
+    /// parameters after it) or writes its first parameter (a named call); the parameters are
+    /// held as DSML (`dsml`); the answer parses as the call.
     #[test]
     fn forced_calls_in_deepseek_v4s_dsml() {
         let dir =
@@ -3410,8 +3421,13 @@ mod tests {
         let kwargs = Map::new();
         let any = forced_call(format, &template, &messages, Some(&tools), &kwargs, &None).unwrap();
         let j = any.json.expect("the name is held");
-        assert!(j.leads.iter().all(|l| !l.then_json && l.schema.is_none()));
-        assert!(j.suffix.is_empty());
+        assert!(j.dsml && j.suffix.is_empty());
+        assert!(j.leads.iter().all(|l| l.then_json));
+        assert_eq!(
+            j.leads[0].schema,
+            Some(tools[0]["function"]["parameters"].clone())
+        );
+        assert_eq!(j.leads[1].schema, Some(json!({"type": "object"})));
         let answer = format!(
             "{}{}<{d}parameter name=\"city\" string=\"true\">Paris</{d}parameter>\n</{d}invoke>\n</{d}tool_calls>",
             any.prefix,
@@ -3422,7 +3438,9 @@ mod tests {
         assert_eq!(parsed.tool_calls[0].function.name, "get_weather");
         let named = Some("get_time".to_string());
         let one = forced_call(format, &template, &messages, Some(&tools), &kwargs, &named).unwrap();
-        assert!(one.json.is_none());
+        let j = one.json.expect("the parameters are held");
+        assert!(j.dsml && j.leads.is_empty());
+        assert_eq!(j.schema, Some(json!({"type": "object"})));
         assert!(
             one.prefix.ends_with("name=\"get_time\">\n"),
             "{:?}",

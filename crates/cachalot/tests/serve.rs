@@ -1565,38 +1565,75 @@ fn serve_forces_tool_calls() {
 /// JSON mode (`response_format: {"type": "json_object"}`): the answer is a JSON object, or the
 /// beginning of one when the length limit cuts it; schemas are refused by name.
 /// DeepSeek-V4 (DSML): a forced "required" call opens with one of the tools' names, whatever
-/// the model would write; a named call opens with its own.
+/// the model would write; a named call opens with its own; the parameters are held to the
+/// tool's schema through the closing markup, so the answer is one call whose arguments the
+/// schema accepts.
 #[test]
 fn serve_forces_tool_calls_in_dsml() {
     let server = start(&["--model", "fixtures/v4/flash_tiny", "--kv-blocks", "64"]);
-    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {}}},
-        {"type": "function", "function": {"name": "get_time", "parameters": {}}}]);
+    let weather = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "days": {"type": "integer", "minimum": 1, "maximum": 3},
+        "units": {"enum": ["metric", "imperial"]}},
+        "required": ["city", "days"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "get_time", "parameters":
+            {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 4}},
+             "required": ["zone"], "additionalProperties": false}}}]);
+    let schema = |name: &str| {
+        let t = tools.as_array().unwrap().iter();
+        t.clone().find(|t| t["function"]["name"] == name).unwrap()["function"]["parameters"].clone()
+    };
+    let mut calls = 0;
     for (choice, names) in [
         (json!("required"), vec!["get_weather", "get_time"]),
         (
             json!({"type": "function", "function": {"name": "get_time"}}),
             vec!["get_time"],
         ),
+        (
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+            vec!["get_weather"],
+        ),
     ] {
-        let body = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}],
-                          "tools": tools, "tool_choice": choice, "max_tokens": 12,
-                          "temperature": 0});
-        let (status, v) = post(&server.addr, "/v1/chat/completions", &body);
-        assert_eq!(status, 200, "{v}");
-        let m = &v["choices"][0]["message"];
-        let named = match m["tool_calls"].as_array() {
-            Some(calls) => calls[0]["function"]["name"].as_str().unwrap().to_string(),
-            None => {
-                let content = m["content"].as_str().unwrap();
-                let opening = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"";
-                let rest = content
-                    .strip_prefix(opening)
-                    .unwrap_or_else(|| panic!("{content:?}"));
-                rest.split('"').next().unwrap().to_string()
+        for seed in 0..3 {
+            let body = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                              "tools": tools, "tool_choice": choice, "max_tokens": 400,
+                              "temperature": 0.8, "seed": seed});
+            let (status, v) = post(&server.addr, "/v1/chat/completions", &body);
+            assert_eq!(status, 200, "{v}");
+            let choice = &v["choices"][0];
+            let m = &choice["message"];
+            if choice["finish_reason"] == "length" {
+                continue;
             }
-        };
-        assert!(names.contains(&named.as_str()), "{named}: {v}");
+            assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+            let call = &m["tool_calls"].as_array().expect("one call")[0]["function"];
+            let name = call["name"].as_str().unwrap();
+            assert!(names.contains(&name), "{name}: {v}");
+            let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+            let props = schema(name)["properties"].clone();
+            let o = args.as_object().unwrap();
+            for req in schema(name)["required"].as_array().unwrap() {
+                assert!(o.contains_key(req.as_str().unwrap()), "{args}");
+            }
+            for (k, v) in o {
+                let p = &props[k];
+                assert!(p.is_object(), "{k} is not a parameter of {name}: {args}");
+                match p["type"].as_str() {
+                    Some("string") => assert!(
+                        v.as_str().unwrap().chars().count() as u64
+                            <= p["maxLength"].as_u64().unwrap()
+                    ),
+                    Some("integer") => assert!((1..=3).contains(&v.as_i64().unwrap())),
+                    _ => assert!(p["enum"].as_array().unwrap().contains(v)),
+                }
+            }
+            calls += 1;
+        }
     }
+    assert!(calls >= 6, "{calls} of 9 answers were whole calls");
 }
 
 #[test]
