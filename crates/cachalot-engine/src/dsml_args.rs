@@ -62,10 +62,8 @@ impl Prop {
     fn new(schema: Arc<Schema>) -> Prop {
         let takes = |b: &[u8]| SchemaState::new(schema.clone()).feed_all(b);
         let as_str = takes(b"\"");
-        let as_json = as_str
-            || [&b"{"[..], b"[", b"-", b"0", b"1", b"t", b"f", b"n"]
-                .iter()
-                .any(|b| takes(b));
+        // Every byte a JSON value can open with.
+        let as_json = as_str || b"{[-0123456789tfn".iter().any(|&b| takes(&[b]));
         Prop {
             schema,
             as_str,
@@ -85,6 +83,8 @@ pub struct DsmlSpec {
     required_extra: Vec<Vec<u8>>,
     /// Which of `props` are required.
     required: Vec<bool>,
+    /// Listed names no value can be written for (schema `false`): never taken as other names.
+    forbidden: Vec<Vec<u8>>,
 }
 
 /// Keywords of a tool's `parameters` that [`DsmlSpec::compile`] reads or that do not constrain.
@@ -107,12 +107,29 @@ const KNOWN: &[&str] = &[
 impl DsmlSpec {
     /// Any parameters, each any JSON value (or any string).
     pub fn any() -> Arc<DsmlSpec> {
-        let schema = Schema::compile(&json!({})).expect("the empty schema compiles");
+        DsmlSpec::lenient(&Value::Null)
+    }
+
+    /// For `parameters` that [`DsmlSpec::compile`] refuses: DSML's form with any values, the
+    /// listed names (as the encoder writes them, whatever their bytes) or identifiers.
+    pub fn lenient(parameters: &Value) -> Arc<DsmlSpec> {
+        let any = Schema::compile(&json!({})).expect("the empty schema compiles");
+        let props: Vec<(Vec<u8>, Prop)> = parameters
+            .get("properties")
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+            .map(|(n, _)| n.as_bytes())
+            .filter(|n| !n.contains(&b'"') && !n.windows(DSML.len()).any(|w| w == DSML))
+            .take(MAX_PROPERTIES)
+            .map(|n| (n.to_vec(), Prop::new(any.clone())))
+            .collect();
         Arc::new(DsmlSpec {
-            props: Vec::new(),
-            extra: Some(Prop::new(schema)),
+            required: vec![false; props.len()],
+            props,
+            extra: Some(Prop::new(any)),
             required_extra: Vec::new(),
-            required: Vec::new(),
+            forbidden: Vec::new(),
         })
     }
 
@@ -160,6 +177,7 @@ impl DsmlSpec {
         };
         let mut props = Vec::new();
         let mut listed: Vec<&str> = Vec::new();
+        let mut forbidden = Vec::new();
         match o.get("properties") {
             None => {}
             Some(Value::Object(ps)) => {
@@ -171,8 +189,9 @@ impl DsmlSpec {
                             "property {name:?} cannot be written as a DSML name"
                         ));
                     }
-                    if let Some(p) = compile(&format!("property `{name}`"), s)? {
-                        props.push((name.as_bytes().to_vec(), p));
+                    match compile(&format!("property `{name}`"), s)? {
+                        Some(p) => props.push((name.as_bytes().to_vec(), p)),
+                        None => forbidden.push(name.as_bytes().to_vec()),
                     }
                 }
             }
@@ -212,6 +231,7 @@ impl DsmlSpec {
             extra,
             required_extra,
             required,
+            forbidden,
         }))
     }
 }
@@ -263,6 +283,9 @@ enum At {
     Close { which: Which, n: usize },
     /// The invoke and the block are closed.
     Done,
+    /// A byte was refused: nothing follows (the state is not used after a refusal, but it must
+    /// never read as complete).
+    Dead,
 }
 
 /// Where a forced call's DSML parameters stand (module docs).
@@ -304,11 +327,15 @@ impl DsmlState {
     /// `<` and 0xEF (the first byte of `｜`) are taken without a check (the engine's shortcut,
     /// as JSON mode's `in_plain_string`).
     pub fn in_plain_value(&self) -> bool {
-        match &self.at {
-            At::Raw { state, pending, .. } => pending.is_empty() && state.in_plain_string(),
-            At::Json { state, .. } => state.in_plain_string(),
-            _ => false,
-        }
+        // (After the first bytes of `｜`, a token of its last bytes could finish the marker.)
+        let r = &self.recent;
+        let partial = r[r.len() - 1] == 0xEF || r[r.len() - 2..] == [0xEF, 0xBD];
+        !partial
+            && match &self.at {
+                At::Raw { state, pending, .. } => pending.is_empty() && state.in_plain_string(),
+                At::Json { state, .. } => state.in_plain_string(),
+                _ => false,
+            }
     }
 
     /// The invoke and the call block are closed: only a stop token may follow.
@@ -425,7 +452,7 @@ impl DsmlState {
 
     /// The next byte; false if it leaves the grammar.
     pub fn feed(&mut self, b: u8) -> bool {
-        let at = std::mem::replace(&mut self.at, At::Done);
+        let at = std::mem::replace(&mut self.at, At::Dead);
         match at {
             At::Between {
                 newline,
@@ -433,6 +460,16 @@ impl DsmlState {
                 open,
                 end,
             } => {
+                // The encoder's call without parameters: a blank line before the end.
+                if !newline && n == 0 && b == b'\n' && end && self.may_end() {
+                    self.at = At::Between {
+                        newline: true,
+                        n: 1,
+                        open: false,
+                        end: true,
+                    };
+                    return true;
+                }
                 if newline && n == 0 {
                     self.at = At::Between {
                         newline,
@@ -469,7 +506,8 @@ impl DsmlState {
                         Some(_) => return false,
                         None if self.spec.extra.is_some()
                             && extra_name_ok(&name)
-                            && !self.extra_given.contains(&name) =>
+                            && !self.extra_given.contains(&name)
+                            && !self.spec.forbidden.contains(&name) =>
                         {
                             Which::Extra(name)
                         }
@@ -490,7 +528,12 @@ impl DsmlState {
                     .iter()
                     .enumerate()
                     .any(|(i, (n, _))| !self.is_given(i) && n.starts_with(&name))
-                    || self.spec.extra.is_some() && extra_name_ok(&name);
+                    || self.spec.extra.is_some()
+                        && extra_name_ok(&name)
+                        // (At the longest length, the name must be one that can close.)
+                        && (name.len() < MAX_EXTRA_NAME
+                            || !self.extra_given.contains(&name)
+                                && !self.spec.forbidden.contains(&name));
                 self.at = At::Name(name);
                 ok
             }
@@ -572,7 +615,7 @@ impl DsmlState {
                 }
                 true
             }
-            At::Done => false,
+            At::Done | At::Dead => false,
         }
     }
 }
@@ -648,15 +691,24 @@ mod tests {
             let back: Value = serde_json::from_str(&parsed_args(&text, &s)).unwrap();
             assert_eq!(back, args);
         }
-        // No parameters: the invoke closes at once.
+        // No parameters: the encoder's blank line before the end, or the end at once.
         let free = json!({"type": "object", "properties": {"q": {"type": "string"}}});
-        let mut st = state(&free);
-        assert!(st.feed_all("</｜DSML｜invoke>\n</｜DSML｜tool_calls>".as_bytes()));
-        assert!(st.is_complete());
-        assert_eq!(
-            parsed_args("</｜DSML｜invoke>\n</｜DSML｜tool_calls>", &free),
-            "{}"
-        );
+        let bare = "</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        for text in [rendered(&json!({})), bare.to_string()] {
+            let mut st = state(&free);
+            assert!(st.feed_all(text.as_bytes()), "{text:?}");
+            assert!(st.is_complete());
+            assert_eq!(parsed_args(&text, &free), "{}");
+        }
+        assert!(rendered(&json!({})).starts_with('\n'));
+        // Values that open with any digit.
+        let digits = json!({"type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 2, "maximum": 6}, "e": {"enum": [4, 8]},
+            "x": {"type": "number", "minimum": 2.5, "maximum": 3.5}},
+            "required": ["n", "e", "x"]});
+        let args = json!({"n": 5, "e": 8, "x": 3.25});
+        let mut st = state(&digits);
+        assert!(st.feed_all(rendered(&args).as_bytes()) && st.is_complete());
     }
 
     /// Whether `text` (after the invoke's opening) is refused somewhere.
@@ -715,10 +767,52 @@ mod tests {
             &open,
             &format!("{}{}", p("z", "false", "true"), p("z", "false", "true"))
         ));
+        // A listed name no value fits is not another name either.
+        let never = json!({"type": "object", "properties": {"a": false, "b": {}}});
+        assert!(refused(&never, &p("a", "true", "x")));
+        assert!(!refused(&never, &p("c", "true", "x")));
+        // A refused byte never leaves the state complete.
+        let mut st = state(&s);
+        assert!(!st.feed(b'x'));
+        assert!(!st.is_complete());
+        // An unlisted name of the longest length that was written already: no dead end.
+        let long = "z".repeat(MAX_EXTRA_NAME);
+        let mut st = state(&open);
+        assert!(st.feed_all(p(&long, "false", "true").as_bytes()));
+        assert!(st.feed_all(format!("<｜DSML｜parameter name=\"{}", &long[1..]).as_bytes()));
+        assert!(!st.clone().feed(b'z'));
         // A required name the schema does not list.
         let req = json!({"type": "object", "required": ["q"]});
         assert!(refused(&req, end));
         assert!(!refused(&req, &format!("{}{end}", p("q", "true", "x"))));
+    }
+
+    /// The engine's shortcut inside values is off where a token of `｜`'s last bytes could
+    /// finish the marker.
+    #[test]
+    fn the_plain_value_shortcut_stops_at_a_partial_marker() {
+        let mut st = state(&json!({}));
+        assert!(st.feed_all(b"<\xEF\xBD\x9CDSML\xEF\xBD\x9Cparameter name=\"q\" string=\"true\">a"));
+        assert!(st.in_plain_value());
+        assert!(st.feed_all("｜DSML".as_bytes()));
+        assert!(st.in_plain_value());
+        assert!(st.feed(0xEF));
+        assert!(!st.in_plain_value());
+        assert!(st.feed(0xBD));
+        assert!(!st.in_plain_value());
+        assert!(!st.clone().feed(0x9C));
+    }
+
+    /// Parameters [`DsmlSpec::compile`] refuses still take their listed names, whatever their
+    /// bytes, with any values.
+    #[test]
+    fn lenient_parameters_keep_their_names() {
+        let schema = json!({"type": "object", "minProperties": 1,
+                            "properties": {"城市 name": {"type": "string"}}});
+        assert!(DsmlSpec::compile(&schema).is_err());
+        let mut st = DsmlState::new(DsmlSpec::lenient(&schema));
+        let text = rendered(&json!({"城市 name": [1]}));
+        assert!(st.feed_all(text.as_bytes()) && st.is_complete(), "{text:?}");
     }
 
     #[test]

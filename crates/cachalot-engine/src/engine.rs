@@ -416,6 +416,9 @@ fn yes() -> bool {
     true
 }
 
+/// DeepSeek-V4's markup token text (`tokenizer::dsv4::DSML`).
+const DSML_MARK: &[u8] = cachalot_model::tokenizer::dsv4::DSML.as_bytes();
+
 /// What JSON mode holds an answer to, compiled: any JSON object, a value under a schema, or
 /// DSML parameters under a tool's (`Request::dsml`).
 #[derive(Clone, Debug)]
@@ -433,7 +436,7 @@ impl Spec {
             (None, false) => Ok(Spec::Object),
             // A tool's parameters DSML cannot hold: any parameters, in DSML's form.
             (Some(s), true) => Ok(Spec::Dsml(
-                DsmlSpec::compile(s).unwrap_or_else(|_| DsmlSpec::any()),
+                DsmlSpec::compile(s).unwrap_or_else(|_| DsmlSpec::lenient(s)),
             )),
             (None, true) => Ok(Spec::Dsml(DsmlSpec::any())),
         }
@@ -493,15 +496,17 @@ impl Grammar {
     }
 
     /// Token `t`'s bytes for this grammar: DSML's markup may be special tokens, taken by their
-    /// text; JSON takes no special token.
+    /// text (those that hold `｜DSML｜`; no other special token, such as `<think>`, goes in a
+    /// value); JSON takes no special token.
     fn token_bytes<'a>(
         &self,
         t: u32,
         bytes: &'a [Vec<u8>],
         specials: &'a HashMap<u32, Vec<u8>>,
     ) -> &'a [u8] {
-        match self {
-            Grammar::Dsml(_) => lead_bytes(t, bytes, specials),
+        let markup = |s: &[u8]| s.windows(DSML_MARK.len()).any(|w| w == DSML_MARK);
+        match (self, specials.get(&t)) {
+            (Grammar::Dsml(_), Some(s)) if markup(s) => s,
             _ => bytes.get(t as usize).map_or(&[][..], Vec::as_slice),
         }
     }
@@ -2024,7 +2029,8 @@ impl<'t, M: Model> Engine<'t, M> {
 
 #[cfg(test)]
 mod tests {
-    use super::{lead_mask, Lead, Spec, TokenLogprob};
+    use super::{lead_mask, Grammar, Lead, Spec, TokenLogprob};
+    use crate::dsml_args::DsmlSpec;
     use std::collections::HashMap;
 
     #[test]
@@ -2100,5 +2106,26 @@ mod tests {
         assert!(masked[7].is_finite());
         assert!(masked[..7].iter().all(|x| x.is_infinite()));
         assert!(lead_mask(&row, &lead, &bytes, &specials, &[7])[7].is_infinite());
+    }
+
+    /// DSML takes the special tokens that hold its marker by their text, and no other special
+    /// token (`<think>` never goes into a value); JSON takes none.
+    #[test]
+    fn dsml_takes_only_its_markup_specials() {
+        let bytes = vec![b"a".to_vec(), Vec::new(), Vec::new()];
+        let specials: HashMap<u32, Vec<u8>> = [
+            (1, b"<think>".to_vec()),
+            (2, "<\u{ff5c}DSML\u{ff5c}".as_bytes().to_vec()),
+        ]
+        .into();
+        let dsml = Grammar::new(&Spec::Dsml(DsmlSpec::any()));
+        assert_eq!(dsml.token_bytes(0, &bytes, &specials), b"a");
+        assert!(dsml.token_bytes(1, &bytes, &specials).is_empty());
+        assert_eq!(dsml.token_bytes(2, &bytes, &specials), &specials[&2][..]);
+        assert!(dsml
+            .clone()
+            .feed_all(dsml.token_bytes(2, &bytes, &specials)));
+        let json = Grammar::new(&Spec::Object);
+        assert!(json.token_bytes(2, &bytes, &specials).is_empty());
     }
 }
