@@ -112,7 +112,7 @@ def random_config(rng):
         "shards": int(rng.integers(1, 4)),
         "tie_omit_lm_head": bool(rng.integers(2)),
         "seq_lens": [int(rng.integers(2, 24)), int(rng.integers(150, 301))],
-        "chunk": ch([512, 512, 64, 37, 128]),
+        "chunk": ch([512, 512, 64, 37, 128, 1]),  # 1: every token a step, as decode
         "attention": ch(["auto", "auto", "naive", "absorbed"]),
         "fp8": ch(["native", "native", "f32"]),
     }

@@ -87,7 +87,7 @@ def random_config(rng):
         "threads": ch([1, 1, 2]),
         "expert_gain": ch([1.0, 3.0]),
         "seq_lens": [int(rng.integers(2, 24)), int(rng.integers(150, 301))],
-        "chunk": ch([512, 512, 37, 64, 128]),
+        "chunk": ch([512, 512, 37, 64, 128, 1]),  # 1: every token a step, as decode
     }
     meta["seq_lens"] = [min(n, c["max_position_embeddings"]) for n in meta["seq_lens"]]
     return c, meta
