@@ -101,6 +101,19 @@ def run_engine(d, ids, meta):
     return p.returncode, p.stdout, p.stderr, cmd
 
 
+def run_mtp_check(d, c, meta, seed):
+    """With an MTP layer: speculative decoding (next_n 1-3, batches of 1-4, prompts past the window)
+    must give plain greedy's tokens (`cachalot bench --mtp` checks it and fails otherwise)."""
+    rng = np.random.default_rng(seed)
+    cmd = [ENGINE, "bench", "--model", str(d), "--mtp", str(int(rng.integers(1, 4))),
+           "--batch", str(int(rng.integers(1, 5))), "--prompt-file", str(REPO / "assets" / "cachalot-tiny-r1" / "eval.txt"),
+           "--prompt-len", str(int(rng.integers(8, 160))), "--decode-len", str(int(rng.integers(8, 48))),
+           "--runs", "1", "--json"]
+    env = dict(os.environ, RAYON_NUM_THREADS=str(meta.get("threads", 1)))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return p.returncode, p.stderr, cmd
+
+
 def run_case(name, c, meta, wseed, keep=False, attempts=4):
     d = RUNS / name
     if d.exists():
@@ -161,6 +174,12 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
         worst = max(worst, mx)
     if res["status"] == "ok" and worst > TOL:
         res["status"] = "tie" if res["min_gap"] <= mv.MIN_DECISION_GAP else "MISMATCH"
+    if res["status"] in ("ok", "tie") and c.get("num_nextn_predict_layers", 0) > 0:
+        rc, err, cmd = run_mtp_check(d, c, meta, wseed + 29)
+        if rc != 0:
+            res["status"] = "mtp_error"
+            res["error"] = err[-2000:]
+            res["cmd"] = " ".join(cmd)
     res["max_abs"], res["nll_rel"] = worst, nll_rel
     (d / "result.json").write_text(json.dumps(res))
     if res["status"] == "ok" and not keep:
