@@ -24,6 +24,7 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_fixtures as mf  # noqa: E402
+from run_check import run_check  # noqa: E402
 from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -408,6 +409,12 @@ def run_case(name, c, meta, wseed, keep=False):
             res["status"] = "mtp_error"
             res["error"] = err[-2000:]
             res["cmd"] = " ".join(cmd)
+    if res["status"] in ("ok", "tie"):
+        why = run_check(ENGINE, d, "kimi_k2" if c["model_type"] == "kimi_k2" else "deepseek_r1", wseed + 31,
+                        c.get("num_nextn_predict_layers", 0) > 0, meta.get("threads", 1))
+        if why:
+            res["status"] = "run_mismatch"
+            res["error"] = why
     res["max_abs"] = worst
     res["nll_rel"] = nll_rel
     (d / "result.json").write_text(json.dumps(res))

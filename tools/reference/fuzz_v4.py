@@ -32,6 +32,7 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_v4_fixtures as mv  # noqa: E402
+from run_check import run_check  # noqa: E402
 from make_fixtures import logits_of, logprobs_of  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -180,6 +181,12 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
             res["status"] = "mtp_error"
             res["error"] = err[-2000:]
             res["cmd"] = " ".join(cmd)
+    if res["status"] in ("ok", "tie"):
+        why = run_check(ENGINE, d, "deepseek_v4", wseed + 31,
+                        c.get("num_nextn_predict_layers", 0) > 0, meta.get("threads", 1))
+        if why:
+            res["status"] = "run_mismatch"
+            res["error"] = why
     res["max_abs"], res["nll_rel"] = worst, nll_rel
     (d / "result.json").write_text(json.dumps(res))
     if res["status"] == "ok" and not keep:
