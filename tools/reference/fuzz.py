@@ -410,8 +410,9 @@ def run_case(name, c, meta, wseed, keep=False):
             res["error"] = err[-2000:]
             res["cmd"] = " ".join(cmd)
     if res["status"] in ("ok", "tie"):
-        why = run_check(ENGINE, d, "kimi_k2" if c["model_type"] == "kimi_k2" else "deepseek_r1", wseed + 31,
+        why, ranks = run_check(ENGINE, d, "kimi_k2" if c["model_type"] == "kimi_k2" else "deepseek_r1", wseed + 31,
                         c.get("num_nextn_predict_layers", 0) > 0, meta.get("threads", 1))
+        res["ranks"] = ranks
         if why:
             res["status"] = "run_mismatch"
             res["error"] = why
@@ -429,7 +430,7 @@ def summary(res):
     rs = c["rope_scaling"]
     rope = "none" if rs is None else f"yarn f={rs['factor']} orig={rs['original_max_position_embeddings']} b={rs['beta_fast']}/{rs['beta_slow']} ms={rs.get('mscale')}/{rs.get('mscale_all_dim')}"
     gaps = [s.get("router_min_rel_gap") for s in res.get("seqs", []) if s.get("router_min_rel_gap") is not None]
-    return (f"{res['name']}: {res['status']} max|d|={res.get('max_abs', float('nan')):.2e} nllrel={res.get('nll_rel', 0):.1e} "
+    return (f"{res['name']}: {res['status']} ranks={res.get('ranks')} max|d|={res.get('max_abs', float('nan')):.2e} nllrel={res.get('nll_rel', 0):.1e} "
             f"gap={min(gaps) if gaps else None!s:.8} | {c['model_type']} H{c['hidden_size']} V{c['vocab_size']} L{c['num_hidden_layers']} "
             f"fkd{c['first_k_dense_replace']} freq{c['moe_layer_freq']} nh{c['num_attention_heads']} "
             f"d{c['qk_nope_head_dim']}/{c['qk_rope_head_dim']}/{c['v_head_dim']} q{c['q_lora_rank']} kv{c['kv_lora_rank']} "

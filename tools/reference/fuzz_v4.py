@@ -67,7 +67,7 @@ def random_config(rng):
     E = ch([4, 8, 16])
     c["n_routed_experts"] = E
     c["num_experts_per_tok"] = int(rng.integers(1, min(4, E) + 1))
-    c["moe_intermediate_size"] = ch([32, 64, 96])
+    c["moe_intermediate_size"] = ch([32, 64, 96, 128])  # (tensor parallel splits MXFP4 at 32 columns)
     c["index_n_heads"] = ch([8, 16])  # fewer heads: ReLU zeroes every head of many entries (exact ties)
     c["index_head_dim"] = ch([d for d in (32, 64, 128) if d >= rope])  # RoPE'd keys
     c["index_topk"] = ch([1, 4, 8, 32])
@@ -182,8 +182,9 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
             res["error"] = err[-2000:]
             res["cmd"] = " ".join(cmd)
     if res["status"] in ("ok", "tie"):
-        why = run_check(ENGINE, d, "deepseek_v4", wseed + 31,
+        why, ranks = run_check(ENGINE, d, "deepseek_v4", wseed + 31,
                         c.get("num_nextn_predict_layers", 0) > 0, meta.get("threads", 1))
+        res["ranks"] = ranks
         if why:
             res["status"] = "run_mismatch"
             res["error"] = why
@@ -198,7 +199,7 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
 def summary(res):
     c, m = res["config"], res["meta"]
     rs = c["rope_scaling"]
-    return (f"{res['name']}: {res['status']} max|d|={res.get('max_abs', float('nan')):.2e} "
+    return (f"{res['name']}: {res['status']} ranks={res.get('ranks')} max|d|={res.get('max_abs', float('nan')):.2e} "
             f"nllrel={res.get('nll_rel', 0):.1e} gap={res.get('min_gap')!s:.8} | L{c['num_hidden_layers']} "
             f"r{c['compress_ratios']} hash{c['num_hash_layers']} H{c['hidden_size']} V{c['vocab_size']} "
             f"nh{c['num_attention_heads']} d{c['head_dim']}/{c['qk_rope_head_dim']} q{c['q_lora_rank']} "

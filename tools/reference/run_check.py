@@ -5,6 +5,7 @@ layer, speculative decoding. A difference is a bug: a request's tokens may not d
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,6 +13,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
+
+# What a layout refuses by name for a config it cannot split (not a failure here).
+REFUSALS = re.compile(r"divid|split|not done|refus|needs|cannot|does not")
 
 
 def _run(engine, d, model_name, sched, data, extra, threads, out):
@@ -36,7 +40,8 @@ def _run(engine, d, model_name, sched, data, extra, threads, out):
 
 
 def run_check(engine, d, model_name, seed, mtp_layers, threads, extra=(), keep=False):
-    """None when alone and batched agree, else what differs (or the error)."""
+    """(None when every run agrees with the one alone, else what differs or the error; a note of the
+    layout the two ranks ran, or that it was refused)."""
     rng = np.random.default_rng(seed)
     out = Path(d) / "run_check"
     if out.exists():
@@ -53,23 +58,33 @@ def run_check(engine, d, model_name, seed, mtp_layers, threads, extra=(), keep=F
     # markup, its answer) and little more: the batch queues and preempts.
     longest = data["input_truncated_len"] + 32 + new
     small = -(-longest // block) + 2
+    layout = str(rng.choice(["data", "expert", "tensor", "tensor-expert", "data-expert", "context"]))
+    note = None
     runs = []
     for name, sched, more in (
         ("alone", alone_sched, ["--prefix-caching", "off"]),
         ("batched", batched_sched, ["--prefix-caching", "auto", "--kv-blocks", str(small)]
          + (["--mtp", str(int(rng.integers(1, 3)))] if mtp_layers else [])),
+        # Two ranks in a random layout (a layout a config cannot take is refused by name: skipped).
+        ("ranks", dict(batched_sched, batch_size=batched_sched["batch_size"] + batched_sched["batch_size"] % 2),
+         ["--ranks", "2", "--parallel", layout]),
     ):
         o = out / name
         o.mkdir(parents=True)
         got, err, cmd = _run(engine, d, model_name, sched, data, list(extra) + more, threads, o)
+        if err and name == "ranks" and REFUSALS.search(err):
+            note = f"{layout} refused"
+            continue
         if err:
-            return f"{name}: {cmd}\n{err}"
-        runs.append((got, cmd))
-    (a, _), (b, cmd) = runs
-    bad = [i for i in a if a[i] != b.get(i)]
-    if bad:
-        i = bad[0]
-        return f"request {i} differs batched ({cmd}): {a[i]} vs {b.get(i)}"
+            return f"{name}: {cmd}\n{err}", note
+        note = layout
+        runs.append((name, got, cmd))
+    (_, a, _) = runs[0]
+    for name, b, cmd in runs[1:]:
+        bad = [i for i in a if a[i] != b.get(i)]
+        if bad:
+            i = bad[0]
+            return f"request {i} differs {name} ({cmd}): {a[i]} vs {b.get(i)}", note
     if not keep:
         shutil.rmtree(out)
-    return None
+    return None, note
