@@ -25,6 +25,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_fixtures as mf  # noqa: E402
 from run_check import run_check  # noqa: E402
+from w8a8_check import w8a8_check  # noqa: E402
 from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -372,9 +373,11 @@ def run_case(name, c, meta, wseed, keep=False):
     rng = np.random.default_rng(wseed + 17)
     worst, worst_seq, nll_rel, gaps = 0.0, None, 0.0, []
     res["seqs"] = []
+    scored = []
     for n in meta["seq_lens"]:
         ids = rng.integers(0, c["vocab_size"], size=n).tolist()
         ids[0] = 0
+        scored.append(ids)
         with torch.no_grad():
             lg = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
         ref = mf.logprobs_of(lg, ids)
@@ -409,6 +412,15 @@ def run_case(name, c, meta, wseed, keep=False):
             res["status"] = "mtp_error"
             res["error"] = err[-2000:]
             res["cmd"] = " ".join(cmd)
+    if res["status"] == "ok" and meta["weights"] == "fp8":
+        try:
+            w8, why = w8a8_check(ENGINE, build_hf_model, d, c, scored, meta.get("threads", 1))
+        except Exception as e:  # the simulation itself failed (an int8 tensor it does not place, ...)
+            w8, why = None, f"the simulation failed: {e!r}"
+        res["w8a8_first_max"] = w8
+        if why:
+            res["status"] = "w8a8_mismatch"
+            res["error"] = f"W8A8 against its simulation: {why}"
     if res["status"] in ("ok", "tie"):
         why, ranks = run_check(ENGINE, d, "kimi_k2" if c["model_type"] == "kimi_k2" else "deepseek_r1", wseed + 31,
                         c.get("num_nextn_predict_layers", 0) > 0, meta.get("threads", 1))
@@ -430,7 +442,7 @@ def summary(res):
     rs = c["rope_scaling"]
     rope = "none" if rs is None else f"yarn f={rs['factor']} orig={rs['original_max_position_embeddings']} b={rs['beta_fast']}/{rs['beta_slow']} ms={rs.get('mscale')}/{rs.get('mscale_all_dim')}"
     gaps = [s.get("router_min_rel_gap") for s in res.get("seqs", []) if s.get("router_min_rel_gap") is not None]
-    return (f"{res['name']}: {res['status']} ranks={res.get('ranks')} max|d|={res.get('max_abs', float('nan')):.2e} nllrel={res.get('nll_rel', 0):.1e} "
+    return (f"{res['name']}: {res['status']} ranks={res.get('ranks')} w8a8={'/'.join(f'{v:.3g}' for v in res.get('w8a8_first_max') or [])} max|d|={res.get('max_abs', float('nan')):.2e} nllrel={res.get('nll_rel', 0):.1e} "
             f"gap={min(gaps) if gaps else None!s:.8} | {c['model_type']} H{c['hidden_size']} V{c['vocab_size']} L{c['num_hidden_layers']} "
             f"fkd{c['first_k_dense_replace']} freq{c['moe_layer_freq']} nh{c['num_attention_heads']} "
             f"d{c['qk_nope_head_dim']}/{c['qk_rope_head_dim']}/{c['v_head_dim']} q{c['q_lora_rank']} kv{c['kv_lora_rank']} "
