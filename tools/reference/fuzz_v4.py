@@ -33,6 +33,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_v4_fixtures as mv  # noqa: E402
 from run_check import run_check  # noqa: E402
+from w8a8_check import w8a8_v4_check  # noqa: E402
 from make_fixtures import logits_of, logprobs_of  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -175,6 +176,15 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
         worst = max(worst, mx)
     if res["status"] == "ok" and worst > TOL:
         res["status"] = "tie" if res["min_gap"] <= mv.MIN_DECISION_GAP else "MISMATCH"
+    if res["status"] == "ok":
+        try:
+            w8, why = w8a8_v4_check(ENGINE, mv, d, c, seqs, meta.get("threads", 1))
+        except Exception as e:  # the simulation itself failed
+            w8, why = None, f"the simulation failed: {e!r}"
+        res["w8a8_first_max"] = w8
+        if why:
+            res["status"] = "w8a8_mismatch"
+            res["error"] = f"W8A8-INT against its simulation: {why}"
     if res["status"] in ("ok", "tie") and c.get("num_nextn_predict_layers", 0) > 0:
         rc, err, cmd = run_mtp_check(d, c, meta, wseed + 29)
         if rc != 0:
@@ -199,7 +209,7 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
 def summary(res):
     c, m = res["config"], res["meta"]
     rs = c["rope_scaling"]
-    return (f"{res['name']}: {res['status']} ranks={res.get('ranks')} max|d|={res.get('max_abs', float('nan')):.2e} "
+    return (f"{res['name']}: {res['status']} ranks={res.get('ranks')} w8a8={'/'.join(f'{v:.3g}' for v in res.get('w8a8_first_max') or [])} max|d|={res.get('max_abs', float('nan')):.2e} "
             f"nllrel={res.get('nll_rel', 0):.1e} gap={res.get('min_gap')!s:.8} | L{c['num_hidden_layers']} "
             f"r{c['compress_ratios']} hash{c['num_hash_layers']} H{c['hidden_size']} V{c['vocab_size']} "
             f"nh{c['num_attention_heads']} d{c['head_dim']}/{c['qk_rope_head_dim']} q{c['q_lora_rank']} "

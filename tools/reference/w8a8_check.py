@@ -132,16 +132,20 @@ def w8a8_check(engine, build_hf_model, d, c, seqs, threads):
     model, n = build_sim(build_hf_model, c, out)
     if n == 0:
         return None, "no int8 Linear in the converted checkpoint"
+    return compare(engine, model, out, seqs, threads, ["--kv-cache-dtype", "f32"])
+
+
+def compare(engine, model, out, seqs, threads, extra):
+    """The engine on checkpoint `out` against `model` over `seqs` (`w8a8_check`'s rule)."""
     first, worst, early = None, 0.0, []
     for ids in seqs:
         with torch.no_grad():
             ref = mf.logprobs_of(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float(), ids)
-        cmd = [engine, "perplexity", "--model", str(out), "--token-ids", ",".join(map(str, ids)), "--json",
-               "--kv-cache-dtype", "f32"]
+        cmd = [engine, "perplexity", "--model", str(out), "--token-ids", ",".join(map(str, ids)), "--json"] + extra
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                            env=dict(os.environ, RAYON_NUM_THREADS=str(threads)))
         if p.returncode != 0:
-            return None, f"perplexity on the W8A8 checkpoint: {p.stderr[-2000:]}"
+            return None, f"perplexity on the converted checkpoint: {p.stderr[-2000:]}"
         got = json.loads(p.stdout)["logprobs"]
         d_ = [abs(a - b) for a, b in zip(got, ref)]
         at = next((i for i, (x, r) in enumerate(zip(d_, ref)) if x > AGREE * max(1.0, abs(r))), len(d_))
@@ -152,3 +156,77 @@ def w8a8_check(engine, build_hf_model, d, c, seqs, threads):
     if len(early) == len(seqs):
         return None, "; ".join(early) + f" (max {worst:.3e})"
     return (first, worst), None
+
+# ------------------------------------------------------------------------------------------------
+# DeepSeek-V4 `--quant-type w8a8-int` (spec `deepseek-v4.md` §4.2: routed and shared experts, wq_b, wo_b and
+# the indexer's wq_b in INT8 per channel with int8 per-token activations; the rest as stored)
+# ------------------------------------------------------------------------------------------------
+
+V4_LINEARS = [  # DeepSeek name under layers.N. -> transformers module path under model.layers.N.
+    ("attn.wq_b", "self_attn.q_b_proj"),
+    ("attn.wo_b", "self_attn.o_b_proj"),
+    ("attn.indexer.wq_b", "self_attn.compressor.indexer.q_b_proj"),
+    ("ffn.shared_experts.w1", "mlp.shared_experts.gate_proj"),
+    ("ffn.shared_experts.w3", "mlp.shared_experts.up_proj"),
+    ("ffn.shared_experts.w2", "mlp.shared_experts.down_proj"),
+]
+
+
+def qexperts_v4_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' V4 experts with int8 products; the routing weight multiplies h before w2, as the
+    engine and DeepSeek's code do (the same int8 codes as after: per-token scaling)."""
+    out = torch.zeros_like(hidden_states)
+    for e in range(self.num_experts):
+        token_idx, pos = torch.where(top_k_index == e)
+        if len(token_idx) == 0:
+            continue
+        h = self._apply_gate(qlinear(hidden_states[token_idx], self.q13[e], self.s13[e]))
+        y = qlinear(h * top_k_weights[token_idx, pos, None], self.q2[e], self.s2[e])
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
+def build_v4_sim(mv, c, out):
+    t = {}
+    for f in sorted(Path(out).glob("*.safetensors")):
+        t.update(load_file(str(f)))
+    int8 = {k for k, v in t.items() if v.dtype == torch.int8}
+    scales = {k: t[k[: -len(".weight")] + ".scale"].view(-1).float() for k in int8}
+    ref = {k: (v if v.dtype == torch.int64 else v.float()) for k, v in t.items()
+           if not (k.endswith(".scale") and k[: -len(".scale")] + ".weight" in int8)}
+    model = mv.build_hf_model(c, ref)
+    covered = set()
+    for li, layer in enumerate(model.model.layers):
+        for src, dst in V4_LINEARS:
+            w = f"layers.{li}.{src}.weight"
+            if w not in int8:
+                continue
+            *path, leaf = dst.split(".")
+            mod = layer
+            for p in path:
+                mod = getattr(mod, p)
+            setattr(mod, leaf, QLinear(ref[w], scales[w]))
+            covered.add(w)
+        p = f"layers.{li}.ffn.experts."
+        if p + "0.w1.weight" in int8:
+            ex, E = layer.mlp.experts, c["n_routed_experts"]
+            ex.q13 = [torch.cat([ref[p + f"{e}.w1.weight"], ref[p + f"{e}.w3.weight"]], 0) for e in range(E)]
+            ex.s13 = [torch.cat([scales[p + f"{e}.w1.weight"], scales[p + f"{e}.w3.weight"]]) for e in range(E)]
+            ex.q2 = [ref[p + f"{e}.w2.weight"] for e in range(E)]
+            ex.s2 = [scales[p + f"{e}.w2.weight"] for e in range(E)]
+            ex.forward = qexperts_v4_forward.__get__(ex)
+            covered |= {p + f"{e}.w{i}.weight" for e in range(E) for i in (1, 2, 3)}
+    main = {k for k in int8 if k.startswith("layers.")}
+    assert main <= covered, sorted(main - covered)[:4]
+    return model
+
+
+def w8a8_v4_check(engine, mv, d, c, seqs, threads):
+    """`w8a8_check` for DeepSeek-V4's `--quant-type w8a8-int`."""
+    out = Path(d) / "w8a8-int"
+    cmd = [engine, "convert", "--input", str(d), "--output", str(out), "--quant-type", "w8a8-int", "--force"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        return None, f"convert: {p.stderr[-2000:]}"
+    model = build_v4_sim(mv, c, out)
+    return compare(engine, model, out, seqs, threads, [])
