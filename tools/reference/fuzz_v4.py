@@ -178,13 +178,15 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
         res["status"] = "tie" if res["min_gap"] <= mv.MIN_DECISION_GAP else "MISMATCH"
     if res["status"] == "ok":
         try:
-            w8, why = w8a8_v4_check(ENGINE, mv, d, c, seqs, meta.get("threads", 1))
+            qtype = "w4a8-int" if wseed % 2 else "w8a8-int"
+            res["quant_type"] = qtype
+            w8, why = w8a8_v4_check(ENGINE, mv, d, c, seqs, meta.get("threads", 1), qtype)
         except Exception as e:  # the simulation itself failed
             w8, why = None, f"the simulation failed: {e!r}"
         res["w8a8_first_max"] = w8
         if why:
-            res["status"] = "w8a8_mismatch"
-            res["error"] = f"W8A8-INT against its simulation: {why}"
+            res["status"] = "quant_mismatch"
+            res["error"] = f"{res['quant_type']} against its simulation: {why}"
     if res["status"] in ("ok", "tie") and c.get("num_nextn_predict_layers", 0) > 0:
         rc, err, cmd = run_mtp_check(d, c, meta, wseed + 29)
         if rc != 0:
@@ -209,7 +211,7 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
 def summary(res):
     c, m = res["config"], res["meta"]
     rs = c["rope_scaling"]
-    return (f"{res['name']}: {res['status']} ranks={res.get('ranks')} w8a8={'/'.join(f'{v:.3g}' for v in res.get('w8a8_first_max') or [])} max|d|={res.get('max_abs', float('nan')):.2e} "
+    return (f"{res['name']}: {res['status']} ranks={res.get('ranks')} {res.get('quant_type', 'w8a8')}={'/'.join(f'{v:.3g}' for v in res.get('w8a8_first_max') or [])} max|d|={res.get('max_abs', float('nan')):.2e} "
             f"nllrel={res.get('nll_rel', 0):.1e} gap={res.get('min_gap')!s:.8} | L{c['num_hidden_layers']} "
             f"r{c['compress_ratios']} hash{c['num_hash_layers']} H{c['hidden_size']} V{c['vocab_size']} "
             f"nh{c['num_attention_heads']} d{c['head_dim']}/{c['qk_rope_head_dim']} q{c['q_lora_rank']} "

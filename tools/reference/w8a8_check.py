@@ -10,6 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -186,14 +187,39 @@ def qexperts_v4_forward(self, hidden_states, top_k_index, top_k_weights):
     return out
 
 
+def unpack_int4(w):
+    """`w4a8-int`'s INT4 weight (spec §4.4): int8 [N/2, K], row 2j in the low nibble of byte [j, k] and row
+    2j + 1 in the high one, two's complement; returns the codes as f32 [N, K]."""
+    b = w.view(torch.uint8).to(torch.int16)
+    lo, hi = b & 0xF, (b >> 4) & 0xF
+    lo, hi = torch.where(lo >= 8, lo - 16, lo), torch.where(hi >= 8, hi - 16, hi)
+    return torch.stack([lo, hi], 1).reshape(-1, w.shape[1]).float()
+
+
+def int4_scale(s):
+    """uint64 [N, 1], the low 32 bits an f32's pattern."""
+    low = (s.view(torch.int64).numpy() & 0xFFFFFFFF).astype(np.uint32)
+    return torch.from_numpy(low.view(np.float32).reshape(-1).copy())
+
+
 def build_v4_sim(mv, c, out):
     t = {}
     for f in sorted(Path(out).glob("*.safetensors")):
         t.update(load_file(str(f)))
     int8 = {k for k, v in t.items() if v.dtype == torch.int8}
-    scales = {k: t[k[: -len(".weight")] + ".scale"].view(-1).float() for k in int8}
+    scales, int4 = {}, set()
+    for k in int8:
+        sc = t[k[: -len(".weight")] + ".scale"]
+        if sc.dtype == torch.uint64:  # INT4, packed along N, with the Ascend kernel's bias beside it
+            int4.add(k)
+            scales[k] = int4_scale(sc)
+        else:
+            scales[k] = sc.view(-1).float()
+    base = {k[: -len(".weight")] for k in int8}
     ref = {k: (v if v.dtype == torch.int64 else v.float()) for k, v in t.items()
-           if not (k.endswith(".scale") and k[: -len(".scale")] + ".weight" in int8)}
+           if not (k.endswith((".scale", ".bias")) and k.rsplit(".", 1)[0] in base)}
+    for k in int4:
+        ref[k] = unpack_int4(t[k])
     model = mv.build_hf_model(c, ref)
     covered = set()
     for li, layer in enumerate(model.model.layers):
@@ -221,10 +247,10 @@ def build_v4_sim(mv, c, out):
     return model
 
 
-def w8a8_v4_check(engine, mv, d, c, seqs, threads):
-    """`w8a8_check` for DeepSeek-V4's `--quant-type w8a8-int`."""
-    out = Path(d) / "w8a8-int"
-    cmd = [engine, "convert", "--input", str(d), "--output", str(out), "--quant-type", "w8a8-int", "--force"]
+def w8a8_v4_check(engine, mv, d, c, seqs, threads, qtype="w8a8-int"):
+    """`w8a8_check` for DeepSeek-V4's `--quant-type w8a8-int` or `w4a8-int` (INT4 routed experts)."""
+    out = Path(d) / qtype
+    cmd = [engine, "convert", "--input", str(d), "--output", str(out), "--quant-type", qtype, "--force"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         return None, f"convert: {p.stderr[-2000:]}"
