@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_fixtures as mf  # noqa: E402
 from run_check import run_check  # noqa: E402
-from w8a8_check import w8a8_check  # noqa: E402
+from w8a8_check import quant_seqs, w8a8_check  # noqa: E402
 from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -414,7 +414,7 @@ def run_case(name, c, meta, wseed, keep=False):
             res["cmd"] = " ".join(cmd)
     if res["status"] == "ok" and meta["weights"] == "fp8":
         try:
-            w8, why = w8a8_check(ENGINE, build_hf_model, d, c, scored, meta.get("threads", 1))
+            w8, why = w8a8_check(ENGINE, build_hf_model, d, c, quant_seqs(c, wseed), meta.get("threads", 1))
         except Exception as e:  # the simulation itself failed (an int8 tensor it does not place, ...)
             w8, why = None, f"the simulation failed: {e!r}"
         res["w8a8_first_max"] = w8

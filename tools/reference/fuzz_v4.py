@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_v4_fixtures as mv  # noqa: E402
 from run_check import run_check  # noqa: E402
-from w8a8_check import w8a8_v4_check  # noqa: E402
+from w8a8_check import quant_seqs, w8a8_v4_check  # noqa: E402
 from make_fixtures import logits_of, logprobs_of  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -180,7 +180,7 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
         try:
             qtype = "w4a8-int" if wseed % 2 else "w8a8-int"
             res["quant_type"] = qtype
-            w8, why = w8a8_v4_check(ENGINE, mv, d, c, seqs, meta.get("threads", 1), qtype)
+            w8, why = w8a8_v4_check(ENGINE, mv, d, c, quant_seqs(c, wseed), meta.get("threads", 1), qtype)
         except Exception as e:  # the simulation itself failed
             w8, why = None, f"the simulation failed: {e!r}"
         res["w8a8_first_max"] = w8

@@ -82,9 +82,15 @@ def run_check(engine, d, model_name, seed, mtp_layers, threads, extra=(), keep=F
     (_, a, _) = runs[0]
     for name, b, cmd in runs[1:]:
         bad = [i for i in a if a[i] != b.get(i)]
+        # Tensor layouts add each layer's partial outputs over the ranks: one process's outputs up to
+        # that order (README), so a greedy near-tie may pick another token in one request; more than
+        # one differing request is not that.
+        if bad and name == "ranks" and layout in ("tensor", "tensor-expert") and len(bad) == 1:
+            note = f"{layout} (request {bad[0]} of {len(a)} diverged)"
+            continue
         if bad:
             i = bad[0]
-            return f"request {i} differs {name} ({cmd}): {a[i]} vs {b.get(i)}", note
+            return f"{len(bad)} of {len(a)} requests differ {name}, the first {i} ({cmd}): {a[i]} vs {b.get(i)}", note
     if not keep:
         shutil.rmtree(out)
     return None, note

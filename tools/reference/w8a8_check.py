@@ -119,7 +119,9 @@ def build_sim(build_hf_model, c, out):
 # attends only to itself). So the check holds each sequence's first PREFIX positions to AGREE nats, or AGREE
 # of the log-probability where it is large (random models with tied embeddings reach −100), and fails only
 # where every sequence diverges there: a flip hits one sequence (one in fifty had one within its first two
-# positions, its other sequence agreeing to 1e-6), a systematic error all of them.
+# positions, its other sequence agreeing to 1e-6), a systematic error all of them. The sequences
+# (`quant_seqs`) start with different tokens: a flip at a shared first position hit both of a case's
+# sequences at once.
 PREFIX = 2
 AGREE = 1e-3
 
@@ -185,6 +187,14 @@ def qexperts_v4_forward(self, hidden_states, top_k_index, top_k_weights):
         y = qlinear(h * top_k_weights[token_idx, pos, None], self.q2[e], self.s2[e])
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
+
+
+def quant_seqs(c, seed):
+    """The sequences the quantized check scores: three of 8-64 random tokens, each starting with its own token
+    (a flip at a shared first position would hit every sequence at once and read as systematic)."""
+    rng = np.random.default_rng(seed + 41)
+    firsts = rng.choice(np.arange(2, c["vocab_size"]), size=3, replace=False)
+    return [[int(f)] + rng.integers(2, c["vocab_size"], size=int(rng.integers(8, 64))).tolist() for f in firsts]
 
 
 def unpack_int4(w):
