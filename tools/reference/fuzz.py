@@ -24,7 +24,7 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_fixtures as mf  # noqa: E402
-from run_check import run_check  # noqa: E402
+from run_check import mtp_check, run_check  # noqa: E402
 from w8a8_check import quant_seqs, w8a8_check  # noqa: E402
 from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP  # noqa: E402
@@ -36,7 +36,7 @@ hf_logging.set_verbosity_error()
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = os.environ.get("CACHALOT", str(REPO / "target" / "release" / "cachalot"))
 RUNS = Path(os.environ.get("FUZZ_RUNS", Path(os.environ.get("TMPDIR", "/tmp")) / "cachalot-fuzz"))
-TOK_DIR = Path("/work/main/fixtures/v3/r1_tiny")
+TOK_DIR = REPO / "fixtures" / "v3" / "r1_tiny"
 TOL = 0.02
 
 
@@ -321,19 +321,6 @@ def run_engine(d, ids, meta):
     return p.returncode, p.stdout, p.stderr, cmd
 
 
-def run_mtp_check(d, c, meta, seed):
-    """With an MTP layer: speculative decoding (next_n 1-3, batches of 1-4, prompts past the window)
-    must give plain greedy's tokens (`cachalot bench --mtp` checks it and fails otherwise)."""
-    rng = np.random.default_rng(seed)
-    cmd = [ENGINE, "bench", "--model", str(d), "--mtp", str(int(rng.integers(1, 4))),
-           "--batch", str(int(rng.integers(1, 5))), "--prompt-file", str(REPO / "assets" / "cachalot-tiny-r1" / "eval.txt"),
-           "--prompt-len", str(int(rng.integers(8, 160))), "--decode-len", str(int(rng.integers(8, 48))),
-           "--runs", "1", "--json"] + ["--kv-cache-dtype", meta.get("kv_cache_dtype", "f32")]
-    env = dict(os.environ, RAYON_NUM_THREADS=str(meta.get("threads", 1)))
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    return p.returncode, p.stderr, cmd
-
-
 def run_case(name, c, meta, wseed, keep=False):
     d = RUNS / name
     if d.exists():
@@ -407,7 +394,7 @@ def run_case(name, c, meta, wseed, keep=False):
     else:
         res["status"] = "ok" if worst <= TOL else "MISMATCH"
     if res["status"] in ("ok", "tie") and c.get("num_nextn_predict_layers", 0) > 0:
-        rc, err, cmd = run_mtp_check(d, c, meta, wseed + 29)
+        rc, err, cmd = mtp_check(ENGINE, d, wseed + 29, meta.get("threads", 1), ["--kv-cache-dtype", meta.get("kv_cache_dtype", "f32")])
         if rc != 0:
             res["status"] = "mtp_error"
             res["error"] = err[-2000:]

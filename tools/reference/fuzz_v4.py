@@ -32,7 +32,7 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_v4_fixtures as mv  # noqa: E402
-from run_check import run_check  # noqa: E402
+from run_check import mtp_check, run_check  # noqa: E402
 from w8a8_check import quant_seqs, w8a8_v4_check  # noqa: E402
 from make_fixtures import logits_of, logprobs_of  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
@@ -101,19 +101,6 @@ def run_engine(d, ids, meta):
     env = dict(os.environ, RAYON_NUM_THREADS=str(meta.get("threads", 1)))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     return p.returncode, p.stdout, p.stderr, cmd
-
-
-def run_mtp_check(d, c, meta, seed):
-    """With an MTP layer: speculative decoding (next_n 1-3, batches of 1-4, prompts past the window)
-    must give plain greedy's tokens (`cachalot bench --mtp` checks it and fails otherwise)."""
-    rng = np.random.default_rng(seed)
-    cmd = [ENGINE, "bench", "--model", str(d), "--mtp", str(int(rng.integers(1, 4))),
-           "--batch", str(int(rng.integers(1, 5))), "--prompt-file", str(REPO / "assets" / "cachalot-tiny-r1" / "eval.txt"),
-           "--prompt-len", str(int(rng.integers(8, 160))), "--decode-len", str(int(rng.integers(8, 48))),
-           "--runs", "1", "--json"]
-    env = dict(os.environ, RAYON_NUM_THREADS=str(meta.get("threads", 1)))
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    return p.returncode, p.stderr, cmd
 
 
 def run_case(name, c, meta, wseed, keep=False, attempts=4):
@@ -188,7 +175,7 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
             res["status"] = "quant_mismatch"
             res["error"] = f"{res['quant_type']} against its simulation: {why}"
     if res["status"] in ("ok", "tie") and c.get("num_nextn_predict_layers", 0) > 0:
-        rc, err, cmd = run_mtp_check(d, c, meta, wseed + 29)
+        rc, err, cmd = mtp_check(ENGINE, d, wseed + 29, meta.get("threads", 1), [])
         if rc != 0:
             res["status"] = "mtp_error"
             res["error"] = err[-2000:]

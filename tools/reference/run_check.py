@@ -96,3 +96,16 @@ def run_check(engine, d, model_name, seed, mtp_layers, threads, extra=(), keep=F
     if not keep:
         shutil.rmtree(out)
     return None, note
+
+
+def mtp_check(engine, d, seed, threads, extra=()):
+    """With an MTP layer: speculative decoding (next_n 1-3, batches of 1-4, prompts past the window) must give
+    plain greedy's tokens (`cachalot bench --mtp` checks it and fails otherwise). Returns (rc, stderr, cmd)."""
+    rng = np.random.default_rng(seed)
+    cmd = [engine, "bench", "--model", str(d), "--mtp", str(int(rng.integers(1, 4))),
+           "--batch", str(int(rng.integers(1, 5))), "--prompt-file", str(REPO / "assets" / "cachalot-tiny-r1" / "eval.txt"),
+           "--prompt-len", str(int(rng.integers(8, 160))), "--decode-len", str(int(rng.integers(8, 48))),
+           "--runs", "1", "--json"] + list(extra)
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return p.returncode, p.stderr, cmd

@@ -38,7 +38,17 @@ const PARAM_CLOSE: &[u8] = "</｜DSML｜parameter>".as_bytes();
 /// Closes the invoke and the call block.
 const END: &[u8] = "</｜DSML｜invoke>\n</｜DSML｜tool_calls>".as_bytes();
 /// The marker no value may hold.
-const DSML: &[u8] = "｜DSML｜".as_bytes();
+const DSML: &[u8] = cachalot_model::tokenizer::dsv4::DSML.as_bytes();
+
+/// `bytes` hold the `｜DSML｜` marker.
+pub(crate) fn holds_marker(bytes: &[u8]) -> bool {
+    bytes.windows(DSML.len()).any(|w| w == DSML)
+}
+
+/// A listed property's name can be written between `name="` and `"`.
+fn name_writable(name: &[u8]) -> bool {
+    !name.contains(&b'"') && !holds_marker(name)
+}
 const FLAG_STR: &[u8] = b" string=\"true\">";
 const FLAG_JSON: &[u8] = b" string=\"false\">";
 
@@ -120,7 +130,7 @@ impl DsmlSpec {
             .into_iter()
             .flatten()
             .map(|(n, _)| n.as_bytes())
-            .filter(|n| !n.contains(&b'"') && !n.windows(DSML.len()).any(|w| w == DSML))
+            .filter(|n| name_writable(n))
             .take(MAX_PROPERTIES)
             .map(|n| (n.to_vec(), Prop::new(any.clone())))
             .collect();
@@ -183,8 +193,7 @@ impl DsmlSpec {
             Some(Value::Object(ps)) => {
                 for (name, s) in ps {
                     listed.push(name);
-                    if name.contains('"') || name.as_bytes().windows(DSML.len()).any(|w| w == DSML)
-                    {
+                    if !name_writable(name.as_bytes()) {
                         return Err(format!(
                             "property {name:?} cannot be written as a DSML name"
                         ));

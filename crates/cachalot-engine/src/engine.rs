@@ -35,7 +35,7 @@ use cachalot_model::batch::{Batch, CacheSpec, KvCache, LogitsWanted};
 use cachalot_model::tokenizer::Tokenizer;
 use cachalot_model::{DeepseekV3, DeepseekV4};
 
-use crate::dsml_args::{DsmlSpec, DsmlState};
+use crate::dsml_args::{holds_marker, DsmlSpec, DsmlState};
 use crate::generate::{FinishReason, StopConditions, TextStream};
 use crate::json_mode::JsonState;
 use crate::json_schema::{Schema, SchemaState};
@@ -416,9 +416,6 @@ fn yes() -> bool {
     true
 }
 
-/// DeepSeek-V4's markup token text (`tokenizer::dsv4::DSML`).
-const DSML_MARK: &[u8] = cachalot_model::tokenizer::dsv4::DSML.as_bytes();
-
 /// What JSON mode holds an answer to, compiled: any JSON object, a value under a schema, or
 /// DSML parameters under a tool's (`Request::dsml`).
 #[derive(Clone, Debug)]
@@ -504,9 +501,8 @@ impl Grammar {
         bytes: &'a [Vec<u8>],
         specials: &'a HashMap<u32, Vec<u8>>,
     ) -> &'a [u8] {
-        let markup = |s: &[u8]| s.windows(DSML_MARK.len()).any(|w| w == DSML_MARK);
         match (self, specials.get(&t)) {
-            (Grammar::Dsml(_), Some(s)) if markup(s) => s,
+            (Grammar::Dsml(_), Some(s)) if holds_marker(s) => s,
             _ => bytes.get(t as usize).map_or(&[][..], Vec::as_slice),
         }
     }
