@@ -33,7 +33,7 @@ use std::time::Instant;
 
 use cachalot_model::batch::{Batch, CacheSpec, KvCache, LogitsWanted};
 use cachalot_model::tokenizer::Tokenizer;
-use cachalot_model::{DeepseekV3, DeepseekV4};
+use cachalot_model::{DeepseekV3, DeepseekV4, V4CacheMode};
 
 use crate::dsml_args::{holds_marker, DsmlSpec, DsmlState};
 use crate::generate::{FinishReason, StopConditions, TextStream};
@@ -125,6 +125,11 @@ pub trait Model {
     fn generated_rows_are_prefill_rows(&self) -> bool {
         false
     }
+    /// Whether the cache can be paged in blocks of `block_size` positions (an error saying
+    /// what would fit otherwise).
+    fn check_block_size(&self, _block_size: usize) -> Result<(), EngineError> {
+        Ok(())
+    }
 }
 
 impl Model for DeepseekV3 {
@@ -188,13 +193,18 @@ impl Model for DeepseekV4 {
     /// and indexer key of a block it ends) sits at its own slot and depends only on the tokens
     /// up to it, and a position's bits do not depend on how a prompt is cut into steps (not
     /// under force_eplb, where a token's experts depend on its place in the step).
+    /// In the compact layout ([`V4CacheMode`]) the window and compressor inputs live in
+    /// per-sequence rings, which blocks cannot share: no prefix caching there.
     fn supports_prefix_caching(&self) -> bool {
-        !self.forces_eplb()
+        !self.forces_eplb() && self.cache_mode() == V4CacheMode::Full
     }
     /// Decode and verify steps compute a position as a prefill chunk does (no MLA-style path
     /// rule): generated blocks are shared too.
     fn generated_rows_are_prefill_rows(&self) -> bool {
-        !self.forces_eplb()
+        self.supports_prefix_caching()
+    }
+    fn check_block_size(&self, block_size: usize) -> Result<(), EngineError> {
+        Ok(DeepseekV4::check_block_size(self, block_size)?)
     }
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
         Ok(DeepseekV4::forward(self, batch, cache, false)?.logits)
@@ -286,6 +296,9 @@ impl<T: Model + ?Sized> Model for &T {
     }
     fn generated_rows_are_prefill_rows(&self) -> bool {
         (**self).generated_rows_are_prefill_rows()
+    }
+    fn check_block_size(&self, block_size: usize) -> Result<(), EngineError> {
+        (**self).check_block_size(block_size)
     }
 }
 
@@ -776,10 +789,57 @@ struct Live<'t> {
     lead: Option<Lead>,
 }
 
+/// Which cache state slot each running request holds, for a model whose cache keeps a state
+/// per sequence ([`CacheSpec::seq_state_width`]: DeepSeek-V4's compact rings). A request takes
+/// a slot when it is first stepped and gives it back when it is preempted (its state is
+/// recomputed from position 0) or retires.
+#[derive(Default)]
+struct StateSlots {
+    on: bool,
+    of: HashMap<u64, u32>,
+    free: Vec<u32>,
+    next: u32,
+}
+
+impl StateSlots {
+    /// The slot of running request `id`, given one if it has none.
+    fn get(&mut self, id: u64, scheduler: &Scheduler) -> u32 {
+        if let Some(&s) = self.of.get(&id) {
+            return s;
+        }
+        if self.free.is_empty() {
+            // Slots of requests no longer running (a path that did not give one back).
+            let gone: Vec<u64> = self
+                .of
+                .keys()
+                .copied()
+                .filter(|&i| scheduler.phase(i) != Some(crate::scheduler::Phase::Running))
+                .collect();
+            for i in gone {
+                self.release(i);
+            }
+        }
+        let s = self.free.pop().unwrap_or_else(|| {
+            self.next += 1;
+            self.next - 1
+        });
+        self.of.insert(id, s);
+        s
+    }
+
+    fn release(&mut self, id: u64) {
+        if let Some(s) = self.of.remove(&id) {
+            self.free.push(s);
+        }
+    }
+}
+
 pub struct Engine<'t, M: Model> {
     model: M,
     tokenizer: Option<&'t Tokenizer>,
     cache: KvCache,
+    /// Per-sequence cache state slots (used only when the cache has a state).
+    slots: StateSlots,
     scheduler: Scheduler,
     live: HashMap<u64, Live<'t>>,
     finished: Vec<RequestOutput>,
@@ -821,7 +881,14 @@ impl<'t, M: Model> Engine<'t, M> {
                 cfg.num_blocks
             )));
         }
-        let cache = KvCache::new(model.cache_spec(), cfg.block_size, cfg.num_blocks);
+        model.check_block_size(cfg.block_size)?;
+        let mut cache = KvCache::new(model.cache_spec(), cfg.block_size, cfg.num_blocks);
+        // Every running request's state slot, up front (a batch holds at most batch_size).
+        cache.reserve_seq_slots(cfg.batch_size);
+        let slots = StateSlots {
+            on: model.cache_spec().seq_state_width > 0,
+            ..Default::default()
+        };
         let scheduler = Scheduler::new(
             SchedulerConfig {
                 batch_size: cfg.batch_size,
@@ -838,6 +905,7 @@ impl<'t, M: Model> Engine<'t, M> {
             model,
             tokenizer,
             cache,
+            slots,
             scheduler,
             live: HashMap::new(),
             finished: Vec::new(),
@@ -895,7 +963,9 @@ impl<'t, M: Model> Engine<'t, M> {
                 "this model's cache cannot be shared between requests (prefix caching): a C8 \
                  (int8) latent cache is read quantized where a prompt's own rows are not, so a \
                  prompt cut after shared blocks would not get its own prefill's bits; under \
-                 force_eplb a token's experts depend on its place in the step"
+                 force_eplb a token's experts depend on its place in the step; DeepSeek-V4's \
+                 compact cache keeps its window in per-sequence rings (--v4-cache full puts \
+                 every position's state in shareable blocks)"
                     .into(),
             ));
         }
@@ -1165,8 +1235,17 @@ impl<'t, M: Model> Engine<'t, M> {
             }
             let (_, layers) = self.imports.pop_front().expect("the front");
             let table = self.scheduler.block_table(id).to_vec();
+            let state = self.cache.spec().seq_state_width * 4;
+            let slot = self
+                .slots
+                .on
+                .then(|| self.slots.get(id, &self.scheduler) as usize);
             for (l, rows) in layers.iter().enumerate() {
+                let (rows, st) = rows.split_at(rows.len() - state);
                 self.cache.write_rows(l, &table, rows);
+                if let Some(slot) = slot {
+                    self.cache.write_state(l, slot, st);
+                }
             }
         }
     }
@@ -1349,6 +1428,7 @@ impl<'t, M: Model> Engine<'t, M> {
             if let Some(live) = self.live.get_mut(id) {
                 live.mtp_pending = None;
             }
+            self.slots.release(*id);
         }
         if plan.is_empty() {
             debug_assert!(!self.scheduler.has_unfinished(), "the scheduler stalled");
@@ -1399,6 +1479,9 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.scheduler.block_table(it.id).to_vec(),
                 want,
             );
+            if self.slots.on {
+                batch.set_state_slot(self.slots.get(it.id, &self.scheduler));
+            }
             // Prompt or generated positions (the scheduler never mixes them in one item): each
             // kind computed one way, so chunking, prefix caching and recompute leave bits alone.
             if it.start + it.len <= live.prompt_len {
@@ -1717,6 +1800,9 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.scheduler.block_table(id).to_vec(),
                 want,
             );
+            if self.slots.on {
+                batch.set_state_slot(self.slots.get(id, &self.scheduler));
+            }
             if p.first < pl {
                 batch.mark_prefill();
             } else {
@@ -1761,6 +1847,9 @@ impl<'t, M: Model> Engine<'t, M> {
                     self.scheduler.block_table(*id).to_vec(),
                     LogitsWanted::Last,
                 );
+                if self.slots.on {
+                    b.set_state_slot(self.slots.get(*id, &self.scheduler));
+                }
                 b.mark_generated();
                 prev.extend_from_slice(hid);
             }
@@ -1893,6 +1982,9 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.scheduler.block_table(id).to_vec(),
                 LogitsWanted::None,
             );
+            if self.slots.on {
+                batch.set_state_slot(self.slots.get(id, &self.scheduler));
+            }
             batch.mark_prefill();
             prev.extend_from_slice(&p.hidden[..(end - p.first) * h]);
             caught.push((id, p.first, end));
@@ -1917,6 +2009,7 @@ impl<'t, M: Model> Engine<'t, M> {
             None
         };
         self.scheduler.finish(id);
+        self.slots.release(id);
         self.imports.retain(|(i, _)| *i != id);
         let Some(mut live) = self.live.remove(&id) else {
             return;
@@ -1974,10 +2067,17 @@ impl<'t, M: Model> Engine<'t, M> {
             return None;
         }
         let table = self.scheduler.block_table(id);
+        let slot = match self.slots.on {
+            true => Some(*self.slots.of.get(&id)? as usize),
+            false => None,
+        };
         let layers = (0..self.cache.spec().layers)
             .map(|l| {
                 let mut rows = Vec::new();
                 self.cache.read_rows(l, table, n, &mut rows);
+                if let Some(slot) = slot {
+                    self.cache.read_state(l, slot, &mut rows);
+                }
                 rows
             })
             .collect();

@@ -91,6 +91,14 @@ pub fn row_bytes(spec: &CacheSpec) -> usize {
     spec.int8_width + spec.float_width() * spec.float.bytes()
 }
 
+/// Bytes one layer of a snapshot of `n` positions holds: the rows, then the sequence's state
+/// slot when the cache has one ([`CacheSpec::seq_state_width`]).
+pub fn layer_bytes(spec: &CacheSpec, n: usize) -> u64 {
+    (n as u64)
+        .saturating_mul(row_bytes(spec) as u64)
+        .saturating_add(spec.seq_state_width as u64 * 4)
+}
+
 impl KvSnapshot {
     /// Bytes of KV rows and hidden states carried.
     pub fn bytes(&self) -> usize {
@@ -111,17 +119,19 @@ impl KvSnapshot {
                 self.spec.layers
             )));
         }
-        let want = n * row_bytes(&self.spec);
+        let want = layer_bytes(&self.spec, n);
         if let Some((l, rows)) = self
             .layers
             .iter()
             .enumerate()
-            .find(|(_, r)| r.len() != want)
+            .find(|(_, r)| r.len() as u64 != want)
         {
             return Err(bad(format!(
-                "layer {l} holds {} bytes; {n} positions of {} bytes need {want}",
+                "layer {l} holds {} bytes; {n} positions of {} bytes and a state of {} need \
+                 {want}",
                 rows.len(),
-                row_bytes(&self.spec)
+                row_bytes(&self.spec),
+                self.spec.seq_state_width * 4
             )));
         }
         if let Some(m) = &self.mtp {
@@ -146,7 +156,7 @@ impl KvSnapshot {
         let spec = &self.spec;
         let header = json!({
             "spec": {"layers": spec.layers, "width": spec.width, "int8_width": spec.int8_width,
-                     "float": spec.float.name()},
+                     "float": spec.float.name(), "seq_state_width": spec.seq_state_width},
             "prompt": self.prompt,
             "params": self.params,
             "first_token": self.first_token,
@@ -215,6 +225,11 @@ impl KvSnapshot {
             width: num(s, "width")? as usize,
             int8_width: num(s, "int8_width")? as usize,
             float,
+            // An older sender's spec has none.
+            seq_state_width: match s.get("seq_state_width") {
+                None => 0,
+                Some(_) => num(s, "seq_state_width")? as usize,
+            },
         };
         if spec.int8_width > spec.width {
             return Err(bad("int8_width exceeds width"));
@@ -278,15 +293,16 @@ impl KvSnapshot {
             )),
         };
         // Sizes that do not fit the prompt are refused before anything is allocated.
-        let want = (prompt.len() as u64).saturating_mul(row_bytes(&spec) as u64);
+        let want = self::layer_bytes(&spec, prompt.len());
         if layer_bytes.len() != spec.layers || layer_bytes.iter().any(|&b| b != want) {
             return Err(bad(format!(
                 "the header promises rows of {:?} bytes for {} layers; {} positions of {} bytes \
-                 need {want} per layer",
+                 and a state of {} need {want} per layer",
                 layer_bytes,
                 spec.layers,
                 prompt.len(),
-                row_bytes(&spec)
+                row_bytes(&spec),
+                spec.seq_state_width * 4
             )));
         }
         let total = layer_bytes
@@ -370,6 +386,7 @@ mod tests {
             width: 6,
             int8_width,
             float,
+            seq_state_width: 0,
         };
         let n = 5;
         let layers = (0..3)

@@ -9,7 +9,8 @@ use cachalot_engine::generate::FinishReason;
 use cachalot_engine::{Engine, EngineConfig, Model, Request, SamplingParams, StopConditions};
 use cachalot_model::eval::{self, CausalLm};
 use cachalot_model::{
-    AttentionPath, DeepseekV3, DeepseekV4, Fp8Mode, KvCacheDtype, LoadOptions, V4LoadOptions,
+    AttentionPath, DeepseekV3, DeepseekV4, Fp8Mode, KvCacheDtype, LoadOptions, V4CacheMode,
+    V4LoadOptions,
 };
 
 fn load(name: &str) -> DeepseekV3 {
@@ -27,11 +28,12 @@ fn load(name: &str) -> DeepseekV3 {
     .unwrap()
 }
 
-/// Both DeepSeek-V4 fixtures (Flash- and Pro-shaped), by name, with or without their MTP block.
-fn v4_fixtures(load_mtp: bool) -> Vec<(String, DeepseekV4)> {
-    ["flash_tiny", "pro_tiny"]
-        .into_iter()
-        .map(|f| {
+/// Both DeepSeek-V4 fixtures (Flash- and Pro-shaped), by name and cache layout, with or
+/// without their MTP block, in each of `modes`.
+fn v4_fixtures(load_mtp: bool, modes: &[V4CacheMode]) -> Vec<(String, DeepseekV4)> {
+    let mut out = Vec::new();
+    for f in ["flash_tiny", "pro_tiny"] {
+        for &mode in modes {
             let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
                 .join("../../fixtures/v4")
                 .join(f);
@@ -39,10 +41,15 @@ fn v4_fixtures(load_mtp: bool) -> Vec<(String, DeepseekV4)> {
                 load_mtp,
                 ..Default::default()
             };
-            (f.to_string(), DeepseekV4::load(&dir, opts).unwrap())
-        })
-        .collect()
+            let mut m = DeepseekV4::load(&dir, opts).unwrap();
+            m.set_cache_mode(mode);
+            out.push((format!("{f} ({})", mode.name()), m));
+        }
+    }
+    out
 }
+
+const BOTH: [V4CacheMode; 2] = [V4CacheMode::Compact, V4CacheMode::Full];
 
 fn greedy_request(prompt: &[u32], n: usize) -> Request {
     Request {
@@ -327,7 +334,7 @@ fn prefix_cached_greedy_equals_each_request_alone() {
 /// shared too.
 #[test]
 fn v4_prefix_cached_greedy_equals_each_request_alone() {
-    for (fixture, m) in v4_fixtures(false) {
+    for (fixture, m) in v4_fixtures(false, &[V4CacheMode::Full]) {
         let cfg = EngineConfig {
             block_size: 16,
             num_blocks: 96,
@@ -470,18 +477,31 @@ fn prefix_waves<M: Model + CausalLm>(
 }
 
 /// Prefix caching with MTP: blocks keyed with the token after them, whichever is turned on
-/// first; DeepSeek-V4 takes it too, `auto` included. (A C8 cache refuses it: the offline run
-/// tests in cachalot-run check that on a converted W8A8C8 model.)
+/// first; DeepSeek-V4's full cache layout takes it too, `auto` included, its compact layout
+/// (per-sequence rings) not. (A C8 cache refuses it: the offline run tests in cachalot-run
+/// check that on a converted W8A8C8 model.)
 #[test]
 fn prefix_caching_is_refused_where_it_cannot_be_exact() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v4/flash_tiny");
-    let m = DeepseekV4::load(&dir, V4LoadOptions::default()).unwrap();
+    let mut m = DeepseekV4::load(&dir, V4LoadOptions::default()).unwrap();
     let cfg = EngineConfig {
         block_size: 16,
         num_blocks: 64,
         batch_size: 4,
         max_prefill_tokens: 64,
     };
+    let mut e = Engine::new(&m, None, cfg).unwrap();
+    assert!(!e.set_prefix_caching(None).unwrap());
+    let err = e.set_prefix_caching(Some(true)).unwrap_err().to_string();
+    assert!(err.contains("--v4-cache full"), "{err}");
+    let odd = EngineConfig {
+        block_size: 6,
+        ..cfg
+    };
+    let err = Engine::new(&m, None, odd).err().unwrap().to_string();
+    assert!(err.contains("multiple of 4"), "{err}");
+    m.set_cache_mode(V4CacheMode::Full);
+    Engine::new(&m, None, odd).unwrap();
     let mut e = Engine::new(&m, None, cfg).unwrap();
     assert!(e.set_prefix_caching(None).unwrap());
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny");
@@ -537,7 +557,7 @@ fn mtp_with_prefix_caching_equals_each_request_alone() {
 /// after a block, as V3's), blocks of 4 to 16 over prompts that reach past the 128-token window.
 #[test]
 fn v4_mtp_with_prefix_caching_equals_each_request_alone() {
-    let models = v4_fixtures(true);
+    let models = v4_fixtures(true, &BOTH);
     mtp_prefix_cases(&models, 6, 0x51f0_77c3_2a9e_d411, &[4, 8, 16], 100..220);
 }
 
@@ -555,9 +575,12 @@ fn mtp_prefix_cases<M: Model>(
     let iters = fuzz_iters(iters);
     let mut rnd = fuzz_rng(seed);
     let (mut hits, mut drafted, mut answer_hits) = (0, 0, 0);
-    let mut shares_answers = false;
+    let (mut shares_answers, mut caches) = (false, false);
     for it in 0..iters {
         let (label, m) = &models[rnd(models.len())];
+        // A model whose cache blocks cannot be shared runs the same streams without it.
+        let caching = Model::supports_prefix_caching(m);
+        caches |= caching;
         shares_answers |= Model::generated_rows_are_prefill_rows(m);
         let vocab = Model::vocab_size(m);
         let next_n = 1 + rnd(3);
@@ -595,7 +618,9 @@ fn mtp_prefix_cases<M: Model>(
         let what = format!("case {it}: {label} next_n {next_n} {cfg:?}");
         let mut e = Engine::new(m, None, cfg).unwrap();
         e.enable_mtp(next_n).unwrap();
-        e.enable_prefix_caching().unwrap();
+        if caching {
+            e.enable_prefix_caching().unwrap();
+        }
         for w in 0..3 {
             let mut ids = Vec::new();
             for i in (0..n).filter(|&i| wave[i] == w) {
@@ -649,7 +674,7 @@ fn mtp_prefix_cases<M: Model>(
         e.scheduler().check_invariants().unwrap();
         assert_eq!(e.scheduler().kv().pool().num_used(), 0, "{what}");
     }
-    assert!(hits > 0, "no prompt ever took cached blocks");
+    assert_eq!(hits > 0, caches, "cached tokens {hits}");
     assert!(drafted > 0, "no request drafted");
     // Where generated blocks are shared, some second turn took its first answer's blocks;
     // elsewhere none did.
@@ -760,7 +785,7 @@ fn random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
 /// answer (whose blocks V4 shares too).
 #[test]
 fn v4_random_streams_equal_each_request_alone_with_and_without_prefix_caching() {
-    let models = v4_fixtures(false);
+    let models = v4_fixtures(false, &BOTH);
     random_stream_cases(&models, 10, 0x7f4a_7c15_9e37_79b9, 100..220);
 }
 
@@ -781,7 +806,10 @@ fn random_stream_cases<M: Model + CausalLm>(
     for it in 0..iters {
         let (name, m) = &models[rnd(models.len())];
         let vocab = Model::vocab_size(m);
-        let bs = [2, 3, 4, 8, 16][rnd(5)];
+        let mut bs = [2, 3, 4, 8, 16][rnd(5)];
+        while Model::check_block_size(m, bs).is_err() {
+            bs += 1;
+        }
         let (batch_size, max_prefill_tokens) = (1 + rnd(6), 1 + rnd(40));
         let n = 2 + rnd(10);
         let mut prompts = shared_prompts(&mut rnd, 3, n, 6, text_lens.clone(), vocab);
@@ -814,7 +842,8 @@ fn random_stream_cases<M: Model + CausalLm>(
             batch_size,
             max_prefill_tokens,
         };
-        for cached in [false, true] {
+        let caching = Model::supports_prefix_caching(m);
+        for cached in [false, true].into_iter().filter(|&c| !c || caching) {
             let what = format!("case {it}: {name} {cfg:?}, prefix caching {cached}");
             let mut e = Engine::new(m, None, cfg).unwrap();
             if cached {

@@ -280,6 +280,7 @@ impl Model for Markov {
             width: 1,
             int8_width: 0,
             float: cachalot_model::KvCacheDtype::F32,
+            seq_state_width: 0,
         }
     }
     fn vocab_size(&self) -> usize {

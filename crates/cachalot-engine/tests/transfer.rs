@@ -505,3 +505,84 @@ fn json_mode_answers_are_json_objects() {
         .to_string()
         .contains("tokenizer"));
 }
+
+/// DeepSeek-V4's compact cache (`V4CacheMode::Compact`): a snapshot carries each layer's rows
+/// and then the request's state slot (its window and compressor-input rings), and the decode
+/// engine writes that slot into one of its own (slots handed on as requests finish), so the
+/// tokens are one engine's; prompts past the ring sizes (144 window positions), with MTP.
+#[test]
+fn v4_compact_cache_prefill_here_decode_there_equals_one_engine() {
+    for fixture in ["flash_tiny", "pro_tiny"] {
+        let m = cachalot_model::DeepseekV4::load(
+            &root().join("fixtures/v4").join(fixture),
+            cachalot_model::V4LoadOptions {
+                load_mtp: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(m.cache_mode(), cachalot_model::V4CacheMode::Compact);
+        let vocab = m.config().vocab_size as u32;
+        let prompts: Vec<Vec<u32>> = [150usize, 7, 131, 40, 200]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                (0..n as u32)
+                    .map(|t| (t * 31 + i as u32 * 7 + 3) % vocab)
+                    .collect()
+            })
+            .collect();
+        let n_new = 12;
+        let params = SamplingParams::greedy();
+        for next_n in [0, 2] {
+            let what = format!("{fixture}, next_n {next_n}");
+            let new = |cfg: EngineConfig| {
+                let mut e = Engine::new(&m, None, cfg).unwrap();
+                if next_n > 0 {
+                    e.enable_mtp(next_n).unwrap();
+                }
+                e
+            };
+            let done = |mut e: Engine<'_, &cachalot_model::DeepseekV4>| {
+                let mut outs = e.run_to_completion(|_, _| {}).unwrap();
+                assert_eq!(e.scheduler().kv().pool().num_used(), 0, "blocks leaked");
+                outs.sort_by_key(|o| o.id);
+                outs
+            };
+            let cfg = EngineConfig {
+                num_blocks: 128,
+                ..PREFILL
+            };
+            let mut one = new(cfg);
+            for p in &prompts {
+                one.add_request(request(p, &params, n_new)).unwrap();
+            }
+            let want = done(one);
+            let mut pre = new(cfg);
+            for p in &prompts {
+                pre.add_request_for_transfer(request(p, &params, 1))
+                    .unwrap();
+            }
+            let firsts = done(pre);
+            let mut dec = new(EngineConfig {
+                block_size: 8,
+                num_blocks: 96,
+                batch_size: 2,
+                max_prefill_tokens: 64,
+            });
+            for (p, out) in prompts.iter().zip(&firsts) {
+                let kv = out.kv.as_ref().expect("a snapshot");
+                assert!(kv.spec.seq_state_width > 0, "{what}");
+                let mut wire = Vec::new();
+                kv.write_to(&mut wire).unwrap();
+                let kv = KvSnapshot::read_from(&mut wire.as_slice(), u64::MAX).unwrap();
+                dec.add_prefilled(request(p, &params, n_new), kv).unwrap();
+            }
+            assert!(dec.scheduler().num_running() < prompts.len(), "{what}");
+            let got = done(dec);
+            for (a, b) in want.iter().zip(&got) {
+                assert_eq!(a.tokens, b.tokens, "{what}: prompt of {}", a.prompt.len());
+            }
+        }
+    }
+}

@@ -54,13 +54,17 @@ impl std::str::FromStr for KvCacheDtype {
 
 /// What a model needs from the cache pool: `layers` caches of `width` values per token; the
 /// first `int8_width` of them are stored as int8 (the C8 latent cache, spec §3.4: c_kv in int8
-/// with a per-layer scale the model owns), the rest (the float part) as `float` says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// with a per-layer scale the model owns), the rest (the float part) as `float` says. A model
+/// that also keeps a bounded state per running sequence (DeepSeek-V4's sliding window and
+/// compressor inputs, rings of the last positions) asks for `seq_state_width` f32 values per
+/// layer and sequence state slot ([`Batch::state_slots`]); 0 for none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheSpec {
     pub layers: usize,
     pub width: usize,
     pub int8_width: usize,
     pub float: KvCacheDtype,
+    pub seq_state_width: usize,
 }
 
 impl CacheSpec {
@@ -73,11 +77,17 @@ impl CacheSpec {
     pub fn bytes_per_token(&self) -> usize {
         self.layers * (self.float_width() * self.float.bytes() + self.int8_width)
     }
+
+    /// Bytes one sequence state slot takes over all cache layers (0 without a state).
+    pub fn seq_state_bytes(&self) -> usize {
+        self.layers * self.seq_state_width * 4
+    }
 }
 
 /// A pool of fixed-size blocks: per cache layer, a float array (`float_width` values per slot,
 /// f32 or bf16 bits as the spec says) and, for an int8 layout, an int8 array (`int8_width`
-/// values per slot).
+/// values per slot); with a per-sequence state, per layer `seq_state_width` f32 values per
+/// state slot (grown on first use, or reserved up front with [`KvCache::reserve_seq_slots`]).
 pub struct KvCache {
     spec: CacheSpec,
     block_size: usize,
@@ -85,6 +95,9 @@ pub struct KvCache {
     layers: Vec<Vec<f32>>,
     bf16: Vec<Vec<u16>>,
     int8: Vec<Vec<i8>>,
+    /// Per layer: `seq_slots · seq_state_width` values.
+    state: Vec<Vec<f32>>,
+    seq_slots: usize,
 }
 
 /// One layer of a cache, for writing: the int8 part (empty without one) and the float part,
@@ -131,6 +144,70 @@ impl KvCache {
             layers,
             bf16,
             int8,
+            state: vec![
+                Vec::new();
+                if spec.seq_state_width > 0 {
+                    spec.layers
+                } else {
+                    0
+                }
+            ],
+            seq_slots: 0,
+        }
+    }
+
+    /// Makes room for sequence state slots `0..n` (no-op without a per-sequence state).
+    pub fn reserve_seq_slots(&mut self, n: usize) {
+        if self.spec.seq_state_width == 0 || n <= self.seq_slots {
+            return;
+        }
+        for l in &mut self.state {
+            l.resize(n * self.spec.seq_state_width, 0.0);
+        }
+        self.seq_slots = n;
+    }
+
+    /// Sequence state slots held.
+    pub fn seq_slots(&self) -> usize {
+        self.seq_slots
+    }
+
+    /// A layer's token storage (f32 float part) and its per-sequence state (all slots), for
+    /// writing both in one step.
+    pub fn layer_and_state_mut(&mut self, layer: usize) -> (&mut [f32], &mut [f32]) {
+        (
+            self.layers.get_mut(layer).map_or(&mut [], |v| &mut v[..]),
+            self.state.get_mut(layer).map_or(&mut [], |v| &mut v[..]),
+        )
+    }
+
+    /// Appends to `out` state slot `slot` of `layer` (`seq_state_width` f32, little-endian):
+    /// what a KV transfer sends after the rows.
+    pub fn read_state(&self, layer: usize, slot: usize, out: &mut Vec<u8>) {
+        let w = self.spec.seq_state_width;
+        if w == 0 {
+            return;
+        }
+        let src = self.state[layer]
+            .get(slot * w..(slot + 1) * w)
+            .expect("a reserved state slot");
+        out.reserve(w * 4);
+        for v in src {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    /// Writes state slot `slot` of `layer` from bytes laid out as [`KvCache::read_state`]
+    /// gives them (`seq_state_width · 4` bytes), reserving the slot if need be.
+    pub fn write_state(&mut self, layer: usize, slot: usize, data: &[u8]) {
+        let w = self.spec.seq_state_width;
+        if w == 0 {
+            return;
+        }
+        self.reserve_seq_slots(slot + 1);
+        let dst = &mut self.state[layer][slot * w..(slot + 1) * w];
+        for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
+            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
     }
 
@@ -145,6 +222,7 @@ impl KvCache {
     }
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(|l| l.len() * 4).sum::<usize>()
+            + self.state.iter().map(|l| l.len() * 4).sum::<usize>()
             + self.bf16.iter().map(|l| l.len() * 2).sum::<usize>()
             + self.int8.iter().map(Vec::len).sum::<usize>()
     }
@@ -294,6 +372,10 @@ pub struct Batch {
     /// Per sequence (missing entries: unmarked): what its positions are
     /// ([`Batch::mark_prefill`], [`Batch::mark_generated`]).
     pub kinds: Vec<SeqKind>,
+    /// Per sequence (missing entries: its index in the batch): the cache's state slot that
+    /// holds its per-sequence state ([`CacheSpec::seq_state_width`]); a sequence keeps its slot
+    /// from its first position to its last, and no two sequences of a batch share one.
+    pub state_slots: Vec<u32>,
 }
 
 /// What a sequence's positions in a [`Batch`] are, for a model that computes each kind one way.
@@ -374,6 +456,23 @@ impl Batch {
     /// What sequence `s` is.
     pub fn kind(&self, s: usize) -> SeqKind {
         self.kinds.get(s).copied().unwrap_or_default()
+    }
+
+    /// Gives the last sequence pushed state slot `slot`.
+    pub fn set_state_slot(&mut self, slot: u32) {
+        if let Some(last) = self.block_tables.len().checked_sub(1) {
+            while self.state_slots.len() < last {
+                let s = self.state_slots.len() as u32;
+                self.state_slots.push(s);
+            }
+            self.state_slots.truncate(last);
+            self.state_slots.push(slot);
+        }
+    }
+
+    /// The state slot of sequence `s`.
+    pub fn state_slot(&self, s: usize) -> usize {
+        self.state_slots.get(s).map_or(s, |&v| v as usize)
     }
 
     /// Checks the invariants the forward pass relies on.
@@ -486,6 +585,7 @@ mod tests {
                 width: 7,
                 int8_width,
                 float,
+                seq_state_width: 0,
             };
             let mut a = KvCache::new(spec, 4, 8);
             for l in 0..2 {
@@ -524,6 +624,7 @@ mod tests {
                     width: 576,
                     int8_width,
                     float,
+                    seq_state_width: 0,
                 };
                 let mut cache = KvCache::new(spec, 16, 5);
                 assert_eq!(cache.bytes(), spec.bytes_per_token() * 16 * 5);
@@ -542,7 +643,8 @@ mod tests {
                 layers: 2,
                 width: 576,
                 int8_width: 0,
-                float: KvCacheDtype::Bf16
+                float: KvCacheDtype::Bf16,
+                seq_state_width: 0,
             }
             .bytes_per_token(),
             2 * 576 * 2

@@ -649,6 +649,24 @@ mod tests {
         DeepseekV4Config::from_json_str(&v.to_string(), Path::new("config.json"))
     }
 
+    /// The cache widths docs/ARCHITECTURE.md gives for Flash's shapes: 3712 f32 per token and
+    /// layer in the full layout (653 KB per token over 44 cache layers), 160 in the compact one
+    /// (28 KB), and a state slot of 221 184 f32 per layer (38.9 MB per sequence).
+    #[test]
+    fn flash_cache_sizes() {
+        use crate::deepseek_v4::{RingLayout, SlotLayout};
+        let c = parse(&flash_json()).unwrap();
+        let layers = c.num_hidden_layers + 1;
+        let max = |f: &dyn Fn(usize) -> usize| (0..layers).map(|l| f(c.compress_ratio(l))).max();
+        let full = max(&|r| SlotLayout::for_ratio(&c, r).width).unwrap();
+        let compact = max(&|r| RingLayout::for_ratio(&c, r).token_width()).unwrap();
+        let state = max(&|r| RingLayout::for_ratio(&c, r).state_width(c.head_dim)).unwrap();
+        assert_eq!((full, compact, state), (3712, 160, 221_184));
+        assert_eq!(layers * full * 4, 653_312);
+        assert_eq!(layers * compact * 4, 28_160);
+        assert_eq!(layers * state * 4, 38_928_384);
+    }
+
     #[test]
     fn flash_config_parses() {
         let c = parse(&flash_json()).unwrap();

@@ -753,6 +753,7 @@ impl DeepseekV3 {
             width: self.cfg.latent_cache_width(),
             int8_width: if c8 { self.cfg.kv_lora_rank } else { 0 },
             float: self.kv_dtype,
+            seq_state_width: 0,
         }
     }
 

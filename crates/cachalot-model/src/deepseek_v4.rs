@@ -11,15 +11,31 @@
 //! activation/KV quantisation sims (§2.12) are off unless [`DeepseekV4::quant_sim`] is set (the
 //! reference fixtures are float32 without them; see docs/ARCHITECTURE.md "DeepSeek-V4").
 //!
-//! **Cache design (position-addressable).** Every piece of per-sequence state lives in the
-//! paged [`KvCache`] at the slot of the token that produced it, so chunked prefill, decode,
-//! batching and rollback are all "read positions through the block table": per layer and token
-//! the slot holds the window KV (`head_dim`), the compressor inputs `A_t` and `Z_t` (ape already
-//! added; `c·head_dim` each, c = 2 for ratio 4), the compressed entry emitted by a block's last
-//! token, and for ratio-4 layers the indexer compressor's `A_t`/`Z_t` (`2·index_head_dim`
-//! each) and its indexer key. The window of query p is positions `max(0, p−W+1)..=p`; compressed
-//! entry j is read from the slot of position `j·r + r − 1`. Nothing depends on a ring or on
-//! step boundaries, so any split of a sequence into steps gives bit-identical results.
+//! **Cache design (position-addressable, two layouts, [`V4CacheMode`]).** Every piece of
+//! per-sequence state is addressed by the position that produced it, so chunked prefill, decode,
+//! batching and rollback are all "read positions": the window KV (`head_dim`), the compressor
+//! inputs `A_t` and `Z_t` (ape already added; `c·head_dim` each, c = 2 for ratio 4), the
+//! compressed entry emitted by a block's last token, and for ratio-4 layers the indexer
+//! compressor's `A_t`/`Z_t` (`2·index_head_dim` each) and its indexer key. The window of query p
+//! is positions `max(0, p−W+1)..=p`; entry j of a ratio-r layer is visible from position
+//! `j·r + r − 1` on. Within a step, the step's own positions are read from its freshly computed
+//! rows and written to the cache once every query has read (so a chunk never needs more cache
+//! than the positions before it).
+//! - **Full** ([`SlotLayout`]): all of it at the position's slot of the paged pool (entry j at
+//!   the slot of `j·r + r − 1`): 6·`head_dim` + 5·`index_head_dim` f32 per token and layer for
+//!   Flash (653 KB per token). Blocks hold everything, so prefix caching can share them.
+//! - **Compact** (the default, [`RingLayout`]): only entries and indexer keys live in the paged
+//!   pool, entry j spread over the slots of positions `j·r .. j·r + 4` (so 160 f32 per token and
+//!   layer for Flash's shapes: 28 KB per token); the window KV and compressor inputs of the last
+//!   `W + 16` and `c·r + 16` positions live in the sequence's state slot
+//!   ([`Batch::state_slots`]), rings indexed by `position mod size`. Reads reach back at most
+//!   W − 1 (window) and c·r − 1 (compressor) positions, so the 16 extra positions let a step
+//!   write up to 16 positions that are later rolled back (rejected MTP drafts) without
+//!   overwriting one still to be read. A sequence must run from position 0 in its slot (no prefix
+//!   caching) or have its slot written from a transfer.
+//!
+//! Either way any split of a sequence into steps gives bit-identical results, and both layouts
+//! give the same bits.
 //!
 //! Weights: FP8 e4m3 + F8_E8M0 128×128 scales map onto [`MatrixData::Fp8Block`] (scale_inv =
 //! 2^(b−127)); routed experts (MXFP4) are dequantized to bf16 at load by
@@ -111,6 +127,7 @@ struct Attention {
     compressor: Option<Compressor>,
     indexer: Option<Indexer>,
     layout: SlotLayout,
+    ring: RingLayout,
 }
 
 struct Expert {
@@ -212,6 +229,124 @@ impl SlotLayout {
     }
 }
 
+/// Where a V4 layer keeps each position's state (module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum V4CacheMode {
+    /// Compressed entries and indexer keys in the paged pool (a few values per token); the
+    /// sliding window's KV and the compressor inputs in per-sequence rings of the last
+    /// positions. Bounded memory per sequence; prefix caching cannot share it.
+    #[default]
+    Compact,
+    /// Every piece of a position's state at its own slot of the paged pool (3712 f32 per token
+    /// and layer for Flash): what prefix caching shares.
+    Full,
+}
+
+impl V4CacheMode {
+    /// The name `--v4-cache` takes: `compact` or `full`.
+    pub fn name(self) -> &'static str {
+        match self {
+            V4CacheMode::Compact => "compact",
+            V4CacheMode::Full => "full",
+        }
+    }
+}
+
+impl std::str::FromStr for V4CacheMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "compact" => Ok(V4CacheMode::Compact),
+            "full" => Ok(V4CacheMode::Full),
+            _ => Err(format!(
+                "unknown DeepSeek-V4 cache layout {s:?}: use compact (bounded per-sequence rings \
+                 for the window and compressor inputs, the default) or full (every position's \
+                 state in the paged pool, which prefix caching can share)"
+            )),
+        }
+    }
+}
+
+/// Positions a per-sequence ring keeps beyond what the next step reads: a step may write up
+/// to this many positions that are later rolled back (rejected MTP drafts, next_n ≤ 3) without
+/// overwriting a position still to be read.
+pub const RING_SLACK: usize = 16;
+
+/// The compact cache's per-sequence rings of one layer (within a state slot: the window ring,
+/// then the compressor-input ring) and where its compressed entries sit in the paged pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingLayout {
+    /// Positions in the window ring (`sliding_window + RING_SLACK`): position p at `p mod win`.
+    pub win: usize,
+    /// Positions in the compressor-input ring (`c·ratio + RING_SLACK`; 0 without a compressor).
+    pub az: usize,
+    /// Values per position in the compressor-input ring.
+    pub az_width: usize,
+    /// Offsets within a compressor-input row: `A_t`, `Z_t` (c·head_dim each), the indexer
+    /// compressor's (2·index_head_dim each, ratio 4 only).
+    pub a: usize,
+    pub z: usize,
+    pub ia: usize,
+    pub iz: usize,
+    /// Token slots a compressed entry spans: entry j (then its indexer key) fills the slots of
+    /// positions `j·r .. j·r + span`, contiguous in one block.
+    pub span: usize,
+    /// Values of an entry and its indexer key.
+    pub entry_width: usize,
+}
+
+impl RingLayout {
+    pub fn for_ratio(cfg: &DeepseekV4Config, ratio: usize) -> RingLayout {
+        let (dh, di) = (cfg.head_dim, cfg.index_head_dim);
+        let win = cfg.sliding_window + RING_SLACK;
+        if ratio == 0 {
+            return RingLayout {
+                win,
+                az: 0,
+                az_width: 0,
+                a: 0,
+                z: 0,
+                ia: 0,
+                iz: 0,
+                span: 1,
+                entry_width: 0,
+            };
+        }
+        let coff = if ratio == 4 { 2 } else { 1 };
+        let (a, z, ia) = (0, coff * dh, 2 * coff * dh);
+        let (iz, az_width, entry_width) = if ratio == 4 {
+            (ia + 2 * di, ia + 4 * di, dh + di)
+        } else {
+            (ia, ia, dh)
+        };
+        let span = [4, 2, 1]
+            .into_iter()
+            .find(|&s| ratio.is_multiple_of(s))
+            .unwrap_or(1);
+        RingLayout {
+            win,
+            az: coff * ratio + RING_SLACK,
+            az_width,
+            a,
+            z,
+            ia,
+            iz,
+            span,
+            entry_width,
+        }
+    }
+
+    /// Values of a state slot this layer uses.
+    pub fn state_width(&self, head_dim: usize) -> usize {
+        self.win * head_dim + self.az * self.az_width
+    }
+
+    /// Values per token slot this layer's entries need.
+    pub fn token_width(&self) -> usize {
+        self.entry_width.div_ceil(self.span)
+    }
+}
+
 pub struct DeepseekV4 {
     cfg: DeepseekV4Config,
     embed: VocabRows,
@@ -222,7 +357,12 @@ pub struct DeepseekV4 {
     mtp: Vec<MtpBlock>,
     rope_window: V4Rope,
     rope_compressed: V4Rope,
+    /// Token-slot width of the full layout (the widest layer's [`SlotLayout`]).
     cache_width: usize,
+    /// Token-slot and state-slot widths of the compact layout (the widest layer's).
+    compact_width: usize,
+    state_width: usize,
+    cache_mode: V4CacheMode,
     /// Apply [REF]'s quantisation sims (spec §2.12): FP8 act_quant (1×128, ue8m0) on the input of
     /// every FP8/FP4 linear, FP8 round trip (1×64) of the window and compressed KV nope dims,
     /// FP4 round trip (1×32) of the indexer queries and keys. Off by default: the reference
@@ -570,6 +710,7 @@ impl Loader<'_> {
             compressor,
             indexer,
             layout: SlotLayout::for_ratio(cfg, ratio),
+            ring: RingLayout::for_ratio(cfg, ratio),
         };
         let f = format!("{p}ffn.");
         let e = cfg.n_routed_experts;
@@ -819,6 +960,17 @@ impl DeepseekV4 {
             .map(|b| b.attn.layout.width)
             .max()
             .unwrap_or(cfg.head_dim);
+        let rings = || {
+            layers
+                .iter()
+                .chain(mtp.iter().map(|m| &m.block))
+                .map(|b| b.attn.ring)
+        };
+        let compact_width = rings().map(|r| r.token_width()).max().unwrap_or(0).max(1);
+        let state_width = rings()
+            .map(|r| r.state_width(cfg.head_dim))
+            .max()
+            .unwrap_or(0);
         Ok(DeepseekV4 {
             cfg,
             embed: VocabRows {
@@ -833,6 +985,9 @@ impl DeepseekV4 {
             rope_window,
             rope_compressed,
             cache_width,
+            compact_width,
+            state_width,
+            cache_mode: V4CacheMode::default(),
             quant_sim: false,
             force_eplb: None,
             shard: opts.expert_shard,
@@ -875,14 +1030,30 @@ impl DeepseekV4 {
     }
 
     /// One cache layer per main layer, then one per loaded MTP block; every layer's slots are as
-    /// wide as the widest layer kind needs (see [`SlotLayout`]); all f32.
+    /// wide as the widest layer kind needs ([`SlotLayout`] in the full layout, [`RingLayout`]'s
+    /// entry share and state slot in the compact one); all f32.
     pub fn cache_spec(&self) -> CacheSpec {
+        let (width, seq_state_width) = match self.cache_mode {
+            V4CacheMode::Full => (self.cache_width, 0),
+            V4CacheMode::Compact => (self.compact_width, self.state_width),
+        };
         CacheSpec {
             layers: self.layers.len() + self.mtp.len(),
-            width: self.cache_width,
+            width,
             int8_width: 0,
             float: KvCacheDtype::F32,
+            seq_state_width,
         }
+    }
+
+    /// The cache layout ([`V4CacheMode`]; compact unless set).
+    pub fn cache_mode(&self) -> V4CacheMode {
+        self.cache_mode
+    }
+
+    /// Chooses the cache layout; caches made before for the other layout no longer fit.
+    pub fn set_cache_mode(&mut self, mode: V4CacheMode) {
+        self.cache_mode = mode;
     }
 
     /// The stored format of the routed experts (`Matrix::format_name` of layer 0's first
@@ -948,17 +1119,62 @@ impl DeepseekV4 {
             + ex(&b.ffn.shared)
     }
 
-    fn check_cache(&self, cache: &KvCache, layers: usize) -> Result<()> {
+    /// Whether a cache of `block_size`-position blocks can hold this model's state: in the
+    /// compact layout a compressed entry fills [`RingLayout::span`] consecutive slots of one
+    /// block, so the block size must be a multiple of it (4 for ratios 4 and 128).
+    pub fn check_block_size(&self, block_size: usize) -> Result<()> {
+        if self.cache_mode == V4CacheMode::Full {
+            return Ok(());
+        }
+        let span = self
+            .layers
+            .iter()
+            .chain(self.mtp.iter().map(|m| &m.block))
+            .map(|b| b.attn.ring.span)
+            .max()
+            .unwrap_or(1);
+        if block_size == 0 || !block_size.is_multiple_of(span) {
+            return Err(ModelError::Batch(format!(
+                "DeepSeek-V4's compact cache needs a block_size that is a multiple of {span} \
+                 (got {block_size}): a compressed entry fills {span} slots of one block; pick \
+                 another block_size, or the full layout (--v4-cache full)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks that `cache` is this model's (its layout, at least `layers` layers) and, in the
+    /// compact layout, that the batch's sequences have state slots of their own and entries
+    /// fit in one block; reserves the slots the batch uses.
+    fn check_cache(&self, cache: &mut KvCache, layers: usize, batch: &Batch) -> Result<()> {
         let spec = cache.spec();
         let want = self.cache_spec();
         if spec.width != want.width
             || spec.int8_width != 0
             || spec.float != want.float
+            || spec.seq_state_width != want.seq_state_width
             || spec.layers < layers
         {
             return Err(ModelError::Batch(format!(
-                "cache of {spec:?} does not fit this model ({want:?})"
+                "cache of {spec:?} does not fit this model ({want:?}; its {} layout)",
+                self.cache_mode.name()
             )));
+        }
+        if self.cache_mode == V4CacheMode::Compact {
+            self.check_block_size(cache.block_size())?;
+            let mut slots: Vec<usize> =
+                (0..batch.num_seqs()).map(|s| batch.state_slot(s)).collect();
+            slots.sort_unstable();
+            if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
+                return Err(ModelError::Batch(format!(
+                    "two sequences of the batch share state slot {}: each running sequence \
+                     needs its own",
+                    w[0]
+                )));
+            }
+            if let Some(&most) = slots.last() {
+                cache.reserve_seq_slots(most + 1);
+            }
         }
         Ok(())
     }
@@ -974,8 +1190,8 @@ impl DeepseekV4 {
         want_hidden: bool,
     ) -> Result<ForwardOutput> {
         let cfg = &self.cfg;
-        self.check_cache(cache, self.layers.len())?;
         batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
+        self.check_cache(cache, self.layers.len(), batch)?;
         let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
         let t_count = batch.num_tokens();
         let step = tp::batch_digest(self.tp, batch, 0);
@@ -1018,8 +1234,8 @@ impl DeepseekV4 {
             ))
         })?;
         let cache_layer = self.layers.len() + index;
-        self.check_cache(cache, cache_layer + 1)?;
         batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
+        self.check_cache(cache, cache_layer + 1, batch)?;
         let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
         let t_count = batch.num_tokens();
         if prev_streams.len() != t_count * hc * h {
@@ -1162,7 +1378,14 @@ impl DeepseekV4 {
         k::rms_norm_rows(&u, h, &b.attn_norm, cfg.rms_norm_eps, &mut xn);
         let mut a = {
             let _t = Timer::start(Phase::Attention);
-            self.attention(&b.attn, &xn, batch, ropes, cache.layer_mut(li), bs)
+            self.attention(
+                &b.attn,
+                &xn,
+                batch,
+                ropes,
+                cache.layer_and_state_mut(li),
+                bs,
+            )
         };
         // Tensor parallelism: each rank's heads gave a partial wo_b product.
         if self.tp.ranks > 1 {
@@ -1199,76 +1422,49 @@ impl DeepseekV4 {
         Ok(())
     }
 
-    /// Projects every token's compressor inputs and stores `A_t` / `Z_t + ape[p mod r]` in its slot.
-    #[allow(clippy::too_many_arguments)]
-    fn store_compressor_inputs(
-        &self,
-        c: &Compressor,
-        x: &[f32],
-        batch: &Batch,
-        cache: &mut [f32],
-        bs: usize,
-        width: usize,
-        (a_off, z_off): (usize, usize),
-    ) {
+    /// Every token's compressor inputs (spec §2.7): `A_t = wkv·x` and `Z_t = wgate·x + ape[p mod
+    /// r]`, `[T, c·d]` each.
+    fn compressor_inputs(&self, c: &Compressor, x: &[f32], batch: &Batch) -> (Vec<f32>, Vec<f32>) {
         let t_count = batch.num_tokens();
         let w = c.coff() * c.d;
         let mut a = vec![0.0f32; t_count * w];
         let mut z = vec![0.0f32; t_count * w];
         c.wkv.matmul(x, t_count, &mut a);
         c.wgate.matmul(x, t_count, &mut z);
-        for s in 0..batch.num_seqs() {
-            for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
-                let p = batch.positions[i];
-                let slot = batch.slot(s, i, bs) * width;
-                cache[slot + a_off..slot + a_off + w].copy_from_slice(&a[i * w..(i + 1) * w]);
-                let ape = &c.ape[(p % c.ratio) * w..(p % c.ratio + 1) * w];
-                for ((o, &zv), &e) in cache[slot + z_off..slot + z_off + w]
-                    .iter_mut()
-                    .zip(&z[i * w..(i + 1) * w])
-                    .zip(ape)
-                {
-                    *o = zv + e;
-                }
+        for (i, zr) in z.chunks_exact_mut(w).enumerate() {
+            let p = batch.positions[i];
+            let ape = &c.ape[(p % c.ratio) * w..(p % c.ratio + 1) * w];
+            for (o, &e) in zr.iter_mut().zip(ape) {
+                *o += e;
             }
         }
+        (a, z)
     }
 
-    /// Compressed entry j of a sequence from the stored inputs (spec §2.7): gated pooling over
-    /// block j (second halves with overlap) and, with overlap and j > 0, block j−1's first
-    /// halves; RMSNorm; RoPE at position j·r; Hadamard for the indexer.
-    #[allow(clippy::too_many_arguments)]
-    fn compress_entry(
+    /// Compressed entry j of a sequence from its compressor inputs (spec §2.7), `rows(p)` giving
+    /// position p's `A_t`, `Z_t` (c·d each): gated pooling over block j (second halves with
+    /// overlap) and, with overlap and j > 0, block j−1's first halves; RMSNorm; RoPE at
+    /// position j·r; Hadamard for the indexer.
+    fn compress_entry<'a>(
         &self,
         c: &Compressor,
         j: usize,
-        table: &[u32],
-        cache: &[f32],
-        bs: usize,
-        width: usize,
-        (a_off, z_off): (usize, usize),
+        rows: impl Fn(usize) -> (&'a [f32], &'a [f32]),
         rotate: bool,
         out: &mut [f32],
     ) {
         let (r, d) = (c.ratio, c.d);
-        let row = |p: usize| slot_of(table, p, bs) * width;
         let mut cands: Vec<(&[f32], &[f32])> = Vec::with_capacity(2 * r);
         if c.overlap() && j > 0 {
             for p in (j - 1) * r..j * r {
-                let s = row(p);
-                cands.push((
-                    &cache[s + a_off..s + a_off + d],
-                    &cache[s + z_off..s + z_off + d],
-                ));
+                let (a, z) = rows(p);
+                cands.push((&a[..d], &z[..d]));
             }
         }
         let off = if c.overlap() { d } else { 0 };
         for p in j * r..(j + 1) * r {
-            let s = row(p);
-            cands.push((
-                &cache[s + a_off + off..s + a_off + off + d],
-                &cache[s + z_off + off..s + z_off + off + d],
-            ));
+            let (a, z) = rows(p);
+            cands.push((&a[off..off + d], &z[off..off + d]));
         }
         let mut pooled = vec![0.0f32; d];
         ops::pool_compressed(&cands, &mut pooled);
@@ -1293,18 +1489,25 @@ impl DeepseekV4 {
         x: &[f32],
         batch: &Batch,
         ropes: &BatchRopes,
-        cache: &mut [f32],
+        (tok, state): (&mut [f32], &mut [f32]),
         bs: usize,
     ) -> Vec<f32> {
         let cfg = &self.cfg;
         let t_count = batch.num_tokens();
         // The heads held here (all, or a tensor-parallel share).
         let (nh, dh, rd) = (at.sink.len(), cfg.head_dim, cfg.qk_rope_head_dim);
+        let di = cfg.index_head_dim;
         let nope = dh - rd;
         let eps = cfg.rms_norm_eps;
         let ql = cfg.q_lora_rank;
-        let width = self.cache_width;
-        let lay = at.layout;
+        let full = self.cache_mode == V4CacheMode::Full;
+        let width = if full {
+            self.cache_width
+        } else {
+            self.compact_width
+        };
+        let sw = self.state_width;
+        let (lay, ring) = (at.layout, at.ring);
         let compressed = at.ratio > 0;
 
         // Query path (§2.6): c = q_norm(wq_a x); q = wq_b c; weightless per-head RMS; RoPE.
@@ -1324,82 +1527,132 @@ impl DeepseekV4 {
                 V4Rope::apply(&mut qh[nope..], cos, sin, false);
             }
         }
-        // KV path: kv_norm(wkv x), RoPE; into the window slot of its position.
+        // KV path: kv_norm(wkv x), RoPE: the window K = V of the step's positions.
         let mut kvraw = vec![0.0f32; t_count * dh];
         at.wkv.matmul(&xq, t_count, &mut kvraw);
         let mut kv = vec![0.0f32; t_count * dh];
         k::rms_norm_rows(&kvraw, dh, &at.kv_norm, eps, &mut kv);
-        for s in 0..batch.num_seqs() {
-            for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
-                let (cos, sin) = ropes.get(compressed, i);
-                let row = &mut kv[i * dh..(i + 1) * dh];
-                V4Rope::apply(&mut row[nope..], cos, sin, false);
-                if self.quant_sim {
-                    ops::fp8_round_trip(&mut row[..nope], 64);
-                }
-                let slot = batch.slot(s, i, bs) * width;
-                cache[slot..slot + dh].copy_from_slice(row);
+        for (i, row) in kv.chunks_exact_mut(dh).enumerate() {
+            let (cos, sin) = ropes.get(compressed, i);
+            V4Rope::apply(&mut row[nope..], cos, sin, false);
+            if self.quant_sim {
+                ops::fp8_round_trip(&mut row[..nope], 64);
             }
         }
-        // Compressors: store inputs, then emit every entry whose block ends in this step.
+        let cin = at
+            .compressor
+            .as_ref()
+            .map(|c| self.compressor_inputs(c, x, batch));
+        let icin = at
+            .indexer
+            .as_ref()
+            .map(|ix| self.compressor_inputs(&ix.compressor, x, batch));
+
+        // A position's state: the step's own rows for its positions, the cache for earlier
+        // ones (its slot in the full layout, the sequence's rings in the compact one).
+        let seq_of: Vec<usize> = (0..batch.num_seqs())
+            .flat_map(|s| std::iter::repeat_n(s, batch.seq_starts[s + 1] - batch.seq_starts[s]))
+            .collect();
+        let first_pos: Vec<usize> = (0..batch.num_seqs())
+            .map(|s| {
+                batch
+                    .positions
+                    .get(batch.seq_starts[s])
+                    .copied()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let step_row = |s: usize, pos: usize| -> Option<usize> {
+            (pos >= first_pos[s]).then(|| batch.seq_starts[s] + pos - first_pos[s])
+        };
+        let state_base = |s: usize| batch.state_slot(s) * sw;
+        // Where entry j of sequence s sits in the token storage (the indexer key follows it
+        // in the compact layout).
+        let entry_at = |s: usize, j: usize| -> (usize, usize) {
+            let table = &batch.block_tables[s];
+            let r = at.ratio;
+            if full {
+                let b = slot_of(table, j * r + r - 1, bs) * width;
+                (b + lay.entry, b + lay.ikey)
+            } else {
+                let b = slot_of(table, j * r, bs) * width;
+                (b, b + dh)
+            }
+        };
+
+        // Compressors: emit every entry whose block ends in this step.
         let mut iq = Vec::new();
         let mut iw = Vec::new();
         if let Some(c) = &at.compressor {
-            self.store_compressor_inputs(c, x, batch, cache, bs, width, (lay.a, lay.z));
-            if let Some(ix) = &at.indexer {
-                self.store_compressor_inputs(
-                    &ix.compressor,
-                    x,
-                    batch,
-                    cache,
-                    bs,
-                    width,
-                    (lay.ia, lay.iz),
-                );
-            }
             let r = c.ratio;
-            let mut entry = vec![0.0f32; dh];
-            let mut ikey = vec![0.0f32; cfg.index_head_dim];
-            for s in 0..batch.num_seqs() {
-                let table = &batch.block_tables[s];
-                for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
-                    let p = batch.positions[i];
-                    if !(p + 1).is_multiple_of(r) {
-                        continue;
-                    }
-                    let j = (p + 1) / r - 1;
-                    let slot = slot_of(table, p, bs) * width;
-                    self.compress_entry(
-                        c,
-                        j,
-                        table,
-                        cache,
-                        bs,
-                        width,
-                        (lay.a, lay.z),
-                        false,
-                        &mut entry,
-                    );
-                    cache[slot + lay.entry..slot + lay.entry + dh].copy_from_slice(&entry);
-                    if let Some(ix) = &at.indexer {
-                        self.compress_entry(
+            let mut emitted: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = Vec::new();
+            {
+                let store: &[f32] = if full { tok } else { state };
+                // Compressor inputs of position `pos` of sequence `s` (`indexer`: the indexer's).
+                let az_rows = |s: usize, pos: usize, indexer: bool| {
+                    let (c, (ta, tz), (fa, fz), (ra, rz)) = if indexer {
+                        let ix = at.indexer.as_ref().expect("an indexer");
+                        (
                             &ix.compressor,
-                            j,
-                            table,
-                            cache,
-                            bs,
-                            width,
+                            icin.as_ref().expect("indexer inputs"),
                             (lay.ia, lay.iz),
-                            true,
-                            &mut ikey,
-                        );
-                        cache[slot + lay.ikey..slot + lay.ikey + ikey.len()].copy_from_slice(&ikey);
+                            (ring.ia, ring.iz),
+                        )
+                    } else {
+                        (
+                            at.compressor.as_ref().expect("a compressor"),
+                            cin.as_ref().expect("compressor inputs"),
+                            (lay.a, lay.z),
+                            (ring.a, ring.z),
+                        )
+                    };
+                    let w = c.coff() * c.d;
+                    if let Some(i) = step_row(s, pos) {
+                        return (&ta[i * w..(i + 1) * w], &tz[i * w..(i + 1) * w]);
+                    }
+                    let base = if full {
+                        slot_of(&batch.block_tables[s], pos, bs) * width
+                    } else {
+                        state_base(s) + ring.win * dh + (pos % ring.az) * ring.az_width
+                    };
+                    let (a, z) = if full { (fa, fz) } else { (ra, rz) };
+                    (
+                        &store[base + a..base + a + w],
+                        &store[base + z..base + z + w],
+                    )
+                };
+                for s in 0..batch.num_seqs() {
+                    for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
+                        let p = batch.positions[i];
+                        if !(p + 1).is_multiple_of(r) {
+                            continue;
+                        }
+                        let j = (p + 1) / r - 1;
+                        let mut entry = vec![0.0f32; dh];
+                        self.compress_entry(c, j, |pos| az_rows(s, pos, false), false, &mut entry);
+                        let mut ikey = Vec::new();
+                        if let Some(ix) = &at.indexer {
+                            ikey = vec![0.0f32; di];
+                            self.compress_entry(
+                                &ix.compressor,
+                                j,
+                                |pos| az_rows(s, pos, true),
+                                true,
+                                &mut ikey,
+                            );
+                        }
+                        emitted.push((s, j, entry, ikey));
                     }
                 }
             }
+            for (s, j, entry, ikey) in emitted {
+                let (e, ik) = entry_at(s, j);
+                tok[e..e + dh].copy_from_slice(&entry);
+                tok[ik..ik + ikey.len()].copy_from_slice(&ikey);
+            }
             // Indexer queries (§2.8): wq_b c, RoPE on the last R dims, Hadamard; head weights.
             if let Some(ix) = &at.indexer {
-                let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
+                let hi = cfg.index_n_heads;
                 iq = vec![0.0f32; t_count * hi * di];
                 ix.wq_b.matmul(&qrq, t_count, &mut iq);
                 for t in 0..t_count {
@@ -1420,64 +1673,116 @@ impl DeepseekV4 {
         }
 
         // Attention per query token over window ∪ visible compressed entries.
-        let cache: &[f32] = cache;
-        let seq_of: Vec<usize> = (0..batch.num_seqs())
-            .flat_map(|s| std::iter::repeat_n(s, batch.seq_starts[s + 1] - batch.seq_starts[s]))
-            .collect();
-        let win = cfg.sliding_window;
-        let scale = 1.0 / (dh as f32).sqrt();
-        let o: Vec<f32> = (0..t_count)
-            .into_par_iter()
-            .flat_map_iter(|i| {
-                let table = &batch.block_tables[seq_of[i]];
-                let p = batch.positions[i];
-                let row = |pos: usize| slot_of(table, pos, bs) * width;
-                let mut keys: Vec<&[f32]> = Vec::with_capacity((p + 1).min(win) + 64);
-                for pos in (p + 1).saturating_sub(win)..=p {
-                    let s = row(pos);
-                    keys.push(&cache[s..s + dh]);
+        let o: Vec<f32> = {
+            let (tok_r, state_r): (&[f32], &[f32]) = (tok, state);
+            let win_row = |s: usize, pos: usize| -> &[f32] {
+                if let Some(i) = step_row(s, pos) {
+                    &kv[i * dh..(i + 1) * dh]
+                } else if full {
+                    let b = slot_of(&batch.block_tables[s], pos, bs) * width;
+                    &tok_r[b..b + dh]
+                } else {
+                    let b = state_base(s) + (pos % ring.win) * dh;
+                    &state_r[b..b + dh]
                 }
-                if compressed {
-                    let r = at.ratio;
-                    let nc = (p + 1) / r;
-                    let entry_row = |j: usize| row(j * r + r - 1);
-                    let chosen: Vec<usize> = if at.indexer.is_some() {
-                        let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
-                        let scores: Vec<f32> = (0..nc)
-                            .map(|j| {
-                                let s = entry_row(j);
-                                let key = &cache[s + lay.ikey..s + lay.ikey + di];
-                                (0..hi)
-                                    .map(|hh| {
-                                        let qh = &iq[(i * hi + hh) * di..(i * hi + hh + 1) * di];
-                                        iw[i * hi + hh] * k::dot(qh, key).max(0.0)
-                                    })
-                                    .sum()
-                            })
-                            .collect();
-                        let mut ids =
-                            crate::deepseek_v3::top_indices(&scores, cfg.index_topk.min(nc));
-                        ids.sort_unstable();
-                        ids
-                    } else {
-                        (0..nc).collect()
-                    };
-                    for j in chosen {
-                        let s = entry_row(j);
-                        keys.push(&cache[s + lay.entry..s + lay.entry + dh]);
+            };
+            let win = cfg.sliding_window;
+            let scale = 1.0 / (dh as f32).sqrt();
+            (0..t_count)
+                .into_par_iter()
+                .flat_map_iter(|i| {
+                    let s = seq_of[i];
+                    let p = batch.positions[i];
+                    let mut keys: Vec<&[f32]> = Vec::with_capacity((p + 1).min(win) + 64);
+                    for pos in (p + 1).saturating_sub(win)..=p {
+                        keys.push(win_row(s, pos));
                     }
+                    if compressed {
+                        let r = at.ratio;
+                        let nc = (p + 1) / r;
+                        let chosen: Vec<usize> = if at.indexer.is_some() {
+                            let hi = cfg.index_n_heads;
+                            let scores: Vec<f32> = (0..nc)
+                                .map(|j| {
+                                    let (_, ik) = entry_at(s, j);
+                                    let key = &tok_r[ik..ik + di];
+                                    (0..hi)
+                                        .map(|hh| {
+                                            let qh =
+                                                &iq[(i * hi + hh) * di..(i * hi + hh + 1) * di];
+                                            iw[i * hi + hh] * k::dot(qh, key).max(0.0)
+                                        })
+                                        .sum()
+                                })
+                                .collect();
+                            let mut ids =
+                                crate::deepseek_v3::top_indices(&scores, cfg.index_topk.min(nc));
+                            ids.sort_unstable();
+                            ids
+                        } else {
+                            (0..nc).collect()
+                        };
+                        for j in chosen {
+                            let (e, _) = entry_at(s, j);
+                            keys.push(&tok_r[e..e + dh]);
+                        }
+                    }
+                    let (cos, sin) = ropes.get(compressed, i);
+                    let mut out = vec![0.0f32; nh * dh];
+                    let mut scratch = Vec::with_capacity(keys.len());
+                    for (hh, oh) in out.chunks_exact_mut(dh).enumerate() {
+                        let qh = &q[(i * nh + hh) * dh..(i * nh + hh + 1) * dh];
+                        ops::attend_with_sink(qh, &keys, at.sink[hh], scale, &mut scratch, oh);
+                        V4Rope::apply(&mut oh[nope..], cos, sin, true);
+                    }
+                    out
+                })
+                .collect()
+        };
+
+        // The step's positions into the cache, now that every query of the step has read
+        // what it needs: every slot in the full layout; in the compact one the last positions
+        // each ring keeps.
+        // Token i's compressor inputs (main, then the indexer's) at `base` + the offsets given.
+        let put_az = |dst: &mut [f32], base: usize, i: usize, offs: [usize; 4]| {
+            let inputs = [
+                at.compressor.as_ref().zip(cin.as_ref()),
+                at.indexer
+                    .as_ref()
+                    .map(|x| &x.compressor)
+                    .zip(icin.as_ref()),
+            ];
+            for (k, input) in inputs.into_iter().enumerate() {
+                if let Some((c, (a, z))) = input {
+                    let w = c.coff() * c.d;
+                    let (oa, oz) = (base + offs[2 * k], base + offs[2 * k + 1]);
+                    dst[oa..oa + w].copy_from_slice(&a[i * w..(i + 1) * w]);
+                    dst[oz..oz + w].copy_from_slice(&z[i * w..(i + 1) * w]);
                 }
-                let (cos, sin) = ropes.get(compressed, i);
-                let mut out = vec![0.0f32; nh * dh];
-                let mut scratch = Vec::with_capacity(keys.len());
-                for (hh, oh) in out.chunks_exact_mut(dh).enumerate() {
-                    let qh = &q[(i * nh + hh) * dh..(i * nh + hh + 1) * dh];
-                    ops::attend_with_sink(qh, &keys, at.sink[hh], scale, &mut scratch, oh);
-                    V4Rope::apply(&mut oh[nope..], cos, sin, true);
+            }
+        };
+        for s in 0..batch.num_seqs() {
+            let (lo, hi) = (batch.seq_starts[s], batch.seq_starts[s + 1]);
+            for i in lo..hi {
+                let p = batch.positions[i];
+                let row = &kv[i * dh..(i + 1) * dh];
+                if full {
+                    let b = slot_of(&batch.block_tables[s], p, bs) * width;
+                    tok[b..b + dh].copy_from_slice(row);
+                    put_az(tok, b, i, [lay.a, lay.z, lay.ia, lay.iz]);
+                    continue;
                 }
-                out
-            })
-            .collect();
+                let base = state_base(s);
+                if hi - i <= ring.win {
+                    let b = base + (p % ring.win) * dh;
+                    state[b..b + dh].copy_from_slice(row);
+                }
+                if hi - i <= ring.az {
+                    let b = base + ring.win * dh + (p % ring.az) * ring.az_width;
+                    put_az(state, b, i, [ring.a, ring.z, ring.ia, ring.iz]);
+                }
+            }
+        }
 
         // Grouped output (§2.6): z_g = wo_a[g] · o_g, then wo_b (this rank's groups).
         let ol = cfg.o_lora_rank;

@@ -26,7 +26,7 @@ pub use config_v4::{detect_family, DeepseekV4Config, ModelFamily};
 pub use deepseek_v3::{
     AttentionPath, DeepseekV3, ExpertShard, ForwardOutput, Fp8Mode, LoadOptions,
 };
-pub use deepseek_v4::{DeepseekV4, V4LoadOptions};
+pub use deepseek_v4::{DeepseekV4, V4CacheMode, V4LoadOptions};
 pub use eplb::BalancedRouting;
 pub use error::{ModelError, Result};
 pub use tensor_parallel::TensorShard;

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use cachalot_kernels::{argmax, log_softmax_at};
 use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
 use cachalot_model::tokenizer::Tokenizer;
-use cachalot_model::{detect_family, DeepseekV4, ModelFamily, V4LoadOptions};
+use cachalot_model::{detect_family, DeepseekV4, ModelFamily, V4CacheMode, V4LoadOptions};
 use serde_json::Value;
 
 mod common;
@@ -178,6 +178,105 @@ fn prefill_then_decode_and_chunked_prefill_equal_full_prefill() {
             let c = logits_in_steps(&m, &toks, &chunks);
             assert_eq!(max_abs_diff(&full, &c), 0.0, "{name}: chunks {chunks:?}");
         }
+    }
+}
+
+/// The compact cache (the window and compressor inputs in per-sequence rings, compressed
+/// entries in the paged pool) gives the full layout's bits: with steps whose last positions are
+/// rejected drafts (junk tokens, computed again by the next step), and with two sequences whose
+/// state slots do not follow their order in the batch. It also takes far less memory per token.
+#[test]
+fn compact_cache_equals_full_layout_under_rollback_and_slots() {
+    for name in MODELS {
+        let compact = load(name, false);
+        let mut full = load(name, false);
+        full.set_cache_mode(V4CacheMode::Full);
+        assert_eq!(compact.cache_mode(), V4CacheMode::Compact);
+        let (c, f) = (compact.cache_spec(), full.cache_spec());
+        assert!(
+            c.bytes_per_token() * 8 <= f.bytes_per_token() && c.seq_state_width > 0,
+            "{name}: compact {c:?} against full {f:?}"
+        );
+        let v = compact.config().vocab_size;
+        let r = reference(name);
+        let toks = ids(&r["sequences"][3]["token_ids"]);
+        let want = logits_in_steps(&full, &toks, &[toks.len()]);
+        for (what, m) in [("compact", &compact), ("full", &full)] {
+            let (mut cache, tables) = cache_for(m, 1, toks.len() + 4);
+            let mut got = Vec::new();
+            // A 140-token prefill, then verify-like steps of 4 positions accepting 1, 2, 3 or
+            // 4 of them in turn; the rest hold junk tokens.
+            let (mut pos, mut k) = (0, 0);
+            while pos < toks.len() {
+                let (len, ok) = if pos == 0 {
+                    (140, 140)
+                } else {
+                    k += 1;
+                    (4, 1 + k % 4)
+                };
+                let ok = ok.min(toks.len() - pos);
+                let mut step: Vec<u32> = toks[pos..pos + ok].to_vec();
+                step.extend((ok..len).map(|i| ((pos * 7 + i * 13) % v) as u32));
+                let mut b = Batch::default();
+                b.push_seq(&step, pos, tables[0].clone(), LogitsWanted::All);
+                let out = m.forward(&b, &mut cache, false).unwrap().logits;
+                got.extend_from_slice(&out[..ok * v]);
+                pos += ok;
+            }
+            assert_eq!(max_abs_diff(&want, &got), 0.0, "{name} {what}: rollbacks");
+        }
+        // Two sequences in slots 1 and 0, pushed in the other order in the second step.
+        let seqs = [ids(&r["sequences"][2]["token_ids"]), toks.clone()];
+        let (mut cache, tables) = cache_for(&compact, 2, toks.len());
+        let mut got = [Vec::new(), Vec::new()];
+        for (step, order) in [[0usize, 1], [1, 0]].iter().enumerate() {
+            let mut b = Batch::default();
+            for &i in order {
+                let cut = seqs[i].len() / 2;
+                let (lo, hi) = if step == 0 {
+                    (0, cut)
+                } else {
+                    (cut, seqs[i].len())
+                };
+                b.push_seq(&seqs[i][lo..hi], lo, tables[i].clone(), LogitsWanted::All);
+                b.set_state_slot(1 - i as u32);
+            }
+            let out = compact.forward(&b, &mut cache, false).unwrap().logits;
+            for (k, &i) in order.iter().enumerate() {
+                let (first, end) = (b.seq_starts[k], b.seq_starts[k + 1]);
+                got[i].extend_from_slice(&out[first * v..end * v]);
+            }
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            let alone = logits_in_steps(&full, s, &[s.len()]);
+            assert_eq!(max_abs_diff(&alone, &got[i]), 0.0, "{name}: sequence {i}");
+        }
+        // Two sequences of one batch cannot share a slot; entries need blocks of 4k slots.
+        let mut b = Batch::default();
+        b.push_seq(&toks[..3], 0, tables[0].clone(), LogitsWanted::Last);
+        b.push_seq(&toks[..3], 0, tables[1].clone(), LogitsWanted::Last);
+        b.set_state_slot(0);
+        let e = compact
+            .forward(&b, &mut cache, false)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("share state slot 0"), "{e}");
+        let mut odd = KvCache::new(compact.cache_spec(), 6, 4);
+        let mut b = Batch::default();
+        b.push_seq(&toks[..3], 0, vec![1], LogitsWanted::Last);
+        let e = compact
+            .forward(&b, &mut odd, false)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("multiple of 4"), "{e}");
+        let e = full
+            .forward(&b, &mut cache, false)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("full layout"), "{e}");
     }
 }
 

@@ -20,7 +20,7 @@ use cachalot_engine::{
 use cachalot_model::tokenizer::{Tokenizer, ToolCallFormat};
 use cachalot_model::{
     detect_family, BalancedRouting, DeepseekV3, DeepseekV4, ExpertShard, Fp8Mode, KvCacheDtype,
-    LoadOptions, ModelFamily, TensorShard, V4LoadOptions,
+    LoadOptions, ModelFamily, TensorShard, V4CacheMode, V4LoadOptions,
 };
 use serde::{Deserialize, Serialize};
 
@@ -54,6 +54,8 @@ pub struct RunOptions {
     pub kv_cache_dtype: Option<KvCacheDtype>,
     /// Prefix caching (`Engine::set_prefix_caching`): None where it can run.
     pub prefix_caching: Option<bool>,
+    /// DeepSeek-V4's cache layout (`DeepseekV4::set_cache_mode`; compact by default).
+    pub v4_cache: V4CacheMode,
     /// Ranks of the run on this host (each sizes its KV pool from its share of the memory
     /// budget); 1 for a one-process run.
     pub host_ranks: usize,
@@ -210,6 +212,9 @@ pub struct Summary {
     pub bf16_dot: bool,
     /// The latent KV cache's float values: "f32" or "bf16" (`--kv-cache-dtype`).
     pub kv_cache_dtype: &'static str,
+    /// DeepSeek-V4's cache layout, "compact" or "full" (`--v4-cache`); absent for other models.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub v4_cache: Option<&'static str>,
     /// Processes that ran (the config's `world_size` is recorded beside it): with `parallel`
     /// "data" each served every `ranks`-th request; with "expert" they held the routed experts
     /// (with "tensor" the heads and intermediate features) between them and ran every request
@@ -911,6 +916,7 @@ pub fn run_ranked(
                 let e = model.config().n_routed_experts;
                 model.set_force_eplb(Some(balanced(e)?))?;
             }
+            model.set_cache_mode(opts.v4_cache);
             logln!("{}", held(model.weight_bytes()));
             v4 = model;
             (&v4, v4.config().eos_token_ids.clone())
@@ -930,13 +936,27 @@ pub fn run_ranked(
 
     // KV pool: the seed's offline sizing, capped by the memory budget.
     let block_size = s.block_size;
+    model
+        .check_block_size(block_size)
+        .map_err(|e| format!("scheduler_config.block_size {block_size}: {e}"))?;
     let per_block = kv_bytes_per_block(model.cache_spec(), block_size);
     let seed_blocks = cfg.max_total_len().div_ceil(block_size) * rank_batch + 1;
+    // A state slot per running sequence (DeepSeek-V4's compact rings) comes out of the budget.
+    let state_bytes = (model.cache_spec().seq_state_bytes() * rank_batch) as u64;
+    if state_bytes > 0 {
+        logln!(
+            "per-sequence cache state: {:.1} MiB for {rank_batch} sequences ({} bytes of \
+             entries per token)",
+            state_bytes as f64 / (1u64 << 20) as f64,
+            model.cache_spec().bytes_per_token()
+        );
+    }
     let num_blocks = match opts.kv_blocks {
         Some(n) => n,
         None => {
             let share = s.mem_fraction_static / opts.host_ranks.max(1) as f64;
-            let budget = mem_available().map(|b| (b as f64 * share) as u64);
+            let budget =
+                mem_available().map(|b| ((b as f64 * share) as u64).saturating_sub(state_bytes));
             let cap = budget.map_or(usize::MAX, |b| {
                 cachalot_engine::kv_pool::blocks_for_budget(b, per_block)
             });
@@ -1248,6 +1268,7 @@ pub fn run_ranked(
         int8_head: opts.int8_head,
         bf16_dot: opts.bf16_dot,
         kv_cache_dtype: kv_cache_dtype.name(),
+        v4_cache: (family == ModelFamily::DeepseekV4).then(|| opts.v4_cache.name()),
         ranks,
         transport: comm.transport(),
         parallel: if tensor && experts_split {

@@ -37,6 +37,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         bf16_dot: false,
         kv_cache_dtype: None,
         prefix_caching: None,
+        v4_cache: Default::default(),
         host_ranks: 1,
         parallel: Parallel::Data,
     }

@@ -125,6 +125,12 @@ struct ModelArgs {
     /// (exact). `auto`: bf16 for the DeepSeek-V3 family, f32 for DeepSeek-V4.
     #[arg(long, value_enum, default_value = "auto")]
     kv_cache_dtype: KvDtypeArg,
+    /// DeepSeek-V4's cache layout: compact (compressed entries in the paged pool, the 128-token
+    /// window and the compressor inputs in per-sequence rings: bounded memory per sequence) or
+    /// full (every position's state in the pool, ~14.5 KiB per token and layer for Flash: what
+    /// prefix caching can share).
+    #[arg(long, default_value = "compact")]
+    v4_cache: cachalot_model::V4CacheMode,
     /// Only the first N decoder layers (a YAML's `custom_params.num_hidden_layers`; DeepSeek-V3
     /// family).
     #[arg(skip)]
@@ -281,6 +287,7 @@ fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
     if args.int8_head {
         m.quantize_head_int8();
     }
+    m.set_cache_mode(args.v4_cache);
     Ok(m)
 }
 

@@ -70,6 +70,12 @@ pub struct RunArgs {
     /// DeepSeek-V4 (not under force_eplb), off otherwise; `on` refuses a run where it cannot be. Recorded in summary.json.
     #[arg(long, value_enum, default_value = "auto")]
     prefix_caching: crate::PrefixCachingArg,
+    /// DeepSeek-V4's cache layout: compact (compressed entries in the paged pool, the 128-token
+    /// window and the compressor inputs in per-sequence rings: bounded memory per sequence)
+    /// or full (every position's state in the pool, ~14.5 KiB per token and layer for Flash:
+    /// what prefix caching can share). Recorded as v4_cache in summary.json.
+    #[arg(long, default_value = "compact")]
+    v4_cache: cachalot_model::V4CacheMode,
     /// Time the phases of every step (attention's parts, dense MLP, MoE, head, the engine's
     /// own work): a table on stderr and profile.json beside summary.json (this process's
     /// steps: rank 0's in a run over several ranks).
@@ -502,6 +508,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         bf16_dot: args.bf16_dot,
         kv_cache_dtype: args.kv_cache_dtype.chosen(),
         prefix_caching: args.prefix_caching.chosen(),
+        v4_cache: args.v4_cache,
         host_ranks: args.group.host_ranks(),
         parallel: args.group.layout(&cfg.parallel_config)?,
     };

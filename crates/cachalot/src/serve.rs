@@ -710,7 +710,9 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         // A transferred prompt's KV fits the pool; its MTP hidden states come with it.
         let per_block = cachalot_engine::engine::kv_bytes_per_block(m.cache_spec(), set.block_size);
         let positions = m.max_positions().min(blocks * set.block_size) as u64;
-        let kv_max_bytes = per_block * blocks as u64 + positions * 4 * m.mtp_hidden_width() as u64;
+        let kv_max_bytes = per_block * blocks as u64
+            + positions * 4 * m.mtp_hidden_width() as u64
+            + m.cache_spec().seq_state_bytes() as u64;
         launch(eos, m.max_positions(), blocks, kv_max_bytes);
         if world > 1 {
             let jobs = (rank == 0).then_some(job_rx);
@@ -747,13 +749,16 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
 /// KV blocks in the pool: `--kv-blocks`, or enough for `--batch-size` sequences of the model's
 /// whole context within half the memory available (the YAML's `mem_fraction_static`).
 fn pool_blocks<M: Model>(model: &M, set: &Settings) -> Result<usize> {
+    model.check_block_size(set.block_size)?;
     let per_block = cachalot_engine::engine::kv_bytes_per_block(model.cache_spec(), set.block_size);
     let per_seq = model.max_positions().div_ceil(set.block_size);
+    // A state slot per running sequence (DeepSeek-V4's compact rings) comes out of the budget.
+    let state = (model.cache_spec().seq_state_bytes() * set.batch_size) as u64;
     let num_blocks = match set.kv_blocks {
         Some(n) => n,
         None => {
             let cap = cachalot_run::offline::mem_available().map_or(usize::MAX, |b| {
-                let budget = (b as f64 * set.kv_fraction) as u64;
+                let budget = ((b as f64 * set.kv_fraction) as u64).saturating_sub(state);
                 cachalot_engine::kv_pool::blocks_for_budget(budget, per_block)
             });
             (per_seq * set.batch_size + 1).min(cap)

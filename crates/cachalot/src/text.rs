@@ -237,6 +237,7 @@ impl ModelArgs {
             int8_head: false,
             bf16_dot: false,
             kv_cache_dtype: crate::KvDtypeArg::Auto,
+            v4_cache: Default::default(),
             max_layers: None,
             expert_shard: Default::default(),
             tensor_shard: Default::default(),
