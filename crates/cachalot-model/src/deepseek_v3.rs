@@ -2014,10 +2014,13 @@ impl DeepseekV3 {
         };
         // With many experts active (a batched step, prefill), the experts go to the pool whole,
         // each one's products on one thread: one fork/join per layer instead of one per product.
-        // Otherwise (decode) all their products, and the shared expert's, go through
-        // `matmul_group`: two parallel regions (gate+up, then down) instead of three per expert.
-        // The sums below are the same either way.
-        let expert_parallel = t_count > 1 && local.len() >= 2 * rayon::current_num_threads();
+        // Otherwise (decode, and steps of up to 3 tokens: an MTP verify of 2, whose 4 one-token
+        // experts and 2-token shared expert balance badly over whole-expert jobs; on the
+        // shipped model a verify step took 0.77 ms that way against 0.67 ms, docs/PERF.md) all
+        // their products, and the shared expert's, go through `matmul_group`: two parallel
+        // regions (gate+up, then down) instead of three per expert. The sums below are the
+        // same either way.
+        let expert_parallel = t_count > 3 && local.len() >= 2 * rayon::current_num_threads();
         let mut ys: Vec<Vec<f32>> = if expert_parallel {
             // The shared expert (every token: the largest job) goes first, so the pool starts
             // it while the routed experts are spread around it; it is last in `ys`.
