@@ -1077,9 +1077,9 @@ impl<'t, M: Model> Engine<'t, M> {
         if kv.spec != spec {
             return refuse(format!(
                 "the transferred KV is laid out as {:?}, this engine's cache as {spec:?}: run \
-                 the prefill and decode sides with the same model, --kv-cache-dtype and --mtp \
-                 (an MTP layer has a cache of its own), and the same layers \
-                 (custom_params.num_hidden_layers)",
+                 the prefill and decode sides with the same model, --kv-cache-dtype, \
+                 --v4-cache and --mtp (an MTP layer has a cache of its own), and the same \
+                 layers (custom_params.num_hidden_layers)",
                 kv.spec
             ));
         }

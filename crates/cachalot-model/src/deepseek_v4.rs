@@ -1162,6 +1162,17 @@ impl DeepseekV4 {
         }
         if self.cache_mode == V4CacheMode::Compact {
             self.check_block_size(cache.block_size())?;
+            // A sequence's rings are found by its slot: with several sequences, the batch
+            // must say which is whose (their order may change between steps).
+            if batch.num_seqs() > 1 && batch.state_slots.len() < batch.num_seqs() {
+                return Err(ModelError::Batch(format!(
+                    "a batch of {} sequences over DeepSeek-V4's compact cache names {} state \
+                     slots: give each sequence its slot (Batch::set_state_slot), the one it \
+                     has used from its first position",
+                    batch.num_seqs(),
+                    batch.state_slots.len()
+                )));
+            }
             let mut slots: Vec<usize> =
                 (0..batch.num_seqs()).map(|s| batch.state_slot(s)).collect();
             slots.sort_unstable();

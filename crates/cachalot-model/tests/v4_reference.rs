@@ -251,10 +251,17 @@ fn compact_cache_equals_full_layout_under_rollback_and_slots() {
             let alone = logits_in_steps(&full, s, &[s.len()]);
             assert_eq!(max_abs_diff(&alone, &got[i]), 0.0, "{name}: sequence {i}");
         }
-        // Two sequences of one batch cannot share a slot; entries need blocks of 4k slots.
+        // Two sequences of one batch need a slot each, and not the same one; entries need
+        // blocks of 4k slots.
         let mut b = Batch::default();
         b.push_seq(&toks[..3], 0, tables[0].clone(), LogitsWanted::Last);
         b.push_seq(&toks[..3], 0, tables[1].clone(), LogitsWanted::Last);
+        let e = compact
+            .forward(&b, &mut cache, false)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("names 0 state slots"), "{e}");
         b.set_state_slot(0);
         let e = compact
             .forward(&b, &mut cache, false)
@@ -306,6 +313,7 @@ fn packed_batch_equals_each_sequence_alone() {
                     (split[i], s.len())
                 };
                 b.push_seq(&s[lo..hi], lo, tables[i].clone(), LogitsWanted::All);
+                b.set_state_slot(i as u32);
             }
             let out = m.forward(&b, &mut cache, false).unwrap().logits;
             let v = m.config().vocab_size;

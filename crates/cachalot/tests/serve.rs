@@ -45,6 +45,15 @@ fn start(extra: &[&str]) -> Server {
     start_command("serve", extra)
 }
 
+/// `cachalot router` in front of a prefill and a decode server.
+fn start_router(pre: &Server, dec: &Server) -> Server {
+    let (p, d) = (
+        format!("http://{}", pre.addr),
+        format!("http://{}", dec.addr),
+    );
+    start_command("router", &["--prefill", &p, "--decode", &d])
+}
+
 /// `cachalot COMMAND --port 0 EXTRA…` (a server or the router), once it listens.
 fn start_command(command: &str, extra: &[&str]) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachalot"));
@@ -616,15 +625,7 @@ fn prefill_and_decode_servers_over_ranks_answer_as_one_server() {
             "--parallel",
             parallel,
         ]);
-        let router = start_command(
-            "router",
-            &[
-                "--prefill",
-                &format!("http://{}", pre.addr),
-                "--decode",
-                &format!("http://{}", dec.addr),
-            ],
-        );
+        let router = start_router(&pre, &dec);
         let r = router.addr.as_str();
         for body in [&greedy, &sampled] {
             let (s1, a) = post(&one.addr, "/v1/completions", body);
@@ -688,15 +689,7 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
         assert_eq!(h["disaggregation_mode"], "prefill");
         h["kv_port"].as_u64().unwrap()
     };
-    let router = start_command(
-        "router",
-        &[
-            "--prefill",
-            &format!("http://{}", pre.addr),
-            "--decode",
-            &format!("http://{}", dec.addr),
-        ],
-    );
+    let router = start_router(&pre, &dec);
     let r = router.addr.as_str();
     let text_of = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
 
@@ -1880,4 +1873,37 @@ fn serve_shares_cached_prefixes() {
     );
     let m = &answers[1][0]["choices"][0]["message"];
     assert!(m.to_string().len() > 40, "an answer to compare: {m}");
+}
+
+/// DeepSeek-V4 behind the router: the prefill server's KV snapshot carries each request's
+/// compact-cache state slot (its window and compressor rings), so the decode server answers a
+/// prompt longer than the rings (and a short one) as one server does; with `--v4-cache full`
+/// on both sides too. Sides with different layouts are refused by the decode server.
+#[test]
+fn v4_prefill_and_decode_servers_answer_as_one_server() {
+    let model = ["--model", "fixtures/v4/flash_tiny", "--kv-blocks", "64"];
+    let long: Vec<u32> = (0..180u32).map(|i| (i * 37 + 11) % 480 + 20).collect();
+    let bodies = [
+        json!({"prompt": long, "max_tokens": 12, "temperature": 0, "ignore_eos": true}),
+        json!({"prompt": "The sea", "max_tokens": 8, "temperature": 0.8, "seed": 3,
+               "ignore_eos": true}),
+    ];
+    for layout in ["compact", "full"] {
+        let with = |extra: &[&str]| {
+            let mut a: Vec<&str> = model.to_vec();
+            a.extend(["--v4-cache", layout]);
+            a.extend(extra);
+            start(&a)
+        };
+        let one = with(&[]);
+        let pre = with(&["--role", "prefill", "--kv-port", "0", "--block-size", "16"]);
+        let dec = with(&["--role", "decode", "--batch-size", "2"]);
+        let router = start_router(&pre, &dec);
+        for body in &bodies {
+            let (s1, a) = post(&one.addr, "/v1/completions", body);
+            let (s2, b) = post(&router.addr, "/v1/completions", body);
+            assert_eq!((s1, s2), (200, 200), "{layout}: {a} {b}");
+            assert_eq!(a["choices"], b["choices"], "{layout}: {body}");
+        }
+    }
 }
