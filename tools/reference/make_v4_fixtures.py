@@ -481,6 +481,8 @@ def decision_gaps(model, c, seqs):
                 gi = min(gi, float((v[k - 1] - v[k]) / max(abs(v[k - 1]), abs(v[k]), 1e-30)))
     gr = float("inf")
     for sc in caps["router"]:
+        if sc.shape[-1] <= K:  # every expert chosen: no router decision (the indexer's still count)
+            continue
         v = sc.sort(dim=-1, descending=True).values
         rel = (v[:, K - 1] - v[:, K]) / torch.maximum(v[:, K - 1].abs(), v[:, K].abs()).clamp_min(1e-30)
         gr = min(gr, float(rel.min()))

@@ -185,7 +185,13 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         return bench_mtp(&args.model, args.prompt_file.as_deref(), &b);
     }
     if detect_family(&model_dir(&args.model)?)? == ModelFamily::DeepseekV4 {
-        return bench_v4(&args.model, args.prompt_len, args.gen_len, args.profile);
+        return bench_v4(
+            &args.model,
+            args.prompt_len,
+            args.gen_len,
+            args.batch,
+            args.profile,
+        );
     }
     let report = bench(&args)?;
     drop(random);
@@ -589,8 +595,70 @@ fn time_prefill_decode<M: CausalLm>(
     Ok((prefill_s, step_times, cache.bytes()))
 }
 
-/// `bench` for a DeepSeek-V4 model directory: load, prefill and decode timings.
-fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize, prof: bool) -> Result<()> {
+/// `n` sequences of random `prompt_len`-token prompts, each prefilled alone, then greedy-decoded
+/// together for `decode_len` steps, each sequence in state slot i (DeepSeek-V4's compact
+/// cache): (decode tok/s over the sequences, mean step ms).
+fn time_batch_decode<M: CausalLm>(
+    m: &M,
+    n: usize,
+    prompt_len: usize,
+    decode_len: usize,
+) -> Result<(f64, f64)> {
+    let total = prompt_len + decode_len;
+    let per = total.div_ceil(BLOCK_SIZE);
+    let mut cache = KvCache::new(m.cache_spec(), BLOCK_SIZE, per * n);
+    let mut alloc = BlockAllocator::new(per * n);
+    let mut tables = Vec::with_capacity(n);
+    let mut next = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut t = Vec::new();
+        alloc.ensure(&mut t, total, BLOCK_SIZE)?;
+        let mut b = Batch::default();
+        b.push_seq(
+            &random_prompt(prompt_len, m.vocab_size(), i as u64 + 1),
+            0,
+            t.clone(),
+            LogitsWanted::Last,
+        );
+        b.set_state_slot(i as u32);
+        b.mark_prefill();
+        next.push(cachalot_kernels::argmax(&m.logits(&b, &mut cache)?) as u32);
+        tables.push(t);
+    }
+    let v = m.vocab_size();
+    let t = Instant::now();
+    for step in 0..decode_len {
+        let _warm = cachalot_kernels::KeepWarm::new();
+        let mut b = Batch::default();
+        for (i, &tok) in next.iter().enumerate() {
+            b.push_seq(
+                &[tok],
+                prompt_len + step,
+                tables[i].clone(),
+                LogitsWanted::Last,
+            );
+            b.set_state_slot(i as u32);
+        }
+        let logits = m.logits(&b, &mut cache)?;
+        next = logits
+            .chunks(v)
+            .map(|l| cachalot_kernels::argmax(l) as u32)
+            .collect();
+    }
+    let s = t.elapsed().as_secs_f64();
+    let steps = decode_len.max(1) as f64;
+    Ok(((n * decode_len) as f64 / s, s / steps * 1e3))
+}
+
+/// `bench` for a DeepSeek-V4 model directory: load, prefill and decode timings (batch 1, and
+/// batch `batch` when it is more than 1).
+fn bench_v4(
+    args: &ModelArgs,
+    prompt_len: usize,
+    decode_len: usize,
+    batch: usize,
+    prof: bool,
+) -> Result<()> {
     let dir = model_dir(args)?;
     let t0 = Instant::now();
     let m = load_v4(args, false)?;
@@ -619,6 +687,14 @@ fn bench_v4(args: &ModelArgs, prompt_len: usize, decode_len: usize, prof: bool) 
     });
     if let (true, Some(o)) = (prof, v.as_object_mut()) {
         o.insert("decode_profile".into(), serde_json::json!(decode_profile));
+    }
+    if batch > 1 {
+        let (tok_s, step_ms) = time_batch_decode(&m, batch, prompt.len(), decode_len)?;
+        if let Some(o) = v.as_object_mut() {
+            o.insert("batch".into(), serde_json::json!(batch));
+            o.insert("batch_decode_tok_s".into(), serde_json::json!(tok_s));
+            o.insert("batch_step_ms".into(), serde_json::json!(step_ms));
+        }
     }
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())

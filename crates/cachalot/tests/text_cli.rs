@@ -632,10 +632,18 @@ fn run_and_bench_profile_the_phases_of_their_steps() {
             "8",
             "--gen-len",
             "3",
+            "--batch",
+            "3",
             "--profile",
         ],
         None,
     )));
+    // Three sequences decoded together (each in its own state slot of the compact cache).
+    assert_eq!(bench["batch"], 3, "{bench}");
+    assert!(
+        bench["batch_decode_tok_s"].as_f64().unwrap() > 0.0,
+        "{bench}"
+    );
     let phases = bench["decode_profile"].as_array().unwrap();
     let calls = |name: &str| {
         phases
