@@ -1516,7 +1516,13 @@ pub fn summary_table(s: &Summary) -> String {
     }
     rows.push((
         "KV cache".into(),
-        format!("latents stored as {} (--kv-cache-dtype)", s.kv_cache_dtype),
+        match s.v4_cache {
+            Some(layout) => format!(
+                "{} layout (--v4-cache), values stored as {}",
+                layout, s.kv_cache_dtype
+            ),
+            None => format!("latents stored as {} (--kv-cache-dtype)", s.kv_cache_dtype),
+        },
     ));
     if let Some(p) = &s.prefix_cache {
         rows.push((
