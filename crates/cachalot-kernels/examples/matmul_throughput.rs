@@ -81,6 +81,11 @@ fn main() {
             &values.iter().map(|v| f32_to_bf16(*v)).collect::<Vec<_>>(),
         ))),
         MatrixData::F32(Bytes::from_vec(f32s_to_le_bytes(&values))),
+        // MXFP4 (DeepSeek-V4's routed experts): e2m1 nibbles, an e8m0 scale per 32 columns.
+        MatrixData::Mxfp4 {
+            data: Bytes::from_vec(codes[..n / 2].to_vec()),
+            scale: Bytes::from_vec(vec![120u8; rows * cols.div_ceil(32)]),
+        },
     ]
     .map(|d| Matrix::new(rows, cols, d).expect("valid matrix"));
     // The bf16 matrix again, multiplied as BF16 x BF16 (`--bf16-dot`).
