@@ -70,6 +70,9 @@ fn spawn_server(mut cmd: Command, terminate: bool) -> Server {
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    // Every line is kept, those before the address too (ranks under a launcher print theirs
+    // in any order).
+    let mut early = Vec::new();
     let addr = loop {
         let line = lines
             .next()
@@ -78,9 +81,10 @@ fn spawn_server(mut cmd: Command, terminate: bool) -> Server {
         if let Some(rest) = line.split("listening on http://").nth(1) {
             break rest.trim_end_matches("/v1").to_string();
         }
+        early.push(line);
     };
     // Keep reading stderr so the server never blocks on a full pipe.
-    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = std::sync::Arc::new(std::sync::Mutex::new(early));
     let sink = log.clone();
     std::thread::spawn(move || {
         for l in lines.map_while(Result::ok) {
@@ -1409,8 +1413,16 @@ fn serve_under_mpirun_answers_as_one_process() {
         })
         .collect();
     assert_eq!(text, want[0][0]["text"].as_str().unwrap());
-    let log = group.log.lock().unwrap().join("\n");
-    assert!(log.contains("rank 1 of 2"), "{log}");
+    // Rank 1's lines come through the launcher's forwarding, which may lag rank 0's.
+    let t0 = std::time::Instant::now();
+    loop {
+        let log = group.log.lock().unwrap().join("\n");
+        if log.contains("rank 1 of 2") {
+            break;
+        }
+        assert!(t0.elapsed().as_secs() < 30, "{log}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 /// Forced tool calls (`tool_choice` "required" or a named function): the template's own
