@@ -827,6 +827,14 @@ impl StateSlots {
         s
     }
 
+    /// Gives the last sequence pushed on `batch` request `id`'s slot (nothing without a
+    /// per-sequence state).
+    fn name(&mut self, batch: &mut Batch, id: u64, scheduler: &Scheduler) {
+        if self.on {
+            batch.set_state_slot(self.get(id, scheduler));
+        }
+    }
+
     fn release(&mut self, id: u64) {
         if let Some(s) = self.of.remove(&id) {
             self.free.push(s);
@@ -1479,9 +1487,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.scheduler.block_table(it.id).to_vec(),
                 want,
             );
-            if self.slots.on {
-                batch.set_state_slot(self.slots.get(it.id, &self.scheduler));
-            }
+            self.slots.name(&mut batch, it.id, &self.scheduler);
             // Prompt or generated positions (the scheduler never mixes them in one item): each
             // kind computed one way, so chunking, prefix caching and recompute leave bits alone.
             if it.start + it.len <= live.prompt_len {
@@ -1800,9 +1806,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.scheduler.block_table(id).to_vec(),
                 want,
             );
-            if self.slots.on {
-                batch.set_state_slot(self.slots.get(id, &self.scheduler));
-            }
+            self.slots.name(&mut batch, id, &self.scheduler);
             if p.first < pl {
                 batch.mark_prefill();
             } else {
@@ -1847,9 +1851,7 @@ impl<'t, M: Model> Engine<'t, M> {
                     self.scheduler.block_table(*id).to_vec(),
                     LogitsWanted::Last,
                 );
-                if self.slots.on {
-                    b.set_state_slot(self.slots.get(*id, &self.scheduler));
-                }
+                self.slots.name(&mut b, *id, &self.scheduler);
                 b.mark_generated();
                 prev.extend_from_slice(hid);
             }
@@ -1982,9 +1984,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 self.scheduler.block_table(id).to_vec(),
                 LogitsWanted::None,
             );
-            if self.slots.on {
-                batch.set_state_slot(self.slots.get(id, &self.scheduler));
-            }
+            self.slots.name(&mut batch, id, &self.scheduler);
             batch.mark_prefill();
             prev.extend_from_slice(&p.hidden[..(end - p.first) * h]);
             caught.push((id, p.first, end));
@@ -2067,9 +2067,10 @@ impl<'t, M: Model> Engine<'t, M> {
             return None;
         }
         let table = self.scheduler.block_table(id);
-        let slot = match self.slots.on {
-            true => Some(*self.slots.of.get(&id)? as usize),
-            false => None,
+        let slot = if self.slots.on {
+            Some(*self.slots.of.get(&id)? as usize)
+        } else {
+            None
         };
         let layers = (0..self.cache.spec().layers)
             .map(|l| {

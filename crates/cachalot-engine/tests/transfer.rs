@@ -66,6 +66,13 @@ fn finish(mut e: Engine<'_, &DeepseekV3>) -> Vec<RequestOutput> {
     outs
 }
 
+/// `kv` written in the wire format and read back.
+fn through_wire(kv: &KvSnapshot) -> KvSnapshot {
+    let mut wire = Vec::new();
+    kv.write_to(&mut wire).unwrap();
+    KvSnapshot::read_from(&mut wire.as_slice(), u64::MAX).unwrap()
+}
+
 const PREFILL: EngineConfig = EngineConfig {
     block_size: 16,
     num_blocks: 64,
@@ -133,11 +140,8 @@ fn prefill_here_decode_there_equals_one_engine() {
                     let kv = out.kv.as_ref().expect("a snapshot");
                     assert_eq!(kv.prompt, *p);
                     assert_eq!(kv.mtp.is_some(), next_n > 0, "{what}");
-                    // Through the wire.
-                    let mut wire = Vec::new();
-                    kv.write_to(&mut wire).unwrap();
-                    let kv = KvSnapshot::read_from(&mut wire.as_slice(), u64::MAX).unwrap();
-                    dec.add_prefilled(request(p, &params, n_new), kv).unwrap();
+                    dec.add_prefilled(request(p, &params, n_new), through_wire(kv))
+                        .unwrap();
                 }
                 // Not every request fits the decode pool at once: some wait.
                 assert!(dec.scheduler().num_running() < prompts.len(), "{what}");
@@ -573,10 +577,8 @@ fn v4_compact_cache_prefill_here_decode_there_equals_one_engine() {
             for (p, out) in prompts.iter().zip(&firsts) {
                 let kv = out.kv.as_ref().expect("a snapshot");
                 assert!(kv.spec.seq_state_width > 0, "{what}");
-                let mut wire = Vec::new();
-                kv.write_to(&mut wire).unwrap();
-                let kv = KvSnapshot::read_from(&mut wire.as_slice(), u64::MAX).unwrap();
-                dec.add_prefilled(request(p, &params, n_new), kv).unwrap();
+                dec.add_prefilled(request(p, &params, n_new), through_wire(kv))
+                    .unwrap();
             }
             assert!(dec.scheduler().num_running() < prompts.len(), "{what}");
             let got = done(dec);

@@ -144,14 +144,7 @@ impl KvCache {
             layers,
             bf16,
             int8,
-            state: vec![
-                Vec::new();
-                if spec.seq_state_width > 0 {
-                    spec.layers
-                } else {
-                    0
-                }
-            ],
+            state: vec![Vec::new(); spec.layers],
             seq_slots: 0,
         }
     }
@@ -165,11 +158,6 @@ impl KvCache {
             l.resize(n * self.spec.seq_state_width, 0.0);
         }
         self.seq_slots = n;
-    }
-
-    /// Sequence state slots held.
-    pub fn seq_slots(&self) -> usize {
-        self.seq_slots
     }
 
     /// A layer's token storage (f32 float part) and its per-sequence state (all slots), for
@@ -191,10 +179,7 @@ impl KvCache {
         let src = self.state[layer]
             .get(slot * w..(slot + 1) * w)
             .expect("a reserved state slot");
-        out.reserve(w * 4);
-        for v in src {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
+        push_f32s(out, src);
     }
 
     /// Writes state slot `slot` of `layer` from bytes laid out as [`KvCache::read_state`]
@@ -205,10 +190,7 @@ impl KvCache {
             return;
         }
         self.reserve_seq_slots(slot + 1);
-        let dst = &mut self.state[layer][slot * w..(slot + 1) * w];
-        for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
-            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
+        fill_f32s(&mut self.state[layer][slot * w..(slot + 1) * w], data);
     }
 
     pub fn spec(&self) -> CacheSpec {
@@ -261,11 +243,7 @@ impl KvCache {
                 );
             }
             match self.spec.float {
-                KvCacheDtype::F32 => {
-                    for v in &self.layers[layer][s * fw..(s + 1) * fw] {
-                        out.extend_from_slice(&v.to_le_bytes());
-                    }
-                }
+                KvCacheDtype::F32 => push_f32s(out, &self.layers[layer][s * fw..(s + 1) * fw]),
                 KvCacheDtype::Bf16 => {
                     for v in &self.bf16[layer][s * fw..(s + 1) * fw] {
                         out.extend_from_slice(&v.to_le_bytes());
@@ -291,10 +269,7 @@ impl KvCache {
             }
             match self.spec.float {
                 KvCacheDtype::F32 => {
-                    let dst = &mut self.layers[layer][s * fw..(s + 1) * fw];
-                    for (d, b) in dst.iter_mut().zip(floats.chunks_exact(4)) {
-                        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    }
+                    fill_f32s(&mut self.layers[layer][s * fw..(s + 1) * fw], floats)
                 }
                 KvCacheDtype::Bf16 => {
                     let dst = &mut self.bf16[layer][s * fw..(s + 1) * fw];
@@ -551,6 +526,21 @@ impl Batch {
     #[inline]
     pub fn slot(&self, s: usize, i: usize, block_size: usize) -> usize {
         slot_of(&self.block_tables[s], self.positions[i], block_size)
+    }
+}
+
+/// Appends `src` to `out` as little-endian f32 bytes.
+fn push_f32s(out: &mut Vec<u8>, src: &[f32]) {
+    out.reserve(src.len() * 4);
+    for v in src {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Fills `dst` from little-endian f32 bytes.
+fn fill_f32s(dst: &mut [f32], bytes: &[u8]) {
+    for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
 }
 

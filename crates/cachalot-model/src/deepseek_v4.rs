@@ -362,6 +362,9 @@ pub struct DeepseekV4 {
     /// Token-slot and state-slot widths of the compact layout (the widest layer's).
     compact_width: usize,
     state_width: usize,
+    /// Token slots the widest compressed entry spans in the compact layout (the block size
+    /// must be a multiple of it).
+    entry_span: usize,
     cache_mode: V4CacheMode,
     /// Apply [REF]'s quantisation sims (spec §2.12): FP8 act_quant (1×128, ue8m0) on the input of
     /// every FP8/FP4 linear, FP8 round trip (1×64) of the window and compressed KV nope dims,
@@ -967,6 +970,7 @@ impl DeepseekV4 {
                 .map(|b| b.attn.ring)
         };
         let compact_width = rings().map(|r| r.token_width()).max().unwrap_or(0).max(1);
+        let entry_span = rings().map(|r| r.span).max().unwrap_or(1);
         let state_width = rings()
             .map(|r| r.state_width(cfg.head_dim))
             .max()
@@ -987,6 +991,7 @@ impl DeepseekV4 {
             cache_width,
             compact_width,
             state_width,
+            entry_span,
             cache_mode: V4CacheMode::default(),
             quant_sim: false,
             force_eplb: None,
@@ -1126,15 +1131,9 @@ impl DeepseekV4 {
         if self.cache_mode == V4CacheMode::Full {
             return Ok(());
         }
-        let span = self
-            .layers
-            .iter()
-            .chain(self.mtp.iter().map(|m| &m.block))
-            .map(|b| b.attn.ring.span)
-            .max()
-            .unwrap_or(1);
+        let span = self.entry_span;
         if block_size == 0 || !block_size.is_multiple_of(span) {
-            return Err(ModelError::Batch(format!(
+            return Err(ModelError::Options(format!(
                 "DeepSeek-V4's compact cache needs a block_size that is a multiple of {span} \
                  (got {block_size}): a compressed entry fills {span} slots of one block; pick \
                  another block_size, or the full layout (--v4-cache full)"

@@ -80,6 +80,14 @@ fn logits_in_steps(m: &DeepseekV4, toks: &[u32], steps: &[usize]) -> Vec<f32> {
     out
 }
 
+/// The error a forward of `b` gives (it must fail).
+fn refused(m: &DeepseekV4, b: &Batch, cache: &mut KvCache) -> String {
+    m.forward(b, cache, false)
+        .err()
+        .expect("refused")
+        .to_string()
+}
+
 fn logprobs(logits: &[f32], vocab: usize, toks: &[u32]) -> Vec<f32> {
     logits
         .chunks_exact(vocab)
@@ -256,33 +264,17 @@ fn compact_cache_equals_full_layout_under_rollback_and_slots() {
         let mut b = Batch::default();
         b.push_seq(&toks[..3], 0, tables[0].clone(), LogitsWanted::Last);
         b.push_seq(&toks[..3], 0, tables[1].clone(), LogitsWanted::Last);
-        let e = compact
-            .forward(&b, &mut cache, false)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = refused(&compact, &b, &mut cache);
         assert!(e.contains("names 0 state slots"), "{e}");
         b.set_state_slot(0);
-        let e = compact
-            .forward(&b, &mut cache, false)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = refused(&compact, &b, &mut cache);
         assert!(e.contains("share state slot 0"), "{e}");
         let mut odd = KvCache::new(compact.cache_spec(), 6, 4);
         let mut b = Batch::default();
         b.push_seq(&toks[..3], 0, vec![1], LogitsWanted::Last);
-        let e = compact
-            .forward(&b, &mut odd, false)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = refused(&compact, &b, &mut odd);
         assert!(e.contains("multiple of 4"), "{e}");
-        let e = full
-            .forward(&b, &mut cache, false)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = refused(&full, &b, &mut cache);
         assert!(e.contains("full layout"), "{e}");
     }
 }

@@ -749,6 +749,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
 /// KV blocks in the pool: `--kv-blocks`, or enough for `--batch-size` sequences of the model's
 /// whole context within half the memory available (the YAML's `mem_fraction_static`).
 fn pool_blocks<M: Model>(model: &M, set: &Settings) -> Result<usize> {
+    // Before the server listens (its engine starts later, on its own thread).
     model.check_block_size(set.block_size)?;
     let per_block = cachalot_engine::engine::kv_bytes_per_block(model.cache_spec(), set.block_size);
     let per_seq = model.max_positions().div_ceil(set.block_size);
