@@ -26,11 +26,10 @@ use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
-use crate::batch::{
-    slot_of, Batch, CacheSpec, KvCache, KvCacheDtype, LayerMut, LogitsWanted, SeqKind,
-};
+use crate::batch::{slot_of, Batch, CacheSpec, KvCache, KvCacheDtype, LayerMut, SeqKind};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config::{DeepseekV3Config, QuantizationConfig, LATENT_NORM_EPS};
+use crate::context_parallel::{self as cp, cp_pieces};
 use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
 use crate::profile::{Phase, Timer};
@@ -905,7 +904,7 @@ impl DeepseekV3 {
                 "context parallelism needs the group's communicator (set_communicator)".into(),
             )
         })?;
-        let err = |m: String| ModelError::Options(format!("context parallelism: {m}"));
+        let err = cp::cp_err;
         let (own_batch, mut own_cache) = match own {
             Some((b, c)) => {
                 self.check_cache(c, self.layers.len())?;
@@ -914,68 +913,20 @@ impl DeepseekV3 {
             }
             None => (None, None),
         };
-        let is_prompt = |b: &Batch, s: usize| {
-            let r = b.seq_starts[s]..b.seq_starts[s + 1];
-            r.len() > 1 && b.positions[r.start] == 0
+        let serve = |key: u32, id: usize, xs: &[f32], _ws: &[f32], n: usize| {
+            self.serve_expert(key, id, xs, n)
         };
-        let plans = match plans {
-            Some(p) => p,
-            None => {
-                let b =
-                    own_batch.ok_or_else(|| err("a forward without a batch or plans".into()))?;
-                let mut payload = Vec::new();
-                let mine: Vec<usize> = (0..b.num_seqs()).filter(|&s| is_prompt(b, s)).collect();
-                payload.extend_from_slice(&(mine.len() as u32).to_le_bytes());
-                for &s in &mine {
-                    let r = b.seq_starts[s]..b.seq_starts[s + 1];
-                    payload.extend_from_slice(&(s as u32).to_le_bytes());
-                    payload.extend_from_slice(&(r.len() as u32).to_le_bytes());
-                    for &t in &b.tokens[r] {
-                        payload.extend_from_slice(&t.to_le_bytes());
-                    }
-                }
-                let serve = |key: u32, id: usize, xs: &[f32], _ws: &[f32], n: usize| {
-                    self.serve_expert(key, id, xs, n)
-                };
-                crate::expert_parallel::plan_round(
-                    Some(comm),
-                    self.shard,
-                    h,
-                    experts,
-                    &payload,
-                    &serve,
-                )?
-            }
-        };
-        let prompts = parse_prompts(&plans).map_err(err)?;
+        let prompts = cp::prompts_of_step(comm, self.shard, h, experts, own_batch, plans, &serve)?;
         if prompts.is_empty() {
             return match (own_batch, own_cache) {
                 (Some(b), Some(c)) => self.forward_plain(b, c, want_hidden).map(Some),
                 _ => Ok(None),
             };
         }
-        if let Some(b) = own_batch {
-            let mine = prompts.iter().filter(|p| p.owner == rank).count();
-            if mine != (0..b.num_seqs()).filter(|&s| is_prompt(b, s)).count() {
-                return Err(err("the plans lost this rank's prompts".into()));
-            }
-        }
         // This rank's rows: its batch's other sequences, then its pieces of every prompt (in a
         // scratch cache of its own: one layer, each prompt's rows in blocks of their own).
         const SCRATCH_BLOCK: usize = 64;
-        let mut local = Batch::default();
-        if let Some(b) = own_batch {
-            for s in (0..b.num_seqs()).filter(|&s| !is_prompt(b, s)) {
-                let r = b.seq_starts[s]..b.seq_starts[s + 1];
-                local.push_seq(
-                    &b.tokens[r.clone()],
-                    b.positions[r.start],
-                    b.block_tables[s].clone(),
-                    LogitsWanted::None,
-                );
-                local.mark(b.kind(s));
-            }
-        }
+        let local = own_batch.map(cp::local_part).unwrap_or_default();
         let mut segs = Batch::default();
         let mut seg_of: Vec<usize> = Vec::new();
         let mut blocks = 0u32;
@@ -1009,42 +960,7 @@ impl DeepseekV3 {
         let width = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
         // Every rank's rows of every prompt, from each rank's pieces in plan order.
         let exchange = |rows: &[f32]| -> Result<Vec<Vec<f32>>> {
-            let _t = Timer::start(Phase::Reduce);
-            let mut bytes = Vec::with_capacity(rows.len() * 4);
-            for v in rows {
-                bytes.extend_from_slice(&v.to_le_bytes());
-            }
-            let all = comm
-                .all_gather(&bytes)
-                .map_err(|e| err(format!("gathering the latent rows: {e}")))?;
-            let mut full: Vec<Vec<f32>> = prompts
-                .iter()
-                .map(|p| vec![0.0f32; p.tokens.len() * width])
-                .collect();
-            for (r, part) in all.iter().enumerate() {
-                let mut at = 0;
-                for (j, p) in prompts.iter().enumerate() {
-                    for (a, e) in cp_pieces(p.tokens.len(), r, ranks) {
-                        let n = (e - a) * width;
-                        let src = part.get(at * 4..(at + n) * 4).ok_or_else(|| {
-                            err(format!("rank {r} sent fewer latent rows than its pieces"))
-                        })?;
-                        for (o, c) in full[j][a * width..e * width]
-                            .iter_mut()
-                            .zip(src.chunks_exact(4))
-                        {
-                            *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                        }
-                        at += n;
-                    }
-                }
-                if at * 4 != part.len() {
-                    return Err(err(format!(
-                        "rank {r} sent more latent rows than its pieces"
-                    )));
-                }
-            }
-            Ok(full)
+            cp::gather_rows(comm, &prompts, rows, width, "latent rows")
         };
         let mut tokens = local.tokens.clone();
         tokens.extend_from_slice(&segs.tokens);
@@ -1116,72 +1032,13 @@ impl DeepseekV3 {
                 *a += b;
             }
         }
-        // Each prompt's hidden rows to its rank: (prompt, first position, rows) per piece.
-        let mut parts: Vec<Vec<u8>> = vec![Vec::new(); ranks];
-        for (q, &j) in seg_of.iter().enumerate() {
-            let mut row = nl + segs.seq_starts[q];
-            for (a, e) in cp_pieces(prompts[j].tokens.len(), rank, ranks) {
-                let part = &mut parts[prompts[j].owner];
-                part.extend_from_slice(&(j as u32).to_le_bytes());
-                part.extend_from_slice(&(a as u32).to_le_bytes());
-                part.extend_from_slice(&((e - a) as u32).to_le_bytes());
-                for v in &hidden[row * h..(row + e - a) * h] {
-                    part.extend_from_slice(&v.to_le_bytes());
-                }
-                row += e - a;
-            }
-        }
-        let back = comm
-            .all_to_all(&parts)
-            .map_err(|e| err(format!("returning the prompts' hidden rows: {e}")))?;
+        // Each prompt's hidden rows to its rank.
+        let rows_at: Vec<usize> = (0..seg_of.len()).map(|q| nl + segs.seq_starts[q]).collect();
+        let back = cp::send_rows_home(comm, &prompts, &seg_of, &rows_at, &hidden, h)?;
         let Some(b) = own_batch else {
             return Ok(None);
         };
-        // This rank's batch in its own order: its other sequences' rows, then its prompts'.
-        let mut own_hidden = vec![0.0f32; b.num_tokens() * h];
-        let mut at = 0;
-        for s in (0..b.num_seqs()).filter(|&s| !is_prompt(b, s)) {
-            let r = b.seq_starts[s]..b.seq_starts[s + 1];
-            own_hidden[r.start * h..r.end * h].copy_from_slice(&hidden[at * h..(at + r.len()) * h]);
-            at += r.len();
-        }
-        let mut filled = 0usize;
-        for (r, msg) in back.iter().enumerate() {
-            let bad = || err(format!("rank {r} sent back malformed hidden rows"));
-            let mut at = 0;
-            while at < msg.len() {
-                let u = |o: usize| -> Result<usize> {
-                    msg.get(at + o..at + o + 4)
-                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
-                        .ok_or_else(bad)
-                };
-                let (j, start, n) = (u(0)?, u(4)?, u(8)?);
-                let p = prompts.get(j).filter(|p| p.owner == rank).ok_or_else(bad)?;
-                if start + n > p.tokens.len() {
-                    return Err(bad());
-                }
-                let src = msg.get(at + 12..at + 12 + n * h * 4).ok_or_else(bad)?;
-                let base = (b.seq_starts[p.seq] + start) * h;
-                for (o, c) in own_hidden[base..base + n * h]
-                    .iter_mut()
-                    .zip(src.chunks_exact(4))
-                {
-                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-                filled += n;
-                at += 12 + n * h * 4;
-            }
-        }
-        let want: usize = prompts
-            .iter()
-            .filter(|p| p.owner == rank)
-            .map(|p| p.tokens.len())
-            .sum();
-        if filled != want {
-            return Err(err(format!(
-                "{filled} of this rank's {want} prompt rows came back"
-            )));
-        }
+        let own_hidden = cp::own_rows(&back, &prompts, rank, b, h, &hidden)?;
         self.head(&own_hidden, &self.norm, b, want_hidden, 0)
             .map(Some)
     }
@@ -2175,56 +2032,6 @@ type CpExchange<'a> = dyn Fn(&[f32]) -> Result<Vec<Vec<f32>>> + Sync + 'a;
 struct CpAttend<'a> {
     of_seq: &'a [usize],
     exchange: &'a CpExchange<'a>,
-}
-
-/// A prompt of some rank's batch under context parallelism: its rank, its sequence there, its
-/// tokens.
-struct CpPrompt {
-    owner: usize,
-    seq: usize,
-    tokens: Vec<u32>,
-}
-
-/// Every rank's prompts from the plan payloads ([`DeepseekV3::forward_cp`]), in rank order.
-fn parse_prompts(plans: &[Vec<u8>]) -> std::result::Result<Vec<CpPrompt>, String> {
-    let mut out = Vec::new();
-    for (owner, b) in plans.iter().enumerate() {
-        if b.is_empty() {
-            continue;
-        }
-        let bad = || format!("rank {owner} sent a malformed plan of {} bytes", b.len());
-        let u = |at: usize| -> std::result::Result<usize, String> {
-            b.get(at..at + 4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
-                .ok_or_else(bad)
-        };
-        let count = u(0)?;
-        let mut at = 4;
-        for _ in 0..count {
-            let (seq, len) = (u(at)?, u(at + 4)?);
-            at += 8;
-            let tokens = (0..len)
-                .map(|i| u(at + 4 * i).map(|t| t as u32))
-                .collect::<std::result::Result<Vec<u32>, String>>()?;
-            at += 4 * len;
-            out.push(CpPrompt { owner, seq, tokens });
-        }
-        if at != b.len() {
-            return Err(bad());
-        }
-    }
-    Ok(out)
-}
-
-/// Rank `rank`'s pieces `[start, end)` of a prompt of `len` tokens split over `ranks`: pieces
-/// `rank` and `2·ranks − 1 − rank` of ⌈len / 2·ranks⌉ tokens (empty ones left out).
-fn cp_pieces(len: usize, rank: usize, ranks: usize) -> Vec<(usize, usize)> {
-    let piece = len.div_ceil(2 * ranks);
-    [rank, 2 * ranks - 1 - rank]
-        .into_iter()
-        .map(|k| ((k * piece).min(len), ((k + 1) * piece).min(len)))
-        .filter(|(a, e)| a < e)
-        .collect()
 }
 
 /// The MLA head sizes the attention code indexes with.

@@ -51,9 +51,10 @@ use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
-use crate::batch::{slot_of, Batch, CacheSpec, KvCache, KvCacheDtype};
+use crate::batch::{slot_of, Batch, CacheSpec, KvCache, KvCacheDtype, LogitsWanted};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config_v4::DeepseekV4Config;
+use crate::context_parallel::{self as cp, cp_pieces};
 use crate::deepseek_v3::ForwardOutput;
 use crate::eplb::BalancedRouting;
 use crate::error::{ModelError, Result};
@@ -793,6 +794,68 @@ impl Loader<'_> {
     }
 }
 
+/// The state a step's tokens add to one attention layer ([`DeepseekV4::attn_rows`]): per
+/// token the window row `[dh]`, and the compressor's and the indexer compressor's inputs
+/// (A and Z, `[coff·d]` each), where the layer has them.
+struct StepRows {
+    kv: Vec<f32>,
+    cin: Option<(Vec<f32>, Vec<f32>)>,
+    icin: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl StepRows {
+    /// Each token's values in one row of `w[0] + 2·w[1] + 2·w[2]` (widths from
+    /// [`DeepseekV4::row_widths`]), to send between ranks.
+    fn pack(&self, w: [usize; 3]) -> Vec<f32> {
+        let n = self.kv.len() / w[0];
+        let mut out = Vec::with_capacity(n * (w[0] + 2 * w[1] + 2 * w[2]));
+        for t in 0..n {
+            out.extend_from_slice(&self.kv[t * w[0]..(t + 1) * w[0]]);
+            for (c, cw) in [(&self.cin, w[1]), (&self.icin, w[2])] {
+                if let Some((a, z)) = c {
+                    out.extend_from_slice(&a[t * cw..(t + 1) * cw]);
+                    out.extend_from_slice(&z[t * cw..(t + 1) * cw]);
+                }
+            }
+        }
+        out
+    }
+
+    /// The rows [`StepRows::pack`] made (the same widths; a width of 0: no such compressor).
+    fn unpack(rows: &[f32], w: [usize; 3]) -> StepRows {
+        let tw = w[0] + 2 * w[1] + 2 * w[2];
+        let n = rows.len() / tw;
+        let mut kv = Vec::with_capacity(n * w[0]);
+        let part =
+            |cw: usize| (cw > 0).then(|| (Vec::with_capacity(n * cw), Vec::with_capacity(n * cw)));
+        let (mut cin, mut icin) = (part(w[1]), part(w[2]));
+        for row in rows.chunks_exact(tw) {
+            kv.extend_from_slice(&row[..w[0]]);
+            let mut at = w[0];
+            for (c, cw) in [(&mut cin, w[1]), (&mut icin, w[2])] {
+                if let Some((a, z)) = c {
+                    a.extend_from_slice(&row[at..at + cw]);
+                    z.extend_from_slice(&row[at + cw..at + 2 * cw]);
+                    at += 2 * cw;
+                }
+            }
+        }
+        StepRows { kv, cin, icin }
+    }
+}
+
+/// Queries to attend in [`DeepseekV4::attn_core`]: their rows, each one's (sequence of the
+/// rows' batch, position), and the RoPE tables of the batch they came from.
+type QueriesAt<'a> = (&'a Queries, &'a [(usize, usize)], &'a BatchRopes);
+
+/// A step's queries of one attention layer ([`DeepseekV4::attn_queries`]): the heads' `[nh·dh]`
+/// per token, and the indexer's queries `[hi·di]` and head weights `[hi]` where it has one.
+struct Queries {
+    q: Vec<f32>,
+    iq: Vec<f32>,
+    iw: Vec<f32>,
+}
+
 /// cos/sin of both RoPE tables for every token of a batch.
 struct BatchRopes {
     half: usize,
@@ -855,14 +918,6 @@ impl DeepseekV4 {
         let shard = opts.expert_shard;
         let e = cfg.n_routed_experts;
         shard.validate(e)?;
-        if shard.context && shard.ranks > 1 {
-            return Err(ModelError::Options(
-                "prefill context parallelism (cp_size > 1) is done for DeepSeek-V3/R1/Kimi-K2 \
-                 checkpoints; DeepSeek-V4's compressed caches and sliding window are not split \
-                 over ranks yet: run V4 with --parallel data-expert (cp_size: 1)"
-                    .into(),
-            ));
-        }
         // Tensor parallelism (spec `deepseek-v4.md` §2.6/§2.9 split as the seed's attention and
         // MoE TP): each rank holds `num_attention_heads / ranks` heads — whole output groups,
         // so `o_groups` divides too — their rows of wq_b and wo_a, their columns of wo_b and
@@ -1199,26 +1254,224 @@ impl DeepseekV4 {
         cache: &mut KvCache,
         want_hidden: bool,
     ) -> Result<ForwardOutput> {
-        let cfg = &self.cfg;
-        batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
-        self.check_cache(cache, self.layers.len(), batch)?;
-        let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
-        let t_count = batch.num_tokens();
-        let step = tp::batch_digest(self.tp, batch, 0);
-        let rows = self
-            .embed
-            .lookup(self.comm.as_deref(), self.tp, step, &batch.tokens)?;
-        let mut x = vec![0.0f32; t_count * hc * h];
+        if self.shard.context && self.shard.ranks > 1 {
+            return self
+                .forward_cp(Some((batch, cache)), None, want_hidden)?
+                .ok_or_else(|| {
+                    ModelError::Batch("context parallel forward gave no output".into())
+                });
+        }
+        self.forward_plain(batch, cache, want_hidden)
+    }
+
+    /// Every token's embedding copied into the hc streams, `[T, hc·D]`.
+    fn streams(&self, rows: &[f32]) -> Vec<f32> {
+        let (h, hc) = (self.cfg.hidden_size, self.cfg.hc_mult);
+        let mut x = vec![0.0f32; rows.len() * hc];
         for (t, row) in rows.chunks_exact(h).enumerate() {
             for s in 0..hc {
                 x[(t * hc + s) * h..(t * hc + s + 1) * h].copy_from_slice(row);
             }
         }
+        x
+    }
+
+    /// [`DeepseekV4::forward`] of this rank's batch alone.
+    fn forward_plain(
+        &self,
+        batch: &Batch,
+        cache: &mut KvCache,
+        want_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        let cfg = &self.cfg;
+        batch.validate(cache.block_size(), cache.num_blocks(), cfg.vocab_size)?;
+        self.check_cache(cache, self.layers.len(), batch)?;
+        let step = tp::batch_digest(self.tp, batch, 0);
+        let rows = self
+            .embed
+            .lookup(self.comm.as_deref(), self.tp, step, &batch.tokens)?;
+        let mut x = self.streams(&rows);
         let ropes = BatchRopes::new(self, &batch.positions);
         for (li, layer) in self.layers.iter().enumerate() {
             self.block_forward(layer, &mut x, batch, &ropes, cache, li, step)?;
         }
         self.output(&x, &self.hc_head, &self.norm, batch, want_hidden, step)
+    }
+
+    /// A forward under prefill context parallelism ([`ExpertShard::context`], executor spec
+    /// §4.5, `deepseek-v4.md` §3: the seed's zig-zag prefill that all-gathers the window rows
+    /// and compressed caches), as `DeepseekV3::forward_cp` (the shared parts in
+    /// `context_parallel`): every rank's prompts are split over the ranks, two pieces each.
+    /// At every attention layer each rank computes its pieces' rows (window K = V row,
+    /// compressor and indexer-compressor inputs) and the ranks gather them, so every rank
+    /// holds each prompt's whole rows: it emits the prompt's compressed entries into a scratch
+    /// cache of its own (one layer; entries only, the rows are read as the step's) and its
+    /// pieces' queries attend over the window and the entries exactly as one process's whole
+    /// prompt would; the prompt's own rank writes the rows and entries into its cache (slots,
+    /// or entries and rings in the compact layout). The MoE layers dispatch every rank's rows
+    /// to the experts' ranks. At the end each prompt's streams go back to its rank, which
+    /// computes the logits (and the hidden streams for MTP) `own` asks for. The rest of `own`
+    /// (decode, later chunks, MTP verification) runs on this rank in the same layers. `own`
+    /// None: a rank whose step is over joining from [`DeepseekV4::end_step`] with the plans.
+    fn forward_cp(
+        &self,
+        own: Option<(&Batch, &mut KvCache)>,
+        plans: Option<Vec<Vec<u8>>>,
+        want_hidden: bool,
+    ) -> Result<Option<ForwardOutput>> {
+        // A scratch block: a multiple of 4, as the compact layout spreads an entry over 4
+        // slots.
+        const SCRATCH_BLOCK: usize = 64;
+        let cfg = &self.cfg;
+        let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
+        let (rank, ranks) = (self.shard.rank, self.shard.ranks);
+        let comm = self.comm.as_deref().ok_or_else(|| {
+            ModelError::Options(
+                "context parallelism needs the group's communicator (set_communicator)".into(),
+            )
+        })?;
+        let (own_batch, mut own_cache) = match own {
+            Some((b, c)) => {
+                b.validate(c.block_size(), c.num_blocks(), cfg.vocab_size)?;
+                self.check_cache(c, self.layers.len(), b)?;
+                (Some(b), Some(c))
+            }
+            None => (None, None),
+        };
+        let serve = |key: u32, id: usize, xs: &[f32], ws: &[f32], n: usize| {
+            self.serve_expert(key, id, xs, ws, n)
+        };
+        let experts = cfg.n_routed_experts;
+        let prompts = cp::prompts_of_step(comm, self.shard, h, experts, own_batch, plans, &serve)?;
+        if prompts.is_empty() {
+            return match (own_batch, own_cache) {
+                (Some(b), Some(c)) => self.forward_plain(b, c, want_hidden).map(Some),
+                _ => Ok(None),
+            };
+        }
+        // This rank's rows: its batch's other sequences, then its pieces of every prompt.
+        // `all`: every prompt as one sequence from position 0 over the scratch cache, whose
+        // rows the ranks gather; `segs`: this rank's pieces, a sequence each (the queries).
+        let local = own_batch.map(cp::local_part).unwrap_or_default();
+        let nl = local.num_tokens();
+        let mut all = Batch::default();
+        let mut segs = Batch::default();
+        let mut queries: Vec<(usize, usize)> = Vec::new();
+        let (mut seg_of, mut rows_at) = (Vec::new(), Vec::new());
+        let mut blocks = 0u32;
+        for (j, p) in prompts.iter().enumerate() {
+            let n = p.tokens.len().div_ceil(SCRATCH_BLOCK) as u32;
+            all.push_seq(
+                &p.tokens,
+                0,
+                (blocks..blocks + n).collect(),
+                LogitsWanted::None,
+            );
+            blocks += n;
+            let pieces = cp_pieces(p.tokens.len(), rank, ranks);
+            if pieces.is_empty() {
+                continue;
+            }
+            seg_of.push(j);
+            rows_at.push(nl + segs.num_tokens());
+            for (a, e) in pieces {
+                segs.push_seq(&p.tokens[a..e], a, Vec::new(), LogitsWanted::None);
+                queries.extend((a..e).map(|pos| (j, pos)));
+            }
+        }
+        let ns = segs.num_tokens();
+        let mut scratch = KvCache::new(
+            CacheSpec {
+                layers: 1,
+                seq_state_width: 0,
+                ..self.cache_spec()
+            },
+            SCRATCH_BLOCK,
+            (blocks as usize).max(1),
+        );
+        let mut tokens = local.tokens.clone();
+        tokens.extend_from_slice(&segs.tokens);
+        let rows = self.embed.lookup(Some(comm), self.tp, 0, &tokens)?;
+        let mut x = self.streams(&rows);
+        let ropes_l = BatchRopes::new(self, &local.positions);
+        let ropes_s = BatchRopes::new(self, &segs.positions);
+        let bs = own_cache.as_ref().map_or(SCRATCH_BLOCK, |c| c.block_size());
+        let decode = ns == 0 && local.is_decode();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let at = &layer.attn;
+            let widths = self.row_widths(at);
+            let mut attend = |xn: &[f32]| -> Result<Vec<f32>> {
+                let mut out = Vec::with_capacity((nl + ns) * h);
+                if nl > 0 {
+                    let cache = own_cache
+                        .as_deref_mut()
+                        .ok_or_else(|| cp::cp_err("rows of this rank without its cache".into()))?;
+                    out.extend(self.attention(
+                        at,
+                        &xn[..nl * h],
+                        &local,
+                        &ropes_l,
+                        cache.layer_and_state_mut(li),
+                        bs,
+                    ));
+                }
+                let xs = &xn[nl * h..];
+                let xq = self.act_in(xs, h);
+                let mine = self.attn_rows(at, xs, &xq, &segs, &ropes_s);
+                let full = cp::gather_rows(
+                    comm,
+                    &prompts,
+                    &mine.pack(widths),
+                    widths[0] + 2 * widths[1] + 2 * widths[2],
+                    "attention rows",
+                )?;
+                if ns > 0 {
+                    let qs = self.attn_queries(at, xs, &xq, ns, &ropes_s);
+                    let o = self.attn_core(
+                        at,
+                        &all,
+                        &StepRows::unpack(&full.concat(), widths),
+                        Some((&qs, &queries, &ropes_s)),
+                        scratch.layer_and_state_mut(0),
+                        SCRATCH_BLOCK,
+                        false,
+                    );
+                    out.extend(self.attn_out(at, &o, ns));
+                }
+                // This rank's prompts: their rows and entries into its cache, for decoding.
+                if let (Some(b), Some(c)) = (own_batch, own_cache.as_deref_mut()) {
+                    for (j, p) in prompts.iter().enumerate().filter(|(_, p)| p.owner == rank) {
+                        let mut one = Batch::default();
+                        one.push_seq(
+                            &p.tokens,
+                            0,
+                            b.block_tables[p.seq].clone(),
+                            LogitsWanted::None,
+                        );
+                        one.set_state_slot(b.state_slot(p.seq) as u32);
+                        self.attn_core(
+                            at,
+                            &one,
+                            &StepRows::unpack(&full[j], widths),
+                            None,
+                            c.layer_and_state_mut(li),
+                            bs,
+                            true,
+                        );
+                    }
+                }
+                Ok(out)
+            };
+            self.block_with(layer, &mut x, &tokens, decode, 0, &mut attend)?;
+        }
+        // Each prompt's streams to its rank.
+        let back = cp::send_rows_home(comm, &prompts, &seg_of, &rows_at, &x, hc * h)?;
+        let Some(b) = own_batch else {
+            return Ok(None);
+        };
+        let own_x = cp::own_rows(&back, &prompts, rank, b, hc * h, &x)?;
+        self.output(&own_x, &self.hc_head, &self.norm, b, want_hidden, 0)
+            .map(Some)
     }
 
     /// One step of MTP block `index` (spec §2.11, [REF] `MTPBlock`): row i pairs
@@ -1369,6 +1622,7 @@ impl DeepseekV4 {
     }
 
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     fn block_forward(
         &self,
         b: &Block,
@@ -1379,23 +1633,32 @@ impl DeepseekV4 {
         li: usize,
         step: u64,
     ) -> Result<()> {
+        let bs = cache.block_size();
+        self.block_with(b, x, &batch.tokens, batch.is_decode(), step, &mut |xn| {
+            Ok(self.attention(&b.attn, xn, batch, ropes, cache.layer_and_state_mut(li), bs))
+        })
+    }
+
+    /// Block `b` over streams `x` of `tokens`, `attend` giving the attention output of the
+    /// normed attention inputs (every token's, in order).
+    fn block_with(
+        &self,
+        b: &Block,
+        x: &mut [f32],
+        tokens: &[u32],
+        decode: bool,
+        step: u64,
+        attend: &mut dyn FnMut(&[f32]) -> Result<Vec<f32>>,
+    ) -> Result<()> {
         let cfg = &self.cfg;
         let (h, hc) = (cfg.hidden_size, cfg.hc_mult);
-        let t_count = batch.num_tokens();
-        let bs = cache.block_size();
+        let t_count = tokens.len();
         let mut xn = vec![0.0f32; t_count * h];
         let (u, post, comb) = self.hc_pre(&b.hc_attn, x, t_count);
         k::rms_norm_rows(&u, h, &b.attn_norm, cfg.rms_norm_eps, &mut xn);
         let mut a = {
             let _t = Timer::start(Phase::Attention);
-            self.attention(
-                &b.attn,
-                &xn,
-                batch,
-                ropes,
-                cache.layer_and_state_mut(li),
-                bs,
-            )
+            attend(&xn)?
         };
         // Tensor parallelism: each rank's heads gave a partial wo_b product.
         if self.tp.ranks > 1 {
@@ -1414,7 +1677,7 @@ impl DeepseekV4 {
         k::rms_norm_rows(&u, h, &b.ffn_norm, cfg.rms_norm_eps, &mut xn);
         let mut f = {
             let _t = Timer::start(Phase::Moe);
-            self.moe(&b.ffn, &xn, &batch.tokens, batch.is_decode())?
+            self.moe(&b.ffn, &xn, tokens, decode)?
         };
         // Tensor parallelism: each rank's features (or whole experts) gave a partial sum.
         if self.tp.ranks > 1 {
@@ -1493,57 +1756,57 @@ impl DeepseekV4 {
         }
     }
 
+    /// One attention layer over a batch (spec §2.6-§2.8): the step's rows, its queries, the
+    /// attention over window ∪ chosen compressed entries, the grouped output.
     fn attention(
         &self,
         at: &Attention,
         x: &[f32],
         batch: &Batch,
         ropes: &BatchRopes,
-        (tok, state): (&mut [f32], &mut [f32]),
+        cache: (&mut [f32], &mut [f32]),
         bs: usize,
     ) -> Vec<f32> {
+        let t_count = batch.num_tokens();
+        let xq = self.act_in(x, self.cfg.hidden_size);
+        let rows = self.attn_rows(at, x, &xq, batch, ropes);
+        let qs = self.attn_queries(at, x, &xq, t_count, ropes);
+        let queries: Vec<(usize, usize)> = (0..batch.num_seqs())
+            .flat_map(|s| (batch.seq_starts[s]..batch.seq_starts[s + 1]).map(move |i| (s, i)))
+            .map(|(s, i)| (s, batch.positions[i]))
+            .collect();
+        let o = self.attn_core(
+            at,
+            batch,
+            &rows,
+            Some((&qs, &queries, ropes)),
+            cache,
+            bs,
+            true,
+        );
+        self.attn_out(at, &o, t_count)
+    }
+
+    /// The state a batch's tokens add to an attention layer: the window K = V row
+    /// (kv_norm(wkv x), RoPE) and the compressors' inputs (§2.7).
+    fn attn_rows(
+        &self,
+        at: &Attention,
+        x: &[f32],
+        xq: &[f32],
+        batch: &Batch,
+        ropes: &BatchRopes,
+    ) -> StepRows {
         let cfg = &self.cfg;
         let t_count = batch.num_tokens();
-        // The heads held here (all, or a tensor-parallel share).
-        let (nh, dh, rd) = (at.sink.len(), cfg.head_dim, cfg.qk_rope_head_dim);
-        let di = cfg.index_head_dim;
+        let (dh, rd) = (cfg.head_dim, cfg.qk_rope_head_dim);
         let nope = dh - rd;
-        let eps = cfg.rms_norm_eps;
-        let ql = cfg.q_lora_rank;
-        let full = self.cache_mode == V4CacheMode::Full;
-        let width = if full {
-            self.cache_width
-        } else {
-            self.compact_width
-        };
-        let sw = self.state_width;
-        let (lay, ring) = (at.layout, at.ring);
-        let compressed = at.ratio > 0;
-
-        // Query path (§2.6): c = q_norm(wq_a x); q = wq_b c; weightless per-head RMS; RoPE.
-        let xq = self.act_in(x, cfg.hidden_size);
-        let mut tmp = vec![0.0f32; t_count * ql];
-        at.wq_a.matmul(&xq, t_count, &mut tmp);
-        let mut qr = vec![0.0f32; t_count * ql];
-        k::rms_norm_rows(&tmp, ql, &at.q_norm, eps, &mut qr);
-        let qrq = self.act_in(&qr, ql);
-        let mut q = vec![0.0f32; t_count * nh * dh];
-        at.wq_b.matmul(&qrq, t_count, &mut q);
-        for t in 0..t_count {
-            let (cos, sin) = ropes.get(compressed, t);
-            for qh in q[t * nh * dh..(t + 1) * nh * dh].chunks_exact_mut(dh) {
-                let r = ops::rms_factor(qh, eps);
-                k::scale_in_place(qh, r);
-                V4Rope::apply(&mut qh[nope..], cos, sin, false);
-            }
-        }
-        // KV path: kv_norm(wkv x), RoPE: the window K = V of the step's positions.
         let mut kvraw = vec![0.0f32; t_count * dh];
-        at.wkv.matmul(&xq, t_count, &mut kvraw);
+        at.wkv.matmul(xq, t_count, &mut kvraw);
         let mut kv = vec![0.0f32; t_count * dh];
-        k::rms_norm_rows(&kvraw, dh, &at.kv_norm, eps, &mut kv);
+        k::rms_norm_rows(&kvraw, dh, &at.kv_norm, cfg.rms_norm_eps, &mut kv);
         for (i, row) in kv.chunks_exact_mut(dh).enumerate() {
-            let (cos, sin) = ropes.get(compressed, i);
+            let (cos, sin) = ropes.get(at.ratio > 0, i);
             V4Rope::apply(&mut row[nope..], cos, sin, false);
             if self.quant_sim {
                 ops::fp8_round_trip(&mut row[..nope], 64);
@@ -1557,12 +1820,111 @@ impl DeepseekV4 {
             .indexer
             .as_ref()
             .map(|ix| self.compressor_inputs(&ix.compressor, x, batch));
+        StepRows { kv, cin, icin }
+    }
+
+    /// The widths of one token's [`StepRows`]: window row, compressor inputs (each of A and
+    /// Z), the indexer compressor's.
+    fn row_widths(&self, at: &Attention) -> [usize; 3] {
+        let w = |c: Option<&Compressor>| c.map_or(0, |c| c.coff() * c.d);
+        [
+            self.cfg.head_dim,
+            w(at.compressor.as_ref()),
+            w(at.indexer.as_ref().map(|ix| &ix.compressor)),
+        ]
+    }
+
+    /// Query path (§2.6): c = q_norm(wq_a x); q = wq_b c; weightless per-head RMS; RoPE; and
+    /// the indexer's queries and head weights (§2.8).
+    fn attn_queries(
+        &self,
+        at: &Attention,
+        x: &[f32],
+        xq: &[f32],
+        t_count: usize,
+        ropes: &BatchRopes,
+    ) -> Queries {
+        let cfg = &self.cfg;
+        let (nh, dh, rd) = (at.sink.len(), cfg.head_dim, cfg.qk_rope_head_dim);
+        let di = cfg.index_head_dim;
+        let nope = dh - rd;
+        let eps = cfg.rms_norm_eps;
+        let ql = cfg.q_lora_rank;
+        let compressed = at.ratio > 0;
+        let mut tmp = vec![0.0f32; t_count * ql];
+        at.wq_a.matmul(xq, t_count, &mut tmp);
+        let mut qr = vec![0.0f32; t_count * ql];
+        k::rms_norm_rows(&tmp, ql, &at.q_norm, eps, &mut qr);
+        let qrq = self.act_in(&qr, ql);
+        let mut q = vec![0.0f32; t_count * nh * dh];
+        at.wq_b.matmul(&qrq, t_count, &mut q);
+        for t in 0..t_count {
+            let (cos, sin) = ropes.get(compressed, t);
+            for qh in q[t * nh * dh..(t + 1) * nh * dh].chunks_exact_mut(dh) {
+                let r = ops::rms_factor(qh, eps);
+                k::scale_in_place(qh, r);
+                V4Rope::apply(&mut qh[nope..], cos, sin, false);
+            }
+        }
+        let (mut iq, mut iw) = (Vec::new(), Vec::new());
+        if let (Some(ix), true) = (&at.indexer, at.compressor.is_some()) {
+            let hi = cfg.index_n_heads;
+            iq = vec![0.0f32; t_count * hi * di];
+            ix.wq_b.matmul(&qrq, t_count, &mut iq);
+            for t in 0..t_count {
+                let (cos, sin) = ropes.get(true, t);
+                for qh in iq[t * hi * di..(t + 1) * hi * di].chunks_exact_mut(di) {
+                    V4Rope::apply(&mut qh[di - rd..], cos, sin, false);
+                    ops::hadamard_in_place(qh);
+                    if self.quant_sim {
+                        ops::fp4_round_trip(qh, 32);
+                    }
+                }
+            }
+            iw = vec![0.0f32; t_count * hi];
+            ix.weights_proj.matmul(x, t_count, &mut iw);
+            let sc = 1.0 / ((di * hi) as f32).sqrt();
+            k::scale_in_place(&mut iw, sc);
+        }
+        Queries { q, iq, iw }
+    }
+
+    /// The attention of one layer given the step's rows: `rows` holds the state of `batch`'s
+    /// positions (its sequences, block tables and state slots name where the earlier ones
+    /// are); the compressed entries whose blocks end at those positions are emitted into the
+    /// cache; each query `(s, p)` (a sequence of `batch`, a position: `queries` rows of `qs`,
+    /// with the RoPE tables of their batch) attends over the window and the visible entries;
+    /// with `write`, the rows go into the cache afterwards (every slot in the full layout, the
+    /// last positions each ring keeps in the compact one). Returns each query's heads' outputs.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_core(
+        &self,
+        at: &Attention,
+        batch: &Batch,
+        rows: &StepRows,
+        queries: Option<QueriesAt<'_>>,
+        (tok, state): (&mut [f32], &mut [f32]),
+        bs: usize,
+        write: bool,
+    ) -> Vec<f32> {
+        let cfg = &self.cfg;
+        // The heads held here (all, or a tensor-parallel share).
+        let (nh, dh, rd) = (at.sink.len(), cfg.head_dim, cfg.qk_rope_head_dim);
+        let di = cfg.index_head_dim;
+        let nope = dh - rd;
+        let full = self.cache_mode == V4CacheMode::Full;
+        let width = if full {
+            self.cache_width
+        } else {
+            self.compact_width
+        };
+        let sw = self.state_width;
+        let (lay, ring) = (at.layout, at.ring);
+        let compressed = at.ratio > 0;
+        let StepRows { kv, cin, icin } = rows;
 
         // A position's state: the step's own rows for its positions, the cache for earlier
         // ones (its slot in the full layout, the sequence's rings in the compact one).
-        let seq_of: Vec<usize> = (0..batch.num_seqs())
-            .flat_map(|s| std::iter::repeat_n(s, batch.seq_starts[s + 1] - batch.seq_starts[s]))
-            .collect();
         let first_pos: Vec<usize> = (0..batch.num_seqs())
             .map(|s| {
                 batch
@@ -1591,8 +1953,6 @@ impl DeepseekV4 {
         };
 
         // Compressors: emit every entry whose block ends in this step.
-        let mut iq = Vec::new();
-        let mut iw = Vec::new();
         if let Some(c) = &at.compressor {
             let r = c.ratio;
             let mut emitted: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = Vec::new();
@@ -1660,95 +2020,83 @@ impl DeepseekV4 {
                 tok[e..e + dh].copy_from_slice(&entry);
                 tok[ik..ik + ikey.len()].copy_from_slice(&ikey);
             }
-            // Indexer queries (§2.8): wq_b c, RoPE on the last R dims, Hadamard; head weights.
-            if let Some(ix) = &at.indexer {
-                let hi = cfg.index_n_heads;
-                iq = vec![0.0f32; t_count * hi * di];
-                ix.wq_b.matmul(&qrq, t_count, &mut iq);
-                for t in 0..t_count {
-                    let (cos, sin) = ropes.get(true, t);
-                    for qh in iq[t * hi * di..(t + 1) * hi * di].chunks_exact_mut(di) {
-                        V4Rope::apply(&mut qh[di - rd..], cos, sin, false);
-                        ops::hadamard_in_place(qh);
-                        if self.quant_sim {
-                            ops::fp4_round_trip(qh, 32);
-                        }
-                    }
-                }
-                iw = vec![0.0f32; t_count * hi];
-                ix.weights_proj.matmul(x, t_count, &mut iw);
-                let sc = 1.0 / ((di * hi) as f32).sqrt();
-                k::scale_in_place(&mut iw, sc);
-            }
         }
 
         // Attention per query token over window ∪ visible compressed entries.
-        let o: Vec<f32> = {
-            let (tok_r, state_r): (&[f32], &[f32]) = (tok, state);
-            let win_row = |s: usize, pos: usize| -> &[f32] {
-                if let Some(i) = step_row(s, pos) {
-                    &kv[i * dh..(i + 1) * dh]
-                } else if full {
-                    let b = slot_of(&batch.block_tables[s], pos, bs) * width;
-                    &tok_r[b..b + dh]
-                } else {
-                    let b = state_base(s) + (pos % ring.win) * dh;
-                    &state_r[b..b + dh]
-                }
-            };
-            let win = cfg.sliding_window;
-            let scale = 1.0 / (dh as f32).sqrt();
-            (0..t_count)
-                .into_par_iter()
-                .flat_map_iter(|i| {
-                    let s = seq_of[i];
-                    let p = batch.positions[i];
-                    let mut keys: Vec<&[f32]> = Vec::with_capacity((p + 1).min(win) + 64);
-                    for pos in (p + 1).saturating_sub(win)..=p {
-                        keys.push(win_row(s, pos));
+        let o: Vec<f32> = match queries {
+            None => Vec::new(),
+            Some((qs, queries, ropes)) => {
+                let Queries { q, iq, iw } = qs;
+                let (tok_r, state_r): (&[f32], &[f32]) = (tok, state);
+                let win_row = |s: usize, pos: usize| -> &[f32] {
+                    if let Some(i) = step_row(s, pos) {
+                        &kv[i * dh..(i + 1) * dh]
+                    } else if full {
+                        let b = slot_of(&batch.block_tables[s], pos, bs) * width;
+                        &tok_r[b..b + dh]
+                    } else {
+                        let b = state_base(s) + (pos % ring.win) * dh;
+                        &state_r[b..b + dh]
                     }
-                    if compressed {
-                        let r = at.ratio;
-                        let nc = (p + 1) / r;
-                        let chosen: Vec<usize> = if at.indexer.is_some() {
-                            let hi = cfg.index_n_heads;
-                            let scores: Vec<f32> = (0..nc)
-                                .map(|j| {
-                                    let (_, ik) = entry_at(s, j);
-                                    let key = &tok_r[ik..ik + di];
-                                    (0..hi)
-                                        .map(|hh| {
-                                            let qh =
-                                                &iq[(i * hi + hh) * di..(i * hi + hh + 1) * di];
-                                            iw[i * hi + hh] * k::dot(qh, key).max(0.0)
-                                        })
-                                        .sum()
-                                })
-                                .collect();
-                            let mut ids =
-                                crate::deepseek_v3::top_indices(&scores, cfg.index_topk.min(nc));
-                            ids.sort_unstable();
-                            ids
-                        } else {
-                            (0..nc).collect()
-                        };
-                        for j in chosen {
-                            let (e, _) = entry_at(s, j);
-                            keys.push(&tok_r[e..e + dh]);
+                };
+                let win = cfg.sliding_window;
+                let scale = 1.0 / (dh as f32).sqrt();
+                (0..queries.len())
+                    .into_par_iter()
+                    .flat_map_iter(|i| {
+                        let (s, p) = queries[i];
+                        let mut keys: Vec<&[f32]> = Vec::with_capacity((p + 1).min(win) + 64);
+                        for pos in (p + 1).saturating_sub(win)..=p {
+                            keys.push(win_row(s, pos));
                         }
-                    }
-                    let (cos, sin) = ropes.get(compressed, i);
-                    let mut out = vec![0.0f32; nh * dh];
-                    let mut scratch = Vec::with_capacity(keys.len());
-                    for (hh, oh) in out.chunks_exact_mut(dh).enumerate() {
-                        let qh = &q[(i * nh + hh) * dh..(i * nh + hh + 1) * dh];
-                        ops::attend_with_sink(qh, &keys, at.sink[hh], scale, &mut scratch, oh);
-                        V4Rope::apply(&mut oh[nope..], cos, sin, true);
-                    }
-                    out
-                })
-                .collect()
+                        if compressed {
+                            let r = at.ratio;
+                            let nc = (p + 1) / r;
+                            let chosen: Vec<usize> = if at.indexer.is_some() {
+                                let hi = cfg.index_n_heads;
+                                let scores: Vec<f32> = (0..nc)
+                                    .map(|j| {
+                                        let (_, ik) = entry_at(s, j);
+                                        let key = &tok_r[ik..ik + di];
+                                        (0..hi)
+                                            .map(|hh| {
+                                                let qh =
+                                                    &iq[(i * hi + hh) * di..(i * hi + hh + 1) * di];
+                                                iw[i * hi + hh] * k::dot(qh, key).max(0.0)
+                                            })
+                                            .sum()
+                                    })
+                                    .collect();
+                                let mut ids = crate::deepseek_v3::top_indices(
+                                    &scores,
+                                    cfg.index_topk.min(nc),
+                                );
+                                ids.sort_unstable();
+                                ids
+                            } else {
+                                (0..nc).collect()
+                            };
+                            for j in chosen {
+                                let (e, _) = entry_at(s, j);
+                                keys.push(&tok_r[e..e + dh]);
+                            }
+                        }
+                        let (cos, sin) = ropes.get(compressed, i);
+                        let mut out = vec![0.0f32; nh * dh];
+                        let mut scratch = Vec::with_capacity(keys.len());
+                        for (hh, oh) in out.chunks_exact_mut(dh).enumerate() {
+                            let qh = &q[(i * nh + hh) * dh..(i * nh + hh + 1) * dh];
+                            ops::attend_with_sink(qh, &keys, at.sink[hh], scale, &mut scratch, oh);
+                            V4Rope::apply(&mut oh[nope..], cos, sin, true);
+                        }
+                        out
+                    })
+                    .collect()
+            }
         };
+        if !write {
+            return o;
+        }
 
         // The step's positions into the cache, now that every query of the step has read
         // what it needs: every slot in the full layout; in the compact one the last positions
@@ -1793,8 +2141,13 @@ impl DeepseekV4 {
                 }
             }
         }
+        o
+    }
 
-        // Grouped output (§2.6): z_g = wo_a[g] · o_g, then wo_b (this rank's groups).
+    /// Grouped output (§2.6): z_g = wo_a[g] · o_g, then wo_b (this rank's groups).
+    fn attn_out(&self, at: &Attention, o: &[f32], t_count: usize) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (nh, dh) = (at.sink.len(), cfg.head_dim);
         let ol = cfg.o_lora_rank;
         let g = at.wo_a.rows() / ol;
         let gw = nh * dh / g;
@@ -1979,12 +2332,16 @@ impl DeepseekV4 {
             self.cfg.n_routed_experts,
             more,
             &serve,
-            &|_| {
-                Err(ModelError::Options(
-                    "expert dispatch: a rank began a context-parallel forward, which DeepSeek-V4 \
-                     does not run"
-                        .into(),
-                ))
+            &|plans| {
+                if !self.shard.context {
+                    return Err(ModelError::Options(
+                        "expert dispatch: a rank began a context-parallel forward and this one \
+                         does not run context parallelism (the ranks were started with \
+                         different layouts)"
+                            .into(),
+                    ));
+                }
+                self.forward_cp(None, Some(plans), false).map(|_| ())
             },
         )
     }

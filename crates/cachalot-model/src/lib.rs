@@ -8,6 +8,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod config_v4;
+pub(crate) mod context_parallel;
 pub mod deepseek_v3;
 pub mod deepseek_v4;
 pub mod eplb;

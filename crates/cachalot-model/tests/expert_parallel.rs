@@ -381,3 +381,145 @@ fn v4_dispatched_experts_give_each_rank_its_own_one_process_logits() {
         );
     }
 }
+
+/// DeepSeek-V4 (with its MTP block) in the model's cache layout: the prompts `seqs`
+/// packed in one prefill (every row's logits, the streams kept), the MTP block over the prompts,
+/// then three decode steps of all sequences together: every logit's bits.
+fn v4_packed_run_of(m: &cachalot_model::DeepseekV4, seqs: &[Vec<u32>]) -> Vec<u32> {
+    use cachalot_model::BlockAllocator;
+    let bs = 16;
+    let decode = 3;
+    let blocks: usize = seqs.iter().map(|s| (s.len() + decode).div_ceil(bs)).sum();
+    let mut cache = cachalot_model::KvCache::new(m.cache_spec(), bs, blocks);
+    let mut alloc = BlockAllocator::new(blocks);
+    let mut tables = vec![Vec::new(); seqs.len()];
+    let mut b = Batch::default();
+    for (i, (s, t)) in seqs.iter().zip(tables.iter_mut()).enumerate() {
+        alloc.ensure(t, s.len() + decode, bs).unwrap();
+        b.push_seq(s, 0, t.clone(), LogitsWanted::All);
+        b.mark_prefill();
+        b.set_state_slot(i as u32);
+    }
+    let out = m.forward(&b, &mut cache, true).unwrap();
+    let mut logits = out.logits;
+    let streams = out.hidden.unwrap();
+    let w = streams.len() / b.num_tokens();
+    let mut mb = Batch::default();
+    let mut prev = Vec::new();
+    let mut off = 0;
+    for (i, (s, t)) in seqs.iter().zip(&tables).enumerate() {
+        mb.push_seq(&s[1..], 0, t.clone(), LogitsWanted::All);
+        mb.set_state_slot(i as u32);
+        prev.extend_from_slice(&streams[off * w..(off + s.len() - 1) * w]);
+        off += s.len();
+    }
+    logits.extend(
+        m.mtp_forward(0, &mb, &prev, &mut cache, false)
+            .unwrap()
+            .logits,
+    );
+    for k in 0..decode {
+        let mut d = Batch::default();
+        for (i, (s, t)) in seqs.iter().zip(&tables).enumerate() {
+            d.push_seq(&[s[k]], s.len() + k, t.clone(), LogitsWanted::All);
+            d.set_state_slot(i as u32);
+        }
+        logits.extend(m.forward(&d, &mut cache, false).unwrap().logits);
+    }
+    bits(&logits)
+}
+
+/// Prefill context parallelism on DeepSeek-V4 (`ExpertShard::context` with dispatched experts),
+/// in both cache layouts: every rank's prompts are split over both ranks, each attention
+/// layer's window rows and compressor inputs gathered (prompts longer than the window and than
+/// a 128-token compressed block, entries of the ratio-4 layers chosen by the indexer),
+/// the prompt's own rank writes its cache, then MTP over the prompts and decode steps read
+/// it; in a second step rank 0 takes its pieces of rank 1's prompts from `end_step`. Each rank
+/// gets the one-process logits of its own batches, bit for bit.
+#[test]
+fn v4_context_parallel_prefill_gives_each_rank_its_own_one_process_logits() {
+    use cachalot_model::V4CacheMode;
+    let prompts = |rank: usize| -> Vec<Vec<u32>> {
+        if rank == 0 {
+            vec![
+                (0..261).map(|i| (i * 37 + 11) % 128).collect(),
+                (0..37).map(|i| (i * 7 + 3) % 128).collect(),
+            ]
+        } else {
+            vec![(0..9).map(|i| (i * 31 + 2) % 128).collect()]
+        }
+    };
+    let second: Vec<Vec<u32>> = vec![
+        (0..140).map(|i| (i * 3 + 40) % 128).collect(),
+        (0..3).map(|i| (i * 5 + 1) % 128).collect(),
+    ];
+    let load = |fixture: &str, shard: ExpertShard, mode: V4CacheMode| {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/v4")
+            .join(fixture);
+        let opts = cachalot_model::V4LoadOptions {
+            load_mtp: true,
+            expert_shard: shard,
+            ..Default::default()
+        };
+        let mut m = cachalot_model::DeepseekV4::load(&dir, opts).unwrap();
+        m.set_cache_mode(mode);
+        m
+    };
+    // flash_tiny: a 128-token window, ratio-4 and ratio-128 layers; tiny: a window of 8 (shorter
+    // than a piece), two hc streams, ratio-4 layers whose indexer picks 4 entries.
+    for (fixture, mode) in [
+        ("flash_tiny", V4CacheMode::Compact),
+        ("flash_tiny", V4CacheMode::Full),
+        ("tiny", V4CacheMode::Compact),
+    ] {
+        let one = load(fixture, ExpertShard::default(), mode);
+        let want: Vec<(Vec<u32>, Vec<u32>)> = (0..2)
+            .map(|r| {
+                let first = v4_packed_run_of(&one, &prompts(r));
+                let later = if r == 1 {
+                    v4_packed_run_of(&one, &second)
+                } else {
+                    Vec::new()
+                };
+                (first, later)
+            })
+            .collect();
+        let got = run_local_group(2, |comm| {
+            let rank = comm.rank();
+            let mut m = load(
+                fixture,
+                ExpertShard {
+                    rank,
+                    ranks: 2,
+                    dispatch: true,
+                    context: true,
+                },
+                mode,
+            );
+            m.set_communicator(comm).unwrap();
+            let first = v4_packed_run_of(&m, &prompts(rank));
+            let more_1 = m.end_step(rank == 1).unwrap();
+            let later = if rank == 1 {
+                v4_packed_run_of(&m, &second)
+            } else {
+                Vec::new()
+            };
+            let more_2 = m.end_step(false).unwrap();
+            ((first, later), more_1, more_2)
+        })
+        .unwrap();
+        for (r, (logits, more_1, more_2)) in got.into_iter().enumerate() {
+            assert!(more_1, "rank {r}: rank 1 said it had more work");
+            assert!(!more_2, "rank {r}: no rank has work after step 2");
+            assert!(
+                logits.0 == want[r].0,
+                "rank {r}'s first-step logits differ from one process's ({fixture}, {mode:?})"
+            );
+            assert!(
+                logits.1 == want[r].1,
+                "rank {r}'s second-step logits differ from one process's ({fixture}, {mode:?})"
+            );
+        }
+    }
+}

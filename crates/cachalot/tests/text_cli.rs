@@ -767,7 +767,11 @@ fn run_with_two_ranks_equals_one_process() {
         let reqs = run_config(config, &with_mtp).1;
         reqs.iter().map(|r| r["output_ids"].clone()).collect()
     };
-    assert_eq!(v4(&[]), v4(&["--ranks", "2", "--parallel", "tensor"]));
+    let v4_one = v4(&[]);
+    assert_eq!(v4_one, v4(&["--ranks", "2", "--parallel", "tensor"]));
+    // DeepSeek-V4 under prefill context parallelism (the seed's `128cp` layout): every prompt's
+    // window rows and compressor inputs gathered over both ranks; the one-process outputs.
+    assert_eq!(v4_one, v4(&["--ranks", "2", "--parallel", "context"]));
     // Without --parallel, a config whose world_size is the group's names the layout: the
     // seed's attn_tp_size 1 with moe_tp_size 1 is data-expert.
     let yaml = tmp.path().join("ep2.yaml");
