@@ -1243,7 +1243,7 @@ impl<'t, M: Model> Engine<'t, M> {
             }
             let (_, layers) = self.imports.pop_front().expect("the front");
             let table = self.scheduler.block_table(id).to_vec();
-            let state = self.cache.spec().seq_state_width * 4;
+            let state = self.cache.spec().layer_state_bytes();
             let slot = self
                 .slots
                 .on

@@ -96,7 +96,7 @@ pub fn row_bytes(spec: &CacheSpec) -> usize {
 pub fn layer_bytes(spec: &CacheSpec, n: usize) -> u64 {
     (n as u64)
         .saturating_mul(row_bytes(spec) as u64)
-        .saturating_add((spec.seq_state_width as u64).saturating_mul(4))
+        .saturating_add(spec.layer_state_bytes() as u64)
 }
 
 impl KvSnapshot {
@@ -131,7 +131,7 @@ impl KvSnapshot {
                  {want}",
                 rows.len(),
                 row_bytes(&self.spec),
-                (self.spec.seq_state_width as u64).saturating_mul(4)
+                self.spec.layer_state_bytes() as u64
             )));
         }
         if let Some(m) = &self.mtp {
@@ -302,7 +302,7 @@ impl KvSnapshot {
                 spec.layers,
                 prompt.len(),
                 row_bytes(&spec),
-                (spec.seq_state_width as u64).saturating_mul(4)
+                spec.layer_state_bytes() as u64
             )));
         }
         let total = layer_bytes

@@ -29,21 +29,29 @@ fn load(name: &str) -> DeepseekV3 {
 }
 
 /// Both DeepSeek-V4 fixtures (Flash- and Pro-shaped), by name and cache layout, with or
-/// without their MTP block, in each of `modes`.
+/// without their MTP block, in each of `modes` (f32), and the compact layout in bf16 too.
 fn v4_fixtures(load_mtp: bool, modes: &[V4CacheMode]) -> Vec<(String, DeepseekV4)> {
     let mut out = Vec::new();
     for f in ["flash_tiny", "pro_tiny"] {
         for &mode in modes {
-            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../fixtures/v4")
-                .join(f);
-            let opts = V4LoadOptions {
-                load_mtp,
-                ..Default::default()
+            let dtypes: &[KvCacheDtype] = if mode == V4CacheMode::Compact {
+                &[KvCacheDtype::F32, KvCacheDtype::Bf16]
+            } else {
+                &[KvCacheDtype::F32]
             };
-            let mut m = DeepseekV4::load(&dir, opts).unwrap();
-            m.set_cache_mode(mode);
-            out.push((format!("{f} ({})", mode.name()), m));
+            for &dtype in dtypes {
+                let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                    .join("../../fixtures/v4")
+                    .join(f);
+                let opts = V4LoadOptions {
+                    load_mtp,
+                    ..Default::default()
+                };
+                let mut m = DeepseekV4::load(&dir, opts).unwrap();
+                m.set_cache_mode(mode);
+                m.set_kv_cache_dtype(dtype);
+                out.push((format!("{f} ({}, {})", mode.name(), dtype.name()), m));
+            }
         }
     }
     out

@@ -513,11 +513,17 @@ fn json_mode_answers_are_json_objects() {
 /// DeepSeek-V4's compact cache (`V4CacheMode::Compact`): a snapshot carries each layer's rows
 /// and then the request's state slot (its window and compressor-input rings), and the decode
 /// engine writes that slot into one of its own (slots handed on as requests finish), so the
-/// tokens are one engine's; prompts past the ring sizes (144 window positions), with MTP.
+/// tokens are one engine's; prompts past the ring sizes (144 window positions), with MTP; f32
+/// and bf16 caches (a bf16 state slot travels as bf16).
 #[test]
 fn v4_compact_cache_prefill_here_decode_there_equals_one_engine() {
-    for fixture in ["flash_tiny", "pro_tiny"] {
-        let m = cachalot_model::DeepseekV4::load(
+    use cachalot_model::KvCacheDtype;
+    for (fixture, dtype) in [
+        ("flash_tiny", KvCacheDtype::F32),
+        ("pro_tiny", KvCacheDtype::F32),
+        ("flash_tiny", KvCacheDtype::Bf16),
+    ] {
+        let mut m = cachalot_model::DeepseekV4::load(
             &root().join("fixtures/v4").join(fixture),
             cachalot_model::V4LoadOptions {
                 load_mtp: true,
@@ -525,6 +531,7 @@ fn v4_compact_cache_prefill_here_decode_there_equals_one_engine() {
             },
         )
         .unwrap();
+        m.set_kv_cache_dtype(dtype);
         assert_eq!(m.cache_mode(), cachalot_model::V4CacheMode::Compact);
         let vocab = m.config().vocab_size as u32;
         let prompts: Vec<Vec<u32>> = [150usize, 7, 131, 40, 200]
@@ -539,7 +546,7 @@ fn v4_compact_cache_prefill_here_decode_there_equals_one_engine() {
         let n_new = 12;
         let params = SamplingParams::greedy();
         for next_n in [0, 2] {
-            let what = format!("{fixture}, next_n {next_n}");
+            let what = format!("{fixture}, {}, next_n {next_n}", dtype.name());
             let new = |cfg: EngineConfig| {
                 let mut e = Engine::new(&m, None, cfg).unwrap();
                 if next_n > 0 {

@@ -56,8 +56,8 @@ impl std::str::FromStr for KvCacheDtype {
 /// first `int8_width` of them are stored as int8 (the C8 latent cache, spec §3.4: c_kv in int8
 /// with a per-layer scale the model owns), the rest (the float part) as `float` says. A model
 /// that also keeps a bounded state per running sequence (DeepSeek-V4's sliding window and
-/// compressor inputs, rings of the last positions) asks for `seq_state_width` f32 values per
-/// layer and sequence state slot ([`Batch::state_slots`]); 0 for none.
+/// compressor inputs, rings of the last positions) asks for `seq_state_width` values per
+/// layer and sequence state slot ([`Batch::state_slots`]), stored as `float` says; 0 for none.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheSpec {
     pub layers: usize,
@@ -78,9 +78,14 @@ impl CacheSpec {
         self.layers * (self.float_width() * self.float.bytes() + self.int8_width)
     }
 
+    /// Bytes one sequence state slot takes in one cache layer (0 without a state).
+    pub fn layer_state_bytes(&self) -> usize {
+        self.seq_state_width * self.float.bytes()
+    }
+
     /// Bytes one sequence state slot takes over all cache layers (0 without a state).
     pub fn seq_state_bytes(&self) -> usize {
-        self.layers * self.seq_state_width * 4
+        self.layers * self.layer_state_bytes()
     }
 }
 
@@ -95,9 +100,50 @@ pub struct KvCache {
     layers: Vec<Vec<f32>>,
     bf16: Vec<Vec<u16>>,
     int8: Vec<Vec<i8>>,
-    /// Per layer: `seq_slots · seq_state_width` values.
+    /// Per layer: `seq_slots · seq_state_width` values (f32 caches).
     state: Vec<Vec<f32>>,
+    /// As `state`, bf16 bit patterns (bf16 caches).
+    state_bf16: Vec<Vec<u16>>,
     seq_slots: usize,
+}
+
+/// Float values of a cache as a model reads and writes them whatever their storage: f32, or
+/// bf16 bit patterns (a value written is rounded to the nearest bf16; one read is widened).
+pub enum FloatsMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [u16]),
+}
+
+impl FloatsMut<'_> {
+    /// Values `off..off + len`: borrowed from f32 storage, widened from bf16.
+    pub fn read(&self, off: usize, len: usize) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            FloatsMut::F32(v) => std::borrow::Cow::Borrowed(&v[off..off + len]),
+            FloatsMut::Bf16(v) => std::borrow::Cow::Owned(
+                v[off..off + len]
+                    .iter()
+                    .map(|&b| cachalot_kernels::bf16_to_f32(b))
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Writes `src` at `off` (rounded to bf16 in bf16 storage).
+    pub fn write(&mut self, off: usize, src: &[f32]) {
+        match self {
+            FloatsMut::F32(v) => v[off..off + src.len()].copy_from_slice(src),
+            FloatsMut::Bf16(v) => {
+                for (d, &x) in v[off..off + src.len()].iter_mut().zip(src) {
+                    *d = cachalot_kernels::f32_to_bf16(x);
+                }
+            }
+        }
+    }
+
+    /// Whether the values are stored as bf16.
+    pub fn is_bf16(&self) -> bool {
+        matches!(self, FloatsMut::Bf16(_))
+    }
 }
 
 /// One layer of a cache, for writing: the int8 part (empty without one) and the float part,
@@ -145,6 +191,7 @@ impl KvCache {
             bf16,
             int8,
             state: vec![Vec::new(); spec.layers],
+            state_bf16: vec![Vec::new(); spec.layers],
             seq_slots: 0,
         }
     }
@@ -154,43 +201,74 @@ impl KvCache {
         if self.spec.seq_state_width == 0 || n <= self.seq_slots {
             return;
         }
-        for l in &mut self.state {
-            l.resize(n * self.spec.seq_state_width, 0.0);
+        let len = n * self.spec.seq_state_width;
+        match self.spec.float {
+            KvCacheDtype::F32 => self.state.iter_mut().for_each(|l| l.resize(len, 0.0)),
+            KvCacheDtype::Bf16 => self.state_bf16.iter_mut().for_each(|l| l.resize(len, 0)),
         }
         self.seq_slots = n;
     }
 
-    /// A layer's token storage (f32 float part) and its per-sequence state (all slots), for
-    /// writing both in one step.
-    pub fn layer_and_state_mut(&mut self, layer: usize) -> (&mut [f32], &mut [f32]) {
-        (
-            self.layers.get_mut(layer).map_or(&mut [], |v| &mut v[..]),
-            self.state.get_mut(layer).map_or(&mut [], |v| &mut v[..]),
-        )
+    /// A layer's token storage (its float part) and its per-sequence state (all slots), for
+    /// reading and writing both in one step.
+    pub fn layer_and_state_mut(&mut self, layer: usize) -> (FloatsMut<'_>, FloatsMut<'_>) {
+        match self.spec.float {
+            KvCacheDtype::F32 => (
+                FloatsMut::F32(self.layers.get_mut(layer).map_or(&mut [], |v| &mut v[..])),
+                FloatsMut::F32(self.state.get_mut(layer).map_or(&mut [], |v| &mut v[..])),
+            ),
+            KvCacheDtype::Bf16 => (
+                FloatsMut::Bf16(self.bf16.get_mut(layer).map_or(&mut [], |v| &mut v[..])),
+                FloatsMut::Bf16(
+                    self.state_bf16
+                        .get_mut(layer)
+                        .map_or(&mut [], |v| &mut v[..]),
+                ),
+            ),
+        }
     }
 
-    /// Appends to `out` state slot `slot` of `layer` (`seq_state_width` f32, little-endian):
-    /// what a KV transfer sends after the rows.
+    /// Appends to `out` state slot `slot` of `layer` (`seq_state_width` values, f32 or bf16
+    /// as stored, little-endian): what a KV transfer sends after the rows.
     pub fn read_state(&self, layer: usize, slot: usize, out: &mut Vec<u8>) {
         let w = self.spec.seq_state_width;
         if w == 0 {
             return;
         }
-        let src = self.state[layer]
-            .get(slot * w..(slot + 1) * w)
-            .expect("a reserved state slot");
-        push_f32s(out, src);
+        let range = slot * w..(slot + 1) * w;
+        match self.spec.float {
+            KvCacheDtype::F32 => push_f32s(
+                out,
+                self.state[layer].get(range).expect("a reserved state slot"),
+            ),
+            KvCacheDtype::Bf16 => {
+                for v in self.state_bf16[layer]
+                    .get(range)
+                    .expect("a reserved state slot")
+                {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
     }
 
     /// Writes state slot `slot` of `layer` from bytes laid out as [`KvCache::read_state`]
-    /// gives them (`seq_state_width · 4` bytes), reserving the slot if need be.
+    /// gives them, reserving the slot if need be.
     pub fn write_state(&mut self, layer: usize, slot: usize, data: &[u8]) {
         let w = self.spec.seq_state_width;
         if w == 0 {
             return;
         }
         self.reserve_seq_slots(slot + 1);
-        fill_f32s(&mut self.state[layer][slot * w..(slot + 1) * w], data);
+        match self.spec.float {
+            KvCacheDtype::F32 => fill_f32s(&mut self.state[layer][slot * w..(slot + 1) * w], data),
+            KvCacheDtype::Bf16 => {
+                let dst = &mut self.state_bf16[layer][slot * w..(slot + 1) * w];
+                for (d, b) in dst.iter_mut().zip(data.chunks_exact(2)) {
+                    *d = u16::from_le_bytes([b[0], b[1]]);
+                }
+            }
+        }
     }
 
     pub fn spec(&self) -> CacheSpec {
@@ -205,6 +283,7 @@ impl KvCache {
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(|l| l.len() * 4).sum::<usize>()
             + self.state.iter().map(|l| l.len() * 4).sum::<usize>()
+            + self.state_bf16.iter().map(|l| l.len() * 2).sum::<usize>()
             + self.bf16.iter().map(|l| l.len() * 2).sum::<usize>()
             + self.int8.iter().map(Vec::len).sum::<usize>()
     }

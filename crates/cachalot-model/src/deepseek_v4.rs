@@ -51,7 +51,7 @@ use cachalot_kernels::{self as k, Matrix, MatrixData};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 
-use crate::batch::{slot_of, Batch, CacheSpec, KvCache, KvCacheDtype, LogitsWanted};
+use crate::batch::{slot_of, Batch, CacheSpec, FloatsMut, KvCache, KvCacheDtype, LogitsWanted};
 use crate::checkpoint::{Checkpoint, TensorView};
 use crate::config_v4::DeepseekV4Config;
 use crate::context_parallel::{self as cp, cp_pieces};
@@ -367,6 +367,8 @@ pub struct DeepseekV4 {
     /// must be a multiple of it).
     entry_span: usize,
     cache_mode: V4CacheMode,
+    /// How the cache stores its values (`set_kv_cache_dtype`).
+    kv_dtype: KvCacheDtype,
     /// Apply [REF]'s quantisation sims (spec §2.12): FP8 act_quant (1×128, ue8m0) on the input of
     /// every FP8/FP4 linear, FP8 round trip (1×64) of the window and compressed KV nope dims,
     /// FP4 round trip (1×32) of the indexer queries and keys. Off by default: the reference
@@ -1048,6 +1050,7 @@ impl DeepseekV4 {
             state_width,
             entry_span,
             cache_mode: V4CacheMode::default(),
+            kv_dtype: KvCacheDtype::F32,
             quant_sim: false,
             force_eplb: None,
             shard: opts.expert_shard,
@@ -1101,7 +1104,7 @@ impl DeepseekV4 {
             layers: self.layers.len() + self.mtp.len(),
             width,
             int8_width: 0,
-            float: KvCacheDtype::F32,
+            float: self.kv_dtype,
             seq_state_width,
         }
     }
@@ -1114,6 +1117,20 @@ impl DeepseekV4 {
     /// Chooses the cache layout; caches made before for the other layout no longer fit.
     pub fn set_cache_mode(&mut self, mode: V4CacheMode) {
         self.cache_mode = mode;
+    }
+
+    /// How the cache stores its values: f32 (exact, the default) or bf16 (half the memory, as
+    /// [REF] keeps its caches, spec §2.0). In bf16 every value the cache keeps (window rows,
+    /// compressor inputs, compressed entries and indexer keys) is rounded to bf16 when it is
+    /// made, before any query reads it, so a prompt gives the same bits whichever steps it was
+    /// split into, in either layout. Caches made before no longer fit.
+    pub fn set_kv_cache_dtype(&mut self, dtype: KvCacheDtype) {
+        self.kv_dtype = dtype;
+    }
+
+    /// The cache's value type ([`DeepseekV4::set_kv_cache_dtype`]).
+    pub fn kv_cache_dtype(&self) -> KvCacheDtype {
+        self.kv_dtype
     }
 
     /// The stored format of the routed experts (`Matrix::format_name` of layer 0's first
@@ -1722,23 +1739,27 @@ impl DeepseekV4 {
         &self,
         c: &Compressor,
         j: usize,
-        rows: impl Fn(usize) -> (&'a [f32], &'a [f32]),
+        rows: impl Fn(usize) -> (Cow<'a, [f32]>, Cow<'a, [f32]>),
         rotate: bool,
         out: &mut [f32],
     ) {
         let (r, d) = (c.ratio, c.d);
-        let mut cands: Vec<(&[f32], &[f32])> = Vec::with_capacity(2 * r);
+        // (inputs of a position, the offset of the half it gives)
+        type Held<'b> = ((Cow<'b, [f32]>, Cow<'b, [f32]>), usize);
+        let mut held: Vec<Held> = Vec::with_capacity(2 * r);
         if c.overlap() && j > 0 {
             for p in (j - 1) * r..j * r {
-                let (a, z) = rows(p);
-                cands.push((&a[..d], &z[..d]));
+                held.push((rows(p), 0));
             }
         }
         let off = if c.overlap() { d } else { 0 };
         for p in j * r..(j + 1) * r {
-            let (a, z) = rows(p);
-            cands.push((&a[off..off + d], &z[off..off + d]));
+            held.push((rows(p), off));
         }
+        let cands: Vec<(&[f32], &[f32])> = held
+            .iter()
+            .map(|((a, z), o)| (&a[*o..*o + d], &z[*o..*o + d]))
+            .collect();
         let mut pooled = vec![0.0f32; d];
         ops::pool_compressed(&cands, &mut pooled);
         k::rms_norm(&pooled, &c.norm, self.cfg.rms_norm_eps, out);
@@ -1764,7 +1785,7 @@ impl DeepseekV4 {
         x: &[f32],
         batch: &Batch,
         ropes: &BatchRopes,
-        cache: (&mut [f32], &mut [f32]),
+        cache: (FloatsMut, FloatsMut),
         bs: usize,
     ) -> Vec<f32> {
         let t_count = batch.num_tokens();
@@ -1820,7 +1841,17 @@ impl DeepseekV4 {
             .indexer
             .as_ref()
             .map(|ix| self.compressor_inputs(&ix.compressor, x, batch));
-        StepRows { kv, cin, icin }
+        let mut rows = StepRows { kv, cin, icin };
+        if self.kv_dtype == KvCacheDtype::Bf16 {
+            // What the cache will keep, before any query reads it.
+            let round = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x = k::bf16_round(*x));
+            round(&mut rows.kv);
+            for (a, z) in rows.cin.iter_mut().chain(rows.icin.iter_mut()) {
+                round(a);
+                round(z);
+            }
+        }
+        rows
     }
 
     /// The widths of one token's [`StepRows`]: window row, compressor inputs (each of A and
@@ -1903,7 +1934,7 @@ impl DeepseekV4 {
         batch: &Batch,
         rows: &StepRows,
         queries: Option<QueriesAt<'_>>,
-        (tok, state): (&mut [f32], &mut [f32]),
+        (mut tok, mut state): (FloatsMut, FloatsMut),
         bs: usize,
         write: bool,
     ) -> Vec<f32> {
@@ -1957,7 +1988,7 @@ impl DeepseekV4 {
             let r = c.ratio;
             let mut emitted: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = Vec::new();
             {
-                let store: &[f32] = if full { tok } else { state };
+                let store = if full { &tok } else { &state };
                 // Compressor inputs of position `pos` of sequence `s` (`indexer`: the indexer's).
                 let az_rows = |s: usize, pos: usize, indexer: bool| {
                     let (c, (ta, tz), (fa, fz), (ra, rz)) = if indexer {
@@ -1978,7 +2009,10 @@ impl DeepseekV4 {
                     };
                     let w = c.coff() * c.d;
                     if let Some(i) = step_row(s, pos) {
-                        return (&ta[i * w..(i + 1) * w], &tz[i * w..(i + 1) * w]);
+                        return (
+                            Cow::Borrowed(&ta[i * w..(i + 1) * w]),
+                            Cow::Borrowed(&tz[i * w..(i + 1) * w]),
+                        );
                     }
                     let base = if full {
                         slot_of(&batch.block_tables[s], pos, bs) * width
@@ -1986,10 +2020,7 @@ impl DeepseekV4 {
                         state_base(s) + ring.win * dh + (pos % ring.az) * ring.az_width
                     };
                     let (a, z) = if full { (fa, fz) } else { (ra, rz) };
-                    (
-                        &store[base + a..base + a + w],
-                        &store[base + z..base + z + w],
-                    )
+                    (store.read(base + a, w), store.read(base + z, w))
                 };
                 for s in 0..batch.num_seqs() {
                     for i in batch.seq_starts[s]..batch.seq_starts[s + 1] {
@@ -2017,8 +2048,8 @@ impl DeepseekV4 {
             }
             for (s, j, entry, ikey) in emitted {
                 let (e, ik) = entry_at(s, j);
-                tok[e..e + dh].copy_from_slice(&entry);
-                tok[ik..ik + ikey.len()].copy_from_slice(&ikey);
+                tok.write(e, &entry);
+                tok.write(ik, &ikey);
             }
         }
 
@@ -2027,16 +2058,14 @@ impl DeepseekV4 {
             None => Vec::new(),
             Some((qs, queries, ropes)) => {
                 let Queries { q, iq, iw } = qs;
-                let (tok_r, state_r): (&[f32], &[f32]) = (tok, state);
-                let win_row = |s: usize, pos: usize| -> &[f32] {
+                let (tok_r, state_r) = (&tok, &state);
+                let win_row = |s: usize, pos: usize| -> Cow<[f32]> {
                     if let Some(i) = step_row(s, pos) {
-                        &kv[i * dh..(i + 1) * dh]
+                        Cow::Borrowed(&kv[i * dh..(i + 1) * dh])
                     } else if full {
-                        let b = slot_of(&batch.block_tables[s], pos, bs) * width;
-                        &tok_r[b..b + dh]
+                        tok_r.read(slot_of(&batch.block_tables[s], pos, bs) * width, dh)
                     } else {
-                        let b = state_base(s) + (pos % ring.win) * dh;
-                        &state_r[b..b + dh]
+                        state_r.read(state_base(s) + (pos % ring.win) * dh, dh)
                     }
                 };
                 let win = cfg.sliding_window;
@@ -2045,7 +2074,7 @@ impl DeepseekV4 {
                     .into_par_iter()
                     .flat_map_iter(|i| {
                         let (s, p) = queries[i];
-                        let mut keys: Vec<&[f32]> = Vec::with_capacity((p + 1).min(win) + 64);
+                        let mut keys: Vec<Cow<[f32]>> = Vec::with_capacity((p + 1).min(win) + 64);
                         for pos in (p + 1).saturating_sub(win)..=p {
                             keys.push(win_row(s, pos));
                         }
@@ -2057,12 +2086,12 @@ impl DeepseekV4 {
                                 let scores: Vec<f32> = (0..nc)
                                     .map(|j| {
                                         let (_, ik) = entry_at(s, j);
-                                        let key = &tok_r[ik..ik + di];
+                                        let key = tok_r.read(ik, di);
                                         (0..hi)
                                             .map(|hh| {
                                                 let qh =
                                                     &iq[(i * hi + hh) * di..(i * hi + hh + 1) * di];
-                                                iw[i * hi + hh] * k::dot(qh, key).max(0.0)
+                                                iw[i * hi + hh] * k::dot(qh, &key).max(0.0)
                                             })
                                             .sum()
                                     })
@@ -2078,11 +2107,12 @@ impl DeepseekV4 {
                             };
                             for j in chosen {
                                 let (e, _) = entry_at(s, j);
-                                keys.push(&tok_r[e..e + dh]);
+                                keys.push(tok_r.read(e, dh));
                             }
                         }
                         let (cos, sin) = ropes.get(compressed, i);
                         let mut out = vec![0.0f32; nh * dh];
+                        let keys: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
                         let mut scratch = Vec::with_capacity(keys.len());
                         for (hh, oh) in out.chunks_exact_mut(dh).enumerate() {
                             let qh = &q[(i * nh + hh) * dh..(i * nh + hh + 1) * dh];
@@ -2102,7 +2132,7 @@ impl DeepseekV4 {
         // what it needs: every slot in the full layout; in the compact one the last positions
         // each ring keeps.
         // Token i's compressor inputs (main, then the indexer's) at `base` + the offsets given.
-        let put_az = |dst: &mut [f32], base: usize, i: usize, offs: [usize; 4]| {
+        let put_az = |dst: &mut FloatsMut, base: usize, i: usize, offs: [usize; 4]| {
             let inputs = [
                 at.compressor.as_ref().zip(cin.as_ref()),
                 at.indexer
@@ -2114,8 +2144,8 @@ impl DeepseekV4 {
                 if let Some((c, (a, z))) = input {
                     let w = c.coff() * c.d;
                     let (oa, oz) = (base + offs[2 * k], base + offs[2 * k + 1]);
-                    dst[oa..oa + w].copy_from_slice(&a[i * w..(i + 1) * w]);
-                    dst[oz..oz + w].copy_from_slice(&z[i * w..(i + 1) * w]);
+                    dst.write(oa, &a[i * w..(i + 1) * w]);
+                    dst.write(oz, &z[i * w..(i + 1) * w]);
                 }
             }
         };
@@ -2126,18 +2156,17 @@ impl DeepseekV4 {
                 let row = &kv[i * dh..(i + 1) * dh];
                 if full {
                     let b = slot_of(&batch.block_tables[s], p, bs) * width;
-                    tok[b..b + dh].copy_from_slice(row);
-                    put_az(tok, b, i, [lay.a, lay.z, lay.ia, lay.iz]);
+                    tok.write(b, row);
+                    put_az(&mut tok, b, i, [lay.a, lay.z, lay.ia, lay.iz]);
                     continue;
                 }
                 let base = state_base(s);
                 if hi - i <= ring.win {
-                    let b = base + (p % ring.win) * dh;
-                    state[b..b + dh].copy_from_slice(row);
+                    state.write(base + (p % ring.win) * dh, row);
                 }
                 if hi - i <= ring.az {
                     let b = base + ring.win * dh + (p % ring.az) * ring.az_width;
-                    put_az(state, b, i, [ring.a, ring.z, ring.ia, ring.iz]);
+                    put_az(&mut state, b, i, [ring.a, ring.z, ring.ia, ring.iz]);
                 }
             }
         }

@@ -21,7 +21,9 @@ pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod v4_ops;
 
-pub use batch::{Batch, BlockAllocator, CacheSpec, KvCache, KvCacheDtype, LayerMut, LogitsWanted};
+pub use batch::{
+    Batch, BlockAllocator, CacheSpec, FloatsMut, KvCache, KvCacheDtype, LayerMut, LogitsWanted,
+};
 pub use config::{DeepseekV3Config, ModelType};
 pub use config_v4::{detect_family, DeepseekV4Config, ModelFamily};
 pub use deepseek_v3::{

@@ -48,8 +48,8 @@ pub struct RunOptions {
     pub int8_head: bool,
     /// Multiply bf16 weights as BF16 × BF16 (`LoadOptions::bf16_dot`).
     pub bf16_dot: bool,
-    /// How the latent KV cache stores its float values (`DeepseekV3::set_kv_cache_dtype`;
-    /// V4 takes f32 only). None (`--kv-cache-dtype auto`): f32 when `model_config.dtype` is
+    /// How the KV cache stores its float values (`DeepseekV3::set_kv_cache_dtype`,
+    /// `DeepseekV4::set_kv_cache_dtype`). None (`--kv-cache-dtype auto`): f32 when `model_config.dtype` is
     /// float32, else bf16 (the seed's C16) for the DeepSeek-V3 family and f32 for V4.
     pub kv_cache_dtype: Option<KvCacheDtype>,
     /// Prefix caching (`Engine::set_prefix_caching`): None where it can run.
@@ -761,7 +761,8 @@ pub fn run_ranked(
     // The checkpoint decides the family; model_name must agree with it.
     let family = detect_family(&model_dir)?;
     // The seed's `model_config.dtype` names the cache's dtype (executor spec §1.1: its only
-    // use there); bfloat16, its default, is the 16-bit cache V4 does not have here.
+    // use there); bfloat16, its default, gives V4 f32 here unless --kv-cache-dtype says bf16
+    // (V4's f32 cache is exact against its reference).
     let kv_cache_dtype = match opts.kv_cache_dtype {
         Some(d) => d,
         None if ["float32", "fp32"].contains(&m.dtype.to_ascii_lowercase().as_str()) => {
@@ -888,15 +889,6 @@ pub fn run_ranked(
             (&v3, v3.config().eos_token_ids.clone())
         }
         ModelFamily::DeepseekV4 => {
-            if kv_cache_dtype != KvCacheDtype::F32 {
-                return Err(format!(
-                    "--kv-cache-dtype {}: DeepSeek-V4's cache ({}) is held in f32 only; drop the \
-                     option",
-                    kv_cache_dtype.name(),
-                    weights_dir.display()
-                )
-                .into());
-            }
             let mut model = DeepseekV4::load(
                 &weights_dir,
                 V4LoadOptions {
@@ -917,6 +909,7 @@ pub fn run_ranked(
                 model.set_force_eplb(Some(balanced(e)?))?;
             }
             model.set_cache_mode(opts.v4_cache);
+            model.set_kv_cache_dtype(kv_cache_dtype);
             logln!("{}", held(model.weight_bytes()));
             v4 = model;
             (&v4, v4.config().eos_token_ids.clone())

@@ -52,7 +52,7 @@ enum Fp8Arg {
 #[derive(Clone, Copy, ValueEnum)]
 enum KvDtypeArg {
     /// bf16 for the DeepSeek-V3 family (the seed's C16; vLLM's `auto` and llama.cpp's f16
-    /// cache are 16-bit too), f32 for DeepSeek-V4 (whose cache is f32 only).
+    /// cache are 16-bit too), f32 for DeepSeek-V4 (exact; bf16 halves its cache too).
     Auto,
     F32,
     Bf16,
@@ -269,12 +269,6 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
 
 /// The DeepSeek-V4 model of `args` (with its MTP blocks when `load_mtp`).
 fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
-    if matches!(args.kv_cache_dtype, KvDtypeArg::Bf16) {
-        bail!(
-            "--kv-cache-dtype bf16: DeepSeek-V4's cache ({}) is held in f32 only; drop the option",
-            model_dir(args)?.display()
-        );
-    }
     let mut m = DeepseekV4::load(
         &model_dir(args)?,
         V4LoadOptions {
@@ -288,6 +282,7 @@ fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
         m.quantize_head_int8();
     }
     m.set_cache_mode(args.v4_cache);
+    m.set_kv_cache_dtype(args.kv_cache_dtype.chosen().unwrap_or(KvCacheDtype::F32));
     Ok(m)
 }
 

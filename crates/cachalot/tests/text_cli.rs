@@ -416,9 +416,9 @@ fn v4_model_directories_run_generate_and_perplexity() {
 }
 
 /// `--kv-cache-dtype bf16`: `run` records it and its cache takes half the bytes for the same
-/// blocks; a V4 directory (whose cache is f32 only) is refused with the option named.
+/// blocks; on a V4 directory too (whose default is f32).
 #[test]
-fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
+fn kv_cache_dtype_bf16_halves_the_cache() {
     let tmp = tempfile::tempdir().unwrap();
     let res = tmp.path().display().to_string();
     let run = |dtype: &str| {
@@ -457,12 +457,12 @@ fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
     assert_eq!(b["output_tokens"], a["output_tokens"]);
 
     // bench reports it, with the cache's bytes.
-    let bench = |dtype: &str| {
+    let bench = |model: &str, dtype: &str| {
         json(&ok(cachalot(
             &[
                 "bench",
                 "--model",
-                &r1_tiny(),
+                model,
                 "--prompt-len",
                 "8",
                 "--gen-len",
@@ -478,7 +478,7 @@ fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
             None,
         )))
     };
-    let (a, b) = (bench("f32"), bench("bf16"));
+    let (a, b) = (bench(&r1_tiny(), "f32"), bench(&r1_tiny(), "bf16"));
     assert_eq!(a["kv_cache_dtype"], "f32");
     assert_eq!(b["kv_cache_dtype"], "bf16");
     assert_eq!(
@@ -486,8 +486,10 @@ fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
         2 * b["kv_cache_bytes"].as_u64().unwrap()
     );
 
+    // DeepSeek-V4: f32 by default (exact against its reference), bf16 when asked: half the
+    // bytes, and generate runs with it.
     let d = root().join("fixtures/v4/flash_tiny").display().to_string();
-    let out = cachalot(
+    ok(cachalot(
         &[
             "generate",
             "--model",
@@ -498,32 +500,14 @@ fn kv_cache_dtype_bf16_halves_the_cache_and_v4_refuses_it() {
             "bf16",
         ],
         None,
+    ));
+    let (auto, half) = (bench(&d, "auto"), bench(&d, "bf16"));
+    assert_eq!(auto["kv_cache_dtype"], "f32");
+    assert_eq!(half["kv_cache_dtype"], "bf16");
+    assert_eq!(
+        auto["kv_cache_bytes"].as_u64().unwrap(),
+        2 * half["kv_cache_bytes"].as_u64().unwrap()
     );
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--kv-cache-dtype bf16") && err.contains("f32 only"),
-        "{err}"
-    );
-    // auto (the default) keeps V4's cache in f32.
-    let out = json(&ok(cachalot(
-        &[
-            "bench",
-            "--model",
-            &d,
-            "--prompt-len",
-            "8",
-            "--gen-len",
-            "2",
-            "--membw-mib",
-            "16",
-            "--membw-passes",
-            "1",
-            "--json",
-        ],
-        None,
-    )));
-    assert_eq!(out["kv_cache_dtype"], "f32");
 }
 
 /// `run --profile` writes every phase of the V3 forward it ran to profile.json, nested within
