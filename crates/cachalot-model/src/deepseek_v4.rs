@@ -1397,9 +1397,12 @@ impl DeepseekV4 {
             }
         }
         let ns = segs.num_tokens();
+        // Entries only, so the compact layout whatever the model's (a full-layout scratch
+        // would take every position's whole state).
         let mut scratch = KvCache::new(
             CacheSpec {
                 layers: 1,
+                width: self.compact_width,
                 seq_state_width: 0,
                 ..self.cache_spec()
             },
@@ -1451,6 +1454,7 @@ impl DeepseekV4 {
                         Some((&qs, &queries, &ropes_s)),
                         scratch.layer_and_state_mut(0),
                         SCRATCH_BLOCK,
+                        V4CacheMode::Compact,
                         false,
                     );
                     out.extend(self.attn_out(at, &o, ns));
@@ -1473,6 +1477,7 @@ impl DeepseekV4 {
                             None,
                             c.layer_and_state_mut(li),
                             bs,
+                            self.cache_mode,
                             true,
                         );
                     }
@@ -1803,6 +1808,7 @@ impl DeepseekV4 {
             Some((&qs, &queries, ropes)),
             cache,
             bs,
+            self.cache_mode,
             true,
         );
         self.attn_out(at, &o, t_count)
@@ -1926,7 +1932,8 @@ impl DeepseekV4 {
     /// cache; each query `(s, p)` (a sequence of `batch`, a position: `queries` rows of `qs`,
     /// with the RoPE tables of their batch) attends over the window and the visible entries;
     /// with `write`, the rows go into the cache afterwards (every slot in the full layout, the
-    /// last positions each ring keeps in the compact one). Returns each query's heads' outputs.
+    /// last positions each ring keeps in the compact one). `layout`: the cache's (the model's,
+    /// or compact for a context-parallel scratch). Returns each query's heads' outputs.
     #[allow(clippy::too_many_arguments)]
     fn attn_core(
         &self,
@@ -1936,6 +1943,7 @@ impl DeepseekV4 {
         queries: Option<QueriesAt<'_>>,
         (mut tok, mut state): (FloatsMut, FloatsMut),
         bs: usize,
+        layout: V4CacheMode,
         write: bool,
     ) -> Vec<f32> {
         let cfg = &self.cfg;
@@ -1943,7 +1951,7 @@ impl DeepseekV4 {
         let (nh, dh, rd) = (at.sink.len(), cfg.head_dim, cfg.qk_rope_head_dim);
         let di = cfg.index_head_dim;
         let nope = dh - rd;
-        let full = self.cache_mode == V4CacheMode::Full;
+        let full = layout == V4CacheMode::Full;
         let width = if full {
             self.cache_width
         } else {

@@ -1890,7 +1890,8 @@ fn serve_shares_cached_prefixes() {
 /// DeepSeek-V4 behind the router: the prefill server's KV snapshot carries each request's
 /// compact-cache state slot (its window and compressor rings), so the decode server answers a
 /// prompt longer than the rings (and a short one) as one server does; with `--v4-cache full`
-/// on both sides too. Sides with different layouts are refused by the decode server.
+/// on both sides too. Sides with different layouts are refused by the decode server. A server
+/// over two ranks with `--parallel context` (f32 and bf16 caches) answers as one process.
 #[test]
 fn v4_prefill_and_decode_servers_answer_as_one_server() {
     let model = ["--model", "fixtures/v4/flash_tiny", "--kv-blocks", "64"];
@@ -1916,6 +1917,45 @@ fn v4_prefill_and_decode_servers_answer_as_one_server() {
             let (s2, b) = post(&router.addr, "/v1/completions", body);
             assert_eq!((s1, s2), (200, 200), "{layout}: {a} {b}");
             assert_eq!(a["choices"], b["choices"], "{layout}: {body}");
+        }
+    }
+    // Sides with different layouts: the decode server refuses the snapshot, naming the option.
+    let pre = start(&[
+        "--model",
+        "fixtures/v4/flash_tiny",
+        "--role",
+        "prefill",
+        "--kv-port",
+        "0",
+    ]);
+    let dec = start(&[
+        "--model",
+        "fixtures/v4/flash_tiny",
+        "--role",
+        "decode",
+        "--v4-cache",
+        "full",
+    ]);
+    let router = start_router(&pre, &dec);
+    let (status, v) = post(&router.addr, "/v1/completions", &bodies[0]);
+    assert_ne!(status, 200, "{v}");
+    assert!(v.to_string().contains("--v4-cache"), "{v}");
+    // One server over two ranks under prefill context parallelism (each prompt's pieces on
+    // both ranks), in f32 and in bf16: one process's answers.
+    for dtype in ["f32", "bf16"] {
+        let with = |extra: &[&str]| {
+            let mut a: Vec<&str> = model.to_vec();
+            a.extend(["--kv-cache-dtype", dtype]);
+            a.extend(extra);
+            start(&a)
+        };
+        let one = with(&[]);
+        let cp = with(&["--ranks", "2", "--parallel", "context"]);
+        for body in &bodies {
+            let (s1, a) = post(&one.addr, "/v1/completions", body);
+            let (s2, b) = post(&cp.addr, "/v1/completions", body);
+            assert_eq!((s1, s2), (200, 200), "{dtype}: {a} {b}");
+            assert_eq!(a["choices"], b["choices"], "context, {dtype}: {body}");
         }
     }
 }
