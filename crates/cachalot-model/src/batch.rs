@@ -91,8 +91,9 @@ impl CacheSpec {
 
 /// A pool of fixed-size blocks: per cache layer, a float array (`float_width` values per slot,
 /// f32 or bf16 bits as the spec says) and, for an int8 layout, an int8 array (`int8_width`
-/// values per slot); with a per-sequence state, per layer `seq_state_width` f32 values per
-/// state slot (grown on first use, or reserved up front with [`KvCache::reserve_seq_slots`]).
+/// values per slot); with a per-sequence state, per layer `seq_state_width` values per state
+/// slot, f32 or bf16 as the float part (grown on first use, or reserved up front with
+/// [`KvCache::reserve_seq_slots`]).
 pub struct KvCache {
     spec: CacheSpec,
     block_size: usize,

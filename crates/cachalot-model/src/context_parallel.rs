@@ -157,6 +157,27 @@ pub(crate) fn local_part(b: &Batch) -> Batch {
     local
 }
 
+/// Every prompt's rows, gathered ([`gather_rows`]): one buffer, prompt after prompt in plan
+/// order, each prompt's rows in position order.
+pub(crate) struct Gathered {
+    pub data: Vec<f32>,
+    /// Prompt j's rows are rows `starts[j]..starts[j + 1]`.
+    starts: Vec<usize>,
+    width: usize,
+}
+
+impl Gathered {
+    /// How many prompts.
+    pub fn prompts(&self) -> usize {
+        self.starts.len() - 1
+    }
+
+    /// Prompt `j`'s rows (`[len, width]`).
+    pub fn prompt(&self, j: usize) -> &[f32] {
+        &self.data[self.starts[j] * self.width..self.starts[j + 1] * self.width]
+    }
+}
+
 /// Every prompt's rows of `width` values in position order, gathered from every rank's rows of
 /// its pieces (`rows`: this rank's, prompt by prompt in plan order, piece by piece).
 pub(crate) fn gather_rows(
@@ -165,7 +186,7 @@ pub(crate) fn gather_rows(
     rows: &[f32],
     width: usize,
     what: &str,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<Gathered> {
     let _t = Timer::start(Phase::Reduce);
     let ranks = comm.world_size();
     let mut bytes = Vec::with_capacity(rows.len() * 4);
@@ -175,10 +196,12 @@ pub(crate) fn gather_rows(
     let all = comm
         .all_gather(&bytes)
         .map_err(|e| cp_err(format!("gathering the {what}: {e}")))?;
-    let mut full: Vec<Vec<f32>> = prompts
-        .iter()
-        .map(|p| vec![0.0f32; p.tokens.len() * width])
-        .collect();
+    drop(bytes);
+    let mut starts = vec![0usize];
+    for p in prompts {
+        starts.push(starts.last().copied().unwrap_or(0) + p.tokens.len());
+    }
+    let mut data = vec![0.0f32; starts.last().copied().unwrap_or(0) * width];
     for (r, part) in all.iter().enumerate() {
         let mut at = 0;
         for (j, p) in prompts.iter().enumerate() {
@@ -187,10 +210,8 @@ pub(crate) fn gather_rows(
                 let src = part
                     .get(at * 4..(at + n) * 4)
                     .ok_or_else(|| cp_err(format!("rank {r} sent fewer {what} than its pieces")))?;
-                for (o, c) in full[j][a * width..e * width]
-                    .iter_mut()
-                    .zip(src.chunks_exact(4))
-                {
+                let dst = (starts[j] + a) * width;
+                for (o, c) in data[dst..dst + n].iter_mut().zip(src.chunks_exact(4)) {
                     *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
                 }
                 at += n;
@@ -200,7 +221,11 @@ pub(crate) fn gather_rows(
             return Err(cp_err(format!("rank {r} sent more {what} than its pieces")));
         }
     }
-    Ok(full)
+    Ok(Gathered {
+        data,
+        starts,
+        width,
+    })
 }
 
 /// Sends each prompt's rows of `width` values (this rank's pieces; `seg_of[q]` the prompt of

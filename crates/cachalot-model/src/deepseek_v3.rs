@@ -959,7 +959,7 @@ impl DeepseekV3 {
         let (nl, ns) = (local.num_tokens(), segs.num_tokens());
         let width = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
         // Every rank's rows of every prompt, from each rank's pieces in plan order.
-        let exchange = |rows: &[f32]| -> Result<Vec<Vec<f32>>> {
+        let exchange = |rows: &[f32]| -> Result<cp::Gathered> {
             cp::gather_rows(comm, &prompts, rows, width, "latent rows")
         };
         let mut tokens = local.tokens.clone();
@@ -999,7 +999,7 @@ impl DeepseekV3 {
                     Some(&cp),
                 )?;
                 attn.extend_from_slice(&a);
-                full
+                full.ok_or_else(|| err("the attention gathered no rows".into()))?
             } else {
                 exchange(&[])?
             };
@@ -1008,7 +1008,7 @@ impl DeepseekV3 {
                 let mut parts = c.layer_parts_mut(li);
                 for (j, p) in prompts.iter().enumerate().filter(|(_, p)| p.owner == rank) {
                     let table = &b.block_tables[p.seq];
-                    for (pos, row) in full[j].chunks_exact(width).enumerate() {
+                    for (pos, row) in full.prompt(j).chunks_exact(width).enumerate() {
                         self.store_latent(&layer.attn, &mut parts, slot_of(table, pos, bs), row);
                     }
                 }
@@ -1225,7 +1225,7 @@ impl DeepseekV3 {
         cache: LayerMut,
         block_size: usize,
         cp: Option<&CpAttend>,
-    ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+    ) -> Result<(Vec<f32>, Option<cp::Gathered>)> {
         let cfg = &self.cfg;
         let t_count = batch.num_tokens();
         let MlaDims {
@@ -1316,20 +1316,20 @@ impl DeepseekV3 {
         let full = match cp {
             Some(cp) => {
                 let full = (cp.exchange)(&kv)?;
-                let mut written = vec![false; full.len()];
+                let mut written = vec![false; full.prompts()];
                 for s in 0..batch.num_seqs() {
                     let j = cp.of_seq[s];
                     if std::mem::replace(&mut written[j], true) {
                         continue;
                     }
-                    for (pos, row) in full[j].chunks_exact(width).enumerate() {
+                    for (pos, row) in full.prompt(j).chunks_exact(width).enumerate() {
                         let slot = slot_of(&batch.block_tables[s], pos, bs);
                         self.store_latent(mla, &mut cache, slot, row);
                     }
                 }
-                full
+                Some(full)
             }
-            None => Vec::new(),
+            None => None,
         };
         let LayerMut {
             int8: cache_i8,
@@ -1351,12 +1351,12 @@ impl DeepseekV3 {
                 return None;
             }
             // A prompt's segment takes the path the whole prompt would.
-            let (tq, ctx) = match cp {
-                Some(cp) => {
-                    let len = full[cp.of_seq[s]].len() / width;
+            let (tq, ctx) = match (cp, &full) {
+                (Some(cp), Some(full)) => {
+                    let len = full.prompt(cp.of_seq[s]).len() / width;
                     (len, len)
                 }
-                None => (range.len(), batch.positions[range.end - 1] + 1),
+                _ => (range.len(), batch.positions[range.end - 1] + 1),
             };
             Some(match self.attention_path {
                 // Prompt positions always take the naive path, which computes each row alike
@@ -1418,12 +1418,12 @@ impl DeepseekV3 {
                 float_of(slot, &mut row[width - fw..]);
             }
             if path == AttentionPath::Naive {
-                match cp {
+                match (cp, &full) {
                     // Every row of the prompt is this step's.
-                    Some(cp) => {
-                        g.copy_from_slice(&full[cp.of_seq[s]][..ctx * width]);
+                    (Some(cp), Some(full)) => {
+                        g.copy_from_slice(&full.prompt(cp.of_seq[s])[..ctx * width]);
                     }
-                    None => {
+                    _ => {
                         for i in range {
                             let pos = batch.positions[i];
                             g[pos * width..(pos + 1) * width]
@@ -2027,7 +2027,7 @@ impl DeepseekV3 {
 /// What [`DeepseekV3::attention`] needs under context parallelism: the prompt each of the
 /// batch's sequences (segments) belongs to, and the exchange of the call's latent rows for
 /// every prompt's whole rows (`[len, width]` each, in the plan's order).
-type CpExchange<'a> = dyn Fn(&[f32]) -> Result<Vec<Vec<f32>>> + Sync + 'a;
+type CpExchange<'a> = dyn Fn(&[f32]) -> Result<cp::Gathered> + Sync + 'a;
 
 struct CpAttend<'a> {
     of_seq: &'a [usize],

@@ -7,7 +7,8 @@
 //! (checkpoint layout), §4.7 (dispatch on tensor dtypes). The maths of each rule lives in
 //! [`crate::v4_ops`]; this file wires weights, cache slots and batches.
 //!
-//! Activations are f32 throughout; [REF]'s bf16 roundings are not reproduced, and its
+//! Activations are f32 throughout; [REF]'s bf16 roundings are not reproduced (the cache's values
+//! are with `set_kv_cache_dtype(Bf16)`), and its
 //! activation/KV quantisation sims (§2.12) are off unless [`DeepseekV4::quant_sim`] is set (the
 //! reference fixtures are float32 without them; see docs/ARCHITECTURE.md "DeepSeek-V4").
 //!
@@ -23,10 +24,12 @@
 //! than the positions before it).
 //! - **Full** ([`SlotLayout`]): all of it at the position's slot of the paged pool (entry j at
 //!   the slot of `j·r + r − 1`): 6·`head_dim` + 5·`index_head_dim` f32 per token and layer for
-//!   Flash (653 KB per token). Blocks hold everything, so prefix caching can share them.
+//!   Flash (653 KB per token; half in bf16). Blocks hold everything, so prefix caching can
+//!   share them.
 //! - **Compact** (the default, [`RingLayout`]): only entries and indexer keys live in the paged
 //!   pool, entry j spread over the slots of positions `j·r .. j·r + 4` (so 160 f32 per token and
-//!   layer for Flash's shapes: 28 KB per token); the window KV and compressor inputs of the last
+//!   layer for Flash's shapes: 28 KB per token, 14 KB in bf16); the window KV and compressor
+//!   inputs of the last
 //!   `W + 16` and `c·r + 16` positions live in the sequence's state slot
 //!   ([`Batch::state_slots`]), rings indexed by `position mod size`. Reads reach back at most
 //!   W − 1 (window) and c·r − 1 (compressor) positions, so the 16 extra positions let a step
@@ -796,53 +799,57 @@ impl Loader<'_> {
     }
 }
 
-/// The state a step's tokens add to one attention layer ([`DeepseekV4::attn_rows`]): per
-/// token the window row `[dh]`, and the compressor's and the indexer compressor's inputs
-/// (A and Z, `[coff·d]` each), where the layer has them.
+/// The state a step's tokens add to one attention layer ([`DeepseekV4::attn_rows`]), one
+/// packed row per token: the window row `[dh]`, then the compressor's inputs A and Z and the
+/// indexer compressor's (`[coff·d]` each, where the layer has them); widths from
+/// [`DeepseekV4::row_widths`]. Packed so that context parallelism gathers them as they are.
 struct StepRows {
-    kv: Vec<f32>,
-    cin: Option<(Vec<f32>, Vec<f32>)>,
-    icin: Option<(Vec<f32>, Vec<f32>)>,
+    data: Vec<f32>,
+    w: [usize; 3],
 }
 
 impl StepRows {
-    /// Each token's values in one row of `w[0] + 2·w[1] + 2·w[2]` (widths from
-    /// [`DeepseekV4::row_widths`]), to send between ranks.
-    fn pack(&self, w: [usize; 3]) -> Vec<f32> {
-        let n = self.kv.len() / w[0];
-        let mut out = Vec::with_capacity(n * (w[0] + 2 * w[1] + 2 * w[2]));
-        for t in 0..n {
-            out.extend_from_slice(&self.kv[t * w[0]..(t + 1) * w[0]]);
-            for (c, cw) in [(&self.cin, w[1]), (&self.icin, w[2])] {
-                if let Some((a, z)) = c {
-                    out.extend_from_slice(&a[t * cw..(t + 1) * cw]);
-                    out.extend_from_slice(&z[t * cw..(t + 1) * cw]);
-                }
-            }
+    fn view(&self) -> RowsView<'_> {
+        RowsView {
+            data: &self.data,
+            w: self.w,
         }
-        out
+    }
+}
+
+/// Packed step rows ([`StepRows`]) read in place: a step's own, or gathered ones.
+#[derive(Clone, Copy)]
+struct RowsView<'a> {
+    data: &'a [f32],
+    w: [usize; 3],
+}
+
+impl<'a> RowsView<'a> {
+    /// Values a token's row holds.
+    fn width(w: [usize; 3]) -> usize {
+        w[0] + 2 * w[1] + 2 * w[2]
     }
 
-    /// The rows [`StepRows::pack`] made (the same widths; a width of 0: no such compressor).
-    fn unpack(rows: &[f32], w: [usize; 3]) -> StepRows {
-        let tw = w[0] + 2 * w[1] + 2 * w[2];
-        let n = rows.len() / tw;
-        let mut kv = Vec::with_capacity(n * w[0]);
-        let part =
-            |cw: usize| (cw > 0).then(|| (Vec::with_capacity(n * cw), Vec::with_capacity(n * cw)));
-        let (mut cin, mut icin) = (part(w[1]), part(w[2]));
-        for row in rows.chunks_exact(tw) {
-            kv.extend_from_slice(&row[..w[0]]);
-            let mut at = w[0];
-            for (c, cw) in [(&mut cin, w[1]), (&mut icin, w[2])] {
-                if let Some((a, z)) = c {
-                    a.extend_from_slice(&row[at..at + cw]);
-                    z.extend_from_slice(&row[at + cw..at + 2 * cw]);
-                    at += 2 * cw;
-                }
-            }
-        }
-        StepRows { kv, cin, icin }
+    fn row(&self, i: usize) -> &'a [f32] {
+        let tw = Self::width(self.w);
+        &self.data[i * tw..(i + 1) * tw]
+    }
+
+    /// Token i's window row.
+    fn kv(&self, i: usize) -> &'a [f32] {
+        &self.row(i)[..self.w[0]]
+    }
+
+    /// Token i's compressor inputs (A, Z): the main compressor's, or with `indexer` the
+    /// indexer's.
+    fn az(&self, i: usize, indexer: bool) -> (&'a [f32], &'a [f32]) {
+        let (off, cw) = if indexer {
+            (self.w[0] + 2 * self.w[1], self.w[2])
+        } else {
+            (self.w[0], self.w[1])
+        };
+        let r = self.row(i);
+        (&r[off..off + cw], &r[off + cw..off + 2 * cw])
     }
 }
 
@@ -1094,7 +1101,7 @@ impl DeepseekV4 {
 
     /// One cache layer per main layer, then one per loaded MTP block; every layer's slots are as
     /// wide as the widest layer kind needs ([`SlotLayout`] in the full layout, [`RingLayout`]'s
-    /// entry share and state slot in the compact one); all f32.
+    /// entry share and state slot in the compact one); values as `set_kv_cache_dtype` says.
     pub fn cache_spec(&self) -> CacheSpec {
         let (width, seq_state_width) = match self.cache_mode {
             V4CacheMode::Full => (self.cache_width, 0),
@@ -1441,16 +1448,20 @@ impl DeepseekV4 {
                 let full = cp::gather_rows(
                     comm,
                     &prompts,
-                    &mine.pack(widths),
-                    widths[0] + 2 * widths[1] + 2 * widths[2],
+                    &mine.data,
+                    RowsView::width(widths),
                     "attention rows",
                 )?;
+                drop(mine);
                 if ns > 0 {
                     let qs = self.attn_queries(at, xs, &xq, ns, &ropes_s);
                     let o = self.attn_core(
                         at,
                         &all,
-                        &StepRows::unpack(&full.concat(), widths),
+                        RowsView {
+                            data: &full.data,
+                            w: widths,
+                        },
                         Some((&qs, &queries, &ropes_s)),
                         scratch.layer_and_state_mut(0),
                         SCRATCH_BLOCK,
@@ -1473,7 +1484,10 @@ impl DeepseekV4 {
                         self.attn_core(
                             at,
                             &one,
-                            &StepRows::unpack(&full[j], widths),
+                            RowsView {
+                                data: full.prompt(j),
+                                w: widths,
+                            },
                             None,
                             c.layer_and_state_mut(li),
                             bs,
@@ -1804,7 +1818,7 @@ impl DeepseekV4 {
         let o = self.attn_core(
             at,
             batch,
-            &rows,
+            rows.view(),
             Some((&qs, &queries, ropes)),
             cache,
             bs,
@@ -1847,17 +1861,22 @@ impl DeepseekV4 {
             .indexer
             .as_ref()
             .map(|ix| self.compressor_inputs(&ix.compressor, x, batch));
-        let mut rows = StepRows { kv, cin, icin };
-        if self.kv_dtype == KvCacheDtype::Bf16 {
-            // What the cache will keep, before any query reads it.
-            let round = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x = k::bf16_round(*x));
-            round(&mut rows.kv);
-            for (a, z) in rows.cin.iter_mut().chain(rows.icin.iter_mut()) {
-                round(a);
-                round(z);
+        let w = self.row_widths(at);
+        let mut data = Vec::with_capacity(t_count * RowsView::width(w));
+        for t in 0..t_count {
+            data.extend_from_slice(&kv[t * dh..(t + 1) * dh]);
+            for (c, cw) in [(&cin, w[1]), (&icin, w[2])] {
+                if let Some((a, z)) = c {
+                    data.extend_from_slice(&a[t * cw..(t + 1) * cw]);
+                    data.extend_from_slice(&z[t * cw..(t + 1) * cw]);
+                }
             }
         }
-        rows
+        if self.kv_dtype == KvCacheDtype::Bf16 {
+            // What the cache will keep, before any query reads it.
+            data.iter_mut().for_each(|x| *x = k::bf16_round(*x));
+        }
+        StepRows { data, w }
     }
 
     /// The widths of one token's [`StepRows`]: window row, compressor inputs (each of A and
@@ -1939,7 +1958,7 @@ impl DeepseekV4 {
         &self,
         at: &Attention,
         batch: &Batch,
-        rows: &StepRows,
+        rows: RowsView<'_>,
         queries: Option<QueriesAt<'_>>,
         (mut tok, mut state): (FloatsMut, FloatsMut),
         bs: usize,
@@ -1960,7 +1979,6 @@ impl DeepseekV4 {
         let sw = self.state_width;
         let (lay, ring) = (at.layout, at.ring);
         let compressed = at.ratio > 0;
-        let StepRows { kv, cin, icin } = rows;
 
         // A position's state: the step's own rows for its positions, the cache for earlier
         // ones (its slot in the full layout, the sequence's rings in the compact one).
@@ -1999,28 +2017,20 @@ impl DeepseekV4 {
                 let store = if full { &tok } else { &state };
                 // Compressor inputs of position `pos` of sequence `s` (`indexer`: the indexer's).
                 let az_rows = |s: usize, pos: usize, indexer: bool| {
-                    let (c, (ta, tz), (fa, fz), (ra, rz)) = if indexer {
+                    let (c, (fa, fz), (ra, rz)) = if indexer {
                         let ix = at.indexer.as_ref().expect("an indexer");
-                        (
-                            &ix.compressor,
-                            icin.as_ref().expect("indexer inputs"),
-                            (lay.ia, lay.iz),
-                            (ring.ia, ring.iz),
-                        )
+                        (&ix.compressor, (lay.ia, lay.iz), (ring.ia, ring.iz))
                     } else {
                         (
                             at.compressor.as_ref().expect("a compressor"),
-                            cin.as_ref().expect("compressor inputs"),
                             (lay.a, lay.z),
                             (ring.a, ring.z),
                         )
                     };
                     let w = c.coff() * c.d;
                     if let Some(i) = step_row(s, pos) {
-                        return (
-                            Cow::Borrowed(&ta[i * w..(i + 1) * w]),
-                            Cow::Borrowed(&tz[i * w..(i + 1) * w]),
-                        );
+                        let (a, z) = rows.az(i, indexer);
+                        return (Cow::Borrowed(a), Cow::Borrowed(z));
                     }
                     let base = if full {
                         slot_of(&batch.block_tables[s], pos, bs) * width
@@ -2069,7 +2079,7 @@ impl DeepseekV4 {
                 let (tok_r, state_r) = (&tok, &state);
                 let win_row = |s: usize, pos: usize| -> Cow<[f32]> {
                     if let Some(i) = step_row(s, pos) {
-                        Cow::Borrowed(&kv[i * dh..(i + 1) * dh])
+                        Cow::Borrowed(rows.kv(i))
                     } else if full {
                         tok_r.read(slot_of(&batch.block_tables[s], pos, bs) * width, dh)
                     } else {
@@ -2141,19 +2151,12 @@ impl DeepseekV4 {
         // each ring keeps.
         // Token i's compressor inputs (main, then the indexer's) at `base` + the offsets given.
         let put_az = |dst: &mut FloatsMut, base: usize, i: usize, offs: [usize; 4]| {
-            let inputs = [
-                at.compressor.as_ref().zip(cin.as_ref()),
-                at.indexer
-                    .as_ref()
-                    .map(|x| &x.compressor)
-                    .zip(icin.as_ref()),
-            ];
-            for (k, input) in inputs.into_iter().enumerate() {
-                if let Some((c, (a, z))) = input {
-                    let w = c.coff() * c.d;
-                    let (oa, oz) = (base + offs[2 * k], base + offs[2 * k + 1]);
-                    dst.write(oa, &a[i * w..(i + 1) * w]);
-                    dst.write(oz, &z[i * w..(i + 1) * w]);
+            let has = [at.compressor.is_some(), at.indexer.is_some()];
+            for (k, &here) in has.iter().enumerate() {
+                if here {
+                    let (a, z) = rows.az(i, k == 1);
+                    dst.write(base + offs[2 * k], a);
+                    dst.write(base + offs[2 * k + 1], z);
                 }
             }
         };
@@ -2161,7 +2164,7 @@ impl DeepseekV4 {
             let (lo, hi) = (batch.seq_starts[s], batch.seq_starts[s + 1]);
             for i in lo..hi {
                 let p = batch.positions[i];
-                let row = &kv[i * dh..(i + 1) * dh];
+                let row = rows.kv(i);
                 if full {
                     let b = slot_of(&batch.block_tables[s], p, bs) * width;
                     tok.write(b, row);

@@ -33,7 +33,8 @@ pub struct ExpertShard {
     /// Prefill context parallelism on top of `dispatch` (the seed's `cp_size` = `world_size`
     /// with `attn_tp_size: 1`, executor spec §4.5): every prompt that starts in a step (at
     /// position 0) is computed by all ranks, each taking two of its 2·ranks segments (zigzag),
-    /// with every layer's latent rows gathered so that each segment attends to all before it;
+    /// with every layer's latent rows (DeepSeek-V4: window rows and compressor inputs)
+    /// gathered so that each segment attends to all before it;
     /// the request's own rank keeps its KV and decodes it.
     pub context: bool,
 }

@@ -95,9 +95,9 @@ pub enum Parallel {
     DataExpert,
     /// DataExpert with prefill context parallelism (the seed's `cp_size` = `world_size`,
     /// `attn_tp_size: 1`): every prompt is computed by all ranks, each taking two of its
-    /// 2·ranks pieces, with each layer's latent rows gathered; the request's own rank keeps
-    /// its KV and decodes it as under DataExpert (`ExpertShard::context`). DeepSeek-V3/R1/
-    /// Kimi-K2 checkpoints.
+    /// 2·ranks pieces, with each layer's latent rows (V4: window rows and compressor inputs)
+    /// gathered; the request's own rank keeps its KV and decodes it as under DataExpert
+    /// (`ExpertShard::context`). DeepSeek-V3/R1/Kimi-K2 and V4 checkpoints.
     Context,
 }
 

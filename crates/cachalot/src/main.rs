@@ -120,9 +120,9 @@ struct ModelArgs {
     /// keep f32 activations. Default: f32 activations, exact products.
     #[arg(long)]
     bf16_dot: bool,
-    /// How the latent KV cache stores its values: bf16 (C16, as the seed: half the memory per
-    /// cached token, each value rounded to bf16 when written; DeepSeek-V3 family only) or f32
-    /// (exact). `auto`: bf16 for the DeepSeek-V3 family, f32 for DeepSeek-V4.
+    /// How the KV cache stores its values: bf16 (C16, as the seed: half the memory per cached
+    /// token, each value rounded to bf16 when made; DeepSeek-V4's rings too) or f32 (exact).
+    /// `auto`: bf16 for the DeepSeek-V3 family, f32 for DeepSeek-V4.
     #[arg(long, value_enum, default_value = "auto")]
     kv_cache_dtype: KvDtypeArg,
     /// DeepSeek-V4's cache layout: compact (compressed entries in the paged pool, the 128-token

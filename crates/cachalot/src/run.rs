@@ -58,9 +58,8 @@ pub struct RunArgs {
     /// where the CPU has it), as llama.cpp does (recorded as bf16_dot in summary.json).
     #[arg(long)]
     bf16_dot: bool,
-    /// How the latent KV cache stores its values: bf16 (C16, as the seed: half the memory per
-    /// cached token, each value rounded to bf16 when written; DeepSeek-V3 family only) or f32
-    /// (exact). `auto`: f32 when the YAML's `model_config.dtype` is float32, else bf16 for the
+    /// How the KV cache stores its values: bf16 (C16, as the seed: half the memory per cached
+    /// token, each value rounded to bf16 when made; DeepSeek-V4's rings too) or f32 (exact). `auto`: f32 when the YAML's `model_config.dtype` is float32, else bf16 for the
     /// DeepSeek-V3 family and f32 for DeepSeek-V4. Recorded as kv_cache_dtype in summary.json.
     #[arg(long, value_enum, default_value = "auto")]
     kv_cache_dtype: crate::KvDtypeArg,
@@ -136,8 +135,9 @@ pub(crate) struct GroupArgs {
     /// tokens to their experts' ranks and takes the outputs back; the seed's attention-DP
     /// with expert parallelism, vLLM's data parallelism with --enable-expert-parallel) or
     /// `context` (data-expert, and each prompt's first prefill chunk is cut over all ranks,
-    /// each computing its share of the tokens' attention against every rank's latents: the
-    /// seed's prefill context parallelism, `cp_size`; DeepSeek-V3/R1/Kimi-K2).
+    /// each computing its share of the tokens' attention against every rank's latents (V4:
+    /// window rows and compressor inputs): the seed's prefill context parallelism, `cp_size`;
+    /// DeepSeek-V3/R1/Kimi-K2 and V4).
     /// Without it: the layout of the YAML's `parallel_config` when its world_size is the
     /// number of ranks (attn_tp_size 1 with moe_tp_size 1: data-expert; both world_size:
     /// tensor; attn_tp_size world_size with moe_tp_size 1: tensor-expert), else data.
