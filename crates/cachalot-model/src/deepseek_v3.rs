@@ -960,7 +960,7 @@ impl DeepseekV3 {
         let width = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
         // Every rank's rows of every prompt, from each rank's pieces in plan order.
         let exchange = |rows: &[f32]| -> Result<cp::Gathered> {
-            cp::gather_rows(comm, &prompts, rows, width, "latent rows")
+            cp::gather_rows(comm, &prompts, rows, width, false, "latent rows")
         };
         let mut tokens = local.tokens.clone();
         tokens.extend_from_slice(&segs.tokens);

@@ -1450,6 +1450,8 @@ impl DeepseekV4 {
                     &prompts,
                     &mine.data,
                     RowsView::width(widths),
+                    // Rows made for a bf16 cache are bf16 values: 2 bytes each.
+                    self.kv_dtype == KvCacheDtype::Bf16,
                     "attention rows",
                 )?;
                 drop(mine);

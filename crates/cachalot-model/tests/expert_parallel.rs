@@ -438,7 +438,7 @@ fn v4_packed_run_of(m: &cachalot_model::DeepseekV4, seqs: &[Vec<u32>]) -> Vec<u3
 /// gets the one-process logits of its own batches, bit for bit.
 #[test]
 fn v4_context_parallel_prefill_gives_each_rank_its_own_one_process_logits() {
-    use cachalot_model::V4CacheMode;
+    use cachalot_model::{KvCacheDtype, V4CacheMode};
     let prompts = |rank: usize| -> Vec<Vec<u32>> {
         if rank == 0 {
             vec![
@@ -453,7 +453,7 @@ fn v4_context_parallel_prefill_gives_each_rank_its_own_one_process_logits() {
         (0..140).map(|i| (i * 3 + 40) % 128).collect(),
         (0..3).map(|i| (i * 5 + 1) % 128).collect(),
     ];
-    let load = |fixture: &str, shard: ExpertShard, mode: V4CacheMode| {
+    let load = |fixture: &str, shard: ExpertShard, (mode, dtype): (V4CacheMode, KvCacheDtype)| {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../../fixtures/v4")
             .join(fixture);
@@ -464,14 +464,18 @@ fn v4_context_parallel_prefill_gives_each_rank_its_own_one_process_logits() {
         };
         let mut m = cachalot_model::DeepseekV4::load(&dir, opts).unwrap();
         m.set_cache_mode(mode);
+        m.set_kv_cache_dtype(dtype);
         m
     };
     // flash_tiny: a 128-token window, ratio-4 and ratio-128 layers; tiny: a window of 8 (shorter
-    // than a piece), two hc streams, ratio-4 layers whose indexer picks 4 entries.
+    // than a piece), two hc streams, ratio-4 layers whose indexer picks 4 entries. A bf16 cache
+    // sends the rows in 2 bytes a value.
+    use cachalot_model::KvCacheDtype::{Bf16, F32};
     for (fixture, mode) in [
-        ("flash_tiny", V4CacheMode::Compact),
-        ("flash_tiny", V4CacheMode::Full),
-        ("tiny", V4CacheMode::Compact),
+        ("flash_tiny", (V4CacheMode::Compact, F32)),
+        ("flash_tiny", (V4CacheMode::Full, F32)),
+        ("flash_tiny", (V4CacheMode::Compact, Bf16)),
+        ("tiny", (V4CacheMode::Compact, F32)),
     ] {
         let one = load(fixture, ExpertShard::default(), mode);
         let want: Vec<(Vec<u32>, Vec<u32>)> = (0..2)
