@@ -1424,6 +1424,25 @@ impl DeepseekV4 {
         let ropes_s = BatchRopes::new(self, &segs.positions);
         let bs = own_cache.as_ref().map_or(SCRATCH_BLOCK, |c| c.block_size());
         let decode = ns == 0 && local.is_decode();
+        // This rank's prompts as the sequences of its cache they are (the owner's writes).
+        let owned: Vec<(usize, Batch)> = own_batch.map_or(Vec::new(), |b| {
+            prompts
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.owner == rank)
+                .map(|(j, p)| {
+                    let mut one = Batch::default();
+                    one.push_seq(
+                        &p.tokens,
+                        0,
+                        b.block_tables[p.seq].clone(),
+                        LogitsWanted::None,
+                    );
+                    one.set_state_slot(b.state_slot(p.seq) as u32);
+                    (j, one)
+                })
+                .collect()
+        });
         for (li, layer) in self.layers.iter().enumerate() {
             let at = &layer.attn;
             let widths = self.row_widths(at);
@@ -1473,21 +1492,13 @@ impl DeepseekV4 {
                     out.extend(self.attn_out(at, &o, ns));
                 }
                 // This rank's prompts: their rows and entries into its cache, for decoding.
-                if let (Some(b), Some(c)) = (own_batch, own_cache.as_deref_mut()) {
-                    for (j, p) in prompts.iter().enumerate().filter(|(_, p)| p.owner == rank) {
-                        let mut one = Batch::default();
-                        one.push_seq(
-                            &p.tokens,
-                            0,
-                            b.block_tables[p.seq].clone(),
-                            LogitsWanted::None,
-                        );
-                        one.set_state_slot(b.state_slot(p.seq) as u32);
+                if let Some(c) = own_cache.as_deref_mut() {
+                    for (j, one) in &owned {
                         self.attn_core(
                             at,
-                            &one,
+                            one,
                             RowsView {
-                                data: full.prompt(j),
+                                data: full.prompt(*j),
                                 w: widths,
                             },
                             None,

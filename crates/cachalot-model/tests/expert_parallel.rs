@@ -53,12 +53,60 @@ fn expert_shards_give_the_one_process_logits() {
     }
 }
 
+/// Two ranks with their own batches: in a first step rank 0 runs `prompts(0)` and rank 1
+/// `prompts(1)` (through `run`: prefill, MTP, decode), in a second step only rank 1 runs
+/// `second` while rank 0 serves from `end_step`; each rank's logits (`run`'s bits) must be the
+/// ones `one` (a one-process model) gives for its own batches alone, and every rank's
+/// `end_step` returns together, true while any rank has work. `rank_model` loads a rank's model
+/// over the group's communicator; `what` names the case in failures.
+fn two_steps_give_each_rank_its_own_logits<M>(
+    prompts: impl Fn(usize) -> Vec<Vec<u32>> + Sync,
+    second: &[Vec<u32>],
+    one: &M,
+    rank_model: impl Fn(std::sync::Arc<dyn cachalot_comm::Communicator>) -> M + Sync,
+    run: impl Fn(&M, &[Vec<u32>]) -> Vec<u32> + Sync,
+    end_step: impl Fn(&M, bool) -> bool + Sync,
+    what: &str,
+) {
+    let want: Vec<(Vec<u32>, Vec<u32>)> = (0..2)
+        .map(|r| {
+            let later = if r == 1 { run(one, second) } else { Vec::new() };
+            (run(one, &prompts(r)), later)
+        })
+        .collect();
+    let got = run_local_group(2, |comm| {
+        let rank = comm.rank();
+        let m = rank_model(comm);
+        let first = run(&m, &prompts(rank));
+        let more_1 = end_step(&m, rank == 1);
+        let later = if rank == 1 {
+            run(&m, second)
+        } else {
+            Vec::new()
+        };
+        let more_2 = end_step(&m, false);
+        ((first, later), more_1, more_2)
+    })
+    .unwrap();
+    for (r, (logits, more_1, more_2)) in got.into_iter().enumerate() {
+        assert!(more_1, "rank {r}: rank 1 said it had more work");
+        assert!(!more_2, "rank {r}: no rank has work after step 2");
+        assert!(
+            logits.0 == want[r].0,
+            "rank {r}'s first-step logits differ from one process's ({what})"
+        );
+        assert!(
+            logits.1 == want[r].1,
+            "rank {r}'s second-step logits differ from one process's ({what})"
+        );
+    }
+}
+
 /// Two ranks with their own batches (`ExpertShard::dispatch`, and `context` as given): in a
 /// first step rank 0 runs two prompts and rank 1 one (prefill with every row's logits, MTP
 /// over the prompts, a decode step), in a second step only rank 1 runs (two prompts, one of
 /// 3 tokens) while rank 0 serves from `end_step`; each rank gets the logits one process gives
-/// for its own batches alone, bit for bit, and every rank's `end_step` returns together, true
-/// while any rank has work.
+/// for its own batches alone, bit for bit.
 fn own_batches_give_the_one_process_logits(context: bool) {
     let prompts = |rank: usize| -> Vec<Vec<u32>> {
         if rank == 0 {
@@ -75,50 +123,24 @@ fn own_batches_give_the_one_process_logits(context: bool) {
         (0..13).map(|i| (i * 3 + 41) % 500).collect(),
         (0..3).map(|i| (i * 5 + 1) % 500).collect(),
     ];
-    let one = load(ExpertShard::default());
-    let want: Vec<(Vec<u32>, Vec<u32>)> = (0..2)
-        .map(|r| {
-            let first = bits(&packed_run_of(&one, &prompts(r)));
-            let later = if r == 1 {
-                bits(&packed_run_of(&one, &second))
-            } else {
-                Vec::new()
-            };
-            (first, later)
-        })
-        .collect();
-    let got = run_local_group(2, |comm| {
-        let rank = comm.rank();
-        let mut m = load(ExpertShard {
-            rank,
-            ranks: 2,
-            dispatch: true,
-            context,
-        });
-        m.set_communicator(comm).unwrap();
-        let first = bits(&packed_run_of(&m, &prompts(rank)));
-        let more_1 = m.end_step(rank == 1).unwrap();
-        let later = if rank == 1 {
-            bits(&packed_run_of(&m, &second))
-        } else {
-            Vec::new()
-        };
-        let more_2 = m.end_step(false).unwrap();
-        ((first, later), more_1, more_2)
-    })
-    .unwrap();
-    for (r, (logits, more_1, more_2)) in got.into_iter().enumerate() {
-        assert!(more_1, "rank {r}: rank 1 said it had more work");
-        assert!(!more_2, "rank {r}: no rank has work after step 2");
-        assert!(
-            logits.0 == want[r].0,
-            "rank {r}'s first-step logits differ from one process's (context {context})"
-        );
-        assert!(
-            logits.1 == want[r].1,
-            "rank {r}'s second-step logits differ from one process's (context {context})"
-        );
-    }
+    two_steps_give_each_rank_its_own_logits(
+        prompts,
+        &second,
+        &load(ExpertShard::default()),
+        |comm: std::sync::Arc<dyn cachalot_comm::Communicator>| {
+            let mut m = load(ExpertShard {
+                rank: comm.rank(),
+                ranks: 2,
+                dispatch: true,
+                context,
+            });
+            m.set_communicator(comm).unwrap();
+            m
+        },
+        |m: &DeepseekV3, seqs: &[Vec<u32>]| bits(&packed_run_of(m, seqs)),
+        |m: &_, more| m.end_step(more).unwrap(),
+        &format!("context {context}"),
+    );
 }
 
 /// Prefill context parallelism (`ExpertShard::context`): every rank's prompts are split over
@@ -477,53 +499,27 @@ fn v4_context_parallel_prefill_gives_each_rank_its_own_one_process_logits() {
         ("flash_tiny", (V4CacheMode::Compact, Bf16)),
         ("tiny", (V4CacheMode::Compact, F32)),
     ] {
-        let one = load(fixture, ExpertShard::default(), mode);
-        let want: Vec<(Vec<u32>, Vec<u32>)> = (0..2)
-            .map(|r| {
-                let first = v4_packed_run_of(&one, &prompts(r));
-                let later = if r == 1 {
-                    v4_packed_run_of(&one, &second)
-                } else {
-                    Vec::new()
-                };
-                (first, later)
-            })
-            .collect();
-        let got = run_local_group(2, |comm| {
-            let rank = comm.rank();
-            let mut m = load(
-                fixture,
-                ExpertShard {
-                    rank,
-                    ranks: 2,
-                    dispatch: true,
-                    context: true,
-                },
-                mode,
-            );
-            m.set_communicator(comm).unwrap();
-            let first = v4_packed_run_of(&m, &prompts(rank));
-            let more_1 = m.end_step(rank == 1).unwrap();
-            let later = if rank == 1 {
-                v4_packed_run_of(&m, &second)
-            } else {
-                Vec::new()
-            };
-            let more_2 = m.end_step(false).unwrap();
-            ((first, later), more_1, more_2)
-        })
-        .unwrap();
-        for (r, (logits, more_1, more_2)) in got.into_iter().enumerate() {
-            assert!(more_1, "rank {r}: rank 1 said it had more work");
-            assert!(!more_2, "rank {r}: no rank has work after step 2");
-            assert!(
-                logits.0 == want[r].0,
-                "rank {r}'s first-step logits differ from one process's ({fixture}, {mode:?})"
-            );
-            assert!(
-                logits.1 == want[r].1,
-                "rank {r}'s second-step logits differ from one process's ({fixture}, {mode:?})"
-            );
-        }
+        two_steps_give_each_rank_its_own_logits(
+            prompts,
+            &second,
+            &load(fixture, ExpertShard::default(), mode),
+            |comm: std::sync::Arc<dyn cachalot_comm::Communicator>| {
+                let mut m = load(
+                    fixture,
+                    ExpertShard {
+                        rank: comm.rank(),
+                        ranks: 2,
+                        dispatch: true,
+                        context: true,
+                    },
+                    mode,
+                );
+                m.set_communicator(comm).unwrap();
+                m
+            },
+            v4_packed_run_of,
+            |m: &_, more| m.end_step(more).unwrap(),
+            &format!("{fixture}, {mode:?}"),
+        );
     }
 }
