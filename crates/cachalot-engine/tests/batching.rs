@@ -29,13 +29,14 @@ fn load(name: &str) -> DeepseekV3 {
 }
 
 /// Both DeepSeek-V4 fixtures (Flash- and Pro-shaped), by name and cache layout, with or
-/// without their MTP block, in each of `modes` (f32), and the compact layout in bf16 too.
+/// without their MTP block, in each of `modes` (f32), and the compact layout in bf16 and fp8
+/// too.
 fn v4_fixtures(load_mtp: bool, modes: &[V4CacheMode]) -> Vec<(String, DeepseekV4)> {
     let mut out = Vec::new();
     for f in ["flash_tiny", "pro_tiny"] {
         for &mode in modes {
             let dtypes: &[KvCacheDtype] = if mode == V4CacheMode::Compact {
-                &[KvCacheDtype::F32, KvCacheDtype::Bf16]
+                &[KvCacheDtype::F32, KvCacheDtype::Bf16, KvCacheDtype::Fp8]
             } else {
                 &[KvCacheDtype::F32]
             };

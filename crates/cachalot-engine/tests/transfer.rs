@@ -522,6 +522,7 @@ fn v4_compact_cache_prefill_here_decode_there_equals_one_engine() {
         ("flash_tiny", KvCacheDtype::F32),
         ("pro_tiny", KvCacheDtype::F32),
         ("flash_tiny", KvCacheDtype::Bf16),
+        ("pro_tiny", KvCacheDtype::Fp8),
     ] {
         let mut m = cachalot_model::DeepseekV4::load(
             &root().join("fixtures/v4").join(fixture),

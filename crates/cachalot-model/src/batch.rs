@@ -12,12 +12,16 @@ use crate::error::{ModelError, Result};
 
 /// How the float part of a cache is stored: f32 (exact, the default) or bf16 (C16, as the seed
 /// stores its latent cache, spec `deepseek-v3-r1-kimi-k2.md` §3.4: half the memory, every value
-/// rounded to the nearest bf16 once, when it is written).
+/// rounded to the nearest bf16 once, when it is written). `Fp8` is DeepSeek-V4's (spec
+/// `deepseek-v4.md` §2.12, §3: the seed's fp8 cache): its float values are stored as bf16, and
+/// the model keeps its compressed entries and indexer keys as e4m3 codes with power-of-two
+/// block scales in the cache's byte part (`int8_width`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvCacheDtype {
     #[default]
     F32,
     Bf16,
+    Fp8,
 }
 
 impl KvCacheDtype {
@@ -26,14 +30,15 @@ impl KvCacheDtype {
         match self {
             KvCacheDtype::F32 => "f32",
             KvCacheDtype::Bf16 => "bf16",
+            KvCacheDtype::Fp8 => "fp8",
         }
     }
 
-    /// Bytes of one stored float value.
+    /// Bytes of one stored float value (bf16 in an fp8 cache).
     pub fn bytes(self) -> usize {
         match self {
             KvCacheDtype::F32 => 4,
-            KvCacheDtype::Bf16 => 2,
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => 2,
         }
     }
 }
@@ -44,9 +49,11 @@ impl std::str::FromStr for KvCacheDtype {
         match s.to_ascii_lowercase().as_str() {
             "f32" | "float32" | "fp32" => Ok(KvCacheDtype::F32),
             "bf16" | "bfloat16" => Ok(KvCacheDtype::Bf16),
+            "fp8" | "fp8_e4m3" | "e4m3" => Ok(KvCacheDtype::Fp8),
             _ => Err(format!(
                 "unknown KV cache dtype {s:?}: use f32 (exact, the default) or bf16 (half the \
-                 memory, values rounded to bf16)"
+                 memory, values rounded to bf16), or for DeepSeek-V4 fp8 (compressed entries in \
+                 e4m3)"
             )),
         }
     }
@@ -177,7 +184,7 @@ impl KvCache {
                     .collect(),
                 Vec::new(),
             ),
-            KvCacheDtype::Bf16 => (
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => (
                 Vec::new(),
                 (0..spec.layers)
                     .map(|_| vec![0u16; slots * spec.float_width()])
@@ -205,7 +212,9 @@ impl KvCache {
         let len = n * self.spec.seq_state_width;
         match self.spec.float {
             KvCacheDtype::F32 => self.state.iter_mut().for_each(|l| l.resize(len, 0.0)),
-            KvCacheDtype::Bf16 => self.state_bf16.iter_mut().for_each(|l| l.resize(len, 0)),
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => {
+                self.state_bf16.iter_mut().for_each(|l| l.resize(len, 0))
+            }
         }
         self.seq_slots = n;
     }
@@ -218,7 +227,7 @@ impl KvCache {
                 FloatsMut::F32(self.layers.get_mut(layer).map_or(&mut [], |v| &mut v[..])),
                 FloatsMut::F32(self.state.get_mut(layer).map_or(&mut [], |v| &mut v[..])),
             ),
-            KvCacheDtype::Bf16 => (
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => (
                 FloatsMut::Bf16(self.bf16.get_mut(layer).map_or(&mut [], |v| &mut v[..])),
                 FloatsMut::Bf16(
                     self.state_bf16
@@ -227,6 +236,24 @@ impl KvCache {
                 ),
             ),
         }
+    }
+
+    /// A layer's byte part (`int8_width` bytes per slot; empty without one) and its
+    /// per-sequence state (all slots): what a model that keeps 8-bit codes per token reads and
+    /// writes in one step.
+    pub fn layer_bytes_and_state_mut(&mut self, layer: usize) -> (&mut [i8], FloatsMut<'_>) {
+        let bytes = self.int8.get_mut(layer).map_or(&mut [][..], |v| &mut v[..]);
+        let state = match self.spec.float {
+            KvCacheDtype::F32 => {
+                FloatsMut::F32(self.state.get_mut(layer).map_or(&mut [], |v| &mut v[..]))
+            }
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => FloatsMut::Bf16(
+                self.state_bf16
+                    .get_mut(layer)
+                    .map_or(&mut [], |v| &mut v[..]),
+            ),
+        };
+        (bytes, state)
     }
 
     /// Appends to `out` state slot `slot` of `layer` (`seq_state_width` values, f32 or bf16
@@ -242,7 +269,7 @@ impl KvCache {
                 out,
                 self.state[layer].get(range).expect("a reserved state slot"),
             ),
-            KvCacheDtype::Bf16 => {
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => {
                 for v in self.state_bf16[layer]
                     .get(range)
                     .expect("a reserved state slot")
@@ -263,7 +290,7 @@ impl KvCache {
         self.reserve_seq_slots(slot + 1);
         match self.spec.float {
             KvCacheDtype::F32 => fill_f32s(&mut self.state[layer][slot * w..(slot + 1) * w], data),
-            KvCacheDtype::Bf16 => {
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => {
                 let dst = &mut self.state_bf16[layer][slot * w..(slot + 1) * w];
                 for (d, b) in dst.iter_mut().zip(data.chunks_exact(2)) {
                     *d = u16::from_le_bytes([b[0], b[1]]);
@@ -324,7 +351,7 @@ impl KvCache {
             }
             match self.spec.float {
                 KvCacheDtype::F32 => push_f32s(out, &self.layers[layer][s * fw..(s + 1) * fw]),
-                KvCacheDtype::Bf16 => {
+                KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => {
                     for v in &self.bf16[layer][s * fw..(s + 1) * fw] {
                         out.extend_from_slice(&v.to_le_bytes());
                     }
@@ -351,7 +378,7 @@ impl KvCache {
                 KvCacheDtype::F32 => {
                     fill_f32s(&mut self.layers[layer][s * fw..(s + 1) * fw], floats)
                 }
-                KvCacheDtype::Bf16 => {
+                KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => {
                     let dst = &mut self.bf16[layer][s * fw..(s + 1) * fw];
                     for (d, b) in dst.iter_mut().zip(floats.chunks_exact(2)) {
                         *d = u16::from_le_bytes([b[0], b[1]]);
@@ -702,7 +729,7 @@ mod tests {
                 let per_slot = spec.float_width() * 16 * 5;
                 let (f, h) = match float {
                     KvCacheDtype::F32 => (per_slot, 0),
-                    KvCacheDtype::Bf16 => (0, per_slot),
+                    KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => (0, per_slot),
                 };
                 assert_eq!((parts.f32.len(), parts.bf16.len()), (f, h));
                 assert_eq!(parts.int8.len(), int8_width * 16 * 5);

@@ -665,6 +665,17 @@ mod tests {
         assert_eq!(layers * full * 4, 653_312);
         assert_eq!(layers * compact * 4, 28_160);
         assert_eq!(layers * state * 4, 38_928_384);
+        // fp8: a ratio-4 entry (448 e4m3 + 7 scales + 64 bf16) and its key (128 + 4) over
+        // 4 slots; the rings in bf16.
+        let codec = crate::v4_ops::Fp8Codec {
+            nope: c.nope_dim(),
+            rope: c.qk_rope_head_dim,
+            index: c.index_head_dim,
+        };
+        let fp8 = max(&|r| RingLayout::for_ratio(&c, r).fp8_token_bytes(&codec, c.head_dim));
+        assert_eq!(fp8, Some((583 + 132usize).div_ceil(4)));
+        assert_eq!(layers * fp8.unwrap(), 7_876);
+        assert_eq!(layers * state * 2, 19_464_192);
     }
 
     #[test]

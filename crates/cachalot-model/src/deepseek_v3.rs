@@ -699,9 +699,14 @@ impl DeepseekV3 {
     /// 16-bit caches do: scores against bf16-rounded queries (`k::dot_rows_bf16`) and ō from
     /// bf16-rounded probabilities (`k::axpy_rows_bf16`), `vdpbf16ps` where the CPU has it. The
     /// naive form (long prefills) up-projects the rounded latents in f32. Set it before making
-    /// the cache (`cache_spec` follows it).
+    /// the cache (`cache_spec` follows it). `Fp8` is DeepSeek-V4's cache (compressed entries
+    /// in e4m3); this family's 8-bit cache is C8 (int8 latents, from a W8A8C8 checkpoint), so
+    /// the CLI refuses fp8 here, and this setter keeps a bf16 cache for it.
     pub fn set_kv_cache_dtype(&mut self, dtype: KvCacheDtype) {
-        self.kv_dtype = dtype;
+        self.kv_dtype = match dtype {
+            KvCacheDtype::Fp8 => KvCacheDtype::Bf16,
+            d => d,
+        };
     }
 
     /// `force_eplb` (the seed's "perfect EPLB" benchmark mode, `crate::eplb`): with `Some`,
@@ -1390,7 +1395,9 @@ impl DeepseekV3 {
         // its rows as they are (`Latents::bf16_rows`).
         let float_of = |slot: usize, out: &mut [f32]| match self.kv_dtype {
             KvCacheDtype::F32 => out.copy_from_slice(&cache_f32[slot * fw..(slot + 1) * fw]),
-            KvCacheDtype::Bf16 => widen_bf16(&cache_bf16[slot * fw..(slot + 1) * fw], out),
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => {
+                widen_bf16(&cache_bf16[slot * fw..(slot + 1) * fw], out)
+            }
         };
         let dequantize = |s: usize| -> Option<Vec<f32>> {
             let path = paths[s]?;
@@ -1449,7 +1456,7 @@ impl DeepseekV3 {
         // The one accessor both attention forms read a sequence's latents through.
         let cache = match self.kv_dtype {
             KvCacheDtype::F32 => LatentCache::F32(cache_f32),
-            KvCacheDtype::Bf16 => LatentCache::Bf16(cache_bf16),
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => LatentCache::Bf16(cache_bf16),
         };
         let latents: Vec<Latents> = (0..num_seqs)
             .map(|s| Latents {
@@ -1551,7 +1558,7 @@ impl DeepseekV3 {
         match self.kv_dtype {
             KvCacheDtype::F32 => cache.f32[slot * fw..(slot + 1) * fw].copy_from_slice(float),
             // Already bf16 values: the conversion is exact.
-            KvCacheDtype::Bf16 => {
+            KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => {
                 for (o, &v) in cache.bf16[slot * fw..(slot + 1) * fw].iter_mut().zip(float) {
                     *o = k::f32_to_bf16(v);
                 }

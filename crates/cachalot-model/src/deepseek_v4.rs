@@ -64,7 +64,7 @@ use crate::error::{ModelError, Result};
 use crate::expert_parallel::ExpertShard;
 use crate::profile::{Phase, Timer};
 use crate::tensor_parallel::{self as tp, Cut, TensorShard, VocabRows};
-use crate::v4_ops::{self as ops, V4Rope};
+use crate::v4_ops::{self as ops, Fp8Codec, V4Rope};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct V4LoadOptions {
@@ -349,6 +349,37 @@ impl RingLayout {
     pub fn token_width(&self) -> usize {
         self.entry_width.div_ceil(self.span)
     }
+
+    /// Bytes per token slot this layer's entries need in an fp8 cache ([`Fp8Codec`]: an
+    /// entry, then for ratio 4 its indexer key, over [`RingLayout::span`] slots).
+    pub fn fp8_token_bytes(&self, codec: &Fp8Codec, head_dim: usize) -> usize {
+        if self.entry_width == 0 {
+            return 0;
+        }
+        let key = if self.entry_width > head_dim {
+            codec.key_bytes()
+        } else {
+            0
+        };
+        (codec.entry_bytes() + key).div_ceil(self.span)
+    }
+}
+
+/// A layer's token storage as attention reads and writes it: float values (f32 or bf16), or
+/// an fp8 cache's bytes (compact layout only: each compressed entry and indexer key encoded by
+/// [`Fp8Codec`] where the float layout puts its values).
+enum TokStore<'a> {
+    Floats(FloatsMut<'a>),
+    Fp8(&'a mut [i8]),
+}
+
+/// The fp8 cache's encoding for a model of these shapes.
+fn fp8_codec(cfg: &DeepseekV4Config) -> Fp8Codec {
+    Fp8Codec {
+        nope: cfg.head_dim - cfg.qk_rope_head_dim,
+        rope: cfg.qk_rope_head_dim,
+        index: cfg.index_head_dim,
+    }
 }
 
 pub struct DeepseekV4 {
@@ -365,6 +396,8 @@ pub struct DeepseekV4 {
     cache_width: usize,
     /// Token-slot and state-slot widths of the compact layout (the widest layer's).
     compact_width: usize,
+    /// Bytes per token slot of the compact layout in an fp8 cache (the widest layer's).
+    compact_bytes: usize,
     state_width: usize,
     /// Token slots the widest compressed entry spans in the compact layout (the block size
     /// must be a multiple of it).
@@ -1034,6 +1067,12 @@ impl DeepseekV4 {
                 .map(|b| b.attn.ring)
         };
         let compact_width = rings().map(|r| r.token_width()).max().unwrap_or(0).max(1);
+        let codec = fp8_codec(&cfg);
+        let compact_bytes = rings()
+            .map(|r| r.fp8_token_bytes(&codec, cfg.head_dim))
+            .max()
+            .unwrap_or(0)
+            .max(1);
         let entry_span = rings().map(|r| r.span).max().unwrap_or(1);
         let state_width = rings()
             .map(|r| r.state_width(cfg.head_dim))
@@ -1054,6 +1093,7 @@ impl DeepseekV4 {
             rope_compressed,
             cache_width,
             compact_width,
+            compact_bytes,
             state_width,
             entry_span,
             cache_mode: V4CacheMode::default(),
@@ -1102,17 +1142,38 @@ impl DeepseekV4 {
     /// One cache layer per main layer, then one per loaded MTP block; every layer's slots are as
     /// wide as the widest layer kind needs ([`SlotLayout`] in the full layout, [`RingLayout`]'s
     /// entry share and state slot in the compact one); values as `set_kv_cache_dtype` says.
+    /// In an fp8 cache (compact layout) the token slots are bytes ([`Fp8Codec`]) and the
+    /// rings bf16.
     pub fn cache_spec(&self) -> CacheSpec {
-        let (width, seq_state_width) = match self.cache_mode {
-            V4CacheMode::Full => (self.cache_width, 0),
-            V4CacheMode::Compact => (self.compact_width, self.state_width),
+        self.spec_for(self.cache_mode)
+    }
+
+    fn spec_for(&self, mode: V4CacheMode) -> CacheSpec {
+        let (width, int8_width, seq_state_width) = match mode {
+            V4CacheMode::Full => (self.cache_width, 0, 0),
+            V4CacheMode::Compact if self.kv_dtype == KvCacheDtype::Fp8 => {
+                (self.compact_bytes, self.compact_bytes, self.state_width)
+            }
+            V4CacheMode::Compact => (self.compact_width, 0, self.state_width),
         };
         CacheSpec {
             layers: self.layers.len() + self.mtp.len(),
             width,
-            int8_width: 0,
+            int8_width,
             float: self.kv_dtype,
             seq_state_width,
+        }
+    }
+
+    /// A layer of `cache` as [`DeepseekV4::attn_core`] takes it: its token storage and its
+    /// rings.
+    fn layer_stores<'a>(&self, cache: &'a mut KvCache, li: usize) -> (TokStore<'a>, FloatsMut<'a>) {
+        if cache.spec().float == KvCacheDtype::Fp8 {
+            let (bytes, state) = cache.layer_bytes_and_state_mut(li);
+            (TokStore::Fp8(bytes), state)
+        } else {
+            let (tok, state) = cache.layer_and_state_mut(li);
+            (TokStore::Floats(tok), state)
         }
     }
 
@@ -1130,7 +1191,11 @@ impl DeepseekV4 {
     /// [REF] keeps its caches, spec §2.0). In bf16 every value the cache keeps (window rows,
     /// compressor inputs, compressed entries and indexer keys) is rounded to bf16 when it is
     /// made, before any query reads it, so a prompt gives the same bits whichever steps it was
-    /// split into, in either layout. Caches made before no longer fit.
+    /// split into, in either layout. fp8 (the seed's fp8 cache, compact layout only): the
+    /// rings as in bf16, and each compressed entry and indexer key stored as e4m3 codes with
+    /// power-of-two block scales ([`Fp8Codec`]; with [`DeepseekV4::quant_sim`] on, the values
+    /// [REF] makes are kept exactly); every query reads the stored entries, the step's own too,
+    /// so splits and batching still agree bit for bit. Caches made before no longer fit.
     pub fn set_kv_cache_dtype(&mut self, dtype: KvCacheDtype) {
         self.kv_dtype = dtype;
     }
@@ -1208,6 +1273,14 @@ impl DeepseekV4 {
     /// block, so the block size must be a multiple of it (4 for ratios 4 and 128).
     pub fn check_block_size(&self, block_size: usize) -> Result<()> {
         if self.cache_mode == V4CacheMode::Full {
+            if self.kv_dtype == KvCacheDtype::Fp8 {
+                return Err(ModelError::Options(
+                    "DeepSeek-V4's fp8 cache (--kv-cache-dtype fp8) keeps compressed entries in \
+                     the compact layout only; use --v4-cache compact, or bf16 with --v4-cache \
+                     full"
+                        .into(),
+                ));
+            }
             return Ok(());
         }
         let span = self.entry_span;
@@ -1228,7 +1301,7 @@ impl DeepseekV4 {
         let spec = cache.spec();
         let want = self.cache_spec();
         if spec.width != want.width
-            || spec.int8_width != 0
+            || spec.int8_width != want.int8_width
             || spec.float != want.float
             || spec.seq_state_width != want.seq_state_width
             || spec.layers < layers
@@ -1238,8 +1311,8 @@ impl DeepseekV4 {
                 self.cache_mode.name()
             )));
         }
+        self.check_block_size(cache.block_size())?;
         if self.cache_mode == V4CacheMode::Compact {
-            self.check_block_size(cache.block_size())?;
             // A sequence's rings are found by its slot: with several sequences, the batch
             // must say which is whose (their order may change between steps).
             if batch.num_seqs() > 1 && batch.state_slots.len() < batch.num_seqs() {
@@ -1409,9 +1482,8 @@ impl DeepseekV4 {
         let mut scratch = KvCache::new(
             CacheSpec {
                 layers: 1,
-                width: self.compact_width,
                 seq_state_width: 0,
-                ..self.cache_spec()
+                ..self.spec_for(V4CacheMode::Compact)
             },
             SCRATCH_BLOCK,
             (blocks as usize).max(1),
@@ -1457,7 +1529,7 @@ impl DeepseekV4 {
                         &xn[..nl * h],
                         &local,
                         &ropes_l,
-                        cache.layer_and_state_mut(li),
+                        self.layer_stores(cache, li),
                         bs,
                     ));
                 }
@@ -1470,7 +1542,7 @@ impl DeepseekV4 {
                     &mine.data,
                     RowsView::width(widths),
                     // Rows made for a bf16 cache are bf16 values: 2 bytes each.
-                    self.kv_dtype == KvCacheDtype::Bf16,
+                    self.kv_dtype != KvCacheDtype::F32,
                     "attention rows",
                 )?;
                 drop(mine);
@@ -1484,7 +1556,7 @@ impl DeepseekV4 {
                             w: widths,
                         },
                         Some((&qs, &queries, &ropes_s)),
-                        scratch.layer_and_state_mut(0),
+                        self.layer_stores(&mut scratch, 0),
                         SCRATCH_BLOCK,
                         V4CacheMode::Compact,
                         false,
@@ -1502,7 +1574,7 @@ impl DeepseekV4 {
                                 w: widths,
                             },
                             None,
-                            c.layer_and_state_mut(li),
+                            self.layer_stores(c, li),
                             bs,
                             self.cache_mode,
                             true,
@@ -1684,7 +1756,7 @@ impl DeepseekV4 {
     ) -> Result<()> {
         let bs = cache.block_size();
         self.block_with(b, x, &batch.tokens, batch.is_decode(), step, &mut |xn| {
-            Ok(self.attention(&b.attn, xn, batch, ropes, cache.layer_and_state_mut(li), bs))
+            Ok(self.attention(&b.attn, xn, batch, ropes, self.layer_stores(cache, li), bs))
         })
     }
 
@@ -1817,7 +1889,7 @@ impl DeepseekV4 {
         x: &[f32],
         batch: &Batch,
         ropes: &BatchRopes,
-        cache: (FloatsMut, FloatsMut),
+        cache: (TokStore, FloatsMut),
         bs: usize,
     ) -> Vec<f32> {
         let t_count = batch.num_tokens();
@@ -1885,8 +1957,8 @@ impl DeepseekV4 {
                 }
             }
         }
-        if self.kv_dtype == KvCacheDtype::Bf16 {
-            // What the cache will keep, before any query reads it.
+        if self.kv_dtype != KvCacheDtype::F32 {
+            // What the cache will keep (bf16 rings), before any query reads it.
             data.iter_mut().for_each(|x| *x = k::bf16_round(*x));
         }
         StepRows { data, w }
@@ -1973,11 +2045,19 @@ impl DeepseekV4 {
         batch: &Batch,
         rows: RowsView<'_>,
         queries: Option<QueriesAt<'_>>,
-        (mut tok, mut state): (FloatsMut, FloatsMut),
+        (store, mut state): (TokStore, FloatsMut),
         bs: usize,
         layout: V4CacheMode,
         write: bool,
     ) -> Vec<f32> {
+        // An fp8 cache's bytes (compact only: `check_block_size` refuses it in the full
+        // layout, whose code below reads `tok`).
+        let (mut tok, mut fp8) = match store {
+            TokStore::Floats(f) => (f, None),
+            TokStore::Fp8(b) => (FloatsMut::F32(&mut []), Some(b)),
+        };
+        let codec = fp8_codec(&self.cfg);
+        let is_fp8 = fp8.is_some();
         let cfg = &self.cfg;
         // The heads held here (all, or a tensor-parallel share).
         let (nh, dh, rd) = (at.sink.len(), cfg.head_dim, cfg.qk_rope_head_dim);
@@ -1986,6 +2066,8 @@ impl DeepseekV4 {
         let full = layout == V4CacheMode::Full;
         let width = if full {
             self.cache_width
+        } else if is_fp8 {
+            self.compact_bytes
         } else {
             self.compact_width
         };
@@ -2016,6 +2098,9 @@ impl DeepseekV4 {
             if full {
                 let b = slot_of(table, j * r + r - 1, bs) * width;
                 (b + lay.entry, b + lay.ikey)
+            } else if is_fp8 {
+                let b = slot_of(table, j * r, bs) * width;
+                (b, b + codec.entry_bytes())
             } else {
                 let b = slot_of(table, j * r, bs) * width;
                 (b, b + dh)
@@ -2079,8 +2164,15 @@ impl DeepseekV4 {
             }
             for (s, j, entry, ikey) in emitted {
                 let (e, ik) = entry_at(s, j);
-                tok.write(e, &entry);
-                tok.write(ik, &ikey);
+                if let Some(bytes) = fp8.as_deref_mut() {
+                    codec.encode_entry(&entry, &mut bytes[e..e + codec.entry_bytes()]);
+                    if !ikey.is_empty() {
+                        codec.encode_key(&ikey, &mut bytes[ik..ik + codec.key_bytes()]);
+                    }
+                } else {
+                    tok.write(e, &entry);
+                    tok.write(ik, &ikey);
+                }
             }
         }
 
@@ -2090,6 +2182,23 @@ impl DeepseekV4 {
             Some((qs, queries, ropes)) => {
                 let Queries { q, iq, iw } = qs;
                 let (tok_r, state_r) = (&tok, &state);
+                let fp8_r = fp8.as_deref();
+                // Entry j's values (`key`: its indexer key), decoded in an fp8 cache.
+                let stored = |off: usize, key: bool| -> Cow<[f32]> {
+                    match fp8_r {
+                        Some(bytes) if key => {
+                            let mut v = vec![0.0f32; di];
+                            codec.decode_key(&bytes[off..off + codec.key_bytes()], &mut v);
+                            Cow::Owned(v)
+                        }
+                        Some(bytes) => {
+                            let mut v = vec![0.0f32; dh];
+                            codec.decode_entry(&bytes[off..off + codec.entry_bytes()], &mut v);
+                            Cow::Owned(v)
+                        }
+                        None => tok_r.read(off, if key { di } else { dh }),
+                    }
+                };
                 let win_row = |s: usize, pos: usize| -> Cow<[f32]> {
                     if let Some(i) = step_row(s, pos) {
                         Cow::Borrowed(rows.kv(i))
@@ -2117,7 +2226,7 @@ impl DeepseekV4 {
                                 let scores: Vec<f32> = (0..nc)
                                     .map(|j| {
                                         let (_, ik) = entry_at(s, j);
-                                        let key = tok_r.read(ik, di);
+                                        let key = stored(ik, true);
                                         (0..hi)
                                             .map(|hh| {
                                                 let qh =
@@ -2138,7 +2247,7 @@ impl DeepseekV4 {
                             };
                             for j in chosen {
                                 let (e, _) = entry_at(s, j);
-                                keys.push(tok_r.read(e, dh));
+                                keys.push(stored(e, false));
                             }
                         }
                         let (cos, sin) = ropes.get(compressed, i);

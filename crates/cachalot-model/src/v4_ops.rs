@@ -362,6 +362,122 @@ pub fn fp8_round_trip(x: &mut [f32], block: usize) {
     }
 }
 
+/// The fp8 cache's encoding of a compressed entry and its indexer key (spec §2.12 and §3: the
+/// seed's fp8 cache keeps an entry's nope dims as e4m3 with one ue8m0 scale per 64 values and
+/// its RoPE dims in bf16). Entry: `nope` e4m3 codes, `⌈nope/64⌉` scale bytes, `rope` bf16
+/// values (little-endian); indexer key: `index` e4m3 codes, `⌈index/32⌉` scale bytes. A scale
+/// byte `b` means `2^(b−127)`. The nope scales follow [REF]'s `act_quant` rule
+/// ([`fp8_round_trip`] with block 64), so with the quantisation sims on an entry is stored with
+/// no loss; an indexer key after [REF]'s FP4 round trip (block 32) is e2m1 × 2^k, which e4m3
+/// × a per-32 power of two holds exactly too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Codec {
+    pub nope: usize,
+    pub rope: usize,
+    pub index: usize,
+}
+
+/// Values per scale of the nope dims and of an indexer key.
+const FP8_NOPE_BLOCK: usize = 64;
+const FP8_KEY_BLOCK: usize = 32;
+
+impl Fp8Codec {
+    /// Bytes of an encoded entry.
+    pub fn entry_bytes(&self) -> usize {
+        self.nope + self.nope.div_ceil(FP8_NOPE_BLOCK) + 2 * self.rope
+    }
+
+    /// Bytes of an encoded indexer key.
+    pub fn key_bytes(&self) -> usize {
+        self.index + self.index.div_ceil(FP8_KEY_BLOCK)
+    }
+
+    /// Encodes `entry` (`nope + rope` values) into `out` ([`Fp8Codec::entry_bytes`]).
+    pub fn encode_entry(&self, entry: &[f32], out: &mut [i8]) {
+        let (codes, rest) = out.split_at_mut(self.nope);
+        let (scales, rope) = rest.split_at_mut(self.nope.div_ceil(FP8_NOPE_BLOCK));
+        fp8_encode_blocks(&entry[..self.nope], FP8_NOPE_BLOCK, 1e-4, codes, scales);
+        for (d, &x) in rope
+            .chunks_exact_mut(2)
+            .zip(&entry[self.nope..self.nope + self.rope])
+        {
+            let b = k::f32_to_bf16(x).to_le_bytes();
+            d[0] = b[0] as i8;
+            d[1] = b[1] as i8;
+        }
+    }
+
+    /// Decodes an entry encoded by [`Fp8Codec::encode_entry`] into `out` (`nope + rope`).
+    pub fn decode_entry(&self, bytes: &[i8], out: &mut [f32]) {
+        let (codes, rest) = bytes.split_at(self.nope);
+        let (scales, rope) = rest.split_at(self.nope.div_ceil(FP8_NOPE_BLOCK));
+        fp8_decode_blocks(codes, scales, FP8_NOPE_BLOCK, &mut out[..self.nope]);
+        for (d, b) in out[self.nope..self.nope + self.rope]
+            .iter_mut()
+            .zip(rope.chunks_exact(2))
+        {
+            *d = k::bf16_to_f32(u16::from_le_bytes([b[0] as u8, b[1] as u8]));
+        }
+    }
+
+    /// Encodes an indexer key (`index` values) into `out` ([`Fp8Codec::key_bytes`]).
+    pub fn encode_key(&self, key: &[f32], out: &mut [i8]) {
+        let (codes, scales) = out.split_at_mut(self.index);
+        // The floor keeps the scale a normal power of two (ue8m0 byte ≥ 1).
+        fp8_encode_blocks(key, FP8_KEY_BLOCK, 448.0 * f32::MIN_POSITIVE, codes, scales);
+    }
+
+    /// Decodes an indexer key encoded by [`Fp8Codec::encode_key`] into `out`.
+    pub fn decode_key(&self, bytes: &[i8], out: &mut [f32]) {
+        let (codes, scales) = bytes.split_at(self.index);
+        fp8_decode_blocks(codes, scales, FP8_KEY_BLOCK, out);
+    }
+
+    /// What the cache will give back for `entry`, in place (decode of encode).
+    pub fn round_trip_entry(&self, entry: &mut [f32]) {
+        let mut b = vec![0i8; self.entry_bytes()];
+        self.encode_entry(entry, &mut b);
+        self.decode_entry(&b, entry);
+    }
+
+    /// What the cache will give back for an indexer key, in place.
+    pub fn round_trip_key(&self, key: &mut [f32]) {
+        let mut b = vec![0i8; self.key_bytes()];
+        self.encode_key(key, &mut b);
+        self.decode_key(&b, key);
+    }
+}
+
+/// Per block of `block` values: `s = 2^ceil(log2(max(amax, floor)/448))` (as [`fp8_round_trip`]
+/// computes it), the e4m3 code of `clamp(v/s, ±448)` (ties to even) and the scale's ue8m0 byte.
+fn fp8_encode_blocks(x: &[f32], block: usize, floor: f32, codes: &mut [i8], scales: &mut [i8]) {
+    for ((b, c), sc) in x
+        .chunks(block)
+        .zip(codes.chunks_mut(block))
+        .zip(scales.iter_mut())
+    {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(floor);
+        let s = pow2_ceil(amax * (1.0f32 / 448.0));
+        let e = ((s.to_bits() >> 23) & 0xFF) as u8;
+        *sc = e as i8;
+        let inv = 1.0 / s;
+        for (d, &v) in c.iter_mut().zip(b) {
+            *d = k::fp8::f32_to_e4m3((v * inv).clamp(-448.0, 448.0)) as i8;
+        }
+    }
+}
+
+/// The values of blocks encoded by [`fp8_encode_blocks`].
+fn fp8_decode_blocks(codes: &[i8], scales: &[i8], block: usize, out: &mut [f32]) {
+    let table = k::fp8::e4m3_table();
+    for ((o, c), &sc) in out.chunks_mut(block).zip(codes.chunks(block)).zip(scales) {
+        let s = f32::from_bits(u32::from(sc as u8) << 23);
+        for (d, &q) in o.iter_mut().zip(c) {
+            *d = table[q as u8 as usize] * s;
+        }
+    }
+}
+
 /// e2m1 value nearest to `v` (|v| ≤ 6), ties to the even code.
 pub fn e2m1_round(v: f32) -> f32 {
     let a = v.abs();
@@ -759,6 +875,65 @@ mod tests {
         let mut t = vec![1e-9f32, 0.0];
         fp8_round_trip(&mut t, 2);
         assert_eq!(t[0], 2f32.powi(-30));
+    }
+
+    #[test]
+    fn fp8_cache_codec_is_refs_round_trip_and_keeps_sim_values_exactly() {
+        let c = Fp8Codec {
+            nope: 448,
+            rope: 64,
+            index: 128,
+        };
+        assert_eq!((c.entry_bytes(), c.key_bytes()), (448 + 7 + 128, 128 + 4));
+        let mut seed = 5;
+        for amp in [1e-6f32, 0.01, 1.0, 30.0, 1e4] {
+            let mut e = rand_vec(512, &mut seed, amp);
+            // A block of zeros and a block far smaller than the rest.
+            e[64..128].iter_mut().for_each(|v| *v = 0.0);
+            e[128..192].iter_mut().for_each(|v| *v *= 1e-9);
+            let mut want = e.clone();
+            fp8_round_trip(&mut want[..448], 64);
+            want[448..].iter_mut().for_each(|v| *v = k::bf16_round(*v));
+            let mut got = e.clone();
+            c.round_trip_entry(&mut got);
+            assert_eq!(got, want, "amp {amp}");
+            // Stored values come back unchanged (the CP scratch and the cache agree).
+            let mut again = got.clone();
+            c.round_trip_entry(&mut again);
+            assert_eq!(again, got);
+            // Indexer keys after [REF]'s FP4 round trip are kept exactly; others within e4m3.
+            let mut key = rand_vec(128, &mut seed, amp);
+            key[32..64].iter_mut().for_each(|v| *v *= 1e-12);
+            let mut sim = key.clone();
+            fp4_round_trip(&mut sim, 32);
+            let mut kept = sim.clone();
+            c.round_trip_key(&mut kept);
+            assert_eq!(kept, sim, "amp {amp}");
+            let mut q = key.clone();
+            c.round_trip_key(&mut q);
+            for (blk, (a, b)) in key.chunks(32).zip(q.chunks(32)).enumerate() {
+                let amax = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                for (x, y) in a.iter().zip(b) {
+                    // e4m3: 3 mantissa bits (half a step: 1/16 relative), or the subnormal step.
+                    assert!(
+                        (x - y).abs() <= x.abs() / 16.0 + amax / 448.0 * 2f32.powi(-8),
+                        "block {blk}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+        // The byte layout: codes, then one scale byte per block, then bf16 rope.
+        let mut e = vec![0.0f32; 512];
+        e[0] = 1.0;
+        e[448] = 1.5;
+        let mut b = vec![0i8; c.entry_bytes()];
+        c.encode_entry(&e, &mut b);
+        // amax 1: s = 2^-8 (byte 119), 1/s = 256 → e4m3 0x78 (2^8).
+        assert_eq!((b[0] as u8, b[448] as u8), (0x78, 119));
+        assert_eq!(
+            u16::from_le_bytes([b[455] as u8, b[456] as u8]),
+            k::f32_to_bf16(1.5)
+        );
     }
 
     #[test]

@@ -492,11 +492,12 @@ fn v4_context_parallel_prefill_gives_each_rank_its_own_one_process_logits() {
     // flash_tiny: a 128-token window, ratio-4 and ratio-128 layers; tiny: a window of 8 (shorter
     // than a piece), two hc streams, ratio-4 layers whose indexer picks 4 entries. A bf16 cache
     // sends the rows in 2 bytes a value.
-    use cachalot_model::KvCacheDtype::{Bf16, F32};
+    use cachalot_model::KvCacheDtype::{Bf16, Fp8, F32};
     for (fixture, mode) in [
         ("flash_tiny", (V4CacheMode::Compact, F32)),
         ("flash_tiny", (V4CacheMode::Full, F32)),
         ("flash_tiny", (V4CacheMode::Compact, Bf16)),
+        ("flash_tiny", (V4CacheMode::Compact, Fp8)),
         ("tiny", (V4CacheMode::Compact, F32)),
     ] {
         two_steps_give_each_rank_its_own_logits(

@@ -595,16 +595,93 @@ fn bf16_cache_is_exact_across_steps_and_layouts_and_near_f32() {
         // (Seen: flash_tiny at most 0.011, mean 0.0016; pro_tiny mean 0.0066, 3 of 332 over
         // 0.05, at most 0.28: these random weights amplify a few roundings, as a changed
         // choice of the indexer's entries would.)
-        let d = max_abs_diff(&a, &b);
-        let mean = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32;
-        let big = a
-            .iter()
-            .zip(&b)
-            .filter(|(x, y)| (*x - *y).abs() > 0.05)
-            .count();
+        let (d, mean, big) = gaps(&a, &b, 0.05);
         assert!(
             d > 0.0 && mean < 0.01 && big * 50 <= a.len(),
             "{name}: bf16 against f32 log-probabilities: max {d}, mean {mean}, {big} over 0.05"
         );
+    }
+}
+
+/// How far two log-probability lists are apart: the largest and the mean absolute difference,
+/// and how many differ by more than `over`.
+fn gaps(a: &[f32], b: &[f32], over: f32) -> (f32, f32, usize) {
+    let d = max_abs_diff(a, b);
+    let mean = a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32;
+    let big = a
+        .iter()
+        .zip(b)
+        .filter(|(x, y)| (*x - *y).abs() > over)
+        .count();
+    (d, mean, big)
+}
+
+/// DeepSeek-V4's fp8 cache (compact layout): compressed entries and indexer keys as e4m3 codes
+/// with power-of-two block scales, the rings in bf16. A prompt's logits are the same bits
+/// whichever steps it runs in; with [REF]'s quantisation sims on (entries e4m3 × 2^k, keys
+/// e2m1 × 2^k) nothing is lost: the bf16 cache's bits exactly; without them the logits stay near
+/// the f32 cache's; the token slots take under a third of the f32 cache's bytes. The full
+/// layout refuses it, naming what to use.
+#[test]
+fn fp8_cache_is_exact_across_steps_lossless_under_the_sims_and_near_f32() {
+    for name in MODELS {
+        let with = |dtype, sim| {
+            let mut m = load(name, false);
+            m.set_kv_cache_dtype(dtype);
+            m.quant_sim = sim;
+            m
+        };
+        let exact = with(KvCacheDtype::F32, false);
+        let fp8 = with(KvCacheDtype::Fp8, false);
+        let (b, f) = (
+            with(KvCacheDtype::Bf16, false).cache_spec(),
+            fp8.cache_spec(),
+        );
+        assert_eq!(
+            (f.float, f.int8_width, f.width),
+            (KvCacheDtype::Fp8, f.width, f.width)
+        );
+        assert!(
+            3 * f.bytes_per_token() < exact.cache_spec().bytes_per_token(),
+            "{name}: {f:?} against {:?}",
+            exact.cache_spec()
+        );
+        assert_eq!(f.seq_state_bytes(), b.seq_state_bytes(), "{name}");
+        let v = exact.config().vocab_size;
+        let r = reference(name);
+        let toks = ids(&r["sequences"][3]["token_ids"]);
+        let want = logits_in_steps(&fp8, &toks, &[toks.len()]);
+        let mut steps = vec![300];
+        steps.extend(std::iter::repeat_n(1, toks.len() - 300));
+        for chunks in [steps, vec![37], vec![128, 1, 2, 3, 131]] {
+            let got = logits_in_steps(&fp8, &toks, &chunks);
+            assert_eq!(
+                max_abs_diff(&want, &got),
+                0.0,
+                "{name}: steps {:?}",
+                &chunks[..chunks.len().min(3)]
+            );
+        }
+        let sims = [KvCacheDtype::Fp8, KvCacheDtype::Bf16]
+            .map(|d| logits_in_steps(&with(d, true), &toks, &[37]));
+        assert_eq!(
+            max_abs_diff(&sims[0], &sims[1]),
+            0.0,
+            "{name}: fp8 under the sims"
+        );
+        // Against the f32 cache (e4m3 keeps 3 mantissa bits of each entry value).
+        let f32_logits = logits_in_steps(&exact, &toks, &[toks.len()]);
+        let (a, b) = (logprobs(&f32_logits, v, &toks), logprobs(&want, v, &toks));
+        // (Seen: flash_tiny mean 0.0017, at most 0.011; pro_tiny mean 0.018, 10 of 332 over
+        // 0.1, at most 1.0.)
+        let (d, mean, big) = gaps(&a, &b, 0.1);
+        assert!(
+            d > 0.0 && mean < 0.05 && big * 20 <= a.len(),
+            "{name}: fp8 against f32 log-probabilities: max {d}, mean {mean}, {big} over 0.1"
+        );
+        let mut full = with(KvCacheDtype::Fp8, false);
+        full.set_cache_mode(V4CacheMode::Full);
+        let e = full.check_block_size(BS).unwrap_err().to_string();
+        assert!(e.contains("--v4-cache compact"), "{e}");
     }
 }

@@ -462,6 +462,14 @@ fn request_line(
 }
 
 /// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
+/// Why `--kv-cache-dtype fp8` is refused outside DeepSeek-V4.
+pub fn fp8_cache_refusal() -> String {
+    "--kv-cache-dtype fp8 is DeepSeek-V4's cache (compressed entries in e4m3); the \
+     DeepSeek-V3/R1/Kimi-K2 latent cache is f32 or bf16, or int8 (C8) from a W8A8C8 checkpoint \
+     (cachalot convert --quant-mode w8a8c8)"
+        .to_string()
+}
+
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunResult, Error> {
     run_ranked(cfg, opts, Arc::new(SingleProcess))
 }
@@ -771,6 +779,9 @@ pub fn run_ranked(
         None if family == ModelFamily::DeepseekV4 => KvCacheDtype::F32,
         None => KvCacheDtype::Bf16,
     };
+    if kv_cache_dtype == KvCacheDtype::Fp8 && family != ModelFamily::DeepseekV4 {
+        return Err(fp8_cache_refusal().into());
+    }
     // with_ckpt: false (the seed's dummy loader, executor spec §6.6): random weights of the
     // config's shapes in a temporary directory (removed when the run ends); config and
     // tokenizer stay those of model_path.

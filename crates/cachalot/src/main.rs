@@ -56,6 +56,9 @@ enum KvDtypeArg {
     Auto,
     F32,
     Bf16,
+    /// DeepSeek-V4 only (compact layout): compressed entries and indexer keys as e4m3 with
+    /// power-of-two block scales (the seed's fp8 cache), the rings in bf16.
+    Fp8,
 }
 
 impl KvDtypeArg {
@@ -65,6 +68,7 @@ impl KvDtypeArg {
             KvDtypeArg::Auto => None,
             KvDtypeArg::F32 => Some(KvCacheDtype::F32),
             KvDtypeArg::Bf16 => Some(KvCacheDtype::Bf16),
+            KvDtypeArg::Fp8 => Some(KvCacheDtype::Fp8),
         }
     }
 }
@@ -263,7 +267,11 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
     if args.int8_head {
         model.quantize_head_int8();
     }
-    model.set_kv_cache_dtype(args.kv_cache_dtype.chosen().unwrap_or(KvCacheDtype::Bf16));
+    let dtype = args.kv_cache_dtype.chosen().unwrap_or(KvCacheDtype::Bf16);
+    if dtype == KvCacheDtype::Fp8 {
+        bail!("{}", cachalot_run::offline::fp8_cache_refusal());
+    }
+    model.set_kv_cache_dtype(dtype);
     Ok(model)
 }
 

@@ -416,17 +416,18 @@ fn v4_model_directories_run_generate_and_perplexity() {
 }
 
 /// `--kv-cache-dtype bf16`: `run` records it and its cache takes half the bytes for the same
-/// blocks; on a V4 directory too (whose default is f32).
+/// blocks; on a V4 directory too (whose default is f32), which also takes fp8.
 #[test]
 fn kv_cache_dtype_bf16_halves_the_cache() {
     let tmp = tempfile::tempdir().unwrap();
     let res = tmp.path().display().to_string();
-    let run = |dtype: &str| {
+    // `run --config CONFIG` from the repository root; its summary.json.
+    let run_config = |config: &str, dtype: &str| {
         let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
             .args([
                 "run",
                 "--config",
-                "configs/tiny/r1_tiny.yaml",
+                config,
                 "--num-requests",
                 "4",
                 "--kv-blocks",
@@ -443,6 +444,8 @@ fn kv_cache_dtype_bf16_halves_the_cache() {
             .unwrap();
         json(&ok(out))
     };
+    let run = |dtype: &str| run_config("configs/tiny/r1_tiny.yaml", dtype);
+    let run_v4 = |dtype: &str| run_config("configs/tiny/v4_flash_tiny.yaml", dtype);
     let (a, b, auto) = (run("f32"), run("bf16"), run("auto"));
     assert_eq!(a["kv_cache_dtype"], "f32");
     assert_eq!(b["kv_cache_dtype"], "bf16");
@@ -489,7 +492,71 @@ fn kv_cache_dtype_bf16_halves_the_cache() {
     // DeepSeek-V4: f32 by default (exact against its reference), bf16 when asked: half the
     // bytes, and generate runs with it.
     let d = root().join("fixtures/v4/flash_tiny").display().to_string();
-    ok(cachalot(
+    let generate = |dtype: &str| {
+        let args = ["generate", "--model", &d, "--token-ids", "0"];
+        ok(cachalot(
+            &[&args[..], &["--kv-cache-dtype", dtype]].concat(),
+            None,
+        ))
+    };
+    generate("bf16");
+    let (auto, half) = (bench(&d, "auto"), bench(&d, "bf16"));
+    assert_eq!(auto["kv_cache_dtype"], "f32");
+    assert_eq!(half["kv_cache_dtype"], "bf16");
+    assert_eq!(
+        auto["kv_cache_bytes"].as_u64().unwrap(),
+        2 * half["kv_cache_bytes"].as_u64().unwrap()
+    );
+
+    // fp8 (V4's compact cache only): entries in e4m3, the rings as bf16's; generate and an
+    // offline run take it. The V3 family and V4's full layout refuse it, saying what to use.
+    let eighth = bench(&d, "fp8");
+    assert_eq!(eighth["kv_cache_dtype"], "fp8");
+    assert!(
+        eighth["kv_cache_bytes"].as_u64().unwrap() < half["kv_cache_bytes"].as_u64().unwrap(),
+        "{eighth}"
+    );
+    generate("fp8");
+    let r = run_v4("fp8");
+    assert_eq!(r["kv_cache_dtype"], "fp8");
+    assert!(r["output_tokens"].as_u64().unwrap() > 0, "{r}");
+    let refused = |args: &[&str], want: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args(args)
+            .current_dir(root())
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && e.contains(want), "{args:?}: {e}");
+    };
+    refused(
+        &[
+            "generate",
+            "--model",
+            &r1_tiny(),
+            "--token-ids",
+            "0",
+            "--kv-cache-dtype",
+            "fp8",
+        ],
+        "--quant-mode w8a8c8",
+    );
+    refused(
+        &[
+            "run",
+            "--config",
+            "configs/tiny/r1_tiny.yaml",
+            "--num-requests",
+            "1",
+            "--res-dir",
+            &res,
+            "--quiet",
+            "--kv-cache-dtype",
+            "fp8",
+        ],
+        "is DeepSeek-V4's cache",
+    );
+    refused(
         &[
             "generate",
             "--model",
@@ -497,16 +564,11 @@ fn kv_cache_dtype_bf16_halves_the_cache() {
             "--token-ids",
             "0",
             "--kv-cache-dtype",
-            "bf16",
+            "fp8",
+            "--v4-cache",
+            "full",
         ],
-        None,
-    ));
-    let (auto, half) = (bench(&d, "auto"), bench(&d, "bf16"));
-    assert_eq!(auto["kv_cache_dtype"], "f32");
-    assert_eq!(half["kv_cache_dtype"], "bf16");
-    assert_eq!(
-        auto["kv_cache_bytes"].as_u64().unwrap(),
-        2 * half["kv_cache_bytes"].as_u64().unwrap()
+        "--v4-cache compact",
     );
 }
 
