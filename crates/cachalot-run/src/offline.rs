@@ -770,11 +770,18 @@ pub fn run_ranked(
     let family = detect_family(&model_dir)?;
     // The seed's `model_config.dtype` names the cache's dtype (executor spec §1.1: its only
     // use there); bfloat16, its default, gives V4 f32 here unless --kv-cache-dtype says bf16
-    // (V4's f32 cache is exact against its reference).
+    // (V4's f32 cache is exact against its reference), or fp8 on platform_version 950.
     let kv_cache_dtype = match opts.kv_cache_dtype {
         Some(d) => d,
         None if ["float32", "fp32"].contains(&m.dtype.to_ascii_lowercase().as_str()) => {
             KvCacheDtype::F32
+        }
+        // The seed's Ascend 950 keeps DeepSeek-V4's cache in fp8 (spec deepseek-v4.md §3).
+        None if family == ModelFamily::DeepseekV4
+            && m.platform_version.as_deref() == Some("950")
+            && opts.v4_cache == V4CacheMode::Compact =>
+        {
+            KvCacheDtype::Fp8
         }
         None if family == ModelFamily::DeepseekV4 => KvCacheDtype::F32,
         None => KvCacheDtype::Bf16,

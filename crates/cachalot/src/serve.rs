@@ -471,6 +471,17 @@ fn settings(args: &ServeArgs) -> Result<Settings> {
         {
             model.kv_cache_dtype = crate::KvDtypeArg::F32;
         }
+        // As `run`: the seed's Ascend 950 keeps DeepSeek-V4's (compact) cache in fp8.
+        if matches!(model.kv_cache_dtype, crate::KvDtypeArg::Auto)
+            && m.platform_version.as_deref() == Some("950")
+            && model.v4_cache == cachalot_model::V4CacheMode::Compact
+            && model
+                .model
+                .as_deref()
+                .is_some_and(|d| detect_family(d).ok() == Some(ModelFamily::DeepseekV4))
+        {
+            model.kv_cache_dtype = crate::KvDtypeArg::Fp8;
+        }
         if let Some(v) = m.custom_params.get("num_hidden_layers") {
             let n = v.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
                 anyhow::anyhow!(

@@ -520,6 +520,22 @@ fn kv_cache_dtype_bf16_halves_the_cache() {
     let r = run_v4("fp8");
     assert_eq!(r["kv_cache_dtype"], "fp8");
     assert!(r["output_tokens"].as_u64().unwrap() > 0, "{r}");
+    // The seed's Ascend 950 keeps V4's cache in fp8: so does `auto` for a YAML naming it.
+    let yaml = std::fs::read_to_string(root().join("configs/tiny/v4_flash_tiny.yaml")).unwrap();
+    let on_950 = tmp.path().join("v4_950.yaml");
+    let model_path = root().join("fixtures/v4/flash_tiny").display().to_string();
+    std::fs::write(
+        &on_950,
+        yaml.replace(
+            "  model_path: \"fixtures/v4/flash_tiny\"",
+            &format!("  model_path: {model_path:?}\n  platform_version: \"950\""),
+        ),
+    )
+    .unwrap();
+    assert_eq!(
+        run_config(on_950.to_str().unwrap(), "auto")["kv_cache_dtype"],
+        "fp8"
+    );
     let refused = |args: &[&str], want: &str| {
         let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
             .args(args)
