@@ -95,6 +95,10 @@ def random_config(rng):
     # The cache layout every cachalot command of the case runs with (drawn last, so a seed's
     # model is what it was before the layouts existed).
     meta["v4_cache"] = ch(["compact", "compact", "full"])
+    # The cache dtype of the run check (batching, preemption, MTP and ranks against one
+    # process; the reference comparison stays f32): fp8 exists in the compact layout only.
+    kv = ["f32", "bf16"] + (["fp8"] if meta["v4_cache"] == "compact" else [])
+    meta["run_kv"] = ch(kv)
     return c, meta
 
 
@@ -184,7 +188,8 @@ def run_case(name, c, meta, wseed, keep=False, attempts=4):
     if res["status"] in ("ok", "tie"):
         why, ranks = run_check(ENGINE, d, "deepseek_v4", wseed + 31,
                         c.get("num_nextn_predict_layers", 0) > 0, meta.get("threads", 1),
-                        extra=["--v4-cache", meta.get("v4_cache", "compact")])
+                        extra=["--v4-cache", meta.get("v4_cache", "compact"),
+                               "--kv-cache-dtype", meta.get("run_kv", "f32")])
         res["ranks"] = ranks
         if why:
             res["status"] = "run_mismatch"
@@ -209,7 +214,7 @@ def summary(res):
             f"hc{c['hc_mult']}/{c['hc_sinkhorn_iters']} win{c['sliding_window']} rsf{c['routed_scaling_factor']} "
             f"clamp{c['swiglu_limit']} norm{int(c['norm_topk_prob'])} yarn f={rs['factor']} "
             f"orig={rs['original_max_position_embeddings']} | seq{m['seq_lens']} chunk{m['chunk']} "
-            f"gain{m['expert_gain']} t{m['threads']} {m.get('v4_cache', 'compact')}")
+            f"gain{m['expert_gain']} t{m['threads']} {m.get('v4_cache', 'compact')} kv={m.get('run_kv', 'f32')}")
 
 
 def main():
