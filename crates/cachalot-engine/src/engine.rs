@@ -130,11 +130,19 @@ pub trait Model {
     fn check_block_size(&self, _block_size: usize) -> Result<(), EngineError> {
         Ok(())
     }
+    /// Tokens each routed expert took since load, per MoE layer (its key; MTP layers after
+    /// the main ones), as this process routed them; empty for a model without routed experts.
+    fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
+        Vec::new()
+    }
 }
 
 impl Model for DeepseekV3 {
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
         Ok(DeepseekV3::forward(self, batch, cache, false)?.logits)
+    }
+    fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
+        DeepseekV3::expert_load(self)
     }
     fn cache_spec(&self) -> CacheSpec {
         DeepseekV3::cache_spec(self)
@@ -205,6 +213,9 @@ impl Model for DeepseekV4 {
     }
     fn check_block_size(&self, block_size: usize) -> Result<(), EngineError> {
         Ok(DeepseekV4::check_block_size(self, block_size)?)
+    }
+    fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
+        DeepseekV4::expert_load(self)
     }
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
         Ok(DeepseekV4::forward(self, batch, cache, false)?.logits)
@@ -299,6 +310,9 @@ impl<T: Model + ?Sized> Model for &T {
     }
     fn check_block_size(&self, block_size: usize) -> Result<(), EngineError> {
         (**self).check_block_size(block_size)
+    }
+    fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
+        (**self).expert_load()
     }
 }
 

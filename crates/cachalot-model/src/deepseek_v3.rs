@@ -153,6 +153,8 @@ pub struct DeepseekV3 {
     pub attention_path: AttentionPath,
     /// `force_eplb`: routed expert ids replaced by a balanced assignment (`crate::eplb`).
     force_eplb: Option<BalancedRouting>,
+    /// Tokens each routed expert took, per MoE layer ([`crate::eplb::ExpertLoad`]).
+    expert_load: crate::eplb::ExpertLoad,
     /// The routed experts held here, and the group that holds the others.
     shard: ExpertShard,
     /// The heads and intermediate features held here (tensor parallelism).
@@ -669,6 +671,10 @@ impl DeepseekV3 {
         cfg.num_hidden_layers = keep;
         let rope = Rope::new(&cfg);
         let softmax_scale = cfg.softmax_scale();
+        let expert_load = crate::eplb::ExpertLoad::new(
+            cfg.num_hidden_layers + mtp.len(),
+            cfg.n_routed_experts.unwrap_or(0),
+        );
         Ok(DeepseekV3 {
             cfg,
             embed: VocabRows {
@@ -681,6 +687,7 @@ impl DeepseekV3 {
             mtp,
             rope,
             softmax_scale,
+            expert_load,
             force_eplb: None,
             attention_path: AttentionPath::Auto,
             shard: opts.expert_shard,
@@ -713,6 +720,13 @@ impl DeepseekV3 {
     /// every MoE layer (the MTP layer's too) replaces the router's top-k ids by the balanced
     /// assignment and keeps the gate's weights. Outputs are meaningless then; throughput is
     /// what it measures. Errors if the assignment is for another expert count.
+    /// Tokens each routed expert took since load, per MoE layer that routed any (its key,
+    /// MTP layers after the main ones): this process's routing (under dispatched expert
+    /// parallelism, its own tokens only).
+    pub fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
+        self.expert_load.snapshot()
+    }
+
     pub fn set_force_eplb(&mut self, routing: Option<BalancedRouting>) -> Result<()> {
         if let Some(r) = &routing {
             r.check_model(self.cfg.n_routed_experts.unwrap_or(0))?;
@@ -1855,6 +1869,7 @@ impl DeepseekV3 {
         }
         let assigned =
             crate::eplb::by_expert(&mut ids, &ws, kk, e, self.force_eplb.as_ref(), decode);
+        self.expert_load.record(moe.key, &assigned);
         let gather = |pairs: &[(usize, f32)]| {
             let mut xs = Vec::with_capacity(pairs.len() * h);
             for &(t, _) in pairs {

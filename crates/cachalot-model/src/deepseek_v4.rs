@@ -413,6 +413,8 @@ pub struct DeepseekV4 {
     /// `force_eplb`: routed expert ids (hash layers' included) replaced by a balanced
     /// assignment (`crate::eplb`).
     force_eplb: Option<BalancedRouting>,
+    /// Tokens each routed expert took, per MoE layer ([`crate::eplb::ExpertLoad`]).
+    expert_load: crate::eplb::ExpertLoad,
     /// The routed experts held here, and the group that holds the others.
     shard: ExpertShard,
     /// The heads, output groups, features and vocabulary rows held here.
@@ -1078,6 +1080,8 @@ impl DeepseekV4 {
             .map(|r| r.state_width(cfg.head_dim))
             .max()
             .unwrap_or(0);
+        let expert_load =
+            crate::eplb::ExpertLoad::new(cfg.num_hidden_layers + mtp.len(), cfg.n_routed_experts);
         Ok(DeepseekV4 {
             cfg,
             embed: VocabRows {
@@ -1099,6 +1103,7 @@ impl DeepseekV4 {
             cache_mode: V4CacheMode::default(),
             kv_dtype: KvCacheDtype::F32,
             quant_sim: false,
+            expert_load,
             force_eplb: None,
             shard: opts.expert_shard,
             tp: t,
@@ -1111,6 +1116,13 @@ impl DeepseekV4 {
     /// every MoE layer — hash-routed ones and the MTP blocks' included — replaces its top-k ids
     /// by the balanced assignment and keeps the gate's weights. Errors if the assignment is for
     /// another expert count.
+    /// Tokens each routed expert took since load, per MoE layer that routed any (its key,
+    /// MTP layers after the main ones): this process's routing (under dispatched expert
+    /// parallelism, its own tokens only).
+    pub fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
+        self.expert_load.snapshot()
+    }
+
     pub fn set_force_eplb(&mut self, routing: Option<BalancedRouting>) -> Result<()> {
         if let Some(r) = &routing {
             r.check_model(self.cfg.n_routed_experts)?;
@@ -2380,6 +2392,7 @@ impl DeepseekV4 {
         }
         let assigned =
             crate::eplb::by_expert(&mut ids, &ws, kk, e, self.force_eplb.as_ref(), decode);
+        self.expert_load.record(m.key, &assigned);
         // Each active expert's output added to its tokens in id order: at once in one process;
         // under expert parallelism the outputs held here are gathered with the other ranks'
         // first (the same order, so the same sums).

@@ -13,8 +13,76 @@
 //! On one process (rank 0, `ep = 1`) both reduce to `j mod E`. The seed builds the decode ids
 //! once for its static decode batch; here a step's ids are built for the tokens it has, and a
 //! step counts as decode when every sequence in it contributes one token (`Batch::is_decode`).
+//!
+//! [`ExpertLoad`] counts the tokens each routed expert of each MoE layer takes, what expert load
+//! balancing works from (vLLM's EPLB records the same per step); [`balancedness`] is vLLM's
+//! figure for it: the mean over the maximum of the tokens each expert-parallel rank's experts
+//! take.
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{ModelError, Result};
+
+/// Tokens routed to each expert of each MoE layer (by the layer's checkpoint index, MTP layers
+/// after the main ones) since the model was loaded: every routed (token, expert) pair of every
+/// forward this process ran, its own tokens only when tokens are dispatched to other ranks.
+pub struct ExpertLoad {
+    experts: usize,
+    counts: Vec<AtomicU64>,
+}
+
+impl ExpertLoad {
+    /// Counters for layers `0..layers` of `experts` routed experts each.
+    pub fn new(layers: usize, experts: usize) -> ExpertLoad {
+        ExpertLoad {
+            experts,
+            counts: (0..layers * experts).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Adds a step's routing of layer `key` (per expert, its (token, weight) pairs).
+    pub fn record(&self, key: u32, assigned: &[Vec<(usize, f32)>]) {
+        let base = key as usize * self.experts;
+        for (id, pairs) in assigned.iter().enumerate().take(self.experts) {
+            if !pairs.is_empty() {
+                if let Some(c) = self.counts.get(base + id) {
+                    c.fetch_add(pairs.len() as u64, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Per layer that routed any token: its key and every expert's count.
+    pub fn snapshot(&self) -> Vec<(u32, Vec<u64>)> {
+        if self.experts == 0 {
+            return Vec::new();
+        }
+        self.counts
+            .chunks(self.experts)
+            .enumerate()
+            .map(|(key, c)| {
+                let v: Vec<u64> = c.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+                (key as u32, v)
+            })
+            .filter(|(_, v)| v.iter().any(|&n| n > 0))
+            .collect()
+    }
+}
+
+/// vLLM's EPLB "balancedness" of one layer's expert counts over `ranks` expert-parallel ranks
+/// holding contiguous equal shares of the experts (ours, [`crate::ExpertShard::owner`]): the
+/// mean over the maximum of the ranks' token counts; 1 is perfect, 1/ranks all on one rank.
+/// 1 for a layer without tokens.
+pub fn balancedness(counts: &[u64], ranks: usize) -> f64 {
+    let ranks = ranks.max(1);
+    let per = counts.len().div_ceil(ranks).max(1);
+    let loads: Vec<u64> = counts.chunks(per).map(|c| c.iter().sum()).collect();
+    let max = loads.iter().copied().max().unwrap_or(0);
+    if max == 0 {
+        return 1.0;
+    }
+    loads.iter().sum::<u64>() as f64 / ranks as f64 / max as f64
+}
 
 /// Where this process sits in expert parallelism, for the balanced assignment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +188,24 @@ pub fn by_expert(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn expert_load_counts_routed_pairs_and_balancedness_is_mean_over_max() {
+        let load = ExpertLoad::new(3, 4);
+        // Layer 1: expert 0 takes tokens 0 and 1, expert 3 token 0.
+        let a = vec![vec![(0, 0.5), (1, 0.5)], vec![], vec![], vec![(0, 0.5)]];
+        load.record(1, &a);
+        load.record(1, &a);
+        // An out-of-range key is ignored, not a panic.
+        load.record(7, &a);
+        assert_eq!(load.snapshot(), vec![(1, vec![4, 0, 0, 2])]);
+        // Two ranks: experts 0-1 (4 tokens) and 2-3 (2): mean 3 over max 4.
+        assert_eq!(balancedness(&[4, 0, 0, 2], 2), 0.75);
+        assert_eq!(balancedness(&[4, 0, 0, 2], 1), 1.0);
+        assert_eq!(balancedness(&[1, 1, 1, 1], 4), 1.0);
+        assert_eq!(balancedness(&[8, 0, 0, 0], 4), 0.25);
+        assert_eq!(balancedness(&[0, 0], 2), 1.0);
+    }
 
     #[test]
     fn one_process_is_round_robin_over_slots() {

@@ -255,6 +255,79 @@ pub struct Summary {
     /// Prefix caching figures (absent when it was off).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefix_cache: Option<PrefixCacheSummary>,
+    /// Tokens per routed expert and how evenly they fall on the ranks (absent without routed
+    /// experts).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_load: Option<ExpertLoadSummary>,
+}
+
+/// How the run's tokens fell on the routed experts (`expert_load` in summary.json): what expert
+/// load balancing would spread.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExpertLoadSummary {
+    /// Tokens each routed expert took, per MoE layer (its checkpoint index; MTP layers after
+    /// the main ones), every rank's routing summed.
+    pub tokens: std::collections::BTreeMap<String, Vec<u64>>,
+    /// Expert-parallel ranks the balancedness is of (the run's; 1 without expert parallelism).
+    pub ep_ranks: usize,
+    /// vLLM's EPLB balancedness (the mean over the maximum of the ranks' tokens, 1 = even)
+    /// over the layers: their mean and the worst layer's.
+    pub balancedness_mean: f64,
+    pub balancedness_min: f64,
+    /// The busiest expert's tokens over the mean expert's, in the layer where that is largest.
+    pub hottest_over_mean: f64,
+}
+
+impl ExpertLoadSummary {
+    /// The figures of per-layer counts over `ep_ranks` expert-parallel ranks (None without
+    /// routed experts).
+    pub fn of(load: &[(u32, Vec<u64>)], ep_ranks: usize) -> Option<ExpertLoadSummary> {
+        if load.is_empty() {
+            return None;
+        }
+        let bal: Vec<f64> = load
+            .iter()
+            .map(|(_, c)| cachalot_model::eplb::balancedness(c, ep_ranks))
+            .collect();
+        let hottest = load
+            .iter()
+            .map(|(_, c)| {
+                let total: u64 = c.iter().sum();
+                let max = c.iter().copied().max().unwrap_or(0);
+                if total == 0 {
+                    1.0
+                } else {
+                    max as f64 * c.len() as f64 / total as f64
+                }
+            })
+            .fold(0.0, f64::max);
+        Some(ExpertLoadSummary {
+            tokens: load
+                .iter()
+                .map(|(k, c)| (k.to_string(), c.clone()))
+                .collect(),
+            ep_ranks,
+            balancedness_mean: bal.iter().sum::<f64>() / bal.len() as f64,
+            balancedness_min: bal.iter().copied().fold(1.0, f64::min),
+            hottest_over_mean: hottest,
+        })
+    }
+}
+
+/// Sums per-layer expert counts of several ranks (layers by key).
+fn sum_expert_loads<'a>(
+    loads: impl Iterator<Item = &'a Vec<(u32, Vec<u64>)>>,
+) -> Vec<(u32, Vec<u64>)> {
+    let mut sum: std::collections::BTreeMap<u32, Vec<u64>> = Default::default();
+    for load in loads {
+        for (k, c) in load {
+            let acc = sum.entry(*k).or_insert_with(|| vec![0; c.len()]);
+            for (a, b) in acc.iter_mut().zip(c) {
+                *a += b;
+            }
+        }
+    }
+    sum.into_iter().collect()
 }
 
 /// Figures of prefix caching over a run.
@@ -286,6 +359,7 @@ pub struct RankFigures {
 struct RankReport {
     outputs: Vec<RequestOutput>,
     stats: EngineStats,
+    expert_load: Vec<(u32, Vec<u64>)>,
     wall_s: f64,
     load_s: f64,
     prompt_tokens: usize,
@@ -1160,6 +1234,9 @@ pub fn run_ranked(
     let mut load_s = load_s;
     let mut cache_bytes = engine.cache_bytes();
     let mut per_rank = Vec::new();
+    // Under expert or tensor parallelism every rank routed the whole batch: this rank's counts
+    // are the run's; data-parallel ranks' are summed on rank 0 below.
+    let mut expert_load = model.expert_load();
     // Per-rank rates, summed over ranks that ran at the same time.
     let per = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     let mut prefill_tok_s = per(stats.prefill_tokens, stats.prefill_step_s);
@@ -1175,6 +1252,7 @@ pub fn run_ranked(
         let report = RankReport {
             outputs: std::mem::take(&mut outputs),
             stats: stats.clone(),
+            expert_load: std::mem::take(&mut expert_load),
             wall_s,
             load_s,
             prompt_tokens,
@@ -1217,6 +1295,7 @@ pub fn run_ranked(
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             stats = merge_stats(reports.iter().map(|r| &r.stats));
+            expert_load = sum_expert_loads(reports.iter().map(|r| &r.expert_load));
             prefill_tok_s = reports
                 .iter()
                 .map(|r| per(r.stats.prefill_tokens, r.stats.prefill_step_s))
@@ -1340,6 +1419,10 @@ pub fn run_ranked(
             cached_tokens: stats.prefix_cached_tokens,
             hit_rate: stats.prefix_cached_tokens as f64 / stats.prefix_query_tokens.max(1) as f64,
         }),
+        expert_load: ExpertLoadSummary::of(
+            &expert_load,
+            if experts_split || dispatch { ranks } else { 1 },
+        ),
     };
     if rank != 0 {
         logln!(
@@ -1543,6 +1626,16 @@ pub fn summary_table(s: &Summary) -> String {
                 p.cached_tokens,
                 p.queried_tokens,
                 100.0 * p.hit_rate
+            ),
+        ));
+    }
+    if let Some(e) = &s.expert_load {
+        rows.push((
+            "expert load".into(),
+            format!(
+                "busiest expert {:.2}x the mean; balancedness over {} EP rank(s) {:.3} mean, \
+                 {:.3} worst layer",
+                e.hottest_over_mean, e.ep_ranks, e.balancedness_mean, e.balancedness_min
             ),
         ));
     }

@@ -812,6 +812,22 @@ fn run_with_two_ranks_equals_one_process() {
         assert_eq!(a["id"], b["id"]);
         assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
     }
+    // Every layout routes the same tokens to the same experts: summary.json's expert_load
+    // (data-parallel ranks' counts summed on rank 0), with the balancedness of the layout's
+    // expert-parallel ranks.
+    let load = &s1["expert_load"];
+    assert!(load["tokens"]["1"].as_array().unwrap().len() > 1, "{load}");
+    for (s, ep) in [(&s2, 1), (&s3, 2), (&s4, 1), (&s5, 2), (&s6, 2)] {
+        assert_eq!(
+            s["expert_load"]["tokens"], load["tokens"],
+            "{}",
+            s["parallel"]
+        );
+        assert_eq!(s["expert_load"]["ep_ranks"], ep, "{}", s["parallel"]);
+    }
+    let bal = s6["expert_load"]["balancedness_min"].as_f64().unwrap();
+    assert!((0.5..=1.0).contains(&bal), "{bal}");
+    assert_eq!(load["balancedness_mean"], 1.0);
     // Prefill context parallelism (context): every prompt computed by both ranks (each takes
     // two of its four pieces), decoded by its own rank as under data-expert; MTP too.
     let (s8, eight) = run(&["--ranks", "2", "--parallel", "context", "--mtp", "1"]);
