@@ -566,11 +566,19 @@ impl DeepseekV3 {
     ) -> Result<DeepseekV3> {
         let keep = match opts.max_layers {
             Some(0) => {
-                return Err(ModelError::Batch(
+                return Err(ModelError::Options(
                     "num_hidden_layers override 0: a model needs at least one layer".into(),
                 ))
             }
-            Some(n) => n.min(cfg.num_hidden_layers),
+            Some(n) if n > cfg.num_hidden_layers => {
+                return Err(ModelError::Options(format!(
+                    "num_hidden_layers override {n} exceeds the checkpoint's {} layers \
+                     (config.json num_hidden_layers): give at most {}, or none for the whole \
+                     model",
+                    cfg.num_hidden_layers, cfg.num_hidden_layers
+                )))
+            }
+            Some(n) => n,
             None => cfg.num_hidden_layers,
         };
         let block = match &cfg.quantization {

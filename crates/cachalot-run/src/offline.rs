@@ -923,6 +923,13 @@ pub fn run_ranked(
                 logln!("custom_params.num_hidden_layers: only the first {n} decoder layers run");
                 max_layers = Some(n as usize);
             }
+        } else if strsim::jaro_winkler(k, "num_hidden_layers") >= 0.9 {
+            return Err(format!(
+                "model_config.custom_params.{k}: did you mean num_hidden_layers? (the one \
+                 custom_params key applied here; the others are the seed's NPU switches, \
+                 without effect)"
+            )
+            .into());
         } else {
             logln!("custom_params.{k}: an NPU switch, no effect here");
         }
@@ -1025,7 +1032,18 @@ pub fn run_ranked(
         .check_block_size(block_size)
         .map_err(|e| format!("scheduler_config.block_size {block_size}: {e}"))?;
     let per_block = kv_bytes_per_block(model.cache_spec(), block_size);
-    let seed_blocks = cfg.max_total_len().div_ceil(block_size) * rank_batch + 1;
+    // A request stops at the model's positions (finish_reason "length", as vLLM's
+    // max_model_len), so no sequence needs more blocks than those.
+    let positions = model.max_positions();
+    if cfg.max_total_len() > positions {
+        logln!(
+            "note: input_truncated_len + max_new_tokens ({}) exceeds the model's {positions} \
+             positions (max_position_embeddings): requests stop there (finish_reason length), \
+             and the KV pool is sized for {positions}",
+            cfg.max_total_len()
+        );
+    }
+    let seed_blocks = cfg.max_total_len().min(positions).div_ceil(block_size) * rank_batch + 1;
     // A state slot per running sequence (DeepSeek-V4's compact rings) comes out of the budget.
     let state_bytes = (model.cache_spec().seq_state_bytes() * rank_batch) as u64;
     if state_bytes > 0 {

@@ -1450,7 +1450,36 @@ fn respond_json(request: tiny_http::Request, status: u16, body: &Value) {
     let _ = request.respond(response);
 }
 
+/// Answers 413 to a request announcing a body over the limit, whatever its path, without ever
+/// dropping its body reader: tiny_http 0.12 discards an unread body by allocating a buffer of
+/// the announced length (`EqualReader`'s drop), which aborts the process for an absurd
+/// `Content-Length`. The answer goes out through `upgrade` (status and headers, then the error
+/// body, unframed: a client reads it to the connection's end) and the request's stream is
+/// kept, never dropped: the server leaks that connection rather than die.
+fn refuse_oversized(request: tiny_http::Request, announced: usize) {
+    let error = ApiError::new(
+        413,
+        format!(
+            "the request announces a body of {announced} bytes (Content-Length), over the \
+             {} MiB limit",
+            MAX_BODY_BYTES >> 20
+        ),
+    );
+    let header =
+        tiny_http::Header::from_bytes("Content-Type", "application/json").expect("a valid header");
+    let response = tiny_http::Response::empty(413).with_header(header);
+    let mut stream = request.upgrade("close", response);
+    // An upgraded answer carries no body of its own: the error follows the headers.
+    let _ = stream.write_all(error.body().to_string().as_bytes());
+    let _ = stream.flush();
+    std::mem::forget(stream);
+}
+
 fn handle(mut request: tiny_http::Request, shared: &Shared) {
+    if let Some(n) = request.body_length().filter(|&n| n as u64 > MAX_BODY_BYTES) {
+        refuse_oversized(request, n);
+        return;
+    }
     let method = request.method().as_str().to_ascii_uppercase();
     let path = request.url().split('?').next().unwrap_or("").to_string();
     let result = match (method.as_str(), path.as_str()) {
@@ -2824,23 +2853,27 @@ fn check_messages(messages: &Value) -> Result<(), ApiError> {
 /// OpenAI's content parts (`[{"type": "text", "text": ...}, ...]`) joined into one string with
 /// newlines, as vLLM does for templates that expect a string (R1's concatenates `content`);
 /// kept as a list for templates that walk the parts themselves (`for part in
-/// message['content']`, as Kimi-K2's) and for DeepSeek-V4's encoder. Parts other than text are
+/// message['content']`, as Kimi-K2's) and, in `tool` messages, for DeepSeek-V4's encoder (which
+/// renders a tool result's parts; its other messages take a string). Parts other than text are
 /// left as they are (the template decides).
 fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     let src = template.source();
-    let walks_parts = template.is_deepseek_v4()
-        || [
-            "in message['content']",
-            "in message.content",
-            "in message[\"content\"]",
-        ]
-        .iter()
-        .any(|p| src.contains(p));
+    let v4 = template.is_deepseek_v4();
+    let walks_parts = [
+        "in message['content']",
+        "in message.content",
+        "in message[\"content\"]",
+    ]
+    .iter()
+    .any(|p| src.contains(p));
     let mut messages = messages.clone();
-    if walks_parts {
+    if walks_parts && !v4 {
         return messages;
     }
     for m in messages.as_array_mut().into_iter().flatten() {
+        if v4 && m.get("role").and_then(Value::as_str) == Some("tool") {
+            continue;
+        }
         let Some(parts) = m.get("content").and_then(Value::as_array) else {
             continue;
         };

@@ -551,6 +551,30 @@ fn serve_bounds_the_context_by_the_kv_pool() {
         (status, e["error"]["param"].as_str()),
         (400, Some("max_tokens"))
     );
+    // A request announcing an absurd body (any path) gets a 413 and the server lives on
+    // (tiny_http would allocate the announced length to discard the unread body).
+    for path in ["/health", "/v1/completions"] {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: 100000000000\r\n\r\n{{}}"
+        )
+        .unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).contains("limit\"") {
+            let n = s.read(&mut buf).unwrap();
+            assert!(n > 0, "{}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+        }
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+        assert!(text.contains("Content-Length"), "{text}");
+        assert_eq!(http(addr, "GET", "/health", "").0, 200);
+    }
 }
 
 /// A client that leaves before its answer is done has its request aborted, whole or streamed
@@ -1576,6 +1600,19 @@ fn serve_forces_tool_calls() {
 #[test]
 fn serve_forces_tool_calls_in_dsml() {
     let server = start(&["--model", "fixtures/v4/flash_tiny", "--kv-blocks", "64"]);
+    // OpenAI's content parts are one string to DeepSeek-V4's encoder (as to the others):
+    // the same prompt as the joined text.
+    let ids = |content: Value| {
+        let m = json!([{"role": "system", "content": content.clone()},
+                       {"role": "user", "content": content}]);
+        let (status, t) = post(&server.addr, "/tokenize", &json!({"messages": m}));
+        assert_eq!(status, 200, "{t}");
+        t["tokens"].clone()
+    };
+    assert_eq!(
+        ids(json!([{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}])),
+        ids(json!("Hi\nthere"))
+    );
     let weather = json!({"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 6},
         "days": {"type": "integer", "minimum": 1, "maximum": 3},
