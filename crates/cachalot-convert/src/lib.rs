@@ -873,7 +873,16 @@ fn temp_dir_for(out: &Path) -> Result<PathBuf> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    fs::create_dir_all(&parent).map_err(|e| ConvertError::io(&parent, e))?;
+    // The output is built beside where it will go: a parent that cannot hold a directory is
+    // the --output's fault, said so.
+    let unusable = |what: &Path, e: std::io::Error| {
+        ConvertError::Usage(format!(
+            "--output {}: cannot create {} ({e}); give an output path in a writable directory",
+            out.display(),
+            what.display()
+        ))
+    };
+    fs::create_dir_all(&parent).map_err(|e| unusable(&parent, e))?;
     let base = out
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -882,7 +891,7 @@ fn temp_dir_for(out: &Path) -> Result<PathBuf> {
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| ConvertError::io(&tmp, e))?;
     }
-    fs::create_dir(&tmp).map_err(|e| ConvertError::io(&tmp, e))?;
+    fs::create_dir(&tmp).map_err(|e| unusable(&tmp, e))?;
     Ok(tmp)
 }
 

@@ -414,6 +414,9 @@ fn dispatch(cli: Cli) -> Result<()> {
             window,
             json,
         } => {
+            if chunk == 0 {
+                bail!("--chunk 0: give a prefill chunk of at least 1 token (512 by default)");
+            }
             if window == 1 {
                 bail!(
                     "--window 1: a window's first token has no context, so a window of 1 scores \

@@ -192,10 +192,21 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
             args.model.display()
         );
     }
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("cannot read {}", args.file.display()))?;
+    if args.chunk == 0 {
+        bail!("--chunk 0: give a prefill chunk of at least 1 token (512 by default)");
+    }
+    let text = crate::read_text_file(&args.file)?;
     let ids = Tokenizer::from_dir(&args.model)?.encode(&text)?;
     let model = DeepseekV3::load(&args.model, LoadOptions::default())?;
+    let max = model.config().max_position_embeddings;
+    if ids.len() > max {
+        bail!(
+            "{}: {} tokens exceed the model's max_position_embeddings {max} (config.json), and \
+             calibration runs the text as one context; give a text of at most {max} tokens",
+            args.file.display(),
+            ids.len()
+        );
+    }
     let absmax = eval::latent_absmax(&model, &ids, args.chunk)?;
     if let Some(i) = absmax.iter().position(|&a| !(a.is_finite() && a > 0.0)) {
         bail!(

@@ -2281,7 +2281,11 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         Some(0) => {
             return Err(ApiError::bad(
                 max_key,
-                "must be at least 1 (0 only with echo)",
+                if chat {
+                    "must be at least 1"
+                } else {
+                    "must be at least 1 (0 only with echo, to score the prompt)"
+                },
             ))
         }
         // A prefill server samples the first token only; the decode server checks the rest.
@@ -2302,48 +2306,61 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         None if !chat => 16.min(room),
         None => room,
     };
-    let params = SamplingParams {
-        temperature: number(body, "temperature", 0.0, 100.0)?.unwrap_or(1.0) as f32,
-        top_k: match field(body, "top_k") {
-            None => 0,
-            Some(v) if v.as_i64() == Some(-1) => 0,
-            Some(v) => v.as_u64().map(|k| k as usize).ok_or_else(|| {
-                ApiError::bad(
-                    "top_k",
-                    format!("expected a non-negative integer or -1 (off), got {v}"),
-                )
-            })?,
-        },
-        top_p: number(body, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
-        min_p: number(body, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
-        repetition_penalty: number(body, "repetition_penalty", 0.0, 100.0)?.unwrap_or(1.0) as f32,
-        presence_penalty: number(body, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
-        frequency_penalty: number(body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
-        seed: match field(body, "seed") {
-            None => None,
-            Some(v) => {
-                Some(v.as_i64().map(|s| s as u64).ok_or_else(|| {
+    let params =
+        SamplingParams {
+            temperature: number(body, "temperature", 0.0, 100.0)?.unwrap_or(1.0) as f32,
+            top_k: match field(body, "top_k") {
+                None => 0,
+                Some(v) if v.as_i64() == Some(-1) => 0,
+                Some(v) => v.as_u64().map(|k| k as usize).ok_or_else(|| {
+                    ApiError::bad(
+                        "top_k",
+                        format!("expected a non-negative integer or -1 (off), got {v}"),
+                    )
+                })?,
+            },
+            top_p: number(body, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
+            min_p: number(body, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+            repetition_penalty: match number(body, "repetition_penalty", 0.0, 100.0)? {
+                Some(p) if p <= 0.0 => {
+                    return Err(ApiError::bad(
+                        "repetition_penalty",
+                        format!("{p}: must be above 0 (1 = off)"),
+                    ))
+                }
+                p => p.unwrap_or(1.0) as f32,
+            },
+            presence_penalty: number(body, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+            frequency_penalty: number(body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+            seed: match field(body, "seed") {
+                None => None,
+                Some(v) => Some(v.as_i64().map(|s| s as u64).ok_or_else(|| {
                     ApiError::bad("seed", format!("expected an integer, got {v}"))
-                })?)
-            }
-        },
-        logit_bias: logit_bias(body, vocab)?,
-        min_tokens: match count(body, "min_tokens")? {
-            // (A prefill server samples one token; the decode server checks the answer's.)
-            Some(n) if n > max_new && shared.role != Role::Prefill => {
-                return Err(ApiError::bad(
-                    "min_tokens",
-                    format!("{n} is more than the {max_new} tokens the answer may take"),
-                ))
-            }
-            n => n.unwrap_or(0),
-        },
-    };
+                })?),
+            },
+            logit_bias: logit_bias(body, vocab)?,
+            min_tokens: match count(body, "min_tokens")? {
+                // (A prefill server samples one token; the decode server checks the answer's.)
+                Some(n) if n > max_new && shared.role != Role::Prefill => {
+                    return Err(ApiError::bad(
+                        "min_tokens",
+                        format!("{n} is more than the {max_new} tokens the answer may take"),
+                    ))
+                }
+                n => n.unwrap_or(0),
+            },
+        };
     if params.top_p == 0.0 {
         return Err(ApiError::bad("top_p", "must be above 0"));
     }
     let stop_strings = match field(body, "stop") {
         None => Vec::new(),
+        Some(Value::String(s)) if s.is_empty() => {
+            return Err(ApiError::bad(
+                "stop",
+                "an empty string stops nowhere: leave stop out, or give the text to stop at",
+            ))
+        }
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => a
             .iter()
@@ -2838,13 +2855,66 @@ fn check_messages(messages: &Value) -> Result<(), ApiError> {
     if list.is_empty() {
         return Err(ApiError::bad("messages", "the list is empty"));
     }
+    // OpenAI's roles, and DeepSeek-V4's latest_reminder.
+    const ROLES: [&str; 7] = [
+        "system",
+        "developer",
+        "user",
+        "assistant",
+        "tool",
+        "function",
+        "latest_reminder",
+    ];
     for (i, m) in list.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str);
-        if !m.is_object() || role.is_none() {
+        let Some(role) = role.filter(|_| m.is_object()) else {
             return Err(ApiError::bad(
                 "messages",
                 format!("message {i} has no \"role\" (each is {{\"role\", \"content\"}})"),
             ));
+        };
+        if !ROLES.contains(&role) {
+            return Err(ApiError::bad(
+                "messages",
+                format!(
+                    "messages[{i}].role: unknown role {role:?}; use system, developer, user, \
+                     assistant or tool"
+                ),
+            ));
+        }
+        match m.get("content") {
+            None | Some(Value::Null) if role == "assistant" => {}
+            None | Some(Value::Null) => {
+                return Err(ApiError::bad(
+                    "messages",
+                    format!("messages[{i}].content: a {role} message needs its content"),
+                ))
+            }
+            Some(Value::String(_)) => {}
+            Some(Value::Array(parts)) => {
+                for (j, p) in parts.iter().enumerate() {
+                    let kind = p.get("type").and_then(Value::as_str);
+                    if kind != Some("text") || !p.get("text").is_some_and(Value::is_string) {
+                        return Err(ApiError::bad(
+                            "messages",
+                            format!(
+                                "messages[{i}].content[{j}]: only text parts \
+                                 ({{\"type\": \"text\", \"text\": \"...\"}}) are taken (the \
+                                 models served read text), got {p}"
+                            ),
+                        ));
+                    }
+                }
+            }
+            Some(other) => {
+                return Err(ApiError::bad(
+                    "messages",
+                    format!(
+                        "messages[{i}].content: expected a string or a list of text parts, got \
+                         {other}"
+                    ),
+                ))
+            }
         }
     }
     Ok(())

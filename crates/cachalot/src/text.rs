@@ -44,19 +44,19 @@ pub struct SamplingArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     max_new_tokens: usize,
     /// 0 (the default) is greedy; DeepSeek recommends 0.6 for R1.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// Keep the K most probable tokens (0 = off).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Keep tokens with probability >= min_p × the top one (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
     /// CTRL repetition penalty over prompt and output tokens (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repetition_penalty: f32,
     /// Subtracted from the logit of every token already generated (0 = off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]

@@ -505,6 +505,39 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
         ),
         ("/detokenize", json!({"tokens": [99999999]}), "tokens"),
         ("/detokenize", json!({"tokens": "x"}), "tokens"),
+        // An unknown role, content that is not text (or missing outside an assistant
+        // message) are refused, not dropped or passed to the template.
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "wizard", "content": "hi"}]}),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": 5}]}),
+            "messages",
+        ),
+        (
+            "/tokenize",
+            json!({"messages": [{"role": "user", "content": null}]}),
+            "messages",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "repetition_penalty": 0}),
+            "repetition_penalty",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "stop": ""}),
+            "stop",
+        ),
     ] {
         let (status, e) = post(addr, path, &body);
         assert_eq!(

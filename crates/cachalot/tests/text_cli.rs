@@ -1275,3 +1275,49 @@ fn convert_checks_that_the_input_loads() {
     );
     assert!(!out.exists());
 }
+
+/// `custom_params.num_hidden_layers` beyond the checkpoint's layers, or a key one typo from it,
+/// is refused naming it; a `max_new_tokens` past the model's positions sizes the KV pool for
+/// the positions (requests stop there), not for the YAML's length.
+#[test]
+fn run_checks_custom_params_and_sizes_the_pool_by_the_models_positions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let res = tmp.path().display().to_string();
+    let yaml = tmp.path().join("c.yaml");
+    let model = root().join("fixtures/v3/r1_tiny").display().to_string();
+    let run = |body: &str| {
+        std::fs::write(
+            &yaml,
+            format!(
+                "model_config:\n  model_name: \"deepseek_r1\"\n  model_path: {model:?}\n{body}"
+            ),
+        )
+        .unwrap();
+        Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args([
+                "run",
+                "--config",
+                yaml.to_str().unwrap(),
+                "--num-requests",
+                "1",
+            ])
+            .args(["--res-dir", &res, "--json", "--quiet"])
+            .current_dir(root())
+            .output()
+            .unwrap()
+    };
+    for (params, want) in [
+        ("num_hiden_layers: 2", "did you mean num_hidden_layers"),
+        ("num_hidden_layers: 99", "exceeds the checkpoint's 3 layers"),
+    ] {
+        let out = run(&format!("  custom_params:\n    {params}\n"));
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && e.contains(want), "{params}: {e}");
+    }
+    // An NPU switch is noted, not refused.
+    ok(run("  custom_params:\n    enable_multi_streams: true\n"));
+    let huge = "scheduler_config:\n  batch_size: 2\n  block_size: 16\n  max_new_tokens: 16777216\n";
+    let s = json(&ok(run(huge)));
+    // 8192 positions: 512 blocks a sequence, 2 sequences (block 0, reserved, not counted).
+    assert_eq!(s["kv_capacity_blocks"], 2 * 512, "{s}");
+}
