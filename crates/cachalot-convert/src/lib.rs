@@ -1013,6 +1013,7 @@ fn run_item(
         Source::Copy { start } => {
             let s = start as usize + item.rows.start;
             let e = start as usize + item.rows.end;
+            check_finite(&p.out, &map[s..e], item.rows.start)?;
             out.write_all_at(&map[s..e], p.out.offset + item.rows.start as u64)?;
             Ok(item.rows.len() as u64)
         }
@@ -1065,6 +1066,32 @@ fn run_item(
             }
             Ok((n * cols) as u64)
         }
+    }
+}
+
+/// A float tensor copied as it is (`bytes` from byte `at` of it) holds no NaN or infinity: a
+/// damaged weight would pass into the output and make every forward through it garbage.
+pub(crate) fn check_finite(t: &OutTensor, bytes: &[u8], at: usize) -> std::io::Result<()> {
+    let (size, bad): (usize, fn(&[u8]) -> bool) = match t.dtype {
+        "BF16" => (2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7F80 == 0x7F80),
+        "F16" => (2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7C00 == 0x7C00),
+        "F32" => (4, |b| {
+            !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()
+        }),
+        _ => return Ok(()),
+    };
+    match bytes.chunks_exact(size).position(bad) {
+        None => Ok(()),
+        Some(i) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "tensor {}: a NaN or infinite {} value at element {}; the input checkpoint is \
+                 damaged (re-download this shard)",
+                t.name,
+                t.dtype,
+                at / size + i
+            ),
+        )),
     }
 }
 

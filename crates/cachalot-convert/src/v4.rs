@@ -734,6 +734,7 @@ fn run_item(
     let (src, cols, target, o, clip) = match *job {
         Job::Copy { start, out: t, .. } => {
             let s = start as usize + rows.start;
+            crate::check_finite(&outs[t], &map[s..start as usize + rows.end], rows.start)?;
             out.write_all_at(
                 &map[s..start as usize + rows.end],
                 outs[t].offset + rows.start as u64,

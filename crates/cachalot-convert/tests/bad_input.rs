@@ -255,6 +255,41 @@ fn nan_fp8_codes_are_named_not_converted() {
     }
 }
 
+/// A NaN or infinity in a tensor the converter copies as it is (bf16 embedding) is named,
+/// not carried into the output; in both converters.
+#[test]
+fn non_finite_copied_tensors_are_named_not_converted() {
+    for (v4, name, bits) in [
+        (false, "model.embed_tokens.weight", [0xC0u8, 0x7F]),
+        (true, "embed.weight", [0x80, 0x7F]),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let input = tmp.path().join("in");
+        if v4 {
+            copy_dir(&v4_fixture(), &input);
+        } else {
+            copy_fixture(&input);
+        }
+        let shard = shard_of(&input, name);
+        rewrite_shard(&input, &shard, |t| {
+            let w = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+            assert_eq!(w.1, Dtype::BF16, "{name}");
+            w.3[6..8].copy_from_slice(&bits);
+        });
+        let mode = if v4 {
+            QuantMode::Bfloat16
+        } else {
+            QuantMode::W8A8C16
+        };
+        expect_error_in(
+            &input,
+            &tmp.path().join("out"),
+            mode,
+            &[name, "NaN or infinite", "element 3"],
+        );
+    }
+}
+
 #[test]
 fn c8_needs_a_scale_per_layer() {
     let tmp = tempfile::tempdir().unwrap();
