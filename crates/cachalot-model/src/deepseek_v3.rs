@@ -492,7 +492,7 @@ impl Loader<'_> {
             let experts = (0..e)
                 .map(|j| {
                     let name = format!("{p}.mlp.experts.{j}");
-                    if shard.owns(j, e) {
+                    if shard.owns(i as u32, j, e) {
                         // Whole under expert parallelism (with or without tensor parallelism
                         // of the rest), else this rank's tensor-parallel share.
                         let cut = if shard.ranks > 1 {
@@ -1892,7 +1892,7 @@ impl DeepseekV3 {
         let local: Vec<usize> = active
             .iter()
             .copied()
-            .filter(|&id| !dispatch && self.shard.owns(id, e))
+            .filter(|&id| !dispatch && self.shard.owns(moe.key, id, e))
             .collect();
         let expert = |id: usize| -> &Mlp {
             moe.experts[id]
@@ -1969,6 +1969,7 @@ impl DeepseekV3 {
             ys = crate::expert_parallel::gather(
                 self.comm.as_deref(),
                 self.shard,
+                moe.key,
                 h,
                 &active,
                 &assigned,

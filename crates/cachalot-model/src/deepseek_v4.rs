@@ -785,7 +785,7 @@ impl Loader<'_> {
         let experts = (0..e)
             .map(|j| {
                 let name = format!("{f}experts.{j}");
-                if self.shard.owns(j, e) {
+                if self.shard.owns(key as u32, j, e) {
                     // Whole under expert parallelism (with or without tensor parallelism of
                     // the rest), else this rank's tensor-parallel share.
                     let features = if self.shard.ranks > 1 {
@@ -2416,7 +2416,7 @@ impl DeepseekV4 {
         let mut mine = Vec::new();
         for &id in active
             .iter()
-            .filter(|&&id| !dispatch && self.shard.owns(id, e))
+            .filter(|&&id| !dispatch && self.shard.owns(m.key, id, e))
         {
             let pairs = &assigned[id];
             let mut xs = Vec::with_capacity(pairs.len() * h);
@@ -2453,6 +2453,7 @@ impl DeepseekV4 {
             let ys = crate::expert_parallel::gather(
                 self.comm.as_deref(),
                 self.shard,
+                m.key,
                 h,
                 &active,
                 &assigned,

@@ -74,9 +74,17 @@ impl ExpertLoad {
 /// mean over the maximum of the ranks' token counts; 1 is perfect, 1/ranks all on one rank.
 /// 1 for a layer without tokens.
 pub fn balancedness(counts: &[u64], ranks: usize) -> f64 {
+    let per = counts.len().div_ceil(ranks.max(1)).max(1);
+    balancedness_by(counts, ranks, |e| e / per)
+}
+
+/// [`balancedness`] with expert `e` on rank `owner(e)` (a placement, [`crate::ExpertPlacement`]).
+pub fn balancedness_by(counts: &[u64], ranks: usize, owner: impl Fn(usize) -> usize) -> f64 {
     let ranks = ranks.max(1);
-    let per = counts.len().div_ceil(ranks).max(1);
-    let loads: Vec<u64> = counts.chunks(per).map(|c| c.iter().sum()).collect();
+    let mut loads = vec![0u64; ranks];
+    for (e, &c) in counts.iter().enumerate() {
+        loads[owner(e).min(ranks - 1)] += c;
+    }
     let max = loads.iter().copied().max().unwrap_or(0);
     if max == 0 {
         return 1.0;

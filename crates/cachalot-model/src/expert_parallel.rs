@@ -37,6 +37,147 @@ pub struct ExpertShard {
     /// gathered so that each segment attends to all before it;
     /// the request's own rank keeps its KV and decodes it.
     pub context: bool,
+    /// Which rank holds each expert, from measured loads ([`ExpertPlacement`]); None: the
+    /// contiguous equal shares above. A placement lives as long as the process (it is leaked
+    /// once, [`ExpertPlacement::leak`], so that the shard stays a plain value).
+    pub placement: Option<&'static ExpertPlacement>,
+}
+
+/// Expert load balancing by placement (DeepSeek's EPLB and vLLM's `--enable-eplb` without
+/// redundant experts): each MoE layer's routed experts go to the ranks so that the ranks' token
+/// counts, measured on an earlier run (`expert_load` in its summary.json), are as even as a
+/// greedy packing makes them, every rank keeping `E/ranks` experts. Every rank must use the
+/// same placement (the same file); outputs are those of any other split (a token's experts and
+/// their sums do not depend on where they run).
+#[derive(Debug, PartialEq, Eq)]
+pub struct ExpertPlacement {
+    ranks: usize,
+    experts: usize,
+    /// Per layer key: each expert's rank; empty for a layer the loads do not cover (contiguous
+    /// shares there).
+    owners: Vec<Vec<u16>>,
+}
+
+impl ExpertPlacement {
+    /// The placement of `experts` routed experts per layer over `ranks` ranks for the measured
+    /// `loads` (per layer key, each expert's tokens).
+    pub fn from_loads(
+        loads: &[(u32, Vec<u64>)],
+        experts: usize,
+        ranks: usize,
+    ) -> std::result::Result<ExpertPlacement, String> {
+        if ranks == 0 || ranks > u16::MAX as usize || !experts.is_multiple_of(ranks) {
+            return Err(format!(
+                "{experts} experts do not split evenly over {ranks} ranks"
+            ));
+        }
+        let mut owners: Vec<Vec<u16>> = Vec::new();
+        for (key, counts) in loads {
+            if counts.len() != experts {
+                return Err(format!(
+                    "layer {key} has loads for {} experts, the model {experts}",
+                    counts.len()
+                ));
+            }
+            let k = *key as usize;
+            if owners.len() <= k {
+                owners.resize(k + 1, Vec::new());
+            }
+            owners[k] = place_layer(counts, ranks);
+        }
+        Ok(ExpertPlacement {
+            ranks,
+            experts,
+            owners,
+        })
+    }
+
+    /// The placement for the loads in `path`: a run's summary.json (its `expert_load`), or
+    /// that object, or a bare `{"tokens": {"<layer>": [<tokens per expert>], ...}}`.
+    pub fn from_file(path: &std::path::Path, ranks: usize) -> Result<ExpertPlacement> {
+        let bad = |why: String| {
+            ModelError::Options(format!(
+                "{} (--expert-placement): {why}; give a summary.json of an earlier run of this \
+                 model (its expert_load)",
+                path.display()
+            ))
+        };
+        let text =
+            std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let obj = v.get("expert_load").unwrap_or(&v);
+        let tokens = obj
+            .get("tokens")
+            .and_then(serde_json::Value::as_object)
+            .ok_or_else(|| bad("no expert_load.tokens object".into()))?;
+        let mut loads = Vec::new();
+        for (k, c) in tokens {
+            let key: u32 = k
+                .parse()
+                .map_err(|_| bad(format!("layer key {k:?} is not a layer index")))?;
+            let counts: Option<Vec<u64>> = c
+                .as_array()
+                .map(|a| a.iter().map(serde_json::Value::as_u64).collect())
+                .unwrap_or(None);
+            let counts =
+                counts.ok_or_else(|| bad(format!("layer {k}: expected a list of token counts")))?;
+            loads.push((key, counts));
+        }
+        let experts = loads.first().map_or(0, |(_, c)| c.len());
+        if experts == 0 {
+            return Err(bad("no layer with expert counts".into()));
+        }
+        ExpertPlacement::from_loads(&loads, experts, ranks).map_err(bad)
+    }
+
+    /// The rank of expert `expert` of layer `key`; None where the loads do not cover the layer.
+    pub fn owner(&self, key: u32, expert: usize) -> Option<usize> {
+        self.owners
+            .get(key as usize)
+            .and_then(|o| o.get(expert))
+            .map(|&r| r as usize)
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// Layers the loads placed (the others keep contiguous shares).
+    pub fn layers_placed(&self) -> usize {
+        self.owners.iter().filter(|o| !o.is_empty()).count()
+    }
+
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    /// For the life of the process (an [`ExpertShard`] is a plain value).
+    pub fn leak(self) -> &'static ExpertPlacement {
+        Box::leak(Box::new(self))
+    }
+}
+
+/// One layer's placement: experts by decreasing load (ties by id) each to the rank with the
+/// fewest tokens so far among those with room (`E/ranks` experts each; ties to the lowest
+/// rank), the greedy "longest processing time" packing. Returns each expert's rank.
+pub fn place_layer(loads: &[u64], ranks: usize) -> Vec<u16> {
+    let per = loads.len() / ranks.max(1);
+    let mut order: Vec<usize> = (0..loads.len()).collect();
+    order.sort_by(|&a, &b| loads[b].cmp(&loads[a]).then(a.cmp(&b)));
+    let mut sum = vec![0u64; ranks];
+    let mut held = vec![0usize; ranks];
+    let mut owner = vec![0u16; loads.len()];
+    for e in order {
+        let r = (0..ranks)
+            .filter(|&r| held[r] < per)
+            .min_by_key(|&r| (sum[r], r))
+            .expect("a rank with room: the experts split evenly");
+        owner[e] = r as u16;
+        sum[r] += loads[e];
+        held[r] += 1;
+    }
+    owner
 }
 
 impl Default for ExpertShard {
@@ -46,18 +187,23 @@ impl Default for ExpertShard {
             ranks: 1,
             dispatch: false,
             context: false,
+            placement: None,
         }
     }
 }
 
 impl ExpertShard {
-    /// The rank holding routed expert `expert` of `experts` (`experts` divides by `ranks`).
-    pub fn owner(&self, expert: usize, experts: usize) -> usize {
-        expert / (experts / self.ranks).max(1)
+    /// The rank holding routed expert `expert` of `experts` in MoE layer `key` (the layer's
+    /// index, MTP layers after the main ones): the placement's, or the contiguous shares
+    /// (`experts` divides by `ranks`).
+    pub fn owner(&self, key: u32, expert: usize, experts: usize) -> usize {
+        self.placement
+            .and_then(|p| p.owner(key, expert))
+            .unwrap_or(expert / (experts / self.ranks).max(1))
     }
 
-    pub fn owns(&self, expert: usize, experts: usize) -> bool {
-        self.owner(expert, experts) == self.rank
+    pub fn owns(&self, key: u32, expert: usize, experts: usize) -> bool {
+        self.owner(key, expert, experts) == self.rank
     }
 
     /// The shard exists and splits `experts` routed experts evenly.
@@ -74,6 +220,16 @@ impl ExpertShard {
                  by the ranks; use a number of ranks that divides {experts}",
                 self.ranks
             )));
+        }
+        if let Some(p) = self.placement {
+            if p.ranks != self.ranks || p.experts != experts {
+                return Err(ModelError::Options(format!(
+                    "the expert placement (--expert-placement) is for {} experts over {} ranks; \
+                     this model has {experts} routed experts over {} ranks: make the placement \
+                     from a run of this model with as many ranks",
+                    p.experts, p.ranks, self.ranks
+                )));
+            }
         }
         if self.context && !self.dispatch {
             return Err(ModelError::Options(
@@ -104,9 +260,11 @@ impl ExpertShard {
 /// to every rank; returns the outputs of all `active` experts in id order. Each rank knows
 /// what the others computed (the routing is the same everywhere), so the parts carry only
 /// the values.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gather(
     comm: Option<&dyn Communicator>,
     shard: ExpertShard,
+    key: u32,
     h: usize,
     active: &[usize],
     assigned: &[Vec<(usize, f32)>],
@@ -146,7 +304,7 @@ pub(crate) fn gather(
     let mut offsets = vec![8usize; parts.len()];
     let mut out = Vec::with_capacity(active.len());
     for &id in active {
-        let r = shard.owner(id, experts);
+        let r = shard.owner(key, id, experts);
         let n = assigned[id].len() * h * 4;
         let part = parts.get(r).map(Vec::as_slice).unwrap_or(&[]);
         let Some(raw) = part.get(offsets[r]..offsets[r] + n) else {
@@ -309,7 +467,7 @@ fn dispatch_round(
                 let mine: Vec<usize> = active
                     .iter()
                     .copied()
-                    .filter(|&id| shard.owner(id, experts) == s)
+                    .filter(|&id| shard.owner(*key, id, experts) == s)
                     .collect();
                 let mut tokens: Vec<usize> = mine
                     .iter()
@@ -387,7 +545,7 @@ fn dispatch_round(
                         let id = u32_at(at)? as usize;
                         let n = u32_at(at + 4)? as usize;
                         at += 8;
-                        if id >= experts || !shard.owns(id, experts) {
+                        if id >= experts || !shard.owns(key, id, experts) {
                             return Err(err(format!(
                                 "rank {src} sent tokens for expert {id}, which rank {} does not \
                                  hold (the ranks split the experts differently)",
@@ -527,12 +685,15 @@ fn dispatch_round(
     match turn {
         Turn::Done { .. } | Turn::Plan { .. } => Ok(Outcome::Served),
         Turn::Layer {
-            active, assigned, ..
+            key,
+            active,
+            assigned,
+            ..
         } => {
             let mut offsets = vec![0usize; ranks];
             let mut out = Vec::with_capacity(active.len());
             for &id in active {
-                let s = shard.owner(id, experts);
+                let s = shard.owner(key, id, experts);
                 let n = assigned[id].len() * h * 4;
                 let raw = back[s].get(offsets[s]..offsets[s] + n).ok_or_else(|| {
                     err(format!(
@@ -636,6 +797,58 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// Every placement gives each rank E/ranks experts, each expert one rank, and is never
+    /// less even than the contiguous shares by more than the greedy bound (the busiest rank at
+    /// most the mean plus one expert's load); a skewed load is spread.
+    #[test]
+    fn placements_hold_equal_counts_and_even_the_load() {
+        let mut seed = 11u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        for case in 0..200 {
+            let ranks = [1usize, 2, 3, 4, 8][case % 5];
+            let experts = ranks * (1 + (next() % 8) as usize);
+            let loads: Vec<u64> = (0..experts).map(|_| next() % 1000).collect();
+            let owner = place_layer(&loads, ranks);
+            let mut held = vec![0usize; ranks];
+            let mut sum = vec![0u64; ranks];
+            for (e, &r) in owner.iter().enumerate() {
+                held[r as usize] += 1;
+                sum[r as usize] += loads[e];
+            }
+            assert!(held.iter().all(|&h| h == experts / ranks), "{held:?}");
+            let mean = loads.iter().sum::<u64>() as f64 / ranks as f64;
+            let top = *loads.iter().max().unwrap() as f64;
+            let busiest = *sum.iter().max().unwrap() as f64;
+            assert!(busiest <= mean + top, "case {case}: {sum:?} {loads:?}");
+        }
+        // Experts 0 and 1 take most tokens: contiguous shares put both on rank 0.
+        let loads = [900u64, 800, 10, 10, 10, 10, 10, 10];
+        let owner = place_layer(&loads, 2);
+        assert_ne!(owner[0], owner[1]);
+        let by = |o: &[u16]| crate::eplb::balancedness_by(&loads, 2, |e| o[e] as usize);
+        // 930 and 830 tokens against 1720 and 40.
+        assert!(by(&owner) > 0.94 && crate::eplb::balancedness(&loads, 2) < 0.52);
+        // Placement by layer key; layers without loads keep contiguous shares.
+        let p = ExpertPlacement::from_loads(&[(3, loads.to_vec())], 8, 2).unwrap();
+        let shard = ExpertShard {
+            rank: 1,
+            ranks: 2,
+            placement: Some(p.leak()),
+            ..Default::default()
+        };
+        assert_eq!(shard.owner(3, 1, 8), owner[1] as usize);
+        assert_eq!((shard.owner(2, 1, 8), shard.owner(2, 7, 8)), (0, 1));
+        assert!(shard.validate(8).is_ok());
+        let e = shard.validate(16).unwrap_err().to_string();
+        assert!(e.contains("--expert-placement"), "{e}");
+        assert!(ExpertPlacement::from_loads(&[(0, vec![1, 2, 3])], 3, 2).is_err());
+    }
+
     /// A rank that fails to serve a round (here its expert errs) still takes part in the
     /// round's second exchange and says so: every rank reports an error for that round — the
     /// one that asked it, the one that failed, and one that was only serving (its step over) —
@@ -656,6 +869,7 @@ mod tests {
                             ranks,
                             dispatch: true,
                             context: false,
+                            placement: None,
                         };
                         let compute = |_key: u32, _id: usize, _x: &[f32], _w: &[f32], _n: usize| {
                             Err(ModelError::Options(format!("rank {rank}'s expert failed")))

@@ -32,4 +32,5 @@ pub use deepseek_v3::{
 pub use deepseek_v4::{DeepseekV4, V4CacheMode, V4LoadOptions};
 pub use eplb::BalancedRouting;
 pub use error::{ModelError, Result};
+pub use expert_parallel::ExpertPlacement;
 pub use tensor_parallel::TensorShard;

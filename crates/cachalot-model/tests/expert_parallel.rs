@@ -37,6 +37,7 @@ fn expert_shards_give_the_one_process_logits() {
             ranks: n,
             dispatch: false,
             context: false,
+            placement: None,
         });
         m.set_communicator(comm).unwrap();
         (bits(&packed_run(&m)), m.weight_bytes())
@@ -133,6 +134,7 @@ fn own_batches_give_the_one_process_logits(context: bool) {
                 ranks: 2,
                 dispatch: true,
                 context,
+                placement: None,
             });
             m.set_communicator(comm).unwrap();
             m
@@ -188,6 +190,7 @@ fn context_parallel_over_four_ranks_with_a_bf16_cache() {
                 ranks: 4,
                 dispatch: true,
                 context: true,
+                placement: None,
             });
             m.set_communicator(comm).unwrap();
             let logits = match prompts(rank) {
@@ -220,6 +223,7 @@ fn dispatched_experts_give_each_rank_its_own_one_process_logits() {
             ranks: 2,
             dispatch: true,
             context: false,
+            placement: None,
         },
         tensor_shard: cachalot_model::TensorShard { rank: 0, ranks: 2 },
         ..Default::default()
@@ -238,6 +242,7 @@ fn a_shard_without_its_group_or_with_experts_that_do_not_divide_is_named() {
         ranks: 2,
         dispatch: false,
         context: false,
+        placement: None,
     });
     let e = forward_once(&m, &(1..9).collect::<Vec<u32>>())
         .unwrap_err()
@@ -250,6 +255,7 @@ fn a_shard_without_its_group_or_with_experts_that_do_not_divide_is_named() {
             ranks: 3,
             dispatch: false,
             context: false,
+            placement: None,
         },
         ..Default::default()
     };
@@ -271,6 +277,7 @@ fn ranks_that_run_different_batches_fail_instead_of_mixing_outputs() {
             ranks: 2,
             dispatch: false,
             context: false,
+            placement: None,
         })
     }) {
         assert!(e.contains("routed this layer's tokens differently"), "{e}");
@@ -282,6 +289,7 @@ fn ranks_that_run_different_batches_fail_instead_of_mixing_outputs() {
             ranks: 2,
             dispatch: false,
             context: false,
+            placement: None,
         },
         ..Default::default()
     };
@@ -336,6 +344,7 @@ fn v4_expert_shards_give_the_one_process_logits() {
             ranks: 2,
             dispatch: false,
             context: false,
+            placement: None,
         });
         m.set_communicator(comm).unwrap();
         run(&m)
@@ -379,6 +388,7 @@ fn v4_dispatched_experts_give_each_rank_its_own_one_process_logits() {
             ranks: 2,
             dispatch: true,
             context: false,
+            placement: None,
         });
         m.set_communicator(comm).unwrap();
         let (toks, steps) = work(rank);
@@ -512,6 +522,7 @@ fn v4_context_parallel_prefill_gives_each_rank_its_own_one_process_logits() {
                         ranks: 2,
                         dispatch: true,
                         context: true,
+                        placement: None,
                     },
                     mode,
                 );

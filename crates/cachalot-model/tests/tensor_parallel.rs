@@ -34,6 +34,7 @@ fn load_with(dir: &Path, shard: TensorShard, experts: bool) -> DeepseekV3 {
                 ranks: shard.ranks,
                 dispatch: false,
                 context: false,
+                placement: None,
             }
         } else {
             ExpertShard::default()
@@ -162,6 +163,7 @@ fn v4_tensor_shards_give_the_one_process_logits() {
                         ranks: t.ranks,
                         dispatch: false,
                         context: false,
+                        placement: None,
                     }
                 } else {
                     ExpertShard::default()
@@ -226,6 +228,7 @@ fn shards_that_do_not_divide_or_lack_their_group_are_named() {
             ranks: 2,
             dispatch: false,
             context: false,
+            placement: None,
         },
         ..Default::default()
     };

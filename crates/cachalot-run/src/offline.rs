@@ -56,6 +56,9 @@ pub struct RunOptions {
     pub prefix_caching: Option<bool>,
     /// DeepSeek-V4's cache layout (`DeepseekV4::set_cache_mode`; compact by default).
     pub v4_cache: V4CacheMode,
+    /// Expert placement from an earlier run's measured loads (`ExpertPlacement::from_file`),
+    /// under a layout that splits the routed experts over the ranks.
+    pub expert_placement: Option<PathBuf>,
     /// Ranks of the run on this host (each sizes its KV pool from its share of the memory
     /// budget); 1 for a one-process run.
     pub host_ranks: usize,
@@ -279,15 +282,27 @@ pub struct ExpertLoadSummary {
 }
 
 impl ExpertLoadSummary {
-    /// The figures of per-layer counts over `ep_ranks` expert-parallel ranks (None without
-    /// routed experts).
-    pub fn of(load: &[(u32, Vec<u64>)], ep_ranks: usize) -> Option<ExpertLoadSummary> {
+    /// The figures of per-layer counts over `ep_ranks` expert-parallel ranks holding the
+    /// experts as `shard` places them (None without routed experts).
+    pub fn of(
+        load: &[(u32, Vec<u64>)],
+        ep_ranks: usize,
+        shard: ExpertShard,
+    ) -> Option<ExpertLoadSummary> {
         if load.is_empty() {
             return None;
         }
         let bal: Vec<f64> = load
             .iter()
-            .map(|(_, c)| cachalot_model::eplb::balancedness(c, ep_ranks))
+            .map(|(k, c)| {
+                cachalot_model::eplb::balancedness_by(c, ep_ranks, |e| {
+                    if ep_ranks > 1 {
+                        shard.owner(*k, e, c.len())
+                    } else {
+                        0
+                    }
+                })
+            })
             .collect();
         let hottest = load
             .iter()
@@ -575,12 +590,25 @@ pub fn run_ranked(
     // stream), and this rank's place among them.
     let (dp_rank, dp) = if expert { (0, 1) } else { (rank, ranks) };
     // The routed experts this rank holds, or its share of heads and intermediate features.
+    let placement = match &opts.expert_placement {
+        None => None,
+        Some(_) if !(experts_split || dispatch) => {
+            return Err(
+                "--expert-placement places the routed experts over expert-parallel \
+                        ranks: run with --ranks N and --parallel expert, tensor-expert, \
+                        data-expert or context"
+                    .into(),
+            )
+        }
+        Some(path) => Some(cachalot_model::ExpertPlacement::from_file(path, ranks)?.leak()),
+    };
     let shard = if experts_split || dispatch {
         ExpertShard {
             rank,
             ranks,
             dispatch,
             context,
+            placement,
         }
     } else {
         ExpertShard::default()
@@ -636,6 +664,13 @@ pub fn run_ranked(
         None => tokenizer.chat_template()?,
     };
     let mut early_notes = Vec::new();
+    if let (Some(p), Some(path)) = (placement, &opts.expert_placement) {
+        early_notes.push(format!(
+            "expert placement from {}: {} layers placed by their measured loads",
+            path.display(),
+            p.layers_placed()
+        ));
+    }
     if template.is_none() {
         early_notes.push("no chat template: prompts are sent as raw text".to_string());
     }
@@ -1440,6 +1475,7 @@ pub fn run_ranked(
         expert_load: ExpertLoadSummary::of(
             &expert_load,
             if experts_split || dispatch { ranks } else { 1 },
+            shard,
         ),
     };
     if rank != 0 {

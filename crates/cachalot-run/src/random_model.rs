@@ -467,11 +467,16 @@ fn held(name: &str, shard: ExpertShard, experts: usize) -> bool {
     if shard.ranks <= 1 {
         return true;
     }
-    let Some((_, rest)) = name.split_once(".mlp.experts.") else {
+    let Some((head, rest)) = name.split_once(".mlp.experts.") else {
         return true;
     };
+    let layer = head
+        .rsplit('.')
+        .next()
+        .and_then(|l| l.parse::<u32>().ok())
+        .unwrap_or(0);
     match rest.split('.').next().and_then(|j| j.parse::<usize>().ok()) {
-        Some(j) => shard.owns(j, experts),
+        Some(j) => shard.owns(layer, j, experts),
         None => true,
     }
 }

@@ -40,6 +40,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         v4_cache: Default::default(),
         host_ranks: 1,
         parallel: Parallel::Data,
+        expert_placement: None,
     }
 }
 

@@ -75,6 +75,12 @@ pub struct RunArgs {
     /// what prefix caching can share). Recorded as v4_cache in summary.json.
     #[arg(long, default_value = "compact")]
     v4_cache: cachalot_model::V4CacheMode,
+    /// Expert load balancing: place each MoE layer's routed experts over the expert-parallel
+    /// ranks (--parallel expert, tensor-expert, data-expert or context) so that the token
+    /// counts of an earlier run of this model (FILE: its summary.json, `expert_load`) fall
+    /// evenly on them; every rank gives the same FILE. Outputs are unchanged.
+    #[arg(long, value_name = "FILE")]
+    expert_placement: Option<std::path::PathBuf>,
     /// Time the phases of every step (attention's parts, dense MLP, MoE, head, the engine's
     /// own work): a table on stderr and profile.json beside summary.json (this process's
     /// steps: rank 0's in a run over several ranks).
@@ -511,6 +517,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         v4_cache: args.v4_cache,
         host_ranks: args.group.host_ranks(),
         parallel: args.group.layout(&cfg.parallel_config)?,
+        expert_placement: args.expert_placement.clone(),
     };
     let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {

@@ -566,6 +566,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             ranks: world,
             dispatch: false,
             context: false,
+            placement: None,
         };
     }
     if dispatch {
@@ -574,6 +575,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             ranks: world,
             dispatch: true,
             context,
+            placement: None,
         };
     }
     // Ranks of this host share its memory for their KV pools.

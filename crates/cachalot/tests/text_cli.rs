@@ -828,6 +828,59 @@ fn run_with_two_ranks_equals_one_process() {
     let bal = s6["expert_load"]["balancedness_min"].as_f64().unwrap();
     assert!((0.5..=1.0).contains(&bal), "{bal}");
     assert_eq!(load["balancedness_mean"], 1.0);
+    // Expert load balancing: the experts placed by the one-process run's loads give the same
+    // outputs, at least as evenly spread.
+    let loads = tmp.path().join("loads.json");
+    std::fs::write(&loads, s1.to_string()).unwrap();
+    let loads = loads.to_str().unwrap();
+    for layout in ["data-expert", "expert"] {
+        let (sp, placed) = run(&[
+            "--ranks",
+            "2",
+            "--parallel",
+            layout,
+            "--expert-placement",
+            loads,
+        ]);
+        for (a, b) in one.iter().zip(&placed) {
+            assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]), "{layout}");
+        }
+        assert_eq!(sp["expert_load"]["tokens"], load["tokens"]);
+        let placed_bal = sp["expert_load"]["balancedness_min"].as_f64().unwrap();
+        assert!(placed_bal >= bal, "{layout}: {placed_bal} against {bal}");
+    }
+    // Without expert-parallel ranks, or from a file without loads, it is refused by name.
+    let refused = |extra: &[&str], want: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args([
+                "run",
+                "--config",
+                "configs/tiny/r1_tiny.yaml",
+                "--num-requests",
+                "1",
+            ])
+            .args(["--res-dir", &res, "--quiet"])
+            .args(extra)
+            .current_dir(root())
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && e.contains(want), "{extra:?}: {e}");
+    };
+    refused(&["--expert-placement", loads], "expert-parallel ranks");
+    let config = root().join("configs/tiny/r1_tiny.yaml");
+    let config = config.to_str().unwrap();
+    refused(
+        &[
+            "--ranks",
+            "2",
+            "--parallel",
+            "expert",
+            "--expert-placement",
+            config,
+        ],
+        "--expert-placement",
+    );
     // Prefill context parallelism (context): every prompt computed by both ranks (each takes
     // two of its four pieces), decoded by its own rank as under data-expert; MTP too.
     let (s8, eight) = run(&["--ranks", "2", "--parallel", "context", "--mtp", "1"]);
