@@ -117,6 +117,11 @@ pub struct ServeArgs {
     /// `usage.prompt_tokens_details.cached_tokens`.
     #[arg(long, value_enum, default_value = "auto")]
     prefix_caching: crate::PrefixCachingArg,
+    /// Expert load balancing, as `run`'s: place each MoE layer's routed experts over the
+    /// expert-parallel ranks (--parallel expert, tensor-expert, data-expert or context) by the
+    /// token counts of an earlier run of this model (FILE: its summary.json, `expert_load`).
+    #[arg(long, value_name = "FILE")]
+    expert_placement: Option<PathBuf>,
     /// Chat template (a tokenizer_config.json or a Jinja file) instead of the model's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
@@ -560,13 +565,21 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     if tensor {
         set.model.tensor_shard = TensorShard { rank, ranks: world };
     }
+    let placement = match &args.expert_placement {
+        None => None,
+        Some(_) if !(experts_split || dispatch) => bail!(
+            "--expert-placement places the routed experts over expert-parallel ranks: serve with \
+             --ranks N and --parallel expert, tensor-expert, data-expert or context"
+        ),
+        Some(path) => Some(cachalot_model::ExpertPlacement::from_file(path, world)?.leak()),
+    };
     if experts_split {
         set.model.expert_shard = ExpertShard {
             rank,
             ranks: world,
             dispatch: false,
             context: false,
-            placement: None,
+            placement,
         };
     }
     if dispatch {
@@ -575,7 +588,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             ranks: world,
             dispatch: true,
             context,
-            placement: None,
+            placement,
         };
     }
     // Ranks of this host share its memory for their KV pools.

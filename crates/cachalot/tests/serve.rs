@@ -1379,15 +1379,32 @@ fn serve_over_two_ranks_answers_as_one_process() {
         .iter()
         .map(|b| post(&one.addr, path(b), b).1["choices"].clone())
         .collect();
-    for parallel in [
-        "data",
-        "expert",
-        "tensor",
-        "tensor-expert",
-        "data-expert",
-        "context",
+    // Expert placement from loads that differ from the contiguous halves (experts 0-3 hot in
+    // every MoE layer): the same answers.
+    let dir = tempfile::tempdir().unwrap();
+    let loads = dir.path().join("loads.json");
+    let hot: Vec<u64> = (0..16).map(|e| if e < 4 { 100 } else { 1 }).collect();
+    let tokens = json!({"1": hot, "2": hot, "3": hot, "4": hot});
+    std::fs::write(
+        &loads,
+        json!({"expert_load": {"tokens": tokens}}).to_string(),
+    )
+    .unwrap();
+    let loads = loads.to_str().unwrap();
+    for (parallel, placement) in [
+        ("data", None),
+        ("expert", None),
+        ("tensor", None),
+        ("tensor-expert", None),
+        ("data-expert", None),
+        ("context", None),
+        ("data-expert", Some(loads)),
     ] {
-        let group = start(&["--kv-blocks", "64", "--ranks", "2", "--parallel", parallel]);
+        let mut args = vec!["--kv-blocks", "64", "--ranks", "2", "--parallel", parallel];
+        if let Some(f) = placement {
+            args.extend(["--expert-placement", f]);
+        }
+        let group = start(&args);
         let g = group.addr.as_str();
         // Concurrent: each answer is its own.
         let got: Vec<Value> = std::thread::scope(|s| {
