@@ -1341,7 +1341,8 @@ impl<'t, M: Model> Engine<'t, M> {
             .min(max_positions - req.prompt.len());
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Request(format!(
-                "prompt token {t} is outside the vocabulary of {vocab}"
+                "prompt token {t} is outside the vocabulary of {vocab} (config.json vocab_size; \
+                 a prompt's ids come from the tokenizer: is tokenizer.json this model's?)"
             )));
         }
         if req.stop.max_new_tokens == 0 {

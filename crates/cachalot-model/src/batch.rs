@@ -585,7 +585,10 @@ impl Batch {
             ));
         }
         if let Some(&t) = self.tokens.iter().find(|&&t| t as usize >= vocab) {
-            return err(format!("token id {t} is outside the vocabulary of {vocab}"));
+            return err(format!(
+                "token id {t} is outside the vocabulary of {vocab} (config.json vocab_size; a \
+                 prompt's ids come from the tokenizer: is tokenizer.json this model's?)"
+            ));
         }
         if let Some(&i) = self
             .logits_indices
