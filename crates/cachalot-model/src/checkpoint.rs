@@ -332,6 +332,54 @@ impl Checkpoint {
         self.tensors.values().map(|t| t.end - t.start).sum()
     }
 
+    /// Every tensor's values are numbers (`--check-tensors`, as llama.cpp's): no NaN or
+    /// infinity in BF16/F16/F32 tensors, no NaN code (0x7F, 0xFF) in F8_E4M3 ones, no NaN
+    /// scale (255) in F8_E8M0 ones. Reads the whole checkpoint (the tensors in parallel); the
+    /// first damaged tensor is named with the element, or Ok.
+    pub fn check_values(&self) -> Result<()> {
+        use rayon::prelude::*;
+        let bad: Option<(String, usize, &'static str)> = self
+            .tensors
+            .par_iter()
+            .filter_map(|(name, info)| {
+                let bytes = &self.shards[info.shard].map[info.start..info.end];
+                let at = |size: usize, f: fn(&[u8]) -> bool| bytes.chunks_exact(size).position(f);
+                let found = match info.dtype {
+                    Dtype::BF16 => at(2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7F80 == 0x7F80),
+                    Dtype::F16 => at(2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7C00 == 0x7C00),
+                    Dtype::F32 => at(4, |b| {
+                        !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()
+                    }),
+                    Dtype::F8_E4M3 => at(1, |b| b[0] & 0x7F == 0x7F),
+                    Dtype::F8_E8M0 => at(1, |b| b[0] == 255),
+                    _ => None,
+                };
+                found.map(|i| {
+                    let what = match info.dtype {
+                        Dtype::F8_E4M3 => "a NaN code",
+                        Dtype::F8_E8M0 => "a NaN scale (255)",
+                        _ => "a NaN or infinity",
+                    };
+                    (name.clone(), i, what)
+                })
+            })
+            .min();
+        match bad {
+            None => Ok(()),
+            Some((name, i, what)) => {
+                let info = &self.tensors[&name];
+                Err(ModelError::Tensor {
+                    tensor: name,
+                    path: self.shards[info.shard].path.clone(),
+                    message: format!(
+                        "{what} at element {i} (--check-tensors): the checkpoint is damaged; \
+                         re-download this shard"
+                    ),
+                })
+            }
+        }
+    }
+
     /// The tensor, marked as used. `expected` describes it for the error if it is missing.
     pub fn take(&mut self, name: &str, expected: &str) -> Result<TensorView> {
         let Some(info) = self.tensors.get(name) else {
@@ -477,4 +525,81 @@ pub fn dtype_size(d: Dtype) -> Option<usize> {
         Dtype::F64 | Dtype::I64 | Dtype::U64 => 8,
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView as StView;
+
+    /// `check_values` passes numbers of every float dtype and names the tensor and element of
+    /// a NaN or infinity, a NaN FP8 code or a NaN E8M0 scale.
+    #[test]
+    #[allow(clippy::type_complexity)]
+    fn check_values_names_the_first_damaged_tensor() {
+        let bf16: Vec<u8> = [1.0f32, -2.5, 0.0, 3.0]
+            .iter()
+            .flat_map(|&x| cachalot_kernels::f32_to_bf16(x).to_le_bytes())
+            .collect();
+        let f32s: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let fp8 = vec![0x38u8, 0xB8, 0x7E, 0x00];
+        let e8m0 = vec![127u8, 0, 254];
+        let cases: [(&str, Dtype, Vec<usize>, Vec<u8>, usize, Vec<u8>); 4] = [
+            (
+                "a.bf16",
+                Dtype::BF16,
+                vec![2, 2],
+                bf16,
+                4,
+                0x7FC0u16.to_le_bytes().to_vec(),
+            ),
+            (
+                "b.f32",
+                Dtype::F32,
+                vec![2],
+                f32s,
+                4,
+                f32::INFINITY.to_le_bytes().to_vec(),
+            ),
+            ("c.fp8", Dtype::F8_E4M3, vec![4], fp8, 3, vec![0xFF]),
+            ("d.scale", Dtype::F8_E8M0, vec![3], e8m0, 1, vec![255]),
+        ];
+        let write = |tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]| {
+            let dir = tempfile::tempdir().unwrap();
+            let views: Vec<(String, StView)> = tensors
+                .iter()
+                .map(|(n, d, s, b)| (n.to_string(), StView::new(*d, s.clone(), b).unwrap()))
+                .collect();
+            safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors"))
+                .unwrap();
+            dir
+        };
+        let good: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = cases
+            .iter()
+            .map(|(n, d, s, b, ..)| (*n, *d, s.clone(), b.clone()))
+            .collect();
+        let dir = write(&good);
+        Checkpoint::open(dir.path())
+            .unwrap()
+            .check_values()
+            .unwrap();
+        for (k, (name, _, _, bytes, at, bad)) in cases.iter().enumerate() {
+            let mut damaged = good.clone();
+            // The last element of the tensor (`at` bytes from its end) made bad.
+            let b = &mut damaged[k].3;
+            let start = bytes.len() - at;
+            b[start..start + bad.len()].copy_from_slice(bad);
+            let dir = write(&damaged);
+            let e = Checkpoint::open(dir.path())
+                .unwrap()
+                .check_values()
+                .unwrap_err()
+                .to_string();
+            let elem = start / (bytes.len() / cases[k].2.iter().product::<usize>());
+            assert!(
+                e.contains(name) && e.contains(&format!("element {elem}")),
+                "{name}: {e}"
+            );
+        }
+    }
 }

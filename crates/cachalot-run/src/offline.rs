@@ -59,6 +59,9 @@ pub struct RunOptions {
     /// Expert placement from an earlier run's measured loads (`ExpertPlacement::from_file`),
     /// under a layout that splits the routed experts over the ranks.
     pub expert_placement: Option<PathBuf>,
+    /// Read every tensor before the run and refuse NaN or infinite values
+    /// (`Checkpoint::check_values`).
+    pub check_tensors: bool,
     /// Ranks of the run on this host (each sizes its KV pool from its share of the memory
     /// budget); 1 for a one-process run.
     pub host_ranks: usize,
@@ -923,6 +926,13 @@ pub fn run_ranked(
         Some(d)
     };
     let weights_dir = dummy.as_ref().map_or(model_dir.clone(), |d| d.dir.clone());
+    if opts.check_tensors {
+        cachalot_model::checkpoint::Checkpoint::open(&weights_dir)?.check_values()?;
+        logln!(
+            "--check-tensors: every tensor of {} holds numbers",
+            weights_dir.display()
+        );
+    }
     let named_v4 = m.model_name == "deepseek_v4";
     if named_v4 != (family == ModelFamily::DeepseekV4) {
         return Err(format!(

@@ -135,6 +135,11 @@ struct ModelArgs {
     /// prefix caching can share).
     #[arg(long, default_value = "compact")]
     v4_cache: cachalot_model::V4CacheMode,
+    /// Read every tensor of the checkpoint before running and refuse a NaN or infinity (a NaN
+    /// FP8 code or E8M0 scale), naming the tensor, as llama.cpp's --check-tensors (the whole
+    /// checkpoint is read at start).
+    #[arg(long)]
+    check_tensors: bool,
     /// Only the first N decoder layers (a YAML's `custom_params.num_hidden_layers`; DeepSeek-V3
     /// family).
     #[arg(skip)]
@@ -215,6 +220,15 @@ pub const DEFAULT_MODEL: &str = "assets/cachalot-tiny-r1";
 
 /// The model directory: `--model`, else the shipped small model (looked up from the working
 /// directory, then from the source tree this binary was built from).
+/// [`model_dir`], its tensors' values checked first under `--check-tensors`.
+fn checked_model_dir(args: &ModelArgs) -> Result<PathBuf> {
+    let dir = model_dir(args)?;
+    if args.check_tensors {
+        cachalot_model::checkpoint::Checkpoint::open(&dir)?.check_values()?;
+    }
+    Ok(dir)
+}
+
 fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
     if let Some(dir) = &args.model {
         return Ok(dir.clone());
@@ -251,7 +265,7 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
         expert_shard: args.expert_shard,
         tensor_shard: args.tensor_shard,
     };
-    let dir = model_dir(args)?;
+    let dir = checked_model_dir(args)?;
     let mut model = DeepseekV3::load(&dir, opts)?;
     if load_mtp && model.mtp_layers().is_empty() {
         bail!(
@@ -278,7 +292,7 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
 /// The DeepSeek-V4 model of `args` (with its MTP blocks when `load_mtp`).
 fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
     let mut m = DeepseekV4::load(
-        &model_dir(args)?,
+        &checked_model_dir(args)?,
         V4LoadOptions {
             load_mtp,
             bf16_dot: args.bf16_dot,

@@ -81,6 +81,10 @@ pub struct RunArgs {
     /// evenly on them; every rank gives the same FILE. Outputs are unchanged.
     #[arg(long, value_name = "FILE")]
     expert_placement: Option<std::path::PathBuf>,
+    /// Read every tensor of the checkpoint before the run and refuse a NaN or infinity (a NaN
+    /// FP8 code or E8M0 scale), naming the tensor, as llama.cpp's --check-tensors.
+    #[arg(long)]
+    check_tensors: bool,
     /// Time the phases of every step (attention's parts, dense MLP, MoE, head, the engine's
     /// own work): a table on stderr and profile.json beside summary.json (this process's
     /// steps: rank 0's in a run over several ranks).
@@ -518,6 +522,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         host_ranks: args.group.host_ranks(),
         parallel: args.group.layout(&cfg.parallel_config)?,
         expert_placement: args.expert_placement.clone(),
+        check_tensors: args.check_tensors,
     };
     let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {

@@ -238,6 +238,7 @@ impl ModelArgs {
             bf16_dot: false,
             kv_cache_dtype: crate::KvDtypeArg::Auto,
             v4_cache: Default::default(),
+            check_tensors: false,
             max_layers: None,
             expert_shard: Default::default(),
             tensor_shard: Default::default(),

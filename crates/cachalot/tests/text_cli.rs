@@ -1331,7 +1331,8 @@ fn convert_checks_that_the_input_loads() {
 
 /// `custom_params.num_hidden_layers` beyond the checkpoint's layers, or a key one typo from it,
 /// is refused naming it; a `max_new_tokens` past the model's positions sizes the KV pool for
-/// the positions (requests stop there), not for the YAML's length.
+/// the positions (requests stop there), not for the YAML's length; `--check-tensors` refuses
+/// a NaN weight by name.
 #[test]
 fn run_checks_custom_params_and_sizes_the_pool_by_the_models_positions() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1369,6 +1370,43 @@ fn run_checks_custom_params_and_sizes_the_pool_by_the_models_positions() {
     }
     // An NPU switch is noted, not refused.
     ok(run("  custom_params:\n    enable_multi_streams: true\n"));
+    // --check-tensors reads every tensor first: the shipped model passes; a copy whose
+    // embedding holds a NaN is refused naming the tensor (without the flag it would run).
+    let checked = |model: &str| {
+        let args = ["generate", "--model", model, "--token-ids", "0"];
+        cachalot(
+            &[&args[..], &["--max-new-tokens", "2", "--check-tensors"]].concat(),
+            None,
+        )
+    };
+    ok(checked(
+        root().join("assets/cachalot-tiny-r1").to_str().unwrap(),
+    ));
+    let copy = tmp.path().join("nan_model");
+    std::fs::create_dir(&copy).unwrap();
+    let src = root().join("assets/cachalot-tiny-r1");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), copy.join(e.file_name())).unwrap();
+    }
+    let index: Value = serde_json::from_str(
+        &std::fs::read_to_string(copy.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let name = "model.embed_tokens.weight";
+    let shard = copy.join(index["weight_map"][name].as_str().unwrap());
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let at = 8 + n + header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[at..at + 2].copy_from_slice(&0x7FC0u16.to_le_bytes());
+    std::fs::write(&shard, bytes).unwrap();
+    let out = checked(copy.to_str().unwrap());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && e.contains(name) && e.contains("element 0"),
+        "{e}"
+    );
     let huge = "scheduler_config:\n  batch_size: 2\n  block_size: 16\n  max_new_tokens: 16777216\n";
     let s = json(&ok(run(huge)));
     // 8192 positions: 512 blocks a sequence, 2 sequences (block 0, reserved, not counted).
