@@ -2028,8 +2028,8 @@ fn v4_prefill_and_decode_servers_answer_as_one_server() {
     assert_ne!(status, 200, "{v}");
     assert!(v.to_string().contains("--v4-cache"), "{v}");
     // One server over two ranks under prefill context parallelism (each prompt's pieces on
-    // both ranks), in f32 and in bf16: one process's answers.
-    for dtype in ["f32", "bf16"] {
+    // both ranks), in f32, bf16 and fp8: one process's answers.
+    for dtype in ["f32", "bf16", "fp8"] {
         let with = |extra: &[&str]| {
             let mut a: Vec<&str> = model.to_vec();
             a.extend(["--kv-cache-dtype", dtype]);
