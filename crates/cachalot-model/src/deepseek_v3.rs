@@ -676,13 +676,15 @@ impl DeepseekV3 {
         }
         pb.finish_and_clear();
         l.ckpt.ensure_all_used()?;
-        cfg.num_hidden_layers = keep;
-        let rope = Rope::new(&cfg);
-        let softmax_scale = cfg.softmax_scale();
+        // MTP layers keep their checkpoint keys (after all the checkpoint's layers), also when
+        // only the first `keep` run.
         let expert_load = crate::eplb::ExpertLoad::new(
             cfg.num_hidden_layers + mtp.len(),
             cfg.n_routed_experts.unwrap_or(0),
         );
+        cfg.num_hidden_layers = keep;
+        let rope = Rope::new(&cfg);
+        let softmax_scale = cfg.softmax_scale();
         Ok(DeepseekV3 {
             cfg,
             embed: VocabRows {

@@ -80,6 +80,11 @@ impl ExpertPlacement {
                 ));
             }
             let k = *key as usize;
+            if k >= MAX_PLACED_LAYERS {
+                return Err(format!(
+                    "layer key {key} is beyond any model's layers (at most {MAX_PLACED_LAYERS})"
+                ));
+            }
             if owners.len() <= k {
                 owners.resize(k + 1, Vec::new());
             }
@@ -157,6 +162,9 @@ impl ExpertPlacement {
         Box::leak(Box::new(self))
     }
 }
+
+/// Layer keys a placement may name (DeepSeek-V3 has 62 with its MTP layer).
+const MAX_PLACED_LAYERS: usize = 4096;
 
 /// One layer's placement: experts by decreasing load (ties by id) each to the rank with the
 /// fewest tokens so far among those with room (`E/ranks` experts each; ties to the lowest
@@ -847,6 +855,8 @@ mod tests {
         let e = shard.validate(16).unwrap_err().to_string();
         assert!(e.contains("--expert-placement"), "{e}");
         assert!(ExpertPlacement::from_loads(&[(0, vec![1, 2, 3])], 3, 2).is_err());
+        // A layer key from a damaged file is refused, not allocated for.
+        assert!(ExpertPlacement::from_loads(&[(u32::MAX, vec![1, 2])], 2, 2).is_err());
     }
 
     /// A rank that fails to serve a round (here its expert errs) still takes part in the

@@ -1465,12 +1465,14 @@ fn respond_json(request: tiny_http::Request, status: u16, body: &Value) {
     let _ = request.respond(response);
 }
 
-/// Answers 413 to a request announcing a body over the limit, whatever its path, without ever
-/// dropping its body reader: tiny_http 0.12 discards an unread body by allocating a buffer of
-/// the announced length (`EqualReader`'s drop), which aborts the process for an absurd
-/// `Content-Length`. The answer goes out through `upgrade` (status and headers, then the error
-/// body, unframed: a client reads it to the connection's end) and the request's stream is
-/// kept, never dropped: the server leaks that connection rather than die.
+/// Answers 413 to a request announcing a body over the limit, whatever its path, before
+/// reading any of it. tiny_http 0.12 discards an unread body by allocating a buffer of the
+/// announced length (`EqualReader`'s drop): within the memory available that is an ordinary
+/// answer (the buffer is virtual until bytes arrive, and the connection closes after it). An
+/// absurd `Content-Length` would abort the process there, so that answer goes out through
+/// `upgrade` (status, headers, then the error body, unframed: a client reads it to the
+/// connection's end) and the request's stream is never dropped: the server leaks that one
+/// connection (a thread and a socket) rather than die.
 fn refuse_oversized(request: tiny_http::Request, announced: usize) {
     let error = ApiError::new(
         413,
@@ -1480,6 +1482,18 @@ fn refuse_oversized(request: tiny_http::Request, announced: usize) {
             MAX_BODY_BYTES >> 20
         ),
     );
+    let available = cachalot_run::offline::mem_available().unwrap_or(1 << 30);
+    if announced as u64 <= available {
+        let close = tiny_http::Header::from_bytes("Connection", "close").expect("a valid header");
+        let json =
+            tiny_http::Header::from_bytes("Content-Type", "application/json").expect("a header");
+        let response = tiny_http::Response::from_string(error.body().to_string())
+            .with_status_code(413)
+            .with_header(json)
+            .with_header(close);
+        let _ = request.respond(response);
+        return;
+    }
     let header =
         tiny_http::Header::from_bytes("Content-Type", "application/json").expect("a valid header");
     let response = tiny_http::Response::empty(413).with_header(header);
@@ -2897,8 +2911,12 @@ fn check_messages(messages: &Value) -> Result<(), ApiError> {
                 ),
             ));
         }
+        // Content may be absent where OpenAI allows it (an assistant's tool calls, a tool's or
+        // function's empty result); a tool result's parts are the template's to render (DeepSeek-
+        // V4's encoder writes other parts as unsupported); an assistant may hold refusals.
+        let may_be_empty = matches!(role, "assistant" | "tool" | "function");
         match m.get("content") {
-            None | Some(Value::Null) if role == "assistant" => {}
+            None | Some(Value::Null) if may_be_empty => {}
             None | Some(Value::Null) => {
                 return Err(ApiError::bad(
                     "messages",
@@ -2906,10 +2924,18 @@ fn check_messages(messages: &Value) -> Result<(), ApiError> {
                 ))
             }
             Some(Value::String(_)) => {}
+            Some(Value::Array(_)) if role == "tool" => {}
             Some(Value::Array(parts)) => {
                 for (j, p) in parts.iter().enumerate() {
                     let kind = p.get("type").and_then(Value::as_str);
-                    if kind != Some("text") || !p.get("text").is_some_and(Value::is_string) {
+                    let field = if kind == Some("refusal") && role == "assistant" {
+                        "refusal"
+                    } else {
+                        "text"
+                    };
+                    if (kind != Some("text") && field == "text")
+                        || !p.get(field).is_some_and(Value::is_string)
+                    {
                         return Err(ApiError::bad(
                             "messages",
                             format!(
@@ -2952,6 +2978,16 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     .iter()
     .any(|p| src.contains(p));
     let mut messages = messages.clone();
+    // A tool's or function's empty result (null content) is an empty string to the templates,
+    // which concatenate content.
+    for m in messages.as_array_mut().into_iter().flatten() {
+        let role = m.get("role").and_then(Value::as_str);
+        if matches!(role, Some("tool" | "function"))
+            && m.get("content").is_none_or(Value::is_null)
+        {
+            m["content"] = "".into();
+        }
+    }
     if walks_parts && !v4 {
         return messages;
     }
@@ -2962,12 +2998,13 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
         let Some(parts) = m.get("content").and_then(Value::as_array) else {
             continue;
         };
+        // Text parts, and an assistant's refusals, are their strings.
         let texts: Option<Vec<&str>> = parts
             .iter()
-            .map(|p| {
-                (p.get("type").and_then(Value::as_str) == Some("text"))
-                    .then(|| p.get("text").and_then(Value::as_str))
-                    .flatten()
+            .map(|p| match p.get("type").and_then(Value::as_str) {
+                Some("text") => p.get("text").and_then(Value::as_str),
+                Some("refusal") => p.get("refusal").and_then(Value::as_str),
+                _ => None,
             })
             .collect();
         if let Some(texts) = texts {

@@ -584,16 +584,21 @@ fn serve_bounds_the_context_by_the_kv_pool() {
         (status, e["error"]["param"].as_str()),
         (400, Some("max_tokens"))
     );
-    // A request announcing an absurd body (any path) gets a 413 and the server lives on
-    // (tiny_http would allocate the announced length to discard the unread body).
-    for path in ["/health", "/v1/completions"] {
+    // A request announcing a body over the limit (any path) gets a 413 before any of it is
+    // read, framed (a Content-Length, the connection closed after it) where the announced
+    // length could be allocated; an absurd one (tiny_http would allocate it to discard the
+    // body) gets it unframed; the server lives on.
+    for (path, announced) in [
+        ("/v1/completions", "100000000"),
+        ("/health", "100000000000"),
+    ] {
         let mut s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
             .unwrap();
         write!(
             s,
             "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-             Content-Length: 100000000000\r\n\r\n{{}}"
+             Content-Length: {announced}\r\n\r\n{{}}"
         )
         .unwrap();
         let mut got = Vec::new();
@@ -603,11 +608,27 @@ fn serve_bounds_the_context_by_the_kv_pool() {
             assert!(n > 0, "{}", String::from_utf8_lossy(&got));
             got.extend_from_slice(&buf[..n]);
         }
-        let text = String::from_utf8_lossy(&got);
-        assert!(text.starts_with("HTTP/1.1 413"), "{text}");
-        assert!(text.contains("Content-Length"), "{text}");
+        let text = String::from_utf8_lossy(&got).to_ascii_lowercase();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("http/1.1 413"), "{text}");
+        assert!(body.contains(announced), "{text}");
+        let framed = head.contains("\r\ncontent-length:");
+        assert_eq!(framed, announced.len() < 11, "{path}: {text}");
         assert_eq!(http(addr, "GET", "/health", "").0, 200);
     }
+    // Messages OpenAI clients send that carry no text: an assistant's refusal, a tool's or
+    // function's empty result; accepted.
+    let history = json!([
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+        {"role": "assistant", "content": null,
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": null},
+        {"role": "function", "name": "f", "content": null},
+        {"role": "user", "content": "Again?"}]);
+    let (status, t) = post(addr, "/tokenize", &json!({"messages": history}));
+    assert_eq!(status, 200, "{t}");
 }
 
 /// A client that leaves before its answer is done has its request aborted, whole or streamed
