@@ -2086,9 +2086,75 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
     Ok(out)
 }
 
+/// Fields of a completion or chat request this server reads, or knows from OpenAI's API and
+/// leaves unused (`user`, `metadata`, ...); any other is logged as ignored, as vLLM logs
+/// them (a misspelt `max_tokns` is not an error, but is said).
+const KNOWN_FIELDS: [&str; 47] = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "ignore_eos",
+    "min_tokens",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "add_special_tokens",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "best_of",
+    "suffix",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "functions",
+    "function_call",
+];
+
 /// Reads a completion or chat request: its prompt (tokenized), sampling and stop fields.
 fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> {
     check_model(shared, body)?;
+    if let Some(obj) = body.as_object() {
+        let ignored: Vec<&str> = obj
+            .keys()
+            .map(String::as_str)
+            .filter(|k| !KNOWN_FIELDS.contains(k))
+            .collect();
+        if !ignored.is_empty() {
+            say!(
+                "cachalot serve: request fields ignored (not read by this server): {}",
+                ignored.join(", ")
+            );
+        }
+    }
     for (key, unsupported) in [
         ("best_of", "best_of is not supported"),
         ("suffix", "suffix is not supported"),
@@ -2982,8 +3048,7 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     // which concatenate content.
     for m in messages.as_array_mut().into_iter().flatten() {
         let role = m.get("role").and_then(Value::as_str);
-        if matches!(role, Some("tool" | "function"))
-            && m.get("content").is_none_or(Value::is_null)
+        if matches!(role, Some("tool" | "function")) && m.get("content").is_none_or(Value::is_null)
         {
             m["content"] = "".into();
         }

@@ -629,6 +629,23 @@ fn serve_bounds_the_context_by_the_kv_pool() {
         {"role": "user", "content": "Again?"}]);
     let (status, t) = post(addr, "/tokenize", &json!({"messages": history}));
     assert_eq!(status, 200, "{t}");
+    // A field the server does not read is answered as without it, and logged (as vLLM does).
+    let (status, r) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokns": 2}),
+    );
+    assert_eq!(status, 200, "{r}");
+    let logged = || {
+        let log = server.log.lock().unwrap();
+        log.iter()
+            .any(|l| l.contains("fields ignored") && l.contains("max_tokns"))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !logged() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(logged(), "{:?}", server.log.lock().unwrap());
 }
 
 /// A client that leaves before its answer is done has its request aborted, whole or streamed
