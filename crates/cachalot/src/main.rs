@@ -125,7 +125,8 @@ struct ModelArgs {
     #[arg(long)]
     bf16_dot: bool,
     /// How the KV cache stores its values: bf16 (C16, as the seed: half the memory per cached
-    /// token, each value rounded to bf16 when made; DeepSeek-V4's rings too) or f32 (exact).
+    /// token, each value rounded to bf16 when made; DeepSeek-V4's rings too), f32 (exact) or,
+    /// for DeepSeek-V4's compact cache, fp8 (compressed entries in e4m3, the seed's fp8 cache).
     /// `auto`: bf16 for the DeepSeek-V3 family, f32 for DeepSeek-V4.
     #[arg(long, value_enum, default_value = "auto")]
     kv_cache_dtype: KvDtypeArg,

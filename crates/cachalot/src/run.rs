@@ -59,8 +59,11 @@ pub struct RunArgs {
     #[arg(long)]
     bf16_dot: bool,
     /// How the KV cache stores its values: bf16 (C16, as the seed: half the memory per cached
-    /// token, each value rounded to bf16 when made; DeepSeek-V4's rings too) or f32 (exact). `auto`: f32 when the YAML's `model_config.dtype` is float32, else bf16 for the
-    /// DeepSeek-V3 family and f32 for DeepSeek-V4. Recorded as kv_cache_dtype in summary.json.
+    /// token, each value rounded to bf16 when made; DeepSeek-V4's rings too), f32 (exact) or,
+    /// for DeepSeek-V4's compact cache, fp8 (compressed entries in e4m3). `auto`: f32 when the
+    /// YAML's `model_config.dtype` is float32, else bf16 for the DeepSeek-V3 family and f32 for
+    /// DeepSeek-V4 (fp8 when its `platform_version` is 950). Recorded as kv_cache_dtype in
+    /// summary.json.
     #[arg(long, value_enum, default_value = "auto")]
     kv_cache_dtype: crate::KvDtypeArg,
     /// Prefix caching (vLLM's automatic prefix caching; the seed has none): a prompt's first
