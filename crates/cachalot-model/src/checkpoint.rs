@@ -502,17 +502,24 @@ fn diagnose_header(bytes: &[u8]) -> Option<(String, String)> {
     }
     entries.sort_by_key(|&(_, s, e, _)| (s, e));
     let mut at = 0;
+    let mut previous: Option<String> = None;
     for (name, s, e, _) in entries {
         if s != at {
-            return Some((
-                name,
-                format!(
-                    "data_offsets start at byte {s}, but the previous tensor ends at {at} \
-                     (tensors must follow one another)"
+            // Either this tensor's offsets or the one before it moved: both are named.
+            let why = match previous {
+                None => format!(
+                    "data_offsets start at byte {s}, but the data begins at 0 (tensors must \
+                     follow one another from the start)"
                 ),
-            ));
+                Some(p) => format!(
+                    "data_offsets start at byte {s}, but `{p}` ends at {at} (tensors must \
+                     follow one another: one of the two has wrong data_offsets)"
+                ),
+            };
+            return Some((name, why));
         }
         at = e;
+        previous = Some(name);
     }
     None
 }
@@ -531,6 +538,19 @@ pub fn dtype_size(d: Dtype) -> Option<usize> {
 mod tests {
     use super::*;
     use safetensors::tensor::TensorView as StView;
+
+    /// A header whose tensors do not follow one another names both tensors around the gap.
+    #[test]
+    fn a_moved_tensor_is_named_with_its_neighbour() {
+        let dir = tempfile::tempdir().unwrap();
+        let header = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]},"c":{"dtype":"F32","shape":[1],"data_offsets":[20,24]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(&[0u8; 24]);
+        std::fs::write(dir.path().join("model.safetensors"), bytes).unwrap();
+        let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("`b`") && e.contains("`a` ends at 8"), "{e}");
+    }
 
     /// `check_values` passes numbers of every float dtype and names the tensor and element of
     /// a NaN or infinity, a NaN FP8 code or a NaN E8M0 scale.
