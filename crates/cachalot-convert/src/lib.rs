@@ -1072,15 +1072,14 @@ fn run_item(
 /// A float tensor copied as it is (`bytes` from byte `at` of it) holds no NaN or infinity: a
 /// damaged weight would pass into the output and make every forward through it garbage.
 pub(crate) fn check_finite(t: &OutTensor, bytes: &[u8], at: usize) -> std::io::Result<()> {
-    let (size, bad): (usize, fn(&[u8]) -> bool) = match t.dtype {
-        "BF16" => (2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7F80 == 0x7F80),
-        "F16" => (2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7C00 == 0x7C00),
-        "F32" => (4, |b| {
-            !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()
-        }),
+    use cachalot_kernels::StoredFloat as S;
+    let (kind, size) = match t.dtype {
+        "BF16" => (S::Bf16, 2),
+        "F16" => (S::F16, 2),
+        "F32" => (S::F32, 4),
         _ => return Ok(()),
     };
-    match bytes.chunks_exact(size).position(bad) {
+    match cachalot_kernels::first_non_finite(kind, bytes) {
         None => Ok(()),
         Some(i) => Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,

@@ -88,6 +88,33 @@ impl fmt::Debug for Bytes {
 }
 
 /// The little-endian bytes of `values` (to build test and converted matrices).
+/// A stored value type that can hold a value that is not a number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredFloat {
+    Bf16,
+    F16,
+    F32,
+    /// FP8 e4m3fn: codes 0x7F and 0xFF are NaN.
+    E4m3,
+    /// A power-of-two scale: 255 is NaN.
+    E8m0,
+}
+
+/// The first element of `bytes` (little-endian values of `kind`) that is not a number: a NaN or
+/// infinity, a NaN code or scale; None when every one is a number.
+pub fn first_non_finite(kind: StoredFloat, bytes: &[u8]) -> Option<usize> {
+    let at = |size: usize, f: fn(&[u8]) -> bool| bytes.chunks_exact(size).position(f);
+    match kind {
+        StoredFloat::Bf16 => at(2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7F80 == 0x7F80),
+        StoredFloat::F16 => at(2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7C00 == 0x7C00),
+        StoredFloat::F32 => at(4, |b| {
+            !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()
+        }),
+        StoredFloat::E4m3 => at(1, |b| b[0] & 0x7F == 0x7F),
+        StoredFloat::E8m0 => at(1, |b| b[0] == 255),
+    }
+}
+
 pub fn f32s_to_le_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }

@@ -343,18 +343,7 @@ impl Checkpoint {
             .par_iter()
             .filter_map(|(name, info)| {
                 let bytes = &self.shards[info.shard].map[info.start..info.end];
-                let at = |size: usize, f: fn(&[u8]) -> bool| bytes.chunks_exact(size).position(f);
-                let found = match info.dtype {
-                    Dtype::BF16 => at(2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7F80 == 0x7F80),
-                    Dtype::F16 => at(2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7C00 == 0x7C00),
-                    Dtype::F32 => at(4, |b| {
-                        !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()
-                    }),
-                    Dtype::F8_E4M3 => at(1, |b| b[0] & 0x7F == 0x7F),
-                    Dtype::F8_E8M0 => at(1, |b| b[0] == 255),
-                    _ => None,
-                };
-                found.map(|i| {
+                first_non_finite(info.dtype, bytes).map(|i| {
                     let what = match info.dtype {
                         Dtype::F8_E4M3 => "a NaN code",
                         Dtype::F8_E8M0 => "a NaN scale (255)",
@@ -522,6 +511,22 @@ fn diagnose_header(bytes: &[u8]) -> Option<(String, String)> {
         previous = Some(name);
     }
     None
+}
+
+/// The first element of `bytes` (little-endian values of `dtype`) that is not a number
+/// ([`cachalot_kernels::first_non_finite`]); None for dtypes without such values (integers,
+/// packed codes).
+pub fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<usize> {
+    use cachalot_kernels::StoredFloat as S;
+    let kind = match dtype {
+        Dtype::BF16 => S::Bf16,
+        Dtype::F16 => S::F16,
+        Dtype::F32 => S::F32,
+        Dtype::F8_E4M3 => S::E4m3,
+        Dtype::F8_E8M0 => S::E8m0,
+        _ => return None,
+    };
+    cachalot_kernels::first_non_finite(kind, bytes)
 }
 
 pub fn dtype_size(d: Dtype) -> Option<usize> {

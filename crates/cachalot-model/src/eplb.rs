@@ -69,17 +69,11 @@ impl ExpertLoad {
     }
 }
 
-/// vLLM's EPLB "balancedness" of one layer's expert counts over `ranks` expert-parallel ranks
-/// holding contiguous equal shares of the experts (ours, [`crate::ExpertShard::owner`]): the
-/// mean over the maximum of the ranks' token counts; 1 is perfect, 1/ranks all on one rank.
-/// 1 for a layer without tokens.
-pub fn balancedness(counts: &[u64], ranks: usize) -> f64 {
-    let per = counts.len().div_ceil(ranks.max(1)).max(1);
-    balancedness_by(counts, ranks, |e| e / per)
-}
-
-/// [`balancedness`] with expert `e` on rank `owner(e)` (a placement, [`crate::ExpertPlacement`]).
-pub fn balancedness_by(counts: &[u64], ranks: usize, owner: impl Fn(usize) -> usize) -> f64 {
+/// vLLM's EPLB "balancedness" of one layer's expert counts over `ranks` expert-parallel ranks,
+/// expert `e` on rank `owner(e)` ([`crate::ExpertShard::owner`]): the mean over the maximum of
+/// the ranks' token counts; 1 is perfect, 1/ranks all on one rank. 1 for a layer without
+/// tokens.
+pub fn balancedness(counts: &[u64], ranks: usize, owner: impl Fn(usize) -> usize) -> f64 {
     let ranks = ranks.max(1);
     let mut loads = vec![0u64; ranks];
     for (e, &c) in counts.iter().enumerate() {
@@ -208,11 +202,11 @@ mod tests {
         load.record(7, &a);
         assert_eq!(load.snapshot(), vec![(1, vec![4, 0, 0, 2])]);
         // Two ranks: experts 0-1 (4 tokens) and 2-3 (2): mean 3 over max 4.
-        assert_eq!(balancedness(&[4, 0, 0, 2], 2), 0.75);
-        assert_eq!(balancedness(&[4, 0, 0, 2], 1), 1.0);
-        assert_eq!(balancedness(&[1, 1, 1, 1], 4), 1.0);
-        assert_eq!(balancedness(&[8, 0, 0, 0], 4), 0.25);
-        assert_eq!(balancedness(&[0, 0], 2), 1.0);
+        assert_eq!(balancedness(&[4, 0, 0, 2], 2, |e| e / 2), 0.75);
+        assert_eq!(balancedness(&[4, 0, 0, 2], 1, |_| 0), 1.0);
+        assert_eq!(balancedness(&[1, 1, 1, 1], 4, |e| e), 1.0);
+        assert_eq!(balancedness(&[8, 0, 0, 0], 4, |e| e), 0.25);
+        assert_eq!(balancedness(&[0, 0], 2, |e| e), 1.0);
     }
 
     #[test]

@@ -838,9 +838,9 @@ mod tests {
         let loads = [900u64, 800, 10, 10, 10, 10, 10, 10];
         let owner = place_layer(&loads, 2);
         assert_ne!(owner[0], owner[1]);
-        let by = |o: &[u16]| crate::eplb::balancedness_by(&loads, 2, |e| o[e] as usize);
+        let by = |o: &[u16]| crate::eplb::balancedness(&loads, 2, |e| o[e] as usize);
         // 930 and 830 tokens against 1720 and 40.
-        assert!(by(&owner) > 0.94 && crate::eplb::balancedness(&loads, 2) < 0.52);
+        assert!(by(&owner) > 0.94 && crate::eplb::balancedness(&loads, 2, |e| e / 4) < 0.52);
         // Placement by layer key; layers without loads keep contiguous shares.
         let p = ExpertPlacement::from_loads(&[(3, loads.to_vec())], 8, 2).unwrap();
         let shard = ExpertShard {

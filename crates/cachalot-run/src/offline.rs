@@ -298,7 +298,7 @@ impl ExpertLoadSummary {
         let bal: Vec<f64> = load
             .iter()
             .map(|(k, c)| {
-                cachalot_model::eplb::balancedness_by(c, ep_ranks, |e| {
+                cachalot_model::eplb::balancedness(c, ep_ranks, |e| {
                     if ep_ranks > 1 {
                         shard.owner(*k, e, c.len())
                     } else {
@@ -554,6 +554,25 @@ fn request_line(
 }
 
 /// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
+/// The placement `--expert-placement` names (run's and serve's), for `ranks` ranks that split
+/// the routed experts (`splits_experts`); refused under a layout that does not.
+pub fn expert_placement(
+    path: Option<&Path>,
+    splits_experts: bool,
+    ranks: usize,
+) -> Result<Option<&'static cachalot_model::ExpertPlacement>, Error> {
+    match path {
+        None => Ok(None),
+        Some(_) if !splits_experts => Err("--expert-placement places the routed experts over \
+             expert-parallel ranks: give --ranks N and --parallel expert, tensor-expert, \
+             data-expert or context"
+            .into()),
+        Some(path) => Ok(Some(
+            cachalot_model::ExpertPlacement::from_file(path, ranks)?.leak(),
+        )),
+    }
+}
+
 /// Why `--kv-cache-dtype fp8` is refused outside DeepSeek-V4.
 pub fn fp8_cache_refusal() -> String {
     "--kv-cache-dtype fp8 is DeepSeek-V4's cache (compressed entries in e4m3); the \
@@ -593,18 +612,11 @@ pub fn run_ranked(
     // stream), and this rank's place among them.
     let (dp_rank, dp) = if expert { (0, 1) } else { (rank, ranks) };
     // The routed experts this rank holds, or its share of heads and intermediate features.
-    let placement = match &opts.expert_placement {
-        None => None,
-        Some(_) if !(experts_split || dispatch) => {
-            return Err(
-                "--expert-placement places the routed experts over expert-parallel \
-                        ranks: run with --ranks N and --parallel expert, tensor-expert, \
-                        data-expert or context"
-                    .into(),
-            )
-        }
-        Some(path) => Some(cachalot_model::ExpertPlacement::from_file(path, ranks)?.leak()),
-    };
+    let placement = expert_placement(
+        opts.expert_placement.as_deref(),
+        experts_split || dispatch,
+        ranks,
+    )?;
     let shard = if experts_split || dispatch {
         ExpertShard {
             rank,

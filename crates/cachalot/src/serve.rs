@@ -565,14 +565,12 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     if tensor {
         set.model.tensor_shard = TensorShard { rank, ranks: world };
     }
-    let placement = match &args.expert_placement {
-        None => None,
-        Some(_) if !(experts_split || dispatch) => bail!(
-            "--expert-placement places the routed experts over expert-parallel ranks: serve with \
-             --ranks N and --parallel expert, tensor-expert, data-expert or context"
-        ),
-        Some(path) => Some(cachalot_model::ExpertPlacement::from_file(path, world)?.leak()),
-    };
+    let placement = cachalot_run::offline::expert_placement(
+        args.expert_placement.as_deref(),
+        experts_split || dispatch,
+        world,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     if experts_split {
         set.model.expert_shard = ExpertShard {
             rank,
