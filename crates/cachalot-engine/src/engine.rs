@@ -135,6 +135,11 @@ pub trait Model {
     fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
         Vec::new()
     }
+    /// Per MoE layer: the routed (token, expert) pairs this process computed for dispatched
+    /// tokens (data-parallel attention with expert parallelism); empty otherwise.
+    fn expert_served(&self) -> Vec<(u32, u64)> {
+        Vec::new()
+    }
 }
 
 impl Model for DeepseekV3 {
@@ -143,6 +148,9 @@ impl Model for DeepseekV3 {
     }
     fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
         DeepseekV3::expert_load(self)
+    }
+    fn expert_served(&self) -> Vec<(u32, u64)> {
+        DeepseekV3::expert_served(self)
     }
     fn cache_spec(&self) -> CacheSpec {
         DeepseekV3::cache_spec(self)
@@ -216,6 +224,9 @@ impl Model for DeepseekV4 {
     }
     fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
         DeepseekV4::expert_load(self)
+    }
+    fn expert_served(&self) -> Vec<(u32, u64)> {
+        DeepseekV4::expert_served(self)
     }
     fn forward(&self, batch: &Batch, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
         Ok(DeepseekV4::forward(self, batch, cache, false)?.logits)
@@ -313,6 +324,9 @@ impl<T: Model + ?Sized> Model for &T {
     }
     fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
         (**self).expert_load()
+    }
+    fn expert_served(&self) -> Vec<(u32, u64)> {
+        (**self).expert_served()
     }
 }
 

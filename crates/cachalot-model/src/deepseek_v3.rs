@@ -492,7 +492,7 @@ impl Loader<'_> {
             let experts = (0..e)
                 .map(|j| {
                     let name = format!("{p}.mlp.experts.{j}");
-                    if shard.owns(i as u32, j, e) {
+                    if shard.holds(i as u32, j, e) {
                         // Whole under expert parallelism (with or without tensor parallelism
                         // of the rest), else this rank's tensor-parallel share.
                         let cut = if shard.ranks > 1 {
@@ -735,6 +735,12 @@ impl DeepseekV3 {
     /// parallelism, its own tokens only).
     pub fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
         self.expert_load.snapshot()
+    }
+
+    /// Per MoE layer: the routed (token, expert) pairs this rank computed for dispatched
+    /// tokens since load (its own and other ranks'); empty without dispatched experts.
+    pub fn expert_served(&self) -> Vec<(u32, u64)> {
+        self.expert_load.served_snapshot()
     }
 
     pub fn set_force_eplb(&mut self, routing: Option<BalancedRouting>) -> Result<()> {
@@ -2007,6 +2013,7 @@ impl DeepseekV3 {
                 _ => None,
             });
         let expert = crate::expert_parallel::served_expert(experts, key, id)?;
+        self.expert_load.record_served(key, n);
         Ok(mlp_forward(expert, xs, n))
     }
 

@@ -785,7 +785,7 @@ impl Loader<'_> {
         let experts = (0..e)
             .map(|j| {
                 let name = format!("{f}experts.{j}");
-                if self.shard.owns(key as u32, j, e) {
+                if self.shard.holds(key as u32, j, e) {
                     // Whole under expert parallelism (with or without tensor parallelism of
                     // the rest), else this rank's tensor-parallel share.
                     let features = if self.shard.ranks > 1 {
@@ -1121,6 +1121,12 @@ impl DeepseekV4 {
     /// parallelism, its own tokens only).
     pub fn expert_load(&self) -> Vec<(u32, Vec<u64>)> {
         self.expert_load.snapshot()
+    }
+
+    /// Per MoE layer: the routed (token, expert) pairs this rank computed for dispatched
+    /// tokens since load (its own and other ranks'); empty without dispatched experts.
+    pub fn expert_served(&self) -> Vec<(u32, u64)> {
+        self.expert_load.served_snapshot()
     }
 
     pub fn set_force_eplb(&mut self, routing: Option<BalancedRouting>) -> Result<()> {
@@ -2489,6 +2495,7 @@ impl DeepseekV4 {
             .find(|m| m.key == key)
             .map(|m| m.experts.as_slice());
         let expert = crate::expert_parallel::served_expert(experts, key, id)?;
+        self.expert_load.record_served(key, n);
         Ok(self.expert_forward(expert, xs, n, Some(ws)))
     }
 

@@ -29,6 +29,9 @@ use crate::error::{ModelError, Result};
 pub struct ExpertLoad {
     experts: usize,
     counts: Vec<AtomicU64>,
+    /// Per layer: the routed (token, expert) pairs this process computed for tokens other
+    /// ranks (or it) dispatched to it (dispatched expert parallelism).
+    served: Vec<AtomicU64>,
 }
 
 impl ExpertLoad {
@@ -37,7 +40,25 @@ impl ExpertLoad {
         ExpertLoad {
             experts,
             counts: (0..layers * experts).map(|_| AtomicU64::new(0)).collect(),
+            served: (0..layers).map(|_| AtomicU64::new(0)).collect(),
         }
+    }
+
+    /// Adds `n` dispatched tokens this process computed for an expert of layer `key`.
+    pub fn record_served(&self, key: u32, n: usize) {
+        if let Some(c) = self.served.get(key as usize) {
+            c.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Per layer that served any dispatched token: its key and the pairs computed here.
+    pub fn served_snapshot(&self) -> Vec<(u32, u64)> {
+        self.served
+            .iter()
+            .enumerate()
+            .map(|(k, c)| (k as u32, c.load(Ordering::Relaxed)))
+            .filter(|&(_, n)| n > 0)
+            .collect()
     }
 
     /// Adds a step's routing of layer `key` (per expert, its (token, weight) pairs).
@@ -79,6 +100,13 @@ pub fn balancedness(counts: &[u64], ranks: usize, owner: impl Fn(usize) -> usize
     for (e, &c) in counts.iter().enumerate() {
         loads[owner(e).min(ranks - 1)] += c;
     }
+    balancedness_of(&loads)
+}
+
+/// The balancedness of the ranks' token counts: their mean over their maximum (1: even, also
+/// when no rank took a token).
+pub fn balancedness_of(loads: &[u64]) -> f64 {
+    let ranks = loads.len().max(1);
     let max = loads.iter().copied().max().unwrap_or(0);
     if max == 0 {
         return 1.0;

@@ -10,6 +10,8 @@
 //! The seed pads every rank's collectives to a common count (§4.3, "padding rule"); here a rank
 //! whose step is over keeps serving the others' rounds ([`end_step`]) until all are over.
 
+use std::ops::Range;
+
 use cachalot_comm::Communicator;
 
 use crate::error::{ModelError, Result};
@@ -43,35 +45,41 @@ pub struct ExpertShard {
     pub placement: Option<&'static ExpertPlacement>,
 }
 
-/// Expert load balancing by placement (DeepSeek's EPLB and vLLM's `--enable-eplb` without
-/// redundant experts): each MoE layer's routed experts go to the ranks so that the ranks' token
-/// counts, measured on an earlier run (`expert_load` in its summary.json), are as even as a
-/// greedy packing makes them, every rank keeping `E/ranks` experts. Every rank must use the
-/// same placement (the same file); outputs are those of any other split (a token's experts and
-/// their sums do not depend on where they run).
+/// Expert load balancing by placement (DeepSeek's EPLB and vLLM's `--enable-eplb`, static):
+/// each MoE layer's routed experts go to the ranks so that the ranks' token counts, measured on
+/// an earlier run (`expert_load` in its summary.json), are as even as a greedy packing makes
+/// them. With `redundant` extra copies (vLLM's `num_redundant_experts`, DeepSeek EPLB's
+/// replicas) the busiest experts are held by several ranks (each copy on a different rank, every
+/// rank holding `(E + redundant) / ranks` experts of each placed layer), and a token dispatched
+/// to such an expert goes to one copy, each copy taking a share ([`ExpertPlacement::split`]). Every rank must use the same
+/// placement (the same file and count); outputs are those of any other split (a token's experts
+/// and their sums do not depend on where they run; the products give the same bits for any
+/// number of tokens).
 #[derive(Debug, PartialEq, Eq)]
 pub struct ExpertPlacement {
     ranks: usize,
     experts: usize,
-    /// Per layer key: each expert's rank; empty for a layer the loads do not cover (contiguous
-    /// shares there).
-    owners: Vec<Vec<u16>>,
+    redundant: usize,
+    /// Per layer key: each expert's ranks, its primary first (one rank without redundant
+    /// copies); empty for a layer the loads do not cover (contiguous shares there, no copies).
+    holders: Vec<Vec<Vec<u16>>>,
 }
 
 impl ExpertPlacement {
     /// The placement of `experts` routed experts per layer over `ranks` ranks for the measured
-    /// `loads` (per layer key, each expert's tokens).
+    /// `loads` (per layer key, each expert's tokens), with `redundant` extra copies per layer.
     pub fn from_loads(
         loads: &[(u32, Vec<u64>)],
         experts: usize,
         ranks: usize,
+        redundant: usize,
     ) -> std::result::Result<ExpertPlacement, String> {
         if ranks == 0 || ranks > u16::MAX as usize || !experts.is_multiple_of(ranks) {
             return Err(format!(
                 "{experts} experts do not split evenly over {ranks} ranks"
             ));
         }
-        let mut owners: Vec<Vec<u16>> = Vec::new();
+        let mut holders: Vec<Vec<Vec<u16>>> = Vec::new();
         for (key, counts) in loads {
             if counts.len() != experts {
                 return Err(format!(
@@ -85,21 +93,27 @@ impl ExpertPlacement {
                     "layer key {key} is beyond any model's layers (at most {MAX_PLACED_LAYERS})"
                 ));
             }
-            if owners.len() <= k {
-                owners.resize(k + 1, Vec::new());
+            if holders.len() <= k {
+                holders.resize(k + 1, Vec::new());
             }
-            owners[k] = place_layer(counts, ranks);
+            holders[k] = place_layer_with(counts, ranks, redundant)?;
         }
         Ok(ExpertPlacement {
             ranks,
             experts,
-            owners,
+            redundant,
+            holders,
         })
     }
 
     /// The placement for the loads in `path`: a run's summary.json (its `expert_load`), or
-    /// that object, or a bare `{"tokens": {"<layer>": [<tokens per expert>], ...}}`.
-    pub fn from_file(path: &std::path::Path, ranks: usize) -> Result<ExpertPlacement> {
+    /// that object, or a bare `{"tokens": {"<layer>": [<tokens per expert>], ...}}`; with
+    /// `redundant` extra copies of the busiest experts per layer (`--redundant-experts`).
+    pub fn from_file(
+        path: &std::path::Path,
+        ranks: usize,
+        redundant: usize,
+    ) -> Result<ExpertPlacement> {
         let bad = |why: String| {
             ModelError::Options(format!(
                 "{} (--expert-placement): {why}; give a summary.json of an earlier run of this \
@@ -133,24 +147,59 @@ impl ExpertPlacement {
         if experts == 0 {
             return Err(bad("no layer with expert counts".into()));
         }
-        ExpertPlacement::from_loads(&loads, experts, ranks).map_err(bad)
+        ExpertPlacement::from_loads(&loads, experts, ranks, redundant).map_err(bad)
     }
 
-    /// The rank of expert `expert` of layer `key`; None where the loads do not cover the layer.
+    /// The primary rank of expert `expert` of layer `key`; None where the loads do not cover
+    /// the layer.
     pub fn owner(&self, key: u32, expert: usize) -> Option<usize> {
-        self.owners
+        self.holders(key, expert).map(|h| h[0] as usize)
+    }
+
+    /// Every rank holding expert `expert` of layer `key`, its primary first; None where the
+    /// loads do not cover the layer.
+    pub fn holders(&self, key: u32, expert: usize) -> Option<&[u16]> {
+        self.holders
             .get(key as usize)
             .and_then(|o| o.get(expert))
-            .map(|&r| r as usize)
+            .map(Vec::as_slice)
+            .filter(|h| !h.is_empty())
+    }
+
+    /// Where rank `src`'s `n` tokens for expert `expert` of layer `key` are computed: each
+    /// copy takes a contiguous share of them (in token order: share c of the k copies is
+    /// tokens `[c·n/k, (c+1)·n/k)`, computed by copy (c + src) mod k, so that the ranks' odd
+    /// tokens fall on different copies); empty shares are left out. None where the loads do
+    /// not cover the layer.
+    pub fn split(
+        &self,
+        key: u32,
+        expert: usize,
+        src: usize,
+        n: usize,
+    ) -> Option<Vec<(usize, Range<usize>)>> {
+        let h = self.holders(key, expert)?;
+        let k = h.len();
+        Some(
+            (0..k)
+                .map(|c| (h[(c + src) % k] as usize, c * n / k..(c + 1) * n / k))
+                .filter(|(_, r)| !r.is_empty())
+                .collect(),
+        )
     }
 
     pub fn ranks(&self) -> usize {
         self.ranks
     }
 
+    /// Extra expert copies per placed layer (`--redundant-experts`).
+    pub fn redundant(&self) -> usize {
+        self.redundant
+    }
+
     /// Layers the loads placed (the others keep contiguous shares).
     pub fn layers_placed(&self) -> usize {
-        self.owners.iter().filter(|o| !o.is_empty()).count()
+        self.holders.iter().filter(|o| !o.is_empty()).count()
     }
 
     pub fn experts(&self) -> usize {
@@ -166,26 +215,95 @@ impl ExpertPlacement {
 /// Layer keys a placement may name (DeepSeek-V3 has 62 with its MTP layer).
 const MAX_PLACED_LAYERS: usize = 4096;
 
-/// One layer's placement: experts by decreasing load (ties by id) each to the rank with the
-/// fewest tokens so far among those with room (`E/ranks` experts each; ties to the lowest
-/// rank), the greedy "longest processing time" packing. Returns each expert's rank.
+/// One layer's placement without copies ([`place_layer_with`] with none): each expert's rank.
 pub fn place_layer(loads: &[u64], ranks: usize) -> Vec<u16> {
-    let per = loads.len() / ranks.max(1);
-    let mut order: Vec<usize> = (0..loads.len()).collect();
-    order.sort_by(|&a, &b| loads[b].cmp(&loads[a]).then(a.cmp(&b)));
-    let mut sum = vec![0u64; ranks];
-    let mut held = vec![0usize; ranks];
-    let mut owner = vec![0u16; loads.len()];
-    for e in order {
-        let r = (0..ranks)
-            .filter(|&r| held[r] < per)
-            .min_by_key(|&r| (sum[r], r))
-            .expect("a rank with room: the experts split evenly");
-        owner[e] = r as u16;
-        sum[r] += loads[e];
-        held[r] += 1;
+    place_layer_with(loads, ranks, 0)
+        .expect("the experts split evenly")
+        .into_iter()
+        .map(|h| h[0])
+        .collect()
+}
+
+/// One layer's placement with `redundant` extra copies: first each copy goes to the expert
+/// with the most tokens per copy (ties to the lowest id; at most one copy per rank), as
+/// DeepSeek EPLB's `replicate_experts`; then the experts, by decreasing tokens per copy (ties
+/// by id), each put their copies on the ranks with the fewest tokens so far among those with
+/// room (`(E + redundant) / ranks` experts each; ties to the lowest rank), the greedy "longest
+/// processing time" packing, a copy counting for its share of the expert's tokens. Where that
+/// leaves an expert fewer ranks with room than it has copies, the packing starts again taking
+/// the experts with the most copies first, each on the ranks with the most room (which always
+/// fits). Returns each expert's ranks, its primary first.
+pub fn place_layer_with(
+    loads: &[u64],
+    ranks: usize,
+    redundant: usize,
+) -> std::result::Result<Vec<Vec<u16>>, String> {
+    let n = loads.len();
+    if ranks == 0 || n == 0 || !(n + redundant).is_multiple_of(ranks) {
+        return Err(format!(
+            "{n} experts and {redundant} redundant copies do not split evenly over {ranks} \
+             ranks (experts + redundant copies must be a multiple of the ranks)"
+        ));
     }
-    owner
+    if redundant > n * (ranks - 1) {
+        return Err(format!(
+            "{redundant} redundant copies of {n} experts over {ranks} ranks: at most \
+             {} (one copy of each expert per rank)",
+            n * (ranks - 1)
+        ));
+    }
+    let slots = (n + redundant) / ranks;
+    // Tokens per copy, compared exactly: a/ca against b/cb.
+    let per_copy = |a: usize, ca: usize, b: usize, cb: usize| {
+        (loads[a] as u128 * cb as u128).cmp(&(loads[b] as u128 * ca as u128))
+    };
+    let mut copies = vec![1usize; n];
+    for _ in 0..redundant {
+        let e = (0..n)
+            .filter(|&e| copies[e] < ranks)
+            .max_by(|&a, &b| per_copy(a, copies[a], b, copies[b]).then(b.cmp(&a)))
+            .expect("a copy fits: checked above");
+        copies[e] += 1;
+    }
+    let pack = |order: &[usize], by_room: bool| -> Option<Vec<Vec<u16>>> {
+        let mut sum = vec![0f64; ranks];
+        let mut held = vec![0usize; ranks];
+        let mut holders = vec![Vec::new(); n];
+        for &e in order {
+            let mut cand: Vec<usize> = (0..ranks).filter(|&r| held[r] < slots).collect();
+            if cand.len() < copies[e] {
+                return None;
+            }
+            cand.sort_by(|&a, &b| {
+                let room = if by_room {
+                    held[a].cmp(&held[b])
+                } else {
+                    std::cmp::Ordering::Equal
+                };
+                room.then(sum[a].total_cmp(&sum[b])).then(a.cmp(&b))
+            });
+            for &r in &cand[..copies[e]] {
+                holders[e].push(r as u16);
+                held[r] += 1;
+                sum[r] += loads[e] as f64 / copies[e] as f64;
+            }
+        }
+        Some(holders)
+    };
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| per_copy(b, copies[b], a, copies[a]).then(a.cmp(&b)));
+    if let Some(h) = pack(&order, false) {
+        return Ok(h);
+    }
+    order.sort_by(|&a, &b| {
+        copies[b]
+            .cmp(&copies[a])
+            .then(per_copy(b, copies[b], a, copies[a]))
+            .then(a.cmp(&b))
+    });
+    pack(&order, true).ok_or_else(|| {
+        format!("{redundant} redundant copies of {n} experts do not fit {ranks} ranks")
+    })
 }
 
 impl Default for ExpertShard {
@@ -202,16 +320,40 @@ impl Default for ExpertShard {
 
 impl ExpertShard {
     /// The rank holding routed expert `expert` of `experts` in MoE layer `key` (the layer's
-    /// index, MTP layers after the main ones): the placement's, or the contiguous shares
-    /// (`experts` divides by `ranks`).
+    /// index, MTP layers after the main ones): the placement's (its primary copy), or the
+    /// contiguous shares (`experts` divides by `ranks`).
     pub fn owner(&self, key: u32, expert: usize, experts: usize) -> usize {
         self.placement
             .and_then(|p| p.owner(key, expert))
             .unwrap_or(expert / (experts / self.ranks).max(1))
     }
 
+    /// This rank holds the expert's primary copy (it computes the expert where every rank
+    /// runs the same tokens and gathers the outputs).
     pub fn owns(&self, key: u32, expert: usize, experts: usize) -> bool {
         self.owner(key, expert, experts) == self.rank
+    }
+
+    /// This rank holds a copy of the expert (loads its weights; serves dispatched tokens).
+    pub fn holds(&self, key: u32, expert: usize, experts: usize) -> bool {
+        match self.placement.and_then(|p| p.holders(key, expert)) {
+            Some(h) => h.iter().any(|&r| r as usize == self.rank),
+            None => self.owns(key, expert, experts),
+        }
+    }
+
+    /// Where this rank's `n` tokens for the expert are computed ([`ExpertPlacement::split`]):
+    /// (rank, share of the tokens) pairs, one pair without redundant copies.
+    pub fn split(
+        &self,
+        key: u32,
+        expert: usize,
+        experts: usize,
+        n: usize,
+    ) -> Vec<(usize, Range<usize>)> {
+        self.placement
+            .and_then(|p| p.split(key, expert, self.rank, n))
+            .unwrap_or_else(|| vec![(self.owner(key, expert, experts), 0..n)])
     }
 
     /// The shard exists and splits `experts` routed experts evenly.
@@ -236,6 +378,14 @@ impl ExpertShard {
                      this model has {experts} routed experts over {} ranks: make the placement \
                      from a run of this model with as many ranks",
                     p.experts, p.ranks, self.ranks
+                )));
+            }
+            if p.redundant > 0 && !self.dispatch {
+                return Err(ModelError::Options(format!(
+                    "--redundant-experts {}: redundant expert copies serve dispatched tokens \
+                     (--parallel data-expert or context); where every rank runs the same tokens \
+                     (--parallel expert, tensor-expert) give none",
+                    p.redundant
                 )));
             }
         }
@@ -469,17 +619,28 @@ fn dispatch_round(
             active,
             assigned,
         } => {
+            // Each active expert's tokens by the rank that computes them (a share each for
+            // an expert with redundant copies).
+            let splits: Vec<Vec<(usize, Range<usize>)>> = active
+                .iter()
+                .map(|&id| shard.split(*key, id, experts, assigned[id].len()))
+                .collect();
             // To rank s: the rows of the tokens any of its experts takes (each once), then per
             // expert its id, its tokens' places among those rows and their weights.
             for (s, part) in parts.iter_mut().enumerate() {
-                let mine: Vec<usize> = active
+                let mine: Vec<(usize, &[(usize, f32)])> = active
                     .iter()
-                    .copied()
-                    .filter(|&id| shard.owner(*key, id, experts) == s)
+                    .zip(&splits)
+                    .flat_map(|(&id, split)| {
+                        split
+                            .iter()
+                            .filter(move |(r, _)| *r == s)
+                            .map(move |(_, range)| (id, &assigned[id][range.clone()]))
+                    })
                     .collect();
                 let mut tokens: Vec<usize> = mine
                     .iter()
-                    .flat_map(|&id| assigned[id].iter().map(|&(t, _)| t))
+                    .flat_map(|(_, pairs)| pairs.iter().map(|&(t, _)| t))
                     .collect();
                 tokens.sort_unstable();
                 tokens.dedup();
@@ -492,8 +653,7 @@ fn dispatch_round(
                         part.extend_from_slice(&v.to_le_bytes());
                     }
                 }
-                for id in mine {
-                    let pairs = &assigned[id];
+                for (id, pairs) in mine {
                     part.extend_from_slice(&(id as u32).to_le_bytes());
                     part.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
                     for &(t, _) in pairs {
@@ -553,7 +713,7 @@ fn dispatch_round(
                         let id = u32_at(at)? as usize;
                         let n = u32_at(at + 4)? as usize;
                         at += 8;
-                        if id >= experts || !shard.owns(key, id, experts) {
+                        if id >= experts || !shard.holds(key, id, experts) {
                             return Err(err(format!(
                                 "rank {src} sent tokens for expert {id}, which rank {} does not \
                                  hold (the ranks split the experts differently)",
@@ -701,20 +861,23 @@ fn dispatch_round(
             let mut offsets = vec![0usize; ranks];
             let mut out = Vec::with_capacity(active.len());
             for &id in active {
-                let s = shard.owner(key, id, experts);
-                let n = assigned[id].len() * h * 4;
-                let raw = back[s].get(offsets[s]..offsets[s] + n).ok_or_else(|| {
-                    err(format!(
-                        "rank {s} sent back {} bytes, fewer than its experts' outputs need",
-                        back[s].len()
-                    ))
-                })?;
-                offsets[s] += n;
-                out.push(
-                    raw.chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect(),
-                );
+                // The shares in token order, each from the rank that computed it.
+                let mut y = Vec::with_capacity(assigned[id].len() * h);
+                for (s, range) in shard.split(key, id, experts, assigned[id].len()) {
+                    let n = range.len() * h * 4;
+                    let raw = back[s].get(offsets[s]..offsets[s] + n).ok_or_else(|| {
+                        err(format!(
+                            "rank {s} sent back {} bytes, fewer than its experts' outputs need",
+                            back[s].len()
+                        ))
+                    })?;
+                    offsets[s] += n;
+                    y.extend(
+                        raw.chunks_exact(4)
+                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                    );
+                }
+                out.push(y);
             }
             if let Some(s) = (0..ranks).find(|&s| back[s].len() != offsets[s]) {
                 return Err(err(format!(
@@ -842,7 +1005,7 @@ mod tests {
         // 930 and 830 tokens against 1720 and 40.
         assert!(by(&owner) > 0.94 && crate::eplb::balancedness(&loads, 2, |e| e / 4) < 0.52);
         // Placement by layer key; layers without loads keep contiguous shares.
-        let p = ExpertPlacement::from_loads(&[(3, loads.to_vec())], 8, 2).unwrap();
+        let p = ExpertPlacement::from_loads(&[(3, loads.to_vec())], 8, 2, 0).unwrap();
         let shard = ExpertShard {
             rank: 1,
             ranks: 2,
@@ -854,20 +1017,130 @@ mod tests {
         assert!(shard.validate(8).is_ok());
         let e = shard.validate(16).unwrap_err().to_string();
         assert!(e.contains("--expert-placement"), "{e}");
-        assert!(ExpertPlacement::from_loads(&[(0, vec![1, 2, 3])], 3, 2).is_err());
+        assert!(ExpertPlacement::from_loads(&[(0, vec![1, 2, 3])], 3, 2, 0).is_err());
         // A layer key from a damaged file is refused, not allocated for.
-        assert!(ExpertPlacement::from_loads(&[(u32::MAX, vec![1, 2])], 2, 2).is_err());
+        assert!(ExpertPlacement::from_loads(&[(u32::MAX, vec![1, 2])], 2, 2, 0).is_err());
     }
 
-    /// A rank that fails to serve a round (here its expert errs) still takes part in the
-    /// round's second exchange and says so: every rank reports an error for that round — the
-    /// one that asked it, the one that failed, and one that was only serving (its step over) —
-    /// and their next collective pairs up as it should.
+    /// With redundant copies every rank holds (E + R)/ranks experts of a placed layer, each
+    /// expert's copies sit on different ranks, the copies go to the busiest experts (tokens per
+    /// copy), and a token's share of an expert is computed by one of its copies; infeasible
+    /// counts are refused with the reason.
     #[test]
-    fn a_failed_round_fails_every_rank_in_step() {
-        let ranks = 3;
+    fn redundant_copies_fill_every_rank_on_distinct_ranks() {
+        let mut seed = 5u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        for case in 0..400 {
+            let ranks = [2usize, 3, 4, 8][case % 4];
+            let experts = ranks * (1 + (next() % 6) as usize);
+            // Any multiple of the ranks up to one copy of each expert on every rank.
+            let most = experts * (ranks - 1) / ranks;
+            let redundant = ranks * (next() as usize % (most + 1));
+            let loads: Vec<u64> = (0..experts)
+                .map(|e| {
+                    if e % 5 == 0 {
+                        next() % 10_000
+                    } else {
+                        next() % 100
+                    }
+                })
+                .collect();
+            let holders = place_layer_with(&loads, ranks, redundant).unwrap();
+            let mut held = vec![0usize; ranks];
+            for h in &holders {
+                assert!(!h.is_empty());
+                let mut d = h.clone();
+                d.sort_unstable();
+                d.dedup();
+                assert_eq!(d.len(), h.len(), "case {case}: copies on one rank {h:?}");
+                for &r in h {
+                    held[r as usize] += 1;
+                }
+            }
+            assert!(
+                held.iter().all(|&n| n == (experts + redundant) / ranks),
+                "case {case}: {held:?}"
+            );
+            // A copy never goes to an expert with fewer tokens per copy than one left single.
+            let per = |e: usize| loads[e] as f64 / holders[e].len() as f64;
+            for a in 0..experts {
+                for b in 0..experts {
+                    if holders[a].len() > 1 && holders[b].len() == 1 {
+                        assert!(
+                            loads[a] as f64 / (holders[a].len() - 1) as f64 >= per(b),
+                            "case {case}: {a} copied before {b}"
+                        );
+                    }
+                }
+            }
+            // Without copies: the placement `place_layer` gives.
+            if redundant == 0 {
+                let one: Vec<u16> = holders.iter().map(|h| h[0]).collect();
+                assert_eq!(one, place_layer(&loads, ranks));
+            }
+        }
+        assert!(place_layer_with(&[1, 2, 3, 4], 2, 1)
+            .unwrap_err()
+            .contains("multiple of the ranks"));
+        assert!(place_layer_with(&[1, 2], 2, 4)
+            .unwrap_err()
+            .contains("one copy of each expert per rank"));
+        // Shares: in token order, each to a different copy, together all of the tokens.
+        let loads = [900u64, 10, 10, 10];
+        let p = ExpertPlacement::from_loads(&[(2, loads.to_vec())], 4, 2, 2).unwrap();
+        assert_eq!(p.holders(2, 0).unwrap().len(), 2);
+        assert_eq!(p.holders(5, 0), None);
+        for src in 0..2 {
+            for n in 0..6 {
+                let split = p.split(2, 0, src, n).unwrap();
+                let mut at = 0;
+                for (r, range) in &split {
+                    assert_eq!(range.start, at);
+                    at = range.end;
+                    assert!(p.holders(2, 0).unwrap().contains(&(*r as u16)));
+                }
+                assert_eq!(at, n);
+                // Expert 3 (the fewest tokens, the last id) has no copy.
+                let one = p.split(2, 3, src, n).unwrap();
+                assert!(one.len() <= 1 && one.iter().all(|(_, r)| r.len() == n));
+            }
+            // The two ranks' odd token goes to different copies.
+            assert_ne!(
+                p.split(2, 0, 0, 1).unwrap()[0].0,
+                p.split(2, 0, 1, 1).unwrap()[0].0
+            );
+        }
+        // Copies serve dispatched tokens only.
+        let gathered = ExpertShard {
+            rank: 0,
+            ranks: 2,
+            placement: Some(p.leak()),
+            ..Default::default()
+        };
+        let e = gathered.validate(4).unwrap_err().to_string();
+        assert!(e.contains("--redundant-experts"), "{e}");
+        assert!(ExpertShard {
+            dispatch: true,
+            ..gathered
+        }
+        .validate(4)
+        .is_ok());
+    }
+
+    /// Runs `f(shard, comm)` on `ranks` in-process ranks of dispatched experts (placed by
+    /// `placement`), each on its own thread; their results in rank order.
+    fn on_ranks<T: Send>(
+        ranks: usize,
+        placement: Option<&'static ExpertPlacement>,
+        f: impl Fn(ExpertShard, &dyn Communicator) -> T + Sync,
+    ) -> Vec<T> {
         let comms = cachalot_comm::local_group(ranks, Duration::from_secs(20)).unwrap();
-        let (h, experts) = (2usize, 3usize);
+        let f = &f;
         std::thread::scope(|scope| {
             let handles: Vec<_> = comms
                 .iter()
@@ -879,48 +1152,111 @@ mod tests {
                             ranks,
                             dispatch: true,
                             context: false,
-                            placement: None,
+                            placement,
                         };
-                        let compute = |_key: u32, _id: usize, _x: &[f32], _w: &[f32], _n: usize| {
-                            Err(ModelError::Options(format!("rank {rank}'s expert failed")))
-                        };
-                        let comm: &dyn Communicator = comm;
-                        let got = if rank == 0 {
-                            // One token for expert 1, which rank 1 holds.
-                            let x = [1.0f32, 2.0];
-                            let assigned = vec![Vec::new(), vec![(0usize, 1.0f32)], Vec::new()];
-                            let turn = Turn::Layer {
-                                key: 3,
-                                x: &x,
-                                active: &[1],
-                                assigned: &assigned,
-                            };
-                            dispatch_layer(Some(comm), shard, h, experts, turn, &compute)
-                                .map(|_| ())
-                        } else {
-                            end_step(Some(comm), shard, h, experts, false, &compute, &|_| Ok(()))
-                                .map(|_| ())
-                        };
-                        let after = comm.all_gather(&[rank as u8 + 10]).unwrap();
-                        (got, after)
+                        f(shard, comm)
                     })
                 })
                 .collect();
-            for (rank, handle) in handles.into_iter().enumerate() {
-                let (got, after) = handle.join().unwrap();
-                let e = got.unwrap_err().to_string();
-                let want = if rank == 1 {
-                    "rank 1's expert failed"
-                } else {
-                    "rank 1 could not serve its experts"
-                };
-                assert!(e.contains(want), "rank {rank}: {e}");
-                assert_eq!(
-                    after,
-                    vec![vec![10u8], vec![11u8], vec![12u8]],
-                    "rank {rank}"
-                );
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Dispatched tokens of an expert with copies are computed in shares on its copies' ranks
+    /// and come back in token order: every rank gets each expert's outputs as if one rank had
+    /// computed them, and the copies' ranks each serve a share.
+    #[test]
+    fn dispatch_to_copies_returns_outputs_in_token_order() {
+        let (ranks, h, experts, key) = (3usize, 2usize, 3usize, 4u32);
+        // Expert 0 takes most tokens: copies on every rank (3 + 6 = 9 = 3 ranks × 3).
+        let loads = vec![(key, vec![1000u64, 10, 10])];
+        let p = ExpertPlacement::from_loads(&loads, experts, ranks, 6)
+            .unwrap()
+            .leak();
+        assert_eq!(p.holders(key, 0).unwrap().len(), 3);
+        let served = on_ranks(ranks, Some(p), |shard, comm| {
+            let rank = shard.rank;
+            let served = std::sync::atomic::AtomicUsize::new(0);
+            // Expert id's output: each row times (id + 1).
+            let compute = |k: u32, id: usize, x: &[f32], _w: &[f32], n: usize| {
+                assert_eq!(k, key);
+                assert!(shard.holds(k, id, experts), "rank {rank} expert {id}");
+                served.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                Ok(x.iter().map(|v| v * (id + 1) as f32).collect())
+            };
+            // Rank r: 4 + r tokens, all to expert 0, even ones to expert 2 too.
+            let t_count = 4 + rank;
+            let x: Vec<f32> = (0..t_count * h).map(|i| (rank * 100 + i) as f32).collect();
+            let assigned = vec![
+                (0..t_count).map(|t| (t, 1.0f32)).collect::<Vec<_>>(),
+                Vec::new(),
+                (0..t_count).step_by(2).map(|t| (t, 0.5f32)).collect(),
+            ];
+            let turn = Turn::Layer {
+                key,
+                x: &x,
+                active: &[0, 2],
+                assigned: &assigned,
+            };
+            let ys = dispatch_layer(Some(comm), shard, h, experts, turn, &compute).unwrap();
+            end_step(Some(comm), shard, h, experts, false, &compute, &|_| Ok(())).unwrap();
+            for (y, id) in ys.iter().zip([0usize, 2]) {
+                let want: Vec<f32> = assigned[id]
+                    .iter()
+                    .flat_map(|&(t, _)| x[t * h..(t + 1) * h].to_vec())
+                    .map(|v| v * (id + 1) as f32)
+                    .collect();
+                assert_eq!(y, &want, "rank {rank} expert {id}");
             }
+            served.load(std::sync::atomic::Ordering::Relaxed)
         });
+        // 15 tokens of expert 0 over three copies, 8 of expert 2 on one rank.
+        assert_eq!(served.iter().sum::<usize>(), 15 + 2 + 3 + 3);
+        assert!(served.iter().all(|&n| n >= 4), "{served:?}");
+    }
+
+    /// A rank that fails to serve a round (here its expert errs) still takes part in the
+    /// round's second exchange and says so: every rank reports an error for that round — the
+    /// one that asked it, the one that failed, and one that was only serving (its step over) —
+    /// and their next collective pairs up as it should.
+    #[test]
+    fn a_failed_round_fails_every_rank_in_step() {
+        let (h, experts) = (2usize, 3usize);
+        let results = on_ranks(3, None, |shard, comm| {
+            let rank = shard.rank;
+            let compute = |_key: u32, _id: usize, _x: &[f32], _w: &[f32], _n: usize| {
+                Err(ModelError::Options(format!("rank {rank}'s expert failed")))
+            };
+            let got = if rank == 0 {
+                // One token for expert 1, which rank 1 holds.
+                let x = [1.0f32, 2.0];
+                let assigned = vec![Vec::new(), vec![(0usize, 1.0f32)], Vec::new()];
+                let turn = Turn::Layer {
+                    key: 3,
+                    x: &x,
+                    active: &[1],
+                    assigned: &assigned,
+                };
+                dispatch_layer(Some(comm), shard, h, experts, turn, &compute).map(|_| ())
+            } else {
+                end_step(Some(comm), shard, h, experts, false, &compute, &|_| Ok(())).map(|_| ())
+            };
+            let after = comm.all_gather(&[rank as u8 + 10]).unwrap();
+            (got, after)
+        });
+        for (rank, (got, after)) in results.into_iter().enumerate() {
+            let e = got.unwrap_err().to_string();
+            let want = if rank == 1 {
+                "rank 1's expert failed"
+            } else {
+                "rank 1 could not serve its experts"
+            };
+            assert!(e.contains(want), "rank {rank}: {e}");
+            assert_eq!(
+                after,
+                vec![vec![10u8], vec![11u8], vec![12u8]],
+                "rank {rank}"
+            );
+        }
     }
 }

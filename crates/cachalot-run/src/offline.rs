@@ -59,6 +59,9 @@ pub struct RunOptions {
     /// Expert placement from an earlier run's measured loads (`ExpertPlacement::from_file`),
     /// under a layout that splits the routed experts over the ranks.
     pub expert_placement: Option<PathBuf>,
+    /// Extra copies of each placed layer's busiest experts (`--redundant-experts`; dispatched
+    /// experts only).
+    pub redundant_experts: usize,
     /// Read every tensor before the run and refuse NaN or infinite values
     /// (`Checkpoint::check_values`).
     pub check_tensors: bool,
@@ -276,6 +279,9 @@ pub struct ExpertLoadSummary {
     pub tokens: std::collections::BTreeMap<String, Vec<u64>>,
     /// Expert-parallel ranks the balancedness is of (the run's; 1 without expert parallelism).
     pub ep_ranks: usize,
+    /// Extra copies of the busiest experts per placed layer (`--redundant-experts`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub redundant_experts: usize,
     /// vLLM's EPLB balancedness (the mean over the maximum of the ranks' tokens, 1 = even)
     /// over the layers: their mean and the worst layer's.
     pub balancedness_mean: f64,
@@ -286,11 +292,16 @@ pub struct ExpertLoadSummary {
 
 impl ExpertLoadSummary {
     /// The figures of per-layer counts over `ep_ranks` expert-parallel ranks holding the
-    /// experts as `shard` places them (None without routed experts).
+    /// experts as `shard` places them (None without routed experts). `served_by_rank`: under
+    /// dispatched experts, the (token, expert) pairs each rank computed per layer (rank
+    /// order), which are what the ranks' balance is of (redundant copies split an expert's
+    /// tokens); empty where every rank routed the same tokens (each expert's primary copy
+    /// computes them).
     pub fn of(
         load: &[(u32, Vec<u64>)],
         ep_ranks: usize,
         shard: ExpertShard,
+        served_by_rank: &[Vec<(u32, u64)>],
     ) -> Option<ExpertLoadSummary> {
         if load.is_empty() {
             return None;
@@ -298,6 +309,13 @@ impl ExpertLoadSummary {
         let bal: Vec<f64> = load
             .iter()
             .map(|(k, c)| {
+                if ep_ranks > 1 && served_by_rank.len() == ep_ranks {
+                    let ranks: Vec<u64> = served_by_rank
+                        .iter()
+                        .map(|s| s.iter().find(|(key, _)| key == k).map_or(0, |&(_, n)| n))
+                        .collect();
+                    return cachalot_model::eplb::balancedness_of(&ranks);
+                }
                 cachalot_model::eplb::balancedness(c, ep_ranks, |e| {
                     if ep_ranks > 1 {
                         shard.owner(*k, e, c.len())
@@ -325,11 +343,17 @@ impl ExpertLoadSummary {
                 .map(|(k, c)| (k.to_string(), c.clone()))
                 .collect(),
             ep_ranks,
+            redundant_experts: shard.placement.map_or(0, |p| p.redundant()),
             balancedness_mean: bal.iter().sum::<f64>() / bal.len() as f64,
             balancedness_min: bal.iter().copied().fold(1.0, f64::min),
             hottest_over_mean: hottest,
         })
     }
+}
+
+/// serde's `skip_serializing_if` for counts that are usually zero.
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// Sums per-layer expert counts of several ranks (layers by key).
@@ -378,6 +402,9 @@ struct RankReport {
     outputs: Vec<RequestOutput>,
     stats: EngineStats,
     expert_load: Vec<(u32, Vec<u64>)>,
+    /// Per layer, the dispatched (token, expert) pairs this rank computed.
+    #[serde(default)]
+    expert_served: Vec<(u32, u64)>,
     wall_s: f64,
     load_s: f64,
     prompt_tokens: usize,
@@ -553,22 +580,32 @@ fn request_line(
     Ok(v)
 }
 
-/// Loads the model and prompts of `cfg`, runs every request to the end, writes `res/<run-id>/`.
-/// The placement `--expert-placement` names (run's and serve's), for `ranks` ranks that split
-/// the routed experts (`splits_experts`); refused under a layout that does not.
+/// The placement `--expert-placement` names (run's and serve's), with `--redundant-experts`
+/// copies, for `ranks` ranks that split the routed experts (`splits_experts`: every rank runs
+/// the same tokens; `dispatch`: each its own, dispatched to the experts' ranks); refused under
+/// a layout that does not, and copies where the tokens are not dispatched.
 pub fn expert_placement(
     path: Option<&Path>,
+    redundant: usize,
     splits_experts: bool,
+    dispatch: bool,
     ranks: usize,
 ) -> Result<Option<&'static cachalot_model::ExpertPlacement>, Error> {
     match path {
+        None if redundant > 0 => Err("--redundant-experts copies the busiest experts of an \
+             earlier run's loads: give --expert-placement FILE (that run's summary.json) too"
+            .into()),
         None => Ok(None),
-        Some(_) if !splits_experts => Err("--expert-placement places the routed experts over \
-             expert-parallel ranks: give --ranks N and --parallel expert, tensor-expert, \
-             data-expert or context"
+        Some(_) if !splits_experts && !dispatch => Err("--expert-placement places the routed \
+             experts over expert-parallel ranks: give --ranks N and --parallel expert, \
+             tensor-expert, data-expert or context"
+            .into()),
+        Some(_) if redundant > 0 && !dispatch => Err("--redundant-experts: redundant expert \
+             copies serve the tokens each rank dispatches (--parallel data-expert or context); \
+             where every rank runs the same tokens (expert, tensor-expert) give none"
             .into()),
         Some(path) => Ok(Some(
-            cachalot_model::ExpertPlacement::from_file(path, ranks)?.leak(),
+            cachalot_model::ExpertPlacement::from_file(path, ranks, redundant)?.leak(),
         )),
     }
 }
@@ -614,7 +651,9 @@ pub fn run_ranked(
     // The routed experts this rank holds, or its share of heads and intermediate features.
     let placement = expert_placement(
         opts.expert_placement.as_deref(),
-        experts_split || dispatch,
+        opts.redundant_experts,
+        experts_split,
+        dispatch,
         ranks,
     )?;
     let shard = if experts_split || dispatch {
@@ -681,9 +720,13 @@ pub fn run_ranked(
     let mut early_notes = Vec::new();
     if let (Some(p), Some(path)) = (placement, &opts.expert_placement) {
         early_notes.push(format!(
-            "expert placement from {}: {} layers placed by their measured loads",
+            "expert placement from {}: {} layers placed by their measured loads{}",
             path.display(),
-            p.layers_placed()
+            p.layers_placed(),
+            match p.redundant() {
+                0 => String::new(),
+                r => format!(", {r} redundant copies each"),
+            }
         ));
     }
     if template.is_none() {
@@ -1312,6 +1355,9 @@ pub fn run_ranked(
     // Under expert or tensor parallelism every rank routed the whole batch: this rank's counts
     // are the run's; data-parallel ranks' are summed on rank 0 below.
     let mut expert_load = model.expert_load();
+    // Under dispatched experts: the (token, expert) pairs each rank computed per layer (rank 0
+    // gathers them).
+    let mut served_by_rank: Vec<Vec<(u32, u64)>> = Vec::new();
     // Per-rank rates, summed over ranks that ran at the same time.
     let per = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     let mut prefill_tok_s = per(stats.prefill_tokens, stats.prefill_step_s);
@@ -1328,6 +1374,7 @@ pub fn run_ranked(
             outputs: std::mem::take(&mut outputs),
             stats: stats.clone(),
             expert_load: std::mem::take(&mut expert_load),
+            expert_served: model.expert_served(),
             wall_s,
             load_s,
             prompt_tokens,
@@ -1371,6 +1418,9 @@ pub fn run_ranked(
                 .collect::<Result<Vec<_>, _>>()?;
             stats = merge_stats(reports.iter().map(|r| &r.stats));
             expert_load = sum_expert_loads(reports.iter().map(|r| &r.expert_load));
+            if dispatch {
+                served_by_rank = reports.iter().map(|r| r.expert_served.clone()).collect();
+            }
             prefill_tok_s = reports
                 .iter()
                 .map(|r| per(r.stats.prefill_tokens, r.stats.prefill_step_s))
@@ -1498,6 +1548,7 @@ pub fn run_ranked(
             &expert_load,
             if experts_split || dispatch { ranks } else { 1 },
             shard,
+            &served_by_rank,
         ),
     };
     if rank != 0 {

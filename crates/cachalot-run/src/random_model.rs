@@ -476,7 +476,7 @@ fn held(name: &str, shard: ExpertShard, experts: usize) -> bool {
         .and_then(|l| l.parse::<u32>().ok())
         .unwrap_or(0);
     match rest.split('.').next().and_then(|j| j.parse::<usize>().ok()) {
-        Some(j) => shard.owns(layer, j, experts),
+        Some(j) => shard.holds(layer, j, experts),
         None => true,
     }
 }

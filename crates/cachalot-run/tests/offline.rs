@@ -41,6 +41,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         host_ranks: 1,
         parallel: Parallel::Data,
         expert_placement: None,
+        redundant_experts: 0,
         check_tensors: false,
     }
 }

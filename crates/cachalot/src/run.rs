@@ -84,6 +84,17 @@ pub struct RunArgs {
     /// evenly on them; every rank gives the same FILE. Outputs are unchanged.
     #[arg(long, value_name = "FILE")]
     expert_placement: Option<std::path::PathBuf>,
+    /// With --expert-placement under --parallel data-expert or context: N extra copies of each
+    /// placed layer's busiest experts (vLLM's num_redundant_experts, DeepSeek EPLB's replicas),
+    /// each on another rank; a rank's tokens for such an expert are split in shares over its
+    /// copies. The experts plus N must divide by the ranks. Outputs are unchanged.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        requires = "expert_placement"
+    )]
+    redundant_experts: usize,
     /// Read every tensor of the checkpoint before the run and refuse a NaN or infinity (a NaN
     /// FP8 code or E8M0 scale), naming the tensor, as llama.cpp's --check-tensors.
     #[arg(long)]
@@ -525,6 +536,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         host_ranks: args.group.host_ranks(),
         parallel: args.group.layout(&cfg.parallel_config)?,
         expert_placement: args.expert_placement.clone(),
+        redundant_experts: args.redundant_experts,
         check_tensors: args.check_tensors,
     };
     let (comm, children) = connect_ranks(&args.group, true)?;

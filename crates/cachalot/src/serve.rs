@@ -122,6 +122,15 @@ pub struct ServeArgs {
     /// token counts of an earlier run of this model (FILE: its summary.json, `expert_load`).
     #[arg(long, value_name = "FILE")]
     expert_placement: Option<PathBuf>,
+    /// As `run`'s: N extra copies of each placed layer's busiest experts (--parallel
+    /// data-expert or context, with --expert-placement).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        requires = "expert_placement"
+    )]
+    redundant_experts: usize,
     /// Chat template (a tokenizer_config.json or a Jinja file) instead of the model's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
@@ -567,7 +576,9 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     }
     let placement = cachalot_run::offline::expert_placement(
         args.expert_placement.as_deref(),
-        experts_split || dispatch,
+        args.redundant_experts,
+        experts_split,
+        dispatch,
         world,
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -849,6 +849,25 @@ fn run_with_two_ranks_equals_one_process() {
         let placed_bal = sp["expert_load"]["balancedness_min"].as_f64().unwrap();
         assert!(placed_bal >= bal, "{layout}: {placed_bal} against {bal}");
     }
+    // Redundant copies of the busiest experts (data-expert): the same outputs, the copies
+    // recorded, and the balance that of the tokens each rank computed.
+    let (sr, redundant) = run(&[
+        "--ranks",
+        "2",
+        "--parallel",
+        "data-expert",
+        "--expert-placement",
+        loads,
+        "--redundant-experts",
+        "2",
+    ]);
+    for (a, b) in one.iter().zip(&redundant) {
+        assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
+    }
+    assert_eq!(sr["expert_load"]["redundant_experts"], 2);
+    assert_eq!(sr["expert_load"]["tokens"], load["tokens"]);
+    let bal_r = sr["expert_load"]["balancedness_min"].as_f64().unwrap();
+    assert!((0.5..=1.0).contains(&bal_r), "{bal_r}");
     // Without expert-parallel ranks, or from a file without loads, it is refused by name.
     let refused = |extra: &[&str], want: &str| {
         let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
@@ -880,6 +899,44 @@ fn run_with_two_ranks_equals_one_process() {
             config,
         ],
         "--expert-placement",
+    );
+    // Copies serve dispatched tokens only, need the loads, and must fill the ranks evenly.
+    refused(
+        &[
+            "--ranks",
+            "2",
+            "--parallel",
+            "expert",
+            "--expert-placement",
+            loads,
+            "--redundant-experts",
+            "2",
+        ],
+        "data-expert or context",
+    );
+    refused(
+        &[
+            "--ranks",
+            "2",
+            "--parallel",
+            "data-expert",
+            "--redundant-experts",
+            "2",
+        ],
+        "--expert-placement",
+    );
+    refused(
+        &[
+            "--ranks",
+            "2",
+            "--parallel",
+            "data-expert",
+            "--expert-placement",
+            loads,
+            "--redundant-experts",
+            "1",
+        ],
+        "multiple of the ranks",
     );
     // Prefill context parallelism (context): every prompt computed by both ranks (each takes
     // two of its four pieces), decoded by its own rank as under data-expert; MTP too.
