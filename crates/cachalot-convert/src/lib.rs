@@ -2,8 +2,9 @@
 //! W8A8C8, producing what the seed's `convert_model.py` produces (spec
 //! `deepseek-v3-r1-kimi-k2.md` §5): the same shard names, tensor names, dtypes, bf16 values,
 //! int8 values and per-row scales bit for bit (the §5.2 bf16 double rounding), the same layers
-//! kept in bf16 (the §5.3 ignore list, matched as substrings), the rewritten index
-//! `{"metadata": {}, "weight_map": ...}` and `quantization_config`, every `*.py`/`*.json` copied.
+//! kept in bf16 (the §5.3 ignore list), the rewritten index
+//! `{"metadata": {}, "weight_map": ...}` and `quantization_config`, every `*.py`/`*.json` copied
+//! (and the other files that are not weights: tokenizer models, templates).
 //!
 //! Differences from the seed, on purpose (spec §5.5):
 //! - The input is checked first: a missing or misshapen `weight_scale_inv`, an unexpected
@@ -15,6 +16,10 @@
 //! - Streaming: one input shard at a time (mmap'd and released), output written in place with
 //!   positioned writes from all cores, so memory stays about one shard plus a few MB per thread;
 //!   everything is written to a temporary directory beside the output and renamed at the end.
+//! - The ignore list is matched as module names (a tensor of the module or below it), as the
+//!   runtime matches it, not as substrings: the seed's `model.layers.{i}.mlp.gate` entry (i ≥ 3,
+//!   R1's router, never FP8) would otherwise keep a dense layer's `mlp.gate_proj` in bf16 in a
+//!   model with more than 3 dense layers.
 //! - Tensors in a shard are laid out as Python `safetensors` lays them out, but byte-identical
 //!   files are not a goal (§5.5); tensor-level equality is.
 
@@ -161,8 +166,17 @@ pub fn ckv_scale_name(layer: usize) -> String {
     format!("model.layers.{layer}.self_attn.ckv_scale")
 }
 
-/// Spec §5.3: the modules kept in bf16 under W8A8, in the seed's order (matched as substrings
-/// of tensor names at conversion time).
+/// Whether tensor `name` belongs to a module of the ignore list: the module itself or a tensor
+/// below it (`X.weight` of module `X`).
+pub fn ignored(ignore: &[String], name: &str) -> bool {
+    ignore.iter().any(|m| {
+        name.strip_prefix(m.as_str())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    })
+}
+
+/// Spec §5.3: the modules kept in bf16 under W8A8, in the seed's order (matched as module
+/// names, [`ignored`]).
 pub fn ignore_list(num_hidden_layers: usize, num_layers: usize) -> Vec<String> {
     let mut out = Vec::new();
     for i in 0..num_layers {
@@ -225,6 +239,9 @@ enum Source {
         scale: usize,
         scale_out: usize,
     },
+    /// BF16 → int8 per row (a BF16 checkpoint's Linear weight); the scale tensor is written
+    /// by the same task.
+    Int8Bf16 { start: u64, scale_out: usize },
     /// Written by its weight's task.
     Int8Scale,
     /// A C8 scale.
@@ -266,17 +283,16 @@ impl Input {
         };
         let config: Map<String, Value> =
             serde_json::from_str(&text).map_err(|e| cfg_err(format!("is not JSON: {e}")))?;
-        let q = config.get("quantization_config").ok_or_else(|| {
-            cfg_err(
-                "has no quantization_config; the input must be an FP8 checkpoint \
-                 (quant_method \"fp8\") as DeepSeek ships it"
-                    .into(),
-            )
-        })?;
-        if q.get("quant_method").and_then(Value::as_str) != Some("fp8") {
+        // No quantization_config: a BF16 checkpoint (its Linear weights are quantized from
+        // bf16 directly); any other quant_method is already converted.
+        let no_q = Value::Object(Map::new());
+        let q = config.get("quantization_config").unwrap_or(&no_q);
+        if config.contains_key("quantization_config")
+            && q.get("quant_method").and_then(Value::as_str) != Some("fp8")
+        {
             return Err(cfg_err(format!(
                 "quantization_config.quant_method is {}; the input must be an FP8 checkpoint \
-                 (\"fp8\")",
+                 (\"fp8\") as DeepSeek ships it, or a BF16 one (no quantization_config)",
                 q.get("quant_method").unwrap_or(&Value::Null)
             )));
         }
@@ -562,6 +578,12 @@ fn read_c8_pth(dir: &Path, num_layers: usize) -> Result<Vec<f32>> {
 /// Converts per [`ConvertOptions`]; see the crate documentation.
 pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     let t0 = Instant::now();
+    // `.`, `..` and links in --output resolved first: the directory replaced under --force
+    // and the one the result is renamed to are then the one the user named.
+    let opts = &ConvertOptions {
+        output: resolve_output(&opts.output)?,
+        ..opts.clone()
+    };
     let input = Input::open(&opts.input)?;
     if v4::is_v4_config(&input.config) {
         return v4::convert_v4(opts, input, t0);
@@ -631,6 +653,28 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                     ),
                 });
             }
+            if t.dtype == "BF16"
+                && opts.mode.int8()
+                && is_quantized_linear(name)
+                && t.shape.len() == 2
+                && !ignored(&ignore, name)
+            {
+                // A BF16 checkpoint's Linear weight (one DeepSeek ships in FP8): quantized
+                // from its bf16 values as an FP8 weight is after dequantization.
+                report.int8_weights += 1;
+                planned.push(Planned {
+                    out: out_tensor(name, "I8", &t.shape),
+                    source: Source::Int8Bf16 {
+                        start: t.start,
+                        scale_out: planned.len() + 1,
+                    },
+                });
+                planned.push(Planned {
+                    out: out_tensor(&int8_scale_name(name), "F32", &[t.shape[0], 1]),
+                    source: Source::Int8Scale,
+                });
+                continue;
+            }
             if t.dtype != "F8_E4M3" {
                 planned.push(Planned {
                     out: out_tensor(name, dtype_static(&t.dtype), &t.shape),
@@ -641,7 +685,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
             let bs = input.block_scales(si, name, t)?;
             let scale = planned.len();
             scales.insert(scale, bs);
-            let keep_bf16 = !opts.mode.int8() || ignore.iter().any(|m| name.contains(m.as_str()));
+            let keep_bf16 = !opts.mode.int8() || ignored(&ignore, name);
             if keep_bf16 {
                 report.bf16_weights += 1;
                 planned.push(Planned {
@@ -653,10 +697,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                 });
             } else {
                 report.int8_weights += 1;
-                let sname = name
-                    .strip_suffix("weight")
-                    .map(|p| format!("{p}weight_scale"))
-                    .unwrap_or_else(|| format!("{name}_scale"));
+                let sname = int8_scale_name(name);
                 planned.push(Planned {
                     out: out_tensor(name, "I8", &t.shape),
                     source: Source::Int8 {
@@ -761,28 +802,52 @@ fn out_tensor(name: &str, dtype: &'static str, shape: &[usize]) -> OutTensor {
     }
 }
 
+/// `p` absolute with symlinks resolved; where `p` does not exist yet, its nearest existing
+/// ancestor resolved and the rest added (`..` there taking off the last part).
+fn resolve(p: &Path) -> PathBuf {
+    let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let mut base = abs.as_path();
+    let mut rest = Vec::new();
+    while !base.exists() {
+        match (base.parent(), base.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                base = parent;
+            }
+            _ => break,
+        }
+    }
+    let mut r = fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
+    for part in rest.iter().rev() {
+        match part.to_str() {
+            Some("..") => {
+                r.pop();
+            }
+            Some(".") => {}
+            _ => r.push(part),
+        }
+    }
+    r
+}
+
+/// `--output` resolved ([`resolve`]); the file system's root is refused (it would be
+/// replaced whole under `--force`).
+fn resolve_output(out: &Path) -> Result<PathBuf> {
+    let r = resolve(out);
+    if r.file_name().is_none() {
+        return Err(ConvertError::Usage(format!(
+            "--output {} is the file system's root ({}); give a directory for the converted \
+             model",
+            out.display(),
+            r.display()
+        )));
+    }
+    Ok(r)
+}
+
 /// `out` may be written: not a file, not the input or a directory holding it (`--force` would
 /// delete the input with it), and empty unless `force`.
 fn check_output(input: &Path, out: &Path, force: bool) -> Result<()> {
-    // Compare absolute paths with symlinks resolved; `out` may not exist yet, so resolve its
-    // nearest existing ancestor and add the rest.
-    let resolve = |p: &Path| -> PathBuf {
-        let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-        let mut base = abs.as_path();
-        let mut rest = Vec::new();
-        while !base.exists() {
-            match (base.parent(), base.file_name()) {
-                (Some(parent), Some(name)) => {
-                    rest.push(name.to_os_string());
-                    base = parent;
-                }
-                _ => break,
-            }
-        }
-        let mut r = fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
-        r.extend(rest.iter().rev());
-        r
-    };
     let (inp, outp) = (resolve(input), resolve(out));
     if inp.starts_with(&outp) {
         return Err(ConvertError::Usage(format!(
@@ -817,14 +882,97 @@ fn check_output(input: &Path, out: &Path, force: bool) -> Result<()> {
 /// what is there); on an error the temporary directory is removed and `out` is untouched.
 fn write_through_temp(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let tmp = temp_dir_for(out)?;
-    if let Err(e) = write(&tmp) {
+    set_partial(Some(tmp.clone()));
+    let done = (|| {
+        write(&tmp)?;
+        if !out.exists() {
+            return fs::rename(&tmp, out).map_err(|e| ConvertError::io(out, e));
+        }
+        // The old output moves aside, the new one in, and only then is the old one deleted
+        // (back in place if the new one cannot go there).
+        let old = sibling(out, "old");
+        if old.exists() {
+            fs::remove_dir_all(&old).map_err(|e| ConvertError::io(&old, e))?;
+        }
+        fs::rename(out, &old).map_err(|e| ConvertError::io(out, e))?;
+        if let Err(e) = fs::rename(&tmp, out) {
+            let _ = fs::rename(&old, out);
+            return Err(ConvertError::io(out, e));
+        }
+        fs::remove_dir_all(&old).map_err(|e| ConvertError::io(&old, e))
+    })();
+    if done.is_err() {
         let _ = fs::remove_dir_all(&tmp);
-        return Err(e);
     }
-    if out.exists() {
-        fs::remove_dir_all(out).map_err(|e| ConvertError::io(out, e))?;
+    set_partial(None);
+    done
+}
+
+/// The partial output directory being written now (for [`remove_partial_output`]).
+static PARTIAL: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+
+fn set_partial(p: Option<PathBuf>) {
+    if let Ok(mut g) = PARTIAL.lock() {
+        *g = p;
     }
-    fs::rename(&tmp, out).map_err(|e| ConvertError::io(out, e))
+}
+
+/// Removes the output directory a conversion is writing, if one is under way, and returns it:
+/// for a Ctrl-C or SIGTERM handler (an interrupted conversion leaves no hidden partial copy).
+pub fn remove_partial_output() -> Option<PathBuf> {
+    let p = PARTIAL.lock().ok()?.take()?;
+    let _ = fs::remove_dir_all(&p);
+    Some(p)
+}
+
+/// `.{name}.{what}-{pid}` beside `out`.
+fn sibling(out: &Path, what: &str) -> PathBuf {
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let base = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into());
+    parent.join(format!(".{base}.{what}-{}", std::process::id()))
+}
+
+/// Removes partial outputs for `out` that conversions no longer running left behind
+/// (`.{name}.partial-{pid}` and `.{name}.old-{pid}` of a process that is gone; Linux only,
+/// where `/proc` says which processes run). Returns what it removed.
+fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let (Some(parent), Some(name)) = (out.parent(), out.file_name()) else {
+        return removed;
+    };
+    if !Path::new("/proc/self").exists() {
+        return removed;
+    }
+    let Ok(entries) = fs::read_dir(parent) else {
+        return removed;
+    };
+    let name = name.to_string_lossy();
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let file = file.to_string_lossy();
+        let pid = [".partial-", ".old-"].iter().find_map(|what| {
+            file.strip_prefix('.')?
+                .strip_prefix(name.as_ref())?
+                .strip_prefix(what)?
+                .parse::<u32>()
+                .ok()
+        });
+        if let Some(pid) = pid {
+            if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+                let p = e.path();
+                if fs::remove_dir_all(&p).is_ok() {
+                    removed.push(p);
+                }
+            }
+        }
+    }
+    removed
 }
 
 /// Completes a converted directory: the input's side files, `config`, and the regenerated index
@@ -883,11 +1031,13 @@ fn temp_dir_for(out: &Path) -> Result<PathBuf> {
         ))
     };
     fs::create_dir_all(&parent).map_err(|e| unusable(&parent, e))?;
-    let base = out
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "output".into());
-    let tmp = parent.join(format!(".{base}.partial-{}", std::process::id()));
+    for p in remove_stale_partials(out) {
+        eprintln!(
+            "convert: removed {}, left by an interrupted conversion",
+            p.display()
+        );
+    }
+    let tmp = sibling(out, "partial");
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| ConvertError::io(&tmp, e))?;
     }
@@ -915,21 +1065,37 @@ fn write_json(path: &Path, v: &Value) -> Result<()> {
     fs::write(path, text).map_err(|e| ConvertError::io(path, e))
 }
 
-/// Copies every `*.py` and `*.json` under `from` (recursively, keeping relative paths).
+/// Copies the input's files other than weights (recursively, keeping relative paths): the
+/// seed copies `*.py` and `*.json`; the tokenizer and template files a model needs besides
+/// (Kimi-K2's `tiktoken.model`, `chat_template.jinja`, sentencepiece `*.model`, `merges.txt`,
+/// the model card) come along. Weight files (`*.safetensors`, `*.bin`, `*.pt`, `*.pth`,
+/// `*.gguf`, `*.ckpt`, `*.h5`, `*.msgpack`, `*.npz`) and hidden entries do not; the caller
+/// writes config.json and the index over the copies.
 fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
+    const WEIGHTS: &[&str] = &[
+        ".safetensors",
+        ".bin",
+        ".pt",
+        ".pth",
+        ".gguf",
+        ".ckpt",
+        ".h5",
+        ".msgpack",
+        ".npz",
+    ];
     for e in fs::read_dir(from).map_err(|e| ConvertError::io(from, e))? {
         let e = e.map_err(|e| ConvertError::io(from, e))?;
         let path = e.path();
         let name = e.file_name();
         let name_s = name.to_string_lossy();
         let ft = e.file_type().map_err(|err| ConvertError::io(&path, err))?;
+        if name_s.starts_with('.') {
+            continue;
+        }
         if ft.is_dir() {
-            if name_s.starts_with('.') {
-                continue;
-            }
             let sub = to.join(&name);
             copy_side_files(&path, &sub)?;
-        } else if name_s.ends_with(".py") || name_s.ends_with(".json") {
+        } else if !WEIGHTS.iter().any(|w| name_s.ends_with(w)) && path.is_file() {
             fs::create_dir_all(to).map_err(|err| ConvertError::io(to, err))?;
             fs::copy(&path, to.join(&name)).map_err(|err| ConvertError::io(&path, err))?;
         }
@@ -1022,50 +1188,170 @@ fn run_item(
             Ok(0)
         }
         Source::Int8Scale => Ok(0),
+        Source::Int8Bf16 { start, scale_out } => {
+            let cols = p.out.shape[1];
+            let n = item.rows.len();
+            let at = start as usize + item.rows.start * cols * 2;
+            let b = &map[at..at + n * cols * 2];
+            if let Some(i) =
+                cachalot_kernels::first_non_finite(cachalot_kernels::StoredFloat::Bf16, b)
+            {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "tensor {}: a NaN or infinite BF16 value at row {}, column {}; the \
+                         input checkpoint is damaged (re-download this shard)",
+                        p.out.name,
+                        item.rows.start + i / cols,
+                        i % cols
+                    ),
+                ));
+            }
+            let bf: Vec<u16> = b
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            write_int8_rows(
+                out,
+                &bf,
+                cols,
+                item.rows.start,
+                &p.out,
+                &planned[scale_out].out,
+            )?;
+            Ok((n * cols * 2) as u64)
+        }
         Source::Bf16 { start, scale } | Source::Int8 { start, scale, .. } => {
             let cols = p.out.shape[1];
             let bs = &scales[&scale];
             let n = item.rows.len();
             let mut bf = vec![0u16; n * cols];
             let codes = &map[start as usize..];
-            // e4m3fn has no infinities; 0x7F and 0xFF are NaN: a damaged weight, not a value
-            // to quantize (it would come out finite and wrong).
-            let window = &codes[item.rows.start * cols..item.rows.end * cols];
-            if let Some(i) = window.iter().position(|&c| c & 0x7F == 0x7F) {
-                let at = item.rows.start * cols + i;
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!(
-                        "tensor {}: FP8 code 0x{:02X} (NaN) at row {}, column {}; the input \
-                         checkpoint is damaged (re-download this shard)",
-                        p.out.name,
-                        window[i],
-                        at / cols,
-                        at % cols
-                    ),
-                ));
-            }
+            check_fp8_codes(&p.out.name, codes, cols, item.rows.clone())?;
             dequantize_rows_to_bf16(codes, cols, item.rows.clone(), bs, &mut bf);
+            check_scaled_finite(&p.out.name, &bf, cols, item.rows.start)?;
             match p.source {
                 Source::Bf16 { .. } => {
                     let bytes: Vec<u8> = bf.iter().flat_map(|v| v.to_le_bytes()).collect();
                     out.write_all_at(&bytes, p.out.offset + (item.rows.start * cols * 2) as u64)?;
                 }
                 Source::Int8 { scale_out, .. } => {
-                    let mut q = vec![0i8; n * cols];
-                    let mut s = Vec::with_capacity(n * 4);
-                    for (row, qrow) in bf.chunks_exact(cols).zip(q.chunks_exact_mut(cols)) {
-                        s.extend_from_slice(&quantize_row_bf16_to_int8(row, qrow).to_le_bytes());
-                    }
-                    let qb: Vec<u8> = q.iter().map(|&v| v as u8).collect();
-                    out.write_all_at(&qb, p.out.offset + (item.rows.start * cols) as u64)?;
                     let so = &planned[scale_out].out;
-                    out.write_all_at(&s, so.offset + (item.rows.start * 4) as u64)?;
+                    write_int8_rows(out, &bf, cols, item.rows.start, &p.out, so)?;
                 }
                 _ => unreachable!(),
             }
             Ok((n * cols) as u64)
         }
+    }
+}
+
+/// Quantizes bf16 rows (`bf`, from row `row0` of weight `w`) to int8 per row (§5.2) and
+/// writes them and their scales (`scale`, `[rows, 1]` f32).
+fn write_int8_rows(
+    out: &File,
+    bf: &[u16],
+    cols: usize,
+    row0: usize,
+    w: &OutTensor,
+    scale: &OutTensor,
+) -> std::io::Result<()> {
+    let n = bf.len() / cols.max(1);
+    let mut q = vec![0i8; n * cols];
+    let mut s = Vec::with_capacity(n * 4);
+    for (row, qrow) in bf.chunks_exact(cols).zip(q.chunks_exact_mut(cols)) {
+        s.extend_from_slice(&quantize_row_bf16_to_int8(row, qrow).to_le_bytes());
+    }
+    let qb: Vec<u8> = q.iter().map(|&v| v as u8).collect();
+    out.write_all_at(&qb, w.offset + (row0 * cols) as u64)?;
+    out.write_all_at(&s, scale.offset + (row0 * 4) as u64)
+}
+
+/// `X.weight` → `X.weight_scale` (the W8A8 layout's per-row scale, §5.1).
+fn int8_scale_name(name: &str) -> String {
+    name.strip_suffix("weight")
+        .map(|p| format!("{p}weight_scale"))
+        .unwrap_or_else(|| format!("{name}_scale"))
+}
+
+/// A Linear weight DeepSeek-V3/R1/Kimi-K2 ship in FP8 (§5.1: the attention projections, the
+/// dense and shared MLPs and the routed experts, MTP layers included): in a BF16 checkpoint,
+/// the weights the W8A8 modes quantize (before the ignore list).
+fn is_quantized_linear(name: &str) -> bool {
+    const ATTN: &[&str] = &[
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+    ];
+    const MLP: &[&str] = &["gate_proj", "up_proj", "down_proj"];
+    let Some(module) = name.strip_suffix(".weight") else {
+        return false;
+    };
+    let Some((path, last)) = module.rsplit_once('.') else {
+        return false;
+    };
+    if !name.starts_with("model.layers.") {
+        return false;
+    }
+    (path.ends_with(".self_attn") && ATTN.contains(&last))
+        || (MLP.contains(&last)
+            && (path.ends_with(".mlp")
+                || path.ends_with(".mlp.shared_experts")
+                || path
+                    .rsplit_once(".mlp.experts.")
+                    .is_some_and(|(_, e)| e.parse::<usize>().is_ok())))
+}
+
+/// Rows `rows` of an FP8 e4m3fn tensor (`codes` from its first byte, `cols` a row) hold no
+/// NaN code: e4m3fn has no infinities, and 0x7F and 0xFF are NaN, a damaged weight rather than
+/// a value to convert (it would come out NaN in bf16, or finite and wrong once quantized).
+pub(crate) fn check_fp8_codes(
+    name: &str,
+    codes: &[u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+) -> std::io::Result<()> {
+    let window = &codes[rows.start * cols..rows.end * cols];
+    match window.iter().position(|&c| c & 0x7F == 0x7F) {
+        None => Ok(()),
+        Some(i) => {
+            let at = rows.start * cols + i;
+            Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "tensor {name}: FP8 code 0x{:02X} (NaN) at row {}, column {}; the input \
+                     checkpoint is damaged (re-download this shard)",
+                    window[i],
+                    at / cols,
+                    at % cols
+                ),
+            ))
+        }
+    }
+}
+
+/// Dequantized rows (`bf`, bf16 bits, rows from `row0`) are finite: FP8 codes are (checked
+/// first), so an infinity here is a block scale too large for bf16 (a damaged or mis-stored
+/// `weight_scale_inv`), which would be written as an infinite weight or scale.
+pub(crate) fn check_scaled_finite(
+    name: &str,
+    bf: &[u16],
+    cols: usize,
+    row0: usize,
+) -> std::io::Result<()> {
+    match bf.iter().position(|&v| v & 0x7F80 == 0x7F80) {
+        None => Ok(()),
+        Some(i) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "tensor {name}: row {}, column {} overflows bf16 once scaled (its block scale \
+                 is too large: a damaged scale tensor; re-download this shard)",
+                row0 + i / cols.max(1),
+                i % cols.max(1)
+            ),
+        )),
     }
 }
 

@@ -756,6 +756,7 @@ fn run_item(
     let mut bf = vec![0u16; n * cols];
     let consumed = match src {
         Src::Fp8 { start, scales: s } => {
+            crate::check_fp8_codes(&outs[o[0]].name, &map[start as usize..], cols, rows.clone())?;
             dequantize_rows_to_bf16(
                 &map[start as usize..],
                 cols,
@@ -780,12 +781,26 @@ fn run_item(
         }
         Src::Bf16 { start } => {
             let b = &map[start as usize + 2 * r0 * cols..start as usize + 2 * (r0 + n) * cols];
+            if let Some(i) =
+                cachalot_kernels::first_non_finite(cachalot_kernels::StoredFloat::Bf16, b)
+            {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "tensor {}: a NaN or infinite BF16 value at element {}; the input \
+                         checkpoint is damaged (re-download this shard)",
+                        outs[o[0]].name,
+                        r0 * cols + i
+                    ),
+                ));
+            }
             for (o, p) in bf.iter_mut().zip(b.chunks_exact(2)) {
                 *o = u16::from_le_bytes([p[0], p[1]]);
             }
             2 * n * cols
         }
     };
+    crate::check_scaled_finite(&outs[o[0]].name, &bf, cols, r0)?;
     if let Some(c) = clip {
         c.apply(&mut bf, cols, r0);
     }

@@ -4,8 +4,10 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use cachalot_convert::{convert, read_header, ConvertOptions, QuantMode};
+use cachalot_convert::{convert, ignore_list, ignored, read_header, ConvertOptions, QuantMode};
 use safetensors::tensor::{Dtype, TensorView};
+
+mod common;
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny")
@@ -251,6 +253,52 @@ fn nan_fp8_codes_are_named_not_converted() {
             &tmp.path().join("out"),
             mode,
             &[name, &shard, "NaN", "column 7"],
+        );
+    }
+    // The V4 converter too, whatever the target format.
+    for mode in [
+        QuantMode::Bfloat16,
+        QuantMode::W8A8Int,
+        QuantMode::W4A8Mx,
+        QuantMode::W4A8MxHif,
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let input = tmp.path().join("in");
+        copy_dir(&v4_fixture(), &input);
+        let name = "layers.0.attn.wq_b.weight";
+        let shard = shard_of(&input, name);
+        rewrite_shard(&input, &shard, |t| {
+            let w = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+            w.3[5] = 0x7F;
+        });
+        expect_error_in(
+            &input,
+            &tmp.path().join("out"),
+            mode,
+            &[name, "NaN", "column 5"],
+        );
+    }
+}
+
+/// A block scale so large that the dequantized weight overflows bf16 is named (it would be
+/// written as an infinite weight or int8 scale).
+#[test]
+fn overflowing_block_scales_are_named() {
+    for mode in [QuantMode::W8A8C16, QuantMode::Bfloat16] {
+        let tmp = tempfile::tempdir().unwrap();
+        let input = tmp.path().join("in");
+        copy_fixture(&input);
+        let name = "model.layers.1.self_attn.o_proj.weight_scale_inv";
+        let shard = shard_of(&input, name);
+        rewrite_shard(&input, &shard, |t| {
+            let w = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+            w.3[..4].copy_from_slice(&3e38f32.to_le_bytes());
+        });
+        expect_error_in(
+            &input,
+            &tmp.path().join("out"),
+            mode,
+            &["model.layers.1.self_attn.o_proj.weight", "overflows bf16"],
         );
     }
 }
@@ -536,4 +584,106 @@ fn zero_sized_weights_are_reported() {
         QuantMode::W8A8Int,
         &[w, &file, "[4, 0]", "weights need non-zero dimensions"],
     );
+}
+
+/// `--output` with `.` or `..` in it is the directory it names once resolved: `--force`
+/// replaces that directory whole, and only once the new output is complete.
+#[test]
+fn output_paths_with_dots_are_resolved() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a");
+    fs::create_dir_all(a.join("b")).unwrap();
+    fs::write(a.join("notes.txt"), "old").unwrap();
+    let mut o = opts(&fixture(), &a.join("b").join(".."));
+    // Not empty: refused without --force, untouched.
+    assert!(convert(&o).unwrap_err().to_string().contains("--force"));
+    assert!(a.join("notes.txt").exists());
+    o.force = true;
+    convert(&o).unwrap();
+    assert!(a.join("config.json").is_file() && !a.join("notes.txt").exists());
+    // Into a directory by `DIR/.`.
+    let c = tmp.path().join("c");
+    fs::create_dir_all(&c).unwrap();
+    convert(&opts(&fixture(), &c.join("."))).unwrap();
+    assert!(c.join("model.safetensors.index.json").is_file());
+    for e in fs::read_dir(tmp.path()).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(!name.starts_with('.'), "{name} left behind");
+    }
+    // The root is refused by name.
+    let e = convert(&opts(&fixture(), Path::new("/"))).unwrap_err();
+    assert!(e.to_string().contains("root"), "{e}");
+}
+
+/// Files other than weights come along (a Kimi tokenizer's `tiktoken.model`, a Jinja
+/// template, a model card, subdirectories); weight files in other formats do not.
+#[test]
+fn tokenizer_and_template_files_come_along() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in");
+    copy_fixture(&input);
+    fs::write(input.join("tiktoken.model"), "abc 0\n").unwrap();
+    fs::write(input.join("chat_template.jinja"), "{{ x }}").unwrap();
+    fs::create_dir_all(input.join("original")).unwrap();
+    fs::write(input.join("original/notes.md"), "card").unwrap();
+    fs::write(input.join("pytorch_model.bin"), "weights").unwrap();
+    fs::write(input.join(".hidden"), "x").unwrap();
+    let out = tmp.path().join("out");
+    convert(&opts(&input, &out)).unwrap();
+    for f in ["tiktoken.model", "chat_template.jinja", "original/notes.md"] {
+        assert!(out.join(f).is_file(), "{f} was not copied");
+    }
+    for f in ["pytorch_model.bin", ".hidden"] {
+        assert!(!out.join(f).exists(), "{f} was copied");
+    }
+}
+
+/// A BF16 checkpoint (DeepSeek's FP8 weights cast to bf16, with or without the FP8
+/// `quantization_config` left in config.json) converts to W8A8 as its FP8 source does,
+/// tensor for tensor.
+#[test]
+fn bf16_checkpoints_quantize_as_their_fp8_source() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bf16 = tmp.path().join("bf16");
+    let mut o = opts(&fixture(), &bf16);
+    o.mode = QuantMode::Bfloat16;
+    convert(&o).unwrap();
+    let from_fp8 = tmp.path().join("from_fp8");
+    convert(&opts(&fixture(), &from_fp8)).unwrap();
+    let from_bf16 = tmp.path().join("from_bf16");
+    convert(&opts(&bf16, &from_bf16)).unwrap();
+    assert_eq!(
+        common::summarize(&from_fp8)
+            .into_iter()
+            .map(|(n, v)| (n, v[1].clone(), v[2].clone(), v[3].clone()))
+            .collect::<Vec<_>>(),
+        common::summarize(&from_bf16)
+            .into_iter()
+            .map(|(n, v)| (n, v[1].clone(), v[2].clone(), v[3].clone()))
+            .collect::<Vec<_>>()
+    );
+    // The FP8 config left beside bf16 tensors.
+    fs::copy(fixture().join("config.json"), bf16.join("config.json")).unwrap();
+    let again = tmp.path().join("again");
+    convert(&opts(&bf16, &again)).unwrap();
+    assert_eq!(common::summarize(&again), common::summarize(&from_bf16));
+}
+
+/// The ignore list names modules: `model.layers.3.mlp.gate` (the seed's router entry) keeps
+/// the router but not a dense layer's `gate_proj`.
+#[test]
+fn the_ignore_list_matches_modules_not_substrings() {
+    let ignore = ignore_list(5, 6);
+    assert!(ignored(&ignore, "model.layers.3.mlp.gate.weight"));
+    assert!(!ignored(&ignore, "model.layers.3.mlp.gate_proj.weight"));
+    assert!(ignored(
+        &ignore,
+        "model.layers.2.self_attn.kv_b_proj.weight"
+    ));
+    assert!(ignored(&ignore, "model.layers.5.eh_proj.weight"));
+    assert!(ignored(&ignore, "lm_head.weight"));
+    assert!(!ignored(
+        &ignore,
+        "model.layers.1.self_attn.kv_b_proj_x.weight"
+    ));
 }

@@ -79,6 +79,18 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
         );
     }
     check_input_loads(&args.input)?;
+    // Ctrl-C or SIGTERM: the partial output goes with the process (the old output, if any, is
+    // untouched until a conversion completes).
+    ctrlc::set_handler(|| {
+        if let Some(p) = cachalot_convert::remove_partial_output() {
+            eprintln!(
+                "convert: interrupted; removed the partial output {}",
+                p.display()
+            );
+        }
+        std::process::exit(130);
+    })
+    .context("cannot install the Ctrl-C handler")?;
     let r = convert(&opts)?;
     let mut kinds = format!(
         "{} int8 weights, {} bf16 weights",
@@ -113,25 +125,40 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
 /// load maps the shards and reads only small tensors.)
 fn check_input_loads(dir: &std::path::Path) -> Result<()> {
     use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, LoadOptions, ModelFamily};
-    let loaded = match detect_family(dir)? {
-        ModelFamily::DeepseekV3 => DeepseekV3::load(
-            dir,
-            LoadOptions {
-                load_mtp: true,
-                ..LoadOptions::default()
-            },
-        )
-        .map(drop),
-        ModelFamily::DeepseekV4 => DeepseekV4::load(
-            dir,
-            cachalot_model::V4LoadOptions {
-                load_mtp: true,
-                ..Default::default()
-            },
-        )
-        .map(drop),
+    let load = |mtp: bool| -> cachalot_model::Result<()> {
+        match detect_family(dir)? {
+            ModelFamily::DeepseekV3 => DeepseekV3::load(
+                dir,
+                LoadOptions {
+                    load_mtp: mtp,
+                    ..LoadOptions::default()
+                },
+            )
+            .map(drop),
+            ModelFamily::DeepseekV4 => DeepseekV4::load(
+                dir,
+                cachalot_model::V4LoadOptions {
+                    load_mtp: mtp,
+                    ..Default::default()
+                },
+            )
+            .map(drop),
+        }
     };
-    loaded.with_context(|| {
+    let Err(with_mtp) = load(true) else {
+        return Ok(());
+    };
+    // Many re-uploads leave out the MTP layers: the main model converts (and runs) without
+    // them; only --mtp needs them.
+    if load(false).is_ok() {
+        say!(
+            "note: {} loads without its MTP layers ({with_mtp}); converting the main model: \
+             the output runs, but not with --mtp",
+            dir.display()
+        );
+        return Ok(());
+    }
+    Err(anyhow::Error::new(with_mtp)).with_context(|| {
         format!(
             "the input checkpoint {} does not load as its config.json describes it, so its \
              conversion would not either; fix the input first",

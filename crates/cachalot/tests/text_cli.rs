@@ -1346,8 +1346,8 @@ fn v4_chat_history_keeps_reasoning_apart() {
     }
 }
 
-/// `convert` refuses an input the loader would refuse (here: a missing weight) before writing
-/// anything, naming the tensor; the same input loads after the fix.
+/// `convert` refuses an input the loader would refuse (here: an unexpected layer) before writing
+/// anything, naming the tensor; one missing only MTP layers converts.
 #[test]
 fn convert_checks_that_the_input_loads() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1365,18 +1365,21 @@ fn convert_checks_that_the_input_loads() {
     c["num_nextn_predict_layers"] = 0.into();
     std::fs::write(&cfg_path, c.to_string()).unwrap();
     let out = tmp.path().join("out");
-    let o = cachalot(
-        &[
-            "convert",
-            "--input",
-            input.to_str().unwrap(),
-            "--output",
-            out.to_str().unwrap(),
-            "--quant-mode",
-            "w8a8c16",
-        ],
-        None,
-    );
+    let convert = || {
+        cachalot(
+            &[
+                "convert",
+                "--input",
+                input.to_str().unwrap(),
+                "--output",
+                out.to_str().unwrap(),
+                "--quant-mode",
+                "w8a8c16",
+            ],
+            None,
+        )
+    };
+    let o = convert();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -1384,6 +1387,17 @@ fn convert_checks_that_the_input_loads() {
         "{err}"
     );
     assert!(!out.exists());
+    // A checkpoint without (some of) its MTP layers, as many re-uploads are: the main model
+    // converts, with a note, and the output runs.
+    c["num_hidden_layers"] = layers.into();
+    c["num_nextn_predict_layers"] = 2.into();
+    std::fs::write(&cfg_path, c.to_string()).unwrap();
+    let o = convert();
+    let text =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("without its MTP layers"), "{text}");
+    assert!(out.join("config.json").is_file());
 }
 
 /// `custom_params.num_hidden_layers` beyond the checkpoint's layers, or a key one typo from it,
