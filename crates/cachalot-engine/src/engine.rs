@@ -918,7 +918,8 @@ impl<'t, M: Model> Engine<'t, M> {
             )));
         }
         model.check_block_size(cfg.block_size)?;
-        let mut cache = KvCache::new(model.cache_spec(), cfg.block_size, cfg.num_blocks);
+        let mut cache = KvCache::try_new(model.cache_spec(), cfg.block_size, cfg.num_blocks)
+            .map_err(EngineError::Request)?;
         // Every running request's state slot, up front (a batch holds at most batch_size).
         cache.reserve_seq_slots(cfg.batch_size);
         let slots = StateSlots {
@@ -1064,6 +1065,17 @@ impl<'t, M: Model> Engine<'t, M> {
     /// (without work) in place of one, until it returns false on every rank.
     pub fn end_step(&self) -> Result<bool, EngineError> {
         self.model.end_step(self.has_unfinished())
+    }
+
+    /// Stamps `at` as the arrival of every request not yet scheduled: a batch run adds its
+    /// requests, waits for its other ranks, and only then starts the clock, so that waiting is
+    /// nobody's queueing time or TTFT.
+    pub fn restamp_arrivals(&mut self, at: Instant) {
+        for live in self.live.values_mut() {
+            if live.first_scheduled.is_none() {
+                live.arrival = at;
+            }
+        }
     }
 
     /// Queues a request; its id comes back with its output.
@@ -1490,10 +1502,11 @@ impl<'t, M: Model> Engine<'t, M> {
                 .get_mut(&it.id)
                 .expect("scheduled requests are live");
             live.first_scheduled.get_or_insert(now);
-            if it.admitted && self.stats.prefix_caching {
-                live.cached_tokens.get_or_insert(it.cached);
-                // A recompute may take back its own generated blocks: only the prompt's count
-                // against the prompt tokens looked up.
+            // The first admission only: a request preempted and admitted again takes back its
+            // own blocks, which is recomputation saved, not a prompt shared (the figures are the
+            // per-request `cached_tokens` summed).
+            if it.admitted && self.stats.prefix_caching && live.cached_tokens.is_none() {
+                live.cached_tokens = Some(it.cached);
                 self.stats.prefix_cached_tokens += it.cached.min(live.prompt_len);
                 if live.top_prompt_logprobs.is_none() {
                     self.stats.prefix_query_tokens += live.prompt_len;

@@ -474,6 +474,13 @@ fn prefix_waves<M: Model + CausalLm>(
             }
         }
         assert!(stats.prefix_cached_tokens > wave1, "{name}: {stats:?}");
+        // The figures are the requests' own, preempted and recomputed ones too (a recompute
+        // taking back its own blocks is not a prompt shared).
+        assert_eq!(
+            stats.prefix_cached_tokens - wave1,
+            outs.iter().map(|o| o.timing.cached_tokens).sum::<usize>(),
+            "{name}"
+        );
         if tight_pool {
             assert!(
                 stats.preemptions > 0,

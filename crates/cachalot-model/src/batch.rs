@@ -165,33 +165,62 @@ pub struct LayerMut<'a> {
     pub bf16: &'a mut [u16],
 }
 
+/// `n` zeros, or None where the allocator cannot give them (a pool sized past what the process
+/// may hold: an address-space or container limit the size check could not see).
+fn try_zeros<T: Clone + Default>(n: usize) -> Option<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).ok()?;
+    v.resize(n, T::default());
+    Some(v)
+}
+
 impl KvCache {
     pub fn new(spec: CacheSpec, block_size: usize, num_blocks: usize) -> KvCache {
+        Self::try_new(spec, block_size, num_blocks).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`KvCache::new`], or an error saying how many bytes could not be allocated.
+    pub fn try_new(
+        spec: CacheSpec,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> std::result::Result<KvCache, String> {
         assert!(block_size > 0, "block_size must be positive");
         assert!(spec.int8_width <= spec.width, "int8_width exceeds width");
         let slots = block_size * num_blocks;
+        let fail = |n: usize, size: usize| {
+            format!(
+                "cannot allocate the KV cache of {num_blocks} blocks of {block_size} ({:.2} GiB \
+                 for one of its {} layers): the process may not hold that much memory; give \
+                 fewer blocks (--kv-blocks) or a smaller scheduler_config.mem_fraction_static",
+                (n * size) as f64 / (1u64 << 30) as f64,
+                spec.layers
+            )
+        };
         let int8 = if spec.int8_width > 0 {
+            let n = slots * spec.int8_width;
             (0..spec.layers)
-                .map(|_| vec![0i8; slots * spec.int8_width])
-                .collect()
+                .map(|_| try_zeros::<i8>(n).ok_or_else(|| fail(n, 1)))
+                .collect::<std::result::Result<_, _>>()?
         } else {
             Vec::new()
         };
+        let n = slots * spec.float_width();
         let (layers, bf16) = match spec.float {
             KvCacheDtype::F32 => (
                 (0..spec.layers)
-                    .map(|_| vec![0.0; slots * spec.float_width()])
-                    .collect(),
+                    .map(|_| try_zeros::<f32>(n).ok_or_else(|| fail(n, 4)))
+                    .collect::<std::result::Result<_, _>>()?,
                 Vec::new(),
             ),
             KvCacheDtype::Bf16 | KvCacheDtype::Fp8 => (
                 Vec::new(),
                 (0..spec.layers)
-                    .map(|_| vec![0u16; slots * spec.float_width()])
-                    .collect(),
+                    .map(|_| try_zeros::<u16>(n).ok_or_else(|| fail(n, 2)))
+                    .collect::<std::result::Result<_, _>>()?,
             ),
         };
-        KvCache {
+        Ok(KvCache {
             spec,
             block_size,
             num_blocks,
@@ -201,7 +230,7 @@ impl KvCache {
             state: vec![Vec::new(); spec.layers],
             state_bf16: vec![Vec::new(); spec.layers],
             seq_slots: 0,
-        }
+        })
     }
 
     /// Makes room for sequence state slots `0..n` (no-op without a per-sequence state).

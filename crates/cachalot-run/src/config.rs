@@ -426,16 +426,24 @@ impl RunConfig {
                 message: plain_yaml_error(&e.to_string()),
             })?
         };
-        let value = match value {
+        let mut value = match value {
             Value::Null => Value::Object(Map::new()),
             v => v,
         };
+        // A section written with nothing under it (`scheduler_config:`) is an empty section:
+        // its keys keep their defaults, as in the seed's loader.
+        if let Value::Object(top) = &mut value {
+            for (_, v) in top.iter_mut() {
+                if v.is_null() {
+                    *v = Value::Object(Map::new());
+                }
+            }
+        }
         let mut issues = Vec::new();
         check_schema(&value, text, &mut issues);
         // Without the keys that failed (their defaults stand in), the cross-key checks still
         // run, so every problem is reported at once; a check on a failed key is left out.
         let failed: Vec<String> = issues.iter().map(|i| i.path.clone()).collect();
-        let mut value = value;
         if let Value::Object(top) = &mut value {
             for path in &failed {
                 match path.split_once('.') {
@@ -599,7 +607,10 @@ impl RunConfig {
             add(
                 "scheduler_config",
                 "mem_fraction_static",
-                format!("{} must be above 0", s.mem_fraction_static),
+                format!(
+                    "{} is out of range: must be in (0, 1] (0 leaves no memory for the KV cache)",
+                    s.mem_fraction_static
+                ),
             );
         }
     }
@@ -709,6 +720,11 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
                 Some(n) if n >= min && n <= max => None,
                 Some(n) if n >= min => Some(format!("{n} is out of range: must be at most {max}")),
                 Some(n) => Some(format!("{n} is out of range: must be >= {min}")),
+                // A whole number past i64 (u64 up to 2^64 - 1).
+                None if v.as_u64().is_some() => Some(format!(
+                    "{} is out of range: must be at most {max}",
+                    v.as_u64().unwrap_or(0)
+                )),
                 None => Some(format!(
                     "expected an integer{}, got {}",
                     if min > i64::MIN {
@@ -799,6 +815,32 @@ mod tests {
         assert_eq!(c, RunConfig::default());
         assert_eq!(c.max_prefill_tokens(), 256);
         assert_eq!(c.max_total_len(), 256 + 32);
+    }
+
+    /// A section with nothing under it is an empty section; an integer past 64 bits is out of
+    /// range, said so.
+    #[test]
+    fn empty_sections_and_integers_past_64_bits() {
+        let c = RunConfig::from_yaml("model_config:\nscheduler_config:\n", Path::new("x.yaml"))
+            .unwrap();
+        assert_eq!(c, RunConfig::default());
+        let e = RunConfig::from_yaml(
+            "scheduler_config:\n  max_prefill_tokens: 18446744073709551615\n",
+            Path::new("x.yaml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("out of range") && e.contains("max_prefill_tokens"),
+            "{e}"
+        );
+        let e = RunConfig::from_yaml(
+            "scheduler_config:\n  mem_fraction_static: 0\n",
+            Path::new("x.yaml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("(0, 1]"), "{e}");
     }
 
     #[test]

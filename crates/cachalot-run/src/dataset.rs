@@ -117,7 +117,7 @@ pub fn default_prompts(path: &Path) -> Result<Vec<String>, DatasetError> {
         ))
     })?;
     let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| err(format!("not valid JSON: {e}")))?;
+        serde_json::from_str(strip_bom(&text)).map_err(|e| err(format!("not valid JSON: {e}")))?;
     let prompts: Vec<String> = match v.get("text") {
         Some(serde_json::Value::String(s)) => vec![s.clone()],
         Some(serde_json::Value::Array(a)) => a
@@ -187,7 +187,7 @@ fn contexts(path: &Path) -> Result<Vec<String>, DatasetError> {
         why: e.to_string(),
     })?;
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
+    for (i, line) in strip_bom(&text).lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
@@ -289,6 +289,12 @@ impl PromptBuilder<'_> {
     }
 }
 
+/// `text` without a leading UTF-8 byte-order mark (Windows editors write one; JSON forbids it,
+/// Python's `json.load` of a file opened as `utf-8-sig` skips it).
+fn strip_bom(text: &str) -> &str {
+    text.strip_prefix('\u{feff}').unwrap_or(text)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,6 +314,17 @@ mod tests {
             .contains("text[0] is not a string"));
         std::fs::write(&p, r#"{"txt": "x"}"#).unwrap();
         assert!(default_prompts(&p).is_err());
+        // A byte-order mark (Windows editors) is skipped, in JSON and JSON-lines files.
+        std::fs::write(&p, "\u{feff}{\"text\": \"one\"}").unwrap();
+        assert_eq!(default_prompts(&p).unwrap(), vec!["one"]);
+        let ib = d.path().join("InfiniteBench");
+        std::fs::create_dir_all(&ib).unwrap();
+        std::fs::write(
+            ib.join("longbook_qa_eng.jsonl"),
+            "\u{feff}{\"context\": \"c\", \"input\": \"q\", \"answer\": [\"a\"]}\n",
+        )
+        .unwrap();
+        assert!(load("InfiniteBench", d.path()).is_ok());
     }
 
     #[test]

@@ -246,6 +246,8 @@ pub struct Summary {
     /// None (null) when no request decoded a second token (e.g. `max_new_tokens: 1`).
     pub tpot_s: Option<Distribution>,
     pub e2e_s: Distribution,
+    /// Engine steps, every rank's summed where ranks ran their own batches (`per_rank` has
+    /// each rank's).
     pub steps: usize,
     pub mean_decode_step_ms: f64,
     pub preemptions: usize,
@@ -434,12 +436,72 @@ pub struct RunResult {
     pub outputs: Vec<RequestOutput>,
 }
 
-/// Memory the system reports available (`MemAvailable`), if it says.
+/// Memory this process may still take, where the system says: the least of `MemAvailable`,
+/// its cgroup's room (cgroup v2 `memory.max` less `memory.current`: a container's limit) and
+/// its address space's room (`ulimit -v` less the process's size).
 pub fn mem_available() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    let mut room = kb * 1024;
+    for limit in [cgroup_room(), address_space_room()].into_iter().flatten() {
+        room = room.min(limit);
+    }
+    Some(room)
+}
+
+/// The process's memory cgroup's limit less its use: cgroup v2 (`memory.max`,
+/// `memory.current`) or v1 (`memory.limit_in_bytes`, `memory.usage_in_bytes`); None without
+/// a limit or a hierarchy mounted where it usually is.
+fn cgroup_room() -> Option<u64> {
+    let groups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let room = |dir: PathBuf, max: &str, used: &str| -> Option<u64> {
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
+        let max: u64 = read(max)?.trim().parse().ok()?;
+        let used: u64 = read(used)?.trim().parse().ok()?;
+        Some(max.saturating_sub(used))
+    };
+    let v1 = groups.lines().find_map(|l| {
+        let (_, rest) = l.split_once(':')?;
+        let (controllers, path) = rest.split_once(':')?;
+        controllers.split(',').any(|c| c == "memory").then(|| {
+            let dir = Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
+            room(dir, "memory.limit_in_bytes", "memory.usage_in_bytes")
+        })?
+    });
+    let v2 = groups
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .and_then(|path| {
+            let dir = Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
+            room(dir, "memory.max", "memory.current")
+        });
+    match (v1, v2) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// `ulimit -v`: the soft address-space limit less the process's virtual size (None when
+/// unlimited).
+fn address_space_room() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let soft: u64 = limits
+        .lines()
+        .find(|l| l.starts_with("Max address space"))?
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()?;
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmSize:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(soft.saturating_sub(kb * 1024))
 }
 
 /// The KV pool's size is one the engine can hold: at least the null block and one more, block
@@ -477,7 +539,7 @@ fn check_kv_pool(
                 "lower scheduler_config.block_size (the seed uses 128)"
             };
             return Err(format!(
-                "{what} needs {} of KV cache ({per_block} bytes per block), more than the {:.1}                  GiB of memory available; {fix}",
+                "{what} needs {} of KV cache ({per_block} bytes per block), more than the {:.1} GiB of memory available; {fix}",
                 bytes.map_or("more than 16 EiB".to_string(), |b| format!("{:.1} GiB", gib(b))),
                 gib(avail)
             )
@@ -610,6 +672,48 @@ pub fn expert_placement(
     }
 }
 
+/// What an interrupted run (Ctrl-C, SIGTERM) leaves tidy: temporary directories to remove
+/// (random weights of `with_ckpt: false`) and the file its finished requests are in.
+struct InterruptState {
+    remove: Vec<PathBuf>,
+    partial: Option<PathBuf>,
+}
+
+static INTERRUPT: std::sync::Mutex<InterruptState> = std::sync::Mutex::new(InterruptState {
+    remove: Vec::new(),
+    partial: None,
+});
+
+/// Registers a temporary directory for [`on_interrupt`] to remove.
+pub fn remove_on_interrupt(dir: &Path) {
+    if let Ok(mut g) = INTERRUPT.lock() {
+        g.remove.push(dir.to_path_buf());
+    }
+}
+
+/// Unregisters a directory removed in the ordinary way.
+pub fn forget_on_interrupt(dir: &Path) {
+    if let Ok(mut g) = INTERRUPT.lock() {
+        g.remove.retain(|d| d != dir);
+    }
+}
+
+/// For a Ctrl-C/SIGTERM handler: removes the registered temporary directories and returns the
+/// file holding the requests finished so far, if a run is under way.
+pub fn on_interrupt() -> Option<PathBuf> {
+    let mut g = INTERRUPT.lock().ok()?;
+    for d in g.remove.drain(..) {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    g.partial.clone()
+}
+
+fn set_partial(p: Option<PathBuf>) {
+    if let Ok(mut g) = INTERRUPT.lock() {
+        g.partial = p;
+    }
+}
+
 /// Why `--kv-cache-dtype fp8` is refused outside DeepSeek-V4.
 pub fn fp8_cache_refusal() -> String {
     "--kv-cache-dtype fp8 is DeepSeek-V4's cache (compressed entries in e4m3); the \
@@ -690,6 +794,14 @@ pub fn run_ranked(
     };
     let m = &cfg.model_config;
     let model_dir = PathBuf::from(&m.model_path);
+    if m.model_path.trim().is_empty() {
+        return Err(format!(
+            "{}: model_config.model_path is not set (the model's Hugging Face directory; an \
+             empty or comment-only file sets nothing; configs/default.yaml is an example)",
+            opts.config_path.display()
+        )
+        .into());
+    }
     if !model_dir.join("config.json").is_file() {
         let hint = if m.model_path.starts_with("assets/") {
             " (the small model ships in assets/cachalot-tiny-r1; run from the repository \
@@ -1283,9 +1395,54 @@ pub fn run_ranked(
         )?
         .progress_chars("=> "),
     );
+    // Finished requests are written as they finish, so that none is lost to a failed step, a
+    // rank that dies or a signal: rank 0's (and, with data-parallel ranks, each rank's own) to
+    // requests.rank<R>.partial.jsonl, removed once the run's files are written.
+    let tool_format = ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
+    let partial_path = dir.join(format!("requests.rank{rank}.partial.jsonl"));
+    let mut partial = if rank == 0 || !expert {
+        set_partial(Some(partial_path.clone()));
+        Some(std::fs::File::create(&partial_path)?)
+    } else {
+        None
+    };
+    let mut write_partial = |done: &[RequestOutput]| -> Result<(), Error> {
+        let Some(f) = partial.as_mut() else {
+            return Ok(());
+        };
+        let mut text = String::new();
+        for o in done {
+            let mut g = o.clone();
+            g.id = global_id[&o.id];
+            text.push_str(&request_line(&g, &prepared, &prompts, tool_format)?.to_string());
+            text.push('\n');
+        }
+        f.write_all(text.as_bytes())?;
+        Ok(())
+    };
+    let mut n_saved = 0usize;
+    // A step that fails ends the run with the file of the requests finished before it named.
+    macro_rules! stopped {
+        ($e:expr) => {{
+            let e = $e;
+            if rank == 0 || !expert {
+                logln!(
+                    "the run stopped: {e}; its {n_saved} finished requests are in {}",
+                    partial_path.display()
+                );
+                return Err(format!(
+                    "{e}; the run is incomplete: {n_saved} finished requests are saved in {}",
+                    partial_path.display()
+                )
+                .into());
+            }
+            return Err(format!("{e}").into());
+        }};
+    }
     // All ranks start generating together, so the run's wall time is the slowest rank's.
     comm.barrier()?;
     let t_run = Instant::now();
+    engine.restamp_arrivals(t_run);
     let mut outputs = Vec::with_capacity(n_local);
     let mut step = 0usize;
     let capacity = engine.stats().kv_capacity_blocks;
@@ -1293,16 +1450,30 @@ pub fn run_ranked(
     // the others' MoE tokens (`Engine::end_step`) until no rank has work.
     loop {
         if !engine.has_unfinished() {
-            if dispatch && engine.end_step()? {
+            let more = dispatch
+                && match engine.end_step() {
+                    Ok(more) => more,
+                    Err(e) => stopped!(e),
+                };
+            if more {
                 continue;
             }
             break;
         }
-        let r = engine.step()?;
+        let r = match engine.step() {
+            Ok(r) => r,
+            Err(e) => stopped!(e),
+        };
         // Every rank ends each step together; when none has work left, all leave here.
-        let group_more = !dispatch || engine.end_step()?;
+        let group_more = !dispatch
+            || match engine.end_step() {
+                Ok(more) => more,
+                Err(e) => stopped!(e),
+            };
         step += 1;
         let done = engine.take_finished();
+        write_partial(&done)?;
+        n_saved += done.len();
         logln!(
             "step {step}: {} seqs, prefill {} + decode {} tokens, {:.2} ms, KV {}/{capacity}{}{}",
             r.seqs,
@@ -1383,26 +1554,18 @@ pub fn run_ranked(
         let parts = match comm.all_gather(&serde_json::to_vec(&report)?) {
             Ok(p) => p,
             Err(e) => {
-                // Another rank failed: keep what this rank finished (never lose work).
-                let file = dir.join(format!("requests.rank{rank}.partial.jsonl"));
-                let tool_format =
-                    ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
-                let mut text = String::new();
-                for o in &report.outputs {
-                    text.push_str(&request_line(o, &prepared, &prompts, tool_format)?.to_string());
-                    text.push('\n');
-                }
-                std::fs::write(&file, text)?;
+                // Another rank failed: this rank's finished requests are in its partial file
+                // (never lose work).
                 logln!(
                     "gathering failed ({e}); this rank's {} finished requests are in {}",
                     report.outputs.len(),
-                    file.display()
+                    partial_path.display()
                 );
                 return Err(format!(
                     "{e}; the run is incomplete: rank {rank}'s {} finished requests are saved in \
                      {}",
                     report.outputs.len(),
-                    file.display()
+                    partial_path.display()
                 )
                 .into());
             }
@@ -1556,6 +1719,9 @@ pub fn run_ranked(
             "done: {} requests (rank 0 writes the run's files)",
             outputs.len()
         );
+        // Rank 0 writes the run's files from this rank's report.
+        set_partial(None);
+        let _ = std::fs::remove_file(&partial_path);
         return Ok(RunResult {
             summary,
             dir,
@@ -1567,12 +1733,13 @@ pub fn run_ranked(
         serde_json::to_string_pretty(&summary)? + "\n",
     )?;
     let mut req_file = std::io::BufWriter::new(std::fs::File::create(dir.join("requests.jsonl"))?);
-    let tool_format = ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
     for o in &outputs {
         let v = request_line(o, &prepared, &prompts, tool_format)?;
         writeln!(req_file, "{v}")?;
     }
     req_file.flush()?;
+    set_partial(None);
+    let _ = std::fs::remove_file(&partial_path);
     logln!(
         "done: {} requests, {output_tokens} tokens in {wall_s:.2}s",
         outputs.len()

@@ -115,6 +115,7 @@ impl Drop for RandomModel {
     fn drop(&mut self) {
         for d in &self.to_remove {
             let _ = std::fs::remove_dir_all(d);
+            crate::offline::forget_on_interrupt(d);
         }
     }
 }
@@ -882,6 +883,7 @@ fn materialize(
         quant: quant.to_string(),
         to_remove: vec![base.clone()],
     };
+    crate::offline::remove_on_interrupt(&base);
     write(&native).with_context(|| format!("under {}", parent.display()))?;
     if let Some(mode) = mode {
         let c8_scales = match c8_layers {

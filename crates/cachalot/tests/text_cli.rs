@@ -749,14 +749,35 @@ fn run_with_two_ranks_equals_one_process() {
         (json(&ok(out)), err)
     };
     // Its summary and requests.
+    // Every run: no request's time from arrival to its end is longer than the run (the ranks'
+    // wait for each other before the clock starts is nobody's queueing), and the partial file
+    // of finished requests is gone once requests.jsonl is written.
     let run_config = |config: &str, extra: &[&str]| -> (Value, Vec<Value>) {
         let summary = run_raw(config, extra).0;
         let dir = PathBuf::from(&res).join(summary["run_id"].as_str().unwrap());
-        let reqs = std::fs::read_to_string(dir.join("requests.jsonl"))
+        let reqs: Vec<Value> = std::fs::read_to_string(dir.join("requests.jsonl"))
             .unwrap()
             .lines()
             .map(json)
             .collect();
+        let wall = summary["wall_s"].as_f64().unwrap();
+        for r in &reqs {
+            let e2e = r["timing"]["e2e_s"].as_f64().unwrap();
+            assert!(
+                e2e <= wall,
+                "{extra:?}: e2e {e2e} s past the run's {wall} s"
+            );
+        }
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains("partial"))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "{extra:?}: {left:?} left in {}",
+            dir.display()
+        );
         (summary, reqs)
     };
     let run = |extra: &[&str]| run_config("configs/tiny/r1_tiny.yaml", extra);
@@ -1482,4 +1503,68 @@ fn run_checks_custom_params_and_sizes_the_pool_by_the_models_positions() {
     let s = json(&ok(run(huge)));
     // 8192 positions: 512 blocks a sequence, 2 sequences (block 0, reserved, not counted).
     assert_eq!(s["kv_capacity_blocks"], 2 * 512, "{s}");
+}
+
+/// A run stopped by Ctrl-C (SIGINT) keeps the requests it finished: they are written to
+/// requests.rank0.partial.jsonl as they finish, and the process says where, exiting 130.
+#[test]
+fn an_interrupted_run_keeps_its_finished_requests() {
+    let tmp = tempfile::tempdir().unwrap();
+    let res = tmp.path().join("res");
+    let yaml = tmp.path().join("long.yaml");
+    let model = root().join("assets/cachalot-tiny-r1").display().to_string();
+    let dataset = root().join("dataset").display().to_string();
+    std::fs::write(
+        &yaml,
+        format!(
+            "model_config:\n  model_name: \"deepseek_r1\"\n  model_path: {model:?}\n\
+             data_config:\n  dataset: \"default\"\n  dataset_path: {dataset:?}\n  \
+             num_requests: 256\n  ignore_eos: true\n\
+             scheduler_config:\n  batch_size: 2\n  max_new_tokens: 2000\n"
+        ),
+    )
+    .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+        .args(["run", "--config", yaml.to_str().unwrap(), "--quiet"])
+        .args(["--res-dir", res.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the first finished request on disk (the run takes minutes to finish them all).
+    let partial = || -> Option<PathBuf> {
+        let dir = std::fs::read_dir(&res).ok()?.next()?.ok()?.path();
+        let p = dir.join("requests.rank0.partial.jsonl");
+        let text = std::fs::read_to_string(&p).ok()?;
+        text.ends_with('\n').then_some(p)
+    };
+    let start = std::time::Instant::now();
+    let file = loop {
+        if let Some(p) = partial() {
+            break p;
+        }
+        assert!(
+            start.elapsed().as_secs() < 300,
+            "no request finished in 300 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("requests.rank0.partial.jsonl"), "{err}");
+    let lines: Vec<Value> = std::fs::read_to_string(&file)
+        .unwrap()
+        .lines()
+        .map(json)
+        .collect();
+    assert!(!lines.is_empty() && lines.len() < 256);
+    for l in &lines {
+        assert_eq!(l["output_ids"].as_array().unwrap().len(), 2000, "{l}");
+        assert!(l["id"].as_u64().unwrap() < 256);
+    }
 }
