@@ -15,10 +15,11 @@
 //!    draft, only the requests that get that many);
 //! 3. one main forward over the whole batch, every decoding request contributing
 //!    `[last token, draft 1..k]` with logits for each, prefill chunks beside them;
-//! 4. per request, drafts are verified in order ([`Sampler::verify`]: exact match under greedy,
-//!    rejection sampling otherwise) and the first rejection ends them; the emitted tokens are
-//!    the accepted drafts plus one token from the main model (correction or bonus), stop rules
-//!    applied token by token;
+//! 4. per request, drafts are verified in order ([`Sampler::verify`]: a draft is accepted when
+//!    it is the token the main model's logits give at its position, greedy or drawn with that
+//!    position's random number, as the seed does) and the first rejection ends them; the
+//!    emitted tokens are the accepted drafts plus one token from the main model (correction or
+//!    bonus), stop rules applied token by token — the tokens plain decoding gives;
 //! 5. the scheduler counts the accepted drafts' KV as computed and takes back blocks held only
 //!    for rejected ones ([`Scheduler::accept_drafts`]); their KV (main and MTP layers) beyond
 //!    the computed length is never read before it is overwritten.
@@ -770,10 +771,9 @@ struct Pending {
     hidden: Vec<f32>,
 }
 
-/// A draft token and the law it was drawn from.
+/// A draft token (the MTP layer's most probable after the request's processing).
 struct Draft {
     token: u32,
-    q: Vec<(u32, f32)>,
 }
 
 struct Live<'t> {
@@ -1650,7 +1650,7 @@ impl<'t, M: Model> Engine<'t, M> {
                         continue;
                     }
                     let (token, ok) = match ds.get(j) {
-                        Some(d) => live.sampler.verify(d.token, &d.q, row),
+                        Some(d) => live.sampler.verify(d.token, row),
                         None => (live.sampler.sample(row), false),
                     };
                     if let Some(k) = live.top_logprobs {
@@ -1869,11 +1869,8 @@ impl<'t, M: Model> Engine<'t, M> {
         for (k, &(n, id, s)) in drafting.iter().enumerate() {
             let last = batch.seq_starts[s + 1] - 1;
             let live = self.live.get_mut(&id).expect("live");
-            let q = live
-                .sampler
-                .candidates(&r.logits[k * vocab..(k + 1) * vocab]);
-            let token = live.sampler.draw(&q);
-            out[n].push(Draft { token, q });
+            let token = live.sampler.propose(&r.logits[k * vocab..(k + 1) * vocab]);
+            out[n].push(Draft { token });
             chain.push((n, id, r.hidden[last * h..(last + 1) * h].to_vec()));
         }
         let most = drafting
@@ -1902,11 +1899,8 @@ impl<'t, M: Model> Engine<'t, M> {
             check_logits(&r.logits, "the MTP layer")?;
             for (k, (n, id, hid)) in chain.iter_mut().enumerate() {
                 let live = self.live.get_mut(id).expect("live");
-                let q = live
-                    .sampler
-                    .candidates(&r.logits[k * vocab..(k + 1) * vocab]);
-                let token = live.sampler.draw(&q);
-                out[*n].push(Draft { token, q });
+                let token = live.sampler.propose(&r.logits[k * vocab..(k + 1) * vocab]);
+                out[*n].push(Draft { token });
                 hid.copy_from_slice(&r.hidden[k * h..(k + 1) * h]);
             }
         }

@@ -4,7 +4,8 @@
 //!   model with an MTP layer and on the shipped small model, for next_n = 1, 2, 3, in batches
 //!   with mixed prompt lengths, chunked prefill and (tight pool) preemption;
 //! - with sampling, the distribution of the generated tokens is the main model's (a toy Markov
-//!   model whose MTP layer proposes from a different law; chi-square bound derived below).
+//!   model whose MTP layer proposes from a different law; chi-square bound derived below), and
+//!   a seeded request's tokens are those it draws without MTP, whatever the drafts and pool.
 
 use std::collections::HashMap;
 mod common;
@@ -246,7 +247,7 @@ const V: usize = 4;
 
 /// A toy model: the next token's logits depend only on the current token (a Markov chain
 /// `main`); the "MTP layer" proposes the token after next from a different law `draft`, so
-/// drafts are often wrong and rejection sampling has work to do. Hidden states are one-hot
+/// drafts are often wrong and verification has work to do. Hidden states are one-hot
 /// tokens.
 struct Markov {
     main: [[f32; V]; V],
@@ -369,7 +370,7 @@ fn sample_triples(
 }
 
 /// 40 000 requests sample 3 tokens each through speculative decoding (drafts from a wrong law,
-/// rejection-sampled against the main model's processed distribution). The 64 continuations
+/// verified against the token drawn from the main model's processed distribution). The 64 continuations
 /// must follow the exact law of plain sampling: the product of the main model's processed
 /// (temperature, top-p, top-k) distributions. Pearson's chi-square over the cells with
 /// expected count ≥ 5 (k cells, k − 1 degrees of freedom); the bound is the 1 − 1e-4 quantile
@@ -515,5 +516,94 @@ fn nan_logits_are_an_error() {
             .unwrap();
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();
         assert!(e.contains(what) && e.contains("NaN"), "{what}: {e}");
+    }
+}
+
+/// Each request's tokens (by request id) for `n` seeded requests after the prompt `[0]`,
+/// `n_new` tokens each, with `next_n` drafts and a pool of `num_blocks` blocks of 4.
+fn seeded_tokens(
+    model: &Markov,
+    params: &SamplingParams,
+    next_n: usize,
+    num_blocks: usize,
+    n: usize,
+    n_new: usize,
+) -> (Vec<Vec<u32>>, cachalot_engine::metrics::EngineStats) {
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks,
+        batch_size: 8,
+        max_prefill_tokens: 64,
+    };
+    let mut engine = Engine::new(model, None, cfg).unwrap();
+    if next_n > 0 {
+        engine.enable_mtp(next_n).unwrap();
+    }
+    for i in 0..n {
+        engine
+            .add_request(Request {
+                prompt: vec![0],
+                params: SamplingParams {
+                    seed: Some(1000 + i as u64),
+                    ..params.clone()
+                },
+                stop: StopConditions {
+                    max_new_tokens: n_new,
+                    ..Default::default()
+                },
+                ignore_eos: true,
+                logprobs: None,
+                prompt_logprobs: None,
+                json_object: false,
+                json_after: None,
+                json_lead: Vec::new(),
+                json_schema: None,
+                dsml: false,
+            })
+            .unwrap();
+    }
+    let mut outs = engine.run_to_completion(|_, _| {}).unwrap();
+    outs.sort_by_key(|o| o.id);
+    (
+        outs.into_iter().map(|o| o.tokens).collect(),
+        engine.stats().clone(),
+    )
+}
+
+/// A seeded request draws the same tokens with MTP as without it, whatever its drafts (here
+/// from a wrong law), their number (1 or 3) and the pool's size (a tight pool cuts drafts and
+/// preempts): each token takes its own position's random number, and verification emits the
+/// token plain sampling draws (the seed's rule).
+#[test]
+fn seeded_sampling_gives_the_same_tokens_with_or_without_mtp() {
+    let model = Markov {
+        main: [
+            [0.40, 0.30, 0.20, 0.10],
+            [0.10, 0.20, 0.30, 0.40],
+            [0.25, 0.25, 0.35, 0.15],
+            [0.30, 0.10, 0.10, 0.50],
+        ],
+        draft: [
+            [0.10, 0.10, 0.10, 0.70],
+            [0.70, 0.10, 0.10, 0.10],
+            [0.25, 0.25, 0.25, 0.25],
+            [0.05, 0.80, 0.10, 0.05],
+        ],
+    };
+    let params = SamplingParams {
+        temperature: 0.8,
+        top_k: 3,
+        ..Default::default()
+    };
+    let (n, n_new) = (24, 20);
+    let (plain, _) = seeded_tokens(&model, &params, 0, 8 * 8 + 1, n, n_new);
+    for (next_n, blocks) in [(1, 8 * 8 + 1), (3, 8 * 8 + 1), (3, 12), (2, 9)] {
+        let (spec, stats) = seeded_tokens(&model, &params, next_n, blocks, n, n_new);
+        assert!(stats.drafted > 0, "next_n {next_n}, {blocks} blocks");
+        assert!(stats.accepted_drafts > 0 && stats.accepted_drafts < stats.drafted);
+        if blocks < 20 {
+            assert!(stats.preemptions > 0, "{blocks} blocks never preempted");
+        }
+        assert_eq!(spec, plain, "next_n {next_n}, {blocks} blocks");
     }
 }
