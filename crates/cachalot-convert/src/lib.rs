@@ -123,6 +123,8 @@ pub struct ConvertReport {
     pub input_bytes: u64,
     pub output_bytes: u64,
     pub seconds: f64,
+    /// Things the caller should tell the user (e.g. clip factors that matched no weight).
+    pub notes: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -527,7 +529,12 @@ pub fn read_c8_scales(path: &Path, num_layers: usize) -> Result<Vec<f32>> {
             s.as_f64()
                 .map(|s| s as f32)
                 .filter(|s| s.is_finite() && *s > 0.0)
-                .ok_or_else(|| err(format!("ckv_scale[{i}] = {s} is not a positive number")))
+                .ok_or_else(|| {
+                    err(format!(
+                        "ckv_scale[{i}] = {s} is not a positive number within f32's range \
+                         (up to 3.4e38)"
+                    ))
+                })
         })
         .collect()
 }
@@ -559,15 +566,23 @@ fn read_c8_pth(dir: &Path, num_layers: usize) -> Result<Vec<f32>> {
             let s = match v {
                 torch_pt::PtValue::Tensor(t) if t.values.len() == 1 => t.values[0] as f32,
                 torch_pt::PtValue::Float(x) => *x as f32,
-                other => {
+                torch_pt::PtValue::Tensor(t) => {
                     return Err(err(format!(
-                        "self_attn.ckv_scale is {other:?}, not one number"
+                        "self_attn.ckv_scale is a tensor of {} values (shape {:?}), not one \
+                         number (a per-layer scale)",
+                        t.values.len(),
+                        t.shape
                     )))
+                }
+                _ => {
+                    return Err(err(
+                        "self_attn.ckv_scale is not a number or a one-value tensor".into(),
+                    ))
                 }
             };
             if !(s.is_finite() && s > 0.0) {
                 return Err(err(format!(
-                    "self_attn.ckv_scale = {s} is not a positive number"
+                    "self_attn.ckv_scale = {s} is not a positive number within f32's range"
                 )));
             }
             Ok(s)

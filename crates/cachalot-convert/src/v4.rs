@@ -451,6 +451,8 @@ pub(crate) fn convert_v4(
 
     // Plan every shard (checking every weight and its scales) before writing anything.
     let mut report = ConvertReport::default();
+    // Clip factors that reached a weight (the others name nothing in this checkpoint).
+    let mut clipped: HashSet<String> = HashSet::new();
     let mut plans = Vec::new();
     for (si, (_, tensors)) in input.shards.iter().enumerate() {
         let file = input.shard_path(si);
@@ -605,6 +607,7 @@ pub(crate) fn convert_v4(
             };
             if let Some(c) = &clip {
                 c.check_rows(rows).map_err(terr)?;
+                clipped.insert(key.to_string());
             }
             jobs.push(Job::Weight {
                 src,
@@ -624,6 +627,33 @@ pub(crate) fn convert_v4(
             });
         }
         plans.push((outs, jobs, scales));
+    }
+    // Factors for modules this conversion does not quantize to INT8/INT4 (another model's, a
+    // renamed key, or a module kept in another format) would be dropped without a word: none
+    // matching is an error (the wrong file or key names), some is a note.
+    let mut unused: Vec<&String> = clips.keys().filter(|k| !clipped.contains(*k)).collect();
+    unused.sort();
+    if let (Some(dir), Some(first)) = (&opts.quant_param_path, unused.first()) {
+        if quantize && clipped.is_empty() {
+            return Err(ConvertError::Usage(format!(
+                "--quant-param-path {}: none of its clip factors ({} modules, first `{first}`) \
+                 names an INT8/INT4 weight of {} under {}; the keys are module names of this \
+                 checkpoint (e.g. `layers.0.attn.wq_a`): give the factors made for it",
+                dir.display(),
+                unused.len(),
+                opts.input.display(),
+                opts.mode.name(),
+            )));
+        }
+        if quantize {
+            report.notes.push(format!(
+                "{} of the clip factors in {} name no INT8/INT4 weight under {} and were not \
+                 used (first: `{first}`)",
+                unused.len(),
+                dir.display(),
+                opts.mode.name()
+            ));
+        }
     }
 
     write_through_temp(&opts.output, |tmp| {

@@ -92,6 +92,9 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
     })
     .context("cannot install the Ctrl-C handler")?;
     let r = convert(&opts)?;
+    for note in &r.notes {
+        say!("note: {note}");
+    }
     let mut kinds = format!(
         "{} int8 weights, {} bf16 weights",
         r.int8_weights, r.bf16_weights
@@ -224,6 +227,15 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     }
     let text = crate::read_text_file(&args.file)?;
     let ids = Tokenizer::from_dir(&args.model)?.encode(&text)?;
+    // A handful of tokens gives scales that saturate on real text.
+    const FEW: usize = 64;
+    if ids.is_empty() {
+        bail!(
+            "{}: the text has no tokens; give a calibration text (a few thousand tokens of the \
+             kind the model will serve)",
+            args.file.display()
+        );
+    }
     let model = DeepseekV3::load(&args.model, LoadOptions::default())?;
     let max = model.config().max_position_embeddings;
     if ids.len() > max {
@@ -240,6 +252,14 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
             "layer {i}: the latent range over {} tokens is {}; use a longer text",
             ids.len(),
             absmax[i]
+        );
+    }
+    if ids.len() < FEW {
+        say!(
+            "note: {} holds only {} tokens; scales from so little text saturate on real inputs \
+             (a few thousand tokens of the kind the model will serve are better)",
+            args.file.display(),
+            ids.len()
         );
     }
     let mut scales: Vec<f32> = absmax.iter().map(|a| a / 127.0).collect();
