@@ -769,7 +769,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                 w8a8_quantization_config(&ignore, opts.mode == QuantMode::W8A8C8),
             );
         }
-        finish_dir(&input.dir, tmp, config, weight_map)
+        finish_dir(&input.dir, tmp, &opts.output, config, weight_map)
     })?;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
@@ -817,29 +817,26 @@ fn out_tensor(name: &str, dtype: &'static str, shape: &[usize]) -> OutTensor {
     }
 }
 
-/// `p` absolute with symlinks resolved; where `p` does not exist yet, its nearest existing
-/// ancestor resolved and the rest added (`..` there taking off the last part).
+/// `p` absolute with symlinks resolved and `.`/`..` taken out: part by part, each prefix that
+/// exists canonicalized (so a `..` after a link goes to the link target's parent), the parts
+/// that do not exist yet taken as written.
 fn resolve(p: &Path) -> PathBuf {
+    use std::path::Component;
     let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-    let mut base = abs.as_path();
-    let mut rest = Vec::new();
-    while !base.exists() {
-        match (base.parent(), base.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_os_string());
-                base = parent;
-            }
-            _ => break,
-        }
-    }
-    let mut r = fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
-    for part in rest.iter().rev() {
-        match part.to_str() {
-            Some("..") => {
+    let mut r = PathBuf::new();
+    for c in abs.components() {
+        match c {
+            Component::Prefix(_) | Component::RootDir => r.push(c.as_os_str()),
+            Component::CurDir => {}
+            Component::ParentDir => {
                 r.pop();
             }
-            Some(".") => {}
-            _ => r.push(part),
+            Component::Normal(part) => {
+                r.push(part);
+                if let Ok(real) = fs::canonicalize(&r) {
+                    r = real;
+                }
+            }
         }
     }
     r
@@ -900,6 +897,9 @@ fn write_through_temp(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Re
     set_partial(Some(tmp.clone()));
     let done = (|| {
         write(&tmp)?;
+        // Complete: from here an interrupt leaves it (the handler removes only what is
+        // unfinished).
+        set_partial(None);
         if !out.exists() {
             return fs::rename(&tmp, out).map_err(|e| ConvertError::io(out, e));
         }
@@ -981,6 +981,18 @@ fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
         if let Some(pid) = pid {
             if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
                 let p = e.path();
+                // An old output moved aside by a conversion that died before the new one took
+                // its place: it goes back, it is not deleted.
+                if file.contains(".old-") && !out.exists() {
+                    if fs::rename(&p, out).is_ok() {
+                        eprintln!(
+                            "convert: put back {}, the output an interrupted conversion had \
+                             moved aside",
+                            out.display()
+                        );
+                    }
+                    continue;
+                }
                 if fs::remove_dir_all(&p).is_ok() {
                     removed.push(p);
                 }
@@ -990,15 +1002,17 @@ fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
     removed
 }
 
-/// Completes a converted directory: the input's side files, `config`, and the regenerated index
+/// Completes a converted directory (`tmp`, to become `out`): the input's side files, `config`,
+/// and the regenerated index
 /// `{"metadata": {}, "weight_map": ...}`.
 fn finish_dir(
     input_dir: &Path,
     tmp: &Path,
+    out: &Path,
     config: Map<String, Value>,
     weight_map: Map<String, Value>,
 ) -> Result<()> {
-    copy_side_files(input_dir, tmp)?;
+    copy_side_files(input_dir, tmp, &resolve(out))?;
     write_json(&tmp.join(CONFIG_FILE), &Value::Object(config))?;
     write_json(
         &tmp.join(INDEX_FILE),
@@ -1086,7 +1100,7 @@ fn write_json(path: &Path, v: &Value) -> Result<()> {
 /// the model card) come along. Weight files (`*.safetensors`, `*.bin`, `*.pt`, `*.pth`,
 /// `*.gguf`, `*.ckpt`, `*.h5`, `*.msgpack`, `*.npz`) and hidden entries do not; the caller
 /// writes config.json and the index over the copies.
-fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
+fn copy_side_files(from: &Path, to: &Path, skip: &Path) -> Result<()> {
     const WEIGHTS: &[&str] = &[
         ".safetensors",
         ".bin",
@@ -1097,6 +1111,12 @@ fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
         ".h5",
         ".msgpack",
         ".npz",
+        ".npy",
+        ".onnx",
+        ".onnx_data",
+        ".pdparams",
+        ".tflite",
+        ".ot",
     ];
     for e in fs::read_dir(from).map_err(|e| ConvertError::io(from, e))? {
         let e = e.map_err(|e| ConvertError::io(from, e))?;
@@ -1108,8 +1128,12 @@ fn copy_side_files(from: &Path, to: &Path) -> Result<()> {
             continue;
         }
         if ft.is_dir() {
+            // An output directory inside the input (an earlier conversion's) is not copied.
+            if resolve(&path) == skip {
+                continue;
+            }
             let sub = to.join(&name);
-            copy_side_files(&path, &sub)?;
+            copy_side_files(&path, &sub, skip)?;
         } else if !WEIGHTS.iter().any(|w| name_s.ends_with(w)) && path.is_file() {
             fs::create_dir_all(to).map_err(|err| ConvertError::io(to, err))?;
             fs::copy(&path, to.join(&name)).map_err(|err| ConvertError::io(&path, err))?;
@@ -1290,10 +1314,12 @@ fn int8_scale_name(name: &str) -> String {
 }
 
 /// A Linear weight DeepSeek-V3/R1/Kimi-K2 ship in FP8 (§5.1: the attention projections, the
-/// dense and shared MLPs and the routed experts, MTP layers included): in a BF16 checkpoint,
-/// the weights the W8A8 modes quantize (before the ignore list).
+/// dense and shared MLPs and the routed experts, MTP layers included; `q_proj` where
+/// `q_lora_rank` is null): in a BF16 checkpoint, the weights the W8A8 modes quantize (before
+/// the ignore list).
 fn is_quantized_linear(name: &str) -> bool {
     const ATTN: &[&str] = &[
+        "q_proj",
         "q_a_proj",
         "q_b_proj",
         "kv_a_proj_with_mqa",
@@ -1415,5 +1441,46 @@ fn dequantize_rows_to_bf16(
                 *ov = f32_to_bf16(table[code as usize] * s);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a conversion killed mid-way left beside its output: the unfinished output is
+    /// removed, an old output it had moved aside goes back where it was (not deleted), and
+    /// those of a conversion still running (this process) stay.
+    #[test]
+    fn leftovers_of_dead_conversions_are_removed_or_put_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("model");
+        let dead = u32::MAX - 1;
+        let partial = tmp.path().join(format!(".model.partial-{dead}"));
+        let old = tmp.path().join(format!(".model.old-{dead}"));
+        let mine = tmp
+            .path()
+            .join(format!(".model.partial-{}", std::process::id()));
+        for d in [&partial, &old, &mine] {
+            fs::create_dir_all(d).unwrap();
+        }
+        fs::write(old.join("config.json"), "{}").unwrap();
+        let removed = remove_stale_partials(&out);
+        assert_eq!(removed, vec![partial.clone()]);
+        assert!(out.join("config.json").is_file() && !old.exists() && mine.exists());
+        // With the output in place, a stale moved-aside copy is only a leftover.
+        fs::create_dir_all(&old).unwrap();
+        assert_eq!(remove_stale_partials(&out), vec![old.clone()]);
+        assert!(out.join("config.json").is_file());
+    }
+
+    /// Paths resolve `.` and `..`, also in parts that do not exist yet.
+    #[test]
+    fn output_paths_resolve_dots() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = fs::canonicalize(tmp.path()).unwrap();
+        assert_eq!(resolve(&base.join("a/b/../c/.")), base.join("a/c"));
+        assert_eq!(resolve(&base.join(".")), base);
+        assert!(resolve_output(Path::new("/")).is_err());
     }
 }

@@ -686,7 +686,7 @@ pub(crate) fn convert_v4(
                 v4_quantization_config(&ignore, f.mx, f.w4a8, f.mx, f.mx, f.hif),
             );
         }
-        finish_dir(&input.dir, tmp, config, weight_map)
+        finish_dir(&input.dir, tmp, &opts.output, config, weight_map)
     })?;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)

@@ -165,13 +165,30 @@ pub struct LayerMut<'a> {
     pub bf16: &'a mut [u16],
 }
 
+/// Plain numbers whose all-zero bytes are the value 0.
+trait Zeroable: Copy {}
+impl Zeroable for i8 {}
+impl Zeroable for u16 {}
+impl Zeroable for f32 {}
+
 /// `n` zeros, or None where the allocator cannot give them (a pool sized past what the process
-/// may hold: an address-space or container limit the size check could not see).
-fn try_zeros<T: Clone + Default>(n: usize) -> Option<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).ok()?;
-    v.resize(n, T::default());
-    Some(v)
+/// may hold: an address-space or container limit the size check could not see). Zeroed by the
+/// allocator (`calloc`: fresh pages stay untouched until used), as `vec![0; n]` is.
+fn try_zeros<T: Zeroable>(n: usize) -> Option<Vec<T>> {
+    let layout = std::alloc::Layout::array::<T>(n).ok()?;
+    if layout.size() == 0 {
+        return Some(Vec::new());
+    }
+    // SAFETY: the layout has a non-zero size; the memory is zeroed, which is a valid T (an
+    // integer or float 0) for every element; the Vec takes ownership with the same layout
+    // (capacity n of T, the global allocator).
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout) as *mut T;
+        if p.is_null() {
+            return None;
+        }
+        Some(Vec::from_raw_parts(p, n, n))
+    }
 }
 
 impl KvCache {

@@ -1000,7 +1000,9 @@ mod tests {
         // Experts 0 and 1 take most tokens: contiguous shares put both on rank 0.
         let loads = [900u64, 800, 10, 10, 10, 10, 10, 10];
         let owner = place_layer(&loads, 2);
-        assert_ne!(owner[0], owner[1]);
+        // Greedy by load: 900 to rank 0, then rank 1 (the lighter) fills with 800 and three
+        // tens before rank 0 takes the rest.
+        assert_eq!(owner, [0, 1, 1, 1, 1, 0, 0, 0]);
         let by = |o: &[u16]| crate::eplb::balancedness(&loads, 2, |e| o[e] as usize);
         // 930 and 830 tokens against 1720 and 40.
         assert!(by(&owner) > 0.94 && crate::eplb::balancedness(&loads, 2, |e| e / 4) < 0.52);
@@ -1077,11 +1079,6 @@ mod tests {
                         );
                     }
                 }
-            }
-            // Without copies: the placement `place_layer` gives.
-            if redundant == 0 {
-                let one: Vec<u16> = holders.iter().map(|h| h[0]).collect();
-                assert_eq!(one, place_layer(&loads, ranks));
             }
         }
         assert!(place_layer_with(&[1, 2, 3, 4], 2, 1)

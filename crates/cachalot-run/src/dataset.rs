@@ -281,11 +281,23 @@ impl PromptBuilder<'_> {
                 wrapper + 1
             )));
         }
-        let keep = self.max_len - wrapper;
-        let mut ctx = self.tokenizer.encode(context)?;
-        ctx.truncate(keep);
-        let kept = self.tokenizer.decode(&ctx)?;
-        self.prepare(&format!("{SUMMARY_PREFIX}{kept}{suffix}"))
+        let ctx = self.tokenizer.encode(context)?;
+        let mut keep = self.max_len - wrapper;
+        loop {
+            let k = keep.min(ctx.len());
+            let kept = self.tokenizer.decode(&ctx[..k])?;
+            let mut p = self.prepare(&format!("{SUMMARY_PREFIX}{kept}{suffix}"))?;
+            if p.truncated == 0 || k == 0 {
+                // Tokens cut off: the context's, and any the final truncation took.
+                p.truncated += ctx.len() - k;
+                return Ok(p);
+            }
+            // The cut context re-tokenized beside the wrapper took more tokens than apart (a
+            // character split at the cut, a merge across the join), and the seed's final
+            // right-truncation would cut the generation prompt at the end: cut the context
+            // further instead, so the prompt always ends as the template ends it.
+            keep = k.saturating_sub(p.truncated);
+        }
     }
 }
 
@@ -359,6 +371,34 @@ mod tests {
             "{e}"
         );
         assert!(b(4096).prepare_summary("a long context", 32).is_ok());
+        // A context whose cut re-tokenizes longer beside the wrapper (characters split at the
+        // cut): the prompt still ends as the template ends it, within the length.
+        let wrapped = tokenizer
+            .encode(
+                &b(4096)
+                    .render(&format!("{SUMMARY_PREFIX}{}", summary_suffix(32)))
+                    .unwrap(),
+            )
+            .unwrap();
+        let tail = &wrapped[wrapped.len() - 3..];
+        let context = "鲸鱼🐋 whale 游泳 swims ✨ 海洋 deep 🌊 ".repeat(40);
+        let mut cut_further = 0;
+        for max_len in (wrapped.len() + 1..wrapped.len() + 300).step_by(7) {
+            let p = b(max_len).prepare_summary(&context, 32).unwrap();
+            assert!(p.ids.len() <= max_len, "{max_len}");
+            assert!(
+                p.ids.ends_with(tail),
+                "{max_len}: {:?}",
+                &p.ids[p.ids.len() - 3..]
+            );
+            let ctx = tokenizer.encode(&context).unwrap().len();
+            assert!(p.truncated >= ctx.saturating_sub(max_len), "{max_len}");
+            cut_further += (p.ids.len() < max_len) as usize;
+        }
+        assert!(
+            cut_further > 0,
+            "no length needed a further cut: the test sees nothing"
+        );
     }
 
     #[test]

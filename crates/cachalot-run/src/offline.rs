@@ -450,23 +450,39 @@ pub fn mem_available() -> Option<u64> {
     Some(room)
 }
 
-/// The process's memory cgroup's limit less its use: cgroup v2 (`memory.max`,
-/// `memory.current`) or v1 (`memory.limit_in_bytes`, `memory.usage_in_bytes`); None without
-/// a limit or a hierarchy mounted where it usually is.
+/// The process's memory cgroup's limit less its working set (use less inactive page cache):
+/// cgroup v2 (`memory.max`, `memory.current`, `inactive_file`) or v1
+/// (`memory.limit_in_bytes`, `memory.usage_in_bytes`, `total_inactive_file`); None without a
+/// limit or a hierarchy mounted where it usually is.
 fn cgroup_room() -> Option<u64> {
     let groups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let room = |dir: PathBuf, max: &str, used: &str| -> Option<u64> {
+    // Use less the page cache the kernel can take back (the checkpoint just read fills it):
+    // the working set, as the kubelet counts it.
+    let room = |dir: PathBuf, max: &str, used: &str, inactive: &str| -> Option<u64> {
         let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
         let max: u64 = read(max)?.trim().parse().ok()?;
         let used: u64 = read(used)?.trim().parse().ok()?;
-        Some(max.saturating_sub(used))
+        let cache: u64 = read("memory.stat")
+            .and_then(|st| {
+                st.lines().find_map(|l| {
+                    let (k, v) = l.split_once(' ')?;
+                    (k == inactive).then(|| v.trim().parse().ok())?
+                })
+            })
+            .unwrap_or(0);
+        Some(max.saturating_sub(used.saturating_sub(cache)))
     };
     let v1 = groups.lines().find_map(|l| {
         let (_, rest) = l.split_once(':')?;
         let (controllers, path) = rest.split_once(':')?;
         controllers.split(',').any(|c| c == "memory").then(|| {
             let dir = Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
-            room(dir, "memory.limit_in_bytes", "memory.usage_in_bytes")
+            room(
+                dir,
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "total_inactive_file",
+            )
         })?
     });
     let v2 = groups
@@ -474,7 +490,7 @@ fn cgroup_room() -> Option<u64> {
         .find_map(|l| l.strip_prefix("0::"))
         .and_then(|path| {
             let dir = Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
-            room(dir, "memory.max", "memory.current")
+            room(dir, "memory.max", "memory.current", "inactive_file")
         });
     match (v1, v2) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -1464,6 +1480,15 @@ pub fn run_ranked(
             Ok(r) => r,
             Err(e) => stopped!(e),
         };
+        // The step's finished requests on disk before anything else can fail.
+        let done = engine.take_finished();
+        if let Err(e) = write_partial(&done) {
+            logln!(
+                "cannot append to {} ({e}); the run goes on",
+                partial_path.display()
+            );
+        }
+        n_saved += done.len();
         // Every rank ends each step together; when none has work left, all leave here.
         let group_more = !dispatch
             || match engine.end_step() {
@@ -1471,9 +1496,6 @@ pub fn run_ranked(
                 Err(e) => stopped!(e),
             };
         step += 1;
-        let done = engine.take_finished();
-        write_partial(&done)?;
-        n_saved += done.len();
         logln!(
             "step {step}: {} seqs, prefill {} + decode {} tokens, {:.2} ms, KV {}/{capacity}{}{}",
             r.seqs,
@@ -1719,7 +1741,12 @@ pub fn run_ranked(
             "done: {} requests (rank 0 writes the run's files)",
             outputs.len()
         );
-        // Rank 0 writes the run's files from this rank's report.
+        // Rank 0 writes the run's files from this rank's report; this rank's partial file
+        // goes once they are written (rank 0 says so with a barrier; if it fails first, the
+        // barrier fails and the file stays).
+        if !expert {
+            comm.barrier()?;
+        }
         set_partial(None);
         let _ = std::fs::remove_file(&partial_path);
         return Ok(RunResult {
@@ -1740,6 +1767,10 @@ pub fn run_ranked(
     req_file.flush()?;
     set_partial(None);
     let _ = std::fs::remove_file(&partial_path);
+    if ranks > 1 && !expert {
+        // The other ranks keep their partial files until these are written.
+        comm.barrier()?;
+    }
     logln!(
         "done: {} requests, {output_tokens} tokens in {wall_s:.2}s",
         outputs.len()

@@ -20,6 +20,7 @@ mod router;
 mod run;
 mod serve;
 mod serve_metrics;
+mod term;
 mod text;
 
 use std::path::{Path, PathBuf};

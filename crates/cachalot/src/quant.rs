@@ -81,16 +81,14 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
     check_input_loads(&args.input)?;
     // Ctrl-C or SIGTERM: the partial output goes with the process (the old output, if any, is
     // untouched until a conversion completes).
-    ctrlc::set_handler(|| {
+    crate::term::on_interrupt(|| {
         if let Some(p) = cachalot_convert::remove_partial_output() {
             eprintln!(
                 "convert: interrupted; removed the partial output {}",
                 p.display()
             );
         }
-        std::process::exit(130);
-    })
-    .context("cannot install the Ctrl-C handler")?;
+    })?;
     let r = convert(&opts)?;
     for note in &r.notes {
         say!("note: {note}");

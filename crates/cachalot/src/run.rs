@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus};
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use std::sync::Arc;
 
 use cachalot_engine::comm::{share_memory, Communicator, SingleProcess, TcpComm, TcpRendezvous};
@@ -541,16 +541,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     // Ctrl-C or SIGTERM: finished requests are on disk already (requests.rank<R>.partial.jsonl,
     // written as they finish); temporary random weights go.
-    ctrlc::set_handler(|| {
+    crate::term::on_interrupt(|| {
         if let Some(p) = offline::on_interrupt() {
             eprintln!(
                 "cachalot run: interrupted; the requests finished so far are in {}",
                 p.display()
             );
         }
-        std::process::exit(130);
-    })
-    .context("cannot install the Ctrl-C handler")?;
+    })?;
     let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {
         offline::run_ranked(&cfg, &opts, comm.clone())
