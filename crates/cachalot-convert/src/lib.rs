@@ -292,9 +292,19 @@ impl Input {
         if config.contains_key("quantization_config")
             && q.get("quant_method").and_then(Value::as_str) != Some("fp8")
         {
+            let orig = dir.join(format!("{CONFIG_FILE}.orig"));
+            let restore = if orig.is_file() {
+                format!(
+                    " ({} holds the description `convert-config` replaced: copy it back over \
+                     config.json to convert these weights)",
+                    orig.display()
+                )
+            } else {
+                String::new()
+            };
             return Err(cfg_err(format!(
                 "quantization_config.quant_method is {}; the input must be an FP8 checkpoint \
-                 (\"fp8\") as DeepSeek ships it, or a BF16 one (no quantization_config)",
+                 (\"fp8\") as DeepSeek ships it, or a BF16 one (no quantization_config){restore}",
                 q.get("quant_method").unwrap_or(&Value::Null)
             )));
         }

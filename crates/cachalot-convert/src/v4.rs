@@ -313,6 +313,12 @@ pub fn convert_config(dir: &Path, hif: bool) -> Result<()> {
             why: format!("is not a JSON object: {e}"),
         })?;
     let (n, ratios) = layer_ratios(&config, &path)?;
+    // The original description is kept beside it once (`config.json.orig`): `convert` reads
+    // the checkpoint's own FP8 description, and a user may want it back.
+    let orig = dir.join(format!("{CONFIG_FILE}.orig"));
+    if !orig.exists() {
+        fs::write(&orig, &text).map_err(|e| ConvertError::io(&orig, e))?;
+    }
     config.remove("quantization_config");
     let ignore = v4_ignore_list(n, &ratios, true, hif);
     config.insert(

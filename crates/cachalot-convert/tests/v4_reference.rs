@@ -340,5 +340,10 @@ fn convert_config_rewrites_quantization_config() {
         a.as_object_mut().unwrap().remove("quantization_config");
         b.as_object_mut().unwrap().remove("quantization_config");
         assert_eq!(a, b);
+        // The original is kept beside it, once (a second rewrite keeps the first original).
+        let kept = tmp.path().join("config.json.orig");
+        assert_eq!(fs::read(&kept).unwrap(), fs::read(&src).unwrap());
+        convert_config(tmp.path(), !hif).unwrap();
+        assert_eq!(fs::read(&kept).unwrap(), fs::read(&src).unwrap());
     }
 }

@@ -730,6 +730,15 @@ fn set_partial(p: Option<PathBuf>) {
     }
 }
 
+/// Why a `batch_size` that does not divide by the data-parallel ranks is refused.
+pub fn batch_split_refusal(config: &Path, batch: usize, ranks: usize) -> String {
+    format!(
+        "{}: scheduler_config.batch_size {batch} is the batch over all ranks and must divide by \
+         the {ranks} ranks (each rank runs batch_size / ranks); give a multiple of {ranks}",
+        config.display()
+    )
+}
+
 /// Why `--kv-cache-dtype fp8` is refused outside DeepSeek-V4.
 pub fn fp8_cache_refusal() -> String {
     "--kv-cache-dtype fp8 is DeepSeek-V4's cache (compressed entries in e4m3); the \
@@ -797,11 +806,7 @@ pub fn run_ranked(
     // divide); each rank batches its share.
     let batch = cfg.scheduler_config.batch_size;
     if !batch.is_multiple_of(dp) {
-        return Err(format!(
-            "scheduler_config.batch_size {batch} is the batch over all ranks and must divide \
-             by the {dp} ranks (each rank runs batch_size / ranks); give a multiple of {dp}"
-        )
-        .into());
+        return Err(batch_split_refusal(&opts.config_path, batch, dp).into());
     }
     let rank_batch = batch / dp;
     let prefill_budget = match cfg.scheduler_config.max_prefill_tokens {

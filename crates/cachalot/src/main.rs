@@ -200,7 +200,7 @@ enum Command {
     /// DeepSeek-V4 to bfloat16, w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif (--quant-type).
     Convert(quant::ConvertArgs),
     /// Rewrite a DeepSeek-V4 config.json's quantization_config in place (the seed's
-    /// convert_config.py).
+    /// convert_config.py); the first rewrite keeps the original as config.json.orig.
     ConvertConfig(quant::ConvertConfigArgs),
     /// C8 latent-cache scales: run a text through a model and record each layer's c_kv range.
     Calibrate(quant::CalibrateArgs),

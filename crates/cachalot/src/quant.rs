@@ -180,8 +180,9 @@ pub struct ConvertConfigArgs {
 pub fn run_convert_config(args: &ConvertConfigArgs) -> Result<()> {
     cachalot_convert::convert_config(&args.dir, args.hif)?;
     say!(
-        "rewrote quantization_config of {}",
-        args.dir.join("config.json").display()
+        "rewrote quantization_config of {} (the original is in {})",
+        args.dir.join("config.json").display(),
+        args.dir.join("config.json.orig").display()
     );
     Ok(())
 }

@@ -549,6 +549,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
             );
         }
     })?;
+    // A batch the data-parallel ranks cannot share is said once, before any rank starts.
+    let ranks = args.group.size();
+    let lockstep = matches!(
+        opts.parallel,
+        offline::Parallel::Expert | offline::Parallel::Tensor | offline::Parallel::TensorExpert
+    );
+    let batch = cfg.scheduler_config.batch_size;
+    if args.group.rank.is_none() && ranks > 1 && !lockstep && !batch.is_multiple_of(ranks) {
+        bail!(
+            "{}",
+            offline::batch_split_refusal(&opts.config_path, batch, ranks)
+        );
+    }
     let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {
         offline::run_ranked(&cfg, &opts, comm.clone())
