@@ -1245,7 +1245,7 @@ impl<'t, M: Model> Engine<'t, M> {
         }
         match self.push_token(id, kv.first_token, now) {
             Ok(Some(reason)) => {
-                self.retire(id, reason);
+                self.retire(id, reason, Instant::now());
                 return Ok(id);
             }
             Ok(None) => {}
@@ -1274,7 +1274,7 @@ impl<'t, M: Model> Engine<'t, M> {
             {
                 Ok(p) => p,
                 Err(_) => {
-                    self.retire(id, FinishReason::Cancelled);
+                    self.retire(id, FinishReason::Cancelled, Instant::now());
                     continue;
                 }
             };
@@ -1431,7 +1431,7 @@ impl<'t, M: Model> Engine<'t, M> {
     /// [`Engine::take_finished`]. Unknown or finished ids are ignored.
     pub fn abort(&mut self, id: u64) {
         if self.live.contains_key(&id) {
-            self.retire(id, FinishReason::Cancelled);
+            self.retire(id, FinishReason::Cancelled, Instant::now());
         }
     }
 
@@ -1700,7 +1700,8 @@ impl<'t, M: Model> Engine<'t, M> {
             }
         }
         // Requests that end retire together, after one MTP catch-up of the prompt rows they
-        // would otherwise leave unshared.
+        // would otherwise leave unshared (their answers ended before it: it is not their time).
+        let ended_at = Instant::now();
         let catch_up: Vec<u64> = ended
             .iter()
             .filter(|(_, r)| *r != FinishReason::Cancelled)
@@ -1708,7 +1709,7 @@ impl<'t, M: Model> Engine<'t, M> {
             .collect();
         self.catch_up_prompt_rows(&catch_up)?;
         for (id, reason) in ended {
-            self.retire(id, reason);
+            self.retire(id, reason, ended_at);
         }
         report.kv_used_blocks = self.scheduler.kv().pool().num_used();
         let s = &mut self.stats;
@@ -2036,8 +2037,9 @@ impl<'t, M: Model> Engine<'t, M> {
         Ok(())
     }
 
-    /// Moves a request out of the scheduler (freeing its blocks) into the finished list.
-    fn retire(&mut self, id: u64, finish: FinishReason) {
+    /// Moves a request out of the scheduler (freeing its blocks) into the finished list; `end`
+    /// is when its answer ended.
+    fn retire(&mut self, id: u64, finish: FinishReason, end: Instant) {
         let preemptions = self.scheduler.num_preemptions(id);
         let kv = if self.exporting.remove(&id) && finish != FinishReason::Cancelled {
             self.snapshot(id)
@@ -2060,7 +2062,6 @@ impl<'t, M: Model> Engine<'t, M> {
                 }
             }
         }
-        let end = Instant::now();
         let since = |t: Option<Instant>| t.map_or(0.0, |t| (t - live.arrival).as_secs_f64());
         let output = live.tokens.split_off(live.prompt_len);
         let n_out = output.len();
