@@ -538,6 +538,16 @@ impl Loader<'_> {
                 &format!("U64 per-row scales [{rows}, 1] for the INT4 weight {name}"),
             )?;
             if s.dtype != Dtype::U64 || (s.shape != [rows, 1] && s.shape != [rows]) {
+                // An E8M0 scale says MXFP4: then the weight, not its scale, has the wrong shape.
+                if matches!(s.dtype, Dtype::F8_E8M0 | Dtype::U8) {
+                    return Err(w.error(format!(
+                        "has shape {:?}, and its scale {sname} is E8M0 (MXFP4): an MXFP4 weight \
+                         of this [{rows}, {cols}] projection is [{rows}, {}] (two e2m1 codes a \
+                         byte); the checkpoint does not match config.json",
+                        w.shape,
+                        cols / 2
+                    )));
+                }
                 return Err(s.error(format!(
                     "has dtype {:?} shape {:?}; INT4 per-channel scales are U64 [{rows}, 1]",
                     s.dtype, s.shape

@@ -331,6 +331,20 @@ fn v4_bad_scales_dtypes_and_tables_are_named() {
     });
     let e = load_err_v4(tmp.path());
     assert!(e.contains(name) && e.contains("NaN"), "{e}");
+    // An MXFP4 expert weight reshaped (its bytes as [rows/2, 2·cols/2], INT4's layout): the
+    // weight's shape is named, not its E8M0 scale's dtype.
+    let tmp = copy_v4();
+    let name = "layers.0.ffn.experts.0.w1.weight";
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| {
+        let e = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+        e.2 = vec![e.2[0] / 2, e.2[1] * 2];
+    });
+    let e = load_err_v4(tmp.path());
+    assert!(
+        e.contains(name) && e.contains("has shape") && e.contains("MXFP4"),
+        "{e}"
+    );
     // An expert id outside the expert range in tid2eid.
     let tmp = copy_v4();
     let name = "layers.1.ffn.gate.tid2eid";
