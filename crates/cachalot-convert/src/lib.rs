@@ -241,9 +241,14 @@ enum Source {
         scale: usize,
         scale_out: usize,
     },
-    /// BF16 → int8 per row (a BF16 checkpoint's Linear weight); the scale tensor is written
-    /// by the same task.
-    Int8Bf16 { start: u64, scale_out: usize },
+    /// BF16 (or F16/F32, rounded to bf16) → int8 per row (an unquantized checkpoint's Linear
+    /// weight); the scale tensor is written by the same task.
+    Int8Float {
+        start: u64,
+        /// The stored dtype: BF16, F16 or F32 (F16/F32 rounded to bf16 first).
+        dtype: cachalot_kernels::StoredFloat,
+        scale_out: usize,
+    },
     /// Written by its weight's task.
     Int8Scale,
     /// A C8 scale.
@@ -678,19 +683,27 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                     ),
                 });
             }
-            if t.dtype == "BF16"
-                && opts.mode.int8()
-                && is_quantized_linear(name)
-                && t.shape.len() == 2
-                && !ignored(&ignore, name)
-            {
-                // A BF16 checkpoint's Linear weight (one DeepSeek ships in FP8): quantized
-                // from its bf16 values as an FP8 weight is after dequantization.
+            let float = match t.dtype.as_str() {
+                "BF16" => Some(cachalot_kernels::StoredFloat::Bf16),
+                "F16" => Some(cachalot_kernels::StoredFloat::F16),
+                "F32" => Some(cachalot_kernels::StoredFloat::F32),
+                _ => None,
+            };
+            if let Some(dtype) = float.filter(|_| {
+                opts.mode.int8()
+                    && is_quantized_linear(name)
+                    && t.shape.len() == 2
+                    && !ignored(&ignore, name)
+            }) {
+                // An unquantized checkpoint's Linear weight (one DeepSeek ships in FP8):
+                // quantized from its bf16 values as an FP8 weight is after dequantization
+                // (F16/F32 rounded to bf16 first, as the seed's bf16 default dtype loads them).
                 report.int8_weights += 1;
                 planned.push(Planned {
                     out: out_tensor(name, "I8", &t.shape),
-                    source: Source::Int8Bf16 {
+                    source: Source::Int8Float {
                         start: t.start,
+                        dtype,
                         scale_out: planned.len() + 1,
                     },
                 });
@@ -1237,29 +1250,54 @@ fn run_item(
             Ok(0)
         }
         Source::Int8Scale => Ok(0),
-        Source::Int8Bf16 { start, scale_out } => {
+        Source::Int8Float {
+            start,
+            dtype,
+            scale_out,
+        } => {
+            use cachalot_kernels::StoredFloat as S;
             let cols = p.out.shape[1];
             let n = item.rows.len();
-            let at = start as usize + item.rows.start * cols * 2;
-            let b = &map[at..at + n * cols * 2];
-            if let Some(i) =
-                cachalot_kernels::first_non_finite(cachalot_kernels::StoredFloat::Bf16, b)
-            {
+            let size = match dtype {
+                S::F32 => 4,
+                _ => 2,
+            };
+            let at = start as usize + item.rows.start * cols * size;
+            let b = &map[at..at + n * cols * size];
+            if let Some(i) = cachalot_kernels::first_non_finite(dtype, b) {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
                     format!(
-                        "tensor {}: a NaN or infinite BF16 value at row {}, column {}; the \
-                         input checkpoint is damaged (re-download this shard)",
+                        "tensor {}: a NaN or infinite value at row {}, column {}; the input \
+                         checkpoint is damaged (re-download this shard)",
                         p.out.name,
                         item.rows.start + i / cols,
                         i % cols
                     ),
                 ));
             }
-            let bf: Vec<u16> = b
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .collect();
+            let bf: Vec<u16> = match dtype {
+                S::F32 => b
+                    .chunks_exact(4)
+                    .map(|c| {
+                        cachalot_kernels::f32_to_bf16(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    })
+                    .collect(),
+                S::F16 => b
+                    .chunks_exact(2)
+                    .map(|c| {
+                        cachalot_kernels::f32_to_bf16(cachalot_kernels::f16_to_f32(
+                            u16::from_le_bytes([c[0], c[1]]),
+                        ))
+                    })
+                    .collect(),
+                _ => b
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            };
+            // A large F32/F16 value can round past bf16's range.
+            check_scaled_finite(&p.out.name, &bf, cols, item.rows.start)?;
             write_int8_rows(
                 out,
                 &bf,
@@ -1268,7 +1306,7 @@ fn run_item(
                 &p.out,
                 &planned[scale_out].out,
             )?;
-            Ok((n * cols * 2) as u64)
+            Ok((n * cols * size) as u64)
         }
         Source::Bf16 { start, scale } | Source::Int8 { start, scale, .. } => {
             let cols = p.out.shape[1];

@@ -667,6 +667,39 @@ fn bf16_checkpoints_quantize_as_their_fp8_source() {
     let again = tmp.path().join("again");
     convert(&opts(&bf16, &again)).unwrap();
     assert_eq!(common::summarize(&again), common::summarize(&from_bf16));
+    // The same values stored as F32 (exact): the same int8 weights and scales.
+    let f32_dir = tmp.path().join("f32");
+    copy_dir(&bf16, &f32_dir);
+    for e in fs::read_dir(&f32_dir).unwrap() {
+        let file = e.unwrap().file_name().to_string_lossy().into_owned();
+        if !file.ends_with(".safetensors") {
+            continue;
+        }
+        rewrite_shard(&f32_dir, &file, |t| {
+            for (_, d, _, b) in t.iter_mut() {
+                if *d == Dtype::BF16 {
+                    *d = Dtype::F32;
+                    *b = b
+                        .chunks_exact(2)
+                        .flat_map(|c| {
+                            ((u16::from_le_bytes([c[0], c[1]]) as u32) << 16).to_le_bytes()
+                        })
+                        .collect();
+                }
+            }
+        });
+    }
+    let from_f32 = tmp.path().join("from_f32");
+    convert(&opts(&f32_dir, &from_f32)).unwrap();
+    let int8 = |d: &Path| {
+        common::summarize(d)
+            .into_iter()
+            .filter(|(_, v)| v[1] == "I8" || v[0].as_str().is_some_and(|_| false))
+            .map(|(n, v)| (n, v[3].clone()))
+            .collect::<Vec<_>>()
+    };
+    assert!(!int8(&from_f32).is_empty());
+    assert_eq!(int8(&from_f32), int8(&from_bf16));
 }
 
 /// The ignore list names modules: `model.layers.3.mlp.gate` (the seed's router entry) keeps

@@ -87,7 +87,6 @@ impl fmt::Debug for Bytes {
     }
 }
 
-/// The little-endian bytes of `values` (to build test and converted matrices).
 /// A stored value type that can hold a value that is not a number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoredFloat {
@@ -115,6 +114,7 @@ pub fn first_non_finite(kind: StoredFloat, bytes: &[u8]) -> Option<usize> {
     }
 }
 
+/// The little-endian bytes of `values` (to build test and converted matrices).
 pub fn f32s_to_le_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
