@@ -143,10 +143,30 @@ impl ExpertPlacement {
                 counts.ok_or_else(|| bad(format!("layer {k}: expected a list of token counts")))?;
             loads.push((key, counts));
         }
-        let experts = loads.first().map_or(0, |(_, c)| c.len());
+        // The experts per layer: the count most layers give (a damaged layer is the odd one).
+        let mut sizes: Vec<usize> = loads.iter().map(|(_, c)| c.len()).collect();
+        sizes.sort_unstable();
+        let experts = sizes
+            .chunk_by(|a, b| a == b)
+            .max_by_key(|run| run.len())
+            .map_or(0, |run| run[0]);
         if experts == 0 {
             return Err(bad("no layer with expert counts".into()));
         }
+        if let Some((key, c)) = loads.iter().find(|(_, c)| c.len() != experts) {
+            return Err(bad(format!(
+                "layer {key} has loads for {} experts, the other layers {experts}",
+                c.len()
+            )));
+        }
+        // The number of copies is the option's, not the file's.
+        place_layer_with(&vec![0; experts], ranks, redundant).map_err(|why| {
+            ModelError::Options(format!(
+                "--redundant-experts {redundant}: {why}; give a number of copies that makes \
+                 {experts} + copies a multiple of {ranks}, at most {}",
+                experts * ranks.saturating_sub(1)
+            ))
+        })?;
         ExpertPlacement::from_loads(&loads, experts, ranks, redundant).map_err(bad)
     }
 

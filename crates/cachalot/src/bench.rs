@@ -25,7 +25,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use cachalot_model::batch::{Batch, BlockAllocator, KvCache, LogitsWanted};
 use cachalot_model::eval::{CausalLm, BLOCK_SIZE};
 use cachalot_model::profile::{self, Phase, Timer};
@@ -91,8 +91,8 @@ pub struct BenchArgs {
     /// plain greedy decode (same prompt, alternating runs).
     #[arg(long, default_value_t = 0)]
     mtp: usize,
-    /// Take the prompt from the start of this text file instead of random ids (MTP
-    /// acceptance needs real text).
+    /// With --mtp: take the prompts from the start of this text file (MTP acceptance needs
+    /// real text; the plain benchmark times random ids and refuses it).
     #[arg(long)]
     prompt_file: Option<PathBuf>,
     /// Time the phases of the decode steps (attention's parts, dense MLP, MoE, head) and
@@ -174,6 +174,14 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         }
         None => None,
     };
+    if let (Some(f), 0) = (&args.prompt_file, args.mtp) {
+        bail!(
+            "--prompt-file {}: the text is for --mtp N (draft acceptance needs real text); the \
+             plain benchmark times random ids, which a step runs at the same speed — drop \
+             --prompt-file or add --mtp",
+            f.display()
+        );
+    }
     if args.mtp > 0 {
         let b = MtpBench {
             prompt_len: args.prompt_len,
@@ -756,8 +764,7 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
     check_positions(b.prompt_len.max(1), b.decode_len + b.next_n, max_positions)?;
     let ids = match prompt_file {
         Some(f) => {
-            let text = std::fs::read_to_string(f)
-                .with_context(|| format!("cannot read {}", f.display()))?;
+            let text = crate::read_text_file(f)?;
             Tokenizer::from_dir(dir)?.encode(&text)?
         }
         None => bail!("--mtp needs --prompt-file TEXT (acceptance on random ids means nothing)"),

@@ -324,6 +324,17 @@ fn read_text_file(f: &Path) -> Result<String> {
     })
 }
 
+impl InputArgs {
+    /// Where the text comes from, for messages.
+    fn describe(&self) -> String {
+        match (&self.file, &self.token_ids) {
+            (Some(f), _) => f.display().to_string(),
+            (None, Some(_)) => "--token-ids".to_string(),
+            (None, None) => "--prompt".to_string(),
+        }
+    }
+}
+
 fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
     if let Some(ids) = &input.token_ids {
         return Ok(ids.clone());
@@ -441,6 +452,15 @@ fn dispatch(cli: Cli) -> Result<()> {
             }
             let dir = model_dir(&model)?;
             let ids = tokens(&input, &dir)?;
+            if ids.len() < 2 {
+                bail!(
+                    "{}: the text is {} token{} (no BOS is added), and perplexity scores each \
+                     token after the first: give a text of at least 2 tokens",
+                    input.describe(),
+                    ids.len(),
+                    if ids.len() == 1 { "" } else { "s" }
+                );
+            }
             // One window (or the whole text) must fit the model's positions.
             let fits = |max: usize| -> Result<()> {
                 let span = if window == 0 {

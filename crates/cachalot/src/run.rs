@@ -562,6 +562,20 @@ pub fn run(args: &RunArgs) -> Result<()> {
             offline::batch_split_refusal(&opts.config_path, batch, ranks)
         );
     }
+    // A placement file or copy count that cannot work is said once, before any rank starts.
+    if args.group.rank.is_none() && args.expert_placement.is_some() {
+        use offline::Parallel as P;
+        let split = ranks > 1 && matches!(opts.parallel, P::Expert | P::TensorExpert);
+        let dispatch = ranks > 1 && matches!(opts.parallel, P::DataExpert | P::Context);
+        offline::expert_placement(
+            args.expert_placement.as_deref(),
+            args.redundant_experts,
+            split,
+            dispatch,
+            ranks,
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+    }
     let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {
         offline::run_ranked(&cfg, &opts, comm.clone())

@@ -832,27 +832,31 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             msgs.push(turn("system", s.clone()));
         }
         msgs.extend(history.iter().cloned());
-        let prompt_text = render(&template, &msgs, tools.as_ref(), &kwargs)?;
-        let prompt_ids = tok.encode(&prompt_text)?;
-        if let Err(e) = check_length(
-            prompt_ids.len(),
-            args.sampling.max_new_tokens,
-            max_positions,
-        ) {
-            // The turn is refused; the conversation goes on without it. A refused turn after the
-            // last tool result gives the results back: they wait for /tool again.
-            say!("error: {e:#} (/reset clears the history)");
-            history.truncate(history.len() - added);
-            if added == 0 {
-                while history.last().is_some_and(|m| m["role"] == "tool") {
-                    let m = history.pop().expect("a last message");
-                    if let Some(id) = m["tool_call_id"].as_str() {
-                        pending.push_front(id.to_string());
+        // A template that refuses this history (e.g. `raise_exception` on a second turn), or a
+        // prompt too long, refuses the turn; the session goes on.
+        let checked = render(&template, &msgs, tools.as_ref(), &kwargs).and_then(|text| {
+            let ids = tok.encode(&text)?;
+            check_length(ids.len(), args.sampling.max_new_tokens, max_positions)?;
+            Ok((text, ids))
+        });
+        let (prompt_text, prompt_ids) = match checked {
+            Ok(p) => p,
+            Err(e) => {
+                // The turn is refused; the conversation goes on without it. A refused turn after
+                // the last tool result gives the results back: they wait for /tool again.
+                say!("error: {e:#} (/reset clears the history)");
+                history.truncate(history.len() - added);
+                if added == 0 {
+                    while history.last().is_some_and(|m| m["role"] == "tool") {
+                        let m = history.pop().expect("a last message");
+                        if let Some(id) = m["tool_call_id"].as_str() {
+                            pending.push_front(id.to_string());
+                        }
                     }
                 }
+                continue;
             }
-            continue;
-        }
+        };
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
         let mut printer = (!args.json).then(|| Printer::new(&prompt_text, args.hide_reasoning));

@@ -1568,3 +1568,58 @@ fn an_interrupted_run_keeps_its_finished_requests() {
         assert!(l["id"].as_u64().unwrap() < 256);
     }
 }
+
+/// A chat template that refuses a later turn (`raise_exception`) refuses that turn only: the
+/// session goes on, `/reset` included; a bench prompt file without --mtp and a one-token
+/// perplexity text are refused by name.
+#[test]
+fn a_turn_the_template_refuses_leaves_the_chat_running() {
+    let tmp = tempfile::tempdir().unwrap();
+    let template = tmp.path().join("one.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{% if loop.index0 > 0 %}{{ raise_exception('only one message \
+         allowed') }}{% endif %}{{ m.content }}{% endfor %}",
+    )
+    .unwrap();
+    let model = root().join("assets/cachalot-tiny-r1");
+    let model = model.to_str().unwrap();
+    let out = cachalot(
+        &[
+            "chat",
+            "--model",
+            model,
+            "--chat-template",
+            template.to_str().unwrap(),
+            "--max-new-tokens",
+            "2",
+        ],
+        Some("Hi\nagain\n/reset\nthird\n"),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("only one message allowed"), "{err}");
+    let text = tmp.path().join("one.txt");
+    std::fs::write(&text, "x").unwrap();
+    let text = text.to_str().unwrap();
+    let out = cachalot(&["perplexity", "--model", model, "--file", text], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains(text) && err.contains("at least 2"),
+        "{err}"
+    );
+    let out = cachalot(
+        &[
+            "bench",
+            "--model",
+            model,
+            "--prompt-file",
+            text,
+            "--prompt-len",
+            "4",
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--mtp"), "{err}");
+}
