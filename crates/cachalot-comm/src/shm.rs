@@ -107,7 +107,7 @@ impl ShmComm {
                 let (pid, started) = self.procs[r];
                 if !alive(pid, started) && seq.load(Ordering::Acquire) != call {
                     return Err(CommError(format!(
-                        "rank {r} (process {pid}) exited (it failed; see its log)"
+                        "rank {r} (process {pid}) exited (it failed or was killed; see its log)"
                     )));
                 }
             }

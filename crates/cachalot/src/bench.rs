@@ -189,6 +189,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             next_n: args.mtp,
             batch: args.batch,
             runs: args.runs,
+            json: args.json,
         };
         return bench_mtp(&args.model, args.prompt_file.as_deref(), &b);
     }
@@ -199,6 +200,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             args.gen_len,
             args.batch,
             args.profile,
+            args.json,
         );
     }
     let report = bench(&args)?;
@@ -666,6 +668,7 @@ fn bench_v4(
     decode_len: usize,
     batch: usize,
     prof: bool,
+    json: bool,
 ) -> Result<()> {
     let dir = model_dir(args)?;
     let t0 = Instant::now();
@@ -704,7 +707,26 @@ fn bench_v4(
             o.insert("batch_step_ms".into(), serde_json::json!(step_ms));
         }
     }
-    println!("{}", serde_json::to_string_pretty(&v)?);
+    print_report(&v, json)
+}
+
+/// `v` as pretty JSON (`--json`), or one `key: value` line per figure.
+fn print_report(v: &serde_json::Value, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(v)?);
+        return Ok(());
+    }
+    if let Some(o) = v.as_object() {
+        for (k, x) in o {
+            match x {
+                serde_json::Value::Number(n) if n.is_f64() => {
+                    println!("{k}: {:.4}", n.as_f64().unwrap_or(f64::NAN))
+                }
+                serde_json::Value::String(t) => println!("{k}: {t}"),
+                other => println!("{k}: {other}"),
+            }
+        }
+    }
     Ok(())
 }
 
@@ -715,6 +737,7 @@ struct MtpBench {
     next_n: usize,
     batch: usize,
     runs: usize,
+    json: bool,
 }
 
 /// Plain greedy decode vs MTP speculative decode through the engine, `batch` requests at once
@@ -867,9 +890,11 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
         "plain_decode_step_ms": median(&mut plain_step),
         "mtp_decode_step_ms": median(&mut spec_step),
         "mtp_draft_ms_per_step": median(&mut draft_step),
+        "threads": rayon::current_num_threads(),
+        "kernels": cachalot_kernels::kernel_isa(),
+        "kv_cache_dtype": m.cache_spec().float.name(),
     });
-    println!("{}", serde_json::to_string_pretty(&v)?);
-    Ok(())
+    print_report(&v, b.json)
 }
 
 #[cfg(test)]

@@ -37,14 +37,26 @@ pub struct TokenizeArgs {
     json: bool,
 }
 
+/// `--temperature`: a number from 0 to 100 (the server's range; 0 is greedy).
+fn temperature_arg(s: &str) -> Result<f32, String> {
+    let t: f32 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if (0.0..=100.0).contains(&t) {
+        Ok(t)
+    } else {
+        Err(format!("{t} is outside 0 to 100 (0 is greedy)"))
+    }
+}
+
 #[derive(clap::Args)]
 pub struct SamplingArgs {
     /// Tokens to generate at most (at least 1).
     #[arg(long, visible_alias = "max-tokens", default_value_t = 256,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     max_new_tokens: usize,
-    /// 0 (the default) is greedy; DeepSeek recommends 0.6 for R1.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    /// 0 (the default) is greedy; DeepSeek recommends 0.6 for R1. At most 100 (as the
+    /// server's).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true,
+          value_parser = temperature_arg)]
     temperature: f32,
     /// Nucleus sampling mass (1 = off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
@@ -67,8 +79,9 @@ pub struct SamplingArgs {
     /// Seed of the sampler (same seed, same output).
     #[arg(long)]
     seed: Option<u64>,
-    /// Extra stop string (repeatable); the text ends before it.
-    #[arg(long, allow_hyphen_values = true)]
+    /// Extra stop string (repeatable, not empty); the text ends before it.
+    #[arg(long, allow_hyphen_values = true,
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
     stop: Vec<String>,
     /// Keep going past EOS (for benchmarks).
     #[arg(long)]

@@ -697,6 +697,7 @@ fn run_and_bench_profile_the_phases_of_their_steps() {
             "--batch",
             "3",
             "--profile",
+            "--json",
         ],
         None,
     )));
@@ -1220,6 +1221,16 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
             vec!["run", "--num-requests", "0"],
             "--num-requests 0 is out of range",
         ),
+        // The server's sampling limits hold on the command line too.
+        (
+            vec!["generate", "--prompt", "x", "--temperature", "1e30"],
+            "outside 0 to 100",
+        ),
+        (
+            vec!["generate", "--prompt", "x", "--temperature", "-1"],
+            "outside 0 to 100",
+        ),
+        (vec!["generate", "--prompt", "x", "--stop", ""], "--stop"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
             .args(&args)
