@@ -139,6 +139,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 2000,
           value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(10..))]
     keepalive_ms: u64,
+    /// On SIGTERM the server refuses new requests (503) and gives those in flight up to this
+    /// many seconds to finish before it exits (0 when all finished, 143 otherwise).
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout_s: f64,
     /// This server's part in prefill/decode disaggregation: `both` (the whole request here),
     /// `prefill` (prefill, then hand the KV to a decode server), `decode` (take the KV from a
     /// prefill server, then decode). Put `cachalot router` in front of prefill and decode
@@ -562,6 +566,19 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 /// or with the other ranks in lockstep, [`ranked_loop`]); the other ranks run their engines.
 fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.world_size());
+    if !(args.drain_timeout_s >= 0.0 && args.drain_timeout_s.is_finite()) {
+        bail!(
+            "--drain-timeout-s {}: give the seconds requests in flight get after SIGTERM (0 or \
+             more)",
+            args.drain_timeout_s
+        );
+    }
+    // SIGTERM drains rank 0's requests; the other ranks go when rank 0 leaves the group.
+    crate::term::drain_on_sigterm(
+        || IN_FLIGHT.load(Ordering::SeqCst),
+        std::time::Duration::from_secs_f64(args.drain_timeout_s),
+        rank == 0,
+    )?;
     // Expert or tensor parallel: one model over the ranks, which step every request together
     // (`expert` names that lockstep below).
     let p = set.parallel;
@@ -1513,6 +1530,25 @@ fn refuse_oversized(request: tiny_http::Request, announced: usize) {
     std::mem::forget(stream);
 }
 
+/// Requests being handled (a drain on SIGTERM waits for them).
+static IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts one request in [`IN_FLIGHT`] while it lives.
+struct InFlight;
+
+impl InFlight {
+    fn enter() -> InFlight {
+        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 fn handle(mut request: tiny_http::Request, shared: &Shared) {
     if let Some(n) = request.body_length().filter(|&n| n as u64 > MAX_BODY_BYTES) {
         refuse_oversized(request, n);
@@ -1520,6 +1556,22 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
     }
     let method = request.method().as_str().to_ascii_uppercase();
     let path = request.url().split('?').next().unwrap_or("").to_string();
+    // Draining after SIGTERM: what runs finishes, nothing new starts (a load balancer's
+    // health check sees it go).
+    if crate::term::terminating() {
+        let body = if path == "/health" {
+            json!({"status": "draining"})
+        } else {
+            ApiError::new(
+                503,
+                "the server is shutting down (SIGTERM); send the request to another server",
+            )
+            .body()
+        };
+        respond_json(request, 503, &body);
+        return;
+    }
+    let _flight = InFlight::enter();
     let result = match (method.as_str(), path.as_str()) {
         ("GET", "/health") => {
             let body = json!({"status": "ok", "disaggregation_mode": shared.role.mode(),

@@ -3,7 +3,8 @@
 //! SIGINT, 143 for SIGTERM). Ctrl-C goes through `ctrlc` (on its own thread); SIGTERM (`kill`,
 //! `timeout`, `docker stop`) sets a flag that a watcher thread turns into the same cleanup.
 //! ctrlc's `termination` feature would route SIGTERM to every ctrlc handler, `chat`'s too,
-//! which only cancels the answer being written.
+//! which only cancels the answer being written. `serve` drains on SIGTERM instead
+//! ([`drain_on_sigterm`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,6 +26,19 @@ pub fn on_interrupt(cleanup: impl Fn() + Send + Sync + 'static) -> Result<()> {
         std::process::exit(130);
     })
     .context("cannot install the Ctrl-C handler")?;
+    install_term()?;
+    std::thread::spawn(move || loop {
+        if TERM.load(Ordering::SeqCst) {
+            cleanup();
+            std::process::exit(143);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    });
+    Ok(())
+}
+
+/// Points SIGTERM at [`on_term`] (which sets [`TERM`]).
+fn install_term() -> Result<()> {
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     let previous = unsafe {
         libc::signal(
@@ -35,12 +49,50 @@ pub fn on_interrupt(cleanup: impl Fn() + Send + Sync + 'static) -> Result<()> {
     if previous == libc::SIG_ERR {
         anyhow::bail!("cannot install the SIGTERM handler");
     }
-    std::thread::spawn(move || loop {
-        if TERM.load(Ordering::SeqCst) {
-            cleanup();
-            std::process::exit(143);
+    Ok(())
+}
+
+/// Whether SIGTERM has arrived (after [`drain_on_sigterm`]).
+pub fn terminating() -> bool {
+    TERM.load(Ordering::SeqCst)
+}
+
+/// A server's graceful stop: after SIGTERM, [`terminating`] is true (new requests are refused
+/// by the caller), and once `in_flight()` is 0, or `grace` has passed, the process exits (0
+/// when every request finished, 143 when the grace cut some). `leader: false` (a rank other
+/// than 0 of a group) only notes it: rank 0's exit ends the group.
+pub fn drain_on_sigterm(
+    in_flight: impl Fn() -> usize + Send + 'static,
+    grace: std::time::Duration,
+    leader: bool,
+) -> Result<()> {
+    install_term()?;
+    if !leader {
+        return Ok(());
+    }
+    std::thread::spawn(move || {
+        while !terminating() {
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        let n = in_flight();
+        say!(
+            "cachalot serve: SIGTERM: refusing new requests; {n} in flight get up to {:.0} s to \
+             finish",
+            grace.as_secs_f64()
+        );
+        let start = std::time::Instant::now();
+        loop {
+            let n = in_flight();
+            if n == 0 {
+                say!("cachalot serve: drained; exiting");
+                std::process::exit(0);
+            }
+            if start.elapsed() >= grace {
+                say!("cachalot serve: {n} requests still running after the grace; exiting");
+                std::process::exit(143);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     });
     Ok(())
 }

@@ -2089,3 +2089,61 @@ fn v4_prefill_and_decode_servers_answer_as_one_server() {
         }
     }
 }
+
+/// SIGTERM drains: a request in flight finishes whole, new requests and the health check get
+/// 503 meanwhile, and the server then exits 0 by itself.
+#[test]
+fn sigterm_drains_requests_in_flight() {
+    let mut server = start(&["--model", "assets/cachalot-tiny-r1"]);
+    let addr = server.addr.clone();
+    let long = std::thread::spawn(move || {
+        post(
+            &addr,
+            "/v1/completions",
+            &json!({"prompt": "The whale", "max_tokens": 1500, "ignore_eos": true}),
+        )
+    });
+    // The long request is running once the server counts it.
+    let t = std::time::Instant::now();
+    loop {
+        let (_, metrics) = http(&server.addr, "GET", "/metrics", "");
+        if metrics
+            .lines()
+            .any(|l| l.starts_with("cachalot:num_requests_running") && !l.ends_with(" 0"))
+        {
+            break;
+        }
+        assert!(t.elapsed().as_secs() < 60, "the request never ran");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // SAFETY: signals our own child.
+    unsafe { libc::kill(server.child.id() as libc::pid_t, libc::SIGTERM) };
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let (status, v) = post(&server.addr, "/v1/completions", &json!({"prompt": "x"}));
+    assert_eq!(status, 503, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("shutting down"));
+    let (status, health) = http(&server.addr, "GET", "/health", "");
+    assert_eq!(
+        (status, health.contains("draining")),
+        (503, true),
+        "{health}"
+    );
+    let (status, v) = long.join().unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 1500, "{v}");
+    let t = std::time::Instant::now();
+    let code = loop {
+        if let Some(st) = server.child.try_wait().unwrap() {
+            break st.code();
+        }
+        assert!(
+            t.elapsed().as_secs() < 60,
+            "the drained server did not exit"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(code, Some(0));
+}
