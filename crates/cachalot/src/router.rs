@@ -39,6 +39,10 @@ pub struct RouterArgs {
     /// How long one request may take.
     #[arg(long, default_value_t = 1800)]
     timeout_s: u64,
+    /// On SIGTERM the router refuses new requests (503) and gives those in flight up to this
+    /// many seconds to finish before it exits, as `serve` does.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout_s: u64,
 }
 
 /// A prefill server: where it answers HTTP and where decode servers fetch its KV.
@@ -274,6 +278,8 @@ pub fn router(args: &RouterArgs) -> Result<()> {
         decode,
         timeout: Duration::from_secs(args.timeout_s),
     });
+    // SIGTERM: requests in flight finish (up to --drain-timeout-s), new ones get 503.
+    crate::term::drain_on_sigterm(Duration::from_secs(args.drain_timeout_s), true)?;
     for request in server.incoming_requests() {
         let router = router.clone();
         std::thread::spawn(move || route(request, &router));
@@ -318,6 +324,16 @@ fn random_room() -> u64 {
 fn route(mut request: tiny_http::Request, router: &Router) {
     let method = request.method().as_str().to_ascii_uppercase();
     let path = request.url().split('?').next().unwrap_or("").to_string();
+    // Draining after SIGTERM, as `serve` does.
+    if crate::term::terminating() {
+        error(
+            request,
+            503,
+            "the router is shutting down (SIGTERM); send the request to another router",
+        );
+        return;
+    }
+    let _flight = crate::term::InFlight::enter();
     match (method.as_str(), path.as_str()) {
         ("GET", "/health") => {
             let body = json!({"status": "ok",

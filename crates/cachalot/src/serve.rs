@@ -575,7 +575,6 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     }
     // SIGTERM drains rank 0's requests; the other ranks go when rank 0 leaves the group.
     crate::term::drain_on_sigterm(
-        || IN_FLIGHT.load(Ordering::SeqCst),
         std::time::Duration::from_secs_f64(args.drain_timeout_s),
         rank == 0,
     )?;
@@ -1530,25 +1529,6 @@ fn refuse_oversized(request: tiny_http::Request, announced: usize) {
     std::mem::forget(stream);
 }
 
-/// Requests being handled (a drain on SIGTERM waits for them).
-static IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Counts one request in [`IN_FLIGHT`] while it lives.
-struct InFlight;
-
-impl InFlight {
-    fn enter() -> InFlight {
-        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
-        InFlight
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 fn handle(mut request: tiny_http::Request, shared: &Shared) {
     if let Some(n) = request.body_length().filter(|&n| n as u64 > MAX_BODY_BYTES) {
         refuse_oversized(request, n);
@@ -1571,7 +1551,7 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
         respond_json(request, 503, &body);
         return;
     }
-    let _flight = InFlight::enter();
+    let _flight = crate::term::InFlight::enter();
     let result = match (method.as_str(), path.as_str()) {
         ("GET", "/health") => {
             let body = json!({"status": "ok", "disaggregation_mode": shared.role.mode(),

@@ -57,15 +57,31 @@ pub fn terminating() -> bool {
     TERM.load(Ordering::SeqCst)
 }
 
+/// Requests a server is handling ([`InFlight`]); a drain waits for them.
+static IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts one request as in flight while it lives.
+pub struct InFlight;
+
+impl InFlight {
+    pub fn enter() -> InFlight {
+        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// A server's graceful stop: after SIGTERM, [`terminating`] is true (new requests are refused
-/// by the caller), and once `in_flight()` is 0, or `grace` has passed, the process exits (0
-/// when every request finished, 143 when the grace cut some). `leader: false` (a rank other
+/// by the caller), and once no request is [`InFlight`], or `grace` has passed, the process
+/// exits (0 when every request finished, 143 when the grace cut some). `leader: false` (a rank other
 /// than 0 of a group) only notes it: rank 0's exit ends the group.
-pub fn drain_on_sigterm(
-    in_flight: impl Fn() -> usize + Send + 'static,
-    grace: std::time::Duration,
-    leader: bool,
-) -> Result<()> {
+pub fn drain_on_sigterm(grace: std::time::Duration, leader: bool) -> Result<()> {
+    let in_flight = || IN_FLIGHT.load(Ordering::SeqCst);
     install_term()?;
     if !leader {
         return Ok(());
@@ -76,19 +92,18 @@ pub fn drain_on_sigterm(
         }
         let n = in_flight();
         say!(
-            "cachalot serve: SIGTERM: refusing new requests; {n} in flight get up to {:.0} s to \
-             finish",
+            "cachalot: SIGTERM: refusing new requests; {n} in flight get up to {:.0} s to finish",
             grace.as_secs_f64()
         );
         let start = std::time::Instant::now();
         loop {
             let n = in_flight();
             if n == 0 {
-                say!("cachalot serve: drained; exiting");
+                say!("cachalot: drained; exiting");
                 std::process::exit(0);
             }
             if start.elapsed() >= grace {
-                say!("cachalot serve: {n} requests still running after the grace; exiting");
+                say!("cachalot: {n} requests still running after the grace; exiting");
                 std::process::exit(143);
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
