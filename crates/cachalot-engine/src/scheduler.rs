@@ -67,7 +67,7 @@ pub enum AdmissionError {
     #[error(
         "request needs up to {tokens} tokens of KV cache ({blocks} blocks) but the pool holds \
          {capacity} blocks of {block_size}; shorten the prompt or max_new_tokens, or give the KV \
-         cache more memory"
+         cache more blocks (--kv-blocks, or more memory: mem_fraction_static)"
     )]
     TooLong {
         tokens: usize,
