@@ -222,6 +222,13 @@ impl ExpertPlacement {
         self.holders.iter().filter(|o| !o.is_empty()).count()
     }
 
+    /// The keys of the layers the loads placed.
+    pub fn placed_keys(&self) -> Vec<u32> {
+        (0..self.holders.len() as u32)
+            .filter(|&k| !self.holders[k as usize].is_empty())
+            .collect()
+    }
+
     pub fn experts(&self) -> usize {
         self.experts
     }

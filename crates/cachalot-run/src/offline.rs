@@ -1657,6 +1657,29 @@ pub fn run_ranked(
     // A rank other than 0 reports its own share only (data parallel); expert-parallel ranks
     // serve the whole run together.
     let ranks_here = if rank == 0 || expert { ranks } else { 1 };
+    // A placement made for another model (or layer count) places layers this run's MoE does
+    // not route, or leaves some of its layers in contiguous shares: said in the log.
+    if let (Some(p), false) = (placement, expert_load.is_empty()) {
+        let placed = p.placed_keys();
+        let routed: Vec<u32> = expert_load.iter().map(|(k, _)| *k).collect();
+        let extra: Vec<u32> = placed
+            .iter()
+            .copied()
+            .filter(|k| !routed.contains(k))
+            .collect();
+        let unplaced: Vec<u32> = routed
+            .iter()
+            .copied()
+            .filter(|k| !placed.contains(k))
+            .collect();
+        if !extra.is_empty() || !unplaced.is_empty() {
+            logln!(
+                "note: the expert placement places layers {extra:?} that no token was routed \
+                 through in this run (not MoE layers of this model?) and leaves MoE layers \
+                 {unplaced:?} in contiguous shares; make the placement from a run of this model"
+            );
+        }
+    }
     let summary = Summary {
         run_id: run_id.clone(),
         config: opts.config_path.display().to_string(),

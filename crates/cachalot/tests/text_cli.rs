@@ -871,6 +871,27 @@ fn run_with_two_ranks_equals_one_process() {
         let placed_bal = sp["expert_load"]["balancedness_min"].as_f64().unwrap();
         assert!(placed_bal >= bal, "{layout}: {placed_bal} against {bal}");
     }
+    // A placement naming a layer the model does not route is noted in the log.
+    let mut odd = s1.clone();
+    let first = odd["expert_load"]["tokens"]["1"].clone();
+    odd["expert_load"]["tokens"]["99"] = first;
+    let odd_file = tmp.path().join("odd.json");
+    std::fs::write(&odd_file, odd.to_string()).unwrap();
+    let (so, _) = run(&[
+        "--ranks",
+        "2",
+        "--parallel",
+        "data-expert",
+        "--expert-placement",
+        odd_file.to_str().unwrap(),
+    ]);
+    let log = std::fs::read_to_string(
+        PathBuf::from(&res)
+            .join(so["run_id"].as_str().unwrap())
+            .join("run.log"),
+    )
+    .unwrap();
+    assert!(log.contains("places layers [99]"), "{log}");
     // Redundant copies of the busiest experts (data-expert): the same outputs, the copies
     // recorded, and the balance that of the tokens each rank computed.
     let (sr, redundant) = run(&[
