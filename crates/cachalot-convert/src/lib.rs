@@ -245,8 +245,8 @@ enum Source {
     /// weight); the scale tensor is written by the same task.
     Int8Float {
         start: u64,
-        /// The stored dtype: BF16, F16 or F32 (F16/F32 rounded to bf16 first).
-        dtype: cachalot_kernels::StoredFloat,
+        /// The stored dtype: "BF16", "F16" or "F32" (F16/F32 rounded to bf16 first).
+        dtype: &'static str,
         scale_out: usize,
     },
     /// Written by its weight's task.
@@ -683,33 +683,23 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                     ),
                 });
             }
-            let float = match t.dtype.as_str() {
-                "BF16" => Some(cachalot_kernels::StoredFloat::Bf16),
-                "F16" => Some(cachalot_kernels::StoredFloat::F16),
-                "F32" => Some(cachalot_kernels::StoredFloat::F32),
-                _ => None,
-            };
-            if let Some(dtype) = float.filter(|_| {
-                opts.mode.int8()
-                    && is_quantized_linear(name)
-                    && t.shape.len() == 2
-                    && !ignored(&ignore, name)
-            }) {
+            if matches!(t.dtype.as_str(), "BF16" | "F16" | "F32")
+                && opts.mode.int8()
+                && is_quantized_linear(name)
+                && t.shape.len() == 2
+                && !ignored(&ignore, name)
+            {
                 // An unquantized checkpoint's Linear weight (one DeepSeek ships in FP8):
                 // quantized from its bf16 values as an FP8 weight is after dequantization
                 // (F16/F32 rounded to bf16 first, as the seed's bf16 default dtype loads them).
                 report.int8_weights += 1;
-                planned.push(Planned {
-                    out: out_tensor(name, "I8", &t.shape),
-                    source: Source::Int8Float {
+                let dtype = dtype_static(&t.dtype);
+                plan_int8(&mut planned, name, &t.shape, |scale_out| {
+                    Source::Int8Float {
                         start: t.start,
                         dtype,
-                        scale_out: planned.len() + 1,
-                    },
-                });
-                planned.push(Planned {
-                    out: out_tensor(&int8_scale_name(name), "F32", &[t.shape[0], 1]),
-                    source: Source::Int8Scale,
+                        scale_out,
+                    }
                 });
                 continue;
             }
@@ -735,18 +725,10 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                 });
             } else {
                 report.int8_weights += 1;
-                let sname = int8_scale_name(name);
-                planned.push(Planned {
-                    out: out_tensor(name, "I8", &t.shape),
-                    source: Source::Int8 {
-                        start: t.start,
-                        scale,
-                        scale_out: planned.len() + 1,
-                    },
-                });
-                planned.push(Planned {
-                    out: out_tensor(&sname, "F32", &[t.shape[0], 1]),
-                    source: Source::Int8Scale,
+                plan_int8(&mut planned, name, &t.shape, |scale_out| Source::Int8 {
+                    start: t.start,
+                    scale,
+                    scale_out,
                 });
             }
         }
@@ -1255,35 +1237,20 @@ fn run_item(
             dtype,
             scale_out,
         } => {
-            use cachalot_kernels::StoredFloat as S;
             let cols = p.out.shape[1];
             let n = item.rows.len();
-            let size = match dtype {
-                S::F32 => 4,
-                _ => 2,
-            };
+            let size = if dtype == "F32" { 4 } else { 2 };
             let at = start as usize + item.rows.start * cols * size;
             let b = &map[at..at + n * cols * size];
-            if let Some(i) = cachalot_kernels::first_non_finite(dtype, b) {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!(
-                        "tensor {}: a NaN or infinite value at row {}, column {}; the input \
-                         checkpoint is damaged (re-download this shard)",
-                        p.out.name,
-                        item.rows.start + i / cols,
-                        i % cols
-                    ),
-                ));
-            }
+            check_floats(&p.out.name, dtype, b, item.rows.start * cols)?;
             let bf: Vec<u16> = match dtype {
-                S::F32 => b
+                "F32" => b
                     .chunks_exact(4)
                     .map(|c| {
                         cachalot_kernels::f32_to_bf16(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     })
                     .collect(),
-                S::F16 => b
+                "F16" => b
                     .chunks_exact(2)
                     .map(|c| {
                         cachalot_kernels::f32_to_bf16(cachalot_kernels::f16_to_f32(
@@ -1352,6 +1319,25 @@ fn write_int8_rows(
     let qb: Vec<u8> = q.iter().map(|&v| v as u8).collect();
     out.write_all_at(&qb, w.offset + (row0 * cols) as u64)?;
     out.write_all_at(&s, scale.offset + (row0 * 4) as u64)
+}
+
+/// Plans int8 weight `name` (`shape`, made by `source(scale index)`) and its per-row scale
+/// `X.weight_scale` right after it, which the weight's task writes.
+fn plan_int8(
+    planned: &mut Vec<Planned>,
+    name: &str,
+    shape: &[usize],
+    source: impl FnOnce(usize) -> Source,
+) {
+    let scale_out = planned.len() + 1;
+    planned.push(Planned {
+        out: out_tensor(name, "I8", shape),
+        source: source(scale_out),
+    });
+    planned.push(Planned {
+        out: out_tensor(&int8_scale_name(name), "F32", &[shape[0], 1]),
+        source: Source::Int8Scale,
+    });
 }
 
 /// `X.weight` → `X.weight_scale` (the W8A8 layout's per-row scale, §5.1).
@@ -1447,11 +1433,23 @@ pub(crate) fn check_scaled_finite(
 /// A float tensor copied as it is (`bytes` from byte `at` of it) holds no NaN or infinity: a
 /// damaged weight would pass into the output and make every forward through it garbage.
 pub(crate) fn check_finite(t: &OutTensor, bytes: &[u8], at: usize) -> std::io::Result<()> {
+    let size = safetensors_io::dtype_size(t.dtype).unwrap_or(1);
+    check_floats(&t.name, t.dtype, bytes, at / size)
+}
+
+/// Values of float tensor `name` (`dtype` its safetensors name; `bytes` from element `first`)
+/// hold no NaN or infinity (other dtypes pass): a damaged weight, not a value to convert.
+pub(crate) fn check_floats(
+    name: &str,
+    dtype: &str,
+    bytes: &[u8],
+    first: usize,
+) -> std::io::Result<()> {
     use cachalot_kernels::StoredFloat as S;
-    let (kind, size) = match t.dtype {
-        "BF16" => (S::Bf16, 2),
-        "F16" => (S::F16, 2),
-        "F32" => (S::F32, 4),
+    let kind = match dtype {
+        "BF16" => S::Bf16,
+        "F16" => S::F16,
+        "F32" => S::F32,
         _ => return Ok(()),
     };
     match cachalot_kernels::first_non_finite(kind, bytes) {
@@ -1459,11 +1457,9 @@ pub(crate) fn check_finite(t: &OutTensor, bytes: &[u8], at: usize) -> std::io::R
         Some(i) => Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!(
-                "tensor {}: a NaN or infinite {} value at element {}; the input checkpoint is \
-                 damaged (re-download this shard)",
-                t.name,
-                t.dtype,
-                at / size + i
+                "tensor {name}: a NaN or infinite {dtype} value at element {}; the input \
+                 checkpoint is damaged (re-download this shard)",
+                first + i
             ),
         )),
     }

@@ -817,19 +817,7 @@ fn run_item(
         }
         Src::Bf16 { start } => {
             let b = &map[start as usize + 2 * r0 * cols..start as usize + 2 * (r0 + n) * cols];
-            if let Some(i) =
-                cachalot_kernels::first_non_finite(cachalot_kernels::StoredFloat::Bf16, b)
-            {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!(
-                        "tensor {}: a NaN or infinite BF16 value at element {}; the input \
-                         checkpoint is damaged (re-download this shard)",
-                        outs[o[0]].name,
-                        r0 * cols + i
-                    ),
-                ));
-            }
+            crate::check_floats(&outs[o[0]].name, "BF16", b, r0 * cols)?;
             for (o, p) in bf.iter_mut().zip(b.chunks_exact(2)) {
                 *o = u16::from_le_bytes([p[0], p[1]]);
             }

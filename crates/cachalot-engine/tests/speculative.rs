@@ -44,15 +44,29 @@ fn run(
     prompts: &[Vec<u32>],
     n_new: usize,
 ) -> (Vec<RequestOutput>, cachalot_engine::metrics::EngineStats) {
+    run_with(model, cfg, next_n, prompts, n_new, |_| {
+        SamplingParams::greedy()
+    })
+}
+
+/// [`run`] for any model, request i sampled with `params(i)`.
+fn run_with<M: Model>(
+    model: &M,
+    cfg: EngineConfig,
+    next_n: usize,
+    prompts: &[Vec<u32>],
+    n_new: usize,
+    params: impl Fn(usize) -> SamplingParams,
+) -> (Vec<RequestOutput>, cachalot_engine::metrics::EngineStats) {
     let mut engine = Engine::new(model, None, cfg).unwrap();
     if next_n > 0 {
         engine.enable_mtp(next_n).unwrap();
     }
-    for p in prompts {
+    for (i, p) in prompts.iter().enumerate() {
         engine
             .add_request(Request {
                 prompt: p.clone(),
-                params: SamplingParams::greedy(),
+                params: params(i),
                 stop: StopConditions {
                     max_new_tokens: n_new,
                     ..Default::default()
@@ -315,6 +329,25 @@ impl Model for Markov {
     }
 }
 
+/// A chain whose MTP layer proposes from a law far from the main model's (drafts often
+/// rejected).
+fn wrong_drafts() -> Markov {
+    Markov {
+        main: [
+            [0.40, 0.30, 0.20, 0.10],
+            [0.10, 0.20, 0.30, 0.40],
+            [0.25, 0.25, 0.35, 0.15],
+            [0.30, 0.10, 0.10, 0.50],
+        ],
+        draft: [
+            [0.10, 0.10, 0.10, 0.70],
+            [0.70, 0.10, 0.10, 0.10],
+            [0.25, 0.25, 0.25, 0.25],
+            [0.05, 0.80, 0.10, 0.05],
+        ],
+    }
+}
+
 /// Generates 3 tokens after the prompt `[0]` for `n` requests (seeds 0..n) with next_n = 2;
 /// returns the counts of each 3-token continuation and the engine's figures.
 fn sample_triples(
@@ -380,20 +413,7 @@ fn sample_triples(
 /// the thousands (checked: the test has the power to see a wrong law).
 #[test]
 fn sampling_with_mtp_keeps_the_main_distribution() {
-    let model = Markov {
-        main: [
-            [0.40, 0.30, 0.20, 0.10],
-            [0.10, 0.20, 0.30, 0.40],
-            [0.25, 0.25, 0.35, 0.15],
-            [0.30, 0.10, 0.10, 0.50],
-        ],
-        draft: [
-            [0.10, 0.10, 0.10, 0.70],
-            [0.70, 0.10, 0.10, 0.10],
-            [0.25, 0.25, 0.25, 0.25],
-            [0.05, 0.80, 0.10, 0.05],
-        ],
-    };
+    let model = wrong_drafts();
     for params in [
         SamplingParams {
             temperature: 1.0,
@@ -535,39 +555,13 @@ fn seeded_tokens(
         batch_size: 8,
         max_prefill_tokens: 64,
     };
-    let mut engine = Engine::new(model, None, cfg).unwrap();
-    if next_n > 0 {
-        engine.enable_mtp(next_n).unwrap();
-    }
-    for i in 0..n {
-        engine
-            .add_request(Request {
-                prompt: vec![0],
-                params: SamplingParams {
-                    seed: Some(1000 + i as u64),
-                    ..params.clone()
-                },
-                stop: StopConditions {
-                    max_new_tokens: n_new,
-                    ..Default::default()
-                },
-                ignore_eos: true,
-                logprobs: None,
-                prompt_logprobs: None,
-                json_object: false,
-                json_after: None,
-                json_lead: Vec::new(),
-                json_schema: None,
-                dsml: false,
-            })
-            .unwrap();
-    }
-    let mut outs = engine.run_to_completion(|_, _| {}).unwrap();
-    outs.sort_by_key(|o| o.id);
-    (
-        outs.into_iter().map(|o| o.tokens).collect(),
-        engine.stats().clone(),
-    )
+    let (outs, stats) = run_with(model, cfg, next_n, &vec![vec![0]; n], n_new, |i| {
+        SamplingParams {
+            seed: Some(1000 + i as u64),
+            ..params.clone()
+        }
+    });
+    (outs.into_iter().map(|o| o.tokens).collect(), stats)
 }
 
 /// A seeded request draws the same tokens with MTP as without it, whatever its drafts (here
@@ -576,20 +570,7 @@ fn seeded_tokens(
 /// token plain sampling draws (the seed's rule).
 #[test]
 fn seeded_sampling_gives_the_same_tokens_with_or_without_mtp() {
-    let model = Markov {
-        main: [
-            [0.40, 0.30, 0.20, 0.10],
-            [0.10, 0.20, 0.30, 0.40],
-            [0.25, 0.25, 0.35, 0.15],
-            [0.30, 0.10, 0.10, 0.50],
-        ],
-        draft: [
-            [0.10, 0.10, 0.10, 0.70],
-            [0.70, 0.10, 0.10, 0.10],
-            [0.25, 0.25, 0.25, 0.25],
-            [0.05, 0.80, 0.10, 0.05],
-        ],
-    };
+    let model = wrong_drafts();
     let params = SamplingParams {
         temperature: 0.8,
         top_k: 3,

@@ -78,23 +78,8 @@ pub struct RunArgs {
     /// what prefix caching can share). Recorded as v4_cache in summary.json.
     #[arg(long, default_value = "compact")]
     v4_cache: cachalot_model::V4CacheMode,
-    /// Expert load balancing: place each MoE layer's routed experts over the expert-parallel
-    /// ranks (--parallel expert, tensor-expert, data-expert or context) so that the token
-    /// counts of an earlier run of this model (FILE: its summary.json, `expert_load`) fall
-    /// evenly on them; every rank gives the same FILE. Outputs are unchanged.
-    #[arg(long, value_name = "FILE")]
-    expert_placement: Option<std::path::PathBuf>,
-    /// With --expert-placement under --parallel data-expert or context: N extra copies of each
-    /// placed layer's busiest experts (vLLM's num_redundant_experts, DeepSeek EPLB's replicas),
-    /// each on another rank; a rank's tokens for such an expert are split in shares over its
-    /// copies. The experts plus N must divide by the ranks. Outputs are unchanged.
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 0,
-        requires = "expert_placement"
-    )]
-    redundant_experts: usize,
+    #[command(flatten)]
+    placement: PlacementArgs,
     /// Read every tensor of the checkpoint before the run and refuse a NaN or infinity (a NaN
     /// FP8 code or E8M0 scale), naming the tensor, as llama.cpp's --check-tensors.
     #[arg(long)]
@@ -499,6 +484,50 @@ pub(crate) fn connect_ranks(
     Ok((comm, children))
 }
 
+/// Expert load balancing options of `run` and `serve`.
+#[derive(clap::Args)]
+pub struct PlacementArgs {
+    /// Expert load balancing: place each MoE layer's routed experts over the expert-parallel
+    /// ranks (--parallel expert, tensor-expert, data-expert or context) so that the token
+    /// counts of an earlier run of this model (FILE: its summary.json, `expert_load`) fall
+    /// evenly on them; every rank gives the same FILE. Outputs are unchanged.
+    #[arg(long, value_name = "FILE")]
+    pub expert_placement: Option<std::path::PathBuf>,
+    /// With --expert-placement under --parallel data-expert or context: N extra copies of each
+    /// placed layer's busiest experts (vLLM's num_redundant_experts, DeepSeek EPLB's replicas),
+    /// each on another rank; a rank's tokens for such an expert are split in shares over its
+    /// copies. The experts plus N must divide by the ranks. Outputs are unchanged.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        requires = "expert_placement"
+    )]
+    pub redundant_experts: usize,
+}
+
+impl PlacementArgs {
+    /// The placement for `ranks` ranks under `layout` (refused where the layout does not split
+    /// the experts, or copies where it does not dispatch).
+    pub fn load(
+        &self,
+        layout: offline::Parallel,
+        ranks: usize,
+    ) -> Result<Option<&'static cachalot_model::ExpertPlacement>> {
+        use offline::Parallel as P;
+        let split = ranks > 1 && matches!(layout, P::Expert | P::TensorExpert);
+        let dispatch = ranks > 1 && matches!(layout, P::DataExpert | P::Context);
+        offline::expert_placement(
+            self.expert_placement.as_deref(),
+            self.redundant_experts,
+            split,
+            dispatch,
+            ranks,
+        )
+        .map_err(|e| anyhow!("{e}"))
+    }
+}
+
 pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(n) = args.group.ranks.filter(|n| !(1..=MAX_RANKS).contains(n)) {
         bail!("--ranks {n} is out of range: give 1 to {MAX_RANKS}");
@@ -535,8 +564,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         v4_cache: args.v4_cache,
         host_ranks: args.group.host_ranks(),
         parallel: args.group.layout(&cfg.parallel_config)?,
-        expert_placement: args.expert_placement.clone(),
-        redundant_experts: args.redundant_experts,
+        expert_placement: args.placement.expert_placement.clone(),
+        redundant_experts: args.placement.redundant_experts,
         check_tensors: args.check_tensors,
     };
     // Ctrl-C or SIGTERM: finished requests are on disk already (requests.rank<R>.partial.jsonl,
@@ -563,18 +592,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     // A placement file or copy count that cannot work is said once, before any rank starts.
-    if args.group.rank.is_none() && args.expert_placement.is_some() {
-        use offline::Parallel as P;
-        let split = ranks > 1 && matches!(opts.parallel, P::Expert | P::TensorExpert);
-        let dispatch = ranks > 1 && matches!(opts.parallel, P::DataExpert | P::Context);
-        offline::expert_placement(
-            args.expert_placement.as_deref(),
-            args.redundant_experts,
-            split,
-            dispatch,
-            ranks,
-        )
-        .map_err(|e| anyhow!("{e}"))?;
+    if args.group.rank.is_none() {
+        args.placement.load(opts.parallel, ranks)?;
     }
     let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {

@@ -117,20 +117,8 @@ pub struct ServeArgs {
     /// `usage.prompt_tokens_details.cached_tokens`.
     #[arg(long, value_enum, default_value = "auto")]
     prefix_caching: crate::PrefixCachingArg,
-    /// Expert load balancing, as `run`'s: place each MoE layer's routed experts over the
-    /// expert-parallel ranks (--parallel expert, tensor-expert, data-expert or context) by the
-    /// token counts of an earlier run of this model (FILE: its summary.json, `expert_load`).
-    #[arg(long, value_name = "FILE")]
-    expert_placement: Option<PathBuf>,
-    /// As `run`'s: N extra copies of each placed layer's busiest experts (--parallel
-    /// data-expert or context, with --expert-placement).
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 0,
-        requires = "expert_placement"
-    )]
-    redundant_experts: usize,
+    #[command(flatten)]
+    placement: crate::run::PlacementArgs,
     /// Chat template (a tokenizer_config.json or a Jinja file) instead of the model's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
@@ -590,14 +578,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     if tensor {
         set.model.tensor_shard = TensorShard { rank, ranks: world };
     }
-    let placement = cachalot_run::offline::expert_placement(
-        args.expert_placement.as_deref(),
-        args.redundant_experts,
-        experts_split,
-        dispatch,
-        world,
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let placement = args.placement.load(p, world)?;
     if experts_split {
         set.model.expert_shard = ExpertShard {
             rank,

@@ -723,6 +723,11 @@ fn run_and_bench_profile_the_phases_of_their_steps() {
 
 /// `cachalot run --ranks 2` starts a second process, and rank 0's files hold every request with
 /// the one-process outputs: data, expert, tensor, tensor-expert and data-expert parallel.
+/// `--ranks 2 --parallel LAYOUT` and `rest`.
+fn two_ranks<'a>(layout: &'a str, rest: &[&'a str]) -> Vec<&'a str> {
+    [&["--ranks", "2", "--parallel", layout][..], rest].concat()
+}
+
 #[test]
 fn run_with_two_ranks_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
@@ -877,14 +882,10 @@ fn run_with_two_ranks_equals_one_process() {
     odd["expert_load"]["tokens"]["99"] = first;
     let odd_file = tmp.path().join("odd.json");
     std::fs::write(&odd_file, odd.to_string()).unwrap();
-    let (so, _) = run(&[
-        "--ranks",
-        "2",
-        "--parallel",
+    let (so, _) = run(&two_ranks(
         "data-expert",
-        "--expert-placement",
-        odd_file.to_str().unwrap(),
-    ]);
+        &["--expert-placement", odd_file.to_str().unwrap()],
+    ));
     let log = std::fs::read_to_string(
         PathBuf::from(&res)
             .join(so["run_id"].as_str().unwrap())
@@ -894,16 +895,10 @@ fn run_with_two_ranks_equals_one_process() {
     assert!(log.contains("places layers [99]"), "{log}");
     // Redundant copies of the busiest experts (data-expert): the same outputs, the copies
     // recorded, and the balance that of the tokens each rank computed.
-    let (sr, redundant) = run(&[
-        "--ranks",
-        "2",
-        "--parallel",
+    let (sr, redundant) = run(&two_ranks(
         "data-expert",
-        "--expert-placement",
-        loads,
-        "--redundant-experts",
-        "2",
-    ]);
+        &["--expert-placement", loads, "--redundant-experts", "2"],
+    ));
     for (a, b) in one.iter().zip(&redundant) {
         assert_eq!(ids(&a["output_ids"]), ids(&b["output_ids"]));
     }
@@ -945,40 +940,21 @@ fn run_with_two_ranks_equals_one_process() {
     );
     // Copies serve dispatched tokens only, need the loads, and must fill the ranks evenly.
     refused(
-        &[
-            "--ranks",
-            "2",
-            "--parallel",
+        &two_ranks(
             "expert",
-            "--expert-placement",
-            loads,
-            "--redundant-experts",
-            "2",
-        ],
+            &["--expert-placement", loads, "--redundant-experts", "2"],
+        ),
         "data-expert or context",
     );
     refused(
-        &[
-            "--ranks",
-            "2",
-            "--parallel",
-            "data-expert",
-            "--redundant-experts",
-            "2",
-        ],
+        &two_ranks("data-expert", &["--redundant-experts", "2"]),
         "--expert-placement",
     );
     refused(
-        &[
-            "--ranks",
-            "2",
-            "--parallel",
+        &two_ranks(
             "data-expert",
-            "--expert-placement",
-            loads,
-            "--redundant-experts",
-            "1",
-        ],
+            &["--expert-placement", loads, "--redundant-experts", "1"],
+        ),
         "multiple of the ranks",
     );
     // Prefill context parallelism (context): every prompt computed by both ranks (each takes
