@@ -6,6 +6,12 @@
 //! `{"metadata": {}, "weight_map": ...}` and `quantization_config`, every `*.py`/`*.json` copied
 //! (and the other files that are not weights: tokenizer models, templates).
 //!
+//! Inputs besides the seed's FP8 checkpoints: a BF16 (or F16/F32) one, whose Linear weights are
+//! quantized from their bf16 values as an FP8 weight's are after dequantization, and
+//! Kimi-K2-Thinking's int4 release (compressed-tensors `pack-quantized`, spec §2.3): each
+//! `X.weight_packed` (with `X.weight_scale` per group and `X.weight_shape`) becomes `X.weight` =
+//! bf16(q · scale), written as bf16 or quantized per row from those values (§5.2).
+//!
 //! Differences from the seed, on purpose (spec §5.5):
 //! - The input is checked first: a missing or misshapen `weight_scale_inv`, an unexpected
 //!   1-byte dtype, an index naming a missing shard or tensor, a truncated shard are errors naming
@@ -249,6 +255,13 @@ enum Source {
         dtype: &'static str,
         scale_out: usize,
     },
+    /// Kimi-K2-Thinking's packed int4 (`X.weight_packed` with its group scales) → bf16, then
+    /// written as bf16 or (`scale_out`) quantized to int8 per row.
+    Int4 {
+        start: u64,
+        scales: Int4Scales,
+        scale_out: Option<usize>,
+    },
     /// Written by its weight's task.
     Int8Scale,
     /// A C8 scale.
@@ -258,6 +271,18 @@ enum Source {
 struct Planned {
     out: OutTensor,
     source: Source,
+}
+
+/// Where a packed int4 weight's group scales are (`[rows, groups]`, possibly in another
+/// shard): read with each item's rows.
+#[derive(Clone, Debug)]
+struct Int4Scales {
+    file: PathBuf,
+    start: u64,
+    /// "BF16" (K2-Thinking), "F16" or "F32".
+    dtype: &'static str,
+    group: usize,
+    groups: usize,
 }
 
 /// A checked FP8 weight's block scales, read once.
@@ -275,6 +300,9 @@ struct Input {
     /// tensor name → shard index.
     location: HashMap<String, usize>,
     block: (usize, usize),
+    /// compressed-tensors `pack-quantized` (Kimi-K2-Thinking): the int4 weights' group size
+    /// (`Some(None)`: one scale per row, the `channel` strategy).
+    int4: Option<Option<usize>>,
     num_hidden_layers: usize,
     num_layers: usize,
 }
@@ -294,7 +322,13 @@ impl Input {
         // bf16 directly); any other quant_method is already converted.
         let no_q = Value::Object(Map::new());
         let q = config.get("quantization_config").unwrap_or(&no_q);
+        let int4 = if is_pack_quantized(q) {
+            Some(pack_quantized_group(q).map_err(&cfg_err)?)
+        } else {
+            None
+        };
         if config.contains_key("quantization_config")
+            && int4.is_none()
             && q.get("quant_method").and_then(Value::as_str) != Some("fp8")
         {
             let orig = dir.join(format!("{CONFIG_FILE}.orig"));
@@ -309,7 +343,9 @@ impl Input {
             };
             return Err(cfg_err(format!(
                 "quantization_config.quant_method is {}; the input must be an FP8 checkpoint \
-                 (\"fp8\") as DeepSeek ships it, or a BF16 one (no quantization_config){restore}",
+                 (\"fp8\") as DeepSeek ships it, a BF16 one (no quantization_config) or \
+                 Kimi-K2-Thinking's int4 release (compressed-tensors, format \
+                 \"pack-quantized\"){restore}",
                 q.get("quant_method").unwrap_or(&Value::Null)
             )));
         }
@@ -433,6 +469,7 @@ impl Input {
             shards,
             location,
             block,
+            int4,
             num_hidden_layers,
             num_layers,
         })
@@ -508,6 +545,125 @@ impl Input {
             grid_cols: grid[1],
         })
     }
+}
+
+impl Input {
+    /// Checks packed int4 weight `prefix.weight_packed` (`w`, in shard `shard`): int32
+    /// `[rows, cols/8]`, `weight_shape` (when present) `[rows, cols]`, and `weight_scale`
+    /// `[rows, ceil(cols/group)]` in BF16/F16/F32 somewhere in the index. Returns rows, cols and
+    /// where the scales are.
+    fn packed_int4(
+        &self,
+        shard: usize,
+        prefix: &str,
+        w: &TensorInfo,
+    ) -> Result<(usize, usize, Int4Scales)> {
+        let name = format!("{prefix}.weight_packed");
+        let file = self.shard_path(shard);
+        let terr = |tensor: &str, file: &Path, why: String| ConvertError::Tensor {
+            tensor: tensor.to_string(),
+            file: file.to_path_buf(),
+            why,
+        };
+        let Some(group) = self.int4 else {
+            return Err(terr(
+                &name,
+                &file,
+                "is a packed int4 weight, but config.json's quantization_config is not \
+                 compressed-tensors `pack-quantized` (give the checkpoint's own config.json)"
+                    .into(),
+            ));
+        };
+        if w.dtype != "I32" || w.shape.len() != 2 {
+            return Err(terr(
+                &name,
+                &file,
+                format!(
+                    "is {} {:?}; packed int4 weights are 2-D I32 words of 8 nibbles",
+                    w.dtype, w.shape
+                ),
+            ));
+        }
+        check_weight_dims(&w.shape).map_err(|why| terr(&name, &file, why))?;
+        let rows = w.shape[0];
+        let cols = w.shape[1] * 8;
+        let shape_name = format!("{prefix}.weight_shape");
+        if let Some((sfile, s)) = self.info(&shape_name) {
+            let spath = self.dir.join(sfile);
+            let dims = read_ints(&spath, s).map_err(|why| terr(&shape_name, &spath, why))?;
+            if dims != [rows as i64, cols as i64] {
+                return Err(terr(
+                    &shape_name,
+                    &spath,
+                    format!(
+                        "is {dims:?}; {name} is {:?}, 8 columns a word: [{rows}, {cols}]",
+                        w.shape
+                    ),
+                ));
+            }
+        }
+        let group = group.unwrap_or(cols);
+        let groups = cols.div_ceil(group);
+        let sname = format!("{prefix}.weight_scale");
+        let Some((sfile, s)) = self.info(&sname) else {
+            return Err(terr(
+                &name,
+                &file,
+                format!(
+                    "is packed int4 but {sname} ([{rows}, {groups}] scales, one per {group} \
+                     columns) is in no shard; the checkpoint is incomplete"
+                ),
+            ));
+        };
+        let spath = self.dir.join(sfile);
+        let shape_ok = s.shape == [rows, groups] || (groups == 1 && s.shape == [rows]);
+        if !shape_ok || !matches!(s.dtype.as_str(), "BF16" | "F16" | "F32") {
+            return Err(terr(
+                &sname,
+                &spath,
+                format!(
+                    "is {} {:?}; expected BF16 (or F16/F32) [{rows}, {groups}]: one scale per \
+                     {group} columns of {name}, the config's group_size",
+                    s.dtype, s.shape
+                ),
+            ));
+        }
+        let scales = Int4Scales {
+            file: spath,
+            start: s.start,
+            dtype: dtype_static(&s.dtype),
+            group,
+            groups,
+        };
+        Ok((rows, cols, scales))
+    }
+}
+
+/// The integers of a small I32/I64 tensor (`weight_shape`).
+fn read_ints(path: &Path, t: &TensorInfo) -> std::result::Result<Vec<i64>, String> {
+    let size = match t.dtype.as_str() {
+        "I32" => 4,
+        "I64" => 8,
+        other => return Err(format!("has dtype {other}; a shape is I32 or I64")),
+    };
+    let len = (t.end - t.start) as usize;
+    if len > 64 {
+        return Err(format!("holds {len} bytes; a shape is a few integers"));
+    }
+    let mut bytes = vec![0u8; len];
+    File::open(path)
+        .and_then(|f| f.read_exact_at(&mut bytes, t.start))
+        .map_err(|e| format!("cannot be read: {e}"))?;
+    Ok(bytes
+        .chunks_exact(size)
+        .map(|b| {
+            if size == 4 {
+                i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64
+            } else {
+                i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+            }
+        })
+        .collect())
 }
 
 /// Reads C8 scales, one positive scale per layer (main layers, then MTP layers): the JSON
@@ -616,6 +772,14 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     };
     let input = Input::open(&opts.input)?;
     if v4::is_v4_config(&input.config) {
+        if input.int4.is_some() {
+            return Err(ConvertError::Config {
+                file: opts.input.join(CONFIG_FILE),
+                why: "is a DeepSeek-V4 config with a pack-quantized (int4) quantization_config; \
+                      V4 converts from its FP8 + MXFP4 release"
+                    .into(),
+            });
+        }
         return v4::convert_v4(opts, input, t0);
     }
     if !matches!(
@@ -671,6 +835,45 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                 continue;
             }
             report.input_bytes += t.end - t.start;
+            if let Some(prefix) = name.strip_suffix(".weight_packed") {
+                // Kimi-K2-Thinking's int4 (routed experts): dequantized to bf16 (§2.3), then
+                // written as an FP8 weight's bf16 values would be.
+                let (rows, cols, scales) = input.packed_int4(si, prefix, t)?;
+                let wname = format!("{prefix}.weight");
+                let start = t.start;
+                if opts.mode.int8() && !ignored(&ignore, &wname) {
+                    report.int8_weights += 1;
+                    plan_int8(&mut planned, &wname, &[rows, cols], |scale_out| {
+                        Source::Int4 {
+                            start,
+                            scales,
+                            scale_out: Some(scale_out),
+                        }
+                    });
+                } else {
+                    report.bf16_weights += 1;
+                    planned.push(Planned {
+                        out: out_tensor(&wname, "BF16", &[rows, cols]),
+                        source: Source::Int4 {
+                            start,
+                            scales,
+                            scale_out: None,
+                        },
+                    });
+                }
+                continue;
+            }
+            let packed_part = [".weight_scale", ".weight_shape"].iter().any(|suffix| {
+                name.strip_suffix(suffix).is_some_and(|prefix| {
+                    input
+                        .location
+                        .contains_key(&format!("{prefix}.weight_packed"))
+                })
+            });
+            if packed_part {
+                // Read with its packed weight.
+                continue;
+            }
             let size = safetensors_io::dtype_size(&t.dtype).unwrap_or(0);
             if size == 1 && t.dtype != "F8_E4M3" {
                 return Err(ConvertError::Tensor {
@@ -1232,6 +1435,28 @@ fn run_item(
             Ok(0)
         }
         Source::Int8Scale => Ok(0),
+        Source::Int4 {
+            start,
+            ref scales,
+            scale_out,
+        } => {
+            let cols = p.out.shape[1];
+            let n = item.rows.len();
+            let at = start as usize + item.rows.start * cols / 2;
+            let packed = &map[at..at + n * cols / 2];
+            let bf = dequantize_int4_rows(&p.out.name, packed, cols, item.rows.clone(), scales)?;
+            check_scaled_finite(&p.out.name, &bf, cols, item.rows.start)?;
+            match scale_out {
+                None => {
+                    let bytes: Vec<u8> = bf.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    out.write_all_at(&bytes, p.out.offset + (item.rows.start * cols * 2) as u64)?;
+                }
+                Some(so) => {
+                    write_int8_rows(out, &bf, cols, item.rows.start, &p.out, &planned[so].out)?
+                }
+            }
+            Ok((n * cols / 2) as u64)
+        }
         Source::Int8Float {
             start,
             dtype,
@@ -1345,6 +1570,79 @@ fn int8_scale_name(name: &str) -> String {
     name.strip_suffix("weight")
         .map(|p| format!("{p}weight_scale"))
         .unwrap_or_else(|| format!("{name}_scale"))
+}
+
+/// `quantization_config` is compressed-tensors `pack-quantized` (Kimi-K2-Thinking's int4
+/// release, spec `deepseek-v3-r1-kimi-k2.md` §2.3).
+fn is_pack_quantized(q: &Value) -> bool {
+    q.get("quant_method").and_then(Value::as_str) == Some("compressed-tensors")
+        && q.get("format").and_then(Value::as_str) == Some("pack-quantized")
+}
+
+/// The int4 weights' group size of a `pack-quantized` config (`None`: the `channel` strategy,
+/// one scale per row); what this converter cannot read is named by its field.
+fn pack_quantized_group(q: &Value) -> std::result::Result<Option<usize>, String> {
+    let groups = q
+        .get("config_groups")
+        .and_then(Value::as_object)
+        .filter(|g| !g.is_empty())
+        .ok_or("quantization_config.config_groups is missing or empty (pack-quantized needs the int4 weights' scheme)")?;
+    let mut found: Option<Option<usize>> = None;
+    for (g, group) in groups {
+        let field = |k: &str| format!("quantization_config.config_groups.{g}.weights.{k}");
+        let w = group
+            .get("weights")
+            .and_then(Value::as_object)
+            .ok_or(format!(
+                "quantization_config.config_groups.{g}.weights is missing or not an object"
+            ))?;
+        if w.get("num_bits").and_then(Value::as_u64) != Some(4) {
+            return Err(format!(
+                "{} is {}; packed weights are converted from 4 bits only",
+                field("num_bits"),
+                w.get("num_bits").unwrap_or(&Value::Null)
+            ));
+        }
+        if !matches!(w.get("type").and_then(Value::as_str), None | Some("int")) {
+            return Err(format!("{} is not \"int\"", field("type")));
+        }
+        if w.get("symmetric").and_then(Value::as_bool) == Some(false) {
+            return Err(format!(
+                "{} is false; only symmetric int4 weights (no zero point) are converted",
+                field("symmetric")
+            ));
+        }
+        let size = match w.get("strategy").and_then(Value::as_str) {
+            Some("channel") => None,
+            Some("group") | None => match w.get("group_size").and_then(Value::as_u64) {
+                Some(n) if n > 0 => Some(n as usize),
+                other => {
+                    return Err(format!(
+                        "{} is {}; the group strategy needs a positive group size",
+                        field("group_size"),
+                        other.map_or("missing".into(), |v| v.to_string())
+                    ))
+                }
+            },
+            Some(other) => {
+                return Err(format!(
+                    "{} is \"{other}\"; int4 weights are converted with the group or channel \
+                     strategy",
+                    field("strategy")
+                ))
+            }
+        };
+        if found.is_some_and(|f| f != size) {
+            return Err(format!(
+                "quantization_config.config_groups.{g} describes int4 weights unlike the other \
+                 groups' (group sizes {:?} and {size:?}); one scheme for every packed weight is \
+                 supported",
+                found.flatten()
+            ));
+        }
+        found = Some(size);
+    }
+    Ok(found.flatten())
 }
 
 /// A Linear weight DeepSeek-V3/R1/Kimi-K2 ship in FP8 (§5.1: the attention projections, the
@@ -1463,6 +1761,66 @@ pub(crate) fn check_floats(
             ),
         )),
     }
+}
+
+/// Spec §2.3: bf16(f32(q) · f32(scale[r, c / group])) for rows `rows` of a packed int4 weight
+/// (`packed`: those rows, `cols / 2` bytes each; column c is nibble c % 8 of little-endian
+/// word c / 8, i.e. byte c / 2, low nibble for even c; q = nibble − 8). The product is exact in
+/// f32 and rounded to bf16 once, as an FP8 weight's dequantization is. The scales of the rows
+/// are read from their shard and must be finite.
+fn dequantize_int4_rows(
+    name: &str,
+    packed: &[u8],
+    cols: usize,
+    rows: std::ops::Range<usize>,
+    s: &Int4Scales,
+) -> std::io::Result<Vec<u16>> {
+    let size = if s.dtype == "F32" { 4 } else { 2 };
+    let mut bytes = vec![0u8; rows.len() * s.groups * size];
+    File::open(&s.file)
+        .and_then(|f| f.read_exact_at(&mut bytes, s.start + (rows.start * s.groups * size) as u64))
+        .map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("the scales of {name} in {}: {e}", s.file.display()),
+            )
+        })?;
+    let scale_name = name
+        .strip_suffix("weight")
+        .map(|p| format!("{p}weight_scale"));
+    check_floats(
+        scale_name.as_deref().unwrap_or(name),
+        s.dtype,
+        &bytes,
+        rows.start * s.groups,
+    )?;
+    let scale: Vec<f32> = match s.dtype {
+        "F32" => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        "F16" => bytes
+            .chunks_exact(2)
+            .map(|b| cachalot_kernels::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|b| cachalot_kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+    };
+    let mut out = vec![0u16; rows.len() * cols];
+    for (i, (row, o)) in packed
+        .chunks_exact(cols / 2)
+        .zip(out.chunks_exact_mut(cols))
+        .enumerate()
+    {
+        let srow = &scale[i * s.groups..(i + 1) * s.groups];
+        for (c, v) in o.iter_mut().enumerate() {
+            let nibble = (row[c / 2] >> (4 * (c % 2))) & 0x0F;
+            *v = f32_to_bf16((nibble as f32 - 8.0) * srow[c / s.group]);
+        }
+    }
+    Ok(out)
 }
 
 /// Spec §2.2: bf16(f32(fp8[r, c]) · scale_inv[r / br][c / bc]) for rows `rows`.

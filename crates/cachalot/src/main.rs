@@ -196,7 +196,8 @@ enum Command {
     Generate(text::GenerateArgs),
     /// Interactive chat on stdin/stdout: /reset, /system TEXT, /exit; Ctrl-C stops an answer.
     Chat(text::ChatArgs),
-    /// Convert an FP8 checkpoint: V3/R1/Kimi to bfloat16, w8a8c16 or w8a8c8 (--quant-mode);
+    /// Convert a checkpoint (FP8 as DeepSeek ships it, BF16, or Kimi-K2-Thinking's int4): V3/R1/Kimi
+    /// to bfloat16, w8a8c16 or w8a8c8 (--quant-mode);
     /// DeepSeek-V4 to bfloat16, w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif (--quant-type).
     Convert(quant::ConvertArgs),
     /// Rewrite a DeepSeek-V4 config.json's quantization_config in place (the seed's
