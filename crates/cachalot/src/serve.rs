@@ -127,8 +127,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 2000,
           value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(10..))]
     keepalive_ms: u64,
-    /// On SIGTERM the server refuses new requests (503) and gives those in flight up to this
-    /// many seconds to finish before it exits (0 when all finished, 143 otherwise).
+    /// On SIGTERM the server refuses new requests (503) and gives those in flight (and, on a
+    /// prefill server, KV its decode servers have yet to fetch) up to this many seconds to
+    /// finish before it exits (0 when all finished, 143 otherwise).
     #[arg(long, default_value_t = 30.0)]
     drain_timeout_s: f64,
     /// This server's part in prefill/decode disaggregation: `both` (the whole request here),
@@ -236,6 +237,15 @@ enum RoomState {
 impl Rooms {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Instant, RoomState)>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Rooms whose KV waits for its decode server (a drain waits for them too).
+    fn held(&self) -> usize {
+        let mut map = self.lock();
+        self.purge(&mut map);
+        map.values()
+            .filter(|(_, s)| matches!(s, RoomState::Ready(_)))
+            .count()
     }
 
     /// Drops KV that has waited longer than the timeout (a decode server that never came),
@@ -547,6 +557,10 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     if let Some((r, st)) = bad {
         bail!("rank {r} failed ({st}); its error is above");
     }
+    // A drain stopped the group: the status it asks for (143 when the grace cut requests).
+    if let Some(code) = crate::term::drain_stop().filter(|&c| c != 0) {
+        std::process::exit(code);
+    }
     Ok(())
 }
 
@@ -656,6 +670,11 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             timeout: kv_timeout,
         })
     });
+    if let Some(rooms) = &rooms {
+        // A drain lets decode servers fetch the KV they are owed.
+        let rooms = rooms.clone();
+        crate::term::drain_waits_for(move || rooms.held());
+    }
     let kv_port = match &kv_listener {
         Some(l) => Some(l.local_addr()?.port()),
         None => None,
@@ -1134,6 +1153,10 @@ fn ranked_loop<M: Model>(
     let mut aborts = Vec::new();
     let mut busy = false;
     let mut next_key = 0u64;
+    if jobs.is_some() {
+        // A SIGTERM drain stops the group from here (`crate::term::drain_stop`).
+        crate::term::leads_group();
+    }
     loop {
         let mut cmd = Command::default();
         let mut blobs = Vec::new();
@@ -1141,13 +1164,27 @@ fn ranked_loop<M: Model>(
             let mut incoming = Vec::new();
             if !busy && aborts.is_empty() {
                 // Idle: wait for a request, but step (an empty command) every few seconds so
-                // a rank that died is noticed and the server stops instead of looking healthy.
-                match jobs.recv_timeout(HEARTBEAT) {
-                    Ok(job) => incoming.push(job),
-                    Err(mpsc::RecvTimeoutError::Timeout) => {}
-                    Err(mpsc::RecvTimeoutError::Disconnected) => cmd.stop = true,
+                // a rank that died is noticed and the server stops instead of looking healthy;
+                // a drain that finished stops the group.
+                let heartbeat = Instant::now() + HEARTBEAT;
+                while crate::term::drain_stop().is_none() {
+                    let wait = heartbeat.saturating_duration_since(Instant::now());
+                    match jobs.recv_timeout(wait.min(Duration::from_millis(50))) {
+                        Ok(job) => {
+                            incoming.push(job);
+                            break;
+                        }
+                        Err(mpsc::RecvTimeoutError::Timeout) if wait.is_zero() => break,
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(mpsc::RecvTimeoutError::Disconnected) => {
+                            cmd.stop = true;
+                            break;
+                        }
+                    }
                 }
             }
+            // After a drain (its grace over, or nothing left), every rank stops.
+            cmd.stop |= crate::term::drain_stop().is_some();
             incoming.extend(jobs.try_iter());
             for job in incoming {
                 let key = next_key;

@@ -76,12 +76,44 @@ impl Drop for InFlight {
     }
 }
 
+/// What else a drain waits for besides requests in flight (a prefill server's KV that its
+/// decode server has not fetched yet): a count, 0 when nothing is held.
+static HELD: std::sync::OnceLock<Box<dyn Fn() -> usize + Send + Sync>> = std::sync::OnceLock::new();
+
+/// Makes a drain also wait (within its grace) until `held()` is 0.
+pub fn drain_waits_for(held: impl Fn() -> usize + Send + Sync + 'static) {
+    let _ = HELD.set(Box::new(held));
+}
+
+/// Rank 0 of a group of ranks: a drain stops the group through its engine loop
+/// ([`drain_stop`]) instead of leaving the other ranks to find rank 0 gone.
+static LEADS_GROUP: AtomicBool = AtomicBool::new(false);
+
+/// Marks this process as rank 0 of a group whose engine loop polls [`drain_stop`].
+pub fn leads_group() {
+    LEADS_GROUP.store(true, Ordering::SeqCst);
+}
+
+/// The exit status a finished drain asks for (none before).
+static STOP: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+/// After a drain: the status the server exits with (0 when every request finished, 143 when
+/// the grace cut some); the engine loop of a group stops its ranks when it is set.
+pub fn drain_stop() -> Option<i32> {
+    let code = STOP.load(Ordering::SeqCst);
+    (code >= 0).then_some(code)
+}
+
 /// A server's graceful stop: after SIGTERM, [`terminating`] is true (new requests are refused
-/// by the caller), and once no request is [`InFlight`], or `grace` has passed, the process
-/// exits (0 when every request finished, 143 when the grace cut some). `leader: false` (a rank other
-/// than 0 of a group) only notes it: rank 0's exit ends the group.
+/// by the caller), and once no request is [`InFlight`] and nothing [`drain_waits_for`] is
+/// held, or `grace` has passed, the server exits (0 when everything finished, 143 when the
+/// grace cut some): at once when it runs alone; as rank 0 of a group ([`leads_group`]), its
+/// engine loop first stops the other ranks ([`drain_stop`]), the command exiting with the
+/// status once they have. `leader: false` (a rank other than 0) only notes the signal: rank
+/// 0's stop ends the group.
 pub fn drain_on_sigterm(grace: std::time::Duration, leader: bool) -> Result<()> {
     let in_flight = || IN_FLIGHT.load(Ordering::SeqCst);
+    let held = || HELD.get().map_or(0, |f| f());
     install_term()?;
     if !leader {
         return Ok(());
@@ -90,24 +122,44 @@ pub fn drain_on_sigterm(grace: std::time::Duration, leader: bool) -> Result<()> 
         while !terminating() {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        let n = in_flight();
+        let (n, h) = (in_flight(), held());
+        let kv = if h > 0 {
+            format!(" and {h} prefilled KV awaiting their decode servers")
+        } else {
+            String::new()
+        };
         say!(
-            "cachalot: SIGTERM: refusing new requests; {n} in flight get up to {:.0} s to finish",
+            "cachalot: SIGTERM: refusing new requests; {n} in flight{kv} get up to {:.0} s to \
+             finish",
             grace.as_secs_f64()
         );
         let start = std::time::Instant::now();
-        loop {
-            let n = in_flight();
-            if n == 0 {
+        let code = loop {
+            let (n, h) = (in_flight(), held());
+            if n == 0 && h == 0 {
                 say!("cachalot: drained; exiting");
-                std::process::exit(0);
+                break 0;
             }
             if start.elapsed() >= grace {
-                say!("cachalot: {n} requests still running after the grace; exiting");
-                std::process::exit(143);
+                say!(
+                    "cachalot: {n} requests still running, {h} prefilled KV not fetched after \
+                     the grace; exiting"
+                );
+                break 143;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        STOP.store(code, Ordering::SeqCst);
+        if LEADS_GROUP.load(Ordering::SeqCst) {
+            // The engine loop stops the group and the command exits; a group that does not
+            // stop in time is left as before.
+            std::thread::sleep(GROUP_STOP_WAIT);
+            say!("cachalot: the other ranks did not stop; exiting");
         }
+        std::process::exit(code);
     });
     Ok(())
 }
+
+/// How long rank 0 waits for its group to stop after a drain.
+const GROUP_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(15);

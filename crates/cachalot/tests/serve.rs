@@ -2090,60 +2090,122 @@ fn v4_prefill_and_decode_servers_answer_as_one_server() {
     }
 }
 
-/// SIGTERM drains: a request in flight finishes whole, new requests and the health check get
-/// 503 meanwhile, and the server then exits 0 by itself.
-#[test]
-fn sigterm_drains_requests_in_flight() {
-    let mut server = start(&["--model", "assets/cachalot-tiny-r1"]);
-    let addr = server.addr.clone();
-    let long = std::thread::spawn(move || {
-        post(
-            &addr,
-            "/v1/completions",
-            &json!({"prompt": "The whale", "max_tokens": 1500, "ignore_eos": true}),
-        )
-    });
-    // The long request is running once the server counts it.
-    let t = std::time::Instant::now();
-    loop {
-        let (_, metrics) = http(&server.addr, "GET", "/metrics", "");
-        if metrics
-            .lines()
-            .any(|l| l.starts_with("cachalot:num_requests_running") && !l.ends_with(" 0"))
-        {
-            break;
-        }
-        assert!(t.elapsed().as_secs() < 60, "the request never ran");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+/// Sends SIGTERM to a server (rank 0 of its group).
+fn sigterm(server: &Server) {
     // SAFETY: signals our own child.
     unsafe { libc::kill(server.child.id() as libc::pid_t, libc::SIGTERM) };
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    let (status, v) = post(&server.addr, "/v1/completions", &json!({"prompt": "x"}));
-    assert_eq!(status, 503, "{v}");
-    assert!(v["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("shutting down"));
-    let (status, health) = http(&server.addr, "GET", "/health", "");
-    assert_eq!(
-        (status, health.contains("draining")),
-        (503, true),
-        "{health}"
-    );
-    let (status, v) = long.join().unwrap();
-    assert_eq!(status, 200, "{v}");
-    assert_eq!(v["usage"]["completion_tokens"], 1500, "{v}");
+}
+
+/// The exit status of a server that must end by itself within `limit` seconds.
+fn exit_within(server: &mut Server, limit: u64) -> Option<i32> {
     let t = std::time::Instant::now();
-    let code = loop {
+    loop {
         if let Some(st) = server.child.try_wait().unwrap() {
-            break st.code();
+            return st.code();
         }
-        assert!(
-            t.elapsed().as_secs() < 60,
-            "the drained server did not exit"
-        );
+        assert!(t.elapsed().as_secs() < limit, "the server did not exit");
         std::thread::sleep(std::time::Duration::from_millis(20));
-    };
-    assert_eq!(code, Some(0));
+    }
+}
+
+/// SIGTERM drains: a request in flight finishes whole, new requests and the health check get
+/// 503 meanwhile, and the server then exits 0 by itself; over two ranks, rank 0 stops the
+/// other cleanly (no rank reports an error).
+#[test]
+fn sigterm_drains_requests_in_flight() {
+    for ranks in [&[][..], &["--ranks", "2"]] {
+        let mut args = vec!["--model", "assets/cachalot-tiny-r1"];
+        args.extend(ranks);
+        let mut server = start(&args);
+        let addr = server.addr.clone();
+        let long = std::thread::spawn(move || {
+            post(
+                &addr,
+                "/v1/completions",
+                &json!({"prompt": "The whale", "max_tokens": 1500, "ignore_eos": true}),
+            )
+        });
+        // The long request is running once the server counts it.
+        let t = std::time::Instant::now();
+        loop {
+            let (_, metrics) = http(&server.addr, "GET", "/metrics", "");
+            if metrics
+                .lines()
+                .any(|l| l.starts_with("cachalot:num_requests_running") && !l.ends_with(" 0"))
+            {
+                break;
+            }
+            assert!(t.elapsed().as_secs() < 60, "the request never ran");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        sigterm(&server);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let (status, v) = post(&server.addr, "/v1/completions", &json!({"prompt": "x"}));
+        assert_eq!(status, 503, "{v}");
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("shutting down"));
+        let (status, health) = http(&server.addr, "GET", "/health", "");
+        assert_eq!(
+            (status, health.contains("draining")),
+            (503, true),
+            "{health}"
+        );
+        let (status, v) = long.join().unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 1500, "{v}");
+        assert_eq!(exit_within(&mut server, 60), Some(0), "{ranks:?}");
+        let log = server.log.lock().unwrap().join("\n");
+        assert!(log.contains("drained"), "{log}");
+        assert!(
+            !log.to_lowercase().contains("error") && !log.contains("failed"),
+            "{ranks:?}: {log}"
+        );
+    }
+}
+
+/// A prefill server's drain waits for the KV its decode server has not fetched: it exits 0
+/// once that is taken, and 143 when the grace ends first.
+#[test]
+fn prefill_drain_waits_for_held_kv() {
+    for fetch in [true, false] {
+        let mut pre = start(&[
+            "--role",
+            "prefill",
+            "--kv-port",
+            "0",
+            "--drain-timeout-s",
+            "4",
+        ]);
+        let kv_port = {
+            let (_, h) = http(&pre.addr, "GET", "/health", "");
+            let h: Value = serde_json::from_str(&h).unwrap();
+            h["kv_port"].as_u64().unwrap()
+        };
+        let body = json!({"prompt": "The whale", "max_tokens": 8, "temperature": 0,
+                          "bootstrap_room": 5, "bootstrap_host": "127.0.0.1",
+                          "bootstrap_port": kv_port});
+        let (status, v) = post(&pre.addr, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        sigterm(&pre);
+        std::thread::sleep(std::time::Duration::from_millis(1000));
+        assert!(
+            pre.child.try_wait().unwrap().is_none(),
+            "the prefill server left with KV still held"
+        );
+        if fetch {
+            let dec = start(&["--role", "decode"]);
+            let (status, v) = post(&dec.addr, "/v1/completions", &body);
+            assert_eq!(
+                (status, v["usage"]["completion_tokens"].as_u64()),
+                (200, Some(8)),
+                "{v}"
+            );
+        }
+        let code = exit_within(&mut pre, 30);
+        assert_eq!(code, Some(if fetch { 0 } else { 143 }));
+        let log = pre.log.lock().unwrap().join("\n");
+        assert!(log.contains("1 prefilled KV awaiting"), "{log}");
+    }
 }
