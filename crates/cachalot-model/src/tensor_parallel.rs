@@ -300,3 +300,25 @@ pub(crate) fn step_digest(tokens: &[u32], positions: &[usize]) -> u64 {
     }
     h
 }
+
+/// Whether `ranks`-way tensor parallelism can split the model of `dir` (by its config.json;
+/// `experts_whole`: the routed experts are held whole, `--parallel tensor-expert`): the check
+/// every rank's load makes, for a command to say it once before it starts the ranks.
+pub fn check_model_split(dir: &std::path::Path, ranks: usize, experts_whole: bool) -> Result<()> {
+    let shard = TensorShard { rank: 0, ranks };
+    match crate::config_v4::detect_family(dir)? {
+        crate::config_v4::ModelFamily::DeepseekV3 => {
+            shard.validate(&DeepseekV3Config::from_dir(dir)?, experts_whole)
+        }
+        crate::config_v4::ModelFamily::DeepseekV4 => {
+            // `DeepseekV4::load_from`'s split: whole output groups of heads, every expert's
+            // (or, with the experts whole, the shared expert's) intermediate features.
+            let c = crate::config_v4::DeepseekV4Config::from_dir(dir)?;
+            shard.check_sizes(&[
+                ("num_attention_heads", c.num_attention_heads),
+                ("o_groups", c.o_groups),
+                ("moe_intermediate_size", c.moe_intermediate_size),
+            ])
+        }
+    }
+}

@@ -132,6 +132,27 @@ const SCHEDULER_KEYS: &[Key] = &[
     k("cp_mini_batch", Kind::Int(i64::MIN)),
 ];
 
+/// `model_config.custom_params` keys the seed's executor and DeepSeek/Kimi models read, with
+/// their types (other keys pass: the seed reads the ones it knows and ignores the rest; run.log
+/// notes them).
+pub const CUSTOM_KEYS: &[Key] = &[
+    k("enable_mla_prolog", Kind::Bool),
+    k("enable_multi_streams", Kind::Bool),
+    k("enable_superkernel", Kind::Bool),
+    k("enable_o_proj_alltoall", Kind::Bool),
+    k("enable_pypto", Kind::Bool),
+    k("enable_limit_core", Kind::Bool),
+    k("enable_afd", Kind::Bool),
+    k("enable_mega_moe", Kind::Bool),
+    k("enable_prefetch", Kind::Bool),
+    k("enable_offload", Kind::Bool),
+    k("enable_mm_all_reduce_base", Kind::Bool),
+    k("kernel_config", Kind::AnyMap),
+    k("moe_chunk_max_len", Kind::Int(1)),
+    k("micro_batch_mode", Kind::IntIn(0, 2)),
+    k("num_hidden_layers", Kind::Int(1)),
+];
+
 /// The sections and their keys.
 pub const SECTIONS: &[(&str, &[Key])] = &[
     ("model_config", MODEL_KEYS),
@@ -669,9 +690,61 @@ fn check_schema(value: &Value, text: &str, issues: &mut Vec<ConfigIssue>) {
                     path,
                     message,
                 });
+            } else if let ("custom_params", Value::Object(params)) = (key.as_str(), v) {
+                check_custom_params(params, text, line, issues);
             }
         }
     }
+}
+
+/// `model_config.custom_params`: the seed's keys hold their types; a near miss of
+/// `num_hidden_layers`, the one applied here, is an error (the model would run whole).
+fn check_custom_params(
+    params: &Map<String, Value>,
+    text: &str,
+    from: Option<usize>,
+    issues: &mut Vec<ConfigIssue>,
+) {
+    for (key, v) in params {
+        let path = format!("model_config.custom_params.{key}");
+        let line = find_nested_line(text, from, key).or(from);
+        let message = match CUSTOM_KEYS.iter().find(|k| k.name == key) {
+            Some(spec) => check_value(spec.kind, v),
+            None if strsim::jaro_winkler(key, "num_hidden_layers") >= 0.9 => Some(
+                "unknown key; did you mean `num_hidden_layers`? (the one custom_params key \
+                 applied here; the others are the seed's NPU switches, without effect)"
+                    .into(),
+            ),
+            None => None,
+        };
+        if let Some(message) = message {
+            issues.push(ConfigIssue {
+                line,
+                path,
+                message,
+            });
+        }
+    }
+}
+
+/// 1-based line of `key:` on or after line `from` (a key of a nested mapping, block or flow).
+fn find_nested_line(text: &str, from: Option<usize>, key: &str) -> Option<usize> {
+    let from = from?;
+    text.lines()
+        .enumerate()
+        .skip(from - 1)
+        .find(|(_, l)| {
+            let l = l.split('#').next().unwrap_or("");
+            l.match_indices(key).any(|(i, _)| {
+                let before = l[..i].chars().last();
+                let after = l[i + key.len()..].trim_start();
+                matches!(before, None | Some(' ' | '{' | ',' | '\t' | '"' | '\''))
+                    && (after.starts_with(':')
+                        || after.starts_with("\":")
+                        || after.starts_with("':"))
+            })
+        })
+        .map(|(i, _)| i + 1)
 }
 
 fn section_names() -> Vec<&'static str> {
@@ -679,12 +752,20 @@ fn section_names() -> Vec<&'static str> {
 }
 
 fn unknown(name: &str, valid: &[&str], what: &str) -> String {
+    // Keys that name the same size with a prefix (`ep_size` is `moe_ep_size`; `tp_size`,
+    // `attn_tp_size` or `moe_tp_size`) before the closest spelling.
+    let named: Vec<String> = valid
+        .iter()
+        .filter(|v| v.ends_with(&format!("_{name}")))
+        .map(|v| format!("`{v}`"))
+        .collect();
     let closest = valid
         .iter()
         .map(|v| (strsim::jaro_winkler(name, v), *v))
         .max_by(|a, b| a.0.total_cmp(&b.0))
         .filter(|(score, _)| *score >= 0.8);
     let hint = match closest {
+        _ if !named.is_empty() => format!("did you mean {}? ", named.join(" or ")),
         Some((_, v)) => format!("did you mean `{v}`? "),
         None => String::new(),
     };
@@ -725,6 +806,25 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
                     "{} is out of range: must be at most {max}",
                     v.as_u64().unwrap_or(0)
                 )),
+                // A whole number YAML read as a decimal one (`1e4`, a leading zero: `010`).
+                None if v
+                    .as_f64()
+                    .is_some_and(|x| x.is_finite() && x.fract() == 0.0) =>
+                {
+                    let x = v.as_f64().unwrap_or(0.0);
+                    Some(if x > max as f64 {
+                        format!("{x} is out of range: must be at most {max}")
+                    } else if x < min as f64 {
+                        format!("{x} is out of range: must be >= {min}")
+                    } else {
+                        format!(
+                            "expected an integer, got {x}, which YAML reads as a decimal number \
+                             (an exponent such as 1e4, or a leading zero such as 010): write \
+                             the digits alone, {}",
+                            x as i64
+                        )
+                    })
+                }
                 None => Some(format!(
                     "expected an integer{}, got {}",
                     if min > i64::MIN {
@@ -815,6 +915,37 @@ mod tests {
         assert_eq!(c, RunConfig::default());
         assert_eq!(c.max_prefill_tokens(), 256);
         assert_eq!(c.max_total_len(), 256 + 32);
+    }
+
+    /// custom_params' known keys are type-checked with the rest of the file (each named with
+    /// its line), a near miss of num_hidden_layers is an error, other keys pass; a whole number
+    /// YAML reads as a decimal one says how to write it; a size named without its prefix is
+    /// pointed at the keys that carry it.
+    #[test]
+    fn custom_params_numbers_and_prefixed_sizes() {
+        let y = "model_config:\n  custom_params:\n    enable_mla_prolog: 7\n    \
+                 num_hidden_layer: 2\n    some_future_switch: 3\n    micro_batch_mode: 5\n\
+                 scheduler_config:\n  batch_size: 0\n  max_prefill_tokens: 1e4\n\
+                 parallel_config:\n  ep_size: 2\n";
+        let e = RunConfig::from_yaml(y, Path::new("x.yaml"))
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "line 3: model_config.custom_params.enable_mla_prolog: expected true or false",
+            "line 4: model_config.custom_params.num_hidden_layer: unknown key; did you mean \
+             `num_hidden_layers`?",
+            "line 6: model_config.custom_params.micro_batch_mode: 5 is out of range",
+            "line 8: scheduler_config.batch_size: 0 is out of range",
+            "line 9: scheduler_config.max_prefill_tokens: expected an integer, got 10000",
+            "write the digits alone, 10000",
+            "line 11: parallel_config.ep_size: unknown key; did you mean `moe_ep_size`?",
+        ] {
+            assert!(e.contains(want), "`{want}` not in:\n{e}");
+        }
+        assert!(!e.contains("some_future_switch"), "{e}");
+        let ok = "model_config:\n  custom_params: {enable_afd: false, kernel_config: \
+                  {compressor: native}, moe_chunk_max_len: 1024}\n";
+        RunConfig::from_yaml(ok, Path::new("x.yaml")).unwrap();
     }
 
     /// A section with nothing under it is an empty section; an integer past 64 bits is out of

@@ -111,6 +111,31 @@ pub enum Parallel {
 }
 
 impl Parallel {
+    /// The `--parallel` spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Parallel::Data => "data",
+            Parallel::Expert => "expert",
+            Parallel::Tensor => "tensor",
+            Parallel::TensorExpert => "tensor-expert",
+            Parallel::DataExpert => "data-expert",
+            Parallel::Context => "context",
+        }
+    }
+
+    /// What runs a YAML's `parallel_config` as the seed would, for a run with fewer ranks than
+    /// its `world_size` (which then records the sizes and applies none).
+    pub fn config_hint(pc: &crate::config::ParallelConfig) -> String {
+        let w = pc.world_size;
+        match Parallel::from_config(pc, w) {
+            Ok(Some((p, _))) => format!("--ranks {w} runs its layout ({})", p.name()),
+            _ => format!(
+                "its sizes are not a layout run here: --ranks {w} --parallel LAYOUT runs one \
+                 (docs/CONFIG.md)"
+            ),
+        }
+    }
+
     /// The layout a YAML's `parallel_config` asks of a group of `ranks` processes (executor
     /// spec §4.3), for a command line that gives no `--parallel`: None when the config's
     /// `world_size` is not `ranks` (its sizes are then recorded, not applied, and the ranks run
@@ -168,9 +193,11 @@ impl Parallel {
             _ => {
                 return Err(format!(
                     "{sizes}: this mix is not done here (the layouts run over ranks are DP \
-                     attention with EP experts, attn_tp_size 1 and moe_tp_size 1; tensor \
-                     parallel, both equal to world_size; and tensor parallel with EP experts, \
-                     attn_tp_size world_size and moe_tp_size 1); give --parallel to choose one"
+                     attention with EP experts, attn_tp_size 1 and moe_tp_size 1; the same \
+                     with prefill context parallelism, cp_size world_size; tensor parallel, \
+                     attn_tp_size and moe_tp_size world_size; and tensor parallel with EP \
+                     experts, attn_tp_size world_size and moe_tp_size 1); give --parallel to \
+                     choose one"
                 ))
             }
         };
@@ -234,6 +261,9 @@ pub struct Summary {
     /// How the ranks exchanged data: "none" (one process), "tcp", "shared memory" or "mpi".
     pub transport: &'static str,
     pub world_size_in_config: usize,
+    /// How the config's layout would run ([`Parallel::config_hint`]; the table's note).
+    #[serde(skip)]
+    pub parallel_hint: String,
     pub threads: usize,
     /// What the products ran on (`cachalot_kernels::kernel_isa`: "avx512+amx-int8", "avx2", …).
     pub kernels: String,
@@ -1060,8 +1090,9 @@ pub fn run_ranked(
     if cfg.parallel_config.world_size > ranks {
         logln!(
             "note: the config's world_size {} and its TP/EP/CP sizes are recorded, not applied; \
-             {ranks} process(es) run the whole model (--ranks N, --parallel expert|tensor)",
-            cfg.parallel_config.world_size
+             {ranks} process(es) run the whole model ({})",
+            cfg.parallel_config.world_size,
+            Parallel::config_hint(&cfg.parallel_config)
         );
     }
 
@@ -1138,6 +1169,7 @@ pub fn run_ranked(
     }
     // custom_params: model-specific switches of the seed's NPU models; the one that changes
     // the model, num_hidden_layers (reduced-layer testing), is applied to V3-family models.
+    // (Types and near misses of num_hidden_layers are checked with the YAML.)
     let mut max_layers = None;
     for (k, v) in &m.custom_params {
         if k == "num_hidden_layers" {
@@ -1153,18 +1185,31 @@ pub fn run_ranked(
                      (the whole model runs)"
                 );
             } else {
+                let layers =
+                    cachalot_model::DeepseekV3Config::from_dir(&model_dir)?.num_hidden_layers;
+                if n as usize > layers {
+                    return Err(format!(
+                        "model_config.custom_params.num_hidden_layers: {n} exceeds the \
+                         checkpoint's {layers} layers (config.json num_hidden_layers); give at \
+                         most {layers}, or leave it out to run the whole model"
+                    )
+                    .into());
+                }
                 logln!("custom_params.num_hidden_layers: only the first {n} decoder layers run");
                 max_layers = Some(n as usize);
             }
-        } else if strsim::jaro_winkler(k, "num_hidden_layers") >= 0.9 {
-            return Err(format!(
-                "model_config.custom_params.{k}: did you mean num_hidden_layers? (the one \
-                 custom_params key applied here; the others are the seed's NPU switches, \
-                 without effect)"
-            )
-            .into());
-        } else {
+        } else if crate::config::CUSTOM_KEYS.iter().any(|c| c.name == k) {
             logln!("custom_params.{k}: an NPU switch, no effect here");
+        } else {
+            let near = crate::config::CUSTOM_KEYS
+                .iter()
+                .map(|c| (strsim::jaro_winkler(k, c.name), c.name))
+                .max_by(|a, b| a.0.total_cmp(&b.0))
+                .filter(|(s, _)| *s >= 0.92)
+                .map_or(String::new(), |(_, c)| format!(" (did you mean `{c}`?)"));
+            logln!(
+                "note: custom_params.{k} is not a key of the seed's models{near}; no effect here"
+            );
         }
     }
     // force_eplb's balanced assignment: data-parallel ranks that dispatch to each other's
@@ -1345,6 +1390,11 @@ pub fn run_ranked(
     let mut engine = Engine::new(model, Some(&tokenizer), engine_cfg)?;
     if m.next_n > 0 {
         engine.enable_mtp(m.next_n).map_err(|e| {
+            // (The engine's request wording is for servers; here the YAML asked.)
+            let e = match e {
+                cachalot_engine::EngineError::Request(why) => why,
+                other => other.to_string(),
+            };
             format!(
                 "model_config.next_n {}: {e} ({})",
                 m.next_n,
@@ -1713,6 +1763,7 @@ pub fn run_ranked(
             Parallel::Data
         },
         world_size_in_config: cfg.parallel_config.world_size,
+        parallel_hint: Parallel::config_hint(&cfg.parallel_config),
         threads: rayon_threads(),
         kernels: cachalot_kernels::kernel_isa(),
         load_s,
@@ -1944,10 +1995,11 @@ pub fn summary_table(s: &Summary) -> String {
             "parallel".into(),
             format!(
                 "the config's world_size {} and its TP/EP/CP sizes are recorded, not applied: \
-                 {} process{} ran (use --ranks N, --parallel expert; docs/CONFIG.md)",
+                 {} process{} ran ({})",
                 s.world_size_in_config,
                 s.ranks,
-                if s.ranks == 1 { "" } else { "es" }
+                if s.ranks == 1 { "" } else { "es" },
+                s.parallel_hint
             ),
         ));
     }

@@ -595,6 +595,20 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if args.group.rank.is_none() {
         args.placement.load(opts.parallel, ranks)?;
     }
+    // So are sizes tensor parallelism cannot split (each rank's load would say it again).
+    let tensor = matches!(
+        opts.parallel,
+        offline::Parallel::Tensor | offline::Parallel::TensorExpert
+    );
+    let model_dir = std::path::Path::new(&cfg.model_config.model_path);
+    if args.group.rank.is_none() && ranks > 1 && tensor && model_dir.join("config.json").is_file() {
+        cachalot_model::tensor_parallel::check_model_split(
+            model_dir,
+            ranks,
+            opts.parallel == offline::Parallel::TensorExpert,
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+    }
     let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {
         offline::run_ranked(&cfg, &opts, comm.clone())
