@@ -602,6 +602,10 @@ impl Input {
                 ));
             }
         }
+        let per = match group {
+            Some(g) => format!("one per {g} columns, the config's group_size"),
+            None => "one per row, the config's channel strategy".into(),
+        };
         let group = group.unwrap_or(cols);
         let groups = cols.div_ceil(group);
         let sname = format!("{prefix}.weight_scale");
@@ -610,8 +614,8 @@ impl Input {
                 &name,
                 &file,
                 format!(
-                    "is packed int4 but {sname} ([{rows}, {groups}] scales, one per {group} \
-                     columns) is in no shard; the checkpoint is incomplete"
+                    "is packed int4 but {sname} ([{rows}, {groups}] scales, {per}) is in no \
+                     shard; the checkpoint is incomplete"
                 ),
             ));
         };
@@ -622,8 +626,8 @@ impl Input {
                 &sname,
                 &spath,
                 format!(
-                    "is {} {:?}; expected BF16 (or F16/F32) [{rows}, {groups}]: one scale per \
-                     {group} columns of {name}, the config's group_size",
+                    "is {} {:?}; expected BF16 (or F16/F32) [{rows}, {groups}], the scales of \
+                     {name}: {per}",
                     s.dtype, s.shape
                 ),
             ));
@@ -807,7 +811,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
             (QuantMode::W8A8C8, Some(p)) => Some(read_c8_scales(p, input.num_layers)?),
             (QuantMode::W8A8C8, None) => return Err(ConvertError::Usage(
                 "--quant-mode w8a8c8 needs --c8-scales FILE (make one with `cachalot calibrate \
-                 --model DIR --file TEXT --out FILE` on the FP8 or BF16 model) or the seed's \
+                 --model DIR --file TEXT --out FILE` on the model being converted) or the seed's \
                  directory of quant_parameters_i.pth files"
                     .into(),
             )),
@@ -1397,6 +1401,13 @@ fn write_shard(
     items.par_iter().try_for_each(|item| -> Result<()> {
         let p = &planned[item.t];
         let consumed = run_item(p, item, &planned, scales, &map, &out).map_err(|e| {
+            // Damaged data of another shard (a weight's scales) names that shard.
+            if let Some(l) = e.get_ref().and_then(|r| r.downcast_ref::<Located>()) {
+                return ConvertError::Shard {
+                    file: l.file.clone(),
+                    why: l.why.clone(),
+                };
+            }
             // Damaged input data is the input shard's fault; anything else is writing's.
             let file = if e.kind() == std::io::ErrorKind::InvalidData {
                 input
@@ -1582,6 +1593,16 @@ fn is_pack_quantized(q: &Value) -> bool {
 /// The int4 weights' group size of a `pack-quantized` config (`None`: the `channel` strategy,
 /// one scale per row); what this converter cannot read is named by its field.
 fn pack_quantized_group(q: &Value) -> std::result::Result<Option<usize>, String> {
+    // Sparse (2:4) weights are stored otherwise; a dense description, or none, is ours.
+    if let Some(sp) = q.get("sparsity_config").filter(|v| !v.is_null()) {
+        let format = sp.get("format").and_then(Value::as_str).unwrap_or("");
+        if !format.is_empty() && format != "dense" {
+            return Err(format!(
+                "quantization_config.sparsity_config.format is \"{format}\"; sparse weights are \
+                 not converted (dense packed int4 is)"
+            ));
+        }
+    }
     let groups = q
         .get("config_groups")
         .and_then(Value::as_object)
@@ -1763,6 +1784,21 @@ pub(crate) fn check_floats(
     }
 }
 
+/// Damaged input found in a shard other than the one being converted (a weight's scales).
+#[derive(Debug)]
+struct Located {
+    file: PathBuf,
+    why: String,
+}
+
+impl std::fmt::Display for Located {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.file.display(), self.why)
+    }
+}
+
+impl std::error::Error for Located {}
+
 /// Spec §2.3: bf16(f32(q) · f32(scale[r, c / group])) for rows `rows` of a packed int4 weight
 /// (`packed`: those rows, `cols / 2` bytes each; column c is nibble c % 8 of little-endian
 /// word c / 8, i.e. byte c / 2, low nibble for even c; q = nibble − 8). The product is exact in
@@ -1787,13 +1823,19 @@ fn dequantize_int4_rows(
         })?;
     let scale_name = name
         .strip_suffix("weight")
-        .map(|p| format!("{p}weight_scale"));
-    check_floats(
-        scale_name.as_deref().unwrap_or(name),
-        s.dtype,
-        &bytes,
-        rows.start * s.groups,
-    )?;
+        .map_or(name.to_string(), |p| format!("{p}weight_scale"));
+    let damaged = |r: usize, g: usize, v: f32, why: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            Located {
+                file: s.file.clone(),
+                why: format!(
+                    "tensor {scale_name}: the scale at [{r}, {g}] ({v:e}) {why}; the input \
+                     checkpoint is damaged (re-download this shard)"
+                ),
+            },
+        )
+    };
     let scale: Vec<f32> = match s.dtype {
         "F32" => bytes
             .chunks_exact(4)
@@ -1808,6 +1850,21 @@ fn dequantize_int4_rows(
             .map(|b| cachalot_kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
             .collect(),
     };
+    if let Some(i) = scale.iter().position(|v| !v.is_finite()) {
+        let r = rows.start + i / s.groups;
+        return Err(damaged(r, i % s.groups, scale[i], "is not a finite number"));
+    }
+    // An int4 value (|q| ≤ 8) times the scale must fit bf16 (whose largest is ~3.39e38).
+    let limit = cachalot_kernels::bf16_to_f32(0x7F7F) / 8.0;
+    if let Some(i) = scale.iter().position(|v| v.abs() > limit) {
+        let r = rows.start + i / s.groups;
+        return Err(damaged(
+            r,
+            i % s.groups,
+            scale[i],
+            "is too large: an int4 weight (up to 8 in size) times it overflows bf16",
+        ));
+    }
     let mut out = vec![0u16; rows.len() * cols];
     for (i, (row, o)) in packed
         .chunks_exact(cols / 2)

@@ -906,6 +906,16 @@ pub(crate) fn special_ids_in_vocab(
 /// group must describe the same weights: the loader tells int4 tensors by their
 /// `weight_packed` name, not by matching targets.
 fn packed_int4_group_size(q: &Fields) -> Result<Option<usize>> {
+    // Sparse (2:4) weights are stored otherwise; a dense description, or none, is ours.
+    if let Some(sp) = q.get("sparsity_config").filter(|v| !v.is_null()) {
+        let format = sp.get("format").and_then(Value::as_str).unwrap_or("");
+        if !format.is_empty() && format != "dense" {
+            return Err(q.err(
+                "sparsity_config.format",
+                format!("\"{format}\"; sparse weights are not supported (dense packed int4 is)"),
+            ));
+        }
+    }
     let groups = match q.get("config_groups") {
         Some(Value::Object(g)) if !g.is_empty() => g,
         Some(other) => {

@@ -243,9 +243,25 @@ impl Loader<'_> {
             let m = self.packed_int4(prefix, rows, cols)?;
             return cut.apply(m, &name, self.opts.tensor_shard);
         }
-        let w = self
-            .ckpt
-            .take(&name, &format!("a [{rows}, {cols}] weight"))?;
+        // Under a pack-quantized config a missing weight may be the packed one (its scales
+        // left behind say so).
+        let expected =
+            if self.int4.is_some() && self.ckpt.contains(&format!("{prefix}.weight_scale")) {
+                format!(
+                "a [{rows}, {cols}] weight: here `{packed}` (int32 [{rows}, {}], packed int4), \
+                 whose `{prefix}.weight_scale` is present",
+                cols / 8
+            )
+            } else {
+                format!("a [{rows}, {cols}] weight")
+            };
+        let w = self.ckpt.take(&name, &expected)?;
+        if self.ckpt.contains(&packed) {
+            return Err(w.error(format!(
+                "is stored beside `{packed}`: a Linear is either a weight or packed int4 \
+                 weights, not both"
+            )));
+        }
         w.expect_shape(&[rows, cols])?;
         if matches!(w.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
             // Scales beside a float weight: the weight lost its quantized dtype (or the scales
@@ -361,15 +377,28 @@ impl Loader<'_> {
         )?;
         let shape_ok = s.shape == [rows, groups] || (groups == 1 && s.shape == [rows]);
         if !shape_ok {
+            let per = match group {
+                Some(_) => format!("one scale per {group_size} columns, the config's group_size"),
+                None => "one scale per row, the config's channel strategy".into(),
+            };
             return Err(s.error(format!(
-                "has shape {:?}; expected [{rows}, {groups}] (one scale per {group_size} \
-                 columns, the config's group_size)",
+                "has shape {:?}; expected [{rows}, {groups}] ({per})",
                 s.shape
+            )));
+        }
+        let scale = s.to_f32_vec()?;
+        if let Some(i) = scale.iter().position(|v| !v.is_finite()) {
+            return Err(s.error(format!(
+                "holds a non-finite scale ({}) at [{}, {}]; the checkpoint is damaged \
+                 (re-download this shard)",
+                scale[i],
+                i / groups,
+                i % groups
             )));
         }
         let data = MatrixData::Int4Group {
             data: w.bytes.clone(),
-            scale: s.to_f32_vec()?,
+            scale,
             group_size,
         };
         Matrix::new(rows, cols, data).map_err(|e| w.error(e.to_string()))

@@ -338,4 +338,36 @@ fn packed_int4_errors_name_the_tensor_or_field() {
         e.contains(&format!("{name}.weight_packed")) && e.contains("I32"),
         "{e}"
     );
+
+    // A NaN scale is named with its place; a packed weight that is gone is named as such; a
+    // Linear stored both ways is refused.
+    let mut t = read_all(dir);
+    t.get_mut(&format!("{name}.weight_scale")).unwrap().2[2..4]
+        .copy_from_slice(&0x7FC0u16.to_le_bytes());
+    let broken = write_dir(&t, &config);
+    let e = load_err(broken.path());
+    assert!(
+        e.contains(&format!("{name}.weight_scale"))
+            && e.contains("non-finite scale (NaN) at [0, 1]"),
+        "{e}"
+    );
+    let mut t = read_all(dir);
+    t.remove(&format!("{name}.weight_packed"));
+    let broken = write_dir(&t, &config);
+    let e = load_err(broken.path());
+    assert!(e.contains(&format!("`{name}.weight_packed` (int32")), "{e}");
+    let mut t = read_all(dir);
+    let shape = t[&format!("{name}.weight_shape")].clone();
+    let dims: Vec<usize> = shape
+        .2
+        .chunks(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as usize)
+        .collect();
+    t.insert(
+        format!("{name}.weight"),
+        (Dtype::BF16, dims.clone(), vec![0u8; dims[0] * dims[1] * 2]),
+    );
+    let broken = write_dir(&t, &config);
+    let e = load_err(broken.path());
+    assert!(e.contains("not both"), "{e}");
 }

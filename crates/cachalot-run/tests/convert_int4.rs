@@ -279,6 +279,24 @@ fn damaged_int4_checkpoints_are_named() {
             vec![format!("{victim}.weight_scale"), "NaN".into()],
         ),
         (
+            "huge scale",
+            Box::new(move |l| {
+                for t in l
+                    .iter_mut()
+                    .filter(|t| t.0 == format!("{victim}.weight_scale"))
+                {
+                    // bf16 0x7F62: ~3.0e38, eight times which overflows.
+                    t.3[6..8].copy_from_slice(&0x7F62u16.to_le_bytes());
+                }
+            }),
+            Box::new(keep),
+            vec![
+                format!("{victim}.weight_scale"),
+                "[0, 3]".into(),
+                "too large".into(),
+            ],
+        ),
+        (
             "no int4 config",
             Box::new(|_| {}),
             Box::new(|c: &mut Value| {

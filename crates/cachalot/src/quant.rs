@@ -11,7 +11,8 @@ use cachalot_convert::{convert, ConvertOptions, QuantMode};
 
 #[derive(clap::Args)]
 pub struct ConvertArgs {
-    /// FP8 Hugging Face checkpoint directory (the seed's --input_fp8_hf_path).
+    /// The Hugging Face checkpoint directory (the seed's --input_fp8_hf_path): FP8 as DeepSeek
+    /// ships it, BF16, or Kimi-K2-Thinking's int4 (pack-quantized); DeepSeek-V4 FP8 + MXFP4.
     #[arg(long, alias = "input_fp8_hf_path")]
     input: PathBuf,
     /// Output directory (the seed's --output_hf_path); written to a temporary directory beside
@@ -189,7 +190,8 @@ pub fn run_convert_config(args: &ConvertConfigArgs) -> Result<()> {
 
 #[derive(clap::Args)]
 pub struct CalibrateArgs {
-    /// Model directory to calibrate (FP8, BF16 or W8A8C16; the model whose latents C8 will hold).
+    /// Model directory to calibrate (FP8, BF16, int4 or W8A8C16; the model whose latents C8
+    /// will hold).
     #[arg(long)]
     model: PathBuf,
     /// Calibration text, tokenized with the model's tokenizer (no special tokens added).
