@@ -253,9 +253,17 @@ impl Sampler {
     /// Steps 2-5: the distribution a token is drawn from, as (token, probability) pairs in
     /// decreasing probability, renormalised. Greedy gives one pair with probability 1.
     pub fn candidates(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        let p = &self.params;
+        let plain = p.logit_bias.is_empty()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0;
+        if p.is_greedy() && plain {
+            // Nothing to change in the logits: no copy.
+            return vec![(argmax(logits) as u32, 1.0)];
+        }
         let mut l = logits.to_vec();
         self.apply_penalties(&mut l);
-        let p = &self.params;
         if p.is_greedy() {
             let best = argmax(&l);
             return vec![(best as u32, 1.0)];
@@ -358,7 +366,31 @@ impl Sampler {
 }
 
 /// Index of the largest value, lowest index on ties (NaN never wins).
+/// The first index of the largest value (NaN never wins; 0 when nothing beats −∞): the
+/// largest value over 16 lanes (which the compiler turns into vector maxima), then the first
+/// index holding it. Equals [`argmax_scalar`].
 fn argmax(x: &[f32]) -> usize {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let top = lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    if top == f32::NEG_INFINITY {
+        return 0;
+    }
+    x.iter().position(|&v| v == top).unwrap_or(0)
+}
+
+/// The definition [`argmax`] follows: one pass, the first strictly larger value wins.
+#[cfg(test)]
+fn argmax_scalar(x: &[f32]) -> usize {
     let mut best = 0;
     let mut best_v = f32::NEG_INFINITY;
     for (i, &v) in x.iter().enumerate() {
@@ -372,6 +404,40 @@ fn argmax(x: &[f32]) -> usize {
 
 #[cfg(test)]
 mod tests {
+
+    /// The two-pass argmax equals the one-pass definition on vectors with ties, NaNs and
+    /// infinities, of every length around the 16-lane chunks.
+    #[test]
+    fn argmax_equals_the_one_pass_definition() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let pick = [
+            f32::NAN,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            0.0,
+            -0.0,
+            1.0,
+            2.0,
+            -3.0,
+        ];
+        for len in 0..70 {
+            for _ in 0..200 {
+                let x: Vec<f32> = (0..len)
+                    .map(|_| match next() % 4 {
+                        0 => pick[(next() % pick.len() as u64) as usize],
+                        _ => ((next() % 7) as f32) - 3.0,
+                    })
+                    .collect();
+                assert_eq!(super::argmax(&x), super::argmax_scalar(&x), "{x:?}");
+            }
+        }
+    }
 
     #[test]
     fn a_vanishing_temperature_samples_greedily() {
