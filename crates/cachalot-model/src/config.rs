@@ -319,13 +319,15 @@ impl DeepseekV3Config {
             qk_rope_head_dim: f.usize_req("qk_rope_head_dim")?,
             v_head_dim: f.usize_req("v_head_dim")?,
             n_routed_experts,
-            n_shared_experts: f.usize_or("n_shared_experts", 0)?,
-            num_experts_per_tok: f.usize_or("num_experts_per_tok", 0)?,
-            n_group: f.usize_or("n_group", 1)?,
-            topk_group: f.usize_or("topk_group", 1)?,
+            // Fields a config leaves out take transformers' `DeepseekV3Config` defaults (the
+            // same in DeepSeek's `configuration_deepseek.py`): routing as DeepSeek-V3's.
+            n_shared_experts: f.usize_or("n_shared_experts", 1)?,
+            num_experts_per_tok: f.usize_or("num_experts_per_tok", 8)?,
+            n_group: f.usize_or("n_group", 8)?,
+            topk_group: f.usize_or("topk_group", 4)?,
             norm_topk_prob: f.bool_or("norm_topk_prob", true)?,
-            routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)? as f32,
-            first_k_dense_replace: f.usize_or("first_k_dense_replace", 0)?,
+            routed_scaling_factor: f.f64_or("routed_scaling_factor", 2.5)? as f32,
+            first_k_dense_replace: f.usize_or("first_k_dense_replace", 3)?,
             moe_layer_freq: f.usize_or("moe_layer_freq", 1)?,
             rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)? as f32,
             rope_theta,
@@ -338,7 +340,28 @@ impl DeepseekV3Config {
             eos_token_ids: f.token_ids("eos_token_id")?,
             quantization: parse_quantization(&f)?,
         };
-        cfg.validate(path)?;
+        // A defaulted field a check refuses is named as defaulted.
+        cfg.validate(path).map_err(|e| match e {
+            ModelError::Config {
+                path,
+                field,
+                message,
+            } if DEFAULTED.iter().any(|(k, _)| *k == field) && f.get(&field).is_none() => {
+                let d = DEFAULTED
+                    .iter()
+                    .find(|(k, _)| *k == field)
+                    .map_or("", |(_, d)| d);
+                ModelError::Config {
+                    path,
+                    message: format!(
+                        "{message} (config.json does not set {field}; transformers' default \
+                         {d} was taken: write the model's value)"
+                    ),
+                    field,
+                }
+            }
+            e => e,
+        })?;
         Ok(cfg)
     }
 
@@ -620,6 +643,16 @@ pub struct ParameterCounts {
     pub active: usize,
 }
 
+/// The routing fields a config may leave out and the transformers defaults they take.
+const DEFAULTED: &[(&str, &str)] = &[
+    ("n_shared_experts", "1"),
+    ("num_experts_per_tok", "8"),
+    ("n_group", "8"),
+    ("topk_group", "4"),
+    ("routed_scaling_factor", "2.5"),
+    ("first_k_dense_replace", "3"),
+];
+
 /// YaRN's magnitude correction `0.1·mscale·ln(scale) + 1` (1 for scale ≤ 1).
 pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
     if scale <= 1.0 {
@@ -637,6 +670,38 @@ fn parse_rope(f: &Fields) -> Result<(f64, Option<YarnScaling>)> {
         None => ("rope_parameters", f.get("rope_parameters")),
     };
     let mut theta = f.f64_opt("rope_theta")?;
+    // Both written (a re-save keeps the old field): they must say the same.
+    if let (Some(Value::Object(sc)), Some(Value::Object(pa))) =
+        (f.get("rope_scaling"), f.get("rope_parameters"))
+    {
+        let kind = |m: &Map<String, Value>| {
+            m.get("rope_type")
+                .or(m.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default")
+                .to_string()
+        };
+        let num = |m: &Map<String, Value>, k: &str| m.get(k).and_then(Value::as_f64);
+        let differs = if kind(sc) != kind(pa) {
+            Some(format!("rope type `{}` against `{}`", kind(pa), kind(sc)))
+        } else if num(pa, "factor").is_some() && num(pa, "factor") != num(sc, "factor") {
+            Some(format!(
+                "factor {:?} against {:?}",
+                num(pa, "factor"),
+                num(sc, "factor")
+            ))
+        } else if let (Some(a), Some(b)) = (num(pa, "rope_theta"), theta) {
+            (a != b).then(|| format!("rope_theta {a} against the top level's {b}"))
+        } else {
+            None
+        };
+        if let Some(d) = differs {
+            return Err(f.err(
+                "rope_parameters",
+                format!("disagrees with rope_scaling ({d}); keep one of the two"),
+            ));
+        }
+    }
     let Some(scaling) = scaling else {
         return Ok((theta.unwrap_or(10000.0), None));
     };
@@ -1078,6 +1143,33 @@ mod tests {
         // DeepSeek-V3: 671 B total without MTP, 37 B activated.
         assert!((p.total as f64 / 1e9 - 671.0).abs() < 2.0, "{}", p.total);
         assert!((p.active as f64 / 1e9 - 37.5).abs() < 1.5, "{}", p.active);
+    }
+
+    /// Routing fields a config leaves out take transformers' defaults (named when a check
+    /// then refuses them); rope_scaling and rope_parameters that disagree are refused.
+    #[test]
+    fn missing_routing_fields_take_transformers_defaults() {
+        let mut v = r1_json();
+        let o = v.as_object_mut().unwrap();
+        for k in ["n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace"] {
+            o.remove(k);
+        }
+        let c = parse(&v).unwrap();
+        assert_eq!((c.n_group, c.topk_group), (8, 4));
+        assert_eq!(
+            (c.routed_scaling_factor, c.first_k_dense_replace),
+            (2.5, 3)
+        );
+        v["n_routed_experts"] = 12.into();
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(
+            e.contains("n_group") && e.contains("transformers' default 8"),
+            "{e}"
+        );
+        let mut v = r1_json();
+        v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e6});
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("rope_parameters") && e.contains("disagrees"), "{e}");
     }
 
     #[test]

@@ -229,14 +229,28 @@ impl DeepseekV4Config {
                 ))
             }
         };
-        let rope_scaling = match f.get("rope_scaling") {
+        // `rope_scaling`, or transformers 5's `rope_parameters` of the same fields (with
+        // `rope_theta` inside when the top level has none).
+        let (rope_field, rope_prefix, rope_value) = match f.get("rope_scaling") {
+            Some(v) => ("rope_scaling", "rope_scaling.", Some(v)),
+            None => (
+                "rope_parameters",
+                "rope_parameters.",
+                f.get("rope_parameters"),
+            ),
+        };
+        let mut inner_theta = None;
+        let rope_scaling = match rope_value {
             None => None,
             Some(Value::Object(m)) => {
                 let r = Fields {
                     path,
                     map: m,
-                    prefix: "rope_scaling.",
+                    prefix: rope_prefix,
                 };
+                if rope_field == "rope_parameters" {
+                    inner_theta = r.f64_opt("rope_theta")?;
+                }
                 let kind = r.str_opt("type")?.or(r.str_opt("rope_type")?);
                 match kind {
                     Some("yarn") => {}
@@ -263,9 +277,15 @@ impl DeepseekV4Config {
                 }
             }
             Some(other) => {
-                return Err(f.err("rope_scaling", format!("expected an object, found {other}")))
+                return Err(f.err(rope_field, format!("expected an object, found {other}")))
             }
         };
+        if f.map.get("sliding_window").is_some_and(Value::is_null) {
+            return Err(f.err(
+                "sliding_window",
+                "null; V4 attends to a window of this many positions (128 in its release)",
+            ));
+        }
         let quantization = match f.get("quantization_config") {
             None => None,
             Some(Value::Object(m)) => {
@@ -335,7 +355,10 @@ impl DeepseekV4Config {
             sliding_window: f.usize_or("sliding_window", 128)?,
             compress_ratios,
             compress_rope_theta: f.f64_or("compress_rope_theta", 160000.0)?,
-            rope_theta: f.f64_or("rope_theta", 10000.0)?,
+            rope_theta: match f.f64_opt("rope_theta")? {
+                Some(t) => t,
+                None => inner_theta.unwrap_or(10000.0),
+            },
             rope_scaling,
             max_position_embeddings: f.usize_or("max_position_embeddings", 1 << 20)?,
             rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)? as f32,
@@ -647,6 +670,27 @@ mod tests {
 
     fn parse(v: &Value) -> Result<DeepseekV4Config> {
         DeepseekV4Config::from_json_str(&v.to_string(), Path::new("config.json"))
+    }
+
+    /// transformers 5's `rope_parameters` (rope_theta inside) reads as `rope_scaling` does;
+    /// a null `sliding_window` is refused.
+    #[test]
+    fn rope_parameters_and_a_null_window() {
+        let base = parse(&flash_json()).unwrap();
+        let mut v = flash_json();
+        let o = v.as_object_mut().unwrap();
+        let mut rp = o.remove("rope_scaling").unwrap();
+        rp["rope_type"] = rp["type"].take();
+        rp["rope_theta"] = o.remove("rope_theta").unwrap();
+        o.insert("rope_parameters".into(), rp);
+        let c = parse(&v).unwrap();
+        assert_eq!(c.rope_scaling, base.rope_scaling);
+        assert_eq!(c.rope_theta, base.rope_theta);
+        assert!(c.rope_scaling.is_some());
+        let mut v = flash_json();
+        v["sliding_window"] = Value::Null;
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("sliding_window"), "{e}");
     }
 
     /// The cache widths docs/ARCHITECTURE.md gives for Flash's shapes: 3712 f32 per token and
