@@ -1151,15 +1151,17 @@ mod tests {
     fn missing_routing_fields_take_transformers_defaults() {
         let mut v = r1_json();
         let o = v.as_object_mut().unwrap();
-        for k in ["n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace"] {
+        for k in [
+            "n_group",
+            "topk_group",
+            "routed_scaling_factor",
+            "first_k_dense_replace",
+        ] {
             o.remove(k);
         }
         let c = parse(&v).unwrap();
         assert_eq!((c.n_group, c.topk_group), (8, 4));
-        assert_eq!(
-            (c.routed_scaling_factor, c.first_k_dense_replace),
-            (2.5, 3)
-        );
+        assert_eq!((c.routed_scaling_factor, c.first_k_dense_replace), (2.5, 3));
         v["n_routed_experts"] = 12.into();
         let e = parse(&v).unwrap_err().to_string();
         assert!(
@@ -1169,7 +1171,10 @@ mod tests {
         let mut v = r1_json();
         v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e6});
         let e = parse(&v).unwrap_err().to_string();
-        assert!(e.contains("rope_parameters") && e.contains("disagrees"), "{e}");
+        assert!(
+            e.contains("rope_parameters") && e.contains("disagrees"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ macro_rules! say {
 }
 
 mod bench;
+mod http_front;
 mod quant;
 mod router;
 mod run;

@@ -262,12 +262,9 @@ pub fn router(args: &RouterArgs) -> Result<()> {
         check_decode(&addr, wait)?;
         decode.push(addr);
     }
-    let server = tiny_http::Server::http((args.host.as_str(), args.port))
+    let server = crate::http_front::bind(&args.host, args.port)
         .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", args.host, args.port))?;
-    let addr = server
-        .server_addr()
-        .to_ip()
-        .map_or(format!("{}:{}", args.host, args.port), |a| a.to_string());
+    let addr = server.addr.to_string();
     say!(
         "cachalot router: {} prefill and {} decode servers, listening on http://{addr}/v1",
         prefill.len(),
@@ -280,10 +277,10 @@ pub fn router(args: &RouterArgs) -> Result<()> {
     });
     // SIGTERM: requests in flight finish (up to --drain-timeout-s), new ones get 503.
     crate::term::drain_on_sigterm(Duration::from_secs(args.drain_timeout_s), true)?;
-    for request in server.incoming_requests() {
-        let router = router.clone();
-        std::thread::spawn(move || route(request, &router));
-    }
+    server.serve(
+        "router",
+        std::sync::Arc::new(move |request| route(request, &router)),
+    );
     Ok(())
 }
 

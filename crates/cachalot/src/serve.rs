@@ -640,14 +640,13 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         Role::Prefill => 8001,
         Role::Decode => 8100,
     });
-    let server = match rank {
-        0 => Some(
-            tiny_http::Server::http((args.host.as_str(), port)).map_err(|e| {
+    let server =
+        match rank {
+            0 => Some(crate::http_front::bind(&args.host, port).map_err(|e| {
                 anyhow::anyhow!("cannot listen on {}:{port}: {e} (--port)", args.host)
-            })?,
-        ),
-        _ => None,
-    };
+            })?),
+            _ => None,
+        };
     let (jobs, job_rx) = mpsc::channel();
     let kv_timeout = Duration::from_secs(args.kv_timeout_s);
     // The prefill role's KV port, bound before the model loads so a taken port fails fast.
@@ -711,10 +710,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             },
             metrics: metrics.clone(),
         });
-        let addr = server
-            .server_addr()
-            .to_ip()
-            .map_or(format!("{}:{port}", args.host), |a| a.to_string());
+        let addr = server.addr.to_string();
         if let (Some(l), Some(r), Some(p)) = (kv_listener, rooms.clone(), kv_port) {
             say!(
                 "cachalot serve: prefill role, decode servers fetch KV from {}:{p}",
@@ -742,7 +738,9 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             dir.display(),
             args.role.mode()
         );
-        std::thread::spawn(move || accept(server, shared));
+        std::thread::spawn(move || {
+            server.serve("serve", Arc::new(move |request| handle(request, &shared)));
+        });
     };
     // Sizes the pool, starts the HTTP side, then runs the engine on this thread.
     let run = |m: &(dyn Model + Sync), eos: &[u32]| -> Result<()> {
@@ -1457,13 +1455,6 @@ fn unsent(
     (!new.is_empty() || !new_lps.is_empty()).then(|| (new.to_string(), new_lps.to_vec()))
 }
 
-fn accept(server: tiny_http::Server, shared: Arc<Shared>) {
-    for request in server.incoming_requests() {
-        let shared = shared.clone();
-        std::thread::spawn(move || handle(request, &shared));
-    }
-}
-
 /// An HTTP error answer: status and OpenAI's error object.
 #[derive(Debug)]
 struct ApiError {
@@ -1490,7 +1481,7 @@ impl ApiError {
     }
     fn body(&self) -> Value {
         let kind = match self.status {
-            400 | 413 => "invalid_request_error",
+            400 | 405 | 413 => "invalid_request_error",
             404 => "not_found_error",
             _ => "server_error",
         };
@@ -1539,9 +1530,10 @@ fn refuse_oversized(request: tiny_http::Request, announced: usize) {
     }
     let header =
         tiny_http::Header::from_bytes("Content-Type", "application/json").expect("a valid header");
+    // (tiny_http writes no body and no Content-Length in an upgrade: the error follows the
+    // headers unframed.)
     let response = tiny_http::Response::empty(413).with_header(header);
     let mut stream = request.upgrade("close", response);
-    // An upgraded answer carries no body of its own: the error follows the headers.
     let _ = stream.write_all(error.body().to_string().as_bytes());
     let _ = stream.flush();
     std::mem::forget(stream);
@@ -1553,7 +1545,17 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
         return;
     }
     let method = request.method().as_str().to_ascii_uppercase();
-    let path = request.url().split('?').next().unwrap_or("").to_string();
+    let mut path = request.url().split('?').next().unwrap_or("").to_string();
+    // `/v1/models/` is `/v1/models`.
+    while path.len() > 1 && path.ends_with('/') {
+        path.pop();
+    }
+    // HEAD is GET without the body (tiny_http leaves the body out of a HEAD's answer).
+    let method = if method == "HEAD" {
+        "GET".to_string()
+    } else {
+        method
+    };
     // Draining after SIGTERM: what runs finishes, nothing new starts (a load balancer's
     // health check sees it go).
     if crate::term::terminating() {
@@ -1657,10 +1659,25 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
             | "/v1/chat/completions"
             | "/tokenize"
             | "/detokenize",
-        ) => Err(ApiError::new(
-            405,
-            format!("{method} {path}: method not allowed"),
-        )),
+        ) => {
+            let allow = match path.as_str() {
+                "/health" | "/metrics" | "/stats" | "/v1/models" => "GET, HEAD",
+                _ => "POST",
+            };
+            let e = ApiError::new(
+                405,
+                format!("{method} {path}: method not allowed (this endpoint takes {allow})"),
+            );
+            let headers = [("Content-Type", "application/json"), ("Allow", allow)];
+            let mut response =
+                tiny_http::Response::from_string(e.body().to_string()).with_status_code(405);
+            for (k, v) in headers {
+                response = response
+                    .with_header(tiny_http::Header::from_bytes(k, v).expect("a valid header"));
+            }
+            let _ = request.respond(response);
+            return;
+        }
         _ => Err(ApiError {
             status: 404,
             message: format!(

@@ -373,6 +373,32 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     assert!(text.contains("not valid JSON"), "{text}");
     assert_eq!(http(addr, "GET", "/v1/nothing", "").0, 404);
     assert_eq!(http(addr, "GET", "/v1/completions", "").0, 405);
+    // A 405 says what the endpoint takes (its Allow header too); HEAD answers as GET without
+    // a body; a trailing slash names the same endpoint.
+    let mut raw = TcpStream::connect(addr).unwrap();
+    write!(
+        raw,
+        "DELETE /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    raw.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
+    assert!(answer.contains("Allow: GET, HEAD"), "{answer}");
+    assert!(answer.contains("invalid_request_error"), "{answer}");
+    let mut raw = TcpStream::connect(addr).unwrap();
+    write!(
+        raw,
+        "HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    raw.read_to_string(&mut answer).unwrap();
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.ends_with("\r\n\r\n"),
+        "{answer}"
+    );
+    assert_eq!(http(addr, "GET", "/v1/models/", "").0, 200);
 
     // The server still answers after all that.
     let (status, again) = post(addr, "/v1/completions", &completion(&prompt, 12));
@@ -2088,6 +2114,70 @@ fn v4_prefill_and_decode_servers_answer_as_one_server() {
             assert_eq!(a["choices"], b["choices"], "context, {dtype}: {body}");
         }
     }
+}
+
+/// Out of file descriptors (a low RLIMIT_NOFILE, idle connections holding them all), the
+/// server stops accepting for a while and takes connections again once some close: it neither
+/// exits nor stays deaf.
+#[test]
+fn running_out_of_file_descriptors_is_survived() {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cachalot"));
+    cmd.args(["serve", "--port", "0", "--model", "assets/cachalot-tiny-r1"]);
+    // SAFETY: only setrlimit between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let r = libc::rlimit {
+                rlim_cur: 200,
+                rlim_max: 200,
+            };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+            Ok(())
+        });
+    }
+    let mut server = spawn_server(cmd, false);
+    let mut idle = Vec::new();
+    for _ in 0..260 {
+        match TcpStream::connect_timeout(
+            &server.addr.parse().unwrap(),
+            std::time::Duration::from_millis(500),
+        ) {
+            Ok(s) => idle.push(s),
+            Err(_) => break,
+        }
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(
+        server.child.try_wait().unwrap().is_none(),
+        "the server exited"
+    );
+    drop(idle);
+    let t = std::time::Instant::now();
+    loop {
+        if let Ok(mut s) = TcpStream::connect(&server.addr) {
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            let _ = write!(
+                s,
+                "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            );
+            let mut answer = String::new();
+            if s.read_to_string(&mut answer).is_ok() && answer.starts_with("HTTP/1.1 200") {
+                break;
+            }
+        }
+        assert!(
+            t.elapsed().as_secs() < 30,
+            "the server never took connections again"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let (status, v) = post(
+        &server.addr,
+        "/v1/completions",
+        &json!({"prompt": "The whale", "max_tokens": 4}),
+    );
+    assert_eq!(status, 200, "{v}");
 }
 
 /// Sends SIGTERM to a server (rank 0 of its group).
