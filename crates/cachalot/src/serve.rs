@@ -1065,7 +1065,7 @@ struct Report {
     unfinished: bool,
     /// The rank's engine: requests running and waiting, KV blocks used and held
     /// ([`engine_gauges`]).
-    gauges: [usize; 4],
+    gauges: [usize; 5],
 }
 
 /// The ranks a server runs over, and whether they split the model (expert or tensor
@@ -1339,7 +1339,7 @@ fn ranked_loop<M: Model>(
         }
         busy = false;
         // Gauges: the ranks' engines together (data), or rank 0's (expert: all run the same).
-        let mut gauges = [0usize; 4];
+        let mut gauges = [0usize; 5];
         for (r, part) in parts.iter().enumerate() {
             let (rep, kv_blobs): (Report, _) = unpack_frame(part)
                 .map_err(|e| anyhow::anyhow!("rank 0: rank {r}'s report: {e}"))?;
@@ -1430,14 +1430,16 @@ fn serving_engine<'t, M: Model>(
     Ok(engine)
 }
 
-/// An engine's gauges for `/metrics`: requests running and waiting, KV blocks used and held.
-fn engine_gauges<M: Model>(engine: &Engine<M>) -> [usize; 4] {
+/// An engine's gauges for `/metrics`: requests running and waiting, KV blocks used and held,
+/// tokens generated so far.
+fn engine_gauges<M: Model>(engine: &Engine<M>) -> [usize; 5] {
     let sched = engine.scheduler();
     [
         sched.num_running(),
         sched.num_waiting(),
         sched.kv().pool().num_used(),
         sched.kv().pool().capacity(),
+        engine.stats().sampled_tokens,
     ]
 }
 

@@ -128,7 +128,6 @@ impl Metrics {
         *m.finished.entry(reason).or_insert(0) += 1;
         let t = &out.timing;
         m.prompt_tokens += t.prompt_tokens as u64;
-        m.generation_tokens += t.output_tokens as u64;
         m.preemptions += t.preemptions as u64;
         m.cached_tokens += t.cached_tokens as u64;
         if out.finish == FinishReason::Cancelled || t.output_tokens == 0 {
@@ -142,9 +141,12 @@ impl Metrics {
         m.e2e.observe(t.e2e_s);
     }
 
-    /// Requests running and waiting, and the KV pool's blocks used and held, after a step.
-    pub fn gauges(&self, [running, waiting, kv_used, kv_capacity]: [usize; 4]) {
+    /// Requests running and waiting, the KV pool's blocks used and held, and the tokens the
+    /// engines have generated so far (counted as each step samples them, as vLLM's counter,
+    /// not when their request ends), after a step.
+    pub fn gauges(&self, [running, waiting, kv_used, kv_capacity, generated]: [usize; 5]) {
         let mut m = self.lock();
+        m.generation_tokens = m.generation_tokens.max(generated as u64);
         m.running = running;
         m.waiting = waiting;
         m.kv_used_blocks = kv_used;
@@ -302,7 +304,7 @@ mod tests {
         m.record(&out(FinishReason::Length, 4, 0.003));
         m.record(&out(FinishReason::Length, 2, 0.3));
         m.record(&out(FinishReason::Cancelled, 1, 9.0));
-        m.gauges([2, 1, 3, 12]);
+        m.gauges([2, 1, 3, 12, 7]);
         let text = m.render("tiny");
         let line = |p: &str| {
             text.lines()

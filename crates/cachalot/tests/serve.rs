@@ -2228,6 +2228,24 @@ fn sigterm_drains_requests_in_flight() {
             assert!(t.elapsed().as_secs() < 60, "the request never ran");
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
+        // Generated tokens are counted as they come, not when their request ends.
+        loop {
+            let (_, metrics) = http(&server.addr, "GET", "/metrics", "");
+            let line = |p: &str| {
+                metrics
+                    .lines()
+                    .find(|l| l.starts_with(p))
+                    .and_then(|l| l.rsplit(' ').next())
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+            };
+            if line("cachalot:generation_tokens_total{") > 0.0 {
+                assert_eq!(line("cachalot:request_success_total{"), 0.0, "{metrics}");
+                break;
+            }
+            assert!(t.elapsed().as_secs() < 60, "no generated tokens counted");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         sigterm(&server);
         std::thread::sleep(std::time::Duration::from_millis(200));
         let (status, v) = post(&server.addr, "/v1/completions", &json!({"prompt": "x"}));
