@@ -1461,7 +1461,7 @@ fn run_checks_custom_params_and_sizes_the_pool_by_the_models_positions() {
             .unwrap()
     };
     for (params, want) in [
-        ("num_hiden_layers: 2", "did you mean num_hidden_layers"),
+        ("num_hiden_layers: 2", "did you mean `num_hidden_layers`"),
         ("num_hidden_layers: 99", "exceeds the checkpoint's 3 layers"),
     ] {
         let out = run(&format!("  custom_params:\n    {params}\n"));
