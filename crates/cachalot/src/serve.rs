@@ -1720,16 +1720,7 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
         (Some(Value::String(s)), None) => encode_with_bos(tok, s, special, "prompt")?,
         (None, Some(messages)) => {
             let (template, kwargs) = chat_setup(shared, body, messages)?;
-            let generation = match field(body, "add_generation_prompt") {
-                None => true,
-                Some(Value::Bool(b)) => *b,
-                Some(v) => {
-                    return Err(ApiError::bad(
-                        "add_generation_prompt",
-                        format!("expected true or false, got {v}"),
-                    ))
-                }
-            };
+            let (generation, continued) = prompt_ending(body)?;
             let mut tools = field(body, "tools");
             if let Some(problem) = tools.and_then(crate::text::tools_problem) {
                 return Err(ApiError::bad("tools", problem));
@@ -1739,9 +1730,12 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
                 tools = None;
             }
             let messages = &flatten_text_parts(messages, template);
-            let text = template
+            let mut text = template
                 .render_json(messages, generation, tools, &kwargs)
                 .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?;
+            if continued {
+                text = continue_final(text, messages)?;
+            }
             encode_with_bos(tok, &text, special, "messages")?
         }
         (Some(Value::String(_)), Some(_)) => {
@@ -2167,7 +2161,7 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
 /// Fields of a completion or chat request this server reads, or knows from OpenAI's API and
 /// leaves unused (`user`, `metadata`, ...); any other is logged as ignored, as vLLM logs
 /// them (a misspelt `max_tokns` is not an error, but is said).
-const KNOWN_FIELDS: [&str; 47] = [
+const KNOWN_FIELDS: [&str; 48] = [
     "model",
     "prompt",
     "messages",
@@ -2197,6 +2191,7 @@ const KNOWN_FIELDS: [&str; 47] = [
     "tool_choice",
     "chat_template_kwargs",
     "add_generation_prompt",
+    "continue_final_message",
     "add_special_tokens",
     "bootstrap_host",
     "bootstrap_port",
@@ -2383,10 +2378,26 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         };
         let (template, kwargs) = chat_setup(shared, body, messages)?;
         let messages = &flatten_text_parts(messages, template);
+        let (generation, continued) = prompt_ending(body)?;
+        if continued && forced.is_some() {
+            return Err(ApiError::bad(
+                "continue_final_message",
+                "cannot be combined with a forced tool call (tool_choice)",
+            ));
+        }
         let text = match &forced {
-            None => template
-                .render_json(messages, true, tools, &kwargs)
-                .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?,
+            None => {
+                let text = template
+                    .render_json(messages, generation, tools, &kwargs)
+                    .map_err(|e| {
+                        ApiError::bad("messages", format!("the chat template failed: {e}"))
+                    })?;
+                if continued {
+                    continue_final(text, messages)?
+                } else {
+                    text
+                }
+            }
             Some(name) => {
                 let f = forced_call(shared.tool_format, template, messages, tools, &kwargs, name)?;
                 forced_prefix = f.prefix;
@@ -3120,7 +3131,8 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
         "in message[\"content\"]",
     ]
     .iter()
-    .any(|p| src.contains(p));
+    .any(|p| src.contains(p))
+        || walks_content_variable(src);
     let mut messages = messages.clone();
     // A tool's or function's empty result (null content) is an empty string to the templates,
     // which concatenate content.
@@ -3155,6 +3167,100 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
         }
     }
     messages
+}
+
+/// How a chat prompt ends: `add_generation_prompt` (default true: the template's opening of
+/// the assistant's turn) and `continue_final_message` (default false: the prompt ends inside
+/// the final message, for the model to continue it; the two exclude each other, as in vLLM).
+fn prompt_ending(body: &Value) -> Result<(bool, bool), ApiError> {
+    let flag = |key: &'static str, default: bool| {
+        match field(body, key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(ApiError::bad(
+                key,
+                format!("expected true or false, got {v}"),
+            )),
+        }
+        .map(|v| v.unwrap_or(default))
+    };
+    let continued = flag("continue_final_message", false)?;
+    let generation = match field(body, "add_generation_prompt") {
+        Some(Value::Bool(true)) if continued => {
+            return Err(ApiError::bad(
+                "continue_final_message",
+                "cannot be combined with add_generation_prompt: true (give one of the two)",
+            ))
+        }
+        _ => flag("add_generation_prompt", !continued)?,
+    };
+    Ok((generation, continued))
+}
+
+/// transformers' `continue_final_message`: the rendered prompt cut right after the final
+/// message's text (its end-of-turn markers gone), found from the end as it is, else trimmed.
+fn continue_final(text: String, messages: &Value) -> Result<String, ApiError> {
+    let last = messages.as_array().and_then(|a| a.last());
+    let content = match last.and_then(|m| m.get("content")) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .last()
+            .and_then(|p| p.get("text"))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string(),
+        _ => String::new(),
+    };
+    if content.is_empty() {
+        return Ok(text);
+    }
+    for needle in [content.as_str(), content.trim()] {
+        if let Some(i) = text.rfind(needle).filter(|_| !needle.is_empty()) {
+            return Ok(text[..i + needle.len()].to_string());
+        }
+    }
+    Err(ApiError::bad(
+        "continue_final_message",
+        "the final message's text is not in the prompt the chat template rendered, so it \
+         cannot be continued",
+    ))
+}
+
+/// Whether a template loops over a variable it set from a message's content, as Kimi-K2-
+/// Thinking's macro does (`{%- set c = msg.get('content') -%}` … `{%- for content in c -%}`).
+fn walks_content_variable(src: &str) -> bool {
+    let ident = |s: &str| {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect::<String>()
+    };
+    let mut names = Vec::new();
+    for (i, _) in src.match_indices("set ") {
+        let rest = &src[i + 4..];
+        let name = ident(rest.trim_start());
+        let after = rest.trim_start()[name.len()..].trim_start();
+        let Some(expr) = after.strip_prefix('=') else {
+            continue;
+        };
+        let expr = expr.split("%}").next().unwrap_or("");
+        if !name.is_empty() && expr.contains("content") && !expr.contains('+') {
+            names.push(name);
+        }
+    }
+    // `for x in c`, not a test such as `'</think>' in content` (R1's).
+    names.iter().any(|n| {
+        src.match_indices(&format!(" in {n}")).any(|(i, m)| {
+            let next = src[i + m.len()..].chars().next();
+            let whole = !next
+                .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.' || c == '[');
+            let tag = src[..i].rfind("{%").map_or("", |t| &src[t + 2..i]);
+            whole
+                && tag
+                    .trim_start_matches(['-', '+'])
+                    .trim_start()
+                    .starts_with("for ")
+        })
+    })
 }
 
 fn now() -> u64 {
@@ -3654,6 +3760,22 @@ fn stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A loop over a variable set from a message's content walks its parts (Kimi-K2-Thinking's
+    /// macro); a containment test on one (R1's `'</think>' in content`) does not.
+    #[test]
+    fn templates_that_walk_content_through_a_variable() {
+        let k2 = "{%- macro render_content(msg) -%}{%- set c = msg.get('content') -%}\
+                  {%- if c is string -%}{{ c }}{%- else -%}{%- for content in c -%}\
+                  {{ content['text'] }}{%- endfor -%}{%- endif -%}{%- endmacro -%}";
+        assert!(walks_content_variable(k2));
+        let r1 = "{% set content = message['content'] %}{% if '</think>' in content %}\
+                  {% set content = content.split('</think>')[-1] %}{% endif %}{{ content }}";
+        assert!(!walks_content_variable(r1));
+        assert!(!walks_content_variable(
+            "{% for m in messages %}{{ m.content }}{% endfor %}"
+        ));
+    }
 
     /// Kimi-K2's template: for "required" a forced call's prompt ends where the function's name
     /// goes, and each lead completes `functions.NAME:INDEX` with the argument marker; a named

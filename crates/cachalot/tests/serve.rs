@@ -521,6 +521,40 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     assert_eq!(status, 200, "{chat}");
     let (_, t) = post(addr, "/tokenize", &json!({"messages": messages}));
     assert_eq!(t["count"], chat["usage"]["prompt_tokens"], "{t}");
+    // continue_final_message: the prompt ends inside the final (assistant) message, its
+    // end-of-turn markers cut, for the model to continue; not with add_generation_prompt.
+    let partial = json!([{"role": "user", "content": "Name a whale."},
+                         {"role": "assistant", "content": "The blue"}]);
+    let (status, t) = post(
+        addr,
+        "/tokenize",
+        &json!({"messages": partial, "continue_final_message": true}),
+    );
+    assert_eq!(status, 200, "{t}");
+    let (_, d) = post(addr, "/detokenize", &json!({"tokens": t["tokens"]}));
+    assert!(d["prompt"].as_str().unwrap().ends_with("The blue"), "{d}");
+    let (status, c) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": partial, "continue_final_message": true,
+                "add_generation_prompt": false, "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(
+        (status, &c["usage"]["prompt_tokens"]),
+        (200, &t["count"]),
+        "{c}"
+    );
+    let (status, e) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": partial, "continue_final_message": true,
+                "add_generation_prompt": true}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("continue_final_message")),
+        "{e}"
+    );
     for (path, body, param) in [
         ("/tokenize", json!({}), "prompt"),
         ("/tokenize", json!({"prompt": 5}), "prompt"),

@@ -217,9 +217,13 @@ impl ChatTemplate {
             "add_generation_prompt".into(),
             serde_json::Value::Bool(add_generation_prompt),
         );
-        if let Some(t) = tools {
-            ctx.insert("tools".into(), t.clone());
-        }
+        // transformers passes `tools` and `documents` always, None when absent (a template's
+        // `tools is not none` must read so).
+        ctx.insert(
+            "tools".into(),
+            tools.cloned().unwrap_or(serde_json::Value::Null),
+        );
+        ctx.entry("documents").or_insert(serde_json::Value::Null);
         for (field, value) in &self.special_tokens {
             ctx.insert(field.to_string(), serde_json::Value::String(value.clone()));
         }
@@ -555,6 +559,26 @@ mod tests {
             strftime_utc("%d %b %Y %A %j %%", 1_709_210_096),
             "29 Feb 2024 Thursday 060 %"
         );
+    }
+
+    /// As transformers passes them: `tools` and `documents` defined, none when not given.
+    #[test]
+    fn absent_tools_and_documents_are_none() {
+        let t = ChatTemplate::new(
+            "{% if tools is not none %}T{% else %}N{% endif %}{{ documents is none }}\
+             {{ documents is defined }}",
+            "t.jinja",
+        );
+        let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let none = t
+            .render_json(&msgs, true, None, &Default::default())
+            .unwrap();
+        assert_eq!(none, "NTrueTrue");
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        let some = t
+            .render_json(&msgs, true, Some(&tools), &Default::default())
+            .unwrap();
+        assert_eq!(some, "TTrueTrue");
     }
 
     #[test]
