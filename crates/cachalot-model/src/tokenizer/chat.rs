@@ -174,6 +174,27 @@ impl ChatTemplate {
         )
     }
 
+    /// The template parses (as minijinja reads Jinja); the error names the line.
+    pub fn check_syntax(&self) -> Result<()> {
+        if self.deepseek_v4 {
+            return Ok(());
+        }
+        environment()
+            .template_from_str(&self.source)
+            .map(drop)
+            .map_err(|e| {
+                let line = e
+                    .line()
+                    .map(|l| format!(" (template line {l})"))
+                    .unwrap_or_default();
+                ModelError::Tokenizer(format!(
+                    "chat template of {}{line}: {}; the template is not valid Jinja for minijinja",
+                    self.origin.display(),
+                    e.detail().unwrap_or(&e.kind().to_string())
+                ))
+            })
+    }
+
     /// Renders a conversation given as JSON (OpenAI-style messages, with tool calls if any),
     /// with optional `tools` and extra template variables (such as `enable_thinking`).
     pub fn render_json(

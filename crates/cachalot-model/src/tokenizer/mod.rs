@@ -288,6 +288,9 @@ impl Tokenizer {
     /// `pad_token`, `unk_token`), as the same template inside the model's config would.
     pub fn chat_template_from_file(&self, path: &Path) -> Result<ChatTemplate> {
         let mut t = ChatTemplate::from_file(path)?;
+        // A template given on the command line that cannot parse is said now, not at every
+        // request.
+        t.check_syntax()?;
         if path.extension().is_none_or(|e| e != "json") {
             for field in ["bos_token", "eos_token", "pad_token", "unk_token"] {
                 if let Some(v) = self.config_token(field) {
