@@ -312,3 +312,36 @@ fn token_bytes_rebuild_the_text() {
         }
     }
 }
+
+/// A plain prompt's BOS: `add_bos_token` when tokenizer_config.json sets it; without the flag,
+/// what tokenizer.json's post-processor puts first (transformers' encoding with special
+/// tokens); none from a tokenizer without either.
+#[test]
+fn prompt_bos_follows_the_flag_else_the_post_processor() {
+    let shipped = root().join("assets/cachalot-tiny-r1");
+    let tok = Tokenizer::from_dir(&shipped).unwrap();
+    let bos = tok.bos_token().and_then(|t| tok.token_to_id(&t));
+    assert!(bos.is_some());
+    assert_eq!(tok.prompt_bos_id(), bos);
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["tokenizer.json", "config.json"] {
+        std::fs::copy(shipped.join(f), tmp.path().join(f)).unwrap();
+    }
+    let mut cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(shipped.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    for (flag, want) in [(None, bos), (Some(false), None), (Some(true), bos)] {
+        match flag {
+            None => {
+                cfg.as_object_mut().unwrap().remove("add_bos_token");
+            }
+            Some(b) => cfg["add_bos_token"] = b.into(),
+        }
+        std::fs::write(tmp.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        let t = Tokenizer::from_dir(tmp.path()).unwrap();
+        assert_eq!(t.prompt_bos_id(), want, "add_bos_token {flag:?}");
+    }
+    let r1 = Tokenizer::from_dir(&root().join("fixtures/v3/r1_tiny")).unwrap();
+    assert_eq!(r1.prompt_bos_id(), None);
+}

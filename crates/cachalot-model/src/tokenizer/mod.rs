@@ -264,15 +264,30 @@ impl Tokenizer {
         self.config_token("bos_token")
     }
 
-    /// The BOS id to put before a plain-text prompt, when `tokenizer_config.json` says
-    /// `add_bos_token: true` (as DeepSeek-R1's does); chat templates write their own BOS.
+    /// The BOS id to put before a plain-text prompt: when `tokenizer_config.json` says
+    /// `add_bos_token: true` (as DeepSeek-R1's does), none when it says false; without the
+    /// flag, the token `tokenizer.json`'s post-processor puts before a text, if it does (as
+    /// transformers encodes with special tokens: a Llama-3-style template). Chat templates
+    /// write their own BOS.
     pub fn prompt_bos_id(&self) -> Option<u32> {
-        let add = self.config.get("add_bos_token").and_then(|v| v.as_bool());
-        if add == Some(true) {
-            self.bos_token().and_then(|t| self.token_to_id(&t))
-        } else {
-            None
+        match self.config.get("add_bos_token").and_then(|v| v.as_bool()) {
+            Some(true) => self.bos_token().and_then(|t| self.token_to_id(&t)),
+            Some(false) => None,
+            None => self.post_processor_prefix(),
         }
+    }
+
+    /// The one id a `tokenizer.json` post-processor adds before a text (compared with and
+    /// without special tokens on a sample), if it adds exactly one there.
+    fn post_processor_prefix(&self) -> Option<u32> {
+        let Backend::HuggingFace(t) = &self.backend else {
+            return None;
+        };
+        let sample = "a";
+        let with = t.encode(sample, true).ok()?;
+        let plain = t.encode(sample, false).ok()?;
+        let (with, plain) = (with.get_ids(), plain.get_ids());
+        (with.len() > plain.len() && with[1..].starts_with(plain)).then(|| with[0])
     }
 
     pub fn eos_token(&self) -> Option<String> {
