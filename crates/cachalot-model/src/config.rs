@@ -953,12 +953,14 @@ pub(crate) fn special_ids_in_vocab(
         .chain(eos.iter().map(|&e| ("eos_token_id", e)))
     {
         if id as usize >= vocab_size {
+            let why = if name == "bos_token_id" {
+                "no prompt could begin with it"
+            } else {
+                "generation could never stop on it"
+            };
             return Err((
                 name,
-                format!(
-                    "{id} is outside the vocabulary (vocab_size {vocab_size}); generation could \
-                     never stop on it"
-                ),
+                format!("{id} is outside the vocabulary (vocab_size {vocab_size}); {why}"),
             ));
         }
     }

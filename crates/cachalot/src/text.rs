@@ -29,9 +29,9 @@ pub struct TokenizeArgs {
         allow_hyphen_values = true
     )]
     text: Option<String>,
-    /// Comma-separated token ids to decode.
-    #[arg(long, value_delimiter = ',')]
-    decode: Option<Vec<u32>>,
+    /// Comma-separated token ids to decode (an empty list decodes to empty text).
+    #[arg(long, value_parser = parse_id_list)]
+    decode: Option<IdList>,
     /// `{"ids": [...]}` (or `{"text": ...}` with --decode).
     #[arg(long)]
     json: bool,
@@ -209,17 +209,36 @@ pub struct ChatArgs {
     json: bool,
 }
 
+/// `--decode`'s ids.
+#[derive(Clone, Debug)]
+pub struct IdList(Vec<u32>);
+
+fn parse_id_list(s: &str) -> std::result::Result<IdList, String> {
+    if s.trim().is_empty() {
+        return Ok(IdList(Vec::new()));
+    }
+    s.split(',')
+        .map(|t| {
+            t.trim()
+                .parse::<u32>()
+                .map_err(|e| format!("{t:?} is not a token id ({e}); give ids as 1,2,3"))
+        })
+        .collect::<std::result::Result<Vec<u32>, String>>()
+        .map(IdList)
+}
+
 pub fn tokenize(args: &TokenizeArgs) -> Result<()> {
     let dir = match &args.model {
         Some(d) => d.clone(),
         None => model_dir(&ModelArgs::none())?,
     };
     let tok = Tokenizer::from_dir(&dir)?;
-    if let Some(ids) = &args.decode {
+    if let Some(IdList(ids)) = &args.decode {
         // Ids need not be contiguous (added tokens can sit far above the base vocabulary).
         if let Some(&bad) = ids.iter().find(|&&t| tok.id_to_token(t).is_none()) {
             bail!(
-                "--decode: id {bad} is not a token of this tokenizer ({} tokens)",
+                "--decode: id {bad} is not a token of this tokenizer (it has {} tokens; ids \
+                 above its base vocabulary can be added tokens, with gaps between)",
                 tok.vocab_size()
             );
         }

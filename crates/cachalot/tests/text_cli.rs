@@ -106,6 +106,17 @@ fn tokenize_encodes_and_decodes() {
         None,
     ));
     assert_eq!(back, format!("{text}\n"));
+    // An empty list is empty text; a word that is not an id is named.
+    let empty = ok(cachalot(
+        &["tokenize", "--model", &r1_tiny(), "--decode", ""],
+        None,
+    ));
+    assert_eq!(empty, "\n");
+    let out = cachalot(
+        &["tokenize", "--model", &r1_tiny(), "--decode", "5,x"],
+        None,
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("\"x\" is not a token id"));
 }
 
 #[test]
