@@ -528,10 +528,7 @@ impl Input {
         File::open(&spath)
             .and_then(|f| f.read_exact_at(&mut bytes, s.start))
             .map_err(|e| ConvertError::io(&spath, e))?;
-        let values: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+        let values = floats_of("F32", &bytes);
         if let Some(v) = values.iter().find(|v| !v.is_finite()) {
             return Err(ConvertError::Tensor {
                 tensor: sname,
@@ -1479,26 +1476,8 @@ fn run_item(
             let at = start as usize + item.rows.start * cols * size;
             let b = &map[at..at + n * cols * size];
             check_floats(&p.out.name, dtype, b, item.rows.start * cols)?;
-            let bf: Vec<u16> = match dtype {
-                "F32" => b
-                    .chunks_exact(4)
-                    .map(|c| {
-                        cachalot_kernels::f32_to_bf16(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    })
-                    .collect(),
-                "F16" => b
-                    .chunks_exact(2)
-                    .map(|c| {
-                        cachalot_kernels::f32_to_bf16(cachalot_kernels::f16_to_f32(
-                            u16::from_le_bytes([c[0], c[1]]),
-                        ))
-                    })
-                    .collect(),
-                _ => b
-                    .chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                    .collect(),
-            };
+            // (bf16 → f32 → bf16 is the identity.)
+            let bf: Vec<u16> = floats_of(dtype, b).into_iter().map(f32_to_bf16).collect();
             // A large F32/F16 value can round past bf16's range.
             check_scaled_finite(&p.out.name, &bf, cols, item.rows.start)?;
             write_int8_rows(
@@ -1784,6 +1763,24 @@ pub(crate) fn check_floats(
     }
 }
 
+/// The values of stored floats (`dtype` "F32", "F16" or "BF16"; little-endian `bytes`).
+pub(crate) fn floats_of(dtype: &str, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        "F32" => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        "F16" => bytes
+            .chunks_exact(2)
+            .map(|b| cachalot_kernels::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|b| cachalot_kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+    }
+}
+
 /// Damaged input found in a shard other than the one being converted (a weight's scales).
 #[derive(Debug)]
 struct Located {
@@ -1836,20 +1833,7 @@ fn dequantize_int4_rows(
             },
         )
     };
-    let scale: Vec<f32> = match s.dtype {
-        "F32" => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        "F16" => bytes
-            .chunks_exact(2)
-            .map(|b| cachalot_kernels::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-            .collect(),
-        _ => bytes
-            .chunks_exact(2)
-            .map(|b| cachalot_kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-            .collect(),
-    };
+    let scale = floats_of(s.dtype, &bytes);
     if let Some(i) = scale.iter().position(|v| !v.is_finite()) {
         let r = rows.start + i / s.groups;
         return Err(damaged(r, i % s.groups, scale[i], "is not a finite number"));

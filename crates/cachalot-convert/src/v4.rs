@@ -403,10 +403,7 @@ fn read_scales(
         .map_err(|e| ConvertError::io(&spath, e))?;
     let values: Vec<f32> = match s.dtype.as_str() {
         "F8_E8M0" | "U8" => bytes.iter().map(|&b| e8m0_to_f32(b)).collect(),
-        "F32" => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
+        "F32" => super::floats_of("F32", &bytes),
         other => {
             return Err(bad(format!(
                 "has dtype {other}; expected F8_E8M0 (or U8 / F32) scales"

@@ -759,17 +759,26 @@ fn unknown(name: &str, valid: &[&str], what: &str) -> String {
         .filter(|v| v.ends_with(&format!("_{name}")))
         .map(|v| format!("`{v}`"))
         .collect();
-    let closest = valid
-        .iter()
-        .map(|v| (strsim::jaro_winkler(name, v), *v))
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .filter(|(score, _)| *score >= 0.8);
-    let hint = match closest {
+    let hint = match closest(name, valid.iter().copied(), 0.8) {
         _ if !named.is_empty() => format!("did you mean {}? ", named.join(" or ")),
-        Some((_, v)) => format!("did you mean `{v}`? "),
+        Some(v) => format!("did you mean `{v}`? "),
         None => String::new(),
     };
     format!("unknown {what}; {hint}valid {what}s: {}", valid.join(", "))
+}
+
+/// The spelling among `valid` closest to `name` (Jaro-Winkler), if at least `min` alike.
+pub fn closest<'a>(
+    name: &str,
+    valid: impl IntoIterator<Item = &'a str>,
+    min: f64,
+) -> Option<&'a str> {
+    valid
+        .into_iter()
+        .map(|v| (strsim::jaro_winkler(name, v), v))
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .filter(|(score, _)| *score >= min)
+        .map(|(_, v)| v)
 }
 
 fn describe(v: &Value) -> String {

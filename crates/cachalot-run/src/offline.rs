@@ -470,10 +470,7 @@ pub struct RunResult {
 /// its cgroup's room (cgroup v2 `memory.max` less `memory.current`: a container's limit) and
 /// its address space's room (`ulimit -v` less the process's size).
 pub fn mem_available() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    let mut room = kb * 1024;
+    let mut room = proc_number("/proc/meminfo", "MemAvailable:", 1)? * 1024;
     for limit in [cgroup_room(), address_space_room()].into_iter().flatten() {
         room = room.min(limit);
     }
@@ -531,23 +528,22 @@ fn cgroup_room() -> Option<u64> {
 /// `ulimit -v`: the soft address-space limit less the process's virtual size (None when
 /// unlimited).
 fn address_space_room() -> Option<u64> {
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let soft: u64 = limits
-        .lines()
-        .find(|l| l.starts_with("Max address space"))?
-        .split_whitespace()
-        .nth(3)?
-        .parse()
-        .ok()?;
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb: u64 = status
-        .lines()
-        .find(|l| l.starts_with("VmSize:"))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()?;
+    let soft = proc_number("/proc/self/limits", "Max address space", 3)?;
+    let kb = proc_number("/proc/self/status", "VmSize:", 1)?;
     Some(soft.saturating_sub(kb * 1024))
+}
+
+/// Word `nth` (whitespace-split) of the first line of `file` that starts with `prefix`, as a
+/// number (None when absent or not a number, e.g. "unlimited").
+fn proc_number(file: &str, prefix: &str, nth: usize) -> Option<u64> {
+    std::fs::read_to_string(file)
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with(prefix))?
+        .split_whitespace()
+        .nth(nth)?
+        .parse()
+        .ok()
 }
 
 /// The KV pool's size is one the engine can hold: at least the null block and one more, block
@@ -1201,12 +1197,9 @@ pub fn run_ranked(
         } else if crate::config::CUSTOM_KEYS.iter().any(|c| c.name == k) {
             logln!("custom_params.{k}: an NPU switch, no effect here");
         } else {
-            let near = crate::config::CUSTOM_KEYS
-                .iter()
-                .map(|c| (strsim::jaro_winkler(k, c.name), c.name))
-                .max_by(|a, b| a.0.total_cmp(&b.0))
-                .filter(|(s, _)| *s >= 0.92)
-                .map_or(String::new(), |(_, c)| format!(" (did you mean `{c}`?)"));
+            let keys = crate::config::CUSTOM_KEYS.iter().map(|c| c.name);
+            let near = crate::config::closest(k, keys, 0.92)
+                .map_or(String::new(), |c| format!(" (did you mean `{c}`?)"));
             logln!(
                 "note: custom_params.{k} is not a key of the seed's models{near}; no effect here"
             );

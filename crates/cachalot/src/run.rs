@@ -246,24 +246,23 @@ impl GroupArgs {
             Some(ParallelArg::TensorExpert) => offline::Parallel::TensorExpert,
             Some(ParallelArg::DataExpert) => offline::Parallel::DataExpert,
             Some(ParallelArg::Context) => offline::Parallel::Context,
-            None => match offline::Parallel::from_config(pc, self.size())
-                .map_err(|e| anyhow!("{e}"))?
-            {
-                Some((p, note)) => {
-                    if self.size() > 1 && self.rank.unwrap_or(0) == 0 {
-                        let name = serde_json::to_value(p)
-                            .ok()
-                            .and_then(|v| v.as_str().map(str::to_string))
-                            .unwrap_or_default();
-                        say!("cachalot: the config's parallel_config runs as --parallel {name}");
-                        if let Some(n) = note {
-                            say!("cachalot: {n}");
+            None => {
+                match offline::Parallel::from_config(pc, self.size()).map_err(|e| anyhow!("{e}"))? {
+                    Some((p, note)) => {
+                        if self.size() > 1 && self.rank.unwrap_or(0) == 0 {
+                            say!(
+                                "cachalot: the config's parallel_config runs as --parallel {}",
+                                p.name()
+                            );
+                            if let Some(n) = note {
+                                say!("cachalot: {n}");
+                            }
                         }
+                        p
                     }
-                    p
+                    None => offline::Parallel::Data,
                 }
-                None => offline::Parallel::Data,
-            },
+            }
         })
     }
 
