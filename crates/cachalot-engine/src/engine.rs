@@ -37,7 +37,7 @@ use cachalot_model::tokenizer::Tokenizer;
 use cachalot_model::{DeepseekV3, DeepseekV4, V4CacheMode};
 
 use crate::dsml_args::{holds_marker, DsmlSpec, DsmlState};
-use crate::generate::{FinishReason, StopConditions, TextStream};
+use crate::generate::{FinishReason, SpecialText, StopConditions, TextStream};
 use crate::json_mode::JsonState;
 use crate::json_schema::{Schema, SchemaState};
 use crate::kv_pool::KvBlockManager;
@@ -440,6 +440,9 @@ pub struct Request {
     /// any parameters).
     #[serde(default)]
     pub dsml: bool,
+    /// Which special tokens the answer's text shows ([`SpecialText::keep`]: all).
+    #[serde(default)]
+    pub special_text: SpecialText,
 }
 
 /// One of [`Request::json_lead`]'s texts, and the schema of the JSON after it (None: any
@@ -1393,7 +1396,7 @@ impl<'t, M: Model> Engine<'t, M> {
         let schema = self.compile_spec(&req).unwrap_or(Spec::Object);
         let stream = self
             .tokenizer
-            .map(|t| TextStream::new(t, &req.stop.stop_strings));
+            .map(|t| TextStream::new(t, &req.stop.stop_strings, &req.special_text));
         self.live.insert(
             id,
             Live {

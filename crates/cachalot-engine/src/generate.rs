@@ -96,9 +96,36 @@ pub struct Generation {
     pub decode_s: f64,
 }
 
+/// Which special tokens an answer's text shows (vLLM's `skip_special_tokens`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SpecialText {
+    /// Leave out the text of the tokens [`Tokenizer::skipped_in_text`] names (as decoding
+    /// with `skip_special_tokens=True`: the answer's text is the decode of its other ids).
+    /// False (the default): every token's text, special tokens as their names.
+    pub skip: bool,
+    /// With `skip`: special tokens kept all the same (the markers a server's parsers read,
+    /// such as `<think>` and `</think>`, which they then take out themselves).
+    #[serde(default)]
+    pub except: Vec<u32>,
+}
+
+impl SpecialText {
+    /// Every token's text.
+    pub fn keep() -> SpecialText {
+        SpecialText::default()
+    }
+
+    /// Special tokens left out, those of `except` kept.
+    pub fn skip_except(except: Vec<u32>) -> SpecialText {
+        SpecialText { skip: true, except }
+    }
+}
+
 /// Detokenizes a stream of tokens into complete UTF-8 text, holding back any tail that could
 /// still become a stop string, and cutting the text before a stop string when one appears.
 pub struct TextStream<'t> {
+    tokenizer: &'t Tokenizer,
+    special: SpecialText,
     decoder: StreamDecoder<'t>,
     stop_strings: Vec<String>,
     held: String,
@@ -111,8 +138,10 @@ pub struct TextStream<'t> {
 }
 
 impl<'t> TextStream<'t> {
-    pub fn new(tokenizer: &'t Tokenizer, stop_strings: &[String]) -> Self {
+    pub fn new(tokenizer: &'t Tokenizer, stop_strings: &[String], special: &SpecialText) -> Self {
         TextStream {
+            tokenizer,
+            special: special.clone(),
             decoder: tokenizer.stream_decoder(),
             stop_strings: stop_strings
                 .iter()
@@ -139,6 +168,14 @@ impl<'t> TextStream<'t> {
     /// Adds a token; returns the text that can be shown now and, if a stop string appeared,
     /// which one (the text returned then ends right before it).
     pub fn push(&mut self, id: u32) -> cachalot_model::Result<(String, Option<String>)> {
+        if self.special.skip
+            && self.tokenizer.skipped_in_text(id)
+            && !self.special.except.contains(&id)
+        {
+            // Not in the text at all: the decoder's window never sees it, as a decode of the
+            // other ids.
+            return Ok((String::new(), None));
+        }
         let piece = self.decoder.push(id)?;
         Ok(self.release(&piece))
     }
@@ -216,7 +253,8 @@ pub fn generate<M: Model + ?Sized>(
     let mut cache = KvCache::new(model.cache_spec(), BLOCK_SIZE, blocks);
     let mut alloc = BlockAllocator::new(blocks);
     let mut table = Vec::new();
-    let mut stream = tokenizer.map(|t| TextStream::new(t, &stop.stop_strings));
+    let mut stream =
+        tokenizer.map(|t| TextStream::new(t, &stop.stop_strings, &SpecialText::keep()));
 
     let mut tokens = Vec::with_capacity(stop.max_new_tokens.min(1 << 16));
     let mut text = String::new();
@@ -325,6 +363,7 @@ pub fn generate_mtp<M: crate::Model>(
         json_lead: Vec::new(),
         json_schema: None,
         dsml: false,
+        special_text: Default::default(),
     })?;
     let t0 = Instant::now();
     let mut prefill_s = None;
@@ -388,7 +427,7 @@ mod tests {
 
     fn run(tok: &Tokenizer, text: &str, stops: &[&str]) -> (String, Option<String>, Vec<String>) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
-        let mut s = TextStream::new(tok, &stops);
+        let mut s = TextStream::new(tok, &stops, &SpecialText::keep());
         let mut out = String::new();
         let mut pieces = Vec::new();
         for id in tok.encode(text).unwrap() {
@@ -402,6 +441,67 @@ mod tests {
         let (p, hit) = s.finish().unwrap();
         out.push_str(&p);
         (out, hit, pieces)
+    }
+
+    /// With special tokens skipped, the streamed text is the decode of the other ids (what
+    /// `decode(ids, skip_special_tokens=True)` gives), stop strings included; the exceptions
+    /// stay. Random sequences of text and special ids.
+    #[test]
+    fn skipping_special_tokens_streams_the_decode_of_the_others() {
+        use rand::{Rng, SeedableRng};
+        let tok = r1_style();
+        let specials: Vec<u32> = (0..tok.vocab_size() as u32)
+            .filter(|&i| tok.skipped_in_text(i))
+            .collect();
+        assert!(specials.len() >= 3, "{specials:?}");
+        let text = tok
+            .encode("The whale 🐋 dives STOP deep — naïve café")
+            .unwrap();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for case in 0..200 {
+            let mut ids = Vec::new();
+            for &t in &text {
+                while rng.random_bool(0.3) {
+                    ids.push(specials[rng.random_range(0..specials.len())]);
+                }
+                ids.push(t);
+            }
+            let except: Vec<u32> = if case % 2 == 0 {
+                vec![]
+            } else {
+                vec![specials[1]]
+            };
+            let kept: Vec<u32> = ids
+                .iter()
+                .copied()
+                .filter(|i| !specials.contains(i) || except.contains(i))
+                .collect();
+            let stops = if case % 4 < 2 {
+                vec![]
+            } else {
+                vec!["STOP".to_string()]
+            };
+            let mut s = TextStream::new(&tok, &stops, &SpecialText::skip_except(except));
+            let mut out = String::new();
+            let mut hit = None;
+            for &id in &ids {
+                let (p, h) = s.push(id).unwrap();
+                out.push_str(&p);
+                if h.is_some() {
+                    hit = h;
+                    break;
+                }
+            }
+            if hit.is_none() {
+                out.push_str(&s.finish().unwrap().0);
+            }
+            let whole = tok.decode(&kept).unwrap();
+            let want = match stops.first().and_then(|stop| whole.find(stop.as_str())) {
+                Some(at) => whole[..at].to_string(),
+                None => whole,
+            };
+            assert_eq!(out, want, "case {case}: {ids:?}");
+        }
     }
 
     #[test]
@@ -426,7 +526,7 @@ mod tests {
         let arm = (0..ids.len())
             .find(|&i| tok.decode(&ids[..i]).unwrap().len() >= "STOP one".len())
             .unwrap();
-        let mut s = TextStream::new(&tok, &stops);
+        let mut s = TextStream::new(&tok, &stops, &SpecialText::keep());
         s.set_stop_armed(false);
         let mut out = String::new();
         let mut hit = None;
@@ -461,7 +561,7 @@ mod tests {
                     id[0]
                 })
                 .collect();
-            let mut s = TextStream::new(&tok, &stops);
+            let mut s = TextStream::new(&tok, &stops, &SpecialText::keep());
             let mut out = String::new();
             for (i, &id) in ids.iter().enumerate() {
                 s.set_stop_armed(i >= arm);

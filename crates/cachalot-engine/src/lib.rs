@@ -23,7 +23,9 @@ pub use comm::{CommError, Communicator, SingleProcess, TcpComm, TcpRendezvous};
 pub use engine::{
     Engine, EngineConfig, JsonLead, Model, Request, RequestOutput, StepReport, TokenLogprob,
 };
-pub use generate::{generate, generate_mtp, FinishReason, Generation, StopConditions, TextStream};
+pub use generate::{
+    generate, generate_mtp, FinishReason, Generation, SpecialText, StopConditions, TextStream,
+};
 pub use reasoning::{ReasoningSplitter, Segment};
 pub use sampler::{RngState, Sampler, SamplingError, SamplingParams};
 pub use transfer::{KvSnapshot, MtpRows, TransferError};

@@ -76,6 +76,7 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
         json_lead: Vec::new(),
         json_schema: None,
         dsml: false,
+        special_text: Default::default(),
     }
 }
 
@@ -261,6 +262,7 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
             json_lead: Vec::new(),
             json_schema: None,
             dsml: false,
+            special_text: Default::default(),
         })
         .unwrap();
         e.run_to_completion(|_, _| {}).unwrap().remove(0)

@@ -79,6 +79,7 @@ fn run_with<M: Model>(
                 json_lead: Vec::new(),
                 json_schema: None,
                 dsml: false,
+                special_text: Default::default(),
             })
             .unwrap();
     }
@@ -233,6 +234,7 @@ fn small_model_greedy_with_mtp_equals_without_and_accepts_drafts() {
                 json_lead: Vec::new(),
                 json_schema: None,
                 dsml: false,
+                special_text: Default::default(),
             })
             .unwrap();
     }
@@ -389,6 +391,7 @@ fn sample_triples(
                     json_lead: Vec::new(),
                     json_schema: None,
                     dsml: false,
+                    special_text: Default::default(),
                 })
                 .unwrap();
             queued += 1;
@@ -532,6 +535,7 @@ fn nan_logits_are_an_error() {
                 json_lead: Vec::new(),
                 json_schema: None,
                 dsml: false,
+                special_text: Default::default(),
             })
             .unwrap();
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();

@@ -47,6 +47,7 @@ fn request(prompt: &[u32], params: &SamplingParams, n: usize) -> Request {
         json_lead: Vec::new(),
         json_schema: None,
         dsml: false,
+        special_text: Default::default(),
     }
 }
 

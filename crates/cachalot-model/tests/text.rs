@@ -102,6 +102,82 @@ fn kimi_specials_follow_added_tokens_decoder() {
     );
 }
 
+/// `skip_special_tokens=True` leaves out: for `tokenizer.json`, the added tokens marked
+/// `special` (read here from the file itself); for Kimi's tiktoken tokenizer, transformers'
+/// `all_special_ids` (the named tokens and `additional_special_tokens` of
+/// `tokenizer_config.json`), which leave its tool-call markers, `<think>` and the media tokens
+/// in the text.
+#[test]
+fn skipped_special_tokens_are_transformers_ones() {
+    let tok = Tokenizer::from_dir(&text_fixture("r1_style")).unwrap();
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(text_fixture("r1_style/tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    let mut want: Vec<u32> = json["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["special"] == true)
+        .map(|t| t["id"].as_u64().unwrap() as u32)
+        .collect();
+    want.sort();
+    let got: Vec<u32> = (0..tok.vocab_size() as u32)
+        .filter(|&id| tok.skipped_in_text(id))
+        .collect();
+    assert_eq!(got, want);
+    let think = tok.token_to_id("<think>").unwrap();
+    assert!(
+        !tok.skipped_in_text(think),
+        "r1_style's <think> is not special"
+    );
+
+    let kimi = Tokenizer::from_dir(&text_fixture("kimi_style")).unwrap();
+    let named = [
+        "[BOS]",
+        "[EOS]",
+        "[UNK]",
+        "[PAD]",
+        "<|im_end|>",
+        "<|im_user|>",
+        "<|im_assistant|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "[EOT]",
+        "<|im_system|>",
+        "<|im_middle|>",
+    ];
+    let mut want: Vec<u32> = named.iter().map(|n| kimi.token_to_id(n).unwrap()).collect();
+    want.sort();
+    let got: Vec<u32> = (0..kimi.vocab_size() as u32)
+        .filter(|&id| kimi.skipped_in_text(id))
+        .collect();
+    assert_eq!(got, want);
+    for kept in [
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "<think>",
+        "</think>",
+    ] {
+        assert!(
+            !kimi.skipped_in_text(kimi.token_to_id(kept).unwrap()),
+            "{kept}"
+        );
+    }
+    // The markers a server keeps for its parsers.
+    let keep = ToolCallFormat::parser_tokens(Some(ToolCallFormat::KimiK2), &kimi);
+    for m in [
+        "<think>",
+        "</think>",
+        "<|tool_call_begin|>",
+        "<|tool_calls_section_end|>",
+    ] {
+        assert!(keep.contains(&kimi.token_to_id(m).unwrap()), "{m}");
+    }
+    let keep = ToolCallFormat::parser_tokens(None, &tok);
+    assert_eq!(keep, vec![think, tok.token_to_id("</think>").unwrap()]);
+}
+
 #[test]
 fn r1_style_specials() {
     let tok = Tokenizer::from_dir(&text_fixture("r1_style")).unwrap();

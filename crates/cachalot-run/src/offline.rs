@@ -15,7 +15,7 @@ use cachalot_engine::metrics::Distribution;
 use cachalot_engine::metrics::EngineStats;
 use cachalot_engine::{
     Engine, EngineConfig, Model, ReasoningSplitter, Request, RequestOutput, SamplingParams,
-    StopConditions,
+    SpecialText, StopConditions,
 };
 use cachalot_model::tokenizer::{Tokenizer, ToolCallFormat};
 use cachalot_model::{
@@ -1402,6 +1402,11 @@ pub fn run_ranked(
     {
         logln!("prefix caching: on (blocks of {block_size} tokens)");
     }
+    let tool_format = ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
+    // The seed decodes its outputs with `skip_special_tokens=True`; the markers of reasoning
+    // and tool calls stay, for `requests.jsonl`'s tool calls to be read from the text.
+    let special_text =
+        SpecialText::skip_except(ToolCallFormat::parser_tokens(tool_format, &tokenizer));
     let mut prompt_tokens = 0;
     // Engine request id -> index of the request in the run.
     let mut global_id = std::collections::HashMap::new();
@@ -1436,6 +1441,7 @@ pub fn run_ranked(
                 json_lead: Vec::new(),
                 json_schema: None,
                 dsml: false,
+                special_text: special_text.clone(),
             })
             .map_err(|e| {
                 format!(
@@ -1462,7 +1468,6 @@ pub fn run_ranked(
     // Finished requests are written as they finish, so that none is lost to a failed step, a
     // rank that dies or a signal: rank 0's (and, with data-parallel ranks, each rank's own) to
     // requests.rank<R>.partial.jsonl, removed once the run's files are written.
-    let tool_format = ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
     let partial_path = dir.join(format!("requests.rank{rank}.partial.jsonl"));
     let mut partial = if rank == 0 || !expert {
         set_partial(Some(partial_path.clone()));

@@ -830,6 +830,7 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
                 json_lead: Vec::new(),
                 json_schema: None,
                 dsml: false,
+                special_text: Default::default(),
             })?;
         }
         let t = Instant::now();

@@ -56,7 +56,7 @@ use anyhow::{bail, Result};
 use cachalot_engine::reasoning::{THINK_CLOSE, THINK_OPEN};
 use cachalot_engine::{
     Engine, EngineConfig, FinishReason, JsonLead, KvSnapshot, Model, ReasoningSplitter, Request,
-    RequestOutput, SamplingParams, Segment, StopConditions, TokenLogprob,
+    RequestOutput, SamplingParams, Segment, SpecialText, StopConditions, TokenLogprob,
 };
 use cachalot_model::tokenizer::{ChatTemplate, Tokenizer, ToolCallFormat};
 use cachalot_model::{detect_family, ModelFamily};
@@ -2161,7 +2161,7 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
 /// Fields of a completion or chat request this server reads, or knows from OpenAI's API and
 /// leaves unused (`user`, `metadata`, ...); any other is logged as ignored, as vLLM logs
 /// them (a misspelt `max_tokns` is not an error, but is said).
-const KNOWN_FIELDS: [&str; 48] = [
+const KNOWN_FIELDS: [&str; 49] = [
     "model",
     "prompt",
     "messages",
@@ -2193,6 +2193,7 @@ const KNOWN_FIELDS: [&str; 48] = [
     "add_generation_prompt",
     "continue_final_message",
     "add_special_tokens",
+    "skip_special_tokens",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
@@ -2594,6 +2595,22 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             }
         }
     }
+    // vLLM's `skip_special_tokens` (default true): special tokens the model writes are not in
+    // the answer's text, except the markers the reasoning and tool-call parsers read (which
+    // take them out themselves).
+    let skip_special = match field(body, "skip_special_tokens") {
+        None => true,
+        Some(_) => flag(body, "skip_special_tokens")?,
+    };
+    let has_tools = tools.is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()));
+    let special_text = if !skip_special {
+        SpecialText::keep()
+    } else if chat {
+        let format = shared.tool_format.filter(|_| has_tools);
+        SpecialText::skip_except(ToolCallFormat::parser_tokens(format, &shared.tokenizer))
+    } else {
+        SpecialText::skip_except(Vec::new())
+    };
     let include_usage = match field(body, "stream_options") {
         None => false,
         Some(o @ Value::Object(_)) => flag(o, "include_usage")?,
@@ -2614,7 +2631,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         score_only,
         stream,
         include_usage,
-        tools: tools.is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty())),
+        tools: has_tools,
         request: Request {
             prompt: prompts[0].0.clone(),
             params,
@@ -2646,6 +2663,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             },
             dsml: forced_json.as_ref().is_some_and(|j| j.dsml),
             json_lead: forced_json.map(|j| j.leads).unwrap_or_default(),
+            special_text,
         },
         prompt_text: prompts[0].1.clone(),
         prompts,

@@ -414,6 +414,24 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     let (status, forced) = post(addr, "/v1/completions", &body);
     assert_eq!(status, 200, "{forced}");
     assert_eq!(forced["choices"][0]["text"], " the the the the");
+    // A special token the model writes is not in the text unless `skip_special_tokens` is
+    // false (vLLM's default and field).
+    let user = tok.token_to_id("<｜User｜>").unwrap();
+    assert!(tok.skipped_in_text(user));
+    let mut body = completion(&prompt, 3);
+    body["logit_bias"] = json!({ user.to_string(): 100 });
+    let (status, skipped) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{skipped}");
+    assert_eq!(skipped["choices"][0]["text"], "");
+    assert_eq!(skipped["usage"]["completion_tokens"], 3);
+    body["skip_special_tokens"] = false.into();
+    let (status, kept) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{kept}");
+    assert_eq!(kept["choices"][0]["text"], "<｜User｜>".repeat(3));
+    body["skip_special_tokens"] = "no".into();
+    let (status, e) = post(addr, "/v1/completions", &body);
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["param"], "skip_special_tokens", "{e}");
     let mut body = completion(&prompt, 12);
     body["logit_bias"] = json!({ want[0].to_string(): -100.0, "5": 0 });
     body["logprobs"] = 1.into();

@@ -12,7 +12,7 @@ mod stream;
 pub mod tiktoken;
 pub mod tool_calls;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use crate::error::{ModelError, Result};
@@ -34,6 +34,9 @@ pub struct Tokenizer {
     config: serde_json::Value,
     /// `model_type` of the directory's `config.json`, if there is one.
     model_type: Option<String>,
+    /// The ids whose text decoding with `skip_special_tokens` leaves out
+    /// ([`Tokenizer::skipped_in_text`]).
+    text_skips: HashSet<u32>,
 }
 
 /// Which file a tokenizer was read from.
@@ -52,6 +55,45 @@ fn token_content(v: &serde_json::Value) -> Option<String> {
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
         _ => None,
+    }
+}
+
+/// The ids of [`Tokenizer::skipped_in_text`].
+fn text_skips(backend: &Backend, config: &serde_json::Value) -> HashSet<u32> {
+    match backend {
+        Backend::HuggingFace(t) => t
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, _)| id)
+            .collect(),
+        Backend::Tiktoken(t) => {
+            let named = [
+                "bos_token",
+                "eos_token",
+                "unk_token",
+                "sep_token",
+                "pad_token",
+                "cls_token",
+                "mask_token",
+            ]
+            .iter()
+            .filter_map(|f| config.get(*f));
+            // A list of tokens, or (transformers 5's multimodal form) names to tokens.
+            let extra = ["additional_special_tokens", "extra_special_tokens"]
+                .iter()
+                .filter_map(|f| config.get(*f))
+                .flat_map(|v| match v {
+                    serde_json::Value::Array(a) => a.iter().collect::<Vec<_>>(),
+                    serde_json::Value::Object(o) => o.values().collect(),
+                    _ => Vec::new(),
+                });
+            named
+                .chain(extra)
+                .filter_map(token_content)
+                .filter_map(|name| t.token_to_id(&name))
+                .collect()
+        }
     }
 }
 
@@ -144,8 +186,10 @@ impl Tokenizer {
                 dir.display()
             )));
         };
+        let text_skips = text_skips(&backend, &config);
         Ok(Tokenizer {
             backend,
+            text_skips,
             dir: dir.to_path_buf(),
             config,
             model_type: model_type(dir)?,
@@ -192,6 +236,17 @@ impl Tokenizer {
             Backend::HuggingFace(t) => t.decode(&[id], true).map(|s| s.is_empty()).unwrap_or(false),
             Backend::Tiktoken(t) => t.is_special(id),
         }
+    }
+
+    /// Whether decoding with special tokens skipped (transformers' and vLLM's
+    /// `skip_special_tokens=True`, the seed's offline decode) leaves this token's text out:
+    /// for `tokenizer.json`, its added tokens marked `special`; for Kimi's `tiktoken.model`
+    /// (a Python tokenizer in transformers), its `all_special_ids`: the tokens
+    /// `tokenizer_config.json` names as `bos_token`, `eos_token`, `unk_token`, `sep_token`,
+    /// `pad_token`, `cls_token`, `mask_token` and in `additional_special_tokens` (or
+    /// `extra_special_tokens`); Kimi's tool-call markers and `<think>` are not among them.
+    pub fn skipped_in_text(&self, id: u32) -> bool {
+        self.text_skips.contains(&id)
     }
 
     /// The bytes of one token's text (a token of a byte-level BPE may hold part of a

@@ -108,6 +108,43 @@ impl ToolCallFormat {
         }
     }
 
+    /// Every marker of the format's tool-call markup (the strings that are tokens of their
+    /// own in the models' vocabularies).
+    pub fn markers(self) -> &'static [&'static str] {
+        match self {
+            ToolCallFormat::DeepseekV3 => &[
+                V3_CALLS_BEGIN,
+                V3_CALLS_END,
+                V3_CALL_BEGIN,
+                V3_CALL_END,
+                V3_SEP,
+            ],
+            ToolCallFormat::KimiK2 => &[
+                KIMI_SECTION_BEGIN,
+                KIMI_SECTION_END,
+                KIMI_SECTION_BEGIN_1,
+                KIMI_SECTION_END_1,
+                KIMI_CALL_BEGIN,
+                KIMI_ARGS_BEGIN,
+                KIMI_CALL_END,
+            ],
+            ToolCallFormat::DeepseekV4 => &[dsv4::DSML],
+        }
+    }
+
+    /// The ids of [`ToolCallFormat::markers`] that are single tokens of `tok`, with `<think>`
+    /// and `</think>`: the special tokens a text must keep for its tool calls and reasoning to
+    /// be read (skipped otherwise with `skip_special_tokens`, where a tokenizer marks them
+    /// special).
+    pub fn parser_tokens(format: Option<ToolCallFormat>, tok: &Tokenizer) -> Vec<u32> {
+        let tools = format.map(ToolCallFormat::markers).unwrap_or(&[]);
+        [dsv4::THINK_START, dsv4::THINK_END]
+            .iter()
+            .chain(tools)
+            .filter_map(|m| tok.token_to_id(m))
+            .collect()
+    }
+
     /// The marker that opens the format's tool-call section.
     pub fn section_begin(self) -> &'static str {
         match self {
