@@ -104,11 +104,50 @@ pub struct RandomModel {
     to_remove: Vec<PathBuf>,
 }
 
+/// The file that marks a random model's directory as temporary while its process runs: one
+/// that a process killed (SIGKILL, a crash) left behind is removed by the next random model
+/// written beside it; a kept one ([`RandomModel::keep`]) has the mark taken off.
+const UNFINISHED: &str = ".cachalot-temporary";
+
 impl RandomModel {
     /// Leaves the directories in place when dropped (the caller owns them from now on).
     pub fn keep(&mut self) {
-        self.to_remove.clear();
+        for d in self.to_remove.drain(..) {
+            let _ = std::fs::remove_file(d.join(UNFINISHED));
+            crate::offline::forget_on_interrupt(&d);
+        }
     }
+}
+
+/// Removes the `parent/<prefix>-<pid>` directories of random models whose process is gone
+/// (Linux's `/proc` says which run) and that still carry the [`UNFINISHED`] mark; returns them.
+fn remove_stale(parent: &Path, prefix: &str) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    if !Path::new("/proc/self").exists() {
+        return removed;
+    }
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return removed;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let pid = name.to_str().and_then(|n| {
+            n.strip_prefix(prefix)?
+                .strip_prefix('-')?
+                .parse::<u32>()
+                .ok()
+        });
+        let Some(pid) = pid else { continue };
+        let path = e.path();
+        if pid != std::process::id()
+            && !Path::new(&format!("/proc/{pid}")).exists()
+            && path.join(UNFINISHED).is_file()
+            && std::fs::remove_dir_all(&path).is_ok()
+        {
+            removed.push(path);
+        }
+    }
+    removed
 }
 
 impl Drop for RandomModel {
@@ -883,7 +922,16 @@ fn materialize(
         quant: quant.to_string(),
         to_remove: vec![base.clone()],
     };
+    for old in remove_stale(&parent, prefix) {
+        eprintln!(
+            "removed {}, a random model a process that is gone left behind",
+            old.display()
+        );
+    }
     crate::offline::remove_on_interrupt(&base);
+    std::fs::create_dir_all(&base)
+        .and_then(|_| std::fs::write(base.join(UNFINISHED), b""))
+        .with_context(|| format!("cannot write under {}", base.display()))?;
     write(&native).with_context(|| format!("under {}", parent.display()))?;
     if let Some(mode) = mode {
         let c8_scales = match c8_layers {
@@ -937,6 +985,46 @@ pub fn dir_bytes(dir: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A random model whose process is gone is removed by the next one, unless it was kept
+    /// (no mark) or its process still runs.
+    #[test]
+    fn stale_random_models_are_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dead = (1_000_000u32..4_000_000)
+            .rev()
+            .find(|p| !Path::new(&format!("/proc/{p}")).exists())
+            .unwrap();
+        let make = |name: String, mark: bool| {
+            let d = tmp.path().join(name);
+            std::fs::create_dir_all(d.join("fp8")).unwrap();
+            if mark {
+                std::fs::write(d.join(UNFINISHED), b"").unwrap();
+            }
+            d
+        };
+        let stale = make(format!("cachalot-bench-random-{dead}"), true);
+        let kept = make(format!("cachalot-bench-random-{}", dead - 1), false);
+        let live = make("cachalot-bench-random-1".into(), true);
+        let other = make(format!("something-else-{dead}"), true);
+        assert_eq!(
+            remove_stale(tmp.path(), "cachalot-bench-random"),
+            vec![stale.clone()]
+        );
+        assert!(!stale.exists() && kept.exists() && live.exists() && other.exists());
+        // A kept model loses its mark; a dropped one is gone.
+        let mut m = build("v3-tiny", "fp8", Some(tmp.path())).unwrap();
+        let base = m.dir.parent().unwrap().to_path_buf();
+        assert!(base.join(UNFINISHED).is_file());
+        m.keep();
+        drop(m);
+        assert!(base.is_dir() && !base.join(UNFINISHED).exists());
+        std::fs::remove_dir_all(&base).unwrap();
+        let m = build("v3-tiny", "fp8", Some(tmp.path())).unwrap();
+        let base = m.dir.parent().unwrap().to_path_buf();
+        drop(m);
+        assert!(!base.exists());
+    }
 
     #[test]
     fn tiny_preset_loads_and_converts() {

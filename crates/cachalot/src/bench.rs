@@ -61,16 +61,18 @@ pub struct BenchArgs {
     /// Prompt length (random token ids).
     #[arg(long, default_value_t = 128)]
     prompt_len: usize,
-    /// Decode steps after the prompt.
+    /// Decode steps after the prompt's first token (with --mtp: tokens generated, the one the
+    /// prefill samples included).
     #[arg(long, alias = "decode-len", default_value_t = 32)]
     gen_len: usize,
     /// Also time decode with this many sequences per step (batch 1 is always timed). With
     /// --mtp: requests decoded at once through the engine (consecutive slices of the prompt file).
     #[arg(long, default_value_t = 1)]
     batch: usize,
-    /// With --mtp: alternating runs of each kind (medians are reported).
-    #[arg(long, default_value_t = 5)]
-    runs: usize,
+    /// With --mtp: alternating runs of each kind (medians are reported; default 5). The plain
+    /// benchmark times one run (its decode figure is the median of its steps) and refuses it.
+    #[arg(long)]
+    runs: Option<usize>,
     /// Threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -106,9 +108,9 @@ pub struct BenchArgs {
 fn check_args(a: &BenchArgs) -> Result<()> {
     for (flag, v, lo, hi) in [
         ("--prompt-len", a.prompt_len, 1, 1 << 24),
-        ("--gen-len", a.gen_len, 1, 1 << 24),
+        ("--gen-len (--decode-len)", a.gen_len, 1, 1 << 24),
         ("--batch", a.batch, 1, 1 << 16),
-        ("--runs", a.runs, 1, 10_000),
+        ("--runs", a.runs.unwrap_or(1), 1, 10_000),
         ("--membw-mib", a.membw_mib, 1, 1 << 20),
         ("--membw-passes", a.membw_passes, 1, 10_000),
     ] {
@@ -131,8 +133,8 @@ fn check_args(a: &BenchArgs) -> Result<()> {
 fn check_positions(prompt_len: usize, gen_len: usize, max_positions: usize) -> Result<()> {
     if prompt_len + gen_len > max_positions {
         bail!(
-            "--prompt-len {prompt_len} plus --gen-len {gen_len} exceed the model's \
-             max_position_embeddings {max_positions} (config.json)"
+            "--prompt-len {prompt_len} plus --gen-len (--decode-len) {gen_len} exceed the \
+             model's max_position_embeddings {max_positions} (config.json)"
         );
     }
     Ok(())
@@ -152,6 +154,10 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     // Keeps the random model's directory alive until the bench ends.
     let random = match &args.random_weights {
         Some(spec) => {
+            // Ctrl-C or SIGTERM removes the random model being written or timed.
+            crate::term::on_interrupt(|| {
+                cachalot_run::offline::on_interrupt();
+            })?;
             let t = Instant::now();
             let mut r = cachalot_run::random_model::build(
                 spec,
@@ -174,6 +180,23 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         }
         None => None,
     };
+    if args.mtp == 0 {
+        if let Some(r) = args.runs {
+            bail!(
+                "--runs {r} is for --mtp N (alternating runs of plain and speculative decode); \
+                 the plain benchmark times one run, its decode figure the median of its steps: \
+                 run it again for more rounds"
+            );
+        }
+    } else {
+        for (flag, given) in [("--profile", args.profile), ("--membw", args.membw)] {
+            if given {
+                bail!(
+                    "{flag} is for the plain benchmark; --mtp times the engine's runs without it"
+                );
+            }
+        }
+    }
     if let (Some(f), 0) = (&args.prompt_file, args.mtp) {
         bail!(
             "--prompt-file {}: the text is for --mtp N (draft acceptance needs real text); the \
@@ -188,7 +211,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             decode_len: args.gen_len,
             next_n: args.mtp,
             batch: args.batch,
-            runs: args.runs,
+            runs: args.runs.unwrap_or(5),
             json: args.json,
         };
         return bench_mtp(&args.model, args.prompt_file.as_deref(), &b);
@@ -321,9 +344,37 @@ fn new_seqs(m: &DeepseekV3, n: usize, total: usize) -> Result<Seqs> {
         tables.push(t);
     }
     Ok(Seqs {
-        cache: KvCache::new(m.cache_spec(), BLOCK_SIZE, per * n),
+        cache: bench_cache(m.cache_spec(), per * n, n, total)?,
         tables,
     })
+}
+
+/// A KV cache of `blocks` blocks for `seqs` sequences of `positions` positions, or an error
+/// naming the options that size it when it would not fit in the memory available (or cannot
+/// be allocated).
+fn bench_cache(
+    spec: cachalot_model::batch::CacheSpec,
+    blocks: usize,
+    seqs: usize,
+    positions: usize,
+) -> Result<KvCache> {
+    let bytes = (spec.bytes_per_token() as u128) * (BLOCK_SIZE * blocks) as u128;
+    let too_big = |why: String| {
+        anyhow::anyhow!(
+            "the KV cache of --batch {seqs} × {positions} positions (--prompt-len plus \
+             --gen-len) needs {:.2} GiB: {why}; give a smaller --batch, --prompt-len or --gen-len",
+            bytes as f64 / (1u64 << 30) as f64
+        )
+    };
+    if let Some(avail) = cachalot_run::offline::mem_available() {
+        if bytes > avail as u128 {
+            return Err(too_big(format!(
+                "more than the {:.2} GiB of memory available",
+                avail as f64 / (1u64 << 30) as f64
+            )));
+        }
+    }
+    KvCache::try_new(spec, BLOCK_SIZE, blocks).map_err(too_big)
 }
 
 fn prefill(m: &DeepseekV3, s: &mut Seqs, i: usize, prompt: &[u32]) -> Result<u32> {
@@ -428,15 +479,14 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
                 &random_prompt(p_len, v, i as u64 + 1),
             )?);
         }
-        Some(profile::profiled(args.profile, || {
-            time_decode(&m, &mut s, next, p_len, g_len)
-        }))
+        let timed = profile::profiled(args.profile, || time_decode(&m, &mut s, next, p_len, g_len));
+        Some((timed, s.cache.bytes()))
     } else {
         None
     };
-    let (dn, profile_bn) = match dn {
-        Some((d, p)) => (Some(d?), p),
-        None => (None, Vec::new()),
+    let (dn, profile_bn, kv_bytes_bn) = match dn {
+        Some(((d, p), bytes)) => (Some(d?), p, bytes),
+        None => (None, Vec::new(), 0),
     };
     let peak_rss = peak_rss_bytes();
 
@@ -496,6 +546,7 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         o.insert("batch".into(), json!(n));
         o.insert("batch_decode_tok_s".into(), json!(d.tok_s));
         o.insert("batch_step_ms".into(), json!(d.tpot_ms));
+        o.insert("batch_kv_cache_bytes".into(), json!(kv_bytes_bn));
         o.insert("batch_step_bytes_expected".into(), json!(bytes_step_n));
         o.insert(
             "batch_step_bytes_basis".into(),
@@ -578,7 +629,7 @@ fn time_prefill_decode<M: CausalLm>(
 ) -> Result<(f64, Vec<f64>, usize)> {
     let total = prompt.len() + decode_len;
     let blocks = total.div_ceil(BLOCK_SIZE);
-    let mut cache = KvCache::new(m.cache_spec(), BLOCK_SIZE, blocks);
+    let mut cache = bench_cache(m.cache_spec(), blocks, 1, total)?;
     let mut alloc = BlockAllocator::new(blocks);
     let mut table = Vec::new();
     alloc.ensure(&mut table, total, BLOCK_SIZE)?;
@@ -616,7 +667,7 @@ fn time_batch_decode<M: CausalLm>(
 ) -> Result<(f64, f64)> {
     let total = prompt_len + decode_len;
     let per = total.div_ceil(BLOCK_SIZE);
-    let mut cache = KvCache::new(m.cache_spec(), BLOCK_SIZE, per * n);
+    let mut cache = bench_cache(m.cache_spec(), per * n, n, total)?;
     let mut alloc = BlockAllocator::new(per * n);
     let mut tables = Vec::with_capacity(n);
     let mut next = Vec::with_capacity(n);
@@ -690,6 +741,7 @@ fn bench_v4(
         "prompt_len": prompt.len(),
         "prefill_s": prefill_s,
         "prefill_tok_s": prompt.len() as f64 / prefill_s,
+        "ttft_ms": prefill_s * 1e3,
         "decode_len": decode_len,
         "tpot_ms": decode_s / decode_len.max(1) as f64 * 1e3,
         "decode_tok_s": if decode_len > 0 { decode_len as f64 / decode_s } else { 0.0 },
@@ -706,6 +758,9 @@ fn bench_v4(
             o.insert("batch_decode_tok_s".into(), serde_json::json!(tok_s));
             o.insert("batch_step_ms".into(), serde_json::json!(step_ms));
         }
+    }
+    if let Some(o) = v.as_object_mut() {
+        o.insert("peak_rss_bytes".into(), serde_json::json!(peak_rss_bytes()));
     }
     print_report(&v, json)
 }
@@ -784,7 +839,16 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
     use cachalot_engine::metrics::EngineStats;
     use cachalot_engine::{Engine, EngineConfig, Request, SamplingParams, StopConditions};
     // A verify step writes up to next_n draft positions past the last kept token.
-    check_positions(b.prompt_len.max(1), b.decode_len + b.next_n, max_positions)?;
+    if b.prompt_len.max(1) + b.decode_len + b.next_n > max_positions {
+        bail!(
+            "--prompt-len {} plus --decode-len {} plus the {} draft positions of --mtp {} exceed \
+             the model's max_position_embeddings {max_positions} (config.json)",
+            b.prompt_len.max(1),
+            b.decode_len,
+            b.next_n,
+            b.next_n
+        );
+    }
     let ids = match prompt_file {
         Some(f) => {
             let text = crate::read_text_file(f)?;

@@ -244,7 +244,8 @@ fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
             .join(DEFAULT_MODEL),
     ];
     match candidates.iter().find(|d| d.join("config.json").is_file()) {
-        Some(d) => Ok(d.clone()),
+        // The second candidate shown without its `crates/cachalot/../..`.
+        Some(d) => Ok(d.canonicalize().unwrap_or_else(|_| d.clone())),
         None => bail!(
             "no --model given and the shipped small model ({DEFAULT_MODEL}) was not found from \
              here; run from the repository root or pass --model DIR"

@@ -1225,6 +1225,45 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
             vec!["bench", "--prompt-len", "5000"],
             "exceed the model's max_position_embeddings",
         ),
+        // A cache past the memory is refused, naming the options that size it (was a panic).
+        (
+            vec![
+                "bench",
+                "--prompt-len",
+                "4000",
+                "--gen-len",
+                "8",
+                "--batch",
+                "65536",
+            ],
+            "give a smaller --batch, --prompt-len or --gen-len",
+        ),
+        (vec!["bench", "--runs", "3"], "--runs 3 is for --mtp N"),
+        (
+            vec![
+                "bench",
+                "--mtp",
+                "1",
+                "--prompt-file",
+                "assets/cachalot-tiny-r1/eval.txt",
+                "--profile",
+            ],
+            "--profile is for the plain benchmark",
+        ),
+        (
+            vec![
+                "bench",
+                "--mtp",
+                "3",
+                "--prompt-file",
+                "assets/cachalot-tiny-r1/eval.txt",
+                "--prompt-len",
+                "32",
+                "--decode-len",
+                "4063",
+            ],
+            "--decode-len 4063 plus the 3 draft positions of --mtp 3",
+        ),
         (
             vec!["run", "--num-requests", "0"],
             "--num-requests 0 is out of range",
@@ -1641,4 +1680,48 @@ fn a_turn_the_template_refuses_leaves_the_chat_running() {
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--mtp"), "{err}");
+}
+
+/// A bench of random weights stopped by SIGTERM removes them (exit 143, as a process killed
+/// by the signal reports).
+#[test]
+fn an_interrupted_random_bench_removes_its_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+        .args(["bench", "--threads", "1", "--random-weights"])
+        .arg(root().join("assets/cachalot-tiny-r1/config.json"))
+        .arg("--random-dir")
+        .arg(tmp.path())
+        .args(["--prompt-len", "4000", "--gen-len", "90"])
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once the model is written (its config.json is the last file), stop the bench.
+    let start = std::time::Instant::now();
+    let written = || -> bool {
+        std::fs::read_dir(tmp.path())
+            .ok()
+            .and_then(|mut d| d.next())
+            .and_then(|e| e.ok())
+            .is_some_and(|e| e.path().join("fp8/config.json").is_file())
+    };
+    while !written() {
+        assert!(start.elapsed().as_secs() < 120, "no random model in 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(143),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
 }
