@@ -1232,6 +1232,14 @@ pub fn run_ranked(
     let (v3, v4);
     let (model, config_eos): (&(dyn Model + Sync), Vec<u32>) = match family {
         ModelFamily::DeepseekV3 => {
+            if opts.v4_cache == V4CacheMode::Full {
+                return Err(format!(
+                    "--v4-cache full: {} is a DeepSeek-V3/R1/Kimi-K2 model, whose cache has one \
+                     layout (the option is DeepSeek-V4's); drop it",
+                    weights_dir.display()
+                )
+                .into());
+            }
             let mut model = DeepseekV3::load(
                 &weights_dir,
                 LoadOptions {

@@ -271,6 +271,13 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
         tensor_shard: args.tensor_shard,
     };
     let dir = checked_model_dir(args)?;
+    if args.v4_cache == cachalot_model::V4CacheMode::Full {
+        bail!(
+            "--v4-cache full: {} is a DeepSeek-V3/R1/Kimi-K2 model, whose cache has one layout \
+             (the option is DeepSeek-V4's); drop it",
+            dir.display()
+        );
+    }
     let mut model = DeepseekV3::load(&dir, opts)?;
     if load_mtp && model.mtp_layers().is_empty() {
         bail!(

@@ -1240,6 +1240,10 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
         ),
         (vec!["bench", "--runs", "3"], "--runs 3 is for --mtp N"),
         (
+            vec!["generate", "--prompt", "x", "--v4-cache", "full"],
+            "is a DeepSeek-V3/R1/Kimi-K2 model",
+        ),
+        (
             vec![
                 "bench",
                 "--mtp",
