@@ -1397,22 +1397,8 @@ fn write_shard(
     }
     items.par_iter().try_for_each(|item| -> Result<()> {
         let p = &planned[item.t];
-        let consumed = run_item(p, item, &planned, scales, &map, &out).map_err(|e| {
-            // Damaged data of another shard (a weight's scales) names that shard.
-            if let Some(l) = e.get_ref().and_then(|r| r.downcast_ref::<Located>()) {
-                return ConvertError::Shard {
-                    file: l.file.clone(),
-                    why: l.why.clone(),
-                };
-            }
-            // Damaged input data is the input shard's fault; anything else is writing's.
-            let file = if e.kind() == std::io::ErrorKind::InvalidData {
-                input
-            } else {
-                output
-            };
-            ConvertError::io(file, e)
-        })?;
+        let consumed = run_item(p, item, &planned, scales, &map, &out)
+            .map_err(|e| item_error(e, input, output))?;
         pb.inc(consumed);
         Ok(())
     })?;
@@ -1779,6 +1765,24 @@ pub(crate) fn floats_of(dtype: &str, bytes: &[u8]) -> Vec<f32> {
             .map(|b| cachalot_kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
             .collect(),
     }
+}
+
+/// The error of a work item converting `input` into `output`: damaged data of another shard (a
+/// weight's scales, [`Located`]) names that shard, other damaged input data (`InvalidData`)
+/// the input shard, anything else (writing) the output.
+pub(crate) fn item_error(e: std::io::Error, input: &Path, output: &Path) -> ConvertError {
+    if let Some(l) = e.get_ref().and_then(|r| r.downcast_ref::<Located>()) {
+        return ConvertError::Shard {
+            file: l.file.clone(),
+            why: l.why.clone(),
+        };
+    }
+    let file = if e.kind() == std::io::ErrorKind::InvalidData {
+        input
+    } else {
+        output
+    };
+    ConvertError::io(file, e)
 }
 
 /// Damaged input found in a shard other than the one being converted (a weight's scales).

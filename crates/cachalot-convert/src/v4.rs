@@ -441,6 +441,8 @@ pub(crate) fn convert_v4(
             why: "n_routed_experts is missing or not a number".into(),
         })? as usize;
     check_output(&opts.input, &opts.output, opts.force)?;
+    // INT8/INT4 weights the conversion writes (what clip factors apply to).
+    let mut int_targets = 0usize;
     let clips = match &opts.quant_param_path {
         Some(dir) => load_clip_params(dir, num_layers)?,
         None => HashMap::new(),
@@ -605,7 +607,10 @@ pub(crate) fn convert_v4(
                 }
             }
             let clip = match target {
-                Target::Int8 | Target::Int4 => clips.get(key).cloned(),
+                Target::Int8 | Target::Int4 => {
+                    int_targets += 1;
+                    clips.get(key).cloned()
+                }
                 _ => None,
             };
             if let Some(c) = &clip {
@@ -636,8 +641,10 @@ pub(crate) fn convert_v4(
     // matching is an error (the wrong file or key names), some is a note.
     let mut unused: Vec<&String> = clips.keys().filter(|k| !clipped.contains(*k)).collect();
     unused.sort();
+    // (A type without INT8/INT4 layers, the MX ones, does not use them: the caller says so.)
+    let clipping = quantize && int_targets > 0;
     if let (Some(dir), Some(first)) = (&opts.quant_param_path, unused.first()) {
-        if quantize && clipped.is_empty() {
+        if clipping && clipped.is_empty() {
             return Err(ConvertError::Usage(format!(
                 "--quant-param-path {}: none of its clip factors ({} modules, first `{first}`) \
                  names an INT8/INT4 weight of {} under {}; the keys are module names of this \
@@ -648,7 +655,7 @@ pub(crate) fn convert_v4(
                 opts.mode.name(),
             )));
         }
-        if quantize {
+        if clipping {
             report.notes.push(format!(
                 "{} of the clip factors in {} name no INT8/INT4 weight under {} and were not \
                  used (first: `{first}`)",
@@ -742,7 +749,7 @@ fn write_shard(
             &map,
             &out,
         )
-        .map_err(|e| ConvertError::io(output, e))?;
+        .map_err(|e| crate::item_error(e, input, output))?;
         pb.inc(consumed);
         Ok(())
     })?;

@@ -216,6 +216,14 @@ fn clip_factors_match_the_python_reference() {
             "{ty}: clipping changed nothing"
         );
     }
+    // The MX types have no INT8/INT4 layer: the factors are read and not used (the output is
+    // the one without them), not refused as naming no weight.
+    for (ty, mode) in [
+        ("w4a8-mx", QuantMode::W4A8Mx),
+        ("w4a8-mx-hif", QuantMode::W4A8MxHif),
+    ] {
+        check(ty, mode, &bf16, Some(&clip));
+    }
     // A missing layer file is named.
     let partial = tmp.path().join("partial");
     fs::create_dir(&partial).unwrap();

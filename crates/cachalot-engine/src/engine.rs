@@ -1127,11 +1127,11 @@ impl<'t, M: Model> Engine<'t, M> {
         let spec = self.cache.spec();
         if kv.spec != spec {
             return refuse(format!(
-                "the transferred KV is laid out as {:?}, this engine's cache as {spec:?}: run \
-                 the prefill and decode sides with the same model, --kv-cache-dtype, \
-                 --v4-cache and --mtp (an MTP layer has a cache of its own), and the same \
-                 layers (custom_params.num_hidden_layers)",
-                kv.spec
+                "the transferred KV's cache differs from this server's ({}): run the prefill \
+                 and decode sides with the same model, --kv-cache-dtype, --v4-cache and --mtp \
+                 (an MTP layer has a cache of its own), and the same layers \
+                 (custom_params.num_hidden_layers)",
+                spec_differences(&kv.spec, &spec)
             ));
         }
         // An unseeded request whose prefill side drew its seed (a server over several ranks
@@ -1141,15 +1141,20 @@ impl<'t, M: Model> Engine<'t, M> {
         }
         if kv.prompt != req.prompt || kv.params != req.params {
             let what = if kv.prompt != req.prompt {
+                let at = kv.prompt.iter().zip(&req.prompt).position(|(a, b)| a != b);
+                let how = match at {
+                    Some(i) => format!("they differ from token {i} on"),
+                    None => "one is the start of the other".into(),
+                };
                 format!(
-                    "a prompt of {} tokens that differs from this request's {} tokens",
+                    "a prompt of {} tokens, this request's has {} ({how})",
                     kv.prompt.len(),
                     req.prompt.len()
                 )
             } else {
                 format!(
-                    "a request sampled with {:?}, this one with {:?}",
-                    kv.params, req.params
+                    "a request sampled with {}",
+                    params_differences(&kv.params, &req.params)
                 )
             };
             return refuse(format!(
@@ -2162,6 +2167,62 @@ impl<'t, M: Model> Engine<'t, M> {
         }
         all.extend(self.take_finished());
         Ok(all)
+    }
+}
+
+/// The fields in which two caches differ, in words ("the float part in bf16 there, f32 here").
+fn spec_differences(there: &CacheSpec, here: &CacheSpec) -> String {
+    let mut d = Vec::new();
+    if there.float != here.float {
+        d.push(format!(
+            "values in {} there (the prefill server's --kv-cache-dtype), {} here",
+            there.float.name(),
+            here.float.name()
+        ));
+    }
+    for (a, b, what) in [
+        (there.layers, here.layers, "cache layers"),
+        (there.width, here.width, "values per token and layer"),
+        (
+            there.int8_width,
+            here.int8_width,
+            "of them int8 (a C8 cache)",
+        ),
+        (
+            there.seq_state_width,
+            here.seq_state_width,
+            "values of per-sequence state (DeepSeek-V4's --v4-cache)",
+        ),
+    ] {
+        if a != b {
+            d.push(format!("{a} {what} there, {b} here"));
+        }
+    }
+    d.join("; ")
+}
+
+/// The sampling fields in which the prefill side's request differs from this one's.
+fn params_differences(there: &SamplingParams, here: &SamplingParams) -> String {
+    let (a, b) = (
+        serde_json::to_value(there).unwrap_or_default(),
+        serde_json::to_value(here).unwrap_or_default(),
+    );
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+        return "other sampling".into();
+    };
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let show = |v: Option<&serde_json::Value>| v.map_or("none".to_string(), |v| v.to_string());
+    let d: Vec<String> = keys
+        .into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| format!("{k} {} there, {} here", show(a.get(k)), show(b.get(k))))
+        .collect();
+    if d.is_empty() {
+        "other sampling".into()
+    } else {
+        d.join(", ")
     }
 }
 

@@ -176,12 +176,19 @@ fn mismatched_sides_are_refused_with_the_reason() {
     let e = dec
         .add_prefilled(request(&[5, 9, 11], &params, 4), kv.clone())
         .unwrap_err();
-    assert!(e.to_string().contains("differs"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("a prompt of 5 tokens, this request's has 3"),
+        "{e}"
+    );
     // Another request's KV (other sampling): the room was reused.
     let mut other = request(&prompt, &params, 4);
     other.params.temperature = 0.5;
     let e = dec.add_prefilled(other, kv.clone()).unwrap_err();
     assert!(e.to_string().contains("bootstrap_room"), "{e}");
+    // The differing field is named with both values.
+    assert!(e.to_string().contains("temperature"), "{e}");
+    assert!(e.to_string().contains("0.5 here"), "{e}");
     // A seed the prefill side drew for an unseeded request (a server over several ranks
     // does) is taken; another seed is another request's.
     let mut pre = engine(&m, PREFILL, 0);
@@ -202,6 +209,10 @@ fn mismatched_sides_are_refused_with_the_reason() {
         .add_prefilled(request(&prompt, &params, 4), kv.clone())
         .unwrap_err();
     assert!(e.to_string().contains("--kv-cache-dtype"), "{e}");
+    assert!(
+        e.to_string().contains("values in bf16 there") && e.to_string().contains("f32 here"),
+        "{e}"
+    );
     // MTP here, not there.
     let mut dec = engine(&m, DECODE, 1);
     let e = dec

@@ -9,7 +9,11 @@
 //! so both levels give the same bits; torch's own reduction order is not reproduced, which the
 //! spec allows: the search is compared with a tolerance); the first candidate with the strictly smallest loss
 //! wins. Then `scale = bf16(c*/7)` and `q = clamp(round(bf16(clamp(W, −c*, c*)·bf16(1/scale))),
-//! −7, 7)` (rounding half to even; `clamp(x, lo, hi)` is torch's `min(max(x, lo), hi)`).
+//! −7, 7)` (rounding half to even; `clamp(x, lo, hi)` is torch's `min(max(x, lo), hi)`). The
+//! final step multiplies by the bf16 reciprocal as the seed's `per_channel_searching`
+//! (`models/deepseek_v4/utils/convert_model.py`: `x.clamp(...).mul(1.0 / scales).round()`)
+//! does, where the spec's formula writes `/scale`: about 1 value in 10⁴ (a quotient within
+//! half a bf16 step of a .5 tie) differs between the two readings; we give the seed's.
 //!
 //! Storage: weight int8 `[N/2, K]` packed **along the output dim** (byte `[j, k]` holds
 //! `q[2j, k]` in the low nibble and `q[2j+1, k]` in the high nibble, two's complement), scale

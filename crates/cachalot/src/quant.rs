@@ -79,7 +79,7 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
             mode.name()
         );
     }
-    check_input_loads(&args.input)?;
+    let mtp_note = check_input_loads(&args.input)?;
     // Ctrl-C or SIGTERM: the partial output goes with the process (the old output, if any, is
     // untouched until a conversion completes).
     crate::term::on_interrupt(|| {
@@ -90,7 +90,14 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
             );
         }
     })?;
-    let r = convert(&opts)?;
+    let r = convert(&opts).map_err(|e| match &mtp_note {
+        // What the loader said about the MTP layers is likely the same damage.
+        Some(n) => anyhow::Error::new(e).context(format!("(before converting: {n})")),
+        None => anyhow::Error::new(e),
+    })?;
+    if let Some(n) = &mtp_note {
+        say!("note: {n}; the output runs, but not with --mtp");
+    }
     for note in &r.notes {
         say!("note: {note}");
     }
@@ -124,8 +131,9 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
 /// The converter checks the tensors it converts; the loader also checks what the model needs
 /// (every tensor present, none extra, shapes from config.json, MTP layers included). A checkpoint
 /// it would refuse is refused now, before the conversion, not when the output is loaded. (The
-/// load maps the shards and reads only small tensors.)
-fn check_input_loads(dir: &std::path::Path) -> Result<()> {
+/// load maps the shards and reads only small tensors.) A checkpoint that loads only without its
+/// MTP layers converts; what is wrong with them is returned, for a note once it has.
+fn check_input_loads(dir: &std::path::Path) -> Result<Option<String>> {
     use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, LoadOptions, ModelFamily};
     let load = |mtp: bool| -> cachalot_model::Result<()> {
         match detect_family(dir)? {
@@ -148,17 +156,15 @@ fn check_input_loads(dir: &std::path::Path) -> Result<()> {
         }
     };
     let Err(with_mtp) = load(true) else {
-        return Ok(());
+        return Ok(None);
     };
     // Many re-uploads leave out the MTP layers: the main model converts (and runs) without
     // them; only --mtp needs them.
     if load(false).is_ok() {
-        say!(
-            "note: {} loads without its MTP layers ({with_mtp}); converting the main model: \
-             the output runs, but not with --mtp",
+        return Ok(Some(format!(
+            "{} loads without its MTP layers ({with_mtp})",
             dir.display()
-        );
-        return Ok(());
+        )));
     }
     Err(anyhow::Error::new(with_mtp)).with_context(|| {
         format!(

@@ -345,7 +345,7 @@ impl Rooms {
                     map.remove(&room);
                     return Err(m);
                 }
-                Some((_, RoomState::Gone(m))) => return Err(format!("bootstrap_room {room}: {m}")),
+                Some((_, RoomState::Gone(m))) => return Err(m.clone()),
                 _ => {}
             }
             let now = Instant::now();
@@ -736,7 +736,10 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             "cachalot serve: {name} ({}), role {}{ranks}, max_model_len {max_positions}, \
              listening on http://{addr}/v1",
             dir.display(),
-            args.role.mode()
+            match args.role {
+                Role::Both => "both (prefill and decode; disaggregation_mode none)",
+                other => other.mode(),
+            }
         );
         std::thread::spawn(move || {
             server.serve("serve", Arc::new(move |request| handle(request, &shared)));
@@ -879,7 +882,8 @@ fn engine_loop<M: Model>(
                 Some(room),
                 400,
             ),
-            JobKind::Import(kv) => (engine.add_prefilled(job.request, *kv), None, 500),
+            // The prefill server's KV does not fit this request: what upstream gave is unusable.
+            JobKind::Import(kv) => (engine.add_prefilled(job.request, *kv), None, 502),
         };
         match added {
             Ok(id) => {
@@ -895,10 +899,16 @@ fn engine_loop<M: Model>(
                 );
             }
             Err(e) => {
-                fail_room(room, e.to_string());
+                let message = match (&e, status) {
+                    (cachalot_engine::EngineError::Request(m), 502) => {
+                        format!("the prefill server's KV cannot serve this request: {m}")
+                    }
+                    _ => e.to_string(),
+                };
+                fail_room(room, message.clone());
                 let _ = job
                     .events
-                    .send((job.choice, Event::Failed(status, e.to_string())));
+                    .send((job.choice, Event::Failed(status, message)));
             }
         }
     };
@@ -1630,7 +1640,7 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
                         if let (Role::Decode, Some(b)) = (shared.role, boot) {
                             let (timeout, max) = (shared.kv_timeout, shared.kv_max_bytes);
                             std::thread::spawn(move || {
-                                let _ = fetch_kv(&b, timeout, max);
+                                let _ = fetch_kv(&b, timeout, max, &|| false);
                             });
                             return Err(e);
                         }
@@ -1869,6 +1879,16 @@ fn bootstrap(shared: &Shared, body: &Value) -> Result<Option<Bootstrap>, ApiErro
         }));
     }
     let host = match field(body, "bootstrap_host") {
+        // `host:port` (one colon; an IPv6 address has several): the port goes on its own.
+        Some(Value::String(h)) if h.matches(':').count() == 1 && !h.starts_with('[') => {
+            return Err(ApiError::bad(
+                "bootstrap_host",
+                format!(
+                    "{h:?} holds a port: give the prefill server's host alone, and its \
+                     --kv-port in bootstrap_port"
+                ),
+            ))
+        }
         Some(Value::String(h)) if !h.is_empty() => h.clone(),
         Some(v) => {
             return Err(ApiError::bad(
@@ -1909,6 +1929,17 @@ fn bootstrap(shared: &Shared, body: &Value) -> Result<Option<Bootstrap>, ApiErro
 /// why not. (Version 2: version 1 answered one snapshot.)
 const KV_GET: &[u8; 8] = b"CKV-GET2";
 
+/// What a prefill server's KV port writes first on every connection, so that a decode server
+/// pointed at another port (an HTTP port, say) learns it at once rather than after its wait.
+const KV_HELLO: &[u8; 8] = b"CKV-PORT";
+
+/// A decode server still waiting for a prefill's KV when its drain's grace is this close to
+/// its end answers 503 (rather than leave the client an empty reply when the process exits).
+const DRAIN_ANSWER_MARGIN: Duration = Duration::from_millis(1500);
+
+/// How long a decode server waits for [`KV_HELLO`] after connecting.
+const KV_HELLO_WAIT: Duration = Duration::from_secs(10);
+
 /// The prefill role's KV port: each connection names a room, waits for its prefills and gets
 /// their KVs (status byte 0, the number of choices as a u32, then a snapshot per choice) or why
 /// there are none (1, a u32 length, the text).
@@ -1918,6 +1949,9 @@ fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
         let rooms = rooms.clone();
         std::thread::spawn(move || {
             let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+            if conn.write_all(KV_HELLO).is_err() {
+                return;
+            }
             let mut ask = [0u8; 16];
             if conn.read_exact(&mut ask).is_err() || &ask[..8] != KV_GET {
                 let _ = send_kv_error(
@@ -1955,46 +1989,123 @@ fn send_kv_error(w: &mut impl Write, message: &str) -> std::io::Result<()> {
 }
 
 /// The decode role: fetches `boot.room`'s prefilled KVs (one per choice, in order) from the
-/// prefill server.
+/// prefill server, waiting up to `timeout` for them (`--kv-timeout-s`); `give_up` is asked
+/// about twice a second while it waits (the server is draining and its grace is ending) and
+/// ends the wait with [`FetchError::GaveUp`].
 fn fetch_kv(
     boot: &Bootstrap,
     timeout: Duration,
     max_bytes: u64,
-) -> Result<Vec<KvSnapshot>, String> {
-    let at = format!("{}:{}", boot.host, boot.port);
+    give_up: &dyn Fn() -> bool,
+) -> Result<Vec<KvSnapshot>, FetchError> {
+    // An IPv6 address goes in brackets before the port.
+    let at = if boot.host.contains(':') && !boot.host.starts_with('[') {
+        format!("[{}]:{}", boot.host, boot.port)
+    } else {
+        format!("{}:{}", boot.host, boot.port)
+    };
     let fail = |e: &dyn std::fmt::Display| {
-        format!(
+        FetchError::Failed(format!(
             "the KV of bootstrap_room {} from the prefill server at {at}: {e}",
             boot.room
-        )
+        ))
     };
-    let mut conn = TcpStream::connect(&at).map_err(|e| fail(&e))?;
-    // The prefill may queue behind others: its own timeout answers first.
-    let _ = conn.set_read_timeout(Some(timeout + Duration::from_secs(30)));
-    let _ = conn.set_nodelay(true);
-    let mut ask = KV_GET.to_vec();
-    ask.extend_from_slice(&boot.room.to_le_bytes());
-    conn.write_all(&ask).map_err(|e| fail(&e))?;
-    let mut r = std::io::BufReader::with_capacity(1 << 20, conn);
-    let mut status = [0u8; 1];
-    r.read_exact(&mut status).map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => fail(&format!(
-            "no answer within {} s (--kv-timeout-s)",
-            timeout.as_secs() + 30
+    let io = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::ConnectionAborted
+        | std::io::ErrorKind::BrokenPipe => fail(&format!(
+            "the prefill server closed the connection before sending it (did it stop?): {e}"
         )),
         _ => fail(&e),
-    })?;
-    if status[0] != 0 {
-        let mut len = [0u8; 4];
-        r.read_exact(&mut len).map_err(|e| fail(&e))?;
-        let mut msg = Vec::new();
-        r.take(u32::from_le_bytes(len).min(1 << 20) as u64)
-            .read_to_end(&mut msg)
-            .map_err(|e| fail(&e))?;
-        return Err(String::from_utf8_lossy(&msg).into_owned());
+    };
+    let mut conn = TcpStream::connect(&at).map_err(|e| fail(&e))?;
+    let _ = conn.set_nodelay(true);
+    // A KV port greets first; anything else (an HTTP port answers nothing until it has a
+    // request's head) is said now.
+    let _ = conn.set_read_timeout(Some(KV_HELLO_WAIT));
+    let mut hello = [0u8; 8];
+    let not_kv = |what: String| {
+        fail(&format!(
+            "{what}: this is not a prefill server's KV port (its HTTP port?); bootstrap_port is \
+             the prefill server's --kv-port, which its /health shows as kv_port"
+        ))
+    };
+    match conn.read_exact(&mut hello) {
+        Ok(()) if &hello == KV_HELLO => {}
+        Ok(()) => {
+            return Err(not_kv(format!(
+                "it answered {:?}",
+                String::from_utf8_lossy(&hello)
+            )))
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            return Err(not_kv(format!(
+                "no greeting within {} s",
+                KV_HELLO_WAIT.as_secs()
+            )))
+        }
+        Err(e) => return Err(io(e)),
+    }
+    let mut ask = KV_GET.to_vec();
+    ask.extend_from_slice(&boot.room.to_le_bytes());
+    conn.write_all(&ask).map_err(io)?;
+    // Wait for the first byte in short slices, to notice a drain's end.
+    let deadline = std::time::Instant::now() + timeout;
+    let slice = Duration::from_millis(500);
+    let mut status = [0u8; 1];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(fail(&format!(
+                "no answer within {} s (this server's --kv-timeout-s): the prefill server has \
+                 not prefilled the room (was the request sent to it, with the same \
+                 bootstrap_room?)",
+                timeout.as_secs()
+            )));
+        }
+        if give_up() {
+            return Err(FetchError::GaveUp);
+        }
+        let _ = conn.set_read_timeout(Some(left.min(slice)));
+        match conn.read(&mut status) {
+            Ok(1) => break,
+            Ok(_) => return Err(io(std::io::Error::from(std::io::ErrorKind::UnexpectedEof))),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+    // The rest comes at once: a stalled transfer ends after a while.
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(60)));
+    let mut r = std::io::BufReader::with_capacity(1 << 20, conn);
+    match status[0] {
+        0 => {}
+        1 => {
+            let mut len = [0u8; 4];
+            r.read_exact(&mut len).map_err(io)?;
+            let mut msg = Vec::new();
+            r.take(u32::from_le_bytes(len).min(1 << 20) as u64)
+                .read_to_end(&mut msg)
+                .map_err(io)?;
+            return Err(FetchError::Failed(
+                String::from_utf8_lossy(&msg).into_owned(),
+            ));
+        }
+        other => return Err(fail(&format!("an answer that starts with byte {other}"))),
     }
     let mut count = [0u8; 4];
-    r.read_exact(&mut count).map_err(|e| fail(&e))?;
+    r.read_exact(&mut count).map_err(io)?;
     let count = u32::from_le_bytes(count) as usize;
     if count == 0 || count > MAX_CHOICES_TOTAL {
         return Err(fail(&format!(
@@ -2004,6 +2115,15 @@ fn fetch_kv(
     (0..count)
         .map(|_| KvSnapshot::read_from(&mut r, max_bytes).map_err(|e| fail(&e)))
         .collect()
+}
+
+/// Why a decode server has no KV for a request.
+#[derive(Debug)]
+enum FetchError {
+    /// The prefill server refused, or the transfer failed (a 502).
+    Failed(String),
+    /// The server is draining and its grace ends before the KV came (a 503).
+    GaveUp,
 }
 
 fn read_body(request: &mut tiny_http::Request) -> Result<Value, ApiError> {
@@ -3348,7 +3468,9 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                 );
                 return respond_json(request, 503, &e.body());
             }
-            match fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes) {
+            // A draining server answers what waits for KV before its grace ends.
+            let give_up = || crate::term::drain_ending(DRAIN_ANSWER_MARGIN);
+            match fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes, &give_up) {
                 Ok(kvs) if kvs.len() == call.choices() => kvs
                     .into_iter()
                     .map(|kv| JobKind::Import(Box::new(kv)))
@@ -3366,9 +3488,21 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                     );
                     return respond_json(request, 502, &e.body());
                 }
-                Err(m) => {
+                Err(FetchError::Failed(m)) => {
                     let e = ApiError::new(502, m);
                     return respond_json(request, 502, &e.body());
+                }
+                Err(FetchError::GaveUp) => {
+                    let e = ApiError::new(
+                        503,
+                        format!(
+                            "the decode server is shutting down (SIGTERM) and the KV of \
+                             bootstrap_room {} has not come: send the request again to another \
+                             decode server",
+                            b.room
+                        ),
+                    );
+                    return respond_json(request, 503, &e.body());
                 }
             }
         }

@@ -104,6 +104,17 @@ pub fn drain_stop() -> Option<i32> {
     (code >= 0).then_some(code)
 }
 
+/// When a drain's grace ends (set when the drain starts).
+static DRAIN_DEADLINE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Whether a drain is under way and its grace ends within `margin`: what a request still
+/// waiting (a decode server's fetch of KV) checks to answer before the server exits.
+pub fn drain_ending(margin: std::time::Duration) -> bool {
+    DRAIN_DEADLINE
+        .get()
+        .is_some_and(|d| std::time::Instant::now() + margin >= *d)
+}
+
 /// A server's graceful stop: after SIGTERM, [`terminating`] is true (new requests are refused
 /// by the caller), and once no request is [`InFlight`] and nothing [`drain_waits_for`] is
 /// held, or `grace` has passed, the server exits (0 when everything finished, 143 when the
@@ -134,6 +145,7 @@ pub fn drain_on_sigterm(grace: std::time::Duration, leader: bool) -> Result<()> 
             grace.as_secs_f64()
         );
         let start = std::time::Instant::now();
+        let _ = DRAIN_DEADLINE.set(start + grace);
         let code = loop {
             let (n, h) = (in_flight(), held());
             if n == 0 && h == 0 {

@@ -2369,3 +2369,102 @@ fn prefill_drain_waits_for_held_kv() {
         assert!(log.contains("1 prefilled KV awaiting"), "{log}");
     }
 }
+
+/// A decode server's fetch of KV, against stand-ins for the prefill server's KV port: a port
+/// that is not one (it answers something else) is said at once; a room that never comes ends
+/// after `--kv-timeout-s`, said with that value; a drain whose grace ends while a request
+/// waits answers it 503 (the client got an empty reply when the process left); a host given
+/// with its port is refused by field.
+#[test]
+fn decode_server_fetch_failures_are_said() {
+    use std::net::TcpListener;
+    let mut server = start(&[
+        "--model",
+        "assets/cachalot-tiny-r1",
+        "--role",
+        "decode",
+        "--kv-timeout-s",
+        "2",
+        "--drain-timeout-s",
+        "3",
+    ]);
+    // An HTTP-like port: it answers at once with something that is not the greeting.
+    let http_like = TcpListener::bind("127.0.0.1:0").unwrap();
+    let http_port = http_like.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut c in http_like.incoming().map_while(Result::ok) {
+            let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        }
+    });
+    // A KV port that greets and then never answers (a room no prefill server fills).
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for mut c in silent.incoming().map_while(Result::ok) {
+            let _ = c.write_all(b"CKV-PORT");
+            held.push(c);
+        }
+    });
+    let body = |port: u16, host: &str| {
+        json!({"prompt": "The whale", "max_tokens": 4, "bootstrap_room": 7,
+               "bootstrap_host": host, "bootstrap_port": port})
+    };
+    let t = std::time::Instant::now();
+    let (status, v) = post(
+        &server.addr,
+        "/v1/completions",
+        &body(http_port, "127.0.0.1"),
+    );
+    assert_eq!(status, 502, "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.contains("not a prefill server's KV port"), "{m}");
+    assert!(t.elapsed().as_secs() < 5, "{:?}", t.elapsed());
+
+    let t = std::time::Instant::now();
+    let (status, v) = post(
+        &server.addr,
+        "/v1/completions",
+        &body(silent_port, "127.0.0.1"),
+    );
+    assert_eq!(status, 502, "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.contains("no answer within 2 s"), "{m}");
+    let waited = t.elapsed().as_secs_f64();
+    assert!((1.5..10.0).contains(&waited), "{waited}");
+
+    let (status, v) = post(
+        &server.addr,
+        "/v1/completions",
+        &body(silent_port, "127.0.0.1:18800"),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "bootstrap_host", "{v}");
+
+    // The drain's grace (3 s) ends before the KV timeout would (the server is restarted with
+    // a longer one).
+    drop(server);
+    server = start(&[
+        "--model",
+        "assets/cachalot-tiny-r1",
+        "--role",
+        "decode",
+        "--kv-timeout-s",
+        "600",
+        "--drain-timeout-s",
+        "3",
+    ]);
+    let addr = server.addr.clone();
+    let waiting =
+        std::thread::spawn(move || post(&addr, "/v1/completions", &body(silent_port, "127.0.0.1")));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    sigterm(&server);
+    let (status, v) = waiting.join().unwrap();
+    assert_eq!(status, 503, "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(
+        m.contains("shutting down") && m.contains("bootstrap_room 7"),
+        "{m}"
+    );
+    assert!(exit_within(&mut server, 30).is_some());
+}
