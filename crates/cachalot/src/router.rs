@@ -5,7 +5,8 @@
 //! server's `bootstrap_host` and `bootstrap_port` (its KV port, read from its `/health`), posts
 //! the request to both at once and answers with the decode server's response (streamed through
 //! as it comes). The prefill server's answer is read and dropped; if it fails, the decode server
-//! reports why. `GET /health` lists the servers, `GET /v1/models` is the first decode server's.
+//! reports why. `GET /health` asks the servers' (ok, degraded, or 503 when no prefill or no decode server
+//! answers), `GET /v1/models` is the first decode server's.
 //!
 //! The backends are `cachalot serve --role prefill` and `--role decode` servers; the router
 //! speaks HTTP/1.1 to them, one connection per request, and relays the body as it comes
@@ -52,6 +53,9 @@ struct Prefill {
     kv_port: u16,
 }
 
+/// How long the router's /health waits for each server's.
+const HEALTH_WAIT: Duration = Duration::from_secs(2);
+
 struct Router {
     prefill: Vec<Prefill>,
     decode: Vec<String>,
@@ -86,7 +90,19 @@ fn exchange(
     body: Option<&[u8]>,
     timeout: Duration,
 ) -> std::io::Result<(u16, String, Body)> {
-    let mut s = TcpStream::connect(addr)?;
+    // Connecting is bounded too (an unreachable host would hold SYN retries for minutes).
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+    let mut conn = None;
+    for a in std::net::ToSocketAddrs::to_socket_addrs(addr)? {
+        match TcpStream::connect_timeout(&a, timeout) {
+            Ok(c) => {
+                conn = Some(c);
+                break;
+            }
+            Err(e) => last = e,
+        }
+    }
+    let mut s = conn.ok_or(last)?;
     s.set_read_timeout(Some(timeout))?;
     let _ = s.set_nodelay(true);
     let body = body.unwrap_or_default();
@@ -333,15 +349,48 @@ fn route(mut request: tiny_http::Request, router: &Router) {
     let _flight = crate::term::InFlight::enter();
     match (method.as_str(), path.as_str()) {
         ("GET", "/health") => {
-            let body = json!({"status": "ok",
-                "prefill": router.prefill.iter().map(|p| json!({"addr": p.addr,
-                                                               "kv_port": p.kv_port}))
-                                         .collect::<Vec<_>>(),
-                "decode": router.decode});
+            // Each server's own /health, asked at once (2 s each at most): "ok" when all
+            // answer, "degraded" when some do not, 503 when no prefill or no decode server
+            // does (no request can be served).
+            let up = |addr: &str| {
+                exchange(addr, "GET", "/health", None, HEALTH_WAIT)
+                    .is_ok_and(|(status, _, _)| status == 200)
+            };
+            let (pre_up, dec_up) = std::thread::scope(|sc| {
+                let pre: Vec<_> = router
+                    .prefill
+                    .iter()
+                    .map(|p| sc.spawn(|| up(&p.addr)))
+                    .collect();
+                let dec: Vec<_> = router.decode.iter().map(|d| sc.spawn(|| up(d))).collect();
+                let join = |v: Vec<std::thread::ScopedJoinHandle<'_, bool>>| {
+                    v.into_iter()
+                        .map(|h| h.join().unwrap_or(false))
+                        .collect::<Vec<bool>>()
+                };
+                (join(pre), join(dec))
+            });
+            let serving = pre_up.iter().any(|&u| u) && dec_up.iter().any(|&u| u);
+            let all = pre_up.iter().chain(&dec_up).all(|&u| u);
+            let (status, word) = match (serving, all) {
+                (true, true) => (200, "ok"),
+                (true, false) => (200, "degraded"),
+                (false, _) => (503, "unavailable"),
+            };
+            let body = json!({"status": word,
+                "prefill": router.prefill.iter().zip(&pre_up)
+                    .map(|(p, u)| json!({"addr": p.addr, "kv_port": p.kv_port, "healthy": u}))
+                    .collect::<Vec<_>>(),
+                "decode": router.decode.iter().zip(&dec_up)
+                    .map(|(d, u)| json!({"addr": d, "healthy": u}))
+                    .collect::<Vec<_>>()});
             let header = tiny_http::Header::from_bytes("Content-Type", "application/json")
                 .expect("a valid header");
-            let _ = request
-                .respond(tiny_http::Response::from_string(body.to_string()).with_header(header));
+            let _ = request.respond(
+                tiny_http::Response::from_string(body.to_string())
+                    .with_status_code(status)
+                    .with_header(header),
+            );
         }
         ("GET", "/v1/models") => {
             match exchange(&router.decode[0], "GET", &path, None, router.timeout) {

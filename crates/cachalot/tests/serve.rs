@@ -2017,6 +2017,20 @@ fn the_router_passes_a_departed_client_on() {
         &json!({"prompt": "Hi", "max_tokens": 2}),
     );
     assert_eq!(status, 200, "{v}");
+    // The router's /health asks its servers: all up is "ok"; with the prefill server gone no
+    // request can be served (503), and it says which server is down.
+    let (status, h) = http(addr, "GET", "/health", "");
+    assert_eq!(status, 200, "{h}");
+    let h: Value = serde_json::from_str(&h).unwrap();
+    assert_eq!(h["status"], "ok", "{h}");
+    assert_eq!(h["decode"][0]["healthy"], true, "{h}");
+    drop(pre);
+    let (status, h) = http(addr, "GET", "/health", "");
+    assert_eq!(status, 503, "{h}");
+    let h: Value = serde_json::from_str(&h).unwrap();
+    assert_eq!(h["status"], "unavailable", "{h}");
+    assert_eq!(h["prefill"][0]["healthy"], false, "{h}");
+    assert_eq!(h["decode"][0]["healthy"], true, "{h}");
 }
 
 /// Prefix caching (on by default for this model): a repeated system prompt and a repeated
