@@ -443,6 +443,10 @@ pub struct Request {
     /// Which special tokens the answer's text shows ([`SpecialText::keep`]: all).
     #[serde(default)]
     pub special_text: SpecialText,
+    /// Seconds the request waited before it reached this engine (a decode server's fetch of
+    /// its prefilled KV): its TTFT, queueing and end-to-end times count from then.
+    #[serde(default)]
+    pub waited_s: f64,
 }
 
 /// One of [`Request::json_lead`]'s texts, and the schema of the JSON after it (None: any
@@ -1414,7 +1418,10 @@ impl<'t, M: Model> Engine<'t, M> {
                 stopped_by_string: false,
                 stream,
                 text: String::new(),
-                arrival: Instant::now(),
+                arrival: std::time::Duration::try_from_secs_f64(req.waited_s)
+                    .ok()
+                    .and_then(|w| Instant::now().checked_sub(w))
+                    .unwrap_or_else(Instant::now),
                 first_scheduled: None,
                 first_token: None,
                 last_token: None,

@@ -364,6 +364,7 @@ pub fn generate_mtp<M: crate::Model>(
         json_schema: None,
         dsml: false,
         special_text: Default::default(),
+        waited_s: 0.0,
     })?;
     let t0 = Instant::now();
     let mut prefill_s = None;

@@ -77,6 +77,7 @@ fn greedy_request(prompt: &[u32], n: usize) -> Request {
         json_schema: None,
         dsml: false,
         special_text: Default::default(),
+        waited_s: 0.0,
     }
 }
 
@@ -263,6 +264,7 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
             json_schema: None,
             dsml: false,
             special_text: Default::default(),
+            waited_s: 0.0,
         })
         .unwrap();
         e.run_to_completion(|_, _| {}).unwrap().remove(0)

@@ -80,6 +80,7 @@ fn run_with<M: Model>(
                 json_schema: None,
                 dsml: false,
                 special_text: Default::default(),
+                waited_s: 0.0,
             })
             .unwrap();
     }
@@ -235,6 +236,7 @@ fn small_model_greedy_with_mtp_equals_without_and_accepts_drafts() {
                 json_schema: None,
                 dsml: false,
                 special_text: Default::default(),
+                waited_s: 0.0,
             })
             .unwrap();
     }
@@ -392,6 +394,7 @@ fn sample_triples(
                     json_schema: None,
                     dsml: false,
                     special_text: Default::default(),
+                    waited_s: 0.0,
                 })
                 .unwrap();
             queued += 1;
@@ -536,6 +539,7 @@ fn nan_logits_are_an_error() {
                 json_schema: None,
                 dsml: false,
                 special_text: Default::default(),
+                waited_s: 0.0,
             })
             .unwrap();
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();

@@ -48,6 +48,7 @@ fn request(prompt: &[u32], params: &SamplingParams, n: usize) -> Request {
         json_schema: None,
         dsml: false,
         special_text: Default::default(),
+        waited_s: 0.0,
     }
 }
 
@@ -141,8 +142,10 @@ fn prefill_here_decode_there_equals_one_engine() {
                     let kv = out.kv.as_ref().expect("a snapshot");
                     assert_eq!(kv.prompt, *p);
                     assert_eq!(kv.mtp.is_some(), next_n > 0, "{what}");
-                    dec.add_prefilled(request(p, &params, n_new), through_wire(kv))
-                        .unwrap();
+                    // Time spent fetching the KV before the engine counts in the figures.
+                    let mut r = request(p, &params, n_new);
+                    r.waited_s = 3.0;
+                    dec.add_prefilled(r, through_wire(kv)).unwrap();
                 }
                 // Not every request fits the decode pool at once: some wait.
                 assert!(dec.scheduler().num_running() < prompts.len(), "{what}");
@@ -151,6 +154,11 @@ fn prefill_here_decode_there_equals_one_engine() {
                 for (a, b) in want.iter().zip(&got) {
                     assert_eq!(a.tokens, b.tokens, "{what}: prompt of {}", a.prompt.len());
                     assert_eq!(b.tokens[0], firsts[b.id as usize].tokens[0]);
+                    let t = &b.timing;
+                    assert!(
+                        t.ttft_s >= 3.0 && t.e2e_s >= 3.0 && t.queue_s >= 3.0,
+                        "{what}: {t:?}"
+                    );
                 }
                 if next_n > 0 {
                     let drafted: usize = got.iter().map(|o| o.drafted).sum();

@@ -1450,6 +1450,7 @@ pub fn run_ranked(
                 json_schema: None,
                 dsml: false,
                 special_text: special_text.clone(),
+                waited_s: 0.0,
             })
             .map_err(|e| {
                 format!(

@@ -895,6 +895,7 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
                 json_schema: None,
                 dsml: false,
                 special_text: Default::default(),
+                waited_s: 0.0,
             })?;
         }
         let t = Instant::now();

@@ -913,18 +913,25 @@ fn engine_loop<M: Model>(
         }
     };
     loop {
+        // A request that arrives with its first token (a decode server's) has that token's
+        // text sent before the next step, not with the step's token.
+        let mut imported = false;
         if !engine.has_unfinished() {
             match jobs.recv() {
-                Ok(job) => admit(&mut engine, &mut live, job),
+                Ok(job) => {
+                    imported |= matches!(job.kind, JobKind::Import(_));
+                    admit(&mut engine, &mut live, job)
+                }
                 Err(_) => return Ok(()),
             }
         }
         while let Ok(job) = jobs.try_recv() {
+            imported |= matches!(job.kind, JobKind::Import(_));
             admit(&mut engine, &mut live, job);
         }
         // (A request can also end as it is admitted: a transferred first token that stops
         // it. Its output goes out below without a step.)
-        if engine.has_unfinished() {
+        if engine.has_unfinished() && !imported {
             if let Err(e) = engine.step() {
                 say!("cachalot serve: a step failed: {e}");
                 for (id, sink) in live.drain() {
@@ -2784,6 +2791,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             dsml: forced_json.as_ref().is_some_and(|j| j.dsml),
             json_lead: forced_json.map(|j| j.leads).unwrap_or_default(),
             special_text,
+            waited_s: 0.0,
         },
         prompt_text: prompts[0].1.clone(),
         prompts,
@@ -3430,6 +3438,7 @@ fn usage(prompt: usize, outs: &[Box<RequestOutput>]) -> Value {
 /// Sends the request to the engine (`n` times for `n` choices) and answers it, whole or
 /// streamed.
 fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: Option<Bootstrap>) {
+    let received = std::time::Instant::now();
     let serial = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let id = if call.chat {
         format!("chatcmpl-{serial}")
@@ -3470,7 +3479,14 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             }
             // A draining server answers what waits for KV before its grace ends.
             let give_up = || crate::term::drain_ending(DRAIN_ANSWER_MARGIN);
-            match fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes, &give_up) {
+            // Waiting for its KV, the request counts as waiting (/metrics, /stats).
+            let fetched = {
+                let _waiting = shared.metrics.fetching();
+                fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes, &give_up)
+            };
+            // Its TTFT and latencies count the fetch (the prefill included).
+            call.request.waited_s = received.elapsed().as_secs_f64();
+            match fetched {
                 Ok(kvs) if kvs.len() == call.choices() => kvs
                     .into_iter()
                     .map(|kv| JobKind::Import(Box::new(kv)))

@@ -89,6 +89,17 @@ struct Inner {
 pub struct Metrics {
     inner: Mutex<Inner>,
     ranks: usize,
+    /// Requests a decode server is fetching the prefilled KV of (waiting, not in the engine).
+    fetching: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a request as waiting for its KV while it lives ([`Metrics::fetching`]).
+pub struct Fetching<'m>(&'m std::sync::atomic::AtomicUsize);
+
+impl Drop for Fetching<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Metrics {
@@ -111,11 +122,23 @@ impl Metrics {
                 e2e: Histogram::new(LATENCY_BOUNDS),
             }),
             ranks,
+            fetching: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A request waiting for its prefilled KV until the guard drops: counted with the waiting.
+    pub fn fetching(&self) -> Fetching<'_> {
+        self.fetching
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Fetching(&self.fetching)
+    }
+
+    fn fetching_now(&self) -> usize {
+        self.fetching.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// A finished request (aborted ones count under `abort`, without latencies).
@@ -153,10 +176,10 @@ impl Metrics {
         m.kv_capacity_blocks = kv_capacity;
     }
 
-    /// Requests in the engine (running or waiting).
+    /// Requests in the engine (running or waiting), and those fetching their prefilled KV.
     pub fn pending(&self) -> usize {
         let m = self.lock();
-        m.running + m.waiting
+        m.running + m.waiting + self.fetching_now()
     }
 
     pub fn ranks(&self) -> usize {
@@ -183,9 +206,10 @@ impl Metrics {
         );
         gauge(
             "num_requests_waiting",
-            "Requests waiting for a batch slot or KV blocks.",
+            "Requests waiting for a batch slot or KV blocks (on a decode server, also for \
+             their prefilled KV).",
             "gauge",
-            m.waiting as f64,
+            (m.waiting + self.fetching_now()) as f64,
         );
         let usage = if m.kv_capacity_blocks == 0 {
             0.0
@@ -338,5 +362,21 @@ mod tests {
             ("0".into(), "1".into(), "2".into(), "2".into())
         );
         assert_eq!(m.pending(), 3);
+        // A request fetching its KV counts as waiting while it does.
+        let waiting = |m: &Metrics| {
+            m.render("tiny")
+                .lines()
+                .find(|l| l.starts_with("cachalot:num_requests_waiting{"))
+                .and_then(|l| l.rsplit(' ').next())
+                .map(str::to_string)
+        };
+        let before = waiting(&m);
+        {
+            let _f = m.fetching();
+            assert_eq!(m.pending(), 4);
+            assert_ne!(waiting(&m), before);
+        }
+        assert_eq!(m.pending(), 3);
+        assert_eq!(waiting(&m), before);
     }
 }

@@ -915,6 +915,17 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
         .collect();
     let (_, whole) = post(&one.addr, "/v1/completions", &greedy);
     assert_eq!(pieces, text_of(&whole));
+    // The first piece is the prefilled token's alone (sent before the first decode step), as
+    // one server streams it.
+    let first_piece = |ev: &[String]| -> String {
+        ev.iter()
+            .map(|e| serde_json::from_str::<Value>(e).unwrap())
+            .map(|v| v["choices"][0]["text"].as_str().unwrap_or("").to_string())
+            .find(|t| !t.is_empty())
+            .unwrap()
+    };
+    let one_ev = events(&one.addr, "/v1/completions", &stream);
+    assert_eq!(first_piece(&ev), first_piece(&one_ev));
 
     // Concurrent requests (more than the decode batch) each get their own answer.
     let prompts = [
