@@ -1963,6 +1963,9 @@ impl<'t, M: Model> Engine<'t, M> {
                 let (piece, hit) = stream.push(token)?;
                 live.text.push_str(&piece);
                 if let Some(hit) = hit {
+                    if live.stop.include_stop_str {
+                        live.text.push_str(&hit);
+                    }
                     live.eos_at = Some(n_out);
                     live.stopped_by_string = true;
                     if !live.ignore_eos {

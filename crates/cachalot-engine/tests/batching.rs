@@ -284,6 +284,7 @@ fn text_held_for_a_stop_string_is_kept_at_eos() {
         stop_token_ids: vec![plain.tokens[k]],
         // Its first character is the text's last, so the stream holds that character back.
         stop_strings: vec![format!("{last}\u{1}never")],
+        include_stop_str: false,
     });
     assert_eq!(out.finish, FinishReason::StopToken(plain.tokens[k]));
     assert_eq!(out.text, before);

@@ -1440,6 +1440,7 @@ pub fn run_ranked(
                     max_new_tokens: s.max_new_tokens,
                     stop_token_ids: stop_ids.clone(),
                     stop_strings: Vec::new(),
+                    include_stop_str: false,
                 },
                 ignore_eos: d.ignore_eos,
                 logprobs: None,

@@ -2288,7 +2288,7 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
 /// Fields of a completion or chat request this server reads, or knows from OpenAI's API and
 /// leaves unused (`user`, `metadata`, ...); any other is logged as ignored, as vLLM logs
 /// them (a misspelt `max_tokns` is not an error, but is said).
-const KNOWN_FIELDS: [&str; 49] = [
+const KNOWN_FIELDS: [&str; 50] = [
     "model",
     "prompt",
     "messages",
@@ -2321,6 +2321,7 @@ const KNOWN_FIELDS: [&str; 49] = [
     "continue_final_message",
     "add_special_tokens",
     "skip_special_tokens",
+    "include_stop_str_in_output",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
@@ -2766,6 +2767,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 max_new_tokens: max_new,
                 stop_token_ids: stop_ids,
                 stop_strings,
+                include_stop_str: flag(body, "include_stop_str_in_output")?,
             },
             ignore_eos,
             logprobs,

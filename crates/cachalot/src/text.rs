@@ -470,6 +470,7 @@ fn stop_conditions(
         max_new_tokens: s.max_new_tokens,
         stop_token_ids: ids,
         stop_strings: s.stop.clone(),
+        include_stop_str: false,
     }
 }
 

@@ -495,6 +495,20 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
         )
     };
     assert_eq!(answer(None), (String::new(), "stop".into()));
+    // vLLM's include_stop_str_in_output: the stop string ends the text, whole and streamed.
+    let mut inc = body.clone();
+    inc["include_stop_str_in_output"] = true.into();
+    let (status, a) = post(addr, "/v1/completions", &inc);
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(a["choices"][0]["text"], start.as_str(), "{a}");
+    assert_eq!(a["choices"][0]["finish_reason"], "stop", "{a}");
+    inc["stream"] = true.into();
+    let streamed: String = events(addr, "/v1/completions", &inc)
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .map(|v| v["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(streamed, start);
     assert!(answer(Some(4)).0.starts_with(&start));
     // The stop string spans tokens 1-2: with min_tokens 1 it ends after the first token's
     // text and counts (vLLM searches back from where its check starts); with 2 it is text.
