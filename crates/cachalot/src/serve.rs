@@ -2288,7 +2288,7 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
 /// Fields of a completion or chat request this server reads, or knows from OpenAI's API and
 /// leaves unused (`user`, `metadata`, ...); any other is logged as ignored, as vLLM logs
 /// them (a misspelt `max_tokns` is not an error, but is said).
-const KNOWN_FIELDS: [&str; 50] = [
+const KNOWN_FIELDS: [&str; 55] = [
     "model",
     "prompt",
     "messages",
@@ -2322,6 +2322,11 @@ const KNOWN_FIELDS: [&str; 50] = [
     "add_special_tokens",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "guided_json",
+    "structured_outputs",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
@@ -2340,6 +2345,83 @@ const KNOWN_FIELDS: [&str; 50] = [
     "functions",
     "function_call",
 ];
+
+/// vLLM's `guided_json`, `structured_outputs: {"json" | "json_object"}` on top of
+/// `response_format`'s (`json_object`, `json_schema`): the JSON mode and schema they ask for.
+/// Their regex, choice and grammar forms are refused by name.
+fn vllm_structured_outputs(
+    body: &Value,
+    json_object: bool,
+    json_schema: Option<Value>,
+) -> Result<(bool, Option<Value>), ApiError> {
+    for key in ["guided_regex", "guided_choice", "guided_grammar"] {
+        if field(body, key).is_some() {
+            return Err(ApiError::bad(
+                key,
+                "not supported: structured output here is JSON (response_format, guided_json)",
+            ));
+        }
+    }
+    let schema_of = |key: &'static str, v: &Value| -> Result<Value, ApiError> {
+        let schema = match v {
+            Value::String(t) => serde_json::from_str(t)
+                .map_err(|e| ApiError::bad(key, format!("not a JSON schema: {e}")))?,
+            other => other.clone(),
+        };
+        cachalot_engine::json_schema::Schema::compile(&schema)
+            .map_err(|e| ApiError::bad(key, e.to_string()))?;
+        Ok(schema)
+    };
+    let asked = match (
+        field(body, "guided_json"),
+        field(body, "structured_outputs"),
+    ) {
+        (None, None) => return Ok((json_object, json_schema)),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad(
+                "guided_json",
+                "give guided_json or structured_outputs, not both",
+            ))
+        }
+        (Some(v), None) => Some(schema_of("guided_json", v)?),
+        (None, Some(so)) => {
+            let Some(o) = so.as_object() else {
+                return Err(ApiError::bad(
+                    "structured_outputs",
+                    format!("expected an object such as {{\"json\": {{...}}}}, got {so}"),
+                ));
+            };
+            if let Some(k) = o
+                .keys()
+                .find(|k| !matches!(k.as_str(), "json" | "json_object"))
+            {
+                return Err(ApiError::bad(
+                    "structured_outputs",
+                    format!(
+                        "{k} is not supported: structured output here is JSON (json, json_object)"
+                    ),
+                ));
+            }
+            match (o.get("json"), o.get("json_object")) {
+                (Some(v), None) => Some(schema_of("structured_outputs", v)?),
+                (None, Some(Value::Bool(true))) => None,
+                _ => {
+                    return Err(ApiError::bad(
+                        "structured_outputs",
+                        "expected {\"json\": SCHEMA} or {\"json_object\": true}",
+                    ))
+                }
+            }
+        }
+    };
+    if json_object {
+        return Err(ApiError::bad(
+            "response_format",
+            "give response_format or guided_json/structured_outputs, not both",
+        ));
+    }
+    Ok((true, asked))
+}
 
 /// Reads a completion or chat request: its prompt (tokenized), sampling and stop fields.
 fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> {
@@ -2405,6 +2487,10 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             }
         },
     };
+    // vLLM's structured-output extensions: `guided_json` (a schema, or its JSON text) and
+    // `structured_outputs` (`json`, `json_object`) are this JSON mode; the grammars it has and
+    // this server has not are refused by name rather than left unenforced.
+    let (json_object, json_schema) = vllm_structured_outputs(body, json_object, json_schema)?;
     let logprobs = read_logprobs(body, chat)?;
     let echo = flag(body, "echo")?;
     let stream = flag(body, "stream")?;

@@ -1899,6 +1899,43 @@ fn serve_json_mode() {
         assert_eq!(status, 200, "{b}");
         assert_eq!(a["choices"][0]["finish_reason"], "stop", "{a}");
         assert_eq!(a["choices"], b["choices"]);
+        // vLLM's guided_json (the schema or its text) and structured_outputs ask the same.
+        for extra in [
+            json!({"guided_json": schema}),
+            json!({"guided_json": schema.to_string()}),
+            json!({"structured_outputs": {"json": schema}}),
+        ] {
+            let mut v = body.clone();
+            v.as_object_mut().unwrap().remove("response_format");
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            let (status, c) = post(addr, "/v1/completions", &v);
+            assert_eq!(status, 200, "{c}");
+            assert_eq!(a["choices"], c["choices"], "{extra}");
+        }
+    }
+    // What vLLM enforces and this server cannot is refused by name, not left unenforced.
+    for (extra, param) in [
+        (json!({"guided_regex": "[a-z]+"}), "guided_regex"),
+        (json!({"guided_choice": ["a", "b"]}), "guided_choice"),
+        (
+            json!({"structured_outputs": {"regex": "x"}}),
+            "structured_outputs",
+        ),
+        (json!({"guided_json": "{not json"}), "guided_json"),
+        (
+            json!({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ] {
+        let mut v = json!({"prompt": "x", "max_tokens": 2});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        let (status, e) = post(addr, "/v1/completions", &v);
+        assert_eq!(status, 400, "{extra}: {e}");
+        assert_eq!(e["error"]["param"], param, "{e}");
     }
     // Structured output: the answer is a value the schema accepts (or cut off by max_tokens).
     let schemas = [
