@@ -1751,7 +1751,8 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
                 .render_json(messages, generation, tools, &kwargs)
                 .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?;
             if continued {
-                text = continue_final(text, messages)?;
+                let earlier = render_earlier(template, messages, tools, &kwargs);
+                text = continue_final(text, messages, earlier)?;
             }
             encode_with_bos(tok, &text, special, "messages")?
         }
@@ -1819,7 +1820,7 @@ fn chat_setup<'s>(
     let Some(template) = &shared.template else {
         return Err(ApiError::bad("messages", shared.template_error.clone()));
     };
-    let kwargs = match field(body, "chat_template_kwargs") {
+    let mut kwargs = match field(body, "chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(o)) => o.clone(),
         Some(v) => {
@@ -1829,6 +1830,22 @@ fn chat_setup<'s>(
             ))
         }
     };
+    // OpenAI's `reasoning_effort` reaches the template (DeepSeek-V4's encoder reads it: `max`
+    // writes its preamble, `none` turns thinking off) unless chat_template_kwargs gives one.
+    match field(body, "reasoning_effort") {
+        None | Some(Value::Null) => {}
+        Some(v @ Value::String(_)) => {
+            kwargs
+                .entry("reasoning_effort")
+                .or_insert_with(|| v.clone());
+        }
+        Some(v) => {
+            return Err(ApiError::bad(
+                "reasoning_effort",
+                format!("expected a string such as \"high\", got {v}"),
+            ))
+        }
+    }
     Ok((template, kwargs))
 }
 
@@ -2608,7 +2625,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                         ApiError::bad("messages", format!("the chat template failed: {e}"))
                     })?;
                 if continued {
-                    continue_final(text, messages)?
+                    let earlier = render_earlier(template, messages, tools, &kwargs);
+                    continue_final(text, messages, earlier)?
                 } else {
                     text
                 }
@@ -2978,7 +2996,14 @@ fn forced_call(
     let mut prompt = render(messages, true)?;
     let kept = prompt.trim_end().len();
     if prompt[..kept].ends_with(THINK_OPEN) {
-        prompt.truncate(kept - THINK_OPEN.len());
+        if v4 {
+            // V4's encoder writes a thinking-mode call as `<think>{reasoning}</think>` and the
+            // DSML block: here with no reasoning.
+            prompt.truncate(kept);
+            prompt.push_str(THINK_CLOSE);
+        } else {
+            prompt.truncate(kept - THINK_OPEN.len());
+        }
     }
     prompt.push_str(call_text);
     // The arguments as a JSON object, unless the template writes them as a string: for
@@ -3432,10 +3457,19 @@ fn prompt_ending(body: &Value) -> Result<(bool, bool), ApiError> {
 }
 
 /// transformers' `continue_final_message`: the rendered prompt cut right after the final
-/// message's text (its end-of-turn markers gone), found from the end as it is, else trimmed.
-fn continue_final(text: String, messages: &Value) -> Result<String, ApiError> {
+/// message's text (its end-of-turn markers gone). The text is looked for after the rendering
+/// of the messages before it (`earlier`, when that is a prefix of the prompt): its first
+/// occurrence there, so that markup after it that happens to contain the same letters (`hi`
+/// in a `</think>` the template adds) is not taken for it; else, as transformers does, its
+/// last occurrence, as it is, else trimmed. A final message with no text but reasoning (an
+/// assistant's `reasoning_content`) is continued inside the reasoning.
+fn continue_final(
+    text: String,
+    messages: &Value,
+    earlier: Option<String>,
+) -> Result<String, ApiError> {
     let last = messages.as_array().and_then(|a| a.last());
-    let content = match last.and_then(|m| m.get("content")) {
+    let text_of = |key: &str| match last.and_then(|m| m.get(key)) {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => parts
             .last()
@@ -3445,8 +3479,23 @@ fn continue_final(text: String, messages: &Value) -> Result<String, ApiError> {
             .to_string(),
         _ => String::new(),
     };
+    let mut content = text_of("content");
+    if content.trim().is_empty() {
+        content = text_of("reasoning_content");
+    }
     if content.is_empty() {
         return Ok(text);
+    }
+    let from = earlier
+        .filter(|e| text.starts_with(e.as_str()))
+        .map_or(0, |e| e.len());
+    for needle in [content.as_str(), content.trim()] {
+        if needle.is_empty() {
+            continue;
+        }
+        if let Some(i) = text[from..].find(needle) {
+            return Ok(text[..from + i + needle.len()].to_string());
+        }
     }
     for needle in [content.as_str(), content.trim()] {
         if let Some(i) = text.rfind(needle).filter(|_| !needle.is_empty()) {
@@ -3458,6 +3507,19 @@ fn continue_final(text: String, messages: &Value) -> Result<String, ApiError> {
         "the final message's text is not in the prompt the chat template rendered, so it \
          cannot be continued",
     ))
+}
+
+/// The rendering of every message but the last (no generation prompt), where the template
+/// renders it: where [`continue_final`] looks for the final message's text from.
+fn render_earlier(
+    template: &ChatTemplate,
+    messages: &Value,
+    tools: Option<&Value>,
+    kwargs: &Map<String, Value>,
+) -> Option<String> {
+    let a = messages.as_array()?;
+    let earlier = Value::Array(a[..a.len().checked_sub(1)?].to_vec());
+    template.render_json(&earlier, false, tools, kwargs).ok()
 }
 
 /// Whether a template loops over a variable it set from a message's content, as Kimi-K2-
@@ -3803,6 +3865,12 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
 fn splitter(shared: &Shared, prompt: &str) -> Option<ReasoningSplitter> {
     let template = shared.template.as_ref()?;
     if !template.is_deepseek_v4() && !template.source().contains(THINK_OPEN) {
+        return None;
+    }
+    // Thinking turned off (the prompt closes the block, as V4's chat mode and R1-style
+    // templates with thinking disabled do): the answer is all content, a `<think>` in it
+    // included (as vLLM's parsers leave it with thinking off).
+    if prompt.trim_end().ends_with(THINK_CLOSE) {
         return None;
     }
     Some(ReasoningSplitter::new(

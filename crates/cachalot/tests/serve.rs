@@ -1804,6 +1804,34 @@ fn serve_forces_tool_calls_in_dsml() {
         ids(json!([{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}])),
         ids(json!("Hi\nthere"))
     );
+    let tok =
+        cachalot_model::tokenizer::Tokenizer::from_dir(&root().join("fixtures/v4/flash_tiny"))
+            .unwrap();
+    let tokenize = |body: Value| -> Vec<u32> {
+        let (status, t) = post(&server.addr, "/tokenize", &body);
+        assert_eq!(status, 200, "{t}");
+        serde_json::from_value(t["tokens"].clone()).unwrap()
+    };
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    // OpenAI's top-level reasoning_effort reaches the encoder as the kwarg does.
+    let max = tokenize(json!({"messages": hi, "reasoning_effort": "max",
+                              "chat_template_kwargs": {"thinking": true}}));
+    assert_eq!(
+        max,
+        tokenize(json!({"messages": hi,
+                        "chat_template_kwargs": {"thinking": true, "reasoning_effort": "max"}}))
+    );
+    let thinking = tokenize(json!({"messages": hi, "chat_template_kwargs": {"thinking": true}}));
+    assert!(max.len() > thinking.len() + 10, "{max:?}");
+    // continue_final_message continues the final message's text, not the letters `hi` in
+    // the `</think>` the encoder writes after it.
+    let cont = tokenize(json!({"messages": hi, "continue_final_message": true,
+                               "add_generation_prompt": false}));
+    assert!(
+        tok.decode(&cont).unwrap().ends_with("hi"),
+        "{:?}",
+        tok.decode(&cont)
+    );
     let weather = json!({"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 6},
         "days": {"type": "integer", "minimum": 1, "maximum": 3},
@@ -1867,6 +1895,29 @@ fn serve_forces_tool_calls_in_dsml() {
         }
     }
     assert!(calls >= 6, "{calls} of 9 answers were whole calls");
+    // In thinking mode a forced call follows an empty reasoning block, as the encoder writes
+    // a thinking-mode call: `<think></think>` and the DSML block.
+    let q = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    let prompt = tokenize(json!({"messages": q, "tools": tools,
+                                 "chat_template_kwargs": {"thinking": true}}));
+    let kwargs = json!({"thinking": true});
+    let text = tok
+        .chat_template()
+        .unwrap()
+        .unwrap()
+        .render_json(&q, true, Some(&tools), kwargs.as_object().unwrap())
+        .unwrap();
+    assert!(text.ends_with("<think>"), "{text:?}");
+    let d = cachalot_model::tokenizer::dsv4::DSML;
+    let forced = format!("{text}</think>\n\n<{d}tool_calls>\n<{d}invoke name=\"get_time\">\n");
+    // (The served prompt is /tokenize's with the forced start: the same BOS.)
+    let want = prompt.len() - tok.encode(&text).unwrap().len() + tok.encode(&forced).unwrap().len();
+    let body = json!({"messages": q, "tools": tools, "max_tokens": 1,
+                      "chat_template_kwargs": {"thinking": true},
+                      "tool_choice": {"type": "function", "function": {"name": "get_time"}}});
+    let (status, v) = post(&server.addr, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], want, "{v}");
 }
 
 #[test]
@@ -2543,4 +2594,45 @@ fn decode_server_fetch_failures_are_said() {
         "{m}"
     );
     assert!(exit_within(&mut server, 30).is_some());
+}
+
+/// A template whose generation prompt closes the reasoning block (thinking turned off): the
+/// answer is all content, a `<think>` the model writes included (as vLLM's parsers leave it
+/// with thinking off); one that opens the block splits as before.
+#[test]
+fn a_closed_reasoning_block_leaves_the_answer_content() {
+    let dir = tempfile::tempdir().unwrap();
+    let template = |tail: &str| {
+        let p = dir.path().join(format!("t{}.jinja", tail.len()));
+        std::fs::write(
+            &p,
+            format!(
+                "{{% for m in messages %}}<｜User｜>{{{{ m.content }}}}{{% endfor %}}\
+                 {{% if add_generation_prompt %}}<｜Assistant｜>{tail}{{% endif %}}"
+            ),
+        )
+        .unwrap();
+        p.display().to_string()
+    };
+    let tok =
+        cachalot_model::tokenizer::Tokenizer::from_dir(&root().join("assets/cachalot-tiny-r1"))
+            .unwrap();
+    let think = tok.token_to_id("<think>").unwrap();
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                      "temperature": 0, "logit_bias": {think.to_string(): 100}});
+    for (tail, content, reasoning) in [
+        (
+            "<think>\n\n</think>\n\n",
+            Some("<think><think><think>"),
+            None,
+        ),
+        ("<think>\n", Some(""), Some("<think><think><think>")),
+    ] {
+        let server = start(&["--chat-template", &template(tail)]);
+        let (status, v) = post(&server.addr, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        let m = &v["choices"][0]["message"];
+        assert_eq!(m["content"].as_str(), content, "{tail:?}: {v}");
+        assert_eq!(m["reasoning_content"].as_str(), reasoning, "{tail:?}: {v}");
+    }
 }
