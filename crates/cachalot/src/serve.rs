@@ -1738,13 +1738,10 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
         (None, Some(messages)) => {
             let (template, kwargs) = chat_setup(shared, body, messages)?;
             let (generation, continued) = prompt_ending(body)?;
-            let mut tools = field(body, "tools");
+            // As the chat endpoint (`tool_choice: "none"` too: the tools are shown).
+            let tools = field(body, "tools");
             if let Some(problem) = tools.and_then(crate::text::tools_problem) {
                 return Err(ApiError::bad("tools", problem));
-            }
-            // As the chat endpoint: with `tool_choice: "none"` the tools are not shown.
-            if field(body, "tool_choice").and_then(Value::as_str) == Some("none") {
-                tools = None;
             }
             let messages = &flatten_text_parts(messages, template);
             let mut text = template
@@ -2534,7 +2531,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     };
     let tok = &shared.tokenizer;
-    let mut tools = field(body, "tools");
+    let tools = field(body, "tools");
     if let Some(t) = tools {
         if !chat {
             return Err(ApiError::bad("tools", "tools are for /v1/chat/completions"));
@@ -2545,11 +2542,13 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     }
     // A forced call: Some(None) for any tool ("required"), Some(Some(name)) for a named one.
     let mut forced: Option<Option<String>> = None;
+    let mut reads_calls = true;
     match field(body, "tool_choice") {
         None => {}
         Some(Value::String(c)) if c == "auto" => {}
-        // The tools are neither shown to the model nor read from its answer.
-        Some(Value::String(c)) if c == "none" => tools = None,
+        // As vLLM by default: the tools are shown to the model, its answer is not read for
+        // calls.
+        Some(Value::String(c)) if c == "none" => reads_calls = false,
         Some(Value::String(c)) if c == "required" => forced = Some(None),
         Some(Value::Object(o))
             if o.get("type").and_then(Value::as_str).unwrap_or("function") == "function"
@@ -2834,7 +2833,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         None => true,
         Some(_) => flag(body, "skip_special_tokens")?,
     };
-    let has_tools = tools.is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()));
+    let has_tools =
+        reads_calls && tools.is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()));
     let special_text = if !skip_special {
         SpecialText::keep()
     } else if chat {

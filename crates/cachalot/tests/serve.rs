@@ -1898,6 +1898,12 @@ fn serve_forces_tool_calls_in_dsml() {
     // In thinking mode a forced call follows an empty reasoning block, as the encoder writes
     // a thinking-mode call: `<think></think>` and the DSML block.
     let q = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    // tool_choice "none" shows the tools as "auto" does (vLLM's default); only the answer is
+    // not read for calls.
+    let with =
+        |choice: &str| tokenize(json!({"messages": q, "tools": tools, "tool_choice": choice}));
+    assert_eq!(with("none"), with("auto"));
+    assert_ne!(with("none"), tokenize(json!({"messages": q})));
     let prompt = tokenize(json!({"messages": q, "tools": tools,
                                  "chat_template_kwargs": {"thinking": true}}));
     let kwargs = json!({"thinking": true});
