@@ -3830,6 +3830,17 @@ fn write_body(w: &mut Box<dyn Write + Send>, data: &[u8], chunked: bool) -> bool
     r.and_then(|_| w.flush()).is_ok()
 }
 
+/// 16 hex digits that differ from call to call (and from process to process).
+fn unique_tag() -> String {
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let n = COUNT.fetch_add(1, Ordering::Relaxed);
+    let h = std::hash::BuildHasher::hash_one(
+        &std::collections::hash_map::RandomState::new(),
+        (n, std::process::id(), std::time::SystemTime::now()),
+    );
+    format!("{h:016x}")
+}
+
 /// The answer's `content`, with `tool_calls` read from it when the request gave tools.
 fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, finish: &mut &str) {
     // A forced call's JSON arguments that completed (a stop) get the call's closing markup.
@@ -3850,7 +3861,18 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
             } else {
                 p.content.into()
             };
-            message["tool_calls"] = json!(p.tool_calls);
+            let mut calls = p.tool_calls;
+            // Ids the model does not write (DeepSeek's formats number the calls from 0) are
+            // made unique, as vLLM's random ones are: a conversation's later turns have calls
+            // too, and clients match results to calls by id. (Kimi-K2's `functions.NAME:INDEX`
+            // are the model's own, counted over the conversation.)
+            if shared.tool_format != Some(ToolCallFormat::KimiK2) {
+                let tag = unique_tag();
+                for (i, c) in calls.iter_mut().enumerate() {
+                    c.id = Some(format!("call_{tag}{i}"));
+                }
+            }
+            message["tool_calls"] = json!(calls);
             *finish = "tool_calls";
         }
         Some(Err(e)) => message["tool_call_error"] = e.to_string().into(),

@@ -1847,6 +1847,7 @@ fn serve_forces_tool_calls_in_dsml() {
         t.clone().find(|t| t["function"]["name"] == name).unwrap()["function"]["parameters"].clone()
     };
     let mut calls = 0;
+    let mut call_ids: Vec<String> = Vec::new();
     for (choice, names) in [
         (json!("required"), vec!["get_weather", "get_time"]),
         (
@@ -1870,6 +1871,10 @@ fn serve_forces_tool_calls_in_dsml() {
                 continue;
             }
             assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+            let id = m["tool_calls"][0]["id"].as_str().unwrap().to_string();
+            // Unique over the answers (clients match results to calls by id).
+            assert!(id.starts_with("call_") && !call_ids.contains(&id), "{id}");
+            call_ids.push(id);
             let call = &m["tool_calls"].as_array().expect("one call")[0]["function"];
             let name = call["name"].as_str().unwrap();
             assert!(names.contains(&name), "{name}: {v}");
