@@ -111,7 +111,8 @@ impl SamplingParams {
         let bad = |name, value: f32, why| {
             Err(SamplingError::BadParam {
                 name,
-                value: value as f64,
+                // (As the f32 reads, not its widened binary value: -0.1, not -0.10000000149…)
+                value: value.to_string().parse().unwrap_or(value as f64),
                 why,
             })
         };

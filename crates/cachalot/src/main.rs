@@ -158,15 +158,23 @@ struct ModelArgs {
 #[derive(clap::Args)]
 #[group(required = true, multiple = false)]
 struct InputArgs {
-    /// Text file, tokenized with the model's tokenizer.json (no special tokens added).
+    /// Text file, tokenized with the model's tokenizer as --prompt is (perplexity: no special
+    /// tokens added; generate: the BOS token first where the tokenizer config asks for it).
     #[arg(long)]
     file: Option<PathBuf>,
-    /// Comma-separated token ids.
-    #[arg(long, value_delimiter = ',')]
+    /// Comma-separated token ids (spaces around them allowed).
+    #[arg(long, value_delimiter = ',', value_parser = token_id)]
     token_ids: Option<Vec<u32>>,
     /// Text given on the command line.
     #[arg(long, allow_hyphen_values = true)]
     prompt: Option<String>,
+}
+
+/// One id of `--token-ids` (spaces around it allowed, as `tokenize --decode` takes them).
+fn token_id(s: &str) -> std::result::Result<u32, String> {
+    s.trim()
+        .parse::<u32>()
+        .map_err(|e| format!("{s:?} is not a token id ({e}); give ids as 1,2,3"))
 }
 
 #[derive(Subcommand)]
@@ -357,14 +365,68 @@ fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
     Ok(Tokenizer::from_dir(model_dir)?.encode(&text)?)
 }
 
+/// What `print!`/`println!` panic with when stdout cannot be written (a closed pipe, a full
+/// disk).
+const STDOUT_FAILED: &str = "failed printing to stdout";
+
+/// The output could not be written: an error chain holding an I/O error of stdout.
+fn output_error(e: &anyhow::Error) -> Option<&std::io::Error> {
+    e.chain()
+        .find_map(|c| c.downcast_ref::<std::io::Error>())
+        .filter(|_| e.chain().any(|c| c.to_string().starts_with(OUTPUT_FAILED)))
+}
+
+/// The context of an error writing a command's output to stdout.
+pub(crate) const OUTPUT_FAILED: &str = "cannot write the output";
+
+/// Exits as a process killed by SIGPIPE reports (the reader of its output left: `| head`),
+/// without a word, as C tools do.
+fn exit_broken_pipe() -> ! {
+    std::process::exit(128 + libc::SIGPIPE);
+}
+
 fn main() {
     tune_allocator();
+    // A failed print to stdout (the reader left, the disk is full) is an error said in one
+    // line below, not a panic's message and backtrace.
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied());
+        if !msg.is_some_and(|m| m.starts_with(STDOUT_FAILED)) {
+            previous(info);
+        }
+    }));
     // A panic is caught here too, so that under MPI it aborts the job like an error (a
     // launcher that does not end a job on a rank's failed exit would leave the others waiting).
     let result = std::panic::catch_unwind(run);
     match &result {
-        Ok(Err(e)) => say!("error: {e:#}"),
-        Err(_) => say!("error: cachalot panicked (the message is above)"),
+        Ok(Err(e)) => match output_error(e) {
+            Some(io) if io.kind() == std::io::ErrorKind::BrokenPipe => exit_broken_pipe(),
+            _ => say!("error: {e:#}"),
+        },
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied())
+                .unwrap_or("");
+            match msg.strip_prefix(STDOUT_FAILED) {
+                Some(_) if msg.contains("Broken pipe") => exit_broken_pipe(),
+                Some(why) => {
+                    say!(
+                        "error: {OUTPUT_FAILED}: {}",
+                        why.trim_start_matches(':').trim()
+                    );
+                    cachalot_engine::comm::mpi_finish(false);
+                    std::process::exit(1);
+                }
+                None => say!("error: cachalot panicked (the message is above)"),
+            }
+        }
         Ok(Ok(())) => {}
     }
     let ok = matches!(result, Ok(Ok(())));

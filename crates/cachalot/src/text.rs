@@ -481,6 +481,8 @@ struct Printer {
     terminal: bool,
     hide: bool,
     dimmed: bool,
+    /// The first error writing stdout.
+    failed: Option<std::io::Error>,
 }
 
 impl Printer {
@@ -492,35 +494,60 @@ impl Printer {
             terminal,
             hide,
             dimmed: false,
+            failed: None,
         }
     }
 
-    fn print(&mut self, text: &str) {
+    /// Prints `text`; false once stdout cannot be written (the reader left, the disk is full):
+    /// the caller stops generating, and [`Printer::result`] says why.
+    fn print(&mut self, text: &str) -> bool {
+        if self.failed.is_some() {
+            return false;
+        }
         let mut out = std::io::stdout().lock();
-        match self.splitter.as_mut() {
-            None => {
-                let _ = out.write_all(text.as_bytes());
-            }
+        let written = match self.splitter.as_mut() {
+            None => out.write_all(text.as_bytes()),
             Some(sp) => {
                 let segs = sp.push(text);
-                Self::write_segments(&mut out, segs, self.terminal, self.hide, &mut self.dimmed);
+                Self::write_segments(&mut out, segs, self.terminal, self.hide, &mut self.dimmed)
             }
         }
-        let _ = out.flush();
+        .and_then(|_| out.flush());
+        if let Err(e) = written {
+            self.failed = Some(e);
+        }
+        self.failed.is_none()
     }
 
     fn finish(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
         let mut out = std::io::stdout().lock();
+        let mut written = Ok(());
         if let Some(sp) = self.splitter.as_mut() {
             let segs = sp.finish();
-            Self::write_segments(&mut out, segs, self.terminal, self.hide, &mut self.dimmed);
+            written =
+                Self::write_segments(&mut out, segs, self.terminal, self.hide, &mut self.dimmed);
         }
         if self.dimmed {
-            let _ = out.write_all(b"\x1b[0m");
+            written = written.and_then(|_| out.write_all(b"\x1b[0m"));
             self.dimmed = false;
         }
-        let _ = out.write_all(b"\n");
-        let _ = out.flush();
+        if let Err(e) = written
+            .and_then(|_| out.write_all(b"\n"))
+            .and_then(|_| out.flush())
+        {
+            self.failed = Some(e);
+        }
+    }
+
+    /// Whether everything printed reached stdout.
+    fn result(&mut self) -> Result<()> {
+        match self.failed.take() {
+            Some(e) => Err(anyhow::Error::new(e).context(crate::OUTPUT_FAILED)),
+            None => Ok(()),
+        }
     }
 
     fn write_segments(
@@ -529,26 +556,27 @@ impl Printer {
         terminal: bool,
         hide: bool,
         dimmed: &mut bool,
-    ) {
+    ) -> std::io::Result<()> {
         for seg in segs {
             match seg {
                 Segment::Reasoning(t) if !hide => {
                     if terminal && !*dimmed {
-                        let _ = out.write_all(b"\x1b[2m");
+                        out.write_all(b"\x1b[2m")?;
                         *dimmed = true;
                     }
-                    let _ = out.write_all(t.as_bytes());
+                    out.write_all(t.as_bytes())?;
                 }
                 Segment::Reasoning(_) => {}
                 Segment::Answer(t) => {
                     if *dimmed {
-                        let _ = out.write_all(b"\x1b[0m");
+                        out.write_all(b"\x1b[0m")?;
                         *dimmed = false;
                     }
-                    let _ = out.write_all(t.as_bytes());
+                    out.write_all(t.as_bytes())?;
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -697,14 +725,21 @@ fn generate_with<M: Model>(
         return Ok(());
     }
     let mut printer = Printer::new(prompt_text, args.hide_reasoning);
+    // A reader that left (or a full disk) ends the generation.
+    let stop_writing = AtomicBool::new(false);
     let g = args
         .sampling
-        .generate(m, tok, prompt_ids, &stop, None, &mut |t| printer.print(t))?;
+        .generate(m, tok, prompt_ids, &stop, Some(&stop_writing), &mut |t| {
+            if !printer.print(t) {
+                stop_writing.store(true, Ordering::SeqCst);
+            }
+        })?;
     if tok.is_none() {
         let s: Vec<String> = g.tokens.iter().map(u32::to_string).collect();
-        print!("{}", s.join(","));
+        printer.print(&s.join(","));
     }
     printer.finish();
+    printer.result()?;
     if args.chat || args.tools.is_some() {
         report_tool_calls(&tool_calls_of(
             tool_format,
@@ -901,7 +936,10 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             Some(&cancel),
             &mut |t| {
                 if let Some(p) = printer.as_mut() {
-                    p.print(t)
+                    if !p.print(t) {
+                        // Stdout is gone: the answer stops, and so does the chat (below).
+                        cancel.store(true, Ordering::SeqCst);
+                    }
                 }
             },
         );
@@ -912,6 +950,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         match printer.as_mut() {
             Some(p) => {
                 p.finish();
+                p.result()?;
                 report_tool_calls(&parsed);
                 if interactive {
                     report(&g);

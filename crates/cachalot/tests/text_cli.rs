@@ -1729,3 +1729,53 @@ fn an_interrupted_random_bench_removes_its_model() {
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// Output that cannot be written is an error said in one line (exit 1), not a panic; a reader
+/// that leaves (`| head`) ends the command as SIGPIPE does (exit 141, nothing said), a
+/// generation included.
+#[test]
+fn unwritable_output_is_an_error_not_a_panic() {
+    for args in [
+        vec!["tokenize", "--text", "hello", "--json"],
+        vec!["perplexity", "--prompt", "hello world"],
+        vec!["generate", "--prompt", "hi", "--max-new-tokens", "3"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args(&args)
+            .current_dir(root())
+            .stdout(std::fs::File::create("/dev/full").unwrap())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("cannot write the output") && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+    for args in [
+        vec![
+            "generate",
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "3000",
+            "--ignore-eos",
+        ],
+        vec!["tokenize", "--text", &"whale ".repeat(20_000), "--json"],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args(&args)
+            .current_dir(root())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader leaves at once.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{}: {err}", args[0]);
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
