@@ -49,15 +49,22 @@ impl StopConditions {
         if let Some(id) = tokenizer.and_then(|t| t.eos_token_id()) {
             ids.push(id);
         }
-        if let Ok(text) = std::fs::read_to_string(model_dir.join("generation_config.json")) {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
-                match v.get("eos_token_id") {
+        let path = model_dir.join("generation_config.json");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            match serde_json::from_str::<serde_json::Value>(&text) {
+                Ok(v) => match v.get("eos_token_id") {
                     Some(serde_json::Value::Number(n)) => ids.extend(n.as_u64().map(|x| x as u32)),
                     Some(serde_json::Value::Array(a)) => {
                         ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32))
                     }
                     _ => {}
-                }
+                },
+                // As transformers and vLLM, the model runs without it; said, so that a lost
+                // stop token is not a surprise.
+                Err(e) => eprintln!(
+                    "warning: {} is not valid JSON ({e}); its eos_token_id is not used",
+                    path.display()
+                ),
             }
         }
         ids.sort_unstable();

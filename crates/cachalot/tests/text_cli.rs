@@ -1779,3 +1779,35 @@ fn unwritable_output_is_an_error_not_a_panic() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+/// A generation_config.json that is not JSON is said (its EOS would be lost without a word);
+/// the model runs without it, as transformers and vLLM run it.
+#[test]
+fn a_broken_generation_config_is_said() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    std::fs::create_dir(&dir).unwrap();
+    for e in std::fs::read_dir(root().join("fixtures/v3/r1_tiny")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    std::fs::write(dir.join("generation_config.json"), "{bad").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+        .args([
+            "generate",
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "2",
+            "--model",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("generation_config.json is not valid JSON"),
+        "{err}"
+    );
+}
