@@ -48,7 +48,7 @@ use serde_json::{json, Map, Value};
 
 use safetensors_io::{layout, OutTensor};
 pub use safetensors_io::{read_header, TensorInfo};
-pub use v4::{convert_config, v4_ignore_list, v4_quantization_config};
+pub use v4::{convert_config, v4_ignore_list, v4_quantization_config, ConfigRewrite};
 
 /// The seed's `--quant_mode` (DeepSeek-V3/R1, Kimi-K2) and `--quant_type` (DeepSeek-V4, see
 /// `v4.rs`); `Bfloat16` serves both.

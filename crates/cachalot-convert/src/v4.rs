@@ -22,7 +22,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use cachalot_kernels::hif8::quantize_row_hif8;
@@ -115,7 +115,8 @@ fn quant_layers(
                     "indexer.compressor.wgate",
                 ]);
             }
-        } else if ratio == 128 && f.hif {
+        } else if ratio > 0 && f.hif {
+            // A compressor without an indexer (the releases' 128; any ratio but 4).
             attn.extend(["compressor.wkv", "compressor.wgate"]);
         }
         for a in attn {
@@ -160,7 +161,9 @@ pub fn v4_ignore_list(num_layers: usize, ratios: &[u64], is_fp: bool, hif: bool)
                 out.push(format!("layers.{i}.attn.{n}"));
             }
         }
-        if ratio == 128 && !hif {
+        // A compressor without an indexer: the releases' 128 (the seed names that one), and
+        // any other ratio the model takes but 4.
+        if ratio > 0 && ratio != 4 && !hif {
             for n in ["compressor.wgate", "compressor.wkv"] {
                 out.push(format!("layers.{i}.attn.{n}"));
             }
@@ -288,11 +291,30 @@ fn layer_ratios(config: &Map<String, Value>, file: &Path) -> Result<(usize, Vec<
         .and_then(Value::as_u64)
         .ok_or_else(|| err("num_hidden_layers is missing or not a number".into()))?
         as usize;
+    // Whole numbers (4 or 4.0, as Python writes either).
+    let whole = |v: &Value| {
+        v.as_u64().or_else(|| {
+            v.as_f64()
+                .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1e9)
+                .map(|f| f as u64)
+        })
+    };
     let ratios: Vec<u64> = config
         .get("compress_ratios")
         .and_then(Value::as_array)
-        .and_then(|a| a.iter().map(Value::as_u64).collect())
-        .ok_or_else(|| err("compress_ratios is missing or not a list of numbers".into()))?;
+        .and_then(|a| a.iter().map(whole).collect())
+        .ok_or_else(|| {
+            err(
+                "compress_ratios is missing or not a list of whole numbers (is this a \
+                 DeepSeek-V4 config?)"
+                    .into(),
+            )
+        })?;
+    if let Some((i, r)) = ratios.iter().enumerate().find(|(_, &r)| r == 1) {
+        return Err(err(format!(
+            "compress_ratios[{i}] is {r}: 0 for a window-only layer, or a ratio of at least 2"
+        )));
+    }
     if ratios.len() < n {
         return Err(err(format!(
             "compress_ratios has {} entries; num_hidden_layers is {n} (one per layer needed)",
@@ -304,7 +326,7 @@ fn layer_ratios(config: &Map<String, Value>, file: &Path) -> Result<(usize, Vec<
 
 /// The seed's `convert_config.py`: rewrites `quantization_config` of `dir/config.json` in place
 /// to describe the native Hybrid FP8-MXFP4 checkpoint (or its HiF8 variant with `hif`).
-pub fn convert_config(dir: &Path, hif: bool) -> Result<()> {
+pub fn convert_config(dir: &Path, hif: bool) -> Result<ConfigRewrite> {
     let path = dir.join(CONFIG_FILE);
     let text = fs::read_to_string(&path).map_err(|e| ConvertError::io(&path, e))?;
     let mut config: Map<String, Value> =
@@ -312,7 +334,24 @@ pub fn convert_config(dir: &Path, hif: bool) -> Result<()> {
             file: path.clone(),
             why: format!("is not a JSON object: {e}"),
         })?;
+    match config.get("model_type").and_then(Value::as_str) {
+        None | Some("deepseek_v4") => {}
+        Some(other) => {
+            return Err(ConvertError::Config {
+                file: path.clone(),
+                why: format!(
+                    "model_type is {other:?}: convert-config rewrites a DeepSeek-V4 config \
+                     (model_type \"deepseek_v4\")"
+                ),
+            })
+        }
+    }
     let (n, ratios) = layer_ratios(&config, &path)?;
+    let ignore = v4_ignore_list(n, &ratios, true, hif);
+    let wanted = v4_quantization_config(&ignore, true, true, true, false, hif);
+    if config.get("quantization_config") == Some(&wanted) {
+        return Ok(ConfigRewrite::AlreadyDone);
+    }
     // The original description is kept beside it once (`config.json.orig`): `convert` reads
     // the checkpoint's own FP8 description, and a user may want it back.
     let orig = dir.join(format!("{CONFIG_FILE}.orig"));
@@ -320,12 +359,23 @@ pub fn convert_config(dir: &Path, hif: bool) -> Result<()> {
         fs::write(&orig, &text).map_err(|e| ConvertError::io(&orig, e))?;
     }
     config.remove("quantization_config");
-    let ignore = v4_ignore_list(n, &ratios, true, hif);
-    config.insert(
-        "quantization_config".into(),
-        v4_quantization_config(&ignore, true, true, true, false, hif),
-    );
-    write_json(&path, &Value::Object(config))
+    config.insert("quantization_config".into(), wanted);
+    // A link (a Hugging Face cache's snapshot points into its blobs) is replaced by the new
+    // file, not written through: the blob other snapshots share stays as it was.
+    if fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+        fs::remove_file(&path).map_err(|e| ConvertError::io(&path, e))?;
+    }
+    write_json(&path, &Value::Object(config))?;
+    Ok(ConfigRewrite::Rewritten { orig })
+}
+
+/// What [`convert_config`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConfigRewrite {
+    /// `quantization_config` rewritten; the first description is kept in `orig`.
+    Rewritten { orig: PathBuf },
+    /// It already described the checkpoint so (nothing written).
+    AlreadyDone,
 }
 
 /// What a weight becomes.

@@ -353,5 +353,47 @@ fn convert_config_rewrites_quantization_config() {
         assert_eq!(fs::read(&kept).unwrap(), fs::read(&src).unwrap());
         convert_config(tmp.path(), !hif).unwrap();
         assert_eq!(fs::read(&kept).unwrap(), fs::read(&src).unwrap());
+        // Once rewritten, the same rewrite writes nothing (a lost .orig is not remade from
+        // the rewritten config).
+        fs::remove_file(&kept).unwrap();
+        assert_eq!(
+            convert_config(tmp.path(), !hif).unwrap(),
+            cachalot_convert::ConfigRewrite::AlreadyDone
+        );
+        assert!(!kept.exists());
     }
+    // A link (a Hugging Face cache's snapshot) is replaced, the file it points to kept.
+    let tmp = tempfile::tempdir().unwrap();
+    let blob = tmp.path().join("blob.json");
+    fs::copy(fixtures().join("tiny/config.json"), &blob).unwrap();
+    let dir = tmp.path().join("snapshot");
+    fs::create_dir(&dir).unwrap();
+    std::os::unix::fs::symlink(&blob, dir.join("config.json")).unwrap();
+    convert_config(&dir, false).unwrap();
+    assert_eq!(
+        fs::read(&blob).unwrap(),
+        fs::read(fixtures().join("tiny/config.json")).unwrap()
+    );
+    assert!(!fs::symlink_metadata(dir.join("config.json"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    // Another model's config is refused by its model_type; whole-number floats are ratios.
+    let mut v: Value =
+        serde_json::from_str(&fs::read_to_string(fixtures().join("tiny/config.json")).unwrap())
+            .unwrap();
+    v["model_type"] = "deepseek_v3".into();
+    fs::write(dir.join("config.json"), v.to_string()).unwrap();
+    let e = convert_config(&dir, false).unwrap_err().to_string();
+    assert!(e.contains("model_type is \"deepseek_v3\""), "{e}");
+    v["model_type"] = "deepseek_v4".into();
+    let floats: Vec<f64> = v["compress_ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_f64().unwrap())
+        .collect();
+    v["compress_ratios"] = serde_json::json!(floats);
+    fs::write(dir.join("config.json"), v.to_string()).unwrap();
+    convert_config(&dir, false).unwrap();
 }

@@ -185,12 +185,17 @@ pub struct ConvertConfigArgs {
 }
 
 pub fn run_convert_config(args: &ConvertConfigArgs) -> Result<()> {
-    cachalot_convert::convert_config(&args.dir, args.hif)?;
-    say!(
-        "rewrote quantization_config of {} (the original is in {})",
-        args.dir.join("config.json").display(),
-        args.dir.join("config.json.orig").display()
-    );
+    match cachalot_convert::convert_config(&args.dir, args.hif)? {
+        cachalot_convert::ConfigRewrite::Rewritten { orig } => say!(
+            "rewrote quantization_config of {} (the first description is in {})",
+            args.dir.join("config.json").display(),
+            orig.display()
+        ),
+        cachalot_convert::ConfigRewrite::AlreadyDone => say!(
+            "{} already describes the checkpoint so; nothing written",
+            args.dir.join("config.json").display()
+        ),
+    }
     Ok(())
 }
 
