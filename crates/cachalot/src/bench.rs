@@ -217,14 +217,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         return bench_mtp(&args.model, args.prompt_file.as_deref(), &b);
     }
     if detect_family(&model_dir(&args.model)?)? == ModelFamily::DeepseekV4 {
-        return bench_v4(
-            &args.model,
-            args.prompt_len,
-            args.gen_len,
-            args.batch,
-            args.profile,
-            args.json,
-        );
+        return bench_v4(&args);
     }
     let report = bench(&args)?;
     drop(random);
@@ -713,14 +706,15 @@ fn time_batch_decode<M: CausalLm>(
 
 /// `bench` for a DeepSeek-V4 model directory: load, prefill and decode timings (batch 1, and
 /// batch `batch` when it is more than 1).
-fn bench_v4(
-    args: &ModelArgs,
-    prompt_len: usize,
-    decode_len: usize,
-    batch: usize,
-    prof: bool,
-    json: bool,
-) -> Result<()> {
+fn bench_v4(b: &BenchArgs) -> Result<()> {
+    let (args, prompt_len, decode_len, batch, prof, json) = (
+        &b.model,
+        b.prompt_len,
+        b.gen_len,
+        b.batch,
+        b.profile,
+        b.json,
+    );
     let dir = model_dir(args)?;
     let t0 = Instant::now();
     let m = load_v4(args, false)?;
@@ -734,6 +728,8 @@ fn bench_v4(
     let mut v = serde_json::json!({
         "model": dir.display().to_string(),
         "family": "deepseek_v4",
+        "random_weights": b.random_weights,
+        "random_quant": b.random_weights.as_ref().map(|_| b.random_quant.clone()),
         "threads": rayon::current_num_threads(),
         "kernels": cachalot_kernels::kernel_isa(),
         "decode_bytes_per_token": m.decode_bytes_per_token(),
@@ -742,6 +738,8 @@ fn bench_v4(
         "prefill_s": prefill_s,
         "prefill_tok_s": prompt.len() as f64 / prefill_s,
         "ttft_ms": prefill_s * 1e3,
+        // (`gen_len` as DeepSeek-V3's report names it; `decode_len` kept for earlier readers.)
+        "gen_len": decode_len,
         "decode_len": decode_len,
         "tpot_ms": decode_s / decode_len.max(1) as f64 * 1e3,
         "decode_tok_s": if decode_len > 0 { decode_len as f64 / decode_s } else { 0.0 },
