@@ -362,11 +362,24 @@ impl TcpComm {
             let left = deadline
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_secs(1));
+            let asked = Instant::now();
             let not_rank0 = |why: String| {
+                let waited = asked.elapsed();
+                let what = if waited + Duration::from_secs(1) < left {
+                    // Closed early: rank 0 turns away a rank it refuses.
+                    "rank 0 closes the connection of a rank it refuses (another world size, a \
+                     rank number already taken, another config: its log says which)"
+                        .to_string()
+                } else {
+                    format!(
+                        "no answer in {} s: check --master and that the program there is \
+                         cachalot's rank 0",
+                        left.as_secs()
+                    )
+                };
                 CommError(format!(
                     "rank {}: {} accepted the connection but did not answer as cachalot rank 0 \
-                     within {left:?} ({why}); check --master (or rank 0's log: it may have \
-                     refused this rank)",
+                     ({why}); {what}",
                     rv.rank, rv.master
                 ))
             };
@@ -772,7 +785,12 @@ fn keepalive(stream: &TcpStream) {
 fn keepalive(_stream: &TcpStream) {}
 
 fn check_ranks(rank: usize, world_size: usize) -> CommResult<()> {
-    if world_size == 0 || rank >= world_size {
+    if world_size == 0 {
+        return Err(CommError(
+            "world size 0: a group has at least one rank (--world-size N, N >= 1)".into(),
+        ));
+    }
+    if rank >= world_size {
         return Err(CommError(format!(
             "rank {rank} of world size {world_size}: the rank must be in 0..world_size"
         )));

@@ -643,6 +643,34 @@ fn new_run_dir(res: &Path, model_name: &str, config: &Path) -> std::io::Result<(
     unreachable!()
 }
 
+/// The other ranks' partial files beside `mine` (ranks on this host write into the same run
+/// directory), as the end of an error's sentence: `; the other ranks' in A, B` or nothing.
+fn other_partials(mine: &Path) -> String {
+    let Some(dir) = mine.parent() else {
+        return String::new();
+    };
+    let mut others: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p != mine
+                && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                    n.starts_with("requests.rank") && n.ends_with(".partial.jsonl")
+                })
+                && std::fs::metadata(p).is_ok_and(|m| m.len() > 0)
+        })
+        .map(|p| p.display().to_string())
+        .collect();
+    others.sort();
+    if others.is_empty() {
+        String::new()
+    } else {
+        format!("; the other ranks' in {}", others.join(", "))
+    }
+}
+
 /// One line of `requests.jsonl`: the request's prompt, output, ids, timings, and the tool
 /// calls its answer holds (or why they do not parse).
 fn request_line(
@@ -1510,8 +1538,9 @@ pub fn run_ranked(
                     partial_path.display()
                 );
                 return Err(format!(
-                    "{e}; the run is incomplete: {n_saved} finished requests are saved in {}",
-                    partial_path.display()
+                    "{e}; the run is incomplete: {n_saved} finished requests are saved in {}{}",
+                    partial_path.display(),
+                    other_partials(&partial_path)
                 )
                 .into());
             }
@@ -1648,9 +1677,10 @@ pub fn run_ranked(
                 );
                 return Err(format!(
                     "{e}; the run is incomplete: rank {rank}'s {} finished requests are saved in \
-                     {}",
+                     {}{}",
                     report.outputs.len(),
-                    partial_path.display()
+                    partial_path.display(),
+                    other_partials(&partial_path)
                 )
                 .into());
             }
@@ -2088,8 +2118,26 @@ pub fn summary_table(s: &Summary) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_kv_pool, Parallel};
+    use super::{check_kv_pool, other_partials, Parallel};
     use crate::config::{ParallelConfig, RunConfig};
+
+    /// A failed run's error names the other ranks' saved requests beside this rank's.
+    #[test]
+    fn other_ranks_partial_files_are_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mine = tmp.path().join("requests.rank0.partial.jsonl");
+        std::fs::write(&mine, "{}\n").unwrap();
+        assert_eq!(other_partials(&mine), "");
+        let one = tmp.path().join("requests.rank1.partial.jsonl");
+        std::fs::write(&one, "{}\n").unwrap();
+        // An empty one (a rank that finished nothing) is not worth naming.
+        std::fs::write(tmp.path().join("requests.rank2.partial.jsonl"), "").unwrap();
+        std::fs::write(tmp.path().join("run.log"), "x").unwrap();
+        assert_eq!(
+            other_partials(&mine),
+            format!("; the other ranks' in {}", one.display())
+        );
+    }
 
     /// The seed's layouts map onto --parallel when the config's world_size is the group's:
     /// every shipped config of the seed, and the mixes not done here are named.

@@ -470,14 +470,26 @@ pub(crate) fn connect_ranks(
                 }
             }
         }
-        (_, Some(rank)) => TcpComm::connect(&TcpRendezvous {
-            rank,
-            world_size: group.world_size.unwrap_or(1),
-            master: group.master.clone().unwrap_or_default(),
-            timeout: RENDEZVOUS,
-        })
-        .and_then(|c| share_memory(c, group.transport == TransportArg::Auto))
-        .map_err(|e| anyhow!("--rank {rank}: {e}"))?,
+        (_, Some(rank)) => {
+            // Ranks on this host share its cores and KV memory by this count: 1 to the
+            // group's size.
+            if let (Some(h), Some(w)) = (group.host_ranks, group.world_size) {
+                if h == 0 || h > w {
+                    bail!(
+                        "--host-ranks {h}: the ranks of this group on this host are 1 to \
+                         --world-size {w}"
+                    );
+                }
+            }
+            TcpComm::connect(&TcpRendezvous {
+                rank,
+                world_size: group.world_size.unwrap_or(1),
+                master: group.master.clone().unwrap_or_default(),
+                timeout: RENDEZVOUS,
+            })
+            .and_then(|c| share_memory(c, group.transport == TransportArg::Auto))
+            .map_err(|e| anyhow!("--rank {rank}: {e}"))?
+        }
         _ => Arc::new(SingleProcess),
     };
     Ok((comm, children))

@@ -510,15 +510,32 @@ fn settings(args: &ServeArgs) -> Result<Settings> {
         }
         let p = &cfg.parallel_config;
         s.parallel = args.group.layout(p)?;
-        if p.world_size > 1 && p.world_size != args.group.size() {
-            say!(
-                "cachalot serve: {}: world_size {} — this server takes one DP group's batch \
-                 ({}) per rank and starts no ranks of its own: give --ranks N (or --rank, \
-                 --world-size, --master) and --parallel for several",
-                path.display(),
-                p.world_size,
-                cfg.batch_size_per_dp_rank()
-            );
+        // (Said once, by rank 0.)
+        if p.world_size > 1
+            && p.world_size != args.group.size()
+            && args.group.rank.unwrap_or(0) == 0
+        {
+            let ranks = args.group.size();
+            if ranks > 1 {
+                // Ranks were asked for, another number than the YAML's.
+                say!(
+                    "cachalot serve: {}: world_size {} recorded, not applied: this server runs \
+                     {ranks} ranks (--ranks / --world-size), each taking one DP group's batch \
+                     ({}); --parallel chooses their layout",
+                    path.display(),
+                    p.world_size,
+                    cfg.batch_size_per_dp_rank()
+                );
+            } else {
+                say!(
+                    "cachalot serve: {}: world_size {} — this server takes one DP group's batch \
+                     ({}) and starts no ranks of its own: give --ranks N (or --rank, \
+                     --world-size, --master) and --parallel for several",
+                    path.display(),
+                    p.world_size,
+                    cfg.batch_size_per_dp_rank()
+                );
+            }
         }
         s.batch_size = cfg.batch_size_per_dp_rank().max(1);
         s.max_prefill_tokens = cfg.max_prefill_tokens().max(1);

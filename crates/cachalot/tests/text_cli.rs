@@ -1240,6 +1240,32 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
         ),
         (vec!["bench", "--runs", "3"], "--runs 3 is for --mtp N"),
         (
+            vec![
+                "run",
+                "--rank",
+                "0",
+                "--world-size",
+                "2",
+                "--master",
+                "127.0.0.1:1",
+                "--host-ranks",
+                "3",
+            ],
+            "--host-ranks 3: the ranks of this group on this host are 1 to --world-size 2",
+        ),
+        (
+            vec![
+                "run",
+                "--rank",
+                "0",
+                "--world-size",
+                "0",
+                "--master",
+                "127.0.0.1:1",
+            ],
+            "a group has at least one rank",
+        ),
+        (
             vec!["generate", "--prompt", "x", "--v4-cache", "full"],
             "is a DeepSeek-V3/R1/Kimi-K2 model",
         ),
