@@ -185,6 +185,12 @@ impl Role {
     }
 }
 
+/// What a request learns when the engine thread has ended (a rank of the group failed or
+/// left, a step failed): the server is stopping.
+const ENGINE_STOPPED: &str =
+    "the engine has stopped (a rank failed or left, or a step failed: the server's log says \
+     which); the server is stopping";
+
 /// Request bodies above this are refused (413).
 const MAX_BODY_BYTES: u64 = 64 << 20;
 
@@ -3713,7 +3719,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                     RoomState::Failed("the prefill server's engine has stopped".into()),
                 );
             }
-            let e = ApiError::new(500, "the engine has stopped");
+            let e = ApiError::new(500, ENGINE_STOPPED);
             return respond_json(request, 500, &e.body());
         }
     }
@@ -3743,7 +3749,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let e = ApiError::new(500, "the engine has stopped");
+                let e = ApiError::new(500, ENGINE_STOPPED);
                 return fail(request, writer, 500, &e);
             }
         }
@@ -4100,7 +4106,15 @@ fn stream(
                 }
                 return;
             }
-            Err(_) => return,
+            // The engine is gone (a rank failed or left): the stream ends with why, as
+            // vLLM's does with an error event, not cut off.
+            Err(_) => {
+                let e = ApiError::new(500, ENGINE_STOPPED);
+                if send(&mut w, &e.body()) {
+                    write_chunk(&mut w, b"");
+                }
+                return;
+            }
         };
         if !ok {
             // The client is gone: dropping `rx` makes the engine abort the requests.
