@@ -65,6 +65,32 @@ pub struct ExpertPlacement {
     holders: Vec<Vec<Vec<u16>>>,
 }
 
+/// Whether `ranks`-way expert parallelism can split the routed experts of the model in `dir`
+/// (by its config.json): the check every rank's load makes, for a command to say it once before
+/// it starts the ranks.
+pub fn check_expert_split(dir: &std::path::Path, ranks: usize) -> Result<()> {
+    let experts = match crate::config_v4::detect_family(dir)? {
+        crate::config_v4::ModelFamily::DeepseekV3 => {
+            crate::config::DeepseekV3Config::from_dir(dir)?
+                .n_routed_experts
+                .unwrap_or(0)
+        }
+        crate::config_v4::ModelFamily::DeepseekV4 => {
+            crate::config_v4::DeepseekV4Config::from_dir(dir)?.n_routed_experts
+        }
+    };
+    if experts == 0 {
+        // A dense model: the loads say what they refuse.
+        return Ok(());
+    }
+    ExpertShard {
+        rank: 0,
+        ranks,
+        ..ExpertShard::default()
+    }
+    .validate(experts)
+}
+
 impl ExpertPlacement {
     /// The placement of `experts` routed experts per layer over `ranks` ranks for the measured
     /// `loads` (per layer key, each expert's tokens), with `redundant` extra copies per layer.

@@ -620,6 +620,22 @@ pub fn run(args: &RunArgs) -> Result<()> {
         )
         .map_err(|e| anyhow!("{e}"))?;
     }
+    // And the routed experts over the ranks of the layouts that split them.
+    let experts_split = matches!(
+        opts.parallel,
+        offline::Parallel::Expert
+            | offline::Parallel::TensorExpert
+            | offline::Parallel::DataExpert
+            | offline::Parallel::Context
+    );
+    if args.group.rank.is_none()
+        && ranks > 1
+        && experts_split
+        && model_dir.join("config.json").is_file()
+    {
+        cachalot_model::expert_parallel::check_expert_split(model_dir, ranks)
+            .map_err(|e| anyhow!("--parallel {}: {e}", opts.parallel.name()))?;
+    }
     let (comm, children) = connect_ranks(&args.group, true)?;
     let (result, totals) = cachalot_model::profile::profiled(args.profile, || {
         offline::run_ranked(&cfg, &opts, comm.clone())

@@ -1239,6 +1239,19 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
             "give a smaller --batch, --prompt-len or --gen-len",
         ),
         (vec!["bench", "--runs", "3"], "--runs 3 is for --mtp N"),
+        // Said once, before any rank starts (each rank said it).
+        (
+            vec![
+                "run",
+                "--ranks",
+                "3",
+                "--parallel",
+                "expert",
+                "--num-requests",
+                "2",
+            ],
+            "--parallel expert: expert parallelism over 3 ranks needs n_routed_experts (16)",
+        ),
         (
             vec![
                 "run",
