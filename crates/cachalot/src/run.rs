@@ -239,6 +239,16 @@ impl GroupArgs {
     /// `parallel_config` names when its world_size is the group's (`Parallel::from_config`;
     /// rank 0 says which), else data parallel.
     pub fn layout(&self, pc: &cachalot_run::config::ParallelConfig) -> Result<offline::Parallel> {
+        if let (Some(p), 1) = (self.parallel, self.size()) {
+            if !matches!(p, ParallelArg::Data) {
+                say!(
+                    "note: --parallel {} with one process: nothing is split (give --ranks N, or \
+                     --rank/--world-size/--master, for several)",
+                    clap::ValueEnum::to_possible_value(&p)
+                        .map_or(String::new(), |v| v.get_name().to_string())
+                );
+            }
+        }
         Ok(match self.parallel {
             Some(ParallelArg::Data) => offline::Parallel::Data,
             Some(ParallelArg::Expert) => offline::Parallel::Expert,
