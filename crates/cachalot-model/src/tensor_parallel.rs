@@ -93,7 +93,7 @@ impl TensorShard {
                 return Err(ModelError::Options(format!(
                     "tensor parallelism over {} ranks needs config.json's {field} ({v}) to \
                      divide by the ranks; use a number of ranks that divides it, or \
-                     --parallel data|expert",
+                     --parallel data (or expert, where n_routed_experts divides by the ranks)",
                     self.ranks
                 )));
             }
@@ -137,7 +137,8 @@ impl Cut {
         cut.map_err(|e| {
             ModelError::Options(format!(
                 "tensor `{name}`: rank {} of {} (tensor parallelism) cannot hold its share: {e}; \
-                 use a number of ranks that cuts it there, or --parallel data|expert",
+                 use a number of ranks that cuts it there, or --parallel data (or expert, \
+                 where n_routed_experts divides by the ranks)",
                 shard.rank, shard.ranks
             ))
         })

@@ -830,9 +830,10 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             }
             continue;
         }
-        let system_arg = (input == "/system")
-            .then_some("")
-            .or_else(|| input.strip_prefix("/system "));
+        // `/system`, then any whitespace (a tab too) and the prompt.
+        let system_arg = input
+            .strip_prefix("/system")
+            .filter(|rest| rest.is_empty() || rest.starts_with(char::is_whitespace));
         if let Some(rest) = system_arg {
             let rest = rest.trim();
             system = (!rest.is_empty()).then(|| rest.to_string());

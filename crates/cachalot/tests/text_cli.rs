@@ -210,7 +210,7 @@ fn chat_keeps_history_and_obeys_commands_on_stdin() {
     let out = r1_chat(
         "6",
         true,
-        "hello\n/systematic typo\n/system Be brief.\n/sytem typo\nsecond question\n/reset\n//third\n/exit\nnever read\n",
+        "hello\n/systematic typo\n/system\tBe brief.\n/sytem typo\nsecond question\n/reset\n//third\n/exit\nnever read\n",
     );
     let turns: Vec<Value> = out.lines().map(json).collect();
     assert_eq!(turns.len(), 3, "{out}");
@@ -226,7 +226,8 @@ fn chat_keeps_history_and_obeys_commands_on_stdin() {
     assert!(p[1].starts_with("<｜begin▁of▁sentence｜>Be brief.<｜User｜>hello<｜Assistant｜>"));
     assert!(p[1].contains(first_answer));
     assert!(p[1].ends_with("<｜User｜>second question<｜Assistant｜><think>\n"));
-    // Unknown commands (/systematic, /sytem) are refused, not sent; "//" escapes a leading "/".
+    // (`/system` takes its text after any whitespace, a tab here.) Unknown commands
+    // (/systematic, /sytem) are refused, not sent; "//" escapes a leading "/".
     assert_eq!(
         p[2],
         "<｜begin▁of▁sentence｜>Be brief.<｜User｜>/third<｜Assistant｜><think>\n"
