@@ -990,7 +990,7 @@ pub fn run_ranked(
         .iter()
         .flat_map(|p| p.ids.iter().copied().chain([u32::MAX]))
         .collect();
-    let fields = [
+    let mut fields: Vec<(String, String)> = [
         ("--num-requests", n_req.to_string()),
         ("--parallel", format!("{:?}", opts.parallel)),
         ("--int8-head", opts.int8_head.to_string()),
@@ -1002,10 +1002,6 @@ pub fn run_ranked(
         ("--fp8", format!("{:?}", opts.fp8)),
         ("--chat-template", opts.chat_template.is_some().to_string()),
         ("--kv-blocks", format!("{:?}", opts.kv_blocks)),
-        (
-            "the YAML config",
-            digest(serde_json::to_string(&same).unwrap_or_default().as_bytes()),
-        ),
         ("the model's config.json", digest(&model_config)),
         (
             "the prompts' token ids (tokenizer, template, dataset)",
@@ -1016,7 +1012,35 @@ pub fn run_ranked(
                     .collect::<Vec<_>>(),
             ),
         ),
-    ];
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    // The YAML key by key (options such as --mtp write theirs into it), so that a mismatch
+    // names the key.
+    fn leaves(prefix: String, v: &serde_json::Value, out: &mut Vec<(String, String)>) {
+        match v {
+            serde_json::Value::Object(o) => {
+                for (k, x) in o {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    leaves(key, x, out);
+                }
+            }
+            other => out.push((
+                format!("the YAML's {prefix} (or the option that sets it)"),
+                other.to_string().replace('\n', " "),
+            )),
+        }
+    }
+    leaves(
+        String::new(),
+        &serde_json::to_value(&same).unwrap_or_default(),
+        &mut fields,
+    );
     let fingerprint: String = fields
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
@@ -1034,7 +1058,7 @@ pub fn run_ranked(
             .iter()
             .zip(theirs.lines())
             .find(|((k, v), line)| *line != format!("{k}={v}"))
-            .map_or("the run's settings", |((k, _), _)| *k);
+            .map_or("the run's settings", |((k, _), _)| k.as_str());
         format!(
             "rank {rank}: {differs} differs from rank 0's; every rank must run the same YAML, \
              options, checkpoint and prompts"

@@ -807,6 +807,24 @@ fn ranks_with_different_checkpoints_are_refused() {
         let e = r.as_ref().map(|_| ()).unwrap_err();
         assert!(e.contains("rank 1: the model's config.json differs"), "{e}");
     }
+    // A YAML that differs names its key.
+    let data = root().join("dataset");
+    let res = tmp.path().to_path_buf();
+    let results = run_group(2, move |comm| {
+        let mut cfg = config(2, 4096, &data);
+        cfg.data_config.num_requests = Some(2);
+        if comm.rank() == 1 {
+            cfg.scheduler_config.max_new_tokens += 1;
+        }
+        cachalot_run::offline::run_ranked(&cfg, &opts(&res, None), comm).map_err(|e| e.to_string())
+    });
+    for r in &results {
+        let e = r.as_ref().map(|_| ()).unwrap_err();
+        assert!(
+            e.contains("rank 1: the YAML's scheduler_config.max_new_tokens"),
+            "{e}"
+        );
+    }
 }
 
 /// A data-parallel rank whose peer died keeps its finished requests: they are written to
