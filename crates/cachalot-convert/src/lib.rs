@@ -1162,6 +1162,15 @@ fn sibling(out: &Path, what: &str) -> PathBuf {
     parent.join(format!(".{base}.{what}-{}", std::process::id()))
 }
 
+/// Whether process `pid`, another than this one, has ended, as Linux's `/proc` says (false
+/// without `/proc`: nothing is known there): what a directory named after a process that left
+/// it behind is removed on.
+pub fn process_gone(pid: u32) -> bool {
+    pid != std::process::id()
+        && Path::new("/proc/self").exists()
+        && !Path::new(&format!("/proc/{pid}")).exists()
+}
+
 /// Removes partial outputs for `out` that conversions no longer running left behind
 /// (`.{name}.partial-{pid}` and `.{name}.old-{pid}` of a process that is gone; Linux only,
 /// where `/proc` says which processes run). Returns what it removed.
@@ -1170,9 +1179,6 @@ fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
     let (Some(parent), Some(name)) = (out.parent(), out.file_name()) else {
         return removed;
     };
-    if !Path::new("/proc/self").exists() {
-        return removed;
-    }
     let Ok(entries) = fs::read_dir(parent) else {
         return removed;
     };
@@ -1188,7 +1194,7 @@ fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
                 .ok()
         });
         if let Some(pid) = pid {
-            if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            if process_gone(pid) {
                 let p = e.path();
                 // An old output moved aside by a conversion that died before the new one took
                 // its place: it goes back, it is not deleted.

@@ -123,9 +123,6 @@ impl RandomModel {
 /// (Linux's `/proc` says which run) and that still carry the [`UNFINISHED`] mark; returns them.
 fn remove_stale(parent: &Path, prefix: &str) -> Vec<PathBuf> {
     let mut removed = Vec::new();
-    if !Path::new("/proc/self").exists() {
-        return removed;
-    }
     let Ok(entries) = std::fs::read_dir(parent) else {
         return removed;
     };
@@ -139,8 +136,7 @@ fn remove_stale(parent: &Path, prefix: &str) -> Vec<PathBuf> {
         });
         let Some(pid) = pid else { continue };
         let path = e.path();
-        if pid != std::process::id()
-            && !Path::new(&format!("/proc/{pid}")).exists()
+        if cachalot_convert::process_gone(pid)
             && path.join(UNFINISHED).is_file()
             && std::fs::remove_dir_all(&path).is_ok()
         {

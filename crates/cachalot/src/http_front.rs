@@ -31,12 +31,10 @@ fn watch_tiny_http_panics() {
                 .is_some_and(|l| l.file().contains("tiny_http"))
             {
                 ACCEPTOR_DIED.store(true, Ordering::SeqCst);
-                let why = info
-                    .payload()
-                    .downcast_ref::<String>()
-                    .map(String::as_str)
-                    .or_else(|| info.payload().downcast_ref::<&str>().copied())
-                    .unwrap_or("a panic");
+                let why = match crate::panic_text(info.payload()) {
+                    "" => "a panic",
+                    text => text,
+                };
                 say!("cachalot: the HTTP library's thread failed: {why}");
             } else {
                 previous(info);

@@ -365,6 +365,16 @@ fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
     Ok(Tokenizer::from_dir(model_dir)?.encode(&text)?)
 }
 
+/// The text a panic was raised with (`panic!`'s formatted message or a literal; empty for
+/// another payload).
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("")
+}
+
 /// What `print!`/`println!` panic with when stdout cannot be written (a closed pipe, a full
 /// disk).
 const STDOUT_FAILED: &str = "failed printing to stdout";
@@ -391,12 +401,7 @@ fn main() {
     // line below, not a panic's message and backtrace.
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let msg = info
-            .payload()
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| info.payload().downcast_ref::<&str>().copied());
-        if !msg.is_some_and(|m| m.starts_with(STDOUT_FAILED)) {
+        if !panic_text(info.payload()).starts_with(STDOUT_FAILED) {
             previous(info);
         }
     }));
@@ -409,11 +414,7 @@ fn main() {
             _ => say!("error: {e:#}"),
         },
         Err(payload) => {
-            let msg = payload
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| payload.downcast_ref::<&str>().copied())
-                .unwrap_or("");
+            let msg = panic_text(payload.as_ref());
             match msg.strip_prefix(STDOUT_FAILED) {
                 Some(_) if msg.contains("Broken pipe") => exit_broken_pipe(),
                 Some(why) => {

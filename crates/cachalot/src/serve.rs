@@ -2083,12 +2083,7 @@ fn fetch_kv(
                 String::from_utf8_lossy(&hello)
             )))
         }
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) =>
-        {
+        Err(e) if waited_out(&e) => {
             return Err(not_kv(format!(
                 "no greeting within {} s",
                 KV_HELLO_WAIT.as_secs()
@@ -2120,13 +2115,7 @@ fn fetch_kv(
         match conn.read(&mut status) {
             Ok(1) => break,
             Ok(_) => return Err(io(std::io::Error::from(std::io::ErrorKind::UnexpectedEof))),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
+            Err(e) if waited_out(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(io(e)),
         }
     }
@@ -2159,6 +2148,14 @@ fn fetch_kv(
     (0..count)
         .map(|_| KvSnapshot::read_from(&mut r, max_bytes).map_err(|e| fail(&e)))
         .collect()
+}
+
+/// A read that ended at its socket's timeout (Linux says WouldBlock, others TimedOut).
+fn waited_out(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }
 
 /// Why a decode server has no KV for a request.
