@@ -409,8 +409,22 @@ impl Input {
                 }
                 pairs.push((name.clone(), file.to_string()));
             }
-            let files = pairs.iter().map(|(_, f)| f.clone()).collect();
+            let mut files: BTreeSet<String> = pairs.iter().map(|(_, f)| f.clone()).collect();
             indexed = Some(pairs);
+            // A shard that holds no tensor is in no index entry; the seed converts every
+            // `*.safetensors` of the directory, so it is written too (empty) and counts as the
+            // last shard where C8 scales go.
+            for e in fs::read_dir(dir).map_err(|e| ConvertError::io(dir, e))? {
+                let e = e.map_err(|e| ConvertError::io(dir, e))?;
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".safetensors")
+                    && !files.contains(&name)
+                    && e.path().is_file()
+                    && read_header(&e.path()).is_ok_and(|t| t.is_empty())
+                {
+                    files.insert(name);
+                }
+            }
             files
         } else {
             let mut files = BTreeSet::new();
@@ -700,15 +714,21 @@ pub fn read_c8_scales(path: &Path, num_layers: usize) -> Result<Vec<f32>> {
         .map(|(i, s)| {
             s.as_f64()
                 .map(|s| s as f32)
-                .filter(|s| s.is_finite() && *s > 0.0)
+                .filter(|&s| usable_c8_scale(s))
                 .ok_or_else(|| {
                     err(format!(
-                        "ckv_scale[{i}] = {s} is not a positive number within f32's range \
-                         (up to 3.4e38)"
+                        "ckv_scale[{i}] = {s} is not a positive number whose reciprocal is \
+                         within f32's range (about 2.9e-39 to 3.4e38)"
                     ))
                 })
         })
         .collect()
+}
+
+/// A C8 scale the cache can use: positive, finite, and its reciprocal (what a latent is
+/// multiplied by when it is quantized) finite too.
+pub fn usable_c8_scale(s: f32) -> bool {
+    s.is_finite() && s > 0.0 && (1.0 / s).is_finite()
 }
 
 fn read_c8_pth(dir: &Path, num_layers: usize) -> Result<Vec<f32>> {
@@ -752,9 +772,10 @@ fn read_c8_pth(dir: &Path, num_layers: usize) -> Result<Vec<f32>> {
                     ))
                 }
             };
-            if !(s.is_finite() && s > 0.0) {
+            if !usable_c8_scale(s) {
                 return Err(err(format!(
-                    "self_attn.ckv_scale = {s} is not a positive number within f32's range"
+                    "self_attn.ckv_scale = {s} is not a positive number whose reciprocal is \
+                     within f32's range (about 2.9e-39 to 3.4e38)"
                 )));
             }
             Ok(s)
@@ -950,7 +971,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     }
 
     // Write into a temporary directory beside the output.
-    write_through_temp(&opts.output, |tmp| {
+    write_through_temp(&opts.output, opts.force, |tmp| {
         let pb = progress_bar(report.input_bytes, opts.progress);
         let mut weight_map = Map::new();
         for (si, (planned, scales)) in plans.into_iter().enumerate() {
@@ -1070,6 +1091,14 @@ fn resolve_output(out: &Path) -> Result<PathBuf> {
 /// delete the input with it), and empty unless `force`.
 fn check_output(input: &Path, out: &Path, force: bool) -> Result<()> {
     let (inp, outp) = (resolve(input), resolve(out));
+    // What interrupted conversions left goes first: an output one had moved aside is back in
+    // place before its emptiness is judged.
+    for p in remove_stale_partials(&outp) {
+        eprintln!(
+            "convert: removed {}, left by an interrupted conversion",
+            p.display()
+        );
+    }
     if inp.starts_with(&outp) {
         return Err(ConvertError::Usage(format!(
             "--output {} is the input directory or holds it ({}); writing there would delete \
@@ -1099,37 +1128,124 @@ fn check_output(input: &Path, out: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
-/// Runs `write` on a new temporary directory beside `out`, then renames it over `out` (replacing
-/// what is there); on an error the temporary directory is removed and `out` is untouched.
-fn write_through_temp(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let tmp = temp_dir_for(out)?;
+/// Runs `write` on a new temporary directory, then puts it in place as `out`; on an error the
+/// temporary directory is removed and `out` is untouched.
+///
+/// The directory is built beside `out` and renamed over it, except where `out` is a directory
+/// that cannot be renamed or whose parent cannot be written (a mounted volume, as containers
+/// give one): there it is built inside `out` and its files are moved up at the end. `out` is
+/// replaced only under `force`: one that was empty at the start and holds something at the end
+/// (another conversion, a user's file) is left alone, the new output kept beside it under a
+/// name the error gives.
+fn write_through_temp(
+    out: &Path,
+    force: bool,
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
+    let (tmp, inside) = temp_dir_for(out)?;
     set_partial(Some(tmp.clone()));
     let done = (|| {
         write(&tmp)?;
         // Complete: from here an interrupt leaves it (the handler removes only what is
         // unfinished).
         set_partial(None);
-        if !out.exists() {
-            return fs::rename(&tmp, out).map_err(|e| ConvertError::io(out, e));
+        let _ = fs::remove_file(tmp.join(LOCK_FILE));
+        if inside {
+            move_up(&tmp, out, force)
+        } else {
+            rename_over(&tmp, out, force)
         }
-        // The old output moves aside, the new one in, and only then is the old one deleted
-        // (back in place if the new one cannot go there).
-        let old = sibling(out, "old");
-        if old.exists() {
-            fs::remove_dir_all(&old).map_err(|e| ConvertError::io(&old, e))?;
-        }
-        fs::rename(out, &old).map_err(|e| ConvertError::io(out, e))?;
-        if let Err(e) = fs::rename(&tmp, out) {
-            let _ = fs::rename(&old, out);
-            return Err(ConvertError::io(out, e));
-        }
-        fs::remove_dir_all(&old).map_err(|e| ConvertError::io(&old, e))
     })();
-    if done.is_err() {
+    if done.is_err() && tmp.exists() {
         let _ = fs::remove_dir_all(&tmp);
     }
     set_partial(None);
+    release_lock();
     done
+}
+
+/// A directory is empty.
+fn is_empty_dir(dir: &Path) -> bool {
+    fs::read_dir(dir).is_ok_and(|mut d| d.next().is_none())
+}
+
+/// The finished `tmp` beside `out` becomes `out`: a rename where `out` is absent or empty; under
+/// `force` the old `out` moves aside, the new one in, and only then is the old one deleted (back
+/// in place if the new one cannot go there).
+fn rename_over(tmp: &Path, out: &Path, force: bool) -> Result<()> {
+    if !out.exists() || (out.is_dir() && is_empty_dir(out)) {
+        // (A rename replaces an empty directory; one filled meanwhile fails: ENOTEMPTY.)
+        match fs::rename(tmp, out) {
+            Ok(()) => return Ok(()),
+            Err(_) if !force && out.exists() && !is_empty_dir(out) => {}
+            Err(e) => return Err(ConvertError::io(out, e)),
+        }
+    }
+    if !force {
+        return Err(keep_beside(tmp, out));
+    }
+    let old = sibling(out, "old");
+    if old.exists() {
+        fs::remove_dir_all(&old).map_err(|e| ConvertError::io(&old, e))?;
+    }
+    fs::rename(out, &old).map_err(|e| ConvertError::io(out, e))?;
+    if let Err(e) = fs::rename(tmp, out) {
+        let _ = fs::rename(&old, out);
+        return Err(ConvertError::io(out, e));
+    }
+    fs::remove_dir_all(&old).map_err(|e| ConvertError::io(&old, e))
+}
+
+/// `out` was filled while the conversion ran (without `--force`): the finished output goes to
+/// `.{name}.converted-{pid}` beside `tmp` and the error says so.
+fn keep_beside(tmp: &Path, out: &Path) -> ConvertError {
+    let kept = tmp.with_file_name(format!(
+        ".{}.converted-{}",
+        out.file_name()
+            .map_or("output".into(), |n| n.to_string_lossy().into_owned()),
+        std::process::id()
+    ));
+    match fs::rename(tmp, &kept) {
+        Ok(()) => ConvertError::Usage(format!(
+            "{} was empty when the conversion started and is not now (another conversion, or \
+             files put there meanwhile); it is left as it is, and the converted model is in {}: \
+             move it into place, or convert again with --force to replace {}",
+            out.display(),
+            kept.display(),
+            out.display()
+        )),
+        Err(e) => ConvertError::io(&kept, e),
+    }
+}
+
+/// The finished `tmp` inside `out` becomes `out`'s contents: under `force` what else `out`
+/// holds is deleted first; without it `out` must hold nothing else.
+fn move_up(tmp: &Path, out: &Path, force: bool) -> Result<()> {
+    let others: Vec<PathBuf> = fs::read_dir(out)
+        .map_err(|e| ConvertError::io(out, e))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p != tmp)
+        .collect();
+    if !others.is_empty() {
+        if !force {
+            return Err(keep_beside(tmp, out));
+        }
+        for p in &others {
+            let gone = if p.is_dir() && !p.is_symlink() {
+                fs::remove_dir_all(p)
+            } else {
+                fs::remove_file(p)
+            };
+            gone.map_err(|e| ConvertError::io(p, e))?;
+        }
+    }
+    for e in fs::read_dir(tmp).map_err(|e| ConvertError::io(tmp, e))? {
+        let e = e.map_err(|e| ConvertError::io(tmp, e))?;
+        let to = out.join(e.file_name());
+        fs::rename(e.path(), &to).map_err(|e| ConvertError::io(&to, e))?;
+    }
+    fs::remove_dir(tmp).map_err(|e| ConvertError::io(tmp, e))
 }
 
 /// The partial output directory being written now (for [`remove_partial_output`]).
@@ -1147,6 +1263,31 @@ pub fn remove_partial_output() -> Option<PathBuf> {
     let p = PARTIAL.lock().ok()?.take()?;
     let _ = fs::remove_dir_all(&p);
     Some(p)
+}
+
+/// A partial directory's lock file, held (`flock`) while its conversion runs: a conversion in
+/// another PID namespace (a container sharing the disk) or a killed one not yet reaped is told
+/// apart from one that has ended by whether the lock can be taken, not by its pid alone.
+const LOCK_FILE: &str = ".cachalot-convert.lock";
+
+/// The lock of the partial directory this process writes.
+static LOCK: std::sync::Mutex<Option<File>> = std::sync::Mutex::new(None);
+
+fn hold_lock(dir: &Path) -> Result<()> {
+    let path = dir.join(LOCK_FILE);
+    let f = File::create(&path).map_err(|e| ConvertError::io(&path, e))?;
+    f.try_lock()
+        .map_err(|e| ConvertError::io(&path, std::io::Error::other(e.to_string())))?;
+    if let Ok(mut g) = LOCK.lock() {
+        *g = Some(f);
+    }
+    Ok(())
+}
+
+fn release_lock() {
+    if let Ok(mut g) = LOCK.lock() {
+        g.take();
+    }
 }
 
 /// `.{name}.{what}-{pid}` beside `out`.
@@ -1171,46 +1312,73 @@ pub fn process_gone(pid: u32) -> bool {
         && !Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// Whether the conversion that wrote partial directory `dir` (named after `pid`) has ended: its
+/// lock can be taken (whatever namespace it ran in), or, where it holds no lock file, its
+/// process is gone.
+fn partial_abandoned(dir: &Path, pid: u32) -> bool {
+    if pid == std::process::id() {
+        return false;
+    }
+    match File::open(dir.join(LOCK_FILE)) {
+        Ok(f) => f.try_lock().is_ok(),
+        Err(_) => process_gone(pid),
+    }
+}
+
 /// Removes partial outputs for `out` that conversions no longer running left behind
-/// (`.{name}.partial-{pid}` and `.{name}.old-{pid}` of a process that is gone; Linux only,
-/// where `/proc` says which processes run). Returns what it removed.
+/// (`.{name}.partial-{pid}` beside `out` or inside it, and `.{name}.old-{pid}` of a process
+/// that is gone; Linux only, where `/proc` says which processes run); an old output moved
+/// aside by a conversion that died before the new one took its place goes back. Returns what
+/// it removed.
 fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     let (Some(parent), Some(name)) = (out.parent(), out.file_name()) else {
         return removed;
     };
-    let Ok(entries) = fs::read_dir(parent) else {
-        return removed;
-    };
     let name = name.to_string_lossy();
-    for e in entries.flatten() {
-        let file = e.file_name();
-        let file = file.to_string_lossy();
-        let pid = [".partial-", ".old-"].iter().find_map(|what| {
-            file.strip_prefix('.')?
-                .strip_prefix(name.as_ref())?
-                .strip_prefix(what)?
-                .parse::<u32>()
-                .ok()
-        });
-        if let Some(pid) = pid {
-            if process_gone(pid) {
-                let p = e.path();
-                // An old output moved aside by a conversion that died before the new one took
-                // its place: it goes back, it is not deleted.
-                if file.contains(".old-") && !out.exists() {
-                    if fs::rename(&p, out).is_ok() {
-                        eprintln!(
-                            "convert: put back {}, the output an interrupted conversion had \
-                             moved aside",
-                            out.display()
-                        );
-                    }
-                    continue;
+    let mut places = vec![parent.to_path_buf()];
+    if out.is_dir() {
+        places.push(out.to_path_buf());
+    }
+    for place in places {
+        let Ok(entries) = fs::read_dir(&place) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let file = e.file_name();
+            let file = file.to_string_lossy();
+            let found = [".partial-", ".old-"].iter().find_map(|what| {
+                let pid = file
+                    .strip_prefix('.')?
+                    .strip_prefix(name.as_ref())?
+                    .strip_prefix(what)?
+                    .parse::<u32>()
+                    .ok()?;
+                Some((*what, pid))
+            });
+            let Some((what, pid)) = found else {
+                continue;
+            };
+            let p = e.path();
+            let abandoned = match what {
+                ".partial-" => partial_abandoned(&p, pid),
+                _ => process_gone(pid) && place == parent,
+            };
+            if !abandoned {
+                continue;
+            }
+            if what == ".old-" && !out.exists() {
+                if fs::rename(&p, out).is_ok() {
+                    eprintln!(
+                        "convert: put back {}, the output an interrupted conversion had moved \
+                         aside",
+                        out.display()
+                    );
                 }
-                if fs::remove_dir_all(&p).is_ok() {
-                    removed.push(p);
-                }
+                continue;
+            }
+            if fs::remove_dir_all(&p).is_ok() {
+                removed.push(p);
             }
         }
     }
@@ -1260,7 +1428,10 @@ fn start_shard(
     Ok((map, out, total))
 }
 
-fn temp_dir_for(out: &Path) -> Result<PathBuf> {
+/// A new directory for the output while it is written, with this process's lock in it, and
+/// whether it is inside `out` ([`write_through_temp`]): beside `out` where `out` can be renamed,
+/// else inside it.
+fn temp_dir_for(out: &Path) -> Result<(PathBuf, bool)> {
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -1281,12 +1452,41 @@ fn temp_dir_for(out: &Path) -> Result<PathBuf> {
             p.display()
         );
     }
-    let tmp = sibling(out, "partial");
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| ConvertError::io(&tmp, e))?;
+    let beside = sibling(out, "partial");
+    let within = out.join(beside.file_name().expect("a sibling has a name"));
+    // A mount point (another device than its parent's) cannot be renamed: build inside it.
+    let mounted = {
+        use std::os::unix::fs::MetadataExt;
+        match (fs::metadata(out), fs::metadata(&parent)) {
+            (Ok(o), Ok(p)) => o.is_dir() && o.dev() != p.dev(),
+            _ => false,
+        }
+    };
+    let make = |tmp: &Path| -> std::io::Result<()> {
+        if tmp.exists() {
+            fs::remove_dir_all(tmp)?;
+        }
+        fs::create_dir(tmp)
+    };
+    let (tmp, inside) = if mounted {
+        make(&within).map_err(|e| unusable(&within, e))?;
+        (within, true)
+    } else {
+        match make(&beside) {
+            Ok(()) => (beside, false),
+            // A parent this process cannot write, around an output directory it can.
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied && out.is_dir() => {
+                make(&within).map_err(|_| unusable(&beside, e))?;
+                (within, true)
+            }
+            Err(e) => return Err(unusable(&beside, e)),
+        }
+    };
+    if let Err(e) = hold_lock(&tmp) {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    fs::create_dir(&tmp).map_err(|e| unusable(&tmp, e))?;
-    Ok(tmp)
+    Ok((tmp, inside))
 }
 
 fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
@@ -1925,6 +2125,76 @@ mod tests {
         fs::create_dir_all(&old).unwrap();
         assert_eq!(remove_stale_partials(&out), vec![old.clone()]);
         assert!(out.join("config.json").is_file());
+    }
+
+    /// A partial directory whose lock a running conversion holds stays, whatever its pid says
+    /// (another PID namespace); once the lock is free it is stale.
+    #[test]
+    fn a_locked_partial_is_left_to_its_conversion() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("model");
+        let dead = u32::MAX - 1;
+        let partial = tmp.path().join(format!(".model.partial-{dead}"));
+        fs::create_dir_all(&partial).unwrap();
+        let lock = File::create(partial.join(LOCK_FILE)).unwrap();
+        lock.try_lock().unwrap();
+        assert!(remove_stale_partials(&out).is_empty());
+        assert!(partial.exists());
+        drop(lock);
+        assert_eq!(remove_stale_partials(&out), vec![partial.clone()]);
+        // Inside the output too (a mounted output directory is written from within).
+        fs::create_dir_all(&out).unwrap();
+        let inner = out.join(format!(".model.partial-{dead}"));
+        fs::create_dir_all(&inner).unwrap();
+        assert_eq!(remove_stale_partials(&out), vec![inner]);
+    }
+
+    /// Without `force` an output filled while the conversion ran is left alone and the new one
+    /// is kept beside it (named in the error); with `force` it is replaced. An output built
+    /// inside its directory (a mount point) moves up the same way.
+    #[test]
+    fn an_output_filled_meanwhile_is_replaced_only_under_force() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("model");
+        let built = |dir: &Path| {
+            fs::create_dir_all(dir).unwrap();
+            fs::write(dir.join("config.json"), "new").unwrap();
+        };
+        // Absent or empty: renamed into place.
+        let part = sibling(&out, "partial");
+        built(&part);
+        rename_over(&part, &out, false).unwrap();
+        assert_eq!(fs::read_to_string(out.join("config.json")).unwrap(), "new");
+        // Filled: kept beside, the user's file untouched.
+        fs::write(out.join("USER"), "mine").unwrap();
+        built(&part);
+        let e = rename_over(&part, &out, false).unwrap_err().to_string();
+        assert!(
+            e.contains("converted model is in") && e.contains("--force"),
+            "{e}"
+        );
+        assert!(out.join("USER").is_file() && !part.exists());
+        let kept = tmp
+            .path()
+            .join(format!(".model.converted-{}", std::process::id()));
+        assert!(kept.join("config.json").is_file(), "{e}");
+        built(&part);
+        rename_over(&part, &out, true).unwrap();
+        assert!(!out.join("USER").exists() && out.join("config.json").is_file());
+        // Built inside.
+        let inner = out.join(".model.partial-1");
+        built(&inner);
+        let e = move_up(&inner, &out, false).unwrap_err().to_string();
+        assert!(e.contains("converted model is in"), "{e}");
+        assert!(!inner.exists());
+        built(&inner);
+        fs::create_dir_all(out.join("sub")).unwrap();
+        move_up(&inner, &out, true).unwrap();
+        let names: Vec<String> = fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["config.json"]);
     }
 
     /// Paths resolve `.` and `..`, also in parts that do not exist yet.

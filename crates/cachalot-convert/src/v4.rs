@@ -716,7 +716,7 @@ pub(crate) fn convert_v4(
         }
     }
 
-    write_through_temp(&opts.output, |tmp| {
+    write_through_temp(&opts.output, opts.force, |tmp| {
         let pb = progress_bar(report.input_bytes, opts.progress);
         let mut weight_map = Map::new();
         for (si, (outs, jobs, scales)) in plans.into_iter().enumerate() {

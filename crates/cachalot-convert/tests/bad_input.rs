@@ -723,3 +723,40 @@ fn the_ignore_list_matches_modules_not_substrings() {
         "model.layers.1.self_attn.kv_b_proj_x.weight"
     ));
 }
+
+/// A shard that holds no tensor (in no index entry) is written too, empty, as the seed's
+/// converter writes every `*.safetensors`; being the last, it takes the C8 scales.
+#[test]
+fn an_empty_shard_is_kept_and_takes_the_c8_scales() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in");
+    copy_fixture(&input);
+    let empty = "model-00004-of-00004.safetensors";
+    let header = b"{\"__metadata__\":{\"format\":\"pt\"}}";
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    fs::write(input.join(empty), bytes).unwrap();
+    let out = tmp.path().join("out");
+    let mut o = opts(&input, &out);
+    o.mode = QuantMode::W8A8C8;
+    o.c8_scales = Some(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/v3/converted/c8_scales_r1_tiny.json"),
+    );
+    convert(&o).unwrap();
+    assert!(read_header(&out.join(empty)).is_ok());
+    let index: serde_json::Value = serde_json::from_str(
+        &fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    let scales: Vec<&str> = map
+        .iter()
+        .filter(|(k, _)| k.ends_with("ckv_scale"))
+        .map(|(_, v)| v.as_str().unwrap())
+        .collect();
+    assert!(
+        !scales.is_empty() && scales.iter().all(|f| *f == empty),
+        "{scales:?}"
+    );
+}

@@ -493,10 +493,10 @@ impl Loader<'_> {
             ckv_scale: if self.c8 {
                 let name = format!("{p}.self_attn.ckv_scale");
                 let s = self.vector(&name, 1)?[0];
-                if !(s.is_finite() && s > 0.0) {
-                    return Err(ModelError::Batch(format!(
-                        "{name} = {s}; a C8 cache scale must be positive (recalibrate and \
-                         convert again)"
+                if !(s.is_finite() && s > 0.0 && (1.0 / s).is_finite()) {
+                    return Err(ModelError::Options(format!(
+                        "{name} = {s}; a C8 cache scale must be positive, with a finite \
+                         reciprocal (recalibrate and convert again)"
                     )));
                 }
                 Some(s)

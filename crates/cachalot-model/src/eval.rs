@@ -318,7 +318,7 @@ pub fn latent_absmax(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> Result
     }
     let spec = model.cache_spec();
     if spec.int8_width > 0 {
-        return Err(ModelError::Batch(
+        return Err(ModelError::Options(
             "this model already stores its latent cache in int8 (C8); calibrate the FP8, BF16 or \
              W8A8C16 model instead"
                 .into(),
