@@ -1955,6 +1955,15 @@ impl<'t, M: Model> Engine<'t, M> {
             live.eos_at = Some(n_out);
             if !live.ignore_eos {
                 finish = Some(FinishReason::StopToken(token));
+                // vLLM's `include_stop_str_in_output` keeps the stop token's text too (none
+                // for a special token whose text is skipped).
+                if live.stop.include_stop_str {
+                    if let Some(stream) = live.stream.as_mut() {
+                        stream.set_stop_armed(false);
+                        let (piece, _) = stream.push(token)?;
+                        live.text.push_str(&piece);
+                    }
+                }
             }
         } else if live.eos_at.is_none() {
             if let Some(stream) = live.stream.as_mut() {

@@ -22,8 +22,8 @@ pub struct StopConditions {
     pub stop_token_ids: Vec<u32>,
     /// Strings that end the answer; the text stops before them.
     pub stop_strings: Vec<String>,
-    /// vLLM's `include_stop_str_in_output`: the stop string that ended the answer is in its
-    /// text (at its end).
+    /// vLLM's `include_stop_str_in_output`: the stop string, or the stop token's text, that
+    /// ended the answer is in its text (at its end).
     #[serde(default)]
     pub include_stop_str: bool,
 }

@@ -47,7 +47,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -122,6 +122,13 @@ pub struct ServeArgs {
     /// Chat template (a tokenizer_config.json or a Jinja file) instead of the model's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// Default sampling of requests that leave it out (vLLM's `--generation-config`): `auto`
+    /// reads the model directory's generation_config.json (`temperature`, `top_k`, `top_p`,
+    /// `min_p`, `repetition_penalty`, and `max_new_tokens` as the default `max_tokens`), a
+    /// directory reads its generation_config.json, `vllm` uses none (temperature 1, no
+    /// top-k/top-p/min-p).
+    #[arg(long, default_value = "auto", value_name = "auto|vllm|DIR")]
+    generation_config: String,
     /// A whole (not streamed) answer that takes longer than this starts its response and
     /// writes a space this often, so a client that left is noticed and its request aborted.
     #[arg(long, default_value_t = 2000,
@@ -423,6 +430,8 @@ struct Shared {
     im_end: Option<u32>,
     tool_format: Option<ToolCallFormat>,
     max_positions: usize,
+    /// `--generation-config`: sampling of requests that leave it out.
+    defaults: SamplingDefaults,
     /// `--keepalive-ms`.
     keepalive: std::time::Duration,
     jobs: mpsc::Sender<Job>,
@@ -439,6 +448,130 @@ struct Shared {
     /// Decode role: requests whose KV is fetched or held at once (twice the batch, as the
     /// seed's metadata slots bound its transfers), so waiting KV cannot fill the memory.
     transfers: Permits,
+}
+
+/// Sampling a request gets for the fields it leaves out (vLLM's `--generation-config auto`:
+/// the model's generation_config.json, as its authors recommend; vLLM reads the same keys).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct SamplingDefaults {
+    temperature: Option<f64>,
+    top_k: Option<usize>,
+    top_p: Option<f64>,
+    min_p: Option<f64>,
+    repetition_penalty: Option<f64>,
+    /// `max_new_tokens`: the default `max_tokens` (a request's own may be larger).
+    max_tokens: Option<usize>,
+    /// The file read, for the log.
+    source: String,
+}
+
+impl SamplingDefaults {
+    /// `auto`: the model directory's generation_config.json; `vllm`: none; else a directory
+    /// (or the file itself) to read it from. A missing file under `auto` gives none; a value
+    /// out of range is warned about and left out (the model still serves).
+    fn read(choice: &str, model_dir: &Path) -> Result<SamplingDefaults> {
+        let path = match choice {
+            "vllm" => return Ok(SamplingDefaults::default()),
+            "auto" => {
+                let p = model_dir.join("generation_config.json");
+                if !p.exists() {
+                    return Ok(SamplingDefaults::default());
+                }
+                p
+            }
+            other => {
+                let p = PathBuf::from(other);
+                let p = if p.is_dir() {
+                    p.join("generation_config.json")
+                } else {
+                    p
+                };
+                if !p.is_file() {
+                    anyhow::bail!(
+                        "--generation-config {other}: no {} (give auto, vllm, or a directory                          holding a generation_config.json)",
+                        p.display()
+                    );
+                }
+                p
+            }
+        };
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+        let v: Value = match serde_json::from_str(&text) {
+            Ok(v) => v,
+            // (Its EOS is warned about already, where the stop tokens are read.)
+            Err(_) if choice == "auto" => return Ok(SamplingDefaults::default()),
+            Err(e) => anyhow::bail!("{} is not valid JSON: {e}", path.display()),
+        };
+        let mut d = SamplingDefaults {
+            source: path.display().to_string(),
+            ..SamplingDefaults::default()
+        };
+        let num = |key: &str, lo: f64, hi: f64| -> Option<f64> {
+            let x = v.get(key).filter(|x| !x.is_null())?;
+            match x.as_f64() {
+                Some(f) if (lo..=hi).contains(&f) => Some(f),
+                _ => {
+                    say!(
+                        "warning: {}: {key} {x} is not a number from {lo} to {hi}; requests \
+                         that leave {key} out get the usual default",
+                        path.display()
+                    );
+                    None
+                }
+            }
+        };
+        d.temperature = num("temperature", 0.0, 100.0);
+        d.top_p = num("top_p", 0.0, 1.0).filter(|&p| p > 0.0);
+        d.min_p = num("min_p", 0.0, 1.0);
+        d.repetition_penalty = num("repetition_penalty", 0.0, 100.0).filter(|&p| p > 0.0);
+        let int = |key: &str| -> Option<usize> {
+            let x = v.get(key).filter(|x| !x.is_null())?;
+            match x.as_i64() {
+                // transformers' and vLLM's "off".
+                Some(k) if k <= 0 && key == "top_k" => Some(0),
+                Some(k) if k > 0 => Some(k as usize),
+                _ => {
+                    say!(
+                        "warning: {}: {key} {x} is not a positive integer; requests that \
+                         leave it out get the usual default",
+                        path.display()
+                    );
+                    None
+                }
+            }
+        };
+        d.top_k = int("top_k");
+        d.max_tokens = int("max_new_tokens");
+        Ok(d)
+    }
+
+    fn is_empty(&self) -> bool {
+        SamplingDefaults {
+            source: String::new(),
+            ..self.clone()
+        } == SamplingDefaults::default()
+    }
+
+    /// `temperature 0.6, top_p 0.95` for the log.
+    fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        let mut put = |k: &str, v: Option<String>| {
+            if let Some(v) = v {
+                parts.push(format!("{k} {v}"));
+            }
+        };
+        put("temperature", self.temperature.map(|x| x.to_string()));
+        put("top_k", self.top_k.map(|x| x.to_string()));
+        put("top_p", self.top_p.map(|x| x.to_string()));
+        put("min_p", self.min_p.map(|x| x.to_string()));
+        put(
+            "repetition_penalty",
+            self.repetition_penalty.map(|x| x.to_string()),
+        );
+        put("max_tokens", self.max_tokens.map(|x| x.to_string()));
+        parts.join(", ")
+    }
 }
 
 /// The server's sizes: the options, else the YAML's, else the defaults.
@@ -654,6 +787,15 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             ),
         },
     };
+    let defaults = SamplingDefaults::read(&args.generation_config, &dir)?;
+    if rank == 0 && !defaults.is_empty() {
+        say!(
+            "cachalot serve: default sampling from {}: {} (requests' own values win; \
+             --generation-config vllm turns this off)",
+            defaults.source,
+            defaults.describe()
+        );
+    }
     let name = args.served_model_name.clone().unwrap_or_else(|| {
         dir.file_name()
             .map_or("model".into(), |n| n.to_string_lossy().into_owned())
@@ -718,6 +860,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             im_end: tokenizer.token_to_id("<|im_end|>"),
             tool_format,
             max_positions,
+            defaults: defaults.clone(),
             keepalive: std::time::Duration::from_millis(args.keepalive_ms),
             jobs,
             next_id: AtomicU64::new(0),
@@ -1537,7 +1680,44 @@ fn respond_json(request: tiny_http::Request, status: u16, body: &Value) {
         tiny_http::Header::from_bytes("Content-Type", "application/json").expect("a valid header");
     let response = tiny_http::Response::from_string(body.to_string())
         .with_status_code(status)
-        .with_header(header);
+        .with_header(header)
+        .with_header(cors());
+    let _ = request.respond(response);
+}
+
+/// Any origin may call the API from a browser, as vLLM's default CORS (`--allowed-origins
+/// '["*"]'`, no credentials): every answer says so.
+fn cors() -> tiny_http::Header {
+    tiny_http::Header::from_bytes("Access-Control-Allow-Origin", "*").expect("a valid header")
+}
+
+/// The answer to a browser's CORS preflight (`OPTIONS` with `Access-Control-Request-Method`):
+/// any origin, these methods, the headers it asks for.
+fn preflight(request: tiny_http::Request) {
+    let asked = request
+        .headers()
+        .iter()
+        .find(|h| h.field.equiv("Access-Control-Request-Headers"))
+        .map(|h| h.value.as_str().to_string())
+        .unwrap_or_default();
+    let mut response = tiny_http::Response::from_string("OK")
+        .with_status_code(200)
+        .with_header(cors());
+    let mut headers = vec![
+        (
+            "Access-Control-Allow-Methods",
+            "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT".to_string(),
+        ),
+        ("Access-Control-Max-Age", "600".to_string()),
+    ];
+    if !asked.is_empty() {
+        headers.push(("Access-Control-Allow-Headers", asked));
+    }
+    for (k, v) in headers {
+        if let Ok(h) = tiny_http::Header::from_bytes(k, v.as_bytes()) {
+            response = response.with_header(h);
+        }
+    }
     let _ = request.respond(response);
 }
 
@@ -1615,6 +1795,19 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
     }
     let _flight = crate::term::InFlight::enter();
     let result = match (method.as_str(), path.as_str()) {
+        ("OPTIONS", _) => {
+            preflight(request);
+            return;
+        }
+        ("GET", "/version") => {
+            respond_json(request, 200, &json!({"version": env!("CARGO_PKG_VERSION")}));
+            return;
+        }
+        // SageMaker's health check, which vLLM answers as /health.
+        ("GET", "/ping") | ("POST", "/ping") => {
+            respond_json(request, 200, &json!({}));
+            return;
+        }
         ("GET", "/health") => {
             let body = json!({"status": "ok", "disaggregation_mode": shared.role.mode(),
                               "kv_port": shared.kv_port});
@@ -1628,7 +1821,11 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
             )
             .expect("a valid header");
             let body = shared.metrics.render(&shared.name);
-            let _ = request.respond(tiny_http::Response::from_string(body).with_header(header));
+            let _ = request.respond(
+                tiny_http::Response::from_string(body)
+                    .with_header(header)
+                    .with_header(cors()),
+            );
             return;
         }
         ("GET", "/stats") => {
@@ -1694,6 +1891,7 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
         (
             _,
             "/health"
+            | "/version"
             | "/metrics"
             | "/stats"
             | "/v1/models"
@@ -1703,14 +1901,18 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
             | "/detokenize",
         ) => {
             let allow = match path.as_str() {
-                "/health" | "/metrics" | "/stats" | "/v1/models" => "GET, HEAD",
+                "/health" | "/version" | "/metrics" | "/stats" | "/v1/models" => "GET, HEAD",
                 _ => "POST",
             };
             let e = ApiError::new(
                 405,
                 format!("{method} {path}: method not allowed (this endpoint takes {allow})"),
             );
-            let headers = [("Content-Type", "application/json"), ("Allow", allow)];
+            let headers = [
+                ("Content-Type", "application/json"),
+                ("Allow", allow),
+                ("Access-Control-Allow-Origin", "*"),
+            ];
             let mut response =
                 tiny_http::Response::from_string(e.body().to_string()).with_status_code(405);
             for (k, v) in headers {
@@ -1723,8 +1925,9 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
         _ => Err(ApiError {
             status: 404,
             message: format!(
-                "{path}: no such endpoint (this server has /health, /metrics, /stats, \
-                 /v1/models, /v1/completions, /v1/chat/completions, /tokenize and /detokenize)"
+                "{path}: no such endpoint (this server has /health, /ping, /version, \
+                 /metrics, /stats, /v1/models, /v1/completions, /v1/chat/completions, \
+                 /tokenize and /detokenize)"
             ),
             param: None,
         }),
@@ -1746,16 +1949,7 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
     let tok = &shared.tokenizer;
     check_model(shared, body)?;
     let chat = field(body, "messages").is_some();
-    let special = match field(body, "add_special_tokens") {
-        None => !chat,
-        Some(Value::Bool(b)) => *b,
-        Some(v) => {
-            return Err(ApiError::bad(
-                "add_special_tokens",
-                format!("expected true or false, got {v}"),
-            ))
-        }
-    };
+    let special = add_special(body, chat)?;
     let tokens: Vec<u32> = match (field(body, "prompt"), field(body, "messages")) {
         (Some(Value::String(s)), None) => encode_with_bos(tok, s, special, "prompt")?,
         (None, Some(messages)) => {
@@ -1817,6 +2011,20 @@ fn encode_with_bos(
     Ok(v)
 }
 
+/// vLLM's `add_special_tokens`: whether the tokenizer's own special tokens (its BOS) go before
+/// the prompt's text. Default true for a completion's text, false for a chat, whose template
+/// writes them (true there puts a BOS before the rendering, as vLLM does).
+fn add_special(body: &Value, chat: bool) -> Result<bool, ApiError> {
+    match field(body, "add_special_tokens") {
+        None => Ok(!chat),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(ApiError::bad(
+            "add_special_tokens",
+            format!("expected true or false, got {v}"),
+        )),
+    }
+}
+
 /// A request's `model`, when given, must be this server's (404 otherwise, as OpenAI's).
 fn check_model(shared: &Shared, body: &Value) -> Result<(), ApiError> {
     match field(body, "model") {
@@ -1872,6 +2080,7 @@ fn chat_setup<'s>(
 /// vLLM's `POST /detokenize`: `{"tokens": [ids]}` → `{"prompt": text}` (special tokens
 /// included, as their text).
 fn detokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
+    check_model(shared, body)?;
     let tok = &shared.tokenizer;
     let vocab = tok.vocab_size();
     let Some(Value::Array(a)) = field(body, "tokens") else {
@@ -2220,6 +2429,8 @@ struct Call {
     score_only: bool,
     stream: bool,
     include_usage: bool,
+    /// vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens `token_id:ID`.
+    token_ids: bool,
     /// Every prompt (completions take a list; each gets `n` choices, prompt i's being choices
     /// `i·n..(i+1)·n`) with its text as given (what `echo` repeats; chat: the rendered prompt).
     prompts: Vec<(Vec<u32>, String)>,
@@ -2322,7 +2533,7 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
 /// Fields of a completion or chat request this server reads, or knows from OpenAI's API and
 /// leaves unused (`user`, `metadata`, ...); any other is logged as ignored, as vLLM logs
 /// them (a misspelt `max_tokns` is not an error, but is said).
-const KNOWN_FIELDS: [&str; 55] = [
+const KNOWN_FIELDS: [&str; 58] = [
     "model",
     "prompt",
     "messages",
@@ -2356,6 +2567,9 @@ const KNOWN_FIELDS: [&str; 55] = [
     "add_special_tokens",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "return_tokens_as_token_ids",
+    "prompt_logprobs",
+    "chat_template",
     "guided_json",
     "structured_outputs",
     "guided_regex",
@@ -2460,6 +2674,7 @@ fn vllm_structured_outputs(
 /// Reads a completion or chat request: its prompt (tokenized), sampling and stop fields.
 fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> {
     check_model(shared, body)?;
+    let defaults = &shared.defaults;
     if let Some(obj) = body.as_object() {
         let ignored: Vec<&str> = obj
             .keys()
@@ -2476,11 +2691,21 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     for (key, unsupported) in [
         ("best_of", "best_of is not supported"),
         ("suffix", "suffix is not supported"),
+        (
+            "prompt_logprobs",
+            "prompt_logprobs is not supported: /v1/completions with \"echo\": true and \
+             \"logprobs\": N gives the prompt tokens' log-probabilities",
+        ),
+        (
+            "chat_template",
+            "a request's own chat template is not accepted (as vLLM without \
+             --trust-request-chat-template): start the server with --chat-template FILE",
+        ),
     ] {
         match field(body, key) {
             // What clients send when they do not use the feature.
             None | Some(Value::Bool(false)) => {}
-            Some(Value::Number(n)) if n.as_u64() == Some(0) && key != "best_of" => {}
+            Some(Value::Number(n)) if n.as_u64() == Some(0) && key == "suffix" => {}
             Some(Value::String(t)) if t.is_empty() => {}
             Some(Value::Number(n)) if key == "best_of" && n.as_u64() == Some(1) => {}
             Some(_) => return Err(ApiError::bad(key, unsupported)),
@@ -2660,12 +2885,10 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 f.prompt
             }
         };
-        let ids = tok
-            .encode(&text)
-            .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+        let ids = encode_with_bos(tok, &text, add_special(body, true)?, "messages")?;
         vec![(ids, text)]
     } else {
-        completion_prompts(tok, body)?
+        completion_prompts(tok, body, add_special(body, false)?)?
     };
     let vocab = tok.vocab_size();
     for (prompt, _) in &prompts {
@@ -2738,15 +2961,19 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             ))
         }
         Some(n) => n,
-        // OpenAI's default for completions; a chat answer may take the rest of the context.
-        None if !chat => 16.min(room),
-        None => room,
+        // OpenAI's default for completions; a chat answer may take the rest of the context;
+        // either within generation_config.json's max_new_tokens.
+        None if !chat => 16.min(room).min(defaults.max_tokens.unwrap_or(usize::MAX)),
+        None => room.min(defaults.max_tokens.unwrap_or(usize::MAX)),
     };
+
     let params =
         SamplingParams {
-            temperature: number(body, "temperature", 0.0, 100.0)?.unwrap_or(1.0) as f32,
+            temperature: number(body, "temperature", 0.0, 100.0)?
+                .or(defaults.temperature)
+                .unwrap_or(1.0) as f32,
             top_k: match field(body, "top_k") {
-                None => 0,
+                None => defaults.top_k.unwrap_or(0),
                 Some(v) if v.as_i64() == Some(-1) => 0,
                 Some(v) => v.as_u64().map(|k| k as usize).ok_or_else(|| {
                     ApiError::bad(
@@ -2755,9 +2982,15 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                     )
                 })?,
             },
-            top_p: number(body, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
-            min_p: number(body, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
-            repetition_penalty: match number(body, "repetition_penalty", 0.0, 100.0)? {
+            top_p: number(body, "top_p", 0.0, 1.0)?
+                .or(defaults.top_p)
+                .unwrap_or(1.0) as f32,
+            min_p: number(body, "min_p", 0.0, 1.0)?
+                .or(defaults.min_p)
+                .unwrap_or(0.0) as f32,
+            repetition_penalty: match number(body, "repetition_penalty", 0.0, 100.0)?
+                .or(defaults.repetition_penalty)
+            {
                 Some(p) if p <= 0.0 => {
                     return Err(ApiError::bad(
                         "repetition_penalty",
@@ -2865,7 +3098,33 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     };
     let include_usage = match field(body, "stream_options") {
         None => false,
-        Some(o @ Value::Object(_)) => flag(o, "include_usage")?,
+        // As vLLM.
+        Some(_) if !stream => {
+            return Err(ApiError::bad(
+                "stream_options",
+                "stream options can only be given with \"stream\": true",
+            ))
+        }
+        Some(o @ Value::Object(m)) => {
+            let others: Vec<&str> = m
+                .keys()
+                .map(String::as_str)
+                .filter(|k| *k != "include_usage")
+                .collect();
+            if !others.is_empty() {
+                say!(
+                    "cachalot serve: request fields ignored (not read by this server): {}",
+                    others
+                        .iter()
+                        .map(|k| format!("stream_options.{k}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+            flag(o, "include_usage").map_err(|e| {
+                ApiError::bad("stream_options", format!("include_usage: {}", e.message))
+            })?
+        }
         Some(v) => {
             return Err(ApiError::bad(
                 "stream_options",
@@ -2883,6 +3142,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         score_only,
         stream,
         include_usage,
+        token_ids: flag(body, "return_tokens_as_token_ids")?,
         tools: has_tools,
         request: Request {
             prompt: prompts[0].0.clone(),
@@ -3190,21 +3450,41 @@ fn token_text(tok: &Tokenizer, id: u32) -> String {
     tok.decode(&[id]).unwrap_or_default()
 }
 
+/// A token as log-probabilities name it: its text, or with vLLM's `return_tokens_as_token_ids`
+/// `token_id:ID` (for tokens whose text is not a whole character, or is not unique).
+fn token_label(tok: &Tokenizer, id: u32, as_ids: bool) -> String {
+    if as_ids {
+        format!("token_id:{id}")
+    } else {
+        token_text(tok, id)
+    }
+}
+
 /// Completions' `logprobs` object for some tokens; `offset` is the answer's length in characters
-/// before them (their `text_offset`s follow from it), and is advanced past them.
-fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprob], offset: &mut usize) -> Value {
+/// before them (their `text_offset`s follow from it), and is advanced past them. `as_ids`:
+/// tokens named by [`token_label`]'s ids.
+fn completion_logprobs(
+    tok: &Tokenizer,
+    as_ids: bool,
+    lps: &[TokenLogprob],
+    offset: &mut usize,
+) -> Value {
     let (mut tokens, mut values, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
     for lp in lps {
         let t = token_text(tok, lp.token);
         offsets.push(*offset);
         *offset += t.chars().count();
-        tokens.push(t);
+        tokens.push(token_label(tok, lp.token, as_ids));
         values.push(lp.logprob);
-        let top: Map<String, Value> = lp
-            .top
-            .iter()
-            .map(|&(id, v)| (token_text(tok, id), json!(v)))
-            .collect();
+        // The token itself first, then its `logprobs` most likely alternatives (OpenAI's
+        // up-to-N+1 entries, as vLLM gives them; `logprobs: 0` gives the token alone).
+        let top: Map<String, Value> = std::iter::once((lp.token, lp.logprob))
+            .chain(lp.top.iter().copied())
+            .map(|(id, v)| (token_label(tok, id, as_ids), json!(v)))
+            .fold(Map::new(), |mut m, (k, v)| {
+                m.entry(k).or_insert(v);
+                m
+            });
         tops.push(Value::Object(top));
     }
     json!({"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
@@ -3236,13 +3516,17 @@ fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: 
                 0
             };
             let all: Vec<TokenLogprob> = out.prompt_logprobs.iter().chain(gen).cloned().collect();
-            let mut lp = completion_logprobs(tok, &all, &mut offset);
+            let mut lp = completion_logprobs(tok, call.token_ids, &all, &mut offset);
             let put = |lp: &mut Value, key: &str, v: Value| {
                 if let Some(a) = lp[key].as_array_mut() {
                     a.insert(0, v);
                 }
             };
-            put(&mut lp, "tokens", t0.into());
+            put(
+                &mut lp,
+                "tokens",
+                token_label(tok, first, call.token_ids).into(),
+            );
             put(&mut lp, "token_logprobs", Value::Null);
             put(&mut lp, "top_logprobs", Value::Null);
             put(&mut lp, "text_offset", 0.into());
@@ -3250,12 +3534,22 @@ fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: 
         }
         _ => Value::Null,
     };
-    json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+    json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+           "stop_reason": if call.score_only { Value::Null } else { stop_reason(shared, out) }})
 }
 
 /// Chat's `logprobs` object for some tokens.
-fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> Value {
-    let entry = |id: u32, v: f32| json!({"token": token_text(tok, id), "logprob": v, "bytes": tok.token_bytes(id)});
+fn chat_logprobs(tok: &Tokenizer, as_ids: bool, lps: &[TokenLogprob]) -> Value {
+    let entry = |id: u32, v: f32| {
+        let (token, bytes) = if as_ids {
+            let label = token_label(tok, id, true);
+            let bytes = label.clone().into_bytes();
+            (label, json!(bytes))
+        } else {
+            (token_text(tok, id), json!(tok.token_bytes(id)))
+        };
+        json!({"token": token, "logprob": v, "bytes": bytes})
+    };
     let content: Vec<Value> = lps
         .iter()
         .map(|lp| {
@@ -3269,7 +3563,11 @@ fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprob]) -> Value {
 
 /// `prompt`: a string, a list of token ids, or a list of either (several prompts), each with
 /// its text as given (or the text of its ids).
-fn completion_prompts(tok: &Tokenizer, body: &Value) -> Result<Vec<(Vec<u32>, String)>, ApiError> {
+fn completion_prompts(
+    tok: &Tokenizer,
+    body: &Value,
+    bos: bool,
+) -> Result<Vec<(Vec<u32>, String)>, ApiError> {
     let ids = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
         a.iter()
             .map(|v| {
@@ -3281,7 +3579,7 @@ fn completion_prompts(tok: &Tokenizer, body: &Value) -> Result<Vec<(Vec<u32>, St
             .collect()
     };
     let text = |s: &str| -> Result<(Vec<u32>, String), ApiError> {
-        Ok((encode_with_bos(tok, s, true, "prompt")?, s.to_string()))
+        Ok((encode_with_bos(tok, s, bos, "prompt")?, s.to_string()))
     };
     let with_text = |v: Vec<u32>| {
         let t = tok.decode(&v).unwrap_or_default();
@@ -3592,6 +3890,18 @@ fn finish_word(out: &RequestOutput) -> &'static str {
     }
 }
 
+/// vLLM's `stop_reason`: the stop string or the requested stop token that ended the choice;
+/// null for the model's EOS, a length or any other end.
+fn stop_reason(shared: &Shared, out: &RequestOutput) -> Value {
+    match &out.finish {
+        FinishReason::StopToken(t) if !shared.eos.contains(t) && shared.im_end != Some(*t) => {
+            json!(t)
+        }
+        FinishReason::StopString(s) if !s.is_empty() => json!(s),
+        _ => Value::Null,
+    }
+}
+
 /// Usage of a request: its prompt once, the tokens of all its choices; with
 /// `prompt_tokens_details.cached_tokens` the prompt tokens whose KV came from the prefix cache
 /// (each choice is prefilled on its own: their share, averaged over the choices).
@@ -3609,12 +3919,14 @@ fn usage(prompt: usize, outs: &[Box<RequestOutput>]) -> Value {
 /// streamed.
 fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: Option<Bootstrap>) {
     let received = std::time::Instant::now();
-    let serial = shared.next_id.fetch_add(1, Ordering::Relaxed);
-    let id = if call.chat {
-        format!("chatcmpl-{serial}")
-    } else {
-        format!("cmpl-{serial}")
-    };
+    shared.next_id.fetch_add(1, Ordering::Relaxed);
+    // Random, as vLLM's (a uuid's 32 hex digits): unique across restarts and servers.
+    let id = format!(
+        "{}-{}{}",
+        if call.chat { "chatcmpl" } else { "cmpl" },
+        unique_tag(),
+        unique_tag()
+    );
     let (tx, rx) = mpsc::channel();
     // Held (decode role) until the answer is done.
     let mut _permit = None;
@@ -3755,6 +4067,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             if let Some(r) = request.take() {
                 let mut w = r.into_writer();
                 let head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                            Access-Control-Allow-Origin: *\r\n\
                             Transfer-Encoding: chunked\r\n\r\n";
                 if w.write_all(head.as_bytes()).is_err() || !write_body(&mut w, b" ", true) {
                     return;
@@ -3772,28 +4085,39 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     for (i, (out, text)) in outs.iter().zip(texts).enumerate() {
         let mut finish = finish_word(out);
         choices.push(if call.chat {
-            let (reasoning, answer) = match splitter(shared, &call.prompt_text) {
+            let split = splitter(shared, &call.prompt_text);
+            let reasons = split.is_some();
+            let (reasoning, answer) = match split {
                 None => (String::new(), text),
                 Some(sp) => sp.split_whole(&text),
             };
             let mut message = json!({"role": "assistant"});
             set_answer(&mut message, shared, &call, &answer, &mut finish);
+            // vLLM's reasoning parsers give no content (null) when nothing follows the
+            // reasoning.
+            if reasons && message["content"].as_str() == Some("") {
+                message["content"] = Value::Null;
+            }
             if !reasoning.is_empty() {
                 message["reasoning_content"] = reasoning.into();
             }
             let logprobs = match call.logprobs {
-                Some(_) => chat_logprobs(&shared.tokenizer, &out.logprobs),
+                Some(_) => chat_logprobs(&shared.tokenizer, call.token_ids, &out.logprobs),
                 None => Value::Null,
             };
-            json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                   "stop_reason": stop_reason(shared, out)})
         } else if call.echo {
             echoed(shared, &call, out, &text, i)
         } else {
             let logprobs = match call.logprobs {
-                Some(_) => completion_logprobs(&shared.tokenizer, &out.logprobs, &mut 0),
+                Some(_) => {
+                    completion_logprobs(&shared.tokenizer, call.token_ids, &out.logprobs, &mut 0)
+                }
                 None => Value::Null,
             };
-            json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
+            json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                   "stop_reason": stop_reason(shared, out)})
         });
     }
     let object = if call.chat {
@@ -3895,7 +4219,15 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
             message["tool_calls"] = json!(calls);
             *finish = "tool_calls";
         }
-        Some(Err(e)) => message["tool_call_error"] = e.to_string().into(),
+        Some(Err(e)) => {
+            let mut why = e.to_string();
+            // A call cut off by the token limit is read as malformed markup in some formats
+            // (DSML): the limit is what to change.
+            if *finish == "length" && !why.contains("cut off") {
+                why.push_str(" (the answer was cut off by max_tokens: give it more)");
+            }
+            message["tool_call_error"] = why.into();
+        }
         _ => {}
     }
 }
@@ -3939,10 +4271,10 @@ fn stream(
     let mut w = request.into_writer();
     let head = if chunked {
         "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
-         Transfer-Encoding: chunked\r\n\r\n"
+         Access-Control-Allow-Origin: *\r\nTransfer-Encoding: chunked\r\n\r\n"
     } else {
         "HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
-         Connection: close\r\n\r\n"
+         Access-Control-Allow-Origin: *\r\nConnection: close\r\n\r\n"
     };
     let write_chunk =
         |w: &mut Box<dyn Write + Send>, data: &[u8]| -> bool { write_body(w, data, chunked) };
@@ -3996,7 +4328,7 @@ fn stream(
                 lps: &[TokenLogprob]|
      -> bool {
         let mut logprobs = match (call.logprobs, lps.is_empty()) {
-            (Some(_), false) => Some(chat_logprobs(&shared.tokenizer, lps)),
+            (Some(_), false) => Some(chat_logprobs(&shared.tokenizer, call.token_ids, lps)),
             _ => None,
         };
         for s in segs {
@@ -4034,7 +4366,10 @@ fn stream(
         if !call.chat {
             return send(
                 w,
-                &chunk(json!({"index": i, "text": "", "logprobs": null, "finish_reason": finish})),
+                &chunk(
+                    json!({"index": i, "text": "", "logprobs": null, "finish_reason": finish,
+                              "stop_reason": stop_reason(shared, out)}),
+                ),
             );
         }
         let rest = ch
@@ -4064,9 +4399,10 @@ fn stream(
                 return false;
             }
         }
+        let why = stop_reason(shared, ch.out.as_ref().expect("a finished choice"));
         send(
             w,
-            &chunk(json!({"index": i, "delta": {}, "finish_reason": finish})),
+            &chunk(json!({"index": i, "delta": {}, "finish_reason": finish, "stop_reason": why})),
         )
     };
     while choices.iter().any(|c| c.out.is_none()) {
@@ -4081,7 +4417,12 @@ fn stream(
                     emit(&mut w, i, segs, &mut ch.held, &lps)
                 } else {
                     let logprobs = match call.logprobs {
-                        Some(_) => completion_logprobs(&shared.tokenizer, &lps, &mut ch.offset),
+                        Some(_) => completion_logprobs(
+                            &shared.tokenizer,
+                            call.token_ids,
+                            &lps,
+                            &mut ch.offset,
+                        ),
                         None => Value::Null,
                     };
                     send(

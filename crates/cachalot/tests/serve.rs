@@ -2637,7 +2637,8 @@ fn a_closed_reasoning_block_leaves_the_answer_content() {
             Some("<think><think><think>"),
             None,
         ),
-        ("<think>\n", Some(""), Some("<think><think><think>")),
+        // Nothing after the reasoning: no content (null), as vLLM's parsers.
+        ("<think>\n", None, Some("<think><think><think>")),
     ] {
         let server = start(&["--chat-template", &template(tail)]);
         let (status, v) = post(&server.addr, "/v1/chat/completions", &body);
@@ -2646,4 +2647,250 @@ fn a_closed_reasoning_block_leaves_the_answer_content() {
         assert_eq!(m["content"].as_str(), content, "{tail:?}: {v}");
         assert_eq!(m["reasoning_content"].as_str(), reasoning, "{tail:?}: {v}");
     }
+}
+
+/// The raw head of one exchange (status line and headers, lower-cased), for headers the other
+/// helpers drop.
+fn head_of(addr: &str, request: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut r = BufReader::new(s);
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        if line.trim_end().is_empty() {
+            break;
+        }
+        head.push_str(&line.to_ascii_lowercase());
+    }
+    head
+}
+
+/// vLLM's request fields and answers beyond OpenAI's: `add_special_tokens`, the model's
+/// generation_config.json as default sampling (`--generation-config`), the token itself among
+/// completions' `top_logprobs`, `stop_reason`, `include_stop_str_in_output` with stop tokens,
+/// `return_tokens_as_token_ids`, random ids, CORS, `/version` and `/ping`, and refusals of
+/// what is not supported (`prompt_logprobs`, a request's `chat_template`, `stream_options`
+/// without a stream).
+#[test]
+fn serve_takes_vllms_extra_fields() {
+    let server = start(&["--threads", "1"]);
+    let a = &server.addr;
+    assert!(
+        server
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("default sampling from")
+                && l.contains("temperature 0.6, top_p 0.95")),
+        "{:?}",
+        server.log
+    );
+    // add_special_tokens: a completion's BOS only when true (the default); a chat's BOS (its
+    // template writes one) again only when asked.
+    let tokens = |body: Value| {
+        let (status, v) = post(a, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        v["choices"][0]["logprobs"]["tokens"].clone()
+    };
+    let base = json!({"prompt": "Hi", "max_tokens": 0, "echo": true, "logprobs": 0});
+    let with = tokens(base.clone());
+    let mut off = base.clone();
+    off["add_special_tokens"] = false.into();
+    let without = tokens(off);
+    assert_eq!(with.as_array().unwrap().len(), 3, "{with}");
+    assert_eq!(without, json!(["H", "i"]));
+    let mut bad = base.clone();
+    bad["add_special_tokens"] = "no".into();
+    let (status, v) = post(a, "/v1/completions", &bad);
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("add_special_tokens"))
+    );
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                      "temperature": 0});
+    let prompt_tokens = |body: &Value| {
+        let (status, v) = post(a, "/v1/chat/completions", body);
+        assert_eq!(status, 200, "{v}");
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let mut doubled = chat.clone();
+    doubled["add_special_tokens"] = true.into();
+    assert_eq!(prompt_tokens(&doubled), prompt_tokens(&chat) + 1);
+
+    // The generation config's temperature 0.6 and top_p 0.95 are the defaults.
+    let text = |addr: &str, extra: Value| {
+        let mut body = json!({"prompt": "The best way to", "max_tokens": 12, "seed": 5});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, v) = post(addr, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let recommended = text(a, json!({"temperature": 0.6, "top_p": 0.95}));
+    // (Each field the request gives wins on its own: top_p stays 0.95 here unless given.)
+    let plain = text(a, json!({"temperature": 1.0, "top_p": 1.0}));
+    assert_ne!(text(a, json!({"temperature": 1.0})), plain);
+    assert_ne!(recommended, plain);
+    assert_eq!(text(a, json!({})), recommended);
+    let vllm = start(&["--threads", "1", "--generation-config", "vllm"]);
+    assert_eq!(text(&vllm.addr, json!({})), plain);
+    drop(vllm);
+
+    // top_logprobs of a completion hold the sampled token, then the N most likely.
+    let (_, v) = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "The best way to", "max_tokens": 6, "temperature": 1.5, "seed": 7,
+                "logprobs": 1}),
+    );
+    let lp = &v["choices"][0]["logprobs"];
+    for (i, token) in lp["tokens"].as_array().unwrap().iter().enumerate() {
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        let first = top.keys().next().unwrap();
+        assert_eq!(first.as_str(), token.as_str().unwrap(), "{lp}");
+        assert!((1..=2).contains(&top.len()), "{lp}");
+        assert_eq!(top[first], lp["token_logprobs"][i], "{lp}");
+    }
+    let (_, v) = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "The best way to", "max_tokens": 3, "temperature": 0,
+                "logprobs": 0, "return_tokens_as_token_ids": true}),
+    );
+    let lp = &v["choices"][0]["logprobs"];
+    let t0 = lp["tokens"][0].as_str().unwrap();
+    assert!(t0.starts_with("token_id:"), "{lp}");
+    assert_eq!(
+        lp["top_logprobs"][0]
+            .as_object()
+            .unwrap()
+            .keys()
+            .collect::<Vec<_>>(),
+        [t0]
+    );
+
+    // stop_reason; include_stop_str_in_output keeps a stop token's text.
+    let greedy = json!({"prompt": "The best way to", "temperature": 0, "max_tokens": 8});
+    let (_, v) = post(a, "/v1/completions", &greedy);
+    let whole = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let tok =
+        cachalot_model::tokenizer::Tokenizer::from_dir(&root().join("assets/cachalot-tiny-r1"))
+            .unwrap();
+    let ids = tok.encode(&whole).unwrap();
+    let second = ids[1];
+    let first_text = tok.decode(&ids[..1]).unwrap();
+    let two_text = tok.decode(&ids[..2]).unwrap();
+    for (include, expect) in [(false, &first_text), (true, &two_text)] {
+        for stream in [false, true] {
+            let mut body = greedy.clone();
+            body["stop_token_ids"] = json!([second]);
+            body["include_stop_str_in_output"] = include.into();
+            let (got, reason) = if stream {
+                body["stream"] = true.into();
+                let evs = events(a, "/v1/completions", &body);
+                let chunks: Vec<Value> = evs[..evs.len() - 1]
+                    .iter()
+                    .map(|e| serde_json::from_str(e).unwrap())
+                    .collect();
+                let text: String = chunks
+                    .iter()
+                    .map(|c| c["choices"][0]["text"].as_str().unwrap())
+                    .collect();
+                (
+                    text,
+                    chunks.last().unwrap()["choices"][0]["stop_reason"].clone(),
+                )
+            } else {
+                let (_, v) = post(a, "/v1/completions", &body);
+                (
+                    v["choices"][0]["text"].as_str().unwrap().to_string(),
+                    v["choices"][0]["stop_reason"].clone(),
+                )
+            };
+            assert_eq!(&got, expect, "include {include}, stream {stream}");
+            assert_eq!(reason, json!(second));
+        }
+    }
+    let mut body = greedy.clone();
+    body["stop"] = json!([two_text[first_text.len()..].to_string()]);
+    let (_, v) = post(a, "/v1/completions", &body);
+    assert_eq!(v["choices"][0]["stop_reason"], body["stop"][0], "{v}");
+    let (_, v) = post(a, "/v1/completions", &greedy);
+    assert_eq!(v["choices"][0]["stop_reason"], Value::Null, "{v}");
+
+    // Ids are random.
+    let id = |v: &Value| v["id"].as_str().unwrap().to_string();
+    let (_, v1) = post(a, "/v1/completions", &greedy);
+    let (_, v2) = post(a, "/v1/chat/completions", &chat);
+    let (i1, i2) = (id(&v1), id(&v2));
+    assert!(
+        i1.starts_with("cmpl-") && i2.starts_with("chatcmpl-"),
+        "{i1} {i2}"
+    );
+    let hex = |s: &str| s.len() == 32 && s.chars().all(|c| c.is_ascii_hexdigit());
+    assert!(hex(&i1[5..]) && hex(&i2[9..]), "{i1} {i2}");
+
+    // Refused by name.
+    for (body, param) in [
+        (
+            json!({"prompt": "x", "prompt_logprobs": 1}),
+            "prompt_logprobs",
+        ),
+        (
+            json!({"prompt": "x", "stream_options": {"include_usage": true}}),
+            "stream_options",
+        ),
+        (
+            json!({"prompt": "x", "stream": true, "stream_options": {"include_usage": "yes"}}),
+            "stream_options",
+        ),
+    ] {
+        let (status, v) = post(a, "/v1/completions", &body);
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{v}"
+        );
+    }
+    let mut own = chat.clone();
+    own["chat_template"] = "{{ messages }}".into();
+    let (status, v) = post(a, "/v1/chat/completions", &own);
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("chat_template")),
+        "{v}"
+    );
+    let (status, _) = post(a, "/detokenize", &json!({"tokens": [5], "model": "x"}));
+    assert_eq!(status, 404);
+
+    // /version, /ping, CORS.
+    let (status, body) = http(a, "GET", "/version", "");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("version"), "{body}");
+    assert_eq!(http(a, "GET", "/ping", "").0, 200);
+    let pre = head_of(
+        a,
+        &format!(
+            "OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: {a}\r\nOrigin: http://x\r\n\
+             Access-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: \
+             content-type\r\nConnection: close\r\n\r\n"
+        ),
+    );
+    assert!(pre.starts_with("http/1.1 200"), "{pre}");
+    assert!(pre.contains("access-control-allow-origin: *"), "{pre}");
+    assert!(
+        pre.contains("access-control-allow-headers: content-type"),
+        "{pre}"
+    );
+    let get = head_of(
+        a,
+        &format!(
+            "GET /v1/models HTTP/1.1\r\nHost: {a}\r\nOrigin: http://x\r\nConnection: close\r\n\r\n"
+        ),
+    );
+    assert!(get.contains("access-control-allow-origin: *"), "{get}");
 }
