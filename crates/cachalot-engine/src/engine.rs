@@ -791,6 +791,9 @@ struct Live<'t> {
     ignore_eos: bool,
     /// Output length at the first stop token (fixed-length mode keeps going past it).
     eos_at: Option<usize>,
+    /// Why the text ended at `eos_at` (under `ignore_eos` the request goes on to its length:
+    /// the seed's offline runs then report this, "stop", as the finish).
+    stopped: Option<FinishReason>,
     /// The text ended at a stop string (its held-back tail is the stop string's start, not
     /// output).
     stopped_by_string: bool,
@@ -1415,6 +1418,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 stop: req.stop,
                 ignore_eos: req.ignore_eos,
                 eos_at: None,
+                stopped: None,
                 stopped_by_string: false,
                 stream,
                 text: String::new(),
@@ -1953,6 +1957,7 @@ impl<'t, M: Model> Engine<'t, M> {
         let mut finish = None;
         if live.eos_at.is_none() && live.stop.stop_token_ids.contains(&token) {
             live.eos_at = Some(n_out);
+            live.stopped = Some(FinishReason::StopToken(token));
             if !live.ignore_eos {
                 finish = Some(FinishReason::StopToken(token));
                 // vLLM's `include_stop_str_in_output` keeps the stop token's text too (none
@@ -1976,6 +1981,7 @@ impl<'t, M: Model> Engine<'t, M> {
                         live.text.push_str(&hit);
                     }
                     live.eos_at = Some(n_out);
+                    live.stopped = Some(FinishReason::StopString(hit.clone()));
                     live.stopped_by_string = true;
                     if !live.ignore_eos {
                         finish = Some(FinishReason::StopString(hit));
@@ -2106,6 +2112,13 @@ impl<'t, M: Model> Engine<'t, M> {
             e2e_s: (end - live.arrival).as_secs_f64(),
             preemptions,
             cached_tokens: live.cached_tokens.unwrap_or(0),
+        };
+        // Under ignore_eos a request whose text ended at a stop goes on to its length; its
+        // finish is that stop, as the seed's offline runs report it (its text and
+        // valid_tokens end there).
+        let finish = match (finish, live.stopped.take()) {
+            (FinishReason::Length, Some(stop)) => stop,
+            (finish, _) => finish,
         };
         self.finished.push(RequestOutput {
             id,

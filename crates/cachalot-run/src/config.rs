@@ -180,7 +180,13 @@ pub struct ModelConfig {
     pub enable_weight_nz: bool,
     pub enable_hadamard: bool,
     pub hadamard_weight_path: String,
+    /// (An empty `custom_params:`, every entry commented out, is an empty mapping.)
+    #[serde(deserialize_with = "null_as_empty")]
     pub custom_params: Map<String, Value>,
+}
+
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Map<String, Value>, D::Error> {
+    Ok(Option::<Map<String, Value>>::deserialize(d)?.unwrap_or_default())
 }
 
 impl Default for ModelConfig {
@@ -924,6 +930,14 @@ mod tests {
         assert_eq!(c, RunConfig::default());
         assert_eq!(c.max_prefill_tokens(), 256);
         assert_eq!(c.max_total_len(), 256 + 32);
+    }
+
+    /// `custom_params:` with every entry commented out (YAML's null) is an empty mapping.
+    #[test]
+    fn an_empty_custom_params_is_empty() {
+        let y = "model_config:\n  custom_params:\n#    enable_mla_prolog: True\n";
+        let cfg = RunConfig::from_yaml(y, Path::new("t.yaml")).unwrap();
+        assert!(cfg.model_config.custom_params.is_empty());
     }
 
     /// custom_params' known keys are type-checked with the rest of the file (each named with

@@ -252,6 +252,12 @@ impl PromptBuilder<'_> {
         let mut ids = self.tokenizer.encode(&text)?;
         let truncated = ids.len().saturating_sub(self.max_len);
         ids.truncate(self.max_len);
+        // A cut prompt's text is what its ids say (the generation prompt may be gone).
+        let text = if truncated > 0 {
+            self.tokenizer.decode(&ids)?
+        } else {
+            text
+        };
         Ok(Prepared {
             text,
             ids,
@@ -371,6 +377,14 @@ mod tests {
             "{e}"
         );
         assert!(b(4096).prepare_summary("a long context", 32).is_ok());
+        // A prompt cut at its end: its text is what its ids say (the generation prompt gone),
+        // whole when not cut.
+        let whole = b(4096).prepare("Why do whales sing?").unwrap();
+        assert_eq!(whole.truncated, 0);
+        let cut = b(5).prepare("Why do whales sing?").unwrap();
+        assert_eq!(cut.ids, whole.ids[..5]);
+        assert_eq!(cut.text, tokenizer.decode(&cut.ids).unwrap());
+        assert!(whole.text.starts_with(&cut.text) && whole.text.len() > cut.text.len());
         // A context whose cut re-tokenizes longer beside the wrapper (characters split at the
         // cut): the prompt still ends as the template ends it, within the length.
         let wrapped = tokenizer

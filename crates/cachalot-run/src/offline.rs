@@ -65,6 +65,8 @@ pub struct RunOptions {
     /// Read every tensor before the run and refuse NaN or infinite values
     /// (`Checkpoint::check_values`).
     pub check_tensors: bool,
+    /// `model_config.next_n` was set by `--mtp` (errors name the option, not the YAML key).
+    pub mtp_option: bool,
     /// Ranks of the run on this host (each sizes its KV pool from its share of the memory
     /// budget); 1 for a one-process run.
     pub host_ranks: usize,
@@ -246,8 +248,12 @@ pub struct Summary {
     pub int8_head: bool,
     /// bf16 weights multiplied as BF16 × BF16 (`--bf16-dot`).
     pub bf16_dot: bool,
-    /// The latent KV cache's float values: "f32" or "bf16" (`--kv-cache-dtype`).
+    /// The latent KV cache's float values: "f32" or "bf16" (`--kv-cache-dtype`); with
+    /// `kv_cache_c8` only the rope keys (the latents are int8).
     pub kv_cache_dtype: &'static str,
+    /// The latents are stored as int8 (C8: a W8A8C8 checkpoint's `ckv_scale`).
+    #[serde(default)]
+    pub kv_cache_c8: bool,
     /// DeepSeek-V4's cache layout, "compact" or "full" (`--v4-cache`); absent for other models.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub v4_cache: Option<&'static str>,
@@ -1150,11 +1156,20 @@ pub fn run_ranked(
     // The seed's `model_config.dtype` names the cache's dtype (executor spec §1.1: its only
     // use there); bfloat16, its default, gives V4 f32 here unless --kv-cache-dtype says bf16
     // (V4's f32 cache is exact against its reference), or fp8 on platform_version 950.
+    let dtype = m.dtype.to_ascii_lowercase();
+    let dtype = dtype.strip_prefix("torch.").unwrap_or(&dtype);
+    let f32_dtype = ["float32", "fp32", "f32", "float"].contains(&dtype);
+    if !f32_dtype && !["bfloat16", "bf16", "float16", "fp16", "f16", "half"].contains(&dtype) {
+        return Err(format!(
+            "model_config.dtype {:?}: expected bfloat16 (the seed's default) or float32 (an f32 \
+             cache; also fp32, f32), or float16",
+            m.dtype
+        )
+        .into());
+    }
     let kv_cache_dtype = match opts.kv_cache_dtype {
         Some(d) => d,
-        None if ["float32", "fp32"].contains(&m.dtype.to_ascii_lowercase().as_str()) => {
-            KvCacheDtype::F32
-        }
+        None if f32_dtype => KvCacheDtype::F32,
         // The seed's Ascend 950 keeps DeepSeek-V4's cache in fp8 (spec deepseek-v4.md §3).
         None if family == ModelFamily::DeepseekV4
             && m.platform_version.as_deref() == Some("950")
@@ -1359,10 +1374,14 @@ pub fn run_ranked(
 
     // KV pool: the seed's offline sizing, capped by the memory budget.
     let block_size = s.block_size;
-    model
-        .check_block_size(block_size)
-        .map_err(|e| format!("scheduler_config.block_size {block_size}: {e}"))?;
+    model.check_block_size(block_size).map_err(|e| match e {
+        // (An option that does not go with another: not the block size's fault.)
+        cachalot_engine::EngineError::Model(cachalot_model::ModelError::Options(why)) => why,
+        e => format!("scheduler_config.block_size {block_size}: {e}"),
+    })?;
     let per_block = kv_bytes_per_block(model.cache_spec(), block_size);
+    // A W8A8C8 checkpoint's latents are int8 whatever the float part's dtype.
+    let kv_cache_c8 = model.cache_spec().int8_width > 0;
     // A request stops at the model's positions (finish_reason "length", as vLLM's
     // max_model_len), so no sequence needs more blocks than those.
     let positions = model.max_positions();
@@ -1394,6 +1413,14 @@ pub fn run_ranked(
             let cap = budget.map_or(usize::MAX, |b| {
                 cachalot_engine::kv_pool::blocks_for_budget(b, per_block)
             });
+            if let Some(b) = budget.filter(|&b| b < 2 * per_block) {
+                logln!(
+                    "note: scheduler_config.mem_fraction_static {} leaves {b} bytes for the KV \
+                     pool, less than the 2 blocks of {per_block} bytes it needs at least; it has \
+                     2",
+                    s.mem_fraction_static
+                );
+            }
             seed_blocks.min(cap)
         }
     };
@@ -1449,7 +1476,12 @@ pub fn run_ranked(
                 other => other.to_string(),
             };
             format!(
-                "model_config.next_n {}: {e} ({})",
+                "{} {}: {e} ({})",
+                if opts.mtp_option {
+                    "--mtp"
+                } else {
+                    "model_config.next_n"
+                },
                 m.next_n,
                 model_dir.display()
             )
@@ -1808,6 +1840,7 @@ pub fn run_ranked(
         int8_head: opts.int8_head,
         bf16_dot: opts.bf16_dot,
         kv_cache_dtype: kv_cache_dtype.name(),
+        kv_cache_c8,
         v4_cache: (family == ModelFamily::DeepseekV4).then(|| opts.v4_cache.name()),
         ranks,
         transport: comm.transport(),
@@ -2081,6 +2114,11 @@ pub fn summary_table(s: &Summary) -> String {
             Some(layout) => format!(
                 "{} layout (--v4-cache), values stored as {}",
                 layout, s.kv_cache_dtype
+            ),
+            None if s.kv_cache_c8 => format!(
+                "latents stored as int8 (C8, the checkpoint's ckv_scale), rope keys as {} \
+                 (--kv-cache-dtype)",
+                s.kv_cache_dtype
             ),
             None => format!("latents stored as {} (--kv-cache-dtype)", s.kv_cache_dtype),
         },

@@ -43,6 +43,7 @@ fn opts(res: &Path, kv_blocks: Option<usize>) -> RunOptions {
         expert_placement: None,
         redundant_experts: 0,
         check_tensors: false,
+        mtp_option: false,
     }
 }
 
@@ -91,6 +92,7 @@ fn batched_run_equals_one_at_a_time_and_writes_results() {
     assert!(summary["tpot_s"]["p99"].as_f64().unwrap() > 0.0);
     // `--kv-cache-dtype auto`: the seed's 16-bit cache for this family.
     assert_eq!(summary["kv_cache_dtype"], "bf16");
+    assert_eq!(summary["kv_cache_c8"], false);
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("requests.jsonl"))
         .unwrap()
         .lines()
@@ -329,6 +331,8 @@ fn with_ckpt_false_runs_random_weights_of_the_configs_shapes() {
         serde_json::from_str(&std::fs::read_to_string(c8.dir.join("summary.json")).unwrap())
             .unwrap();
     assert!(summary["prefix_cache"].is_null(), "{summary}");
+    // The latents are int8: said so, beside the rope keys' dtype.
+    assert_eq!(summary["kv_cache_c8"], true, "{summary}");
     let mut on = opts(tmp.path(), None);
     on.prefix_caching = Some(true);
     let e = match run(&cfg, &on) {

@@ -588,6 +588,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         expert_placement: args.placement.expert_placement.clone(),
         redundant_experts: args.placement.redundant_experts,
         check_tensors: args.check_tensors,
+        mtp_option: args.mtp.is_some(),
     };
     // Ctrl-C or SIGTERM: finished requests are on disk already (requests.rank<R>.partial.jsonl,
     // written as they finish); temporary random weights go.
