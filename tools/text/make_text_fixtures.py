@@ -236,6 +236,15 @@ def build_tiktoken(hf):
     return ranks, specials, enc
 
 
+def deep_sort_dict(obj):
+    """tokenization_kimi.py's: every dict's keys in sorted order, recursively."""
+    if isinstance(obj, dict):
+        return {k: deep_sort_dict(v) for k, v in sorted(obj.items())}
+    if isinstance(obj, list):
+        return [deep_sort_dict(x) for x in obj]
+    return obj
+
+
 def kimi_encode(enc, text):
     """tokenization_kimi.py's encode: pieces of <= 400k chars, then runs of <= 25k (non)whitespace."""
     out = []
@@ -428,7 +437,10 @@ def main():
         for i, conv in enumerate(conversations):
             for agp in (True, False):
                 for with_tools in (False, True) if name == "kimi_style" else (False,):
-                    kw = {"tools": tools} if with_tools else {}
+                    # Kimi's TikTokenTokenizer.apply_chat_template (tokenization_kimi.py) sorts
+                    # the tools' keys at every level (deep_sort_dict) before the template sees
+                    # them; this stand-in tokenizer has no such override, so it is done here.
+                    kw = {"tools": deep_sort_dict(tools) if name == "kimi_style" else tools} if with_tools else {}
                     text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=agp, **kw)
                     chat.append({"template": name, "messages": conv, "add_generation_prompt": agp, "tools": tools if with_tools else None, "expected": text})
     (OUT / "chat_cases.json").write_text(json.dumps(chat, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")

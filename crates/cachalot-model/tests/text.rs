@@ -421,3 +421,34 @@ fn prompt_bos_follows_the_flag_else_the_post_processor() {
     let r1 = Tokenizer::from_dir(&root().join("fixtures/v3/r1_tiny")).unwrap();
     assert_eq!(r1.prompt_bos_id(), None);
 }
+
+/// Kimi's tokenizer sorts the tools' keys at every level before its template renders them
+/// (`tokenization_kimi.py`: `deep_sort_dict`), so the declaration does not follow the
+/// request's order; DeepSeek's templates see the tools as given.
+#[test]
+fn kimi_sorts_the_tools_keys() {
+    let tools: Value = serde_json::from_str(
+        r#"[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"b":{"type":"string"},"a":{"type":"integer"}}}}}]"#,
+    )
+    .unwrap();
+    let messages: Value = serde_json::from_str(r#"[{"role":"user","content":"w?"}]"#).unwrap();
+    let kimi = Tokenizer::from_dir(&text_fixture("kimi_style")).unwrap();
+    let text = kimi
+        .chat_template()
+        .unwrap()
+        .unwrap()
+        .render_json(&messages, true, Some(&tools), &serde_json::Map::new())
+        .unwrap();
+    assert!(
+        text.contains(
+            r#"[{"function":{"name":"f","parameters":{"properties":{"a":{"type":"integer"},"b":{"type":"string"}},"type":"object"}},"type":"function"}]"#
+        ),
+        "{text}"
+    );
+    let from_file = kimi
+        .chat_template_from_file(&text_fixture("kimi_style").join("tokenizer_config.json"))
+        .unwrap()
+        .render_json(&messages, true, Some(&tools), &serde_json::Map::new())
+        .unwrap();
+    assert_eq!(from_file, text);
+}

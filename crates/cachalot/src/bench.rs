@@ -143,6 +143,21 @@ fn check_positions(prompt_len: usize, gen_len: usize, max_positions: usize) -> R
 pub fn run(mut args: BenchArgs) -> Result<()> {
     check_args(&args)?;
     if args.membw && args.model.model.is_none() && args.random_weights.is_none() {
+        // The probe alone: options of the model bench would be dropped without a word.
+        for (flag, given) in [
+            ("--mtp", args.mtp > 0),
+            ("--prompt-file", args.prompt_file.is_some()),
+            ("--profile", args.profile),
+            ("--runs", args.runs.is_some()),
+            ("--batch", args.batch != 1),
+        ] {
+            if given {
+                bail!(
+                    "{flag} times a model: give --model DIR or --random-weights SHAPE (the model \
+                     bench runs the bandwidth probe too), or drop {flag} to run the probe alone"
+                );
+            }
+        }
         let bw = membw(args.membw_mib, args.membw_passes);
         if args.json {
             println!("{}", serde_json::to_string_pretty(&bw.to_json())?);
@@ -492,6 +507,8 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
             * per_expert as f64
             * (expected_distinct_experts(e, k, n) - k.min(e) as f64);
     let kv_dtype = m.cache_spec().float.name();
+    // A W8A8C8 checkpoint's latents are int8 (the dtype then names the rope keys').
+    let kv_c8 = m.cache_spec().int8_width > 0;
     drop(m);
 
     let bw = membw(args.membw_mib, args.membw_passes);
@@ -505,6 +522,7 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "int8_head": args.model.int8_head,
         "bf16_dot": args.model.bf16_dot,
         "kv_cache_dtype": kv_dtype,
+        "kv_cache_c8": kv_c8,
         "threads": rayon::current_num_threads(),
         "kernels": cachalot_kernels::kernel_isa(),
         "params_total": params.total,
@@ -563,7 +581,13 @@ fn print_text(r: &serde_json::Value) {
         r["threads"],
         r["kernels"].as_str().unwrap_or("?"),
         f("load_s"),
-        r["kv_cache_dtype"].as_str().unwrap_or("f32")
+        match (
+            r["kv_cache_dtype"].as_str().unwrap_or("f32"),
+            r["kv_cache_c8"].as_bool()
+        ) {
+            (d, Some(true)) => format!("int8 latents (C8), rope keys {d}"),
+            (d, _) => d.to_string(),
+        }
     );
     println!(
         "prefill {} tokens: {:.1} tok/s, TTFT {:.1} ms",

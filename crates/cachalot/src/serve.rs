@@ -2089,7 +2089,8 @@ fn detokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
     let ids = a
         .iter()
         .map(|v| match v.as_u64() {
-            Some(x) if (x as usize) < vocab => Ok(x as u32),
+            // (Ids need not be dense: a tokenizer may number its special tokens past a gap.)
+            Some(x) if x <= u32::MAX as u64 && tok.id_to_token(x as u32).is_some() => Ok(x as u32),
             _ => Err(ApiError::bad(
                 "tokens",
                 format!("{v} is not a token id of the vocabulary ({vocab} ids)"),
@@ -3153,7 +3154,10 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 stop_strings,
                 include_stop_str: flag(body, "include_stop_str_in_output")?,
             },
-            ignore_eos,
+            // vLLM's `ignore_eos` drops the EOS from the stop tokens (done above); stop
+            // strings and `stop_token_ids` still end the answer, so this is not the engine's
+            // fixed-length mode.
+            ignore_eos: false,
             logprobs,
             prompt_logprobs: if echo { logprobs } else { None },
             json_object: json_object || forced_json.is_some(),

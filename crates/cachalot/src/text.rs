@@ -49,10 +49,11 @@ fn temperature_arg(s: &str) -> Result<f32, String> {
 
 #[derive(clap::Args)]
 pub struct SamplingArgs {
-    /// Tokens to generate at most (at least 1).
-    #[arg(long, visible_alias = "max-tokens", default_value_t = 256,
+    /// Tokens to generate at most (at least 1) [default: 256, or what the model's context
+    /// leaves after the prompt when that is less].
+    #[arg(long, visible_alias = "max-tokens",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-    max_new_tokens: usize,
+    max_new_tokens: Option<usize>,
     /// 0 (the default) is greedy; DeepSeek recommends 0.6 for R1. At most 100 (as the
     /// server's).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true,
@@ -428,7 +429,11 @@ fn report_tool_calls(parsed: &Option<std::result::Result<ParsedAnswer, String>>)
 
 /// The prompt plus `--max-new-tokens` fit the model's positions (`max_position_embeddings`):
 /// the KV cache is sized for them before the first step.
-fn check_length(prompt: usize, max_new: usize, max_positions: usize) -> Result<()> {
+/// The most tokens to generate after `prompt` tokens: `--max-new-tokens` if given (refused
+/// where it does not fit in the model's positions), else 256 within what the context leaves
+/// (as llama.cpp fills its context, and vLLM's default is the rest of it).
+fn check_length(prompt: usize, max_new: Option<usize>, max_positions: usize) -> Result<usize> {
+    const DEFAULT_MAX_NEW: usize = 256;
     if prompt >= max_positions {
         bail!(
             "the prompt ({prompt} tokens) leaves no room in the model's max_position_embeddings \
@@ -436,6 +441,9 @@ fn check_length(prompt: usize, max_new: usize, max_positions: usize) -> Result<(
             prompt + 1 - max_positions
         );
     }
+    let Some(max_new) = max_new else {
+        return Ok(DEFAULT_MAX_NEW.min(max_positions - prompt));
+    };
     if prompt.saturating_add(max_new) > max_positions {
         bail!(
             "--max-new-tokens {max_new}: the prompt ({prompt} tokens) plus the output would \
@@ -444,7 +452,7 @@ fn check_length(prompt: usize, max_new: usize, max_positions: usize) -> Result<(
             max_positions.saturating_sub(prompt)
         );
     }
-    Ok(())
+    Ok(max_new)
 }
 
 /// Stop ids: the model's EOS set, plus the end-of-turn tokens of the chat formats we know
@@ -454,6 +462,7 @@ fn stop_conditions(
     tok: Option<&Tokenizer>,
     dir: &Path,
     s: &SamplingArgs,
+    max_new_tokens: usize,
     chat: bool,
 ) -> StopConditions {
     let mut ids = if s.ignore_eos {
@@ -467,7 +476,7 @@ fn stop_conditions(
         }
     }
     StopConditions {
-        max_new_tokens: s.max_new_tokens,
+        max_new_tokens,
         stop_token_ids: ids,
         stop_strings: s.stop.clone(),
         include_stop_str: false,
@@ -613,6 +622,13 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             None
         }
     };
+    if tok.is_none() && !args.sampling.stop.is_empty() {
+        bail!(
+            "{}: --stop needs the model's tokenizer (stop strings are matched in the text; \
+             without a tokenizer there is none): drop --stop, or add the tokenizer",
+            dir.display()
+        );
+    }
     let (prompt_ids, prompt_text) = if args.chat {
         let tok = tok
             .as_ref()
@@ -698,12 +714,12 @@ fn generate_with<M: Model>(
         prompt_text,
         tool_format,
     } = *ctx;
-    check_length(
+    let max_new = check_length(
         prompt_ids.len(),
         args.sampling.max_new_tokens,
         max_positions,
     )?;
-    let stop = stop_conditions(config_eos, tok, dir, &args.sampling, args.chat);
+    let stop = stop_conditions(config_eos, tok, dir, &args.sampling, max_new, args.chat);
     if args.json {
         let g = args
             .sampling
@@ -771,7 +787,8 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
             (&v4, &c.eos_token_ids, c.max_position_embeddings)
         }
     };
-    let stop = stop_conditions(eos, Some(&tok), &dir, &args.sampling, true);
+    // (Each turn's own limit is set when the turn's prompt is known.)
+    let mut stop = stop_conditions(eos, Some(&tok), &dir, &args.sampling, 0, true);
 
     // Ctrl-C stops the answer being written; at the prompt it leaves.
     let cancel = Arc::new(AtomicBool::new(false));
@@ -905,10 +922,10 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         // prompt too long, refuses the turn; the session goes on.
         let checked = render(&template, &msgs, tools.as_ref(), &kwargs).and_then(|text| {
             let ids = tok.encode(&text)?;
-            check_length(ids.len(), args.sampling.max_new_tokens, max_positions)?;
-            Ok((text, ids))
+            let max_new = check_length(ids.len(), args.sampling.max_new_tokens, max_positions)?;
+            Ok((text, ids, max_new))
         });
-        let (prompt_text, prompt_ids) = match checked {
+        let (prompt_text, prompt_ids, max_new) = match checked {
             Ok(p) => p,
             Err(e) => {
                 // The turn is refused; the conversation goes on without it. A refused turn after
@@ -926,6 +943,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
                 continue;
             }
         };
+        stop.max_new_tokens = max_new;
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
         let mut printer = (!args.json).then(|| Printer::new(&prompt_text, args.hide_reasoning));

@@ -1851,3 +1851,72 @@ fn a_broken_generation_config_is_said() {
         "{err}"
     );
 }
+
+/// Without `--max-new-tokens` a long prompt gets what the context leaves (256 at most); a
+/// given value that does not fit is refused; `--stop` without a tokenizer is refused.
+#[test]
+fn the_default_output_length_fits_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("m");
+    std::fs::create_dir_all(&m).unwrap();
+    for e in std::fs::read_dir(r1_tiny()).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, m.join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg = m.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    c["max_position_embeddings"] = 32.into();
+    std::fs::write(&cfg, c.to_string()).unwrap();
+    let prompt: Vec<String> = (10..30).map(|i| i.to_string()).collect();
+    let prompt = prompt.join(",");
+    let m = m.display().to_string();
+    let out = json(&ok(cachalot(
+        &[
+            "generate",
+            "--model",
+            &m,
+            "--token-ids",
+            &prompt,
+            "--ignore-eos",
+            "--json",
+        ],
+        None,
+    )));
+    assert_eq!(ids(&out["output_ids"]).len(), 12, "{out}");
+    assert_eq!(out["finish_reason"], "length");
+    let e = cachalot(
+        &[
+            "generate",
+            "--model",
+            &m,
+            "--token-ids",
+            &prompt,
+            "--max-new-tokens",
+            "13",
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(
+        !e.status.success() && err.contains("give at most 12"),
+        "{err}"
+    );
+    let v4 = root().join("fixtures/v4/tiny").display().to_string();
+    let e = cachalot(
+        &[
+            "generate",
+            "--model",
+            &v4,
+            "--token-ids",
+            "1,2,3",
+            "--stop",
+            "x",
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(
+        !e.status.success() && err.contains("--stop needs the model's tokenizer"),
+        "{err}"
+    );
+}

@@ -39,6 +39,10 @@ pub struct ChatTemplate {
     special_tokens: Vec<(&'static str, String)>,
     /// Render with DeepSeek-V4's encoder instead of `source` (which is then empty).
     deepseek_v4: bool,
+    /// Sort the keys of `tools` (every level) before rendering, as Kimi's tokenizer
+    /// (`tokenization_kimi.py`'s `apply_chat_template`, `deep_sort_dict`) does: its tool
+    /// declaration lists them in key order, whatever order the request gave.
+    sort_tools: bool,
 }
 
 const SPECIAL_TOKEN_FIELDS: [&str; 4] = ["bos_token", "eos_token", "pad_token", "unk_token"];
@@ -51,6 +55,7 @@ impl ChatTemplate {
             origin: origin.into(),
             special_tokens: Vec::new(),
             deepseek_v4: false,
+            sort_tools: false,
         }
     }
 
@@ -153,6 +158,11 @@ impl ChatTemplate {
         Ok(ChatTemplate::new(text, path))
     }
 
+    /// Render `tools` with their keys sorted at every level (Kimi's tokenizer does).
+    pub fn set_sort_tools(&mut self, sort: bool) {
+        self.sort_tools = sort;
+    }
+
     /// Sets (or replaces) a special-token variable such as `bos_token`.
     pub fn set_special_token(&mut self, field: &'static str, value: impl Into<String>) {
         self.special_tokens.retain(|(f, _)| *f != field);
@@ -240,10 +250,12 @@ impl ChatTemplate {
         );
         // transformers passes `tools` and `documents` always, None when absent (a template's
         // `tools is not none` must read so).
-        ctx.insert(
-            "tools".into(),
-            tools.cloned().unwrap_or(serde_json::Value::Null),
-        );
+        let tools = match tools {
+            Some(t) if self.sort_tools => deep_sorted(t),
+            Some(t) => t.clone(),
+            None => serde_json::Value::Null,
+        };
+        ctx.insert("tools".into(), tools);
         ctx.entry("documents").or_insert(serde_json::Value::Null);
         for (field, value) in &self.special_tokens {
             ctx.insert(field.to_string(), serde_json::Value::String(value.clone()));
@@ -251,6 +263,26 @@ impl ChatTemplate {
         template
             .render(Value::from(minijinja::value::Serde(&ctx)))
             .map_err(fail)
+    }
+}
+
+/// `v` with every object's keys in sorted order (Python's `sorted(d.items())`: by code point,
+/// which is UTF-8 byte order).
+fn deep_sorted(v: &serde_json::Value) -> serde_json::Value {
+    match v {
+        serde_json::Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            serde_json::Value::Object(
+                keys.into_iter()
+                    .map(|k| (k.clone(), deep_sorted(&m[k])))
+                    .collect(),
+            )
+        }
+        serde_json::Value::Array(a) => {
+            serde_json::Value::Array(a.iter().map(deep_sorted).collect())
+        }
+        other => other.clone(),
     }
 }
 

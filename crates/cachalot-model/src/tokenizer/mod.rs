@@ -361,6 +361,7 @@ impl Tokenizer {
         // A template given on the command line that cannot parse is said now, not at every
         // request.
         t.check_syntax()?;
+        t.set_sort_tools(self.sorts_tools());
         if path.extension().is_none_or(|e| e != "json") {
             for field in ["bos_token", "eos_token", "pad_token", "unk_token"] {
                 if let Some(v) = self.config_token(field) {
@@ -380,6 +381,16 @@ impl Tokenizer {
             )));
         }
         let path = self.dir.join("tokenizer_config.json");
-        ChatTemplate::from_config_value(&self.config, &path)
+        let mut t = ChatTemplate::from_config_value(&self.config, &path)?;
+        if let Some(t) = t.as_mut() {
+            t.set_sort_tools(self.sorts_tools());
+        }
+        Ok(t)
+    }
+
+    /// Kimi's tiktoken tokenizer (`tokenization_kimi.py`) sorts the keys of a chat's tools
+    /// before its template sees them.
+    fn sorts_tools(&self) -> bool {
+        matches!(self.backend, Backend::Tiktoken(_))
     }
 }
