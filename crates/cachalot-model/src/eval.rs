@@ -73,7 +73,7 @@ pub fn next_token_logprobs<M: CausalLm + ?Sized>(
         .enumerate()
         .find(|&(_, &t)| t as usize >= vocab)
     {
-        return Err(ModelError::Batch(format!(
+        return Err(ModelError::Options(format!(
             "token {i} is id {t}, outside the model's vocabulary (0..{})",
             vocab - 1
         )));
@@ -114,7 +114,7 @@ pub fn nll_ppl(logprobs: &[f32]) -> (f64, f64) {
 /// no stop tokens).
 pub fn greedy<M: CausalLm + ?Sized>(model: &M, prompt: &[u32], n_new: usize) -> Result<Vec<u32>> {
     if prompt.is_empty() {
-        return Err(ModelError::Batch("the prompt is empty".into()));
+        return Err(ModelError::Options("the prompt is empty".into()));
     }
     let (mut cache, mut alloc) = cache_for(model, prompt.len() + n_new);
     let mut table = Vec::new();
@@ -237,7 +237,7 @@ pub fn speculative_greedy(
     drafter: &mut dyn Drafter,
 ) -> Result<(Vec<u32>, MtpStats)> {
     if prompt.is_empty() {
-        return Err(ModelError::Batch("the prompt is empty".into()));
+        return Err(ModelError::Options("the prompt is empty".into()));
     }
     if next_n == 0 {
         return Ok((greedy(model, prompt, n_new)?, MtpStats::default()));

@@ -869,6 +869,10 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         // An unknown /command is a typo, not a message for the model ("//" sends a line that
         // starts with "/").
         let command = input.split_whitespace().next().unwrap_or("");
+        if matches!(command, "/reset" | "/exit" | "/quit") {
+            say!("error: {command} takes nothing after it (got {input:?})");
+            continue;
+        }
         if tool_result.is_none()
             && command.starts_with('/')
             && !command.starts_with("//")
