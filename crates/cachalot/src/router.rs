@@ -318,7 +318,8 @@ fn error(request: tiny_http::Request, status: u16, message: &str) {
     let _ = request.respond(
         tiny_http::Response::from_string(body.to_string())
             .with_status_code(status)
-            .with_header(header),
+            .with_header(header)
+            .with_header(crate::serve::cors()),
     );
 }
 
@@ -389,9 +390,12 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             let _ = request.respond(
                 tiny_http::Response::from_string(body.to_string())
                     .with_status_code(status)
-                    .with_header(header),
+                    .with_header(header)
+                    .with_header(crate::serve::cors()),
             );
         }
+        // Browsers' CORS preflights, answered as the servers answer them.
+        ("OPTIONS", _) => crate::serve::preflight(request),
         ("GET", "/v1/models") => {
             match exchange(&router.decode[0], "GET", &path, None, router.timeout) {
                 Ok((status, ct, body)) => relay(request, status, &ct, body),
@@ -492,11 +496,12 @@ fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body:
     let head = if chunked {
         format!(
             "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n\
-             Transfer-Encoding: chunked\r\n\r\n"
+             Access-Control-Allow-Origin: *\r\nTransfer-Encoding: chunked\r\n\r\n"
         )
     } else {
         format!(
-            "HTTP/1.0 {status} {reason}\r\nContent-Type: {content_type}\r\nConnection: close\r\n\r\n"
+            "HTTP/1.0 {status} {reason}\r\nContent-Type: {content_type}\r\n\
+             Access-Control-Allow-Origin: *\r\nConnection: close\r\n\r\n"
         )
     };
     if w.write_all(head.as_bytes()).is_err() {

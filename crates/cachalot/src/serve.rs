@@ -1687,13 +1687,13 @@ fn respond_json(request: tiny_http::Request, status: u16, body: &Value) {
 
 /// Any origin may call the API from a browser, as vLLM's default CORS (`--allowed-origins
 /// '["*"]'`, no credentials): every answer says so.
-fn cors() -> tiny_http::Header {
+pub(crate) fn cors() -> tiny_http::Header {
     tiny_http::Header::from_bytes("Access-Control-Allow-Origin", "*").expect("a valid header")
 }
 
 /// The answer to a browser's CORS preflight (`OPTIONS` with `Access-Control-Request-Method`):
 /// any origin, these methods, the headers it asks for.
-fn preflight(request: tiny_http::Request) {
+pub(crate) fn preflight(request: tiny_http::Request) {
     let asked = request
         .headers()
         .iter()

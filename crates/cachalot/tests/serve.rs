@@ -881,6 +881,28 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
         h["kv_port"].as_u64().unwrap()
     };
     let router = start_router(&pre, &dec);
+    // CORS as the servers': preflights answered, relayed answers marked.
+    let r = &router.addr;
+    let pre_flight = head_of(
+        r,
+        &format!(
+            "OPTIONS /v1/completions HTTP/1.1\r\nHost: {r}\r\nOrigin: http://x\r\n\
+             Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n"
+        ),
+    );
+    assert!(
+        pre_flight.starts_with("http/1.1 200")
+            && pre_flight.contains("access-control-allow-origin: *"),
+        "{pre_flight}"
+    );
+    let models = head_of(
+        r,
+        &format!("GET /v1/models HTTP/1.1\r\nHost: {r}\r\nConnection: close\r\n\r\n"),
+    );
+    assert!(
+        models.contains("access-control-allow-origin: *"),
+        "{models}"
+    );
     let r = router.addr.as_str();
     let text_of = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
 
