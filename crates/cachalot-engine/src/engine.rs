@@ -120,6 +120,10 @@ pub trait Model {
     fn supports_prefix_caching(&self) -> bool {
         false
     }
+    /// Why [`Model::supports_prefix_caching`] is false (for the refusal of an explicit ask).
+    fn why_no_prefix_caching(&self) -> String {
+        "this model's cache cannot be shared between requests (prefix caching)".into()
+    }
     /// A generated position's cache entries have the bits a prefill of the same tokens writes
     /// (no path that depends on whether a position is a prompt's), so prefix caching may share
     /// blocks of generated tokens too (a second turn that repeats the first exchange).
@@ -201,6 +205,18 @@ impl Model for DeepseekV3 {
         // force_eplb: a token's experts depend on its place in the step.
         self.cache_spec().int8_width == 0 && !self.forces_eplb()
     }
+    fn why_no_prefix_caching(&self) -> String {
+        if self.forces_eplb() {
+            "prefix caching does not run under force_eplb (a token's experts depend on its \
+             place in the step)"
+                .into()
+        } else {
+            "prefix caching does not run over a C8 (int8) latent cache: it is read quantized \
+             where a prompt's own rows are not, so a prompt cut after shared blocks would not get \
+             its own prefill's bits"
+                .into()
+        }
+    }
 }
 
 /// V4's hidden state per token is the last block's `hc_mult` residual streams (`[hc, D]`,
@@ -214,6 +230,18 @@ impl Model for DeepseekV4 {
     /// per-sequence rings, which blocks cannot share: no prefix caching there.
     fn supports_prefix_caching(&self) -> bool {
         !self.forces_eplb() && self.cache_mode() == V4CacheMode::Full
+    }
+    fn why_no_prefix_caching(&self) -> String {
+        if self.forces_eplb() {
+            "prefix caching does not run under force_eplb (a token's experts depend on its \
+             place in the step)"
+                .into()
+        } else {
+            "prefix caching does not run on DeepSeek-V4's compact cache (its window is kept in \
+             per-sequence rings): --v4-cache full puts every position's state in shareable \
+             blocks"
+                .into()
+        }
     }
     /// Decode and verify steps compute a position as a prefill chunk does (no MLA-style path
     /// rule): generated blocks are shared too.
@@ -316,6 +344,9 @@ impl<T: Model + ?Sized> Model for &T {
     }
     fn supports_prefix_caching(&self) -> bool {
         (**self).supports_prefix_caching()
+    }
+    fn why_no_prefix_caching(&self) -> String {
+        (**self).why_no_prefix_caching()
     }
     fn generated_rows_are_prefill_rows(&self) -> bool {
         (**self).generated_rows_are_prefill_rows()
@@ -1006,15 +1037,7 @@ impl<'t, M: Model> Engine<'t, M> {
     /// their prompt (echo) compute every position. Call before adding requests.
     pub fn enable_prefix_caching(&mut self) -> Result<(), EngineError> {
         if !self.model.supports_prefix_caching() {
-            return Err(EngineError::Request(
-                "this model's cache cannot be shared between requests (prefix caching): a C8 \
-                 (int8) latent cache is read quantized where a prompt's own rows are not, so a \
-                 prompt cut after shared blocks would not get its own prefill's bits; under \
-                 force_eplb a token's experts depend on its place in the step; DeepSeek-V4's \
-                 compact cache keeps its window in per-sequence rings (--v4-cache full puts \
-                 every position's state in shareable blocks)"
-                    .into(),
-            ));
+            return Err(EngineError::Request(self.model.why_no_prefix_caching()));
         }
         if self.scheduler.has_unfinished() {
             return Err(EngineError::Request(

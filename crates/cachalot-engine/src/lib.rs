@@ -36,6 +36,8 @@ pub enum EngineError {
     Model(#[from] cachalot_model::ModelError),
     #[error(transparent)]
     Sampling(#[from] SamplingError),
-    #[error("bad request: {0}")]
+    /// A request or option the engine cannot take, with what would fix it (said as it is:
+    /// a server answers it as a 400, a command prints it).
+    #[error("{0}")]
     Request(String),
 }

@@ -1470,11 +1470,6 @@ pub fn run_ranked(
     let mut engine = Engine::new(model, Some(&tokenizer), engine_cfg)?;
     if m.next_n > 0 {
         engine.enable_mtp(m.next_n).map_err(|e| {
-            // (The engine's request wording is for servers; here the YAML asked.)
-            let e = match e {
-                cachalot_engine::EngineError::Request(why) => why,
-                other => other.to_string(),
-            };
             format!(
                 "{} {}: {e} ({})",
                 if opts.mtp_option {

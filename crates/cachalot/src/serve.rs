@@ -2437,6 +2437,9 @@ struct Call {
     prompts: Vec<(Vec<u32>, String)>,
     /// The rendered chat prompt (to know whether it opens a reasoning block).
     prompt_text: String,
+    /// `continue_final_message`: the prompt ends inside the final message (in its reasoning,
+    /// where that is all it has).
+    continued: bool,
     tools: bool,
     request: Request,
 }
@@ -2846,6 +2849,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     // A forced call's arguments are one JSON object, after one of these leads when the model
     // writes the function's name first.
     let mut forced_json: Option<ForcedJson> = None;
+    let mut continues = false;
     let prompts: Vec<(Vec<u32>, String)> = if chat {
         let Some(messages) = field(body, "messages") else {
             return Err(ApiError::bad(
@@ -2856,6 +2860,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         let (template, kwargs) = chat_setup(shared, body, messages)?;
         let messages = &flatten_text_parts(messages, template);
         let (generation, continued) = prompt_ending(body)?;
+        continues = continued;
         if continued && forced.is_some() {
             return Err(ApiError::bad(
                 "continue_final_message",
@@ -3168,8 +3173,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 Some(_) => None,
                 None => (json_object
                     && chat
-                    && splitter(shared, &prompts[0].1).is_some()
-                    && prompts[0].1.trim_end().ends_with(THINK_OPEN))
+                    && reasoning_start(shared, &prompts[0].1, continues) == Some(true))
                 .then(|| THINK_CLOSE.to_string()),
             },
             // "required": the model picks the function: its answer opens with one of the
@@ -3184,6 +3188,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             waited_s: 0.0,
         },
         prompt_text: prompts[0].1.clone(),
+        continued: continues,
         prompts,
     })
 }
@@ -4089,7 +4094,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     for (i, (out, text)) in outs.iter().zip(texts).enumerate() {
         let mut finish = finish_word(out);
         choices.push(if call.chat {
-            let split = splitter(shared, &call.prompt_text);
+            let split = splitter(shared, &call);
             let reasons = split.is_some();
             let (reasoning, answer) = match split {
                 None => (String::new(), text),
@@ -4240,20 +4245,32 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
 /// (R1, Kimi-K2-Thinking; V4's encoder in thinking mode), as vLLM's reasoning parsers; it starts
 /// inside the block when the generation prompt ends by opening one. None for other templates,
 /// whose answers are all text.
-fn splitter(shared: &Shared, prompt: &str) -> Option<ReasoningSplitter> {
+fn splitter(shared: &Shared, call: &Call) -> Option<ReasoningSplitter> {
+    reasoning_start(shared, &call.prompt_text, call.continued).map(ReasoningSplitter::new)
+}
+
+/// Whether a chat answer is split into reasoning and content ([`splitter`]): None when not,
+/// else whether it starts inside the reasoning.
+fn reasoning_start(shared: &Shared, prompt: &str, continued: bool) -> Option<bool> {
     let template = shared.template.as_ref()?;
     if !template.is_deepseek_v4() && !template.source().contains(THINK_OPEN) {
         return None;
     }
+    let prompt = prompt.trim_end();
     // Thinking turned off (the prompt closes the block, as V4's chat mode and R1-style
     // templates with thinking disabled do): the answer is all content, a `<think>` in it
     // included (as vLLM's parsers leave it with thinking off).
-    if prompt.trim_end().ends_with(THINK_CLOSE) {
+    if prompt.ends_with(THINK_CLOSE) {
         return None;
     }
-    Some(ReasoningSplitter::new(
-        prompt.trim_end().ends_with(THINK_OPEN),
-    ))
+    // A continued final message whose reasoning is all it has ends inside that reasoning:
+    // the block it opened is not closed.
+    let inside = prompt.ends_with(THINK_OPEN)
+        || (continued
+            && prompt
+                .rfind(THINK_OPEN)
+                .is_some_and(|o| prompt.rfind(THINK_CLOSE).is_none_or(|c| c < o)));
+    Some(inside)
 }
 
 /// Server-sent events: one chunk per piece of text (each with its choice's `index`), each
@@ -4316,7 +4333,7 @@ fn stream(
     }
     let mut choices: Vec<Choice> = (0..call.choices())
         .map(|_| Choice {
-            splitter: splitter(shared, &call.prompt_text),
+            splitter: splitter(shared, call),
             held: String::new(),
             offset: 0,
             out: None,

@@ -2916,3 +2916,36 @@ fn serve_takes_vllms_extra_fields() {
     );
     assert!(get.contains("access-control-allow-origin: *"), "{get}");
 }
+
+/// DeepSeek-V4 in thinking mode: a final message with only reasoning, continued, goes on in
+/// `reasoning_content` (the prompt ends inside the open block), streamed and whole.
+#[test]
+fn a_continued_reasoning_stays_reasoning() {
+    let v4 = root().join("fixtures/v4/flash_tiny").display().to_string();
+    let server = start(&["--model", &v4, "--threads", "1"]);
+    let body = json!({"messages": [{"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "",
+                                    "reasoning_content": "Let me th"}],
+                      "continue_final_message": true, "add_generation_prompt": false,
+                      "chat_template_kwargs": {"thinking": true}, "max_tokens": 6,
+                      "temperature": 0});
+    let (status, v) = post(&server.addr, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    let reasoning = m["reasoning_content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(!reasoning.is_empty() && m["content"].is_null(), "{v}");
+    let mut streamed = body.clone();
+    streamed["stream"] = true.into();
+    let evs = events(&server.addr, "/v1/chat/completions", &streamed);
+    let mut got = String::new();
+    for e in &evs[..evs.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        let d = &c["choices"][0]["delta"];
+        assert!(d["content"].as_str().is_none_or(str::is_empty), "{e}");
+        got.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+    }
+    assert_eq!(got, reasoning);
+}
