@@ -13,7 +13,9 @@
 //!    otherwise logits are divided by the temperature and soft-maxed;
 //! 3. top-k keeps the k most probable tokens (0 = off);
 //! 4. top-p keeps the smallest most-probable prefix whose mass reaches p (1 = off);
-//! 5. min-p keeps tokens whose probability is at least `min_p` × the top probability (0 = off);
+//! 5. min-p keeps tokens whose probability is at least `min_p` × the top probability (0 = off;
+//!    with `min_p_first`, vLLM's order, it comes before top-k and top-p instead, and top-p's
+//!    mass is counted over its survivors);
 //! 6. one draw from the renormalised survivors with the request's own ChaCha8 RNG.
 //!
 //! Randomness: the draw for a request's k-th generated token takes word k of the request's
@@ -76,6 +78,12 @@ pub struct SamplingParams {
     /// engine masks them) and no stop string ends the answer. 0 = off.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub min_tokens: usize,
+    /// vLLM's filter order (its V1 sampler: min-p, an argmax-invariant processor, before top-k
+    /// and top-p): top-p's mass is counted over the tokens min-p keeps. False: Hugging Face's
+    /// order (top-k, top-p, then min-p), as steps 3-5 say. Only a request with both min-p and
+    /// top-p sees the difference.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub min_p_first: bool,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -95,6 +103,7 @@ impl Default for SamplingParams {
             seed: None,
             logit_bias: Vec::new(),
             min_tokens: 0,
+            min_p_first: false,
         }
     }
 }
@@ -302,17 +311,30 @@ impl Sampler {
         // Tokens of probability 0 (masked to −∞, as JSON mode does, or far below the others)
         // are never drawn, not even by the last-candidate fallback of a rounding shortfall.
         let mut keep = probs.iter().take_while(|&&x| x > 0.0).count().max(1);
+        let min_p_keep = |keep: usize| {
+            let threshold = p.min_p * probs[0];
+            keep.min(probs.iter().take_while(|&&x| x >= threshold).count().max(1))
+        };
+        if p.min_p > 0.0 && p.min_p_first {
+            keep = min_p_keep(keep);
+        }
         if p.top_p < 1.0 {
+            // (vLLM's order: the mass of min-p's survivors, renormalised.)
+            let mass: f32 = if p.min_p_first {
+                probs[..keep].iter().sum()
+            } else {
+                1.0
+            };
             let mut cum = 0.0f32;
-            for (i, &x) in probs.iter().enumerate() {
-                cum += x;
+            for (i, &x) in probs[..keep].iter().enumerate() {
+                cum += x / mass;
                 if cum >= p.top_p {
                     keep = i + 1;
                     break;
                 }
             }
         }
-        if p.min_p > 0.0 {
+        if p.min_p > 0.0 && !p.min_p_first {
             let threshold = p.min_p * probs[0];
             keep = keep.min(probs.iter().take_while(|&&x| x >= threshold).count().max(1));
         }
@@ -603,6 +625,33 @@ mod tests {
         );
         assert!(counts[4..].iter().all(|&c| c == 0), "{counts:?}");
         assert!(counts[..4].iter().all(|&c| c > 0), "{counts:?}");
+    }
+
+    /// min-p with top-p: Hugging Face's order counts top-p's mass over the whole distribution,
+    /// vLLM's (`min_p_first`) over min-p's survivors, renormalised.
+    #[test]
+    fn min_p_first_counts_top_p_over_its_survivors() {
+        let logits: Vec<f32> = [0.4f32, 0.2, 0.15, 0.1, 0.08, 0.07]
+            .iter()
+            .map(|p| p.ln())
+            .collect();
+        let kept = |min_p_first: bool| -> Vec<u32> {
+            let s = Sampler::new(
+                SamplingParams {
+                    min_p: 0.3,
+                    top_p: 0.7,
+                    min_p_first,
+                    ..seeded(1)
+                },
+                &[],
+            )
+            .unwrap();
+            s.candidates(&logits).into_iter().map(|(t, _)| t).collect()
+        };
+        // Threshold 0.3 × 0.4 = 0.12 keeps tokens 0..=2 (mass 0.75).
+        assert_eq!(kept(false), [0, 1, 2]);
+        // Renormalised: 0.533, 0.267 reach 0.7.
+        assert_eq!(kept(true), [0, 1]);
     }
 
     #[test]

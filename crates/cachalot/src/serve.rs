@@ -3024,6 +3024,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 }
                 n => n.unwrap_or(0),
             },
+            // vLLM's filter order.
+            min_p_first: true,
         };
     if params.top_p == 0.0 {
         return Err(ApiError::bad("top_p", "must be above 0"));

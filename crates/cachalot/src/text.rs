@@ -140,6 +140,7 @@ impl SamplingArgs {
             seed: self.seed,
             logit_bias: Vec::new(),
             min_tokens: 0,
+            min_p_first: false,
         }
     }
 }
