@@ -52,13 +52,34 @@ impl StopConditions {
         let path = model_dir.join("generation_config.json");
         if let Ok(text) = std::fs::read_to_string(&path) {
             match serde_json::from_str::<serde_json::Value>(&text) {
-                Ok(v) => match v.get("eos_token_id") {
-                    Some(serde_json::Value::Number(n)) => ids.extend(n.as_u64().map(|x| x as u32)),
-                    Some(serde_json::Value::Array(a)) => {
-                        ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32))
+                Ok(v) => {
+                    let id = |x: &serde_json::Value| {
+                        x.as_u64()
+                            .filter(|&i| i <= u32::MAX as u64)
+                            .map(|i| i as u32)
+                    };
+                    let (found, bad): (Vec<_>, Vec<_>) = match v.get("eos_token_id") {
+                        None | Some(serde_json::Value::Null) => (vec![], vec![]),
+                        Some(serde_json::Value::Array(a)) => {
+                            a.iter().partition(|x| id(x).is_some())
+                        }
+                        Some(x) => std::slice::from_ref(x)
+                            .iter()
+                            .partition(|x| id(x).is_some()),
+                    };
+                    ids.extend(found.into_iter().filter_map(id));
+                    // As a broken file: the model runs, the loss of a stop token said.
+                    if !bad.is_empty() {
+                        eprintln!(
+                            "warning: {}: eos_token_id {} is not a token id; it is not used",
+                            path.display(),
+                            bad.iter()
+                                .map(|x| x.to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        );
                     }
-                    _ => {}
-                },
+                }
                 // As transformers and vLLM, the model runs without it; said, so that a lost
                 // stop token is not a surprise.
                 Err(e) => eprintln!(

@@ -1850,6 +1850,30 @@ fn a_broken_generation_config_is_said() {
         err.contains("generation_config.json is not valid JSON"),
         "{err}"
     );
+    // An EOS that is not a token id is said too.
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"eos_token_id": [1, "x"]}"#,
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+        .args([
+            "generate",
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "2",
+            "--model",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(r#"eos_token_id "x" is not a token id"#),
+        "{err}"
+    );
 }
 
 /// Without `--max-new-tokens` a long prompt gets what the context leaves (256 at most); a
