@@ -592,13 +592,15 @@ impl Printer {
 
 fn report(g: &Generation) {
     let n = g.tokens.len();
-    let decode_tps = if n > 1 && g.decode_s > 0.0 {
-        (n - 1) as f64 / g.decode_s
+    // (The first token comes from the prefill: with one token there was no decode step.)
+    let decode = if n > 1 && g.decode_s > 0.0 {
+        format!("decode {:.2} tokens/s", (n - 1) as f64 / g.decode_s)
     } else {
-        0.0
+        "no decode step".to_string()
     };
     say!(
-        "[{n} tokens; prefill {:.1} ms; decode {decode_tps:.2} tokens/s; finish: {}]",
+        "[{n} token{}; prefill {:.1} ms; {decode}; finish: {}]",
+        if n == 1 { "" } else { "s" },
         g.prefill_s * 1e3,
         finish_word(&g.finish)
     );
