@@ -207,9 +207,7 @@ impl Model for DeepseekV3 {
     }
     fn why_no_prefix_caching(&self) -> String {
         if self.forces_eplb() {
-            "prefix caching does not run under force_eplb (a token's experts depend on its \
-             place in the step)"
-                .into()
+            FORCE_EPLB_NO_PREFIX.into()
         } else {
             "prefix caching does not run over a C8 (int8) latent cache: it is read quantized \
              where a prompt's own rows are not, so a prompt cut after shared blocks would not get \
@@ -218,6 +216,11 @@ impl Model for DeepseekV3 {
         }
     }
 }
+
+/// Why prefix caching does not run under force_eplb (either family).
+const FORCE_EPLB_NO_PREFIX: &str =
+    "prefix caching does not run under force_eplb (a token's experts depend on its place in the \
+     step)";
 
 /// V4's hidden state per token is the last block's `hc_mult` residual streams (`[hc, D]`,
 /// before the hc_head collapse), which is what its MTP block takes (spec `deepseek-v4.md` §2.11).
@@ -233,9 +236,7 @@ impl Model for DeepseekV4 {
     }
     fn why_no_prefix_caching(&self) -> String {
         if self.forces_eplb() {
-            "prefix caching does not run under force_eplb (a token's experts depend on its \
-             place in the step)"
-                .into()
+            FORCE_EPLB_NO_PREFIX.into()
         } else {
             "prefix caching does not run on DeepSeek-V4's compact cache (its window is kept in \
              per-sequence rings): --v4-cache full puts every position's state in shareable \
@@ -825,9 +826,6 @@ struct Live<'t> {
     /// Why the text ended at `eos_at` (under `ignore_eos` the request goes on to its length:
     /// the seed's offline runs then report this, "stop", as the finish).
     stopped: Option<FinishReason>,
-    /// The text ended at a stop string (its held-back tail is the stop string's start, not
-    /// output).
-    stopped_by_string: bool,
     stream: Option<TextStream<'t>>,
     text: String,
     arrival: Instant,
@@ -1442,7 +1440,6 @@ impl<'t, M: Model> Engine<'t, M> {
                 ignore_eos: req.ignore_eos,
                 eos_at: None,
                 stopped: None,
-                stopped_by_string: false,
                 stream,
                 text: String::new(),
                 arrival: std::time::Duration::try_from_secs_f64(req.waited_s)
@@ -2005,7 +2002,6 @@ impl<'t, M: Model> Engine<'t, M> {
                     }
                     live.eos_at = Some(n_out);
                     live.stopped = Some(FinishReason::StopString(hit.clone()));
-                    live.stopped_by_string = true;
                     if !live.ignore_eos {
                         finish = Some(FinishReason::StopString(hit));
                     }
@@ -2112,7 +2108,8 @@ impl<'t, M: Model> Engine<'t, M> {
         // What the stream still holds is output (a tail that could have started a stop string,
         // or an unfinished character) unless a stop string ended the text. After an EOS the
         // stream got no more tokens, so this is the text up to the EOS.
-        if !live.stopped_by_string {
+        // (A stop string's held-back tail is the stop string's start, not output.)
+        if !matches!(live.stopped, Some(FinishReason::StopString(_))) {
             if let Some(stream) = live.stream.as_mut() {
                 if let Ok((piece, _)) = stream.finish() {
                     live.text.push_str(&piece);

@@ -435,7 +435,6 @@ struct Shared {
     /// `--keepalive-ms`.
     keepalive: std::time::Duration,
     jobs: mpsc::Sender<Job>,
-    next_id: AtomicU64,
     role: Role,
     /// Prefill role: the KV waiting for decode servers, and the port they fetch it from.
     rooms: Option<Arc<Rooms>>,
@@ -863,7 +862,6 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             defaults: defaults.clone(),
             keepalive: std::time::Duration::from_millis(args.keepalive_ms),
             jobs,
-            next_id: AtomicU64::new(0),
             role: args.role,
             rooms: rooms.clone(),
             kv_port,
@@ -2680,11 +2678,18 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     check_model(shared, body)?;
     let defaults = &shared.defaults;
     if let Some(obj) = body.as_object() {
-        let ignored: Vec<&str> = obj
+        let mut ignored: Vec<String> = obj
             .keys()
-            .map(String::as_str)
-            .filter(|k| !KNOWN_FIELDS.contains(k))
+            .filter(|k| !KNOWN_FIELDS.contains(&k.as_str()))
+            .cloned()
             .collect();
+        if let Some(Value::Object(o)) = obj.get("stream_options") {
+            ignored.extend(
+                o.keys()
+                    .filter(|k| *k != "include_usage")
+                    .map(|k| format!("stream_options.{k}")),
+            );
+        }
         if !ignored.is_empty() {
             say!(
                 "cachalot serve: request fields ignored (not read by this server): {}",
@@ -3113,26 +3118,10 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 "stream options can only be given with \"stream\": true",
             ))
         }
-        Some(o @ Value::Object(m)) => {
-            let others: Vec<&str> = m
-                .keys()
-                .map(String::as_str)
-                .filter(|k| *k != "include_usage")
-                .collect();
-            if !others.is_empty() {
-                say!(
-                    "cachalot serve: request fields ignored (not read by this server): {}",
-                    others
-                        .iter()
-                        .map(|k| format!("stream_options.{k}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-            }
-            flag(o, "include_usage").map_err(|e| {
-                ApiError::bad("stream_options", format!("include_usage: {}", e.message))
-            })?
-        }
+        // (Its other keys are logged with the request's other ignored fields.)
+        Some(o @ Value::Object(_)) => flag(o, "include_usage").map_err(|e| {
+            ApiError::bad("stream_options", format!("include_usage: {}", e.message))
+        })?,
         Some(v) => {
             return Err(ApiError::bad(
                 "stream_options",
@@ -3930,7 +3919,6 @@ fn usage(prompt: usize, outs: &[Box<RequestOutput>]) -> Value {
 /// streamed.
 fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: Option<Bootstrap>) {
     let received = std::time::Instant::now();
-    shared.next_id.fetch_add(1, Ordering::Relaxed);
     // Random, as vLLM's (a uuid's 32 hex digits): unique across restarts and servers.
     let id = format!(
         "{}-{}{}",

@@ -1825,55 +1825,48 @@ fn unwritable_output_is_an_error_not_a_panic() {
 #[test]
 fn a_broken_generation_config_is_said() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("m");
-    std::fs::create_dir(&dir).unwrap();
-    for e in std::fs::read_dir(root().join("fixtures/v3/r1_tiny")).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
-    }
-    std::fs::write(dir.join("generation_config.json"), "{bad").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
-        .args([
-            "generate",
-            "--prompt",
-            "hi",
-            "--max-new-tokens",
-            "2",
-            "--model",
-        ])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
+    let dir = copy_of_r1_tiny(tmp.path());
+    // Generates two tokens with `generation_config.json` holding `text`: its stderr.
+    let stderr_with = |text: &str| {
+        std::fs::write(dir.join("generation_config.json"), text).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args([
+                "generate",
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "2",
+                "--model",
+            ])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        err
+    };
+    let err = stderr_with("{bad");
     assert!(
         err.contains("generation_config.json is not valid JSON"),
         "{err}"
     );
     // An EOS that is not a token id is said too.
-    std::fs::write(
-        dir.join("generation_config.json"),
-        r#"{"eos_token_id": [1, "x"]}"#,
-    )
-    .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
-        .args([
-            "generate",
-            "--prompt",
-            "hi",
-            "--max-new-tokens",
-            "2",
-            "--model",
-        ])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
+    let err = stderr_with(r#"{"eos_token_id": [1, "x"]}"#);
     assert!(
         err.contains(r#"eos_token_id "x" is not a token id"#),
         "{err}"
     );
+}
+
+/// A copy of the r1_tiny fixture in `under/m`, to change its files.
+fn copy_of_r1_tiny(under: &std::path::Path) -> PathBuf {
+    let dir = under.join("m");
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(r1_tiny()).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    dir
 }
 
 /// Without `--max-new-tokens` a long prompt gets what the context leaves (256 at most); a
@@ -1881,12 +1874,7 @@ fn a_broken_generation_config_is_said() {
 #[test]
 fn the_default_output_length_fits_the_context() {
     let dir = tempfile::tempdir().unwrap();
-    let m = dir.path().join("m");
-    std::fs::create_dir_all(&m).unwrap();
-    for e in std::fs::read_dir(r1_tiny()).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, m.join(p.file_name().unwrap())).unwrap();
-    }
+    let m = copy_of_r1_tiny(dir.path());
     let cfg = m.join("config.json");
     let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
     c["max_position_embeddings"] = 32.into();
