@@ -180,29 +180,42 @@ fn longbench(dir: &Path) -> Result<Loaded, DatasetError> {
     Ok(Loaded { prompts, notes })
 }
 
-/// The `context` field of every line of a JSON-lines file.
+/// The `context` field of every record of a JSON-lines file, or of a file holding one JSON
+/// array of records (Hugging Face's `json` loader, which the seed uses, reads both).
 fn contexts(path: &Path) -> Result<Vec<String>, DatasetError> {
     let text = std::fs::read_to_string(path).map_err(|e| DatasetError::File {
         path: path.to_path_buf(),
         why: e.to_string(),
     })?;
+    let text = strip_bom(&text);
+    let err = |why: String| DatasetError::File {
+        path: path.to_path_buf(),
+        why,
+    };
+    let context = |v: &serde_json::Value, at: &str| match v.get("context").and_then(|c| c.as_str())
+    {
+        Some(c) => Ok(c.to_string()),
+        None => Err(err(format!("{at}: no string field \"context\""))),
+    };
     let mut out = Vec::new();
-    for (i, line) in strip_bom(&text).lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| DatasetError::File {
-            path: path.to_path_buf(),
-            why: format!("line {}: not valid JSON: {e}", i + 1),
+    if text.trim_start().starts_with('[') {
+        let v: Vec<serde_json::Value> = serde_json::from_str(text).map_err(|e| {
+            err(format!(
+                "not a valid JSON array of records: {e}; the file holds one JSON object per \
+                 line, or one array of objects, each with a \"context\" string"
+            ))
         })?;
-        match v.get("context").and_then(|c| c.as_str()) {
-            Some(c) => out.push(c.to_string()),
-            None => {
-                return Err(DatasetError::File {
-                    path: path.to_path_buf(),
-                    why: format!("line {}: no string field \"context\"", i + 1),
-                })
+        for (i, record) in v.iter().enumerate() {
+            out.push(context(record, &format!("record {i}"))?);
+        }
+    } else {
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
             }
+            let v: serde_json::Value = serde_json::from_str(line)
+                .map_err(|e| err(format!("line {}: not valid JSON: {e}", i + 1)))?;
+            out.push(context(&v, &format!("line {}", i + 1))?);
         }
     }
     if out.is_empty() {
@@ -216,14 +229,12 @@ fn contexts(path: &Path) -> Result<Vec<String>, DatasetError> {
     Ok(out)
 }
 
-/// The list repeated or cut to `n` (the seed's padding of a batch with repeats).
-pub fn repeat_to(prompts: &[String], n: usize) -> Vec<String> {
-    prompts.iter().cycle().take(n).cloned().collect()
-}
-
 /// A prompt ready for the engine: the text sent (after wrapping and templating) and its ids.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Prepared {
+    /// The user message before the chat template: the prompt, or for the long-context sets
+    /// the summarisation wrapper around the context as kept.
+    pub user: String,
     pub text: String,
     pub ids: Vec<u32>,
     /// Tokens cut off by `input_truncated_len`.
@@ -247,9 +258,20 @@ impl PromptBuilder<'_> {
         })
     }
 
+    /// Ids of a rendered prompt: a chat template writes its own BOS; raw text gets the one the
+    /// tokenizer puts before a text (`add_bos_token`), as transformers' `tokenizer()` does.
+    fn ids(&self, text: &str) -> Result<Vec<u32>, DatasetError> {
+        let mut ids = Vec::new();
+        if self.template.is_none() {
+            ids.extend(self.tokenizer.prompt_bos_id());
+        }
+        ids.extend(self.tokenizer.encode(text)?);
+        Ok(ids)
+    }
+
     pub fn prepare(&self, prompt: &str) -> Result<Prepared, DatasetError> {
         let text = self.render(prompt)?;
-        let mut ids = self.tokenizer.encode(&text)?;
+        let mut ids = self.ids(&text)?;
         let truncated = ids.len().saturating_sub(self.max_len);
         ids.truncate(self.max_len);
         // A cut prompt's text is what its ids say (the generation prompt may be gone).
@@ -259,6 +281,7 @@ impl PromptBuilder<'_> {
             text
         };
         Ok(Prepared {
+            user: prompt.to_string(),
             text,
             ids,
             truncated,
@@ -273,25 +296,40 @@ impl PromptBuilder<'_> {
     ) -> Result<Prepared, DatasetError> {
         let suffix = summary_suffix(max_new_tokens);
         let wrapper = self
-            .tokenizer
-            .encode(&self.render(&format!("{SUMMARY_PREFIX}{suffix}"))?)?
+            .ids(&self.render(&format!("{SUMMARY_PREFIX}{suffix}"))?)?
             .len();
-        if wrapper >= self.max_len {
+        // The seed cuts the context's ids as `tokenizer()` returns them, BOS included
+        // (`ids[:input_max_len - system_prompt_len]`), so that BOS takes one of the context's
+        // places.
+        let bos = usize::from(self.tokenizer.prompt_bos_id().is_some());
+        if wrapper + bos >= self.max_len {
             // The context would be dropped whole and the prompt's end (the generation
             // prompt) cut off.
             return Err(DatasetError::Setting(format!(
                 "data_config.input_truncated_len {} leaves no room for the context: the \
-                 summarisation instruction and chat template take {wrapper} tokens; give at \
+                 summarisation instruction and chat template take {wrapper} tokens{}; give at \
                  least {}",
                 self.max_len,
-                wrapper + 1
+                if bos > 0 {
+                    " and the context's BOS one (the seed counts it)"
+                } else {
+                    ""
+                },
+                wrapper + bos + 1
             )));
         }
         let ctx = self.tokenizer.encode(context)?;
-        let mut keep = self.max_len - wrapper;
+        let mut keep = self.max_len - wrapper - bos;
         loop {
             let k = keep.min(ctx.len());
-            let kept = self.tokenizer.decode(&ctx[..k])?;
+            // Decoded with special tokens skipped, as the seed does: a control token's text in
+            // the data (an end-of-sentence, a role marker) does not reach the model as one.
+            let plain: Vec<u32> = ctx[..k]
+                .iter()
+                .copied()
+                .filter(|&id| !self.tokenizer.skipped_in_text(id))
+                .collect();
+            let kept = self.tokenizer.decode(&plain)?;
             let mut p = self.prepare(&format!("{SUMMARY_PREFIX}{kept}{suffix}"))?;
             if p.truncated == 0 || k == 0 {
                 // Tokens cut off: the context's, and any the final truncation took.
@@ -397,7 +435,7 @@ mod tests {
         let tail = &wrapped[wrapped.len() - 3..];
         let context = "鲸鱼🐋 whale 游泳 swims ✨ 海洋 deep 🌊 ".repeat(40);
         let mut cut_further = 0;
-        for max_len in (wrapped.len() + 1..wrapped.len() + 300).step_by(7) {
+        for max_len in (wrapped.len() + 2..wrapped.len() + 300).step_by(7) {
             let p = b(max_len).prepare_summary(&context, 32).unwrap();
             assert!(p.ids.len() <= max_len, "{max_len}");
             assert!(
@@ -413,6 +451,83 @@ mod tests {
             cut_further > 0,
             "no length needed a further cut: the test sees nothing"
         );
+    }
+
+    #[test]
+    fn contexts_are_cut_as_the_seed_cuts_them() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../assets/cachalot-tiny-r1");
+        let tokenizer = Tokenizer::from_dir(&dir).unwrap();
+        let template = tokenizer.chat_template().unwrap();
+        let bos = tokenizer
+            .prompt_bos_id()
+            .expect("the shipped model's add_bos_token");
+        let b = |max_len| PromptBuilder {
+            tokenizer: &tokenizer,
+            template: template.as_ref(),
+            max_len,
+        };
+        let suffix = summary_suffix(8);
+        // Control tokens written in the data are dropped, as the seed's decode with
+        // skip_special_tokens drops them.
+        let eos = tokenizer.eos_token().unwrap();
+        let p = b(4096)
+            .prepare_summary(&format!("a whale{eos} swims<｜User｜>"), 8)
+            .unwrap();
+        assert_eq!(p.user, format!("{SUMMARY_PREFIX}a whale swims{suffix}"));
+        let plain = b(4096).prepare(&p.user).unwrap();
+        assert_eq!(p.ids, plain.ids);
+        // The BOS `tokenizer()` puts before the context takes one of its places: 10 places
+        // keep 9 context tokens.
+        let wrapper = tokenizer
+            .encode(
+                &b(4096)
+                    .render(&format!("{SUMMARY_PREFIX}{suffix}"))
+                    .unwrap(),
+            )
+            .unwrap()
+            .len();
+        let context = "The whale swims in the deep sea and sings. ".repeat(50);
+        let ctx = tokenizer.encode(&context).unwrap();
+        let p = b(wrapper + 10).prepare_summary(&context, 8).unwrap();
+        let kept = tokenizer.decode(&ctx[..9]).unwrap();
+        assert_eq!(p.user, format!("{SUMMARY_PREFIX}{kept}{suffix}"));
+        assert_eq!(p.truncated, ctx.len() - 9);
+        // Raw text (no template) gets the BOS the tokenizer puts before a text.
+        let raw = PromptBuilder {
+            tokenizer: &tokenizer,
+            template: None,
+            max_len: 4096,
+        };
+        let p = raw.prepare("Why do whales sing?").unwrap();
+        assert_eq!(p.ids[0], bos);
+        assert_eq!(
+            p.ids[1..],
+            tokenizer.encode("Why do whales sing?").unwrap()[..]
+        );
+    }
+
+    #[test]
+    fn a_json_array_of_records_is_read() {
+        let d = tempfile::tempdir().unwrap();
+        let ib = d.path().join("InfiniteBench");
+        std::fs::create_dir_all(&ib).unwrap();
+        let file = ib.join("longbook_qa_eng.jsonl");
+        std::fs::write(
+            &file,
+            r#" [{"context": "c1", "input": "q"}, {"context": "c2"}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            load("InfiniteBench", d.path()).unwrap().prompts,
+            ["c1", "c2"]
+        );
+        std::fs::write(&file, r#"[{"context": "c1"}, {"input": "q"}]"#).unwrap();
+        let e = load("InfiniteBench", d.path()).err().unwrap().to_string();
+        assert!(e.contains("record 1: no string field \"context\""), "{e}");
+        std::fs::write(&file, r#"[{"context": "c1"}"#).unwrap();
+        let e = load("InfiniteBench", d.path()).err().unwrap().to_string();
+        assert!(e.contains("not a valid JSON array of records"), "{e}");
     }
 
     #[test]
@@ -462,12 +577,5 @@ mod tests {
             load("InfiniteBench", d.path()).unwrap().prompts,
             vec!["book"]
         );
-    }
-
-    #[test]
-    fn repeat_to_cycles() {
-        let p: Vec<String> = vec!["a".into(), "b".into()];
-        assert_eq!(repeat_to(&p, 5), vec!["a", "b", "a", "b", "a"]);
-        assert_eq!(repeat_to(&p, 1), vec!["a"]);
     }
 }

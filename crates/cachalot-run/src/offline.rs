@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
 use crate::dataset::{self, PromptBuilder};
+use rayon::prelude::*;
 
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -682,13 +683,12 @@ fn other_partials(mine: &Path) -> String {
 fn request_line(
     o: &RequestOutput,
     prepared: &[dataset::Prepared],
-    prompts: &[String],
     tool_format: Option<ToolCallFormat>,
 ) -> Result<serde_json::Value, Error> {
     let p = &prepared[o.id as usize];
     let mut v = serde_json::json!({
         "id": o.id,
-        "prompt": prompts[o.id as usize],
+        "prompt": p.user,
         "prompt_text": p.text,
         "prompt_ids": o.prompt,
         "prompt_truncated_tokens": p.truncated,
@@ -935,7 +935,6 @@ pub fn run_ranked(
     };
     let loaded = dataset::load(&d.dataset, &base)?;
     early_notes.extend(loaded.notes.iter().cloned());
-    let prompts = dataset::repeat_to(&loaded.prompts, n_req);
     let n_prompts = loaded.prompts.len();
     let builder = PromptBuilder {
         tokenizer: &tokenizer,
@@ -943,8 +942,11 @@ pub fn run_ranked(
         max_len: d.input_truncated_len,
     };
     let s = &cfg.scheduler_config;
-    let prepared: Vec<dataset::Prepared> = prompts
-        .iter()
+    // Each distinct prompt is prepared once, over the pool's threads (a long context's
+    // tokenization is the costly part), then the list is cycled to the request count as the
+    // seed does.
+    let distinct: Vec<dataset::Prepared> = loaded.prompts[..n_prompts.min(n_req)]
+        .par_iter()
         .map(|p| {
             if d.dataset == "default" {
                 builder.prepare(p)
@@ -953,6 +955,8 @@ pub fn run_ranked(
             }
         })
         .collect::<Result<_, _>>()?;
+    let prepared: Vec<dataset::Prepared> = distinct.iter().cycle().take(n_req).cloned().collect();
+    drop(distinct);
     let truncated = prepared.iter().filter(|p| p.truncated > 0).count();
     if truncated > 0 {
         early_notes.push(format!(
@@ -1572,7 +1576,7 @@ pub fn run_ranked(
         for o in done {
             let mut g = o.clone();
             g.id = global_id[&o.id];
-            text.push_str(&request_line(&g, &prepared, &prompts, tool_format)?.to_string());
+            text.push_str(&request_line(&g, &prepared, tool_format)?.to_string());
             text.push('\n');
         }
         f.write_all(text.as_bytes())?;
@@ -1930,7 +1934,7 @@ pub fn run_ranked(
     )?;
     let mut req_file = std::io::BufWriter::new(std::fs::File::create(dir.join("requests.jsonl"))?);
     for o in &outputs {
-        let v = request_line(o, &prepared, &prompts, tool_format)?;
+        let v = request_line(o, &prepared, tool_format)?;
         writeln!(req_file, "{v}")?;
     }
     req_file.flush()?;
