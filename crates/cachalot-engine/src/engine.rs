@@ -124,6 +124,12 @@ pub trait Model {
     fn why_no_prefix_caching(&self) -> String {
         "this model's cache cannot be shared between requests (prefix caching)".into()
     }
+    /// A prompt's bits depend on where it is cut into chunks (a C8 cache: a chunk attends to
+    /// its own rows un-quantized and to earlier chunks' as int8), so the scheduler cuts every
+    /// prompt at the same places, whatever else runs ([`SchedulerConfig::fixed_chunks`]).
+    fn prompt_bits_depend_on_chunks(&self) -> bool {
+        false
+    }
     /// A generated position's cache entries have the bits a prefill of the same tokens writes
     /// (no path that depends on whether a position is a prompt's), so prefix caching may share
     /// blocks of generated tokens too (a second turn that repeats the first exchange).
@@ -204,6 +210,11 @@ impl Model for DeepseekV3 {
         // int8, so a prompt cut after cached blocks would not get its whole prefill's bits.
         // force_eplb: a token's experts depend on its place in the step.
         self.cache_spec().int8_width == 0 && !self.forces_eplb()
+    }
+    fn prompt_bits_depend_on_chunks(&self) -> bool {
+        // C8: the naive path attends to the step's own latents un-quantized (spec
+        // `deepseek-v3-r1-kimi-k2.md` §3.4: the seed's prefill only stores int8).
+        self.cache_spec().int8_width > 0
     }
     fn why_no_prefix_caching(&self) -> String {
         if self.forces_eplb() {
@@ -348,6 +359,9 @@ impl<T: Model + ?Sized> Model for &T {
     }
     fn why_no_prefix_caching(&self) -> String {
         (**self).why_no_prefix_caching()
+    }
+    fn prompt_bits_depend_on_chunks(&self) -> bool {
+        (**self).prompt_bits_depend_on_chunks()
     }
     fn generated_rows_are_prefill_rows(&self) -> bool {
         (**self).generated_rows_are_prefill_rows()
@@ -969,6 +983,7 @@ impl<'t, M: Model> Engine<'t, M> {
             SchedulerConfig {
                 batch_size: cfg.batch_size,
                 max_prefill_tokens: cfg.max_prefill_tokens,
+                fixed_chunks: model.prompt_bits_depend_on_chunks(),
             },
             KvBlockManager::new(cfg.num_blocks, cfg.block_size),
         );

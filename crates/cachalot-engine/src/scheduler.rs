@@ -56,6 +56,12 @@ pub struct SchedulerConfig {
     pub batch_size: usize,
     /// Prompt (and recompute) tokens per step, over all requests; decode tokens are not counted.
     pub max_prefill_tokens: usize,
+    /// Cut every prompt at the same places whatever else runs: chunks end at multiples of
+    /// `max_prefill_tokens` (or at the prompt's end), and a chunk that does not fit what is
+    /// left of a step's budget waits for the next step instead of being cut shorter. For
+    /// models whose prompt bits depend on the cut (a C8 cache), so a request's output does not
+    /// depend on the traffic beside it.
+    pub fixed_chunks: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -609,7 +615,18 @@ impl Scheduler {
         } else if s.num_computed < s.prompt_len {
             // A recompute stops at the end of the prompt: its generated tokens run in chunks of
             // their own, so the model can compute them as their decode steps did.
-            remaining.min(s.prompt_len - s.num_computed).min(budget)
+            let rest = remaining.min(s.prompt_len - s.num_computed);
+            if self.cfg.fixed_chunks {
+                let b = self.cfg.max_prefill_tokens.max(1);
+                let chunk = rest.min(b - s.num_computed % b);
+                if chunk <= budget {
+                    chunk
+                } else {
+                    0
+                }
+            } else {
+                rest.min(budget)
+            }
         } else {
             remaining.min(budget)
         }
@@ -761,6 +778,7 @@ mod tests {
             SchedulerConfig {
                 batch_size: batch,
                 max_prefill_tokens: budget,
+                fixed_chunks: false,
             },
             KvBlockManager::new(blocks, bs),
         )
@@ -816,6 +834,39 @@ mod tests {
         s.append_token(2);
         let p = s.schedule();
         assert!(p.items.iter().all(|i| i.decode && i.len == 1), "{p:?}");
+    }
+
+    #[test]
+    fn fixed_chunks_wait_rather_than_cut_shorter() {
+        let mut s = sched(64, 4, 8, 10);
+        s.cfg.fixed_chunks = true;
+        s.add(1, 25, 30).unwrap();
+        s.add(2, 3, 10).unwrap();
+        let p = s.schedule();
+        assert_eq!((p.items[0].start, p.items[0].len), (0, 10));
+        let p = s.schedule();
+        assert_eq!((p.items[0].start, p.items[0].len), (10, 10));
+        // 5 left of 1's prompt, and 2's 3 tokens fit the 5 of budget left.
+        let p = s.schedule();
+        assert_eq!((p.items[0].start, p.items[0].len), (20, 5));
+        assert_eq!((p.items[1].id, p.items[1].len), (2, 3));
+        // A prompt that would be cut by the budget left waits for the next step.
+        let mut s = sched(64, 4, 8, 10);
+        s.cfg.fixed_chunks = true;
+        s.add(1, 7, 30).unwrap();
+        s.add(2, 6, 30).unwrap();
+        let p = s.schedule();
+        assert_eq!(p.items.len(), 1, "{p:?}");
+        s.append_token(1);
+        let p = s.schedule();
+        assert_eq!(p.items.len(), 2, "{p:?}");
+        assert_eq!((p.items[1].id, p.items[1].start, p.items[1].len), (2, 0, 6));
+        // Without fixed chunks the second prompt takes the 3 left in the first step.
+        let mut s = sched(64, 4, 8, 10);
+        s.add(1, 7, 30).unwrap();
+        s.add(2, 6, 30).unwrap();
+        let p = s.schedule();
+        assert_eq!((p.items[1].id, p.items[1].len), (2, 3), "{p:?}");
     }
 
     #[test]
@@ -1022,9 +1073,18 @@ mod tests {
                     if s.has_unfinished() {
                         prop_assert!(!plan.is_empty(), "nothing scheduled");
                     }
+                    let cfg = s.config();
                     for it in &plan.items {
                         prop_assert!(it.drafts == 0 || it.decode, "{:?}", it);
                         prop_assert!(it.drafts <= lookahead);
+                        let prompt = lens[&it.id].0;
+                        if cfg.fixed_chunks && it.start < prompt {
+                            // Every prompt cut at the same places: multiples of the budget.
+                            let b = cfg.max_prefill_tokens;
+                            let end = it.start + it.len;
+                            prop_assert!(it.start % b == 0, "{:?}", it);
+                            prop_assert!(end % b == 0 || end == prompt, "{:?}", it);
+                        }
                     }
                     complete_spec_step(&mut s, &plan, &lens, &mut generated, &mut *accept);
                 }
@@ -1159,6 +1219,22 @@ mod tests {
             ops in proptest::collection::vec(op(), 1..80),
         ) {
             run_ops(sched(blocks, bs, batch, budget), 0, ops, &mut |_| 0)?;
+        }
+
+        /// The same with every prompt cut at fixed places (a C8 cache): no prompt chunk is cut
+        /// by what else runs, and every step still makes progress.
+        #[test]
+        fn fixed_chunks_cut_every_prompt_alike(
+            blocks in 2usize..24,
+            bs in 1usize..6,
+            batch in 1usize..6,
+            budget in 1usize..20,
+            lookahead in 0usize..3,
+            ops in proptest::collection::vec(op(), 1..80),
+        ) {
+            let mut s = sched(blocks, bs, batch, budget);
+            s.cfg.fixed_chunks = true;
+            run_ops(s, lookahead, ops, &mut |n| n / 2)?;
         }
 
         /// Prefix caching under any sequence of admissions, chunked prefills, finishes,

@@ -340,6 +340,21 @@ fn with_ckpt_false_runs_random_weights_of_the_configs_shapes() {
         Err(e) => e.to_string(),
     };
     assert!(e.contains("C8"), "{e}");
+    // Under C8 a prompt's bits depend on where it is cut into chunks (its own rows are read
+    // un-quantized, earlier chunks' as int8): every prompt is cut at the same places whatever
+    // runs beside it, so a request's output does not depend on its batch.
+    let by_batch = |batch: usize| {
+        let mut c = cfg.clone();
+        c.scheduler_config.batch_size = batch;
+        c.scheduler_config.max_prefill_tokens = 7;
+        c.data_config.num_requests = Some(6);
+        let r = run(&c, &opts(tmp.path(), None)).unwrap();
+        let mut out: Vec<(u64, Vec<u32>)> =
+            r.outputs.iter().map(|o| (o.id, o.tokens.clone())).collect();
+        out.sort();
+        out
+    };
+    assert_eq!(by_batch(1), by_batch(4));
 
     // A Kimi-K2-Thinking-style directory (compressed-tensors pack-quantized int4 experts): the
     // random weights are written in that layout and loaded as such, not converted.
