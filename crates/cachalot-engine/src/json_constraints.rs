@@ -547,6 +547,13 @@ impl Bounds {
         self.meets(-top, top, true)
     }
 
+    /// Some number of any size is inside the bounds (on a multiple of a fractional step): where
+    /// [`Bounds::has_value`] is false but this true, the bounds' values all lie beyond what is
+    /// written.
+    pub(crate) fn has_value_anywhere(&self) -> bool {
+        self.meets(f64::NEG_INFINITY, f64::INFINITY, false)
+    }
+
     /// Integer digits written under these bounds: MAX_INT_DIGITS, less a decimal step's
     /// decimals (the value scaled by 10^decimals stays below 2^53).
     pub(crate) fn max_int_digits(&self) -> usize {

@@ -1015,7 +1015,17 @@ impl Compiler<'_> {
         }
         // Numbers on a decimal step (or under bounds) with no value inside the bounds below
         // 10^15, where they are written: no number.
+        let beyond = |what: &str| {
+            format!(
+                "{at}: every {what} inside the bounds is 10^15 or more in magnitude, beyond \
+                 what structured output writes under bounds"
+            )
+        };
         if !node.bounds.is_none() && node.types & NUM != 0 && !node.bounds.has_value() {
+            // Values exist, only not where they are written: said, not a type dropped.
+            if node.bounds.has_value_anywhere() {
+                return Err(beyond("number"));
+            }
             node.types &= !(NUM | INT);
             if node.types == 0 {
                 return Err(format!(
@@ -1035,6 +1045,9 @@ impl Compiler<'_> {
             )
         };
         if node.types & (INT | NUM) == INT && !node.bounds.meets_int(lo_w, hi_w) {
+            if node.bounds.meets_int(f64::NEG_INFINITY, f64::INFINITY) {
+                return Err(beyond("integer"));
+            }
             node.types &= !INT;
             if node.types == 0 {
                 return Err(format!(
@@ -3597,6 +3610,19 @@ mod tests {
             ),
             (json!({"$ref": "#/$defs/missing"}), "$ref"),
             (json!({"type": "strings"}), "type"),
+            // Values that exist only beyond what is written are said, not a type dropped.
+            (
+                json!({"type": ["integer", "null"], "minimum": 1e16}),
+                "every integer inside the bounds is 10^15 or more",
+            ),
+            (
+                json!({"type": "integer", "minimum": 1e16}),
+                "every integer inside the bounds is 10^15 or more",
+            ),
+            (
+                json!({"type": ["number", "null"], "maximum": -1e16}),
+                "every number inside the bounds is 10^15 or more",
+            ),
         ] {
             let e = Schema::compile(&schema).unwrap_err();
             assert!(e.contains(word), "{e}");

@@ -48,7 +48,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -218,6 +218,19 @@ struct Job {
     events: mpsc::Sender<(usize, Event)>,
     choice: usize,
     kind: JobKind,
+    /// Set once the HTTP side has stopped waiting for it ([`ClientGone`]): the engine aborts
+    /// it at its next step, queued or running, with or without new text to send.
+    gone: Arc<AtomicBool>,
+}
+
+/// Sets its flag when dropped: held by a request's HTTP handler, so however the handler ends
+/// (answered, or its client gone at a failed write) the engine learns it no longer waits.
+struct ClientGone(Arc<AtomicBool>);
+
+impl Drop for ClientGone {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 enum JobKind {
@@ -966,7 +979,17 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
 /// whole context within half the memory available (the YAML's `mem_fraction_static`).
 fn pool_blocks<M: Model>(model: &M, set: &Settings) -> Result<usize> {
     // Before the server listens (its engine starts later, on its own thread).
+    if set.block_size as i64 > cachalot_run::config::MAX_BLOCK_SIZE {
+        bail!(
+            "--block-size {}: at most {} positions a block (as the YAML's block_size)",
+            set.block_size,
+            cachalot_run::config::MAX_BLOCK_SIZE
+        );
+    }
     model.check_block_size(set.block_size)?;
+    if set.prefix_caching == Some(true) && !model.supports_prefix_caching() {
+        bail!("--prefix-caching on: {}", model.why_no_prefix_caching());
+    }
     let per_block = cachalot_engine::engine::kv_bytes_per_block(model.cache_spec(), set.block_size);
     let per_seq = model.max_positions().div_ceil(set.block_size);
     // A state slot per running sequence (DeepSeek-V4's compact rings) comes out of the budget.
@@ -1024,6 +1047,7 @@ fn engine_loop<M: Model>(
         sent: usize,
         sent_logprobs: usize,
         room: Option<u64>,
+        gone: Arc<AtomicBool>,
     }
     type Live = HashMap<u64, Sink>;
     let rooms = rooms.as_deref();
@@ -1059,6 +1083,7 @@ fn engine_loop<M: Model>(
                         sent: 0,
                         sent_logprobs: 0,
                         room,
+                        gone: job.gone,
                     },
                 );
             }
@@ -1115,6 +1140,12 @@ fn engine_loop<M: Model>(
         }
         let mut gone = Vec::new();
         for (id, sink) in live.iter_mut() {
+            // A client that left while its request waited (queued, or a long prefill) is
+            // noticed here, not only when new text fails to reach it.
+            if sink.gone.load(Ordering::Relaxed) {
+                gone.push(*id);
+                continue;
+            }
             let Some(text) = engine.text_so_far(*id) else {
                 continue;
             };
@@ -1152,6 +1183,7 @@ fn engine_loop<M: Model>(
                 sent,
                 sent_logprobs,
                 room,
+                ..
             }) = live.remove(&out.id)
             else {
                 continue;
@@ -2535,7 +2567,7 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
 /// Fields of a completion or chat request this server reads, or knows from OpenAI's API and
 /// leaves unused (`user`, `metadata`, ...); any other is logged as ignored, as vLLM logs
 /// them (a misspelt `max_tokns` is not an error, but is said).
-const KNOWN_FIELDS: [&str; 58] = [
+const KNOWN_FIELDS: [&str; 59] = [
     "model",
     "prompt",
     "messages",
@@ -2594,6 +2626,7 @@ const KNOWN_FIELDS: [&str; 58] = [
     "web_search_options",
     "functions",
     "function_call",
+    "guided_whitespace_pattern",
 ];
 
 /// vLLM's `guided_json`, `structured_outputs: {"json" | "json_object"}` on top of
@@ -2609,6 +2642,24 @@ fn vllm_structured_outputs(
             return Err(ApiError::bad(
                 key,
                 "not supported: structured output here is JSON (response_format, guided_json)",
+            ));
+        }
+    }
+    if field(body, "guided_whitespace_pattern").is_some() {
+        return Err(ApiError::bad(
+            "guided_whitespace_pattern",
+            "not supported: structured output allows JSON's whitespace, in runs of at most 64 \
+             bytes inside a value and 2 around it",
+        ));
+    }
+    // OpenAI's deprecated function calling: a call it asks for would not be forced, nor its
+    // functions shown to the model.
+    for key in ["functions", "function_call"] {
+        if field(body, key).is_some() {
+            return Err(ApiError::bad(
+                key,
+                "the deprecated function-calling fields are not read: send `tools` \
+                 ([{\"type\": \"function\", \"function\": {...}}]) and `tool_choice`",
             ));
         }
     }
@@ -3215,6 +3266,43 @@ fn forced_call(
     // where the first parameter would, and the parameters are held to the tool's schema as
     // DSML (`cachalot_engine::dsml_args`) through the closing markup.
     let v4 = format == ToolCallFormat::DeepseekV4;
+    // A forced call's arguments are held to its tool's parameters: a schema using a keyword
+    // structured output does not support leaves them any object (README), but a broken one
+    // (contradictory bounds, an unknown type, a schema that does not describe an object) is
+    // the request's error, as in vLLM and OpenAI.
+    for (i, t) in tools
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let f = &t["function"];
+        if name.as_ref().is_some_and(|n| f["name"] != n.as_str()) {
+            continue;
+        }
+        let Some(p) = f.get("parameters").filter(|p| p.is_object()) else {
+            continue;
+        };
+        let typed = p.get("type").is_some();
+        let problem = if v4 {
+            cachalot_engine::dsml_args::DsmlSpec::compile(p).err()
+        } else {
+            match cachalot_engine::json_schema::Schema::compile(p) {
+                Ok(s) if typed && !s.takes_only_objects() => Some(
+                    "a call's arguments are a JSON object, which this schema does not describe"
+                        .into(),
+                ),
+                Ok(_) => None,
+                Err(e) => Some(e),
+            }
+        };
+        if let Some(e) = problem.filter(|e| !e.contains("not supported")) {
+            return Err(ApiError::bad(
+                "tools",
+                format!("tools[{i}].function.parameters: {e}"),
+            ));
+        }
+    }
     let dsml_param = format!("<{}parameter", cachalot_model::tokenizer::dsv4::DSML);
     let args_start = |f: &str| -> Option<usize> {
         let at = f.find(FORCED_ARGUMENTS)?;
@@ -3927,6 +4015,8 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
         unique_tag()
     );
     let (tx, rx) = mpsc::channel();
+    // Dropped when this handler returns: the engine then aborts what is left of the request.
+    let left = ClientGone(Arc::new(AtomicBool::new(false)));
     // Held (decode role) until the answer is done.
     let mut _permit = None;
     // One job kind per choice (a prefill or decode server's request: one KV per choice).
@@ -4019,6 +4109,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             events: tx.clone(),
             choice,
             kind,
+            gone: left.0.clone(),
         };
         if let Err(mpsc::SendError(job)) = shared.jobs.send(job) {
             if let (JobKind::Export(room), Some(rooms)) = (job.kind, &shared.rooms) {
@@ -4417,7 +4508,21 @@ fn stream(
         )
     };
     while choices.iter().any(|c| c.out.is_none()) {
-        let ok = match rx.recv() {
+        let got = loop {
+            match rx.recv_timeout(shared.keepalive) {
+                Ok(ev) => break Ok(ev),
+                // Nothing to send for a while (queued, a long prefill): an SSE comment, which
+                // clients skip, so a client that left is noticed at a failed write and its
+                // request aborted rather than run for nobody.
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if !write_chunk(&mut w, b": keep-alive\n\n") {
+                        return;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break Err(mpsc::RecvError),
+            }
+        };
+        let ok = match got {
             Ok((i, Event::Text(t, lps))) => {
                 let ch = &mut choices[i];
                 if call.chat {

@@ -371,6 +371,23 @@ pub(crate) fn tools_problem(v: &serde_json::Value) -> Option<String> {
                 "tool {i} has type {kind}; only \"function\" tools exist"
             ));
         }
+        // A name is written into the template's call markup, which whitespace or control
+        // characters would break (R1's name line, Kimi-K2's `functions.NAME:INDEX`).
+        let name = name.unwrap_or_default();
+        if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Some(format!(
+                "tool {i}'s function name {name:?} holds whitespace or control characters; \
+                 use letters, digits, '_' and '-'"
+            ));
+        }
+        if let Some(p) = t["function"].get("parameters").filter(|p| !p.is_null()) {
+            if !p.is_object() && !p.is_boolean() {
+                return Some(format!(
+                    "tool {i}'s parameters are {p}, not a JSON Schema (an object such as \
+                     {{\"type\": \"object\", \"properties\": {{...}}}})"
+                ));
+            }
+        }
     }
     None
 }

@@ -199,9 +199,10 @@ fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
 fn events(addr: &str, path: &str, body: &Value) -> Vec<String> {
     let (status, text) = http(addr, "POST", path, &body.to_string());
     assert_eq!(status, 200, "{text}");
+    // Comments (`: keep-alive`, sent while nothing else is) are skipped, as SSE clients do.
     let ev: Vec<String> = text
         .split("\n\n")
-        .filter(|e| !e.is_empty())
+        .filter(|e| !e.is_empty() && !e.starts_with(':'))
         .map(|e| {
             e.strip_prefix("data: ")
                 .expect("an SSE data line")
@@ -757,6 +758,36 @@ fn serve_aborts_requests_whose_client_left() {
     for stream in [false, true] {
         leave_a_long_request(addr, stream, &server, usize::from(stream) + 1);
     }
+    // A streamed request whose client leaves while it waits behind another is aborted while
+    // it waits (keep-alive comments find the closed connection), not once it runs: the other
+    // is still running when the abort is logged.
+    let holder = {
+        let addr = addr.to_string();
+        std::thread::spawn(move || {
+            post(
+                &addr,
+                "/v1/completions",
+                &json!({"prompt": "The whale", "max_tokens": 4000, "ignore_eos": true}),
+            )
+        })
+    };
+    let running = || {
+        let (_, metrics) = http(addr, "GET", "/metrics", "");
+        metrics
+            .lines()
+            .any(|l| l.starts_with("cachalot:num_requests_running") && !l.ends_with(" 0"))
+    };
+    let t = std::time::Instant::now();
+    while !running() {
+        assert!(t.elapsed().as_secs() < 60, "the request never ran");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    leave_a_long_request(addr, true, &server, 3);
+    assert!(
+        running(),
+        "the queued request was not aborted while it waited"
+    );
+    assert_eq!(holder.join().unwrap().0, 200);
     // The slot is free again: a short request is answered.
     let (status, r) = post(
         addr,
@@ -1793,6 +1824,63 @@ fn serve_forces_tool_calls() {
         );
         assert!(e["error"]["message"].as_str().unwrap().contains(why), "{e}");
     }
+    // A forced call's broken parameters are the request's error (as vLLM's and OpenAI's), not
+    // left unenforced; so are names that would break the call markup and parameters that are
+    // no schema.
+    let with_tool = |name: &str, parameters: Value, choice: Value| {
+        json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+               "tools": [{"type": "function", "function": {"name": name,
+                          "parameters": parameters}}],
+               "tool_choice": choice})
+    };
+    let named = json!({"type": "function", "function": {"name": "f"}});
+    for (body, why) in [
+        (
+            with_tool(
+                "f",
+                json!({"type": "object", "properties": {"n": {"type": "integer",
+                       "minimum": 5, "maximum": 3}}, "required": ["n"]}),
+                named.clone(),
+            ),
+            "tools[0].function.parameters",
+        ),
+        (
+            with_tool("f", json!({"type": "string"}), json!("required")),
+            "tools[0].function.parameters",
+        ),
+        (
+            with_tool("f", json!({"type": "foo"}), named.clone()),
+            "tools[0].function.parameters",
+        ),
+        (
+            with_tool("a b", json!({}), json!("auto")),
+            "whitespace or control",
+        ),
+        (
+            with_tool("f", json!("object"), json!("auto")),
+            "not a JSON Schema",
+        ),
+    ] {
+        let (status, e) = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(
+            (status, e["error"]["param"].as_str()),
+            (400, Some("tools")),
+            "{e}"
+        );
+        assert!(e["error"]["message"].as_str().unwrap().contains(why), "{e}");
+    }
+    // A keyword structured output does not support leaves the arguments any object (README).
+    let (status, v) = post(
+        addr,
+        "/v1/chat/completions",
+        &with_tool(
+            "f",
+            json!({"type": "object", "properties": {"n": {"type": "integer"}},
+                   "dependentRequired": {"n": ["m"]}}),
+            named,
+        ),
+    );
+    assert_eq!(status, 200, "{v}");
     let (status, e) = post(
         addr,
         "/v1/chat/completions",
@@ -2003,6 +2091,12 @@ fn serve_json_mode() {
     for (extra, param) in [
         (json!({"guided_regex": "[a-z]+"}), "guided_regex"),
         (json!({"guided_choice": ["a", "b"]}), "guided_choice"),
+        (
+            json!({"guided_whitespace_pattern": " ?"}),
+            "guided_whitespace_pattern",
+        ),
+        (json!({"functions": [{"name": "f"}]}), "functions"),
+        (json!({"function_call": {"name": "f"}}), "function_call"),
         (
             json!({"structured_outputs": {"regex": "x"}}),
             "structured_outputs",
