@@ -420,7 +420,7 @@ fn json_mask(
 
 /// NaN logits mean broken weights (a NaN in a norm, the embedding, the head or a router spreads
 /// to every logit): sampling would silently pick token 0 or skip the NaN ids, so it is an error.
-fn check_logits(logits: &[f32], what: &str) -> Result<(), EngineError> {
+pub(crate) fn check_logits(logits: &[f32], what: &str) -> Result<(), EngineError> {
     if logits.iter().any(|x| x.is_nan()) {
         return Err(EngineError::Request(format!(
             "{what} produced NaN logits: the checkpoint holds non-finite weights (a NaN in a \

@@ -316,6 +316,7 @@ pub fn generate<M: Model + ?Sized>(
         }
         let out = Model::forward(model, &batch, &mut cache)?;
         let logits = &out[out.len() - vocab..];
+        crate::engine::check_logits(logits, "the model")?;
         let next = sampler.sample(logits);
         let dt = t0.elapsed().as_secs_f64();
         if pos == 0 {

@@ -404,7 +404,7 @@ impl Compiler<'_> {
                 .as_str()
                 .ok_or_else(|| format!("{at}/$ref: not a string"))?;
             let target = ref_target(self.root, r).ok_or_else(|| {
-                format!("{at}/$ref: {r:?} is not a schema under this schema's $defs or definitions")
+                format!("{at}/$ref: {r:?} does not point at a schema in this document (`#`, or `#/$defs/NAME`)")
             })?;
             // Constraints beside a reference (2020-12 allows them): both hold, as an allOf
             // (before the reference's compiled node is reused, which holds the target only).
@@ -1254,13 +1254,13 @@ fn short_path(at: &str) -> String {
     format!("{head}…{tail}")
 }
 
-/// The schema a `$ref` names under the root's `$defs` or `definitions`.
+/// The schema a `$ref` names within the document: `#` (the root: a recursive schema), or a
+/// JSON pointer after `#` (`#/$defs/Node`, `#/definitions/a~1b` for key `a/b`, `~0` for `~`;
+/// into `properties` too).
 fn ref_target<'a>(root: &'a Value, r: &str) -> Option<&'a Value> {
-    let (section, k) = r
-        .strip_prefix("#/$defs/")
-        .map(|k| ("$defs", k))
-        .or_else(|| r.strip_prefix("#/definitions/").map(|k| ("definitions", k)))?;
-    root.get(section)?.get(k)
+    let pointer = r.strip_prefix('#')?;
+    root.pointer(pointer)
+        .filter(|t| t.is_object() || t.is_boolean())
 }
 
 /// `allOf` (with any constraints beside it) as one schema: the members' constraints
@@ -1325,7 +1325,7 @@ fn flatten(root: &Value, s: &Value, at: &str, depth: usize) -> Result<Value, Str
             .all(|k| ANNOTATIONS.contains(&k.as_str()) || k == "$ref")
         {
             let target = ref_target(root, r).ok_or_else(|| {
-                format!("{at}/$ref: {r:?} is not a schema under this schema's $defs or definitions")
+                format!("{at}/$ref: {r:?} does not point at a schema in this document (`#`, or `#/$defs/NAME`)")
             })?;
             return flatten(root, target, r, depth + 1);
         }
@@ -3533,6 +3533,24 @@ mod tests {
             "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"});
         assert!(!accepts(&chain, r#"{"b": 5"#).0);
         assert_eq!(accepts(&chain, r#"{"b": {"b": {}}}"#), (true, true));
+        // `#` is the root (a recursive schema); pointers unescape `~1` and `~0`.
+        let tree = json!({"type": "object", "properties": {"v": {"type": "integer"},
+                          "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+                          "required": ["v"], "additionalProperties": false});
+        assert_eq!(
+            accepts(&tree, r#"{"v": 1, "kids": [{"v": 2, "kids": []}]}"#),
+            (true, true)
+        );
+        assert!(!accepts(&tree, r#"{"v": 1, "kids": [{"w"#).0);
+        let slash = json!({"$defs": {"a/b": {"type": "null"}, "c~d": {"type": "boolean"}},
+                           "type": "array", "prefixItems": [{"$ref": "#/$defs/a~1b"},
+                           {"$ref": "#/$defs/c~0d"}], "items": false});
+        assert_eq!(accepts(&slash, "[null, true]"), (true, true));
+        assert!(!accepts(&slash, "[true").0);
+        refuse(
+            json!({"$ref": "#/$defs/a~1b"}),
+            "does not point at a schema",
+        );
         // Escaped keys are the properties they spell.
         let s = json!({"properties": {"a": {"type": "integer"}, "q\"x": {"type": "null"}},
                        "required": ["a"], "additionalProperties": false});

@@ -13,6 +13,10 @@ pub const THINK_CLOSE: &str = "</think>";
 pub struct ReasoningSplitter {
     in_reasoning: bool,
     held: String,
+    /// A marker that also ends the reasoning and begins the answer, itself kept in the answer
+    /// (Kimi-K2-Thinking may open its tool-call section without closing `<think>`, as vLLM's
+    /// `kimi_k2` reasoning parser reads it).
+    section: Option<&'static str>,
 }
 
 impl ReasoningSplitter {
@@ -22,7 +26,15 @@ impl ReasoningSplitter {
         ReasoningSplitter {
             in_reasoning: starts_in_reasoning,
             held: String::new(),
+            section: None,
         }
+    }
+
+    /// Reasoning also ends where `marker` begins (a tool-call section), the marker kept in the
+    /// answer for the tool-call parser.
+    pub fn ending_at(mut self, marker: Option<&'static str>) -> Self {
+        self.section = marker.filter(|m| !m.is_empty());
+        self
     }
 
     /// Whether a prompt leaves the model inside a reasoning block.
@@ -48,6 +60,17 @@ impl ReasoningSplitter {
             } else {
                 THINK_OPEN
             };
+            let section = self.section.filter(|_| self.in_reasoning);
+            // A tool-call section opened inside the reasoning ends it there (the marker stays).
+            if let Some(at) = section.and_then(|m| self.held.find(m)) {
+                if self.held.find(marker).is_none_or(|c| at < c) {
+                    let before: String = self.held[..at].to_string();
+                    self.emit(before, &mut out);
+                    self.held.drain(..at);
+                    self.in_reasoning = false;
+                    continue;
+                }
+            }
             if let Some(at) = self.held.find(marker) {
                 let before: String = self.held[..at].to_string();
                 self.emit(before, &mut out);
@@ -55,12 +78,15 @@ impl ReasoningSplitter {
                 self.in_reasoning = !self.in_reasoning;
                 continue;
             }
-            // Hold back a tail that may be the start of the marker.
+            // Hold back a tail that may be the start of a marker.
             let cut = self
                 .held
                 .char_indices()
                 .map(|(i, _)| i)
-                .find(|&i| marker.starts_with(&self.held[i..]))
+                .find(|&i| {
+                    let tail = &self.held[i..];
+                    marker.starts_with(tail) || section.is_some_and(|m| m.starts_with(tail))
+                })
                 .unwrap_or(self.held.len());
             let ready: String = self.held.drain(..cut).collect();
             self.emit(ready, &mut out);
@@ -72,6 +98,14 @@ impl ReasoningSplitter {
     /// may have opened the reasoning block itself, as R1's generation prompt does).
     pub fn split(prompt: &str, text: &str) -> (String, String) {
         ReasoningSplitter::new(Self::prompt_opens_reasoning(prompt)).split_whole(text)
+    }
+
+    /// [`ReasoningSplitter::split`], with reasoning also ending where `section` begins
+    /// ([`ReasoningSplitter::ending_at`]).
+    pub fn split_at(prompt: &str, text: &str, section: Option<&'static str>) -> (String, String) {
+        ReasoningSplitter::new(Self::prompt_opens_reasoning(prompt))
+            .ending_at(section)
+            .split_whole(text)
     }
 
     /// A whole `text` through this splitter, as (reasoning, answer).
@@ -156,6 +190,42 @@ mod tests {
         assert_eq!(
             split(false, &["plain <th"]),
             (String::new(), "plain <th".to_string())
+        );
+    }
+
+    /// Kimi-K2-Thinking may open its tool calls inside `<think>`: reasoning ends there, the
+    /// section stays in the answer (also when the marker comes in pieces), and a `</think>`
+    /// before it still ends the reasoning first.
+    #[test]
+    fn a_tool_section_ends_the_reasoning() {
+        const S: &str = "<|tool_calls_section_begin|>";
+        let run = |pieces: &[&str]| {
+            let mut s = ReasoningSplitter::new(true).ending_at(Some(S));
+            let mut segs = Vec::new();
+            for p in pieces {
+                segs.extend(s.push(p));
+            }
+            segs.extend(s.finish());
+            join(segs)
+        };
+        let call = format!("{S}<|tool_call_begin|>functions.a:0");
+        assert_eq!(run(&["r", &call]), ("r".to_string(), call.clone()));
+        assert_eq!(
+            run(&["r<|tool_calls_sec", "tion_begin|>x"]),
+            ("r".to_string(), format!("{S}x"))
+        );
+        assert_eq!(
+            run(&["r</think>a", &call]),
+            ("r".to_string(), format!("a{call}"))
+        );
+        assert_eq!(
+            ReasoningSplitter::split_at("<think>", &format!("r{call}"), Some(S)),
+            ("r".to_string(), call.clone())
+        );
+        // Without the marker set, the section is reasoning text.
+        assert_eq!(
+            split(true, &["r", &call]),
+            (format!("r{call}"), String::new())
         );
     }
 

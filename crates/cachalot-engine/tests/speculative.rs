@@ -545,6 +545,27 @@ fn nan_logits_are_an_error() {
         let e = engine.run_to_completion(|_, _| {}).unwrap_err().to_string();
         assert!(e.contains(what) && e.contains("NaN"), "{what}: {e}");
     }
+    // The one-sequence loop (`generate`, `chat`) too.
+    let model = Markov {
+        main: bad,
+        draft: ok,
+    };
+    let stop = StopConditions {
+        max_new_tokens: 4,
+        ..Default::default()
+    };
+    let e = cachalot_engine::generate::generate(
+        &model,
+        None,
+        &[1, 1],
+        SamplingParams::greedy(),
+        &stop,
+        None,
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("NaN"), "{e}");
 }
 
 /// Each request's tokens (by request id) for `n` seeded requests after the prompt `[0]`,

@@ -256,7 +256,10 @@ impl DeepseekV3Config {
                     ),
                 ))
             }
-            None => return Err(f.err("model_type", "missing; expected `deepseek_v3` or `kimi_k2`")),
+            None => return Err(f.err(
+                "model_type",
+                "missing; expected `deepseek_v3` (DeepSeek-V3/R1), `kimi_k2` (Kimi-K2) or `deepseek_v4` (DeepSeek-V4)",
+            )),
         };
         match f.str_opt("topk_method")? {
             None | Some("noaux_tc") => {}
@@ -518,8 +521,15 @@ impl DeepseekV3Config {
         if let Some(e) = self.n_routed_experts {
             if self.has_moe_layers() {
                 if e == 0 || self.num_experts_per_tok == 0 || self.moe_intermediate_size == 0 {
+                    let field = if e == 0 {
+                        "n_routed_experts"
+                    } else if self.num_experts_per_tok == 0 {
+                        "num_experts_per_tok"
+                    } else {
+                        "moe_intermediate_size"
+                    };
                     return Err(err(
-                        "n_routed_experts",
+                        field,
                         "MoE layers need n_routed_experts, num_experts_per_tok and \
                          moe_intermediate_size of at least 1"
                             .into(),
@@ -1242,6 +1252,12 @@ mod tests {
             ("scoring_func", Value::from("softmax"), "scoring_func"),
             ("hidden_size", Value::from("big"), "hidden_size"),
             ("n_group", Value::from(3), "n_group"),
+            ("num_experts_per_tok", Value::from(0), "num_experts_per_tok"),
+            (
+                "moe_intermediate_size",
+                Value::from(0),
+                "moe_intermediate_size",
+            ),
         ] {
             let mut v = r1_json();
             v[field] = value;

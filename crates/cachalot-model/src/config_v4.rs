@@ -573,7 +573,11 @@ impl DeepseekV4Config {
             let di = self.index_head_dim;
             if self.index_n_heads == 0 || self.index_topk == 0 {
                 return Err(f.err(
-                    "index_n_heads",
+                    if self.index_n_heads == 0 {
+                        "index_n_heads"
+                    } else {
+                        "index_topk"
+                    },
                     "index_n_heads and index_topk must be positive for ratio-4 layers",
                 ));
             }
@@ -767,6 +771,7 @@ mod tests {
             ),
             ("compress_ratios", serde_json::json!("x"), "compress_ratios"),
             ("o_groups", serde_json::json!(7), "o_groups"),
+            ("index_topk", serde_json::json!(0), "index_topk"),
             ("n_shared_experts", serde_json::json!(2), "n_shared_experts"),
             ("scoring_func", serde_json::json!("relu"), "scoring_func"),
             ("index_head_dim", serde_json::json!(96), "index_head_dim"),

@@ -700,7 +700,7 @@ fn request_line(
     });
     // Tool calls the model wrote (only when it wrote a tool-call section).
     if let (Some(f), Some(obj)) = (tool_format, v.as_object_mut()) {
-        let answer = ReasoningSplitter::split(&p.text, &o.text).1;
+        let answer = ReasoningSplitter::split_at(&p.text, &o.text, f.ends_reasoning()).1;
         if f.mentions_tool_calls(&answer) {
             match f.parse(&answer) {
                 Ok(parsed) => {

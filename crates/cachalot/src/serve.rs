@@ -788,7 +788,20 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     let (template, template_error) = match &args.chat_template {
         Some(f) => (Some(tokenizer.chat_template_from_file(f)?), String::new()),
         None => match tokenizer.chat_template()? {
-            Some(t) => (Some(t), String::new()),
+            // A template that does not parse is said at the start, and chat requests are
+            // answered with why (not blamed on their messages).
+            Some(t) => match t.check_syntax() {
+                Ok(()) => (Some(t), String::new()),
+                Err(e) => {
+                    let why = format!(
+                        "{}: the model's chat_template cannot be used ({e}); fix it, or start \
+                         the server with --chat-template FILE",
+                        dir.display()
+                    );
+                    say!("cachalot serve: warning: {why}");
+                    (None, why)
+                }
+            },
             None => (
                 None,
                 format!(
@@ -3360,6 +3373,17 @@ fn forced_call(
     let start = full[..cut]
         .rfind(&section_begin)
         .ok_or_else(|| unsupported("its tool calls do not open with the format's marker"))?;
+    // What the template writes in an assistant's turn before the section (Kimi-K2-Thinking's
+    // empty `<think></think>`) comes with it: the call's text starts where the generation
+    // prompt of the one-question conversation ends, when the call's rendering continues it.
+    let start = if v4 {
+        start
+    } else {
+        render(&json!([{"role": "user", "content": "?"}]), true)
+            .ok()
+            .filter(|g| full.starts_with(g.as_str()) && g.len() <= start)
+            .map_or(start, |g| g.len())
+    };
     let call_text = &full[start..cut];
     let mut prompt = render(messages, true)?;
     let kept = prompt.trim_end().len();
@@ -4327,7 +4351,10 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
 /// inside the block when the generation prompt ends by opening one. None for other templates,
 /// whose answers are all text.
 fn splitter(shared: &Shared, call: &Call) -> Option<ReasoningSplitter> {
-    reasoning_start(shared, &call.prompt_text, call.continued).map(ReasoningSplitter::new)
+    reasoning_start(shared, &call.prompt_text, call.continued).map(|inside| {
+        ReasoningSplitter::new(inside)
+            .ending_at(shared.tool_format.and_then(ToolCallFormat::ends_reasoning))
+    })
 }
 
 /// Whether a chat answer is split into reasoning and content ([`splitter`]): None when not,
@@ -4668,6 +4695,30 @@ mod tests {
         let named = Some("get_weather".to_string());
         let w = forced_call(format, &template, &messages, Some(&tools), &kwargs, &named).unwrap();
         assert_eq!(w.json.unwrap().schema, Some(weather));
+        // Kimi-K2-Thinking's template writes an empty `<think></think>` before an assistant's
+        // calls: the forced call is written so too.
+        let thinking = ChatTemplate::new(
+            "{%- for m in messages -%}\
+             {%- if m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>\
+             {%- else -%}<|im_assistant|>assistant<|im_middle|><think></think>\
+             {{- m.content or '' -}}\
+             {%- if m.tool_calls -%}<|tool_calls_section_begin|>\
+             {%- for tc in m.tool_calls -%}<|tool_call_begin|>{{ tc.id }}\
+             <|tool_call_argument_begin|>{{ tc.function.arguments }}<|tool_call_end|>\
+             {%- endfor -%}<|tool_calls_section_end|>{%- endif -%}<|im_end|>\
+             {%- endif -%}{%- endfor -%}\
+             {%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}",
+            "k2_thinking.jinja",
+        );
+        let t = forced_call(format, &thinking, &messages, Some(&tools), &kwargs, &named).unwrap();
+        assert!(
+            t.prefix
+                .starts_with("<think></think><|tool_calls_section_begin|>")
+                && t.prefix
+                    .ends_with("functions.get_weather:0<|tool_call_argument_begin|>"),
+            "{}",
+            t.prefix
+        );
     }
 
     /// DeepSeek-V4's DSML: a forced call's prompt ends where the model names the function

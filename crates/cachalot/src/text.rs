@@ -650,9 +650,13 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         );
     }
     let (prompt_ids, prompt_text) = if args.chat {
-        let tok = tok
-            .as_ref()
-            .with_context(|| format!("{}: --chat needs the model's tokenizer", dir.display()))?;
+        let Some(tok) = tok.as_ref() else {
+            // Why it could not be loaded (a broken tokenizer_config.json, say), not only that.
+            let why = Tokenizer::from_dir(&dir)
+                .err()
+                .map_or(String::new(), |e| format!(": {e}"));
+            bail!("{}: --chat needs the model's tokenizer{why}", dir.display());
+        };
         let user = match (&args.input.prompt, &args.input.file) {
             (Some(p), _) => p.clone(),
             (None, Some(f)) => crate::read_text_file(f)?,
@@ -754,7 +758,12 @@ fn generate_with<M: Model>(
             "decode_s": g.decode_s,
         });
         if tok.is_some() {
-            let answer = ReasoningSplitter::split(prompt_text, &g.text).1;
+            let answer = ReasoningSplitter::split_at(
+                prompt_text,
+                &g.text,
+                tool_format.and_then(ToolCallFormat::ends_reasoning),
+            )
+            .1;
             add_tool_fields(&mut v, &tool_calls_of(tool_format, &answer), &answer);
         }
         println!("{v}");
@@ -779,7 +788,12 @@ fn generate_with<M: Model>(
     if args.chat || args.tools.is_some() {
         report_tool_calls(&tool_calls_of(
             tool_format,
-            &ReasoningSplitter::split(prompt_text, &g.text).1,
+            &ReasoningSplitter::split_at(
+                prompt_text,
+                &g.text,
+                tool_format.and_then(ToolCallFormat::ends_reasoning),
+            )
+            .1,
         ));
     }
     report(&g);
@@ -988,7 +1002,11 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         );
         generating.store(false, Ordering::SeqCst);
         let g = result?;
-        let (reasoning, answer) = ReasoningSplitter::split(&prompt_text, &g.text);
+        let (reasoning, answer) = ReasoningSplitter::split_at(
+            &prompt_text,
+            &g.text,
+            tool_format.and_then(ToolCallFormat::ends_reasoning),
+        );
         let parsed = tool_calls_of(tool_format, &answer);
         match printer.as_mut() {
             Some(p) => {

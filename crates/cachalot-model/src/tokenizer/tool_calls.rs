@@ -146,6 +146,13 @@ impl ToolCallFormat {
     }
 
     /// The marker that opens the format's tool-call section.
+    /// The marker that ends a reasoning block as `</think>` does, when the format's model may
+    /// open its tool calls inside one: Kimi-K2-Thinking (vLLM's `kimi_k2` reasoning parser
+    /// ends the reasoning at its tool-call section).
+    pub fn ends_reasoning(self) -> Option<&'static str> {
+        (self == ToolCallFormat::KimiK2).then_some(KIMI_SECTION_BEGIN)
+    }
+
     pub fn section_begin(self) -> &'static str {
         match self {
             ToolCallFormat::DeepseekV3 => V3_CALLS_BEGIN,
