@@ -4435,25 +4435,37 @@ fn stream(
     /// length in characters (logprobs' text offsets), and its output once done.
     struct Choice {
         splitter: Option<ReasoningSplitter>,
-        held: String,
+        held: Held,
         offset: usize,
         out: Option<Box<RequestOutput>>,
+    }
+    /// A tool-using answer's text, of which the first `streamed` bytes went out as content
+    /// (text before any tool-call markup: [`ToolCallFormat::settled_content`]); `blocked` once
+    /// the markup has begun.
+    #[derive(Default)]
+    struct Held {
+        text: String,
+        streamed: usize,
+        blocked: bool,
     }
     let mut choices: Vec<Choice> = (0..call.choices())
         .map(|_| Choice {
             splitter: splitter(shared, call),
-            held: String::new(),
+            held: Held::default(),
             offset: 0,
             out: None,
         })
         .collect();
+    // Content before the tool-call markup streams as it comes (as vLLM's tool parsers let it),
+    // except under a forced call, whose answer is the call.
+    let streams_content = call.forced_prefix.is_empty();
     // The tokens' log-probabilities go with the first chunk of their event (a chunk of their own
     // when the event's text is held back). With tools, the answer is held back and sent with its
     // parsed calls at the end.
     let emit = |w: &mut Box<dyn Write + Send>,
                 i: usize,
                 segs: Vec<Segment>,
-                held: &mut String,
+                held: &mut Held,
                 lps: &[TokenLogprob]|
      -> bool {
         let mut logprobs = match (call.logprobs, lps.is_empty()) {
@@ -4465,10 +4477,24 @@ fn stream(
                 Segment::Reasoning(r) if !r.is_empty() => json!({"reasoning_content": r}),
                 Segment::Answer(a) if !a.is_empty() => {
                     if call.tools {
-                        held.push_str(&a);
-                        continue;
+                        held.text.push_str(&a);
+                        let settled = shared
+                            .tool_format
+                            .filter(|_| streams_content && !held.blocked)
+                            .and_then(|f| f.settled_content(&held.text, held.streamed));
+                        let Some((end, blocked)) = settled else {
+                            continue;
+                        };
+                        held.blocked = blocked;
+                        if end <= held.streamed {
+                            continue;
+                        }
+                        let ready = held.text[held.streamed..end].to_string();
+                        held.streamed = end;
+                        json!({"content": ready})
+                    } else {
+                        json!({"content": a})
                     }
-                    json!({"content": a})
                 }
                 _ => continue,
             };
@@ -4510,7 +4536,17 @@ fn stream(
         }
         if call.tools {
             let mut message = json!({});
-            set_answer(&mut message, shared, call, &ch.held, &mut finish);
+            set_answer(&mut message, shared, call, &ch.held.text, &mut finish);
+            // The content that went out already is not sent again.
+            let sent = &ch.held.text[..ch.held.streamed];
+            // (The parsed content begins with the text before any markup.)
+            if let Some(rest) = message["content"]
+                .as_str()
+                .and_then(|c| c.strip_prefix(sent))
+                .filter(|_| !sent.is_empty())
+            {
+                message["content"] = rest.to_string().into();
+            }
             if let Some(calls) = message.get_mut("tool_calls") {
                 for (k, c) in calls.as_array_mut().into_iter().flatten().enumerate() {
                     c["index"] = k.into();

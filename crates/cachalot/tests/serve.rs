@@ -1693,6 +1693,39 @@ fn serve_under_mpirun_answers_as_one_process() {
     }
 }
 
+/// With `tools` (`tool_choice` "auto"), a streamed answer's content before any tool-call
+/// markup goes out as it comes, and adds up to the whole answer's content.
+#[test]
+fn serve_streams_content_beside_tools() {
+    let server = start(&["--kv-blocks", "64"]);
+    let addr = server.addr.as_str();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    // The answer continues a final message, so it is content, not reasoning.
+    let mut body = json!({"messages": [{"role": "user", "content": "Tell me about whales."},
+                                       {"role": "assistant", "content": "Whales are"}],
+                          "continue_final_message": true, "add_generation_prompt": false,
+                          "tools": tools, "max_tokens": 24, "temperature": 0,
+                          "ignore_eos": true});
+    let (status, whole) = post(addr, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let want = whole["choices"][0]["message"]["content"].as_str().unwrap();
+    body["stream"] = true.into();
+    let ev = events(addr, "/v1/chat/completions", &body);
+    let pieces: Vec<String> = ev[..ev.len() - 1]
+        .iter()
+        .filter_map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .filter(|c| !c.is_empty())
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(pieces.concat(), want);
+    assert!(pieces.len() > 3, "the content was held: {pieces:?}");
+}
+
 /// Forced tool calls (`tool_choice` "required" or a named function): the template's own
 /// rendering of the call is written into the prompt up to where the model's part begins, and
 /// the answer is read from there (the small model writes no valid JSON, so the raw answer comes

@@ -108,6 +108,30 @@ impl ToolCallFormat {
         }
     }
 
+    /// How much of a growing answer's text is content that no tool call or end marker can
+    /// still change, from `from` on (a position already found safe): the text up to the first
+    /// place where a tool-call marker or end marker begins or may begin (a partial one at the
+    /// end), and whether a whole marker was found there (the rest stays held). None for
+    /// DeepSeek-V4, whose DSML answers are parsed whole.
+    pub fn settled_content(self, text: &str, from: usize) -> Option<(usize, bool)> {
+        let guards: &[&str] = match self {
+            ToolCallFormat::DeepseekV3 => &["<｜tool▁call", V3_EOS],
+            ToolCallFormat::KimiK2 => &["<|tool_call", KIMI_END_MARKERS[0], KIMI_END_MARKERS[1]],
+            ToolCallFormat::DeepseekV4 => return None,
+        };
+        let from = from.min(text.len());
+        for (i, _) in text[from..].char_indices() {
+            let tail = &text[from + i..];
+            if guards.iter().any(|g| tail.starts_with(g)) {
+                return Some((from + i, true));
+            }
+            if guards.iter().any(|g| g.starts_with(tail)) {
+                return Some((from + i, false));
+            }
+        }
+        Some((text.len(), false))
+    }
+
     /// Every marker of the format's tool-call markup (the strings that are tokens of their
     /// own in the models' vocabularies).
     pub fn markers(self) -> &'static [&'static str] {
@@ -419,6 +443,41 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    /// Content settles up to where markup begins or may begin, and always agrees with what
+    /// the parser makes the content of the whole answer.
+    #[test]
+    fn content_settles_before_the_markup() {
+        let v3 = ToolCallFormat::DeepseekV3;
+        assert_eq!(v3.settled_content("Let me look.", 0), Some((12, false)));
+        assert_eq!(v3.settled_content("Let me <｜tool", 0), Some((7, false)));
+        assert_eq!(
+            v3.settled_content("Look<｜tool▁calls▁begin｜>x", 2),
+            Some((4, true))
+        );
+        assert_eq!(
+            v3.settled_content("a<｜end▁of▁sentence｜>", 0),
+            Some((1, true))
+        );
+        let kimi = ToolCallFormat::KimiK2;
+        assert_eq!(kimi.settled_content("Hi [EO", 0), Some((3, false)));
+        assert_eq!(
+            kimi.settled_content("Hi <|tool_call_section_begin|>", 0),
+            Some((3, true))
+        );
+        assert_eq!(ToolCallFormat::DeepseekV4.settled_content("x", 0), None);
+        // Piece by piece, the settled text is always a prefix of the parsed content.
+        let answer =
+            "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>\
+                      f\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let content = v3.parse(answer).unwrap().content;
+        let mut settled = 0;
+        for (i, _) in answer.char_indices().skip(1) {
+            settled = v3.settled_content(&answer[..i], settled).unwrap().0;
+            assert!(content.starts_with(&answer[..settled]), "{i}");
+        }
+        assert_eq!(&answer[..settled], content);
     }
 
     #[test]
