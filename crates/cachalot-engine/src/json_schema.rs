@@ -5,7 +5,9 @@
 //! The schema is compiled once ([`Schema::compile`]) into nodes; the keywords that shape the
 //! grammar are honoured: `type` (one or a list), `properties`, `required` (a required name
 //! that is not listed is a property under `additionalProperties`' rule),
-//! `additionalProperties` (true by default, false, or a schema), `patternProperties` (up to
+//! `additionalProperties` (false, true or a schema; not said, false where the schema lists its
+//! properties and nothing else opens it, as vLLM's xgrammar and OpenAI read a Pydantic model's
+//! schema, true otherwise), `patternProperties` (up to
 //! four; a key takes the schemas of every pattern it matches, merged as an `allOf`, and a
 //! listed property's own; a closed object's other keys are written only while a pattern can
 //! still match, without escapes), `propertyNames` (a `pattern`, lengths, `enum`/`const`:
@@ -861,6 +863,10 @@ impl Compiler<'_> {
             }
         }
         node.additional = match obj.get("additionalProperties") {
+            // Not said, where the schema lists its properties and nothing else opens it: only
+            // those (as vLLM's default backend, xgrammar in strict mode, and OpenAI read such a
+            // schema: a Pydantic model's schema does not write `additionalProperties`).
+            None if closed_by_default(obj) => None,
             None | Some(Value::Bool(true)) => Some(1),
             Some(Value::Bool(false)) => None,
             Some(s) => Some(self.node(s, &format!("{at}/additionalProperties"), depth + 1)?),
@@ -1252,6 +1258,31 @@ fn short_path(at: &str) -> String {
     let head: String = chars[..60].iter().collect();
     let tail: String = chars[chars.len() - 60..].iter().collect();
     format!("{head}…{tail}")
+}
+
+/// An object schema without `additionalProperties` that takes only its listed properties: it
+/// lists some, names no key rule of another kind (`patternProperties`, `propertyNames`), and
+/// its `required` names and `minProperties` fit the listed ones.
+fn closed_by_default(obj: &serde_json::Map<String, Value>) -> bool {
+    let Some(props) = obj.get("properties").and_then(Value::as_object) else {
+        return false;
+    };
+    let required_listed = obj
+        .get("required")
+        .and_then(Value::as_array)
+        .is_none_or(|r| {
+            r.iter()
+                .all(|n| n.as_str().is_some_and(|n| props.contains_key(n)))
+        });
+    let min_fits = obj
+        .get("minProperties")
+        .and_then(Value::as_u64)
+        .is_none_or(|m| m as usize <= props.len());
+    !props.is_empty()
+        && !obj.contains_key("patternProperties")
+        && !obj.contains_key("propertyNames")
+        && required_listed
+        && min_fits
 }
 
 /// The schema a `$ref` names within the document: `#` (the root: a recursive schema), or a
@@ -3875,6 +3906,29 @@ mod tests {
         assert_eq!(accepts(&json!({"not": false}), "3"), (true, true));
     }
 
+    /// An object schema that lists its properties and says nothing of others takes only those
+    /// (a Pydantic model's schema, as vLLM's xgrammar and OpenAI read it); one that says
+    /// `additionalProperties: true`, or lists none, or requires an unlisted key, stays open.
+    #[test]
+    fn listed_properties_close_an_object_by_default() {
+        let person = json!({"type": "object", "properties": {"name": {"type": "string"},
+                            "age": {"type": "integer"}}, "required": ["name", "age"],
+                            "title": "Person"});
+        assert!(!accepts(&person, r#"{"x"#).0);
+        assert_eq!(accepts(&person, r#"{"name": "a", "age": 3}"#), (true, true));
+        assert!(!accepts(&person, r#"{"name": "a", "age": 3, "z"#).0);
+        let mut open = person.clone();
+        open["additionalProperties"] = true.into();
+        assert_eq!(
+            accepts(&open, r#"{"x": 1, "name": "a", "age": 3}"#),
+            (true, true)
+        );
+        let any = json!({"type": "object"});
+        assert_eq!(accepts(&any, r#"{"x": 1}"#), (true, true));
+        let unlisted = json!({"properties": {"a": {}}, "required": ["b"]});
+        assert_eq!(accepts(&unlisted, r#"{"b": 1}"#), (true, true));
+    }
+
     /// `minProperties`/`maxProperties` count every key; once only the required keys not yet
     /// written fit under the maximum, only those can be started.
     #[test]
@@ -3886,7 +3940,7 @@ mod tests {
         assert_eq!(accepts(&two, r#"{"a": 1, "b": 2}"#), (true, true));
         assert!(!accepts(&two, r#"{"a": 1, "b": 2,"#).0);
         let id = json!({"properties": {"id": {"type": "integer"}, "tag": {}}, "required": ["id"],
-                        "maxProperties": 2});
+                        "maxProperties": 2, "additionalProperties": true});
         assert_eq!(accepts(&id, r#"{"x": 1, "id": 2}"#), (true, true));
         assert!(accepts(&id, r#"{"x": 1, "i"#).0);
         assert!(!accepts(&id, r#"{"x": 1, "y"#).0);
@@ -3994,10 +4048,8 @@ mod tests {
             "description": "a Base with b"
         });
         assert_eq!(accepts(&extended, r#"{"a": "x", "b": 1}"#), (true, true));
-        assert_eq!(
-            accepts(&extended, r#"{"b": 1, "a": "x", "c": []}"#),
-            (true, true)
-        );
+        // (Its listed properties only: the merged schema lists them and says nothing else.)
+        assert!(!accepts(&extended, r#"{"b": 1, "a": "x", "c""#).0);
         assert!(!accepts(&extended, r#"{"a": "x"}"#).1);
         assert!(!accepts(&extended, r#"{"b": 1}"#).1);
         assert!(!accepts(&extended, r#"{"a": 1"#).0);

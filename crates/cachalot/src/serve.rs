@@ -1804,6 +1804,12 @@ fn refuse_oversized(request: tiny_http::Request, announced: usize) {
     std::mem::forget(stream);
 }
 
+/// The served model as `/v1/models` lists it.
+fn model_card(shared: &Shared) -> Value {
+    json!({"id": shared.name, "object": "model", "created": now(), "owned_by": "cachalot",
+           "max_model_len": shared.max_positions})
+}
+
 fn handle(mut request: tiny_http::Request, shared: &Shared) {
     if let Some(n) = request.body_length().filter(|&n| n as u64 > MAX_BODY_BYTES) {
         refuse_oversized(request, n);
@@ -1878,10 +1884,26 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
             return;
         }
         ("GET", "/v1/models") => {
-            let body = json!({"object": "list", "data": [{
-                "id": shared.name, "object": "model", "created": now(),
-                "owned_by": "cachalot", "max_model_len": shared.max_positions}]});
+            let body = json!({"object": "list", "data": [model_card(shared)]});
             respond_json(request, 200, &body);
+            return;
+        }
+        // One model by its id (OpenAI's `models.retrieve`; an id may hold '/').
+        ("GET", p) if p.starts_with("/v1/models/") => {
+            let id = &p["/v1/models/".len()..];
+            if id == shared.name {
+                respond_json(request, 200, &model_card(shared));
+            } else {
+                let e = ApiError {
+                    status: 404,
+                    message: format!(
+                        "the model `{id}` does not exist; this server serves `{}`",
+                        shared.name
+                    ),
+                    param: Some("model"),
+                };
+                respond_json(request, 404, &e.body());
+            }
             return;
         }
         ("POST", "/tokenize") | ("POST", "/detokenize") => {
@@ -3826,9 +3848,20 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     // A tool's or function's empty result (null content) is an empty string to the templates,
     // which concatenate content.
     for m in messages.as_array_mut().into_iter().flatten() {
-        let role = m.get("role").and_then(Value::as_str);
+        let role = m.get("role").and_then(Value::as_str).map(str::to_string);
+        let role = role.as_deref();
         if matches!(role, Some("tool" | "function")) && m.get("content").is_none_or(Value::is_null)
         {
+            m["content"] = "".into();
+        }
+        // So is an assistant turn's null content without calls (vLLM renders it as ""; R1's
+        // template would test `'</think>' in content` on the null). With calls it stays null,
+        // which templates test for.
+        let calls = m
+            .get("tool_calls")
+            .and_then(Value::as_array)
+            .is_some_and(|c| !c.is_empty());
+        if role == Some("assistant") && !calls && m.get("content").is_some_and(Value::is_null) {
             m["content"] = "".into();
         }
     }
@@ -4162,9 +4195,17 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     let mut texts = vec![String::new(); call.choices()];
     let mut outs: Vec<Option<Box<RequestOutput>>> = (0..call.choices()).map(|_| None).collect();
     let mut last = std::time::Instant::now();
+    // Spaces only once the answer has begun: while the request waits in the queue (or its
+    // prompt is computed) nothing is written, so a client's own read timeout still fires there
+    // as with vLLM, and a drain can still answer it 503; a client that leaves meanwhile is
+    // noticed once the spaces start (the engine then aborts it).
+    let mut begun = false;
     while outs.iter().any(Option::is_none) {
         match rx.recv_timeout(shared.keepalive) {
-            Ok((i, Event::Text(t, _))) => texts[i].push_str(&t),
+            Ok((i, Event::Text(t, _))) => {
+                begun = true;
+                texts[i].push_str(&t)
+            }
             Ok((i, Event::Done(out))) => outs[i] = Some(out),
             Ok((_, Event::Failed(status, message))) => {
                 let e = ApiError::new(status, message);
@@ -4176,7 +4217,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                 return fail(request, writer, 500, &e);
             }
         }
-        if chunked && last.elapsed() >= shared.keepalive {
+        if chunked && begun && last.elapsed() >= shared.keepalive {
             last = std::time::Instant::now();
             if let Some(r) = request.take() {
                 let mut w = r.into_writer();

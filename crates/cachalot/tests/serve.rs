@@ -223,6 +223,22 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     assert_eq!(status, 200);
     let models: Value = serde_json::from_str(&models).unwrap();
     assert_eq!(models["data"][0]["id"], "cachalot-tiny-r1");
+    // One model by its id (OpenAI's models.retrieve).
+    let (status, one) = http(addr, "GET", "/v1/models/cachalot-tiny-r1", "");
+    assert_eq!(status, 200, "{one}");
+    let one: Value = serde_json::from_str(&one).unwrap();
+    assert_eq!(one, models["data"][0]);
+    let (status, e) = http(addr, "GET", "/v1/models/org/other", "");
+    assert_eq!(status, 404, "{e}");
+    assert!(e.contains("`org/other` does not exist"), "{e}");
+    // An assistant turn with null content and no calls renders as an empty one (vLLM's).
+    let (status, v) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"max_tokens": 2, "messages": [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": null}, {"role": "user", "content": "x"}]}),
+    );
+    assert_eq!(status, 200, "{v}");
 
     // Greedy from token ids equals the library's greedy run with the server's cache (bf16).
     let prompt: Vec<u32> = vec![0, 400, 401, 402, 403, 404];
