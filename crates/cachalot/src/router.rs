@@ -396,7 +396,7 @@ fn route(mut request: tiny_http::Request, router: &Router) {
         }
         // Browsers' CORS preflights, answered as the servers answer them.
         ("OPTIONS", _) => crate::serve::preflight(request),
-        ("GET", "/v1/models") => {
+        ("GET", p) if p == "/v1/models" || p.starts_with("/v1/models/") => {
             match exchange(&router.decode[0], "GET", &path, None, router.timeout) {
                 Ok((status, ct, body)) => relay(request, status, &ct, body),
                 Err(e) => error(

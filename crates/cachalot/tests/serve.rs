@@ -951,6 +951,8 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
         "{models}"
     );
     let r = router.addr.as_str();
+    let (status, card) = http(r, "GET", "/v1/models/cachalot-tiny-r1", "");
+    assert_eq!(status, 200, "{card}");
     let text_of = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
 
     let greedy = json!({"prompt": "The meaning of life is", "max_tokens": 24,
