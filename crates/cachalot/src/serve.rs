@@ -1370,7 +1370,9 @@ fn ranked_loop<M: Model>(
     let mut key_of: HashMap<u64, u64> = HashMap::new();
     // Rank 0: where each request's events go, live requests per rank, aborts to send, and
     // whether any rank has work left.
-    let mut sinks: HashMap<u64, (mpsc::Sender<(usize, Event)>, usize)> = HashMap::new();
+    #[allow(clippy::type_complexity)]
+    let mut sinks: HashMap<u64, (mpsc::Sender<(usize, Event)>, usize, Arc<AtomicBool>)> =
+        HashMap::new();
     // Rank 0: each request's log-probabilities so far, for its output.
     let mut logprobs: HashMap<u64, Vec<TokenLogprob>> = HashMap::new();
     let mut load = vec![0usize; world];
@@ -1439,8 +1441,25 @@ fn ranked_loop<M: Model>(
                         Transfer::Import(blobs.len() - 1)
                     }
                 };
-                sinks.insert(key, (job.events, job.choice));
+                sinks.insert(key, (job.events, job.choice, job.gone));
                 cmd.admit.push((key, target as u32, request, transfer));
+            }
+            // Requests whose client left while they waited or ran without new text (their
+            // handler has returned): aborted on every rank.
+            let left: Vec<u64> = sinks
+                .iter()
+                .filter(|(_, (_, _, gone))| gone.load(Ordering::Relaxed))
+                .map(|(&key, _)| key)
+                .collect();
+            for key in left {
+                say!("cachalot serve: request {key}: the client went away; aborted");
+                sinks.remove(&key);
+                logprobs.remove(&key);
+                fail_room(
+                    room_of.remove(&key).map(|r| r.0),
+                    "its request was aborted (the client went away)",
+                );
+                aborts.push(key);
             }
             cmd.abort = std::mem::take(&mut aborts);
         }
@@ -1595,7 +1614,7 @@ fn ranked_loop<M: Model>(
                     logprobs.entry(key).or_default().extend_from_slice(&lps);
                 }
                 let gone = match sinks.get(&key) {
-                    Some((tx, choice)) => tx.send((*choice, Event::Text(text, lps))).is_err(),
+                    Some((tx, choice, _)) => tx.send((*choice, Event::Text(text, lps))).is_err(),
                     None => false,
                 };
                 if gone {
@@ -1617,14 +1636,14 @@ fn ranked_loop<M: Model>(
                 );
                 out.logprobs = logprobs.remove(&key).unwrap_or_default();
                 metrics.record(&out);
-                if let Some((tx, choice)) = sinks.remove(&key) {
+                if let Some((tx, choice, _)) = sinks.remove(&key) {
                     let _ = tx.send((choice, Event::Done(Box::new(out))));
                 }
             }
             for (key, status, message) in rep.failed {
                 logprobs.remove(&key);
                 fail_room(room_of.remove(&key).map(|r| r.0), &message);
-                if let Some((tx, choice)) = sinks.remove(&key) {
+                if let Some((tx, choice, _)) = sinks.remove(&key) {
                     let _ = tx.send((choice, Event::Failed(status, message)));
                 }
             }
