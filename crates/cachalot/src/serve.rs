@@ -500,7 +500,8 @@ impl SamplingDefaults {
                 };
                 if !p.is_file() {
                     anyhow::bail!(
-                        "--generation-config {other}: no {} (give auto, vllm, or a directory                          holding a generation_config.json)",
+                        "--generation-config {other}: no {} (give auto, vllm, or a directory \
+                         holding a generation_config.json)",
                         p.display()
                     );
                 }
@@ -519,13 +520,15 @@ impl SamplingDefaults {
             source: path.display().to_string(),
             ..SamplingDefaults::default()
         };
-        let num = |key: &str, lo: f64, hi: f64| -> Option<f64> {
+        // `above`: the value must be above `lo` (top_p, repetition_penalty), not only at it.
+        let num = |key: &str, lo: f64, hi: f64, above: bool| -> Option<f64> {
             let x = v.get(key).filter(|x| !x.is_null())?;
             match x.as_f64() {
-                Some(f) if (lo..=hi).contains(&f) => Some(f),
+                Some(f) if (lo..=hi).contains(&f) && !(above && f == lo) => Some(f),
                 _ => {
+                    let from = if above { "above" } else { "from" };
                     say!(
-                        "warning: {}: {key} {x} is not a number from {lo} to {hi}; requests \
+                        "warning: {}: {key} {x} is not a number {from} {lo} to {hi}; requests \
                          that leave {key} out get the usual default",
                         path.display()
                     );
@@ -533,10 +536,10 @@ impl SamplingDefaults {
                 }
             }
         };
-        d.temperature = num("temperature", 0.0, 100.0);
-        d.top_p = num("top_p", 0.0, 1.0).filter(|&p| p > 0.0);
-        d.min_p = num("min_p", 0.0, 1.0);
-        d.repetition_penalty = num("repetition_penalty", 0.0, 100.0).filter(|&p| p > 0.0);
+        d.temperature = num("temperature", 0.0, 100.0, false);
+        d.top_p = num("top_p", 0.0, 1.0, true);
+        d.min_p = num("min_p", 0.0, 1.0, false);
+        d.repetition_penalty = num("repetition_penalty", 0.0, 100.0, true);
         let int = |key: &str| -> Option<usize> {
             let x = v.get(key).filter(|x| !x.is_null())?;
             match x.as_i64() {
