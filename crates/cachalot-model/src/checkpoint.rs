@@ -188,6 +188,12 @@ impl Checkpoint {
         let mut tensors = BTreeMap::new();
         for (shard_idx, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
+            if path.is_dir() {
+                return Err(ModelError::Checkpoint {
+                    path: path.clone(),
+                    message: "is a directory, not a safetensors shard".into(),
+                });
+            }
             let file = std::fs::File::open(&path).map_err(|source| ModelError::Io {
                 path: path.clone(),
                 error: source,
@@ -208,8 +214,9 @@ impl Checkpoint {
                     None => ModelError::Checkpoint {
                         path: path.clone(),
                         message: format!(
-                            "not a valid safetensors file ({e}); the file may be truncated \
-                                 or corrupt"
+                            "not a valid safetensors file ({e}){}; the file may be truncated \
+                             or corrupt",
+                            data_size_note(&map[..])
                         ),
                     },
                 },
@@ -437,6 +444,29 @@ impl Checkpoint {
 /// Which tensor of a safetensors header the `safetensors` crate refused, and why (it says only
 /// "invalid shape, data type, or offset"): a JSON header whose entries give a dtype, a shape and
 /// `data_offsets` that must cover exactly dtype size × elements, one after another from 0.
+/// ": the header describes N bytes, the file holds M" where a readable header's tensors end
+/// elsewhere than the file does (a cut file, or bytes after the data); empty otherwise.
+fn data_size_note(bytes: &[u8]) -> String {
+    let size = || -> Option<usize> {
+        let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+        let header: Value = serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
+        let end = header
+            .as_object()?
+            .values()
+            .filter_map(|t| t.get("data_offsets")?.get(1)?.as_u64())
+            .max()
+            .unwrap_or(0) as usize;
+        (8 + n).checked_add(end)
+    };
+    match size() {
+        Some(want) if want != bytes.len() => format!(
+            ": its header describes {want} bytes, the file holds {}",
+            bytes.len()
+        ),
+        _ => String::new(),
+    }
+}
+
 fn diagnose_header(bytes: &[u8]) -> Option<(String, String)> {
     let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
     let header: Value = serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
