@@ -16,7 +16,7 @@ pub struct ReasoningSplitter {
     /// A marker that also ends the reasoning and begins the answer, itself kept in the answer
     /// (Kimi-K2-Thinking may open its tool-call section without closing `<think>`, as vLLM's
     /// `kimi_k2` reasoning parser reads it).
-    section: Option<&'static str>,
+    section: &'static [&'static str],
 }
 
 impl ReasoningSplitter {
@@ -26,14 +26,14 @@ impl ReasoningSplitter {
         ReasoningSplitter {
             in_reasoning: starts_in_reasoning,
             held: String::new(),
-            section: None,
+            section: &[],
         }
     }
 
-    /// Reasoning also ends where `marker` begins (a tool-call section), the marker kept in the
-    /// answer for the tool-call parser.
-    pub fn ending_at(mut self, marker: Option<&'static str>) -> Self {
-        self.section = marker.filter(|m| !m.is_empty());
+    /// Reasoning also ends where one of `markers` begins (a tool-call section, in any of its
+    /// spellings), the marker kept in the answer for the tool-call parser.
+    pub fn ending_at(mut self, markers: &'static [&'static str]) -> Self {
+        self.section = markers;
         self
     }
 
@@ -60,9 +60,14 @@ impl ReasoningSplitter {
             } else {
                 THINK_OPEN
             };
-            let section = self.section.filter(|_| self.in_reasoning);
+            let section: &[&str] = if self.in_reasoning { self.section } else { &[] };
             // A tool-call section opened inside the reasoning ends it there (the marker stays).
-            if let Some(at) = section.and_then(|m| self.held.find(m)) {
+            let first = section
+                .iter()
+                .filter(|m| !m.is_empty())
+                .filter_map(|m| self.held.find(m))
+                .min();
+            if let Some(at) = first {
                 if self.held.find(marker).is_none_or(|c| at < c) {
                     let before: String = self.held[..at].to_string();
                     self.emit(before, &mut out);
@@ -85,7 +90,7 @@ impl ReasoningSplitter {
                 .map(|(i, _)| i)
                 .find(|&i| {
                     let tail = &self.held[i..];
-                    marker.starts_with(tail) || section.is_some_and(|m| m.starts_with(tail))
+                    marker.starts_with(tail) || section.iter().any(|m| m.starts_with(tail))
                 })
                 .unwrap_or(self.held.len());
             let ready: String = self.held.drain(..cut).collect();
@@ -102,7 +107,11 @@ impl ReasoningSplitter {
 
     /// [`ReasoningSplitter::split`], with reasoning also ending where `section` begins
     /// ([`ReasoningSplitter::ending_at`]).
-    pub fn split_at(prompt: &str, text: &str, section: Option<&'static str>) -> (String, String) {
+    pub fn split_at(
+        prompt: &str,
+        text: &str,
+        section: &'static [&'static str],
+    ) -> (String, String) {
         ReasoningSplitter::new(Self::prompt_opens_reasoning(prompt))
             .ending_at(section)
             .split_whole(text)
@@ -200,7 +209,7 @@ mod tests {
     fn a_tool_section_ends_the_reasoning() {
         const S: &str = "<|tool_calls_section_begin|>";
         let run = |pieces: &[&str]| {
-            let mut s = ReasoningSplitter::new(true).ending_at(Some(S));
+            let mut s = ReasoningSplitter::new(true).ending_at(&[S, "<|tool_call_section_begin|>"]);
             let mut segs = Vec::new();
             for p in pieces {
                 segs.extend(s.push(p));
@@ -219,8 +228,13 @@ mod tests {
             ("r".to_string(), format!("a{call}"))
         );
         assert_eq!(
-            ReasoningSplitter::split_at("<think>", &format!("r{call}"), Some(S)),
+            ReasoningSplitter::split_at("<think>", &format!("r{call}"), &[S]),
             ("r".to_string(), call.clone())
+        );
+        // The singular spelling too.
+        assert_eq!(
+            run(&["r<|tool_call_section_begin|>x"]),
+            ("r".to_string(), "<|tool_call_section_begin|>x".to_string())
         );
         // Without the marker set, the section is reasoning text.
         assert_eq!(

@@ -3292,6 +3292,108 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     })
 }
 
+/// Why a tool's `parameters` is a broken schema (as OpenAI and vLLM refuse it), not merely one
+/// structured output cannot hold (which leaves a forced call's arguments any object): its
+/// top-level type is not an object, or somewhere in it a `type` names no JSON type, or a lower
+/// bound passes its upper one (`minimum`/`maximum` and their exclusive forms, `minLength`,
+/// `minItems`, `minProperties`).
+fn broken_parameters(p: &Value) -> Option<String> {
+    const TYPES: [&str; 7] = [
+        "object", "array", "string", "number", "integer", "boolean", "null",
+    ];
+    let types = |t: &Value| -> Option<Vec<String>> {
+        match t {
+            Value::String(s) => Some(vec![s.clone()]),
+            Value::Array(a) => a.iter().map(|x| x.as_str().map(str::to_string)).collect(),
+            _ => None,
+        }
+    };
+    if let Some(t) = p.get("type") {
+        match types(t) {
+            Some(ts) if ts.iter().any(|t| t == "object") => {}
+            _ => {
+                return Some(format!(
+                    "type {t}: a call's arguments are a JSON object, which this schema does \
+                     not describe"
+                ))
+            }
+        }
+    }
+    fn walk(v: &Value, at: &str, depth: usize, out: &mut Option<String>) {
+        let Some(o) = v.as_object() else {
+            return;
+        };
+        if out.is_some() || depth > 64 {
+            return;
+        }
+        if let Some(t) = o.get("type") {
+            let names: Option<Vec<&str>> = match t {
+                Value::String(s) => Some(vec![s.as_str()]),
+                Value::Array(a) => a.iter().map(Value::as_str).collect(),
+                _ => None,
+            };
+            match names {
+                Some(n) if n.iter().all(|x| TYPES.contains(x)) => {}
+                _ => {
+                    *out = Some(format!("{at}/type: {t} names no JSON type"));
+                    return;
+                }
+            }
+        }
+        let num = |k: &str| o.get(k).and_then(Value::as_f64);
+        let lo = num("minimum").into_iter().chain(num("exclusiveMinimum"));
+        let hi = num("maximum").into_iter().chain(num("exclusiveMaximum"));
+        let (lo, hi) = (
+            lo.fold(f64::NEG_INFINITY, f64::max),
+            hi.fold(f64::INFINITY, f64::min),
+        );
+        let exclusive = num("exclusiveMinimum").is_some_and(|x| x == lo)
+            || num("exclusiveMaximum").is_some_and(|x| x == hi);
+        if lo > hi || (lo == hi && exclusive) {
+            *out = Some(format!(
+                "{at}: no number lies between its lower and upper bounds"
+            ));
+            return;
+        }
+        for (a, b) in [
+            ("minLength", "maxLength"),
+            ("minItems", "maxItems"),
+            ("minProperties", "maxProperties"),
+        ] {
+            if let (Some(x), Some(y)) = (num(a), num(b)) {
+                if x > y {
+                    *out = Some(format!("{at}: {a} {x} is above {b} {y}"));
+                    return;
+                }
+            }
+        }
+        for (k, sub) in o {
+            match (k.as_str(), sub) {
+                (
+                    "properties" | "patternProperties" | "$defs" | "definitions",
+                    Value::Object(m),
+                ) => {
+                    for (name, s) in m {
+                        walk(s, &format!("{at}/{k}/{name}"), depth + 1, out);
+                    }
+                }
+                ("anyOf" | "oneOf" | "allOf" | "prefixItems", Value::Array(a)) => {
+                    for (i, s) in a.iter().enumerate() {
+                        walk(s, &format!("{at}/{k}/{i}"), depth + 1, out);
+                    }
+                }
+                ("items" | "additionalProperties" | "not" | "propertyNames", s) => {
+                    walk(s, &format!("{at}/{k}"), depth + 1, out);
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut out = None;
+    walk(p, "#", 0, &mut out);
+    out
+}
+
 /// Stand-ins for a forced call's name and arguments, where the prompt is cut.
 const FORCED_NAME: &str = "CACHALOT_FORCED_NAME_5d1e";
 const FORCED_ARGUMENTS: &str = "CACHALOT_FORCED_ARGUMENTS_5d1e";
@@ -3340,20 +3442,7 @@ fn forced_call(
         let Some(p) = f.get("parameters").filter(|p| p.is_object()) else {
             continue;
         };
-        let typed = p.get("type").is_some();
-        let problem = if v4 {
-            cachalot_engine::dsml_args::DsmlSpec::compile(p).err()
-        } else {
-            match cachalot_engine::json_schema::Schema::compile(p) {
-                Ok(s) if typed && !s.takes_only_objects() => Some(
-                    "a call's arguments are a JSON object, which this schema does not describe"
-                        .into(),
-                ),
-                Ok(_) => None,
-                Err(e) => Some(e),
-            }
-        };
-        if let Some(e) = problem.filter(|e| !e.contains("not supported")) {
+        if let Some(e) = broken_parameters(p) {
             return Err(ApiError::bad(
                 "tools",
                 format!("tools[{i}].function.parameters: {e}"),
@@ -3418,9 +3507,10 @@ fn forced_call(
         .rfind(&section_begin)
         .ok_or_else(|| unsupported("its tool calls do not open with the format's marker"))?;
     // What the template writes in an assistant's turn before the section (Kimi-K2-Thinking's
-    // empty `<think></think>`) comes with it: the call's text starts where the generation
-    // prompt of the one-question conversation ends, when the call's rendering continues it.
-    let start = if v4 {
+    // empty `<think></think>`) goes into the prompt before the call: the text from where the
+    // generation prompt of the one-question conversation ends, when the call's rendering
+    // continues it. (It is not part of the answer's prefix, so not of its content.)
+    let lead_start = if v4 {
         start
     } else {
         render(&json!([{"role": "user", "content": "?"}]), true)
@@ -3428,6 +3518,7 @@ fn forced_call(
             .filter(|g| full.starts_with(g.as_str()) && g.len() <= start)
             .map_or(start, |g| g.len())
     };
+    let lead = &full[lead_start..start];
     let call_text = &full[start..cut];
     let mut prompt = render(messages, true)?;
     let kept = prompt.trim_end().len();
@@ -3441,6 +3532,7 @@ fn forced_call(
             prompt.truncate(kept - THINK_OPEN.len());
         }
     }
+    prompt.push_str(lead);
     prompt.push_str(call_text);
     // The arguments as a JSON object, unless the template writes them as a string: for
     // "required", what the model writes before them for each tool (as the template renders a
@@ -4415,8 +4507,11 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
 /// whose answers are all text.
 fn splitter(shared: &Shared, call: &Call) -> Option<ReasoningSplitter> {
     reasoning_start(shared, &call.prompt_text, call.continued).map(|inside| {
-        ReasoningSplitter::new(inside)
-            .ending_at(shared.tool_format.and_then(ToolCallFormat::ends_reasoning))
+        ReasoningSplitter::new(inside).ending_at(
+            shared
+                .tool_format
+                .map_or(&[][..], ToolCallFormat::ends_reasoning),
+        )
     })
 }
 
@@ -4811,13 +4906,57 @@ mod tests {
         );
         let t = forced_call(format, &thinking, &messages, Some(&tools), &kwargs, &named).unwrap();
         assert!(
-            t.prefix
-                .starts_with("<think></think><|tool_calls_section_begin|>")
+            t.prefix.starts_with("<|tool_calls_section_begin|>")
                 && t.prefix
                     .ends_with("functions.get_weather:0<|tool_call_argument_begin|>"),
             "{}",
             t.prefix
         );
+        // The empty think block is in the prompt, not in the answer's prefix (so not in its
+        // content).
+        assert!(
+            t.prompt.ends_with(&format!(
+                "<|im_assistant|>assistant<|im_middle|><think></think>{}",
+                t.prefix
+            )),
+            "{}",
+            t.prompt
+        );
+        // Broken parameters are refused, others (held or not) are taken.
+        for (p, broken) in [
+            (
+                json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5,
+                       "maximum": 3}}}),
+                true,
+            ),
+            (json!({"type": "string"}), true),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "foo"}}}),
+                true,
+            ),
+            (
+                json!({"properties": {"a": {"type": "array", "minItems": 3, "maxItems": 1}}}),
+                true,
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"exclusiveMinimum": 1,
+                       "maximum": 1}}}),
+                true,
+            ),
+            (
+                json!({"type": "object", "patternProperties": {"^a": {}, "^b": {}, "^c": {},
+                       "^d": {}, "^e": {}}}),
+                false,
+            ),
+            (
+                json!({"type": ["object", "null"],
+                       "properties": {"a": {"dependentRequired": {}}}}),
+                false,
+            ),
+            (json!({}), false),
+        ] {
+            assert_eq!(broken_parameters(&p).is_some(), broken, "{p}");
+        }
     }
 
     /// DeepSeek-V4's DSML: a forced call's prompt ends where the model names the function

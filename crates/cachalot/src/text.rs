@@ -513,11 +513,14 @@ struct Printer {
 }
 
 impl Printer {
-    fn new(prompt_text: &str, hide: bool) -> Printer {
+    /// `sections`: markers that end the reasoning as `</think>` does (a Kimi-K2-Thinking
+    /// tool-call section), so the calls are not taken for reasoning.
+    fn new(prompt_text: &str, hide: bool, sections: &'static [&'static str]) -> Printer {
         let terminal = std::io::stdout().is_terminal();
         let starts = ReasoningSplitter::prompt_opens_reasoning(prompt_text);
         Printer {
-            splitter: (terminal || hide).then(|| ReasoningSplitter::new(starts)),
+            splitter: (terminal || hide)
+                .then(|| ReasoningSplitter::new(starts).ending_at(sections)),
             terminal,
             hide,
             dimmed: false,
@@ -761,7 +764,7 @@ fn generate_with<M: Model>(
             let answer = ReasoningSplitter::split_at(
                 prompt_text,
                 &g.text,
-                tool_format.and_then(ToolCallFormat::ends_reasoning),
+                tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
             )
             .1;
             add_tool_fields(&mut v, &tool_calls_of(tool_format, &answer), &answer);
@@ -769,7 +772,11 @@ fn generate_with<M: Model>(
         println!("{v}");
         return Ok(());
     }
-    let mut printer = Printer::new(prompt_text, args.hide_reasoning);
+    let mut printer = Printer::new(
+        prompt_text,
+        args.hide_reasoning,
+        tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
+    );
     // A reader that left (or a full disk) ends the generation.
     let stop_writing = AtomicBool::new(false);
     let g = args
@@ -791,7 +798,7 @@ fn generate_with<M: Model>(
             &ReasoningSplitter::split_at(
                 prompt_text,
                 &g.text,
-                tool_format.and_then(ToolCallFormat::ends_reasoning),
+                tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
             )
             .1,
         ));
@@ -984,7 +991,13 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         stop.max_new_tokens = max_new;
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
-        let mut printer = (!args.json).then(|| Printer::new(&prompt_text, args.hide_reasoning));
+        let mut printer = (!args.json).then(|| {
+            Printer::new(
+                &prompt_text,
+                args.hide_reasoning,
+                tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
+            )
+        });
         let result = args.sampling.generate(
             &m,
             Some(&tok),
@@ -1005,7 +1018,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         let (reasoning, answer) = ReasoningSplitter::split_at(
             &prompt_text,
             &g.text,
-            tool_format.and_then(ToolCallFormat::ends_reasoning),
+            tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
         );
         let parsed = tool_calls_of(tool_format, &answer);
         match printer.as_mut() {

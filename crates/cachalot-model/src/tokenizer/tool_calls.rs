@@ -173,8 +173,11 @@ impl ToolCallFormat {
     /// The marker that ends a reasoning block as `</think>` does, when the format's model may
     /// open its tool calls inside one: Kimi-K2-Thinking (vLLM's `kimi_k2` reasoning parser
     /// ends the reasoning at its tool-call section).
-    pub fn ends_reasoning(self) -> Option<&'static str> {
-        (self == ToolCallFormat::KimiK2).then_some(KIMI_SECTION_BEGIN)
+    pub fn ends_reasoning(self) -> &'static [&'static str] {
+        match self {
+            ToolCallFormat::KimiK2 => &[KIMI_SECTION_BEGIN, KIMI_SECTION_BEGIN_1],
+            _ => &[],
+        }
     }
 
     pub fn section_begin(self) -> &'static str {
