@@ -562,13 +562,17 @@ fn dispatch(cli: Cli) -> Result<()> {
                 }
             };
             let (nll, ppl) = eval::nll_ppl(&lp);
+            // (Each window's first token has no context, so it is not scored.)
             if json {
-                let v = serde_json::json!({"n_tokens": ids.len(), "logprobs": lp, "nll": nll, "ppl": ppl});
+                let v = serde_json::json!({"n_tokens": ids.len(), "n_scored": lp.len(),
+                                           "logprobs": lp, "nll": nll, "ppl": ppl});
                 println!("{v}");
             } else {
                 println!(
-                    "tokens: {}\nmean NLL: {nll:.6}\nperplexity: {ppl:.4}",
-                    ids.len()
+                    "tokens: {} ({} scored: each window's first has no context)\nmean NLL: \
+                     {nll:.6}\nperplexity: {ppl:.4}",
+                    ids.len(),
+                    lp.len()
                 );
             }
         }

@@ -3041,7 +3041,9 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         return Err(ApiError::bad(
             if chat { "messages" } else { "prompt" },
             format!(
-                "the prompt has {} tokens; the model's context is {} positions",
+                "the prompt has {} tokens; the model's context is {} positions, and a \
+                 request takes one past its prompt (the token it samples; echo with max_tokens \
+                 0 too, which samples one and drops it)",
                 prompt.len(),
                 shared.max_positions
             ),
