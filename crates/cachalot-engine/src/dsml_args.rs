@@ -212,7 +212,18 @@ impl DsmlSpec {
                 props.len()
             ));
         }
+        // Not said, where the parameters are listed (and every required one is among them):
+        // only those, as structured output reads such a schema (`json_schema`'s default).
+        let required_listed = o.get("required").and_then(Value::as_array).is_none_or(|r| {
+            r.iter()
+                .all(|n| n.as_str().is_some_and(|n| listed.contains(&n)))
+        });
+        let closed_by_default = !listed.is_empty()
+            && required_listed
+            && !o.contains_key("patternProperties")
+            && !o.contains_key("propertyNames");
         let extra = match o.get("additionalProperties") {
+            None if closed_by_default => None,
             None => compile("additionalProperties", &Value::Bool(true))?,
             Some(s) => compile("additionalProperties", s)?,
         };
@@ -777,9 +788,14 @@ mod tests {
             &format!("{}{}", p("z", "false", "true"), p("z", "false", "true"))
         ));
         // A listed name no value fits is not another name either.
-        let never = json!({"type": "object", "properties": {"a": false, "b": {}}});
+        let never = json!({"type": "object", "properties": {"a": false, "b": {}},
+                           "additionalProperties": true});
         assert!(refused(&never, &p("a", "true", "x")));
         assert!(!refused(&never, &p("c", "true", "x")));
+        // Listed parameters and nothing said of others: only those (as structured output).
+        let listed = json!({"type": "object", "properties": {"a": {}, "b": {}}});
+        assert!(refused(&listed, &p("c", "true", "x")));
+        assert!(!refused(&listed, &p("b", "true", "x")));
         // A refused byte never leaves the state complete.
         let mut st = state(&s);
         assert!(!st.feed(b'x'));
