@@ -189,6 +189,7 @@ fn zip_entries(b: &[u8]) -> Result<Vec<(String, &[u8])>, String> {
             return Err("bad zip central directory entry".into());
         }
         let method = u16_at(p + 10)?;
+        let crc = u32_at(p + 16)?;
         let mut csize = u32_at(p + 20)? as u64;
         let mut usize_ = u32_at(p + 24)? as u64;
         let name_len = u16_at(p + 28)? as usize;
@@ -236,10 +237,42 @@ fn zip_entries(b: &[u8]) -> Result<Vec<(String, &[u8])>, String> {
         let data = b
             .get(start..start.saturating_add(csize as usize))
             .ok_or_else(|| format!("zip entry {name} runs past the end of the file"))?;
+        // The stored bytes must be those the archive was written with (Python's
+        // `zipfile.testzip` checks the same): a damaged scale file is said, not converted.
+        let got = crc32(data);
+        if got != crc {
+            return Err(format!(
+                "zip entry {name} is damaged: its CRC-32 is {got:08x}, the archive says \
+                 {crc:08x}; copy or download the file again"
+            ));
+        }
         out.push((name, data));
         p += 46 + name_len + extra_len + comment_len;
     }
     Ok(out)
+}
+
+/// CRC-32 (IEEE 802.3, zip's), bytewise through a 256-entry table.
+pub fn crc32(data: &[u8]) -> u32 {
+    static TABLE: std::sync::OnceLock<[u32; 256]> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        let mut t = [0u32; 256];
+        for (i, e) in t.iter_mut().enumerate() {
+            let mut c = i as u32;
+            for _ in 0..8 {
+                c = if c & 1 != 0 {
+                    0xEDB8_8320 ^ (c >> 1)
+                } else {
+                    c >> 1
+                };
+            }
+            *e = c;
+        }
+        t
+    });
+    !data.iter().fold(!0u32, |c, &b| {
+        table[((c ^ b as u32) & 0xFF) as usize] ^ (c >> 8)
+    })
 }
 
 fn u64_at(b: &[u8], o: usize) -> Result<u64, String> {

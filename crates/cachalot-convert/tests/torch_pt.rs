@@ -97,6 +97,29 @@ fn broken_files_are_named_errors() {
     assert!(n >= 2, "data/0 appears in the local and central headers");
     let e = load_pt_bytes(&renamed).unwrap_err();
     assert!(e.contains("data/0") && e.contains("missing"), "{e}");
+    // A changed byte of a stored tensor: the entry's CRC-32 no longer matches (as Python's
+    // zipfile.testzip finds).
+    assert_eq!(
+        cachalot_convert::torch_pt::crc32(b"123456789"),
+        0xCBF4_3926,
+        "the standard check value"
+    );
+    let mut damaged = bytes.clone();
+    // The first local header whose name ends in /data/0; its data follows its name and extra
+    // field.
+    let header = (0..bytes.len() - 30)
+        .find(|&i| {
+            bytes[i..i + 4] == [0x50, 0x4b, 0x03, 0x04] && {
+                let n = u16::from_le_bytes([bytes[i + 26], bytes[i + 27]]) as usize;
+                bytes[i + 30..i + 30 + n].ends_with(b"/data/0")
+            }
+        })
+        .expect("the local header of data/0");
+    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
+    let data = header + 30 + u16_at(header + 26) + u16_at(header + 28);
+    damaged[data] ^= 0x40;
+    let e = load_pt_bytes(&damaged).unwrap_err();
+    assert!(e.contains("CRC-32") && e.contains("damaged"), "{e}");
 }
 
 /// A stored (uncompressed) zip archive of `entries`, laid out as `torch.save` writes one.
@@ -108,9 +131,11 @@ fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
             (data.len() as u32).to_le_bytes(),
             (name.len() as u16).to_le_bytes(),
         );
-        // Local header: signature, version, flags, method 0, time, date, crc (unchecked).
+        let crc = cachalot_convert::torch_pt::crc32(data).to_le_bytes();
+        // Local header: signature, version, flags, method 0, time, date, crc.
         out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
-        out.extend_from_slice(&[20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        out.extend_from_slice(&[20, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        out.extend_from_slice(&crc);
         out.extend_from_slice(&len);
         out.extend_from_slice(&len);
         out.extend_from_slice(&name_len);
@@ -119,7 +144,8 @@ fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
         out.extend_from_slice(data);
         // Central directory entry: signature, made by, needed, flags, method, time, date, crc.
         central.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
-        central.extend_from_slice(&[20, 0, 20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        central.extend_from_slice(&[20, 0, 20, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        central.extend_from_slice(&crc);
         central.extend_from_slice(&len);
         central.extend_from_slice(&len);
         central.extend_from_slice(&name_len);
