@@ -550,6 +550,15 @@ impl Input {
                 why: format!("holds a non-finite scale {v}"),
             });
         }
+        // (A negative block scale would flip a block's signs: FP8 block scales are a block's
+        // largest magnitude over 448.)
+        if let Some(v) = values.iter().find(|v| **v < 0.0) {
+            return Err(ConvertError::Tensor {
+                tensor: sname,
+                file: spath,
+                why: format!("holds a negative block scale {v}; the checkpoint is damaged"),
+            });
+        }
         Ok(BlockScales {
             values,
             block: self.block,

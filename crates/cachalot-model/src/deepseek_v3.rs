@@ -297,9 +297,21 @@ impl Loader<'_> {
                         s.error(format!("has dtype {:?}; FP8 block scales are F32", s.dtype))
                     );
                 }
+                let scale_inv = s.to_f32_vec()?;
+                // A block's scale is its largest magnitude over 448: never negative (which
+                // would flip the block's signs) nor NaN/infinite. (Zero is a block of zeros.)
+                if let Some(i) = scale_inv.iter().position(|v| !(v.is_finite() && *v >= 0.0)) {
+                    return Err(s.error(format!(
+                        "holds the block scale {} at [{}, {}]; FP8 block scales are finite and \
+                         not negative: the checkpoint is damaged (re-download this shard)",
+                        scale_inv[i],
+                        i / grid[1],
+                        i % grid[1]
+                    )));
+                }
                 MatrixData::Fp8Block {
                     data: w.bytes.clone(),
-                    scale_inv: s.to_f32_vec()?,
+                    scale_inv,
                     block_rows: br,
                     block_cols: bc,
                 }

@@ -1056,7 +1056,6 @@ fn engine_loop<M: Model>(
     );
     // Per live request: where its events go, how many bytes of its text and how many
     // log-probabilities were sent, and (prefill role) the room its KV goes to.
-    let mut live = HashMap::new();
     struct Sink {
         events: mpsc::Sender<(usize, Event)>,
         choice: usize,
@@ -1066,6 +1065,7 @@ fn engine_loop<M: Model>(
         gone: Arc<AtomicBool>,
     }
     type Live = HashMap<u64, Sink>;
+    let mut live: Live = HashMap::new();
     let rooms = rooms.as_deref();
     // Prefill role: a request that ends without KV leaves its room the reason.
     let fail_room = |room: Option<u64>, why: String| {
@@ -1118,6 +1118,27 @@ fn engine_loop<M: Model>(
         }
     };
     loop {
+        // A drain's grace ended: what is left (running, queued, or not yet taken) is answered
+        // 503, before the process exits.
+        if crate::term::drain_cut() {
+            while let Ok(job) = jobs.try_recv() {
+                let _ = job.events.send((
+                    job.choice,
+                    Event::Failed(503, crate::term::DRAIN_CUT.into()),
+                ));
+            }
+            for (id, sink) in live.drain() {
+                engine.abort(id);
+                fail_room(sink.room, crate::term::DRAIN_CUT.into());
+                let _ = sink.events.send((
+                    sink.choice,
+                    Event::Failed(503, crate::term::DRAIN_CUT.into()),
+                ));
+            }
+            let _ = engine.take_finished();
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        }
         // A request that arrives with its first token (a decode server's) has that token's
         // text sent before the next step, not with the step's token.
         let mut imported = false;
@@ -1472,6 +1493,20 @@ fn ranked_loop<M: Model>(
         let (cmd, blobs): (Command, _) = unpack_frame(&received)
             .map_err(|e| anyhow::anyhow!("rank {rank}: rank 0's command: {e}"))?;
         if cmd.stop {
+            // A drain whose grace ended: what is left is answered 503 (not "a rank failed").
+            if crate::term::drain_cut() {
+                for (_, (tx, choice, _)) in sinks.drain() {
+                    let _ = tx.send((choice, Event::Failed(503, crate::term::DRAIN_CUT.into())));
+                }
+                if let Some(jobs) = &jobs {
+                    while let Ok(job) = jobs.try_recv() {
+                        let _ = job.events.send((
+                            job.choice,
+                            Event::Failed(503, crate::term::DRAIN_CUT.into()),
+                        ));
+                    }
+                }
+            }
             return Ok(());
         }
         let mut report = Report::default();

@@ -162,6 +162,14 @@ pub fn drain_on_sigterm(grace: std::time::Duration, leader: bool) -> Result<()> 
             std::thread::sleep(std::time::Duration::from_millis(20));
         };
         STOP.store(code, Ordering::SeqCst);
+        if code != 0 && !LEADS_GROUP.load(Ordering::SeqCst) {
+            // The engine loop answers what is left with a 503 ([`DRAIN_CUT`]): a moment for
+            // the handlers to write it before the process goes.
+            let until = std::time::Instant::now() + CUT_ANSWER_WAIT;
+            while in_flight() > 0 && std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
         if LEADS_GROUP.load(Ordering::SeqCst) {
             // The engine loop stops the group and the command exits; a group that does not
             // stop in time is left as before.
@@ -171,6 +179,20 @@ pub fn drain_on_sigterm(grace: std::time::Duration, leader: bool) -> Result<()> 
         std::process::exit(code);
     });
     Ok(())
+}
+
+/// How long a server whose drain's grace ended waits for its handlers to answer the requests
+/// cut ([`DRAIN_CUT`]) before it exits.
+const CUT_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What a request still unfinished when a drain's grace ends is answered (a 503).
+pub const DRAIN_CUT: &str = "the server is shutting down (SIGTERM) and its drain grace \
+     (--drain-timeout-s) ended before this request finished; send it again to another server";
+
+/// Whether a drain's grace ended with requests unfinished: the engine loops then answer them
+/// [`DRAIN_CUT`].
+pub fn drain_cut() -> bool {
+    drain_stop().is_some_and(|c| c != 0)
 }
 
 /// How long rank 0 waits for its group to stop after a drain.
