@@ -513,7 +513,14 @@ impl Bounds {
     /// A number value (its JSON text) is inside the bounds, on a multiple of the step (exactly
     /// from its digits where it has no exponent).
     pub(crate) fn holds_number(&self, text: &str) -> bool {
-        if text.bytes().any(|c| c == b'e' || c == b'E') {
+        // (Integer digits beyond those written under bounds: an enum's value, compared as a
+        // double.)
+        let int_digits = text
+            .trim_start_matches('-')
+            .bytes()
+            .take_while(u8::is_ascii_digit)
+            .count();
+        if text.bytes().any(|c| c == b'e' || c == b'E') || int_digits > self.max_int_digits() {
             let v: f64 = text.parse().unwrap_or(f64::NAN);
             return if self.fractional_step() {
                 let q = v * 10f64.powi(self.step_digits as i32) / self.step_units as f64;

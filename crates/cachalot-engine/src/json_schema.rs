@@ -1021,15 +1021,20 @@ impl Compiler<'_> {
         }
         // Numbers on a decimal step (or under bounds) with no value inside the bounds below
         // 10^15, where they are written: no number.
+        let digits = node.bounds.max_int_digits();
         let beyond = |what: &str| {
             format!(
-                "{at}: every {what} inside the bounds is 10^15 or more in magnitude, beyond \
-                 what structured output writes under bounds"
+                "{at}: every {what} inside the bounds is 10^{digits} or more in magnitude, \
+                 beyond what structured output writes under these bounds (at most {digits} \
+                 integer digits)"
             )
         };
+        // (An enum's values are written as they are: its numbers are checked one by one
+        // below.)
+        let listed = node.enumv.is_some();
         if !node.bounds.is_none() && node.types & NUM != 0 && !node.bounds.has_value() {
             // Values exist, only not where they are written: said, not a type dropped.
-            if node.bounds.has_value_anywhere() {
+            if node.bounds.has_value_anywhere() && !listed {
                 return Err(beyond("number"));
             }
             node.types &= !(NUM | INT);
@@ -1051,7 +1056,7 @@ impl Compiler<'_> {
             )
         };
         if node.types & (INT | NUM) == INT && !node.bounds.meets_int(lo_w, hi_w) {
-            if node.bounds.meets_int(f64::NEG_INFINITY, f64::INFINITY) {
+            if node.bounds.meets_int(f64::NEG_INFINITY, f64::INFINITY) && !listed {
                 return Err(beyond("integer"));
             }
             node.types &= !INT;
@@ -3904,6 +3909,19 @@ mod tests {
         let t = json!({"type": ["boolean", "null"], "not": {"const": false}});
         assert!(accepts(&t, "true").1 && accepts(&t, "null").1 && !accepts(&t, "f").0);
         assert_eq!(accepts(&json!({"not": false}), "3"), (true, true));
+    }
+
+    /// Enum and const numbers beyond the digits written under bounds are taken as they are,
+    /// compared with the bounds as doubles.
+    #[test]
+    fn big_enum_values_meet_their_bounds() {
+        let c = json!({"type": "integer", "const": 10000000000000000u64, "minimum": 1});
+        assert_eq!(accepts(&c, "10000000000000000"), (true, true));
+        let e = json!({"enum": [1e16, "x"], "minimum": 1e16});
+        assert_eq!(accepts(&e, r#""x""#), (true, true));
+        let e = json!({"type": "integer", "enum": [10000000000000000u64, 5], "minimum": 6});
+        assert_eq!(accepts(&e, "10000000000000000"), (true, true));
+        assert!(!accepts(&e, "5").0);
     }
 
     /// An object schema that lists its properties and says nothing of others takes only those

@@ -3404,22 +3404,28 @@ fn broken_parameters(p: &Value) -> Option<String> {
                 }
             }
         }
+        // Into what every value must meet: not the branches of a union (one may be
+        // unsatisfiable while another holds), `not`, or definitions no reference may use.
         for (k, sub) in o {
             match (k.as_str(), sub) {
-                (
-                    "properties" | "patternProperties" | "$defs" | "definitions",
-                    Value::Object(m),
-                ) => {
+                ("properties" | "patternProperties", Value::Object(m)) => {
                     for (name, s) in m {
                         walk(s, &format!("{at}/{k}/{name}"), depth + 1, out);
                     }
                 }
-                ("anyOf" | "oneOf" | "allOf" | "prefixItems", Value::Array(a)) => {
+                ("allOf" | "prefixItems" | "items", Value::Array(a)) => {
                     for (i, s) in a.iter().enumerate() {
                         walk(s, &format!("{at}/{k}/{i}"), depth + 1, out);
                     }
                 }
-                ("items" | "additionalProperties" | "not" | "propertyNames", s) => {
+                (
+                    "items"
+                    | "additionalItems"
+                    | "additionalProperties"
+                    | "propertyNames"
+                    | "contains",
+                    s,
+                ) => {
                     walk(s, &format!("{at}/{k}"), depth + 1, out);
                 }
                 _ => {}
@@ -4991,6 +4997,27 @@ mod tests {
                 false,
             ),
             (json!({}), false),
+            (
+                json!({"type": "object", "properties": {"t": {"type": "array",
+                       "items": [{"type": "integer", "minimum": 5, "maximum": 1}]}}}),
+                true,
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "array",
+                       "contains": {"type": "integr"}}}}),
+                true,
+            ),
+            // A union with one satisfiable branch, or a `not` of nothing, is no broken schema.
+            (
+                json!({"type": "object", "properties": {"a": {"anyOf": [
+                       {"type": "integer", "minimum": 5, "maximum": 3}, {"type": "string"}]}}}),
+                false,
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"not": {"minimum": 5,
+                       "maximum": 3}}}}),
+                false,
+            ),
         ] {
             assert_eq!(broken_parameters(&p).is_some(), broken, "{p}");
         }
