@@ -1861,6 +1861,32 @@ fn refuse_oversized(request: tiny_http::Request, announced: usize) {
     std::mem::forget(stream);
 }
 
+/// A URL path segment with its `%XX` escapes decoded (an id's `/` may come as `%2F`); an
+/// escape that is not one, or bytes that are not UTF-8, stay as they are.
+fn percent_decoded(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).unwrap_or_else(|_| s.to_string())
+}
+
 /// The served model as `/v1/models` lists it.
 fn model_card(shared: &Shared) -> Value {
     json!({"id": shared.name, "object": "model", "created": now(), "owned_by": "cachalot",
@@ -1947,7 +1973,7 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
         }
         // One model by its id (OpenAI's `models.retrieve`; an id may hold '/').
         ("GET", p) if p.starts_with("/v1/models/") => {
-            let id = &p["/v1/models/".len()..];
+            let id = percent_decoded(&p["/v1/models/".len()..]);
             if id == shared.name {
                 respond_json(request, 200, &model_card(shared));
             } else {

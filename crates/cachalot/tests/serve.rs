@@ -228,6 +228,8 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     assert_eq!(status, 200, "{one}");
     let one: Value = serde_json::from_str(&one).unwrap();
     assert_eq!(one, models["data"][0]);
+    let (status, same) = http(addr, "GET", "/v1/models/cachalot%2Dtiny-r1", "");
+    assert_eq!(status, 200, "{same}");
     let (status, e) = http(addr, "GET", "/v1/models/org/other", "");
     assert_eq!(status, 404, "{e}");
     assert!(e.contains("`org/other` does not exist"), "{e}");
