@@ -195,9 +195,12 @@ enum Command {
         /// context over the whole input).
         #[arg(long, default_value_t = 0)]
         window: usize,
-        /// Print one JSON object: {"n_tokens", "logprobs", "nll", "ppl"}.
+        /// Print one JSON object: {"n_tokens", "n_scored", "logprobs", "nll", "ppl"}.
         #[arg(long)]
         json: bool,
+        /// Threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
     },
     /// Token ids of a text (`--text`), or the text of token ids (`--decode`).
     Tokenize(text::TokenizeArgs),
@@ -476,6 +479,9 @@ fn run() -> Result<()> {
         Command::Run(a) => a.group.threads_per_rank(),
         Command::Serve(a) => a.threads_per_rank(),
         Command::Bench(a) => a.threads,
+        Command::Perplexity { threads, .. } => *threads,
+        Command::Generate(a) => a.threads,
+        Command::Chat(a) => a.threads,
         _ => None,
     };
     let mut pool = rayon::ThreadPoolBuilder::new().stack_size(WORKER_STACK);
@@ -513,6 +519,7 @@ fn dispatch(cli: Cli) -> Result<()> {
             chunk,
             window,
             json,
+            ..
         } => {
             if chunk == 0 {
                 bail!("--chunk 0: give a prefill chunk of at least 1 token (512 by default)");

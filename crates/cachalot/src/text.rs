@@ -179,6 +179,9 @@ pub struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -209,6 +212,9 @@ pub struct ChatArgs {
     /// and "tool_calls" or "tool_call_error" when the model called tools}) instead of text.
     #[arg(long)]
     json: bool,
+    /// Threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 /// `--decode`'s ids.
