@@ -543,20 +543,16 @@ impl Input {
             .and_then(|f| f.read_exact_at(&mut bytes, s.start))
             .map_err(|e| ConvertError::io(&spath, e))?;
         let values = floats_of("F32", &bytes);
-        if let Some(v) = values.iter().find(|v| !v.is_finite()) {
+        // (A block scale is its largest magnitude over 448: a negative one would flip the
+        // block's signs.)
+        if let Some(v) = values.iter().find(|v| !(v.is_finite() && **v >= 0.0)) {
             return Err(ConvertError::Tensor {
                 tensor: sname,
                 file: spath,
-                why: format!("holds a non-finite scale {v}"),
-            });
-        }
-        // (A negative block scale would flip a block's signs: FP8 block scales are a block's
-        // largest magnitude over 448.)
-        if let Some(v) = values.iter().find(|v| **v < 0.0) {
-            return Err(ConvertError::Tensor {
-                tensor: sname,
-                file: spath,
-                why: format!("holds a negative block scale {v}; the checkpoint is damaged"),
+                why: format!(
+                    "holds the block scale {v}; FP8 block scales are finite and not negative: \
+                     the checkpoint is damaged"
+                ),
             });
         }
         Ok(BlockScales {

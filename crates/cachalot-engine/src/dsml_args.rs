@@ -212,18 +212,10 @@ impl DsmlSpec {
                 props.len()
             ));
         }
-        // Not said, where the parameters are listed (and every required one is among them):
-        // only those, as structured output reads such a schema (`json_schema`'s default).
-        let required_listed = o.get("required").and_then(Value::as_array).is_none_or(|r| {
-            r.iter()
-                .all(|n| n.as_str().is_some_and(|n| listed.contains(&n)))
-        });
-        let closed_by_default = !listed.is_empty()
-            && required_listed
-            && !o.contains_key("patternProperties")
-            && !o.contains_key("propertyNames");
         let extra = match o.get("additionalProperties") {
-            None if closed_by_default => None,
+            // Not said, where the parameters are listed: only those, as structured output
+            // reads such a schema.
+            None if crate::json_schema::closed_by_default(o) => None,
             None => compile("additionalProperties", &Value::Bool(true))?,
             Some(s) => compile("additionalProperties", s)?,
         };

@@ -1268,7 +1268,7 @@ fn short_path(at: &str) -> String {
 /// An object schema without `additionalProperties` that takes only its listed properties: it
 /// lists some, names no key rule of another kind (`patternProperties`, `propertyNames`), and
 /// its `required` names and `minProperties` fit the listed ones.
-fn closed_by_default(obj: &serde_json::Map<String, Value>) -> bool {
+pub(crate) fn closed_by_default(obj: &serde_json::Map<String, Value>) -> bool {
     let Some(props) = obj.get("properties").and_then(Value::as_object) else {
         return false;
     };

@@ -62,21 +62,20 @@ impl ReasoningSplitter {
             };
             let section: &[&str] = if self.in_reasoning { self.section } else { &[] };
             // A tool-call section opened inside the reasoning ends it there (the marker stays).
+            let close = self.held.find(marker);
             let first = section
                 .iter()
                 .filter(|m| !m.is_empty())
                 .filter_map(|m| self.held.find(m))
                 .min();
-            if let Some(at) = first {
-                if self.held.find(marker).is_none_or(|c| at < c) {
-                    let before: String = self.held[..at].to_string();
-                    self.emit(before, &mut out);
-                    self.held.drain(..at);
-                    self.in_reasoning = false;
-                    continue;
-                }
+            if let Some(at) = first.filter(|&at| close.is_none_or(|c| at < c)) {
+                let before: String = self.held[..at].to_string();
+                self.emit(before, &mut out);
+                self.held.drain(..at);
+                self.in_reasoning = false;
+                continue;
             }
-            if let Some(at) = self.held.find(marker) {
+            if let Some(at) = close {
                 let before: String = self.held[..at].to_string();
                 self.emit(before, &mut out);
                 self.held.drain(..at + marker.len());

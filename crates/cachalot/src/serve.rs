@@ -1029,6 +1029,11 @@ fn pool_blocks<M: Model>(model: &M, set: &Settings) -> Result<usize> {
     Ok(num_blocks)
 }
 
+/// Answers a request a drain's end cut ([`crate::term::DRAIN_CUT`], a 503).
+fn answer_cut(events: &mpsc::Sender<(usize, Event)>, choice: usize) {
+    let _ = events.send((choice, Event::Failed(503, crate::term::DRAIN_CUT.into())));
+}
+
 /// The engine's step loop: admits requests as they come, steps while any is unfinished, and
 /// sends each request its new text after every step. Returns when the HTTP side is gone.
 fn engine_loop<M: Model>(
@@ -1122,18 +1127,12 @@ fn engine_loop<M: Model>(
         // 503, before the process exits.
         if crate::term::drain_cut() {
             while let Ok(job) = jobs.try_recv() {
-                let _ = job.events.send((
-                    job.choice,
-                    Event::Failed(503, crate::term::DRAIN_CUT.into()),
-                ));
+                answer_cut(&job.events, job.choice);
             }
             for (id, sink) in live.drain() {
                 engine.abort(id);
                 fail_room(sink.room, crate::term::DRAIN_CUT.into());
-                let _ = sink.events.send((
-                    sink.choice,
-                    Event::Failed(503, crate::term::DRAIN_CUT.into()),
-                ));
+                answer_cut(&sink.events, sink.choice);
             }
             let _ = engine.take_finished();
             std::thread::sleep(Duration::from_millis(20));
@@ -1468,8 +1467,8 @@ fn ranked_loop<M: Model>(
                 sinks.insert(key, (job.events, job.choice, job.gone));
                 cmd.admit.push((key, target as u32, request, transfer));
             }
-            // Requests whose client left while they waited or ran without new text (their
-            // handler has returned): aborted on every rank.
+            // Requests whose client left (their handler has returned, or their new text found
+            // no one): aborted on every rank.
             let left: Vec<u64> = sinks
                 .iter()
                 .filter(|(_, (_, _, gone))| gone.load(Ordering::Relaxed))
@@ -1496,14 +1495,11 @@ fn ranked_loop<M: Model>(
             // A drain whose grace ended: what is left is answered 503 (not "a rank failed").
             if crate::term::drain_cut() {
                 for (_, (tx, choice, _)) in sinks.drain() {
-                    let _ = tx.send((choice, Event::Failed(503, crate::term::DRAIN_CUT.into())));
+                    answer_cut(&tx, choice);
                 }
                 if let Some(jobs) = &jobs {
                     while let Ok(job) = jobs.try_recv() {
-                        let _ = job.events.send((
-                            job.choice,
-                            Event::Failed(503, crate::term::DRAIN_CUT.into()),
-                        ));
+                        answer_cut(&job.events, job.choice);
                     }
                 }
             }
@@ -1651,19 +1647,11 @@ fn ranked_loop<M: Model>(
                 if !lps.is_empty() {
                     logprobs.entry(key).or_default().extend_from_slice(&lps);
                 }
-                let gone = match sinks.get(&key) {
-                    Some((tx, choice, _)) => tx.send((*choice, Event::Text(text, lps))).is_err(),
-                    None => false,
-                };
-                if gone {
-                    say!("cachalot serve: request {key}: the client went away; aborted");
-                    sinks.remove(&key);
-                    logprobs.remove(&key);
-                    fail_room(
-                        room_of.remove(&key).map(|r| r.0),
-                        "its request was aborted (the client went away)",
-                    );
-                    aborts.push(key);
+                if let Some((tx, choice, gone)) = sinks.get(&key) {
+                    if tx.send((*choice, Event::Text(text, lps))).is_err() {
+                        // Aborted with the others whose client left, before the next step.
+                        gone.store(true, Ordering::Relaxed);
+                    }
                 }
             }
             for (key, mut out) in rep.done {
@@ -3364,16 +3352,17 @@ fn broken_parameters(p: &Value) -> Option<String> {
     const TYPES: [&str; 7] = [
         "object", "array", "string", "number", "integer", "boolean", "null",
     ];
-    let types = |t: &Value| -> Option<Vec<String>> {
+    /// A `type`'s names (a name or a list of them); None when it is neither.
+    fn type_names(t: &Value) -> Option<Vec<&str>> {
         match t {
-            Value::String(s) => Some(vec![s.clone()]),
-            Value::Array(a) => a.iter().map(|x| x.as_str().map(str::to_string)).collect(),
+            Value::String(s) => Some(vec![s.as_str()]),
+            Value::Array(a) => a.iter().map(Value::as_str).collect(),
             _ => None,
         }
-    };
+    }
     if let Some(t) = p.get("type") {
-        match types(t) {
-            Some(ts) if ts.iter().any(|t| t == "object") => {}
+        match type_names(t) {
+            Some(ts) if ts.contains(&"object") => {}
             _ => {
                 return Some(format!(
                     "type {t}: a call's arguments are a JSON object, which this schema does \
@@ -3390,12 +3379,7 @@ fn broken_parameters(p: &Value) -> Option<String> {
             return;
         }
         if let Some(t) = o.get("type") {
-            let names: Option<Vec<&str>> = match t {
-                Value::String(s) => Some(vec![s.as_str()]),
-                Value::Array(a) => a.iter().map(Value::as_str).collect(),
-                _ => None,
-            };
-            match names {
+            match type_names(t) {
                 Some(n) if n.iter().all(|x| TYPES.contains(x)) => {}
                 _ => {
                     *out = Some(format!("{at}/type: {t} names no JSON type"));
@@ -4031,12 +4015,8 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     // A tool's or function's empty result (null content) is an empty string to the templates,
     // which concatenate content.
     for m in messages.as_array_mut().into_iter().flatten() {
-        let role = m.get("role").and_then(Value::as_str).map(str::to_string);
-        let role = role.as_deref();
-        if matches!(role, Some("tool" | "function")) && m.get("content").is_none_or(Value::is_null)
-        {
-            m["content"] = "".into();
-        }
+        let role = m.get("role").and_then(Value::as_str);
+        let empty = m.get("content").is_none_or(Value::is_null);
         // So is an assistant turn's null content without calls (vLLM renders it as ""; R1's
         // template would test `'</think>' in content` on the null). With calls it stays null,
         // which templates test for.
@@ -4044,7 +4024,12 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
             .get("tool_calls")
             .and_then(Value::as_array)
             .is_some_and(|c| !c.is_empty());
-        if role == Some("assistant") && !calls && m.get("content").is_some_and(Value::is_null) {
+        let blank = match role {
+            Some("tool" | "function") => empty,
+            Some("assistant") => !calls && m.get("content").is_some_and(Value::is_null),
+            _ => false,
+        };
+        if blank {
             m["content"] = "".into();
         }
     }

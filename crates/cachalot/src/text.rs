@@ -747,6 +747,8 @@ fn generate_with<M: Model>(
         prompt_text,
         tool_format,
     } = *ctx;
+    // Where reasoning also ends (a Kimi-K2-Thinking tool-call section).
+    let sections = tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning);
     let max_new = check_length(
         prompt_ids.len(),
         args.sampling.max_new_tokens,
@@ -767,22 +769,13 @@ fn generate_with<M: Model>(
             "decode_s": g.decode_s,
         });
         if tok.is_some() {
-            let answer = ReasoningSplitter::split_at(
-                prompt_text,
-                &g.text,
-                tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
-            )
-            .1;
+            let answer = ReasoningSplitter::split_at(prompt_text, &g.text, sections).1;
             add_tool_fields(&mut v, &tool_calls_of(tool_format, &answer), &answer);
         }
         println!("{v}");
         return Ok(());
     }
-    let mut printer = Printer::new(
-        prompt_text,
-        args.hide_reasoning,
-        tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
-    );
+    let mut printer = Printer::new(prompt_text, args.hide_reasoning, sections);
     // A reader that left (or a full disk) ends the generation.
     let stop_writing = AtomicBool::new(false);
     let g = args
@@ -801,12 +794,7 @@ fn generate_with<M: Model>(
     if args.chat || args.tools.is_some() {
         report_tool_calls(&tool_calls_of(
             tool_format,
-            &ReasoningSplitter::split_at(
-                prompt_text,
-                &g.text,
-                tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
-            )
-            .1,
+            &ReasoningSplitter::split_at(prompt_text, &g.text, sections).1,
         ));
     }
     report(&g);
@@ -821,6 +809,8 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
     let tools = read_tools(args.tools.as_deref())?;
     let family = detect_family(&dir)?;
     let tool_format = ToolCallFormat::for_tokenizer(&tok, family == ModelFamily::DeepseekV4);
+    // Where reasoning also ends (a Kimi-K2-Thinking tool-call section).
+    let sections = tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning);
     let (v3, v4);
     let (m, eos, max_positions): (&(dyn Model + Sync), &[u32], usize) = match family {
         ModelFamily::DeepseekV3 => {
@@ -997,13 +987,8 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         stop.max_new_tokens = max_new;
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
-        let mut printer = (!args.json).then(|| {
-            Printer::new(
-                &prompt_text,
-                args.hide_reasoning,
-                tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
-            )
-        });
+        let mut printer =
+            (!args.json).then(|| Printer::new(&prompt_text, args.hide_reasoning, sections));
         let result = args.sampling.generate(
             &m,
             Some(&tok),
@@ -1021,11 +1006,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         );
         generating.store(false, Ordering::SeqCst);
         let g = result?;
-        let (reasoning, answer) = ReasoningSplitter::split_at(
-            &prompt_text,
-            &g.text,
-            tool_format.map_or(&[][..], ToolCallFormat::ends_reasoning),
-        );
+        let (reasoning, answer) = ReasoningSplitter::split_at(&prompt_text, &g.text, sections);
         let parsed = tool_calls_of(tool_format, &answer);
         match printer.as_mut() {
             Some(p) => {

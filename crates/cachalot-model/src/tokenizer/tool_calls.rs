@@ -37,6 +37,8 @@ const V3_CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
 const V3_CALL_END: &str = "<｜tool▁call▁end｜>";
 const V3_SEP: &str = "<｜tool▁sep｜>";
 const V3_EOS: &str = "<｜end▁of▁sentence｜>";
+/// What every marker of DeepSeek-V3's tool-call markup begins with.
+const V3_MARKUP_START: &str = "<｜tool▁call";
 
 const KIMI_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
 const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
@@ -47,6 +49,8 @@ const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
 const KIMI_ARGS_BEGIN: &str = "<|tool_call_argument_begin|>";
 const KIMI_CALL_END: &str = "<|tool_call_end|>";
 const KIMI_END_MARKERS: [&str; 2] = ["<|im_end|>", "[EOS]"];
+/// What every marker of Kimi-K2's tool-call markup begins with.
+const KIMI_MARKUP_START: &str = "<|tool_call";
 
 /// The tool-call markup a model family writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,8 +106,8 @@ impl ToolCallFormat {
     /// any DSML), well-formed or not: where [`ToolCallFormat::parse`] has something to say.
     pub fn mentions_tool_calls(self, answer: &str) -> bool {
         match self {
-            ToolCallFormat::DeepseekV3 => answer.contains("<｜tool▁call"),
-            ToolCallFormat::KimiK2 => answer.contains("<|tool_call"),
+            ToolCallFormat::DeepseekV3 => answer.contains(V3_MARKUP_START),
+            ToolCallFormat::KimiK2 => answer.contains(KIMI_MARKUP_START),
             ToolCallFormat::DeepseekV4 => answer.contains(dsv4::DSML),
         }
     }
@@ -115,8 +119,10 @@ impl ToolCallFormat {
     /// DeepSeek-V4, whose DSML answers are parsed whole.
     pub fn settled_content(self, text: &str, from: usize) -> Option<(usize, bool)> {
         let guards: &[&str] = match self {
-            ToolCallFormat::DeepseekV3 => &["<｜tool▁call", V3_EOS],
-            ToolCallFormat::KimiK2 => &["<|tool_call", KIMI_END_MARKERS[0], KIMI_END_MARKERS[1]],
+            ToolCallFormat::DeepseekV3 => &[V3_MARKUP_START, V3_EOS],
+            ToolCallFormat::KimiK2 => {
+                &[KIMI_MARKUP_START, KIMI_END_MARKERS[0], KIMI_END_MARKERS[1]]
+            }
             ToolCallFormat::DeepseekV4 => return None,
         };
         let from = from.min(text.len());
