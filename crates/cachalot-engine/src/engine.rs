@@ -703,11 +703,15 @@ fn lead_bytes<'a>(t: u32, bytes: &'a [Vec<u8>], specials: &'a HashMap<u32, Vec<u
 /// before temperature, penalties and truncation, as vLLM and OpenAI report it; in JSON mode too,
 /// where vLLM reports the masked distribution), with the `top`
 /// most likely tokens and theirs, most likely first. An impossible token's is `f32::MIN`.
+/// `rank`: how many tokens are at least as likely as `token` (itself included: the most likely
+/// has rank 1; vLLM's `rank`, ties counted ahead), the vocabulary's size for an impossible one.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenLogprob {
     pub token: u32,
     pub logprob: f32,
     pub top: Vec<(u32, f32)>,
+    #[serde(default)]
+    pub rank: u32,
 }
 
 impl TokenLogprob {
@@ -757,10 +761,15 @@ impl TokenLogprob {
                 best.truncate(k);
             }
         }
+        let rank = match logits.get(token as usize) {
+            Some(&x) if !x.is_nan() => logits.iter().filter(|&&y| y >= x).count(),
+            _ => logits.len(),
+        };
         TokenLogprob {
             token,
             logprob: lp(token),
             top: best.into_iter().map(|t| (t, lp(t))).collect(),
+            rank: rank as u32,
         }
     }
 }
@@ -2321,6 +2330,13 @@ mod tests {
         let total: f64 = all.top.iter().map(|t| (t.1 as f64).exp()).sum();
         assert!((total - 1.0).abs() < 1e-6, "{total}");
         assert!(TokenLogprob::from_logits(&logits, 1, 0).top.is_empty());
+        // Ranks count the tokens at least as likely (ties ahead); an impossible token's is
+        // the vocabulary's size.
+        let ranks: Vec<u32> = [1u32, 3, 0, 4, 5, 2]
+            .iter()
+            .map(|&t| TokenLogprob::from_logits(&logits, t, 0).rank)
+            .collect();
+        assert_eq!(ranks, vec![2, 2, 3, 4, 5, 6]);
     }
 
     /// A JSON lead keeps the answer on one of its texts, lets a token finish one and begin

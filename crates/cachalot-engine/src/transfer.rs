@@ -409,6 +409,7 @@ mod tests {
                 token: 9,
                 logprob: -0.75,
                 top: vec![(9, -0.75), (2, -1.5)],
+                rank: 1,
             }),
             prompt_logprobs: if mtp {
                 (2..6)
@@ -416,6 +417,7 @@ mod tests {
                         token: t,
                         logprob: -(t as f32) / 4.0,
                         top: vec![(t, -(t as f32) / 4.0)],
+                        rank: 1,
                     })
                     .collect()
             } else {

@@ -2560,6 +2560,8 @@ struct Call {
     n: usize,
     /// Alternatives per token to report log-probabilities of (None: no log-probabilities).
     logprobs: Option<usize>,
+    /// vLLM's `prompt_logprobs`: alternatives per prompt token to report (None: not asked).
+    prompt_logprobs: Option<usize>,
     /// Completions' `echo`: the prompt goes before the answer, with its log-probabilities when
     /// asked; `score_only` (echo with `max_tokens: 0`): the prompt alone, nothing generated.
     echo: bool,
@@ -2858,11 +2860,6 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         ("best_of", "best_of is not supported"),
         ("suffix", "suffix is not supported"),
         (
-            "prompt_logprobs",
-            "prompt_logprobs is not supported: /v1/completions with \"echo\": true and \
-             \"logprobs\": N gives the prompt tokens' log-probabilities",
-        ),
-        (
             "chat_template",
             "a request's own chat template is not accepted (as vLLM without \
              --trust-request-chat-template): start the server with --chat-template FILE",
@@ -2919,6 +2916,26 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     let logprobs = read_logprobs(body, chat)?;
     let echo = flag(body, "echo")?;
     let stream = flag(body, "stream")?;
+    // vLLM's `prompt_logprobs`: each prompt token's log-probability given those before it,
+    // with that many alternatives; not streamed (as vLLM refuses it there).
+    let prompt_logprobs = match field(body, "prompt_logprobs") {
+        None | Some(Value::Bool(false)) => None,
+        Some(v) => match v.as_u64() {
+            Some(k) if k <= MAX_TOP_LOGPROBS => Some(k as usize),
+            _ => {
+                return Err(ApiError::bad(
+                    "prompt_logprobs",
+                    format!("expected an integer from 0 to {MAX_TOP_LOGPROBS}, got {v}"),
+                ))
+            }
+        },
+    };
+    if prompt_logprobs.is_some() && stream {
+        return Err(ApiError::bad(
+            "prompt_logprobs",
+            "not available with \"stream\": true (as in vLLM): drop one of them",
+        ));
+    }
     if echo && chat {
         return Err(ApiError::bad(
             "echo",
@@ -3294,6 +3311,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         forced_suffix,
         n,
         logprobs,
+        prompt_logprobs,
         echo,
         score_only,
         stream,
@@ -3314,7 +3332,9 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             // fixed-length mode.
             ignore_eos: false,
             logprobs,
-            prompt_logprobs: if echo { logprobs } else { None },
+            // Echo's and `prompt_logprobs`' alternatives: the more of the two (each answer
+            // takes its own count).
+            prompt_logprobs: if echo { logprobs } else { None }.max(prompt_logprobs),
             json_object: json_object || forced_json.is_some(),
             // A reasoning model's answer is JSON once its thinking ends (as vLLM's guided
             // decoding starts after the reasoning parser's end marker); a forced call's
@@ -3816,7 +3836,17 @@ fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: 
             } else {
                 0
             };
-            let all: Vec<TokenLogprob> = out.prompt_logprobs.iter().chain(gen).cloned().collect();
+            // The prompt's entries may hold more alternatives (for `prompt_logprobs`).
+            let k = call.logprobs.unwrap_or(0);
+            let all: Vec<TokenLogprob> = out
+                .prompt_logprobs
+                .iter()
+                .map(|lp| TokenLogprob {
+                    top: lp.top.iter().take(k).copied().collect(),
+                    ..lp.clone()
+                })
+                .chain(gen.iter().cloned())
+                .collect();
             let mut lp = completion_logprobs(tok, call.token_ids, &all, &mut offset);
             let put = |lp: &mut Value, key: &str, v: Value| {
                 if let Some(a) = lp[key].as_array_mut() {
@@ -3837,6 +3867,23 @@ fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: 
     };
     json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
            "stop_reason": if call.score_only { Value::Null } else { stop_reason(shared, out) }})
+}
+
+/// vLLM's `prompt_logprobs` of a prompt: null for its first token (nothing comes before it),
+/// then per token an object keyed by token id holding the token's own entry and its `k` most
+/// likely alternatives' (`logprob`, `rank`: 1 for the most likely, and `decoded_token`), the
+/// token's first.
+fn prompt_logprobs_json(tok: &Tokenizer, as_ids: bool, lps: &[TokenLogprob], k: usize) -> Value {
+    let entry = |id: u32, logprob: f32, rank: u32| json!({"logprob": logprob, "rank": rank, "decoded_token": token_label(tok, id, as_ids)});
+    let rows = lps.iter().map(|lp| {
+        let mut m = Map::new();
+        m.insert(lp.token.to_string(), entry(lp.token, lp.logprob, lp.rank));
+        for (i, &(id, v)) in lp.top.iter().take(k).enumerate() {
+            m.insert(id.to_string(), entry(id, v, i as u32 + 1));
+        }
+        Value::Object(m)
+    });
+    std::iter::once(Value::Null).chain(rows).collect()
 }
 
 /// Chat's `logprobs` object for some tokens.
@@ -4442,6 +4489,11 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
                    "stop_reason": stop_reason(shared, out)})
         });
+        // vLLM gives a completion's per choice, a chat's once for the response.
+        if let (Some(k), false) = (call.prompt_logprobs, call.chat) {
+            choices[i]["prompt_logprobs"] =
+                prompt_logprobs_json(&shared.tokenizer, call.token_ids, &out.prompt_logprobs, k);
+        }
     }
     let object = if call.chat {
         "chat.completion"
@@ -4453,8 +4505,12 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
         usage["completion_tokens"] = 0.into();
         usage["total_tokens"] = call.prompt_tokens().into();
     }
-    let body = json!({"id": id, "object": object, "created": created, "model": shared.name,
-                      "choices": choices, "usage": usage});
+    let mut body = json!({"id": id, "object": object, "created": created, "model": shared.name,
+                          "choices": choices, "usage": usage});
+    if let (Some(k), true, Some(out)) = (call.prompt_logprobs, call.chat, outs.first()) {
+        body["prompt_logprobs"] =
+            prompt_logprobs_json(&shared.tokenizer, call.token_ids, &out.prompt_logprobs, k);
+    }
     match (request, writer) {
         (Some(r), _) => respond_json(r, 200, &body),
         (None, Some(w)) => end_body(w, body.to_string().as_bytes()),

@@ -1336,6 +1336,54 @@ fn serve_reports_logprobs() {
     assert!(l["token_logprobs"][0].is_null() && l["top_logprobs"][0].is_null());
     assert!((1..6).all(|i| l["token_logprobs"][i].as_f64().unwrap() < 0.0));
     assert_eq!(e["usage"]["completion_tokens"], 0);
+    // vLLM's `prompt_logprobs`: the same values as echo's, keyed by id, the token's own entry
+    // first with its rank, then its alternatives ranked 1..k; a chat's once per response.
+    let (status, p) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2, "n": 2,
+                "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{p}");
+    for c in 0..2 {
+        let rows = p["choices"][c]["prompt_logprobs"].as_array().unwrap();
+        assert_eq!(rows.len(), 6, "{p}");
+        assert!(rows[0].is_null());
+        for i in 1..6 {
+            let row = rows[i].as_object().unwrap();
+            let (first, own) = row.iter().next().unwrap();
+            assert_eq!(first, &ids[i].to_string(), "{p}");
+            let lp = own["logprob"].as_f64().unwrap();
+            assert!(
+                (lp - l["token_logprobs"][i].as_f64().unwrap()).abs() < 1e-5,
+                "{p}"
+            );
+            let alts: Vec<&Value> = row
+                .values()
+                .filter(|e| e["rank"].as_u64() <= Some(2))
+                .collect();
+            assert!(alts.len() >= 2, "{p}");
+            let best = alts
+                .iter()
+                .map(|e| e["logprob"].as_f64().unwrap())
+                .fold(f64::MIN, f64::max);
+            let rank = own["rank"].as_u64().unwrap();
+            assert!(rank >= 1 && (rank == 1) == (lp >= best), "{p}");
+            assert!(row.len() == 2 + usize::from(rank > 2), "{p}");
+        }
+    }
+    let (status, p) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                "prompt_logprobs": 0}),
+    );
+    assert_eq!(status, 200, "{p}");
+    assert_eq!(
+        p["prompt_logprobs"].as_array().map(Vec::len),
+        p["usage"]["prompt_tokens"].as_u64().map(|n| n as usize),
+        "{p}"
+    );
     // A text prompt: its tokens' offsets point into the echoed text (the BOS the tokenizer
     // adds takes no characters).
     let (_, e) = post(
@@ -2840,8 +2888,8 @@ fn head_of(addr: &str, request: &str) -> String {
 /// generation_config.json as default sampling (`--generation-config`), the token itself among
 /// completions' `top_logprobs`, `stop_reason`, `include_stop_str_in_output` with stop tokens,
 /// `return_tokens_as_token_ids`, random ids, CORS, `/version` and `/ping`, and refusals of
-/// what is not supported (`prompt_logprobs`, a request's `chat_template`, `stream_options`
-/// without a stream).
+/// what is not supported or not here (streamed `prompt_logprobs`, a request's `chat_template`,
+/// `stream_options` without a stream).
 #[test]
 fn serve_takes_vllms_extra_fields() {
     let server = start(&["--threads", "1"]);
@@ -3006,7 +3054,11 @@ fn serve_takes_vllms_extra_fields() {
     // Refused by name.
     for (body, param) in [
         (
-            json!({"prompt": "x", "prompt_logprobs": 1}),
+            json!({"prompt": "x", "prompt_logprobs": 1, "stream": true}),
+            "prompt_logprobs",
+        ),
+        (
+            json!({"prompt": "x", "prompt_logprobs": 21}),
             "prompt_logprobs",
         ),
         (
