@@ -1505,6 +1505,13 @@ impl<'t, M: Model> Engine<'t, M> {
         self.live.get(&id).map(|l| l.text.as_str())
     }
 
+    /// How many tokens a live request has generated so far (None once finished).
+    pub fn generated_so_far(&self, id: u64) -> Option<usize> {
+        self.live
+            .get(&id)
+            .map(|l| l.tokens.len().saturating_sub(l.prompt_len))
+    }
+
     /// The log-probabilities a live request has recorded so far (None once finished).
     pub fn logprobs_so_far(&self, id: u64) -> Option<&[TokenLogprob]> {
         self.live.get(&id).map(|l| l.logprobs.as_slice())

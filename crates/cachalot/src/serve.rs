@@ -203,9 +203,9 @@ const MAX_BODY_BYTES: u64 = 64 << 20;
 
 /// What a request thread gets back from the engine thread.
 enum Event {
-    /// New text of the answer, and the log-probabilities of the tokens generated since the last
-    /// event (when the request asked for them).
-    Text(String, Vec<TokenLogprob>),
+    /// New text of the answer, the log-probabilities of the tokens generated since the last
+    /// event (when the request asked for them), and how many tokens it has generated so far.
+    Text(String, Vec<TokenLogprob>, usize),
     /// The request ended.
     Done(Box<RequestOutput>),
     /// It could not be served: the engine refused it (400) or a step failed (500).
@@ -1188,10 +1188,11 @@ fn engine_loop<M: Model>(
             // The text only grows, so `sent` is a char boundary; `get` keeps a surprise from
             // panicking the engine thread.
             let lps = engine.logprobs_so_far(*id).unwrap_or_default();
+            let count = engine.generated_so_far(*id).unwrap_or_default();
             if let Some(news) = unsent(text, lps, sink.sent, sink.sent_logprobs) {
                 if sink
                     .events
-                    .send((sink.choice, Event::Text(news.0, news.1)))
+                    .send((sink.choice, Event::Text(news.0, news.1, count)))
                     .is_err()
                 {
                     gone.push(*id);
@@ -1234,7 +1235,7 @@ fn engine_loop<M: Model>(
                 }
             }
             if let Some(rest) = unsent(&out.text, &out.logprobs, sent, sent_logprobs) {
-                let _ = events.send((choice, Event::Text(rest.0, rest.1)));
+                let _ = events.send((choice, Event::Text(rest.0, rest.1, out.tokens.len())));
             }
             let _ = events.send((choice, Event::Done(Box::new(out))));
         }
@@ -1305,7 +1306,8 @@ fn unpack_frame<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<(T, Vec<
 /// requests, those that finished or were refused, and whether it has work left.
 #[derive(Default, serde::Serialize, serde::Deserialize)]
 struct Report {
-    text: Vec<(u64, String, Vec<TokenLogprob>)>,
+    /// Per request: new text, log-probabilities, tokens generated so far.
+    text: Vec<(u64, String, Vec<TokenLogprob>, usize)>,
     done: Vec<(u64, RequestOutput)>,
     /// Prefill role: the KV of finished requests, as the report's blob of this index.
     kv: Vec<(u64, usize)>,
@@ -1576,8 +1578,9 @@ fn ranked_loop<M: Model>(
             for (&key, (id, sent, sent_lps)) in mine.iter_mut() {
                 let text = engine.text_so_far(*id).unwrap_or_default();
                 let lps = engine.logprobs_so_far(*id).unwrap_or_default();
+                let count = engine.generated_so_far(*id).unwrap_or_default();
                 if let Some((new, new_lps)) = unsent(text, lps, *sent, *sent_lps) {
-                    report.text.push((key, new, new_lps));
+                    report.text.push((key, new, new_lps, count));
                     (*sent, *sent_lps) = (text.len(), lps.len());
                 }
             }
@@ -1592,7 +1595,7 @@ fn ranked_loop<M: Model>(
             if reporting {
                 let mut out = out;
                 if let Some((rest, rest_lps)) = unsent(&out.text, &out.logprobs, sent, sent_lps) {
-                    report.text.push((key, rest, rest_lps));
+                    report.text.push((key, rest, rest_lps, out.tokens.len()));
                 }
                 if let Some(kv) = out.kv.take() {
                     let mut b = Vec::new();
@@ -1643,12 +1646,12 @@ fn ranked_loop<M: Model>(
             if !expert || r == 0 {
                 gauges.iter_mut().zip(rep.gauges).for_each(|(a, b)| *a += b);
             }
-            for (key, text, lps) in rep.text {
+            for (key, text, lps, count) in rep.text {
                 if !lps.is_empty() {
                     logprobs.entry(key).or_default().extend_from_slice(&lps);
                 }
                 if let Some((tx, choice, gone)) = sinks.get(&key) {
-                    if tx.send((*choice, Event::Text(text, lps))).is_err() {
+                    if tx.send((*choice, Event::Text(text, lps, count))).is_err() {
                         // Aborted with the others whose client left, before the next step.
                         gone.store(true, Ordering::Relaxed);
                     }
@@ -2568,6 +2571,9 @@ struct Call {
     score_only: bool,
     stream: bool,
     include_usage: bool,
+    /// vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk
+    /// carries its choice's usage so far.
+    continuous_usage: bool,
     /// vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens `token_id:ID`.
     token_ids: bool,
     /// Every prompt (completions take a list; each gets `n` choices, prompt i's being choices
@@ -2845,7 +2851,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         if let Some(Value::Object(o)) = obj.get("stream_options") {
             ignored.extend(
                 o.keys()
-                    .filter(|k| *k != "include_usage")
+                    .filter(|k| *k != "include_usage" && *k != "continuous_usage_stats")
                     .map(|k| format!("stream_options.{k}")),
             );
         }
@@ -3285,8 +3291,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     } else {
         SpecialText::skip_except(Vec::new())
     };
-    let include_usage = match field(body, "stream_options") {
-        None => false,
+    let (include_usage, continuous_usage) = match field(body, "stream_options") {
+        None => (false, false),
         // As vLLM.
         Some(_) if !stream => {
             return Err(ApiError::bad(
@@ -3294,10 +3300,16 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 "stream options can only be given with \"stream\": true",
             ))
         }
-        // (Its other keys are logged with the request's other ignored fields.)
-        Some(o @ Value::Object(_)) => flag(o, "include_usage").map_err(|e| {
-            ApiError::bad("stream_options", format!("include_usage: {}", e.message))
-        })?,
+        // (Its other keys are logged with the request's other ignored fields.) vLLM sends
+        // continuous usage only with `include_usage`.
+        Some(o @ Value::Object(_)) => {
+            let read = |key: &'static str| {
+                flag(o, key)
+                    .map_err(|e| ApiError::bad("stream_options", format!("{key}: {}", e.message)))
+            };
+            let usage = read("include_usage")?;
+            (usage, usage && read("continuous_usage_stats")?)
+        }
         Some(v) => {
             return Err(ApiError::bad(
                 "stream_options",
@@ -3316,6 +3328,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         score_only,
         stream,
         include_usage,
+        continuous_usage,
         token_ids: flag(body, "return_tokens_as_token_ids")?,
         tools: has_tools,
         request: Request {
@@ -4417,7 +4430,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     let mut begun = false;
     while outs.iter().any(Option::is_none) {
         match rx.recv_timeout(shared.keepalive) {
-            Ok((i, Event::Text(t, _))) => {
+            Ok((i, Event::Text(t, _, _))) => {
                 begun = true;
                 texts[i].push_str(&t)
             }
@@ -4680,9 +4693,19 @@ fn stream(
     } else {
         "text_completion"
     };
+    // vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far.
+    let generated: Vec<std::cell::Cell<usize>> = (0..call.choices()).map(|_| 0.into()).collect();
     let chunk = |choice: Value| -> Value {
-        json!({"id": id, "object": object, "created": created, "model": shared.name,
-               "choices": [choice]})
+        let mut c = json!({"id": id, "object": object, "created": created,
+                           "model": shared.name, "choices": [choice]});
+        if call.continuous_usage {
+            let i = c["choices"][0]["index"].as_u64().unwrap_or(0) as usize;
+            let prompt = call.prompts.get(i / call.n).map_or(0, |p| p.0.len());
+            let done = generated.get(i).map_or(0, std::cell::Cell::get);
+            c["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": done,
+                                "total_tokens": prompt + done});
+        }
+        c
     };
     let send = |w: &mut Box<dyn Write + Send>, v: &Value| -> bool {
         write_chunk(w, format!("data: {v}\n\n").as_bytes())
@@ -4854,7 +4877,8 @@ fn stream(
             }
         };
         let ok = match got {
-            Ok((i, Event::Text(t, lps))) => {
+            Ok((i, Event::Text(t, lps, count))) => {
+                generated[i].set(count);
                 let ch = &mut choices[i];
                 if call.chat {
                     let segs = match &mut ch.splitter {
@@ -4881,6 +4905,7 @@ fn stream(
                 }
             }
             Ok((i, Event::Done(out))) => {
+                generated[i].set(out.tokens.len());
                 choices[i].out = Some(out);
                 finish(&mut w, i, &mut choices[i])
             }

@@ -282,6 +282,32 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     let finish = &chunks[chunks.len() - 2];
     assert_eq!(finish["choices"][0]["finish_reason"], "length");
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 12);
+    assert!(chunks[..chunks.len() - 1]
+        .iter()
+        .all(|c| c.get("usage").is_none()));
+    // vLLM's continuous_usage_stats: every chunk carries the usage so far, which only grows
+    // and ends at the whole answer's.
+    body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    let ev = events(addr, "/v1/completions", &body);
+    let counts: Vec<u64> = ev[..ev.len() - 2]
+        .iter()
+        .map(|e| {
+            let c: Value = serde_json::from_str(e).unwrap();
+            let u = &c["usage"];
+            assert_eq!(u["prompt_tokens"], prompt.len(), "{c}");
+            assert_eq!(
+                u["total_tokens"],
+                u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap(),
+                "{c}"
+            );
+            u["completion_tokens"].as_u64().unwrap()
+        })
+        .collect();
+    assert!(
+        counts.windows(2).all(|w| w[0] <= w[1]) && counts[0] >= 1,
+        "{counts:?}"
+    );
+    assert_eq!(counts.last(), Some(&12), "{counts:?}");
 
     // Four requests at once (batched by the engine) answer as each alone.
     let prompts: Vec<Vec<u32>> = (0..4u32)
