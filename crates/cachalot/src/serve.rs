@@ -2574,6 +2574,12 @@ struct Call {
     /// vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk
     /// carries its choice's usage so far.
     continuous_usage: bool,
+    /// A chat answer's role (vLLM's: the assistant's, or with `add_generation_prompt: false`
+    /// the final message's).
+    response_role: String,
+    /// A chat's `echo`: the final message's text (when its role is the answer's), which goes
+    /// before the answer's content.
+    echo_text: String,
     /// vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens `token_id:ID`.
     token_ids: bool,
     /// Every prompt (completions take a list; each gets `n` choices, prompt i's being choices
@@ -2942,12 +2948,10 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             "not available with \"stream\": true (as in vLLM): drop one of them",
         ));
     }
-    if echo && chat {
-        return Err(ApiError::bad(
-            "echo",
-            "a completions field (chat answers do not repeat the messages)",
-        ));
-    }
+    // A chat's `echo` (vLLM's) repeats the final message's text before the answer; the rest
+    // of this function reads `echo` as completions'.
+    let chat_echo = echo && chat;
+    let echo = echo && !chat;
     if echo && stream {
         return Err(ApiError::bad(
             "echo",
@@ -3035,6 +3039,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     // writes the function's name first.
     let mut forced_json: Option<ForcedJson> = None;
     let mut continues = false;
+    let mut response_role = "assistant".to_string();
+    let mut echo_text = String::new();
     let prompts: Vec<(Vec<u32>, String)> = if chat {
         let Some(messages) = field(body, "messages") else {
             return Err(ApiError::bad(
@@ -3046,6 +3052,19 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         let messages = &flatten_text_parts(messages, template);
         let (generation, continued) = prompt_ending(body)?;
         continues = continued;
+        // vLLM's answer role: the assistant's after the template's opening of its turn, else
+        // the final message's (whose text `echo` repeats when the roles agree).
+        let last = messages.as_array().and_then(|m| m.last());
+        if !generation {
+            if let Some(r) = last.and_then(|m| m.get("role")).and_then(Value::as_str) {
+                response_role = r.to_string();
+            }
+        }
+        if chat_echo
+            && last.and_then(|m| m.get("role")).and_then(Value::as_str) == Some(&response_role)
+        {
+            echo_text = last.map_or(String::new(), message_text);
+        }
         if continued && forced.is_some() {
             return Err(ApiError::bad(
                 "continue_final_message",
@@ -3329,6 +3348,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         stream,
         include_usage,
         continuous_usage,
+        response_role,
+        echo_text,
         token_ids: flag(body, "return_tokens_as_token_ids")?,
         tools: has_tools,
         request: Request {
@@ -4119,6 +4140,19 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     messages
 }
 
+/// A message's text as vLLM's `echo` repeats it: its content, text parts joined by newlines.
+fn message_text(m: &Value) -> String {
+    match m.get("content") {
+        Some(Value::String(t)) => t.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
 /// How a chat prompt ends: `add_generation_prompt` (default true: the template's opening of
 /// the assistant's turn) and `continue_final_message` (default false: the prompt ends inside
 /// the final message, for the model to continue it; the two exclude each other, as in vLLM).
@@ -4474,12 +4508,16 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                 None => (String::new(), text),
                 Some(sp) => sp.split_whole(&text),
             };
-            let mut message = json!({"role": "assistant"});
+            let mut message = json!({"role": call.response_role});
             set_answer(&mut message, shared, &call, &answer, &mut finish);
             // vLLM's reasoning parsers give no content (null) when nothing follows the
             // reasoning.
             if reasons && message["content"].as_str() == Some("") {
                 message["content"] = Value::Null;
+            }
+            if !call.echo_text.is_empty() {
+                let content = message["content"].as_str().unwrap_or_default();
+                message["content"] = format!("{}{content}", call.echo_text).into();
             }
             if !reasoning.is_empty() {
                 message["reasoning_content"] = reasoning.into();
@@ -4715,10 +4753,18 @@ fn stream(
     }
     if call.chat {
         for i in 0..call.choices() {
-            let c = json!({"index": i, "delta": {"role": "assistant", "content": ""},
+            let c = json!({"index": i, "delta": {"role": call.response_role, "content": ""},
                            "finish_reason": null});
             if !send(&mut w, &chunk(c)) {
                 return;
+            }
+            // A chat's `echo`: the final message's text first (as vLLM streams it).
+            if !call.echo_text.is_empty() {
+                let c = json!({"index": i, "delta": {"content": call.echo_text},
+                               "finish_reason": null});
+                if !send(&mut w, &chunk(c)) {
+                    return;
+                }
             }
         }
     }

@@ -1454,12 +1454,65 @@ fn serve_reports_logprobs() {
         ("/v1/completions", json!({"prompt": "x", "max_tokens": 0})),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x"}], "echo": true}),
+            json!({"messages": [{"role": "user", "content": "x"}], "echo": true,
+                   "max_tokens": 0}),
         ),
     ] {
         let (status, e) = post(addr, path, &b);
         assert_eq!(status, 400, "{b}: {e}");
     }
+    // A chat's echo (vLLM's): the final message's text before the answer when its role is the
+    // answer's (the assistant's, or without a generation prompt the final message's), whole
+    // and streamed; a user's message under a generation prompt is not repeated.
+    let continued = json!({"messages": [{"role": "user", "content": "Hi"},
+                                        {"role": "assistant", "content": "Well, "}],
+                           "continue_final_message": true, "add_generation_prompt": false,
+                           "max_tokens": 4, "temperature": 0});
+    let (_, plain) = post(addr, "/v1/chat/completions", &continued);
+    let mut echo = continued.clone();
+    echo["echo"] = true.into();
+    let (status, e) = post(addr, "/v1/chat/completions", &echo);
+    assert_eq!(status, 200, "{e}");
+    let answer = plain["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(
+        e["choices"][0]["message"]["content"].as_str(),
+        Some(format!("Well, {answer}").as_str()),
+        "{e}"
+    );
+    echo["stream"] = true.into();
+    let streamed: String = events(addr, "/v1/chat/completions", &echo)
+        .iter()
+        .filter_map(|ev| serde_json::from_str::<Value>(ev).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(streamed, format!("Well, {answer}"));
+    let user = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                               {"type": "text", "text": "you"}]}],
+                      "max_tokens": 2, "temperature": 0, "echo": true});
+    let (_, e) = post(addr, "/v1/chat/completions", &user);
+    assert_eq!(e["choices"][0]["message"]["role"], "assistant", "{e}");
+    assert!(
+        !e["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("Hi"),
+        "{e}"
+    );
+    let mut own = user.clone();
+    own["add_generation_prompt"] = false.into();
+    let (_, e) = post(addr, "/v1/chat/completions", &own);
+    assert_eq!(e["choices"][0]["message"]["role"], "user", "{e}");
+    assert!(
+        e["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("Hi\nyou"),
+        "{e}"
+    );
 
     // Through a prefill/decode split: the same tokens and log-probabilities.
     let pre = start(&["--role", "prefill", "--kv-port", "0", "--kv-blocks", "64"]);
