@@ -2100,13 +2100,7 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
                 return Err(ApiError::bad("tools", problem));
             }
             let messages = &flatten_text_parts(messages, template);
-            let mut text = template
-                .render_json(messages, generation, tools, &kwargs)
-                .map_err(|e| ApiError::bad("messages", format!("the chat template failed: {e}")))?;
-            if continued {
-                let earlier = render_earlier(template, messages, tools, &kwargs);
-                text = continue_final(text, messages, earlier)?;
-            }
+            let text = render_chat(template, messages, generation, continued, tools, &kwargs)?;
             encode_with_bos(tok, &text, special, "messages")?
         }
         (Some(Value::String(_)), Some(_)) => {
@@ -3072,19 +3066,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             ));
         }
         let text = match &forced {
-            None => {
-                let text = template
-                    .render_json(messages, generation, tools, &kwargs)
-                    .map_err(|e| {
-                        ApiError::bad("messages", format!("the chat template failed: {e}"))
-                    })?;
-                if continued {
-                    let earlier = render_earlier(template, messages, tools, &kwargs);
-                    continue_final(text, messages, earlier)?
-                } else {
-                    text
-                }
-            }
+            None => render_chat(template, messages, generation, continued, tools, &kwargs)?,
             Some(name) => {
                 let f = forced_call(shared.tool_format, template, messages, tools, &kwargs, name)?;
                 forced_prefix = f.prefix;
@@ -4096,6 +4078,7 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     // A tool's or function's empty result (null content) is an empty string to the templates,
     // which concatenate content.
     for m in messages.as_array_mut().into_iter().flatten() {
+        alias_reasoning(m);
         let role = m.get("role").and_then(Value::as_str);
         let empty = m.get("content").is_none_or(Value::is_null);
         // So is an assistant turn's null content without calls (vLLM renders it as ""; R1's
@@ -4140,6 +4123,28 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     messages
 }
 
+/// The names a message's reasoning goes by (transformers' `_REASONING_FIELDS`).
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+
+/// As transformers (5.x) reads a message: its reasoning, under whichever of
+/// [`REASONING_FIELDS`] comes first, is also its `reasoning_content` (what DeepSeek's and
+/// Kimi's templates read) and, unless given, its `thinking` (gpt-oss templates').
+fn alias_reasoning(m: &mut Value) {
+    let Some(o) = m.as_object_mut() else {
+        return;
+    };
+    let Some(r) = REASONING_FIELDS
+        .iter()
+        .find_map(|k| o.get(*k).filter(|v| !v.is_null()).cloned())
+    else {
+        return;
+    };
+    if o.get("thinking").is_none_or(Value::is_null) {
+        o.insert("thinking".into(), r.clone());
+    }
+    o.insert("reasoning_content".into(), r);
+}
+
 /// A message's text as vLLM's `echo` repeats it: its content, text parts joined by newlines.
 fn message_text(m: &Value) -> String {
     match m.get("content") {
@@ -4181,9 +4186,97 @@ fn prompt_ending(body: &Value) -> Result<(bool, bool), ApiError> {
     Ok((generation, continued))
 }
 
+/// A chat's prompt: the messages through the template, ending with its opening of the
+/// assistant's turn (`generation`), or inside the final message (`continued`).
+fn render_chat(
+    template: &ChatTemplate,
+    messages: &Value,
+    generation: bool,
+    continued: bool,
+    tools: Option<&Value>,
+    kwargs: &Map<String, Value>,
+) -> Result<String, ApiError> {
+    let failed = |e: cachalot_model::ModelError| {
+        ApiError::bad("messages", format!("the chat template failed: {e}"))
+    };
+    if continued {
+        if let Some(tagged) = tag_final(messages) {
+            let text = template
+                .render_json(&tagged, generation, tools, kwargs)
+                .map_err(failed)?;
+            if let Some(cut) = cut_at_tag(&text) {
+                return Ok(cut);
+            }
+        }
+    }
+    let text = template
+        .render_json(messages, generation, tools, kwargs)
+        .map_err(failed)?;
+    if !continued {
+        return Ok(text);
+    }
+    let earlier = render_earlier(template, messages, tools, kwargs);
+    continue_final(text, messages, earlier)
+}
+
+/// transformers' (5.x) marker for `continue_final_message`: written after the final message's
+/// text, the rendered prompt is cut where it appears.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// The messages with [`CONTINUE_TAG`] after the final message's text: its content (a list's
+/// last text part), or where that is blank and the message has reasoning, its reasoning (every
+/// name it goes by). None: nothing to mark.
+fn tag_final(messages: &Value) -> Option<Value> {
+    let mut tagged = messages.clone();
+    let last = tagged.as_array_mut()?.last_mut()?.as_object_mut()?;
+    let blank = match last.get("content") {
+        Some(Value::String(t)) => t.trim().is_empty(),
+        Some(Value::Array(parts)) => !parts.iter().any(|p| p.get("text").is_some()),
+        _ => true,
+    };
+    let reasoning: Vec<String> = REASONING_FIELDS
+        .iter()
+        .filter(|k| {
+            last.get(**k)
+                .and_then(Value::as_str)
+                .is_some_and(|r| !r.is_empty())
+        })
+        .map(|k| k.to_string())
+        .collect();
+    if blank && !reasoning.is_empty() {
+        for k in reasoning {
+            if let Some(Value::String(r)) = last.get_mut(&k) {
+                r.push_str(CONTINUE_TAG);
+            }
+        }
+        return Some(tagged);
+    }
+    match last.get_mut("content")? {
+        Value::String(t) => t.push_str(CONTINUE_TAG),
+        Value::Array(parts) => {
+            let text = parts.iter_mut().rev().find_map(|p| p.get_mut("text"))?;
+            *text = format!("{}{CONTINUE_TAG}", text.as_str()?).into();
+        }
+        _ => return None,
+    }
+    Some(tagged)
+}
+
+/// A prompt rendered from [`tag_final`]'s messages cut at the (last) tag, as transformers cuts
+/// it: where the template kept the tag's space, right before it; where it trimmed, the text
+/// before it trimmed too. None: the template dropped the tag.
+fn cut_at_tag(text: &str) -> Option<String> {
+    let at = text.rfind(CONTINUE_TAG.trim_end())?;
+    Some(if text[at..].starts_with(CONTINUE_TAG) {
+        text[..at].to_string()
+    } else {
+        text[..at].trim_end().to_string()
+    })
+}
+
 /// transformers' `continue_final_message`: the rendered prompt cut right after the final
-/// message's text (its end-of-turn markers gone). The text is looked for after the rendering
-/// of the messages before it (`earlier`, when that is a prefix of the prompt): its first
+/// message's text (its end-of-turn markers gone), where the template drops [`CONTINUE_TAG`].
+/// The text is looked for after the rendering of the messages before it (`earlier`, when that is a prefix of the prompt): its first
 /// occurrence there, so that markup after it that happens to contain the same letters (`hi`
 /// in a `</think>` the template adds) is not taken for it; else, as transformers does, its
 /// last occurrence, as it is, else trimmed. A final message with no text but reasoning (an
@@ -5204,6 +5297,67 @@ mod tests {
             one.prefix.ends_with("name=\"get_time\">\n"),
             "{:?}",
             one.prefix
+        );
+    }
+
+    /// continue_final_message cuts at a marker after the final text, as transformers 5 does:
+    /// a text the markup also spells (ChatML's `a` in `assistant`), an empty one, a trimming
+    /// template, and a final message of reasoning alone (under any of its names) continued
+    /// inside its reasoning.
+    #[test]
+    fn a_continued_message_is_cut_after_its_text() {
+        let chatml = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n\
+             {% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}\
+             {{ m.content | trim }}<|im_end|>\n{% endfor %}",
+            "chatml.jinja",
+        );
+        let kwargs = Map::new();
+        let cut = |content: Value, extra: Value| {
+            let mut last = json!({"role": "assistant", "content": content});
+            for (k, v) in extra.as_object().unwrap() {
+                last[k] = v.clone();
+            }
+            let m = flatten_text_parts(&json!([{"role": "user", "content": "hi"}, last]), &chatml);
+            render_chat(&chatml, &m, false, true, None, &kwargs).unwrap()
+        };
+        let head = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+        // (Trimmed with the marker's space, the text before an empty one is trimmed too, as
+        // transformers does.)
+        assert_eq!(cut(json!(""), json!({})), head.trim_end());
+        for (content, want) in [("a", "a"), ("as\n", "as"), ("I am", "I am")] {
+            assert_eq!(
+                cut(json!(content), json!({})),
+                format!("{head}{want}"),
+                "{content:?}"
+            );
+        }
+        assert_eq!(
+            cut(
+                json!([{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]),
+                json!({})
+            ),
+            format!("{head}x\ny")
+        );
+        for name in ["reasoning", "thinking", "reasoning_content"] {
+            assert_eq!(
+                cut(json!(""), json!({name: "Let me"})),
+                format!("{head}<think>Let me"),
+                "{name}"
+            );
+        }
+        // transformers' order: `thinking` before `reasoning`.
+        let mut m = json!({"role": "assistant", "reasoning": "R", "thinking": "T"});
+        alias_reasoning(&mut m);
+        assert_eq!(
+            (&m["reasoning_content"], &m["thinking"]),
+            (&json!("T"), &json!("T"))
+        );
+        let mut m = json!({"role": "assistant", "reasoning": "R"});
+        alias_reasoning(&mut m);
+        assert_eq!(
+            (&m["reasoning_content"], &m["thinking"]),
+            (&json!("R"), &json!("R"))
         );
     }
 }

@@ -610,6 +610,31 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     assert_eq!(status, 200, "{t}");
     let (_, d) = post(addr, "/detokenize", &json!({"tokens": t["tokens"]}));
     assert!(d["prompt"].as_str().unwrap().ends_with("The blue"), "{d}");
+    // Where the final text also spells part of the template's own markup (`A` in
+    // `<｜Assistant｜>`), or is empty, the prompt is cut after the message, as transformers
+    // cuts it (a marker after the text).
+    for (content, end) in [
+        ("A", "<｜Assistant｜>A"),
+        ("", "<｜Assistant｜>"),
+        ("hi", "<｜Assistant｜>hi"),
+    ] {
+        let m = json!([{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": content}]);
+        let (status, t) = post(
+            addr,
+            "/tokenize",
+            &json!({"messages": m, "continue_final_message": true, "add_generation_prompt": false}),
+        );
+        assert_eq!(status, 200, "{t}");
+        let (_, d) = post(addr, "/detokenize", &json!({"tokens": t["tokens"]}));
+        assert!(
+            d["prompt"]
+                .as_str()
+                .unwrap()
+                .ends_with(&format!("<｜User｜>hi{end}")),
+            "{content:?}: {d}"
+        );
+    }
     let (status, c) = post(
         addr,
         "/v1/chat/completions",

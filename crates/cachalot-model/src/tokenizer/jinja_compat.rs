@@ -1,14 +1,16 @@
 //! What Jinja2 and Python give a chat template that `minijinja` (with `minijinja-contrib`'s
 //! `pycompat`) does not: more `str` methods (`rsplit`, `partition`, `rpartition`,
 //! `removeprefix`, `removesuffix`, `index`, `rindex`, `ljust`, `rjust`, `center`, `zfill`,
-//! `swapcase`, `casefold`, `isdecimal`, `istitle`), `list.index`, and Jinja2's filters `center`,
-//! `wordcount`, `truncate`, `striptags`, `wordwrap` and `filesizeformat`.
+//! `swapcase`, `casefold`, `isdecimal`, `istitle`, `title`), `list.index`, and Jinja2's filters
+//! `center`, `wordcount`, `truncate`, `striptags`, `wordwrap`, `filesizeformat` and `escape`/`e`
+//! (markupsafe's entities).
 //!
 //! `transformers` renders templates in Jinja2's sandbox, where a string is a Python `str`
 //! with all its methods, so a model's template may call any of them; each here follows
 //! CPython's (or Jinja2's) definition, and the tests check renderings that Jinja2 produced.
 //! Not covered: the `%` operator on strings (minijinja's parser gives it integer meaning only),
-//! `urlize`, `xmlattr`, `random`.
+//! `urlize`, `xmlattr`, `random`; a loop over a string has no `loop.length` (nor `last`,
+//! `revindex`), and tuples (`partition`'s, `dictsort`'s) print as lists.
 
 use minijinja::value::{from_args, Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, State, Value};
@@ -34,6 +36,8 @@ pub(crate) fn install(env: &mut Environment<'static>) {
     env.add_filter("filesizeformat", filesizeformat);
     env.add_filter("int", int_filter);
     env.add_filter("float", float_filter);
+    env.add_filter("escape", escape_filter);
+    env.add_filter("e", escape_filter);
 }
 
 /// Jinja2's `int(default=0, base=10)`: a number truncated, a string read as an integer (in
@@ -383,6 +387,10 @@ fn string_method(s: &str, method: &str, args: &[Value]) -> Result<Option<Value>,
             let () = from_args(args)?;
             Value::from(istitle(s))
         }
+        "title" => {
+            let () = from_args(args)?;
+            Value::from(python_title(s))
+        }
         _ => return Ok(None),
     };
     Ok(Some(v))
@@ -448,6 +456,51 @@ fn center(s: &str, width: i64, c: char) -> String {
     let right = marg - left;
     let pad = |k: i64| std::iter::repeat_n(c, k as usize).collect::<String>();
     format!("{}{s}{}", pad(left), pad(right))
+}
+
+/// Python's `str.title()`: a cased character after a cased one is lowercased, any other is
+/// uppercased (so `o'neil` is `O'Neil`, unlike Jinja2's `title` filter, which starts words at
+/// whitespace and brackets only).
+fn python_title(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut prev_cased = false;
+    for c in s.chars() {
+        if prev_cased {
+            out.extend(c.to_lowercase());
+        } else {
+            out.extend(c.to_uppercase());
+        }
+        prev_cased = c.is_uppercase() || c.is_lowercase();
+    }
+    out
+}
+
+/// Jinja2's `escape` (markupsafe's): `&`, `<`, `>`, `'` and `"` as `&amp;`, `&lt;`, `&gt;`,
+/// `&#39;` and `&#34;`; a value already safe is left as it is.
+fn escape_filter(v: Value) -> Value {
+    if v.is_safe() {
+        return v;
+    }
+    let text = match v.as_str() {
+        Some(t) => t.to_string(),
+        None => {
+            let mut t = String::new();
+            python_str(&v, &mut t);
+            t
+        }
+    };
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '\'' => out.push_str("&#39;"),
+            '"' => out.push_str("&#34;"),
+            c => out.push(c),
+        }
+    }
+    Value::from_safe_string(out)
 }
 
 fn istitle(s: &str) -> bool {
@@ -746,6 +799,7 @@ mod tests {
                 "yn",
             ),
             ("{% if '123'.isdecimal() and not ''.isdecimal() %}ok{% endif %}", "ok"),
+            ("{{ 'a,b'.title() }} {{ \"o'neil 3rd\".title() }}", "A,B O'Neil 3Rd"),
             ("{{ ['a', 'b', 'c'].index('b') }}", "1"),
             // pycompat's methods still answer.
             ("{{ 'a b'.split() | join('|') }} {{ ' x '.strip() }}", "a|b x"),
@@ -759,6 +813,10 @@ mod tests {
     fn filters_match_jinja2() {
         let cases = [
             ("[{{ 'ab' | center(6) }}]", "[  ab  ]"),
+            (
+                "{{ \"<a href='x'>&\\\"</a>\" | e }} {{ 'x' | escape | e }} {{ 3 | e }}",
+                "&lt;a href=&#39;x&#39;&gt;&amp;&#34;&lt;/a&gt; x 3",
+            ),
             ("{{ 'one, two-three  four_five' | wordcount }}", "4"),
             (
                 "{{ 'foo bar baz qux' | truncate(9) }}|{{ 'foo bar baz qux' | truncate(9, leeway=0) }}",
