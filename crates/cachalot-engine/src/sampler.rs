@@ -1,8 +1,9 @@
 //! Per-request sampling: penalties, temperature, top-k, top-p, min-p and a seeded RNG.
 //!
 //! Order of operations on one step's logits (Hugging Face `generate`'s processor order):
-//! 0. `logit_bias` (OpenAI, vLLM): each listed token's bias is added to its raw logit (−100
-//!    all but bans a token, +100 all but forces it);
+//! 0. vLLM's `allowed_token_ids` and `bad_words` set the logits of the tokens they rule out
+//!    to −∞; then `logit_bias` (OpenAI, vLLM): each listed token's bias is added to its raw
+//!    logit (−100 all but bans a token, +100 all but forces it);
 //! 1. penalties on the biased logits —
 //!    - `repetition_penalty` r (CTRL; HF `RepetitionPenaltyLogitsProcessor`, vLLM): every token
 //!      seen in the prompt or the output so far has its logit divided by r if positive,
@@ -84,6 +85,13 @@ pub struct SamplingParams {
     /// top-p sees the difference.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub min_p_first: bool,
+    /// vLLM's `allowed_token_ids`: only these tokens may be drawn (sorted; empty = all).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_tokens: Vec<u32>,
+    /// vLLM's `bad_words`, as token sequences: a sequence's last token may not be drawn where
+    /// the output so far ends with the tokens before it (a one-token word never).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -104,6 +112,8 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             min_tokens: 0,
             min_p_first: false,
+            allowed_tokens: Vec::new(),
+            bad_words: Vec::new(),
         }
     }
 }
@@ -181,6 +191,8 @@ pub struct Sampler {
     prompt_tokens: Vec<u32>,
     /// How often each token has been generated.
     output_counts: HashMap<u32, u32>,
+    /// The generated tokens in order (kept only for `bad_words`).
+    output: Vec<u32>,
 }
 
 impl Sampler {
@@ -199,6 +211,7 @@ impl Sampler {
             generated: 0,
             prompt_tokens,
             output_counts: HashMap::new(),
+            output: Vec::new(),
         })
     }
 
@@ -227,11 +240,36 @@ impl Sampler {
     pub fn accept(&mut self, token: u32) {
         *self.output_counts.entry(token).or_insert(0) += 1;
         self.generated += 1;
+        if !self.params.bad_words.is_empty() {
+            self.output.push(token);
+        }
     }
 
-    /// Steps 0 and 1: the logit bias, then the penalties, in place.
+    /// Steps 0 and 1: the allowed tokens and bad words (the others' logits −∞), the logit
+    /// bias, then the penalties, in place.
     pub fn apply_penalties(&self, logits: &mut [f32]) {
         let p = &self.params;
+        if !p.allowed_tokens.is_empty() {
+            let keep: Vec<(usize, f32)> = p
+                .allowed_tokens
+                .iter()
+                .filter_map(|&t| logits.get(t as usize).map(|&x| (t as usize, x)))
+                .collect();
+            logits.fill(f32::NEG_INFINITY);
+            for (t, x) in keep {
+                logits[t] = x;
+            }
+        }
+        for word in &p.bad_words {
+            let Some((&last, before)) = word.split_last() else {
+                continue;
+            };
+            if self.output.ends_with(before) {
+                if let Some(l) = logits.get_mut(last as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
         for &(t, b) in &p.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += b;
@@ -265,6 +303,8 @@ impl Sampler {
     pub fn candidates(&self, logits: &[f32]) -> Vec<(u32, f32)> {
         let p = &self.params;
         let plain = p.logit_bias.is_empty()
+            && p.allowed_tokens.is_empty()
+            && p.bad_words.is_empty()
             && p.repetition_penalty == 1.0
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0;
@@ -517,6 +557,49 @@ mod tests {
     /// The bias is added to the raw logits: it moves the greedy choice, −100 all but bans the
     /// top token, a bias of ln 2 doubles a token's odds against the rest, and out-of-range
     /// biases are refused by name.
+    /// vLLM's allowed_token_ids keep the draw among them (sampled too); bad words ban a
+    /// word's last token only where the output ends with the tokens before it.
+    #[test]
+    fn allowed_tokens_and_bad_words_rule_tokens_out() {
+        let l = logits();
+        let allowed = SamplingParams {
+            allowed_tokens: vec![4, 7],
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(
+            Sampler::new(allowed.clone(), &[]).unwrap().candidates(&l)[0].0,
+            4
+        );
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 1.0,
+                seed: Some(3),
+                ..allowed
+            },
+            &[],
+        )
+        .unwrap();
+        for _ in 0..50 {
+            let t = s.sample(&l);
+            assert!(t == 4 || t == 7, "{t}");
+            s.accept(t);
+        }
+        let mut s = Sampler::new(
+            SamplingParams {
+                bad_words: vec![vec![0], vec![5, 1]],
+                ..SamplingParams::greedy()
+            },
+            &[],
+        )
+        .unwrap();
+        // Token 0 never; token 1 (the next best) except right after 5.
+        assert_eq!(s.candidates(&l)[0].0, 1);
+        s.accept(5);
+        assert_eq!(s.candidates(&l)[0].0, 2);
+        s.accept(2);
+        assert_eq!(s.candidates(&l)[0].0, 1);
+    }
+
     #[test]
     fn logit_bias_shifts_the_logits_before_anything_else() {
         let l = logits();

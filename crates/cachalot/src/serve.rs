@@ -2568,6 +2568,8 @@ struct Call {
     /// vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk
     /// carries its choice's usage so far.
     continuous_usage: bool,
+    /// vLLM's `ignore_eos`: the EOS stops the answer only where `stop_token_ids` lists it.
+    eos_ignored: bool,
     /// A chat answer's role (vLLM's: the assistant's, or with `add_generation_prompt: false`
     /// the final message's).
     response_role: String,
@@ -2629,6 +2631,82 @@ fn flag(body: &Value, key: &'static str) -> Result<bool, ApiError> {
     }
 }
 
+/// `x` as an f32, a positive `x` below f32's range as its least positive normal value rather
+/// than 0 (vLLM takes a positive double such as 1e-300 where 0 is refused).
+fn positive_f32(x: f64) -> f32 {
+    let f = x as f32;
+    if x > 0.0 && f < f32::MIN_POSITIVE {
+        f32::MIN_POSITIVE
+    } else {
+        f
+    }
+}
+
+/// vLLM's `allowed_token_ids`: a non-empty list of token ids, the only ones the answer may
+/// take (sorted, without repeats).
+fn allowed_token_ids(body: &Value, vocab: usize) -> Result<Vec<u32>, ApiError> {
+    let Some(v) = field(body, "allowed_token_ids") else {
+        return Ok(Vec::new());
+    };
+    let bad = |why: String| ApiError::bad("allowed_token_ids", why);
+    let a = v
+        .as_array()
+        .ok_or_else(|| bad(format!("expected a list of token ids, got {v}")))?;
+    if a.is_empty() {
+        return Err(bad(
+            "an empty list leaves no token to write: leave it out".into()
+        ));
+    }
+    let mut ids = a
+        .iter()
+        .map(|t| match t.as_u64() {
+            Some(id) if (id as usize) < vocab => Ok(id as u32),
+            _ => Err(bad(format!(
+                "{t} is not a token id of this model's vocabulary of {vocab}"
+            ))),
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    ids.sort_unstable();
+    ids.dedup();
+    Ok(ids)
+}
+
+/// vLLM's `bad_words`: each word as the token sequences it is written with, as vLLM tokenizes
+/// it: the word (leading whitespace dropped) alone, and after a space where that spelling starts
+/// with another token and has as many tokens.
+fn bad_words(tok: &Tokenizer, body: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
+    let Some(v) = field(body, "bad_words") else {
+        return Ok(Vec::new());
+    };
+    let bad = |why: String| ApiError::bad("bad_words", why);
+    let words = match v {
+        Value::String(w) => vec![w.as_str()],
+        Value::Array(a) => a
+            .iter()
+            .map(|w| {
+                w.as_str()
+                    .ok_or_else(|| bad(format!("{w} is not a string")))
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err(bad(format!("expected a list of strings, got {v}"))),
+    };
+    let mut out: Vec<Vec<u32>> = Vec::new();
+    for w in words {
+        let w = w.trim_start();
+        let plain = encode_with_bos(tok, w, false, "bad_words")?;
+        if plain.is_empty() {
+            return Err(bad(format!("{w:?} has no tokens: give words to keep out")));
+        }
+        let spaced = encode_with_bos(tok, &format!(" {w}"), false, "bad_words")?;
+        let keep_spaced = spaced.first() != plain.first() && spaced.len() == plain.len();
+        out.push(plain);
+        if keep_spaced {
+            out.push(spaced);
+        }
+    }
+    Ok(out)
+}
+
 /// OpenAI's `logit_bias`: an object from token ids (its keys, decimal strings) to a bias from
 /// −100 to 100 added to that token's logit; sorted by id, each id once.
 fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
@@ -2681,7 +2759,7 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
 /// Fields of a completion or chat request this server reads, or knows from OpenAI's API and
 /// leaves unused (`user`, `metadata`, ...); any other is logged as ignored, as vLLM logs
 /// them (a misspelt `max_tokns` is not an error, but is said).
-const KNOWN_FIELDS: [&str; 59] = [
+const KNOWN_FIELDS: [&str; 64] = [
     "model",
     "prompt",
     "messages",
@@ -2717,6 +2795,11 @@ const KNOWN_FIELDS: [&str; 59] = [
     "include_stop_str_in_output",
     "return_tokens_as_token_ids",
     "prompt_logprobs",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "use_beam_search",
+    "length_penalty",
     "chat_template",
     "guided_json",
     "structured_outputs",
@@ -2865,6 +2948,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     for (key, unsupported) in [
         ("best_of", "best_of is not supported"),
         ("suffix", "suffix is not supported"),
+        ("use_beam_search", "beam search is not supported"),
         (
             "chat_template",
             "a request's own chat template is not accepted (as vLLM without \
@@ -2962,6 +3046,13 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             ))
         }
     };
+    // (best_of 1, all that is taken, must still cover the choices, as vLLM checks.)
+    if n > 1 && field(body, "best_of").is_some_and(|b| b.as_u64() == Some(1)) {
+        return Err(ApiError::bad(
+            "best_of",
+            format!("best_of 1 is less than n {n}: best_of must be at least n"),
+        ));
+    }
     let tok = &shared.tokenizer;
     let tools = field(body, "tools");
     if let Some(t) = tools {
@@ -3035,7 +3126,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     let mut continues = false;
     let mut response_role = "assistant".to_string();
     let mut echo_text = String::new();
-    let prompts: Vec<(Vec<u32>, String)> = if chat {
+    let mut prompts: Vec<(Vec<u32>, String)> = if chat {
         let Some(messages) = field(body, "messages") else {
             return Err(ApiError::bad(
                 "messages",
@@ -3082,6 +3173,30 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     } else {
         completion_prompts(tok, body, add_special(body, false)?)?
     };
+    // vLLM's `truncate_prompt_tokens`: a longer prompt keeps its last k tokens (-1: the
+    // model's context).
+    if let Some(v) = field(body, "truncate_prompt_tokens") {
+        let k = match (v.as_i64(), v.as_u64()) {
+            (Some(-1), _) => shared.max_positions,
+            (_, Some(k)) if (1..=shared.max_positions as u64).contains(&k) => k as usize,
+            _ => {
+                return Err(ApiError::bad(
+                    "truncate_prompt_tokens",
+                    format!(
+                        "expected 1 to the model's context of {} tokens, or -1 (the context), \
+                         got {v}",
+                        shared.max_positions
+                    ),
+                ))
+            }
+        };
+        for (ids, text) in prompts.iter_mut() {
+            if ids.len() > k {
+                ids.drain(..ids.len() - k);
+                *text = tok.decode(ids).unwrap_or_default();
+            }
+        }
+    }
     let vocab = tok.vocab_size();
     for (prompt, _) in &prompts {
         if prompt.is_empty() {
@@ -3176,9 +3291,11 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                     )
                 })?,
             },
-            top_p: number(body, "top_p", 0.0, 1.0)?
-                .or(defaults.top_p)
-                .unwrap_or(1.0) as f32,
+            top_p: positive_f32(
+                number(body, "top_p", 0.0, 1.0)?
+                    .or(defaults.top_p)
+                    .unwrap_or(1.0),
+            ),
             min_p: number(body, "min_p", 0.0, 1.0)?
                 .or(defaults.min_p)
                 .unwrap_or(0.0) as f32,
@@ -3191,7 +3308,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                         format!("{p}: must be above 0 (1 = off)"),
                     ))
                 }
-                p => p.unwrap_or(1.0) as f32,
+                p => positive_f32(p.unwrap_or(1.0)),
             },
             presence_penalty: number(body, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
             frequency_penalty: number(body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
@@ -3214,6 +3331,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             },
             // vLLM's filter order.
             min_p_first: true,
+            allowed_tokens: allowed_token_ids(body, vocab)?,
+            bad_words: bad_words(tok, body)?,
         };
     if params.top_p == 0.0 {
         return Err(ApiError::bad("top_p", "must be above 0"));
@@ -3330,6 +3449,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         stream,
         include_usage,
         continuous_usage,
+        eos_ignored: ignore_eos,
         response_role,
         echo_text,
         token_ids: flag(body, "return_tokens_as_token_ids")?,
@@ -3882,7 +4002,7 @@ fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: 
         _ => Value::Null,
     };
     json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-           "stop_reason": if call.score_only { Value::Null } else { stop_reason(shared, out) }})
+           "stop_reason": if call.score_only { Value::Null } else { stop_reason(shared, call, out) }})
 }
 
 /// vLLM's `prompt_logprobs` of a prompt: null for its first token (nothing comes before it),
@@ -4392,9 +4512,12 @@ fn finish_word(out: &RequestOutput) -> &'static str {
 
 /// vLLM's `stop_reason`: the stop string or the requested stop token that ended the choice;
 /// null for the model's EOS, a length or any other end.
-fn stop_reason(shared: &Shared, out: &RequestOutput) -> Value {
+fn stop_reason(shared: &Shared, call: &Call, out: &RequestOutput) -> Value {
     match &out.finish {
-        FinishReason::StopToken(t) if !shared.eos.contains(t) && shared.im_end != Some(*t) => {
+        // (Under `ignore_eos` every stop token is one the request listed, the EOS too.)
+        FinishReason::StopToken(t)
+            if call.eos_ignored || (!shared.eos.contains(t) && shared.im_end != Some(*t)) =>
+        {
             json!(t)
         }
         FinishReason::StopString(s) if !s.is_empty() => json!(s),
@@ -4620,7 +4743,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                 None => Value::Null,
             };
             json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                   "stop_reason": stop_reason(shared, out)})
+                   "stop_reason": stop_reason(shared, &call, out)})
         } else if call.echo {
             echoed(shared, &call, out, &text, i)
         } else {
@@ -4631,7 +4754,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
                 None => Value::Null,
             };
             json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                   "stop_reason": stop_reason(shared, out)})
+                   "stop_reason": stop_reason(shared, &call, out)})
         });
         // vLLM gives a completion's per choice, a chat's once for the response.
         if let (Some(k), false) = (call.prompt_logprobs, call.chat) {
@@ -4835,6 +4958,9 @@ fn stream(
             let done = generated.get(i).map_or(0, std::cell::Cell::get);
             c["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": done,
                                 "total_tokens": prompt + done});
+        } else if call.include_usage {
+            // OpenAI's: with include_usage, the chunks before the usage chunk carry a null one.
+            c["usage"] = Value::Null;
         }
         c
     };
@@ -4953,7 +5079,7 @@ fn stream(
                 w,
                 &chunk(
                     json!({"index": i, "text": "", "logprobs": null, "finish_reason": finish,
-                              "stop_reason": stop_reason(shared, out)}),
+                              "stop_reason": stop_reason(shared, call, out)}),
                 ),
             );
         }
@@ -4994,7 +5120,7 @@ fn stream(
                 return false;
             }
         }
-        let why = stop_reason(shared, ch.out.as_ref().expect("a finished choice"));
+        let why = stop_reason(shared, call, ch.out.as_ref().expect("a finished choice"));
         send(
             w,
             &chunk(json!({"index": i, "delta": {}, "finish_reason": finish, "stop_reason": why})),

@@ -141,6 +141,7 @@ impl SamplingArgs {
             logit_bias: Vec::new(),
             min_tokens: 0,
             min_p_first: false,
+            ..Default::default()
         }
     }
 }

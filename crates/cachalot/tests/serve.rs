@@ -282,9 +282,10 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     let finish = &chunks[chunks.len() - 2];
     assert_eq!(finish["choices"][0]["finish_reason"], "length");
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 12);
+    // (OpenAI's: the chunks before it carry a null usage.)
     assert!(chunks[..chunks.len() - 1]
         .iter()
-        .all(|c| c.get("usage").is_none()));
+        .all(|c| c.get("usage") == Some(&Value::Null)));
     // vLLM's continuous_usage_stats: every chunk carries the usage so far, which only grows
     // and ends at the whole answer's.
     body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
@@ -3030,6 +3031,90 @@ fn serve_takes_vllms_extra_fields() {
         (status, v["error"]["param"].as_str()),
         (400, Some("add_special_tokens"))
     );
+    // vLLM's output controls: allowed_token_ids (the answer's tokens among them),
+    // bad_words (a word's last token banned where the output ends with the rest; the word
+    // alone and after a space), truncate_prompt_tokens (the prompt's last k tokens).
+    let greedy = |extra: Value| {
+        let mut b = json!({"prompt": "The best way to", "max_tokens": 6, "temperature": 0,
+                           "ignore_eos": true, "logprobs": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let (status, v) = post(a, "/v1/completions", &b);
+        assert_eq!(status, 200, "{v}");
+        v["choices"][0].clone()
+    };
+    let plain = greedy(json!({}));
+    let plain_text = plain["text"].as_str().unwrap().to_string();
+    let words: Vec<&str> = plain_text.split_whitespace().collect();
+    let allowed = greedy(json!({"allowed_token_ids": [444, 456]}));
+    let (_, ids) = post(
+        a,
+        "/tokenize",
+        &json!({"prompt": allowed["text"], "add_special_tokens": false}),
+    );
+    assert!(
+        ids["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t == 444 || t == 456),
+        "{allowed}"
+    );
+    let banned = words[1];
+    let without = greedy(json!({"bad_words": [banned]}));
+    let text = without["text"].as_str().unwrap();
+    assert!(
+        !text.split_whitespace().any(|w| w == banned),
+        "{banned:?} in {text:?}"
+    );
+    assert!(
+        text.starts_with(&format!(" {}", words[0])),
+        "{text:?} vs {plain_text:?}"
+    );
+    let truncated = greedy(json!({"truncate_prompt_tokens": 2, "echo": true, "max_tokens": 1}));
+    assert_eq!(
+        truncated["logprobs"]["tokens"].as_array().unwrap().len(),
+        3,
+        "{truncated}"
+    );
+    // Under ignore_eos an EOS the request lists as a stop token is its stop_reason.
+    let eos = greedy(json!({"stop_token_ids": [1], "logit_bias": {"1": 100}}));
+    assert_eq!(
+        (&eos["finish_reason"], &eos["stop_reason"]),
+        (&json!("stop"), &json!(1)),
+        "{eos}"
+    );
+    // A positive value below f32's range is taken, not read as 0.
+    let tiny = greedy(json!({"repetition_penalty": 1e-300, "top_p": 1e-320, "temperature": 1}));
+    assert!(tiny["text"].is_string(), "{tiny}");
+    for (body, param) in [
+        (
+            json!({"prompt": "x", "use_beam_search": true}),
+            "use_beam_search",
+        ),
+        (json!({"prompt": "x", "best_of": 1, "n": 2}), "best_of"),
+        (
+            json!({"prompt": "x", "allowed_token_ids": []}),
+            "allowed_token_ids",
+        ),
+        (
+            json!({"prompt": "x", "allowed_token_ids": [1 << 30]}),
+            "allowed_token_ids",
+        ),
+        (json!({"prompt": "x", "bad_words": [" "]}), "bad_words"),
+        (
+            json!({"prompt": "x", "truncate_prompt_tokens": 0}),
+            "truncate_prompt_tokens",
+        ),
+    ] {
+        let (status, v) = post(a, "/v1/completions", &body);
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{body}: {v}"
+        );
+    }
     let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
                       "temperature": 0});
     let prompt_tokens = |body: &Value| {
