@@ -1033,7 +1033,8 @@ impl<'t, M: Model> Engine<'t, M> {
         if self.model.num_mtp_layers() == 0 {
             return Err(EngineError::Request(
                 "next_n > 0 needs the model's MTP layer: the checkpoint has none \
-                 (num_nextn_predict_layers = 0) or it was loaded without it (load_mtp)"
+                 (num_nextn_predict_layers = 0 in its config.json), or it was not loaded: set \
+                 next_n to 0 (--mtp off) for this model"
                     .into(),
             ));
         }

@@ -72,9 +72,13 @@ impl EngineStats {
     pub fn acceptance_rate(&self) -> f64 {
         self.accepted_drafts as f64 / self.drafted.max(1) as f64
     }
-    /// Tokens emitted per verification: accepted drafts plus the main model's token.
+    /// Tokens emitted per verification: accepted drafts plus the main model's token (1 when
+    /// nothing was verified: every step emitted its one token).
     pub fn mean_accepted_length(&self) -> f64 {
-        (self.accepted_drafts + self.verify_steps) as f64 / self.verify_steps.max(1) as f64
+        if self.verify_steps == 0 {
+            return 1.0;
+        }
+        (self.accepted_drafts + self.verify_steps) as f64 / self.verify_steps as f64
     }
     /// Tokens emitted per main-model forward of a request (prefill sampling steps included, as
     /// the seed counts them): 1 without speculation.

@@ -463,7 +463,8 @@ pub struct MtpSummary {
     pub mean_accepted_length: f64,
     /// Tokens emitted per main-model forward of a request (prefill sampling steps included).
     pub tokens_per_main_step: f64,
-    /// Time in the MTP layer's forwards (included in the step times).
+    /// Time in the MTP layer's drafting forwards (included in the step times); its pass over
+    /// each prompt, run with the request's first decode step, counts as prefill time instead.
     pub draft_s: f64,
 }
 
@@ -1644,10 +1645,16 @@ pub fn run_ranked(
             };
         step += 1;
         logln!(
-            "step {step}: {} seqs, prefill {} + decode {} tokens, {:.2} ms, KV {}/{capacity}{}{}",
+            "step {step}: {} seqs, prefill {} + decode {}{} tokens, {:.2} ms, KV {}/{capacity}{}{}",
             r.seqs,
             r.prefill_tokens,
             r.decode_tokens,
+            // (Under MTP each decoding sequence also forwards its drafts.)
+            if r.drafted > 0 {
+                format!(" + {} draft", r.drafted)
+            } else {
+                String::new()
+            },
             r.forward_s * 1e3,
             r.kv_used_blocks,
             if r.drafted > 0 {

@@ -118,6 +118,17 @@ fn check_args(a: &BenchArgs) -> Result<()> {
             bail!("{flag} {v} is out of range: give {lo} to {hi}");
         }
     }
+    if a.mtp > 3 {
+        bail!("--mtp {}: give 1 to 3 draft tokens (0: off)", a.mtp);
+    }
+    if a.mtp > 0 && a.random_weights.is_some() {
+        // (Said before a random model is written: it has no MTP layer and no tokenizer.)
+        bail!(
+            "--mtp times MTP on a trained checkpoint (--model DIR with an MTP layer and \
+             --prompt-file TEXT): acceptance on random weights means nothing; drop \
+             --random-weights"
+        );
+    }
     if let Some(mib) = cachalot_run::offline::mem_available().map(|b| (b >> 20) as usize) {
         if a.membw_mib > mib / 2 {
             bail!(
@@ -823,8 +834,10 @@ struct MtpBench {
 /// ratio of whole runs (prefill included), `decode_speedup` that of the decode steps alone (the
 /// MTP layer's pass over the prompt counted as prefill, as the seed runs it).
 fn bench_mtp(args: &ModelArgs, prompt_file: Option<&Path>, b: &MtpBench) -> Result<()> {
-    if b.next_n > 3 || b.batch == 0 || b.runs == 0 {
-        bail!("--mtp takes 1 to 3 drafts, --batch and --runs at least 1");
+    for (flag, v) in [("--batch", b.batch), ("--runs", b.runs)] {
+        if v == 0 {
+            bail!("{flag} 0: give at least 1");
+        }
     }
     if prompt_file.is_none() {
         bail!("--mtp needs --prompt-file TEXT (acceptance on random ids means nothing)");

@@ -292,7 +292,8 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
     let mut model = DeepseekV3::load(&dir, opts)?;
     if load_mtp && model.mtp_layers().is_empty() {
         bail!(
-            "{}: the checkpoint has no MTP layer (num_nextn_predict_layers = 0); --mtp needs one",
+            "{}: the checkpoint has no MTP layer (num_nextn_predict_layers = 0); --mtp (or a \
+             YAML's model_config.next_n) needs one: leave MTP off for this model",
             dir.display()
         );
     }
@@ -482,6 +483,8 @@ fn run() -> Result<()> {
         Command::Perplexity { threads, .. } => *threads,
         Command::Generate(a) => a.threads,
         Command::Chat(a) => a.threads,
+        Command::Convert(a) => a.threads,
+        Command::Calibrate(a) => a.threads,
         _ => None,
     };
     let mut pool = rayon::ThreadPoolBuilder::new().stack_size(WORKER_STACK);

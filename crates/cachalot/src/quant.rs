@@ -37,6 +37,9 @@ pub struct ConvertArgs {
     /// Replace a non-empty output directory.
     #[arg(long)]
     force: bool,
+    /// Threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 pub fn run_convert(args: &ConvertArgs) -> Result<()> {
@@ -214,6 +217,9 @@ pub struct CalibrateArgs {
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 512)]
     chunk: usize,
+    /// Threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 /// The calibration method, written into the scales file.

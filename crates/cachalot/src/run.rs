@@ -566,7 +566,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let mut cfg = RunConfig::from_file(&path)?;
     if let Some(n) = args.mtp {
         if n > 3 {
-            bail!("--mtp {n}: the DeepSeek models take 0 to 3 draft tokens per step");
+            bail!("--mtp {n}: give 1 to 3 draft tokens (0: off)");
         }
         cfg.model_config.next_n = n;
     }

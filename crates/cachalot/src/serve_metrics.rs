@@ -79,6 +79,8 @@ struct Inner {
     generation_tokens: u64,
     preemptions: u64,
     cached_tokens: u64,
+    draft_tokens: u64,
+    accepted_tokens: u64,
     finished: BTreeMap<&'static str, u64>,
     ttft: Histogram,
     tpot: Histogram,
@@ -115,6 +117,8 @@ impl Metrics {
                 generation_tokens: 0,
                 preemptions: 0,
                 cached_tokens: 0,
+                draft_tokens: 0,
+                accepted_tokens: 0,
                 finished: BTreeMap::new(),
                 ttft: Histogram::new(TTFT_BOUNDS),
                 tpot: Histogram::new(TPOT_BOUNDS),
@@ -153,6 +157,8 @@ impl Metrics {
         m.prompt_tokens += t.prompt_tokens as u64;
         m.preemptions += t.preemptions as u64;
         m.cached_tokens += t.cached_tokens as u64;
+        m.draft_tokens += out.drafted as u64;
+        m.accepted_tokens += out.accepted_drafts as u64;
         if out.finish == FinishReason::Cancelled || t.output_tokens == 0 {
             return;
         }
@@ -247,6 +253,19 @@ impl Metrics {
             m.cached_tokens as f64,
         );
         gauge(
+            "spec_decode_num_draft_tokens_total",
+            "MTP draft tokens verified for finished requests (vLLM's spec_decode_num_draft_tokens).",
+            "counter",
+            m.draft_tokens as f64,
+        );
+        gauge(
+            "spec_decode_num_accepted_tokens_total",
+            "MTP draft tokens accepted for finished requests (their share of the drafts is the \
+             acceptance rate).",
+            "counter",
+            m.accepted_tokens as f64,
+        );
+        gauge(
             "num_preemptions_total",
             "Times a request's KV was dropped and recomputed.",
             "counter",
@@ -314,8 +333,8 @@ mod tests {
                 preemptions: 1,
                 cached_tokens: 0,
             },
-            drafted: 0,
-            accepted_drafts: 0,
+            drafted: 3,
+            accepted_drafts: 2,
             logprobs: Vec::new(),
             prompt_logprobs: Vec::new(),
             kv: None,
@@ -343,6 +362,8 @@ mod tests {
         assert_eq!(line("cachalot:kv_cache_usage_perc{"), "0.25");
         assert_eq!(line("cachalot:prompt_tokens_total{"), "9");
         assert_eq!(line("cachalot:generation_tokens_total{"), "7");
+        assert_eq!(line("cachalot:spec_decode_num_draft_tokens_total{"), "9");
+        assert_eq!(line("cachalot:spec_decode_num_accepted_tokens_total{"), "6");
         assert_eq!(
             line("cachalot:request_success_total{model_name=\"tiny\",finished_reason=\"length\"}"),
             "2"

@@ -97,7 +97,7 @@ impl SamplingArgs {
     /// The model of `args`, with its MTP layer when `--mtp` asks for it.
     fn load(&self, args: &ModelArgs) -> Result<DeepseekV3> {
         if self.mtp > 3 {
-            bail!("--mtp {}: 1 to 3 draft tokens per step", self.mtp);
+            bail!("--mtp {}: give 1 to 3 draft tokens (0: off)", self.mtp);
         }
         load_model(args, self.mtp > 0)
     }
