@@ -330,6 +330,9 @@ impl Input {
         if config.contains_key("quantization_config")
             && int4.is_none()
             && q.get("quant_method").and_then(Value::as_str) != Some("fp8")
+            // DeepSeek-V4's own release described as `convert-config` (or the seed's
+            // convert_config.py, which keeps no copy) rewrites it in place: still FP8 + MXFP4.
+            && !v4::describes_native_v4(&config, &config_path)
         {
             let orig = dir.join(format!("{CONFIG_FILE}.orig"));
             let restore = if orig.is_file() {
@@ -1178,10 +1181,21 @@ fn is_empty_dir(dir: &Path) -> bool {
 /// `force` the old `out` moves aside, the new one in, and only then is the old one deleted (back
 /// in place if the new one cannot go there).
 fn rename_over(tmp: &Path, out: &Path, force: bool) -> Result<()> {
+    // Everything written is on disk before the name says the output is complete, and the
+    // rename is, after it: a power loss leaves the old state or the whole new one.
+    sync_tree(tmp)?;
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let synced = |r: Result<()>| -> Result<()> {
+        r?;
+        sync_path(parent)
+    };
     if !out.exists() || (out.is_dir() && is_empty_dir(out)) {
         // (A rename replaces an empty directory; one filled meanwhile fails: ENOTEMPTY.)
         match fs::rename(tmp, out) {
-            Ok(()) => return Ok(()),
+            Ok(()) => return synced(Ok(())),
             Err(_) if !force && out.exists() && !is_empty_dir(out) => {}
             Err(e) => return Err(ConvertError::io(out, e)),
         }
@@ -1198,7 +1212,31 @@ fn rename_over(tmp: &Path, out: &Path, force: bool) -> Result<()> {
         let _ = fs::rename(&old, out);
         return Err(ConvertError::io(out, e));
     }
-    fs::remove_dir_all(&old).map_err(|e| ConvertError::io(&old, e))
+    synced(fs::remove_dir_all(&old).map_err(|e| ConvertError::io(&old, e)))
+}
+
+/// fsync of one file or directory.
+fn sync_path(path: &Path) -> Result<()> {
+    fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| ConvertError::io(path, e))
+}
+
+/// fsync of every file under `dir` (shards already synced cost nothing more) and of the
+/// directories themselves.
+fn sync_tree(dir: &Path) -> Result<()> {
+    for e in fs::read_dir(dir).map_err(|e| ConvertError::io(dir, e))? {
+        let e = e.map_err(|e| ConvertError::io(dir, e))?;
+        let ft = e
+            .file_type()
+            .map_err(|err| ConvertError::io(&e.path(), err))?;
+        if ft.is_dir() {
+            sync_tree(&e.path())?;
+        } else if ft.is_file() {
+            sync_path(&e.path())?;
+        }
+    }
+    sync_path(dir)
 }
 
 /// `out` was filled while the conversion ran (without `--force`): the finished output goes to

@@ -352,6 +352,30 @@ pub fn convert_config(dir: &Path, hif: bool) -> Result<ConfigRewrite> {
     if config.get("quantization_config") == Some(&wanted) {
         return Ok(ConfigRewrite::AlreadyDone);
     }
+    // Only the release's own weights (FP8 + MXFP4) are described so: a checkpoint `convert`
+    // made holds other formats, which the new description would misname.
+    let q = config.get("quantization_config");
+    let native = match q {
+        None => false,
+        Some(q) => {
+            q.get("quant_method").and_then(Value::as_str) == Some("fp8")
+                || describes_native_v4(&config, &path)
+        }
+    };
+    if !native {
+        return Err(ConvertError::Config {
+            file: path.clone(),
+            why: format!(
+                "its quantization_config ({}) does not describe DeepSeek-V4's FP8 + MXFP4 \
+                 release: convert-config rewrites the release's own config; a checkpoint made \
+                 by `convert` already has the description of its formats",
+                q.map_or("none".to_string(), |q| {
+                    let m = |k: &str| q.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
+                    format!("quant_method {}, format {}", m("quant_method"), m("format"))
+                })
+            ),
+        });
+    }
     // The original description is kept beside it once (`config.json.orig`): `convert` reads
     // the checkpoint's own FP8 description, and a user may want it back.
     let orig = dir.join(format!("{CONFIG_FILE}.orig"));
@@ -367,6 +391,38 @@ pub fn convert_config(dir: &Path, hif: bool) -> Result<ConfigRewrite> {
     }
     write_json(&path, &Value::Object(config))?;
     Ok(ConfigRewrite::Rewritten { orig })
+}
+
+/// Whether `config` (a DeepSeek-V4 one) describes the native FP8 + MXFP4 release as
+/// [`convert_config`] (or the seed's `convert_config.py`) writes it, plain or HiF8: the weights
+/// are then still the release's, whatever `quant_method` says. Numbers compare by value (`1` and
+/// `1.0` alike), objects whatever their key order.
+pub(crate) fn describes_native_v4(config: &Map<String, Value>, file: &Path) -> bool {
+    fn same(a: &Value, b: &Value) -> bool {
+        match (a, b) {
+            (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+            (Value::Array(x), Value::Array(y)) => {
+                x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same(a, b))
+            }
+            (Value::Object(x), Value::Object(y)) => {
+                x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same(v, w)))
+            }
+            _ => a == b,
+        }
+    }
+    let (Some(q), true) = (config.get("quantization_config"), is_v4_config(config)) else {
+        return false;
+    };
+    let Ok((n, ratios)) = layer_ratios(config, file) else {
+        return false;
+    };
+    [false, true].into_iter().any(|hif| {
+        let ignore = v4_ignore_list(n, &ratios, true, hif);
+        same(
+            q,
+            &v4_quantization_config(&ignore, true, true, true, false, hif),
+        )
+    })
 }
 
 /// What [`convert_config`] did.

@@ -396,4 +396,46 @@ fn convert_config_rewrites_quantization_config() {
     v["compress_ratios"] = serde_json::json!(floats);
     fs::write(dir.join("config.json"), v.to_string()).unwrap();
     convert_config(&dir, false).unwrap();
+    // A checkpoint `convert` made is not described as the release.
+    v["quantization_config"] =
+        serde_json::json!({"quant_method": "compressed-tensors", "format": "int-quantized"});
+    fs::write(dir.join("config.json"), v.to_string()).unwrap();
+    let e = convert_config(&dir, false).unwrap_err().to_string();
+    assert!(
+        e.contains("int-quantized") && e.contains("does not describe"),
+        "{e}"
+    );
+}
+
+/// The release rewritten in place by convert-config (as the seed's README has it, no copy
+/// kept) still converts, to the same bytes.
+#[test]
+fn a_release_described_by_convert_config_still_converts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixtures().join("tiny");
+    let dir = tmp.path().join("release");
+    fs::create_dir(&dir).unwrap();
+    for e in fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    for hif in [false, true] {
+        convert_config(&dir, hif).unwrap();
+        fs::remove_file(dir.join("config.json.orig")).unwrap();
+        let (a, b) = (
+            tmp.path().join(format!("a{hif}")),
+            tmp.path().join(format!("b{hif}")),
+        );
+        run(&src, &a, QuantMode::W8A8Int);
+        run(&dir, &b, QuantMode::W8A8Int);
+        for e in fs::read_dir(&a).unwrap() {
+            let name = e.unwrap().file_name();
+            if name.to_string_lossy().ends_with(".safetensors") {
+                assert_eq!(
+                    fs::read(a.join(&name)).unwrap(),
+                    fs::read(b.join(&name)).unwrap()
+                );
+            }
+        }
+    }
 }

@@ -285,8 +285,11 @@ impl Checkpoint {
                     tensor: (*first).clone(),
                     path: dir.join(&idx[*first]),
                     message: format!(
-                        "listed in the index but absent from the file ({} such tensors)",
-                        missing.len()
+                        "listed in the index but absent from the file{}",
+                        match missing.len() {
+                            1 => String::new(),
+                            n => format!(" ({n} tensors are)"),
+                        }
                     ),
                 });
             }

@@ -317,7 +317,17 @@ impl Loader<'_> {
                 }
             }
             Dtype::I8 => {
-                let scale = self.scale_vector(&w, &format!("{prefix}.weight_scale"), rows)?;
+                let scale_name = format!("{prefix}.weight_scale");
+                let block_scale = format!("{prefix}.weight_scale_inv");
+                if !self.ckpt.contains(&scale_name) && self.ckpt.contains(&block_scale) {
+                    // An FP8 checkpoint's layout with an int8 weight: the dtype is what is wrong.
+                    return Err(w.error(format!(
+                        "has dtype I8 beside {block_scale} (an FP8 block scale): an FP8 \
+                         checkpoint's Linear weights are F8_E4M3, a W8A8 one's I8 with per-row \
+                         {scale_name}; this file mixes the two (a broken conversion?)"
+                    )));
+                }
+                let scale = self.scale_vector(&w, &scale_name, rows)?;
                 let data = w.bytes.clone();
                 if self.w8a8 {
                     MatrixData::W8A8 { data, scale }

@@ -105,6 +105,19 @@ fn misshapen_and_mistyped_tensors_are_named() {
     });
     let e = load_err(tmp.path());
     assert!(e.contains(name) && e.contains("dtype"), "{e}");
+
+    // An int8 weight beside an FP8 block scale: the dtype is what is named.
+    let tmp = copy_fixture();
+    let shard = shard_of(tmp.path(), name);
+    rewrite(tmp.path(), &shard, |t| {
+        let e = t.iter_mut().find(|(n, ..)| n == name).unwrap();
+        e.1 = Dtype::I8;
+    });
+    let e = load_err(tmp.path());
+    assert!(
+        e.contains(name) && e.contains("dtype I8") && e.contains("weight_scale_inv"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -24,6 +24,8 @@ pub enum Kind {
     /// A number in `[min, max]`.
     Float(f64, f64),
     Str,
+    /// A torch dtype's name as the seed's `dtype` takes it ([`is_torch_dtype`]).
+    Dtype,
     /// One of these strings.
     OneOf(&'static [&'static str]),
     /// One of these strings, or null (the seed's "detect it").
@@ -77,7 +79,7 @@ const MODEL_KEYS: &[Key] = &[
     k("model_name", Kind::OneOf(MODEL_NAMES)),
     k("model_path", Kind::Str),
     k("output_path", Kind::Str),
-    k("dtype", Kind::Str),
+    k("dtype", Kind::Dtype),
     k("with_ckpt", Kind::Bool),
     k("next_n", Kind::Int(0)),
     k("platform_version", Kind::OneOfOrNull(&["A2", "A3", "950"])),
@@ -798,6 +800,17 @@ fn describe(v: &Value) -> String {
     }
 }
 
+/// The seed's `model_config.dtype` values: bfloat16, float32 or float16 by any of their
+/// names, in any case, with or without `torch.`.
+pub fn is_torch_dtype(d: &str) -> bool {
+    let d = d.to_ascii_lowercase();
+    let d = d.strip_prefix("torch.").unwrap_or(&d);
+    [
+        "float32", "fp32", "f32", "float", "bfloat16", "bf16", "float16", "fp16", "f16", "half",
+    ]
+    .contains(&d)
+}
+
 fn check_value(kind: Kind, v: &Value) -> Option<String> {
     let got = || describe(v);
     match kind {
@@ -833,9 +846,10 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
                         format!("{x} is out of range: must be >= {min}")
                     } else {
                         format!(
-                            "expected an integer, got {x}, which YAML reads as a decimal number \
-                             (an exponent such as 1e4, or a leading zero such as 010): write \
-                             the digits alone, {}",
+                            "expected an integer, got {x}: YAML read a decimal number here (a \
+                             fraction such as 128.0, an exponent such as 1e4, or leading zeros, \
+                             which the seed's PyYAML reads as octal: 010 is 8 there); write the \
+                             integer's digits alone, as {}",
                             x as i64
                         )
                     })
@@ -860,6 +874,14 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
             None => Some(format!("expected a number, got {}", got())),
         },
         Kind::Str => (!v.is_string()).then(|| format!("expected a string, got {}", got())),
+        Kind::Dtype => match v.as_str() {
+            Some(d) if is_torch_dtype(d) => None,
+            _ => Some(format!(
+                "{}: expected bfloat16 (the seed's default), float32 (an f32 cache; also fp32, \
+                 f32) or float16",
+                got()
+            )),
+        },
         Kind::OneOf(allowed) | Kind::OneOfOrNull(allowed) => match v.as_str() {
             Some(s) if allowed.contains(&s) => None,
             _ if v.is_null() && matches!(kind, Kind::OneOfOrNull(_)) => None,
@@ -960,7 +982,7 @@ mod tests {
             "line 6: model_config.custom_params.micro_batch_mode: 5 is out of range",
             "line 8: scheduler_config.batch_size: 0 is out of range",
             "line 9: scheduler_config.max_prefill_tokens: expected an integer, got 10000",
-            "write the digits alone, 10000",
+            "write the integer's digits alone, as 10000",
             "line 11: parallel_config.ep_size: unknown key; did you mean `moe_ep_size`?",
         ] {
             assert!(e.contains(want), "`{want}` not in:\n{e}");
@@ -969,6 +991,24 @@ mod tests {
         let ok = "model_config:\n  custom_params: {enable_afd: false, kernel_config: \
                   {compressor: native}, moe_chunk_max_len: 1024}\n";
         RunConfig::from_yaml(ok, Path::new("x.yaml")).unwrap();
+    }
+
+    /// model_config.dtype is checked with the rest of the file (its torch spellings taken).
+    #[test]
+    fn dtype_is_checked_with_the_file() {
+        let y = "model_config:\n  dtype: \"int8\"\nscheduler_config:\n  batch_size: 0\n";
+        let e = RunConfig::from_yaml(y, Path::new("x.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("line 2: model_config.dtype: the string \"int8\": expected bfloat16"),
+            "{e}"
+        );
+        assert!(e.contains("line 4: scheduler_config.batch_size"), "{e}");
+        for ok in ["torch.BFloat16", "fp32", "half"] {
+            let y = format!("model_config:\n  dtype: {ok}\n");
+            RunConfig::from_yaml(&y, Path::new("x.yaml")).unwrap();
+        }
     }
 
     /// A section with nothing under it is an empty section; an integer past 64 bits is out of

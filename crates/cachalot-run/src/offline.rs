@@ -1227,10 +1227,15 @@ pub fn run_ranked(
              use model_name \"{}\"",
             m.model_name,
             model_dir.display(),
-            if family == ModelFamily::DeepseekV4 {
-                "deepseek_v4"
-            } else {
-                "deepseek_r1"
+            match family {
+                ModelFamily::DeepseekV4 => "deepseek_v4",
+                // A Kimi-K2 checkpoint (its config's model_type) is named as the seed names it.
+                _ if cachalot_model::DeepseekV3Config::from_dir(&model_dir)
+                    .is_ok_and(|c| c.model_type == cachalot_model::ModelType::KimiK2) =>
+                {
+                    "kimi_k2_thinking"
+                }
+                _ => "deepseek_r1",
             }
         )
         .into());
@@ -1275,6 +1280,13 @@ pub fn run_ranked(
             logln!(
                 "note: custom_params.{k} is not a key of the seed's models{near}; no effect here"
             );
+            // A near miss of a key is most likely a typo: said where the user sees it too.
+            if !near.is_empty() && rank == 0 {
+                eprintln!(
+                    "cachalot run: warning: model_config.custom_params.{k} is not a key of the \
+                     seed's models{near}; it has no effect"
+                );
+            }
         }
     }
     // force_eplb's balanced assignment: data-parallel ranks that dispatch to each other's
