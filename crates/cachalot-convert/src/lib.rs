@@ -1103,7 +1103,8 @@ fn check_output(input: &Path, out: &Path, force: bool) -> Result<()> {
     // place before its emptiness is judged.
     for p in remove_stale_partials(&outp) {
         eprintln!(
-            "convert: removed {}, left by an interrupted conversion",
+            "convert: removed {}, left by an interrupted conversion (its shards are not \
+             reused: this conversion starts over)",
             p.display()
         );
     }
@@ -1491,7 +1492,8 @@ fn temp_dir_for(out: &Path) -> Result<(PathBuf, bool)> {
     fs::create_dir_all(&parent).map_err(|e| unusable(&parent, e))?;
     for p in remove_stale_partials(out) {
         eprintln!(
-            "convert: removed {}, left by an interrupted conversion",
+            "convert: removed {}, left by an interrupted conversion (its shards are not \
+             reused: this conversion starts over)",
             p.display()
         );
     }
