@@ -1265,6 +1265,8 @@ fn keep_beside(tmp: &Path, out: &Path) -> ConvertError {
 /// The finished `tmp` inside `out` becomes `out`'s contents: under `force` what else `out`
 /// holds is deleted first; without it `out` must hold nothing else.
 fn move_up(tmp: &Path, out: &Path, force: bool) -> Result<()> {
+    // (Synced as [`rename_over`] syncs: the files before they move, `out` after.)
+    sync_tree(tmp)?;
     let others: Vec<PathBuf> = fs::read_dir(out)
         .map_err(|e| ConvertError::io(out, e))?
         .flatten()
@@ -1289,7 +1291,8 @@ fn move_up(tmp: &Path, out: &Path, force: bool) -> Result<()> {
         let to = out.join(e.file_name());
         fs::rename(e.path(), &to).map_err(|e| ConvertError::io(&to, e))?;
     }
-    fs::remove_dir(tmp).map_err(|e| ConvertError::io(tmp, e))
+    fs::remove_dir(tmp).map_err(|e| ConvertError::io(tmp, e))?;
+    sync_path(out)
 }
 
 /// The partial output directory being written now (for [`remove_partial_output`]).

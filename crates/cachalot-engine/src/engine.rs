@@ -761,8 +761,11 @@ impl TokenLogprob {
                 best.truncate(k);
             }
         }
+        // (An impossible token, −∞ or NaN, is last: the vocabulary's size.)
         let rank = match logits.get(token as usize) {
-            Some(&x) if !x.is_nan() => logits.iter().filter(|&&y| y >= x).count(),
+            Some(&x) if !x.is_nan() && x != f32::NEG_INFINITY => {
+                logits.iter().filter(|&&y| y >= x).count()
+            }
             _ => logits.len(),
         };
         TokenLogprob {
@@ -1712,6 +1715,14 @@ impl<'t, M: Model> Engine<'t, M> {
                             masked
                         };
                     let raw = row;
+                    // The request's own masks (allowed_token_ids, bad_words) on top: what they
+                    // leave is what may be drawn.
+                    let own_masked = live.sampler.has_masks().then(|| {
+                        let mut r = masked.as_deref().unwrap_or(row).to_vec();
+                        live.sampler.apply_masks(&mut r);
+                        r
+                    });
+                    let masked = own_masked.or(masked);
                     let row = masked.as_deref().unwrap_or(row);
                     if masked.is_some() && !row.iter().any(|x| x.is_finite()) {
                         // No token continues it (nor may it stop): it ends here.
@@ -2344,7 +2355,7 @@ mod tests {
             .iter()
             .map(|&t| TokenLogprob::from_logits(&logits, t, 0).rank)
             .collect();
-        assert_eq!(ranks, vec![2, 2, 3, 4, 5, 6]);
+        assert_eq!(ranks, vec![2, 2, 3, 4, 6, 6]);
     }
 
     /// A JSON lead keeps the answer on one of its texts, lets a token finish one and begin

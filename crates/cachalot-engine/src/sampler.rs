@@ -245,9 +245,14 @@ impl Sampler {
         }
     }
 
-    /// Steps 0 and 1: the allowed tokens and bad words (the others' logits −∞), the logit
-    /// bias, then the penalties, in place.
-    pub fn apply_penalties(&self, logits: &mut [f32]) {
+    /// Whether the request rules tokens out itself (`allowed_tokens`, `bad_words`).
+    pub fn has_masks(&self) -> bool {
+        !self.params.allowed_tokens.is_empty() || !self.params.bad_words.is_empty()
+    }
+
+    /// Step 0's masks alone: the logits of the tokens `allowed_tokens` and `bad_words` rule
+    /// out set to −∞, in place.
+    pub fn apply_masks(&self, logits: &mut [f32]) {
         let p = &self.params;
         if !p.allowed_tokens.is_empty() {
             let keep: Vec<(usize, f32)> = p
@@ -270,6 +275,13 @@ impl Sampler {
                 }
             }
         }
+    }
+
+    /// Steps 0 and 1: the allowed tokens and bad words (the others' logits −∞), the logit
+    /// bias, then the penalties, in place.
+    pub fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        self.apply_masks(logits);
         for &(t, b) in &p.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += b;
@@ -554,9 +566,6 @@ mod tests {
         }
     }
 
-    /// The bias is added to the raw logits: it moves the greedy choice, −100 all but bans the
-    /// top token, a bias of ln 2 doubles a token's odds against the rest, and out-of-range
-    /// biases are refused by name.
     /// vLLM's allowed_token_ids keep the draw among them (sampled too); bad words ban a
     /// word's last token only where the output ends with the tokens before it.
     #[test]
@@ -600,6 +609,9 @@ mod tests {
         assert_eq!(s.candidates(&l)[0].0, 1);
     }
 
+    /// The bias is added to the raw logits: it moves the greedy choice, −100 all but bans the
+    /// top token, a bias of ln 2 doubles a token's odds against the rest, and out-of-range
+    /// biases are refused by name.
     #[test]
     fn logit_bias_shifts_the_logits_before_anything_else() {
         let l = logits();

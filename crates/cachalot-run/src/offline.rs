@@ -1164,7 +1164,8 @@ pub fn run_ranked(
     let dtype = m.dtype.to_ascii_lowercase();
     let dtype = dtype.strip_prefix("torch.").unwrap_or(&dtype);
     let f32_dtype = ["float32", "fp32", "f32", "float"].contains(&dtype);
-    if !f32_dtype && !["bfloat16", "bf16", "float16", "fp16", "f16", "half"].contains(&dtype) {
+    // (The YAML's check; here too for configs built in code.)
+    if !crate::config::is_torch_dtype(&m.dtype) {
         return Err(format!(
             "model_config.dtype {:?}: expected bfloat16 (the seed's default) or float32 (an f32 \
              cache; also fp32, f32), or float16",

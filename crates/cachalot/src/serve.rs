@@ -3020,12 +3020,17 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             }
         },
     };
-    if prompt_logprobs.is_some() && stream {
-        return Err(ApiError::bad(
-            "prompt_logprobs",
-            "not available with \"stream\": true (as in vLLM): drop one of them",
-        ));
-    }
+    // (vLLM refuses a positive count with a stream, and takes 0 there without writing any.)
+    let prompt_logprobs = match prompt_logprobs {
+        Some(0) if stream => None,
+        Some(_) if stream => {
+            return Err(ApiError::bad(
+                "prompt_logprobs",
+                "not available with \"stream\": true (as in vLLM): drop one of them",
+            ))
+        }
+        k => k,
+    };
     // A chat's `echo` (vLLM's) repeats the final message's text before the answer; the rest
     // of this function reads `echo` as completions'.
     let chat_echo = echo && chat;
@@ -4639,6 +4644,11 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             .params
             .seed
             .map(|s| s.wrapping_add((choice % call.n) as u64));
+        // A prompt's log-probabilities are the same for each of its choices: scored once (by
+        // its first), the others prefilled as usual (prefix cache included); echo scores each.
+        if !call.echo && choice % call.n != 0 {
+            req.prompt_logprobs = None;
+        }
         let job = Job {
             request: req,
             events: tx.clone(),
@@ -4758,8 +4768,10 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
         });
         // vLLM gives a completion's per choice, a chat's once for the response.
         if let (Some(k), false) = (call.prompt_logprobs, call.chat) {
+            // (Scored by the prompt's first choice.)
+            let first = &outs[i - i % call.n];
             choices[i]["prompt_logprobs"] =
-                prompt_logprobs_json(&shared.tokenizer, call.token_ids, &out.prompt_logprobs, k);
+                prompt_logprobs_json(&shared.tokenizer, call.token_ids, &first.prompt_logprobs, k);
         }
     }
     let object = if call.chat {

@@ -3078,6 +3078,20 @@ fn serve_takes_vllms_extra_fields() {
         3,
         "{truncated}"
     );
+    // Masks that leave nothing (with min_tokens' or JSON mode's) end the answer there, no
+    // token outside them written.
+    for extra in [
+        json!({"allowed_token_ids": [1], "min_tokens": 3, "ignore_eos": false}),
+        json!({"allowed_token_ids": [444], "response_format": {"type": "json_object"}}),
+    ] {
+        let c = greedy(extra.clone());
+        assert_eq!(
+            (&c["text"], &c["finish_reason"]),
+            (&json!(""), &json!("length")),
+            "{extra}: {c}"
+        );
+        assert_eq!(c["logprobs"]["tokens"], json!([]), "{extra}: {c}");
+    }
     // Under ignore_eos an EOS the request lists as a stop token is its stop_reason.
     let eos = greedy(json!({"stop_token_ids": [1], "logit_bias": {"1": 100}}));
     assert_eq!(

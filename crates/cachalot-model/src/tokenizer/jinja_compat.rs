@@ -468,11 +468,53 @@ fn python_title(s: &str) -> String {
         if prev_cased {
             out.extend(c.to_lowercase());
         } else {
-            out.extend(c.to_uppercase());
+            title_case(c, &mut out);
         }
-        prev_cased = c.is_uppercase() || c.is_lowercase();
+        prev_cased = c.is_uppercase() || c.is_lowercase() || is_titlecase(c);
     }
     out
+}
+
+/// Unicode's titlecase letters (category Lt): the digraphs and Greek letters with a
+/// prosgegrammeni.
+fn is_titlecase(c: char) -> bool {
+    matches!(c, 'ǅ' | 'ǈ' | 'ǋ' | 'ǲ' | 'ᾈ'..='ᾏ' | 'ᾘ'..='ᾟ' | 'ᾨ'..='ᾯ' | 'ᾼ' | 'ῌ' | 'ῼ')
+}
+
+/// A character's titlecase mapping (CPython's `str.title` of a word's first letter): the
+/// uppercase one except where Unicode's titlecase differs (ß, the Latin digraphs and
+/// ligatures, Greek letters with a prosgegrammeni).
+fn title_case(c: char, out: &mut String) {
+    let special = match c {
+        'ß' => "Ss",
+        'Ǆ' | 'ǅ' | 'ǆ' => "ǅ",
+        'Ǉ' | 'ǈ' | 'ǉ' => "ǈ",
+        'Ǌ' | 'ǋ' | 'ǌ' => "ǋ",
+        'Ǳ' | 'ǲ' | 'ǳ' => "ǲ",
+        'ﬀ' => "Ff",
+        'ﬁ' => "Fi",
+        'ﬂ' => "Fl",
+        'ﬃ' => "Ffi",
+        'ﬄ' => "Ffl",
+        'ﬅ' | 'ﬆ' => "St",
+        _ => "",
+    };
+    if !special.is_empty() {
+        out.push_str(special);
+        return;
+    }
+    let greek = match c {
+        'ᾀ'..='ᾇ' | 'ᾐ'..='ᾗ' | 'ᾠ'..='ᾧ' => char::from_u32(c as u32 + 8),
+        'ᾈ'..='ᾏ' | 'ᾘ'..='ᾟ' | 'ᾨ'..='ᾯ' | 'ᾼ' | 'ῌ' | 'ῼ' => Some(c),
+        'ᾳ' => Some('ᾼ'),
+        'ῃ' => Some('ῌ'),
+        'ῳ' => Some('ῼ'),
+        _ => None,
+    };
+    match greek {
+        Some(t) => out.push(t),
+        None => out.extend(c.to_uppercase()),
+    }
 }
 
 /// Jinja2's `escape` (markupsafe's): `&`, `<`, `>`, `'` and `"` as `&amp;`, `&lt;`, `&gt;`,
@@ -800,6 +842,10 @@ mod tests {
             ),
             ("{% if '123'.isdecimal() and not ''.isdecimal() %}ok{% endif %}", "ok"),
             ("{{ 'a,b'.title() }} {{ \"o'neil 3rd\".title() }}", "A,B O'Neil 3Rd"),
+            (
+                "{{ 'ßa'.title() }} {{ 'ǆemal'.title() }} {{ 'ﬁne'.title() }} {{ 'ǅA'.title() }}",
+                "Ssa ǅemal Fine ǅa",
+            ),
             ("{{ ['a', 'b', 'c'].index('b') }}", "1"),
             // pycompat's methods still answer.
             ("{{ 'a b'.split() | join('|') }} {{ ' x '.strip() }}", "a|b x"),
