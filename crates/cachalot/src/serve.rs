@@ -443,6 +443,9 @@ struct Shared {
     im_end: Option<u32>,
     tool_format: Option<ToolCallFormat>,
     max_positions: usize,
+    /// The model's vocabulary (its embedding's rows): the ids a request may name (a tokenizer's
+    /// ids may have gaps, so its count is not the bound).
+    vocab: usize,
     /// `--generation-config`: sampling of requests that leave it out.
     defaults: SamplingDefaults,
     /// `--keepalive-ms`.
@@ -872,72 +875,74 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         None => None,
     };
     let metrics = Arc::new(Metrics::new(world));
-    let launch = |eos: &[u32], max_positions: usize, num_blocks: usize, kv_max_bytes: u64| {
-        let Some(server) = server else {
-            return;
-        };
-        // What one sequence can hold (vLLM's max_model_len): the model's positions, within the
-        // KV pool.
-        let max_positions = max_positions.min((num_blocks - 1) * set.block_size);
-        let shared = Arc::new(Shared {
-            name: name.clone(),
-            tokenizer: tokenizer.clone(),
-            template,
-            template_error,
-            eos: StopConditions::eos_ids(eos, Some(&tokenizer), &dir),
-            im_end: tokenizer.token_to_id("<|im_end|>"),
-            tool_format,
-            max_positions,
-            defaults: defaults.clone(),
-            keepalive: std::time::Duration::from_millis(args.keepalive_ms),
-            jobs,
-            role: args.role,
-            rooms: rooms.clone(),
-            kv_port,
-            kv_timeout,
-            kv_max_bytes,
-            transfers: Permits {
-                held: Mutex::new(0),
-                freed: Condvar::new(),
-                limit: 2 * set.batch_size,
-            },
-            metrics: metrics.clone(),
-        });
-        let addr = server.addr.to_string();
-        if let (Some(l), Some(r), Some(p)) = (kv_listener, rooms.clone(), kv_port) {
-            say!(
-                "cachalot serve: prefill role, decode servers fetch KV from {}:{p}",
-                args.host
-            );
-            std::thread::spawn(move || serve_kv(l, r));
-        }
-        let ranks = match world {
-            1 => String::new(),
-            n if tensor && experts_split => format!(
-                ", {n} ranks (tensor and expert parallel, {})",
-                comm.transport()
-            ),
-            n if tensor => format!(", {n} ranks (tensor parallel, {})", comm.transport()),
-            n if expert => format!(", {n} ranks (expert parallel, {})", comm.transport()),
-            n if dispatch => format!(
-                ", {n} ranks (data parallel, experts split, {})",
-                comm.transport()
-            ),
-            n => format!(", {n} ranks (data parallel, {})", comm.transport()),
-        };
-        say!(
-            "cachalot serve: {name} ({}), role {}{ranks}, max_model_len {max_positions}, \
-             listening on http://{addr}/v1",
-            dir.display(),
-            match args.role {
-                Role::Both => "both (prefill and decode; disaggregation_mode none)",
-                other => other.mode(),
+    let launch =
+        |eos: &[u32], max_positions: usize, vocab: usize, num_blocks: usize, kv_max_bytes: u64| {
+            let Some(server) = server else {
+                return;
+            };
+            // What one sequence can hold (vLLM's max_model_len): the model's positions, within the
+            // KV pool.
+            let max_positions = max_positions.min((num_blocks - 1) * set.block_size);
+            let shared = Arc::new(Shared {
+                name: name.clone(),
+                tokenizer: tokenizer.clone(),
+                template,
+                template_error,
+                eos: StopConditions::eos_ids(eos, Some(&tokenizer), &dir),
+                im_end: tokenizer.token_to_id("<|im_end|>"),
+                tool_format,
+                max_positions,
+                vocab,
+                defaults: defaults.clone(),
+                keepalive: std::time::Duration::from_millis(args.keepalive_ms),
+                jobs,
+                role: args.role,
+                rooms: rooms.clone(),
+                kv_port,
+                kv_timeout,
+                kv_max_bytes,
+                transfers: Permits {
+                    held: Mutex::new(0),
+                    freed: Condvar::new(),
+                    limit: 2 * set.batch_size,
+                },
+                metrics: metrics.clone(),
+            });
+            let addr = server.addr.to_string();
+            if let (Some(l), Some(r), Some(p)) = (kv_listener, rooms.clone(), kv_port) {
+                say!(
+                    "cachalot serve: prefill role, decode servers fetch KV from {}:{p}",
+                    args.host
+                );
+                std::thread::spawn(move || serve_kv(l, r));
             }
-        );
-        std::thread::spawn(move || {
-            server.serve("serve", Arc::new(move |request| handle(request, &shared)));
-        });
-    };
+            let ranks = match world {
+                1 => String::new(),
+                n if tensor && experts_split => format!(
+                    ", {n} ranks (tensor and expert parallel, {})",
+                    comm.transport()
+                ),
+                n if tensor => format!(", {n} ranks (tensor parallel, {})", comm.transport()),
+                n if expert => format!(", {n} ranks (expert parallel, {})", comm.transport()),
+                n if dispatch => format!(
+                    ", {n} ranks (data parallel, experts split, {})",
+                    comm.transport()
+                ),
+                n => format!(", {n} ranks (data parallel, {})", comm.transport()),
+            };
+            say!(
+                "cachalot serve: {name} ({}), role {}{ranks}, max_model_len {max_positions}, \
+             listening on http://{addr}/v1",
+                dir.display(),
+                match args.role {
+                    Role::Both => "both (prefill and decode; disaggregation_mode none)",
+                    other => other.mode(),
+                }
+            );
+            std::thread::spawn(move || {
+                server.serve("serve", Arc::new(move |request| handle(request, &shared)));
+            });
+        };
     // Sizes the pool, starts the HTTP side, then runs the engine on this thread.
     let run = |m: &(dyn Model + Sync), eos: &[u32]| -> Result<()> {
         let blocks = pool_blocks(&m, &set)?;
@@ -958,7 +963,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         let kv_max_bytes = per_block * blocks as u64
             + positions * 4 * m.mtp_hidden_width() as u64
             + m.cache_spec().seq_state_bytes() as u64;
-        launch(eos, m.max_positions(), blocks, kv_max_bytes);
+        launch(eos, m.max_positions(), m.vocab_size(), blocks, kv_max_bytes);
         if world > 1 {
             let jobs = (rank == 0).then_some(job_rx);
             let group = RankGroup {
@@ -3202,7 +3207,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             }
         }
     }
-    let vocab = tok.vocab_size();
+    let vocab = shared.vocab;
     for (prompt, _) in &prompts {
         if prompt.is_empty() {
             return Err(ApiError::bad("prompt", "the prompt has no tokens"));
@@ -3304,7 +3309,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             min_p: number(body, "min_p", 0.0, 1.0)?
                 .or(defaults.min_p)
                 .unwrap_or(0.0) as f32,
-            repetition_penalty: match number(body, "repetition_penalty", 0.0, 100.0)?
+            repetition_penalty: match number(body, "repetition_penalty", 0.0, f32::MAX as f64)?
                 .or(defaults.repetition_penalty)
             {
                 Some(p) if p <= 0.0 => {
@@ -3432,7 +3437,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 flag(o, key)
                     .map_err(|e| ApiError::bad("stream_options", format!("{key}: {}", e.message)))
             };
-            let usage = read("include_usage")?;
+            // vLLM's default: stream options given include the usage unless they say not.
+            let usage = o.get("include_usage").is_none_or(Value::is_null) || read("include_usage")?;
             (usage, usage && read("continuous_usage_stats")?)
         }
         Some(v) => {
@@ -4014,8 +4020,12 @@ fn echoed(shared: &Shared, call: &Call, out: &RequestOutput, text: &str, index: 
 /// then per token an object keyed by token id holding the token's own entry and its `k` most
 /// likely alternatives' (`logprob`, `rank`: 1 for the most likely, and `decoded_token`), the
 /// token's first.
-fn prompt_logprobs_json(tok: &Tokenizer, as_ids: bool, lps: &[TokenLogprob], k: usize) -> Value {
-    let entry = |id: u32, logprob: f32, rank: u32| json!({"logprob": logprob, "rank": rank, "decoded_token": token_label(tok, id, as_ids)});
+fn prompt_logprobs_json(tok: &Tokenizer, lps: &[TokenLogprob], k: usize) -> Value {
+    // (Text whatever `return_tokens_as_token_ids` says: vLLM applies it to `logprobs` only.)
+    let entry = |id: u32, logprob: f32, rank: u32| {
+        let text = token_text(tok, id);
+        json!({"logprob": logprob, "rank": rank, "decoded_token": text})
+    };
     let rows = lps.iter().map(|lp| {
         let mut m = Map::new();
         m.insert(lp.token.to_string(), entry(lp.token, lp.logprob, lp.rank));
@@ -4148,13 +4158,18 @@ fn check_messages(messages: &Value) -> Result<(), ApiError> {
             Some(Value::Array(_)) if role == "tool" => {}
             Some(Value::Array(parts)) => {
                 for (j, p) in parts.iter().enumerate() {
+                    // (A bare string is a text part, as vLLM reads it.)
+                    if p.is_string() {
+                        continue;
+                    }
                     let kind = p.get("type").and_then(Value::as_str);
                     let field = if kind == Some("refusal") && role == "assistant" {
                         "refusal"
                     } else {
                         "text"
                     };
-                    if (kind != Some("text") && field == "text")
+                    let text_kind = matches!(kind, Some("text" | "input_text" | "output_text"));
+                    if (!text_kind && field == "text")
                         || !p.get(field).is_some_and(Value::is_string)
                     {
                         return Err(ApiError::bad(
@@ -4215,11 +4230,34 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
             .is_some_and(|c| !c.is_empty());
         let blank = match role {
             Some("tool" | "function") => empty,
-            Some("assistant") => !calls && m.get("content").is_some_and(Value::is_null),
+            Some("assistant") => !calls && empty,
             _ => false,
         };
         if blank {
             m["content"] = "".into();
+        } else if calls && m.get("content").is_none() {
+            // Content left out beside calls is the null templates test for (not undefined).
+            m["content"] = Value::Null;
+        }
+        // Text parts as vLLM takes them: a bare string, or the Responses API's
+        // `input_text`/`output_text`, is a text part.
+        if let Some(parts) = m.get_mut("content").and_then(Value::as_array_mut) {
+            for p in parts.iter_mut() {
+                let text = match p {
+                    Value::String(t) => Some(t.clone()),
+                    _ if matches!(
+                        p.get("type").and_then(Value::as_str),
+                        Some("input_text" | "output_text")
+                    ) =>
+                    {
+                        p.get("text").and_then(Value::as_str).map(str::to_string)
+                    }
+                    _ => None,
+                };
+                if let Some(t) = text {
+                    *p = json!({"type": "text", "text": t});
+                }
+            }
         }
     }
     if walks_parts && !v4 {
@@ -4276,7 +4314,7 @@ fn message_text(m: &Value) -> String {
         Some(Value::String(t)) => t.clone(),
         Some(Value::Array(parts)) => parts
             .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .filter_map(|p| p.as_str().or_else(|| p.get("text").and_then(Value::as_str)))
             .collect::<Vec<_>>()
             .join("\n"),
         _ => String::new(),
@@ -4325,10 +4363,23 @@ fn render_chat(
         ApiError::bad("messages", format!("the chat template failed: {e}"))
     };
     if continued {
-        if let Some(tagged) = tag_final(messages) {
-            let text = template
-                .render_json(&tagged, generation, tools, kwargs)
-                .map_err(failed)?;
+        // A final message of reasoning alone continues its reasoning where the template
+        // renders it, else (R1's drops it) its empty content, as transformers continues it.
+        let last = messages.as_array().and_then(|a| a.last());
+        let blank = match last.and_then(|m| m.get("content")) {
+            Some(Value::String(t)) => t.trim().is_empty(),
+            Some(Value::Array(parts)) => !parts.iter().any(|p| p.get("text").is_some()),
+            _ => true,
+        };
+        let tries: &[bool] = if blank { &[true, false] } else { &[false] };
+        for &reasoning in tries {
+            let Some(tagged) = tag_final(messages, reasoning) else {
+                continue;
+            };
+            // (A template that fails on the marked messages is judged on the plain ones.)
+            let Ok(text) = template.render_json(&tagged, generation, tools, kwargs) else {
+                continue;
+            };
             if let Some(cut) = cut_at_tag(&text) {
                 return Ok(cut);
             }
@@ -4349,40 +4400,38 @@ fn render_chat(
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
 /// The messages with [`CONTINUE_TAG`] after the final message's text: its content (a list's
-/// last text part), or where that is blank and the message has reasoning, its reasoning (every
-/// name it goes by). None: nothing to mark.
-fn tag_final(messages: &Value) -> Option<Value> {
+/// last text part; none or null is the empty text, as vLLM passes it), or with `reasoning` its
+/// reasoning (every name it goes by). None: nothing to mark there.
+fn tag_final(messages: &Value, reasoning: bool) -> Option<Value> {
     let mut tagged = messages.clone();
     let last = tagged.as_array_mut()?.last_mut()?.as_object_mut()?;
-    let blank = match last.get("content") {
-        Some(Value::String(t)) => t.trim().is_empty(),
-        Some(Value::Array(parts)) => !parts.iter().any(|p| p.get("text").is_some()),
-        _ => true,
-    };
-    let reasoning: Vec<String> = REASONING_FIELDS
-        .iter()
-        .filter(|k| {
-            last.get(**k)
-                .and_then(Value::as_str)
-                .is_some_and(|r| !r.is_empty())
-        })
-        .map(|k| k.to_string())
-        .collect();
-    if blank && !reasoning.is_empty() {
-        for k in reasoning {
-            if let Some(Value::String(r)) = last.get_mut(&k) {
+    if reasoning {
+        let names: Vec<&str> = REASONING_FIELDS
+            .iter()
+            .copied()
+            .filter(|k| {
+                last.get(*k)
+                    .and_then(Value::as_str)
+                    .is_some_and(|r| !r.is_empty())
+            })
+            .collect();
+        for k in &names {
+            if let Some(Value::String(r)) = last.get_mut(*k) {
                 r.push_str(CONTINUE_TAG);
             }
         }
-        return Some(tagged);
+        return (!names.is_empty()).then_some(tagged);
     }
-    match last.get_mut("content")? {
-        Value::String(t) => t.push_str(CONTINUE_TAG),
-        Value::Array(parts) => {
+    match last.get_mut("content") {
+        Some(Value::String(t)) => t.push_str(CONTINUE_TAG),
+        Some(Value::Array(parts)) => {
             let text = parts.iter_mut().rev().find_map(|p| p.get_mut("text"))?;
             *text = format!("{}{CONTINUE_TAG}", text.as_str()?).into();
         }
-        _ => return None,
+        None | Some(Value::Null) => {
+            last.insert("content".into(), CONTINUE_TAG.into());
+        }
+        Some(_) => return None,
     }
     Some(tagged)
 }
@@ -4771,7 +4820,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             // (Scored by the prompt's first choice.)
             let first = &outs[i - i % call.n];
             choices[i]["prompt_logprobs"] =
-                prompt_logprobs_json(&shared.tokenizer, call.token_ids, &first.prompt_logprobs, k);
+                prompt_logprobs_json(&shared.tokenizer, &first.prompt_logprobs, k);
         }
     }
     let object = if call.chat {
@@ -4787,8 +4836,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     let mut body = json!({"id": id, "object": object, "created": created, "model": shared.name,
                           "choices": choices, "usage": usage});
     if let (Some(k), true, Some(out)) = (call.prompt_logprobs, call.chat, outs.first()) {
-        body["prompt_logprobs"] =
-            prompt_logprobs_json(&shared.tokenizer, call.token_ids, &out.prompt_logprobs, k);
+        body["prompt_logprobs"] = prompt_logprobs_json(&shared.tokenizer, &out.prompt_logprobs, k);
     }
     match (request, writer) {
         (Some(r), _) => respond_json(r, 200, &body),

@@ -286,6 +286,12 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     assert!(chunks[..chunks.len() - 1]
         .iter()
         .all(|c| c.get("usage") == Some(&Value::Null)));
+    // Stream options given without include_usage include it (vLLM's default).
+    let mut opts = body.clone();
+    opts["stream_options"] = json!({});
+    let ev = events(addr, "/v1/completions", &opts);
+    let last: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(last["usage"]["completion_tokens"], 12, "{last}");
     // vLLM's continuous_usage_stats: every chunk carries the usage so far, which only grows
     // and ends at the whole answer's.
     body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
@@ -614,13 +620,29 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     // Where the final text also spells part of the template's own markup (`A` in
     // `<｜Assistant｜>`), or is empty, the prompt is cut after the message, as transformers
     // cuts it (a marker after the text).
-    for (content, end) in [
-        ("A", "<｜Assistant｜>A"),
-        ("", "<｜Assistant｜>"),
-        ("hi", "<｜Assistant｜>hi"),
+    // A null content beside calls, or an empty one beside reasoning R1's template does not
+    // render, is continued as the empty text it is to vLLM.
+    let call =
+        json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
+    for (last, end) in [
+        (json!({"content": "A"}), "<｜Assistant｜>A"),
+        (json!({"content": ""}), "<｜Assistant｜>"),
+        (json!({"content": "hi"}), "<｜Assistant｜>hi"),
+        (
+            json!({"content": null, "tool_calls": call}),
+            "<｜Assistant｜>",
+        ),
+        (
+            json!({"content": "", "reasoning_content": "abc"}),
+            "<｜Assistant｜>",
+        ),
     ] {
-        let m = json!([{"role": "user", "content": "hi"},
-                       {"role": "assistant", "content": content}]);
+        let mut a = json!({"role": "assistant"});
+        for (k, v) in last.as_object().unwrap() {
+            a[k] = v.clone();
+        }
+        let content = last.clone();
+        let m = json!([{"role": "user", "content": "hi"}, a]);
         let (status, t) = post(
             addr,
             "/tokenize",
@@ -635,6 +657,17 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
                 .ends_with(&format!("<｜User｜>hi{end}")),
             "{content:?}: {d}"
         );
+    }
+    // An assistant's calls without a content key render (as vLLM passes them); a bare string
+    // or an `input_text` part is a text part.
+    for m in [
+        json!([{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": call},
+               {"role": "tool", "tool_call_id": "c1", "content": "r"}]),
+        json!([{"role": "user", "content": ["Hi", {"type": "input_text", "text": "there"}]},
+               {"role": "assistant"}, {"role": "user", "content": "x"}]),
+    ] {
+        let (status, t) = post(addr, "/tokenize", &json!({"messages": m}));
+        assert_eq!(status, 200, "{m}: {t}");
     }
     let (status, c) = post(
         addr,
@@ -3114,6 +3147,12 @@ fn serve_takes_vllms_extra_fields() {
         ),
         (
             json!({"prompt": "x", "allowed_token_ids": [1 << 30]}),
+            "allowed_token_ids",
+        ),
+        // (Ids are bounded by the model's vocabulary of 4096.)
+        (json!({"prompt": [4096]}), "prompt"),
+        (
+            json!({"prompt": "x", "allowed_token_ids": [4096]}),
             "allowed_token_ids",
         ),
         (json!({"prompt": "x", "bad_words": [" "]}), "bad_words"),
