@@ -160,8 +160,16 @@ impl<'a> Fields<'a> {
     }
 
     pub(crate) fn usize_req(&self, field: &str) -> Result<usize> {
-        self.usize_opt(field)?
-            .ok_or_else(|| self.err(field, "missing; this field is required"))
+        self.usize_opt(field)?.ok_or_else(|| {
+            self.err(
+                field,
+                if self.map.contains_key(field) {
+                    "null; this field is required (a non-negative integer)"
+                } else {
+                    "missing; this field is required"
+                },
+            )
+        })
     }
 
     pub(crate) fn usize_or(&self, field: &str, default: usize) -> Result<usize> {

@@ -5,7 +5,10 @@
 //! `convert_config` rewrite of `quantization_config` to compressed-tensors), §4.7 (trust tensor
 //! dtypes, not the config). Field names are DeepSeek's official ones (`compress_ratios`,
 //! `num_hash_layers`, `rope_scaling`, `qk_rope_head_dim`). Unknown extra fields are ignored; a
-//! field with the wrong type or an unsupported value is an error naming the field.
+//! field with the wrong type or an unsupported value is an error naming the field. An optional
+//! field left out takes transformers' `DeepseekV4Config` default (`sliding_window` 128,
+//! `index_topk` 512, `hc_mult` 4, `scoring_func` sqrtsoftplus, `num_hash_layers` 3 or the
+//! model's layers where fewer), so a checkpoint reads as transformers reads it.
 
 use std::path::Path;
 
@@ -370,7 +373,11 @@ impl DeepseekV4Config {
             norm_topk_prob: f.bool_or("norm_topk_prob", true)?,
             routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)? as f32,
             swiglu_limit: f.f64_or("swiglu_limit", 0.0)? as f32,
-            num_hash_layers: f.usize_or("num_hash_layers", 0)?,
+            // transformers' default: the first 3 layers hash-routed (as many as there are).
+            num_hash_layers: match f.usize_opt("num_hash_layers")? {
+                Some(n) => n,
+                None => 3.min(f.usize_req("num_hidden_layers")?),
+            },
             index_n_heads: f.usize_or("index_n_heads", 64)?,
             index_head_dim: f.usize_or("index_head_dim", 128)?,
             index_topk: f.usize_or("index_topk", 512)?,
@@ -488,11 +495,6 @@ impl DeepseekV4Config {
                 self.max_position_embeddings,
                 MAX_DIM,
             ),
-            (
-                "sliding_window",
-                self.sliding_window,
-                self.max_position_embeddings,
-            ),
             ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
             (
                 "num_nextn_predict_layers",
@@ -508,6 +510,15 @@ impl DeepseekV4Config {
                     format!("{v} is out of range (at most {max}); check the value"),
                 ));
             }
+        }
+        if self.sliding_window > self.max_position_embeddings {
+            return Err(f.err(
+                "sliding_window",
+                format!(
+                    "{} is more than max_position_embeddings {}: one of the two is wrong",
+                    self.sliding_window, self.max_position_embeddings
+                ),
+            ));
         }
         if self.qk_rope_head_dim == 0
             || !self.qk_rope_head_dim.is_multiple_of(2)
@@ -827,10 +838,20 @@ mod tests {
             v[key] = val;
             let e = parse(&v).unwrap_err().to_string();
             assert!(
-                e.contains(&format!("`{key}`")) && e.contains("out of range"),
+                e.contains(&format!("`{key}`"))
+                    && (e.contains("out of range") || e.contains("max_position_embeddings")),
                 "{key}: {e}"
             );
         }
+        // num_hash_layers left out: transformers' 3, or every layer of a shallower model.
+        let mut v = flash_json();
+        v.as_object_mut().unwrap().remove("num_hash_layers");
+        assert_eq!(parse(&v).unwrap().num_hash_layers, 3);
+        v["num_hidden_layers"] = 2.into();
+        assert_eq!(parse(&v).unwrap().num_hash_layers, 2);
+        v["q_lora_rank"] = serde_json::Value::Null;
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("`q_lora_rank`") && e.contains("null"), "{e}");
     }
 
     #[test]

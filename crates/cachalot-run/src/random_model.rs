@@ -625,7 +625,8 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
         (
             _,
             Some(
-                m @ (QuantMode::W8A8Int
+                m @ (QuantMode::Bfloat16
+                | QuantMode::W8A8Int
                 | QuantMode::W4A8Int
                 | QuantMode::W4A8Mx
                 | QuantMode::W4A8MxHif),
@@ -633,7 +634,7 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
         ) if v4 => Some(m),
         (q, _) if v4 => bail!(
             "--random-quant {q}: a DeepSeek-V4 model is fp8 (the native FP8 + MXFP4 release), \
-             w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif"
+             bfloat16, w8a8-int, w4a8-int, w4a8-mx or w4a8-mx-hif"
         ),
         (q, _) => bail!("--random-quant {q}: expected fp8, bfloat16, w8a8c16 or w4a16"),
     };
