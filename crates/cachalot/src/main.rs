@@ -415,7 +415,10 @@ fn main() {
     match &result {
         Ok(Err(e)) => match output_error(e) {
             Some(io) if io.kind() == std::io::ErrorKind::BrokenPipe => exit_broken_pipe(),
-            _ => say!("error: {e:#}"),
+            _ => match std::env::var(run::SPAWNED_RANK) {
+                Ok(r) => say!("error: rank {r}: {e:#}"),
+                Err(_) => say!("error: {e:#}"),
+            },
         },
         Err(payload) => {
             let msg = panic_text(payload.as_ref());

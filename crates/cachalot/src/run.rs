@@ -326,6 +326,10 @@ pub(crate) const MAX_RANKS: usize = 1024;
 /// How long ranks wait for each other to start.
 const RENDEZVOUS: Duration = Duration::from_secs(120);
 
+/// Set in the ranks [`spawn_ranks`] starts: their errors name the rank (rank 0, the command
+/// the user ran, says its own without a prefix; an error every rank meets is then told apart).
+pub(crate) const SPAWNED_RANK: &str = "CACHALOT_SPAWNED_RANK";
+
 /// Starts ranks 1..n as copies of this command (without --ranks) joining `master` (`run`'s
 /// quietly).
 fn spawn_ranks(n: usize, master: &str, threads: usize, quiet: bool) -> Result<Vec<(usize, Child)>> {
@@ -350,6 +354,7 @@ fn spawn_ranks(n: usize, master: &str, threads: usize, quiet: bool) -> Result<Ve
         cmd.args(["--rank", &r.to_string(), "--world-size", &n.to_string()])
             .args(["--master", master, "--threads", &threads.to_string()])
             .args(["--host-ranks", &n.to_string()])
+            .env(SPAWNED_RANK, r.to_string())
             .stdout(std::process::Stdio::null());
         #[cfg(target_os = "linux")]
         {
