@@ -1630,7 +1630,6 @@ impl<'t, M: Model> Engine<'t, M> {
         report.forward_s = t0.elapsed().as_secs_f64();
         check_logits(&logits, "the model")?;
         let vocab = self.model.vocab_size();
-        let sampled_at = Instant::now();
         let mut rows = logits.chunks_exact(vocab);
         // Requests that end this step, retired after the loop.
         let mut ended: Vec<(u64, FinishReason)> = Vec::new();
@@ -1744,7 +1743,8 @@ impl<'t, M: Model> Engine<'t, M> {
                         accepted += 1;
                         live.accepted += 1;
                     }
-                    if let Some(reason) = self.push_token(it.id, token, sampled_at)? {
+                    // (Timed once drawn: a token exists after its sampling, which TTFT counts.)
+                    if let Some(reason) = self.push_token(it.id, token, Instant::now())? {
                         ends = Some(reason);
                         report.finished += 1;
                         finished = true;

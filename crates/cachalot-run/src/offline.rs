@@ -238,6 +238,7 @@ pub struct Summary {
     pub dataset: String,
     pub requests: usize,
     pub batch_size: usize,
+    /// The prefill budget each rank steps under (derived per rank where the YAML gives 0).
     pub max_prefill_tokens: usize,
     pub max_new_tokens: usize,
     pub ignore_eos: bool,
@@ -1851,7 +1852,7 @@ pub fn run_ranked(
         dataset: d.dataset.clone(),
         requests: outputs.len(),
         batch_size: s.batch_size,
-        max_prefill_tokens: cfg.max_prefill_tokens(),
+        max_prefill_tokens: prefill_budget,
         max_new_tokens: s.max_new_tokens,
         ignore_eos: d.ignore_eos,
         force_eplb: m.force_eplb,
@@ -1948,16 +1949,30 @@ pub fn run_ranked(
             outputs,
         });
     }
-    std::fs::write(
-        dir.join("summary.json"),
-        serde_json::to_string_pretty(&summary)? + "\n",
-    )?;
-    let mut req_file = std::io::BufWriter::new(std::fs::File::create(dir.join("requests.jsonl"))?);
+    // Each file whole or not at all: written beside its name, then renamed (requests.jsonl
+    // first, summary.json last); a failure (a full disk) names the file and keeps the partial
+    // file of what finished.
+    let mut lines = String::new();
     for o in &outputs {
         let v = request_line(o, &prepared, tool_format)?;
-        writeln!(req_file, "{v}")?;
+        lines.push_str(&v.to_string());
+        lines.push('\n');
     }
-    req_file.flush()?;
+    let summary_text = serde_json::to_string_pretty(&summary)? + "\n";
+    for (name, text) in [("requests.jsonl", &lines), ("summary.json", &summary_text)] {
+        let path = dir.join(name);
+        let tmp = dir.join(format!(".{name}.tmp"));
+        let written = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(format!(
+                "cannot write {} ({e}); every finished request is in {}",
+                path.display(),
+                partial_path.display()
+            )
+            .into());
+        }
+    }
     set_partial(None);
     let _ = std::fs::remove_file(&partial_path);
     if ranks > 1 && !expert {
