@@ -422,6 +422,32 @@ fn prompt_bos_follows_the_flag_else_the_post_processor() {
     assert_eq!(r1.prompt_bos_id(), None);
 }
 
+/// A model directory's `chat_template.jinja` (transformers 5's) is its template, before
+/// `tokenizer_config.json`'s, with the config's special tokens.
+#[test]
+fn a_chat_template_jinja_file_is_the_models_template() {
+    let shipped = root().join("assets/cachalot-tiny-r1");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["tokenizer.json", "config.json", "tokenizer_config.json"] {
+        std::fs::copy(shipped.join(f), tmp.path().join(f)).unwrap();
+    }
+    std::fs::write(
+        tmp.path().join("chat_template.jinja"),
+        "J:{{ bos_token }}{{ messages[0]['content'] }}",
+    )
+    .unwrap();
+    let messages: Value = serde_json::from_str(r#"[{"role":"user","content":"hi"}]"#).unwrap();
+    let t = Tokenizer::from_dir(tmp.path()).unwrap();
+    let bos = t.bos_token().unwrap();
+    let text = t
+        .chat_template()
+        .unwrap()
+        .unwrap()
+        .render_json(&messages, true, None, &serde_json::Map::new())
+        .unwrap();
+    assert_eq!(text, format!("J:{bos}hi"));
+}
+
 /// Kimi's tokenizer sorts the tools' keys at every level before its template renders them
 /// (`tokenization_kimi.py`: `deep_sort_dict`), so the declaration does not follow the
 /// request's order; DeepSeek's templates see the tools as given.

@@ -334,7 +334,14 @@ fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
 
 /// A text file for --file: UTF-8, or an error saying where it is not.
 fn read_text_file(f: &Path) -> Result<String> {
-    let bytes = std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?;
+    // `-` is stdin, as the usual tools read it.
+    let bytes = if f.as_os_str() == "-" {
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut b).context("cannot read stdin")?;
+        b
+    } else {
+        std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?
+    };
     String::from_utf8(bytes).map_err(|e| {
         anyhow::anyhow!(
             "{}: not UTF-8 text (invalid byte 0x{:02X} at offset {}); convert it to UTF-8 \

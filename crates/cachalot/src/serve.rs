@@ -811,8 +811,8 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             None => (
                 None,
                 format!(
-                    "{}: no chat_template in tokenizer_config.json; start the server with \
-                     --chat-template FILE",
+                    "{}: no chat template (chat_template.jinja, or chat_template in \
+                     tokenizer_config.json); start the server with --chat-template FILE",
                     dir.display()
                 ),
             ),

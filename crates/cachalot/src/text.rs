@@ -24,11 +24,14 @@ pub struct TokenizeArgs {
     /// Text to encode (special-token strings in it become their ids; no BOS is added).
     #[arg(
         long,
-        conflicts_with = "decode",
-        required_unless_present = "decode",
+        conflicts_with_all = ["decode", "file"],
+        required_unless_present_any = ["decode", "file"],
         allow_hyphen_values = true
     )]
     text: Option<String>,
+    /// Text to encode from a file (`-`: stdin), for text too long for an argument.
+    #[arg(long, conflicts_with = "decode")]
+    file: Option<PathBuf>,
     /// Comma-separated token ids to decode (an empty list decodes to empty text).
     #[arg(long, value_parser = parse_id_list)]
     decode: Option<IdList>,
@@ -258,7 +261,11 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<()> {
             println!("{text}");
         }
     } else {
-        let ids = tok.encode(args.text.as_deref().unwrap_or_default())?;
+        let text = match &args.file {
+            Some(f) => crate::read_text_file(f)?,
+            None => args.text.clone().unwrap_or_default(),
+        };
+        let ids = tok.encode(&text)?;
         if args.json {
             println!("{}", serde_json::json!({ "ids": ids }));
         } else {
@@ -293,7 +300,7 @@ fn chat_template(tok: &Tokenizer, dir: &Path, file: Option<&Path>) -> Result<Cha
     }
     tok.chat_template()?.with_context(|| {
         format!(
-            "{}: no chat_template in tokenizer_config.json; pass --chat-template FILE",
+            "{}: no chat template (chat_template.jinja, or chat_template in tokenizer_config.json); pass --chat-template FILE",
             dir.display()
         )
     })
@@ -517,6 +524,9 @@ struct Printer {
     dimmed: bool,
     /// The first error writing stdout.
     failed: Option<std::io::Error>,
+    /// A newline after the answer (chat's turns, a terminal's prompt); `generate` into a pipe
+    /// or file writes the text alone.
+    newline: bool,
 }
 
 impl Printer {
@@ -532,6 +542,7 @@ impl Printer {
             hide,
             dimmed: false,
             failed: None,
+            newline: true,
         }
     }
 
@@ -571,8 +582,9 @@ impl Printer {
             written = written.and_then(|_| out.write_all(b"\x1b[0m"));
             self.dimmed = false;
         }
+        let newline: &[u8] = if self.newline { b"\n" } else { b"" };
         if let Err(e) = written
-            .and_then(|_| out.write_all(b"\n"))
+            .and_then(|_| out.write_all(newline))
             .and_then(|_| out.flush())
         {
             self.failed = Some(e);
@@ -777,6 +789,8 @@ fn generate_with<M: Model>(
         return Ok(());
     }
     let mut printer = Printer::new(prompt_text, args.hide_reasoning, sections);
+    // (Into a pipe or file the output is the answer's text, byte for byte.)
+    printer.newline = printer.terminal;
     // A reader that left (or a full disk) ends the generation.
     let stop_writing = AtomicBool::new(false);
     let g = args
@@ -874,10 +888,11 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         if input.trim().is_empty() {
             continue;
         }
-        if input == "/exit" || input == "/quit" {
+        // (Whitespace around a bare command is not something after it.)
+        if matches!(input.trim(), "/exit" | "/quit") {
             break;
         }
-        if input == "/reset" {
+        if input.trim() == "/reset" {
             history.clear();
             pending.clear();
             if interactive {
@@ -1062,6 +1077,10 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         let opened = ReasoningSplitter::prompt_opens_reasoning(&prompt_text);
         let content = if opened && g.text.contains("</think>") {
             format!("<think>\n{}", g.text)
+        } else if opened {
+            // Still reasoning when it ended (cut off, cancelled): no answer, as a vLLM
+            // client's history holds it (the reasoning parser's content is null).
+            answer.clone()
         } else {
             g.text.clone()
         };

@@ -43,6 +43,9 @@ pub struct ChatTemplate {
     /// (`tokenization_kimi.py`'s `apply_chat_template`, `deep_sort_dict`) does: its tool
     /// declaration lists them in key order, whatever order the request gave.
     sort_tools: bool,
+    /// A named-template list's `tool_use` template, which transformers renders instead of
+    /// `default` when the request has tools.
+    tool_source: Option<String>,
 }
 
 const SPECIAL_TOKEN_FIELDS: [&str; 4] = ["bos_token", "eos_token", "pad_token", "unk_token"];
@@ -56,6 +59,7 @@ impl ChatTemplate {
             special_tokens: Vec::new(),
             deepseek_v4: false,
             sort_tools: false,
+            tool_source: None,
         }
     }
 
@@ -78,8 +82,18 @@ impl ChatTemplate {
     }
 
     /// The `chat_template` field of a parsed `tokenizer_config.json` (`None` if it has none).
-    /// A list of named templates (`[{"name": "default", "template": ...}]`) picks `default`.
+    /// A list of named templates (`[{"name": "default", "template": ...}]`) picks `default`,
+    /// and `tool_use` where a request has tools (as transformers picks them).
     pub fn from_config_value(config: &serde_json::Value, path: &Path) -> Result<Option<Self>> {
+        let named = |name: &str| {
+            config
+                .get("chat_template")?
+                .as_array()?
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(name))
+                .and_then(|t| t.get("template")?.as_str())
+                .map(str::to_string)
+        };
         let source = match config.get("chat_template") {
             None | Some(serde_json::Value::Null) => return Ok(None),
             Some(serde_json::Value::String(s)) => s.clone(),
@@ -111,6 +125,7 @@ impl ChatTemplate {
             });
         }
         let mut t = ChatTemplate::new(source, path);
+        t.tool_source = named("tool_use").map(without_generation_tags);
         for field in SPECIAL_TOKEN_FIELDS {
             if let Some(v) = config.get(field).and_then(super::token_content) {
                 t.special_tokens.push((field, v));
@@ -238,7 +253,12 @@ impl ChatTemplate {
             }
             ModelError::Tokenizer(msg)
         };
-        let template = env.template_from_str(&self.source).map_err(fail)?;
+        let has_tools = tools.is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty()));
+        let source = match &self.tool_source {
+            Some(t) if has_tools => t,
+            _ => &self.source,
+        };
+        let template = env.template_from_str(source).map_err(fail)?;
         let mut ctx = serde_json::Map::new();
         for (k, v) in extra {
             ctx.insert(k.clone(), v.clone());
@@ -611,6 +631,25 @@ mod tests {
         assert_eq!(
             strftime_utc("%d %b %Y %A %j %%", 1_709_210_096),
             "29 Feb 2024 Thursday 060 %"
+        );
+    }
+
+    /// A named-template list renders `tool_use` for a request with tools, `default` else.
+    #[test]
+    fn a_tool_use_template_serves_requests_with_tools() {
+        let cfg = serde_json::json!({"chat_template": [
+            {"name": "default", "template": "D:{{ messages[0].content }}"},
+            {"name": "tool_use", "template": "T:{{ messages[0].content }}"}]});
+        let t = ChatTemplate::from_config_value(&cfg, Path::new("x.json"))
+            .unwrap()
+            .unwrap();
+        let m = serde_json::json!([{"role": "user", "content": "hey"}]);
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        let none = serde_json::Map::new();
+        assert_eq!(t.render_json(&m, true, None, &none).unwrap(), "D:hey");
+        assert_eq!(
+            t.render_json(&m, true, Some(&tools), &none).unwrap(),
+            "T:hey"
         );
     }
 

@@ -357,10 +357,17 @@ impl Tokenizer {
     /// own special tokens; a bare Jinja file gets this tokenizer's (`bos_token`, `eos_token`,
     /// `pad_token`, `unk_token`), as the same template inside the model's config would.
     pub fn chat_template_from_file(&self, path: &Path) -> Result<ChatTemplate> {
-        let mut t = ChatTemplate::from_file(path)?;
+        let t = self.template_file(path)?;
         // A template given on the command line that cannot parse is said now, not at every
         // request.
         t.check_syntax()?;
+        Ok(t)
+    }
+
+    /// [`ChatTemplate::from_file`] with this tokenizer's ways: its tool sorting, and for a bare
+    /// Jinja file its special tokens.
+    fn template_file(&self, path: &Path) -> Result<ChatTemplate> {
+        let mut t = ChatTemplate::from_file(path)?;
         t.set_sort_tools(self.sorts_tools());
         if path.extension().is_none_or(|e| e != "json") {
             for field in ["bos_token", "eos_token", "pad_token", "unk_token"] {
@@ -372,13 +379,19 @@ impl Tokenizer {
         Ok(t)
     }
 
-    /// The chat template of `tokenizer_config.json`, if it has one; for a DeepSeek-V4 model
-    /// (`model_type: deepseek_v4` in `config.json`), V4's encoder, which ships no template.
+    /// The model's chat template: its `chat_template.jinja` (where transformers 5 saves it,
+    /// and which it prefers), else `tokenizer_config.json`'s, if it has one; for a DeepSeek-V4
+    /// model (`model_type: deepseek_v4` in `config.json`), V4's encoder, which ships no
+    /// template.
     pub fn chat_template(&self) -> Result<Option<ChatTemplate>> {
         if self.model_type.as_deref() == Some("deepseek_v4") {
             return Ok(Some(ChatTemplate::deepseek_v4(
                 self.dir.join("config.json"),
             )));
+        }
+        let jinja = self.dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            return self.template_file(&jinja).map(Some);
         }
         let path = self.dir.join("tokenizer_config.json");
         let mut t = ChatTemplate::from_config_value(&self.config, &path)?;
