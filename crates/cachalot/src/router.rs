@@ -512,8 +512,26 @@ fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body:
         let n = match body.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,
-            // The backend failed mid-answer: no end marker, so the client sees it cut short.
-            Err(_) => return,
+            // The backend failed mid-answer: the answer ends with why (an error event, or the
+            // error object as the rest of a whole answer, as `serve` ends a failed one) and
+            // the body is closed, so the client is not left waiting on a kept-alive connection.
+            Err(e) => {
+                let err = serde_json::json!({"error": {
+                    "message": format!("the decode server failed mid-answer: {e}"),
+                    "type": "server_error", "param": null, "code": 502}});
+                let tail = if content_type.starts_with("text/event-stream") {
+                    format!("data: {err}\n\n")
+                } else {
+                    err.to_string()
+                };
+                let _ = if chunked {
+                    write!(w, "{:x}\r\n{tail}\r\n0\r\n\r\n", tail.len())
+                } else {
+                    w.write_all(tail.as_bytes())
+                }
+                .and_then(|_| w.flush());
+                return;
+            }
         };
         let ok = if chunked {
             write!(w, "{n:x}\r\n")
