@@ -1180,6 +1180,13 @@ impl<'t, M: Model> Engine<'t, M> {
                     .into(),
             );
         }
+        if self.next_n == 0 && kv.mtp.is_some() {
+            return refuse(
+                "the prefill side drafts with MTP (its --mtp) but this engine runs without it: \
+                 start both sides with the same --mtp"
+                    .into(),
+            );
+        }
         let spec = self.cache.spec();
         if kv.spec != spec {
             return refuse(format!(
@@ -1307,7 +1314,11 @@ impl<'t, M: Model> Engine<'t, M> {
                 });
             }
         }
-        match self.push_token(id, kv.first_token, now) {
+        let pushed = self.push_token(id, kv.first_token, now);
+        if pushed.is_ok() {
+            self.stats.transferred_tokens += 1;
+        }
+        match pushed {
             Ok(Some(reason)) => {
                 self.retire(id, reason, Instant::now());
                 return Ok(id);

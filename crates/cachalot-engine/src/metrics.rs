@@ -34,6 +34,10 @@ pub struct EngineStats {
     pub decode_tokens: usize,
     /// Tokens emitted (with MTP: accepted drafts and the token after them).
     pub sampled_tokens: usize,
+    /// First tokens that came with a transferred KV ([`crate::Engine::add_prefilled`]): a
+    /// decode server's requests emit them without sampling them.
+    #[serde(default)]
+    pub transferred_tokens: usize,
     /// Request-steps that emitted tokens (one per request per main forward that sampled it).
     pub sample_steps: usize,
     /// Tokens emitted in pure decode steps.

@@ -2002,6 +2002,7 @@ fn merge_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
             prefill_tokens,
             decode_tokens,
             sampled_tokens,
+            transferred_tokens,
             sample_steps,
             decode_sampled,
             mtp_next_n,
@@ -2025,6 +2026,7 @@ fn merge_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
         m.prefill_tokens += prefill_tokens;
         m.decode_tokens += decode_tokens;
         m.sampled_tokens += sampled_tokens;
+        m.transferred_tokens += transferred_tokens;
         m.sample_steps += sample_steps;
         m.decode_sampled += decode_sampled;
         m.mtp_next_n = *mtp_next_n;

@@ -37,7 +37,9 @@ pub struct RouterArgs {
     /// How long to wait at start for every server to answer /health.
     #[arg(long, default_value_t = 600)]
     wait_s: u64,
-    /// How long one request may take.
+    /// How long one request may take, from its arrival to the last byte of its answer; one
+    /// that takes longer is answered 504 (or, once its answer has begun, ends with an error
+    /// event or object) and aborted on its servers.
     #[arg(long, default_value_t = 1800)]
     timeout_s: u64,
     /// On SIGTERM the router refuses new requests (503) and gives those in flight up to this
@@ -79,8 +81,73 @@ fn host_port(url: &str) -> Result<String> {
 /// read at most, so streamed events pass at once).
 type Body = Box<dyn Read + Send>;
 
-/// One HTTP/1.1 exchange on its own connection: the status, the content type and a reader of
-/// the body. (HTTP/1.1, so a server answering a whole request slowly writes its keep-alive
+/// Why the router itself ended an exchange with a backend (carried inside the `io::Error`).
+#[derive(Debug)]
+enum Cut {
+    /// The exchange's time ran out (`--timeout-s` for a request).
+    Deadline(Duration),
+    /// The router's SIGTERM drain ended its grace with the request unfinished.
+    Drain,
+}
+
+impl std::fmt::Display for Cut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Cut::Deadline(d) => write!(f, "no complete answer within {} s", d.as_secs_f64()),
+            Cut::Drain => f.write_str(crate::term::DRAIN_CUT),
+        }
+    }
+}
+
+impl std::error::Error for Cut {}
+
+/// The [`Cut`] inside an I/O error, if the router made it.
+fn cut_of(e: &std::io::Error) -> Option<&Cut> {
+    e.get_ref().and_then(|i| i.downcast_ref::<Cut>())
+}
+
+/// How often a wait on a backend looks at the clock and the drain.
+const SLICE: Duration = Duration::from_millis(200);
+
+/// A backend connection whose reads end at a deadline, or when the router's drain cuts its
+/// requests (read in short slices, so both are seen within [`SLICE`]).
+struct Timed {
+    conn: TcpStream,
+    deadline: Instant,
+    limit: Duration,
+}
+
+impl Read for Timed {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            if crate::term::drain_cut() {
+                return Err(std::io::Error::other(Cut::Drain));
+            }
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    Cut::Deadline(self.limit),
+                ));
+            }
+            self.conn.set_read_timeout(Some(left.min(SLICE)))?;
+            match self.conn.read(buf) {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
+                    ) => {}
+                r => return r,
+            }
+        }
+    }
+}
+
+/// One HTTP/1.1 exchange on its own connection, all of it (connecting, the answer's head and
+/// its body) within `timeout` of the call: the status, the content type and a reader of the
+/// body. (HTTP/1.1, so a server answering a whole request slowly writes its keep-alive
 /// chunks, which the relay passes on: a client that left is noticed by the write, and the
 /// dropped connection tells the server.)
 fn exchange(
@@ -90,11 +157,23 @@ fn exchange(
     body: Option<&[u8]>,
     timeout: Duration,
 ) -> std::io::Result<(u16, String, Body)> {
+    let deadline = Instant::now() + timeout;
+    let left = || {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                Cut::Deadline(timeout),
+            ))
+        } else {
+            Ok(left)
+        }
+    };
     // Connecting is bounded too (an unreachable host would hold SYN retries for minutes).
     let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
     let mut conn = None;
     for a in std::net::ToSocketAddrs::to_socket_addrs(addr)? {
-        match TcpStream::connect_timeout(&a, timeout) {
+        match TcpStream::connect_timeout(&a, left()?) {
             Ok(c) => {
                 conn = Some(c);
                 break;
@@ -103,7 +182,7 @@ fn exchange(
         }
     }
     let mut s = conn.ok_or(last)?;
-    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(left()?))?;
     let _ = s.set_nodelay(true);
     let body = body.unwrap_or_default();
     let head = format!(
@@ -113,7 +192,11 @@ fn exchange(
     );
     s.write_all(head.as_bytes())?;
     s.write_all(body)?;
-    let mut r = BufReader::new(s);
+    let mut r = BufReader::new(Timed {
+        conn: s,
+        deadline,
+        limit: timeout,
+    });
     let mut line = String::new();
     r.read_line(&mut line)?;
     let status = line
@@ -303,15 +386,44 @@ pub fn router(args: &RouterArgs) -> Result<()> {
 /// What ends a routed request first.
 enum Outcome {
     /// The decode server's answer (its head; the body follows), or why there is none.
-    Decode(Result<(u16, String, Body), String>),
+    Decode(std::io::Result<(u16, String, Body)>),
     /// The prefill server refused the request: its status, content type and body.
     Prefill(u16, String, Vec<u8>),
     /// The prefill server could not be reached or did not answer.
-    PrefillLost(String),
+    PrefillLost(std::io::Error),
 }
 
+/// The status and message a client gets for a backend (`who`, "decode server HOST:PORT") that
+/// gave no answer: 504 when the request's `--timeout-s` ran out, the drain's 503 when the
+/// router's SIGTERM grace ended, 503 when the server could not be reached or failed.
+fn lost(who: &str, e: &std::io::Error, timeout: Duration) -> (u16, String) {
+    match cut_of(e) {
+        Some(Cut::Drain) => (503, crate::term::DRAIN_CUT.to_string()),
+        Some(Cut::Deadline(_)) => (
+            504,
+            format!(
+                "the request took longer than the router's --timeout-s ({} s) ({who} had not \
+                 finished); it was aborted",
+                timeout.as_secs()
+            ),
+        ),
+        None => (503, format!("{who}: {e}")),
+    }
+}
+
+/// The router's own error answer, in the servers' form: a 400 is an `invalid_request_error`
+/// naming its field (`param`), a 404 a `not_found_error`, the rest `server_error`s.
 fn error(request: tiny_http::Request, status: u16, message: &str) {
-    let body = json!({"error": {"message": message, "type": "server_error", "param": null,
+    error_in(request, status, None, message)
+}
+
+fn error_in(request: tiny_http::Request, status: u16, param: Option<&str>, message: &str) {
+    let kind = match status {
+        400 | 405 | 413 => "invalid_request_error",
+        404 => "not_found_error",
+        _ => "server_error",
+    };
+    let body = json!({"error": {"message": message, "type": kind, "param": param,
                                 "code": status}});
     let header =
         tiny_http::Header::from_bytes("Content-Type", "application/json").expect("a valid header");
@@ -398,12 +510,14 @@ fn route(mut request: tiny_http::Request, router: &Router) {
         ("OPTIONS", _) => crate::serve::preflight(request),
         ("GET", p) if p == "/v1/models" || p.starts_with("/v1/models/") => {
             match exchange(&router.decode[0], "GET", &path, None, router.timeout) {
-                Ok((status, ct, body)) => relay(request, status, &ct, body),
-                Err(e) => error(
-                    request,
-                    503,
-                    &format!("decode server {}: {e}", router.decode[0]),
-                ),
+                Ok((status, ct, body)) => {
+                    relay(request, status, &ct, body, router.timeout);
+                }
+                Err(e) => {
+                    let who = format!("decode server {}", router.decode[0]);
+                    let (status, m) = lost(&who, &e, router.timeout);
+                    error(request, status, &m)
+                }
             }
         }
         ("POST", "/v1/completions" | "/v1/chat/completions") => {
@@ -413,16 +527,24 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             }
             let mut body: Value = match serde_json::from_slice(&bytes) {
                 Ok(v @ Value::Object(_)) => v,
-                _ => return error(request, 400, "the body must be a JSON object"),
+                Ok(_) => return error(request, 400, "the body must be a JSON object"),
+                Err(e) => {
+                    return error(
+                        request,
+                        400,
+                        &format!("the body is not JSON: {e} (it must be a JSON object)"),
+                    )
+                }
             };
             let room = match body.get("bootstrap_room") {
                 None | Some(Value::Null) => random_room(),
                 Some(v) => match v.as_u64() {
                     Some(r) => r,
                     None => {
-                        return error(
+                        return error_in(
                             request,
                             400,
+                            Some("bootstrap_room"),
                             &format!("bootstrap_room: expected a non-negative integer, got {v}"),
                         )
                     }
@@ -434,17 +556,27 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             body["bootstrap_host"] = p.host.clone().into();
             body["bootstrap_port"] = p.kv_port.into();
             let payload = body.to_string().into_bytes();
+            // The room's KV is dropped on the prefill server once both its prefill has
+            // answered and the decode side has not taken the request (refused, unreachable,
+            // failed, or its client left): whichever of the two comes second sends the drop.
+            let release = std::sync::Arc::new(Release {
+                state: std::sync::Mutex::new((false, false)),
+                at: format!("{}:{}", bracket(&p.host), p.kv_port),
+                room,
+            });
             // Both posts at once; the client gets the decode server's answer, unless the
             // prefill server refuses or fails first (then its answer: the decode server would
             // only wait for KV that is not coming).
             let (tx, rx) = std::sync::mpsc::channel();
             {
                 let (tx, addr, timeout) = (tx.clone(), p.addr.clone(), router.timeout);
-                let (sent, path) = (payload.clone(), path.clone());
+                let (sent, path, release) = (payload.clone(), path.clone(), release.clone());
                 std::thread::spawn(move || {
                     let outcome = match exchange(&addr, "POST", &path, Some(&sent), timeout) {
                         Ok((200, _, mut r)) => {
-                            let _ = r.read_to_end(&mut Vec::new());
+                            if r.read_to_end(&mut Vec::new()).is_ok() {
+                                release.prefilled();
+                            }
                             return;
                         }
                         Ok((status, ct, mut r)) => {
@@ -452,7 +584,7 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                             let _ = r.read_to_end(&mut answer);
                             Outcome::Prefill(status, ct, answer)
                         }
-                        Err(e) => Outcome::PrefillLost(format!("prefill server {addr}: {e}")),
+                        Err(e) => Outcome::PrefillLost(e),
                     };
                     say!("cachalot router: room {room}: the prefill server failed");
                     let _ = tx.send(outcome);
@@ -461,16 +593,28 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             {
                 let (d, timeout, path) = (d.clone(), router.timeout, path.clone());
                 std::thread::spawn(move || {
-                    let got = exchange(&d, "POST", &path, Some(&payload), timeout)
-                        .map_err(|e| format!("decode server {d}: {e}"));
+                    let got = exchange(&d, "POST", &path, Some(&payload), timeout);
                     let _ = tx.send(Outcome::Decode(got));
                 });
             }
             match rx.recv() {
-                Ok(Outcome::Decode(Ok((status, ct, r)))) => relay(request, status, &ct, r),
-                Ok(Outcome::Decode(Err(m)) | Outcome::PrefillLost(m)) => error(request, 503, &m),
+                Ok(Outcome::Decode(Ok((status, ct, r)))) => {
+                    if !relay(request, status, &ct, r, router.timeout) || status != 200 {
+                        release.not_taken();
+                    }
+                }
+                Ok(Outcome::Decode(Err(e))) => {
+                    release.not_taken();
+                    let (status, m) = lost(&format!("decode server {d}"), &e, router.timeout);
+                    error(request, status, &m)
+                }
+                Ok(Outcome::PrefillLost(e)) => {
+                    let who = format!("prefill server {}", p.addr);
+                    let (status, m) = lost(&who, &e, router.timeout);
+                    error(request, status, &m)
+                }
                 Ok(Outcome::Prefill(status, ct, answer)) => {
-                    relay(request, status, &ct, answer.as_slice())
+                    relay(request, status, &ct, answer.as_slice(), router.timeout);
                 }
                 Err(_) => error(request, 500, "the router lost both servers' answers"),
             }
@@ -486,9 +630,81 @@ fn route(mut request: tiny_http::Request, router: &Router) {
     }
 }
 
+/// `host` as the host part of HOST:PORT (an IPv6 address in brackets).
+fn bracket(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    }
+}
+
+/// A routed request's prefilled KV, dropped on its prefill server ([`crate::serve::KV_DROP`])
+/// when the decode side will not fetch it, rather than held for the prefill server's
+/// `--kv-timeout-s` (and its drain).
+struct Release {
+    /// (the prefill answered, the decode side did not take the request)
+    state: std::sync::Mutex<(bool, bool)>,
+    /// The prefill server's KV port, HOST:PORT.
+    at: String,
+    room: u64,
+}
+
+impl Release {
+    fn prefilled(&self) {
+        self.mark(|s| s.0 = true);
+    }
+
+    fn not_taken(&self) {
+        self.mark(|s| s.1 = true);
+    }
+
+    fn mark(&self, f: impl FnOnce(&mut (bool, bool))) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let before = *s == (true, true);
+        f(&mut s);
+        if *s == (true, true) && !before {
+            let (at, room) = (self.at.clone(), self.room);
+            std::thread::spawn(move || {
+                if let Err(e) = drop_kv(&at, room) {
+                    say!(
+                        "cachalot router: room {room}: could not tell the prefill server's KV \
+                         port {at} to drop the KV its decode server did not take: {e}"
+                    );
+                }
+            });
+        }
+    }
+}
+
+/// Tells the prefill server's KV port `at` to drop `room`'s KV.
+fn drop_kv(at: &str, room: u64) -> std::io::Result<()> {
+    let mut conn = crate::serve::connect_within(at, Duration::from_secs(5))?;
+    let mut hello = [0u8; 8];
+    conn.read_exact(&mut hello)?;
+    if &hello != crate::serve::KV_HELLO {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "not a prefill server's KV port",
+        ));
+    }
+    let mut ask = crate::serve::KV_DROP.to_vec();
+    ask.extend_from_slice(&room.to_le_bytes());
+    conn.write_all(&ask)?;
+    let mut ack = [0u8; 1];
+    conn.read_exact(&mut ack)
+}
+
 /// Sends a backend's answer on to the client as it arrives: chunked to HTTP/1.1 clients (one
-/// chunk per read, so streamed events pass at once), to the connection's end otherwise.
-fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body: impl Read) {
+/// chunk per read, so streamed events pass at once), to the connection's end otherwise. True
+/// when the whole answer reached the client.
+fn relay(
+    request: tiny_http::Request,
+    status: u16,
+    content_type: &str,
+    mut body: impl Read,
+    timeout: Duration,
+) -> bool {
     let v = request.http_version();
     let chunked = (v.0, v.1) >= (1, 1);
     let reason = tiny_http::StatusCode(status).default_reason_phrase();
@@ -505,7 +721,7 @@ fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body:
         )
     };
     if w.write_all(head.as_bytes()).is_err() {
-        return;
+        return false;
     }
     let mut buf = vec![0u8; 64 << 10];
     loop {
@@ -515,10 +731,23 @@ fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body:
             // The backend failed mid-answer: the answer ends with why (an error event, or the
             // error object as the rest of a whole answer, as `serve` ends a failed one) and
             // the body is closed, so the client is not left waiting on a kept-alive connection.
+            // The router's own cuts (its --timeout-s, its drain's end) say so, as `serve`
+            // answers a request its drain cut.
             Err(e) => {
+                let (code, message) = match cut_of(&e) {
+                    Some(Cut::Drain) => (503, crate::term::DRAIN_CUT.to_string()),
+                    Some(Cut::Deadline(_)) => (
+                        504,
+                        format!(
+                            "the request took longer than the router's --timeout-s ({} s); it \
+                             was aborted",
+                            timeout.as_secs()
+                        ),
+                    ),
+                    None => (502, format!("the decode server failed mid-answer: {e}")),
+                };
                 let err = serde_json::json!({"error": {
-                    "message": format!("the decode server failed mid-answer: {e}"),
-                    "type": "server_error", "param": null, "code": 502}});
+                    "message": message, "type": "server_error", "param": null, "code": code}});
                 let tail = if content_type.starts_with("text/event-stream") {
                     format!("data: {err}\n\n")
                 } else {
@@ -530,7 +759,7 @@ fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body:
                     w.write_all(tail.as_bytes())
                 }
                 .and_then(|_| w.flush());
-                return;
+                return false;
             }
         };
         let ok = if chunked {
@@ -542,12 +771,13 @@ fn relay(request: tiny_http::Request, status: u16, content_type: &str, mut body:
         };
         if ok.and_then(|_| w.flush()).is_err() {
             // The client left: dropping the backend's connection tells the decode server.
-            return;
+            return false;
         }
     }
     if chunked {
-        let _ = w.write_all(b"0\r\n\r\n").and_then(|_| w.flush());
+        return w.write_all(b"0\r\n\r\n").and_then(|_| w.flush()).is_ok();
     }
+    true
 }
 
 #[cfg(test)]

@@ -341,6 +341,27 @@ impl Rooms {
         self.changed.notify_all();
     }
 
+    /// Drops `room`'s KV, or the prefill under way for it, because its decode server will not
+    /// fetch it (a router's [`KV_DROP`]); true when there was something to drop.
+    fn release(&self, room: u64) -> bool {
+        let mut map = self.lock();
+        self.purge(&mut map);
+        let Some((t, state)) = map.get_mut(&room) else {
+            return false;
+        };
+        if !matches!(state, RoomState::Prefilling(_) | RoomState::Ready(_)) {
+            return false;
+        }
+        *state = RoomState::Gone(format!(
+            "bootstrap_room {room}'s KV was dropped: the router found its decode server had \
+             refused the request, could not be reached or failed"
+        ));
+        *t = Instant::now();
+        drop(map);
+        self.changed.notify_all();
+        true
+    }
+
     fn set(&self, room: u64, state: RoomState) {
         let mut map = self.lock();
         self.purge(&mut map);
@@ -1514,6 +1535,13 @@ fn ranked_loop<M: Model>(
         }
         let mut report = Report::default();
         let mut report_blobs = Vec::new();
+        // A request that arrives with its first token (a decode server's) has that token's
+        // text reported before the next step, not with the step's token, as one process does:
+        // every rank skips this step alike (they all read the same command).
+        let imported = cmd
+            .admit
+            .iter()
+            .any(|(_, _, _, t)| matches!(t, Transfer::Import(_)));
         for (key, target, request, transfer) in cmd.admit {
             if !expert && target as usize != rank {
                 continue;
@@ -1554,7 +1582,7 @@ fn ranked_loop<M: Model>(
                 engine.abort(id);
             }
         }
-        if engine.has_unfinished() {
+        if engine.has_unfinished() && !imported {
             if let Err(e) = engine.step() {
                 if expert {
                     // The ranks' steps are one computation: this one cannot go on alone.
@@ -1718,7 +1746,9 @@ fn engine_gauges<M: Model>(engine: &Engine<M>) -> [usize; 5] {
         sched.num_waiting(),
         sched.kv().pool().num_used(),
         sched.kv().pool().capacity(),
-        engine.stats().sampled_tokens,
+        // (A decode server's requests begin with their transferred first tokens: generated
+        // tokens, as vLLM's decode instance counts every token of its answers.)
+        engine.stats().sampled_tokens + engine.stats().transferred_tokens,
     ]
 }
 
@@ -2321,9 +2351,15 @@ fn bootstrap(shared: &Shared, body: &Value) -> Result<Option<Bootstrap>, ApiErro
 /// why not. (Version 2: version 1 answered one snapshot.)
 const KV_GET: &[u8; 8] = b"CKV-GET2";
 
+/// What a router sends on a prefill server's KV port when the decode server of a room refused
+/// its request, could not be reached or failed: this, then the room (u64 LE). The prefill
+/// server drops the room's KV (or the prefill under way) at once rather than hold it for
+/// `--kv-timeout-s`, and answers one byte (0).
+pub(crate) const KV_DROP: &[u8; 8] = b"CKV-DROP";
+
 /// What a prefill server's KV port writes first on every connection, so that a decode server
 /// pointed at another port (an HTTP port, say) learns it at once rather than after its wait.
-const KV_HELLO: &[u8; 8] = b"CKV-PORT";
+pub(crate) const KV_HELLO: &[u8; 8] = b"CKV-PORT";
 
 /// A decode server still waiting for a prefill's KV when its drain's grace is this close to
 /// its end answers 503 (rather than leave the client an empty reply when the process exits).
@@ -2345,7 +2381,19 @@ fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
                 return;
             }
             let mut ask = [0u8; 16];
-            if conn.read_exact(&mut ask).is_err() || &ask[..8] != KV_GET {
+            let read = conn.read_exact(&mut ask);
+            if read.is_ok() && &ask[..8] == KV_DROP {
+                let room = u64::from_le_bytes(ask[8..].try_into().expect("8 bytes"));
+                if rooms.release(room) {
+                    say!(
+                        "cachalot serve: bootstrap_room {room}: its decode server did not take \
+                         the request (the router says); its KV is dropped"
+                    );
+                }
+                let _ = conn.write_all(&[0]);
+                return;
+            }
+            if read.is_err() || &ask[..8] != KV_GET {
                 let _ = send_kv_error(
                     &mut conn,
                     "not a KV request (expected CKV-GET2 + room; is the decode server the same \
@@ -2371,6 +2419,30 @@ fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
             }
         });
     }
+}
+
+/// A connection to HOST:PORT `at` whose connecting, reads and writes each wait at most `wait`.
+pub(crate) fn connect_within(at: &str, wait: Duration) -> std::io::Result<TcpStream> {
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(at)?
+        .next()
+        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotFound))?;
+    let conn = TcpStream::connect_timeout(&addr, wait)?;
+    conn.set_read_timeout(Some(wait))?;
+    conn.set_write_timeout(Some(wait))?;
+    Ok(conn)
+}
+
+/// Whether `at` answers an HTTP request within a couple of seconds (an HTTP port given where
+/// a KV port was meant).
+fn answers_http(at: &str) -> bool {
+    let probe = || -> std::io::Result<bool> {
+        let mut conn = connect_within(at, Duration::from_secs(2))?;
+        conn.write_all(b"GET /health HTTP/1.0\r\n\r\n")?;
+        let mut head = [0u8; 5];
+        conn.read_exact(&mut head)?;
+        Ok(&head == b"HTTP/")
+    };
+    probe().unwrap_or(false)
 }
 
 fn send_kv_error(w: &mut impl Write, message: &str) -> std::io::Result<()> {
@@ -2432,10 +2504,19 @@ fn fetch_kv(
             )))
         }
         Err(e) if waited_out(&e) => {
-            return Err(not_kv(format!(
-                "no greeting within {} s",
+            // Silent: an HTTP port (which waits for a request's head), or a prefill server that
+            // is stopped or too busy to greet. An HTTP port answers a request at once.
+            if answers_http(&at) {
+                return Err(not_kv(format!(
+                    "no greeting within {} s, and it answers HTTP",
+                    KV_HELLO_WAIT.as_secs()
+                )));
+            }
+            return Err(fail(&format!(
+                "the port took the connection but sent nothing within {} s: the prefill server \
+                 is stopped (SIGSTOP, a debugger) or too loaded to answer",
                 KV_HELLO_WAIT.as_secs()
-            )))
+            )));
         }
         Err(e) => return Err(io(e)),
     }

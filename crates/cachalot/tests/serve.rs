@@ -900,6 +900,25 @@ fn serve_aborts_requests_whose_client_left() {
     assert_eq!(status, 200, "{r}");
 }
 
+/// The first non-empty text of a streamed completion's events.
+fn first_piece(ev: &[String]) -> String {
+    ev.iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .map(|v| v["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .find(|t| !t.is_empty())
+        .unwrap()
+}
+
+/// A server's `generation_tokens_total` from `/metrics`.
+fn generated_total(addr: &str) -> f64 {
+    let (_, m) = http(addr, "GET", "/metrics", "");
+    m.lines()
+        .find(|l| l.starts_with("cachalot:generation_tokens_total{"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{m}"))
+}
+
 /// Prefill and decode servers over several ranks each (the seed's disaggregated deployment):
 /// a tensor-parallel prefill server and a data-parallel decode server, then an expert-parallel
 /// decode server, behind the router, answer as one server; concurrent requests spread over
@@ -952,6 +971,23 @@ fn prefill_and_decode_servers_over_ranks_answer_as_one_server() {
         ]);
         let router = start_router(&pre, &dec);
         let r = router.addr.as_str();
+        // The decode server counts every generated token, the prefilled first one too (as
+        // vLLM's decode instance counts its answers' tokens).
+        let (status, v) = post(r, "/v1/completions", &greedy);
+        assert_eq!(status, 200, "{v}");
+        let t = std::time::Instant::now();
+        while generated_total(&dec.addr) != 16.0 && t.elapsed().as_secs() < 5 {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert_eq!(generated_total(&dec.addr), 16.0, "{parallel}");
+        // Streamed, the first piece is the prefilled token's alone, as one server streams it.
+        let mut stream = greedy.clone();
+        stream["stream"] = true.into();
+        assert_eq!(
+            first_piece(&events(r, "/v1/completions", &stream)),
+            first_piece(&events(&one.addr, "/v1/completions", &stream)),
+            "{parallel}"
+        );
         for body in [&greedy, &sampled] {
             let (s1, a) = post(&one.addr, "/v1/completions", body);
             let (s2, b) = post(r, "/v1/completions", body);
@@ -1089,13 +1125,6 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
     assert_eq!(pieces, text_of(&whole));
     // The first piece is the prefilled token's alone (sent before the first decode step), as
     // one server streams it.
-    let first_piece = |ev: &[String]| -> String {
-        ev.iter()
-            .map(|e| serde_json::from_str::<Value>(e).unwrap())
-            .map(|v| v["choices"][0]["text"].as_str().unwrap_or("").to_string())
-            .find(|t| !t.is_empty())
-            .unwrap()
-    };
     let one_ev = events(&one.addr, "/v1/completions", &stream);
     assert_eq!(first_piece(&ev), first_piece(&one_ev));
 
@@ -2818,29 +2847,36 @@ fn sigterm_drains_requests_in_flight() {
     }
 }
 
+/// A prefill server (`--drain-timeout-s DRAIN`) that has prefilled a request for room 5: the
+/// server, its KV port and the request.
+fn prefilled_room_5(drain: &str) -> (Server, u64, Value) {
+    let pre = start(&[
+        "--role",
+        "prefill",
+        "--kv-port",
+        "0",
+        "--drain-timeout-s",
+        drain,
+    ]);
+    let kv_port = {
+        let (_, h) = http(&pre.addr, "GET", "/health", "");
+        let h: Value = serde_json::from_str(&h).unwrap();
+        h["kv_port"].as_u64().unwrap()
+    };
+    let body = json!({"prompt": "The whale", "max_tokens": 8, "temperature": 0,
+                      "bootstrap_room": 5, "bootstrap_host": "127.0.0.1",
+                      "bootstrap_port": kv_port});
+    let (status, v) = post(&pre.addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    (pre, kv_port, body)
+}
+
 /// A prefill server's drain waits for the KV its decode server has not fetched: it exits 0
 /// once that is taken, and 143 when the grace ends first.
 #[test]
 fn prefill_drain_waits_for_held_kv() {
     for fetch in [true, false] {
-        let mut pre = start(&[
-            "--role",
-            "prefill",
-            "--kv-port",
-            "0",
-            "--drain-timeout-s",
-            "4",
-        ]);
-        let kv_port = {
-            let (_, h) = http(&pre.addr, "GET", "/health", "");
-            let h: Value = serde_json::from_str(&h).unwrap();
-            h["kv_port"].as_u64().unwrap()
-        };
-        let body = json!({"prompt": "The whale", "max_tokens": 8, "temperature": 0,
-                          "bootstrap_room": 5, "bootstrap_host": "127.0.0.1",
-                          "bootstrap_port": kv_port});
-        let (status, v) = post(&pre.addr, "/v1/completions", &body);
-        assert_eq!(status, 200, "{v}");
+        let (mut pre, _, body) = prefilled_room_5("4");
         sigterm(&pre);
         std::thread::sleep(std::time::Duration::from_millis(1000));
         assert!(
@@ -2861,6 +2897,31 @@ fn prefill_drain_waits_for_held_kv() {
         let log = pre.log.lock().unwrap().join("\n");
         assert!(log.contains("1 prefilled KV awaiting"), "{log}");
     }
+}
+
+/// A room whose decode server will not come (the router's `CKV-DROP`): its KV is dropped at
+/// once, a late fetch learns why, and the prefill server's drain has nothing to wait for.
+#[test]
+fn a_dropped_room_frees_its_kv() {
+    let (mut pre, kv_port, _) = prefilled_room_5("30");
+    let ask = |verb: &[u8]| {
+        let mut c = TcpStream::connect(("127.0.0.1", kv_port as u16)).unwrap();
+        let mut hello = [0u8; 8];
+        c.read_exact(&mut hello).unwrap();
+        assert_eq!(&hello, b"CKV-PORT");
+        c.write_all(verb).unwrap();
+        c.write_all(&5u64.to_le_bytes()).unwrap();
+        let mut answer = Vec::new();
+        let _ = c.read_to_end(&mut answer);
+        answer
+    };
+    assert_eq!(ask(b"CKV-DROP"), [0]);
+    let late = ask(b"CKV-GET2");
+    assert_eq!(late[0], 1, "{late:?}");
+    let why = String::from_utf8_lossy(&late[5..]).to_string();
+    assert!(why.contains("dropped") && why.contains("router"), "{why}");
+    sigterm(&pre);
+    assert_eq!(exit_within(&mut pre, 10), Some(0));
 }
 
 /// A decode server's fetch of KV, against stand-ins for the prefill server's KV port: a port
@@ -2925,6 +2986,26 @@ fn decode_server_fetch_failures_are_said() {
     assert!(m.contains("no answer within 2 s"), "{m}");
     let waited = t.elapsed().as_secs_f64();
     assert!((1.5..10.0).contains(&waited), "{waited}");
+
+    // A port that takes the connection and says nothing, not even to HTTP (a prefill server
+    // stopped with SIGSTOP): said as that, not as a wrong port.
+    let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mute_port = mute.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let held: Vec<_> = mute.incoming().map_while(Result::ok).collect();
+        drop(held);
+    });
+    let (status, v) = post(
+        &server.addr,
+        "/v1/completions",
+        &body(mute_port, "127.0.0.1"),
+    );
+    assert_eq!(status, 502, "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(
+        m.contains("stopped") && !m.contains("not a prefill server's KV port"),
+        "{m}"
+    );
 
     let (status, v) = post(
         &server.addr,
@@ -3389,4 +3470,213 @@ fn a_continued_reasoning_stays_reasoning() {
         got.push_str(d["reasoning_content"].as_str().unwrap_or(""));
     }
     assert_eq!(got, reasoning);
+}
+
+/// A stand-in for a server behind the router: answers `/health` with `health` and each POST
+/// as `answer` says for its body (`None`: not a word), holding each connection open.
+fn stand_in(
+    health: Value,
+    answer: impl Fn(&Value) -> Option<Vec<u8>> + Send + Sync + 'static,
+) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let answer = std::sync::Arc::new(answer);
+    std::thread::spawn(move || {
+        for conn in listener.incoming().map_while(Result::ok) {
+            let (health, answer) = (health.clone(), answer.clone());
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let mut line = String::new();
+                if r.read_line(&mut line).is_err() {
+                    return;
+                }
+                let mut length = 0;
+                loop {
+                    let mut h = String::new();
+                    if r.read_line(&mut h).unwrap_or(0) == 0 || h.trim().is_empty() {
+                        break;
+                    }
+                    if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                }
+                let mut body = vec![0u8; length];
+                r.read_exact(&mut body).unwrap();
+                let mut conn = conn;
+                let reply = if line.starts_with("GET /health") {
+                    let h = health.to_string();
+                    Some(
+                        format!(
+                            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                             Content-Length: {}\r\n\r\n{h}",
+                            h.len()
+                        )
+                        .into_bytes(),
+                    )
+                } else {
+                    answer(&serde_json::from_slice(&body).unwrap())
+                };
+                // The connection is held open after the answer too (an answer that began
+                // and stalls).
+                if let Some(bytes) = reply {
+                    let _ = conn.write_all(&bytes);
+                }
+                std::thread::sleep(std::time::Duration::from_secs(120));
+            });
+        }
+    });
+    addr
+}
+
+/// The router's own limits and errors, against stand-in servers: its 400s name their field as
+/// the servers' do; `--timeout-s` bounds a whole request (504 before the answer begins, an
+/// error event after), said in words; a decode server that refuses a request (or does not
+/// answer in time) has the room's KV dropped on the prefill server's KV port at once; when
+/// the router's drain grace ends, a request still waiting is answered 503.
+#[test]
+fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
+    use std::net::TcpListener;
+    // The prefill server's KV port: greets, and reports each request it gets.
+    let kv = TcpListener::bind("127.0.0.1:0").unwrap();
+    let kv_port = kv.local_addr().unwrap().port();
+    let (got, drops) = std::sync::mpsc::channel::<(Vec<u8>, u64)>();
+    std::thread::spawn(move || {
+        for mut c in kv.incoming().map_while(Result::ok) {
+            let _ = c.write_all(b"CKV-PORT");
+            let mut ask = [0u8; 16];
+            if c.read_exact(&mut ask).is_ok() {
+                let _ = c.write_all(&[0]);
+                let room = u64::from_le_bytes(ask[8..].try_into().unwrap());
+                let _ = got.send((ask[..8].to_vec(), room));
+            }
+        }
+    });
+    let pre = stand_in(
+        json!({"disaggregation_mode": "prefill", "kv_port": kv_port}),
+        |_| {
+            let b = r#"{"choices":[]}"#;
+            Some(
+                format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                     Content-Length: {}\r\n\r\n{b}",
+                    b.len()
+                )
+                .into_bytes(),
+            )
+        },
+    );
+    let dec = stand_in(json!({"disaggregation_mode": "decode"}), |body| {
+        match body["prompt"].as_str().unwrap() {
+            "refuse" => {
+                let b = r#"{"error":{"message":"no","type":"invalid_request_error"}}"#;
+                Some(
+                    format!(
+                        "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n\
+                         Content-Length: {}\r\n\r\n{b}",
+                        b.len()
+                    )
+                    .into_bytes(),
+                )
+            }
+            // An answer that begins and then stalls.
+            "begin" => Some(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\
+                  Transfer-Encoding: chunked\r\n\r\n10\r\ndata: {\"x\": 1}\n\n\r\n"
+                    .to_vec(),
+            ),
+            _ => None,
+        }
+    });
+    let mut router = start_command(
+        "router",
+        &[
+            "--prefill",
+            &pre,
+            "--decode",
+            &dec,
+            "--timeout-s",
+            "3",
+            "--drain-timeout-s",
+            "1",
+        ],
+    );
+    let r = router.addr.clone();
+    let (status, text) = http(&r, "POST", "/v1/completions", "{not json");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (status, &v["error"]["type"]),
+        (400, &json!("invalid_request_error"))
+    );
+    let (status, v) = post(
+        &r,
+        "/v1/completions",
+        &json!({"prompt": "x", "bootstrap_room": "seven"}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "bootstrap_room", "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    let next_drop = || {
+        drops
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .unwrap()
+    };
+
+    // Refused by the decode server: its answer, and the room's KV dropped.
+    let (status, v) = post(
+        &r,
+        "/v1/completions",
+        &json!({"prompt": "refuse", "bootstrap_room": 41}),
+    );
+    assert_eq!((status, v["error"]["message"].as_str()), (400, Some("no")));
+    assert_eq!(next_drop(), (b"CKV-DROP".to_vec(), 41));
+
+    // No answer within --timeout-s: 504, said in words, and the room's KV dropped.
+    let t = std::time::Instant::now();
+    let (status, v) = post(
+        &r,
+        "/v1/completions",
+        &json!({"prompt": "stall", "bootstrap_room": 42}),
+    );
+    assert_eq!(status, 504, "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.contains("--timeout-s (3 s)"), "{m}");
+    assert!(
+        (2.5..9.0).contains(&t.elapsed().as_secs_f64()),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(next_drop(), (b"CKV-DROP".to_vec(), 42));
+
+    // An answer that began: it ends with an error event.
+    let (status, text) = http(
+        &r,
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": "begin", "stream": true, "bootstrap_room": 43}).to_string(),
+    );
+    assert_eq!(status, 200, "{text}");
+    let last: Value = serde_json::from_str(
+        text.trim_end()
+            .rsplit("data: ")
+            .next()
+            .unwrap_or_else(|| panic!("{text}")),
+    )
+    .unwrap();
+    assert_eq!(last["error"]["code"], 504, "{text}: {last}");
+    assert!(text.starts_with("data: {\"x\": 1}"), "{text}");
+    assert_eq!(next_drop(), (b"CKV-DROP".to_vec(), 43));
+
+    // SIGTERM with a request waiting: when the grace (1 s) ends it is answered 503.
+    let waiting = std::thread::spawn(move || {
+        let mut body = json!({"prompt": "stall", "bootstrap_room": 44});
+        body["max_tokens"] = 1.into();
+        post(&r, "/v1/completions", &body)
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    sigterm(&router);
+    let (status, v) = waiting.join().unwrap();
+    assert_eq!(status, 503, "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.contains("--drain-timeout-s"), "{m}");
+    assert_eq!(exit_within(&mut router, 10), Some(143));
 }
