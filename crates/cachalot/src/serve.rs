@@ -40,8 +40,11 @@
 //!
 //! Chat answers of templates that write `<think>` (R1, Kimi-K2-Thinking, V4's thinking mode)
 //! split it into `reasoning_content` (as vLLM's reasoning parsers do) and read the model's tool
-//! calls into `tool_calls` when the request gives `tools`; with tools and streaming, the
-//! answer's text is sent at the end with its calls, reasoning still as it comes. Bad requests get
+//! calls into `tool_calls` when the request gives `tools`; with tools and streaming, content
+//! streams up to where tool-call markup begins or may begin, then each call as it is written
+//! (id and name once the name is whole, then its arguments piece by piece:
+//! [`ToolCallFormat::partial_calls`], as vLLM's tool parsers stream them; DeepSeek-V4's DSML
+//! whole at the end), reasoning as it comes. Bad requests get
 //! HTTP 400 with `{"error": {"message", "type", "param"}}` naming the field.
 
 use std::collections::HashMap;
@@ -5138,13 +5141,52 @@ fn stream(
     }
     /// A tool-using answer's text, of which the first `streamed` bytes went out as content
     /// (text before any tool-call markup: [`ToolCallFormat::settled_content`]); `blocked` once
-    /// the markup has begun.
+    /// the markup has begun; the calls streamed so far (each one's id and the bytes of its
+    /// arguments sent: [`ToolCallFormat::partial_calls`]) and the tag of the ids made for them.
     #[derive(Default)]
     struct Held {
         text: String,
         streamed: usize,
         blocked: bool,
+        calls: Vec<(String, usize)>,
+        tag: String,
     }
+    // The `tool_calls` deltas of a tool-using answer's calls so far, as vLLM's tool parsers
+    // stream them: a call's id, type and name (with its arguments so far) once its name is
+    // whole, then each new piece of its arguments.
+    let call_deltas = |held: &mut Held| -> Vec<Value> {
+        let Some(format) = shared.tool_format else {
+            return Vec::new();
+        };
+        if !held.blocked && call.forced_prefix.is_empty() {
+            return Vec::new();
+        }
+        let answer = format!("{}{}", call.forced_prefix, held.text);
+        let mut out = Vec::new();
+        for (k, c) in format.partial_calls(&answer).into_iter().enumerate() {
+            match held.calls.get_mut(k) {
+                None => {
+                    if held.tag.is_empty() {
+                        held.tag = unique_tag();
+                    }
+                    let id = c.id.unwrap_or_else(|| format!("call_{}{k}", held.tag));
+                    out.push(
+                        json!({"tool_calls": [{"index": k, "id": id, "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments}}]}),
+                    );
+                    held.calls.push((id, c.arguments.len()));
+                }
+                Some((_, sent)) => {
+                    if let Some(new) = c.arguments.get(*sent..).filter(|n| !n.is_empty()) {
+                        out.push(json!({"tool_calls": [{"index": k,
+                            "function": {"arguments": new}}]}));
+                        *sent = c.arguments.len();
+                    }
+                }
+            }
+        }
+        out
+    };
     let mut choices: Vec<Choice> = (0..call.choices())
         .map(|_| Choice {
             splitter: splitter(shared, call),
@@ -5170,37 +5212,40 @@ fn stream(
             _ => None,
         };
         for s in segs {
-            let delta = match s {
-                Segment::Reasoning(r) if !r.is_empty() => json!({"reasoning_content": r}),
+            let deltas = match s {
+                Segment::Reasoning(r) if !r.is_empty() => vec![json!({"reasoning_content": r})],
                 Segment::Answer(a) if !a.is_empty() => {
                     if call.tools {
                         held.text.push_str(&a);
+                        let mut deltas = Vec::new();
                         let settled = shared
                             .tool_format
                             .filter(|_| streams_content && !held.blocked)
                             .and_then(|f| f.settled_content(&held.text, held.streamed));
-                        let Some((end, blocked)) = settled else {
-                            continue;
-                        };
-                        held.blocked = blocked;
-                        if end <= held.streamed {
-                            continue;
+                        if let Some((end, blocked)) = settled {
+                            held.blocked = blocked;
+                            if end > held.streamed {
+                                let ready = held.text[held.streamed..end].to_string();
+                                held.streamed = end;
+                                deltas.push(json!({"content": ready}));
+                            }
                         }
-                        let ready = held.text[held.streamed..end].to_string();
-                        held.streamed = end;
-                        json!({"content": ready})
+                        deltas.extend(call_deltas(held));
+                        deltas
                     } else {
-                        json!({"content": a})
+                        vec![json!({"content": a})]
                     }
                 }
                 _ => continue,
             };
-            let mut c = json!({"index": i, "delta": delta, "finish_reason": null});
-            if let Some(l) = logprobs.take() {
-                c["logprobs"] = l;
-            }
-            if !send(w, &chunk(c)) {
-                return false;
+            for delta in deltas {
+                let mut c = json!({"index": i, "delta": delta, "finish_reason": null});
+                if let Some(l) = logprobs.take() {
+                    c["logprobs"] = l;
+                }
+                if !send(w, &chunk(c)) {
+                    return false;
+                }
             }
         }
         match logprobs {
@@ -5244,10 +5289,28 @@ fn stream(
             {
                 message["content"] = rest.to_string().into();
             }
-            if let Some(calls) = message.get_mut("tool_calls") {
-                for (k, c) in calls.as_array_mut().into_iter().flatten().enumerate() {
-                    c["index"] = k.into();
+            // Calls that went out as they were written get what they still lack (the end of
+            // their arguments, as parsed whole); the others come whole.
+            if let Some(calls) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                let mut rest = Vec::new();
+                for (k, c) in calls.iter_mut().enumerate() {
+                    let Some((_, sent)) = ch.held.calls.get(k) else {
+                        c["index"] = k.into();
+                        rest.push(c.take());
+                        continue;
+                    };
+                    let args = c["function"]["arguments"].as_str().unwrap_or("");
+                    if let Some(new) = args.get(*sent..).filter(|n| !n.is_empty()) {
+                        rest.push(json!({"index": k, "function": {"arguments": new}}));
+                    }
                 }
+                *calls = rest;
+            }
+            if message["tool_calls"]
+                .as_array()
+                .is_some_and(|c| c.is_empty())
+            {
+                message.as_object_mut().map(|o| o.remove("tool_calls"));
             }
             if message["content"].as_str().is_some_and(str::is_empty) {
                 message.as_object_mut().map(|o| o.remove("content"));

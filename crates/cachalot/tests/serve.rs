@@ -1961,6 +1961,54 @@ fn serve_streams_content_beside_tools() {
     assert!(pieces.len() > 3, "the content was held: {pieces:?}");
 }
 
+/// A streamed chat answer's message put together as OpenAI's client does (content and
+/// reasoning joined, each tool call's pieces joined by `index`), its finish reason, and how many
+/// deltas carried tool-call arguments.
+fn accumulate(events: &[String]) -> (Value, String, usize) {
+    let mut message = json!({"content": "", "tool_calls": []});
+    let (mut finish, mut pieces) = (String::new(), 0);
+    for e in events.iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let Some(choice) = v["choices"].get(0) else {
+            continue;
+        };
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+        let d = &choice["delta"];
+        if let Some(t) = d["content"].as_str() {
+            let c = message["content"].as_str().unwrap().to_string() + t;
+            message["content"] = c.into();
+        }
+        for c in d["tool_calls"].as_array().into_iter().flatten() {
+            let k = c["index"].as_u64().unwrap() as usize;
+            let calls = message["tool_calls"].as_array_mut().unwrap();
+            if k == calls.len() {
+                assert!(
+                    c["id"].is_string() && c["function"]["name"].is_string(),
+                    "{c}"
+                );
+                calls.push(json!({"id": c["id"], "type": "function",
+                                  "function": {"name": c["function"]["name"], "arguments": ""}}));
+            }
+            assert!(
+                k < calls.len(),
+                "call {k} came before the ones before it: {c}"
+            );
+            if let Some(a) = c["function"]["arguments"].as_str() {
+                let all = calls[k]["function"]["arguments"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+                    + a;
+                calls[k]["function"]["arguments"] = all.into();
+                pieces += usize::from(!a.is_empty());
+            }
+        }
+    }
+    (message, finish, pieces)
+}
+
 /// Forced tool calls (`tool_choice` "required" or a named function): the template's own
 /// rendering of the call is written into the prompt up to where the model's part begins, and
 /// the answer is read from there (the small model writes no valid JSON, so the raw answer comes
@@ -2039,6 +2087,17 @@ fn serve_forces_tool_calls() {
                           "temperature": 0});
         let (status, v) = post(addr, "/v1/chat/completions", &body);
         assert_eq!(status, 200, "{v}");
+        // Streamed, the call comes as it is written (its name, then its arguments piece by
+        // piece, as vLLM's tool parsers stream them) and adds up to the whole answer's call.
+        let mut streamed = body.clone();
+        streamed["stream"] = true.into();
+        let (message, finish, pieces) =
+            accumulate(&events(addr, "/v1/chat/completions", &streamed));
+        assert_eq!(finish, "tool_calls");
+        let whole = &v["choices"][0]["message"]["tool_calls"];
+        assert_eq!(message["tool_calls"][0]["function"], whole[0]["function"]);
+        assert!(message["tool_calls"][0]["id"].is_string(), "{message}");
+        assert!(pieces > 2, "the arguments came in {pieces} deltas");
         let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
         let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
         match call["name"].as_str().unwrap() {

@@ -71,6 +71,21 @@ pub struct ParsedAnswer {
     pub tool_calls: Vec<ToolCall>,
 }
 
+/// A tool call as far as a growing answer has written it ([`ToolCallFormat::partial_calls`]):
+/// its name once whole, and the part of its arguments no later text can change.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PartialCall {
+    /// The model's own id for the call (Kimi-K2's `functions.NAME:INDEX`); None in DeepSeek's
+    /// formats.
+    pub id: Option<String>,
+    pub name: String,
+    /// The arguments' text so far: always the start of what [`ToolCallFormat::parse`] reads
+    /// as the call's arguments once the call is complete.
+    pub arguments: String,
+    /// The call's closing marker has come.
+    pub closed: bool,
+}
+
 /// Why the tool-call section of an answer could not be read.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ToolCallError {
@@ -204,6 +219,118 @@ impl ToolCallFormat {
         }
     }
 
+    /// The calls a growing answer (the reasoning removed) has begun, in order: each whose name
+    /// is whole, with its arguments so far, for streaming them as vLLM's tool parsers do
+    /// (OpenAI's `tool_calls` deltas). Text that may still turn out to be markup or trimmed
+    /// whitespace (a partial closing marker or fence, trailing spaces) is held back, so each
+    /// call's arguments only grow and end as [`ToolCallFormat::parse`] reads them when the
+    /// answer parses. Empty for DeepSeek-V4, whose DSML parameters become JSON only whole.
+    pub fn partial_calls(self, answer: &str) -> Vec<PartialCall> {
+        let m = match self {
+            ToolCallFormat::DeepseekV3 => &V3_MARKUP,
+            ToolCallFormat::KimiK2 => &KIMI_MARKUP,
+            ToolCallFormat::DeepseekV4 => return Vec::new(),
+        };
+        let Some((start, begin_len)) = m.find_section(answer) else {
+            return Vec::new();
+        };
+        let mut rest = &answer[start + begin_len..];
+        let mut calls = Vec::new();
+        loop {
+            rest = rest.trim_start();
+            let Some(r) = rest.strip_prefix(m.call_begin) else {
+                return calls;
+            };
+            match r.find(m.call_end) {
+                Some(end) => {
+                    let Some(mut c) = self.partial_body(&r[..end], true) else {
+                        return calls;
+                    };
+                    c.closed = true;
+                    calls.push(c);
+                    rest = &r[end + m.call_end.len()..];
+                }
+                None => {
+                    // The body so far, less a partial closing marker at its end.
+                    let held = (1..m.call_end.len())
+                        .rev()
+                        .filter(|&k| m.call_end.is_char_boundary(k))
+                        .find(|&k| r.ends_with(&m.call_end[..k]))
+                        .unwrap_or(0);
+                    calls.extend(self.partial_body(&r[..r.len() - held], false));
+                    return calls;
+                }
+            }
+        }
+    }
+
+    /// A call's body (between its markers; `whole`: the closing marker came) as far as it
+    /// reads: None until its name is whole.
+    fn partial_body(self, body: &str, whole: bool) -> Option<PartialCall> {
+        // Arguments not yet closed end where trimming or a closing fence could still cut them.
+        let settle = |args: &str, fenced: bool| -> String {
+            let args = args.trim_start();
+            if whole {
+                let a = args.trim_end();
+                let a = if fenced {
+                    a.strip_suffix("```").unwrap_or(a)
+                } else {
+                    a
+                };
+                return a.trim().to_string();
+            }
+            let mut a = args.trim_end();
+            if fenced {
+                a = a.trim_end_matches('`').trim_end();
+            }
+            a.to_string()
+        };
+        match self {
+            ToolCallFormat::DeepseekV3 => {
+                let (head, tail) = body.split_once(V3_SEP)?;
+                if head.trim() == "function" {
+                    let (name, r) = tail.split_once('\n')?;
+                    let r = r.trim_start();
+                    let args = match r.strip_prefix("```json") {
+                        Some(a) => settle(a, true),
+                        // The fence's opening is still coming.
+                        None if "```json".starts_with(r) => String::new(),
+                        None => return None,
+                    };
+                    Some(PartialCall {
+                        id: None,
+                        name: name.trim().to_string(),
+                        arguments: args,
+                        closed: false,
+                    })
+                } else {
+                    Some(PartialCall {
+                        id: None,
+                        name: head.trim().to_string(),
+                        arguments: settle(tail, false),
+                        closed: false,
+                    })
+                }
+            }
+            ToolCallFormat::KimiK2 => {
+                let (id, args) = body.split_once(KIMI_ARGS_BEGIN)?;
+                let id = id.trim();
+                let base = id.strip_prefix("functions.").unwrap_or(id);
+                let name = match base.rsplit_once(':') {
+                    Some((n, i)) if i.bytes().all(|b| b.is_ascii_digit()) => n,
+                    _ => base,
+                };
+                Some(PartialCall {
+                    id: Some(id.to_string()),
+                    name: name.to_string(),
+                    arguments: settle(args, false),
+                    closed: false,
+                })
+            }
+            ToolCallFormat::DeepseekV4 => None,
+        }
+    }
+
     /// Splits an answer (the reasoning removed) into content and tool calls.
     pub fn parse(self, answer: &str) -> Result<ParsedAnswer, ToolCallError> {
         match self {
@@ -290,6 +417,16 @@ struct Markup {
     call: fn(usize, &str) -> Result<ToolCall, ToolCallError>,
 }
 
+impl Markup {
+    /// Where the first tool-call section of `answer` begins, and its opening marker's length.
+    fn find_section(&self, answer: &str) -> Option<(usize, usize)> {
+        self.section_begin
+            .iter()
+            .filter_map(|b| answer.find(b).map(|at| (at, b.len())))
+            .min()
+    }
+}
+
 const V3_MARKUP: Markup = Markup {
     section_begin: &[V3_CALLS_BEGIN],
     section_end: &[V3_CALLS_END],
@@ -317,12 +454,7 @@ fn parse_kimi(answer: &str) -> Result<ParsedAnswer, ToolCallError> {
 }
 
 fn parse_section(m: &Markup, answer: &str) -> Result<ParsedAnswer, ToolCallError> {
-    let found = m
-        .section_begin
-        .iter()
-        .filter_map(|b| answer.find(b).map(|at| (at, b.len())))
-        .min();
-    let Some((start, begin_len)) = found else {
+    let Some((start, begin_len)) = m.find_section(answer) else {
         let mut content = answer;
         while let Some(e) = m.end_markers.iter().find(|e| content.ends_with(**e)) {
             content = &content[..content.len() - e.len()];
@@ -452,6 +584,59 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    /// Fed piece by piece, the calls' names and arguments only grow, and once the answer is
+    /// whole they are what the parser reads (V3's fenced and V3.1's forms, Kimi-K2's).
+    #[test]
+    fn partial_calls_grow_into_the_parsed_calls() {
+        let v3 = "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>\
+                  get_weather\n```json\n{\"city\": \"Paris `x`\"}  \n```<｜tool▁call▁end｜>\n\
+                  <｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"tz\": \"UTC\"} \
+                  <｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let kimi = "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0\
+                    <|tool_call_argument_begin|>{\"city\": \"Rome\"}<|tool_call_end|>\
+                    <|tool_calls_section_end|>";
+        for (format, answer) in [
+            (ToolCallFormat::DeepseekV3, v3),
+            (ToolCallFormat::KimiK2, kimi),
+        ] {
+            let parsed = format.parse(answer).unwrap();
+            let mut seen: Vec<PartialCall> = Vec::new();
+            let cuts: Vec<usize> = answer
+                .char_indices()
+                .map(|(i, _)| i)
+                .chain([answer.len()])
+                .collect();
+            for &cut in &cuts {
+                let now = format.partial_calls(&answer[..cut]);
+                assert!(now.len() >= seen.len(), "{cut}: {now:?} after {seen:?}");
+                for (old, new) in seen.iter().zip(&now) {
+                    assert_eq!(old.name, new.name, "{cut}");
+                    assert!(
+                        new.arguments.starts_with(&old.arguments),
+                        "{cut}: {:?} then {:?}",
+                        old.arguments,
+                        new.arguments
+                    );
+                }
+                for (c, p) in now.iter().zip(&parsed.tool_calls) {
+                    assert_eq!(c.name, p.function.name, "{cut}");
+                    let whole = p.function.arguments.as_str().unwrap();
+                    assert!(whole.starts_with(&c.arguments), "{cut}: {c:?}");
+                }
+                seen = now;
+            }
+            assert_eq!(seen.len(), parsed.tool_calls.len());
+            for (c, p) in seen.iter().zip(&parsed.tool_calls) {
+                assert!(c.closed);
+                assert_eq!(Some(c.arguments.as_str()), p.function.arguments.as_str());
+                if format == ToolCallFormat::KimiK2 {
+                    assert_eq!(c.id, p.id);
+                }
+            }
+        }
+        assert!(ToolCallFormat::DeepseekV4.partial_calls("x").is_empty());
     }
 
     /// Content settles up to where markup begins or may begin, and always agrees with what
