@@ -1688,11 +1688,8 @@ pub fn run_ranked(
             }
         );
         bar.inc(done.len() as u64);
-        let out_tokens: usize = outputs
-            .iter()
-            .chain(done.iter())
-            .map(|o: &RequestOutput| o.tokens.len())
-            .sum();
+        // Every token generated so far, running requests' too (not only finished ones').
+        let out_tokens = engine.stats().sampled_tokens;
         bar.set_message(format!(
             "{:.1} tok/s, {} running, KV {:.0}%",
             out_tokens as f64 / t_run.elapsed().as_secs_f64().max(1e-9),
