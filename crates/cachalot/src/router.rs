@@ -40,7 +40,7 @@ pub struct RouterArgs {
     /// How long one request may take, from its arrival to the last byte of its answer; one
     /// that takes longer is answered 504 (or, once its answer has begun, ends with an error
     /// event or object) and aborted on its servers.
-    #[arg(long, default_value_t = 1800)]
+    #[arg(long, default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
     timeout_s: u64,
     /// On SIGTERM the router refuses new requests (503) and gives those in flight up to this
     /// many seconds to finish before it exits, as `serve` does.
@@ -48,11 +48,39 @@ pub struct RouterArgs {
     drain_timeout_s: u64,
 }
 
-/// A prefill server: where it answers HTTP and where decode servers fetch its KV.
+/// A prefill server: where it answers HTTP and where decode servers fetch its KV (its KV port,
+/// read again from its `/health` every [`KV_PORT_REFRESH`]: a prefill server restarted with
+/// another `--kv-port` is followed).
 struct Prefill {
     addr: String,
     host: String,
-    kv_port: u16,
+    kv_port: std::sync::atomic::AtomicU16,
+}
+
+impl Prefill {
+    fn kv_port(&self) -> u16 {
+        self.kv_port.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// How often the router reads each prefill server's KV port again.
+const KV_PORT_REFRESH: Duration = Duration::from_secs(1);
+
+/// A prefill server's KV port from its `/health` answer, if it is a prefill server's.
+fn kv_port_in(health: &str) -> Option<u16> {
+    let v: Value = serde_json::from_str(health).ok()?;
+    if v["disaggregation_mode"] != "prefill" {
+        return None;
+    }
+    v["kv_port"].as_u64().and_then(|p| u16::try_from(p).ok())
+}
+
+/// One `/health` of `addr` within `wait`: its status and body.
+fn health(addr: &str, wait: Duration) -> std::io::Result<(u16, String)> {
+    let (status, _, mut r) = exchange(addr, "GET", "/health", None, wait)?;
+    let mut body = String::new();
+    r.read_to_string(&mut body)?;
+    Ok((status, body))
 }
 
 /// How long the router's /health waits for each server's.
@@ -62,6 +90,22 @@ struct Router {
     prefill: Vec<Prefill>,
     decode: Vec<String>,
     timeout: Duration,
+    /// The rooms of requests in flight: a second request naming one of them is refused here,
+    /// before it could take the first one's KV from the prefill server.
+    rooms: std::sync::Mutex<std::collections::HashSet<u64>>,
+}
+
+/// A room of [`Router::rooms`], given back when dropped.
+struct RoomHeld<'a>(&'a Router, u64);
+
+impl Drop for RoomHeld<'_> {
+    fn drop(&mut self) {
+        self.0
+            .rooms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.1);
+    }
 }
 
 /// `http://host:port[/v1]` or `host:port` → `host:port`.
@@ -190,8 +234,15 @@ fn exchange(
          Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
-    s.write_all(head.as_bytes())?;
-    s.write_all(body)?;
+    // A backend that does not take the request within the time left: the deadline's cut.
+    s.write_all(head.as_bytes())
+        .and_then(|_| s.write_all(body))
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, Cut::Deadline(timeout))
+            }
+            _ => e,
+        })?;
     let mut r = BufReader::new(Timed {
         conn: s,
         deadline,
@@ -290,14 +341,7 @@ impl<R: BufRead> Read for Chunked<R> {
 fn prefill_info(addr: &str, wait: Duration) -> Result<u16> {
     let start = Instant::now();
     loop {
-        let got = exchange(addr, "GET", "/health", None, Duration::from_secs(10)).and_then(
-            |(status, _, mut r)| {
-                let mut body = String::new();
-                r.read_to_string(&mut body)?;
-                Ok((status, body))
-            },
-        );
-        match got {
+        match health(addr, Duration::from_secs(10)) {
             Ok((200, body)) => {
                 let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
                 if v["disaggregation_mode"] != "prefill" {
@@ -352,7 +396,7 @@ pub fn router(args: &RouterArgs) -> Result<()> {
         prefill.push(Prefill {
             addr,
             host,
-            kv_port,
+            kv_port: kv_port.into(),
         });
     }
     let mut decode = Vec::new();
@@ -373,7 +417,28 @@ pub fn router(args: &RouterArgs) -> Result<()> {
         prefill,
         decode,
         timeout: Duration::from_secs(args.timeout_s),
+        rooms: Default::default(),
     });
+    // Each prefill server's KV port, followed (a server restarted with another one).
+    {
+        let router = router.clone();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(KV_PORT_REFRESH);
+            for p in &router.prefill {
+                if let Ok((200, body)) = health(&p.addr, HEALTH_WAIT) {
+                    if let Some(port) = kv_port_in(&body) {
+                        if port != p.kv_port() {
+                            say!(
+                                "cachalot router: prefill server {}'s KV port is now {port}",
+                                p.addr
+                            );
+                            p.kv_port.store(port, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+        });
+    }
     // SIGTERM: requests in flight finish (up to --drain-timeout-s), new ones get 503.
     crate::term::drain_on_sigterm(Duration::from_secs(args.drain_timeout_s), true)?;
     server.serve(
@@ -407,7 +472,20 @@ fn lost(who: &str, e: &std::io::Error, timeout: Duration) -> (u16, String) {
                 timeout.as_secs()
             ),
         ),
-        None => (503, format!("{who}: {e}")),
+        // Not reached (down, or no such host): unavailable; reached and then failed: a bad
+        // gateway.
+        None if matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionRefused
+                | std::io::ErrorKind::NotFound
+                | std::io::ErrorKind::HostUnreachable
+                | std::io::ErrorKind::NetworkUnreachable
+                | std::io::ErrorKind::AddrNotAvailable
+        ) =>
+        {
+            (503, format!("{who}: {e}"))
+        }
+        None => (502, format!("{who}: {e}")),
     }
 }
 
@@ -450,8 +528,19 @@ fn random_room() -> u64 {
 fn route(mut request: tiny_http::Request, router: &Router) {
     let method = request.method().as_str().to_ascii_uppercase();
     let path = request.url().split('?').next().unwrap_or("").to_string();
-    // Draining after SIGTERM, as `serve` does.
+    // Draining after SIGTERM, as `serve` does (its /health says so).
     if crate::term::terminating() {
+        if path == "/health" {
+            let header = tiny_http::Header::from_bytes("Content-Type", "application/json")
+                .expect("a valid header");
+            let _ = request.respond(
+                tiny_http::Response::from_string(json!({"status": "draining"}).to_string())
+                    .with_status_code(503)
+                    .with_header(header)
+                    .with_header(crate::serve::cors()),
+            );
+            return;
+        }
         error(
             request,
             503,
@@ -461,7 +550,7 @@ fn route(mut request: tiny_http::Request, router: &Router) {
     }
     let _flight = crate::term::InFlight::enter();
     match (method.as_str(), path.as_str()) {
-        ("GET", "/health") => {
+        ("GET" | "HEAD", "/health") => {
             // Each server's own /health, asked at once (2 s each at most): "ok" when all
             // answer, "degraded" when some do not, 503 when no prefill or no decode server
             // does (no request can be served).
@@ -492,7 +581,7 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             };
             let body = json!({"status": word,
                 "prefill": router.prefill.iter().zip(&pre_up)
-                    .map(|(p, u)| json!({"addr": p.addr, "kv_port": p.kv_port, "healthy": u}))
+                    .map(|(p, u)| json!({"addr": p.addr, "kv_port": p.kv_port(), "healthy": u}))
                     .collect::<Vec<_>>(),
                 "decode": router.decode.iter().zip(&dec_up)
                     .map(|(d, u)| json!({"addr": d, "healthy": u}))
@@ -550,18 +639,37 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                     }
                 },
             };
+            // One request per room at a time: a second one would take the first one's KV.
+            if !router
+                .rooms
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(room)
+            {
+                return error_in(
+                    request,
+                    400,
+                    Some("bootstrap_room"),
+                    &format!(
+                        "bootstrap_room: {room} is in use by another request in flight (give \
+                         each request its own room, or leave it out for a random one)"
+                    ),
+                );
+            }
+            let _room = RoomHeld(router, room);
             let p = &router.prefill[(room % router.prefill.len() as u64) as usize];
             let d = &router.decode[(room % router.decode.len() as u64) as usize];
+            let kv_port = p.kv_port();
             body["bootstrap_room"] = room.into();
             body["bootstrap_host"] = p.host.clone().into();
-            body["bootstrap_port"] = p.kv_port.into();
+            body["bootstrap_port"] = kv_port.into();
             let payload = body.to_string().into_bytes();
             // The room's KV is dropped on the prefill server once both its prefill has
             // answered and the decode side has not taken the request (refused, unreachable,
             // failed, or its client left): whichever of the two comes second sends the drop.
             let release = std::sync::Arc::new(Release {
                 state: std::sync::Mutex::new((false, false)),
-                at: format!("{}:{}", bracket(&p.host), p.kv_port),
+                at: format!("{}:{kv_port}", bracket(&p.host)),
                 room,
             });
             // Both posts at once; the client gets the decode server's answer, unless the
@@ -572,22 +680,29 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                 let (tx, addr, timeout) = (tx.clone(), p.addr.clone(), router.timeout);
                 let (sent, path, release) = (payload.clone(), path.clone(), release.clone());
                 std::thread::spawn(move || {
+                    // A drain waits for this side too (and for the drop it may send).
+                    let _flight = crate::term::InFlight::enter();
                     let outcome = match exchange(&addr, "POST", &path, Some(&sent), timeout) {
                         Ok((200, _, mut r)) => {
-                            if r.read_to_end(&mut Vec::new()).is_ok() {
-                                release.prefilled();
-                            }
-                            return;
+                            let _ = r.read_to_end(&mut Vec::new());
+                            None
                         }
                         Ok((status, ct, mut r)) => {
                             let mut answer = Vec::new();
                             let _ = r.read_to_end(&mut answer);
-                            Outcome::Prefill(status, ct, answer)
+                            Some(Outcome::Prefill(status, ct, answer))
                         }
-                        Err(e) => Outcome::PrefillLost(e),
+                        Err(e) => {
+                            say!("cachalot router: room {room}: prefill server {addr}: {e}");
+                            Some(Outcome::PrefillLost(e))
+                        }
                     };
-                    say!("cachalot router: room {room}: the prefill server failed");
-                    let _ = tx.send(outcome);
+                    // However the prefill ended, a room the decode side did not take is
+                    // dropped (a drop finds nothing to do where no KV was kept).
+                    release.prefilled();
+                    if let Some(outcome) = outcome {
+                        let _ = tx.send(outcome);
+                    }
                 });
             }
             {
@@ -619,6 +734,11 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                 Err(_) => error(request, 500, "the router lost both servers' answers"),
             }
         }
+        (_, "/health" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => error(
+            request,
+            405,
+            &format!("{method} {path}: not a method of this path (see the router's paths: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions)"),
+        ),
         _ => error(
             request,
             404,
@@ -666,6 +786,7 @@ impl Release {
         if *s == (true, true) && !before {
             let (at, room) = (self.at.clone(), self.room);
             std::thread::spawn(move || {
+                let _flight = crate::term::InFlight::enter();
                 if let Err(e) = drop_kv(&at, room) {
                     say!(
                         "cachalot router: room {room}: could not tell the prefill server's KV \
@@ -692,7 +813,16 @@ fn drop_kv(at: &str, room: u64) -> std::io::Result<()> {
     ask.extend_from_slice(&room.to_le_bytes());
     conn.write_all(&ask)?;
     let mut ack = [0u8; 1];
-    conn.read_exact(&mut ack)
+    conn.read_exact(&mut ack)?;
+    if ack[0] != 0 {
+        let mut why = String::new();
+        let _ = conn.take(1 << 16).read_to_string(&mut why);
+        return Err(std::io::Error::other(format!(
+            "it refused (an older cachalot that knows no CKV-DROP?): {}",
+            why.get(4..).unwrap_or("").trim()
+        )));
+    }
+    Ok(())
 }
 
 /// Sends a backend's answer on to the client as it arrives: chunked to HTTP/1.1 clients (one
@@ -749,7 +879,7 @@ fn relay(
                 let err = serde_json::json!({"error": {
                     "message": message, "type": "server_error", "param": null, "code": code}});
                 let tail = if content_type.starts_with("text/event-stream") {
-                    format!("data: {err}\n\n")
+                    format!("data: {err}\n\ndata: [DONE]\n\n")
                 } else {
                     err.to_string()
                 };

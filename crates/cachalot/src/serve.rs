@@ -357,7 +357,7 @@ impl Rooms {
         }
         *state = RoomState::Gone(format!(
             "bootstrap_room {room}'s KV was dropped: the router found its decode server had \
-             refused the request, could not be reached or failed"
+             refused the request, could not be reached or failed, or its client had left"
         ));
         *t = Instant::now();
         drop(map);
@@ -382,8 +382,8 @@ impl Rooms {
             match map.get(&room) {
                 Some((_, RoomState::Ready(_))) => {
                     let gone = RoomState::Gone(format!(
-                        "bootstrap_room {room}'s KV was taken by an earlier request (give each \
-                         request its own room)"
+                        "bootstrap_room {room}'s KV was taken by another request naming the same \
+                         room (give each request its own room)"
                     ));
                     return match map.insert(room, (Instant::now(), gone)) {
                         Some((_, RoomState::Ready(kv))) => Ok(kv),
@@ -1433,6 +1433,8 @@ fn ranked_loop<M: Model>(
     let mut aborts = Vec::new();
     let mut busy = false;
     let mut next_key = 0u64;
+    // Whether the last turn skipped its step for transferred requests.
+    let mut skipped = false;
     if jobs.is_some() {
         // A SIGTERM drain stops the group from here (`crate::term::drain_stop`).
         crate::term::leads_group();
@@ -1541,10 +1543,14 @@ fn ranked_loop<M: Model>(
         // A request that arrives with its first token (a decode server's) has that token's
         // text reported before the next step, not with the step's token, as one process does:
         // every rank skips this step alike (they all read the same command).
-        let imported = cmd
-            .admit
-            .iter()
-            .any(|(_, _, _, t)| matches!(t, Transfer::Import(_)));
+        // (At most one turn in a row: transfers arriving steadily do not hold the running
+        // requests back; `skipped` follows the commands, so it is the same on every rank.)
+        let imported = !skipped
+            && cmd
+                .admit
+                .iter()
+                .any(|(_, _, _, t)| matches!(t, Transfer::Import(_)));
+        skipped = imported;
         for (key, target, request, transfer) in cmd.admit {
             if !expert && target as usize != rank {
                 continue;
@@ -2390,7 +2396,7 @@ fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
                 if rooms.release(room) {
                     say!(
                         "cachalot serve: bootstrap_room {room}: its decode server did not take \
-                         the request (the router says); its KV is dropped"
+                         the request or its client left (the router says); its KV is dropped"
                     );
                 }
                 let _ = conn.write_all(&[0]);
@@ -2488,17 +2494,35 @@ fn fetch_kv(
     };
     let mut conn = TcpStream::connect(&at).map_err(|e| fail(&e))?;
     let _ = conn.set_nodelay(true);
-    // A KV port greets first; anything else (an HTTP port answers nothing until it has a
-    // request's head) is said now.
-    let _ = conn.set_read_timeout(Some(KV_HELLO_WAIT));
-    let mut hello = [0u8; 8];
+    // A KV port greets first; anything else is said now. An HTTP port answers nothing until
+    // it has a request's head: a port silent for a second is asked an HTTP question (a
+    // prefill server too busy to greet at once still has the rest of the wait).
     let not_kv = |what: String| {
         fail(&format!(
             "{what}: this is not a prefill server's KV port (its HTTP port?); bootstrap_port is \
              the prefill server's --kv-port, which its /health shows as kv_port"
         ))
     };
-    match conn.read_exact(&mut hello) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut hello = [0u8; 8];
+    let mut first = [0u8; 1];
+    let early = match conn.read(&mut first) {
+        Ok(1) => Ok(1),
+        Ok(_) => Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof)),
+        Err(e) if waited_out(&e) => {
+            if answers_http(&at) {
+                return Err(not_kv("it answers HTTP".into()));
+            }
+            let _ = conn.set_read_timeout(Some(KV_HELLO_WAIT));
+            Ok(0)
+        }
+        Err(e) => Err(e),
+    };
+    let got = early.and_then(|n| {
+        hello[..n].copy_from_slice(&first[..n]);
+        conn.read_exact(&mut hello[n..])
+    });
+    match got {
         Ok(()) if &hello == KV_HELLO => {}
         Ok(()) => {
             return Err(not_kv(format!(
@@ -2507,18 +2531,11 @@ fn fetch_kv(
             )))
         }
         Err(e) if waited_out(&e) => {
-            // Silent: an HTTP port (which waits for a request's head), or a prefill server that
-            // is stopped or too busy to greet. An HTTP port answers a request at once.
-            if answers_http(&at) {
-                return Err(not_kv(format!(
-                    "no greeting within {} s, and it answers HTTP",
-                    KV_HELLO_WAIT.as_secs()
-                )));
-            }
             return Err(fail(&format!(
-                "the port took the connection but sent nothing within {} s: the prefill server \
-                 is stopped (SIGSTOP, a debugger) or too loaded to answer",
-                KV_HELLO_WAIT.as_secs()
+                "the port took the connection but sent nothing within {} s, and answers no \
+                 HTTP either: the prefill server is stopped (SIGSTOP, a debugger) or too loaded \
+                 to answer (or the port is another program's)",
+                KV_HELLO_WAIT.as_secs() + 1
             )));
         }
         Err(e) => return Err(io(e)),
@@ -5150,6 +5167,7 @@ fn stream(
         blocked: bool,
         calls: Vec<(String, usize)>,
         tag: String,
+        cursor: cachalot_model::tokenizer::CallsCursor,
     }
     // The `tool_calls` deltas of a tool-using answer's calls so far, as vLLM's tool parsers
     // stream them: a call's id, type and name (with its arguments so far) once its name is
@@ -5161,15 +5179,22 @@ fn stream(
         if !held.blocked && call.forced_prefix.is_empty() {
             return Vec::new();
         }
-        let answer = format!("{}{}", call.forced_prefix, held.text);
+        let answer: std::borrow::Cow<str> = if call.forced_prefix.is_empty() {
+            held.text.as_str().into()
+        } else {
+            format!("{}{}", call.forced_prefix, held.text).into()
+        };
         let mut out = Vec::new();
-        for (k, c) in format.partial_calls(&answer).into_iter().enumerate() {
+        let first = held.cursor.closed;
+        let calls = format.partial_calls(&answer, &mut held.cursor);
+        for (k, c) in calls.into_iter().enumerate().map(|(j, c)| (first + j, c)) {
             match held.calls.get_mut(k) {
                 None => {
                     if held.tag.is_empty() {
                         held.tag = unique_tag();
                     }
-                    let id = c.id.unwrap_or_else(|| format!("call_{}{k}", held.tag));
+                    let id =
+                        c.id.map_or_else(|| format!("call_{}{k}", held.tag), str::to_string);
                     out.push(
                         json!({"tool_calls": [{"index": k, "id": id, "type": "function",
                         "function": {"name": c.name, "arguments": c.arguments}}]}),
@@ -5289,6 +5314,12 @@ fn stream(
             {
                 message["content"] = rest.to_string().into();
             }
+            // Calls went out as they were written but the whole answer does not read (cut off,
+            // arguments that are not JSON): the error says so, and the markup is not sent
+            // again as content (as vLLM's streamed calls stand once sent).
+            if !ch.held.calls.is_empty() && message.get("tool_calls").is_none() {
+                message.as_object_mut().map(|o| o.remove("content"));
+            }
             // Calls that went out as they were written get what they still lack (the end of
             // their arguments, as parsed whole); the others come whole.
             if let Some(calls) = message.get_mut("tool_calls").and_then(Value::as_array_mut) {
@@ -5378,9 +5409,10 @@ fn stream(
                 choices[i].out = Some(out);
                 finish(&mut w, i, &mut choices[i])
             }
+            // A failed request's stream ends with an error event, then `[DONE]`, as vLLM's.
             Ok((_, Event::Failed(status, message))) => {
                 let e = ApiError::new(status, message);
-                if send(&mut w, &e.body()) {
+                if send(&mut w, &e.body()) && write_chunk(&mut w, b"data: [DONE]\n\n") {
                     write_chunk(&mut w, b"");
                 }
                 return;
@@ -5389,7 +5421,7 @@ fn stream(
             // vLLM's does with an error event, not cut off.
             Err(_) => {
                 let e = ApiError::new(500, ENGINE_STOPPED);
-                if send(&mut w, &e.body()) {
+                if send(&mut w, &e.body()) && write_chunk(&mut w, b"data: [DONE]\n\n") {
                     write_chunk(&mut w, b"");
                 }
                 return;

@@ -153,10 +153,12 @@ pub fn drain_on_sigterm(grace: std::time::Duration, leader: bool) -> Result<()> 
                 break 0;
             }
             if start.elapsed() >= grace {
-                say!(
-                    "cachalot: {n} requests still running, {h} prefilled KV not fetched after \
-                     the grace; exiting"
-                );
+                let kv = if HELD.get().is_some() {
+                    format!(", {h} prefilled KV not fetched")
+                } else {
+                    String::new()
+                };
+                say!("cachalot: {n} requests still running{kv} after the grace; exiting");
                 break 143;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));

@@ -3046,6 +3046,23 @@ fn decode_server_fetch_failures_are_said() {
     let waited = t.elapsed().as_secs_f64();
     assert!((1.5..10.0).contains(&waited), "{waited}");
 
+    // An HTTP port (the server's own), which waits for a request before it says anything: it
+    // is asked one after a second and said to be the wrong port.
+    let own_port: u16 = server.addr.rsplit(':').next().unwrap().parse().unwrap();
+    let t = std::time::Instant::now();
+    let (status, v) = post(
+        &server.addr,
+        "/v1/completions",
+        &body(own_port, "127.0.0.1"),
+    );
+    assert_eq!(status, 502, "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(
+        m.contains("answers HTTP") && m.contains("not a prefill server's KV port"),
+        "{m}"
+    );
+    assert!(t.elapsed().as_secs() < 6, "{:?}", t.elapsed());
+
     // A port that takes the connection and says nothing, not even to HTTP (a prefill server
     // stopped with SIGSTOP): said as that, not as a wrong port.
     let mute = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -3534,12 +3551,12 @@ fn a_continued_reasoning_stays_reasoning() {
 /// A stand-in for a server behind the router: answers `/health` with `health` and each POST
 /// as `answer` says for its body (`None`: not a word), holding each connection open.
 fn stand_in(
-    health: Value,
+    health: impl Fn() -> Value + Send + Sync + 'static,
     answer: impl Fn(&Value) -> Option<Vec<u8>> + Send + Sync + 'static,
 ) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let answer = std::sync::Arc::new(answer);
+    let (health, answer) = (std::sync::Arc::new(health), std::sync::Arc::new(answer));
     std::thread::spawn(move || {
         for conn in listener.incoming().map_while(Result::ok) {
             let (health, answer) = (health.clone(), answer.clone());
@@ -3563,7 +3580,7 @@ fn stand_in(
                 r.read_exact(&mut body).unwrap();
                 let mut conn = conn;
                 let reply = if line.starts_with("GET /health") {
-                    let h = health.to_string();
+                    let h = health().to_string();
                     Some(
                         format!(
                             "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
@@ -3595,23 +3612,35 @@ fn stand_in(
 #[test]
 fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
     use std::net::TcpListener;
-    // The prefill server's KV port: greets, and reports each request it gets.
-    let kv = TcpListener::bind("127.0.0.1:0").unwrap();
-    let kv_port = kv.local_addr().unwrap().port();
-    let (got, drops) = std::sync::mpsc::channel::<(Vec<u8>, u64)>();
-    std::thread::spawn(move || {
-        for mut c in kv.incoming().map_while(Result::ok) {
-            let _ = c.write_all(b"CKV-PORT");
-            let mut ask = [0u8; 16];
-            if c.read_exact(&mut ask).is_ok() {
-                let _ = c.write_all(&[0]);
-                let room = u64::from_le_bytes(ask[8..].try_into().unwrap());
-                let _ = got.send((ask[..8].to_vec(), room));
+    use std::sync::atomic::{AtomicU16, Ordering};
+    // The prefill server's KV port (two: it is restarted with another): greets, and reports
+    // each request it gets.
+    let (got, drops) = std::sync::mpsc::channel::<(Vec<u8>, u64, u16)>();
+    let kv_port = || {
+        let kv = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = kv.local_addr().unwrap().port();
+        let got = got.clone();
+        std::thread::spawn(move || {
+            for mut c in kv.incoming().map_while(Result::ok) {
+                let _ = c.write_all(b"CKV-PORT");
+                let mut ask = [0u8; 16];
+                if c.read_exact(&mut ask).is_ok() {
+                    let _ = c.write_all(&[0]);
+                    let room = u64::from_le_bytes(ask[8..].try_into().unwrap());
+                    let _ = got.send((ask[..8].to_vec(), room, port));
+                }
             }
-        }
-    });
+        });
+        port
+    };
+    let (first_kv, second_kv) = (kv_port(), kv_port());
+    let current_kv = std::sync::Arc::new(AtomicU16::new(first_kv));
+    let now_kv = current_kv.clone();
     let pre = stand_in(
-        json!({"disaggregation_mode": "prefill", "kv_port": kv_port}),
+        move || {
+            json!({"disaggregation_mode": "prefill",
+                   "kv_port": now_kv.load(Ordering::Relaxed)})
+        },
         |_| {
             let b = r#"{"choices":[]}"#;
             Some(
@@ -3624,28 +3653,31 @@ fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
             )
         },
     );
-    let dec = stand_in(json!({"disaggregation_mode": "decode"}), |body| {
-        match body["prompt"].as_str().unwrap() {
-            "refuse" => {
-                let b = r#"{"error":{"message":"no","type":"invalid_request_error"}}"#;
-                Some(
-                    format!(
-                        "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n\
+    let dec = stand_in(
+        || json!({"disaggregation_mode": "decode"}),
+        |body| {
+            match body["prompt"].as_str().unwrap() {
+                "refuse" => {
+                    let b = r#"{"error":{"message":"no","type":"invalid_request_error"}}"#;
+                    Some(
+                        format!(
+                            "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n\
                          Content-Length: {}\r\n\r\n{b}",
-                        b.len()
+                            b.len()
+                        )
+                        .into_bytes(),
                     )
-                    .into_bytes(),
-                )
-            }
-            // An answer that begins and then stalls.
-            "begin" => Some(
-                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\
+                }
+                // An answer that begins and then stalls.
+                "begin" => Some(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\
                   Transfer-Encoding: chunked\r\n\r\n10\r\ndata: {\"x\": 1}\n\n\r\n"
-                    .to_vec(),
-            ),
-            _ => None,
-        }
-    });
+                        .to_vec(),
+                ),
+                _ => None,
+            }
+        },
+    );
     let mut router = start_command(
         "router",
         &[
@@ -3674,10 +3706,14 @@ fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["param"], "bootstrap_room", "{v}");
     assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert_eq!(http(&r, "POST", "/health", "").0, 405);
+    assert_eq!(http(&r, "GET", "/v1/completions", "").0, 405);
     let next_drop = || {
-        drops
+        let (verb, room, port) = drops
             .recv_timeout(std::time::Duration::from_secs(10))
-            .unwrap()
+            .unwrap();
+        assert_eq!(port, current_kv.load(Ordering::Relaxed));
+        (verb, room)
     };
 
     // Refused by the decode server: its answer, and the room's KV dropped.
@@ -3706,6 +3742,50 @@ fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
     );
     assert_eq!(next_drop(), (b"CKV-DROP".to_vec(), 42));
 
+    // A room in flight is not given to a second request (which would take the first one's
+    // KV): refused by name.
+    let r2 = r.clone();
+    let first = std::thread::spawn(move || {
+        post(
+            &r2,
+            "/v1/completions",
+            &json!({"prompt": "stall", "bootstrap_room": 50}),
+        )
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (status, v) = post(
+        &r,
+        "/v1/completions",
+        &json!({"prompt": "refuse", "bootstrap_room": 50}),
+    );
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("bootstrap_room")),
+        "{v}"
+    );
+    assert_eq!(first.join().unwrap().0, 504);
+    assert_eq!(next_drop(), (b"CKV-DROP".to_vec(), 50));
+
+    // The prefill server comes back with another KV port: the router follows it.
+    current_kv.store(second_kv, Ordering::Relaxed);
+    let t = std::time::Instant::now();
+    loop {
+        let (_, h) = http(&r, "GET", "/health", "");
+        let h: Value = serde_json::from_str(&h).unwrap();
+        if h["prefill"][0]["kv_port"] == second_kv {
+            break;
+        }
+        assert!(t.elapsed().as_secs() < 10, "{h}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let (status, _) = post(
+        &r,
+        "/v1/completions",
+        &json!({"prompt": "refuse", "bootstrap_room": 51}),
+    );
+    assert_eq!(status, 400);
+    assert_eq!(next_drop(), (b"CKV-DROP".to_vec(), 51));
+
     // An answer that began: it ends with an error event.
     let (status, text) = http(
         &r,
@@ -3714,13 +3794,10 @@ fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
         &json!({"prompt": "begin", "stream": true, "bootstrap_room": 43}).to_string(),
     );
     assert_eq!(status, 200, "{text}");
-    let last: Value = serde_json::from_str(
-        text.trim_end()
-            .rsplit("data: ")
-            .next()
-            .unwrap_or_else(|| panic!("{text}")),
-    )
-    .unwrap();
+    // The error event, then `[DONE]` (as vLLM ends a failed stream).
+    let mut ev = text.trim_end().rsplit("data: ");
+    assert_eq!(ev.next(), Some("[DONE]"), "{text}");
+    let last: Value = serde_json::from_str(ev.next().unwrap().trim_end()).unwrap();
     assert_eq!(last["error"]["code"], 504, "{text}: {last}");
     assert!(text.starts_with("data: {\"x\": 1}"), "{text}");
     assert_eq!(next_drop(), (b"CKV-DROP".to_vec(), 43));
@@ -3733,6 +3810,9 @@ fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
     });
     std::thread::sleep(std::time::Duration::from_millis(300));
     sigterm(&router);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let (status, h) = http(&router.addr, "GET", "/health", "");
+    assert_eq!((status, h.as_str()), (503, r#"{"status":"draining"}"#));
     let (status, v) = waiting.join().unwrap();
     assert_eq!(status, 503, "{v}");
     let m = v["error"]["message"].as_str().unwrap();

@@ -20,7 +20,7 @@ use crate::error::{ModelError, Result};
 pub use chat::{ChatTemplate, Message};
 pub use stream::StreamDecoder;
 pub use tiktoken::TiktokenBpe;
-pub use tool_calls::{ParsedAnswer, PartialCall, ToolCallError, ToolCallFormat};
+pub use tool_calls::{CallsCursor, ParsedAnswer, PartialCall, ToolCallError, ToolCallFormat};
 
 enum Backend {
     HuggingFace(Box<tokenizers::Tokenizer>),

@@ -72,18 +72,28 @@ pub struct ParsedAnswer {
 }
 
 /// A tool call as far as a growing answer has written it ([`ToolCallFormat::partial_calls`]):
-/// its name once whole, and the part of its arguments no later text can change.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PartialCall {
+/// its name once whole, and the part of its arguments no later text can change (slices of the
+/// answer).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PartialCall<'a> {
     /// The model's own id for the call (Kimi-K2's `functions.NAME:INDEX`); None in DeepSeek's
     /// formats.
-    pub id: Option<String>,
-    pub name: String,
+    pub id: Option<&'a str>,
+    pub name: &'a str,
     /// The arguments' text so far: always the start of what [`ToolCallFormat::parse`] reads
     /// as the call's arguments once the call is complete.
-    pub arguments: String,
+    pub arguments: &'a str,
     /// The call's closing marker has come.
     pub closed: bool,
+}
+
+/// Where [`ToolCallFormat::partial_calls`] left off in a growing answer: the byte after the
+/// last closed call (None before the section was found), so the next look starts there.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallsCursor {
+    at: Option<usize>,
+    /// Calls closed before `at`.
+    pub closed: usize,
 }
 
 /// Why the tool-call section of an answer could not be read.
@@ -219,22 +229,34 @@ impl ToolCallFormat {
         }
     }
 
-    /// The calls a growing answer (the reasoning removed) has begun, in order: each whose name
-    /// is whole, with its arguments so far, for streaming them as vLLM's tool parsers do
-    /// (OpenAI's `tool_calls` deltas). Text that may still turn out to be markup or trimmed
-    /// whitespace (a partial closing marker or fence, trailing spaces) is held back, so each
-    /// call's arguments only grow and end as [`ToolCallFormat::parse`] reads them when the
-    /// answer parses. Empty for DeepSeek-V4, whose DSML parameters become JSON only whole.
-    pub fn partial_calls(self, answer: &str) -> Vec<PartialCall> {
+    /// The calls a growing answer (the reasoning removed) has begun since `cursor` (start
+    /// with the default), in order: each whose name is whole, with its arguments so far, for
+    /// streaming them as vLLM's tool parsers do (OpenAI's `tool_calls` deltas); the first is
+    /// call number `cursor.closed`, and the cursor moves past the calls that closed (so a long
+    /// answer is not read again from its start at every token). Text that may still turn out
+    /// to be markup or trimmed whitespace (a partial closing marker or fence, trailing spaces)
+    /// is held back, so each call's arguments only grow and end as [`ToolCallFormat::parse`]
+    /// reads them when the answer parses. Empty for DeepSeek-V4, whose DSML parameters become
+    /// JSON only whole.
+    pub fn partial_calls<'a>(
+        self,
+        answer: &'a str,
+        cursor: &mut CallsCursor,
+    ) -> Vec<PartialCall<'a>> {
         let m = match self {
             ToolCallFormat::DeepseekV3 => &V3_MARKUP,
             ToolCallFormat::KimiK2 => &KIMI_MARKUP,
             ToolCallFormat::DeepseekV4 => return Vec::new(),
         };
-        let Some((start, begin_len)) = m.find_section(answer) else {
-            return Vec::new();
+        let start = match cursor.at {
+            Some(at) => at,
+            None => match m.find_section(answer) {
+                Some((start, begin_len)) => start + begin_len,
+                None => return Vec::new(),
+            },
         };
-        let mut rest = &answer[start + begin_len..];
+        cursor.at = Some(start);
+        let mut rest = answer.get(start..).unwrap_or("");
         let mut calls = Vec::new();
         loop {
             rest = rest.trim_start();
@@ -249,6 +271,8 @@ impl ToolCallFormat {
                     c.closed = true;
                     calls.push(c);
                     rest = &r[end + m.call_end.len()..];
+                    cursor.at = Some(answer.len() - rest.len());
+                    cursor.closed += 1;
                 }
                 None => {
                     // The body so far, less a partial closing marker at its end.
@@ -266,47 +290,31 @@ impl ToolCallFormat {
 
     /// A call's body (between its markers; `whole`: the closing marker came) as far as it
     /// reads: None until its name is whole.
-    fn partial_body(self, body: &str, whole: bool) -> Option<PartialCall> {
+    fn partial_body(self, body: &str, whole: bool) -> Option<PartialCall<'_>> {
         // Arguments not yet closed end where trimming or a closing fence could still cut them.
-        let settle = |args: &str, fenced: bool| -> String {
-            let args = args.trim_start();
-            if whole {
-                let a = args.trim_end();
-                let a = if fenced {
-                    a.strip_suffix("```").unwrap_or(a)
-                } else {
-                    a
-                };
-                return a.trim().to_string();
-            }
-            let mut a = args.trim_end();
-            if fenced {
-                a = a.trim_end_matches('`').trim_end();
-            }
-            a.to_string()
-        };
+        let settle = |args, fenced| settle_arguments(args, fenced, whole);
         match self {
             ToolCallFormat::DeepseekV3 => {
                 let (head, tail) = body.split_once(V3_SEP)?;
                 if head.trim() == "function" {
                     let (name, r) = tail.split_once('\n')?;
                     let r = r.trim_start();
-                    let args = match r.strip_prefix("```json") {
+                    let arguments = match r.strip_prefix("```json") {
                         Some(a) => settle(a, true),
                         // The fence's opening is still coming.
-                        None if "```json".starts_with(r) => String::new(),
+                        None if "```json".starts_with(r) => "",
                         None => return None,
                     };
                     Some(PartialCall {
                         id: None,
-                        name: name.trim().to_string(),
-                        arguments: args,
+                        name: name.trim(),
+                        arguments,
                         closed: false,
                     })
                 } else {
                     Some(PartialCall {
                         id: None,
-                        name: head.trim().to_string(),
+                        name: head.trim(),
                         arguments: settle(tail, false),
                         closed: false,
                     })
@@ -321,8 +329,8 @@ impl ToolCallFormat {
                     _ => base,
                 };
                 Some(PartialCall {
-                    id: Some(id.to_string()),
-                    name: name.to_string(),
+                    id: Some(id),
+                    name,
                     arguments: settle(args, false),
                     closed: false,
                 })
@@ -361,6 +369,28 @@ impl ToolCallFormat {
                 })
             }
         }
+    }
+}
+
+/// A call's arguments as far as they are settled: trimmed as the parser trims them, without
+/// the closing fence (`fenced`, V3's), or before `whole` (the call closed) without what
+/// trimming or a closing fence could still cut.
+fn settle_arguments(args: &str, fenced: bool, whole: bool) -> &str {
+    let args = args.trim_start();
+    if whole {
+        let a = args.trim_end();
+        let a = if fenced {
+            a.strip_suffix("```").unwrap_or(a)
+        } else {
+            a
+        };
+        return a.trim();
+    }
+    let a = args.trim_end();
+    if fenced {
+        a.trim_end_matches('`').trim_end()
+    } else {
+        a
     }
 }
 
@@ -608,13 +638,22 @@ mod tests {
                 .map(|(i, _)| i)
                 .chain([answer.len()])
                 .collect();
+            // Read from the start each time, and resumed from where the last look left off:
+            // the same calls.
+            let mut cursor = CallsCursor::default();
+            let mut done: Vec<PartialCall> = Vec::new();
             for &cut in &cuts {
-                let now = format.partial_calls(&answer[..cut]);
+                let now = format.partial_calls(&answer[..cut], &mut CallsCursor::default());
+                let before = cursor.closed;
+                let resumed = format.partial_calls(&answer[..cut], &mut cursor);
+                done.truncate(before);
+                done.extend(resumed);
+                assert_eq!(done, now, "{cut}");
                 assert!(now.len() >= seen.len(), "{cut}: {now:?} after {seen:?}");
                 for (old, new) in seen.iter().zip(&now) {
                     assert_eq!(old.name, new.name, "{cut}");
                     assert!(
-                        new.arguments.starts_with(&old.arguments),
+                        new.arguments.starts_with(old.arguments),
                         "{cut}: {:?} then {:?}",
                         old.arguments,
                         new.arguments
@@ -623,20 +662,22 @@ mod tests {
                 for (c, p) in now.iter().zip(&parsed.tool_calls) {
                     assert_eq!(c.name, p.function.name, "{cut}");
                     let whole = p.function.arguments.as_str().unwrap();
-                    assert!(whole.starts_with(&c.arguments), "{cut}: {c:?}");
+                    assert!(whole.starts_with(c.arguments), "{cut}: {c:?}");
                 }
                 seen = now;
             }
             assert_eq!(seen.len(), parsed.tool_calls.len());
             for (c, p) in seen.iter().zip(&parsed.tool_calls) {
                 assert!(c.closed);
-                assert_eq!(Some(c.arguments.as_str()), p.function.arguments.as_str());
+                assert_eq!(Some(c.arguments), p.function.arguments.as_str());
                 if format == ToolCallFormat::KimiK2 {
-                    assert_eq!(c.id, p.id);
+                    assert_eq!(c.id, p.id.as_deref());
                 }
             }
         }
-        assert!(ToolCallFormat::DeepseekV4.partial_calls("x").is_empty());
+        assert!(ToolCallFormat::DeepseekV4
+            .partial_calls("x", &mut CallsCursor::default())
+            .is_empty());
     }
 
     /// Content settles up to where markup begins or may begin, and always agrees with what
