@@ -41,6 +41,15 @@ static E4M3_TABLE: [f32; 256] = build_table();
 
 /// The exact value of an e4m3fn code; 0x7F and 0xFF are NaN.
 #[inline]
+/// Whether `codes` hold an e4m3fn NaN (0x7F or 0xFF): a pass the compiler vectorizes.
+pub fn has_e4m3_nan(codes: &[u8]) -> bool {
+    codes.chunks(256).any(|c| {
+        c.iter()
+            .fold(0u8, |acc, &b| acc | u8::from(b & 0x7F == 0x7F))
+            != 0
+    })
+}
+
 pub fn e4m3_to_f32(b: u8) -> f32 {
     E4M3_TABLE[b as usize]
 }
@@ -126,6 +135,15 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x7E), 448.0);
         assert_eq!(e4m3_to_f32(0xFE), -448.0);
         assert!(e4m3_to_f32(0x7F).is_nan());
+        // The scan for NaN codes finds exactly those two, anywhere.
+        let mut codes = vec![0x7Eu8; 1000];
+        codes.extend((0..=255u8).filter(|b| b & 0x7F != 0x7F));
+        assert!(!has_e4m3_nan(&codes));
+        for (at, nan) in [(0, 0x7F), (999, 0xFF), (1100, 0x7F)] {
+            let mut c = codes.clone();
+            c[at] = nan;
+            assert!(has_e4m3_nan(&c), "{at}");
+        }
         assert!(e4m3_to_f32(0xFF).is_nan());
         assert_eq!(e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
     }

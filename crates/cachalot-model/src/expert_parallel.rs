@@ -426,11 +426,21 @@ impl ExpertShard {
         }
         if let Some(p) = self.placement {
             if p.ranks != self.ranks || p.experts != experts {
+                let what = if p.experts != experts {
+                    format!(
+                        "holds the loads of {} routed experts per layer; this model has \
+                         {experts}: give the summary.json of a run of this model",
+                        p.experts
+                    )
+                } else {
+                    format!(
+                        "was placed over {} ranks; this group has {}: make the placement for \
+                         as many ranks",
+                        p.ranks, self.ranks
+                    )
+                };
                 return Err(ModelError::Options(format!(
-                    "the expert placement (--expert-placement) is for {} experts over {} ranks; \
-                     this model has {experts} routed experts over {} ranks: make the placement \
-                     from a run of this model with as many ranks",
-                    p.experts, p.ranks, self.ranks
+                    "the expert placement (--expert-placement) {what}"
                 )));
             }
             if p.redundant > 0 && !self.dispatch {

@@ -23,6 +23,8 @@ pub enum Kind {
     IntIn(i64, i64),
     /// A number in `[min, max]`.
     Float(f64, f64),
+    /// A number in `(min, max]`.
+    FloatAbove(f64, f64),
     Str,
     /// A torch dtype's name as the seed's `dtype` takes it ([`is_torch_dtype`]).
     Dtype,
@@ -128,7 +130,7 @@ const SCHEDULER_KEYS: &[Key] = &[
     k("batch_size", Kind::IntIn(1, MAX_BATCH)),
     k("max_new_tokens", Kind::Int(1)),
     k("max_prefill_tokens", Kind::Int(0)),
-    k("mem_fraction_static", Kind::Float(0.0, 1.0)),
+    k("mem_fraction_static", Kind::FloatAbove(0.0, 1.0)),
     k("block_size", Kind::IntIn(1, MAX_BLOCK_SIZE)),
     k("num_reserved_decode_tokens", Kind::Int(0)),
     k("cp_mini_batch", Kind::Int(i64::MIN)),
@@ -632,16 +634,6 @@ impl RunConfig {
                     .into(),
             );
         }
-        if s.mem_fraction_static <= 0.0 {
-            add(
-                "scheduler_config",
-                "mem_fraction_static",
-                format!(
-                    "{} is out of range: must be in (0, 1] (0 leaves no memory for the KV cache)",
-                    s.mem_fraction_static
-                ),
-            );
-        }
     }
 }
 
@@ -873,6 +865,11 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
             Some(x) => Some(format!("{x} is out of range: must be >= {min}")),
             None => Some(format!("expected a number, got {}", got())),
         },
+        Kind::FloatAbove(min, max) => match v.as_f64() {
+            Some(x) if x > min && x <= max => None,
+            Some(x) => Some(format!("{x} is out of range: must be in ({min}, {max}]")),
+            None => Some(format!("expected a number, got {}", got())),
+        },
         Kind::Str => (!v.is_string()).then(|| format!("expected a string, got {}", got())),
         Kind::Dtype => match v.as_str() {
             Some(d) if is_torch_dtype(d) => None,
@@ -1028,13 +1025,15 @@ mod tests {
             e.contains("out of range") && e.contains("max_prefill_tokens"),
             "{e}"
         );
-        let e = RunConfig::from_yaml(
-            "scheduler_config:\n  mem_fraction_static: 0\n",
-            Path::new("x.yaml"),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("(0, 1]"), "{e}");
+        for bad in ["0", "1.5", "-1"] {
+            let e = RunConfig::from_yaml(
+                &format!("scheduler_config:\n  mem_fraction_static: {bad}\n"),
+                Path::new("x.yaml"),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("must be in (0, 1]"), "{e}");
+        }
     }
 
     #[test]

@@ -225,8 +225,9 @@ pub struct Throughput {
     pub output_tok_s_per_rank: f64,
     /// Prompt tokens over the forward time of steps that carried prompt work.
     pub prefill_tok_s: f64,
-    /// Generated tokens per second in pure decode steps (`decode tokens / decode step time`).
-    pub decode_tok_s: f64,
+    /// Generated tokens per second in pure decode steps (`decode tokens / decode step time`);
+    /// null when no step was a pure decode step (every request ended at its first token).
+    pub decode_tok_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -826,6 +827,24 @@ pub fn run_ranked(
     opts: &RunOptions,
     comm: Arc<dyn Communicator>,
 ) -> Result<RunResult, Error> {
+    // A run that fails after its log was opened ends the log with why.
+    let mut log_path = None;
+    let result = run_logged(cfg, opts, comm, &mut log_path);
+    if let (Err(e), Some(path)) = (&result, &log_path) {
+        if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(path) {
+            let _ = writeln!(f, "error: {e}");
+        }
+    }
+    result
+}
+
+/// [`run_ranked`], naming its log in `log_path` once it is open.
+fn run_logged(
+    cfg: &RunConfig,
+    opts: &RunOptions,
+    comm: Arc<dyn Communicator>,
+    log_path: &mut Option<PathBuf>,
+) -> Result<RunResult, Error> {
     let (rank, ranks) = (comm.rank(), comm.world_size());
     // Expert or tensor parallel: one model over the ranks, which run every request in
     // lockstep (named `expert` for the lockstep below; `tensor` picks the shard).
@@ -1097,7 +1116,8 @@ pub fn run_ranked(
     } else {
         format!("run.rank{rank}.log")
     };
-    let mut log = std::fs::File::create(dir.join(log_name))?;
+    let mut log = std::fs::File::create(dir.join(&log_name))?;
+    *log_path = Some(dir.join(&log_name));
     let t_start = Instant::now();
     macro_rules! logln {
         ($($a:tt)*) => {{
@@ -1719,7 +1739,11 @@ pub fn run_ranked(
     // Per-rank rates, summed over ranks that ran at the same time.
     let per = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     let mut prefill_tok_s = per(stats.prefill_tokens, stats.prefill_step_s);
-    let mut decode_tok_s = per(stats.decode_sampled, stats.decode_step_s);
+    let decode_rate = |s: &EngineStats| {
+        (s.decode_steps > 0 && s.decode_step_s > 0.0)
+            .then(|| s.decode_sampled as f64 / s.decode_step_s)
+    };
+    let mut decode_tok_s = decode_rate(&stats);
     if expert {
         // Every rank has every output; the wall time is the group's.
         comm.barrier()?;
@@ -1778,8 +1802,8 @@ pub fn run_ranked(
                 .sum();
             decode_tok_s = reports
                 .iter()
-                .map(|r| per(r.stats.decode_sampled, r.stats.decode_step_s))
-                .sum();
+                .filter_map(|r| decode_rate(&r.stats))
+                .reduce(|a, b| a + b);
             wall_s = reports.iter().map(|r| r.wall_s).fold(0.0, f64::max);
             load_s = reports.iter().map(|r| r.load_s).fold(0.0, f64::max);
             cache_bytes = reports.iter().map(|r| r.cache_bytes).max().unwrap_or(0);

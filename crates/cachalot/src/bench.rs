@@ -960,9 +960,13 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
         plain_s.push(p);
         spec_s.push(s);
         let per = |x: f64, n: usize| x / n.max(1) as f64 * 1e3;
-        decode_ratio.push(ps.decode_step_s / st.decode_step_s.max(1e-12));
-        plain_step.push(per(ps.decode_step_s, ps.decode_steps));
-        spec_step.push(per(st.decode_step_s, st.decode_steps));
+        if ps.decode_steps > 0 && st.decode_steps > 0 && st.decode_step_s > 0.0 {
+            decode_ratio.push(ps.decode_step_s / st.decode_step_s);
+        }
+        if ps.decode_steps > 0 && st.decode_steps > 0 {
+            plain_step.push(per(ps.decode_step_s, ps.decode_steps));
+            spec_step.push(per(st.decode_step_s, st.decode_steps));
+        }
         draft_step.push(per(st.draft_s, st.steps));
         stats = st;
     }
@@ -982,14 +986,15 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
         "plain_tok_s": tokens / p,
         "mtp_tok_s": tokens / s,
         "speedup": p / s,
-        "decode_speedup": median(&mut decode_ratio),
+        // (null when no step decoded: --decode-len 1)
+        "decode_speedup": (!decode_ratio.is_empty()).then(|| median(&mut decode_ratio)),
         "drafted": stats.drafted,
         "accepted": stats.accepted_drafts,
         "acceptance_rate": stats.acceptance_rate(),
         "mean_accepted_length": stats.mean_accepted_length(),
         "tokens_per_main_step": stats.tokens_per_main_step(),
-        "plain_decode_step_ms": median(&mut plain_step),
-        "mtp_decode_step_ms": median(&mut spec_step),
+        "plain_decode_step_ms": (!plain_step.is_empty()).then(|| median(&mut plain_step)),
+        "mtp_decode_step_ms": (!spec_step.is_empty()).then(|| median(&mut spec_step)),
         "mtp_draft_ms_per_step": median(&mut draft_step),
         "threads": rayon::current_num_threads(),
         "kernels": cachalot_kernels::kernel_isa(),

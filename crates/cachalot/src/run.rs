@@ -496,10 +496,23 @@ pub(crate) fn connect_ranks(
                     );
                 }
             }
+            let world = group.world_size.unwrap_or(1);
+            let master = group.master.clone().unwrap_or_default();
+            if !quiet && world > 1 {
+                let whom = if rank == 0 {
+                    format!("the other {} ranks to join at {master}", world - 1)
+                } else {
+                    format!("rank 0 at {master}")
+                };
+                say!(
+                    "cachalot: rank {rank} of {world}: waiting up to {} s for {whom}",
+                    RENDEZVOUS.as_secs()
+                );
+            }
             TcpComm::connect(&TcpRendezvous {
                 rank,
-                world_size: group.world_size.unwrap_or(1),
-                master: group.master.clone().unwrap_or_default(),
+                world_size: world,
+                master,
                 timeout: RENDEZVOUS,
             })
             .and_then(|c| share_memory(c, group.transport == TransportArg::Auto))

@@ -380,6 +380,11 @@ pub struct Matrix {
     rows: usize,
     cols: usize,
     data: MatrixData,
+    /// Whether the weights hold e4m3fn NaN codes (0x7F/0xFF), which the vector decoders read
+    /// as ±480: found on the first product (a scan of the matrix's bytes, once), so a damaged
+    /// checkpoint's products come out NaN as the f32 path's do, without reading every weight
+    /// at load.
+    nan_codes: std::sync::OnceLock<bool>,
 }
 
 impl Matrix {
@@ -484,7 +489,23 @@ impl Matrix {
                 });
             }
         }
-        Ok(Matrix { rows, cols, data })
+        Ok(Matrix {
+            rows,
+            cols,
+            data,
+            nan_codes: Default::default(),
+        })
+    }
+
+    /// Whether the weights hold e4m3fn NaN codes (FP8 and MXFP8 formats; scanned once, on the
+    /// first call): a product with such a matrix is all NaN, as the exact decode makes it.
+    pub fn holds_nan_codes(&self) -> bool {
+        *self.nan_codes.get_or_init(|| match &self.data {
+            MatrixData::Fp8Block { data, .. } | MatrixData::Mxfp8 { data, .. } => {
+                crate::fp8::has_e4m3_nan(data.as_slice())
+            }
+            _ => false,
+        })
     }
 
     pub fn rows(&self) -> usize {
@@ -623,6 +644,10 @@ impl Matrix {
         if n_tokens == 0 || rows.is_empty() {
             return;
         }
+        if self.holds_nan_codes() {
+            out.fill(f32::NAN);
+            return;
+        }
         let view = self.view();
         let m = rows.len();
         let first = rows.start;
@@ -691,6 +716,10 @@ impl Matrix {
             out.fill(0.0);
             return;
         }
+        if self.holds_nan_codes() {
+            out.fill(f32::NAN);
+            return;
+        }
         let view = self.view();
         let split = Split {
             align: view.column_align(),
@@ -755,6 +784,7 @@ impl Matrix {
                 rows: self.rows,
                 cols: self.cols,
                 data: MatrixData::Bf16Dot(b.clone()),
+                nan_codes: Default::default(),
             },
             _ => self.clone(),
         }
@@ -820,6 +850,7 @@ impl Matrix {
             rows: self.rows,
             cols: self.cols,
             data,
+            nan_codes: Default::default(),
         }
     }
 
@@ -830,6 +861,7 @@ impl Matrix {
             rows: self.rows,
             cols: self.cols,
             data: MatrixData::F32(bytes),
+            nan_codes: Default::default(),
         }
     }
 }
@@ -1077,6 +1109,11 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
         tasks.iter().for_each(run);
     } else {
         tasks.par_iter().for_each(run);
+    }
+    drop(outs);
+    // Weights holding NaN codes give NaN, as in [`Matrix::matmul`].
+    for j in jobs.iter_mut().filter(|j| j.w.holds_nan_codes()) {
+        j.out.fill(f32::NAN);
     }
 }
 

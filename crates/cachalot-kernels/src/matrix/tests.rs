@@ -529,6 +529,68 @@ fn fp8_block_dequant_with_ragged_edges() {
     }
 }
 
+/// A weight holding an e4m3fn NaN code (which the vector decoders would read as ±480) makes
+/// every product with its matrix NaN, at every level, as the exact (f32) decode does; a clean
+/// matrix is untouched.
+#[test]
+fn fp8_nan_codes_make_the_products_nan() {
+    let (rows, cols, n_tokens) = (40, 64, 3);
+    let mut codes = vec![0x38u8; rows * cols];
+    let clean = Matrix::new(
+        rows,
+        cols,
+        MatrixData::Fp8Block {
+            data: Bytes::from_vec(codes.clone()),
+            scale_inv: vec![1.0],
+            block_rows: 128,
+            block_cols: 128,
+        },
+    )
+    .unwrap();
+    codes[rows * cols - 5] = 0xFF;
+    let bad = Matrix::new(
+        rows,
+        cols,
+        MatrixData::Fp8Block {
+            data: Bytes::from_vec(codes),
+            scale_inv: vec![1.0],
+            block_rows: 128,
+            block_cols: 128,
+        },
+    )
+    .unwrap();
+    assert!(bad.holds_nan_codes() && !clean.holds_nan_codes());
+    let x = vec![0.5f32; n_tokens * cols];
+    for level in levels() {
+        let mut out = vec![0.0f32; n_tokens * rows];
+        bad.matmul_rows_at(level, 0..rows, &x, n_tokens, &mut out);
+        assert!(out.iter().all(|v| v.is_nan()), "{level:?}");
+        clean.matmul_rows_at(level, 0..rows, &x, n_tokens, &mut out);
+        assert!(out.iter().all(|v| *v == 32.0), "{level:?}");
+        let xt = vec![0.5f32; n_tokens * rows];
+        let mut out_t = vec![0.0f32; n_tokens * cols];
+        bad.matmul_t_rows_at(level, 0..rows, &xt, n_tokens, &mut out_t);
+        assert!(out_t.iter().all(|v| v.is_nan()), "{level:?}");
+        let (mut a, mut b) = (vec![0.0f32; n_tokens * rows], vec![0.0f32; n_tokens * rows]);
+        let mut jobs = [
+            MatmulJob {
+                w: &clean,
+                x: &x,
+                n_tokens,
+                out: &mut a,
+            },
+            MatmulJob {
+                w: &bad,
+                x: &x,
+                n_tokens,
+                out: &mut b,
+            },
+        ];
+        matmul_group_at(level, &mut jobs);
+        assert!(a.iter().all(|v| *v == 32.0) && b.iter().all(|v| v.is_nan()));
+    }
+}
+
 #[test]
 fn fp8_scale_grid_shapes() {
     let m = |rows, cols, br, bc, n| {
