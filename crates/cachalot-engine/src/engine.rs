@@ -24,6 +24,12 @@
 //!    for rejected ones ([`Scheduler::accept_drafts`]); their KV (main and MTP layers) beyond
 //!    the computed length is never read before it is overwritten.
 //!
+//! A prompt's rows whose next token is a prompt token do not wait for step 1: the MTP layer runs
+//! them in the step that computed them, after the main forward and before its sampling (as the
+//! seed runs the MTP layer over a prompt in its prefill), so their time is the prompt's (TTFT),
+//! not the first decoded token's; only the prompt's last row, whose next token is the one that
+//! step samples, waits for the next step (where it gives draft 1).
+//!
 //! Requests in one batch accept different numbers of drafts; prefill (chunked), preemption and
 //! plain decoding go on beside them unchanged. The [`Model`] trait stays family-agnostic: the
 //! MTP methods have defaults meaning "no MTP layer".
@@ -1640,6 +1646,25 @@ impl<'t, M: Model> Engine<'t, M> {
         };
         report.forward_s = t0.elapsed().as_secs_f64();
         check_logits(&logits, "the model")?;
+        // Prompt chunks: their rows' MTP pass now, before sampling (module docs); their hidden
+        // states are kept here rather than after sampling (a chunk has no drafts, so every row
+        // of it is valid).
+        let mut kept_early = Vec::new();
+        if let Some(h) = &hidden {
+            for (n, it) in plan.items.iter().enumerate() {
+                let prompt_len = self.live.get(&it.id).map_or(0, |l| l.prompt_len);
+                if it.decode || it.start + it.len > prompt_len {
+                    continue;
+                }
+                self.keep_hidden(it.id, it.start, it.len, &batch, n, h);
+                kept_early.push(it.id);
+            }
+            let t = Instant::now();
+            self.prompt_catch_up(&kept_early)?;
+            let spent = t.elapsed().as_secs_f64();
+            report.draft_s += spent;
+            report.draft_prompt_s += spent;
+        }
         let vocab = self.model.vocab_size();
         let mut rows = logits.chunks_exact(vocab);
         // Requests that end this step, retired after the loop.
@@ -1786,7 +1811,7 @@ impl<'t, M: Model> Engine<'t, M> {
             let keep = !finished
                 || self.exporting.contains(&it.id)
                 || self.scheduler.kv().prefix_lookahead() > 0;
-            if let (Some(h), true) = (&hidden, keep) {
+            if let (Some(h), true) = (&hidden, keep && !kept_early.contains(&it.id)) {
                 self.keep_hidden(it.id, it.start, valid, &batch, n, h);
             }
             if let Some(reason) = ends {
@@ -2089,17 +2114,40 @@ impl<'t, M: Model> Engine<'t, M> {
         Ok(finish)
     }
 
-    /// With MTP and prefix caching: requests that end before the MTP catch-up of their last
-    /// prompt rows (a prefill server's requests, which export them; answers of one token) run
-    /// it now, in one forward, up to their last whole prompt block (or, where generated blocks
-    /// are shared, their last whole block of computed positions), so those blocks can be
-    /// shared too (its time counts as prefill). Call before they retire.
-    fn catch_up_prompt_rows(&mut self, ids: &[u64]) -> Result<(), EngineError> {
-        if ids.is_empty() || self.next_n == 0 || self.scheduler.kv().prefix_lookahead() == 0 {
-            return Ok(());
+    /// The MTP pass over the prompt rows `ids` have pending whose next token is a prompt token
+    /// (all but a prompt's last row), in one batched forward; what stays pending is the rest.
+    fn prompt_catch_up(&mut self, ids: &[u64]) -> Result<(), EngineError> {
+        // Row r pairs token r + 1 with the hidden state at r: prompt tokens up to prompt_len - 1.
+        let caught = self.mtp_catch_up(ids, |live, p| {
+            (p.first + p.rows).min(live.prompt_len.saturating_sub(1))
+        })?;
+        for (id, first, end) in caught {
+            let live = self.live.get_mut(&id).expect("caught");
+            let p = live.mtp_pending.as_mut().expect("caught");
+            let h = p.hidden.len() / p.rows;
+            let done = end - first;
+            if done == p.rows {
+                live.mtp_pending = None;
+            } else {
+                p.hidden.drain(..done * h);
+                p.first = end;
+                p.rows -= done;
+            }
         }
-        let t0 = Instant::now();
-        let bs = self.scheduler.kv().block_size();
+        Ok(())
+    }
+
+    /// One batched MTP forward over the pending rows of `ids` from their first to `end_of`'s
+    /// position (exclusive; requests with nothing there are left out), marked as prompt rows,
+    /// without logits: the (request, first, end) of each range run.
+    fn mtp_catch_up(
+        &mut self,
+        ids: &[u64],
+        end_of: impl Fn(&Live, &Pending) -> usize,
+    ) -> Result<Vec<(u64, usize, usize)>, EngineError> {
+        if ids.is_empty() || self.next_n == 0 {
+            return Ok(Vec::new());
+        }
         let mut batch = Batch::default();
         let mut prev = Vec::new();
         let mut caught = Vec::new();
@@ -2110,14 +2158,7 @@ impl<'t, M: Model> Engine<'t, M> {
             let Some(p) = &live.mtp_pending else {
                 continue;
             };
-            // Up to the last whole block that may be offered: of the prompt, or where generated
-            // blocks are shared, of the positions computed (the last token is never fed).
-            let offered = if self.scheduler.shares_generated() {
-                live.tokens.len() - 1
-            } else {
-                live.prompt_len
-            };
-            let end = (p.first + p.rows).min(offered / bs * bs);
+            let end = end_of(live, p);
             if p.first >= end || live.tokens.len() <= end {
                 continue;
             }
@@ -2134,13 +2175,40 @@ impl<'t, M: Model> Engine<'t, M> {
             caught.push((id, p.first, end));
         }
         if caught.is_empty() {
-            return Ok(());
+            return Ok(caught);
         }
         self.model.mtp_forward(0, &batch, &prev, &mut self.cache)?;
-        for (id, first, end) in caught {
+        for &(id, first, end) in &caught {
             self.scheduler.mtp_computed(id, first, end);
         }
-        self.stats.prefill_step_s += t0.elapsed().as_secs_f64();
+        Ok(caught)
+    }
+
+    /// With MTP and prefix caching: requests that end before the MTP catch-up of their last
+    /// prompt rows (a prefill server's requests, which export them; answers of one token) run
+    /// it now, in one forward, up to their last whole prompt block (or, where generated blocks
+    /// are shared, their last whole block of computed positions), so those blocks can be
+    /// shared too (its time counts as prefill). Call before they retire.
+    fn catch_up_prompt_rows(&mut self, ids: &[u64]) -> Result<(), EngineError> {
+        if self.scheduler.kv().prefix_lookahead() == 0 {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let bs = self.scheduler.kv().block_size();
+        let shares_generated = self.scheduler.shares_generated();
+        // Up to the last whole block that may be offered: of the prompt, or where generated
+        // blocks are shared, of the positions computed (the last token is never fed).
+        let caught = self.mtp_catch_up(ids, |live, p| {
+            let offered = if shares_generated {
+                live.tokens.len() - 1
+            } else {
+                live.prompt_len
+            };
+            (p.first + p.rows).min(offered / bs * bs)
+        })?;
+        if !caught.is_empty() {
+            self.stats.prefill_step_s += t0.elapsed().as_secs_f64();
+        }
         Ok(())
     }
 
