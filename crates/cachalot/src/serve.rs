@@ -3229,6 +3229,13 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             "a forced call needs the request's tools",
         ));
     }
+    // As OpenAI and vLLM: a tool choice other than "none" needs tools to choose from.
+    if reads_calls && field(body, "tool_choice").is_some() && tools.is_none() {
+        return Err(ApiError::bad(
+            "tool_choice",
+            "tool_choice needs the request's tools (give tools, or leave tool_choice out)",
+        ));
+    }
     let mut forced_prefix = String::new();
     let mut forced_suffix = String::new();
     // A forced call's arguments are one JSON object, after one of these leads when the model
@@ -3387,64 +3394,68 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         None => room.min(defaults.max_tokens.unwrap_or(usize::MAX)),
     };
 
-    let params =
-        SamplingParams {
-            temperature: number(body, "temperature", 0.0, 100.0)?
-                .or(defaults.temperature)
-                .unwrap_or(1.0) as f32,
-            top_k: match field(body, "top_k") {
-                None => defaults.top_k.unwrap_or(0),
-                Some(v) if v.as_i64() == Some(-1) => 0,
-                Some(v) => v.as_u64().map(|k| k as usize).ok_or_else(|| {
-                    ApiError::bad(
-                        "top_k",
-                        format!("expected a non-negative integer or -1 (off), got {v}"),
-                    )
-                })?,
-            },
-            top_p: positive_f32(
-                number(body, "top_p", 0.0, 1.0)?
-                    .or(defaults.top_p)
-                    .unwrap_or(1.0),
-            ),
-            min_p: number(body, "min_p", 0.0, 1.0)?
-                .or(defaults.min_p)
-                .unwrap_or(0.0) as f32,
-            repetition_penalty: match number(body, "repetition_penalty", 0.0, f32::MAX as f64)?
-                .or(defaults.repetition_penalty)
-            {
-                Some(p) if p <= 0.0 => {
-                    return Err(ApiError::bad(
-                        "repetition_penalty",
-                        format!("{p}: must be above 0 (1 = off)"),
-                    ))
-                }
-                p => positive_f32(p.unwrap_or(1.0)),
-            },
-            presence_penalty: number(body, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
-            frequency_penalty: number(body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
-            seed: match field(body, "seed") {
-                None => None,
-                Some(v) => Some(v.as_i64().map(|s| s as u64).ok_or_else(|| {
-                    ApiError::bad("seed", format!("expected an integer, got {v}"))
-                })?),
-            },
-            logit_bias: logit_bias(body, vocab)?,
-            min_tokens: match count(body, "min_tokens")? {
-                // (A prefill server samples one token; the decode server checks the answer's.)
-                Some(n) if n > max_new && shared.role != Role::Prefill => {
-                    return Err(ApiError::bad(
-                        "min_tokens",
-                        format!("{n} is more than the {max_new} tokens the answer may take"),
-                    ))
-                }
-                n => n.unwrap_or(0),
-            },
-            // vLLM's filter order.
-            min_p_first: true,
-            allowed_tokens: allowed_token_ids(body, vocab)?,
-            bad_words: bad_words(tok, body)?,
-        };
+    let params = SamplingParams {
+        temperature: number(body, "temperature", 0.0, 100.0)?
+            .or(defaults.temperature)
+            .unwrap_or(1.0) as f32,
+        top_k: match field(body, "top_k") {
+            None => defaults.top_k.unwrap_or(0),
+            Some(v) if v.as_i64() == Some(-1) => 0,
+            Some(v) => v.as_u64().map(|k| k as usize).ok_or_else(|| {
+                ApiError::bad(
+                    "top_k",
+                    format!("expected a non-negative integer or -1 (off), got {v}"),
+                )
+            })?,
+        },
+        top_p: positive_f32(
+            number(body, "top_p", 0.0, 1.0)?
+                .or(defaults.top_p)
+                .unwrap_or(1.0),
+        ),
+        min_p: number(body, "min_p", 0.0, 1.0)?
+            .or(defaults.min_p)
+            .unwrap_or(0.0) as f32,
+        repetition_penalty: match number(body, "repetition_penalty", 0.0, f32::MAX as f64)?
+            .or(defaults.repetition_penalty)
+        {
+            Some(p) if p <= 0.0 => {
+                return Err(ApiError::bad(
+                    "repetition_penalty",
+                    format!("{p}: must be above 0 (1 = off)"),
+                ))
+            }
+            p => positive_f32(p.unwrap_or(1.0)),
+        },
+        presence_penalty: number(body, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        frequency_penalty: number(body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        seed: match field(body, "seed") {
+            None => None,
+            Some(v) => Some(v.as_i64().map(|s| s as u64).ok_or_else(|| {
+                let why = if v.is_number() {
+                    "expected an integer from -2^63 to 2^63 - 1"
+                } else {
+                    "expected an integer"
+                };
+                ApiError::bad("seed", format!("{why}, got {v}"))
+            })?),
+        },
+        logit_bias: logit_bias(body, vocab)?,
+        min_tokens: match count(body, "min_tokens")? {
+            // (A prefill server samples one token; the decode server checks the answer's.)
+            Some(n) if n > max_new && shared.role != Role::Prefill => {
+                return Err(ApiError::bad(
+                    "min_tokens",
+                    format!("{n} is more than the {max_new} tokens the answer may take"),
+                ))
+            }
+            n => n.unwrap_or(0),
+        },
+        // vLLM's filter order.
+        min_p_first: true,
+        allowed_tokens: allowed_token_ids(body, vocab)?,
+        bad_words: bad_words(tok, body)?,
+    };
     if params.top_p == 0.0 {
         return Err(ApiError::bad("top_p", "must be above 0"));
     }
@@ -4316,10 +4327,24 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
     .any(|p| src.contains(p))
         || walks_content_variable(src);
     let mut messages = messages.clone();
+    // OpenAI's `developer` role is its `system` role: a template that does not name it gets
+    // `system` (R1's renders only that; it would drop the message).
+    let knows_developer = src.contains("developer");
     // A tool's or function's empty result (null content) is an empty string to the templates,
     // which concatenate content.
     for m in messages.as_array_mut().into_iter().flatten() {
         alias_reasoning(m);
+        if !knows_developer && m.get("role").and_then(Value::as_str) == Some("developer") {
+            m["role"] = "system".into();
+        }
+        // `tool_calls: null` or `[]` is no calls (clients serialize an assistant message's
+        // fields whole): left out, as vLLM drops a null, rather than a present key a template
+        // tests for (R1's renders a broken call section).
+        if m.get("tool_calls")
+            .is_some_and(|c| c.is_null() || c.as_array().is_some_and(Vec::is_empty))
+        {
+            m.as_object_mut().map(|o| o.remove("tool_calls"));
+        }
         let role = m.get("role").and_then(Value::as_str);
         let empty = m.get("content").is_none_or(Value::is_null);
         // So is an assistant turn's null content without calls (vLLM renders it as ""; R1's
@@ -4995,12 +5020,19 @@ fn unique_tag() -> String {
 /// The answer's `content`, with `tool_calls` read from it when the request gave tools.
 fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, finish: &mut &str) {
     // A forced call's JSON arguments that completed (a stop) get the call's closing markup.
-    let suffix = if *finish == "stop" {
-        call.forced_suffix.as_str()
-    } else {
-        ""
+    // (Only where it then reads as a call: a stop string that cut the arguments short leaves the
+    // text as the model wrote it.)
+    let closed = format!("{}{answer}{}", call.forced_prefix, call.forced_suffix);
+    let reads = |t: &str| {
+        shared
+            .tool_format
+            .is_some_and(|f| f.parse(t).is_ok_and(|p| !p.tool_calls.is_empty()))
     };
-    let answer = &format!("{}{answer}{suffix}", call.forced_prefix);
+    let answer = &if *finish == "stop" && !call.forced_suffix.is_empty() && reads(&closed) {
+        closed
+    } else {
+        format!("{}{answer}", call.forced_prefix)
+    };
     message["content"] = answer.as_str().into();
     if !call.tools {
         return;

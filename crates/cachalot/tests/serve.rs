@@ -669,6 +669,32 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
         let (status, t) = post(addr, "/tokenize", &json!({"messages": m}));
         assert_eq!(status, 200, "{m}: {t}");
     }
+    // `tool_calls: null` or `[]` is an assistant turn without calls (clients serialize the
+    // whole message), and a `developer` message is a system message to a template that knows
+    // no developer role (R1's).
+    let plain = json!([{"role": "user", "content": "Hi"},
+                       {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "x"}]);
+    let (_, want) = post(addr, "/tokenize", &json!({"messages": plain}));
+    for calls in [Value::Null, json!([])] {
+        let mut m = plain.clone();
+        m[1]["tool_calls"] = calls;
+        let (_, t) = post(addr, "/tokenize", &json!({"messages": m}));
+        assert_eq!(t["tokens"], want["tokens"], "{m}");
+    }
+    let as_system = |role: &str| {
+        let m = json!([{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]);
+        post(addr, "/tokenize", &json!({"messages": m})).1["tokens"].clone()
+    };
+    assert_eq!(as_system("developer"), as_system("system"));
+    let (status, e) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": plain, "tool_choice": "auto"}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("tool_choice"))
+    );
     let (status, c) = post(
         addr,
         "/v1/chat/completions",
