@@ -1651,9 +1651,19 @@ impl<'t, M: Model> Engine<'t, M> {
         // of it is valid).
         let mut kept_early = Vec::new();
         if let Some(h) = &hidden {
+            let lookahead = self.scheduler.kv().prefix_lookahead() > 0;
             for (n, it) in plan.items.iter().enumerate() {
-                let prompt_len = self.live.get(&it.id).map_or(0, |l| l.prompt_len);
-                if it.decode || it.start + it.len > prompt_len {
+                let Some(live) = self.live.get(&it.id) else {
+                    continue;
+                };
+                if it.decode || it.start + it.len > live.prompt_len {
+                    continue;
+                }
+                // (Not for an answer of one token or none that nothing shares or exports: no
+                // draft follows it.)
+                let drafts_follow =
+                    live.stop.max_new_tokens > 1 || lookahead || self.exporting.contains(&it.id);
+                if !drafts_follow {
                     continue;
                 }
                 self.keep_hidden(it.id, it.start, it.len, &batch, n, h);
@@ -1969,7 +1979,11 @@ impl<'t, M: Model> Engine<'t, M> {
                 want,
             );
             self.slots.name(&mut batch, id, &self.scheduler);
-            if p.first < pl {
+            // A prompt's last row alone (its other rows ran in their own steps) is computed as a
+            // generated position is (the absorbed path: no up-projection of the whole context
+            // for one row); it is always alone here, so always computed this way.
+            let last_row_alone = p.first + 1 == pl && p.rows == 1;
+            if p.first < pl && !last_row_alone {
                 batch.mark_prefill();
             } else {
                 batch.mark_generated();

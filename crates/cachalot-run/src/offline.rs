@@ -1691,15 +1691,17 @@ fn run_logged(
             },
             r.forward_s * 1e3,
             r.kv_used_blocks,
-            if r.drafted > 0 {
-                format!(
+            // The MTP layer's time in the step (its pass over prompt rows included), then what
+            // its drafts did.
+            match (r.draft_s > 0.0, r.drafted > 0) {
+                (true, true) => format!(
                     ", MTP {:.2} ms, {}/{} drafts accepted",
                     r.draft_s * 1e3,
                     r.accepted,
                     r.drafted
-                )
-            } else {
-                String::new()
+                ),
+                (true, false) => format!(", MTP {:.2} ms", r.draft_s * 1e3),
+                _ => String::new(),
             },
             if r.preempted > 0 {
                 format!(", {} preempted", r.preempted)
