@@ -1650,6 +1650,8 @@ impl<'t, M: Model> Engine<'t, M> {
         // states are kept here rather than after sampling (a chunk has no drafts, so every row
         // of it is valid).
         let mut kept_early = Vec::new();
+        // Prompt chunks of answers no draft follows: their hidden states are not kept at all.
+        let mut no_mtp = Vec::new();
         if let Some(h) = &hidden {
             let lookahead = self.scheduler.kv().prefix_lookahead() > 0;
             for (n, it) in plan.items.iter().enumerate() {
@@ -1664,16 +1666,19 @@ impl<'t, M: Model> Engine<'t, M> {
                 let drafts_follow =
                     live.stop.max_new_tokens > 1 || lookahead || self.exporting.contains(&it.id);
                 if !drafts_follow {
+                    no_mtp.push(it.id);
                     continue;
                 }
                 self.keep_hidden(it.id, it.start, it.len, &batch, n, h);
                 kept_early.push(it.id);
             }
-            let t = Instant::now();
-            self.prompt_catch_up(&kept_early)?;
-            let spent = t.elapsed().as_secs_f64();
-            report.draft_s += spent;
-            report.draft_prompt_s += spent;
+            if !kept_early.is_empty() {
+                let t = Instant::now();
+                self.prompt_catch_up(&kept_early)?;
+                let spent = t.elapsed().as_secs_f64();
+                report.draft_s += spent;
+                report.draft_prompt_s += spent;
+            }
         }
         let vocab = self.model.vocab_size();
         let mut rows = logits.chunks_exact(vocab);
@@ -1821,7 +1826,8 @@ impl<'t, M: Model> Engine<'t, M> {
             let keep = !finished
                 || self.exporting.contains(&it.id)
                 || self.scheduler.kv().prefix_lookahead() > 0;
-            if let (Some(h), true) = (&hidden, keep && !kept_early.contains(&it.id)) {
+            let keep = keep && !kept_early.contains(&it.id) && !no_mtp.contains(&it.id);
+            if let (Some(h), true) = (&hidden, keep) {
                 self.keep_hidden(it.id, it.start, valid, &batch, n, h);
             }
             if let Some(reason) = ends {
@@ -1962,7 +1968,10 @@ impl<'t, M: Model> Engine<'t, M> {
                 p.rows = k;
             }
             rows += p.rows;
-            prompt_rows += live.prompt_len.saturating_sub(p.first).min(p.rows);
+            // (A prompt's last row alone gives draft 1: decode work, not the prompt's.)
+            if !(p.first + 1 == pl && p.rows == 1) {
+                prompt_rows += live.prompt_len.saturating_sub(p.first).min(p.rows);
+            }
             let n = item_of.get(&id).copied();
             // Draft only when the rows end right before the item's known token.
             let want = match n {

@@ -39,17 +39,24 @@ const fn build_table() -> [f32; 256] {
 
 static E4M3_TABLE: [f32; 256] = build_table();
 
-/// The exact value of an e4m3fn code; 0x7F and 0xFF are NaN.
-#[inline]
-/// Whether `codes` hold an e4m3fn NaN (0x7F or 0xFF): a pass the compiler vectorizes.
+/// Whether `codes` hold an e4m3fn NaN (0x7F or 0xFF): a pass the compiler vectorizes, over
+/// the thread pool for large inputs (a first product's scan of a big matrix).
 pub fn has_e4m3_nan(codes: &[u8]) -> bool {
-    codes.chunks(256).any(|c| {
+    use rayon::prelude::*;
+    let chunk = |c: &[u8]| {
         c.iter()
             .fold(0u8, |acc, &b| acc | u8::from(b & 0x7F == 0x7F))
             != 0
-    })
+    };
+    if codes.len() >= 1 << 22 && crate::parallel::may_fork() {
+        codes.par_chunks(1 << 16).any(chunk)
+    } else {
+        codes.chunks(256).any(chunk)
+    }
 }
 
+/// The exact value of an e4m3fn code; 0x7F and 0xFF are NaN.
+#[inline]
 pub fn e4m3_to_f32(b: u8) -> f32 {
     E4M3_TABLE[b as usize]
 }

@@ -831,8 +831,16 @@ pub fn run_ranked(
     let mut log_path = None;
     let result = run_logged(cfg, opts, comm, &mut log_path);
     if let (Err(e), Some(path)) = (&result, &log_path) {
-        if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(path) {
-            let _ = writeln!(f, "error: {e}");
+        // (A stop the run logged itself, "the run stopped: …", is said there already.)
+        let logged = std::fs::read_to_string(path).is_ok_and(|log| {
+            log.lines()
+                .last()
+                .is_some_and(|l| l.contains("the run stopped"))
+        });
+        if !logged {
+            if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(path) {
+                let _ = writeln!(f, "error: {e}");
+            }
         }
     }
     result

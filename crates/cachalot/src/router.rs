@@ -92,16 +92,20 @@ struct Router {
     timeout: Duration,
     /// The rooms of requests in flight: a second request naming one of them is refused here,
     /// before it could take the first one's KV from the prefill server.
-    rooms: std::sync::Mutex<std::collections::HashSet<u64>>,
+    rooms: Rooms,
 }
 
-/// A room of [`Router::rooms`], given back when dropped.
-struct RoomHeld<'a>(&'a Router, u64);
+/// The rooms of requests in flight.
+type Rooms = std::sync::Arc<std::sync::Mutex<std::collections::HashSet<u64>>>;
 
-impl Drop for RoomHeld<'_> {
+/// A room of [`Router::rooms`], given back when the last of its holders drops it: the request's
+/// handler, its prefill thread and the thread that drops its KV (a room freed before its
+/// prefill has answered could be taken by a new request, whose KV a late drop would destroy).
+struct RoomHeld(Rooms, u64);
+
+impl Drop for RoomHeld {
     fn drop(&mut self) {
         self.0
-            .rooms
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.1);
@@ -216,7 +220,10 @@ fn exchange(
     // Connecting is bounded too (an unreachable host would hold SYN retries for minutes).
     let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
     let mut conn = None;
-    for a in std::net::ToSocketAddrs::to_socket_addrs(addr)? {
+    // (A name that does not resolve is a server not reached.)
+    let addrs = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::NotFound, e))?;
+    for a in addrs {
         match TcpStream::connect_timeout(&a, left()?) {
             Ok(c) => {
                 conn = Some(c);
@@ -460,7 +467,8 @@ enum Outcome {
 
 /// The status and message a client gets for a backend (`who`, "decode server HOST:PORT") that
 /// gave no answer: 504 when the request's `--timeout-s` ran out, the drain's 503 when the
-/// router's SIGTERM grace ended, 503 when the server could not be reached or failed.
+/// router's SIGTERM grace ended, 503 when the server could not be reached (refused, no such
+/// host, no connection in time), 502 when it was reached and then failed.
 fn lost(who: &str, e: &std::io::Error, timeout: Duration) -> (u16, String) {
     match cut_of(e) {
         Some(Cut::Drain) => (503, crate::term::DRAIN_CUT.to_string()),
@@ -481,6 +489,7 @@ fn lost(who: &str, e: &std::io::Error, timeout: Duration) -> (u16, String) {
                 | std::io::ErrorKind::HostUnreachable
                 | std::io::ErrorKind::NetworkUnreachable
                 | std::io::ErrorKind::AddrNotAvailable
+                | std::io::ErrorKind::TimedOut
         ) =>
         {
             (503, format!("{who}: {e}"))
@@ -656,7 +665,7 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                     ),
                 );
             }
-            let _room = RoomHeld(router, room);
+            let held = std::sync::Arc::new(RoomHeld(router.rooms.clone(), room));
             let p = &router.prefill[(room % router.prefill.len() as u64) as usize];
             let d = &router.decode[(room % router.decode.len() as u64) as usize];
             let kv_port = p.kv_port();
@@ -671,6 +680,7 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                 state: std::sync::Mutex::new((false, false)),
                 at: format!("{}:{kv_port}", bracket(&p.host)),
                 room,
+                held: held.clone(),
             });
             // Both posts at once; the client gets the decode server's answer, unless the
             // prefill server refuses or fails first (then its answer: the decode server would
@@ -697,9 +707,12 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                             Some(Outcome::PrefillLost(e))
                         }
                     };
-                    // However the prefill ended, a room the decode side did not take is
-                    // dropped (a drop finds nothing to do where no KV was kept).
-                    release.prefilled();
+                    // A prefill that answered, or whose answer was lost (it may hold KV), has
+                    // its room dropped if the decode side did not take it; one the prefill
+                    // server refused kept nothing (and the room may be another's).
+                    if !matches!(outcome, Some(Outcome::Prefill(..))) {
+                        release.prefilled();
+                    }
                     if let Some(outcome) = outcome {
                         let _ = tx.send(outcome);
                     }
@@ -768,6 +781,8 @@ struct Release {
     /// The prefill server's KV port, HOST:PORT.
     at: String,
     room: u64,
+    /// The room, held until the drop is sent.
+    held: std::sync::Arc<RoomHeld>,
 }
 
 impl Release {
@@ -784,8 +799,9 @@ impl Release {
         let before = *s == (true, true);
         f(&mut s);
         if *s == (true, true) && !before {
-            let (at, room) = (self.at.clone(), self.room);
+            let (at, room, _held) = (self.at.clone(), self.room, self.held.clone());
             std::thread::spawn(move || {
+                let _held = _held;
                 let _flight = crate::term::InFlight::enter();
                 if let Err(e) = drop_kv(&at, room) {
                     say!(

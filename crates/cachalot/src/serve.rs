@@ -3230,7 +3230,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         ));
     }
     // As OpenAI and vLLM: a tool choice other than "none" needs tools to choose from.
-    if reads_calls && field(body, "tool_choice").is_some() && tools.is_none() {
+    if chat && reads_calls && field(body, "tool_choice").is_some() && tools.is_none() {
         return Err(ApiError::bad(
             "tool_choice",
             "tool_choice needs the request's tools (give tools, or leave tool_choice out)",

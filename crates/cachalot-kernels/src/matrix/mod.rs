@@ -846,11 +846,17 @@ impl Matrix {
                 }
             }
         };
+        // Quantizing reads a NaN code as 0: the copy keeps the source's NaN products.
+        let nan_codes = if self.holds_nan_codes() {
+            std::sync::OnceLock::from(true)
+        } else {
+            Default::default()
+        };
         Matrix {
             rows: self.rows,
             cols: self.cols,
             data,
-            nan_codes: Default::default(),
+            nan_codes,
         }
     }
 
@@ -1112,7 +1118,10 @@ pub(crate) fn matmul_group_at(level: SimdLevel, jobs: &mut [MatmulJob<'_>]) {
     }
     drop(outs);
     // Weights holding NaN codes give NaN, as in [`Matrix::matmul`].
-    for j in jobs.iter_mut().filter(|j| j.w.holds_nan_codes()) {
+    for j in jobs
+        .iter_mut()
+        .filter(|j| j.n_tokens > 0 && j.w.holds_nan_codes())
+    {
         j.out.fill(f32::NAN);
     }
 }
