@@ -2716,13 +2716,31 @@ fn number(body: &Value, key: &'static str, lo: f64, hi: f64) -> Result<Option<f6
 fn count(body: &Value, key: &'static str) -> Result<Option<usize>, ApiError> {
     match field(body, key) {
         None => Ok(None),
-        Some(v) => match v.as_u64() {
+        // As vLLM's request models read an integer (pydantic's lax mode): a whole number
+        // written as a float (5.0) or as a string of digits ("5") is that integer.
+        Some(v) => match whole_number(v) {
             Some(x) => Ok(Some(x as usize)),
             None => Err(ApiError::bad(
                 key,
                 format!("expected a non-negative integer, got {v}"),
             )),
         },
+    }
+}
+
+/// A non-negative integer as JSON gives one: an integer, a float without a fraction (up to
+/// 2^53, where floats are still exact), or a string of decimal digits.
+fn whole_number(v: &Value) -> Option<u64> {
+    match v {
+        Value::Number(n) => n.as_u64().or_else(|| {
+            n.as_f64()
+                .filter(|f| *f >= 0.0 && f.fract() == 0.0 && *f <= 9_007_199_254_740_992.0)
+                .map(|f| f as u64)
+        }),
+        Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
+            s.parse().ok()
+        }
+        _ => None,
     }
 }
 

@@ -695,6 +695,27 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
         (status, e["error"]["param"].as_str()),
         (400, Some("tool_choice"))
     );
+    // A whole number as a float or a string of digits is that number (vLLM's lax reading);
+    // a fraction is not.
+    for (max, ok) in [(json!(2.0), true), (json!("2"), true), (json!(2.5), false)] {
+        let (status, c) = post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "Hi", "max_tokens": max, "ignore_eos": true}),
+        );
+        if ok {
+            assert_eq!(
+                (status, &c["usage"]["completion_tokens"]),
+                (200, &json!(2)),
+                "{c}"
+            );
+        } else {
+            assert_eq!(
+                (status, c["error"]["param"].as_str()),
+                (400, Some("max_tokens"))
+            );
+        }
+    }
     let (status, c) = post(
         addr,
         "/v1/chat/completions",
