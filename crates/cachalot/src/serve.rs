@@ -373,13 +373,24 @@ impl Rooms {
         self.changed.notify_all();
     }
 
-    /// Waits (up to the timeout) for `room`'s KVs (every choice's) or failure, and takes them.
-    fn take(&self, room: u64) -> Result<Vec<KvSnapshot>, String> {
+    /// Waits (up to the timeout) for `room`'s KVs (every choice's) or failure, and takes them;
+    /// with a `fingerprint` ([`prompts_fingerprint`]) only if they are that request's.
+    fn take(&self, room: u64, fingerprint: Option<u64>) -> Result<Vec<KvSnapshot>, String> {
         let deadline = Instant::now() + self.timeout;
         let mut map = self.lock();
         self.purge(&mut map);
         loop {
             match map.get(&room) {
+                Some((_, RoomState::Ready(kvs)))
+                    if fingerprint.is_some_and(|f| {
+                        f != prompts_fingerprint(kvs.iter().map(|k| k.prompt.as_slice()))
+                    }) =>
+                {
+                    return Err(format!(
+                        "bootstrap_room {room} holds the KV of another request (its prompts \
+                         differ): two requests named the same room; give each its own"
+                    ));
+                }
                 Some((_, RoomState::Ready(_))) => {
                     let gone = RoomState::Gone(format!(
                         "bootstrap_room {room}'s KV was taken by another request naming the same \
@@ -2050,7 +2061,7 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
                         if let (Role::Decode, Some(b)) = (shared.role, boot) {
                             let (timeout, max) = (shared.kv_timeout, shared.kv_max_bytes);
                             std::thread::spawn(move || {
-                                let _ = fetch_kv(&b, timeout, max, &|| false);
+                                let _ = fetch_kv(&b, None, timeout, max, &|| false);
                             });
                             return Err(e);
                         }
@@ -2360,6 +2371,29 @@ fn bootstrap(shared: &Shared, body: &Value) -> Result<Option<Bootstrap>, ApiErro
 /// why not. (Version 2: version 1 answered one snapshot.)
 const KV_GET: &[u8; 8] = b"CKV-GET2";
 
+/// [`KV_GET`] with the fingerprint of the request's prompts after the room (u64 LE,
+/// [`prompts_fingerprint`]): a room holding another request's KV (two requests that named the
+/// same room) answers why without giving it away, so it stays for its own request.
+const KV_GET_CHECKED: &[u8; 8] = b"CKV-GET3";
+
+/// FNV-1a over the choices' prompts in order (each prompt's token ids, then its length): what a
+/// decode server's request and the prefill server's KV of the same request both give.
+fn prompts_fingerprint<'a>(prompts: impl Iterator<Item = &'a [u32]>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |b: &[u8]| {
+        for &x in b {
+            h = (h ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for p in prompts {
+        for t in p {
+            eat(&t.to_le_bytes());
+        }
+        eat(&(p.len() as u64).to_le_bytes());
+    }
+    h
+}
+
 /// What a router sends on a prefill server's KV port when the decode server of a room refused
 /// its request, could not be reached or failed: this, then the room (u64 LE). The prefill
 /// server drops the room's KV (or the prefill under way) at once rather than hold it for
@@ -2402,17 +2436,26 @@ fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
                 let _ = conn.write_all(&[0]);
                 return;
             }
-            if read.is_err() || &ask[..8] != KV_GET {
+            let checked = read.is_ok() && &ask[..8] == KV_GET_CHECKED;
+            if read.is_err() || (&ask[..8] != KV_GET && !checked) {
                 let _ = send_kv_error(
                     &mut conn,
-                    "not a KV request (expected CKV-GET2 + room; is the decode server the same \
-                     version of cachalot?)",
+                    "not a KV request (expected CKV-GET3 or CKV-GET2 + room; is the decode \
+                     server the same version of cachalot?)",
                 );
                 return;
             }
+            let mut fingerprint = None;
+            if checked {
+                let mut f = [0u8; 8];
+                if conn.read_exact(&mut f).is_err() {
+                    return;
+                }
+                fingerprint = Some(u64::from_le_bytes(f));
+            }
             let room = u64::from_le_bytes(ask[8..].try_into().expect("8 bytes"));
             let mut w = std::io::BufWriter::with_capacity(1 << 20, &mut conn);
-            let sent = match rooms.take(room) {
+            let sent = match rooms.take(room, fingerprint) {
                 Ok(kvs) => (|| -> anyhow::Result<()> {
                     w.write_all(&[0])?;
                     w.write_all(&(kvs.len() as u32).to_le_bytes())?;
@@ -2467,6 +2510,7 @@ fn send_kv_error(w: &mut impl Write, message: &str) -> std::io::Result<()> {
 /// ends the wait with [`FetchError::GaveUp`].
 fn fetch_kv(
     boot: &Bootstrap,
+    fingerprint: Option<u64>,
     timeout: Duration,
     max_bytes: u64,
     give_up: &dyn Fn() -> bool,
@@ -2540,8 +2584,14 @@ fn fetch_kv(
         }
         Err(e) => return Err(io(e)),
     }
-    let mut ask = KV_GET.to_vec();
+    let mut ask = match fingerprint {
+        Some(_) => KV_GET_CHECKED.to_vec(),
+        None => KV_GET.to_vec(),
+    };
     ask.extend_from_slice(&boot.room.to_le_bytes());
+    if let Some(f) = fingerprint {
+        ask.extend_from_slice(&f.to_le_bytes());
+    }
     conn.write_all(&ask).map_err(io)?;
     // Wait for the first byte in short slices, to notice a drain's end.
     let deadline = std::time::Instant::now() + timeout;
@@ -4786,7 +4836,17 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
             // Waiting for its KV, the request counts as waiting (/metrics, /stats).
             let fetched = {
                 let _waiting = shared.metrics.fetching();
-                fetch_kv(&b, shared.kv_timeout, shared.kv_max_bytes, &give_up)
+                // (Only this request's KV: its choices' prompts, as the prefill server has them.)
+                let fingerprint = prompts_fingerprint(
+                    (0..call.choices()).map(|c| call.prompts[c / call.n].0.as_slice()),
+                );
+                fetch_kv(
+                    &b,
+                    Some(fingerprint),
+                    shared.kv_timeout,
+                    shared.kv_max_bytes,
+                    &give_up,
+                )
             };
             // Its TTFT and latencies count the fetch (the prefill included).
             call.request.waited_s = received.elapsed().as_secs_f64();

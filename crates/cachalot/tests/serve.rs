@@ -3030,6 +3030,26 @@ fn a_dropped_room_frees_its_kv() {
     assert_eq!(exit_within(&mut pre, 10), Some(0));
 }
 
+/// Two requests naming one room (without the router, which refuses that): the one whose
+/// prompts differ from the prefilled KV's is told so and the KV stays for its own request.
+#[test]
+fn a_room_gives_its_kv_only_to_its_own_request() {
+    let (_pre, _, body) = prefilled_room_5("30");
+    let dec = start(&["--role", "decode", "--kv-timeout-s", "30"]);
+    let mut other = body.clone();
+    other["prompt"] = "Another whale".into();
+    let (status, v) = post(&dec.addr, "/v1/completions", &other);
+    assert_eq!(status, 502, "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.contains("holds the KV of another request"), "{m}");
+    let (status, v) = post(&dec.addr, "/v1/completions", &body);
+    assert_eq!(
+        (status, v["usage"]["completion_tokens"].as_u64()),
+        (200, Some(8)),
+        "{v}"
+    );
+}
+
 /// A decode server's fetch of KV, against stand-ins for the prefill server's KV port: a port
 /// that is not one (it answers something else) is said at once; a room that never comes ends
 /// after `--kv-timeout-s`, said with that value; a drain whose grace ends while a request
