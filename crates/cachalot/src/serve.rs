@@ -4322,6 +4322,23 @@ fn check_messages(messages: &Value) -> Result<(), ApiError> {
                 ),
             ));
         }
+        // A history call's arguments are a JSON text, as OpenAI's and vLLM's request models
+        // take them (an object would reach templates as something else: V4's encoder makes it
+        // one parameter named `arguments`).
+        let calls = m.get("tool_calls").and_then(Value::as_array);
+        for (k, c) in calls.into_iter().flatten().enumerate() {
+            if let Some(a) = c.get("function").and_then(|f| f.get("arguments")) {
+                if !a.is_string() {
+                    return Err(ApiError::bad(
+                        "messages",
+                        format!(
+                            "messages[{i}].tool_calls[{k}].function.arguments: expected the \
+                             arguments as a JSON string (e.g. \"{{\\\"city\\\": \\\"Paris\\\"}}\"), got {a}"
+                        ),
+                    ));
+                }
+            }
+        }
         // Content may be absent where OpenAI allows it (an assistant's tool calls, a tool's or
         // function's empty result); a tool result's parts are the template's to render (DeepSeek-
         // V4's encoder writes other parts as unsupported); an assistant may hold refusals.

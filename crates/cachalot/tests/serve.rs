@@ -695,6 +695,22 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
         (status, e["error"]["param"].as_str()),
         (400, Some("tool_choice"))
     );
+    // A history call's arguments must be a JSON text, as OpenAI's.
+    let object_args = json!([{"role": "user", "content": "q"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "user", "content": "x"}]);
+    let (status, e) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": object_args, "max_tokens": 1}),
+    );
+    assert_eq!(status, 400, "{e}");
+    let m = e["error"]["message"].as_str().unwrap();
+    assert!(
+        m.contains("messages[1].tool_calls[0].function.arguments"),
+        "{m}"
+    );
     // A whole number as a float or a string of digits is that number (vLLM's lax reading);
     // a fraction is not.
     for (max, ok) in [(json!(2.0), true), (json!("2"), true), (json!(2.5), false)] {
