@@ -1968,8 +1968,12 @@ impl<'t, M: Model> Engine<'t, M> {
                 p.rows = k;
             }
             rows += p.rows;
-            // (A prompt's last row alone gives draft 1: decode work, not the prompt's.)
-            if !(p.first + 1 == pl && p.rows == 1) {
+            // A prompt's last row alone (its other rows ran in their own steps) gives draft 1:
+            // decode work, not the prompt's, computed as a generated position is (the absorbed
+            // path: no up-projection of the whole context for one row); it is always alone
+            // here, so always computed this way.
+            let last_row_alone = p.first + 1 == pl && p.rows == 1;
+            if !last_row_alone {
                 prompt_rows += live.prompt_len.saturating_sub(p.first).min(p.rows);
             }
             let n = item_of.get(&id).copied();
@@ -1988,10 +1992,6 @@ impl<'t, M: Model> Engine<'t, M> {
                 want,
             );
             self.slots.name(&mut batch, id, &self.scheduler);
-            // A prompt's last row alone (its other rows ran in their own steps) is computed as a
-            // generated position is (the absorbed path: no up-projection of the whole context
-            // for one row); it is always alone here, so always computed this way.
-            let last_row_alone = p.first + 1 == pl && p.rows == 1;
             if p.first < pl && !last_row_alone {
                 batch.mark_prefill();
             } else {

@@ -66,13 +66,11 @@ impl Prefill {
 /// How often the router reads each prefill server's KV port again.
 const KV_PORT_REFRESH: Duration = Duration::from_secs(1);
 
-/// A prefill server's KV port from its `/health` answer, if it is a prefill server's.
-fn kv_port_in(health: &str) -> Option<u16> {
-    let v: Value = serde_json::from_str(health).ok()?;
-    if v["disaggregation_mode"] != "prefill" {
-        return None;
-    }
-    v["kv_port"].as_u64().and_then(|p| u16::try_from(p).ok())
+/// The KV port a prefill server's parsed `/health` names.
+fn kv_port_of(health: &Value) -> Option<u16> {
+    health["kv_port"]
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok())
 }
 
 /// One `/health` of `addr` within `wait`: its status and body.
@@ -346,48 +344,28 @@ impl<R: BufRead> Read for Chunked<R> {
 
 /// A prefill server's KV port, from its /health, waiting for it to come up.
 fn prefill_info(addr: &str, wait: Duration) -> Result<u16> {
+    let v = wait_for_role(addr, "prefill", wait)?;
+    kv_port_of(&v).with_context(|| format!("{addr}'s /health names no kv_port: {v}"))
+}
+
+/// The parsed `/health` of the server at `addr` once it answers (up to `wait`), checked to be
+/// `cachalot serve --role ROLE`'s.
+fn wait_for_role(addr: &str, role: &str, wait: Duration) -> Result<Value> {
     let start = Instant::now();
     loop {
         match health(addr, Duration::from_secs(10)) {
             Ok((200, body)) => {
                 let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-                if v["disaggregation_mode"] != "prefill" {
+                if v["disaggregation_mode"] != role {
                     bail!(
-                        "{addr} is not a prefill server (its /health says {body}): start it \
-                         with `cachalot serve --role prefill`"
+                        "{addr} is not a {role} server (its /health says {body}): start it with \
+                         `cachalot serve --role {role}`"
                     );
                 }
-                return v["kv_port"]
-                    .as_u64()
-                    .and_then(|p| u16::try_from(p).ok())
-                    .with_context(|| format!("{addr}'s /health names no kv_port: {body}"));
+                return Ok(v);
             }
             _ if start.elapsed() < wait => std::thread::sleep(Duration::from_millis(200)),
             Ok((status, body)) => bail!("{addr}/health answered {status}: {body}"),
-            Err(e) => bail!("{addr} did not answer /health within {wait:?}: {e}"),
-        }
-    }
-}
-
-/// Checks that a decode server is one, waiting for it to come up.
-fn check_decode(addr: &str, wait: Duration) -> Result<()> {
-    let start = Instant::now();
-    loop {
-        match exchange(addr, "GET", "/health", None, Duration::from_secs(10)) {
-            Ok((200, _, mut r)) => {
-                let mut body = String::new();
-                r.read_to_string(&mut body)?;
-                let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-                if v["disaggregation_mode"] != "decode" {
-                    bail!(
-                        "{addr} is not a decode server (its /health says {body}): start it with \
-                         `cachalot serve --role decode`"
-                    );
-                }
-                return Ok(());
-            }
-            _ if start.elapsed() < wait => std::thread::sleep(Duration::from_millis(200)),
-            Ok((status, _, _)) => bail!("{addr}/health answered {status}"),
             Err(e) => bail!("{addr} did not answer /health within {wait:?}: {e}"),
         }
     }
@@ -409,7 +387,7 @@ pub fn router(args: &RouterArgs) -> Result<()> {
     let mut decode = Vec::new();
     for url in &args.decode {
         let addr = host_port(url).context("--decode")?;
-        check_decode(&addr, wait)?;
+        wait_for_role(&addr, "decode", wait)?;
         decode.push(addr);
     }
     let server = crate::http_front::bind(&args.host, args.port)
@@ -433,7 +411,11 @@ pub fn router(args: &RouterArgs) -> Result<()> {
             std::thread::sleep(KV_PORT_REFRESH);
             for p in &router.prefill {
                 if let Ok((200, body)) = health(&p.addr, HEALTH_WAIT) {
-                    if let Some(port) = kv_port_in(&body) {
+                    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+                    let port = (v["disaggregation_mode"] == "prefill")
+                        .then(|| kv_port_of(&v))
+                        .flatten();
+                    if let Some(port) = port {
                         if port != p.kv_port() {
                             say!(
                                 "cachalot router: prefill server {}'s KV port is now {port}",
@@ -880,18 +862,7 @@ fn relay(
             // The router's own cuts (its --timeout-s, its drain's end) say so, as `serve`
             // answers a request its drain cut.
             Err(e) => {
-                let (code, message) = match cut_of(&e) {
-                    Some(Cut::Drain) => (503, crate::term::DRAIN_CUT.to_string()),
-                    Some(Cut::Deadline(_)) => (
-                        504,
-                        format!(
-                            "the request took longer than the router's --timeout-s ({} s); it \
-                             was aborted",
-                            timeout.as_secs()
-                        ),
-                    ),
-                    None => (502, format!("the decode server failed mid-answer: {e}")),
-                };
+                let (code, message) = lost("the decode server, mid-answer,", &e, timeout);
                 let err = serde_json::json!({"error": {
                     "message": message, "type": "server_error", "param": null, "code": code}});
                 let tail = if content_type.starts_with("text/event-stream") {

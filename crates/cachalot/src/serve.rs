@@ -5117,22 +5117,21 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
     // A forced call's JSON arguments that completed (a stop) get the call's closing markup.
     // (Only where it then reads as a call: a stop string that cut the arguments short leaves the
     // text as the model wrote it.)
-    let closed = format!("{}{answer}{}", call.forced_prefix, call.forced_suffix);
-    let reads = |t: &str| {
-        shared
-            .tool_format
-            .is_some_and(|f| f.parse(t).is_ok_and(|p| !p.tool_calls.is_empty()))
-    };
-    let answer = &if *finish == "stop" && !call.forced_suffix.is_empty() && reads(&closed) {
-        closed
-    } else {
-        format!("{}{answer}", call.forced_prefix)
-    };
+    let mut answer = format!("{}{answer}", call.forced_prefix);
+    let mut parsed = None;
+    if *finish == "stop" && !call.forced_suffix.is_empty() {
+        let closed = format!("{answer}{}", call.forced_suffix);
+        if let Some(Ok(p)) = shared.tool_format.map(|f| f.parse(&closed)) {
+            if !p.tool_calls.is_empty() {
+                (answer, parsed) = (closed, Some(Ok(p)));
+            }
+        }
+    }
     message["content"] = answer.as_str().into();
     if !call.tools {
         return;
     }
-    match shared.tool_format.map(|f| f.parse(answer)) {
+    match parsed.or_else(|| shared.tool_format.map(|f| f.parse(&answer))) {
         Some(Ok(p)) if !p.tool_calls.is_empty() => {
             message["content"] = if p.content.is_empty() {
                 Value::Null
