@@ -44,7 +44,7 @@
 //! streams up to where tool-call markup begins or may begin, then each call as it is written
 //! (id and name once the name is whole, then its arguments piece by piece:
 //! [`ToolCallFormat::partial_calls`], as vLLM's tool parsers stream them; DeepSeek-V4's DSML
-//! whole at the end), reasoning as it comes. Bad requests get
+//! parameters as the JSON text they become), reasoning as it comes. Bad requests get
 //! HTTP 400 with `{"error": {"message", "type", "param"}}` naming the field.
 
 use std::collections::HashMap;
@@ -4413,8 +4413,9 @@ fn flatten_text_parts(messages: &Value, template: &ChatTemplate) -> Value {
         || walks_content_variable(src);
     let mut messages = messages.clone();
     // OpenAI's `developer` role is its `system` role: a template that does not name it gets
-    // `system` (R1's renders only that; it would drop the message).
-    let knows_developer = src.contains("developer");
+    // `system` (R1's renders only that; it would drop the message). DeepSeek-V4's encoder (no
+    // template source) renders `developer` turns of its own.
+    let knows_developer = v4 || src.contains("developer");
     // A tool's or function's empty result (null content) is an empty string to the templates,
     // which concatenate content.
     for m in messages.as_array_mut().into_iter().flatten() {
@@ -5372,7 +5373,7 @@ fn stream(
                         let settled = shared
                             .tool_format
                             .filter(|_| streams_content && !held.blocked)
-                            .and_then(|f| f.settled_content(&held.text, held.streamed));
+                            .map(|f| f.settled_content(&held.text, held.streamed));
                         if let Some((end, blocked)) = settled {
                             held.blocked = blocked;
                             if end > held.streamed {

@@ -2313,6 +2313,20 @@ fn serve_forces_tool_calls_in_dsml() {
         serde_json::from_value(t["tokens"].clone()).unwrap()
     };
     let hi = json!([{"role": "user", "content": "hi"}]);
+    // DeepSeek-V4's encoder has a developer turn of its own (a user turn's opening; a system
+    // message's text joins the prompt's start): it is not made a system message.
+    let as_role = |role: &str| {
+        tokenize(json!({"messages": [{"role": "system", "content": "S"},
+                                     {"role": role, "content": "DEV"},
+                                     {"role": "user", "content": "u"}]}))
+    };
+    assert_eq!(
+        as_role("developer"),
+        tokenize(
+            json!({"prompt": "<｜begin▁of▁sentence｜>S<｜User｜>DEV<｜User｜>u<｜Assistant｜></think>",
+                        "add_special_tokens": false})
+        )
+    );
     // OpenAI's top-level reasoning_effort reaches the encoder as the kwarg does.
     let max = tokenize(json!({"messages": hi, "reasoning_effort": "max",
                               "chat_template_kwargs": {"thinking": true}}));
@@ -2397,6 +2411,17 @@ fn serve_forces_tool_calls_in_dsml() {
                 }
             }
             calls += 1;
+            // Streamed, the same call comes as it is written: its name first, then its
+            // parameters as pieces of the same JSON text.
+            let mut body = body.clone();
+            body["stream"] = true.into();
+            let (streamed, finish, pieces) =
+                accumulate(&events(&server.addr, "/v1/chat/completions", &body));
+            assert_eq!(finish, "tool_calls");
+            assert_eq!(streamed["tool_calls"][0]["function"], *call, "{streamed}");
+            if !o.is_empty() {
+                assert!(pieces > 2, "{pieces} pieces: {streamed}");
+            }
         }
     }
     assert!(calls >= 6, "{calls} of 9 answers were whole calls");

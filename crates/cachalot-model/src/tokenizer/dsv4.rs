@@ -995,15 +995,11 @@ fn parse_tool_calls(
         }
         let (head, mut stop, next) = read_until(text, at, &[PARAMETER_START, INVOKE_END]);
         at = next;
-        let name = head
-            .trim_start()
-            .strip_prefix("name=\"")
-            .and_then(|r| ends(r, "\">\n"))
-            .ok_or_else(|| {
-                fmt(format!(
-                    "invoke without `name=\"...\">` and a newline: {head:?}"
-                ))
-            })?;
+        let name = invoke_name(head).ok_or_else(|| {
+            fmt(format!(
+                "invoke without `name=\"...\">` and a newline: {head:?}"
+            ))
+        })?;
         let mut args: Vec<(String, String)> = Vec::new();
         while stop == Some(PARAMETER_START) {
             let (param, _, next) = read_until(text, at, &[PARAMETER_END]);
@@ -1046,10 +1042,25 @@ fn parse_tool_calls(
     }
 }
 
+/// The name of an invoke from its head (the text between `<｜DSML｜invoke` and its first
+/// parameter or its end): ` name="NAME">` and a newline.
+fn invoke_name(head: &str) -> Option<&str> {
+    head.trim_start()
+        .strip_prefix("name=\"")
+        .and_then(|r| ends(r, "\">\n"))
+}
+
 /// ` name="K" string="true|false">V<` (the text before `/｜DSML｜parameter`) as (K, is a
 /// string, V). The name ends at the first `" string="true">` or `" string="false">`; the value
 /// runs to the final `<`.
 fn parse_parameter(p: &str) -> Option<(&str, bool, &str)> {
+    let (key, is_str, at) = parameter_head(p)?;
+    Some((key, is_str, ends(&p[at..], "<")?))
+}
+
+/// The name and kind of a parameter from its text so far (` name="K" string="true|false">`),
+/// and where its value begins; None until the head is whole.
+fn parameter_head(p: &str) -> Option<(&str, bool, usize)> {
     let rest = p.strip_prefix(" name=\"")?;
     let t = rest.find("\" string=\"true\">").map(|i| (i, true));
     let f = rest.find("\" string=\"false\">").map(|i| (i, false));
@@ -1064,8 +1075,119 @@ fn parse_parameter(p: &str) -> Option<(&str, bool, &str)> {
         (a, b) => a.or(b)?,
     };
     let flag_len = if is_str { 16 } else { 17 };
-    let value = ends(&rest[i + flag_len..], "<")?;
-    Some((&rest[..i], is_str, value))
+    Some((&rest[..i], is_str, p.len() - rest.len() + i + flag_len))
+}
+
+/// Where the tool-call block of a growing answer (the reasoning removed) begins, just after
+/// its opening `\n\n<｜DSML｜tool_calls`, as [`parse_answer`] finds it: None while there is
+/// none (or the answer ended before one).
+pub(crate) fn tool_block_start(text: &str) -> Option<usize> {
+    match read_until(text, 0, &[EOS, TOOL_CALLS_START]) {
+        (_, Some(TOOL_CALLS_START), next) => Some(next),
+        _ => None,
+    }
+}
+
+/// What ends an answer's content, or may be the start of its tool-call block
+/// (`ToolCallFormat::settled_content`): the block's opening, any other DSML tag, EOS.
+pub(crate) const CONTENT_GUARDS: [&str; 3] = [TOOL_CALLS_START, "<｜DSML｜", EOS];
+
+/// An invoke of a growing tool-call block as far as it is written ([`partial_invokes`]).
+#[derive(Debug, PartialEq)]
+pub(crate) struct PartialInvoke<'t> {
+    pub name: &'t str,
+    /// The start of the JSON text [`parse_answer`] makes of its parameters once it is whole.
+    pub arguments: String,
+    /// Its `</｜DSML｜invoke` has come.
+    pub closed: bool,
+}
+
+/// The invokes of a growing tool-call block from `at` (where the block opens, or where a closed
+/// invoke ended), each once its name is whole, with the JSON of its parameters so far: whole
+/// parameters as [`parse_answer`] writes them, then the one being written (its name once whole,
+/// then its value, a string's escaped character by character, less any text that may still be
+/// its closing tag). Returns them and the position after the last closed one. Lenient about
+/// what lies between tags: where the block is malformed, [`parse_answer`] says so at the end.
+pub(crate) fn partial_invokes(text: &str, mut at: usize) -> (Vec<PartialInvoke<'_>>, usize) {
+    // A value ends at `<` and `/｜DSML｜parameter`, or `<`, a newline and that ([`ends`]).
+    const VALUE_ENDS: [&str; 2] = ["</｜DSML｜parameter", "<\n/｜DSML｜parameter"];
+    let mut out = Vec::new();
+    loop {
+        let (_, Some(INVOKE_START), body) = read_until(text, at, &[INVOKE_START, TOOL_CALLS_END])
+        else {
+            return (out, at);
+        };
+        let (head, mut stop, mut p) = read_until(text, body, &[PARAMETER_START, INVOKE_END]);
+        let Some(name) = invoke_name(head).filter(|_| stop.is_some()) else {
+            return (out, at);
+        };
+        let mut arguments = String::from("{");
+        let mut fields = 0;
+        let mut closed = false;
+        let mut field = |arguments: &mut String, key: &str| {
+            if fields > 0 {
+                arguments.push_str(", ");
+            }
+            fields += 1;
+            arguments.push_str(&python_json(&Value::String(key.into())));
+            arguments.push_str(": ");
+        };
+        loop {
+            if stop == Some(INVOKE_END) {
+                arguments.push('}');
+                closed = true;
+                break;
+            }
+            let (param, end, next) = read_until(text, p, &[PARAMETER_END]);
+            if end.is_some() {
+                let Some((key, is_str, value)) = parse_parameter(param) else {
+                    break;
+                };
+                field(&mut arguments, key);
+                arguments.push_str(&if is_str {
+                    python_json(&Value::String(value.into()))
+                } else {
+                    value.to_string()
+                });
+                (_, stop, p) = read_until(text, next, &[PARAMETER_START, INVOKE_END]);
+                if stop.is_none() {
+                    break;
+                }
+                continue;
+            }
+            // The parameter being written: its value so far, less a closing tag's beginning.
+            if let Some((key, is_str, v)) = parameter_head(param) {
+                let value = &param[v..];
+                let held = (1..value.len().min(VALUE_ENDS[1].len()) + 1)
+                    .rev()
+                    .filter(|&k| value.is_char_boundary(value.len() - k))
+                    .find(|&k| {
+                        VALUE_ENDS
+                            .iter()
+                            .any(|e| e.starts_with(&value[value.len() - k..]))
+                    })
+                    .unwrap_or(0);
+                let value = &value[..value.len() - held];
+                field(&mut arguments, key);
+                if is_str {
+                    let json = python_json(&Value::String(value.into()));
+                    arguments.push_str(&json[..json.len() - 1]);
+                } else {
+                    arguments.push_str(value);
+                }
+            }
+            break;
+        }
+        out.push(PartialInvoke {
+            name,
+            arguments,
+            closed,
+        });
+        if !closed {
+            return (out, at);
+        }
+        at = p;
+    }
 }
 
 #[cfg(test)]

@@ -26,6 +26,8 @@
 //! what is wrong: the caller keeps the raw text then (vLLM's parsers do the same: no tool calls,
 //! the text as content).
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
 use super::dsv4::{self, FunctionCall, ToolCall};
@@ -74,15 +76,16 @@ pub struct ParsedAnswer {
 /// A tool call as far as a growing answer has written it ([`ToolCallFormat::partial_calls`]):
 /// its name once whole, and the part of its arguments no later text can change (slices of the
 /// answer).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PartialCall<'a> {
     /// The model's own id for the call (Kimi-K2's `functions.NAME:INDEX`); None in DeepSeek's
     /// formats.
     pub id: Option<&'a str>,
     pub name: &'a str,
     /// The arguments' text so far: always the start of what [`ToolCallFormat::parse`] reads
-    /// as the call's arguments once the call is complete.
-    pub arguments: &'a str,
+    /// as the call's arguments once the call is complete (a slice of the answer, or for
+    /// DeepSeek-V4 the JSON made of its DSML parameters so far).
+    pub arguments: Cow<'a, str>,
     /// The call's closing marker has come.
     pub closed: bool,
 }
@@ -140,27 +143,26 @@ impl ToolCallFormat {
     /// How much of a growing answer's text is content that no tool call or end marker can
     /// still change, from `from` on (a position already found safe): the text up to the first
     /// place where a tool-call marker or end marker begins or may begin (a partial one at the
-    /// end), and whether a whole marker was found there (the rest stays held). None for
-    /// DeepSeek-V4, whose DSML answers are parsed whole.
-    pub fn settled_content(self, text: &str, from: usize) -> Option<(usize, bool)> {
+    /// end), and whether a whole marker was found there (the rest stays held).
+    pub fn settled_content(self, text: &str, from: usize) -> (usize, bool) {
         let guards: &[&str] = match self {
             ToolCallFormat::DeepseekV3 => &[V3_MARKUP_START, V3_EOS],
             ToolCallFormat::KimiK2 => {
                 &[KIMI_MARKUP_START, KIMI_END_MARKERS[0], KIMI_END_MARKERS[1]]
             }
-            ToolCallFormat::DeepseekV4 => return None,
+            ToolCallFormat::DeepseekV4 => &dsv4::CONTENT_GUARDS,
         };
         let from = from.min(text.len());
         for (i, _) in text[from..].char_indices() {
             let tail = &text[from + i..];
             if guards.iter().any(|g| tail.starts_with(g)) {
-                return Some((from + i, true));
+                return (from + i, true);
             }
             if guards.iter().any(|g| g.starts_with(tail)) {
-                return Some((from + i, false));
+                return (from + i, false);
             }
         }
-        Some((text.len(), false))
+        (text.len(), false)
     }
 
     /// Every marker of the format's tool-call markup (the strings that are tokens of their
@@ -236,8 +238,8 @@ impl ToolCallFormat {
     /// answer is not read again from its start at every token). Text that may still turn out
     /// to be markup or trimmed whitespace (a partial closing marker or fence, trailing spaces)
     /// is held back, so each call's arguments only grow and end as [`ToolCallFormat::parse`]
-    /// reads them when the answer parses. Empty for DeepSeek-V4, whose DSML parameters become
-    /// JSON only whole.
+    /// reads them when the answer parses (DeepSeek-V4's DSML parameters as the JSON text the
+    /// parser makes of them).
     pub fn partial_calls<'a>(
         self,
         answer: &'a str,
@@ -246,7 +248,7 @@ impl ToolCallFormat {
         let m = match self {
             ToolCallFormat::DeepseekV3 => &V3_MARKUP,
             ToolCallFormat::KimiK2 => &KIMI_MARKUP,
-            ToolCallFormat::DeepseekV4 => return Vec::new(),
+            ToolCallFormat::DeepseekV4 => return partial_dsml(answer, cursor),
         };
         let start = match cursor.at {
             Some(at) => at,
@@ -292,7 +294,7 @@ impl ToolCallFormat {
     /// reads: None until its name is whole.
     fn partial_body(self, body: &str, whole: bool) -> Option<PartialCall<'_>> {
         // Arguments not yet closed end where trimming or a closing fence could still cut them.
-        let settle = |args, fenced| settle_arguments(args, fenced, whole);
+        let settle = |args, fenced| Cow::Borrowed(settle_arguments(args, fenced, whole));
         match self {
             ToolCallFormat::DeepseekV3 => {
                 let (head, tail) = body.split_once(V3_SEP)?;
@@ -302,7 +304,7 @@ impl ToolCallFormat {
                     let arguments = match r.strip_prefix("```json") {
                         Some(a) => settle(a, true),
                         // The fence's opening is still coming.
-                        None if "```json".starts_with(r) => "",
+                        None if "```json".starts_with(r) => Cow::Borrowed(""),
                         None => return None,
                     };
                     Some(PartialCall {
@@ -475,6 +477,25 @@ const KIMI_MARKUP: Markup = Markup {
     call: kimi_call,
 };
 
+/// [`ToolCallFormat::partial_calls`] for DeepSeek-V4's DSML ([`dsv4::partial_invokes`]).
+fn partial_dsml<'a>(answer: &'a str, cursor: &mut CallsCursor) -> Vec<PartialCall<'a>> {
+    let Some(start) = cursor.at.or_else(|| dsv4::tool_block_start(answer)) else {
+        return Vec::new();
+    };
+    let (invokes, at) = dsv4::partial_invokes(answer, start);
+    cursor.at = Some(at);
+    cursor.closed += invokes.iter().filter(|i| i.closed).count();
+    invokes
+        .into_iter()
+        .map(|i| PartialCall {
+            id: None,
+            name: i.name,
+            arguments: Cow::Owned(i.arguments),
+            closed: i.closed,
+        })
+        .collect()
+}
+
 fn parse_v3(answer: &str) -> Result<ParsedAnswer, ToolCallError> {
     parse_section(&V3_MARKUP, answer)
 }
@@ -627,9 +648,18 @@ mod tests {
         let kimi = "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0\
                     <|tool_call_argument_begin|>{\"city\": \"Rome\"}<|tool_call_end|>\
                     <|tool_calls_section_end|>";
+        // DeepSeek-V4: a string value holding `<`, quotes, a newline and non-ASCII, a value
+        // that is JSON text, a call without parameters.
+        let v4 =
+            "Let me check <b>.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
+                  <｜DSML｜parameter name=\"city\" string=\"true\">Paris <b> \"x\"\n é<\
+                  /｜DSML｜parameter>\n<｜DSML｜parameter name=\"days\" string=\"false\">[1, 2]<\
+                  /｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"get_time\">\n\
+                  </｜DSML｜invoke>\n</｜DSML｜tool_calls>";
         for (format, answer) in [
             (ToolCallFormat::DeepseekV3, v3),
             (ToolCallFormat::KimiK2, kimi),
+            (ToolCallFormat::DeepseekV4, v4),
         ] {
             let parsed = format.parse(answer).unwrap();
             let mut seen: Vec<PartialCall> = Vec::new();
@@ -653,7 +683,7 @@ mod tests {
                 for (old, new) in seen.iter().zip(&now) {
                     assert_eq!(old.name, new.name, "{cut}");
                     assert!(
-                        new.arguments.starts_with(old.arguments),
+                        new.arguments.starts_with(&*old.arguments),
                         "{cut}: {:?} then {:?}",
                         old.arguments,
                         new.arguments
@@ -662,22 +692,39 @@ mod tests {
                 for (c, p) in now.iter().zip(&parsed.tool_calls) {
                     assert_eq!(c.name, p.function.name, "{cut}");
                     let whole = p.function.arguments.as_str().unwrap();
-                    assert!(whole.starts_with(c.arguments), "{cut}: {c:?}");
+                    assert!(whole.starts_with(&*c.arguments), "{cut}: {c:?}");
                 }
                 seen = now;
             }
             assert_eq!(seen.len(), parsed.tool_calls.len());
             for (c, p) in seen.iter().zip(&parsed.tool_calls) {
                 assert!(c.closed);
-                assert_eq!(Some(c.arguments), p.function.arguments.as_str());
+                assert_eq!(Some(&*c.arguments), p.function.arguments.as_str());
                 if format == ToolCallFormat::KimiK2 {
                     assert_eq!(c.id, p.id.as_deref());
                 }
             }
         }
-        assert!(ToolCallFormat::DeepseekV4
-            .partial_calls("x", &mut CallsCursor::default())
-            .is_empty());
+        // A `<` is held until it cannot be the value's closing tag.
+        let upto = |end: &str| {
+            let cut = v4.find(end).unwrap() + end.len();
+            let calls =
+                ToolCallFormat::DeepseekV4.partial_calls(&v4[..cut], &mut CallsCursor::default());
+            calls[0].arguments.to_string()
+        };
+        assert_eq!(upto("Paris <"), "{\"city\": \"Paris ");
+        assert_eq!(upto("Paris <b"), "{\"city\": \"Paris <b");
+        assert_eq!(upto("é<"), "{\"city\": \"Paris <b> \\\"x\\\"\\n é");
+        assert_eq!(
+            upto("string=\"false\">[1"),
+            "{\"city\": \"Paris <b> \\\"x\\\"\\n é\", \"days\": [1"
+        );
+        let v4_calls = ToolCallFormat::DeepseekV4.parse(v4).unwrap().tool_calls;
+        assert_eq!(
+            v4_calls[0].function.arguments.as_str(),
+            Some("{\"city\": \"Paris <b> \\\"x\\\"\\n é\", \"days\": [1, 2]}")
+        );
+        assert_eq!(v4_calls[1].function.arguments.as_str(), Some("{}"));
     }
 
     /// Content settles up to where markup begins or may begin, and always agrees with what
@@ -685,34 +732,41 @@ mod tests {
     #[test]
     fn content_settles_before_the_markup() {
         let v3 = ToolCallFormat::DeepseekV3;
-        assert_eq!(v3.settled_content("Let me look.", 0), Some((12, false)));
-        assert_eq!(v3.settled_content("Let me <｜tool", 0), Some((7, false)));
+        assert_eq!(v3.settled_content("Let me look.", 0), (12, false));
+        assert_eq!(v3.settled_content("Let me <｜tool", 0), (7, false));
         assert_eq!(
             v3.settled_content("Look<｜tool▁calls▁begin｜>x", 2),
-            Some((4, true))
+            (4, true)
         );
-        assert_eq!(
-            v3.settled_content("a<｜end▁of▁sentence｜>", 0),
-            Some((1, true))
-        );
+        assert_eq!(v3.settled_content("a<｜end▁of▁sentence｜>", 0), (1, true));
         let kimi = ToolCallFormat::KimiK2;
-        assert_eq!(kimi.settled_content("Hi [EO", 0), Some((3, false)));
+        assert_eq!(kimi.settled_content("Hi [EO", 0), (3, false));
         assert_eq!(
             kimi.settled_content("Hi <|tool_call_section_begin|>", 0),
-            Some((3, true))
+            (3, true)
         );
-        assert_eq!(ToolCallFormat::DeepseekV4.settled_content("x", 0), None);
+        let v4 = ToolCallFormat::DeepseekV4;
+        assert_eq!(v4.settled_content("Hi\n", 0), (2, false));
+        assert_eq!(
+            v4.settled_content("Hi\n\n<｜DSML｜tool_calls>", 1),
+            (2, true)
+        );
+        assert_eq!(v4.settled_content("Hi <｜DSML｜invoke", 0), (3, true));
         // Piece by piece, the settled text is always a prefix of the parsed content.
-        let answer =
+        let v3_answer =
             "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>\
                       f\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
-        let content = v3.parse(answer).unwrap().content;
-        let mut settled = 0;
-        for (i, _) in answer.char_indices().skip(1) {
-            settled = v3.settled_content(&answer[..i], settled).unwrap().0;
-            assert!(content.starts_with(&answer[..settled]), "{i}");
+        let v4_answer = "Let me <look>.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n\
+                         </｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        for (format, answer) in [(v3, v3_answer), (v4, v4_answer)] {
+            let content = format.parse(answer).unwrap().content;
+            let mut settled = 0;
+            for (i, _) in answer.char_indices().skip(1) {
+                settled = format.settled_content(&answer[..i], settled).0;
+                assert!(content.starts_with(&answer[..settled]), "{i}");
+            }
+            assert_eq!(&answer[..settled], content);
         }
-        assert_eq!(&answer[..settled], content);
     }
 
     #[test]
