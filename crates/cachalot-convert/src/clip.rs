@@ -145,6 +145,28 @@ pub(crate) fn load_clip_params(
         let PtValue::Dict(items) = load_pt(&file).map_err(ConvertError::Usage)? else {
             return Err(err("holds no dict of clip factors".into()));
         };
+        // The files are merged whatever their keys say (as the seed's dict.update), so a file
+        // holding another layer's factors clips that layer, not its own: said, not refused.
+        let mut others: Vec<&str> = Vec::new();
+        for (k, _) in &items {
+            let PtValue::Str(key) = k else { continue };
+            let named = key
+                .strip_prefix("layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|n| n.parse::<usize>().ok());
+            if named.is_some_and(|n| n != layer) && !others.contains(&key.as_str()) {
+                others.push(key);
+            }
+        }
+        if let Some(first) = others.first() {
+            eprintln!(
+                "convert: note: {} holds {} factor(s) of other layers than {layer} (first: \
+                 {first}); they clip the layers their keys name (files are merged, as the \
+                 seed's): is the file misnumbered?",
+                file.display(),
+                others.len()
+            );
+        }
         for (k, v) in items {
             let PtValue::Str(key) = k else {
                 return Err(err(format!("has a non-string key {k:?}")));

@@ -420,12 +420,20 @@ impl Input {
             for e in fs::read_dir(dir).map_err(|e| ConvertError::io(dir, e))? {
                 let e = e.map_err(|e| ConvertError::io(dir, e))?;
                 let name = e.file_name().to_string_lossy().into_owned();
-                if name.ends_with(".safetensors")
-                    && !files.contains(&name)
-                    && e.path().is_file()
-                    && read_header(&e.path()).is_ok_and(|t| t.is_empty())
-                {
-                    files.insert(name);
+                if !name.ends_with(".safetensors") || files.contains(&name) || !e.path().is_file() {
+                    continue;
+                }
+                match read_header(&e.path()) {
+                    Ok(t) if t.is_empty() => {
+                        files.insert(name);
+                    }
+                    // Loaders read only the index's shards: a file of tensors beside them is
+                    // not part of the model (a consolidated copy, a leftover).
+                    _ => eprintln!(
+                        "convert: note: {} is not in {INDEX_FILE} and is not converted (loaders \
+                         read only the shards the index names)",
+                        e.path().display()
+                    ),
                 }
             }
             files
@@ -1153,24 +1161,45 @@ fn write_through_temp(
 ) -> Result<()> {
     let (tmp, inside) = temp_dir_for(out)?;
     set_partial(Some(tmp.clone()));
-    let done = (|| {
-        write(&tmp)?;
-        // Complete: from here an interrupt leaves it (the handler removes only what is
-        // unfinished).
-        set_partial(None);
+    let written = write(&tmp);
+    // Complete: from here an interrupt leaves it (the handler removes only what is
+    // unfinished).
+    set_partial(None);
+    if written.is_err() && tmp.exists() {
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    let done = written.and_then(|()| {
         let _ = fs::remove_file(tmp.join(LOCK_FILE));
-        if inside {
+        let placed = if inside {
             move_up(&tmp, out, force)
         } else {
             rename_over(&tmp, out, force)
-        }
-    })();
-    if done.is_err() && tmp.exists() {
-        let _ = fs::remove_dir_all(&tmp);
-    }
-    set_partial(None);
+        };
+        // A finished conversion that cannot be put in place is kept, not lost.
+        placed.map_err(|e| match e {
+            ConvertError::Io { .. } if tmp.exists() => keep_finished(&tmp, out, &e),
+            e => e,
+        })
+    });
     release_lock();
     done
+}
+
+/// The finished `tmp` could not become `out` (`why`): it is kept under the name
+/// [`keep_beside`] gives, and the error says where.
+fn keep_finished(tmp: &Path, out: &Path, why: &ConvertError) -> ConvertError {
+    let kept = kept_name(tmp, out);
+    let at = if fs::rename(tmp, &kept).is_ok() {
+        kept
+    } else {
+        tmp.to_path_buf()
+    };
+    ConvertError::Usage(format!(
+        "the conversion finished but could not be put in place as {} ({why}); the converted \
+         model is in {}: move its files there yourself",
+        out.display(),
+        at.display()
+    ))
 }
 
 /// A directory is empty.
@@ -1243,12 +1272,7 @@ fn sync_tree(dir: &Path) -> Result<()> {
 /// `out` was filled while the conversion ran (without `--force`): the finished output goes to
 /// `.{name}.converted-{pid}` beside `tmp` and the error says so.
 fn keep_beside(tmp: &Path, out: &Path) -> ConvertError {
-    let kept = tmp.with_file_name(format!(
-        ".{}.converted-{}",
-        out.file_name()
-            .map_or("output".into(), |n| n.to_string_lossy().into_owned()),
-        std::process::id()
-    ));
+    let kept = kept_name(tmp, out);
     match fs::rename(tmp, &kept) {
         Ok(()) => ConvertError::Usage(format!(
             "{} was empty when the conversion started and is not now (another conversion, or \
@@ -1260,6 +1284,17 @@ fn keep_beside(tmp: &Path, out: &Path) -> ConvertError {
         )),
         Err(e) => ConvertError::io(&kept, e),
     }
+}
+
+/// `.{name}.converted-{pid}` beside `tmp`: where a finished output that cannot take its place
+/// is kept.
+fn kept_name(tmp: &Path, out: &Path) -> PathBuf {
+    tmp.with_file_name(format!(
+        ".{}.converted-{}",
+        out.file_name()
+            .map_or("output".into(), |n| n.to_string_lossy().into_owned()),
+        std::process::id()
+    ))
 }
 
 /// The finished `tmp` inside `out` becomes `out`'s contents: under `force` what else `out`
@@ -1502,14 +1537,8 @@ fn temp_dir_for(out: &Path) -> Result<(PathBuf, bool)> {
     }
     let beside = sibling(out, "partial");
     let within = out.join(beside.file_name().expect("a sibling has a name"));
-    // A mount point (another device than its parent's) cannot be renamed: build inside it.
-    let mounted = {
-        use std::os::unix::fs::MetadataExt;
-        match (fs::metadata(out), fs::metadata(&parent)) {
-            (Ok(o), Ok(p)) => o.is_dir() && o.dev() != p.dev(),
-            _ => false,
-        }
-    };
+    // A mount point cannot be renamed: build inside it.
+    let mounted = is_mount_point(out, &parent);
     let make = |tmp: &Path| -> std::io::Result<()> {
         if tmp.exists() {
             fs::remove_dir_all(tmp)?;
@@ -1535,6 +1564,54 @@ fn temp_dir_for(out: &Path) -> Result<(PathBuf, bool)> {
         return Err(e);
     }
     Ok((tmp, inside))
+}
+
+/// Whether directory `dir` is a mount point: on another device than its parent, or listed as
+/// one in `/proc/self/mountinfo` (a bind mount on its parent's own file system, which a rename
+/// cannot replace either: EBUSY).
+fn is_mount_point(dir: &Path, parent: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(d), Ok(p)) = (fs::metadata(dir), fs::metadata(parent)) else {
+        return false;
+    };
+    if !d.is_dir() {
+        return false;
+    }
+    if d.dev() != p.dev() {
+        return true;
+    }
+    let (Ok(dir), Ok(info)) = (
+        fs::canonicalize(dir),
+        fs::read_to_string("/proc/self/mountinfo"),
+    ) else {
+        return false;
+    };
+    info.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|m| Path::new(&unescape_mountinfo(m)) == dir)
+}
+
+/// A mountinfo path field: space, tab, newline and backslash are written as `\ooo` octal.
+fn unescape_mountinfo(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match octal {
+            Some(d) => {
+                out.push(d.iter().fold(0u8, |v, c| v.wrapping_mul(8) + (c - b'0')));
+                i += 4;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
@@ -1599,10 +1676,26 @@ fn copy_side_files(from: &Path, to: &Path, skip: &Path) -> Result<()> {
             copy_side_files(&path, &sub, skip)?;
         } else if !WEIGHTS.iter().any(|w| name_s.ends_with(w)) && path.is_file() {
             fs::create_dir_all(to).map_err(|err| ConvertError::io(to, err))?;
-            fs::copy(&path, to.join(&name)).map_err(|err| ConvertError::io(&path, err))?;
+            let dest = to.join(&name);
+            fs::copy(&path, &dest).map_err(|err| copy_error(&path, &dest, err))?;
         }
     }
     Ok(())
+}
+
+/// A failed copy of `from` to `to`, named by the side that failed: the input where it cannot
+/// be read, else the output (a full disk is the output's: said so, with the file).
+fn copy_error(from: &Path, to: &Path, err: std::io::Error) -> ConvertError {
+    if fs::File::open(from).is_err() {
+        return ConvertError::io(from, err);
+    }
+    ConvertError::Io {
+        path: to.to_path_buf(),
+        error: std::io::Error::new(
+            err.kind(),
+            format!("{err}, copying {} there", from.display()),
+        ),
+    }
 }
 
 /// Rows (or bytes, for copies) per work item: a few MB of output each.
@@ -2173,6 +2266,38 @@ mod tests {
         fs::create_dir_all(&old).unwrap();
         assert_eq!(remove_stale_partials(&out), vec![old.clone()]);
         assert!(out.join("config.json").is_file());
+    }
+
+    /// A finished conversion whose placement fails (`write_through_temp`: the output could not
+    /// be renamed over) is kept beside, named in the error; `/proc/self/mountinfo`'s escapes
+    /// are read back (mount points are found by their path there).
+    #[test]
+    fn a_finished_output_that_cannot_be_placed_is_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("model");
+        let part = sibling(&out, "partial");
+        fs::create_dir_all(&part).unwrap();
+        fs::write(part.join("config.json"), "new").unwrap();
+        let busy = ConvertError::io(&out, std::io::Error::other("busy"));
+        let err = keep_finished(&part, &out, &busy).to_string();
+        let kept = tmp
+            .path()
+            .join(format!(".model.converted-{}", std::process::id()));
+        assert!(err.contains(&kept.display().to_string()), "{err}");
+        assert_eq!(fs::read_to_string(kept.join("config.json")).unwrap(), "new");
+        // A failed write leaves nothing.
+        let err = write_through_temp(&out, false, |dir| {
+            Err(ConvertError::io(dir, std::io::Error::other("disk full")))
+        });
+        assert!(err.is_err());
+        let left: Vec<_> = fs::read_dir(tmp.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert_eq!(unescape_mountinfo(r"/mnt/a\040b\134c"), "/mnt/a b\\c");
+        assert!(!is_mount_point(tmp.path(), Path::new("/")) || tmp.path() == Path::new("/tmp"));
     }
 
     /// A partial directory whose lock a running conversion holds stays, whatever its pid says

@@ -165,8 +165,19 @@ fn zip_entries(b: &[u8]) -> Result<Vec<(String, &[u8])>, String> {
     // End of central directory: the last "PK\x05\x06" (a comment may follow it).
     let eocd = (0..b.len().saturating_sub(21))
         .rev()
-        .find(|&i| b[i..i + 4] == [0x50, 0x4b, 0x05, 0x06])
-        .ok_or("not a zip archive (no end-of-central-directory record): not a torch.save file")?;
+        .find(|&i| b[i..i + 4] == [0x50, 0x4b, 0x05, 0x06]);
+    let Some(eocd) = eocd else {
+        // The legacy format (`_use_new_zipfile_serialization=False`, PyTorch < 1.6) is a bare
+        // pickle stream: its first byte is the pickle PROTO opcode.
+        return Err(if b.first() == Some(&0x80) {
+            "a torch.save file in the legacy (non-zip) format, which is not read: save it again \
+             in the zip format (`torch.save(torch.load(F), F)` with PyTorch >= 1.6)"
+                .to_string()
+        } else {
+            "not a zip archive (no end-of-central-directory record): not a torch.save file"
+                .to_string()
+        });
+    };
     let mut count = u16_at(eocd + 10)? as u64;
     let mut cd = u32_at(eocd + 16)? as u64;
     if count == 0xFFFF || cd == 0xFFFF_FFFF {

@@ -80,6 +80,9 @@ fn broken_files_are_named_errors() {
     assert!(e.contains("missing.pt") && e.contains("cannot read"), "{e}");
     let e = load_pt_bytes(b"PK\x03\x04 definitely not complete").unwrap_err();
     assert!(e.contains("not a zip archive"), "{e}");
+    // The legacy format (a bare pickle stream: PROTO 2, then torch's magic number) is named.
+    let e = load_pt_bytes(b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.").unwrap_err();
+    assert!(e.contains("legacy (non-zip) format"), "{e}");
     // Truncate a real file: its central directory goes.
     let bytes = std::fs::read(dir().join("dict.pt")).unwrap();
     let e = load_pt_bytes(&bytes[..bytes.len() / 2]).unwrap_err();

@@ -194,6 +194,25 @@ impl Checkpoint {
                     message: "is a directory, not a safetensors shard".into(),
                 });
             }
+            if !path.exists() {
+                // Named by the index (a lone model.safetensors exists): say which entry.
+                let tensor = index
+                    .iter()
+                    .flatten()
+                    .filter(|(_, f)| *f == name)
+                    .map(|(t, _)| t.as_str())
+                    .min()
+                    .unwrap_or_default();
+                return Err(ModelError::Checkpoint {
+                    path: index_path,
+                    message: format!(
+                        "weight_map names the shard {name} (for `{tensor}`, perhaps among \
+                         others), which is not in {}: a shard is missing (download it again) \
+                         or the index is wrong",
+                        dir.display()
+                    ),
+                });
+            }
             let file = std::fs::File::open(&path).map_err(|source| ModelError::Io {
                 path: path.clone(),
                 error: source,

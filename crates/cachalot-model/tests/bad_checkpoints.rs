@@ -158,18 +158,19 @@ fn corrupt_header_offsets_name_the_tensor() {
     );
 }
 
+/// The load error of `dir` with `idx` as its index.
+fn load_with_index(dir: &std::path::Path, idx: &Value) -> String {
+    std::fs::write(dir.join("model.safetensors.index.json"), idx.to_string()).unwrap();
+    load_err(dir)
+}
+
 #[test]
 fn bad_index_entries_are_reported() {
     let tmp = copy_fixture();
     let mut idx = index(tmp.path());
     let shard = shard_of(tmp.path(), "lm_head.weight");
     idx["weight_map"]["model.layers.9.ghost.weight"] = Value::from(shard.clone());
-    std::fs::write(
-        tmp.path().join("model.safetensors.index.json"),
-        idx.to_string(),
-    )
-    .unwrap();
-    let e = load_err(tmp.path());
+    let e = load_with_index(tmp.path(), &idx);
     assert!(
         e.contains("model.layers.9.ghost.weight") && e.contains(&shard),
         "{e}"
@@ -179,17 +180,26 @@ fn bad_index_entries_are_reported() {
         let tmp = copy_fixture();
         let mut idx = index(tmp.path());
         idx["weight_map"]["model.norm.weight"] = Value::from(outside);
-        std::fs::write(
-            tmp.path().join("model.safetensors.index.json"),
-            idx.to_string(),
-        )
-        .unwrap();
-        let e = load_err(tmp.path());
+        let e = load_with_index(tmp.path(), &idx);
         assert!(
             e.contains("model.norm.weight") && e.contains("not in the model directory"),
             "{e}"
         );
     }
+
+    // A shard the index names that is not there: the index and an entry naming it are said.
+    let tmp = copy_fixture();
+    let mut idx = index(tmp.path());
+    idx["weight_map"]["model.layers.9.ghost.weight"] =
+        Value::from("model-00009-of-00009.safetensors");
+    let e = load_with_index(tmp.path(), &idx);
+    assert!(
+        e.contains("model.safetensors.index.json")
+            && e.contains("model-00009-of-00009.safetensors")
+            && e.contains("model.layers.9.ghost.weight")
+            && e.contains("missing"),
+        "{e}"
+    );
 
     let tmp = copy_fixture();
     std::fs::remove_file(tmp.path().join("model.safetensors.index.json")).unwrap();

@@ -16,7 +16,8 @@ pub struct ConvertArgs {
     #[arg(long, alias = "input_fp8_hf_path")]
     input: PathBuf,
     /// Output directory (the seed's --output_hf_path); written to a temporary directory beside
-    /// it and renamed into place at the end.
+    /// it and renamed into place at the end (inside it where it is a mount point or its parent
+    /// cannot be written).
     #[arg(long, alias = "output_hf_path")]
     output: PathBuf,
     /// DeepSeek-V3/R1/Kimi: bfloat16, w8a8c16 or w8a8c8 (the seed's --quant_mode).
@@ -28,10 +29,12 @@ pub struct ConvertArgs {
     quant_type: Option<String>,
     /// DeepSeek-V4 clip factors: the seed's --quant_param_path directory of
     /// quant_params_{L}.pt files (torch.save'd dicts of <layer>.clip_factor_min/max), applied
-    /// to the INT8/INT4 layers that have them before quantisation.
+    /// to the INT8/INT4 layers that have them before quantisation. For DeepSeek-V3/R1/Kimi
+    /// W8A8C8, the seed's directory of quant_parameters_{L}.pth C8 scales (as --c8-scales).
     #[arg(long, alias = "quant_param_path")]
     quant_param_path: Option<PathBuf>,
-    /// W8A8C8: per-layer latent-cache scales from `cachalot calibrate`.
+    /// W8A8C8: per-layer latent-cache scales, a file from `cachalot calibrate` or the seed's
+    /// directory of quant_parameters_{L}.pth files.
     #[arg(long, alias = "c8_scales")]
     c8_scales: Option<PathBuf>,
     /// Replace a non-empty output directory.
@@ -138,6 +141,18 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
 /// MTP layers converts; what is wrong with them is returned, for a note once it has.
 fn check_input_loads(dir: &std::path::Path) -> Result<Option<String>> {
     use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, LoadOptions, ModelFamily};
+    if !dir.is_dir() {
+        anyhow::bail!(
+            "--input {}: {}; give the directory of the checkpoint to convert (its config.json \
+             and safetensors shards)",
+            dir.display(),
+            if dir.exists() {
+                "is not a directory"
+            } else {
+                "no such directory"
+            }
+        );
+    }
     let load = |mtp: bool| -> cachalot_model::Result<()> {
         match detect_family(dir)? {
             ModelFamily::DeepseekV3 => DeepseekV3::load(
