@@ -141,6 +141,13 @@ pub trait Communicator: Send + Sync {
         let mine = if self.rank() == root { mine } else { &[] };
         Ok(self.all_gather(mine)?.swap_remove(root))
     }
+    /// Whether the ranks this one is connected to are still there, without waiting or
+    /// exchanging anything: for ranks that work apart for a long time (data-parallel runs),
+    /// so that one whose peer failed stops then, not at the next collective. Ok where the
+    /// transport cannot tell (MPI aborts the job itself).
+    fn check_peers(&self) -> CommResult<()> {
+        Ok(())
+    }
     /// Returns when every rank has called it.
     fn barrier(&self) -> CommResult<()> {
         self.all_gather(&[]).map(|_| ())
@@ -892,6 +899,36 @@ impl Communicator for TcpComm {
     fn rank(&self) -> usize {
         self.rank
     }
+    /// A peer's connection that reads as closed (or reset) without blocking: the rank ended.
+    /// (Between collectives nothing is in flight; bytes waiting mean the rank is there.)
+    fn check_peers(&self) -> CommResult<()> {
+        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        for p in peers.iter().chain(links.iter().flatten()) {
+            let s = p.reader.get_ref();
+            let gone = |why: String| {
+                CommError(format!(
+                    "rank {} {why} (it exited or failed; see its log)",
+                    p.rank
+                ))
+            };
+            if !p.reader.buffer().is_empty() {
+                continue;
+            }
+            s.set_nonblocking(true)
+                .map_err(|e| gone(format!("cannot be checked: {e}")))?;
+            let mut b = [0u8; 1];
+            let seen = s.peek(&mut b);
+            let _ = s.set_nonblocking(false);
+            match seen {
+                Ok(0) => return Err(gone("closed its connection".into())),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(gone(format!("lost its connection: {e}"))),
+            }
+        }
+        Ok(())
+    }
     fn transport(&self) -> &'static str {
         "tcp"
     }
@@ -1144,6 +1181,48 @@ mod tests {
             .map(|c| Arc::new(c) as Arc<dyn Communicator>)
             .collect();
         check_collectives(comms);
+    }
+
+    /// A rank whose peer left sees it without a collective; while the peers are there (bytes
+    /// waiting or not) nothing is said, and the connections still carry collectives after.
+    #[test]
+    fn peers_that_leave_are_noticed_between_collectives() {
+        let mut g = group(3);
+        for c in &g {
+            c.check_peers().unwrap();
+        }
+        let last = g.pop().unwrap();
+        drop(last);
+        // Rank 0 holds a connection to rank 2; rank 1 a direct link to it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        for c in &g {
+            let e = loop {
+                match c.check_peers() {
+                    Err(e) => break e,
+                    Ok(()) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(10))
+                    }
+                    Ok(()) => panic!("rank {} did not notice rank 2 leave", c.rank()),
+                }
+            };
+            assert!(e.0.contains("rank 2"), "{e:?}");
+        }
+        let g = group(2);
+        let hs: Vec<_> = g
+            .into_iter()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    c.check_peers().unwrap();
+                    c.barrier().unwrap();
+                    c.check_peers().unwrap();
+                    assert_eq!(
+                        c.all_gather(&[c.rank() as u8]).unwrap(),
+                        vec![vec![0], vec![1]]
+                    );
+                })
+            })
+            .collect();
+        hs.into_iter().for_each(|h| h.join().unwrap());
     }
 
     #[cfg(target_os = "linux")]

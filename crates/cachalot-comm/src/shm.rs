@@ -136,6 +136,9 @@ impl Communicator for ShmComm {
     fn transport(&self) -> &'static str {
         "shared memory"
     }
+    fn check_peers(&self) -> CommResult<()> {
+        self.tcp.check_peers()
+    }
     fn all_gather(&self, mine: &[u8]) -> CommResult<Vec<Vec<u8>>> {
         self.exchange(mine, |_, b| Ok(b.to_vec()))
     }

@@ -1127,10 +1127,21 @@ fn run_logged(
     let mut log = std::fs::File::create(dir.join(&log_name))?;
     *log_path = Some(dir.join(&log_name));
     let t_start = Instant::now();
+    // A log that cannot be written (a full disk) is said once; the run goes on without it
+    // (what it must keep, the finished requests, fails by name where it is written).
+    let log_failed = std::cell::Cell::new(false);
     macro_rules! logln {
         ($($a:tt)*) => {{
             let line = format!($($a)*);
-            writeln!(log, "[{:9.3}s] {line}", t_start.elapsed().as_secs_f64())?;
+            if !log_failed.get() {
+                if let Err(e) = writeln!(log, "[{:9.3}s] {line}", t_start.elapsed().as_secs_f64()) {
+                    log_failed.set(true);
+                    eprintln!(
+                        "warning: cannot write {} ({e}); the run goes on without its log",
+                        dir.join(&log_name).display()
+                    );
+                }
+            }
         }};
     }
     logln!("config {}", opts.config_path.display());
@@ -1611,6 +1622,7 @@ fn run_logged(
     } else {
         None
     };
+    let mut partial_len = 0u64;
     let mut write_partial = |done: &[RequestOutput]| -> Result<(), Error> {
         let Some(f) = partial.as_mut() else {
             return Ok(());
@@ -1622,7 +1634,13 @@ fn run_logged(
             text.push_str(&request_line(&g, &prepared, tool_format)?.to_string());
             text.push('\n');
         }
-        f.write_all(text.as_bytes())?;
+        if let Err(e) = f.write_all(text.as_bytes()) {
+            // A record cut short (a full disk) goes again: the file stays whole lines.
+            let _ = f.set_len(partial_len);
+            let _ = std::io::Seek::seek(f, std::io::SeekFrom::Start(partial_len));
+            return Err(e.into());
+        }
+        partial_len += text.len() as u64;
         Ok(())
     };
     let mut n_saved = 0usize;
@@ -1652,6 +1670,10 @@ fn run_logged(
     let mut outputs = Vec::with_capacity(n_local);
     let mut step = 0usize;
     let capacity = engine.stats().kv_capacity_blocks;
+    // Data-parallel ranks meet only at the end: each looks at its peers' connections every
+    // second, so that a rank that died stops the others then, not once their shares are done.
+    let apart = ranks > 1 && !expert && !dispatch;
+    let mut peers_checked = Instant::now();
     // Dispatched experts: the ranks step together; one whose requests are done keeps serving
     // the others' MoE tokens (`Engine::end_step`) until no rank has work.
     loop {
@@ -1666,6 +1688,12 @@ fn run_logged(
             }
             break;
         }
+        if apart && peers_checked.elapsed() >= std::time::Duration::from_secs(1) {
+            peers_checked = Instant::now();
+            if let Err(e) = comm.check_peers() {
+                stopped!(e);
+            }
+        }
         let r = match engine.step() {
             Ok(r) => r,
             Err(e) => stopped!(e),
@@ -1673,10 +1701,12 @@ fn run_logged(
         // The step's finished requests on disk before anything else can fail.
         let done = engine.take_finished();
         if let Err(e) = write_partial(&done) {
-            logln!(
-                "cannot append to {} ({e}); the run goes on",
+            // (The file keeps whole records: what did not fit was cut off again.)
+            stopped!(format!(
+                "cannot append {} finished requests to {} ({e})",
+                done.len(),
                 partial_path.display()
-            );
+            ));
         }
         n_saved += done.len();
         // Every rank ends each step together; when none has work left, all leave here.
