@@ -103,7 +103,8 @@ const DATA_KEYS: &[Key] = &[
     k("dataset", Kind::OneOf(DATASETS)),
     k("dataset_path", Kind::Str),
     k("input_truncated_len", Kind::Int(1)),
-    k("temperature", Kind::Float(0.0, f64::INFINITY)),
+    // (Sampling runs in f32: a larger value would be infinite there.)
+    k("temperature", Kind::Float(0.0, f32::MAX as f64)),
     k("top_p", Kind::Float(0.0, 1.0)),
     k("top_k", Kind::Int(0)),
     // Negative: no fixed seed (the seed system does not check it; -1 is the usual "random").
@@ -859,6 +860,10 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
         }
         Kind::Float(min, max) => match v.as_f64() {
             Some(x) if x >= min && x <= max => None,
+            Some(x) if x > max && max == f32::MAX as f64 => Some(format!(
+                "{x:e} is out of range: must be >= {min} and at most {:e} (a 32-bit float)",
+                f32::MAX
+            )),
             Some(x) if max.is_finite() => {
                 Some(format!("{x} is out of range: must be in [{min}, {max}]"))
             }

@@ -1261,8 +1261,9 @@ fn run_logged(
             weights_dir.display()
         );
     }
+    // (A YAML without model_name, "model" here, runs whatever the checkpoint is.)
     let named_v4 = m.model_name == "deepseek_v4";
-    if named_v4 != (family == ModelFamily::DeepseekV4) {
+    if m.model_name != "model" && named_v4 != (family == ModelFamily::DeepseekV4) {
         return Err(format!(
             "model_config.model_name {:?} does not match the checkpoint in {} ({family:?}); \
              use model_name \"{}\"",
@@ -2257,10 +2258,14 @@ pub fn summary_table(s: &Summary) -> String {
         rows.push((
             "MTP".into(),
             format!(
-                "next_n {}: acceptance {:.2} ({}/{}), {:.2} tokens per verify step, {:.2} per \
+                "next_n {}: acceptance {} ({}/{}), {:.2} tokens per verify step, {:.2} per \
                  main step, {:.2} s drafting",
                 m.next_n,
-                m.acceptance_rate,
+                if m.drafted > 0 {
+                    format!("{:.2}", m.acceptance_rate)
+                } else {
+                    "n/a".into()
+                },
                 m.accepted,
                 m.drafted,
                 m.mean_accepted_length,

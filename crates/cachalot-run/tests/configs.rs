@@ -164,18 +164,20 @@ data_config:
   input_truncated_len: 4611686018427387904
   num_requests: 100000000000
   seed: 9223372036854775807
+  temperature: 1.0e+300
 scheduler_config:
   batch_size: 1000000000000
   block_size: 1000000
   max_new_tokens: 100000000
 ";
     let want = "\
-broken.yaml: 5 problems in the run config
+broken.yaml: 6 problems in the run config
   line 2: data_config.input_truncated_len: 4611686018427387904 is out of range: must be at most 16777216
   line 3: data_config.num_requests: 100000000000 is out of range: must be at most 16777216
-  line 6: scheduler_config.batch_size: 1000000000000 is out of range: must be at most 65536
-  line 7: scheduler_config.block_size: 1000000 is out of range: must be at most 4096
-  line 8: scheduler_config.max_new_tokens: 100000000 is out of range: must be at most 16777216";
+  line 5: data_config.temperature: 1e300 is out of range: must be >= 0 and at most 3.4028235e38 (a 32-bit float)
+  line 7: scheduler_config.batch_size: 1000000000000 is out of range: must be at most 65536
+  line 8: scheduler_config.block_size: 1000000 is out of range: must be at most 4096
+  line 9: scheduler_config.max_new_tokens: 100000000 is out of range: must be at most 16777216";
     assert_eq!(err(yaml), want);
 }
 

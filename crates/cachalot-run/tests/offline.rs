@@ -216,6 +216,12 @@ fn v4_model_name_must_match_the_checkpoint() {
         err.contains("model_config.model_name") && err.contains("deepseek_v4"),
         "{err}"
     );
+    // Without a model_name the checkpoint's family runs.
+    let mut unnamed = v4_config("deepseek_v4", 1, 4096, 0);
+    unnamed.model_config.model_name = RunConfig::default().model_config.model_name;
+    unnamed.data_config.num_requests = Some(1);
+    unnamed.scheduler_config.max_new_tokens = 2;
+    assert_eq!(run(&unnamed, &o).unwrap().outputs.len(), 1);
 }
 
 /// `force_eplb: true` (the seed's balanced-routing benchmark mode) runs, is recorded in the
