@@ -513,6 +513,14 @@ impl Input {
         self.dir.join(&self.shards[i].0)
     }
 
+    /// Every file the conversion reads: the shards, config.json and the index.
+    fn files(&self) -> Vec<PathBuf> {
+        (0..self.shards.len())
+            .map(|i| self.shard_path(i))
+            .chain([self.dir.join(CONFIG_FILE), self.dir.join(INDEX_FILE)])
+            .collect()
+    }
+
     /// Checks an FP8 weight (2-D, F32 scale grid of the right shape somewhere in the index) and
     /// reads its scales.
     fn block_scales(&self, shard: usize, name: &str, w: &TensorInfo) -> Result<BlockScales> {
@@ -858,7 +866,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
             }
             (_, None) => None,
         };
-    check_output(&opts.input, &opts.output, opts.force)?;
+    let resume = fingerprint(opts, &input.files());
+    check_output(&opts.input, &opts.output, opts.force, &resume)?;
     let ignore = ignore_list(input.num_hidden_layers, input.num_layers);
 
     // Plan every shard (and validate every FP8 weight) before writing anything.
@@ -987,17 +996,24 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     }
 
     // Write into a temporary directory beside the output.
-    write_through_temp(&opts.output, opts.force, |tmp| {
+    write_through_temp(&opts.output, opts.force, &resume, |tmp, shards| {
         let pb = progress_bar(report.input_bytes, opts.progress);
         let mut weight_map = Map::new();
         for (si, (planned, scales)) in plans.into_iter().enumerate() {
             let (file_name, _) = &input.shards[si];
-            let written = write_shard(
-                &input.shard_path(si),
-                &tmp.join(file_name),
+            let written = shards.shard(
+                file_name,
                 planned,
-                &scales,
-                &pb,
+                |planned| planned.into_iter().map(|p| p.out.name).collect(),
+                |planned| {
+                    write_shard(
+                        &input.shard_path(si),
+                        &tmp.join(file_name),
+                        planned,
+                        &scales,
+                        &pb,
+                    )
+                },
             )?;
             report.output_bytes += written.1;
             for name in written.0 {
@@ -1105,17 +1121,12 @@ fn resolve_output(out: &Path) -> Result<PathBuf> {
 
 /// `out` may be written: not a file, not the input or a directory holding it (`--force` would
 /// delete the input with it), and empty unless `force`.
-fn check_output(input: &Path, out: &Path, force: bool) -> Result<()> {
+fn check_output(input: &Path, out: &Path, force: bool, resume: &str) -> Result<()> {
     let (inp, outp) = (resolve(input), resolve(out));
     // What interrupted conversions left goes first: an output one had moved aside is back in
-    // place before its emptiness is judged.
-    for p in remove_stale_partials(&outp) {
-        eprintln!(
-            "convert: removed {}, left by an interrupted conversion (its shards are not \
-             reused: this conversion starts over)",
-            p.display()
-        );
-    }
+    // place before its emptiness is judged (and a partial output of this same conversion
+    // stays, for it to resume).
+    let kept = clear_stale(&outp, resume);
     if inp.starts_with(&outp) {
         return Err(ConvertError::Usage(format!(
             "--output {} is the input directory or holds it ({}); writing there would delete \
@@ -1133,8 +1144,11 @@ fn check_output(input: &Path, out: &Path, force: bool) -> Result<()> {
     if out.is_dir() {
         let non_empty = fs::read_dir(out)
             .map_err(|e| ConvertError::io(out, e))?
-            .next()
-            .is_some();
+            .flatten()
+            .any(|e| {
+                kept.as_ref()
+                    .is_none_or(|k| e.file_name().as_os_str() != k.file_name().unwrap_or_default())
+            });
         if non_empty && !force {
             return Err(ConvertError::Usage(format!(
                 "{} exists and is not empty; pass --force to replace it",
@@ -1157,32 +1171,183 @@ fn check_output(input: &Path, out: &Path, force: bool) -> Result<()> {
 fn write_through_temp(
     out: &Path,
     force: bool,
-    write: impl FnOnce(&Path) -> Result<()>,
+    resume: &str,
+    write: impl FnOnce(&Path, &mut Shards) -> Result<()>,
 ) -> Result<()> {
-    let (tmp, inside) = temp_dir_for(out)?;
+    let (tmp, inside) = temp_dir_for(out, resume)?;
     set_partial(Some(tmp.clone()));
-    let written = write(&tmp);
-    // Complete: from here an interrupt leaves it (the handler removes only what is
+    let written = Shards::open(&tmp, resume).and_then(|mut shards| {
+        if !shards.done.is_empty() {
+            eprintln!(
+                "convert: resuming the interrupted conversion in {}: {} shards were written \
+                 already",
+                tmp.display(),
+                shards.done.len()
+            );
+        }
+        write(&tmp, &mut shards)
+    });
+    // Complete (or failed): from here an interrupt leaves it (the handler removes only what is
     // unfinished).
     set_partial(None);
-    if written.is_err() && tmp.exists() {
-        let _ = fs::remove_dir_all(&tmp);
+    if let Err(e) = written {
+        // Shards written and synced are kept for the same conversion run again (a full
+        // disk, an input shard to download again); nothing else is.
+        release_lock();
+        return Err(match keep_for_resume(&tmp) {
+            Some(n) => ConvertError::Usage(format!(
+                "{e}\n(the {n} shards written so far are kept in {}: the same command, once \
+                 this is fixed, goes on from there; delete it to start over)",
+                tmp.display()
+            )),
+            None => e,
+        });
     }
-    let done = written.and_then(|()| {
-        let _ = fs::remove_file(tmp.join(LOCK_FILE));
-        let placed = if inside {
-            move_up(&tmp, out, force)
-        } else {
-            rename_over(&tmp, out, force)
-        };
-        // A finished conversion that cannot be put in place is kept, not lost.
-        placed.map_err(|e| match e {
-            ConvertError::Io { .. } if tmp.exists() => keep_finished(&tmp, out, &e),
-            e => e,
-        })
+    let _ = fs::remove_file(tmp.join(LOCK_FILE));
+    let _ = fs::remove_file(tmp.join(RESUME_FILE));
+    let placed = if inside {
+        move_up(&tmp, out, force)
+    } else {
+        rename_over(&tmp, out, force)
+    };
+    // A finished conversion that cannot be put in place is kept, not lost.
+    let done = placed.map_err(|e| match e {
+        ConvertError::Io { .. } if tmp.exists() => keep_finished(&tmp, out, &e),
+        e => e,
     });
     release_lock();
     done
+}
+
+/// What a conversion writing in a partial directory has finished, for the same conversion run
+/// again after an interrupt or a failure: `.cachalot-convert-resume` there holds the
+/// conversion's fingerprint ([`fingerprint`]: its inputs, options and converter) on its first
+/// line, then one line per output shard written and synced, `BYTES NAME`.
+pub(crate) struct Shards {
+    file: File,
+    path: PathBuf,
+    /// Shards an earlier run wrote, still there at the size it recorded.
+    done: HashMap<String, u64>,
+}
+
+/// The name of [`Shards`]' record in a partial directory.
+const RESUME_FILE: &str = ".cachalot-convert-resume";
+
+impl Shards {
+    /// The record of partial directory `dir` for the conversion `fingerprint`: the shards it
+    /// lists that are whole, where it is that conversion's; else a new record.
+    fn open(dir: &Path, fingerprint: &str) -> Result<Shards> {
+        let path = dir.join(RESUME_FILE);
+        let mut done = HashMap::new();
+        if let Ok(text) = fs::read_to_string(&path) {
+            let mut lines = text.lines();
+            if lines.next() == Some(fingerprint) {
+                for l in lines {
+                    let Some((bytes, name)) = l.split_once(' ') else {
+                        continue;
+                    };
+                    let whole = bytes.parse::<u64>().ok().filter(|&b| {
+                        fs::metadata(dir.join(name)).is_ok_and(|m| m.is_file() && m.len() == b)
+                    });
+                    if let Some(b) = whole {
+                        done.insert(name.to_string(), b);
+                    }
+                }
+            }
+        }
+        let mut text = format!("{fingerprint}\n");
+        for (name, b) in &done {
+            text.push_str(&format!("{b} {name}\n"));
+        }
+        fs::write(&path, text).map_err(|e| ConvertError::io(&path, e))?;
+        let file = fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(|e| ConvertError::io(&path, e))?;
+        Ok(Shards { file, path, done })
+    }
+
+    /// The bytes of output shard `name` if an earlier run of this conversion wrote it whole.
+    fn done(&self, name: &str) -> Option<u64> {
+        self.done.get(name).copied()
+    }
+
+    /// Output shard `name` from `plan`: its tensors' names and its bytes, written by `write`
+    /// (which syncs it) and recorded, unless an earlier run of this conversion wrote it (then
+    /// `names` reads the names off the plan).
+    pub(crate) fn shard<P>(
+        &mut self,
+        name: &str,
+        plan: P,
+        names: impl FnOnce(P) -> Vec<String>,
+        write: impl FnOnce(P) -> Result<(Vec<String>, u64)>,
+    ) -> Result<(Vec<String>, u64)> {
+        if let Some(bytes) = self.done(name) {
+            return Ok((names(plan), bytes));
+        }
+        let written = write(plan)?;
+        self.record(name, written.1)?;
+        Ok(written)
+    }
+
+    /// Output shard `name` (`bytes` long) is written and synced.
+    fn record(&mut self, name: &str, bytes: u64) -> Result<()> {
+        use std::io::Write;
+        self.file
+            .write_all(format!("{bytes} {name}\n").as_bytes())
+            .and_then(|()| self.file.sync_data())
+            .map_err(|e| ConvertError::io(&self.path, e))
+    }
+}
+
+/// How many whole shards partial directory `dir` records (None: none, and `dir` is removed).
+fn keep_for_resume(dir: &Path) -> Option<usize> {
+    let n = fs::read_to_string(dir.join(RESUME_FILE))
+        .map_or(0, |t| t.lines().count().saturating_sub(1));
+    if n == 0 {
+        let _ = fs::remove_dir_all(dir);
+        return None;
+    }
+    Some(n)
+}
+
+/// A conversion's identity for [`Shards`]: this converter (its version and executable), the
+/// options that shape the output, and every input file it reads (path, size, modification
+/// time): a partial output is resumed only by the same conversion of the same inputs.
+pub(crate) fn fingerprint(opts: &ConvertOptions, input_files: &[PathBuf]) -> String {
+    let stamp = |p: &Path| -> Value {
+        match fs::metadata(p) {
+            Ok(m) => {
+                let mtime = m
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_nanos());
+                json!([resolve(p).display().to_string(), m.len(), mtime.to_string()])
+            }
+            Err(_) => json!([p.display().to_string()]),
+        }
+    };
+    let mut files: Vec<Value> = input_files.iter().map(|p| stamp(p)).collect();
+    for extra in [&opts.c8_scales, &opts.quant_param_path]
+        .into_iter()
+        .flatten()
+    {
+        files.push(stamp(extra));
+        if let Ok(rd) = fs::read_dir(extra) {
+            let mut inner: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+            inner.sort();
+            files.extend(inner.iter().map(|p| stamp(p)));
+        }
+    }
+    let exe = std::env::current_exe().map_or(Value::Null, |p| stamp(&p));
+    json!({
+        "converter": env!("CARGO_PKG_VERSION"),
+        "exe": exe,
+        "mode": opts.mode.name(),
+        "files": files,
+    })
+    .to_string()
 }
 
 /// The finished `tmp` could not become `out` (`why`): it is kept under the name
@@ -1339,12 +1504,13 @@ fn set_partial(p: Option<PathBuf>) {
     }
 }
 
-/// Removes the output directory a conversion is writing, if one is under way, and returns it:
-/// for a Ctrl-C or SIGTERM handler (an interrupted conversion leaves no hidden partial copy).
-pub fn remove_partial_output() -> Option<PathBuf> {
+/// The output directory a conversion is writing, if one is under way, for a Ctrl-C or SIGTERM
+/// handler: removed, unless it holds whole shards (then kept for the same command to resume,
+/// with their count).
+pub fn remove_partial_output() -> Option<(PathBuf, Option<usize>)> {
     let p = PARTIAL.lock().ok()?.take()?;
-    let _ = fs::remove_dir_all(&p);
-    Some(p)
+    let kept = keep_for_resume(&p);
+    Some((p, kept))
 }
 
 /// A partial directory's lock file, held (`flock`) while its conversion runs: a conversion in
@@ -1412,10 +1578,32 @@ fn partial_abandoned(dir: &Path, pid: u32) -> bool {
 /// that is gone; Linux only, where `/proc` says which processes run); an old output moved
 /// aside by a conversion that died before the new one took its place goes back. Returns what
 /// it removed.
+#[cfg(test)]
 fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
+    stale_partials(out, None).0
+}
+
+/// [`stale_partials`] for the conversion `resume`, saying what it removed; the partial
+/// directory kept for it, if any.
+fn clear_stale(out: &Path, resume: &str) -> Option<PathBuf> {
+    let (removed, kept) = stale_partials(out, Some(resume));
+    for p in removed {
+        eprintln!(
+            "convert: removed {}, left by an interrupted conversion of other inputs, options \
+             or converter (its shards are not reused)",
+            p.display()
+        );
+    }
+    kept
+}
+
+/// [`remove_stale_partials`], except that one partial directory whose [`Shards`] record
+/// belongs to the conversion `resume` is kept for it to finish (returned second).
+fn stale_partials(out: &Path, resume: Option<&str>) -> (Vec<PathBuf>, Option<PathBuf>) {
     let mut removed = Vec::new();
+    let mut kept = None;
     let (Some(parent), Some(name)) = (out.parent(), out.file_name()) else {
-        return removed;
+        return (removed, kept);
     };
     let name = name.to_string_lossy();
     let mut places = vec![parent.to_path_buf()];
@@ -1449,6 +1637,14 @@ fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
             if !abandoned {
                 continue;
             }
+            let resumable = || {
+                fs::read_to_string(p.join(RESUME_FILE))
+                    .is_ok_and(|t| t.lines().next().is_some() && t.lines().next() == resume)
+            };
+            if what == ".partial-" && kept.is_none() && resumable() {
+                kept = Some(p);
+                continue;
+            }
             if what == ".old-" && !out.exists() {
                 if fs::rename(&p, out).is_ok() {
                     eprintln!(
@@ -1464,7 +1660,7 @@ fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
             }
         }
     }
-    removed
+    (removed, kept)
 }
 
 /// Completes a converted directory (`tmp`, to become `out`): the input's side files, `config`,
@@ -1513,7 +1709,7 @@ fn start_shard(
 /// A new directory for the output while it is written, with this process's lock in it, and
 /// whether it is inside `out` ([`write_through_temp`]): beside `out` where `out` can be renamed,
 /// else inside it.
-fn temp_dir_for(out: &Path) -> Result<(PathBuf, bool)> {
+fn temp_dir_for(out: &Path, resume: &str) -> Result<(PathBuf, bool)> {
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -1528,15 +1724,17 @@ fn temp_dir_for(out: &Path) -> Result<(PathBuf, bool)> {
         ))
     };
     fs::create_dir_all(&parent).map_err(|e| unusable(&parent, e))?;
-    for p in remove_stale_partials(out) {
-        eprintln!(
-            "convert: removed {}, left by an interrupted conversion (its shards are not \
-             reused: this conversion starts over)",
-            p.display()
-        );
-    }
+    let kept = clear_stale(out, resume);
     let beside = sibling(out, "partial");
     let within = out.join(beside.file_name().expect("a sibling has a name"));
+    // The same conversion's partial output goes on where it is, under this process's name.
+    if let Some(k) = kept {
+        let inside = k.parent() == Some(out);
+        let tmp = if inside { within } else { beside };
+        fs::rename(&k, &tmp).map_err(|e| ConvertError::io(&k, e))?;
+        hold_lock(&tmp)?;
+        return Ok((tmp, inside));
+    }
     // A mount point cannot be renamed: build inside it.
     let mounted = is_mount_point(out, &parent);
     let make = |tmp: &Path| -> std::io::Result<()> {
@@ -2286,7 +2484,7 @@ mod tests {
         assert!(err.contains(&kept.display().to_string()), "{err}");
         assert_eq!(fs::read_to_string(kept.join("config.json")).unwrap(), "new");
         // A failed write leaves nothing.
-        let err = write_through_temp(&out, false, |dir| {
+        let err = write_through_temp(&out, false, "fp", |dir, _| {
             Err(ConvertError::io(dir, std::io::Error::other("disk full")))
         });
         assert!(err.is_err());
@@ -2368,6 +2566,78 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert_eq!(names, ["config.json"]);
+    }
+
+    /// A conversion finds the partial output an interrupted run of the same conversion left
+    /// and keeps the shards it recorded (here one whose bytes a rewrite would change: it stays
+    /// as it is), writes the rest, and leaves no record in the output; a partial output of
+    /// other options is removed, not reused.
+    #[test]
+    fn an_interrupted_conversion_resumes() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/v3/r1_tiny");
+        let tmp = tempfile::tempdir().unwrap();
+        let opts = |out: &str, mode| ConvertOptions {
+            input: fixture.clone(),
+            output: tmp.path().join(out),
+            mode,
+            c8_scales: None,
+            quant_param_path: None,
+            force: false,
+            progress: false,
+        };
+        let fresh = opts("fresh", QuantMode::Bfloat16);
+        convert(&fresh).unwrap();
+        let files = Input::open(&fixture).unwrap().files();
+        let dead = u32::MAX - 1;
+        let first = "model-00001-of-00003.safetensors";
+        let size = fs::metadata(fresh.output.join(first)).unwrap().len();
+        // An interrupted run: the first shard recorded, another half written.
+        let left = |mode| {
+            let part = tmp.path().join(format!(".out.partial-{dead}"));
+            fs::create_dir_all(&part).unwrap();
+            fs::write(part.join(first), vec![7u8; size as usize]).unwrap();
+            fs::write(part.join("model-00002-of-00003.safetensors"), b"half").unwrap();
+            let fp = fingerprint(&opts("out", mode), &files);
+            fs::write(part.join(RESUME_FILE), format!("{fp}\n{size} {first}\n")).unwrap();
+            part
+        };
+        let part = left(QuantMode::Bfloat16);
+        convert(&opts("out", QuantMode::Bfloat16)).unwrap();
+        let out = tmp.path().join("out");
+        assert_eq!(fs::read(out.join(first)).unwrap(), vec![7u8; size as usize]);
+        for f in [
+            "model-00002-of-00003.safetensors",
+            "model-00003-of-00003.safetensors",
+            INDEX_FILE,
+            CONFIG_FILE,
+        ] {
+            assert_eq!(
+                fs::read(out.join(f)).unwrap(),
+                fs::read(fresh.output.join(f)).unwrap(),
+                "{f}"
+            );
+        }
+        assert!(!out.join(RESUME_FILE).exists() && !out.join(LOCK_FILE).exists());
+        assert!(!part.exists());
+        // Another conversion's leftovers are not taken.
+        fs::remove_dir_all(&out).unwrap();
+        let part = left(QuantMode::W8A8C16);
+        convert(&opts("out", QuantMode::Bfloat16)).unwrap();
+        assert!(!part.exists());
+        assert_eq!(
+            fs::read(out.join(first)).unwrap(),
+            fs::read(fresh.output.join(first)).unwrap()
+        );
+        // A failure after a shard was written keeps it, and says so.
+        let kept = tmp.path().join("kept");
+        fs::create_dir_all(&kept).unwrap();
+        let mut shards = Shards::open(&kept, "fp").unwrap();
+        fs::write(kept.join(first), b"x").unwrap();
+        shards.record(first, 1).unwrap();
+        assert_eq!(Shards::open(&kept, "fp").unwrap().done(first), Some(1));
+        assert_eq!(Shards::open(&kept, "other").unwrap().done(first), None);
+        assert_eq!(keep_for_resume(&kept), None);
+        assert!(!kept.exists());
     }
 
     /// Paths resolve `.` and `..`, also in parts that do not exist yet.

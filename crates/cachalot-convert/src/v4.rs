@@ -38,9 +38,9 @@ use serde_json::{json, Map, Value};
 use crate::clip::{load_clip_params, Clip};
 use crate::safetensors_io::{self, OutTensor};
 use crate::{
-    check_output, dequantize_rows_to_bf16, finish_dir, out_tensor, progress_bar, start_shard,
-    write_json, write_through_temp, BlockScales, ConvertError, ConvertOptions, ConvertReport,
-    Input, QuantMode, Result, CONFIG_FILE, ITEM_BYTES,
+    check_output, dequantize_rows_to_bf16, fingerprint, finish_dir, out_tensor, progress_bar,
+    start_shard, write_json, write_through_temp, BlockScales, ConvertError, ConvertOptions,
+    ConvertReport, Input, QuantMode, Result, CONFIG_FILE, ITEM_BYTES,
 };
 
 /// Whether a checkpoint's config describes the V4 layout (it has `compress_ratios`).
@@ -546,7 +546,8 @@ pub(crate) fn convert_v4(
             file: config_path.clone(),
             why: "n_routed_experts is missing or not a number".into(),
         })? as usize;
-    check_output(&opts.input, &opts.output, opts.force)?;
+    let resume = fingerprint(opts, &input.files());
+    check_output(&opts.input, &opts.output, opts.force, &resume)?;
     // INT8/INT4 weights the conversion writes (what clip factors apply to).
     let mut int_targets = 0usize;
     let clips = match &opts.quant_param_path {
@@ -772,18 +773,25 @@ pub(crate) fn convert_v4(
         }
     }
 
-    write_through_temp(&opts.output, opts.force, |tmp| {
+    write_through_temp(&opts.output, opts.force, &resume, |tmp, shards| {
         let pb = progress_bar(report.input_bytes, opts.progress);
         let mut weight_map = Map::new();
         for (si, (outs, jobs, scales)) in plans.into_iter().enumerate() {
             let (file_name, _) = &input.shards[si];
-            let (names, bytes) = write_shard(
-                &input.shard_path(si),
-                &tmp.join(file_name),
+            let (names, bytes) = shards.shard(
+                file_name,
                 outs,
-                &jobs,
-                &scales,
-                &pb,
+                |outs| outs.into_iter().map(|o| o.name).collect(),
+                |outs| {
+                    write_shard(
+                        &input.shard_path(si),
+                        &tmp.join(file_name),
+                        outs,
+                        &jobs,
+                        &scales,
+                        &pb,
+                    )
+                },
             )?;
             report.output_bytes += bytes;
             for name in names {

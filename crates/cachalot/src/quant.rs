@@ -86,15 +86,20 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
         );
     }
     let mtp_note = check_input_loads(&args.input)?;
-    // Ctrl-C or SIGTERM: the partial output goes with the process (the old output, if any, is
-    // untouched until a conversion completes).
-    crate::term::on_interrupt(|| {
-        if let Some(p) = cachalot_convert::remove_partial_output() {
-            eprintln!(
-                "convert: interrupted; removed the partial output {}",
-                p.display()
-            );
-        }
+    // Ctrl-C or SIGTERM: the partial output goes with the process unless it holds whole
+    // shards, which the same command then resumes from (the old output, if any, is untouched
+    // until a conversion completes).
+    crate::term::on_interrupt(|| match cachalot_convert::remove_partial_output() {
+        Some((p, None)) => eprintln!(
+            "convert: interrupted; removed the partial output {}",
+            p.display()
+        ),
+        Some((p, Some(n))) => eprintln!(
+            "convert: interrupted; the {n} shards written so far are kept in {}: the same \
+             command goes on from there (delete it to start over)",
+            p.display()
+        ),
+        None => {}
     })?;
     let r = convert(&opts).map_err(|e| match &mtp_note {
         // What the loader said about the MTP layers is likely the same damage.
