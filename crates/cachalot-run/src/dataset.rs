@@ -117,7 +117,7 @@ pub fn default_prompts(path: &Path) -> Result<Vec<String>, DatasetError> {
         ))
     })?;
     let v: serde_json::Value =
-        serde_json::from_str(strip_bom(&text)).map_err(|e| err(format!("not valid JSON: {e}")))?;
+        from_json(strip_bom(&text)).map_err(|e| err(format!("not valid JSON: {e}")))?;
     let prompts: Vec<String> = match v.get("text") {
         Some(serde_json::Value::String(s)) => vec![s.clone()],
         Some(serde_json::Value::Array(a)) => a
@@ -199,7 +199,7 @@ fn contexts(path: &Path) -> Result<Vec<String>, DatasetError> {
     };
     let mut out = Vec::new();
     if text.trim_start().starts_with('[') {
-        let v: Vec<serde_json::Value> = serde_json::from_str(text).map_err(|e| {
+        let v: Vec<serde_json::Value> = from_json(text).map_err(|e| {
             err(format!(
                 "not a valid JSON array of records: {e}; the file holds one JSON object per \
                  line, or one array of objects, each with a \"context\" string"
@@ -213,8 +213,8 @@ fn contexts(path: &Path) -> Result<Vec<String>, DatasetError> {
             if line.trim().is_empty() {
                 continue;
             }
-            let v: serde_json::Value = serde_json::from_str(line)
-                .map_err(|e| err(format!("line {}: not valid JSON: {e}", i + 1)))?;
+            let v: serde_json::Value =
+                from_json(line).map_err(|e| err(format!("line {}: not valid JSON: {e}", i + 1)))?;
             out.push(context(&v, &format!("line {}", i + 1))?);
         }
     }
@@ -345,6 +345,58 @@ impl PromptBuilder<'_> {
     }
 }
 
+/// JSON text parsed as Python's `json` module reads it in one respect: a `\uD800`–`\uDFFF`
+/// escape without its other half (text cut inside an emoji, common in scraped corpora), which
+/// JSON parsers refuse and Python keeps, becomes U+FFFD (a lone half is no character: it could
+/// not be tokenized).
+fn from_json<T: serde::de::DeserializeOwned>(text: &str) -> serde_json::Result<T> {
+    serde_json::from_str(text).or_else(|e| match lone_surrogates_replaced(text) {
+        Some(fixed) => serde_json::from_str(&fixed),
+        None => Err(e),
+    })
+}
+
+/// `text` with each lone surrogate escape written as `\ufffd`; None when it has none.
+fn lone_surrogates_replaced(text: &str) -> Option<String> {
+    let b = text.as_bytes();
+    let code = |at: usize| -> Option<u32> {
+        let hex = b.get(at..at + 6)?;
+        if hex[0] != b'\\' || hex[1] != b'u' {
+            return None;
+        }
+        u32::from_str_radix(std::str::from_utf8(&hex[2..]).ok()?, 16).ok()
+    };
+    let mut out = String::with_capacity(text.len());
+    let (mut i, mut from, mut changed) = (0, 0, false);
+    while i < b.len() {
+        if b[i] != b'\\' {
+            i += 1;
+            continue;
+        }
+        match code(i) {
+            Some(0xD800..=0xDBFF)
+                if code(i + 6).is_some_and(|lo| (0xDC00..=0xDFFF).contains(&lo)) =>
+            {
+                i += 12
+            }
+            Some(0xD800..=0xDFFF) => {
+                out.push_str(&text[from..i]);
+                out.push_str("\\ufffd");
+                i += 6;
+                from = i;
+                changed = true;
+            }
+            // Any other escape: its two characters (an escaped backslash is not an escape's
+            // start).
+            _ => i += 2,
+        }
+    }
+    changed.then(|| {
+        out.push_str(&text[from..]);
+        out
+    })
+}
+
 /// `text` without a leading UTF-8 byte-order mark (Windows editors write one; JSON forbids it,
 /// Python's `json.load` of a file opened as `utf-8-sig` skips it).
 fn strip_bom(text: &str) -> &str {
@@ -354,6 +406,21 @@ fn strip_bom(text: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Lone surrogate escapes read as U+FFFD (Python's json keeps them); pairs, escaped
+    /// backslashes before a `u` and other escapes stay.
+    #[test]
+    fn lone_surrogates_read_as_replacement_characters() {
+        let v: serde_json::Value =
+            from_json(r#"{"text": ["\ud83d lone", "\ud83d\ude00 pair", "\\ud83d", "\udc00\n"]}"#)
+                .unwrap();
+        assert_eq!(
+            v["text"],
+            serde_json::json!(["\u{fffd} lone", "\u{1f600} pair", "\\ud83d", "\u{fffd}\n"])
+        );
+        assert!(lone_surrogates_replaced(r#"{"a": "\ud83d\ude00"}"#).is_none());
+        assert!(from_json::<serde_json::Value>("{").is_err());
+    }
 
     #[test]
     fn default_prompts_take_a_string_or_a_list() {
