@@ -291,9 +291,12 @@ pub struct Summary {
     pub mean_decode_step_ms: f64,
     pub preemptions: usize,
     pub kv_block_size: usize,
+    /// One rank's KV pool (where ranks run their own batches: the rank whose pool filled
+    /// most, with its peak below).
     pub kv_capacity_blocks: usize,
     pub kv_peak_blocks: usize,
     pub kv_peak_fraction: f64,
+    /// One rank's KV cache (the largest).
     pub kv_cache_bytes: usize,
     pub finish_reasons: std::collections::BTreeMap<String, usize>,
     /// Each rank's share, when more than one ran.
