@@ -315,8 +315,25 @@ fn load_model(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV3> {
 
 /// The DeepSeek-V4 model of `args` (with its MTP blocks when `load_mtp`).
 fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
+    let dir = checked_model_dir(args)?;
+    // Options of the DeepSeek-V3 family's model that V4's does not have: refused, not ignored.
+    let v3_only = [
+        (matches!(args.fp8, Fp8Arg::F32), "--fp8 f32", "its weights run as stored"),
+        (
+            !matches!(args.attention, AttnArg::Auto),
+            "--attention",
+            "its attention has one form",
+        ),
+    ];
+    if let Some((_, flag, why)) = v3_only.iter().find(|(given, _, _)| *given) {
+        bail!(
+            "{flag}: {} is a DeepSeek-V4 model ({why}; the option is the DeepSeek-V3 family's); \
+             drop it",
+            dir.display()
+        );
+    }
     let mut m = DeepseekV4::load(
-        &checked_model_dir(args)?,
+        &dir,
         V4LoadOptions {
             load_mtp,
             bf16_dot: args.bf16_dot,
