@@ -318,7 +318,11 @@ fn load_v4(args: &ModelArgs, load_mtp: bool) -> Result<DeepseekV4> {
     let dir = checked_model_dir(args)?;
     // Options of the DeepSeek-V3 family's model that V4's does not have: refused, not ignored.
     let v3_only = [
-        (matches!(args.fp8, Fp8Arg::F32), "--fp8 f32", "its weights run as stored"),
+        (
+            matches!(args.fp8, Fp8Arg::F32),
+            "--fp8 f32",
+            "its weights run as stored",
+        ),
         (
             !matches!(args.attention, AttnArg::Auto),
             "--attention",

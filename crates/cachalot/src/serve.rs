@@ -2155,7 +2155,21 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
                 return Err(ApiError::bad("tools", problem));
             }
             let messages = &flatten_text_parts(messages, template);
-            let text = render_chat(template, messages, generation, continued, tools, &kwargs)?;
+            // A forced call's start is part of the prompt (as the chat endpoint writes it).
+            let text = match read_tool_choice(body, tools)?.0 {
+                Some(name) if generation && !continued => {
+                    forced_call(
+                        shared.tool_format,
+                        template,
+                        messages,
+                        tools,
+                        &kwargs,
+                        &name,
+                    )?
+                    .prompt
+                }
+                _ => render_chat(template, messages, generation, continued, tools, &kwargs)?,
+            };
             encode_with_bos(tok, &text, special, "messages")?
         }
         (Some(Value::String(_)), Some(_)) => {
@@ -2178,6 +2192,62 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
         }
     };
     Ok(json!({"count": tokens.len(), "max_model_len": shared.max_positions, "tokens": tokens}))
+}
+
+/// A request's `tool_choice`: the forced call (Some(None) for any tool, "required";
+/// Some(Some(name)) for a named one) and whether the answer is read for calls ("none": not).
+fn read_tool_choice(
+    body: &Value,
+    tools: Option<&Value>,
+) -> Result<(Option<Option<String>>, bool), ApiError> {
+    let mut forced: Option<Option<String>> = None;
+    let mut reads_calls = true;
+    match field(body, "tool_choice") {
+        None => {}
+        Some(Value::String(c)) if c == "auto" => {}
+        // As vLLM by default: the tools are shown to the model, its answer is not read for
+        // calls.
+        Some(Value::String(c)) if c == "none" => reads_calls = false,
+        Some(Value::String(c)) if c == "required" => forced = Some(None),
+        Some(Value::Object(o))
+            if o.get("type").and_then(Value::as_str).unwrap_or("function") == "function"
+                && o.get("function")
+                    .and_then(|f| f.get("name"))
+                    .is_some_and(Value::is_string) =>
+        {
+            let name = o["function"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let known = tools.and_then(Value::as_array).is_some_and(|ts| {
+                ts.iter()
+                    .any(|t| t["function"]["name"].as_str() == Some(name.as_str()))
+            });
+            if !known {
+                return Err(ApiError::bad(
+                    "tool_choice",
+                    format!("{name:?} is not one of the request's tools"),
+                ));
+            }
+            forced = Some(Some(name));
+        }
+        Some(v) => {
+            return Err(ApiError::bad(
+                "tool_choice",
+                format!(
+                    "{v}: expected \"auto\", \"none\", \"required\" or {{\"type\": \
+                     \"function\", \"function\": {{\"name\": ...}}}}"
+                ),
+            ))
+        }
+    }
+    if forced.is_some() && tools.and_then(Value::as_array).is_none_or(|t| t.is_empty()) {
+        return Err(ApiError::bad(
+            "tool_choice",
+            "a forced call needs the request's tools",
+        ));
+    }
+    Ok((forced, reads_calls))
 }
 
 /// `text`'s ids, after the tokenizer config's BOS when `bos` (errors name `param`).
@@ -3242,59 +3312,12 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             return Err(ApiError::bad("tools", problem));
         }
     }
-    // A forced call: Some(None) for any tool ("required"), Some(Some(name)) for a named one.
-    let mut forced: Option<Option<String>> = None;
-    let mut reads_calls = true;
-    match field(body, "tool_choice") {
-        None => {}
-        Some(Value::String(c)) if c == "auto" => {}
-        // As vLLM by default: the tools are shown to the model, its answer is not read for
-        // calls.
-        Some(Value::String(c)) if c == "none" => reads_calls = false,
-        Some(Value::String(c)) if c == "required" => forced = Some(None),
-        Some(Value::Object(o))
-            if o.get("type").and_then(Value::as_str).unwrap_or("function") == "function"
-                && o.get("function")
-                    .and_then(|f| f.get("name"))
-                    .is_some_and(Value::is_string) =>
-        {
-            let name = o["function"]["name"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string();
-            let known = tools.and_then(Value::as_array).is_some_and(|ts| {
-                ts.iter()
-                    .any(|t| t["function"]["name"].as_str() == Some(name.as_str()))
-            });
-            if !known {
-                return Err(ApiError::bad(
-                    "tool_choice",
-                    format!("{name:?} is not one of the request's tools"),
-                ));
-            }
-            forced = Some(Some(name));
-        }
-        Some(v) => {
-            return Err(ApiError::bad(
-                "tool_choice",
-                format!(
-                    "{v}: expected \"auto\", \"none\", \"required\" or {{\"type\": \
-                     \"function\", \"function\": {{\"name\": ...}}}}"
-                ),
-            ))
-        }
-    }
+    let (forced, reads_calls) = read_tool_choice(body, tools)?;
     if forced.is_some() && json_object {
         return Err(ApiError::bad(
             "response_format",
             "JSON mode and a forced tool call do not go together (the call's own markup is not \
              JSON): drop one",
-        ));
-    }
-    if forced.is_some() && tools.and_then(Value::as_array).is_none_or(|t| t.is_empty()) {
-        return Err(ApiError::bad(
-            "tool_choice",
-            "a forced call needs the request's tools",
         ));
     }
     // As OpenAI and vLLM: a tool choice other than "none" needs tools to choose from.
@@ -3964,10 +3987,17 @@ fn forced_call(
             tool_list
                 .iter()
                 .find(|t| t["function"]["name"] == n)
-                .and_then(|t| t["function"].get("parameters"))
+                // A function without `parameters` takes none (OpenAI's reading; vLLM's
+                // forced calls hold it to the same empty object).
+                .map(|t| {
+                    t["function"]
+                        .get("parameters")
+                        .cloned()
+                        .unwrap_or_else(|| json!({"type": "object", "properties": {}}))
+                })
                 .map(|p| {
                     // Arguments are an object: `{}` or a schema without a type says so.
-                    let mut p = p.clone();
+                    let mut p = p;
                     if let Some(o) = p.as_object_mut() {
                         if !["type", "anyOf", "oneOf", "$ref", "enum", "const"]
                             .iter()
@@ -5786,6 +5816,14 @@ mod tests {
             one.prefix.ends_with("name=\"get_time\">\n"),
             "{:?}",
             one.prefix
+        );
+        // A function without `parameters` takes none: its arguments are `{}`.
+        let ping = json!([{"type": "function", "function": {"name": "ping"}}]);
+        let named = Some("ping".to_string());
+        let f = forced_call(format, &template, &messages, Some(&ping), &kwargs, &named).unwrap();
+        assert_eq!(
+            f.json.unwrap().schema,
+            Some(json!({"type": "object", "properties": {}}))
         );
     }
 

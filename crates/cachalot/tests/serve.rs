@@ -2425,6 +2425,23 @@ fn serve_forces_tool_calls_in_dsml() {
         }
     }
     assert!(calls >= 6, "{calls} of 9 answers were whole calls");
+    // /tokenize counts a forced call's start as the answer's prompt does.
+    let q = json!([{"role": "user", "content": "u"}]);
+    let shown = tokenize(json!({"messages": q, "tools": tools})).len();
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_time"}}),
+    ] {
+        let n = tokenize(json!({"messages": q, "tools": tools, "tool_choice": choice})).len();
+        let (status, v) = post(
+            &server.addr,
+            "/v1/chat/completions",
+            &json!({"messages": q, "tools": tools, "tool_choice": choice, "max_tokens": 1}),
+        );
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["prompt_tokens"], n, "{choice}");
+        assert!(n > shown, "{choice}");
+    }
     // In thinking mode a forced call follows an empty reasoning block, as the encoder writes
     // a thinking-mode call: `<think></think>` and the DSML block.
     let q = json!([{"role": "user", "content": "Weather in Paris?"}]);

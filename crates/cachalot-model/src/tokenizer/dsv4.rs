@@ -1109,8 +1109,6 @@ pub(crate) struct PartialInvoke<'t> {
 /// its closing tag). Returns them and the position after the last closed one. Lenient about
 /// what lies between tags: where the block is malformed, [`parse_answer`] says so at the end.
 pub(crate) fn partial_invokes(text: &str, mut at: usize) -> (Vec<PartialInvoke<'_>>, usize) {
-    // A value ends at `<` and `/｜DSML｜parameter`, or `<`, a newline and that ([`ends`]).
-    const VALUE_ENDS: [&str; 2] = ["</｜DSML｜parameter", "<\n/｜DSML｜parameter"];
     let mut out = Vec::new();
     loop {
         let (_, Some(INVOKE_START), body) = read_until(text, at, &[INVOKE_START, TOOL_CALLS_END])
@@ -1118,9 +1116,25 @@ pub(crate) fn partial_invokes(text: &str, mut at: usize) -> (Vec<PartialInvoke<'
             return (out, at);
         };
         let (head, mut stop, mut p) = read_until(text, body, &[PARAMETER_START, INVOKE_END]);
-        let Some(name) = invoke_name(head).filter(|_| stop.is_some()) else {
+        let name = match stop {
+            Some(_) => invoke_name(head),
+            // The name is whole once its quote and `>` are written.
+            None => head
+                .trim_start()
+                .strip_prefix("name=\"")
+                .and_then(|r| r.find("\">").map(|e| &r[..e])),
+        };
+        let Some(name) = name else {
             return (out, at);
         };
+        if stop.is_none() {
+            out.push(PartialInvoke {
+                name,
+                arguments: "{".into(),
+                closed: false,
+            });
+            return (out, at);
+        }
         let mut arguments = String::from("{");
         let mut fields = 0;
         let mut closed = false;
@@ -1155,19 +1169,18 @@ pub(crate) fn partial_invokes(text: &str, mut at: usize) -> (Vec<PartialInvoke<'
                 }
                 continue;
             }
-            // The parameter being written: its value so far, less a closing tag's beginning.
+            // The parameter being written: its value so far, up to a `<` that a slash or a
+            // newline follows or may follow (where its closing tag may begin: a value that
+            // holds one, as `</b>`, comes whole when the parameter closes; one cut off there
+            // never shows the tag's remains).
             if let Some((key, is_str, v)) = parameter_head(param) {
                 let value = &param[v..];
-                let held = (1..value.len().min(VALUE_ENDS[1].len()) + 1)
-                    .rev()
-                    .filter(|&k| value.is_char_boundary(value.len() - k))
-                    .find(|&k| {
-                        VALUE_ENDS
-                            .iter()
-                            .any(|e| e.starts_with(&value[value.len() - k..]))
-                    })
-                    .unwrap_or(0);
-                let value = &value[..value.len() - held];
+                let held = value
+                    .match_indices('<')
+                    .map(|(i, _)| i)
+                    .find(|&i| matches!(value.as_bytes().get(i + 1), None | Some(b'/' | b'\n')))
+                    .unwrap_or(value.len());
+                let value = &value[..held];
                 field(&mut arguments, key);
                 if is_str {
                     let json = python_json(&Value::String(value.into()));

@@ -712,6 +712,13 @@ mod tests {
                 ToolCallFormat::DeepseekV4.partial_calls(&v4[..cut], &mut CallsCursor::default());
             calls[0].arguments.to_string()
         };
+        // The name as soon as it is closed; a value cut inside its closing tag (a partial
+        // character read as U+FFFD at the end) never shows the tag's remains.
+        assert_eq!(upto("name=\"get_weather\">"), "{");
+        let cut = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter \
+                   name=\"d\" string=\"false\">8\t</b> <\n</｜DSML\u{fffd}";
+        let c = ToolCallFormat::DeepseekV4.partial_calls(cut, &mut CallsCursor::default());
+        assert_eq!((c[0].name, &*c[0].arguments), ("f", "{\"d\": 8\t"));
         assert_eq!(upto("Paris <"), "{\"city\": \"Paris ");
         assert_eq!(upto("Paris <b"), "{\"city\": \"Paris <b");
         assert_eq!(upto("é<"), "{\"city\": \"Paris <b> \\\"x\\\"\\n é");
