@@ -39,6 +39,9 @@ pub enum ModelError {
     Batch(String),
     #[error("kernel: {0}")]
     Kernel(String),
+    /// Non-finite values where the model computes (what, where, the likely cause).
+    #[error("{0}")]
+    NonFinite(String),
     /// An option given to the model that it cannot honour (what, and how to fix it).
     #[error("{0}")]
     Options(String),

@@ -90,7 +90,7 @@ pub fn next_token_logprobs<M: CausalLm + ?Sized>(
         batch.mark_prefill();
         let logits = model.logits(&batch, &mut cache)?;
         if let Some(i) = logits.iter().position(|x| x.is_nan()) {
-            return Err(ModelError::Batch(format!(
+            return Err(ModelError::NonFinite(format!(
                 "the model produced NaN logits (position {}): the checkpoint holds non-finite \
                  weights or the config's numbers do not fit it",
                 start + i / vocab
@@ -351,19 +351,27 @@ pub fn latent_absmax(model: &DeepseekV3, tokens: &[u32], chunk: usize) -> Result
     }
     let kvr = model.config().kv_lora_rank;
     let layers = model.config().num_hidden_layers;
-    Ok((0..layers)
+    (0..layers)
         .map(|li| {
             let layer = cache.layer(li);
-            (0..tokens.len())
-                .map(|pos| {
-                    let slot = crate::batch::slot_of(&table, pos, BLOCK_SIZE);
-                    layer[slot * spec.width..slot * spec.width + kvr]
-                        .iter()
-                        .fold(0.0f32, |m, v| m.max(v.abs()))
-                })
-                .fold(0.0f32, f32::max)
+            let mut max = 0.0f32;
+            for (pos, token) in tokens.iter().enumerate() {
+                let slot = crate::batch::slot_of(&table, pos, BLOCK_SIZE);
+                for v in &layer[slot * spec.width..slot * spec.width + kvr] {
+                    // (`max` would pass over a NaN: the scale would leave that position out.)
+                    if !v.is_finite() {
+                        return Err(ModelError::NonFinite(format!(
+                            "layer {li}: the latent of position {pos} (token {token}) holds {v}: the \
+                             model's weights are likely broken (check them with \
+                             --check-tensors)"
+                        )));
+                    }
+                    max = max.max(v.abs());
+                }
+            }
+            Ok(max)
         })
-        .collect())
+        .collect()
 }
 
 /// Log-probabilities over consecutive, non-overlapping windows of `window` tokens, each its own

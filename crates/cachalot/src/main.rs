@@ -526,6 +526,17 @@ fn run() -> Result<()> {
         if n > MAX_THREADS {
             bail!("--threads {n} is out of range: give 1 to {MAX_THREADS}");
         }
+        // More threads than cores only share them: every parallel region then waits for its
+        // slowest, descheduled thread.
+        if let Ok(cores) = std::thread::available_parallelism() {
+            if n > cores.get() {
+                say!(
+                    "warning: --threads {n} is more than the {cores} cores this process may \
+                     run on; threads then share cores and every step waits for the slowest \
+                     (leave --threads out to use all cores)"
+                );
+            }
+        }
         pool = pool.num_threads(n);
     }
     pool.build_global().with_context(|| match threads {

@@ -231,12 +231,16 @@ pub struct CalibrateArgs {
     /// Calibration text, tokenized with the model's tokenizer (no special tokens added).
     #[arg(long)]
     file: PathBuf,
-    /// Where to write the scales (JSON, read by `convert --c8-scales`).
+    /// Where to write the scales (JSON, read by `convert --c8-scales`; `-`: standard output).
     #[arg(long)]
     out: PathBuf,
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 512)]
     chunk: usize,
+    /// Read every tensor first and refuse a NaN or infinity (naming the tensor), as the other
+    /// commands' option.
+    #[arg(long)]
+    check_tensors: bool,
     /// Threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -273,6 +277,9 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
              kind the model will serve)",
             args.file.display()
         );
+    }
+    if args.check_tensors {
+        cachalot_model::checkpoint::Checkpoint::open(&args.model)?.check_values()?;
     }
     let model = DeepseekV3::load(&args.model, LoadOptions::default())?;
     let max = model.config().max_position_embeddings;
@@ -315,13 +322,24 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
         "absmax": absmax,
         "ckv_scale": scales,
     });
-    std::fs::write(&args.out, serde_json::to_string_pretty(&v)? + "\n")
-        .with_context(|| format!("cannot write {}", args.out.display()))?;
+    let text = serde_json::to_string_pretty(&v)? + "\n";
+    // `-`: standard output, as `--file -` reads standard input.
+    let to = if args.out.as_os_str() == "-" {
+        use std::io::Write;
+        std::io::stdout()
+            .lock()
+            .write_all(text.as_bytes())
+            .context("cannot write the scales to standard output")?;
+        "standard output".to_string()
+    } else {
+        std::fs::write(&args.out, text)
+            .with_context(|| format!("cannot write {}", args.out.display()))?;
+        args.out.display().to_string()
+    };
     say!(
-        "{} layers calibrated on {} tokens; scales written to {}",
+        "{} layers calibrated on {} tokens; scales written to {to}",
         scales.len(),
-        ids.len(),
-        args.out.display()
+        ids.len()
     );
     Ok(())
 }

@@ -339,6 +339,29 @@ fn render(
     Ok(t.render_json(&msgs, true, tools, kwargs)?)
 }
 
+/// `--tools` with a chat template that does not render them (the shipped model's, as R1's
+/// first release) would be dropped without a word: said once.
+fn warn_if_tools_unshown(
+    t: &ChatTemplate,
+    tools: Option<&serde_json::Value>,
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+) {
+    let Some(tools) = tools else { return };
+    let msgs = [turn("user", "x")];
+    if let (Ok(with), Ok(without)) = (
+        render(t, &msgs, Some(tools), kwargs),
+        render(t, &msgs, None, kwargs),
+    ) {
+        if with == without {
+            eprintln!(
+                "warning: --tools: this chat template does not render tools (its prompt is the \
+                 same without them), so the model is not shown them; give a template that does \
+                 with --chat-template"
+            );
+        }
+    }
+}
+
 /// A plain `{"role", "content"}` turn.
 fn turn(role: &str, content: impl Into<String>) -> serde_json::Value {
     serde_json::to_value(Message::new(role, content)).expect("a message serializes")
@@ -692,6 +715,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         let kwargs = template_kwargs(args.chat_template_kwargs.as_deref())?;
         let tools = read_tools(args.tools.as_deref())?;
         let t = chat_template(tok, &dir, args.chat_template.as_deref())?;
+        warn_if_tools_unshown(&t, tools.as_ref(), &kwargs);
         let text = render(&t, &msgs, tools.as_ref(), &kwargs)?;
         (tok.encode(&text)?, text)
     } else {
@@ -822,6 +846,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
     let kwargs = template_kwargs(args.chat_template_kwargs.as_deref())?;
     let template = chat_template(&tok, &dir, args.chat_template.as_deref())?;
     let tools = read_tools(args.tools.as_deref())?;
+    warn_if_tools_unshown(&template, tools.as_ref(), &kwargs);
     let family = detect_family(&dir)?;
     let tool_format = ToolCallFormat::for_tokenizer(&tok, family == ModelFamily::DeepseekV4);
     // Where reasoning also ends (a Kimi-K2-Thinking tool-call section).

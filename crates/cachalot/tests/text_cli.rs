@@ -1228,6 +1228,23 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
             "--decode: id 99999999",
         ),
         (vec!["bench", "--batch", "0"], "--batch 0 is out of range"),
+        // Options that would be dropped without a word are refused by name.
+        (
+            vec!["bench", "--membw", "--model", "assets/cachalot-tiny-r1"],
+            "--membw runs the bandwidth probe alone",
+        ),
+        (
+            vec![
+                "perplexity",
+                "--model",
+                "fixtures/v4/flash_tiny",
+                "--fp8",
+                "f32",
+                "--token-ids",
+                "1,2",
+            ],
+            "--fp8 f32: fixtures/v4/flash_tiny is a DeepSeek-V4 model",
+        ),
         (
             vec!["bench", "--membw", "--membw-mib", "8796093022208"],
             "--membw-mib 8796093022208 is out of range",
