@@ -102,6 +102,9 @@ pub struct RandomModel {
     pub shape: String,
     pub quant: String,
     to_remove: Vec<PathBuf>,
+    /// Directories above the model that were made for it (a `--random-dir` that did not
+    /// exist), deepest first: removed when empty.
+    made_parents: Vec<PathBuf>,
 }
 
 /// The file that marks a random model's directory as temporary while its process runs: one
@@ -116,6 +119,7 @@ impl RandomModel {
             let _ = std::fs::remove_file(d.join(UNFINISHED));
             crate::offline::forget_on_interrupt(&d);
         }
+        self.made_parents.clear();
     }
 }
 
@@ -151,6 +155,9 @@ impl Drop for RandomModel {
         for d in &self.to_remove {
             let _ = std::fs::remove_dir_all(d);
             crate::offline::forget_on_interrupt(d);
+        }
+        for d in &self.made_parents {
+            let _ = std::fs::remove_dir(d);
         }
     }
 }
@@ -918,6 +925,11 @@ fn materialize(
         shape: shape.to_string(),
         quant: quant.to_string(),
         to_remove: vec![base.clone()],
+        made_parents: parent
+            .ancestors()
+            .take_while(|d| !d.exists())
+            .map(Path::to_path_buf)
+            .collect(),
     };
     for old in remove_stale(&parent, prefix) {
         eprintln!(
