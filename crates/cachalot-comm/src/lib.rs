@@ -919,11 +919,17 @@ impl Communicator for TcpComm {
                 .map_err(|e| gone(format!("cannot be checked: {e}")))?;
             let mut b = [0u8; 1];
             let seen = s.peek(&mut b);
-            let _ = s.set_nonblocking(false);
+            // (Left non-blocking, the next collective would fail on it.)
+            s.set_nonblocking(false)
+                .map_err(|e| gone(format!("cannot be checked: {e}")))?;
             match seen {
                 Ok(0) => return Err(gone("closed its connection".into())),
                 Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    ) => {}
                 Err(e) => return Err(gone(format!("lost its connection: {e}"))),
             }
         }

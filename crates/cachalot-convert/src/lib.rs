@@ -129,6 +129,8 @@ pub struct ConvertReport {
     pub input_bytes: u64,
     pub output_bytes: u64,
     pub seconds: f64,
+    /// Shards an interrupted run of the same conversion had written, taken as they were.
+    pub resumed: usize,
     /// Things the caller should tell the user (e.g. clip factors that matched no weight).
     pub notes: Vec<String>,
 }
@@ -867,7 +869,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
             (_, None) => None,
         };
     let resume = fingerprint(opts, &input.files());
-    check_output(&opts.input, &opts.output, opts.force, &resume)?;
+    let adopt = check_output(&opts.input, &opts.output, opts.force, &resume)?;
     let ignore = ignore_list(input.num_hidden_layers, input.num_layers);
 
     // Plan every shard (and validate every FP8 weight) before writing anything.
@@ -996,7 +998,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
     }
 
     // Write into a temporary directory beside the output.
-    write_through_temp(&opts.output, opts.force, &resume, |tmp, shards| {
+    write_through_temp(&opts.output, opts.force, &resume, adopt, |tmp, shards| {
         let pb = progress_bar(report.input_bytes, opts.progress);
         let mut weight_map = Map::new();
         for (si, (planned, scales)) in plans.into_iter().enumerate() {
@@ -1022,6 +1024,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
             }
             report.shards += 1;
         }
+        report.resumed = shards.resumed;
         pb.finish_and_clear();
         let mut config = input.config.clone();
         config.remove("quantization_config");
@@ -1121,7 +1124,7 @@ fn resolve_output(out: &Path) -> Result<PathBuf> {
 
 /// `out` may be written: not a file, not the input or a directory holding it (`--force` would
 /// delete the input with it), and empty unless `force`.
-fn check_output(input: &Path, out: &Path, force: bool, resume: &str) -> Result<()> {
+fn check_output(input: &Path, out: &Path, force: bool, resume: &str) -> Result<Option<Adopt>> {
     let (inp, outp) = (resolve(input), resolve(out));
     // What interrupted conversions left goes first: an output one had moved aside is back in
     // place before its emptiness is judged (and a partial output of this same conversion
@@ -1146,8 +1149,9 @@ fn check_output(input: &Path, out: &Path, force: bool, resume: &str) -> Result<(
             .map_err(|e| ConvertError::io(out, e))?
             .flatten()
             .any(|e| {
-                kept.as_ref()
-                    .is_none_or(|k| e.file_name().as_os_str() != k.file_name().unwrap_or_default())
+                kept.as_ref().is_none_or(|k| {
+                    e.file_name().as_os_str() != k.dir.file_name().unwrap_or_default()
+                })
             });
         if non_empty && !force {
             return Err(ConvertError::Usage(format!(
@@ -1156,7 +1160,7 @@ fn check_output(input: &Path, out: &Path, force: bool, resume: &str) -> Result<(
             )));
         }
     }
-    Ok(())
+    Ok(kept)
 }
 
 /// Runs `write` on a new temporary directory, then puts it in place as `out`; on an error the
@@ -1172,17 +1176,17 @@ fn write_through_temp(
     out: &Path,
     force: bool,
     resume: &str,
+    adopt: Option<Adopt>,
     write: impl FnOnce(&Path, &mut Shards) -> Result<()>,
 ) -> Result<()> {
-    let (tmp, inside) = temp_dir_for(out, resume)?;
+    let (tmp, inside) = temp_dir_for(out, adopt)?;
     set_partial(Some(tmp.clone()));
     let written = Shards::open(&tmp, resume).and_then(|mut shards| {
         if !shards.done.is_empty() {
             eprintln!(
-                "convert: resuming the interrupted conversion in {}: {} shards were written \
-                 already",
+                "convert: resuming the interrupted conversion in {}: {} written already",
                 tmp.display(),
-                shards.done.len()
+                shards_word(shards.done.len())
             );
         }
         write(&tmp, &mut shards)
@@ -1191,20 +1195,19 @@ fn write_through_temp(
     // unfinished).
     set_partial(None);
     if let Err(e) = written {
-        // Shards written and synced are kept for the same conversion run again (a full
-        // disk, an input shard to download again); nothing else is.
+        // Shards written and synced are kept for the same conversion run again (after a full
+        // disk, say); nothing else is.
         release_lock();
         return Err(match keep_for_resume(&tmp) {
             Some(n) => ConvertError::Usage(format!(
-                "{e}\n(the {n} shards written so far are kept in {}: the same command, once \
+                "{e}\n({} written so far kept in {}: the same command, once \
                  this is fixed, goes on from there; delete it to start over)",
+                shards_word(n),
                 tmp.display()
             )),
             None => e,
         });
     }
-    let _ = fs::remove_file(tmp.join(LOCK_FILE));
-    let _ = fs::remove_file(tmp.join(RESUME_FILE));
     let placed = if inside {
         move_up(&tmp, out, force)
     } else {
@@ -1228,6 +1231,8 @@ pub(crate) struct Shards {
     path: PathBuf,
     /// Shards an earlier run wrote, still there at the size it recorded.
     done: HashMap<String, u64>,
+    /// Of those, how many this run took.
+    pub(crate) resumed: usize,
 }
 
 /// The name of [`Shards`]' record in a partial directory.
@@ -1239,32 +1244,59 @@ impl Shards {
     fn open(dir: &Path, fingerprint: &str) -> Result<Shards> {
         let path = dir.join(RESUME_FILE);
         let mut done = HashMap::new();
+        let mut ours = false;
         if let Ok(text) = fs::read_to_string(&path) {
             let mut lines = text.lines();
-            if lines.next() == Some(fingerprint) {
-                for l in lines {
-                    let Some((bytes, name)) = l.split_once(' ') else {
-                        continue;
-                    };
-                    let whole = bytes.parse::<u64>().ok().filter(|&b| {
-                        fs::metadata(dir.join(name)).is_ok_and(|m| m.is_file() && m.len() == b)
-                    });
-                    if let Some(b) = whole {
-                        done.insert(name.to_string(), b);
-                    }
+            ours = lines.next() == Some(fingerprint);
+            for l in lines.filter(|_| ours) {
+                let Some((bytes, name)) = l.split_once(' ') else {
+                    continue;
+                };
+                let whole = bytes.parse::<u64>().ok().filter(|&b| {
+                    fs::metadata(dir.join(name)).is_ok_and(|m| m.is_file() && m.len() == b)
+                });
+                if let Some(b) = whole {
+                    done.insert(name.to_string(), b);
                 }
             }
         }
-        let mut text = format!("{fingerprint}\n");
-        for (name, b) in &done {
-            text.push_str(&format!("{b} {name}\n"));
+        if ours {
+            // What else an earlier run left (a shard it had begun, side files) goes: the
+            // output is made again from here as a fresh run makes it.
+            for e in fs::read_dir(dir)
+                .map_err(|e| ConvertError::io(dir, e))?
+                .flatten()
+            {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if ![RESUME_FILE, LOCK_FILE].contains(&name.as_str()) && !done.contains_key(&name) {
+                    let p = e.path();
+                    let gone = if p.is_dir() && !p.is_symlink() {
+                        fs::remove_dir_all(&p)
+                    } else {
+                        fs::remove_file(&p)
+                    };
+                    gone.map_err(|e| ConvertError::io(&p, e))?;
+                }
+            }
+        } else {
+            // A new record, whole or not at all (never an emptied one: a record is what keeps
+            // a stopped run's shards).
+            let tmp = dir.join(format!("{RESUME_FILE}.new"));
+            fs::write(&tmp, format!("{fingerprint}\n"))
+                .and_then(|()| fs::rename(&tmp, &path))
+                .map_err(|e| ConvertError::io(&path, e))?;
         }
-        fs::write(&path, text).map_err(|e| ConvertError::io(&path, e))?;
+        // Appended to only: lines of shards written and synced.
         let file = fs::OpenOptions::new()
             .append(true)
             .open(&path)
             .map_err(|e| ConvertError::io(&path, e))?;
-        Ok(Shards { file, path, done })
+        Ok(Shards {
+            file,
+            path,
+            done,
+            resumed: 0,
+        })
     }
 
     /// The bytes of output shard `name` if an earlier run of this conversion wrote it whole.
@@ -1283,6 +1315,7 @@ impl Shards {
         write: impl FnOnce(P) -> Result<(Vec<String>, u64)>,
     ) -> Result<(Vec<String>, u64)> {
         if let Some(bytes) = self.done(name) {
+            self.resumed += 1;
             return Ok((names(plan), bytes));
         }
         let written = write(plan)?;
@@ -1298,6 +1331,11 @@ impl Shards {
             .and_then(|()| self.file.sync_data())
             .map_err(|e| ConvertError::io(&self.path, e))
     }
+}
+
+/// `n shard(s)`.
+pub fn shards_word(n: usize) -> String {
+    format!("{n} shard{}", if n == 1 { "" } else { "s" })
 }
 
 /// How many whole shards partial directory `dir` records (None: none, and `dir` is removed).
@@ -1379,6 +1417,7 @@ fn rename_over(tmp: &Path, out: &Path, force: bool) -> Result<()> {
     // Everything written is on disk before the name says the output is complete, and the
     // rename is, after it: a power loss leaves the old state or the whole new one.
     sync_tree(tmp)?;
+    drop_bookkeeping(tmp);
     let parent = out
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -1408,6 +1447,14 @@ fn rename_over(tmp: &Path, out: &Path, force: bool) -> Result<()> {
         return Err(ConvertError::io(out, e));
     }
     synced(fs::remove_dir_all(&old).map_err(|e| ConvertError::io(&old, e)))
+}
+
+/// A finished partial directory's lock and [`Shards`] record go just before it takes its
+/// place (not before its last syncs: a run stopped there is resumed, with nothing left to
+/// write). The lock stays held through its open file.
+fn drop_bookkeeping(tmp: &Path) {
+    let _ = fs::remove_file(tmp.join(LOCK_FILE));
+    let _ = fs::remove_file(tmp.join(RESUME_FILE));
 }
 
 /// fsync of one file or directory.
@@ -1467,6 +1514,8 @@ fn kept_name(tmp: &Path, out: &Path) -> PathBuf {
 fn move_up(tmp: &Path, out: &Path, force: bool) -> Result<()> {
     // (Synced as [`rename_over`] syncs: the files before they move, `out` after.)
     sync_tree(tmp)?;
+    // (The record stays until every file has moved: a run stopped while they move is resumed,
+    // with --force, as OUT then holds some of them.)
     let others: Vec<PathBuf> = fs::read_dir(out)
         .map_err(|e| ConvertError::io(out, e))?
         .flatten()
@@ -1475,6 +1524,7 @@ fn move_up(tmp: &Path, out: &Path, force: bool) -> Result<()> {
         .collect();
     if !others.is_empty() {
         if !force {
+            drop_bookkeeping(tmp);
             return Err(keep_beside(tmp, out));
         }
         for p in &others {
@@ -1488,9 +1538,13 @@ fn move_up(tmp: &Path, out: &Path, force: bool) -> Result<()> {
     }
     for e in fs::read_dir(tmp).map_err(|e| ConvertError::io(tmp, e))? {
         let e = e.map_err(|e| ConvertError::io(tmp, e))?;
+        if [RESUME_FILE, LOCK_FILE].iter().any(|b| e.file_name() == *b) {
+            continue;
+        }
         let to = out.join(e.file_name());
         fs::rename(e.path(), &to).map_err(|e| ConvertError::io(&to, e))?;
     }
+    drop_bookkeeping(tmp);
     fs::remove_dir(tmp).map_err(|e| ConvertError::io(tmp, e))?;
     sync_path(out)
 }
@@ -1561,16 +1615,21 @@ pub fn process_gone(pid: u32) -> bool {
 }
 
 /// Whether the conversion that wrote partial directory `dir` (named after `pid`) has ended: its
-/// lock can be taken (whatever namespace it ran in), or, where it holds no lock file, its
-/// process is gone.
-fn partial_abandoned(dir: &Path, pid: u32) -> bool {
-    if pid == std::process::id() {
-        return false;
-    }
+/// lock can be taken (whatever namespace it ran in; Some of the lock, held), or, where it holds
+/// no lock file, its process is gone (Some(None)). None while it runs.
+fn abandoned_lock(dir: &Path, pid: u32) -> Option<Option<File>> {
+    // (A directory named after this process's id is another's where PID namespaces differ,
+    // as two containers' first processes: its lock tells.)
     match File::open(dir.join(LOCK_FILE)) {
-        Ok(f) => f.try_lock().is_ok(),
-        Err(_) => process_gone(pid),
+        Ok(f) => f.try_lock().is_ok().then_some(Some(f)),
+        Err(_) => process_gone(pid).then_some(None),
     }
+}
+
+/// An interrupted run's partial directory this conversion goes on with, and its lock (held).
+pub(crate) struct Adopt {
+    dir: PathBuf,
+    lock: Option<File>,
 }
 
 /// Removes partial outputs for `out` that conversions no longer running left behind
@@ -1585,12 +1644,12 @@ fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
 
 /// [`stale_partials`] for the conversion `resume`, saying what it removed; the partial
 /// directory kept for it, if any.
-fn clear_stale(out: &Path, resume: &str) -> Option<PathBuf> {
+fn clear_stale(out: &Path, resume: &str) -> Option<Adopt> {
     let (removed, kept) = stale_partials(out, Some(resume));
     for p in removed {
         eprintln!(
-            "convert: removed {}, left by an interrupted conversion of other inputs, options \
-             or converter (its shards are not reused)",
+            "convert: removed {}, left by an interrupted conversion that this one does not \
+             continue",
             p.display()
         );
     }
@@ -1599,7 +1658,7 @@ fn clear_stale(out: &Path, resume: &str) -> Option<PathBuf> {
 
 /// [`remove_stale_partials`], except that one partial directory whose [`Shards`] record
 /// belongs to the conversion `resume` is kept for it to finish (returned second).
-fn stale_partials(out: &Path, resume: Option<&str>) -> (Vec<PathBuf>, Option<PathBuf>) {
+fn stale_partials(out: &Path, resume: Option<&str>) -> (Vec<PathBuf>, Option<Adopt>) {
     let mut removed = Vec::new();
     let mut kept = None;
     let (Some(parent), Some(name)) = (out.parent(), out.file_name()) else {
@@ -1630,21 +1689,25 @@ fn stale_partials(out: &Path, resume: Option<&str>) -> (Vec<PathBuf>, Option<Pat
                 continue;
             };
             let p = e.path();
-            let abandoned = match what {
-                ".partial-" => partial_abandoned(&p, pid),
-                _ => process_gone(pid) && place == parent,
+            // (A partial directory's lock, taken to see that its conversion ended, is kept for
+            // the one this conversion goes on with: no other run can take it meanwhile.)
+            let lock = match what {
+                ".partial-" => match abandoned_lock(&p, pid) {
+                    Some(lock) => lock,
+                    None => continue,
+                },
+                _ if process_gone(pid) && place == parent => None,
+                _ => continue,
             };
-            if !abandoned {
-                continue;
-            }
             let resumable = || {
                 fs::read_to_string(p.join(RESUME_FILE))
                     .is_ok_and(|t| t.lines().next().is_some() && t.lines().next() == resume)
             };
             if what == ".partial-" && kept.is_none() && resumable() {
-                kept = Some(p);
+                kept = Some(Adopt { dir: p, lock });
                 continue;
             }
+            drop(lock);
             if what == ".old-" && !out.exists() {
                 if fs::rename(&p, out).is_ok() {
                     eprintln!(
@@ -1709,7 +1772,7 @@ fn start_shard(
 /// A new directory for the output while it is written, with this process's lock in it, and
 /// whether it is inside `out` ([`write_through_temp`]): beside `out` where `out` can be renamed,
 /// else inside it.
-fn temp_dir_for(out: &Path, resume: &str) -> Result<(PathBuf, bool)> {
+fn temp_dir_for(out: &Path, adopt: Option<Adopt>) -> Result<(PathBuf, bool)> {
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -1724,19 +1787,38 @@ fn temp_dir_for(out: &Path, resume: &str) -> Result<(PathBuf, bool)> {
         ))
     };
     fs::create_dir_all(&parent).map_err(|e| unusable(&parent, e))?;
-    let kept = clear_stale(out, resume);
     let beside = sibling(out, "partial");
     let within = out.join(beside.file_name().expect("a sibling has a name"));
     // The same conversion's partial output goes on where it is, under this process's name.
-    if let Some(k) = kept {
-        let inside = k.parent() == Some(out);
+    if let Some(Adopt { dir, lock }) = adopt {
+        let inside = dir.parent() == Some(out);
         let tmp = if inside { within } else { beside };
-        fs::rename(&k, &tmp).map_err(|e| ConvertError::io(&k, e))?;
-        hold_lock(&tmp)?;
+        fs::rename(&dir, &tmp).map_err(|e| ConvertError::io(&dir, e))?;
+        // (The lock follows its file through the rename.)
+        match lock {
+            Some(f) => {
+                if let Ok(mut g) = LOCK.lock() {
+                    *g = Some(f);
+                }
+            }
+            None => hold_lock(&tmp)?,
+        }
         return Ok((tmp, inside));
     }
     // A mount point cannot be renamed: build inside it.
     let mounted = is_mount_point(out, &parent);
+    // A directory of this name whose lock is held is another conversion's (a process of
+    // another PID namespace with this id): it is left alone, and this one stops.
+    for tmp in [&beside, &within] {
+        if File::open(tmp.join(LOCK_FILE)).is_ok_and(|f| f.try_lock().is_err()) {
+            return Err(ConvertError::Usage(format!(
+                "{}: another conversion is writing there (one in another PID namespace whose \
+                 process id is this one's, {}): wait for it to end, or give another --output",
+                tmp.display(),
+                std::process::id()
+            )));
+        }
+    }
     let make = |tmp: &Path| -> std::io::Result<()> {
         if tmp.exists() {
             fs::remove_dir_all(tmp)?;
@@ -2484,7 +2566,7 @@ mod tests {
         assert!(err.contains(&kept.display().to_string()), "{err}");
         assert_eq!(fs::read_to_string(kept.join("config.json")).unwrap(), "new");
         // A failed write leaves nothing.
-        let err = write_through_temp(&out, false, "fp", |dir, _| {
+        let err = write_through_temp(&out, false, "fp", None, |dir, _| {
             Err(ConvertError::io(dir, std::io::Error::other("disk full")))
         });
         assert!(err.is_err());
@@ -2495,7 +2577,7 @@ mod tests {
             .collect();
         assert_eq!(left.len(), 1, "{left:?}");
         assert_eq!(unescape_mountinfo(r"/mnt/a\040b\134c"), "/mnt/a b\\c");
-        assert!(!is_mount_point(tmp.path(), Path::new("/")) || tmp.path() == Path::new("/tmp"));
+        assert!(!is_mount_point(tmp.path(), tmp.path().parent().unwrap()));
     }
 
     /// A partial directory whose lock a running conversion holds stays, whatever its pid says

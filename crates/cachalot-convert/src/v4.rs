@@ -547,7 +547,7 @@ pub(crate) fn convert_v4(
             why: "n_routed_experts is missing or not a number".into(),
         })? as usize;
     let resume = fingerprint(opts, &input.files());
-    check_output(&opts.input, &opts.output, opts.force, &resume)?;
+    let adopt = check_output(&opts.input, &opts.output, opts.force, &resume)?;
     // INT8/INT4 weights the conversion writes (what clip factors apply to).
     let mut int_targets = 0usize;
     let clips = match &opts.quant_param_path {
@@ -773,7 +773,7 @@ pub(crate) fn convert_v4(
         }
     }
 
-    write_through_temp(&opts.output, opts.force, &resume, |tmp, shards| {
+    write_through_temp(&opts.output, opts.force, &resume, adopt, |tmp, shards| {
         let pb = progress_bar(report.input_bytes, opts.progress);
         let mut weight_map = Map::new();
         for (si, (outs, jobs, scales)) in plans.into_iter().enumerate() {
@@ -800,6 +800,7 @@ pub(crate) fn convert_v4(
             }
             report.shards += 1;
         }
+        report.resumed = shards.resumed;
         pb.finish_and_clear();
         let mut config = input.config.clone();
         if quantize {

@@ -287,8 +287,6 @@ impl Bandwidth {
     }
 }
 
-/// Streaming read bandwidth, all threads: each pass sums a buffer of `mib` MiB (far larger than
-/// any last-level cache) in 256 KiB chunks spread over the rayon pool; the median of `passes`.
 /// A note for a weight-read rate above the probe's: the weights came from the CPU's caches.
 fn in_cache(fraction: f64) -> &'static str {
     if fraction > 1.0 {
@@ -298,6 +296,8 @@ fn in_cache(fraction: f64) -> &'static str {
     }
 }
 
+/// Streaming read bandwidth, all threads: each pass sums a buffer of `mib` MiB (far larger than
+/// any last-level cache) in 256 KiB chunks spread over the rayon pool; the median of `passes`.
 pub fn membw(mib: usize, passes: usize) -> Bandwidth {
     use rayon::prelude::*;
     let n = mib.max(1) * (1 << 20) / 4;

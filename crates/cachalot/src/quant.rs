@@ -95,8 +95,9 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
             p.display()
         ),
         Some((p, Some(n))) => eprintln!(
-            "convert: interrupted; the {n} shards written so far are kept in {}: the same \
-             command goes on from there (delete it to start over)",
+            "convert: interrupted; {} written so far kept in {}: the same command goes on \
+             from there (delete it to start over)",
+            cachalot_convert::shards_word(n),
             p.display()
         ),
         None => {}
@@ -125,14 +126,24 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
             kinds.push_str(&format!(", {n} {what} weights"));
         }
     }
+    // (A resumed run's rate would count shards an earlier run wrote.)
+    let rate = match r.resumed {
+        0 => format!(
+            "{:.2} GB/s of input; ",
+            r.input_bytes as f64 / r.seconds / 1e9
+        ),
+        n => format!(
+            "{} of them written by the interrupted run; ",
+            cachalot_convert::shards_word(n)
+        ),
+    };
     say!(
-        "converted {} shards, {} tensors ({kinds}) into {} in {:.2} s ({:.2} GB/s of input; \
-         {:.3} GB in, {:.3} GB out)",
+        "converted {} shards, {} tensors ({kinds}) into {} in {:.2} s ({rate}{:.3} GB in, \
+         {:.3} GB out)",
         r.shards,
         r.tensors_written,
         args.output.display(),
         r.seconds,
-        r.input_bytes as f64 / r.seconds / 1e9,
         r.input_bytes as f64 / 1e9,
         r.output_bytes as f64 / 1e9
     );

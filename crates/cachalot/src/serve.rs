@@ -2157,7 +2157,8 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
             let messages = &flatten_text_parts(messages, template);
             // A forced call's start is part of the prompt (as the chat endpoint writes it).
             let text = match read_tool_choice(body, tools)?.0 {
-                Some(name) if generation && !continued => {
+                Some(_) if continued => return Err(forced_with_continued()),
+                Some(name) => {
                     forced_call(
                         shared.tool_format,
                         template,
@@ -2168,7 +2169,7 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
                     )?
                     .prompt
                 }
-                _ => render_chat(template, messages, generation, continued, tools, &kwargs)?,
+                None => render_chat(template, messages, generation, continued, tools, &kwargs)?,
             };
             encode_with_bos(tok, &text, special, "messages")?
         }
@@ -2192,6 +2193,14 @@ fn tokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
         }
     };
     Ok(json!({"count": tokens.len(), "max_model_len": shared.max_positions, "tokens": tokens}))
+}
+
+/// A forced tool call cannot continue a final message.
+fn forced_with_continued() -> ApiError {
+    ApiError::bad(
+        "continue_final_message",
+        "cannot be combined with a forced tool call (tool_choice)",
+    )
 }
 
 /// A request's `tool_choice`: the forced call (Some(None) for any tool, "required";
@@ -3360,10 +3369,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             echo_text = last.map_or(String::new(), message_text);
         }
         if continued && forced.is_some() {
-            return Err(ApiError::bad(
-                "continue_final_message",
-                "cannot be combined with a forced tool call (tool_choice)",
-            ));
+            return Err(forced_with_continued());
         }
         let text = match &forced {
             None => render_chat(template, messages, generation, continued, tools, &kwargs)?,
@@ -3990,10 +3996,10 @@ fn forced_call(
                 // A function without `parameters` takes none (OpenAI's reading; vLLM's
                 // forced calls hold it to the same empty object).
                 .map(|t| {
-                    t["function"]
-                        .get("parameters")
-                        .cloned()
-                        .unwrap_or_else(|| json!({"type": "object", "properties": {}}))
+                    t["function"].get("parameters").cloned().unwrap_or_else(|| {
+                        json!({"type": "object", "properties": {},
+                                   "additionalProperties": false})
+                    })
                 })
                 .map(|p| {
                     // Arguments are an object: `{}` or a schema without a type says so.
@@ -5823,7 +5829,7 @@ mod tests {
         let f = forced_call(format, &template, &messages, Some(&ping), &kwargs, &named).unwrap();
         assert_eq!(
             f.json.unwrap().schema,
-            Some(json!({"type": "object", "properties": {}}))
+            Some(json!({"type": "object", "properties": {}, "additionalProperties": false}))
         );
     }
 

@@ -1118,11 +1118,18 @@ pub(crate) fn partial_invokes(text: &str, mut at: usize) -> (Vec<PartialInvoke<'
         let (head, mut stop, mut p) = read_until(text, body, &[PARAMETER_START, INVOKE_END]);
         let name = match stop {
             Some(_) => invoke_name(head),
-            // The name is whole once its quote and `>` are written.
+            // The name is whole once its quote and `>` are written, with no more than the
+            // start of the next tag after them (the whole head decides otherwise).
             None => head
                 .trim_start()
                 .strip_prefix("name=\"")
-                .and_then(|r| r.find("\">").map(|e| &r[..e])),
+                .and_then(|r| r.find("\">").map(|e| (&r[..e], &r[e + 2..])))
+                .filter(|(_, rest)| {
+                    ["\n<｜DSML｜parameter", "\n</｜DSML｜invoke"]
+                        .iter()
+                        .any(|t| t.starts_with(rest))
+                })
+                .map(|(name, _)| name),
         };
         let Some(name) = name else {
             return (out, at);
