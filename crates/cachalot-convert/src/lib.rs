@@ -1391,17 +1391,11 @@ pub(crate) fn fingerprint(opts: &ConvertOptions, input_files: &[PathBuf]) -> Str
 /// The finished `tmp` could not become `out` (`why`): it is kept under the name
 /// [`keep_beside`] gives, and the error says where.
 fn keep_finished(tmp: &Path, out: &Path, why: &ConvertError) -> ConvertError {
-    let kept = kept_name(tmp, out);
-    let at = if fs::rename(tmp, &kept).is_ok() {
-        kept
-    } else {
-        tmp.to_path_buf()
-    };
     ConvertError::Usage(format!(
         "the conversion finished but could not be put in place as {} ({why}); the converted \
          model is in {}: move its files there yourself",
         out.display(),
-        at.display()
+        keep_converted(tmp, out).display()
     ))
 }
 
@@ -1484,29 +1478,30 @@ fn sync_tree(dir: &Path) -> Result<()> {
 /// `out` was filled while the conversion ran (without `--force`): the finished output goes to
 /// `.{name}.converted-{pid}` beside `tmp` and the error says so.
 fn keep_beside(tmp: &Path, out: &Path) -> ConvertError {
-    let kept = kept_name(tmp, out);
-    match fs::rename(tmp, &kept) {
-        Ok(()) => ConvertError::Usage(format!(
-            "{} was empty when the conversion started and is not now (another conversion, or \
-             files put there meanwhile); it is left as it is, and the converted model is in {}: \
-             move it into place, or convert again with --force to replace {}",
-            out.display(),
-            kept.display(),
-            out.display()
-        )),
-        Err(e) => ConvertError::io(&kept, e),
-    }
+    let kept = keep_converted(tmp, out);
+    ConvertError::Usage(format!(
+        "{} was empty when the conversion started and is not now (another conversion, or files \
+         put there meanwhile); it is left as it is, and the converted model is in {}: move it \
+         into place, or convert again with --force to replace {}",
+        out.display(),
+        kept.display(),
+        out.display()
+    ))
 }
 
-/// `.{name}.converted-{pid}` beside `tmp`: where a finished output that cannot take its place
-/// is kept.
-fn kept_name(tmp: &Path, out: &Path) -> PathBuf {
-    tmp.with_file_name(format!(
+/// A finished output `tmp` that cannot take its place as `out`, renamed to
+/// `.{name}.converted-{pid}` beside it; where it now is (where it was, if it cannot be renamed).
+fn keep_converted(tmp: &Path, out: &Path) -> PathBuf {
+    let kept = tmp.with_file_name(format!(
         ".{}.converted-{}",
         out.file_name()
             .map_or("output".into(), |n| n.to_string_lossy().into_owned()),
         std::process::id()
-    ))
+    ));
+    match fs::rename(tmp, &kept) {
+        Ok(()) => kept,
+        Err(_) => tmp.to_path_buf(),
+    }
 }
 
 /// The finished `tmp` inside `out` becomes `out`'s contents: under `force` what else `out`
@@ -1639,13 +1634,13 @@ pub(crate) struct Adopt {
 /// it removed.
 #[cfg(test)]
 fn remove_stale_partials(out: &Path) -> Vec<PathBuf> {
-    stale_partials(out, None).0
+    stale_partials(out, "").0
 }
 
 /// [`stale_partials`] for the conversion `resume`, saying what it removed; the partial
 /// directory kept for it, if any.
 fn clear_stale(out: &Path, resume: &str) -> Option<Adopt> {
-    let (removed, kept) = stale_partials(out, Some(resume));
+    let (removed, kept) = stale_partials(out, resume);
     for p in removed {
         eprintln!(
             "convert: removed {}, left by an interrupted conversion that this one does not \
@@ -1658,7 +1653,7 @@ fn clear_stale(out: &Path, resume: &str) -> Option<Adopt> {
 
 /// [`remove_stale_partials`], except that one partial directory whose [`Shards`] record
 /// belongs to the conversion `resume` is kept for it to finish (returned second).
-fn stale_partials(out: &Path, resume: Option<&str>) -> (Vec<PathBuf>, Option<Adopt>) {
+fn stale_partials(out: &Path, resume: &str) -> (Vec<PathBuf>, Option<Adopt>) {
     let mut removed = Vec::new();
     let mut kept = None;
     let (Some(parent), Some(name)) = (out.parent(), out.file_name()) else {
@@ -1701,7 +1696,7 @@ fn stale_partials(out: &Path, resume: Option<&str>) -> (Vec<PathBuf>, Option<Ado
             };
             let resumable = || {
                 fs::read_to_string(p.join(RESUME_FILE))
-                    .is_ok_and(|t| t.lines().next().is_some() && t.lines().next() == resume)
+                    .is_ok_and(|t| !resume.is_empty() && t.lines().next() == Some(resume))
             };
             if what == ".partial-" && kept.is_none() && resumable() {
                 kept = Some(Adopt { dir: p, lock });
