@@ -1197,8 +1197,10 @@ fn write_through_temp(
     if let Err(e) = written {
         // Shards written and synced are kept for the same conversion run again (after a full
         // disk, say); nothing else is.
+        // (The lock is held until then: no other run takes the directory meanwhile.)
+        let kept = keep_for_resume(&tmp);
         release_lock();
-        return Err(match keep_for_resume(&tmp) {
+        return Err(match kept {
             Some(n) => ConvertError::Usage(format!(
                 "{e}\n({} written so far kept in {}: the same command, once \
                  this is fixed, goes on from there; delete it to start over)",
@@ -1260,15 +1262,35 @@ impl Shards {
                 }
             }
         }
+        // The record, from now on, holds exactly the shards found whole (a line of one no
+        // longer whole would vouch for a rewrite of it cut short), written whole by rename.
+        let mut text = format!("{fingerprint}\n");
+        for (name, b) in &done {
+            text.push_str(&format!("{b} {name}\n"));
+        }
+        let new = dir.join(format!("{RESUME_FILE}.new"));
+        fs::write(&new, text)
+            .and_then(|()| fs::rename(&new, &path))
+            .map_err(|e| ConvertError::io(&path, e))?;
         if ours {
             // What else an earlier run left (a shard it had begun, side files) goes: the
-            // output is made again from here as a fresh run makes it.
+            // output is made again from here as a fresh run makes it. (A shard named with a
+            // directory keeps that directory.)
+            let keep: Vec<String> = done
+                .keys()
+                .filter_map(|k| {
+                    Path::new(k).components().find_map(|c| match c {
+                        std::path::Component::Normal(n) => Some(n.to_string_lossy().into_owned()),
+                        _ => None,
+                    })
+                })
+                .collect();
             for e in fs::read_dir(dir)
                 .map_err(|e| ConvertError::io(dir, e))?
                 .flatten()
             {
                 let name = e.file_name().to_string_lossy().into_owned();
-                if ![RESUME_FILE, LOCK_FILE].contains(&name.as_str()) && !done.contains_key(&name) {
+                if ![RESUME_FILE, LOCK_FILE].contains(&name.as_str()) && !keep.contains(&name) {
                     let p = e.path();
                     let gone = if p.is_dir() && !p.is_symlink() {
                         fs::remove_dir_all(&p)
@@ -1278,13 +1300,6 @@ impl Shards {
                     gone.map_err(|e| ConvertError::io(&p, e))?;
                 }
             }
-        } else {
-            // A new record, whole or not at all (never an emptied one: a record is what keeps
-            // a stopped run's shards).
-            let tmp = dir.join(format!("{RESUME_FILE}.new"));
-            fs::write(&tmp, format!("{fingerprint}\n"))
-                .and_then(|()| fs::rename(&tmp, &path))
-                .map_err(|e| ConvertError::io(&path, e))?;
         }
         // Appended to only: lines of shards written and synced.
         let file = fs::OpenOptions::new()
@@ -1615,10 +1630,20 @@ pub fn process_gone(pid: u32) -> bool {
 fn abandoned_lock(dir: &Path, pid: u32) -> Option<Option<File>> {
     // (A directory named after this process's id is another's where PID namespaces differ,
     // as two containers' first processes: its lock tells.)
-    match File::open(dir.join(LOCK_FILE)) {
-        Ok(f) => f.try_lock().is_ok().then_some(Some(f)),
+    match open_lock(&dir.join(LOCK_FILE)) {
+        Ok(f) => match f.try_lock() {
+            Ok(()) => Some(Some(f)),
+            Err(std::fs::TryLockError::WouldBlock) => None,
+            // A file system without locks: the process id tells.
+            Err(std::fs::TryLockError::Error(_)) => process_gone(pid).then_some(None),
+        },
         Err(_) => process_gone(pid).then_some(None),
     }
+}
+
+/// A lock file opened to be locked (for writing: NFS emulates `flock` with write locks).
+fn open_lock(path: &Path) -> std::io::Result<File> {
+    fs::OpenOptions::new().read(true).write(true).open(path)
 }
 
 /// An interrupted run's partial directory this conversion goes on with, and its lock (held).
@@ -1805,7 +1830,9 @@ fn temp_dir_for(out: &Path, adopt: Option<Adopt>) -> Result<(PathBuf, bool)> {
     // A directory of this name whose lock is held is another conversion's (a process of
     // another PID namespace with this id): it is left alone, and this one stops.
     for tmp in [&beside, &within] {
-        if File::open(tmp.join(LOCK_FILE)).is_ok_and(|f| f.try_lock().is_err()) {
+        if open_lock(&tmp.join(LOCK_FILE))
+            .is_ok_and(|f| matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
+        {
             return Err(ConvertError::Usage(format!(
                 "{}: another conversion is writing there (one in another PID namespace whose \
                  process id is this one's, {}): wait for it to end, or give another --output",
@@ -2712,6 +2739,12 @@ mod tests {
         fs::write(kept.join(first), b"x").unwrap();
         shards.record(first, 1).unwrap();
         assert_eq!(Shards::open(&kept, "fp").unwrap().done(first), Some(1));
+        // A recorded shard found missing leaves the record: one written again at its size but
+        // cut short (a file is sized before it is filled) is not taken for whole.
+        fs::remove_file(kept.join(first)).unwrap();
+        assert_eq!(Shards::open(&kept, "fp").unwrap().done(first), None);
+        fs::write(kept.join(first), b"y").unwrap();
+        assert_eq!(Shards::open(&kept, "fp").unwrap().done(first), None);
         assert_eq!(Shards::open(&kept, "other").unwrap().done(first), None);
         assert_eq!(keep_for_resume(&kept), None);
         assert!(!kept.exists());
