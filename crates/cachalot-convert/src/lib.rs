@@ -1290,7 +1290,7 @@ impl Shards {
                 .flatten()
             {
                 let name = e.file_name().to_string_lossy().into_owned();
-                if ![RESUME_FILE, LOCK_FILE].contains(&name.as_str()) && !keep.contains(&name) {
+                if !BOOKKEEPING.contains(&name.as_str()) && !keep.contains(&name) {
                     let p = e.path();
                     let gone = if p.is_dir() && !p.is_symlink() {
                         fs::remove_dir_all(&p)
@@ -1462,9 +1462,13 @@ fn rename_over(tmp: &Path, out: &Path, force: bool) -> Result<()> {
 /// place (not before its last syncs: a run stopped there is resumed, with nothing left to
 /// write). The lock stays held through its open file.
 fn drop_bookkeeping(tmp: &Path) {
-    let _ = fs::remove_file(tmp.join(LOCK_FILE));
-    let _ = fs::remove_file(tmp.join(RESUME_FILE));
+    for f in BOOKKEEPING {
+        let _ = fs::remove_file(tmp.join(f));
+    }
 }
+
+/// A partial directory's files that are not the output's.
+const BOOKKEEPING: [&str; 2] = [LOCK_FILE, RESUME_FILE];
 
 /// fsync of one file or directory.
 fn sync_path(path: &Path) -> Result<()> {
@@ -1548,7 +1552,7 @@ fn move_up(tmp: &Path, out: &Path, force: bool) -> Result<()> {
     }
     for e in fs::read_dir(tmp).map_err(|e| ConvertError::io(tmp, e))? {
         let e = e.map_err(|e| ConvertError::io(tmp, e))?;
-        if [RESUME_FILE, LOCK_FILE].iter().any(|b| e.file_name() == *b) {
+        if BOOKKEEPING.iter().any(|b| e.file_name() == *b) {
             continue;
         }
         let to = out.join(e.file_name());
@@ -1590,10 +1594,15 @@ fn hold_lock(dir: &Path) -> Result<()> {
     let f = File::create(&path).map_err(|e| ConvertError::io(&path, e))?;
     f.try_lock()
         .map_err(|e| ConvertError::io(&path, std::io::Error::other(e.to_string())))?;
+    keep_lock(f);
+    Ok(())
+}
+
+/// Holds lock file `f` (locked) until [`release_lock`].
+fn keep_lock(f: File) {
     if let Ok(mut g) = LOCK.lock() {
         *g = Some(f);
     }
-    Ok(())
 }
 
 fn release_lock() {
@@ -1816,11 +1825,7 @@ fn temp_dir_for(out: &Path, adopt: Option<Adopt>) -> Result<(PathBuf, bool)> {
         fs::rename(&dir, &tmp).map_err(|e| ConvertError::io(&dir, e))?;
         // (The lock follows its file through the rename.)
         match lock {
-            Some(f) => {
-                if let Ok(mut g) = LOCK.lock() {
-                    *g = Some(f);
-                }
-            }
+            Some(f) => keep_lock(f),
             None => hold_lock(&tmp)?,
         }
         return Ok((tmp, inside));

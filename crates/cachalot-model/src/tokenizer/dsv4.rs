@@ -1012,13 +1012,7 @@ fn parse_tool_calls(
                     param: key.into(),
                 });
             }
-            // Strings become JSON strings; other values are kept as the model wrote them.
-            let json = if is_str {
-                python_json(&Value::String(value.into()))
-            } else {
-                value.to_string()
-            };
-            args.push((key.to_string(), json));
+            args.push((key.to_string(), value_json(is_str, value)));
             let (between, s, next) = read_until(text, at, &[PARAMETER_START, INVOKE_END]);
             if between != ">\n" {
                 return Err(fmt(format!(
@@ -1045,9 +1039,22 @@ fn parse_tool_calls(
 /// The name of an invoke from its head (the text between `<｜DSML｜invoke` and its first
 /// parameter or its end): ` name="NAME">` and a newline.
 fn invoke_name(head: &str) -> Option<&str> {
-    head.trim_start()
-        .strip_prefix("name=\"")
-        .and_then(|r| ends(r, "\">\n"))
+    name_attr(head).and_then(|r| ends(r, "\">\n"))
+}
+
+/// An invoke head's text after its `name="`.
+fn name_attr(head: &str) -> Option<&str> {
+    head.trim_start().strip_prefix("name=\"")
+}
+
+/// A parameter's value as its arguments' JSON holds it: a string as a JSON string, any other
+/// value as the model wrote it.
+fn value_json(is_str: bool, value: &str) -> String {
+    if is_str {
+        python_json(&Value::String(value.into()))
+    } else {
+        value.to_string()
+    }
 }
 
 /// ` name="K" string="true|false">V<` (the text before `/｜DSML｜parameter`) as (K, is a
@@ -1120,9 +1127,7 @@ pub(crate) fn partial_invokes(text: &str, mut at: usize) -> (Vec<PartialInvoke<'
             Some(_) => invoke_name(head),
             // The name is whole once its quote and `>` are written, with no more than the
             // start of the next tag after them (the whole head decides otherwise).
-            None => head
-                .trim_start()
-                .strip_prefix("name=\"")
+            None => name_attr(head)
                 .and_then(|r| r.find("\">").map(|e| (&r[..e], &r[e + 2..])))
                 .filter(|(_, rest)| {
                     ["\n<｜DSML｜parameter", "\n</｜DSML｜invoke"]
@@ -1165,11 +1170,7 @@ pub(crate) fn partial_invokes(text: &str, mut at: usize) -> (Vec<PartialInvoke<'
                     break;
                 };
                 field(&mut arguments, key);
-                arguments.push_str(&if is_str {
-                    python_json(&Value::String(value.into()))
-                } else {
-                    value.to_string()
-                });
+                arguments.push_str(&value_json(is_str, value));
                 (_, stop, p) = read_until(text, next, &[PARAMETER_START, INVOKE_END]);
                 if stop.is_none() {
                     break;
@@ -1189,12 +1190,13 @@ pub(crate) fn partial_invokes(text: &str, mut at: usize) -> (Vec<PartialInvoke<'
                     .unwrap_or(value.len());
                 let value = &value[..held];
                 field(&mut arguments, key);
-                if is_str {
-                    let json = python_json(&Value::String(value.into()));
-                    arguments.push_str(&json[..json.len() - 1]);
+                let json = value_json(is_str, value);
+                // (A string still being written: without its closing quote.)
+                arguments.push_str(if is_str {
+                    &json[..json.len() - 1]
                 } else {
-                    arguments.push_str(value);
-                }
+                    &json
+                });
             }
             break;
         }
