@@ -2292,9 +2292,14 @@ fn add_special(body: &Value, chat: bool) -> Result<bool, ApiError> {
     }
 }
 
-/// A request's `model`, when given, must be this server's (404 otherwise, as OpenAI's).
+/// A request's `model`, when given, must be this server's (404 otherwise, as OpenAI's; 400 for
+/// one that is not a name).
 fn check_model(shared: &Shared, body: &Value) -> Result<(), ApiError> {
     match field(body, "model") {
+        Some(m) if !m.is_string() => Err(ApiError::bad(
+            "model",
+            format!("expected a model name (a string), got {m}"),
+        )),
         Some(m) if m.as_str() != Some(shared.name.as_str()) => Err(ApiError {
             status: 404,
             message: format!("model {m}: this server serves {:?}", shared.name),
@@ -2355,7 +2360,7 @@ fn detokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
     };
     let ids = a
         .iter()
-        .map(|v| match v.as_u64() {
+        .map(|v| match whole_number(v) {
             // (Ids need not be dense: a tokenizer may number its special tokens past a gap.)
             Some(x) if x <= u32::MAX as u64 && tok.id_to_token(x as u32).is_some() => Ok(x as u32),
             _ => Err(ApiError::bad(
@@ -2857,6 +2862,25 @@ fn count(body: &Value, key: &'static str) -> Result<Option<usize>, ApiError> {
     }
 }
 
+/// An integer as vLLM's request models read one ([`whole_number`], or negative: `-1`, `-1.0`,
+/// `"-1"`).
+fn integer(v: &Value) -> Option<i64> {
+    match v {
+        Value::Number(n) => n.as_i64().or_else(|| {
+            n.as_f64()
+                .filter(|f| f.fract() == 0.0 && f.abs() <= 9_007_199_254_740_992.0)
+                .map(|f| f as i64)
+        }),
+        Value::String(s) => match s.strip_prefix('-') {
+            Some(d) => whole_number(&Value::String(d.to_string()))
+                .and_then(|x| i64::try_from(x).ok())
+                .map(|x| -x),
+            None => whole_number(v).and_then(|x| i64::try_from(x).ok()),
+        },
+        _ => None,
+    }
+}
+
 /// A non-negative integer as JSON gives one: an integer, a float without a fraction (up to
 /// 2^53, where floats are still exact), or a string of decimal digits.
 fn whole_number(v: &Value) -> Option<u64> {
@@ -2912,7 +2936,7 @@ fn allowed_token_ids(body: &Value, vocab: usize) -> Result<Vec<u32>, ApiError> {
     }
     let mut ids = a
         .iter()
-        .map(|t| match t.as_u64() {
+        .map(|t| match whole_number(t) {
             Some(id) if (id as usize) < vocab => Ok(id as u32),
             _ => Err(bad(format!(
                 "{t} is not a token id of this model's vocabulary of {vocab}"
@@ -3263,7 +3287,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     // with that many alternatives; not streamed (as vLLM refuses it there).
     let prompt_logprobs = match field(body, "prompt_logprobs") {
         None | Some(Value::Bool(false)) => None,
-        Some(v) => match v.as_u64() {
+        Some(v) => match whole_number(v) {
             Some(k) if k <= MAX_TOP_LOGPROBS => Some(k as usize),
             _ => {
                 return Err(ApiError::bad(
@@ -3391,7 +3415,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     // vLLM's `truncate_prompt_tokens`: a longer prompt keeps its last k tokens (-1: the
     // model's context).
     if let Some(v) = field(body, "truncate_prompt_tokens") {
-        let k = match (v.as_i64(), v.as_u64()) {
+        let k = match (integer(v), whole_number(v)) {
             (Some(-1), _) => shared.max_positions,
             (_, Some(k)) if (1..=shared.max_positions as u64).contains(&k) => k as usize,
             _ => {
@@ -3497,8 +3521,8 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             .unwrap_or(1.0) as f32,
         top_k: match field(body, "top_k") {
             None => defaults.top_k.unwrap_or(0),
-            Some(v) if v.as_i64() == Some(-1) => 0,
-            Some(v) => v.as_u64().map(|k| k as usize).ok_or_else(|| {
+            Some(v) if integer(v) == Some(-1) => 0,
+            Some(v) => whole_number(v).map(|k| k as usize).ok_or_else(|| {
                 ApiError::bad(
                     "top_k",
                     format!("expected a non-negative integer or -1 (off), got {v}"),
@@ -3528,7 +3552,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         frequency_penalty: number(body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
         seed: match field(body, "seed") {
             None => None,
-            Some(v) => Some(v.as_i64().map(|s| s as u64).ok_or_else(|| {
+            Some(v) => Some(integer(v).map(|s| s as u64).ok_or_else(|| {
                 let why = if v.is_number() {
                     "expected an integer from -2^63 to 2^63 - 1"
                 } else {
@@ -3602,7 +3626,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
     };
     {
         for v in extra {
-            match v.as_u64() {
+            match whole_number(v) {
                 Some(id) if (id as usize) < vocab => stop_ids.push(id as u32),
                 _ => {
                     return Err(ApiError::bad(
@@ -4099,7 +4123,7 @@ const MAX_TOP_LOGPROBS: u64 = 20;
 /// `logprobs: N`, chat's `logprobs: true` with `top_logprobs: N`; None for none.
 fn read_logprobs(body: &Value, chat: bool) -> Result<Option<usize>, ApiError> {
     let top = |key: &'static str, v: &Value| -> Result<usize, ApiError> {
-        match v.as_u64() {
+        match whole_number(v) {
             Some(n) if n <= MAX_TOP_LOGPROBS => Ok(n as usize),
             _ => Err(ApiError::bad(
                 key,
@@ -4122,7 +4146,7 @@ fn read_logprobs(body: &Value, chat: bool) -> Result<Option<usize>, ApiError> {
     let on = flag(body, "logprobs")?;
     match (on, field(body, "top_logprobs")) {
         (false, None) => Ok(None),
-        (false, Some(v)) if v.as_u64() == Some(0) => Ok(None),
+        (false, Some(v)) if whole_number(v) == Some(0) => Ok(None),
         (false, Some(_)) => Err(ApiError::bad("top_logprobs", "needs \"logprobs\": true")),
         (true, None) => Ok(Some(0)),
         (true, Some(v)) => top("top_logprobs", v).map(Some),
@@ -5191,9 +5215,9 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
         }
         Some(Err(e)) => {
             let mut why = e.to_string();
-            // A call cut off by the token limit is read as malformed markup in some formats
-            // (DSML): the limit is what to change.
-            if *finish == "length" && !why.contains("cut off") {
+            // A call cut off by the token limit reads as malformed markup: the limit is what
+            // to change.
+            if *finish == "length" {
                 why.push_str(" (the answer was cut off by max_tokens: give it more)");
             }
             message["tool_call_error"] = why.into();

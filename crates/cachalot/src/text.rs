@@ -429,13 +429,23 @@ pub(crate) fn tools_problem(v: &serde_json::Value) -> Option<String> {
     None
 }
 
-/// The tool calls in an answer: the parsed answer, or why its tool-call section is malformed.
-/// None when the model's tokenizer has no tool-call format.
+/// The tool calls in an answer: the parsed answer, or why its tool-call section is malformed
+/// (saying so when the answer ended at its token limit, `finish`). None when the model's
+/// tokenizer has no tool-call format.
 fn tool_calls_of(
     format: Option<ToolCallFormat>,
     answer: &str,
+    finish: &FinishReason,
 ) -> Option<std::result::Result<ParsedAnswer, String>> {
-    format.map(|f| f.parse(answer).map_err(|e| e.to_string()))
+    format.map(|f| {
+        f.parse(answer).map_err(|e| {
+            let mut why = e.to_string();
+            if *finish == FinishReason::Length {
+                why.push_str(" (the answer was cut off by --max-new-tokens: give it more)");
+            }
+            why
+        })
+    })
 }
 
 /// Adds a turn's tool-call fields to its JSON object `v`: `content` and `tool_calls`, or
@@ -807,7 +817,11 @@ fn generate_with<M: Model>(
         });
         if tok.is_some() {
             let answer = ReasoningSplitter::split_at(prompt_text, &g.text, sections).1;
-            add_tool_fields(&mut v, &tool_calls_of(tool_format, &answer), &answer);
+            add_tool_fields(
+                &mut v,
+                &tool_calls_of(tool_format, &answer, &g.finish),
+                &answer,
+            );
         }
         println!("{v}");
         return Ok(());
@@ -834,6 +848,7 @@ fn generate_with<M: Model>(
         report_tool_calls(&tool_calls_of(
             tool_format,
             &ReasoningSplitter::split_at(prompt_text, &g.text, sections).1,
+            &g.finish,
         ));
     }
     report(&g);
@@ -1048,7 +1063,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
         generating.store(false, Ordering::SeqCst);
         let g = result?;
         let (reasoning, answer) = ReasoningSplitter::split_at(&prompt_text, &g.text, sections);
-        let parsed = tool_calls_of(tool_format, &answer);
+        let parsed = tool_calls_of(tool_format, &answer, &g.finish);
         match printer.as_mut() {
             Some(p) => {
                 p.finish();

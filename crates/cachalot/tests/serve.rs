@@ -732,6 +732,40 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
             );
         }
     }
+    // So is every other integer field (with its negative forms where it takes one).
+    for (extra, ok) in [
+        (json!({"logprobs": 2.0}), true),
+        (json!({"logprobs": "2"}), true),
+        (json!({"logprobs": 2.5}), false),
+        (json!({"top_k": "-1"}), true),
+        (json!({"top_k": 3.0}), true),
+        (json!({"top_k": "-2"}), false),
+        (json!({"seed": "-7"}), true),
+        (json!({"seed": 7.0}), true),
+        (json!({"seed": "x"}), false),
+        (json!({"prompt_logprobs": "1"}), true),
+        (json!({"truncate_prompt_tokens": -1.0}), true),
+        (json!({"stop_token_ids": ["1"]}), true),
+        (json!({"stop_token_ids": [1.5]}), false),
+    ] {
+        let mut body = json!({"prompt": "Hi", "max_tokens": 2, "ignore_eos": true});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, c) = post(addr, "/v1/completions", &body);
+        assert_eq!(status == 200, ok, "{extra}: {c}");
+    }
+    // A `model` that is not a name is the request's error (400), not another model (404).
+    let (status, e) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "model": 5}),
+    );
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("model")),
+        "{e}"
+    );
     let (status, c) = post(
         addr,
         "/v1/chat/completions",
@@ -2129,7 +2163,12 @@ fn serve_forces_tool_calls() {
                     .find_map(|lead| rest.strip_prefix(lead))
                     .unwrap_or_else(|| panic!("{content:?}"));
                 assert!(args.trim_start().starts_with('{'), "{content:?}");
-                assert!(m["tool_call_error"].is_string(), "{m}");
+                // The error names the request's own limit.
+                let why = m["tool_call_error"].as_str().unwrap();
+                assert!(
+                    why.contains("max_tokens") && !why.contains("max_new_tokens"),
+                    "{why}"
+                );
             }
         }
     }

@@ -102,7 +102,7 @@ pub struct CallsCursor {
 /// Why the tool-call section of an answer could not be read.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ToolCallError {
-    #[error("the tool-call section ends inside a call: no `{0}` (was the output cut off by max_new_tokens?)")]
+    #[error("the tool-call section ends inside a call: no `{0}`")]
     Unclosed(&'static str),
     #[error("the tool-call section holds no call")]
     Empty,
