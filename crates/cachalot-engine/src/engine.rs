@@ -1043,7 +1043,7 @@ impl<'t, M: Model> Engine<'t, M> {
             return Err(EngineError::Request(
                 "next_n > 0 needs the model's MTP layer: the checkpoint has none \
                  (num_nextn_predict_layers = 0 in its config.json), or it was not loaded: set \
-                 next_n to 0 (--mtp off) for this model"
+                 next_n to 0 (--mtp 0) for this model"
                     .into(),
             ));
         }

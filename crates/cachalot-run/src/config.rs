@@ -411,6 +411,10 @@ fn plain_yaml_error(message: &str) -> String {
             " rejected by reject_non_finite_typeless_float",
             " (give a finite number)",
         ),
+        (
+            "cannot deserialize null into string; use Option<String>",
+            "a key is null (`~`, `null` or nothing before the colon): keys are names",
+        ),
     ] {
         m = m.replace(from, to);
     }
@@ -422,6 +426,36 @@ fn plain_yaml_error(message: &str) -> String {
         );
     }
     m
+}
+
+/// Problems of the config at `path` found after it was read (against its checkpoint): each
+/// `(key path, message)`, located in the file when it can be read again (a path that is no
+/// YAML key, as `--mtp`, has no line).
+pub fn issues_at(path: &Path, found: Vec<(String, String)>) -> ConfigError {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut issues: Vec<ConfigIssue> = found
+        .into_iter()
+        .map(|(key_path, message)| {
+            let parts: Vec<&str> = key_path.split('.').collect();
+            let line = match parts[..] {
+                [section, key] => find_line(&text, section, Some(key)),
+                [section, key, sub] => {
+                    find_nested_line(&text, find_line(&text, section, Some(key)), sub)
+                }
+                _ => None,
+            };
+            ConfigIssue {
+                line,
+                path: key_path,
+                message,
+            }
+        })
+        .collect();
+    issues.sort_by_key(|i| i.line.unwrap_or(usize::MAX));
+    ConfigError::Invalid {
+        path: path.to_path_buf(),
+        issues,
+    }
 }
 
 fn format_issues(path: &Path, issues: &[ConfigIssue]) -> String {
@@ -453,9 +487,25 @@ impl RunConfig {
         let value: Value = if text.trim().is_empty() {
             Value::Object(Map::new())
         } else {
-            serde_saphyr::from_str(text).map_err(|e| ConfigError::Syntax {
-                path: origin.to_path_buf(),
-                message: plain_yaml_error(&e.to_string()),
+            serde_saphyr::from_str(text).map_err(|e| {
+                let mut message = plain_yaml_error(&e.to_string());
+                // The parser may see a tab where a scalar before it ends: where it is.
+                let tab = text.lines().position(|l| {
+                    l.chars()
+                        .take_while(|c| c.is_whitespace())
+                        .any(|c| c == '\t')
+                });
+                if let (true, Some(i)) = (message.contains("tab"), tab) {
+                    message.push_str(&format!(
+                        "\n(the first tab in an indentation is on line {}: YAML indents with \
+                         spaces)",
+                        i + 1
+                    ));
+                }
+                ConfigError::Syntax {
+                    path: origin.to_path_buf(),
+                    message,
+                }
             })?
         };
         let mut value = match value {
@@ -678,10 +728,21 @@ fn check_schema(value: &Value, text: &str, issues: &mut Vec<ConfigIssue>) {
             let path = format!("{name}.{key}");
             let line = find_line(text, name, Some(key));
             let Some(spec) = keys.iter().find(|k| k.name == key) else {
+                // A key of another section (the seed's older loader read
+                // `data_config.batch_size`): where it goes.
+                let home = SECTIONS
+                    .iter()
+                    .find(|(s, ks)| s != name && ks.iter().any(|k| k.name == key))
+                    .map(|(s, _)| *s);
                 issues.push(ConfigIssue {
                     line,
                     path,
-                    message: unknown(key, &valid, "key"),
+                    message: match home {
+                        Some(s) => {
+                            format!("unknown key in {name}: `{key}` belongs in {s} (move it there)")
+                        }
+                        None => unknown(key, &valid, "key"),
+                    },
                 });
                 continue;
             };
@@ -734,17 +795,7 @@ fn find_nested_line(text: &str, from: Option<usize>, key: &str) -> Option<usize>
     text.lines()
         .enumerate()
         .skip(from - 1)
-        .find(|(_, l)| {
-            let l = l.split('#').next().unwrap_or("");
-            l.match_indices(key).any(|(i, _)| {
-                let before = l[..i].chars().last();
-                let after = l[i + key.len()..].trim_start();
-                matches!(before, None | Some(' ' | '{' | ',' | '\t' | '"' | '\''))
-                    && (after.starts_with(':')
-                        || after.starts_with("\":")
-                        || after.starts_with("':"))
-            })
-        })
+        .find(|(_, l)| names_key(l, key))
         .map(|(i, _)| i + 1)
 }
 
@@ -823,6 +874,8 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
                 Some(n) if n >= min => Some(format!("{n} is out of range: must be at most {max}")),
                 Some(n) => Some(format!("{n} is out of range: must be >= {min}")),
                 // A whole number past i64 (u64 up to 2^64 - 1).
+                // The seed: any 64-bit value, signed or not.
+                None if v.as_u64().is_some() && matches!(kind, Kind::IntOrNull(_)) => None,
                 None if v.as_u64().is_some() => Some(format!(
                     "{} is out of range: must be at most {max}",
                     v.as_u64().unwrap_or(0)
@@ -916,32 +969,54 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
     }
 }
 
-/// 1-based line of `section:` (at column 0), or of `key:` indented under it.
+/// 1-based line of `section:` (at column 0), or of `key:` under it: indented below it, or in
+/// a flow mapping on its line (`section: {key: 1}`); names may be quoted, and a byte-order
+/// mark before the first line is no part of it.
 fn find_line(text: &str, section: &str, key: Option<&str>) -> Option<usize> {
     let mut in_section = false;
     for (i, line) in text.lines().enumerate() {
+        let line = if i == 0 {
+            line.trim_start_matches('\u{feff}')
+        } else {
+            line
+        };
         let indented = line.starts_with(' ') || line.starts_with('\t');
         let trimmed = line.trim_start();
         if !indented && !trimmed.is_empty() && !trimmed.starts_with('#') {
-            let is_it = trimmed
-                .strip_prefix(section)
-                .is_some_and(|r| r.trim_start().starts_with(':'));
-            if is_it && key.is_none() {
-                return Some(i + 1);
+            let is_it = ["", "\"", "'"].iter().any(|q| {
+                trimmed
+                    .strip_prefix(q)
+                    .and_then(|r| r.strip_prefix(section))
+                    .and_then(|r| r.strip_prefix(q))
+                    .is_some_and(|r| r.trim_start().starts_with(':'))
+            });
+            match key {
+                None if is_it => return Some(i + 1),
+                // A flow mapping on the section's own line.
+                Some(key)
+                    if is_it && names_key(trimmed.split_once(':').map_or("", |(_, r)| r), key) =>
+                {
+                    return Some(i + 1)
+                }
+                _ => {}
             }
             in_section = is_it;
-        } else if in_section {
-            if let Some(key) = key {
-                if trimmed
-                    .strip_prefix(key)
-                    .is_some_and(|r| r.trim_start().starts_with(':'))
-                {
-                    return Some(i + 1);
-                }
-            }
+        } else if in_section && key.is_some_and(|k| names_key(trimmed, k)) {
+            return Some(i + 1);
         }
     }
     None
+}
+
+/// Line `l` (its comment aside) writes `key:`, block or flow, quoted or not.
+fn names_key(l: &str, key: &str) -> bool {
+    let l = l.split('#').next().unwrap_or("");
+    l.match_indices(key).any(|(i, _)| {
+        let before = l[..i].chars().last();
+        let after = l[i + key.len()..].trim_start();
+        matches!(before, None | Some(' ' | '{' | ',' | '\t' | '"' | '\''))
+            && (after.starts_with(':') || after.starts_with("\":") || after.starts_with("':"))
+    })
 }
 
 #[cfg(test)]
@@ -1058,5 +1133,45 @@ mod tests {
         assert_eq!(find_line(y, "b", Some("x")), Some(5));
         assert_eq!(find_line(y, "b", None), Some(3));
         assert_eq!(find_line(y, "c", None), None);
+        // After a byte-order mark, quoted, in a flow mapping.
+        let y = "\u{feff}a:\n  \"x\": 1\nb: {y: 2, 'x': 3}\n";
+        assert_eq!(find_line(y, "a", None), Some(1));
+        assert_eq!(find_line(y, "a", Some("x")), Some(2));
+        assert_eq!(find_line(y, "b", Some("x")), Some(3));
+        assert_eq!(find_line(y, "b", Some("z")), None);
+    }
+
+    /// A key written in another section is pointed there; the sampling seed takes any 64-bit
+    /// value; a tab in an indentation and a null key are said plainly.
+    #[test]
+    fn misplaced_keys_seeds_tabs_and_null_keys() {
+        let y = "data_config:\n  batch_size: 4\n  seed: 18446744073709551615\n";
+        let e = RunConfig::from_yaml(y, Path::new("x.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "line 2: data_config.batch_size: unknown key in data_config: `batch_size` \
+                 belongs in scheduler_config"
+            ) && !e.contains("seed"),
+            "{e}"
+        );
+        let c = RunConfig::from_yaml(
+            "data_config:\n  seed: 18446744073709551615\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert_eq!(c.data_config.seed, Some(u64::MAX));
+        let e = RunConfig::from_yaml("a:\n  b: 1\n \tc: 2\n", Path::new("x.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the first tab in an indentation is on line 3"),
+            "{e}"
+        );
+        let e = RunConfig::from_yaml("data_config:\n  ~: 1\n", Path::new("x.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a key is null") && !e.contains("Option<"), "{e}");
     }
 }

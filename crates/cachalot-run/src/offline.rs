@@ -288,7 +288,8 @@ pub struct Summary {
     /// Engine steps, every rank's summed where ranks ran their own batches (`per_rank` has
     /// each rank's).
     pub steps: usize,
-    pub mean_decode_step_ms: f64,
+    /// None (null) when no step decoded (every request stopped at its first token).
+    pub mean_decode_step_ms: Option<f64>,
     pub preemptions: usize,
     pub kv_block_size: usize,
     /// One rank's KV pool (where ranks run their own batches: the rank whose pool filled
@@ -849,6 +850,99 @@ pub fn run_ranked(
     result
 }
 
+/// The config's problems that only its checkpoint in `model_dir` shows, all at once and with
+/// their lines, before a results directory is made or a weight is loaded: a `model_name` of
+/// another family, `custom_params.num_hidden_layers` beyond the checkpoint's layers, drafts
+/// (`next_n`) without an MTP layer, DeepSeek-V4's random weights without `force_eplb`.
+fn check_against_checkpoint(
+    cfg: &RunConfig,
+    opts: &RunOptions,
+    model_dir: &Path,
+) -> Result<(), Error> {
+    let m = &cfg.model_config;
+    let family = detect_family(model_dir)?;
+    let v4 = family == ModelFamily::DeepseekV4;
+    let (v3, v4_cfg) = if v4 {
+        (
+            None,
+            Some(cachalot_model::DeepseekV4Config::from_dir(model_dir)?),
+        )
+    } else {
+        (
+            Some(cachalot_model::DeepseekV3Config::from_dir(model_dir)?),
+            None,
+        )
+    };
+    let mut found = Vec::new();
+    // (A YAML without model_name, "model" here, runs whatever the checkpoint is.)
+    if m.model_name != "model" && (m.model_name == "deepseek_v4") != v4 {
+        let name = match &v3 {
+            None => "deepseek_v4",
+            // A Kimi-K2 checkpoint (its config's model_type) is named as the seed names it.
+            Some(c) if c.model_type == cachalot_model::ModelType::KimiK2 => "kimi_k2_thinking",
+            Some(_) => "deepseek_r1",
+        };
+        found.push((
+            "model_config.model_name".to_string(),
+            format!(
+                "{:?} does not match the checkpoint in {} ({family:?}); use model_name \"{name}\"",
+                m.model_name,
+                model_dir.display(),
+            ),
+        ));
+    }
+    let layers = m
+        .custom_params
+        .get("num_hidden_layers")
+        .and_then(serde_json::Value::as_u64);
+    if let (Some(n), Some(c)) = (layers, &v3) {
+        if n as usize > c.num_hidden_layers {
+            found.push((
+                "model_config.custom_params.num_hidden_layers".to_string(),
+                format!(
+                    "{n} exceeds the checkpoint's {} layers (config.json num_hidden_layers); \
+                     give at most {}, or leave it out to run the whole model",
+                    c.num_hidden_layers, c.num_hidden_layers
+                ),
+            ));
+        }
+    }
+    let mtp_layers = match (&v3, &v4_cfg) {
+        (Some(c), _) => c.num_nextn_predict_layers,
+        (_, Some(c)) => c.num_nextn_predict_layers,
+        _ => 0,
+    };
+    if m.next_n > 0 && mtp_layers == 0 {
+        let (key, off) = if opts.mtp_option {
+            ("--mtp", "--mtp 0")
+        } else {
+            ("model_config.next_n", "next_n: 0")
+        };
+        found.push((
+            key.to_string(),
+            format!(
+                "{} draft tokens need the model's MTP layer, and {} has none \
+                 (num_nextn_predict_layers 0 in its config.json): give {off}",
+                m.next_n,
+                model_dir.display()
+            ),
+        ));
+    }
+    if !m.with_ckpt && v4 && !m.force_eplb {
+        found.push((
+            "model_config.with_ckpt".to_string(),
+            "false with a DeepSeek-V4 model requires model_config.force_eplb: true (as in the \
+             seed: random gates and hash tables would route unevenly); set force_eplb: true"
+                .to_string(),
+        ));
+    }
+    if found.is_empty() {
+        Ok(())
+    } else {
+        Err(crate::config::issues_at(&opts.config_path, found).into())
+    }
+}
+
 /// [`run_ranked`], naming its log in `log_path` once it is open.
 fn run_logged(
     cfg: &RunConfig,
@@ -934,6 +1028,7 @@ fn run_logged(
         )
         .into());
     }
+    check_against_checkpoint(cfg, opts, &model_dir)?;
     // Prompts first (tokenizer, chat template, dataset, truncation): a missing dataset or a
     // bad prompt is named before a results directory is made or a weight is loaded.
     let n_req = opts.num_requests.unwrap_or(cfg.num_requests());
@@ -1238,14 +1333,6 @@ fn run_logged(
     let dummy = if m.with_ckpt {
         None
     } else {
-        if family == ModelFamily::DeepseekV4 && !m.force_eplb {
-            return Err(
-                "model_config.with_ckpt: false with a DeepSeek-V4 model requires \
-                        model_config.force_eplb: true (as in the seed: random gates and hash \
-                        tables would route unevenly); set force_eplb: true"
-                    .into(),
-            );
-        }
         let d =
             crate::random_model::dummy(&model_dir, None, shard).map_err(|e| format!("{e:#}"))?;
         logln!(
@@ -1263,27 +1350,6 @@ fn run_logged(
             "--check-tensors: every tensor of {} holds numbers",
             weights_dir.display()
         );
-    }
-    // (A YAML without model_name, "model" here, runs whatever the checkpoint is.)
-    let named_v4 = m.model_name == "deepseek_v4";
-    if m.model_name != "model" && named_v4 != (family == ModelFamily::DeepseekV4) {
-        return Err(format!(
-            "model_config.model_name {:?} does not match the checkpoint in {} ({family:?}); \
-             use model_name \"{}\"",
-            m.model_name,
-            model_dir.display(),
-            match family {
-                ModelFamily::DeepseekV4 => "deepseek_v4",
-                // A Kimi-K2 checkpoint (its config's model_type) is named as the seed names it.
-                _ if cachalot_model::DeepseekV3Config::from_dir(&model_dir)
-                    .is_ok_and(|c| c.model_type == cachalot_model::ModelType::KimiK2) =>
-                {
-                    "kimi_k2_thinking"
-                }
-                _ => "deepseek_r1",
-            }
-        )
-        .into());
     }
     // custom_params: model-specific switches of the seed's NPU models; the one that changes
     // the model, num_hidden_layers (reduced-layer testing), is applied to V3-family models.
@@ -1303,16 +1369,6 @@ fn run_logged(
                      (the whole model runs)"
                 );
             } else {
-                let layers =
-                    cachalot_model::DeepseekV3Config::from_dir(&model_dir)?.num_hidden_layers;
-                if n as usize > layers {
-                    return Err(format!(
-                        "model_config.custom_params.num_hidden_layers: {n} exceeds the \
-                         checkpoint's {layers} layers (config.json num_hidden_layers); give at \
-                         most {layers}, or leave it out to run the whole model"
-                    )
-                    .into());
-                }
                 logln!("custom_params.num_hidden_layers: only the first {n} decoder layers run");
                 max_layers = Some(n as usize);
             }
@@ -1449,7 +1505,9 @@ fn run_logged(
     let positions = model.max_positions();
     if cfg.max_total_len() > positions {
         logln!(
-            "note: input_truncated_len + max_new_tokens ({}) exceeds the model's {positions} \
+            "note: the longest request, input_truncated_len + max_new_tokens (with MTP's \
+             drafts: max_new_tokens × (next_n + 1) + next_n), {} positions, exceeds the model's \
+             {positions} \
              positions (max_position_embeddings): requests stop there (finish_reason length), \
              and the KV pool is sized for {positions}",
             cfg.max_total_len()
@@ -1476,12 +1534,14 @@ fn run_logged(
                 cachalot_engine::kv_pool::blocks_for_budget(b, per_block)
             });
             if let Some(b) = budget.filter(|&b| b < 2 * per_block) {
-                logln!(
-                    "note: scheduler_config.mem_fraction_static {} leaves {b} bytes for the KV \
-                     pool, less than the 2 blocks of {per_block} bytes it needs at least; it has \
-                     2",
+                return Err(format!(
+                    "{}: scheduler_config.mem_fraction_static {} leaves {b} bytes for the KV \
+                     pool, less than the 2 blocks of {per_block} bytes it needs at least: raise \
+                     it, lower block_size, or give the pool's size with --kv-blocks",
+                    opts.config_path.display(),
                     s.mem_fraction_static
-                );
+                )
+                .into());
             }
             seed_blocks.min(cap)
         }
@@ -1961,11 +2021,8 @@ fn run_logged(
         tpot_s: (!tpot.is_empty()).then(|| Distribution::of(&tpot)),
         e2e_s: Distribution::of(&e2e),
         steps: stats.steps,
-        mean_decode_step_ms: if stats.decode_steps > 0 {
-            stats.decode_step_s / stats.decode_steps as f64 * 1e3
-        } else {
-            0.0
-        },
+        mean_decode_step_ms: (stats.decode_steps > 0)
+            .then(|| stats.decode_step_s / stats.decode_steps as f64 * 1e3),
         preemptions: stats.preemptions,
         kv_block_size: block_size,
         kv_capacity_blocks: stats.kv_capacity_blocks,

@@ -69,7 +69,9 @@ pub struct RunArgs {
     /// Prefix caching (vLLM's automatic prefix caching; the seed has none): a prompt's first
     /// whole KV blocks already computed for an earlier request are shared, not computed again
     /// (outputs unchanged). `auto`: on for DeepSeek-V3/R1/Kimi-K2 without a C8 cache and for
-    /// DeepSeek-V4 (not under force_eplb), off otherwise; `on` refuses a run where it cannot be. Recorded in summary.json.
+    /// DeepSeek-V4 under `--v4-cache full` (its compact cache, the default, cannot share
+    /// blocks), not under force_eplb; off otherwise; `on` refuses a run where it cannot be.
+    /// Recorded in summary.json.
     #[arg(long, value_enum, default_value = "auto")]
     prefix_caching: crate::PrefixCachingArg,
     /// DeepSeek-V4's cache layout: compact (compressed entries in the paged pool, the 128-token

@@ -115,8 +115,9 @@ pub struct ServeArgs {
     /// Prefix caching (vLLM's automatic prefix caching): a prompt's first whole KV blocks
     /// already computed for an earlier request (a shared system prompt, the earlier turns of a
     /// conversation) are shared instead of computed again; outputs are unchanged. `auto`: on
-    /// for DeepSeek-V3/R1/Kimi-K2 without a C8 cache and for DeepSeek-V4 (not under
-    /// force_eplb). Answers report
+    /// for DeepSeek-V3/R1/Kimi-K2 without a C8 cache and for DeepSeek-V4 under `--v4-cache
+    /// full` (its compact cache, the default, cannot share blocks), not under force_eplb.
+    /// Answers report
     /// `usage.prompt_tokens_details.cached_tokens`.
     #[arg(long, value_enum, default_value = "auto")]
     prefix_caching: crate::PrefixCachingArg,

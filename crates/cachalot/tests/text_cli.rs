@@ -1589,6 +1589,41 @@ fn run_checks_custom_params_and_sizes_the_pool_by_the_models_positions() {
         let e = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && e.contains(want), "{params}: {e}");
     }
+    // What only the checkpoint shows is said all at once, with lines, before a results
+    // directory is made: drafts without an MTP layer (r1_tiny has none) and too many layers.
+    // (v3_noq_tiny has no MTP layer.)
+    let noq = root().join("fixtures/v3/v3_noq_tiny").display().to_string();
+    let wrong = tmp.path().join("wrong.yaml");
+    std::fs::write(
+        &wrong,
+        format!(
+            "model_config:\n  model_name: deepseek_v4\n  model_path: {noq:?}\n  next_n: 2\n  \
+             custom_params:\n    num_hidden_layers: 99\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+        .args([
+            "run",
+            "--config",
+            wrong.to_str().unwrap(),
+            "--res-dir",
+            &res,
+        ])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{e}");
+    for want in [
+        "3 problems",
+        "line 2: model_config.model_name: \"deepseek_v4\" does not match",
+        "line 4: model_config.next_n: 2 draft tokens need the model's MTP layer",
+        "line 6: model_config.custom_params.num_hidden_layers: 99 exceeds",
+    ] {
+        assert!(e.contains(want), "{want}: {e}");
+    }
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 2, "{e}");
     // An NPU switch is noted, not refused.
     ok(run("  custom_params:\n    enable_multi_streams: true\n"));
     // --check-tensors reads every tensor first: the shipped model passes; a copy whose
