@@ -854,11 +854,12 @@ pub fn run_ranked(
 /// their lines, before a results directory is made or a weight is loaded: a `model_name` of
 /// another family, `custom_params.num_hidden_layers` beyond the checkpoint's layers, drafts
 /// (`next_n`) without an MTP layer, DeepSeek-V4's random weights without `force_eplb`.
+/// Returns the model's positions (`max_position_embeddings`).
 fn check_against_checkpoint(
     cfg: &RunConfig,
     opts: &RunOptions,
     model_dir: &Path,
-) -> Result<(), Error> {
+) -> Result<usize, Error> {
     let m = &cfg.model_config;
     let family = detect_family(model_dir)?;
     let v4 = family == ModelFamily::DeepseekV4;
@@ -907,10 +908,10 @@ fn check_against_checkpoint(
             ));
         }
     }
-    let mtp_layers = match (&v3, &v4_cfg) {
-        (Some(c), _) => c.num_nextn_predict_layers,
-        (_, Some(c)) => c.num_nextn_predict_layers,
-        _ => 0,
+    let (mtp_layers, positions) = match (&v3, &v4_cfg) {
+        (Some(c), _) => (c.num_nextn_predict_layers, c.max_position_embeddings),
+        (_, Some(c)) => (c.num_nextn_predict_layers, c.max_position_embeddings),
+        _ => (0, usize::MAX),
     };
     if m.next_n > 0 && mtp_layers == 0 {
         let (key, off) = if opts.mtp_option {
@@ -937,7 +938,7 @@ fn check_against_checkpoint(
         ));
     }
     if found.is_empty() {
-        Ok(())
+        Ok(positions)
     } else {
         Err(crate::config::issues_at(&opts.config_path, found).into())
     }
@@ -1028,7 +1029,7 @@ fn run_logged(
         )
         .into());
     }
-    check_against_checkpoint(cfg, opts, &model_dir)?;
+    let positions = check_against_checkpoint(cfg, opts, &model_dir)?;
     // Prompts first (tokenizer, chat template, dataset, truncation): a missing dataset or a
     // bad prompt is named before a results directory is made or a weight is loaded.
     let n_req = opts.num_requests.unwrap_or(cfg.num_requests());
@@ -1084,6 +1085,31 @@ fn run_logged(
         .collect::<Result<_, _>>()?;
     let prepared: Vec<dataset::Prepared> = distinct.iter().cycle().take(n_req).cloned().collect();
     drop(distinct);
+    // A prompt that fills the model's positions leaves nothing to generate: said before a
+    // results directory is made (the engine would refuse it at its turn).
+    let too_long = |p: &dataset::Prepared| p.ids.len() >= positions;
+    if let Some((i, p)) = prepared.iter().enumerate().find(|(_, p)| too_long(p)) {
+        let n = prepared.iter().filter(|p| too_long(p)).count();
+        return Err(format!(
+            "request {i} (prompt {} of the {} dataset){}: the prompt has {} tokens; the model \
+             takes at most {positions} positions (max_position_embeddings in {}) and this \
+             leaves none to generate: shorten the prompts (data_config.input_truncated_len {} \
+             in {}: give at most {})",
+            i % n_prompts.max(1),
+            d.dataset,
+            if n > 1 {
+                format!(" and {} more", n - 1)
+            } else {
+                String::new()
+            },
+            p.ids.len(),
+            model_dir.join("config.json").display(),
+            d.input_truncated_len,
+            opts.config_path.display(),
+            positions.saturating_sub(1 + cfg.model_config.next_n)
+        )
+        .into());
+    }
     let truncated = prepared.iter().filter(|p| p.truncated > 0).count();
     if truncated > 0 {
         early_notes.push(format!(

@@ -1624,6 +1624,44 @@ fn run_checks_custom_params_and_sizes_the_pool_by_the_models_positions() {
         assert!(e.contains(want), "{want}: {e}");
     }
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 2, "{e}");
+    // So is a prompt that fills the model's positions (a copy of r1_tiny with 8 of them).
+    let short = tmp.path().join("short_model");
+    std::fs::create_dir(&short).unwrap();
+    for e in std::fs::read_dir(root().join("fixtures/v3/r1_tiny")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), short.join(e.file_name())).unwrap();
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(short.join("config.json")).unwrap()).unwrap();
+    c["max_position_embeddings"] = 8.into();
+    std::fs::write(short.join("config.json"), c.to_string()).unwrap();
+    std::fs::write(
+        &wrong,
+        format!(
+            "model_config:\n  model_path: {:?}\n",
+            short.display().to_string()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+        .args([
+            "run",
+            "--config",
+            wrong.to_str().unwrap(),
+            "--res-dir",
+            &res,
+        ])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && e.contains("request 0 (prompt 0 of the default dataset): the prompt has ")
+            && e.contains("the model takes at most 8 positions"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 3, "{e}");
     // An NPU switch is noted, not refused.
     ok(run("  custom_params:\n    enable_multi_streams: true\n"));
     // --check-tensors reads every tensor first: the shipped model passes; a copy whose
