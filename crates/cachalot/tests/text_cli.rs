@@ -1602,18 +1602,23 @@ fn run_checks_custom_params_and_sizes_the_pool_by_the_models_positions() {
         ),
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
-        .args([
-            "run",
-            "--config",
-            wrong.to_str().unwrap(),
-            "--res-dir",
-            &res,
-        ])
-        .current_dir(root())
-        .output()
-        .unwrap();
-    let e = String::from_utf8_lossy(&out.stderr);
+    // The file `wrong` run: its output and stderr.
+    let run_wrong = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args([
+                "run",
+                "--config",
+                wrong.to_str().unwrap(),
+                "--res-dir",
+                &res,
+            ])
+            .current_dir(root())
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out, e)
+    };
+    let (out, e) = run_wrong();
     assert!(!out.status.success(), "{e}");
     for want in [
         "3 problems",
@@ -1643,18 +1648,7 @@ fn run_checks_custom_params_and_sizes_the_pool_by_the_models_positions() {
         ),
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
-        .args([
-            "run",
-            "--config",
-            wrong.to_str().unwrap(),
-            "--res-dir",
-            &res,
-        ])
-        .current_dir(root())
-        .output()
-        .unwrap();
-    let e = String::from_utf8_lossy(&out.stderr);
+    let (out, e) = run_wrong();
     assert!(
         !out.status.success()
             && e.contains("request 0 (prompt 0 of the default dataset): the prompt has ")
