@@ -264,6 +264,9 @@ enum Source {
         scales: Int4Scales,
         scale_out: Option<usize>,
     },
+    /// F16/F32 → bf16 (an unquantized checkpoint's other float tensors, and its Linear
+    /// weights that stay bf16), element by element.
+    ToBf16 { start: u64, dtype: &'static str },
     /// Written by its weight's task.
     Int8Scale,
     /// A C8 scale.
@@ -952,6 +955,24 @@ pub fn convert(opts: &ConvertOptions) -> Result<ConvertReport> {
                         dtype,
                         scale_out,
                     }
+                });
+                continue;
+            }
+            // The output is a bf16 checkpoint: F16/F32 tensors are rounded to bf16, as the
+            // seed's bf16 default dtype loads them, but for the router's correction bias,
+            // which DeepSeek's release keeps in F32.
+            if matches!(t.dtype.as_str(), "F16" | "F32")
+                && !name.ends_with("e_score_correction_bias")
+            {
+                if is_quantized_linear(name) && t.shape.len() == 2 {
+                    report.bf16_weights += 1;
+                }
+                planned.push(Planned {
+                    out: out_tensor(name, "BF16", &t.shape),
+                    source: Source::ToBf16 {
+                        start: t.start,
+                        dtype: dtype_static(&t.dtype),
+                    },
                 });
                 continue;
             }
@@ -2034,6 +2055,8 @@ fn write_shard(
             Source::Int8Scale => continue,
             Source::Constant(_) => (1, 4),
             Source::Copy { .. } => (p.out.bytes() as usize, 1),
+            // (Elements, whatever the shape.)
+            Source::ToBf16 { .. } => (p.out.shape.iter().product(), 2),
             _ => (p.out.shape[0], p.out.shape[1] * 2),
         };
         let step = (ITEM_BYTES / row_bytes.max(1)).max(1);
@@ -2104,6 +2127,27 @@ fn run_item(
                 }
             }
             Ok((n * cols / 2) as u64)
+        }
+        Source::ToBf16 { start, dtype } => {
+            let size = if dtype == "F32" { 4 } else { 2 };
+            let at = start as usize + item.rows.start * size;
+            let b = &map[at..at + item.rows.len() * size];
+            check_floats(&p.out.name, dtype, b, item.rows.start)?;
+            let bf: Vec<u16> = floats_of(dtype, b).into_iter().map(f32_to_bf16).collect();
+            if let Some(i) = bf.iter().position(|&v| v & 0x7F80 == 0x7F80) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "tensor {}: element {} is beyond bf16's range (about 3.39e38), so the \
+                         bf16 output cannot hold it; the input checkpoint is damaged",
+                        p.out.name,
+                        item.rows.start + i
+                    ),
+                ));
+            }
+            let bytes: Vec<u8> = bf.iter().flat_map(|v| v.to_le_bytes()).collect();
+            out.write_all_at(&bytes, p.out.offset + (item.rows.start * 2) as u64)?;
+            Ok((item.rows.len() * size) as u64)
         }
         Source::Int8Float {
             start,

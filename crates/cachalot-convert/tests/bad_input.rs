@@ -703,6 +703,13 @@ fn bf16_checkpoints_quantize_as_their_fp8_source() {
     };
     assert!(!int8(&from_f32).is_empty());
     assert_eq!(int8(&from_f32), int8(&from_bf16));
+    // And to bf16: the bf16 checkpoint again, tensor for tensor (every float tensor rounded
+    // to bf16, which gives back these values; the router's correction bias stays F32).
+    let back = tmp.path().join("back");
+    let mut o = opts(&f32_dir, &back);
+    o.mode = QuantMode::Bfloat16;
+    convert(&o).unwrap();
+    assert_eq!(common::summarize(&back), common::summarize(&bf16));
 }
 
 /// The ignore list names modules: `model.layers.3.mlp.gate` (the seed's router entry) keeps
