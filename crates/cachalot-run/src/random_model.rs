@@ -610,6 +610,18 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
             &format!("--random-weights {spec}"),
             ExpertShard::default(),
         )?;
+        // The routed experts' rows are int32 words of 8 nibbles: their input widths must fill
+        // whole words (the loader refuses others).
+        for key in ["hidden_size", "moe_intermediate_size"] {
+            let n = cfg.get(key).and_then(Value::as_u64).unwrap_or(0);
+            if !n.is_multiple_of(8) {
+                bail!(
+                    "--random-weights {spec} --random-quant {W4A16}: {key} {n} is not a \
+                     multiple of 8, and the routed experts' int4 rows are packed 8 columns to an \
+                     int32 word; give a multiple of 8, or another --random-quant"
+                );
+            }
+        }
         let write = |dir: &Path| write_fp8_shard(&cfg, dir, ExpertShard::default(), Some(GROUP));
         return materialize(
             spec,
@@ -919,7 +931,8 @@ fn materialize(
 ) -> Result<RandomModel> {
     let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
     let base = parent.join(format!("{prefix}-{}", std::process::id()));
-    let native = base.join("fp8");
+    // (Named by its format when it is not converted: `w4a16` is written as it is.)
+    let native = base.join(if mode.is_none() { quant } else { "fp8" });
     let mut model = RandomModel {
         dir: native.clone(),
         shape: shape.to_string(),
@@ -1047,6 +1060,22 @@ mod tests {
             drop(m);
             assert!(!dir.exists(), "{} left behind", dir.display());
         }
+    }
+
+    /// A width the int4 rows cannot pack is refused before any weight is written.
+    #[test]
+    fn w4a16_needs_widths_of_whole_words() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cfg = config_for("v3-tiny").unwrap();
+        cfg["hidden_size"] = json!(300);
+        let path = tmp.path().join("config.json");
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        let e = build(path.to_str().unwrap(), "w4a16", Some(tmp.path()))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("hidden_size 300 is not a multiple of 8"), "{e}");
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
     }
 
     #[test]
