@@ -262,7 +262,11 @@ fn exchange(
         .ok_or_else(|| {
             std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!("not an HTTP answer: {line:?}"),
+                if line.is_empty() {
+                    "closed the connection without an answer (did it stop or restart?)".to_string()
+                } else {
+                    format!("not an HTTP answer: {line:?}")
+                },
             )
         })?;
     let mut content_type = "application/json".to_string();
@@ -545,17 +549,26 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             // Each server's own /health, asked at once (2 s each at most): "ok" when all
             // answer, "degraded" when some do not, 503 when no prefill or no decode server
             // does (no request can be served).
-            let up = |addr: &str| {
-                exchange(addr, "GET", "/health", None, HEALTH_WAIT)
-                    .is_ok_and(|(status, _, _)| status == 200)
+            // (A server restarted in another role, as a server of its own, is not one this
+            // router can use.)
+            let up = |addr: &str, role: &str| {
+                health(addr, HEALTH_WAIT).is_ok_and(|(status, body)| {
+                    status == 200
+                        && serde_json::from_str::<Value>(&body)
+                            .is_ok_and(|v| v["disaggregation_mode"] == role)
+                })
             };
             let (pre_up, dec_up) = std::thread::scope(|sc| {
                 let pre: Vec<_> = router
                     .prefill
                     .iter()
-                    .map(|p| sc.spawn(|| up(&p.addr)))
+                    .map(|p| sc.spawn(|| up(&p.addr, "prefill")))
                     .collect();
-                let dec: Vec<_> = router.decode.iter().map(|d| sc.spawn(|| up(d))).collect();
+                let dec: Vec<_> = router
+                    .decode
+                    .iter()
+                    .map(|d| sc.spawn(|| up(d, "decode")))
+                    .collect();
                 let join = |v: Vec<std::thread::ScopedJoinHandle<'_, bool>>| {
                     v.into_iter()
                         .map(|h| h.join().unwrap_or(false))
@@ -862,7 +875,7 @@ fn relay(
             // The router's own cuts (its --timeout-s, its drain's end) say so, as `serve`
             // answers a request its drain cut.
             Err(e) => {
-                let (code, message) = lost("the decode server, mid-answer,", &e, timeout);
+                let (code, message) = lost("the decode server (mid-answer)", &e, timeout);
                 let err = serde_json::json!({"error": {
                     "message": message, "type": "server_error", "param": null, "code": code}});
                 let tail = if content_type.starts_with("text/event-stream") {

@@ -389,7 +389,9 @@ impl Rooms {
                 {
                     return Err(format!(
                         "bootstrap_room {room} holds the KV of another request (its prompts \
-                         differ): two requests named the same room; give each its own"
+                         differ): two requests named the same room (give each its own), or the \
+                         prefill and decode servers run different models or tokenizers (start \
+                         both with the same --model)"
                     ));
                 }
                 Some((_, RoomState::Ready(_))) => {
@@ -2381,7 +2383,21 @@ fn detokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
 /// router` fills them in. None for the whole-request role, which ignores them.
 fn bootstrap(shared: &Shared, body: &Value) -> Result<Option<Bootstrap>, ApiError> {
     if shared.role == Role::Both {
-        return Ok(None);
+        // A request meant for a decode server (a router's, whose decode server was replaced
+        // by one of its own): answered here, its prefilled KV would wait on the prefill
+        // server unfetched; refused, the router drops it.
+        return match ["bootstrap_room", "bootstrap_host", "bootstrap_port"]
+            .into_iter()
+            .find(|k| field(body, k).is_some())
+        {
+            Some(k) => Err(ApiError::bad(
+                k,
+                "this server serves requests whole (started without --role): bootstrap fields \
+                 are for a decode server (`cachalot serve --role decode`) behind `cachalot \
+                 router`",
+            )),
+            None => Ok(None),
+        };
     }
     let hint = "send requests through `cachalot router`, which fills in the bootstrap fields";
     let room = match field(body, "bootstrap_room") {
