@@ -394,6 +394,39 @@ pub fn router(args: &RouterArgs) -> Result<()> {
         wait_for_role(&addr, "decode", wait)?;
         decode.push(addr);
     }
+    // Servers of different models (or served names) are most likely a mistake: requests
+    // naming a model would get 404s from one side, and the decode server could not use the
+    // prefill server's KV. Said, not refused: one model may sit in differently named places.
+    let served = |addr: &str| -> Option<Vec<String>> {
+        let (_, _, mut r) = exchange(addr, "GET", "/v1/models", None, HEALTH_WAIT).ok()?;
+        let mut body = String::new();
+        r.read_to_string(&mut body).ok()?;
+        let v: Value = serde_json::from_str(&body).ok()?;
+        Some(
+            v["data"]
+                .as_array()?
+                .iter()
+                .filter_map(|m| m["id"].as_str().map(str::to_string))
+                .collect(),
+        )
+    };
+    let names: Vec<(&str, Option<Vec<String>>)> = prefill
+        .iter()
+        .map(|p| p.addr.as_str())
+        .chain(decode.iter().map(String::as_str))
+        .map(|a| (a, served(a)))
+        .collect();
+    if let Some((first, Some(want))) = names.first() {
+        for (addr, got) in &names[1..] {
+            if got.as_ref().is_some_and(|g| g != want) {
+                say!(
+                    "cachalot router: warning: {addr} serves {:?} and {first} serves {want:?}: \
+                     start every server with the same --model and --served-model-name",
+                    got.as_deref().unwrap_or_default()
+                );
+            }
+        }
+    }
     let server = crate::http_front::bind(&args.host, args.port)
         .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", args.host, args.port))?;
     let addr = server.addr.to_string();
