@@ -491,9 +491,10 @@ impl RunConfig {
                 let mut message = plain_yaml_error(&e.to_string());
                 // The parser may see a tab where a scalar before it ends: where it is.
                 let tab = text.lines().position(|l| {
-                    l.chars()
-                        .take_while(|c| c.is_whitespace())
-                        .any(|c| c == '\t')
+                    !l.trim().is_empty()
+                        && l.chars()
+                            .take_while(|c| c.is_whitespace())
+                            .any(|c| c == '\t')
                 });
                 if let (true, Some(i)) = (message.contains("tab"), tab) {
                     message.push_str(&format!(

@@ -610,18 +610,6 @@ pub fn build(spec: &str, quant: &str, parent: Option<&Path>) -> Result<RandomMod
             &format!("--random-weights {spec}"),
             ExpertShard::default(),
         )?;
-        // The routed experts' rows are int32 words of 8 nibbles: their input widths must fill
-        // whole words (the loader refuses others).
-        for key in ["hidden_size", "moe_intermediate_size"] {
-            let n = cfg.get(key).and_then(Value::as_u64).unwrap_or(0);
-            if !n.is_multiple_of(8) {
-                bail!(
-                    "--random-weights {spec} --random-quant {W4A16}: {key} {n} is not a \
-                     multiple of 8, and the routed experts' int4 rows are packed 8 columns to an \
-                     int32 word; give a multiple of 8, or another --random-quant"
-                );
-            }
-        }
         let write = |dir: &Path| write_fp8_shard(&cfg, dir, ExpertShard::default(), Some(GROUP));
         return materialize(
             spec,
@@ -690,6 +678,19 @@ fn check_before_writing(cfg: &Value, what: &str, shard: ExpertShard) -> Result<(
         cachalot_model::DeepseekV3Config::from_json_str(&text, path)
             .map(drop)
             .with_context(|| what.to_string())?;
+    }
+    // Int4 routed experts (`pack-quantized`) hold their rows in int32 words of 8 nibbles: their
+    // input widths must fill whole words (the loader refuses others).
+    if !v4 && packed_int4_group(cfg).is_some() {
+        for key in ["hidden_size", "moe_intermediate_size"] {
+            let n = cfg.get(key).and_then(Value::as_u64).unwrap_or(0);
+            if !n.is_multiple_of(8) {
+                bail!(
+                    "{what}: {key} {n} is not a multiple of 8, and the routed experts' int4 rows \
+                     (pack-quantized) are packed 8 columns to an int32 word; give a multiple of 8"
+                );
+            }
+        }
     }
     // The writer lists every tensor first: bound their count (DeepSeek-V3: ~50k, Kimi-K2 ~75k).
     let count = |k: &str| cfg.get(k).and_then(Value::as_u64).unwrap_or(0);

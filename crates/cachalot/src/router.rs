@@ -754,6 +754,17 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                 });
             }
             match rx.recv() {
+                Ok(Outcome::Decode(Ok((400, ct, mut r)))) => {
+                    release.not_taken();
+                    let mut answer = Vec::new();
+                    let _ = r.read_to_end(&mut answer);
+                    match misrouted(&format!("decode server {d}"), &answer) {
+                        Some(m) => error(request, 502, &m),
+                        None => {
+                            relay(request, 400, &ct, answer.as_slice(), router.timeout);
+                        }
+                    }
+                }
                 Ok(Outcome::Decode(Ok((status, ct, r)))) => {
                     if !relay(request, status, &ct, r, router.timeout) || status != 200 {
                         release.not_taken();
@@ -770,7 +781,13 @@ fn route(mut request: tiny_http::Request, router: &Router) {
                     error(request, status, &m)
                 }
                 Ok(Outcome::Prefill(status, ct, answer)) => {
-                    relay(request, status, &ct, answer.as_slice(), router.timeout);
+                    let who = format!("prefill server {}", p.addr);
+                    match misrouted(&who, &answer).filter(|_| status == 400) {
+                        Some(m) => error(request, 502, &m),
+                        None => {
+                            relay(request, status, &ct, answer.as_slice(), router.timeout);
+                        }
+                    }
                 }
                 Err(_) => error(request, 500, "the router lost both servers' answers"),
             }
@@ -789,6 +806,20 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             ),
         ),
     }
+}
+
+/// A backend's 400 (`answer`) over the bootstrap fields the router adds: the server (`who`) is
+/// not in its role (restarted without it), and the client, which sent no such field, gets a
+/// 502 naming the server rather than a 400.
+fn misrouted(who: &str, answer: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(answer).ok()?;
+    let param = v["error"]["param"].as_str()?;
+    param.starts_with("bootstrap_").then(|| {
+        format!(
+            "{who} refused the router's {param} ({}): restart it in its role",
+            v["error"]["message"].as_str().unwrap_or("")
+        )
+    })
 }
 
 /// `host` as the host part of HOST:PORT (an IPv6 address in brackets).

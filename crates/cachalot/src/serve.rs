@@ -2380,7 +2380,7 @@ fn detokenize(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
 
 /// The bootstrap fields the role needs: the prefill role a `bootstrap_room`, the decode role
 /// also the prefill server's `bootstrap_host` and `bootstrap_port` (its `--kv-port`); `cachalot
-/// router` fills them in. None for the whole-request role, which ignores them.
+/// router` fills them in. None for the whole-request role, which refuses them.
 fn bootstrap(shared: &Shared, body: &Value) -> Result<Option<Bootstrap>, ApiError> {
     if shared.role == Role::Both {
         // A request meant for a decode server (a router's, whose decode server was replaced
@@ -2393,8 +2393,8 @@ fn bootstrap(shared: &Shared, body: &Value) -> Result<Option<Bootstrap>, ApiErro
             Some(k) => Err(ApiError::bad(
                 k,
                 "this server serves requests whole (started without --role): bootstrap fields \
-                 are for a decode server (`cachalot serve --role decode`) behind `cachalot \
-                 router`",
+                 are for the prefill and decode servers behind `cachalot router` (`cachalot \
+                 serve --role prefill` or `--role decode`)",
             )),
             None => Ok(None),
         };
@@ -2888,12 +2888,13 @@ fn integer(v: &Value) -> Option<i64> {
                 .filter(|f| f.fract() == 0.0 && f.abs() <= 9_007_199_254_740_992.0)
                 .map(|f| f as i64)
         }),
-        Value::String(s) => match s.strip_prefix('-') {
-            Some(d) => whole_number(&Value::String(d.to_string()))
-                .and_then(|x| i64::try_from(x).ok())
-                .map(|x| -x),
-            None => whole_number(v).and_then(|x| i64::try_from(x).ok()),
-        },
+        Value::String(s) => {
+            let digits = s.strip_prefix('-').unwrap_or(s);
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            s.parse().ok()
+        }
         _ => None,
     }
 }
@@ -3254,7 +3255,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             None | Some(Value::Bool(false)) => {}
             Some(Value::Number(n)) if n.as_u64() == Some(0) && key == "suffix" => {}
             Some(Value::String(t)) if t.is_empty() => {}
-            Some(Value::Number(n)) if key == "best_of" && n.as_u64() == Some(1) => {}
+            Some(v) if key == "best_of" && whole_number(v) == Some(1) => {}
             Some(_) => return Err(ApiError::bad(key, unsupported)),
         }
     }
@@ -3346,7 +3347,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     };
     // (best_of 1, all that is taken, must still cover the choices, as vLLM checks.)
-    if n > 1 && field(body, "best_of").is_some_and(|b| b.as_u64() == Some(1)) {
+    if n > 1 && field(body, "best_of").is_some_and(|b| whole_number(b) == Some(1)) {
         return Err(ApiError::bad(
             "best_of",
             format!("best_of 1 is less than n {n}: best_of must be at least n"),

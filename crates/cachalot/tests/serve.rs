@@ -3809,10 +3809,32 @@ fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
             )
         },
     );
+    // (Set: the decode server says it is a plain one.)
+    let plain = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let is_plain = plain.clone();
     let dec = stand_in(
-        || json!({"disaggregation_mode": "decode"}),
+        move || {
+            let role = if is_plain.load(Ordering::Relaxed) {
+                "null"
+            } else {
+                "decode"
+            };
+            json!({"disaggregation_mode": role})
+        },
         |body| {
             match body["prompt"].as_str().unwrap() {
+                // A plain server's refusal of the fields the router adds.
+                "plain" => {
+                    let b = r#"{"error":{"message":"whole","type":"invalid_request_error","param":"bootstrap_room"}}"#;
+                    Some(
+                        format!(
+                            "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n\
+                         Content-Length: {}\r\n\r\n{b}",
+                            b.len()
+                        )
+                        .into_bytes(),
+                    )
+                }
                 "refuse" => {
                     let b = r#"{"error":{"message":"no","type":"invalid_request_error"}}"#;
                     Some(
@@ -3880,6 +3902,32 @@ fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
     );
     assert_eq!((status, v["error"]["message"].as_str()), (400, Some("no")));
     assert_eq!(next_drop(), (b"CKV-DROP".to_vec(), 41));
+    // Refused over the fields the router adds (a decode server restarted without its role):
+    // a 502 naming the server, not a 400 over fields the client never sent; KV dropped.
+    let (status, v) = post(
+        &r,
+        "/v1/completions",
+        &json!({"prompt": "plain", "bootstrap_room": 45}),
+    );
+    let m = v["error"]["message"].as_str().unwrap();
+    assert_eq!(status, 502, "{v}");
+    assert!(
+        m.contains(&format!(
+            "decode server {dec} refused the router's bootstrap_room"
+        )),
+        "{m}"
+    );
+    assert_eq!(next_drop(), (b"CKV-DROP".to_vec(), 45));
+    // Such a server is down in the router's /health.
+    plain.store(true, Ordering::Relaxed);
+    let (status, h) = http(&r, "GET", "/health", "");
+    let h: Value = serde_json::from_str(&h).unwrap();
+    assert_eq!(
+        (status, &h["decode"][0]["healthy"]),
+        (503, &json!(false)),
+        "{h}"
+    );
+    plain.store(false, Ordering::Relaxed);
 
     // No answer within --timeout-s: 504, said in words, and the room's KV dropped.
     let t = std::time::Instant::now();
