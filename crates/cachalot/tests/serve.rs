@@ -3822,30 +3822,23 @@ fn the_router_bounds_requests_and_frees_kv_nobody_takes() {
             json!({"disaggregation_mode": role})
         },
         |body| {
+            // A 400 with this error object.
+            let bad = |e: Value| {
+                let b = json!({ "error": e }).to_string();
+                Some(
+                    format!(
+                        "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n\
+                         Content-Length: {}\r\n\r\n{b}",
+                        b.len()
+                    )
+                    .into_bytes(),
+                )
+            };
             match body["prompt"].as_str().unwrap() {
                 // A plain server's refusal of the fields the router adds.
-                "plain" => {
-                    let b = r#"{"error":{"message":"whole","type":"invalid_request_error","param":"bootstrap_room"}}"#;
-                    Some(
-                        format!(
-                            "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n\
-                         Content-Length: {}\r\n\r\n{b}",
-                            b.len()
-                        )
-                        .into_bytes(),
-                    )
-                }
-                "refuse" => {
-                    let b = r#"{"error":{"message":"no","type":"invalid_request_error"}}"#;
-                    Some(
-                        format!(
-                            "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n\
-                         Content-Length: {}\r\n\r\n{b}",
-                            b.len()
-                        )
-                        .into_bytes(),
-                    )
-                }
+                "plain" => bad(json!({"message": "whole", "type": "invalid_request_error",
+                                      "param": "bootstrap_room"})),
+                "refuse" => bad(json!({"message": "no", "type": "invalid_request_error"})),
                 // An answer that begins and then stalls.
                 "begin" => Some(
                     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\
