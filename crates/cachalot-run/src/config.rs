@@ -1009,14 +1009,22 @@ fn find_line(text: &str, section: &str, key: Option<&str>) -> Option<usize> {
     None
 }
 
-/// Line `l` (its comment aside) writes `key:`, block or flow, quoted or not.
+/// Line `l` (its comment aside) writes `key:` as a key (first on the line, or after `{` or `,`
+/// in a flow mapping; quoted or not; not inside a value).
 fn names_key(l: &str, key: &str) -> bool {
     let l = l.split('#').next().unwrap_or("");
     l.match_indices(key).any(|(i, _)| {
-        let before = l[..i].chars().last();
-        let after = l[i + key.len()..].trim_start();
-        matches!(before, None | Some(' ' | '{' | ',' | '\t' | '"' | '\''))
-            && (after.starts_with(':') || after.starts_with("\":") || after.starts_with("':"))
+        let (before, after) = (&l[..i], &l[i + key.len()..]);
+        // Quoted: the same quote on both sides.
+        let (before, after) = match (before.chars().last(), after.chars().next()) {
+            (Some(q @ ('"' | '\'')), Some(c)) if c == q => {
+                (&before[..before.len() - 1], &after[1..])
+            }
+            _ => (before, after),
+        };
+        let before = before.trim_end();
+        (before.is_empty() || before.ends_with('{') || before.ends_with(','))
+            && after.trim_start().starts_with(':')
     })
 }
 
@@ -1134,6 +1142,9 @@ mod tests {
         assert_eq!(find_line(y, "b", Some("x")), Some(5));
         assert_eq!(find_line(y, "b", None), Some(3));
         assert_eq!(find_line(y, "c", None), None);
+        // Not inside a value; a quoted key spaced from its colon.
+        let y = "d:\n  path: \"x top_k: y\"\n  \"top_k\" : -1\n";
+        assert_eq!(find_line(y, "d", Some("top_k")), Some(3));
         // After a byte-order mark, quoted, in a flow mapping.
         let y = "\u{feff}a:\n  \"x\": 1\nb: {y: 2, 'x': 3}\n";
         assert_eq!(find_line(y, "a", None), Some(1));
