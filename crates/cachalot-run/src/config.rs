@@ -887,8 +887,13 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
                     .is_some_and(|x| x.is_finite() && x.fract() == 0.0) =>
                 {
                     let x = v.as_f64().unwrap_or(0.0);
-                    Some(if x > max as f64 {
-                        format!("{x} is out of range: must be at most {max}")
+                    // (The seed's top is 2^64 - 1, which no f64 below 2^64 passes.)
+                    let (over, top) = match kind {
+                        Kind::IntOrNull(_) => (x >= 18_446_744_073_709_551_616.0, u64::MAX as i128),
+                        _ => (x > max as f64, max as i128),
+                    };
+                    Some(if over {
+                        format!("{x} is out of range: must be at most {top}")
                     } else if x < min as f64 {
                         format!("{x} is out of range: must be >= {min}")
                     } else {
@@ -897,7 +902,7 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
                              fraction such as 128.0, an exponent such as 1e4, or leading zeros, \
                              which the seed's PyYAML reads as octal: 010 is 8 there); write the \
                              integer's digits alone, as {}",
-                            x as i64
+                            x as i128
                         )
                     })
                 }
@@ -975,6 +980,8 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
 /// mark before the first line is no part of it.
 fn find_line(text: &str, section: &str, key: Option<&str>) -> Option<usize> {
     let mut in_section = false;
+    // The indentation of the section's keys (its first key's): deeper lines are nested values.
+    let mut key_indent = None;
     for (i, line) in text.lines().enumerate() {
         let line = if i == 0 {
             line.trim_start_matches('\u{feff}')
@@ -1002,8 +1009,14 @@ fn find_line(text: &str, section: &str, key: Option<&str>) -> Option<usize> {
                 _ => {}
             }
             in_section = is_it;
-        } else if in_section && key.is_some_and(|k| names_key(trimmed, k)) {
-            return Some(i + 1);
+            key_indent = None;
+        } else if in_section && !trimmed.is_empty() && !trimmed.starts_with('#') {
+            let indent = line.len() - trimmed.len();
+            if *key_indent.get_or_insert(indent) == indent
+                && key.is_some_and(|k| names_key(trimmed, k))
+            {
+                return Some(i + 1);
+            }
         }
     }
     None
@@ -1142,6 +1155,9 @@ mod tests {
         assert_eq!(find_line(y, "b", Some("x")), Some(5));
         assert_eq!(find_line(y, "b", None), Some(3));
         assert_eq!(find_line(y, "c", None), None);
+        // Not a nested mapping's key of the same name.
+        let y = "m:\n  c:\n    n: 1\n  n: -1\n";
+        assert_eq!(find_line(y, "m", Some("n")), Some(4));
         // Not inside a value; a quoted key spaced from its colon.
         let y = "d:\n  path: \"x top_k: y\"\n  \"top_k\" : -1\n";
         assert_eq!(find_line(y, "d", Some("top_k")), Some(3));
@@ -1174,6 +1190,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.data_config.seed, Some(u64::MAX));
+        let e = RunConfig::from_yaml(
+            "data_config:\n  seed: 18446744073709551616\n",
+            Path::new("x"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("must be at most 18446744073709551615"), "{e}");
         let e = RunConfig::from_yaml("a:\n  b: 1\n \tc: 2\n", Path::new("x.yaml"))
             .unwrap_err()
             .to_string();

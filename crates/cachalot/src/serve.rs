@@ -5236,7 +5236,10 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
             // A call cut off by the token limit reads as malformed markup: the limit is what
             // to change.
             if *finish == "length" {
-                why.push_str(" (the answer was cut off by max_tokens: give it more)");
+                why.push_str(
+                    " (the answer was cut off at its length limit, max_tokens or the model's \
+                     context: give it more room)",
+                );
             }
             message["tool_call_error"] = why.into();
         }

@@ -441,7 +441,10 @@ fn tool_calls_of(
         f.parse(answer).map_err(|e| {
             let mut why = e.to_string();
             if *finish == FinishReason::Length {
-                why.push_str(" (the answer was cut off by --max-new-tokens: give it more)");
+                why.push_str(
+                    " (the answer was cut off at its length limit, --max-new-tokens or the \
+                     model's context: give it more room)",
+                );
             }
             why
         })
