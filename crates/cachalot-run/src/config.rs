@@ -1173,10 +1173,12 @@ mod tests {
     /// value; a tab in an indentation and a null key are said plainly.
     #[test]
     fn misplaced_keys_seeds_tabs_and_null_keys() {
-        let y = "data_config:\n  batch_size: 4\n  seed: 18446744073709551615\n";
-        let e = RunConfig::from_yaml(y, Path::new("x.yaml"))
-            .unwrap_err()
-            .to_string();
+        let error = |y: &str| {
+            RunConfig::from_yaml(y, Path::new("x.yaml"))
+                .unwrap_err()
+                .to_string()
+        };
+        let e = error("data_config:\n  batch_size: 4\n  seed: 18446744073709551615\n");
         assert!(
             e.contains(
                 "line 2: data_config.batch_size: unknown key in data_config: `batch_size` \
@@ -1190,23 +1192,14 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.data_config.seed, Some(u64::MAX));
-        let e = RunConfig::from_yaml(
-            "data_config:\n  seed: 18446744073709551616\n",
-            Path::new("x"),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = error("data_config:\n  seed: 18446744073709551616\n");
         assert!(e.contains("must be at most 18446744073709551615"), "{e}");
-        let e = RunConfig::from_yaml("a:\n  b: 1\n \tc: 2\n", Path::new("x.yaml"))
-            .unwrap_err()
-            .to_string();
+        let e = error("a:\n  b: 1\n \tc: 2\n");
         assert!(
             e.contains("the first tab in an indentation is on line 3"),
             "{e}"
         );
-        let e = RunConfig::from_yaml("data_config:\n  ~: 1\n", Path::new("x.yaml"))
-            .unwrap_err()
-            .to_string();
+        let e = error("data_config:\n  ~: 1\n");
         assert!(e.contains("a key is null") && !e.contains("Option<"), "{e}");
     }
 }

@@ -81,6 +81,13 @@ fn health(addr: &str, wait: Duration) -> std::io::Result<(u16, String)> {
     Ok((status, body))
 }
 
+/// A server's `/health` body, parsed, when it says the server runs in `role`.
+fn in_role(body: &str, role: &str) -> Option<Value> {
+    serde_json::from_str::<Value>(body)
+        .ok()
+        .filter(|v| v["disaggregation_mode"] == role)
+}
+
 /// How long the router's /health waits for each server's.
 const HEALTH_WAIT: Duration = Duration::from_secs(2);
 
@@ -359,14 +366,12 @@ fn wait_for_role(addr: &str, role: &str, wait: Duration) -> Result<Value> {
     loop {
         match health(addr, Duration::from_secs(10)) {
             Ok((200, body)) => {
-                let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-                if v["disaggregation_mode"] != role {
-                    bail!(
+                return in_role(&body, role).with_context(|| {
+                    format!(
                         "{addr} is not a {role} server (its /health says {body}): start it with \
                          `cachalot serve --role {role}`"
-                    );
-                }
-                return Ok(v);
+                    )
+                });
             }
             _ if start.elapsed() < wait => std::thread::sleep(Duration::from_millis(200)),
             Ok((status, body)) => bail!("{addr}/health answered {status}: {body}"),
@@ -448,10 +453,7 @@ pub fn router(args: &RouterArgs) -> Result<()> {
             std::thread::sleep(KV_PORT_REFRESH);
             for p in &router.prefill {
                 if let Ok((200, body)) = health(&p.addr, HEALTH_WAIT) {
-                    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-                    let port = (v["disaggregation_mode"] == "prefill")
-                        .then(|| kv_port_of(&v))
-                        .flatten();
+                    let port = in_role(&body, "prefill").and_then(|v| kv_port_of(&v));
                     if let Some(port) = port {
                         if port != p.kv_port() {
                             say!(
@@ -585,11 +587,8 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             // (A server restarted in another role, as a server of its own, is not one this
             // router can use.)
             let up = |addr: &str, role: &str| {
-                health(addr, HEALTH_WAIT).is_ok_and(|(status, body)| {
-                    status == 200
-                        && serde_json::from_str::<Value>(&body)
-                            .is_ok_and(|v| v["disaggregation_mode"] == role)
-                })
+                health(addr, HEALTH_WAIT)
+                    .is_ok_and(|(status, body)| status == 200 && in_role(&body, role).is_some())
             };
             let (pre_up, dec_up) = std::thread::scope(|sc| {
                 let pre: Vec<_> = router
