@@ -481,6 +481,13 @@ pub struct Request {
     /// given, this is not used).
     #[serde(default)]
     pub json_lead: Vec<JsonLead>,
+    /// After each JSON object that followed a lead (a forced call's arguments): the texts that
+    /// may come next, as leads: another call's markup up to its arguments (`then_json`) or the
+    /// call section's end ([`JsonLead::ends`]); a stop token may also end it there. Entry k
+    /// follows the (k + 1)-th object, the last entry every later one; an empty entry (or none):
+    /// the answer ends once its object completes, as without this.
+    #[serde(default)]
+    pub json_more: Vec<Vec<JsonLead>>,
     /// Structured output: with `json_object`, the JSON value must be one this JSON Schema
     /// accepts ([`crate::json_schema`]; any JSON value type, not only an object). Checked
     /// (compiled) when the request is added; a keyword it cannot enforce is refused by name.
@@ -511,6 +518,9 @@ pub struct JsonLead {
     /// DSML parameters, with [`Request::dsml`]).
     #[serde(default = "yes")]
     pub then_json: bool,
+    /// The answer ends with this text (as a stop; `then_json` is not read).
+    #[serde(default)]
+    pub ends: bool,
 }
 
 fn yes() -> bool {
@@ -609,14 +619,37 @@ impl Grammar {
     }
 }
 
-/// JSON mode's lead ([`Request::json_lead`]): the texts the answer may open with, and what it
-/// has written of one so far (a prefix of at least one).
+/// What follows one of a [`Lead`]'s texts.
+#[derive(Clone, Debug)]
+enum After {
+    /// Free text.
+    Free,
+    /// JSON (or DSML parameters) under this spec.
+    Json(Spec),
+    /// Nothing: the answer ends.
+    End,
+}
+
+/// A lead's text written whole ([`Lead::push`]).
+#[derive(Debug)]
+enum LeadDone {
+    Free,
+    /// The grammar of what follows, the bytes after the lead fed.
+    Json(Box<Grammar>),
+    End,
+}
+
+/// JSON mode's lead ([`Request::json_lead`], [`Request::json_more`]): the texts the answer may
+/// continue with, and what it has written of one so far (a prefix of at least one).
 #[derive(Clone, Debug)]
 struct Lead {
     options: Vec<Vec<u8>>,
-    /// What each option holds the text after it to (None: free text).
-    then: Vec<Option<Spec>>,
+    /// What each option holds the text after it to.
+    then: Vec<After>,
     written: Vec<u8>,
+    /// A stop token may end the answer before anything of the lead is written (after a
+    /// forced call's arguments, instead of another call).
+    stop_ok: bool,
 }
 
 impl Lead {
@@ -627,12 +660,16 @@ impl Lead {
             options: leads.iter().map(|l| l.text.as_bytes().to_vec()).collect(),
             then: leads
                 .iter()
-                .map(|l| {
-                    l.then_json
-                        .then(|| Spec::compile(l.schema.as_ref(), dsml).unwrap_or(Spec::Object))
+                .map(|l| match (l.ends, l.then_json) {
+                    (true, _) => After::End,
+                    (false, true) => {
+                        After::Json(Spec::compile(l.schema.as_ref(), dsml).unwrap_or(Spec::Object))
+                    }
+                    (false, false) => After::Free,
                 })
                 .collect(),
             written: Vec::new(),
+            stop_ok: false,
         }
     }
 
@@ -647,18 +684,20 @@ impl Lead {
                     true
                 } else if b.starts_with(rest) {
                     let i = self.options.iter().position(|x| x == o).unwrap_or(0);
-                    self.then[i]
-                        .as_ref()
-                        .is_none_or(|s| Grammar::new(s).feed_all(&b[rest.len()..]))
+                    match &self.then[i] {
+                        After::Free => true,
+                        After::Json(s) => Grammar::new(s).feed_all(&b[rest.len()..]),
+                        After::End => false,
+                    }
                 } else {
                     false
                 }
             })
     }
 
-    /// Takes a token's bytes; once a lead is complete, `Some` of its JSON grammar with the
-    /// bytes after the lead fed (`Some(None)`: free text follows).
-    fn push(&mut self, b: &[u8]) -> Option<Option<Grammar>> {
+    /// Takes a token's bytes; once a lead is complete, what follows it (a JSON grammar with
+    /// the bytes after the lead fed).
+    fn push(&mut self, b: &[u8]) -> Option<LeadDone> {
         self.written.extend_from_slice(b);
         let (i, o) = self
             .options
@@ -666,12 +705,15 @@ impl Lead {
             .enumerate()
             .filter(|(_, o)| self.written.starts_with(o))
             .max_by_key(|(_, o)| o.len())?;
-        let Some(spec) = &self.then[i] else {
-            return Some(None);
-        };
-        let mut g = Grammar::new(spec);
-        g.feed_all(&self.written[o.len()..]);
-        Some(Some(g))
+        Some(match &self.then[i] {
+            After::Free => LeadDone::Free,
+            After::End => LeadDone::End,
+            After::Json(spec) => {
+                let mut g = Grammar::new(spec);
+                g.feed_all(&self.written[o.len()..]);
+                LeadDone::Json(Box::new(g))
+            }
+        })
     }
 }
 
@@ -688,7 +730,10 @@ fn lead_mask(
         .enumerate()
         .map(|(t, &x)| {
             let t = t as u32;
-            if !stop.contains(&t) && lead.allows(lead_bytes(t, bytes, specials)) {
+            let stop_ok = lead.stop_ok && lead.written.is_empty();
+            if (stop_ok && stop.contains(&t))
+                || (!stop.contains(&t) && lead.allows(lead_bytes(t, bytes, specials)))
+            {
                 x
             } else {
                 f32::NEG_INFINITY
@@ -886,6 +931,11 @@ struct Live<'t> {
     json_after: Option<String>,
     /// JSON mode after a lead, while it is being written.
     lead: Option<Lead>,
+    /// What may follow each object after a lead ([`Request::json_more`]), and how many have
+    /// completed.
+    json_more: Vec<Vec<JsonLead>>,
+    objects: usize,
+    dsml: bool,
 }
 
 /// Which cache state slot each running request holds, for a model whose cache keeps a state
@@ -1507,6 +1557,13 @@ impl<'t, M: Model> Engine<'t, M> {
                 schema,
                 lead: (req.json_object && req.json_after.is_none() && !req.json_lead.is_empty())
                     .then(|| Lead::new(&req.json_lead, req.dsml)),
+                json_more: if req.json_object && !req.json_lead.is_empty() {
+                    req.json_more
+                } else {
+                    Vec::new()
+                },
+                objects: 0,
+                dsml: req.dsml,
                 json_after: req.json_after.filter(|_| req.json_object),
             },
         );
@@ -2061,14 +2118,36 @@ impl<'t, M: Model> Engine<'t, M> {
         live.sampler.accept(token);
         live.tokens.push(token);
         let mut json_done = false;
+        // A lead's object completed with more allowed after it: the next lead, and the bytes
+        // of the token after the object's end.
+        let mut more = None;
         let gated = live.json.is_none() && live.json_after.is_some();
         if let Some(state) = live.json.as_mut() {
             if !live.stop.stop_token_ids.contains(&token) {
                 let bytes = self.token_bytes.as_deref().unwrap_or_default();
                 let b = state.token_bytes(token, bytes, &self.special_bytes);
-                state.feed_all(b);
+                let next = live
+                    .json_more
+                    .get(live.objects.min(live.json_more.len().saturating_sub(1)))
+                    .filter(|m| !m.is_empty());
+                match next {
+                    Some(next) => {
+                        // Byte by byte, to find where the object ends.
+                        for (i, x) in b.iter().enumerate() {
+                            state.feed_all(std::slice::from_ref(x));
+                            if state.is_complete() && !state.can_continue() {
+                                more = Some((next.clone(), b[i + 1..].to_vec()));
+                                break;
+                            }
+                        }
+                    }
+                    None => {
+                        state.feed_all(b);
+                    }
+                }
                 // Complete, with no stop token to end it: it ends now (as a stop).
-                json_done = state.is_complete()
+                json_done = more.is_none()
+                    && state.is_complete()
                     && !state.can_continue()
                     && live.stop.stop_token_ids.is_empty();
             }
@@ -2113,10 +2192,29 @@ impl<'t, M: Model> Engine<'t, M> {
         // JSON mode after a lead: it starts within the token that completes the lead.
         if let Some(lead) = live.lead.as_mut() {
             let bytes = self.token_bytes.as_deref().unwrap_or_default();
-            if let Some(grammar) = lead.push(lead_bytes(token, bytes, &self.special_bytes)) {
-                live.json = grammar;
-                live.lead = None;
+            match lead.push(lead_bytes(token, bytes, &self.special_bytes)) {
+                None => {}
+                Some(LeadDone::Free) => live.lead = None,
+                Some(LeadDone::Json(g)) => (live.json, live.lead) = (Some(*g), None),
+                Some(LeadDone::End) => {
+                    live.lead = None;
+                    if finish.is_none() {
+                        finish = Some(FinishReason::StopString(String::new()));
+                    }
+                }
             }
+        }
+        // The object after a lead is complete and more may follow: the next lead (what the
+        // token wrote after the object starts it, where it begins one of its texts; else it
+        // stays the object's trailing whitespace).
+        if let Some((next, rest)) = more {
+            let mut lead = Lead::new(&next, live.dsml);
+            lead.stop_ok = true;
+            if !rest.is_empty() && lead.options.iter().any(|o| o.starts_with(&rest)) {
+                lead.written = rest;
+            }
+            live.objects += 1;
+            (live.json, live.lead) = (None, Some(lead));
         }
         // JSON mode after a gate: it starts with the token after the one that completed it.
         if gated
@@ -2425,7 +2523,7 @@ fn params_differences(there: &SamplingParams, here: &SamplingParams) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{lead_mask, Grammar, Lead, Spec, TokenLogprob};
+    use super::{lead_mask, After, Grammar, JsonLead, Lead, LeadDone, Spec, TokenLogprob};
     use crate::dsml_args::DsmlSpec;
     use std::collections::HashMap;
 
@@ -2465,12 +2563,13 @@ mod tests {
     #[test]
     fn a_json_lead_keeps_to_its_texts() {
         let mut lead = Lead {
-            then: vec![Some(Spec::Object), Some(Spec::Object)],
+            then: vec![After::Json(Spec::Object), After::Json(Spec::Object)],
             options: vec![
                 b"get_time\n```json\n".to_vec(),
                 b"get_weather\n```json\n".to_vec(),
             ],
             written: Vec::new(),
+            stop_ok: false,
         };
         assert!(lead.allows(b"get"));
         assert!(lead.allows(b"get_weather\n```json\n{"));
@@ -2483,32 +2582,60 @@ mod tests {
         // Finishing the lead inside a token: what follows must begin a JSON object.
         assert!(lead.allows(b"json\n{\""));
         assert!(!lead.allows(b"json\nx"));
-        let mut json = lead
-            .push(b"json\n{\"")
-            .flatten()
-            .expect("the lead is complete");
+        let Some(LeadDone::Json(mut json)) = lead.push(b"json\n{\"") else {
+            panic!("the lead is complete");
+        };
         assert!(json.feed_all(b"k\": 1}") && json.is_complete());
         // A lead with free text after it (DeepSeek-V4's DSML parameters).
         let mut free = Lead {
-            then: vec![None],
+            then: vec![After::Free],
             options: vec![b"f\">\n".to_vec()],
             written: Vec::new(),
+            stop_ok: false,
         };
         assert!(free.allows(b"f\">\n<x"));
         assert!(!free.allows(b"g"));
-        assert!(matches!(free.push(b"f\">\n<x"), Some(None)));
+        assert!(matches!(free.push(b"f\">\n<x"), Some(LeadDone::Free)));
+        // After a call's arguments: another call or the section's end, which ends the answer
+        // (nothing may follow it in the token that writes it).
+        let mut more = Lead::new(
+            &[
+                JsonLead {
+                    text: "]\n[get\n".into(),
+                    schema: None,
+                    then_json: true,
+                    ends: false,
+                },
+                JsonLead {
+                    text: "]]".into(),
+                    schema: None,
+                    then_json: false,
+                    ends: true,
+                },
+            ],
+            false,
+        );
+        assert!(more.allows(b"]") && more.allows(b"]]") && more.allows(b"]\n[get\n{"));
+        assert!(!more.allows(b"]]x") && !more.allows(b"]\n[get\nx"));
+        assert!(more.push(b"]").is_none());
+        assert!(matches!(more.push(b"]"), Some(LeadDone::End)));
         let specials: HashMap<u32, Vec<u8>> = [(7, b"<|arg|>".to_vec())].into();
         let bytes = vec![b"a".to_vec(); 8];
-        let lead = Lead {
-            then: vec![Some(Spec::Object)],
+        let mut lead = Lead {
+            then: vec![After::Json(Spec::Object)],
             options: vec![b"a<|arg|>".to_vec()],
             written: b"a".to_vec(),
+            stop_ok: true,
         };
         let row = vec![0.0f32; 8];
         let masked = lead_mask(&row, &lead, &bytes, &specials, &[]);
         assert!(masked[7].is_finite());
         assert!(masked[..7].iter().all(|x| x.is_infinite()));
         assert!(lead_mask(&row, &lead, &bytes, &specials, &[7])[7].is_infinite());
+        // A stop token where it may end the answer instead: only before the lead is begun.
+        assert!(lead_mask(&row, &lead, &bytes, &specials, &[3])[3].is_infinite());
+        lead.written.clear();
+        assert!(lead_mask(&row, &lead, &bytes, &specials, &[3])[3].is_finite());
     }
 
     /// DSML takes the special tokens that hold its marker by their text, and no other special

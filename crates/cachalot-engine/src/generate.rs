@@ -394,6 +394,7 @@ pub fn generate_mtp<M: crate::Model>(
         json_object: false,
         json_after: None,
         json_lead: Vec::new(),
+        json_more: Vec::new(),
         json_schema: None,
         dsml: false,
         special_text: Default::default(),

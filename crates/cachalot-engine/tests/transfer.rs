@@ -45,6 +45,7 @@ fn request(prompt: &[u32], params: &SamplingParams, n: usize) -> Request {
         json_object: false,
         json_after: None,
         json_lead: Vec::new(),
+        json_more: Vec::new(),
         json_schema: None,
         dsml: false,
         special_text: Default::default(),

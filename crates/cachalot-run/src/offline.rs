@@ -1675,6 +1675,7 @@ fn run_logged(
                 json_object: false,
                 json_after: None,
                 json_lead: Vec::new(),
+                json_more: Vec::new(),
                 json_schema: None,
                 dsml: false,
                 special_text: special_text.clone(),

@@ -948,6 +948,7 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
                 json_object: false,
                 json_after: None,
                 json_lead: Vec::new(),
+                json_more: Vec::new(),
                 json_schema: None,
                 dsml: false,
                 special_text: Default::default(),

@@ -2844,6 +2844,9 @@ struct Call {
     /// where that is all it has).
     continued: bool,
     tools: bool,
+    /// `parallel_tool_calls: false`: the answer's first tool call only (vLLM's reading: later
+    /// ones are dropped; a "required" answer is held to one).
+    one_call: bool,
     request: Request,
 }
 
@@ -3364,6 +3367,17 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     }
     let (forced, reads_calls) = read_tool_choice(body, tools)?;
+    // OpenAI's default: the model may call several tools in one answer.
+    let one_call = match field(body, "parallel_tool_calls") {
+        None | Some(Value::Bool(true)) => false,
+        Some(Value::Bool(false)) => true,
+        Some(v) => {
+            return Err(ApiError::bad(
+                "parallel_tool_calls",
+                format!("expected true or false, got {v}"),
+            ))
+        }
+    };
     if forced.is_some() && json_object {
         return Err(ApiError::bad(
             "response_format",
@@ -3418,8 +3432,11 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
             Some(name) => {
                 let f = forced_call(shared.tool_format, template, messages, tools, &kwargs, name)?;
                 forced_prefix = f.prefix;
-                if let Some(j) = f.json {
+                if let Some(mut j) = f.json {
                     forced_suffix = j.suffix.clone();
+                    if one_call {
+                        j.more.clear();
+                    }
                     forced_json = Some(j);
                 }
                 f.prompt
@@ -3716,6 +3733,7 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         echo_text,
         token_ids: flag(body, "return_tokens_as_token_ids")?,
         tools: has_tools,
+        one_call,
         request: Request {
             prompt: prompts[0].0.clone(),
             params,
@@ -3751,6 +3769,10 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
                 None => json_schema,
             },
             dsml: forced_json.as_ref().is_some_and(|j| j.dsml),
+            json_more: forced_json
+                .as_ref()
+                .map(|j| j.more.clone())
+                .unwrap_or_default(),
             json_lead: forced_json.map(|j| j.leads).unwrap_or_default(),
             special_text,
             waited_s: 0.0,
@@ -3865,9 +3887,15 @@ fn broken_parameters(p: &Value) -> Option<String> {
     out
 }
 
-/// Stand-ins for a forced call's name and arguments, where the prompt is cut.
+/// Stand-ins for a forced call's name and arguments, where the prompt is cut (and for a second
+/// call's arguments, where "required" lets the model write more calls).
 const FORCED_NAME: &str = "CACHALOT_FORCED_NAME_5d1e";
 const FORCED_ARGUMENTS: &str = "CACHALOT_FORCED_ARGUMENTS_5d1e";
+const SECOND_ARGUMENTS: &str = "CACHALOT_SECOND_ARGUMENTS_5d1e";
+
+/// The most calls of a "required" answer in a format that numbers its calls (Kimi-K2's
+/// `functions.NAME:INDEX`: each call's markup is its own lead); other formats take any number.
+const MAX_NUMBERED_CALLS: usize = 16;
 
 /// The prompt of a forced tool call (`tool_choice` "required", or a named function) and the
 /// start of the answer it writes for the model: the conversation's generation prompt (without a
@@ -4082,14 +4110,76 @@ fn forced_call(
                             text,
                             schema: parameters(n),
                             then_json: true,
+                            ends: false,
                         })
                     })
                     .collect::<Option<Vec<JsonLead>>>()?,
                 None,
             ),
         };
+        // "required": after each call's arguments the model writes another call or closes the
+        // section, as vLLM's `required` lets it. What comes between the k-th call's arguments
+        // and the next's is taken from the template's rendering of a turn with k + 1 calls
+        // (templates number them by the turn's loop or by the calls' ids).
+        let between = |k: usize, n: &str| -> Option<String> {
+            let call = |id: String, name: &str, args: &str| {
+                json!({"id": id, "type": "function",
+                       "function": {"name": name, "arguments": args}})
+            };
+            let mut calls: Vec<Value> = (0..k)
+                .map(|i| {
+                    let id = format!("functions.{FORCED_NAME}:{}", earlier + i);
+                    call(id, FORCED_NAME, FORCED_ARGUMENTS)
+                })
+                .collect();
+            calls.push(call(
+                format!("functions.{n}:{}", earlier + k),
+                n,
+                SECOND_ARGUMENTS,
+            ));
+            let turn = json!([{"role": "user", "content": "?"},
+                {"role": "assistant", "content": null, "tool_calls": calls}]);
+            let f = render(&turn, false).ok()?;
+            let from = f.rfind(FORCED_ARGUMENTS)? + FORCED_ARGUMENTS.len();
+            let text = f.get(from..f.find(SECOND_ARGUMENTS)?)?;
+            (text.contains(n) && !text.contains(FORCED_NAME) && !text.ends_with('"'))
+                .then(|| text.to_string())
+        };
+        let next_call = |k: usize| -> Option<Vec<JsonLead>> {
+            let mut e = tool_list
+                .iter()
+                .filter_map(|t| t["function"]["name"].as_str())
+                .map(|n| {
+                    Some(JsonLead {
+                        text: between(k, n)?,
+                        schema: parameters(n),
+                        then_json: true,
+                        ends: false,
+                    })
+                })
+                .collect::<Option<Vec<JsonLead>>>()?;
+            e.push(JsonLead {
+                text: suffix.clone(),
+                schema: None,
+                then_json: false,
+                ends: true,
+            });
+            Some(e)
+        };
+        let more = match (name.is_none() && !v4 && !suffix.is_empty())
+            .then(|| (next_call(1), next_call(2)))
+        {
+            Some((Some(a), Some(b))) if a == b => vec![a],
+            // The markup numbers the calls: each call's own, up to a bound, then the end.
+            Some((Some(_), Some(_))) => (1..MAX_NUMBERED_CALLS)
+                .map_while(next_call)
+                .chain([Vec::new()])
+                .collect(),
+            _ => Vec::new(),
+        };
         Some(ForcedJson {
             leads,
+            more,
             schema,
             suffix,
             dsml: v4,
@@ -4119,6 +4209,8 @@ struct ForcedJson {
     /// precedes the arguments), each with its tool's parameters; empty: JSON from the first
     /// token.
     leads: Vec<JsonLead>,
+    /// "required": what may follow each call's arguments ([`Request::json_more`]).
+    more: Vec<Vec<JsonLead>>,
     /// A named call: its tool's parameters (None: any object).
     schema: Option<Value>,
     /// The call's closing markup, appended once the object completes.
@@ -5198,7 +5290,9 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
     // text as the model wrote it.)
     let mut answer = format!("{}{answer}", call.forced_prefix);
     let mut parsed = None;
-    if *finish == "stop" && !call.forced_suffix.is_empty() {
+    // (A "required" answer that closed its calls itself has it already.)
+    if *finish == "stop" && !call.forced_suffix.is_empty() && !answer.ends_with(&call.forced_suffix)
+    {
         let closed = format!("{answer}{}", call.forced_suffix);
         if let Some(Ok(p)) = shared.tool_format.map(|f| f.parse(&closed)) {
             if !p.tool_calls.is_empty() {
@@ -5218,6 +5312,9 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
                 p.content.into()
             };
             let mut calls = p.tool_calls;
+            if call.one_call {
+                calls.truncate(1);
+            }
             // Ids the model does not write (DeepSeek's formats number the calls from 0) are
             // made unique, as vLLM's random ones are: a conversation's later turns have calls
             // too, and clients match results to calls by id. (Kimi-K2's `functions.NAME:INDEX`
@@ -5396,6 +5493,9 @@ fn stream(
         let first = held.cursor.closed;
         let calls = format.partial_calls(&answer, &mut held.cursor);
         for (k, c) in calls.into_iter().enumerate().map(|(j, c)| (first + j, c)) {
+            if call.one_call && k > 0 {
+                break;
+            }
             match held.calls.get_mut(k) {
                 None => {
                     if held.tag.is_empty() {
@@ -5694,7 +5794,39 @@ mod tests {
             {"type": "function", "function": {"name": "get_time", "parameters": time}}]);
         let kwargs = Map::new();
         let any = forced_call(format, &template, &messages, Some(&tools), &kwargs, &None).unwrap();
-        let ForcedJson { leads, suffix, .. } = any.json.expect("JSON arguments");
+        let ForcedJson {
+            leads,
+            suffix,
+            more,
+            ..
+        } = any.json.expect("JSON arguments");
+        // More calls may follow, each numbered on (up to a bound, then only the end).
+        assert_eq!(more.len(), MAX_NUMBERED_CALLS);
+        assert!(more.last().unwrap().is_empty());
+        for (k, next) in more[..MAX_NUMBERED_CALLS - 1].iter().enumerate() {
+            assert_eq!(next.len(), 3);
+            assert_eq!(
+                next[1].text,
+                format!(
+                    "<|tool_call_end|><|tool_call_begin|>functions.get_time:{}\
+                     <|tool_call_argument_begin|>",
+                    k + 1
+                )
+            );
+            assert_eq!(next[0].schema.as_ref(), Some(&weather));
+            assert!(next[2].ends && next[2].text == suffix);
+        }
+        let two = format!(
+            "{}{}{{\"city\": \"Paris\"}}{}{{}}{suffix}",
+            any.prefix, leads[0].text, more[0][1].text
+        );
+        let parsed = ToolCallFormat::KimiK2.parse(&two).unwrap();
+        let names: Vec<&str> = parsed
+            .tool_calls
+            .iter()
+            .map(|c| c.function.name.as_str())
+            .collect();
+        assert_eq!(names, ["get_weather", "get_time"]);
         let calls: Vec<String> = leads
             .iter()
             .map(|l| format!("{}{}", any.prefix, l.text))
@@ -5725,6 +5857,7 @@ mod tests {
             one.json,
             Some(ForcedJson {
                 leads: Vec::new(),
+                more: Vec::new(),
                 schema: None,
                 suffix: suffix.clone(),
                 dsml: false,
@@ -5822,6 +5955,56 @@ mod tests {
         ] {
             assert_eq!(broken_parameters(&p).is_some(), broken, "{p}");
         }
+    }
+
+    /// DeepSeek-R1's template: after a "required" call's arguments the model may write another
+    /// call (the same markup after every call: one entry) or close the section; a named call
+    /// gets one.
+    #[test]
+    fn required_calls_in_r1s_format_may_be_several() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/cachalot-tiny-r1");
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        let format = ToolCallFormat::for_tokenizer(&tok, false);
+        let template = tok.chat_template().unwrap().unwrap();
+        let messages = json!([{"role": "user", "content": "Weather in Paris and Rome?"}]);
+        let tools = json!([
+            {"type": "function", "function": {"name": "get_weather", "parameters":
+                {"type": "object", "properties": {"city": {"type": "string"}}}}},
+            {"type": "function", "function": {"name": "get_time"}}]);
+        let kwargs = Map::new();
+        let any = forced_call(format, &template, &messages, Some(&tools), &kwargs, &None).unwrap();
+        let j = any.json.expect("JSON arguments");
+        assert_eq!(j.more.len(), 1, "{:?}", j.more);
+        let next = &j.more[0];
+        assert_eq!(
+            next[0].text,
+            "\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        );
+        assert_eq!(next[0].schema, j.leads[0].schema);
+        assert!(next[0].then_json && !next[0].ends);
+        assert!(next[2].ends && next[2].text == j.suffix);
+        let answer = format!(
+            "{}{}{{\"city\": \"Paris\"}}{}{{\"city\": \"Rome\"}}{}{{}}{}",
+            any.prefix, j.leads[0].text, next[0].text, next[1].text, j.suffix
+        );
+        let parsed = format.unwrap().parse(&answer).unwrap();
+        let calls: Vec<(&str, Option<&str>)> = parsed
+            .tool_calls
+            .iter()
+            .map(|c| (c.function.name.as_str(), c.function.arguments.as_str()))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                ("get_weather", Some("{\"city\": \"Paris\"}")),
+                ("get_weather", Some("{\"city\": \"Rome\"}")),
+                ("get_time", Some("{}"))
+            ]
+        );
+        let named = Some("get_time".to_string());
+        let one = forced_call(format, &template, &messages, Some(&tools), &kwargs, &named).unwrap();
+        assert!(one.json.unwrap().more.is_empty());
     }
 
     /// DeepSeek-V4's DSML: a forced call's prompt ends where the model names the function

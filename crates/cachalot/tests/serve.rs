@@ -2186,9 +2186,10 @@ fn serve_forces_tool_calls() {
         json!({"type": "function", "function": {"name": "get_weather"}}),
         json!("required"),
     ] {
+        // (One call: the small model, greedy, would go on calling until max_tokens.)
         let body = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}],
                           "tools": strict, "tool_choice": choice, "max_tokens": 200,
-                          "temperature": 0});
+                          "temperature": 0, "parallel_tool_calls": false});
         let (status, v) = post(addr, "/v1/chat/completions", &body);
         assert_eq!(status, 200, "{v}");
         // Streamed, the call comes as it is written (its name, then its arguments piece by
@@ -2216,6 +2217,44 @@ fn serve_forces_tool_calls() {
             other => panic!("{other}"),
         }
     }
+    // "required" lets the model write several calls (OpenAI's `parallel_tool_calls` default):
+    // each is held to its tool's parameters, and the answer ends where the model closes the
+    // section (or max_tokens cuts it, the raw text then coming back as content).
+    let body = json!({"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}],
+                      "tools": strict, "tool_choice": "required", "max_tokens": 800,
+                      "temperature": 1.0, "seed": 3, "n": 8});
+    let (status, v) = post(addr, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let mut most = 0;
+    for c in v["choices"].as_array().unwrap() {
+        let Some(calls) = c["message"]["tool_calls"].as_array() else {
+            assert_eq!(c["finish_reason"], "length", "{c}");
+            continue;
+        };
+        assert_eq!(c["finish_reason"], "tool_calls", "{c}");
+        most = most.max(calls.len());
+        for call in calls {
+            let args: Value =
+                serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            match call["function"]["name"].as_str().unwrap() {
+                "get_weather" => assert!(args["city"] == "Paris" || args["city"] == "Rome"),
+                "get_time" => assert!(args["utc"].is_boolean()),
+                other => panic!("{other}"),
+            }
+        }
+    }
+    assert!(most >= 2, "no answer made two calls: {v}");
+    // `parallel_tool_calls: false` holds it to one; it is a boolean.
+    let (status, v) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}], "tools": strict,
+                "tool_choice": "required", "parallel_tool_calls": "no"}),
+    );
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("parallel_tool_calls"))
+    );
     // After a tool round (call, result) and after a later user turn, the call still opens.
     let rounds = [
         json!([{"role": "user", "content": "Weather in Paris?"},
