@@ -185,11 +185,20 @@ impl ExpertPlacement {
                 c.len()
             )));
         }
+        // Expert parallelism splits the experts evenly first (a layer the loads do not cover
+        // keeps contiguous shares); copies come on top of that.
+        if ranks > 1 && !experts.is_multiple_of(ranks) {
+            return Err(ModelError::Options(format!(
+                "{} (--expert-placement): its loads are of {experts} routed experts per layer, \
+                 which do not split evenly over {ranks} ranks; expert parallelism needs a number \
+                 of ranks that divides the model's experts (redundant copies do not change that)",
+                path.display()
+            )));
+        }
         // The number of copies is the option's, not the file's.
         place_layer_with(&vec![0; experts], ranks, redundant).map_err(|why| {
             ModelError::Options(format!(
-                "--redundant-experts {redundant}: {why}; give a number of copies that makes \
-                 {experts} + copies a multiple of {ranks}, at most {}",
+                "--redundant-experts {redundant}: {why}; give a multiple of {ranks}, at most {}",
                 experts * ranks.saturating_sub(1)
             ))
         })?;

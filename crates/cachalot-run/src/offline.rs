@@ -191,8 +191,22 @@ impl Parallel {
                 .map(|(k, v)| format!("{k} {v}"))
                 .collect::<Vec<_>>(),
             ),
-            (a, m) if a == w && m == w => (Parallel::Tensor, Vec::new()),
-            (a, 1) if a == w => (Parallel::TensorExpert, Vec::new()),
+            (a, m) if a == w && (m == w || m == 1) => (
+                if m == w {
+                    Parallel::Tensor
+                } else {
+                    Parallel::TensorExpert
+                },
+                // (The parts those layouts split besides attention and the experts.)
+                [
+                    ("lmhead_tp_size", pc.lmhead_tp_size),
+                    ("dense_tp_size", pc.dense_tp_size),
+                ]
+                .iter()
+                .filter(|(_, v)| *v != w)
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>(),
+            ),
             _ => {
                 return Err(format!(
                     "{sizes}: this mix is not done here (the layouts run over ranks are DP \
@@ -205,11 +219,19 @@ impl Parallel {
             }
         };
         let note = (!whole.is_empty()).then(|| {
-            format!(
-                "parallel_config: {} held whole on every rank (each rank runs its own batch \
-                 through them; the routed experts are split)",
-                whole.join(", ")
-            )
+            if matches!(layout, Parallel::Tensor | Parallel::TensorExpert) {
+                format!(
+                    "parallel_config: {} split over all {w} ranks all the same (the tensor \
+                     layouts here split every layer)",
+                    whole.join(", ")
+                )
+            } else {
+                format!(
+                    "parallel_config: {} held whole on every rank (each rank runs its own \
+                     batch through them; the routed experts are split)",
+                    whole.join(", ")
+                )
+            }
         });
         Ok(Some((layout, note)))
     }
@@ -1165,6 +1187,11 @@ fn run_logged(
         ("--fp8", format!("{:?}", opts.fp8)),
         ("--chat-template", opts.chat_template.is_some().to_string()),
         ("--kv-blocks", format!("{:?}", opts.kv_blocks)),
+        ("--prefix-caching", format!("{:?}", opts.prefix_caching)),
+        (
+            "the expert placement (--expert-placement, --redundant-experts)",
+            digest(format!("{placement:?}").as_bytes()),
+        ),
         ("the model's config.json", digest(&model_config)),
         (
             "the prompts' token ids (tokenizer, template, dataset)",
@@ -2421,6 +2448,16 @@ mod tests {
         let (l, note) = Parallel::from_config(&p, 16).unwrap().unwrap();
         assert_eq!(l, Parallel::DataExpert);
         assert!(note.unwrap().contains("lmhead_tp_size 4"));
+        // Under the tensor layouts, what they split all the same is said.
+        let mut p = pc(4, 4, 1, 1);
+        p.dense_tp_size = 4;
+        let (l, note) = Parallel::from_config(&p, 4).unwrap().unwrap();
+        assert_eq!(l, Parallel::TensorExpert);
+        let note = note.unwrap();
+        assert!(
+            note.contains("lmhead_tp_size 1") && !note.contains("dense"),
+            "{note}"
+        );
         // The seed's configs at their own world_size, by the layout their names give: `Ntp`
         // alone tensor, `Ntp_Nep` tensor-expert, `cp_size` > 1 context parallel, the
         // `Nep`/`Ndp_Nep` ones DP attention with EP experts.

@@ -42,7 +42,7 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, Debug, ValueEnum)]
 enum Fp8Arg {
     /// Multiply FP8 weights natively (1 byte per weight).
     Native,
@@ -51,7 +51,7 @@ enum Fp8Arg {
 }
 
 /// `--kv-cache-dtype`: how the latent KV cache stores its values.
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, Debug, ValueEnum)]
 enum KvDtypeArg {
     /// bf16 for the DeepSeek-V3 family (the seed's C16; vLLM's `auto` and llama.cpp's f16
     /// cache are 16-bit too), f32 for DeepSeek-V4 (exact; bf16 halves its cache too).
@@ -97,14 +97,14 @@ impl PrefixCachingArg {
     }
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, Debug, ValueEnum)]
 enum AttnArg {
     Auto,
     Naive,
     Absorbed,
 }
 
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, Debug)]
 struct ModelArgs {
     /// Hugging Face model directory (config.json, safetensors, tokenizer.json or
     /// tiktoken.model). Without it, the small model shipped in assets/cachalot-tiny-r1.

@@ -278,6 +278,22 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     if args.chunk == 0 {
         bail!("--chunk 0: give a prefill chunk of at least 1 token (512 by default)");
     }
+    // Where the scales go is checked before the run (a long prefill on a large model).
+    if args.out.as_os_str() != "-" {
+        let out = args.out.display();
+        if args.out.is_dir() {
+            bail!("--out {out}: a directory; give the path of the scales' JSON file");
+        }
+        let parent = args
+            .out
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        let probe = parent.join(format!(".cachalot-calibrate-{}", std::process::id()));
+        std::fs::write(&probe, b"")
+            .and_then(|()| std::fs::remove_file(&probe))
+            .with_context(|| format!("--out {out}: cannot write in {}", parent.display()))?;
+    }
     let text = crate::read_text_file(&args.file)?;
     let ids = Tokenizer::from_dir(&args.model)?.encode(&text)?;
     // A handful of tokens gives scales that saturate on real text.

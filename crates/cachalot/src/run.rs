@@ -338,11 +338,13 @@ fn spawn_ranks(n: usize, master: &str, threads: usize, quiet: bool) -> Result<Ve
     let exe = std::env::current_exe()?;
     let mut base = Vec::new();
     let mut it = std::env::args_os().skip(1);
+    // The options each rank gets its own of (--host-ranks: --ranks sets it).
+    const OWN: [&str; 3] = ["--ranks", "--threads", "--host-ranks"];
     while let Some(a) = it.next() {
         let s = a.to_string_lossy();
-        if s == "--ranks" || s == "--threads" {
+        if OWN.contains(&s.as_ref()) {
             it.next();
-        } else if !(s.starts_with("--ranks=") || s.starts_with("--threads=") || s == "--quiet") {
+        } else if !(OWN.iter().any(|o| s.starts_with(&format!("{o}="))) || s == "--quiet") {
             base.push(a);
         }
     }
@@ -537,7 +539,8 @@ pub struct PlacementArgs {
     /// With --expert-placement under --parallel data-expert or context: N extra copies of each
     /// placed layer's busiest experts (vLLM's num_redundant_experts, DeepSeek EPLB's replicas),
     /// each on another rank; a rank's tokens for such an expert are split in shares over its
-    /// copies. The experts plus N must divide by the ranks. Outputs are unchanged.
+    /// copies. The experts split evenly over the ranks, so N is a multiple of the ranks.
+    /// Outputs are unchanged.
     #[arg(
         long,
         value_name = "N",

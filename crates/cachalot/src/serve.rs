@@ -778,6 +778,37 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 
 /// This process's part of the server: rank 0 answers HTTP and drives the engine loop (alone,
 /// or with the other ranks in lockstep, [`ranked_loop`]); the other ranks run their engines.
+/// Every rank of a group must serve with the same settings (one with another expert placement,
+/// cache or sizes would compute other answers, or fail at its first step): each rank's are
+/// compared with rank 0's at start, every rank learning the verdict, and a difference is
+/// refused naming the setting and the rank.
+fn agree_with_rank_0(comm: &dyn Communicator, fields: &[(&str, String)]) -> Result<()> {
+    let digest = |v: &str| {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        v.hash(&mut h);
+        h.finish()
+    };
+    let mine: Vec<u8> = fields
+        .iter()
+        .flat_map(|(_, v)| digest(v).to_le_bytes())
+        .collect();
+    let all = comm.all_gather(&mine)?;
+    for (r, theirs) in all.iter().enumerate().skip(1) {
+        if let Some(i) = (0..fields.len()).find(|&i| {
+            let at = |b: &Vec<u8>| b.get(i * 8..(i + 1) * 8).map(<[u8]>::to_vec);
+            at(theirs) != at(&all[0])
+        }) {
+            bail!(
+                "rank {r}: {} differs from rank 0's; every rank must serve the same checkpoint \
+                 with the same options",
+                fields[i].0
+            );
+        }
+    }
+    Ok(())
+}
+
 fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.world_size());
     if !(args.drain_timeout_s >= 0.0 && args.drain_timeout_s.is_finite()) {
@@ -826,6 +857,40 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     // Ranks of this host share its memory for their KV pools.
     set.kv_fraction /= args.group.host_ranks() as f64;
     let dir = model_dir(&set.model)?;
+    if world > 1 {
+        // (Paths may differ between hosts; the checkpoint is known by its config.json.)
+        let mut options = set.model.clone();
+        options.model = None;
+        options.check_tensors = false;
+        options.expert_shard = ExpertShard::default();
+        options.tensor_shard = TensorShard::default();
+        let config = std::fs::read(dir.join("config.json")).unwrap_or_default();
+        agree_with_rank_0(
+            &*comm,
+            &[
+                ("--role", args.role.mode().to_string()),
+                ("--parallel", p.name().to_string()),
+                (
+                    "the expert placement (--expert-placement, --redundant-experts)",
+                    format!("{placement:?}"),
+                ),
+                ("--mtp", set.mtp.to_string()),
+                ("--prefix-caching", format!("{:?}", set.prefix_caching)),
+                ("--block-size", set.block_size.to_string()),
+                ("--batch-size", set.batch_size.to_string()),
+                ("--max-prefill-tokens", set.max_prefill_tokens.to_string()),
+                (
+                    "the model options (--fp8, --attention, --int8-head, --bf16-dot, \
+                     --kv-cache-dtype, --v4-cache, --max-layers)",
+                    format!("{options:?}"),
+                ),
+                (
+                    "the model's config.json",
+                    String::from_utf8_lossy(&config).into(),
+                ),
+            ],
+        )?;
+    }
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
     let family = detect_family(&dir)?;
     let tool_format = ToolCallFormat::for_tokenizer(&tokenizer, family == ModelFamily::DeepseekV4);
@@ -962,6 +1027,10 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
                 ),
                 n if tensor => format!(", {n} ranks (tensor parallel, {})", comm.transport()),
                 n if expert => format!(", {n} ranks (expert parallel, {})", comm.transport()),
+                n if context => format!(
+                    ", {n} ranks (data parallel, experts split, prefill context parallel, {})",
+                    comm.transport()
+                ),
                 n if dispatch => format!(
                     ", {n} ranks (data parallel, experts split, {})",
                     comm.transport()

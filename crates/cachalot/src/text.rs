@@ -50,6 +50,25 @@ fn temperature_arg(s: &str) -> Result<f32, String> {
     }
 }
 
+/// `--presence-penalty`, `--frequency-penalty`: a number from -2 to 2 (the server's range,
+/// OpenAI's and vLLM's).
+fn penalty_arg(s: &str) -> Result<f32, String> {
+    let p: f32 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if (-2.0..=2.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err(format!("{p} is outside -2 to 2 (0 is off)"))
+    }
+}
+
+/// `--top-k`: K, or 0 or a negative number for off (vLLM's -1, llama.cpp's `<= 0`).
+fn top_k_arg(s: &str) -> Result<usize, String> {
+    let k: i64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a whole number (0 or -1: off)"))?;
+    Ok(usize::try_from(k).unwrap_or(0))
+}
+
 #[derive(clap::Args)]
 pub struct SamplingArgs {
     /// Tokens to generate at most (at least 1) [default: 256, or what the model's context
@@ -65,8 +84,8 @@ pub struct SamplingArgs {
     /// Nucleus sampling mass (1 = off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
-    /// Keep the K most probable tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
+    /// Keep the K most probable tokens (0 or -1 = off).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = top_k_arg)]
     top_k: usize,
     /// Keep tokens with probability >= min_p × the top one (0 = off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -74,11 +93,15 @@ pub struct SamplingArgs {
     /// CTRL repetition penalty over prompt and output tokens (1 = off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repetition_penalty: f32,
-    /// Subtracted from the logit of every token already generated (0 = off).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    /// Subtracted from the logit of every token already generated (0 = off; -2 to 2, as the
+    /// server's).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true,
+          value_parser = penalty_arg)]
     presence_penalty: f32,
-    /// Subtracted once per earlier occurrence in the output (0 = off).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    /// Subtracted once per earlier occurrence in the output (0 = off; -2 to 2, as the
+    /// server's).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true,
+          value_parser = penalty_arg)]
     frequency_penalty: f32,
     /// Seed of the sampler (same seed, same output).
     #[arg(long)]

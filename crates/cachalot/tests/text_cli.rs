@@ -928,6 +928,35 @@ fn run_with_two_ranks_equals_one_process() {
     assert_eq!(sr["expert_load"]["tokens"], load["tokens"]);
     let bal_r = sr["expert_load"]["balancedness_min"].as_f64().unwrap();
     assert!((0.5..=1.0).contains(&bal_r), "{bal_r}");
+    // Ranks given different placements are refused before any step, each naming it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let master = format!("127.0.0.1:{port}");
+    let rank = |r: &str, extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_cachalot"))
+            .args(["run", "--config", "configs/tiny/r1_tiny.yaml"])
+            .args(["--num-requests", "2", "--res-dir", &res, "--quiet"])
+            .args(["--rank", r, "--world-size", "2", "--master", &master])
+            .args(["--parallel", "data-expert", "--threads", "1"])
+            .args(extra)
+            .current_dir(root())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let ranks = [rank("0", &["--expert-placement", loads]), rank("1", &[])];
+    for r in ranks {
+        let out = r.wait_with_output().unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && e.contains("rank 1: the expert placement"),
+            "{e}"
+        );
+    }
     // Without expert-parallel ranks, or from a file without loads, it is refused by name.
     let refused = |extra: &[&str], want: &str| {
         let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
@@ -1349,6 +1378,43 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
             "outside 0 to 100",
         ),
         (vec!["generate", "--prompt", "x", "--stop", ""], "--stop"),
+        (
+            vec!["generate", "--prompt", "x", "--presence-penalty", "3"],
+            "outside -2 to 2",
+        ),
+        (
+            vec!["generate", "--prompt", "x", "--frequency-penalty=-2.5"],
+            "outside -2 to 2",
+        ),
+        (
+            vec!["generate", "--prompt", "x", "--top-k", "1.5"],
+            "0 or -1: off",
+        ),
+        // Where calibrate's scales go is checked before its run.
+        (
+            vec![
+                "calibrate",
+                "--model",
+                "assets/cachalot-tiny-r1",
+                "--file",
+                "assets/cachalot-tiny-r1/eval.txt",
+                "--out",
+                "assets",
+            ],
+            "--out assets: a directory",
+        ),
+        (
+            vec![
+                "calibrate",
+                "--model",
+                "assets/cachalot-tiny-r1",
+                "--file",
+                "assets/cachalot-tiny-r1/eval.txt",
+                "--out",
+                "no/such/dir/scales.json",
+            ],
+            "cannot write in no/such/dir",
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_cachalot"))
             .args(&args)
