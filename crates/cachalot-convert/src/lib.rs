@@ -321,8 +321,12 @@ impl Input {
             file: config_path.clone(),
             why,
         };
-        let config: Map<String, Value> =
+        let mut config: Map<String, Value> =
             serde_json::from_str(&text).map_err(|e| cfg_err(format!("is not JSON: {e}")))?;
+        // (`"quantization_config": null` is none, as transformers reads it.)
+        if config.get("quantization_config") == Some(&Value::Null) {
+            config.remove("quantization_config");
+        }
         // No quantization_config: a BF16 checkpoint (its Linear weights are quantized from
         // bf16 directly); any other quant_method is already converted.
         let no_q = Value::Object(Map::new());
@@ -1104,9 +1108,15 @@ fn out_tensor(name: &str, dtype: &'static str, shape: &[usize]) -> OutTensor {
 }
 
 /// `p` absolute with symlinks resolved and `.`/`..` taken out: part by part, each prefix that
-/// exists canonicalized (so a `..` after a link goes to the link target's parent), the parts
-/// that do not exist yet taken as written.
+/// exists canonicalized (so a `..` after a link goes to the link target's parent), a link whose
+/// target does not exist yet followed to that target, the parts that do not exist yet taken as
+/// written.
 fn resolve(p: &Path) -> PathBuf {
+    resolve_within(p, 0)
+}
+
+/// [`resolve`], `links` dangling links deep (40 at most, as Linux follows).
+fn resolve_within(p: &Path, links: usize) -> PathBuf {
     use std::path::Component;
     let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
     let mut r = PathBuf::new();
@@ -1121,6 +1131,10 @@ fn resolve(p: &Path) -> PathBuf {
                 r.push(part);
                 if let Ok(real) = fs::canonicalize(&r) {
                     r = real;
+                } else if let (Ok(target), true) = (fs::read_link(&r), links < 40) {
+                    // (A relative target is read from the link's directory.)
+                    r.pop();
+                    r = resolve_within(&r.join(target), links + 1);
                 }
             }
         }
@@ -1147,6 +1161,14 @@ fn resolve_output(out: &Path) -> Result<PathBuf> {
 /// delete the input with it), and empty unless `force`.
 fn check_output(input: &Path, out: &Path, force: bool, resume: &str) -> Result<Option<Adopt>> {
     let (inp, outp) = (resolve(input), resolve(out));
+    if let Some(p) = running_conversion(&outp) {
+        return Err(ConvertError::Usage(format!(
+            "a conversion into {} is running now (its partial output is {}): wait for it to \
+             finish, or stop it first (the same command then goes on from what it wrote)",
+            out.display(),
+            p.display()
+        )));
+    }
     // What interrupted conversions left goes first: an output one had moved aside is back in
     // place before its emptiness is judged (and a partial output of this same conversion
     // stays, for it to resume).
@@ -1704,6 +1726,27 @@ fn clear_stale(out: &Path, resume: &str) -> Option<Adopt> {
         );
     }
     kept
+}
+
+/// The partial directory of a conversion into `out` that is running now (its lock held), if
+/// any: beside `out` or inside it.
+fn running_conversion(out: &Path) -> Option<PathBuf> {
+    let (parent, name) = (out.parent()?, out.file_name()?.to_string_lossy());
+    let prefix = format!(".{name}.partial-");
+    [parent, out]
+        .into_iter()
+        .filter_map(|place| fs::read_dir(place).ok())
+        .flat_map(|entries| entries.flatten())
+        .find_map(|e| {
+            let pid = e
+                .file_name()
+                .to_string_lossy()
+                .strip_prefix(&prefix)?
+                .parse()
+                .ok()?;
+            let p = e.path();
+            (pid != std::process::id() && abandoned_lock(&p, pid).is_none()).then_some(p)
+        })
 }
 
 /// [`remove_stale_partials`], except that one partial directory whose [`Shards`] record
@@ -2651,6 +2694,25 @@ mod tests {
         assert!(!is_mount_point(tmp.path(), tmp.path().parent().unwrap()));
     }
 
+    /// An output given as a link whose target does not exist yet is its target.
+    #[cfg(unix)]
+    #[test]
+    fn a_dangling_output_link_is_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = fs::canonicalize(tmp.path()).unwrap();
+        std::os::unix::fs::symlink("models/r1-w8a8", root.join("out")).unwrap();
+        assert_eq!(resolve(&root.join("out")), root.join("models/r1-w8a8"));
+        assert_eq!(
+            resolve(&root.join("out/../x")),
+            root.join("models/x"),
+            "a `..` after the link is the target's parent"
+        );
+        // A loop of links ends.
+        std::os::unix::fs::symlink("b", root.join("a")).unwrap();
+        std::os::unix::fs::symlink("a", root.join("b")).unwrap();
+        let _ = resolve(&root.join("a"));
+    }
+
     /// A partial directory whose lock a running conversion holds stays, whatever its pid says
     /// (another PID namespace); once the lock is free it is stale.
     #[test]
@@ -2664,7 +2726,19 @@ mod tests {
         lock.try_lock().unwrap();
         assert!(remove_stale_partials(&out).is_empty());
         assert!(partial.exists());
+        // A second conversion into the same output is refused at its start.
+        let input = tmp.path().join("input");
+        fs::create_dir_all(&input).unwrap();
+        let e = check_output(&input, &out, false, "fp")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("is running now") && e.contains(".model.partial-"),
+            "{e}"
+        );
         drop(lock);
+        assert!(running_conversion(&out).is_none());
         assert_eq!(remove_stale_partials(&out), vec![partial.clone()]);
         // Inside the output too (a mounted output directory is written from within).
         fs::create_dir_all(&out).unwrap();

@@ -379,7 +379,26 @@ pub fn convert_config(dir: &Path, hif: bool) -> Result<ConfigRewrite> {
     // The original description is kept beside it once (`config.json.orig`): `convert` reads
     // the checkpoint's own FP8 description, and a user may want it back.
     let orig = dir.join(format!("{CONFIG_FILE}.orig"));
-    if !orig.exists() {
+    if orig.exists() {
+        // Kept only where it is an earlier description of this config (the same config but
+        // for its quantization_config), not some other file of that name.
+        let bare = |mut m: Map<String, Value>| {
+            m.remove("quantization_config");
+            Value::Object(m)
+        };
+        let earlier = fs::read_to_string(&orig)
+            .ok()
+            .and_then(|t| serde_json::from_str::<Map<String, Value>>(&t).ok());
+        if !earlier.is_some_and(|e| same(&bare(e), &bare(config.clone()))) {
+            return Err(ConvertError::Config {
+                file: orig,
+                why: "exists but is not an earlier description of this config (it differs \
+                      from config.json beyond quantization_config); convert-config keeps the \
+                      first description there: move that file away and run it again"
+                    .into(),
+            });
+        }
+    } else {
         fs::write(&orig, &text).map_err(|e| ConvertError::io(&orig, e))?;
     }
     config.remove("quantization_config");
@@ -398,18 +417,6 @@ pub fn convert_config(dir: &Path, hif: bool) -> Result<ConfigRewrite> {
 /// are then still the release's, whatever `quant_method` says. Numbers compare by value (`1` and
 /// `1.0` alike), objects whatever their key order.
 pub(crate) fn describes_native_v4(config: &Map<String, Value>, file: &Path) -> bool {
-    fn same(a: &Value, b: &Value) -> bool {
-        match (a, b) {
-            (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
-            (Value::Array(x), Value::Array(y)) => {
-                x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same(a, b))
-            }
-            (Value::Object(x), Value::Object(y)) => {
-                x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same(v, w)))
-            }
-            _ => a == b,
-        }
-    }
     let (Some(q), true) = (config.get("quantization_config"), is_v4_config(config)) else {
         return false;
     };
@@ -423,6 +430,20 @@ pub(crate) fn describes_native_v4(config: &Map<String, Value>, file: &Path) -> b
             &v4_quantization_config(&ignore, true, true, true, false, hif),
         )
     })
+}
+
+/// Two JSON values alike, numbers by value (`1` and `1.0`), objects whatever their key order.
+fn same(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same(a, b))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same(v, w)))
+        }
+        _ => a == b,
+    }
 }
 
 /// What [`convert_config`] did.

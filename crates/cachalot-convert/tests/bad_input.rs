@@ -670,6 +670,14 @@ fn bf16_checkpoints_quantize_as_their_fp8_source() {
     let again = tmp.path().join("again");
     convert(&opts(&bf16, &again)).unwrap();
     assert_eq!(common::summarize(&again), common::summarize(&from_bf16));
+    // `"quantization_config": null` is none (as transformers reads it).
+    let mut config: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(fixture().join("config.json")).unwrap()).unwrap();
+    config["quantization_config"] = serde_json::Value::Null;
+    fs::write(bf16.join("config.json"), config.to_string()).unwrap();
+    let null = tmp.path().join("null");
+    convert(&opts(&bf16, &null)).unwrap();
+    assert_eq!(common::summarize(&null), common::summarize(&from_bf16));
     // The same values stored as F32 (exact): the same int8 weights and scales.
     let f32_dir = tmp.path().join("f32");
     copy_dir(&bf16, &f32_dir);

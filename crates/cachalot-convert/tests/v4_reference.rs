@@ -353,6 +353,18 @@ fn convert_config_rewrites_quantization_config() {
         assert_eq!(fs::read(&kept).unwrap(), fs::read(&src).unwrap());
         convert_config(tmp.path(), !hif).unwrap();
         assert_eq!(fs::read(&kept).unwrap(), fs::read(&src).unwrap());
+        // A file of that name that is not an earlier description of this config is not
+        // taken for one: refused, both files left as they were.
+        let other = tmp.path().join("other");
+        fs::copy(&kept, &other).unwrap();
+        let mut unrelated = orig.clone();
+        unrelated["hidden_size"] = 7.into();
+        fs::write(&kept, unrelated.to_string()).unwrap();
+        let before = fs::read(tmp.path().join("config.json")).unwrap();
+        let e = convert_config(tmp.path(), hif).unwrap_err().to_string();
+        assert!(e.contains("not an earlier description"), "{e}");
+        assert_eq!(fs::read(tmp.path().join("config.json")).unwrap(), before);
+        fs::rename(&other, &kept).unwrap();
         // Once rewritten, the same rewrite writes nothing (a lost .orig is not remade from
         // the rewritten config).
         fs::remove_file(&kept).unwrap();
