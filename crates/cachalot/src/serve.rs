@@ -644,6 +644,9 @@ struct Settings {
     prefix_caching: Option<bool>,
     /// How the ranks share the work (--parallel, or the YAML's parallel_config).
     parallel: cachalot_run::offline::Parallel,
+    /// A decode server (`--role decode`): its requests come with their prompts' KV, so prefix
+    /// caching does not run there.
+    decode: bool,
 }
 
 fn settings(args: &ServeArgs) -> Result<Settings> {
@@ -660,6 +663,7 @@ fn settings(args: &ServeArgs) -> Result<Settings> {
         parallel: args
             .group
             .layout(&cachalot_run::config::ParallelConfig::default())?,
+        decode: args.role == Role::Decode,
     };
     if let Some(path) = &args.config {
         let cfg =
@@ -1157,7 +1161,7 @@ fn engine_loop<M: Model>(
     rooms: Option<Arc<Rooms>>,
     metrics: &Metrics,
 ) -> Result<()> {
-    let mut engine = serving_engine(model, tokenizer, args, num_blocks)?;
+    let mut engine = serving_engine(model, tokenizer, args, num_blocks, metrics)?;
     say!(
         "cachalot serve: KV pool of {num_blocks} blocks of {} tokens ({:.1} MB), batch {}, \
          max {} prefill tokens a step{}",
@@ -1492,7 +1496,7 @@ fn ranked_loop<M: Model>(
     // Rank 0: the room and choice of each prefill-role request.
     let mut room_of: HashMap<u64, (u64, usize)> = HashMap::new();
     let (rank, world) = (comm.rank(), comm.world_size());
-    let mut engine = serving_engine(model, tokenizer, set, num_blocks)?;
+    let mut engine = serving_engine(model, tokenizer, set, num_blocks, metrics)?;
     say!(
         "cachalot serve: rank {rank} of {world}: KV pool of {num_blocks} blocks of {} tokens \
          ({:.1} MB), batch {}",
@@ -1812,6 +1816,7 @@ fn serving_engine<'t, M: Model>(
     tokenizer: &'t Tokenizer,
     set: &Settings,
     num_blocks: usize,
+    metrics: &Metrics,
 ) -> Result<Engine<'t, M>> {
     let cfg = EngineConfig {
         block_size: set.block_size,
@@ -1823,9 +1828,10 @@ fn serving_engine<'t, M: Model>(
     if set.mtp > 0 {
         engine.enable_mtp(set.mtp)?;
     }
-    engine
+    let on = engine
         .set_prefix_caching(set.prefix_caching)
         .map_err(|e| anyhow::anyhow!("--prefix-caching on: {e}"))?;
+    metrics.set_prefix_caching(on && !set.decode);
     Ok(engine)
 }
 
@@ -4489,7 +4495,11 @@ fn completion_prompts(
     let ids = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
         a.iter()
             .map(|v| {
-                v.as_u64()
+                // (A whole number written as a float, `1.0`, is one, as vLLM's lax reading
+                // takes it; a string of digits in a list is a text prompt there.)
+                v.is_number()
+                    .then(|| whole_number(v))
+                    .flatten()
                     .filter(|&x| x <= u32::MAX as u64)
                     .map(|x| x as u32)
                     .ok_or_else(|| ApiError::bad("prompt", format!("{v} is not a token id")))

@@ -93,6 +93,9 @@ pub struct Metrics {
     ranks: usize,
     /// Requests a decode server is fetching the prefilled KV of (waiting, not in the engine).
     fetching: std::sync::atomic::AtomicUsize,
+    /// Prefix caching runs here: prompt tokens are looked up in it (vLLM counts queries only
+    /// then).
+    prefix_caching: std::sync::atomic::AtomicBool,
 }
 
 /// Counts a request as waiting for its KV while it lives ([`Metrics::fetching`]).
@@ -105,6 +108,12 @@ impl Drop for Fetching<'_> {
 }
 
 impl Metrics {
+    /// Whether prefix caching runs on this server (its prompt tokens are then queries).
+    pub fn set_prefix_caching(&self, on: bool) {
+        self.prefix_caching
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Figures of a server over `ranks` processes.
     pub fn new(ranks: usize) -> Metrics {
         Metrics {
@@ -127,6 +136,7 @@ impl Metrics {
             }),
             ranks,
             fetching: std::sync::atomic::AtomicUsize::new(0),
+            prefix_caching: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -240,11 +250,15 @@ impl Metrics {
             "counter",
             m.generation_tokens as f64,
         );
+        let queried = self
+            .prefix_caching
+            .load(std::sync::atomic::Ordering::Relaxed);
         gauge(
             "prefix_cache_queries_total",
-            "Prompt tokens of finished requests (looked up in the prefix cache when it is on).",
+            "Prompt tokens of finished requests looked up in the prefix cache (0 where it does \
+             not run).",
             "counter",
-            m.prompt_tokens as f64,
+            if queried { m.prompt_tokens as f64 } else { 0.0 },
         );
         gauge(
             "prefix_cache_hits_total",

@@ -1348,16 +1348,25 @@ fn prefill_and_decode_servers_behind_the_router_answer_as_one_server() {
         "{}",
         prefix_hits(&pre.addr)
     );
+    // The prompts are looked up on the prefill server; the decode server, where prefix caching
+    // does not run, counts no queries.
+    assert!(counter(&pre.addr, "prefix_cache_queries_total") > 0);
+    assert_eq!(counter(&dec.addr, "prefix_cache_queries_total"), 0);
 }
 
 /// A server's `cachalot:prefix_cache_hits_total` (prompt tokens taken from its prefix cache).
 fn prefix_hits(addr: &str) -> u64 {
+    counter(addr, "prefix_cache_hits_total")
+}
+
+/// A server's `cachalot:NAME` counter.
+fn counter(addr: &str, name: &str) -> u64 {
     let (_, m) = http(addr, "GET", "/metrics", "");
     m.lines()
-        .find(|l| l.starts_with("cachalot:prefix_cache_hits_total"))
+        .find(|l| l.starts_with(&format!("cachalot:{name}{{")))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no prefix_cache_hits_total in {m}")) as u64
+        .unwrap_or_else(|| panic!("no {name} in {m}")) as u64
 }
 
 /// The seed's way: each side from its YAML (configs/tiny/pd: next_n 1 on both, the prefill
@@ -2819,9 +2828,16 @@ fn serve_shares_cached_prefixes() {
             })
             .collect();
         let prompt = got[2]["usage"]["prompt_tokens"].as_u64().unwrap();
+        let queries = counter(addr, "prefix_cache_queries_total");
         if mode == "off" {
             assert_eq!(cached, [0, 0, 0]);
+            assert_eq!(queries, 0);
         } else {
+            let prompts: u64 = got
+                .iter()
+                .map(|r| r["usage"]["prompt_tokens"].as_u64().unwrap())
+                .sum();
+            assert_eq!(queries, prompts);
             // The first request finds nothing; the second its system prompt's whole blocks;
             // the repeat everything but the last block boundary before its final token.
             assert_eq!(cached[0], 0);
@@ -3493,6 +3509,7 @@ fn serve_takes_vllms_extra_fields() {
         ),
         // (Ids are bounded by the model's vocabulary of 4096.)
         (json!({"prompt": [4096]}), "prompt"),
+        (json!({"prompt": [1.5, 2]}), "prompt"),
         (
             json!({"prompt": "x", "allowed_token_ids": [4096]}),
             "allowed_token_ids",
@@ -3509,6 +3526,15 @@ fn serve_takes_vllms_extra_fields() {
             (400, Some(param)),
             "{body}: {v}"
         );
+    }
+    // Token ids written as whole floats are ids (vLLM's lax reading), alone or in a list.
+    for prompt in [json!([400.0, 401]), json!([[400.0, 401], "x"])] {
+        let (status, v) = post(
+            a,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{prompt}: {v}");
     }
     let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
                       "temperature": 0});
