@@ -1112,11 +1112,11 @@ fn out_tensor(name: &str, dtype: &'static str, shape: &[usize]) -> OutTensor {
 /// target does not exist yet followed to that target, the parts that do not exist yet taken as
 /// written.
 fn resolve(p: &Path) -> PathBuf {
-    resolve_within(p, 0)
+    resolve_within(p, &mut 40)
 }
 
-/// [`resolve`], `links` dangling links deep (40 at most, as Linux follows).
-fn resolve_within(p: &Path, links: usize) -> PathBuf {
+/// [`resolve`], following at most `links` more dangling links in all (as Linux follows 40).
+fn resolve_within(p: &Path, links: &mut usize) -> PathBuf {
     use std::path::Component;
     let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
     let mut r = PathBuf::new();
@@ -1131,10 +1131,11 @@ fn resolve_within(p: &Path, links: usize) -> PathBuf {
                 r.push(part);
                 if let Ok(real) = fs::canonicalize(&r) {
                     r = real;
-                } else if let (Ok(target), true) = (fs::read_link(&r), links < 40) {
+                } else if let (Ok(target), true) = (fs::read_link(&r), *links > 0) {
                     // (A relative target is read from the link's directory.)
+                    *links -= 1;
                     r.pop();
-                    r = resolve_within(&r.join(target), links + 1);
+                    r = resolve_within(&r.join(target), links);
                 }
             }
         }
@@ -2707,10 +2708,12 @@ mod tests {
             root.join("models/x"),
             "a `..` after the link is the target's parent"
         );
-        // A loop of links ends.
+        // A loop of links ends, one that names itself twice too (40 links followed in all).
         std::os::unix::fs::symlink("b", root.join("a")).unwrap();
         std::os::unix::fs::symlink("a", root.join("b")).unwrap();
         let _ = resolve(&root.join("a"));
+        std::os::unix::fs::symlink("x/../x", root.join("x")).unwrap();
+        let _ = resolve(&root.join("x"));
     }
 
     /// A partial directory whose lock a running conversion holds stays, whatever its pid says

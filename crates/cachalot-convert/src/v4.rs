@@ -393,8 +393,10 @@ pub fn convert_config(dir: &Path, hif: bool) -> Result<ConfigRewrite> {
             return Err(ConvertError::Config {
                 file: orig,
                 why: "exists but is not an earlier description of this config (it differs \
-                      from config.json beyond quantization_config); convert-config keeps the \
-                      first description there: move that file away and run it again"
+                      from config.json beyond quantization_config: another file, or config.json \
+                      was edited since); convert-config keeps the first description there: \
+                      move that file away (or put back the config it describes) and run it \
+                      again"
                     .into(),
             });
         }

@@ -634,9 +634,30 @@ enum After {
 #[derive(Debug)]
 enum LeadDone {
     Free,
-    /// The grammar of what follows, the bytes after the lead fed.
-    Json(Box<Grammar>),
+    /// The grammar of what follows, the bytes after the lead fed up to where it completes
+    /// ([`feed_to_end`]: the bytes after that are second, not fed).
+    Json(Box<Grammar>, Option<Vec<u8>>),
     End,
+}
+
+/// Feeds `b` to `g` up to the byte with which it completes (a closed object) and returns the
+/// bytes after that, not fed; None (all fed) where it does not complete.
+fn feed_to_end(g: &mut Grammar, b: &[u8]) -> Option<Vec<u8>> {
+    for (i, x) in b.iter().enumerate() {
+        g.feed_all(std::slice::from_ref(x));
+        if g.is_complete() && !g.can_continue() {
+            return Some(b[i + 1..].to_vec());
+        }
+    }
+    None
+}
+
+/// The leads that may follow a lead's `objects`-th object ([`Request::json_more`]; None: only
+/// a stop token).
+fn next_leads(more: &[Vec<JsonLead>], objects: usize) -> Option<Vec<JsonLead>> {
+    more.get(objects.min(more.len().saturating_sub(1)))
+        .filter(|m| !m.is_empty())
+        .cloned()
 }
 
 /// JSON mode's lead ([`Request::json_lead`], [`Request::json_more`]): the texts the answer may
@@ -710,8 +731,8 @@ impl Lead {
             After::End => LeadDone::End,
             After::Json(spec) => {
                 let mut g = Grammar::new(spec);
-                g.feed_all(&self.written[o.len()..]);
-                LeadDone::Json(Box::new(g))
+                let rest = feed_to_end(&mut g, &self.written[o.len()..]);
+                LeadDone::Json(Box::new(g), rest)
             }
         })
     }
@@ -1431,7 +1452,7 @@ impl<'t, M: Model> Engine<'t, M> {
 
     /// What JSON mode holds the answer to, compiled (any object without a schema).
     fn compile_spec(&self, req: &Request) -> Result<Spec, EngineError> {
-        for lead in &req.json_lead {
+        for lead in req.json_lead.iter().chain(req.json_more.iter().flatten()) {
             Spec::compile(lead.schema.as_ref(), req.dsml).map_err(|e| {
                 EngineError::Request(format!("the schema after {:?}: {e}", lead.text))
             })?;
@@ -1557,7 +1578,10 @@ impl<'t, M: Model> Engine<'t, M> {
                 schema,
                 lead: (req.json_object && req.json_after.is_none() && !req.json_lead.is_empty())
                     .then(|| Lead::new(&req.json_lead, req.dsml)),
-                json_more: if req.json_object && !req.json_lead.is_empty() {
+                json_more: if req.json_object
+                    && req.json_after.is_none()
+                    && !req.json_lead.is_empty()
+                {
                     req.json_more
                 } else {
                     Vec::new()
@@ -2126,24 +2150,15 @@ impl<'t, M: Model> Engine<'t, M> {
             if !live.stop.stop_token_ids.contains(&token) {
                 let bytes = self.token_bytes.as_deref().unwrap_or_default();
                 let b = state.token_bytes(token, bytes, &self.special_bytes);
-                let next = live
-                    .json_more
-                    .get(live.objects.min(live.json_more.len().saturating_sub(1)))
-                    .filter(|m| !m.is_empty());
-                match next {
-                    Some(next) => {
-                        // Byte by byte, to find where the object ends.
-                        for (i, x) in b.iter().enumerate() {
-                            state.feed_all(std::slice::from_ref(x));
-                            if state.is_complete() && !state.can_continue() {
-                                more = Some((next.clone(), b[i + 1..].to_vec()));
-                                break;
-                            }
-                        }
+                match (
+                    next_leads(&live.json_more, live.objects),
+                    feed_to_end(state, b),
+                ) {
+                    (Some(next), Some(rest)) => more = Some((next, rest)),
+                    (None, Some(rest)) => {
+                        state.feed_all(&rest);
                     }
-                    None => {
-                        state.feed_all(b);
-                    }
+                    _ => {}
                 }
                 // Complete, with no stop token to end it: it ends now (as a stop).
                 json_done = more.is_none()
@@ -2195,7 +2210,18 @@ impl<'t, M: Model> Engine<'t, M> {
             match lead.push(lead_bytes(token, bytes, &self.special_bytes)) {
                 None => {}
                 Some(LeadDone::Free) => live.lead = None,
-                Some(LeadDone::Json(g)) => (live.json, live.lead) = (Some(*g), None),
+                Some(LeadDone::Json(mut g, rest)) => {
+                    // (The token may close the object too, as `{}` does.)
+                    match (next_leads(&live.json_more, live.objects), rest) {
+                        (Some(next), Some(rest)) => more = Some((next, rest)),
+                        (None, Some(rest)) => {
+                            g.feed_all(&rest);
+                            json_done = !g.can_continue() && live.stop.stop_token_ids.is_empty();
+                        }
+                        _ => {}
+                    }
+                    (live.json, live.lead) = (Some(*g), None);
+                }
                 Some(LeadDone::End) => {
                     live.lead = None;
                     if finish.is_none() {
@@ -2523,7 +2549,9 @@ fn params_differences(there: &SamplingParams, here: &SamplingParams) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{lead_mask, After, Grammar, JsonLead, Lead, LeadDone, Spec, TokenLogprob};
+    use super::{
+        lead_mask, next_leads, After, Grammar, JsonLead, Lead, LeadDone, Spec, TokenLogprob,
+    };
     use crate::dsml_args::DsmlSpec;
     use std::collections::HashMap;
 
@@ -2582,7 +2610,7 @@ mod tests {
         // Finishing the lead inside a token: what follows must begin a JSON object.
         assert!(lead.allows(b"json\n{\""));
         assert!(!lead.allows(b"json\nx"));
-        let Some(LeadDone::Json(mut json)) = lead.push(b"json\n{\"") else {
+        let Some(LeadDone::Json(mut json, None)) = lead.push(b"json\n{\"") else {
             panic!("the lead is complete");
         };
         assert!(json.feed_all(b"k\": 1}") && json.is_complete());
@@ -2598,8 +2626,8 @@ mod tests {
         assert!(matches!(free.push(b"f\">\n<x"), Some(LeadDone::Free)));
         // After a call's arguments: another call or the section's end, which ends the answer
         // (nothing may follow it in the token that writes it).
-        let mut more = Lead::new(
-            &[
+        let more_leads = || {
+            vec![
                 JsonLead {
                     text: "]\n[get\n".into(),
                     schema: None,
@@ -2612,13 +2640,25 @@ mod tests {
                     then_json: false,
                     ends: true,
                 },
-            ],
-            false,
-        );
+            ]
+        };
+        let mut more = Lead::new(&more_leads(), false);
         assert!(more.allows(b"]") && more.allows(b"]]") && more.allows(b"]\n[get\n{"));
         assert!(!more.allows(b"]]x") && !more.allows(b"]\n[get\nx"));
         assert!(more.push(b"]").is_none());
         assert!(matches!(more.push(b"]"), Some(LeadDone::End)));
+        // A token that ends a lead and closes its object too (`{}`): the grammar complete, the
+        // bytes after the object handed back (for the next lead), not fed.
+        let mut both = Lead::new(&more_leads()[..1], false);
+        let Some(LeadDone::Json(json, Some(rest))) = both.push(b"]\n[get\n{} ") else {
+            panic!("the lead and its object are complete");
+        };
+        assert!(json.is_complete() && rest == b" ");
+        assert_eq!(next_leads(&[], 0), None);
+        let list = vec![more_leads(), Vec::new()];
+        assert_eq!(next_leads(&list, 0).map(|l| l.len()), Some(2));
+        assert_eq!(next_leads(&list, 1), None);
+        assert_eq!(next_leads(&list, 7), None);
         let specials: HashMap<u32, Vec<u8>> = [(7, b"<|arg|>".to_vec())].into();
         let bytes = vec![b"a".to_vec(); 8];
         let mut lead = Lead {

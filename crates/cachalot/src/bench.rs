@@ -156,7 +156,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     if args.membw && (args.model.model.is_some() || args.random_weights.is_some()) {
         bail!(
             "--membw runs the bandwidth probe alone; a model bench (--model or --random-weights) \
-             runs the probe after timing the DeepSeek-V3 family's models anyway: drop --membw \
+             runs the probe after timing the model anyway: drop --membw \
              (or the model, for the probe alone)"
         );
     }
@@ -813,8 +813,29 @@ fn bench_v4(b: &BenchArgs) -> Result<()> {
             o.insert("batch_step_ms".into(), serde_json::json!(step_ms));
         }
     }
+    // (Peak RSS before the probe allocates; the probe with the weights unmapped.)
+    let peak_rss = peak_rss_bytes();
+    let bytes = m.decode_bytes_per_token() as f64;
+    drop(m);
+    let bw = membw(b.membw_mib, b.membw_passes);
+    let tpot_s = decode_s / decode_len.max(1) as f64;
     if let Some(o) = v.as_object_mut() {
-        o.insert("peak_rss_bytes".into(), serde_json::json!(peak_rss_bytes()));
+        o.insert("peak_rss_bytes".into(), serde_json::json!(peak_rss));
+        if decode_len > 0 {
+            o.insert(
+                "decode_weight_gb_s".into(),
+                serde_json::json!(bytes / tpot_s / 1e9),
+            );
+            o.insert(
+                "decode_fraction_of_membw".into(),
+                serde_json::json!(bytes / tpot_s / 1e9 / bw.median_gb_s),
+            );
+        }
+        for (k, x) in bw.to_json().as_object().into_iter().flatten() {
+            if k != "threads" {
+                o.insert(k.clone(), x.clone());
+            }
+        }
     }
     print_report(&v, json)
 }

@@ -284,15 +284,23 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
         if args.out.is_dir() {
             bail!("--out {out}: a directory; give the path of the scales' JSON file");
         }
-        let parent = args
-            .out
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."));
-        let probe = parent.join(format!(".cachalot-calibrate-{}", std::process::id()));
-        std::fs::write(&probe, b"")
-            .and_then(|()| std::fs::remove_file(&probe))
-            .with_context(|| format!("--out {out}: cannot write in {}", parent.display()))?;
+        if args.out.exists() {
+            // (Opened for writing, not truncated: a device such as /dev/stdout too.)
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&args.out)
+                .with_context(|| format!("--out {out}: cannot write it"))?;
+        } else {
+            let parent = args
+                .out
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(std::path::Path::new("."));
+            let probe = parent.join(format!(".cachalot-calibrate-{}", std::process::id()));
+            std::fs::write(&probe, b"")
+                .and_then(|()| std::fs::remove_file(&probe))
+                .with_context(|| format!("--out {out}: cannot write in {}", parent.display()))?;
+        }
     }
     let text = crate::read_text_file(&args.file)?;
     let ids = Tokenizer::from_dir(&args.model)?.encode(&text)?;

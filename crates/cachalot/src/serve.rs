@@ -787,11 +787,11 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 /// compared with rank 0's at start, every rank learning the verdict, and a difference is
 /// refused naming the setting and the rank.
 fn agree_with_rank_0(comm: &dyn Communicator, fields: &[(&str, String)]) -> Result<()> {
+    // (FNV-1a: the same on every build, whatever toolchain made each rank's.)
     let digest = |v: &str| {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        v.hash(&mut h);
-        h.finish()
+        v.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
     };
     let mine: Vec<u8> = fields
         .iter()
@@ -868,7 +868,27 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
         options.check_tensors = false;
         options.expert_shard = ExpertShard::default();
         options.tensor_shard = TensorShard::default();
-        let config = std::fs::read(dir.join("config.json")).unwrap_or_default();
+        // The checkpoint's config.json as JSON (without the path it was saved from), and the
+        // tokenizer's files, which make each rank's stop checks and JSON masks.
+        let config = std::fs::read(dir.join("config.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Map<String, Value>>(&b).ok())
+            .map(|mut c| {
+                c.remove("_name_or_path");
+                Value::Object(c).to_string()
+            })
+            .unwrap_or_default();
+        let tokenizer: String = [
+            "tokenizer.json",
+            "tiktoken.model",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+        ]
+        .iter()
+        .map(|f| {
+            String::from_utf8_lossy(&std::fs::read(dir.join(f)).unwrap_or_default()).into_owned()
+        })
+        .collect();
         agree_with_rank_0(
             &*comm,
             &[
@@ -888,10 +908,8 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
                      --kv-cache-dtype, --v4-cache, --max-layers)",
                     format!("{options:?}"),
                 ),
-                (
-                    "the model's config.json",
-                    String::from_utf8_lossy(&config).into(),
-                ),
+                ("the model's config.json", config),
+                ("the model's tokenizer files", tokenizer),
             ],
         )?;
     }
@@ -4246,8 +4264,9 @@ fn forced_call(
         {
             Some((Some(a), Some(b))) if a == b => vec![a],
             // The markup numbers the calls: each call's own, up to a bound, then the end.
-            Some((Some(_), Some(_))) => (1..MAX_NUMBERED_CALLS)
-                .map_while(next_call)
+            Some((Some(a), Some(b))) => [a, b]
+                .into_iter()
+                .chain((3..MAX_NUMBERED_CALLS).map_while(next_call))
                 .chain([Vec::new()])
                 .collect(),
             _ => Vec::new(),
