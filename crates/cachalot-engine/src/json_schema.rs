@@ -1266,8 +1266,9 @@ fn short_path(at: &str) -> String {
 }
 
 /// An object schema without `additionalProperties` that takes only its listed properties: it
-/// lists some, names no key rule of another kind (`patternProperties`, `propertyNames`), and
-/// its `required` names and `minProperties` fit the listed ones.
+/// has `properties` (an empty listing too: a Pydantic model without fields, OpenAI's function
+/// of no arguments, takes `{}`), names no key rule of another kind (`patternProperties`,
+/// `propertyNames`), and its `required` names and `minProperties` fit the listed ones.
 pub(crate) fn closed_by_default(obj: &serde_json::Map<String, Value>) -> bool {
     let Some(props) = obj.get("properties").and_then(Value::as_object) else {
         return false;
@@ -1283,8 +1284,7 @@ pub(crate) fn closed_by_default(obj: &serde_json::Map<String, Value>) -> bool {
         .get("minProperties")
         .and_then(Value::as_u64)
         .is_none_or(|m| m as usize <= props.len());
-    !props.is_empty()
-        && !obj.contains_key("patternProperties")
+    !obj.contains_key("patternProperties")
         && !obj.contains_key("propertyNames")
         && required_listed
         && min_fits
@@ -3926,7 +3926,8 @@ mod tests {
 
     /// An object schema that lists its properties and says nothing of others takes only those
     /// (a Pydantic model's schema, as vLLM's xgrammar and OpenAI read it); one that says
-    /// `additionalProperties: true`, or lists none, or requires an unlisted key, stays open.
+    /// `additionalProperties: true`, or has no `properties`, or requires an unlisted key, stays
+    /// open.
     #[test]
     fn listed_properties_close_an_object_by_default() {
         let person = json!({"type": "object", "properties": {"name": {"type": "string"},
@@ -3945,6 +3946,10 @@ mod tests {
         assert_eq!(accepts(&any, r#"{"x": 1}"#), (true, true));
         let unlisted = json!({"properties": {"a": {}}, "required": ["b"]});
         assert_eq!(accepts(&unlisted, r#"{"b": 1}"#), (true, true));
+        // An empty listing (a model without fields, a function of no arguments) takes `{}`.
+        let none = json!({"type": "object", "properties": {}});
+        assert_eq!(accepts(&none, "{}"), (true, true));
+        assert!(!accepts(&none, r#"{""#).0);
     }
 
     /// `minProperties`/`maxProperties` count every key; once only the required keys not yet

@@ -3472,8 +3472,13 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     };
     if forced.is_some() && json_object {
+        // (The field the request gave: OpenAI's, or vLLM's own.)
+        let given = ["response_format", "guided_json", "structured_outputs"]
+            .into_iter()
+            .find(|k| field(body, k).is_some())
+            .unwrap_or("response_format");
         return Err(ApiError::bad(
-            "response_format",
+            given,
             "JSON mode and a forced tool call do not go together (the call's own markup is not \
              JSON): drop one",
         ));
@@ -5389,7 +5394,10 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
     let mut answer = format!("{}{answer}", call.forced_prefix);
     let mut parsed = None;
     // (A "required" answer that closed its calls itself has it already.)
-    if *finish == "stop" && !call.forced_suffix.is_empty() && !answer.ends_with(&call.forced_suffix)
+    // (Cut off by the length limit just as the object closed, the call is whole too.)
+    if matches!(*finish, "stop" | "length")
+        && !call.forced_suffix.is_empty()
+        && !answer.ends_with(&call.forced_suffix)
     {
         let closed = format!("{answer}{}", call.forced_suffix);
         if let Some(Ok(p)) = shared.tool_format.map(|f| f.parse(&closed)) {

@@ -440,6 +440,13 @@ pub(crate) fn tools_problem(v: &serde_json::Value) -> Option<String> {
                  use letters, digits, '_' and '-'"
             ));
         }
+        // (So would special-token markup: DeepSeek's `<｜…｜>`, Kimi-K2's `<|…|>`.)
+        if ["<|", "|>", "\u{ff5c}"].iter().any(|m| name.contains(m)) {
+            return Some(format!(
+                "tool {i}'s function name {name:?} holds special-token markup, which would \
+                 break the call's markup; use letters, digits, '_' and '-'"
+            ));
+        }
         if let Some(p) = t["function"].get("parameters").filter(|p| !p.is_null()) {
             if !p.is_object() && !p.is_boolean() {
                 return Some(format!(

@@ -2336,6 +2336,18 @@ fn serve_forces_tool_calls() {
             "whitespace or control",
         ),
         (
+            with_tool("a<|tool_call_argument_begin|>b", json!({}), json!("auto")),
+            "special-token markup",
+        ),
+        (
+            with_tool(
+                "a<\u{ff5c}tool\u{2581}sep\u{ff5c}>b",
+                json!({}),
+                json!("auto"),
+            ),
+            "special-token markup",
+        ),
+        (
             with_tool("f", json!("object"), json!("auto")),
             "not a JSON Schema",
         ),
