@@ -4218,8 +4218,10 @@ fn forced_call(
         // "required": after each call's arguments the model writes another call or closes the
         // section, as vLLM's `required` lets it. What comes between the k-th call's arguments
         // and the next's is taken from the template's rendering of a turn with k + 1 calls
-        // (templates number them by the turn's loop or by the calls' ids).
-        let between = |k: usize, n: &str| -> Option<String> {
+        // (templates number them by the turn's loop or by the calls' ids). `lean`: rendered
+        // without the tools (their block, often every schema as JSON, is the bulk of a
+        // rendering and is made once per tool and call), where that gives the same markup.
+        let between_in = |k: usize, n: &str, lean: bool| -> Option<String> {
             let call = |id: String, name: &str, args: &str| {
                 json!({"id": id, "type": "function",
                        "function": {"name": name, "arguments": args}})
@@ -4237,12 +4239,23 @@ fn forced_call(
             ));
             let turn = json!([{"role": "user", "content": "?"},
                 {"role": "assistant", "content": null, "tool_calls": calls}]);
-            let f = render(&turn, false).ok()?;
+            let f = if lean {
+                template.render_json(&turn, false, None, kwargs).ok()?
+            } else {
+                render(&turn, false).ok()?
+            };
             let from = f.rfind(FORCED_ARGUMENTS)? + FORCED_ARGUMENTS.len();
             let text = f.get(from..f.find(SECOND_ARGUMENTS)?)?;
             (text.contains(n) && !text.contains(FORCED_NAME) && !text.ends_with('"'))
                 .then(|| text.to_string())
         };
+        let first = tool_list
+            .iter()
+            .find_map(|t| t["function"]["name"].as_str())
+            .unwrap_or_default();
+        let lean = name.is_none()
+            && between_in(1, first, true).is_some_and(|t| Some(t) == between_in(1, first, false));
+        let between = |k: usize, n: &str| between_in(k, n, lean);
         let next_call = |k: usize| -> Option<Vec<JsonLead>> {
             let mut e = tool_list
                 .iter()
