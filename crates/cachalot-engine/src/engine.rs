@@ -2150,15 +2150,14 @@ impl<'t, M: Model> Engine<'t, M> {
             if !live.stop.stop_token_ids.contains(&token) {
                 let bytes = self.token_bytes.as_deref().unwrap_or_default();
                 let b = state.token_bytes(token, bytes, &self.special_bytes);
-                match (
-                    next_leads(&live.json_more, live.objects),
-                    feed_to_end(state, b),
-                ) {
-                    (Some(next), Some(rest)) => more = Some((next, rest)),
-                    (None, Some(rest)) => {
-                        state.feed_all(&rest);
+                // (What may follow is looked up only once the object closes.)
+                if let Some(rest) = feed_to_end(state, b) {
+                    match next_leads(&live.json_more, live.objects) {
+                        Some(next) => more = Some((next, rest)),
+                        None => {
+                            state.feed_all(&rest);
+                        }
                     }
-                    _ => {}
                 }
                 // Complete, with no stop token to end it: it ends now (as a stop).
                 json_done = more.is_none()
@@ -2212,13 +2211,15 @@ impl<'t, M: Model> Engine<'t, M> {
                 Some(LeadDone::Free) => live.lead = None,
                 Some(LeadDone::Json(mut g, rest)) => {
                     // (The token may close the object too, as `{}` does.)
-                    match (next_leads(&live.json_more, live.objects), rest) {
-                        (Some(next), Some(rest)) => more = Some((next, rest)),
-                        (None, Some(rest)) => {
-                            g.feed_all(&rest);
-                            json_done = !g.can_continue() && live.stop.stop_token_ids.is_empty();
+                    if let Some(rest) = rest {
+                        match next_leads(&live.json_more, live.objects) {
+                            Some(next) => more = Some((next, rest)),
+                            None => {
+                                g.feed_all(&rest);
+                                json_done =
+                                    !g.can_continue() && live.stop.stop_token_ids.is_empty();
+                            }
                         }
-                        _ => {}
                     }
                     (live.json, live.lead) = (Some(*g), None);
                 }

@@ -1237,6 +1237,17 @@ fn chat_template_kwargs_reach_the_template() {
 
 #[test]
 fn out_of_range_arguments_are_named_not_panicked_on() {
+    let calibrate_to = |out: &'static str| {
+        vec![
+            "calibrate",
+            "--model",
+            "assets/cachalot-tiny-r1",
+            "--file",
+            "assets/cachalot-tiny-r1/eval.txt",
+            "--out",
+            out,
+        ]
+    };
     for (args, want) in [
         (
             vec![
@@ -1391,28 +1402,9 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
             "0 or -1: off",
         ),
         // Where calibrate's scales go is checked before its run.
+        (calibrate_to("assets"), "--out assets: a directory"),
         (
-            vec![
-                "calibrate",
-                "--model",
-                "assets/cachalot-tiny-r1",
-                "--file",
-                "assets/cachalot-tiny-r1/eval.txt",
-                "--out",
-                "assets",
-            ],
-            "--out assets: a directory",
-        ),
-        (
-            vec![
-                "calibrate",
-                "--model",
-                "assets/cachalot-tiny-r1",
-                "--file",
-                "assets/cachalot-tiny-r1/eval.txt",
-                "--out",
-                "no/such/dir/scales.json",
-            ],
+            calibrate_to("no/such/dir/scales.json"),
             "cannot write in no/such/dir",
         ),
     ] {
