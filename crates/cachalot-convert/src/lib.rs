@@ -1224,6 +1224,20 @@ fn write_through_temp(
     write: impl FnOnce(&Path, &mut Shards) -> Result<()>,
 ) -> Result<()> {
     let (tmp, inside) = temp_dir_for(out, adopt)?;
+    // Two conversions into one output started together both passed `check_output`; each
+    // looks again now that its own partial directory is locked, so the later of the two
+    // looks sees the other and stops (both stop if they look at once).
+    if let Some(p) = running_conversion(&resolve(out)) {
+        keep_for_resume(&tmp);
+        release_lock();
+        return Err(ConvertError::Usage(format!(
+            "a conversion into {} started at the same time as this one (its partial output \
+             is {}): wait for it to finish, or stop it first (the same command then goes on \
+             from what it wrote)",
+            out.display(),
+            p.display()
+        )));
+    }
     set_partial(Some(tmp.clone()));
     let written = Shards::open(&tmp, resume).and_then(|mut shards| {
         if !shards.done.is_empty() {
@@ -1275,8 +1289,9 @@ fn write_through_temp(
 pub(crate) struct Shards {
     file: File,
     path: PathBuf,
-    /// Shards an earlier run wrote, still there at the size it recorded.
-    done: HashMap<String, u64>,
+    /// Shards an earlier run wrote, still there at the size and modification time it
+    /// recorded.
+    done: HashMap<String, (u64, u128)>,
     /// Of those, how many this run took.
     pub(crate) resumed: usize,
 }
@@ -1295,22 +1310,25 @@ impl Shards {
             let mut lines = text.lines();
             ours = lines.next() == Some(fingerprint);
             for l in lines.filter(|_| ours) {
-                let Some((bytes, name)) = l.split_once(' ') else {
+                let Some((bytes, rest)) = l.split_once(' ') else {
                     continue;
                 };
-                let whole = bytes.parse::<u64>().ok().filter(|&b| {
-                    fs::metadata(dir.join(name)).is_ok_and(|m| m.is_file() && m.len() == b)
-                });
-                if let Some(b) = whole {
-                    done.insert(name.to_string(), b);
+                let Some((mtime, name)) = rest.split_once(' ') else {
+                    continue;
+                };
+                let recorded = (bytes.parse::<u64>(), mtime.parse::<u128>());
+                if let (Ok(b), Ok(t)) = recorded {
+                    if shard_stamp(&dir.join(name)) == Some((b, t)) {
+                        done.insert(name.to_string(), (b, t));
+                    }
                 }
             }
         }
         // The record, from now on, holds exactly the shards found whole (a line of one no
         // longer whole would vouch for a rewrite of it cut short), written whole by rename.
         let mut text = format!("{fingerprint}\n");
-        for (name, b) in &done {
-            text.push_str(&format!("{b} {name}\n"));
+        for (name, (b, t)) in &done {
+            text.push_str(&format!("{b} {t} {name}\n"));
         }
         let new = dir.join(format!("{RESUME_FILE}.new"));
         fs::write(&new, text)
@@ -1360,7 +1378,7 @@ impl Shards {
 
     /// The bytes of output shard `name` if an earlier run of this conversion wrote it whole.
     fn done(&self, name: &str) -> Option<u64> {
-        self.done.get(name).copied()
+        self.done.get(name).map(|&(b, _)| b)
     }
 
     /// Output shard `name` from `plan`: its tensors' names and its bytes, written by `write`
@@ -1378,18 +1396,36 @@ impl Shards {
             return Ok((names(plan), bytes));
         }
         let written = write(plan)?;
-        self.record(name, written.1)?;
+        self.record(name)?;
         Ok(written)
     }
 
-    /// Output shard `name` (`bytes` long) is written and synced.
-    fn record(&mut self, name: &str, bytes: u64) -> Result<()> {
+    /// Output shard `name` is written and synced: its size and modification time go on the
+    /// record.
+    fn record(&mut self, name: &str) -> Result<()> {
         use std::io::Write;
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        let shard = dir.join(name);
+        let (bytes, mtime) = shard_stamp(&shard).ok_or_else(|| {
+            ConvertError::io(&shard, std::io::Error::other("the written shard is gone"))
+        })?;
         self.file
-            .write_all(format!("{bytes} {name}\n").as_bytes())
+            .write_all(format!("{bytes} {mtime} {name}\n").as_bytes())
             .and_then(|()| self.file.sync_data())
             .map_err(|e| ConvertError::io(&self.path, e))
     }
+}
+
+/// A shard file's size and modification time (ns since the epoch), what a resumed conversion
+/// takes it whole by; None where it is not a file.
+fn shard_stamp(p: &Path) -> Option<(u64, u128)> {
+    let m = fs::metadata(p).ok().filter(|m| m.is_file())?;
+    let t = m
+        .modified()
+        .ok()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?;
+    Some((m.len(), t.as_nanos()))
 }
 
 /// `n shard(s)`.
@@ -2740,6 +2776,16 @@ mod tests {
             e.contains("is running now") && e.contains(".model.partial-"),
             "{e}"
         );
+        // One that starts after this conversion's check but before its own partial
+        // directory is locked is seen then: this one stops, writing nothing.
+        let err = write_through_temp(&out, false, "fp", None, |_, _| {
+            panic!("a conversion started beside another must not write")
+        })
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(err.contains("started at the same time"), "{err}");
+        assert!(!sibling(&out, "partial").exists());
         drop(lock);
         assert!(running_conversion(&out).is_none());
         assert_eq!(remove_stale_partials(&out), vec![partial.clone()]);
@@ -2828,7 +2874,8 @@ mod tests {
             fs::write(part.join(first), vec![7u8; size as usize]).unwrap();
             fs::write(part.join("model-00002-of-00003.safetensors"), b"half").unwrap();
             let fp = fingerprint(&opts("out", mode), &files);
-            fs::write(part.join(RESUME_FILE), format!("{fp}\n{size} {first}\n")).unwrap();
+            let (b, t) = shard_stamp(&part.join(first)).unwrap();
+            fs::write(part.join(RESUME_FILE), format!("{fp}\n{b} {t} {first}\n")).unwrap();
             part
         };
         let part = left(QuantMode::Bfloat16);
@@ -2863,7 +2910,18 @@ mod tests {
         fs::create_dir_all(&kept).unwrap();
         let mut shards = Shards::open(&kept, "fp").unwrap();
         fs::write(kept.join(first), b"x").unwrap();
-        shards.record(first, 1).unwrap();
+        shards.record(first).unwrap();
+        assert_eq!(Shards::open(&kept, "fp").unwrap().done(first), Some(1));
+        // One changed since at the same size is not taken (its modification time moved).
+        let shard = File::options().write(true).open(kept.join(first)).unwrap();
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+        shard.set_modified(later).unwrap();
+        drop(shard);
+        let mut shards = Shards::open(&kept, "fp").unwrap();
+        assert_eq!(shards.done(first), None);
+        assert!(!kept.join(first).exists(), "to be written again");
+        fs::write(kept.join(first), b"x").unwrap();
+        shards.record(first).unwrap();
         assert_eq!(Shards::open(&kept, "fp").unwrap().done(first), Some(1));
         // A recorded shard found missing leaves the record: one written again at its size but
         // cut short (a file is sized before it is filled) is not taken for whole.
