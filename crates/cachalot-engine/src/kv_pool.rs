@@ -368,16 +368,24 @@ impl KvBlockManager {
         out
     }
 
+    /// Whether a request holding no blocks could take the cached blocks `prefix` and fresh
+    /// ones after them up to `tokens` positions now (what [`KvBlockManager::allocate_with_prefix`]
+    /// would do); nothing is taken.
+    pub fn fits_with_prefix(&self, prefix: &[u32], tokens: usize) -> bool {
+        let fresh = self.blocks_for(tokens).saturating_sub(prefix.len());
+        let revived = prefix.iter().filter(|&&b| self.pool.is_free(b)).count();
+        self.pool.num_free() >= revived + fresh
+    }
+
     /// Gives `req` (which holds no blocks) the cached blocks `prefix` (from
     /// [`KvBlockManager::cached_prefix`]) and fresh blocks after them up to `tokens` positions,
     /// all or nothing: false (nothing changed) when the pool lacks the fresh ones.
     pub fn allocate_with_prefix(&mut self, req: u64, prefix: &[u32], tokens: usize) -> bool {
         debug_assert!(self.block_table(req).is_empty());
-        let fresh = self.blocks_for(tokens).saturating_sub(prefix.len());
-        let revived = prefix.iter().filter(|&&b| self.pool.is_free(b)).count();
-        if self.pool.num_free() < revived + fresh {
+        if !self.fits_with_prefix(prefix, tokens) {
             return false;
         }
+        let fresh = self.blocks_for(tokens).saturating_sub(prefix.len());
         for &b in prefix {
             self.pool.share(b);
         }

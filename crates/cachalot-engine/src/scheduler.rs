@@ -14,9 +14,11 @@
 //!    request is preempted (its blocks freed, its KV to be recomputed later, back to the front
 //!    of the queue) until it can, possibly the request itself.
 //! 2. Then, if nothing was preempted this step, waiting requests are admitted in order while
-//!    fewer than `batch_size` run and budget is left, each with a first chunk. The first that
-//!    does not get blocks stays at the head of the queue and admission stops for this step (the
-//!    seed system spins on it forever — spec `executor.md` §7.1; we don't).
+//!    fewer than `batch_size` run and budget is left, each with a first chunk; a preempted
+//!    request only where the pool has room for its generated tokens too (admitted with less,
+//!    the chunks recomputing them would preempt it again at once, step after step). The first
+//!    that is not admitted stays at the head of the queue and admission stops for this step
+//!    (the seed system spins on it forever — spec `executor.md` §7.1; we don't).
 //!
 //! Speculative decoding (spec `executor.md` §2.8, `deepseek-v3-r1-kimi-k2.md` §3.8): with a
 //! lookahead of n ([`Scheduler::set_lookahead`]), a decode request also gets cache slots for up
@@ -555,7 +557,16 @@ impl Scheduler {
                 // A shared block's MTP rows came with it (its key took the token after it).
                 s.mtp_computed = cached;
                 let len = self.chunk_len(id, budget);
-                if len == 0 || !self.kv.allocate_with_prefix(id, &hits, cached + len) {
+                // A preempted request comes back (with its prompt's first chunk) only where
+                // the pool has room for its generated tokens too: else the chunks recomputing
+                // them would find no blocks and preempt it, the newest, again, step after
+                // step, while the others run.
+                let s = &self.seqs[&id];
+                let resumed = s.num_tokens > s.prompt_len;
+                if len == 0
+                    || (resumed && !self.kv.fits_with_prefix(&hits, s.num_tokens))
+                    || !self.kv.allocate_with_prefix(id, &hits, cached + len)
+                {
                     self.seqs.get_mut(&id).unwrap().num_computed = 0;
                     break;
                 }
@@ -923,6 +934,38 @@ mod tests {
         );
         assert!(!p.items[0].decode);
         assert_eq!(s.num_preemptions(2), 1);
+    }
+
+    /// A preempted request comes back only when the pool has room for its generated tokens
+    /// too: admitted with its prompt chunk alone, it would preempt itself at the next step,
+    /// again and again while the others run.
+    #[test]
+    fn a_preempted_request_is_not_readmitted_to_be_preempted_again() {
+        // 8 usable blocks of 4 tokens; three 4-token prompts growing to 24 tokens each.
+        let mut s = sched(9, 4, 3, 100);
+        for id in 1..=3 {
+            s.add(id, 4, 24).unwrap();
+        }
+        let mut preempted = 0;
+        let mut steps = 0;
+        while s.has_unfinished() {
+            let p = s.schedule();
+            preempted += p.preempted.len();
+            for item in &p.items {
+                if item.sample {
+                    s.append_token(item.id);
+                    if s.num_known_tokens(item.id) == 24 {
+                        s.finish(item.id);
+                    }
+                }
+            }
+            s.check_invariants().unwrap();
+            steps += 1;
+            assert!(steps < 500, "no progress");
+        }
+        // Request 3 is preempted once when the pool fills, and request 2 once when request 1
+        // needs its last blocks; each comes back only when it fits and then runs to its end.
+        assert!(preempted <= 3, "{preempted} preemptions in {steps} steps");
     }
 
     #[test]
