@@ -310,7 +310,9 @@ impl DeepseekV3Config {
         };
         let num_nextn_predict_layers = match f.usize_opt("num_nextn_predict_layers")? {
             Some(n) => n,
-            None => f.usize_or("num_mtp_layers", 0)?,
+            // transformers' default (`num_mtp_layers` 1): DeepSeek's MTP layer after the
+            // main ones; a checkpoint without it still runs without `--mtp`.
+            None => f.usize_or("num_mtp_layers", 1)?,
         };
 
         let (rope_theta, rope_scaling) = parse_rope(&f)?;

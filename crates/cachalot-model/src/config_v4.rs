@@ -8,7 +8,8 @@
 //! field with the wrong type or an unsupported value is an error naming the field. An optional
 //! field left out takes transformers' `DeepseekV4Config` default (`sliding_window` 128,
 //! `index_topk` 512, `hc_mult` 4, `scoring_func` sqrtsoftplus, `num_hash_layers` 3 or the
-//! model's layers where fewer), so a checkpoint reads as transformers reads it.
+//! model's layers where fewer, `routed_scaling_factor` 1.5, `swiglu_limit` 10,
+//! `num_nextn_predict_layers` 1), so a checkpoint reads as transformers reads it.
 
 use std::path::Path;
 
@@ -228,7 +229,8 @@ impl DeepseekV4Config {
             None => {
                 return Err(f.err(
                     "compress_ratios",
-                    "missing; V4 needs one ratio (0, 4 or 128) per layer",
+                    "missing; V4 needs one ratio per layer (0 for a window-only layer, else a \
+                     compression ratio of at least 2: DeepSeek's releases use 4 and 128)",
                 ))
             }
         };
@@ -371,8 +373,8 @@ impl DeepseekV4Config {
             moe_intermediate_size: f.usize_req("moe_intermediate_size")?,
             scoring_func,
             norm_topk_prob: f.bool_or("norm_topk_prob", true)?,
-            routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)? as f32,
-            swiglu_limit: f.f64_or("swiglu_limit", 0.0)? as f32,
+            routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.5)? as f32,
+            swiglu_limit: f.f64_or("swiglu_limit", 10.0)? as f32,
             // transformers' default: the first 3 layers hash-routed (as many as there are).
             num_hash_layers: match f.usize_opt("num_hash_layers")? {
                 Some(n) => n,
@@ -384,7 +386,7 @@ impl DeepseekV4Config {
             hc_mult: f.usize_or("hc_mult", 4)?,
             hc_sinkhorn_iters: f.usize_or("hc_sinkhorn_iters", 20)?,
             hc_eps: f.f64_or("hc_eps", 1e-6)? as f32,
-            num_nextn_predict_layers: f.usize_or("num_nextn_predict_layers", 0)?,
+            num_nextn_predict_layers: f.usize_or("num_nextn_predict_layers", 1)?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
