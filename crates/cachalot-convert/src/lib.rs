@@ -467,6 +467,9 @@ impl Input {
         let mut location = HashMap::new();
         for (i, file) in files.iter().enumerate() {
             let path = dir.join(file);
+            if let Some(why) = cachalot_kernels::shard_file_problem(&path) {
+                return Err(ConvertError::Config { file: path, why });
+            }
             if !path.is_file() {
                 return Err(ConvertError::Config {
                     file: index_path.clone(),

@@ -10,6 +10,29 @@ use std::sync::Arc;
 
 use crate::KernelError;
 
+/// What keeps `path`, named as a shard, from being read as one, where it exists in some form:
+/// a directory, a symbolic link to nothing (a Hugging Face cache whose blob is gone), a FIFO,
+/// socket or device (reading one would block or never end). None for a regular file (through
+/// links) and for nothing at all (the caller says which entry names it).
+pub fn shard_file_problem(path: &std::path::Path) -> Option<String> {
+    let link = std::fs::symlink_metadata(path).ok()?;
+    match std::fs::metadata(path) {
+        Err(_) if link.file_type().is_symlink() => Some(format!(
+            "is a symbolic link to {}, which does not exist: fetch the shard again (in a \
+             Hugging Face cache, its blob is gone)",
+            std::fs::read_link(path)
+                .map(|t| t.display().to_string())
+                .unwrap_or_else(|_| "?".into())
+        )),
+        Err(e) => Some(format!("cannot be read ({e})")),
+        Ok(m) if m.is_dir() => Some("is a directory, not a safetensors shard".into()),
+        Ok(m) if !m.is_file() => {
+            Some("is not a regular file (a FIFO, socket or device): a shard must be a file".into())
+        }
+        Ok(_) => None,
+    }
+}
+
 /// What a [`Bytes`] window can share: an owned buffer, an mmap'd file, ...
 pub type ByteOwner = Arc<dyn AsRef<[u8]> + Send + Sync>;
 

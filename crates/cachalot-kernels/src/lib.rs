@@ -33,7 +33,8 @@ mod simd;
 mod vector;
 
 pub use bytes::{
-    f32s_to_le_bytes, first_non_finite, u16s_to_le_bytes, ByteOwner, Bytes, StoredFloat,
+    f32s_to_le_bytes, first_non_finite, shard_file_problem, u16s_to_le_bytes, ByteOwner, Bytes,
+    StoredFloat,
 };
 pub use error::KernelError;
 pub use float16::{bf16_round, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};

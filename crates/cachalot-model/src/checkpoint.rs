@@ -173,7 +173,8 @@ impl Checkpoint {
             }
             shard_names.sort();
             index = Some(m);
-        } else if single.exists() {
+        } else if single.symlink_metadata().is_ok() {
+            // (Whatever it is: a link to nothing or a FIFO is refused by name below.)
             shard_names.push("model.safetensors".into());
         } else {
             return Err(ModelError::Checkpoint {
@@ -188,10 +189,10 @@ impl Checkpoint {
         let mut tensors = BTreeMap::new();
         for (shard_idx, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
-            if path.is_dir() {
+            if let Some(message) = cachalot_kernels::shard_file_problem(&path) {
                 return Err(ModelError::Checkpoint {
                     path: path.clone(),
-                    message: "is a directory, not a safetensors shard".into(),
+                    message,
                 });
             }
             if !path.exists() {
@@ -463,9 +464,6 @@ impl Checkpoint {
     }
 }
 
-/// Which tensor of a safetensors header the `safetensors` crate refused, and why (it says only
-/// "invalid shape, data type, or offset"): a JSON header whose entries give a dtype, a shape and
-/// `data_offsets` that must cover exactly dtype size × elements, one after another from 0.
 /// ": the header describes N bytes, the file holds M" where a readable header's tensors end
 /// elsewhere than the file does (a cut file, or bytes after the data); empty otherwise.
 fn data_size_note(bytes: &[u8]) -> String {
@@ -489,6 +487,9 @@ fn data_size_note(bytes: &[u8]) -> String {
     }
 }
 
+/// Which tensor of a safetensors header the `safetensors` crate refused, and why (it says only
+/// "invalid shape, data type, or offset"): a JSON header whose entries give a dtype, a shape and
+/// `data_offsets` that must cover exactly dtype size × elements, one after another from 0.
 fn diagnose_header(bytes: &[u8]) -> Option<(String, String)> {
     let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
     let header: Value = serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
@@ -607,6 +608,30 @@ mod tests {
         std::fs::write(dir.path().join("model.safetensors"), bytes).unwrap();
         let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
         assert!(e.contains("`b`") && e.contains("`a` ends at 8"), "{e}");
+    }
+
+    /// A shard that is a link to nothing or not a regular file (a FIFO would block the loader
+    /// for ever) is refused, naming it.
+    #[test]
+    fn a_shard_that_is_not_a_file_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let shard = dir.path().join("model.safetensors");
+        std::os::unix::fs::symlink(dir.path().join("blobs/gone"), &shard).unwrap();
+        let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(
+            e.contains("symbolic link") && e.contains("blobs/gone"),
+            "{e}"
+        );
+        std::fs::remove_file(&shard).unwrap();
+        let made = std::process::Command::new("mkfifo").arg(&shard).status();
+        if made.is_ok_and(|s| s.success()) {
+            let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+            assert!(e.contains("not a regular file"), "{e}");
+        }
+        std::fs::remove_file(&shard).unwrap();
+        std::fs::create_dir(&shard).unwrap();
+        let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("is a directory"), "{e}");
     }
 
     /// `check_values` passes numbers of every float dtype and names the tensor and element of
