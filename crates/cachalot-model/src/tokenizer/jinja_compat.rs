@@ -38,6 +38,25 @@ pub(crate) fn install(env: &mut Environment<'static>) {
     env.add_filter("float", float_filter);
     env.add_filter("escape", escape_filter);
     env.add_filter("e", escape_filter);
+    // Jinja2's tests on Python values: a `str` or `dict` is a sequence (it has a length and
+    // items), and `None` is not iterable (minijinja answers both the other way).
+    env.add_test("sequence", |v: Value| {
+        matches!(
+            v.kind(),
+            ValueKind::String | ValueKind::Bytes | ValueKind::Seq | ValueKind::Map
+        )
+    });
+    env.add_test("iterable", |v: Value| {
+        matches!(
+            v.kind(),
+            ValueKind::String
+                | ValueKind::Bytes
+                | ValueKind::Seq
+                | ValueKind::Map
+                | ValueKind::Iterable
+                | ValueKind::Undefined
+        )
+    });
 }
 
 /// Jinja2's `int(default=0, base=10)`: a number truncated, a string read as an integer (in
@@ -586,11 +605,22 @@ fn wordcount(s: &str) -> usize {
 /// position or by name (`leeway` by name only: minijinja's filters take at most five).
 fn truncate(
     s: String,
-    length: Option<i64>,
-    killwords: Option<bool>,
-    end: Option<String>,
-    args: Kwargs,
+    rest: minijinja::value::Rest<minijinja::value::ValueOrKwargs>,
 ) -> Result<String, Error> {
+    // (Four more positional arguments and the keywords are more than a filter's signature
+    // takes: the keywords are split off by hand.)
+    let all = rest.into_values();
+    let all = all.as_slice();
+    let (positional, args) = match all.split_last() {
+        Some((last, rest)) if last.kind() == ValueKind::Map => match Kwargs::try_from(last.clone())
+        {
+            Ok(k) => (rest, k),
+            Err(_) => (all, Kwargs::from_iter(Vec::<(String, Value)>::new())),
+        },
+        _ => (all, Kwargs::from_iter(Vec::<(String, Value)>::new())),
+    };
+    type Args = (Option<i64>, Option<bool>, Option<String>, Option<i64>);
+    let (length, killwords, end, leeway): Args = from_args(positional)?;
     let length = args.get::<Option<i64>>("length")?.or(length).unwrap_or(255);
     let killwords = args
         .get::<Option<bool>>("killwords")?
@@ -600,7 +630,7 @@ fn truncate(
         .get::<Option<String>>("end")?
         .or(end)
         .unwrap_or_else(|| "...".into());
-    let leeway = args.get::<Option<i64>>("leeway")?.unwrap_or(5);
+    let leeway = args.get::<Option<i64>>("leeway")?.or(leeway).unwrap_or(5);
     args.assert_all_used()?;
     truncate_with(&s, length, killwords, &end, leeway)
 }
@@ -871,6 +901,15 @@ mod tests {
             (
                 "{{ 'foo bar baz qux' | truncate(9, true, leeway=0) }}|{{ 'foo bar baz qux' | truncate(11, end=' >>', leeway=0) }}",
                 "foo ba...|foo bar >>",
+            ),
+            ("{{ 'hello' | truncate(3, true, '..', 0) }}", "h.."),
+            (
+                "{{ 'a' is sequence }}|{{ {'a': 1} is sequence }}|{{ [1] is sequence }}|{{ 3 is sequence }}|{{ none is sequence }}",
+                "True|True|True|False|False",
+            ),
+            (
+                "{{ 'a' is iterable }}|{{ {'a': 1} is iterable }}|{{ none is iterable }}|{{ 3 is iterable }}|{{ nothing is iterable }}",
+                "True|True|False|False|True",
             ),
             (
                 "{{ '<p>a  <b>b</b>\n<!-- c --> &amp; &#65;</p>' | striptags }}",
