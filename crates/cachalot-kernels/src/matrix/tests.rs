@@ -316,7 +316,7 @@ proptest! {
     /// scalar kernel's bits (the SIMD operations stated lane by lane), for every format, token
     /// count (every tile shape) and row sub-range: one model, the same bits on every CPU.
     #[test]
-    fn forward_gives_the_scalar_bits_at_every_level((format, rows, cols, _nt, block, seed) in case(), nt in 1usize..=9, sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
+    fn forward_gives_the_scalar_bits_at_every_level((format, rows, cols, _nt, block, seed) in case(), nt in 1usize..=20, sub in any::<(prop::sample::Index, prop::sample::Index)>()) {
         let mut rng = Rng(seed);
         let m = random_matrix(format, rows, cols, block, &mut rng);
         let x: Vec<f32> = (0..nt * cols).map(|_| rng.value()).collect();
@@ -357,21 +357,28 @@ proptest! {
 #[test]
 fn forward_gives_the_scalar_bits_on_wide_rows() {
     // DeepSeek's 128 x 128 FP8 blocks over long rows, and magnitudes far apart, so that any
-    // change in the order of operations shows.
+    // change in the order of operations shows; segments wider than a decoded panel (700
+    // columns, ragged at its end) and token counts over a panel's group of 16.
     for (k, &format) in FORMATS.iter().enumerate() {
-        let mut rng = Rng(0x5EED + k as u64);
-        let (rows, cols) = (13, 1000);
-        let m = random_matrix(format, rows, cols, (128, 128), &mut rng);
-        for nt in [1, 2, 3, 4, 5, 7] {
-            let x: Vec<f32> = (0..nt * cols)
-                .map(|i| rng.value() * if i % 7 == 0 { 1e4 } else { 1e-3 })
-                .collect();
-            let mut want = vec![f32::NAN; nt * rows];
-            m.matmul_rows_at(SimdLevel::Scalar, 0..rows, &x, nt, &mut want);
-            for level in levels() {
-                let mut got = vec![f32::NAN; nt * rows];
-                m.matmul_rows_at(level, 0..rows, &x, nt, &mut got);
-                assert_eq!(bits(&got), bits(&want), "{level:?} {format:?} nt {nt}");
+        for block in [(128, 128), (1, 700)] {
+            let mut rng = Rng(0x5EED + k as u64);
+            let (rows, cols) = (13, 1000);
+            let m = random_matrix(format, rows, cols, block, &mut rng);
+            for nt in [1, 2, 3, 4, 5, 7, 8, 17, 35] {
+                let x: Vec<f32> = (0..nt * cols)
+                    .map(|i| rng.value() * if i % 7 == 0 { 1e4 } else { 1e-3 })
+                    .collect();
+                let mut want = vec![f32::NAN; nt * rows];
+                m.matmul_rows_at(SimdLevel::Scalar, 0..rows, &x, nt, &mut want);
+                for level in levels() {
+                    let mut got = vec![f32::NAN; nt * rows];
+                    m.matmul_rows_at(level, 0..rows, &x, nt, &mut got);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{level:?} {format:?} {block:?} nt {nt}"
+                    );
+                }
             }
         }
     }
