@@ -99,7 +99,7 @@ KIMI_DEFAULTS = dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_
 
 OVERRIDES = [
     # (flag, preset key, type)
-    ("--model-type", "model_type", str),
+    ("--model-type", "model_type", lambda t: _model_type(t)),
     ("--vocab-size", "vocab_size", int),
     ("--hidden-size", "hidden_size", int),
     ("--intermediate-size", "intermediate_size", int),
@@ -123,6 +123,16 @@ OVERRIDES = [
     ("--max-position-embeddings", "max_position_embeddings", int),
     ("--mtp-layers", "num_nextn_predict_layers", int),
 ]
+
+
+def _model_type(t):
+    """The V3-layout model types this tool writes; DeepSeek-V4 has its own layout
+    (tools/quant/v4_random_checkpoint.py)."""
+    if t not in ("deepseek_v3", "kimi_k2"):
+        raise argparse.ArgumentTypeError(
+            f"{t!r}: this tool writes deepseek_v3 or kimi_k2 checkpoints; for deepseek_v4 use "
+            "tools/quant/v4_random_checkpoint.py")
+    return t
 
 
 def _num(x):

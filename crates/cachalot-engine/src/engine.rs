@@ -1520,8 +1520,8 @@ impl<'t, M: Model> Engine<'t, M> {
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Request(format!(
                 "prompt token {t} is outside the vocabulary of {vocab} (config.json vocab_size; \
-                 a prompt's ids come from the tokenizer, or were given as ids: is tokenizer.json \
-                 this model's, or are the ids?)"
+                 a prompt's ids come from the tokenizer, or were given as ids: is the tokenizer \
+                 (tokenizer.json or tiktoken.model) this model's, or are the ids?)"
             )));
         }
         if req.stop.max_new_tokens == 0 {

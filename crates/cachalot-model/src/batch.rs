@@ -633,8 +633,8 @@ impl Batch {
         if let Some(&t) = self.tokens.iter().find(|&&t| t as usize >= vocab) {
             return err(format!(
                 "token id {t} is outside the vocabulary of {vocab} (config.json vocab_size; a \
-                 prompt's ids come from the tokenizer, or were given as ids: is tokenizer.json \
-                 this model's, or are the ids?)"
+                 prompt's ids come from the tokenizer, or were given as ids: is the tokenizer \
+                 (tokenizer.json or tiktoken.model) this model's, or are the ids?)"
             ));
         }
         if let Some(&i) = self

@@ -502,6 +502,26 @@ pub struct RunResult {
     pub outputs: Vec<RequestOutput>,
 }
 
+/// KV blocks of `per_block` bytes in `fraction` of the memory available less `state_bytes`:
+/// Ok(None) where the system does not say how much is available, Err(budget in bytes) where
+/// the budget holds fewer than the pool's 2 blocks (the null block and one more).
+pub fn blocks_in_memory_share(
+    fraction: f64,
+    state_bytes: u64,
+    per_block: u64,
+) -> Result<Option<usize>, u64> {
+    let Some(available) = mem_available() else {
+        return Ok(None);
+    };
+    let budget = ((available as f64 * fraction) as u64).saturating_sub(state_bytes);
+    if budget < 2 * per_block {
+        return Err(budget);
+    }
+    Ok(Some(cachalot_engine::kv_pool::blocks_for_budget(
+        budget, per_block,
+    )))
+}
+
 /// Memory this process may still take, where the system says: the least of `MemAvailable`,
 /// its cgroup's room (cgroup v2 `memory.max` less `memory.current`: a container's limit) and
 /// its address space's room (`ulimit -v` less the process's size).
@@ -1128,7 +1148,7 @@ fn run_logged(
             model_dir.join("config.json").display(),
             d.input_truncated_len,
             opts.config_path.display(),
-            positions.saturating_sub(1 + cfg.model_config.next_n)
+            positions.saturating_sub(1)
         )
         .into());
     }
@@ -1581,22 +1601,16 @@ fn run_logged(
         Some(n) => n,
         None => {
             let share = s.mem_fraction_static / opts.host_ranks.max(1) as f64;
-            let budget =
-                mem_available().map(|b| ((b as f64 * share) as u64).saturating_sub(state_bytes));
-            let cap = budget.map_or(usize::MAX, |b| {
-                cachalot_engine::kv_pool::blocks_for_budget(b, per_block)
-            });
-            if let Some(b) = budget.filter(|&b| b < 2 * per_block) {
-                return Err(format!(
+            let cap = blocks_in_memory_share(share, state_bytes, per_block).map_err(|b| {
+                format!(
                     "{}: scheduler_config.mem_fraction_static {} leaves {b} bytes for the KV \
                      pool, less than the 2 blocks of {per_block} bytes it needs at least: raise \
                      it, lower block_size, or give the pool's size with --kv-blocks",
                     opts.config_path.display(),
                     s.mem_fraction_static
                 )
-                .into());
-            }
-            seed_blocks.min(cap)
+            })?;
+            seed_blocks.min(cap.unwrap_or(usize::MAX))
         }
     };
     check_kv_pool(

@@ -394,7 +394,9 @@ fn tokens(input: &InputArgs, model_dir: &Path) -> Result<Vec<u32>> {
         (None, Some(p)) => p.clone(),
         (None, None) => bail!("give --file, --prompt or --token-ids"),
     };
-    Ok(Tokenizer::from_dir(model_dir)?.encode(&text)?)
+    let tok = Tokenizer::from_dir(model_dir)
+        .map_err(|e| anyhow::anyhow!("{e} (or give the prompt as --token-ids)"))?;
+    Ok(tok.encode(&text)?)
 }
 
 /// The text a panic was raised with (`panic!`'s formatted message or a literal; empty for

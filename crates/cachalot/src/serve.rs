@@ -1147,11 +1147,18 @@ fn pool_blocks<M: Model>(model: &M, set: &Settings) -> Result<usize> {
     let num_blocks = match set.kv_blocks {
         Some(n) => n,
         None => {
-            let cap = cachalot_run::offline::mem_available().map_or(usize::MAX, |b| {
-                let budget = ((b as f64 * set.kv_fraction) as u64).saturating_sub(state);
-                cachalot_engine::kv_pool::blocks_for_budget(budget, per_block)
-            });
-            (per_seq * set.batch_size + 1).min(cap)
+            let cap =
+                cachalot_run::offline::blocks_in_memory_share(set.kv_fraction, state, per_block)
+                    .map_err(|b| {
+                        anyhow::anyhow!(
+                        "mem_fraction_static {} (of the memory available) leaves {b} bytes for \
+                         the KV pool, less than the 2 blocks of {per_block} bytes it needs at \
+                         least: raise it, lower the block size, or give the pool's size with \
+                         --kv-blocks",
+                        set.kv_fraction
+                    )
+                    })?;
+            (per_seq * set.batch_size + 1).min(cap.unwrap_or(usize::MAX))
         }
     };
     if num_blocks < 2 {
@@ -2873,8 +2880,23 @@ fn read_body(request: &mut tiny_http::Request) -> Result<Value, ApiError> {
             format!("the request body is over {} MiB", MAX_BODY_BYTES >> 20),
         ));
     }
-    let v: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::new(400, format!("the body is not valid JSON: {e}")))?;
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        // serde_json names a lone UTF-16 surrogate (`"\ud800"`, which Python's json writes
+        // for a str holding one) as a broken escape: said plainly.
+        let surrogate = e.to_string().contains("hex escape");
+        ApiError::new(
+            400,
+            format!(
+                "the body is not valid JSON: {e}{}",
+                if surrogate {
+                    " (a \\uD800-\\uDFFF escape must be half of a surrogate pair: a lone \
+                     surrogate is not text; send the text as UTF-8)"
+                } else {
+                    ""
+                }
+            ),
+        )
+    })?;
     if !v.is_object() {
         return Err(ApiError::new(400, "the body must be a JSON object"));
     }

@@ -17,20 +17,16 @@ use cachalot_model::{detect_family, DeepseekV3, ModelFamily};
 use crate::{load_model, load_v4, model_dir, tokens, InputArgs, ModelArgs};
 
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["text", "file", "decode"])))]
 pub struct TokenizeArgs {
     /// Model directory (only its tokenizer.json or tiktoken.model and tokenizer_config.json are read).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Text to encode (special-token strings in it become their ids; no BOS is added).
-    #[arg(
-        long,
-        conflicts_with_all = ["decode", "file"],
-        required_unless_present_any = ["decode", "file"],
-        allow_hyphen_values = true
-    )]
+    #[arg(long, allow_hyphen_values = true)]
     text: Option<String>,
     /// Text to encode from a file (`-`: stdin), for text too long for an argument.
-    #[arg(long, conflicts_with = "decode")]
+    #[arg(long)]
     file: Option<PathBuf>,
     /// Comma-separated token ids to decode (an empty list decodes to empty text).
     #[arg(long, value_parser = parse_id_list)]

@@ -423,6 +423,9 @@ fn serve_answers_openai_requests_whole_streamed_and_concurrently() {
     let (status, text) = http(addr, "POST", "/v1/completions", "{not json");
     assert_eq!(status, 400);
     assert!(text.contains("not valid JSON"), "{text}");
+    let (status, text) = http(addr, "POST", "/v1/completions", r#"{"prompt": "a\ud800b"}"#);
+    assert_eq!(status, 400);
+    assert!(text.contains("surrogate"), "{text}");
     assert_eq!(http(addr, "GET", "/v1/nothing", "").0, 404);
     assert_eq!(http(addr, "GET", "/v1/completions", "").0, 405);
     // A 405 says what the endpoint takes (its Allow header too); HEAD answers as GET without

@@ -181,8 +181,9 @@ impl Tokenizer {
             )));
         } else {
             return Err(ModelError::Tokenizer(format!(
-                "{}: neither tokenizer.json nor tiktoken.model is there; text input needs the \
-                 model's tokenizer (or pass token ids)",
+                "{}: neither tokenizer.json nor tiktoken.model is there; text needs the \
+                 model's tokenizer: copy its files from the model's release (tokenizer.json \
+                 and tokenizer_config.json, or Kimi's tiktoken.model)",
                 dir.display()
             )));
         };
