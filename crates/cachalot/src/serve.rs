@@ -2883,7 +2883,12 @@ fn read_body(request: &mut tiny_http::Request) -> Result<Value, ApiError> {
     let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
         // serde_json names a lone UTF-16 surrogate (`"\ud800"`, which Python's json writes
         // for a str holding one) as a broken escape: said plainly.
-        let surrogate = e.to_string().contains("hex escape");
+        let surrogate = e.to_string().contains("hex escape")
+            && bytes.windows(4).any(|w| {
+                w[..2] == *b"\\u"
+                    && w[2].eq_ignore_ascii_case(&b'd')
+                    && matches!(w[3].to_ascii_lowercase(), b'8'..=b'9' | b'a'..=b'f')
+            });
         ApiError::new(
             400,
             format!(
@@ -3592,14 +3597,24 @@ fn prepare(shared: &Shared, body: &Value, chat: bool) -> Result<Call, ApiError> 
         }
     }
     let vocab = shared.vocab;
+    // (A chat prompt's ids come from the template and the tokenizer.)
+    let param = if chat { "messages" } else { "prompt" };
     for (prompt, _) in &prompts {
         if prompt.is_empty() {
-            return Err(ApiError::bad("prompt", "the prompt has no tokens"));
+            return Err(ApiError::bad(param, "the prompt has no tokens"));
         }
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(ApiError::bad(
-                "prompt",
-                format!("token id {bad} is out of the vocabulary ({vocab} ids)"),
+                param,
+                format!(
+                    "token id {bad} is out of the model's vocabulary ({vocab} ids){}",
+                    if chat {
+                        ": the chat template's tokens are not this model's (is the tokenizer \
+                         the model's?)"
+                    } else {
+                        ""
+                    }
+                ),
             ));
         }
     }
