@@ -602,23 +602,24 @@ fn wordcount(s: &str) -> usize {
 }
 
 /// Jinja2's `truncate(s, length=255, killwords=False, end='...', leeway=5)`, arguments by
-/// position or by name (`leeway` by name only: minijinja's filters take at most five).
+/// position or by name.
 fn truncate(
     s: String,
     rest: minijinja::value::Rest<minijinja::value::ValueOrKwargs>,
 ) -> Result<String, Error> {
     // (Four more positional arguments and the keywords are more than a filter's signature
-    // takes: the keywords are split off by hand.)
+    // takes: the keywords, a last map marked as such, are split off by hand.)
     let all = rest.into_values();
-    let all = all.as_slice();
-    let (positional, args) = match all.split_last() {
-        Some((last, rest)) if last.kind() == ValueKind::Map => match Kwargs::try_from(last.clone())
-        {
-            Ok(k) => (rest, k),
-            Err(_) => (all, Kwargs::from_iter(Vec::<(String, Value)>::new())),
-        },
-        _ => (all, Kwargs::from_iter(Vec::<(String, Value)>::new())),
-    };
+    let keywords = all
+        .split_last()
+        .filter(|(last, _)| last.kind() == ValueKind::Map)
+        .and_then(|(last, rest)| Some((rest, Kwargs::try_from(last.clone()).ok()?)));
+    let (positional, args) = keywords.unwrap_or_else(|| {
+        (
+            all.as_slice(),
+            Kwargs::from_iter(Vec::<(String, Value)>::new()),
+        )
+    });
     type Args = (Option<i64>, Option<bool>, Option<String>, Option<i64>);
     let (length, killwords, end, leeway): Args = from_args(positional)?;
     let length = args.get::<Option<i64>>("length")?.or(length).unwrap_or(255);
