@@ -1423,12 +1423,13 @@ impl Shards {
 /// takes it whole by; None where it is not a file.
 fn shard_stamp(p: &Path) -> Option<(u64, u128)> {
     let m = fs::metadata(p).ok().filter(|m| m.is_file())?;
-    let t = m
-        .modified()
-        .ok()?
-        .duration_since(std::time::UNIX_EPOCH)
-        .ok()?;
-    Some((m.len(), t.as_nanos()))
+    Some((m.len(), mtime_ns(&m)?))
+}
+
+/// A file's modification time in ns since the epoch, where the file system keeps one.
+fn mtime_ns(m: &fs::Metadata) -> Option<u128> {
+    let t = m.modified().ok()?;
+    Some(t.duration_since(std::time::UNIX_EPOCH).ok()?.as_nanos())
 }
 
 /// `n shard(s)`.
@@ -1454,11 +1455,7 @@ pub(crate) fn fingerprint(opts: &ConvertOptions, input_files: &[PathBuf]) -> Str
     let stamp = |p: &Path| -> Value {
         match fs::metadata(p) {
             Ok(m) => {
-                let mtime = m
-                    .modified()
-                    .ok()
-                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                    .map_or(0, |d| d.as_nanos());
+                let mtime = mtime_ns(&m).unwrap_or(0);
                 json!([resolve(p).display().to_string(), m.len(), mtime.to_string()])
             }
             Err(_) => json!([p.display().to_string()]),
