@@ -14,8 +14,8 @@ use cachalot_engine::engine::kv_bytes_per_block;
 use cachalot_engine::metrics::Distribution;
 use cachalot_engine::metrics::EngineStats;
 use cachalot_engine::{
-    Engine, EngineConfig, Model, ReasoningSplitter, Request, RequestOutput, SamplingParams,
-    SpecialText, StopConditions,
+    Engine, EngineConfig, FinishReason, Model, ReasoningSplitter, Request, RequestOutput,
+    SamplingParams, SpecialText, StopConditions,
 };
 use cachalot_model::tokenizer::{Tokenizer, ToolCallFormat};
 use cachalot_model::{
@@ -751,7 +751,7 @@ fn request_line(
     if let (Some(f), Some(obj)) = (tool_format, v.as_object_mut()) {
         let answer = ReasoningSplitter::split_at(&p.text, &o.text, f.ends_reasoning()).1;
         if f.mentions_tool_calls(&answer) {
-            match f.parse(&answer) {
+            match f.parse_ended(&answer, o.finish == FinishReason::Length) {
                 Ok(parsed) => {
                     obj.insert(
                         "tool_calls".into(),

@@ -5460,7 +5460,22 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
     if !call.tools {
         return;
     }
-    match parsed.or_else(|| shared.tool_format.map(|f| f.parse(&answer))) {
+    let parsed = parsed.or_else(|| shared.tool_format.map(|f| f.parse(&answer)));
+    // Cut off by the length limit inside a later call, the calls it closed are the answer's
+    // (its finish reason stays "length").
+    let (parsed, cut) = match parsed {
+        Some(Err(e)) if *finish == "length" => {
+            match shared
+                .tool_format
+                .and_then(|f| f.parse_closed_calls(&answer))
+            {
+                Some(p) => (Some(Ok(p)), true),
+                None => (Some(Err(e)), false),
+            }
+        }
+        p => (p, false),
+    };
+    match parsed {
         Some(Ok(p)) if !p.tool_calls.is_empty() => {
             message["content"] = if p.content.is_empty() {
                 Value::Null
@@ -5482,7 +5497,9 @@ fn set_answer(message: &mut Value, shared: &Shared, call: &Call, answer: &str, f
                 }
             }
             message["tool_calls"] = json!(calls);
-            *finish = "tool_calls";
+            if !cut {
+                *finish = "tool_calls";
+            }
         }
         Some(Err(e)) => {
             let mut why = e.to_string();

@@ -464,9 +464,10 @@ fn tool_calls_of(
     finish: &FinishReason,
 ) -> Option<std::result::Result<ParsedAnswer, String>> {
     format.map(|f| {
-        f.parse(answer).map_err(|e| {
+        let cut = *finish == FinishReason::Length;
+        f.parse_ended(answer, cut).map_err(|e| {
             let mut why = e.to_string();
-            if *finish == FinishReason::Length {
+            if cut {
                 why.push_str(
                     " (the answer was cut off at its length limit, --max-new-tokens or the \
                      model's context: give it more room)",

@@ -95,6 +95,8 @@ const TOOL_CALLS_START: &str = "\n\n<｜DSML｜tool_calls";
 const TOOL_CALLS_END: &str = "</｜DSML｜tool_calls>";
 const INVOKE_START: &str = "<｜DSML｜invoke";
 const INVOKE_END: &str = "</｜DSML｜invoke";
+/// What closes a tool-call block after an invoke's `</｜DSML｜invoke`.
+pub(crate) const CLOSE_AFTER_INVOKE: &str = ">\n</｜DSML｜tool_calls>";
 const PARAMETER_START: &str = "<｜DSML｜parameter";
 /// What a parameter's value runs up to ([ENC] reads to this, then expects `>` and a newline).
 const PARAMETER_END: &str = "/｜DSML｜parameter";

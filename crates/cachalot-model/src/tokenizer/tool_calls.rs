@@ -341,6 +341,36 @@ impl ToolCallFormat {
         }
     }
 
+    /// [`ToolCallFormat::parse`] of a finished answer; `cut_off`: it ended at its length limit,
+    /// and then a section that does not read gives the calls it had closed before the one the
+    /// limit cut ([`ToolCallFormat::parse_closed_calls`]), when it closed any.
+    pub fn parse_ended(self, answer: &str, cut_off: bool) -> Result<ParsedAnswer, ToolCallError> {
+        self.parse(answer).or_else(|e| {
+            cut_off
+                .then(|| self.parse_closed_calls(answer))
+                .flatten()
+                .ok_or(e)
+        })
+    }
+
+    /// The calls an answer had closed before it was cut off inside a later one (its length
+    /// limit): the answer up to the end of its last closed call, the section closed as the
+    /// format closes it, parsed. None when no call closed or what closed does not parse. (vLLM's
+    /// V3 and Kimi-K2 parsers likewise return the calls they find whole.)
+    pub fn parse_closed_calls(self, answer: &str) -> Option<ParsedAnswer> {
+        let mut cursor = CallsCursor::default();
+        self.partial_calls(answer, &mut cursor);
+        let at = cursor.at.filter(|_| cursor.closed > 0)?;
+        let mut closed = answer[..at].to_string();
+        if self == ToolCallFormat::DeepseekV4 {
+            // (The position is after a closed invoke's `</｜DSML｜invoke`.)
+            closed.push_str(dsv4::CLOSE_AFTER_INVOKE);
+        }
+        self.parse(&closed)
+            .ok()
+            .filter(|p| p.tool_calls.len() == cursor.closed)
+    }
+
     /// Splits an answer (the reasoning removed) into content and tool calls.
     pub fn parse(self, answer: &str) -> Result<ParsedAnswer, ToolCallError> {
         match self {
@@ -639,25 +669,73 @@ mod tests {
             .collect()
     }
 
-    /// Fed piece by piece, the calls' names and arguments only grow, and once the answer is
-    /// whole they are what the parser reads (V3's fenced and V3.1's forms, Kimi-K2's).
-    #[test]
-    fn partial_calls_grow_into_the_parsed_calls() {
-        let v3 = "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>\
-                  get_weather\n```json\n{\"city\": \"Paris `x`\"}  \n```<｜tool▁call▁end｜>\n\
-                  <｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"tz\": \"UTC\"} \
-                  <｜tool▁call▁end｜><｜tool▁calls▁end｜>";
-        let kimi = "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0\
-                    <|tool_call_argument_begin|>{\"city\": \"Rome\"}<|tool_call_end|>\
-                    <|tool_calls_section_end|>";
-        // DeepSeek-V4: a string value holding `<`, quotes, a newline and non-ASCII, a value
-        // that is JSON text, a call without parameters.
-        let v4 =
-            "Let me check <b>.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
+    const V3_TWO_CALLS: &str = "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function\
+        <｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris `x`\"}  \n```<｜tool▁call▁end｜>\n\
+        <｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"tz\": \"UTC\"} \
+        <｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+    // DeepSeek-V4: a string value holding `<`, quotes, a newline and non-ASCII, a value
+    // that is JSON text, a call without parameters.
+    const V4_TWO_CALLS: &str =
+        "Let me check <b>.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
                   <｜DSML｜parameter name=\"city\" string=\"true\">Paris <b> \"x\"\n é<\
                   /｜DSML｜parameter>\n<｜DSML｜parameter name=\"days\" string=\"false\">[1, 2]<\
                   /｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"get_time\">\n\
                   </｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+
+    /// Cut off anywhere after its first call closed, an answer's closed calls are what the
+    /// whole answer's parse reads for them; before, there are none.
+    #[test]
+    fn a_cut_answer_keeps_the_calls_it_closed() {
+        let kimi = "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0\
+                    <|tool_call_argument_begin|>{\"city\": \"Rome\"}<|tool_call_end|>\
+                    <|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}\
+                    <|tool_call_end|><|tool_calls_section_end|>";
+        for (format, answer, first_end) in [
+            (ToolCallFormat::DeepseekV3, V3_TWO_CALLS, V3_CALL_END),
+            (ToolCallFormat::KimiK2, kimi, KIMI_CALL_END),
+            (
+                ToolCallFormat::DeepseekV4,
+                V4_TWO_CALLS,
+                "</｜DSML｜invoke>",
+            ),
+        ] {
+            let whole = format.parse(answer).unwrap();
+            assert_eq!(whole.tool_calls.len(), 2);
+            let closed_at = answer.find(first_end).unwrap() + first_end.len();
+            let last_closed_at = answer.rfind(first_end).unwrap() + first_end.len();
+            for (cut, _) in answer.char_indices() {
+                let got = format.parse_closed_calls(&answer[..cut]);
+                // (V4's invoke is closed once `</｜DSML｜invoke` is written, before its `>`.)
+                let early = usize::from(format == ToolCallFormat::DeepseekV4);
+                let closed = cut + early >= closed_at;
+                let Some(got) = got else {
+                    assert!(!closed, "{format:?} {cut}: {:?}", &answer[..cut]);
+                    continue;
+                };
+                assert!(closed, "{format:?} {cut}");
+                assert_eq!(got.content, whole.content, "{format:?} {cut}");
+                let n = 1 + usize::from(cut + early >= last_closed_at);
+                assert_eq!(got.tool_calls.len(), n, "{format:?} {cut}");
+                assert_eq!(names(&got), names(&whole)[..n], "{format:?} {cut}");
+                // A finished answer gets them only when its length limit cut it.
+                let text = &answer[..cut];
+                if format.parse(text).is_err() {
+                    assert_eq!(format.parse_ended(text, true), Ok(got), "{format:?} {cut}");
+                    assert!(format.parse_ended(text, false).is_err(), "{format:?} {cut}");
+                }
+            }
+        }
+    }
+
+    /// Fed piece by piece, the calls' names and arguments only grow, and once the answer is
+    /// whole they are what the parser reads (V3's fenced and V3.1's forms, Kimi-K2's).
+    #[test]
+    fn partial_calls_grow_into_the_parsed_calls() {
+        let v3 = V3_TWO_CALLS;
+        let kimi = "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0\
+                    <|tool_call_argument_begin|>{\"city\": \"Rome\"}<|tool_call_end|>\
+                    <|tool_calls_section_end|>";
+        let v4 = V4_TWO_CALLS;
         for (format, answer) in [
             (ToolCallFormat::DeepseekV3, v3),
             (ToolCallFormat::KimiK2, kimi),
