@@ -91,7 +91,9 @@ impl EngineStats {
     }
 }
 
-/// Mean, median and 99th percentile (nearest rank) of a list; zeros when it is empty.
+/// Mean, median and 99th percentile of a list, the percentiles interpolated between the two
+/// nearest ranks as numpy's `percentile` and `median` (what vLLM's benchmarks report); zeros when
+/// it is empty.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Distribution {
     pub mean: f64,
@@ -107,7 +109,11 @@ impl Distribution {
         }
         let mut v = values.to_vec();
         v.sort_by(f64::total_cmp);
-        let rank = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        let rank = |q: f64| {
+            let at = q * (v.len() - 1) as f64;
+            let (lo, hi) = (at.floor() as usize, at.ceil() as usize);
+            v[lo] + (v[hi] - v[lo]) * (at - lo as f64)
+        };
         Distribution {
             mean: v.iter().sum::<f64>() / v.len() as f64,
             p50: rank(0.5),
@@ -122,10 +128,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn percentiles_by_nearest_rank() {
+    fn percentiles_as_numpy() {
         let d = Distribution::of(&(1..=100).map(f64::from).collect::<Vec<_>>());
-        assert_eq!((d.p50, d.p99, d.max), (50.0, 99.0, 100.0));
+        assert_eq!((d.p50, d.max), (50.5, 100.0));
+        assert!((d.p99 - 99.01).abs() < 1e-12, "{}", d.p99);
         assert_eq!(d.mean, 50.5);
+        // numpy.percentile([4, 1, 2], [50, 99]): 2.0, 3.96.
+        let d = Distribution::of(&[4.0, 1.0, 2.0]);
+        assert_eq!(d.p50, 2.0);
+        assert!((d.p99 - 3.96).abs() < 1e-12, "{}", d.p99);
         assert_eq!(Distribution::of(&[3.0]).p99, 3.0);
         assert_eq!(Distribution::of(&[]), Distribution::default());
     }

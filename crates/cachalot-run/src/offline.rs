@@ -823,14 +823,17 @@ pub fn forget_on_interrupt(dir: &Path) {
     }
 }
 
-/// For a Ctrl-C/SIGTERM handler: removes the registered temporary directories and returns the
-/// file holding the requests finished so far, if a run is under way.
-pub fn on_interrupt() -> Option<PathBuf> {
+/// For a Ctrl-C/SIGTERM handler: removes the registered temporary directories and says where
+/// the requests finished so far are, if a run is under way (this rank's partial file, and the
+/// other ranks' beside it).
+pub fn on_interrupt() -> Option<String> {
     let mut g = INTERRUPT.lock().ok()?;
     for d in g.remove.drain(..) {
         let _ = std::fs::remove_dir_all(d);
     }
-    g.partial.clone()
+    // (Ranks on this host write theirs beside it: a signal to rank 0 alone names them too.)
+    let p = g.partial.as_ref()?;
+    Some(format!("{}{}", p.display(), other_partials(p)))
 }
 
 fn set_partial(p: Option<PathBuf>) {
@@ -1738,10 +1741,16 @@ fn run_logged(
     } else {
         indicatif::ProgressBar::hidden()
     };
+    // (Data-parallel ranks each run their own requests: the bar is rank 0's share.)
+    let whose = if expert || ranks == 1 {
+        String::new()
+    } else {
+        format!("rank 0 of {ranks}: ")
+    };
     bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} requests  {msg}",
-        )?
+        indicatif::ProgressStyle::with_template(&format!(
+            "{{spinner}} [{{elapsed_precise}}] {whose}{{bar:30}} {{pos}}/{{len}} requests  {{msg}}"
+        ))?
         .progress_chars("=> "),
     );
     // Finished requests are written as they finish, so that none is lost to a failed step, a

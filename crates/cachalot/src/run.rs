@@ -616,11 +616,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // Ctrl-C or SIGTERM: finished requests are on disk already (requests.rank<R>.partial.jsonl,
     // written as they finish); temporary random weights go.
     crate::term::on_interrupt(|| {
-        if let Some(p) = offline::on_interrupt() {
-            eprintln!(
-                "cachalot run: interrupted; the requests finished so far are in {}",
-                p.display()
-            );
+        if let Some(files) = offline::on_interrupt() {
+            eprintln!("cachalot run: interrupted; the requests finished so far are in {files}");
         }
     })?;
     // A batch the data-parallel ranks cannot share is said once, before any rank starts.
