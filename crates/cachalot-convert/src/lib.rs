@@ -376,7 +376,7 @@ impl Input {
         let field = |k: &str| config.get(k).and_then(Value::as_u64).map(|v| v as usize);
         let num_hidden_layers = field("num_hidden_layers")
             .ok_or_else(|| cfg_err("num_hidden_layers is missing".into()))?;
-        let num_layers = num_hidden_layers + field("num_nextn_predict_layers").unwrap_or(0);
+        let nextn = field("num_nextn_predict_layers").or_else(|| field("num_mtp_layers"));
 
         // The shards: the index's files, or every *.safetensors without one.
         let index_path = dir.join(INDEX_FILE);
@@ -500,6 +500,17 @@ impl Input {
                 }
             }
         }
+        // Without the key, the MTP layers the checkpoint holds (the runtime defaults to
+        // DeepSeek's one, and runs without it where it is absent).
+        let num_layers = match nextn {
+            Some(n) => num_hidden_layers + n,
+            None => (num_hidden_layers..)
+                .find(|l| {
+                    let prefix = format!("model.layers.{l}.");
+                    !location.keys().any(|k| k.starts_with(&prefix))
+                })
+                .unwrap_or(num_hidden_layers),
+        };
         Ok(Input {
             dir: dir.to_path_buf(),
             config,
@@ -1213,9 +1224,9 @@ fn check_output(input: &Path, out: &Path, force: bool, resume: &str) -> Result<O
 /// Runs `write` on a new temporary directory, then puts it in place as `out`; on an error the
 /// temporary directory is removed and `out` is untouched.
 ///
-/// The directory is built beside `out` and renamed over it, except where `out` is a directory
-/// that cannot be renamed or whose parent cannot be written (a mounted volume, as containers
-/// give one): there it is built inside `out` and its files are moved up at the end. `out` is
+/// The directory is built beside `out` and renamed into its place where `out` does not exist;
+/// where it is a directory (empty, or replaced under `force`; a mounted volume, as containers
+/// give one), it is built inside `out` and its files are moved up at the end. `out` is
 /// replaced only under `force`: one that was empty at the start and holds something at the end
 /// (another conversion, a user's file) is left alone, the new output kept beside it under a
 /// name the error gives.
@@ -1931,8 +1942,10 @@ fn temp_dir_for(out: &Path, adopt: Option<Adopt>) -> Result<(PathBuf, bool)> {
         }
         return Ok((tmp, inside));
     }
-    // A mount point cannot be renamed: build inside it.
-    let mounted = is_mount_point(out, &parent);
+    // An existing directory is written into, as the seed's converter does (a shell or process
+    // in it stays in the output, which keeps its owner and mode), and a mount point cannot be
+    // renamed: build inside it.
+    let mounted = out.is_dir() || is_mount_point(out, &parent);
     // A directory of this name whose lock is held is another conversion's (a process of
     // another PID namespace with this id): it is left alone, and this one stops.
     for tmp in [&beside, &within] {

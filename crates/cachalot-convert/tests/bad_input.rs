@@ -198,15 +198,32 @@ fn refuses_a_non_empty_output_without_force() {
     let e = convert(&opts(&fixture(), &out)).unwrap_err();
     assert!(e.to_string().contains("--force"), "{e}");
     assert!(out.join("keep.txt").exists());
+    // An existing directory is written into, not replaced (a shell in it stays in the output;
+    // its mode stays), as the seed's converter does.
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let ino = |d: &Path| fs::metadata(d).unwrap().ino();
+    let before = ino(&out);
     let mut o = opts(&fixture(), &out);
     o.force = true;
     convert(&o).unwrap();
     assert!(!out.join("keep.txt").exists());
     assert!(out.join("config.json").exists());
+    assert_eq!(ino(&out), before);
     // An empty directory is fine without --force.
     let empty = tmp.path().join("empty");
     fs::create_dir_all(&empty).unwrap();
+    fs::set_permissions(&empty, fs::Permissions::from_mode(0o2750)).unwrap();
+    let before = ino(&empty);
     convert(&opts(&fixture(), &empty)).unwrap();
+    assert_eq!(ino(&empty), before);
+    let mode = fs::metadata(&empty).unwrap().permissions().mode();
+    assert_eq!(mode & 0o7777, 0o2750, "{mode:o}");
+    for d in [&out, &empty] {
+        for e in fs::read_dir(d).unwrap() {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            assert!(!name.starts_with('.'), "{name} left behind");
+        }
+    }
 }
 
 #[test]
@@ -737,6 +754,43 @@ fn the_ignore_list_matches_modules_not_substrings() {
         &ignore,
         "model.layers.1.self_attn.kv_b_proj_x.weight"
     ));
+}
+
+/// A config without `num_nextn_predict_layers` (the runtime then takes the MTP layer the
+/// checkpoint holds): the MTP layer's modules are in the ignore list as where the key is given
+/// (its `kv_b_proj` stays bf16).
+#[test]
+fn the_ignore_list_counts_the_mtp_layer_a_config_leaves_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let with = tmp.path().join("with");
+    convert(&opts(&fixture(), &with)).unwrap();
+    let input = tmp.path().join("in");
+    copy_fixture(&input);
+    let cfg_path = input.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    assert_eq!(cfg["num_nextn_predict_layers"], 1);
+    cfg.as_object_mut()
+        .unwrap()
+        .remove("num_nextn_predict_layers");
+    fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let without = tmp.path().join("without");
+    convert(&opts(&input, &without)).unwrap();
+    let ignore = |d: &Path| {
+        let v: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+        v["quantization_config"]["ignore"].clone()
+    };
+    let listed = ignore(&with);
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m == "model.layers.3.self_attn.kv_b_proj"),
+        "{listed}"
+    );
+    assert_eq!(ignore(&without), listed);
 }
 
 /// A shard that holds no tensor (in no index entry) is written too, empty, as the seed's
