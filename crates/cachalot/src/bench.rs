@@ -48,9 +48,9 @@ pub struct BenchArgs {
     /// experts); w4a16 (V3 shapes as Kimi-K2-Thinking ships them: int4 routed experts,
     /// compressed-tensors pack-quantized, group 32, bf16 elsewhere); or made by the converter
     /// as `cachalot convert` would: bfloat16 or w8a8c16 (V3), w8a8-int, w4a8-int, w4a8-mx or
-    /// w4a8-mx-hif (V4).
-    #[arg(long, default_value = "fp8", requires = "random_weights")]
-    random_quant: String,
+    /// w4a8-mx-hif (V4). Default fp8.
+    #[arg(long, requires = "random_weights")]
+    random_quant: Option<String>,
     /// Where the random model is written (default: the system temporary directory).
     #[arg(long, requires = "random_weights")]
     random_dir: Option<PathBuf>,
@@ -121,6 +121,22 @@ fn check_args(a: &BenchArgs) -> Result<()> {
     if a.mtp > 3 {
         bail!("--mtp {}: give 1 to 3 draft tokens (0: off)", a.mtp);
     }
+    // (clap's `requires` is not checked where --model, which --random-weights conflicts with,
+    // is given.)
+    if a.random_weights.is_none() {
+        for (flag, given) in [
+            ("--random-quant", a.random_quant.is_some()),
+            ("--random-dir", a.random_dir.is_some()),
+            ("--keep-random", a.keep_random),
+        ] {
+            if given {
+                bail!(
+                    "{flag} is for a random model (--random-weights SHAPE); a --model \
+                     directory is timed as it is stored (`cachalot convert` makes other formats)"
+                );
+            }
+        }
+    }
     if a.mtp > 0 && a.random_weights.is_some() {
         // (Said before a random model is written: it has no MTP layer and no tokenizer.)
         bail!(
@@ -138,6 +154,13 @@ fn check_args(a: &BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// How the random model was held (None when the bench timed --model).
+fn random_quant(a: &BenchArgs) -> Option<&str> {
+    a.random_weights
+        .as_ref()
+        .map(|_| a.random_quant.as_deref().unwrap_or("fp8"))
 }
 
 /// Prompt and generation fit the model's positions.
@@ -171,6 +194,18 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             ("--prompt-len", args.prompt_len != 128),
             ("--gen-len", args.gen_len != 32),
             ("--int8-head", args.model.int8_head),
+            ("--bf16-dot", args.model.bf16_dot),
+            ("--check-tensors", args.model.check_tensors),
+            ("--fp8", !matches!(args.model.fp8, Fp8Arg::Native)),
+            (
+                "--attention",
+                !matches!(args.model.attention, crate::AttnArg::Auto),
+            ),
+            (
+                "--kv-cache-dtype",
+                !matches!(args.model.kv_cache_dtype, crate::KvDtypeArg::Auto),
+            ),
+            ("--v4-cache", args.model.v4_cache != Default::default()),
         ] {
             if given {
                 bail!(
@@ -197,7 +232,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             let t = Instant::now();
             let mut r = cachalot_run::random_model::build(
                 spec,
-                &args.random_quant,
+                args.random_quant.as_deref().unwrap_or("fp8"),
                 args.random_dir.as_deref(),
             )?;
             if args.keep_random {
@@ -212,6 +247,9 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
                 t.elapsed().as_secs_f64()
             );
             args.model.model = Some(r.dir.clone());
+            // The peak RSS reported is the bench's, not the writing's: Linux resets VmHWM to
+            // the present RSS on this write.
+            let _ = std::fs::write("/proc/self/clear_refs", "5");
             Some(r)
         }
         None => None,
@@ -547,7 +585,7 @@ fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let mut out = json!({
         "model": dir.display().to_string(),
         "random_weights": args.random_weights,
-        "random_quant": args.random_weights.as_ref().map(|_| args.random_quant.clone()),
+        "random_quant": random_quant(args),
         "fp8": match args.model.fp8 { Fp8Arg::Native => "native", Fp8Arg::F32 => "f32" },
         "int8_head": args.model.int8_head,
         "bf16_dot": args.model.bf16_dot,
@@ -777,6 +815,9 @@ fn bench_v4(b: &BenchArgs) -> Result<()> {
     let load_s = t0.elapsed().as_secs_f64();
     check_positions(prompt_len, decode_len, m.config().max_position_embeddings)?;
     let prompt = random_prompt(prompt_len, m.config().vocab_size, 0);
+    // A warm-up first, as for the DeepSeek-V3 family (module docs).
+    let warm = random_prompt(prompt_len.min(64), m.config().vocab_size, 99);
+    time_prefill_decode(&m, &warm, 2)?;
     let (timed, decode_profile) =
         profile::profiled(prof, || time_prefill_decode(&m, &prompt, decode_len));
     let (prefill_s, step_times, kv_bytes) = timed?;
@@ -785,7 +826,7 @@ fn bench_v4(b: &BenchArgs) -> Result<()> {
         "model": dir.display().to_string(),
         "family": "deepseek_v4",
         "random_weights": b.random_weights,
-        "random_quant": b.random_weights.as_ref().map(|_| b.random_quant.clone()),
+        "random_quant": random_quant(b),
         "threads": rayon::current_num_threads(),
         "kernels": cachalot_kernels::kernel_isa(),
         "decode_bytes_per_token": m.decode_bytes_per_token(),
@@ -801,6 +842,9 @@ fn bench_v4(b: &BenchArgs) -> Result<()> {
         "decode_tok_s": if decode_len > 0 { decode_len as f64 / decode_s } else { 0.0 },
         "kv_cache_bytes": kv_bytes,
         "kv_cache_dtype": m.cache_spec().float.name(),
+        "v4_cache": args.v4_cache.name(),
+        "int8_head": args.int8_head,
+        "bf16_dot": args.bf16_dot,
     });
     if let (true, Some(o)) = (prof, v.as_object_mut()) {
         o.insert("decode_profile".into(), serde_json::json!(decode_profile));
@@ -1013,10 +1057,6 @@ fn bench_mtp_with<M: cachalot_engine::Model>(
         draft_step.push(per(st.draft_s, st.steps));
         stats = st;
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let (p, s) = (median(&mut plain_s), median(&mut spec_s));
     let tokens = (b.decode_len * b.batch) as f64;
     let v = serde_json::json!({

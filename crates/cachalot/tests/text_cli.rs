@@ -1286,6 +1286,20 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
             "--fp8 f32: fixtures/v4/flash_tiny is a DeepSeek-V4 model",
         ),
         (
+            vec!["bench", "--membw", "--fp8", "f32"],
+            "--fp8 times a model",
+        ),
+        (
+            vec![
+                "bench",
+                "--model",
+                "assets/cachalot-tiny-r1",
+                "--random-quant",
+                "w4a16",
+            ],
+            "--random-quant is for a random model",
+        ),
+        (
             vec!["bench", "--membw", "--membw-mib", "8796093022208"],
             "--membw-mib 8796093022208 is out of range",
         ),
