@@ -726,6 +726,25 @@ impl DeepseekV3 {
             pb.inc(1);
         }
         pb.finish_and_clear();
+        // MTP layers (those with `enorm`) past those the config counts
+        // (`num_nextn_predict_layers: 0` over DeepSeek's checkpoint, a common way to drop MTP)
+        // are not loaded, as transformers skips them. (A main layer past the config's count is
+        // still refused below: config and checkpoint disagree.)
+        let mut extra = cfg.num_hidden_layers + cfg.num_nextn_predict_layers;
+        loop {
+            let prefix = format!("model.layers.{extra}.");
+            if !l.ckpt.contains(&format!("{prefix}enorm.weight")) {
+                break;
+            }
+            l.ckpt.skip_prefix(&prefix);
+            eprintln!(
+                "note: {}: model.layers.{extra} (an MTP layer past the {} num_nextn_predict_layers \
+                 of config.json counts) is not loaded",
+                l.ckpt.dir().display(),
+                cfg.num_nextn_predict_layers
+            );
+            extra += 1;
+        }
         l.ckpt.ensure_all_used()?;
         // MTP layers keep their checkpoint keys (after all the checkpoint's layers), also when
         // only the first `keep` run.

@@ -1620,6 +1620,26 @@ fn convert_checks_that_the_input_loads() {
     assert!(o.status.success(), "{text}");
     assert!(text.contains("without its MTP layers"), "{text}");
     assert!(out.join("config.json").is_file());
+    // `num_nextn_predict_layers: 0` over a checkpoint that holds its MTP layer (a common way
+    // to drop MTP): the layer is not loaded, with a note, as transformers skips it.
+    c["num_nextn_predict_layers"] = 0.into();
+    std::fs::write(&cfg_path, c.to_string()).unwrap();
+    let o = cachalot(
+        &[
+            "perplexity",
+            "--model",
+            input.to_str().unwrap(),
+            "--token-ids",
+            "5,6,7,8",
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("model.layers.{layers} (an MTP layer")),
+        "{err}"
+    );
 }
 
 /// `custom_params.num_hidden_layers` beyond the checkpoint's layers, or a key one typo from it,
