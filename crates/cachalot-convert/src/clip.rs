@@ -50,11 +50,12 @@ impl Factor {
     }
 }
 
-/// The min and max factors of one layer.
+/// The min and max factors of one layer, and the files they came from.
 #[derive(Clone, Debug)]
 pub(crate) struct Clip {
     pub min: Factor,
     pub max: Factor,
+    pub files: [String; 2],
 }
 
 impl Clip {
@@ -81,13 +82,16 @@ impl Clip {
         }
     }
 
-    /// Checks the factors against a weight of `rows` rows.
+    /// Checks the factors against a weight of `rows` rows (the error names the factor's file).
     pub fn check_rows(&self, rows: usize) -> Result<(), String> {
-        for (end, f) in [("min", &self.min), ("max", &self.max)] {
+        for ((end, f), file) in [("min", &self.min), ("max", &self.max)]
+            .into_iter()
+            .zip(&self.files)
+        {
             if f.rows() != 1 && f.rows() != rows {
                 return Err(format!(
-                    "clip_factor_{end} has {} values; the weight has {rows} rows (give one \
-                     value or an [{rows}, 1] tensor)",
+                    "clip_factor_{end} (from {file}) has {} values; the weight has {rows} rows \
+                     (give one value or an [{rows}, 1] tensor)",
                     f.rows()
                 ));
             }
@@ -213,12 +217,13 @@ pub(crate) fn load_clip_params(
         let min = raw.get(&format!("{layer}.clip_factor_min"));
         let max = raw.get(&format!("{layer}.clip_factor_max"));
         match (min, max) {
-            (Some((_, a)), Some((_, b))) => {
+            (Some((fa, a)), Some((fb, b))) => {
                 out.insert(
                     layer.to_string(),
                     Clip {
                         min: a.clone(),
                         max: b.clone(),
+                        files: [fa.clone(), fb.clone()],
                     },
                 );
             }
@@ -252,5 +257,21 @@ mod tests {
         }
         let e = check_factor(k, &Factor::F64(vec![0.5, f64::NAN])).unwrap_err();
         assert!(e.contains(&format!("{k}[1] is NaN")), "{e}");
+    }
+
+    /// Factors that do not fit the weight's rows are named with the file they came from.
+    #[test]
+    fn a_factor_of_other_rows_names_its_file() {
+        let c = Clip {
+            min: Factor::F32(vec![0.9]),
+            max: Factor::F32(vec![1.1; 4]),
+            files: ["q/quant_params_0.pt".into(), "q/quant_params_1.pt".into()],
+        };
+        assert!(c.check_rows(4).is_ok());
+        let e = c.check_rows(3).unwrap_err();
+        assert!(
+            e.contains("clip_factor_max (from q/quant_params_1.pt) has 4 values"),
+            "{e}"
+        );
     }
 }

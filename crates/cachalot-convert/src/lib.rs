@@ -1921,6 +1921,19 @@ fn temp_dir_for(out: &Path, adopt: Option<Adopt>) -> Result<(PathBuf, bool)> {
     // The output is built beside where it will go: a parent that cannot hold a directory is
     // the --output's fault, said so.
     let unusable = |what: &Path, e: std::io::Error| {
+        // (A file where the path wants a directory: said so, not as "File exists".)
+        if let Some(file) = what
+            .ancestors()
+            .find(|a| a.exists())
+            .filter(|a| !a.is_dir())
+        {
+            return ConvertError::Usage(format!(
+                "--output {}: {} is a file, not a directory; give an output path in a writable \
+                 directory",
+                out.display(),
+                file.display()
+            ));
+        }
         ConvertError::Usage(format!(
             "--output {}: cannot create {} ({e}); give an output path in a writable directory",
             out.display(),

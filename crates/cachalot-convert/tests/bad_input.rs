@@ -630,6 +630,11 @@ fn output_paths_with_dots_are_resolved() {
         let name = e.unwrap().file_name().to_string_lossy().into_owned();
         assert!(!name.starts_with('.'), "{name} left behind");
     }
+    // A file where the path wants a directory is said so.
+    let file = tmp.path().join("afile");
+    fs::write(&file, "x").unwrap();
+    let e = convert(&opts(&fixture(), &file.join("sub"))).unwrap_err();
+    assert!(e.to_string().contains("is a file, not a directory"), "{e}");
     // The root is refused by name.
     let e = convert(&opts(&fixture(), Path::new("/"))).unwrap_err();
     assert!(e.to_string().contains("root"), "{e}");

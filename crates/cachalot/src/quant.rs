@@ -157,16 +157,20 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
 /// MTP layers converts; what is wrong with them is returned, for a note once it has.
 fn check_input_loads(dir: &std::path::Path) -> Result<Option<String>> {
     use cachalot_model::{detect_family, DeepseekV3, DeepseekV4, LoadOptions, ModelFamily};
-    if !dir.is_dir() {
+    let problem = if !dir.exists() {
+        Some("no such directory")
+    } else if !dir.is_dir() {
+        Some("is not a directory")
+    } else if !dir.join("config.json").is_file() {
+        Some("has no config.json")
+    } else {
+        None
+    };
+    if let Some(problem) = problem {
         anyhow::bail!(
-            "--input {}: {}; give the directory of the checkpoint to convert (its config.json \
-             and safetensors shards)",
+            "--input {}: {problem}; give the directory of the checkpoint to convert (its \
+             config.json and safetensors shards)",
             dir.display(),
-            if dir.exists() {
-                "is not a directory"
-            } else {
-                "no such directory"
-            }
         );
     }
     let load = |mtp: bool| -> cachalot_model::Result<()> {

@@ -1587,7 +1587,7 @@ fn convert_checks_that_the_input_loads() {
     c["num_nextn_predict_layers"] = 0.into();
     std::fs::write(&cfg_path, c.to_string()).unwrap();
     let out = tmp.path().join("out");
-    let convert = || {
+    let convert_from = |input: &std::path::Path| {
         cachalot(
             &[
                 "convert",
@@ -1601,6 +1601,7 @@ fn convert_checks_that_the_input_loads() {
             None,
         )
     };
+    let convert = || convert_from(&input);
     let o = convert();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
@@ -1609,6 +1610,10 @@ fn convert_checks_that_the_input_loads() {
         "{err}"
     );
     assert!(!out.exists());
+    // A directory without config.json is said so.
+    let o = convert_from(tmp.path());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("has no config.json"), "{err}");
     // A checkpoint without (some of) its MTP layers, as many re-uploads are: the main model
     // converts, with a note, and the output runs.
     c["num_hidden_layers"] = layers.into();
