@@ -542,7 +542,10 @@ impl RunConfig {
             }
             // A negative sampling seed means none fixed.
             if let Some(Value::Object(d)) = top.get_mut("data_config") {
-                if d.get("seed").and_then(Value::as_i64).is_some_and(|x| x < 0) {
+                if d.get("seed")
+                    .and_then(Value::as_f64)
+                    .is_some_and(|x| x < 0.0)
+                {
                     d.insert("seed".into(), Value::Null);
                 }
             }
@@ -892,8 +895,13 @@ fn check_value(kind: Kind, v: &Value) -> Option<String> {
                         Kind::IntOrNull(_) => (x >= 18_446_744_073_709_551_616.0, u64::MAX as i128),
                         _ => (x > max as f64, max as i128),
                     };
+                    // (The seed: a negative one past 64 bits is none fixed, as any negative.)
+                    if matches!(kind, Kind::IntOrNull(_)) && x < 0.0 {
+                        return None;
+                    }
                     Some(if over {
-                        format!("{x} is out of range: must be at most {top}")
+                        // (Printed as YAML read it: a number past 64 bits is a float there.)
+                        format!("{x:e} is out of range: must be at most {top}")
                     } else if x < min as f64 {
                         format!("{x} is out of range: must be >= {min}")
                     } else {
@@ -1193,7 +1201,19 @@ mod tests {
         .unwrap();
         assert_eq!(c.data_config.seed, Some(u64::MAX));
         let e = error("data_config:\n  seed: 18446744073709551616\n");
-        assert!(e.contains("must be at most 18446744073709551615"), "{e}");
+        assert!(
+            e.contains(
+                "1.8446744073709552e19 is out of range: must be at most 18446744073709551615"
+            ),
+            "{e}"
+        );
+        // Negative, even past 64 bits: none fixed.
+        for seed in ["-1", "-9223372036854775808", "-9223372036854775809"] {
+            let c =
+                RunConfig::from_yaml(&format!("data_config:\n  seed: {seed}\n"), Path::new("x"))
+                    .unwrap();
+            assert_eq!(c.data_config.seed, None, "{seed}");
+        }
         let e = error("a:\n  b: 1\n \tc: 2\n");
         assert!(
             e.contains("the first tab in an indentation is on line 3"),

@@ -73,7 +73,8 @@ pub struct SamplingArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     max_new_tokens: Option<usize>,
     /// 0 (the default) is greedy; DeepSeek recommends 0.6 for R1. At most 100 (as the
-    /// server's).
+    /// server's). Applied before --top-k, --top-p and --min-p, as vLLM and transformers do
+    /// (llama.cpp's default chain applies it after them).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true,
           value_parser = temperature_arg)]
     temperature: f32,
