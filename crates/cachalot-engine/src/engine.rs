@@ -1487,9 +1487,14 @@ impl<'t, M: Model> Engine<'t, M> {
                 .filter(|&t| tok.is_special(t))
                 .filter_map(|t| tok.id_to_token(t).map(|s| (t, s.into_bytes())))
                 .collect();
+            // (Whole UTF-8 characters only: a token of part of one is checked byte by byte.)
             self.string_safe = bytes
                 .iter()
-                .map(|b| !b.is_empty() && b.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\'))
+                .map(|b| {
+                    !b.is_empty()
+                        && b.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\')
+                        && std::str::from_utf8(b).is_ok()
+                })
                 .collect();
             // DSML values: no `<` (a closing marker's start) nor 0xEF (`｜`'s first byte).
             self.value_safe = self

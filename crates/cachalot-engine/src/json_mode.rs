@@ -6,8 +6,10 @@
 //! start of one JSON object (optionally preceded and followed by a little whitespace);
 //! [`JsonState::is_complete`] says whether it is one already. Runs of whitespace are capped at
 //! [`MAX_WHITESPACE`] bytes inside the object and [`MAX_EDGE_WHITESPACE`] around it, and nesting
-//! at [`MAX_DEPTH`], so a model cannot pad forever nor a request nest without bound. Bytes of 0x80 and above are accepted
-//! inside strings (multi-byte UTF-8 characters; tokens hold whole or partial characters).
+//! at [`MAX_DEPTH`], so a model cannot pad forever nor a request nest without bound. Bytes of 0x80 and
+//! above are accepted inside strings where they walk UTF-8 (RFC 3629's well-formed sequences:
+//! no lone continuation byte, overlong form or surrogate; tokens hold whole or partial
+//! characters), as RFC 8259 §8.1 wants JSON text.
 
 /// The longest run of whitespace between tokens of the grammar (room for pretty-printed
 /// indentation; a run always ends at the next token, so the padding is bounded).
@@ -262,13 +264,16 @@ impl JsonState {
 /// `\u` escape still due (`code` the digits so far), `high` while a high surrogate's `\u` escape
 /// awaits its low half. RFC 8259 §7 writes a character beyond the BMP as a pair of `\u`
 /// escapes; a lone half is no character (serde_json refuses it), so a lone half is refused and
-/// a high half must be followed by a low one.
+/// a high half must be followed by a low one. `utf8`: continuation bytes of a raw multi-byte
+/// character still due, the next one in `next` (RFC 3629's table).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct StrLex {
     pub escape: bool,
     pub hex: u8,
     code: u16,
     pub high: bool,
+    utf8: u8,
+    next: (u8, u8),
 }
 
 impl StrLex {
@@ -281,6 +286,19 @@ impl StrLex {
 /// A string's next state after `b`: `Some(Some(lex))` inside it, `Some(None)` when `b` closes
 /// it, None when `b` cannot be in it (nor a `\u` digit that leaves no code point to finish).
 pub(crate) fn string_byte(b: u8, s: StrLex) -> Option<Option<StrLex>> {
+    if s.utf8 > 0 {
+        if !(s.next.0..=s.next.1).contains(&b) {
+            return None;
+        }
+        return Some(Some(match s.utf8 - 1 {
+            0 => StrLex::default(),
+            due => StrLex {
+                utf8: due,
+                next: (0x80, 0xbf),
+                ..StrLex::default()
+            },
+        }));
+    }
     if s.hex > 0 {
         let code = (s.code << 4) | (b as char).to_digit(16)? as u16;
         let hex = s.hex - 1;
@@ -326,7 +344,26 @@ pub(crate) fn string_byte(b: u8, s: StrLex) -> Option<Option<StrLex>> {
         _ if s.high => None,
         b'"' => Some(None),
         0..=0x1f => None,
-        _ => Some(Some(StrLex::default())),
+        0x20..=0x7f => Some(Some(StrLex::default())),
+        // A multi-byte character's lead byte: the continuation bytes due, the first one's
+        // range (no overlong forms, surrogates or code points past U+10FFFF).
+        _ => {
+            let (utf8, next) = match b {
+                0xc2..=0xdf => (1, (0x80, 0xbf)),
+                0xe0 => (2, (0xa0, 0xbf)),
+                0xe1..=0xec | 0xee..=0xef => (2, (0x80, 0xbf)),
+                0xed => (2, (0x80, 0x9f)),
+                0xf0 => (3, (0x90, 0xbf)),
+                0xf1..=0xf3 => (3, (0x80, 0xbf)),
+                0xf4 => (3, (0x80, 0x8f)),
+                _ => return None,
+            };
+            Some(Some(StrLex {
+                utf8,
+                next,
+                ..StrLex::default()
+            }))
+        }
     }
 }
 
@@ -399,11 +436,49 @@ mod tests {
         assert!(!accepts(&deep).0);
         let ok = format!("{{\"a\":{}", "[".repeat(MAX_DEPTH - 1));
         assert!(accepts(&ok).0);
-        // A plain string takes any byte but a quote, a backslash or a control byte.
+        // A plain string takes any character but a quote, a backslash or a control byte.
         let mut s = JsonState::new();
         assert!(s.feed_all(b"{\"k\": \"ab") && s.in_plain_string());
         assert!(s.feed_all("é中\u{7f}".as_bytes()) && s.in_plain_string());
+        // Within a character it is not plain (a quote cannot come there), after it it is.
+        assert!(s.feed(0xe4) && !s.in_plain_string());
+        assert!(!s.clone().feed(b'"'));
+        assert!(s.feed_all(&[0xb8, 0xad]) && s.in_plain_string());
         assert!(s.feed(b'\\') && !s.in_plain_string());
+        // Raw bytes must be well-formed UTF-8 (RFC 8259 §8.1): every valid character's bytes
+        // are taken; a lone continuation byte, an overlong form, a surrogate, a code point past
+        // U+10FFFF or a character cut by the closing quote are not.
+        for c in [
+            '\u{80}',
+            '\u{7ff}',
+            '\u{800}',
+            '\u{d7ff}',
+            '\u{e000}',
+            '\u{ffff}',
+            '\u{10000}',
+            '\u{10ffff}',
+        ] {
+            assert_eq!(
+                accepts(&format!("{{\"k\": \"{c}\"}}")),
+                (true, true),
+                "{c:?}"
+            );
+        }
+        for bad in [
+            &[0x8b][..],
+            &[0xc0, 0x80],
+            &[0xc1, 0xbf],
+            &[0xe0, 0x80, 0x80],
+            &[0xed, 0xa0, 0x80],
+            &[0xf0, 0x80, 0x80, 0x80],
+            &[0xf4, 0x90, 0x80, 0x80],
+            &[0xf5, 0x80, 0x80, 0x80],
+            &[0xe4, 0xb8, b'"'],
+        ] {
+            let mut s = JsonState::new();
+            assert!(s.feed_all(b"{\"k\": \""));
+            assert!(!s.feed_all(bad), "{bad:x?}");
+        }
         // Surrogate pairs: whole pairs only (serde_json refuses a lone half).
         assert_eq!(accepts(r#"{"k": "\ud83d\ude00"}"#), (true, true));
         assert!(!accepts(r#"{"k": "\ud83d"}"#).0);

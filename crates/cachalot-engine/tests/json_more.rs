@@ -63,9 +63,14 @@ fn lead(name: &str, between: bool) -> JsonLead {
 /// The answer the engine lets a model that wants `answer` write (the prompt's one token
 /// before it), and why it ended.
 fn run(tok: &Tokenizer, answer: &str, more: bool) -> (String, FinishReason) {
+    run_ids(tok, tok.encode(answer).unwrap(), more)
+}
+
+/// [`run`] of a model that wants the tokens `answer`.
+fn run_ids(tok: &Tokenizer, answer: Vec<u32>, more: bool) -> (String, FinishReason) {
     let eos = tok.eos_token_id().unwrap();
     let mut wants = vec![0u32];
-    wants.extend(tok.encode(answer).unwrap());
+    wants.extend(answer);
     let model = Scripted {
         wants,
         vocab: tok.vocab_size(),
@@ -139,4 +144,25 @@ fn several_calls_after_a_lead() {
     let (text, finish) = run(&tok, &format!("{first} and more"), true);
     assert_eq!(text, first);
     assert_eq!(finish, FinishReason::StopToken(eos));
+}
+
+/// A model that wants a string holding bytes that are no UTF-8 (a lone continuation byte, a
+/// character cut by the closing quote) does not get them: JSON text is UTF-8 (RFC 8259 §8.1).
+#[test]
+fn strings_hold_only_whole_utf8_characters() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/cachalot-tiny-r1");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let byte = |b: u8| {
+        (0..tok.vocab_size() as u32)
+            .find(|&t| tok.token_bytes(t) == [b])
+            .unwrap_or_else(|| panic!("no token of the byte {b:#x}"))
+    };
+    let lead = "get_weather\n```json\n{\"city\": \"";
+    for tail in [vec![0x8b, b'"', b'}'], vec![0xe4, 0xb8, b'"', b'}']] {
+        let mut ids = tok.encode(lead).unwrap();
+        ids.extend(tail.iter().map(|&b| byte(b)));
+        let (text, _) = run_ids(&tok, ids, false);
+        assert!(!text.contains('\u{fffd}'), "{tail:x?}: {text:?}");
+        assert!(text.starts_with(lead), "{text:?}");
+    }
 }
