@@ -667,6 +667,10 @@ struct Lead {
     options: Vec<Vec<u8>>,
     /// What each option holds the text after it to.
     then: Vec<After>,
+    /// Where each option holds a special token's text (tool-call markers): written by that
+    /// token alone, not spelled out in ordinary tokens (which the model's tokenizer would never
+    /// give it).
+    spans: Vec<Vec<(usize, usize)>>,
     written: Vec<u8>,
     /// A stop token may end the answer before anything of the lead is written (after a
     /// forced call's arguments, instead of another call).
@@ -676,8 +680,26 @@ struct Lead {
 impl Lead {
     /// The request's leads with their schemas compiled (`Engine::compile_spec` checked
     /// them: one that does not compile is any object here).
-    fn new(leads: &[JsonLead], dsml: bool) -> Lead {
+    fn new(leads: &[JsonLead], dsml: bool, specials: &HashMap<u32, Vec<u8>>) -> Lead {
+        let spans = leads
+            .iter()
+            .map(|l| {
+                let text = l.text.as_bytes();
+                let mut spans: Vec<(usize, usize)> = specials
+                    .values()
+                    .filter(|s| s.len() > 1)
+                    .flat_map(|s| {
+                        (0..text.len().saturating_sub(s.len() - 1))
+                            .filter(|&i| text[i..].starts_with(s))
+                            .map(|i| (i, i + s.len()))
+                    })
+                    .collect();
+                spans.sort_unstable();
+                spans
+            })
+            .collect();
         Lead {
+            spans,
             options: leads.iter().map(|l| l.text.as_bytes().to_vec()).collect(),
             then: leads
                 .iter()
@@ -694,17 +716,27 @@ impl Lead {
         }
     }
 
-    /// Token bytes `b` keep the answer on a lead, or finish one and begin the JSON object.
-    fn allows(&self, b: &[u8]) -> bool {
+    /// Token bytes `b` (of a special token: `special`) keep the answer on a lead, or finish
+    /// one and begin the JSON object.
+    fn allows(&self, b: &[u8], special: bool) -> bool {
+        let (w, end) = (self.written.len(), self.written.len() + b.len());
         !b.is_empty()
-            && self.options.iter().any(|o| {
+            && self.options.iter().enumerate().any(|(i, o)| {
                 let Some(rest) = o.strip_prefix(self.written.as_slice()) else {
                     return false;
                 };
-                if rest.starts_with(b) {
+                // A special token's text in the lead is that token's: a special token writes
+                // one whole, and no other token writes any part of one.
+                let covered = end.min(o.len());
+                let ok_spans = self.spans[i]
+                    .iter()
+                    .filter(|&&(s, e)| s < covered && e > w)
+                    .all(|&span| special && span == (w, end));
+                if !ok_spans {
+                    false
+                } else if rest.starts_with(b) {
                     true
                 } else if b.starts_with(rest) {
-                    let i = self.options.iter().position(|x| x == o).unwrap_or(0);
                     match &self.then[i] {
                         After::Free => true,
                         After::Json(s) => Grammar::new(s).feed_all(&b[rest.len()..]),
@@ -753,7 +785,8 @@ fn lead_mask(
             let t = t as u32;
             let stop_ok = lead.stop_ok && lead.written.is_empty();
             if (stop_ok && stop.contains(&t))
-                || (!stop.contains(&t) && lead.allows(lead_bytes(t, bytes, specials)))
+                || (!stop.contains(&t)
+                    && lead.allows(lead_bytes(t, bytes, specials), specials.contains_key(&t)))
             {
                 x
             } else {
@@ -1340,11 +1373,10 @@ impl<'t, M: Model> Engine<'t, M> {
                 let b = g.token_bytes(kv.first_token, bytes, &self.special_bytes);
                 !b.is_empty() && g.clone().feed_all(b)
             } else {
-                Lead::new(&req.json_lead, req.dsml).allows(lead_bytes(
-                    kv.first_token,
-                    bytes,
-                    &self.special_bytes,
-                ))
+                Lead::new(&req.json_lead, req.dsml, &self.special_bytes).allows(
+                    lead_bytes(kv.first_token, bytes, &self.special_bytes),
+                    self.special_bytes.contains_key(&kv.first_token),
+                )
             };
             if !fits {
                 return refuse(format!(
@@ -1582,7 +1614,7 @@ impl<'t, M: Model> Engine<'t, M> {
                     .then(|| Grammar::new(&schema)),
                 schema,
                 lead: (req.json_object && req.json_after.is_none() && !req.json_lead.is_empty())
-                    .then(|| Lead::new(&req.json_lead, req.dsml)),
+                    .then(|| Lead::new(&req.json_lead, req.dsml, &self.special_bytes)),
                 json_more: if req.json_object
                     && req.json_after.is_none()
                     && !req.json_lead.is_empty()
@@ -2240,7 +2272,7 @@ impl<'t, M: Model> Engine<'t, M> {
         // token wrote after the object starts it, where it begins one of its texts; else it
         // stays the object's trailing whitespace).
         if let Some((next, rest)) = more {
-            let mut lead = Lead::new(&next, live.dsml);
+            let mut lead = Lead::new(&next, live.dsml, &self.special_bytes);
             lead.stop_ok = true;
             if !rest.is_empty() && lead.options.iter().any(|o| o.starts_with(&rest)) {
                 lead.written = rest;
@@ -2602,20 +2634,21 @@ mod tests {
                 b"get_time\n```json\n".to_vec(),
                 b"get_weather\n```json\n".to_vec(),
             ],
+            spans: vec![Vec::new(); 2],
             written: Vec::new(),
             stop_ok: false,
         };
-        assert!(lead.allows(b"get"));
-        assert!(lead.allows(b"get_weather\n```json\n{"));
-        assert!(!lead.allows(b"set"));
-        assert!(!lead.allows(b""));
+        assert!(lead.allows(b"get", false));
+        assert!(lead.allows(b"get_weather\n```json\n{", false));
+        assert!(!lead.allows(b"set", false));
+        assert!(!lead.allows(b"", false));
         assert!(lead.push(b"get_").is_none());
-        assert!(lead.allows(b"time"));
-        assert!(!lead.allows(b"tim e"));
+        assert!(lead.allows(b"time", false));
+        assert!(!lead.allows(b"tim e", false));
         assert!(lead.push(b"weather\n```").is_none());
         // Finishing the lead inside a token: what follows must begin a JSON object.
-        assert!(lead.allows(b"json\n{\""));
-        assert!(!lead.allows(b"json\nx"));
+        assert!(lead.allows(b"json\n{\"", false));
+        assert!(!lead.allows(b"json\nx", false));
         let Some(LeadDone::Json(mut json, None)) = lead.push(b"json\n{\"") else {
             panic!("the lead is complete");
         };
@@ -2624,11 +2657,12 @@ mod tests {
         let mut free = Lead {
             then: vec![After::Free],
             options: vec![b"f\">\n".to_vec()],
+            spans: vec![Vec::new()],
             written: Vec::new(),
             stop_ok: false,
         };
-        assert!(free.allows(b"f\">\n<x"));
-        assert!(!free.allows(b"g"));
+        assert!(free.allows(b"f\">\n<x", false));
+        assert!(!free.allows(b"g", false));
         assert!(matches!(free.push(b"f\">\n<x"), Some(LeadDone::Free)));
         // After a call's arguments: another call or the section's end, which ends the answer
         // (nothing may follow it in the token that writes it).
@@ -2648,14 +2682,18 @@ mod tests {
                 },
             ]
         };
-        let mut more = Lead::new(&more_leads(), false);
-        assert!(more.allows(b"]") && more.allows(b"]]") && more.allows(b"]\n[get\n{"));
-        assert!(!more.allows(b"]]x") && !more.allows(b"]\n[get\nx"));
+        let mut more = Lead::new(&more_leads(), false, &HashMap::new());
+        assert!(
+            more.allows(b"]", false)
+                && more.allows(b"]]", false)
+                && more.allows(b"]\n[get\n{", false)
+        );
+        assert!(!more.allows(b"]]x", false) && !more.allows(b"]\n[get\nx", false));
         assert!(more.push(b"]").is_none());
         assert!(matches!(more.push(b"]"), Some(LeadDone::End)));
         // A token that ends a lead and closes its object too (`{}`): the grammar complete, the
         // bytes after the object handed back (for the next lead), not fed.
-        let mut both = Lead::new(&more_leads()[..1], false);
+        let mut both = Lead::new(&more_leads()[..1], false, &HashMap::new());
         let Some(LeadDone::Json(json, Some(rest))) = both.push(b"]\n[get\n{} ") else {
             panic!("the lead and its object are complete");
         };
@@ -2666,17 +2704,27 @@ mod tests {
         assert_eq!(next_leads(&list, 1), None);
         assert_eq!(next_leads(&list, 7), None);
         let specials: HashMap<u32, Vec<u8>> = [(7, b"<|arg|>".to_vec())].into();
-        let bytes = vec![b"a".to_vec(); 8];
-        let mut lead = Lead {
-            then: vec![After::Json(Spec::Object)],
-            options: vec![b"a<|arg|>".to_vec()],
-            written: b"a".to_vec(),
-            stop_ok: true,
+        let mut bytes = vec![b"a".to_vec(); 8];
+        // (An ordinary token that spells the special token's start.)
+        bytes[6] = b"<|".to_vec();
+        let lead_of = |text: &str| JsonLead {
+            text: text.into(),
+            schema: None,
+            then_json: true,
+            ends: false,
         };
+        let mut lead = Lead::new(&[lead_of("a<|arg|>")], false, &specials);
+        assert_eq!(lead.spans, vec![vec![(1, 8)]]);
+        lead.written = b"a".to_vec();
+        lead.stop_ok = true;
         let row = vec![0.0f32; 8];
         let masked = lead_mask(&row, &lead, &bytes, &specials, &[]);
         assert!(masked[7].is_finite());
         assert!(masked[..7].iter().all(|x| x.is_infinite()));
+        // Without the span (a tokenizer that does not mark it special) the spelling is taken.
+        let plain = Lead::new(&[lead_of("a<|arg|>")], false, &HashMap::new());
+        assert!(plain.allows(b"a<|", false) && lead.allows(b"<|arg|>", true));
+        assert!(!Lead::new(&[lead_of("a<|arg|>")], false, &specials).allows(b"a<|", false));
         assert!(lead_mask(&row, &lead, &bytes, &specials, &[7])[7].is_infinite());
         // A stop token where it may end the answer instead: only before the lead is begun.
         assert!(lead_mask(&row, &lead, &bytes, &specials, &[3])[3].is_infinite());
