@@ -479,14 +479,17 @@ fn tool_calls_of(
     })
 }
 
-/// Adds a turn's tool-call fields to its JSON object `v`: `content` and `tool_calls`, or
-/// `tool_call_error`.
+/// Adds a turn's answer fields to its JSON object `v`: `reasoning_content` where the model
+/// reasoned (as serve's), `content` and `tool_calls`, or `tool_call_error`.
 fn add_tool_fields(
     v: &mut serde_json::Value,
     parsed: &Option<std::result::Result<ParsedAnswer, String>>,
-    answer: &str,
+    (reasoning, answer): (&str, &str),
 ) {
     let Some(o) = v.as_object_mut() else { return };
+    if !reasoning.is_empty() {
+        o.insert("reasoning_content".into(), reasoning.into());
+    }
     match parsed {
         Some(Ok(p)) if !p.tool_calls.is_empty() => {
             o.insert("content".into(), p.content.clone().into());
@@ -847,11 +850,11 @@ fn generate_with<M: Model>(
             "decode_s": g.decode_s,
         });
         if tok.is_some() {
-            let answer = ReasoningSplitter::split_at(prompt_text, &g.text, sections).1;
+            let (reasoning, answer) = ReasoningSplitter::split_at(prompt_text, &g.text, sections);
             add_tool_fields(
                 &mut v,
                 &tool_calls_of(tool_format, &answer, &g.finish),
-                &answer,
+                (&reasoning, &answer),
             );
         }
         println!("{v}");
@@ -1111,7 +1114,7 @@ pub fn chat(args: &ChatArgs) -> Result<()> {
                     "output_ids": g.tokens,
                     "finish_reason": finish_word(&g.finish),
                 });
-                add_tool_fields(&mut v, &parsed, &answer);
+                add_tool_fields(&mut v, &parsed, (&reasoning, &answer));
                 println!("{v}");
             }
         }

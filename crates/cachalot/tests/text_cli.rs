@@ -179,6 +179,27 @@ fn generate_streams_the_same_text_as_the_json_decode() {
     assert_eq!(ok(again), streamed);
 }
 
+/// `generate --chat --json` gives the reasoning apart, as serve's `reasoning_content` (the
+/// shipped model's template opens `<think>`).
+#[test]
+fn chat_json_keeps_the_reasoning() {
+    let j = json(&ok(cachalot(
+        &[
+            "generate",
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ],
+        None,
+    )));
+    let text = j["text"].as_str().unwrap();
+    let want = text.split("</think>").next().unwrap();
+    assert_eq!(j["reasoning_content"].as_str(), Some(want), "{j}");
+}
+
 #[test]
 fn greedy_generate_matches_the_library_and_max_tokens_still_works() {
     let out = json(&ok(cachalot(
