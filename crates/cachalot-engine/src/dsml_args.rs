@@ -37,6 +37,8 @@ const PARAM_OPEN: &[u8] = "<｜DSML｜parameter name=\"".as_bytes();
 const PARAM_CLOSE: &[u8] = "</｜DSML｜parameter>".as_bytes();
 /// Closes the invoke and the call block.
 const END: &[u8] = "</｜DSML｜invoke>\n</｜DSML｜tool_calls>".as_bytes();
+/// Closes the invoke alone ([`DsmlState::ending_at_invoke`]: more calls may follow).
+const INVOKE_END: &[u8] = "</｜DSML｜invoke>".as_bytes();
 /// The marker no value may hold.
 const DSML: &[u8] = cachalot_model::tokenizer::dsv4::DSML.as_bytes();
 
@@ -313,6 +315,8 @@ pub struct DsmlState {
     /// The last bytes of the current value (up to the marker's length, the newest last), to
     /// find `｜DSML｜` in it.
     recent: [u8; DSML.len()],
+    /// What closes the parameters: the invoke and the block, or the invoke alone.
+    end: &'static [u8],
 }
 
 impl DsmlState {
@@ -328,7 +332,15 @@ impl DsmlState {
                 end: true,
             },
             recent: [0; DSML.len()],
+            end: END,
         }
+    }
+
+    /// The grammar complete once the invoke closes (`</｜DSML｜invoke>`), for an answer that
+    /// may go on with another call or close the block itself (a "required" answer's calls).
+    pub fn ending_at_invoke(mut self) -> DsmlState {
+        self.end = INVOKE_END;
+        self
     }
 
     fn is_given(&self, i: usize) -> bool {
@@ -493,10 +505,10 @@ impl DsmlState {
                 }
                 let k = n - usize::from(newline);
                 let open = open && self.param_may_open() && PARAM_OPEN.get(k) == Some(&b);
-                let end = end && self.may_end() && END.get(k) == Some(&b);
+                let end = end && self.may_end() && self.end.get(k) == Some(&b);
                 if open && k + 1 == PARAM_OPEN.len() {
                     self.at = At::Name(Vec::new());
-                } else if end && k + 1 == END.len() {
+                } else if end && k + 1 == self.end.len() {
                     self.at = At::Done;
                 } else if open || end {
                     self.at = At::Between {
@@ -682,6 +694,21 @@ mod tests {
             "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "maxItems": 3}},
             "required": ["city", "days"], "additionalProperties": false,
             "$defs": {"tag": {"type": "string", "maxLength": 5}}})
+    }
+
+    /// Ending at the invoke (more calls may follow): complete at `</｜DSML｜invoke>`, the
+    /// block's close not taken; the required names are still needed first.
+    #[test]
+    fn a_grammar_ending_at_the_invoke() {
+        let args = json!({"city": "Paris", "days": 3});
+        let text = rendered(&args);
+        let upto = text.find("</｜DSML｜invoke>").unwrap() + "</｜DSML｜invoke>".len();
+        let mut st = state(&weather()).ending_at_invoke();
+        assert!(st.feed_all(&text.as_bytes()[..upto]), "{text:?}");
+        assert!(st.is_complete());
+        assert!(!st.clone().feed(b'\n'));
+        let mut early = state(&weather()).ending_at_invoke();
+        assert!(!early.feed_all("</｜DSML｜invoke>".as_bytes()));
     }
 
     /// What the encoder writes for arguments the schema accepts is taken and complete, and

@@ -533,7 +533,8 @@ fn yes() -> bool {
 enum Spec {
     Object,
     Schema(Arc<Schema>),
-    Dsml(Arc<DsmlSpec>),
+    /// DSML parameters; `true`: complete once the invoke closes (more calls may follow).
+    Dsml(Arc<DsmlSpec>, bool),
 }
 
 impl Spec {
@@ -545,8 +546,9 @@ impl Spec {
             // A tool's parameters DSML cannot hold: any parameters, in DSML's form.
             (Some(s), true) => Ok(Spec::Dsml(
                 DsmlSpec::compile(s).unwrap_or_else(|_| DsmlSpec::lenient(s)),
+                false,
             )),
-            (None, true) => Ok(Spec::Dsml(DsmlSpec::any())),
+            (None, true) => Ok(Spec::Dsml(DsmlSpec::any(), false)),
         }
     }
 }
@@ -564,7 +566,8 @@ impl Grammar {
         match spec {
             Spec::Schema(s) => Grammar::Schema(SchemaState::new(s.clone())),
             Spec::Object => Grammar::Object(JsonState::new()),
-            Spec::Dsml(s) => Grammar::Dsml(DsmlState::new(s.clone())),
+            Spec::Dsml(s, false) => Grammar::Dsml(DsmlState::new(s.clone())),
+            Spec::Dsml(s, true) => Grammar::Dsml(DsmlState::new(s.clone()).ending_at_invoke()),
         }
     }
 
@@ -652,6 +655,11 @@ fn feed_to_end(g: &mut Grammar, b: &[u8]) -> Option<Vec<u8>> {
     None
 }
 
+/// A request's DSML mode for its leads: (DSML parameters, more calls may follow them).
+fn dsml_mode(req: &Request) -> (bool, bool) {
+    (req.dsml, req.dsml && !req.json_more.is_empty())
+}
+
 /// The leads that may follow a lead's `objects`-th object ([`Request::json_more`]; None: only
 /// a stop token).
 fn next_leads(more: &[Vec<JsonLead>], objects: usize) -> Option<Vec<JsonLead>> {
@@ -679,8 +687,13 @@ struct Lead {
 
 impl Lead {
     /// The request's leads with their schemas compiled (`Engine::compile_spec` checked
-    /// them: one that does not compile is any object here).
-    fn new(leads: &[JsonLead], dsml: bool, specials: &HashMap<u32, Vec<u8>>) -> Lead {
+    /// them: one that does not compile is any object here). `more`: other calls may follow
+    /// each (DSML parameters then end with their invoke).
+    fn new(
+        leads: &[JsonLead],
+        (dsml, more): (bool, bool),
+        specials: &HashMap<u32, Vec<u8>>,
+    ) -> Lead {
         let spans = leads
             .iter()
             .map(|l| {
@@ -705,9 +718,12 @@ impl Lead {
                 .iter()
                 .map(|l| match (l.ends, l.then_json) {
                     (true, _) => After::End,
-                    (false, true) => {
-                        After::Json(Spec::compile(l.schema.as_ref(), dsml).unwrap_or(Spec::Object))
-                    }
+                    (false, true) => After::Json(
+                        match Spec::compile(l.schema.as_ref(), dsml).unwrap_or(Spec::Object) {
+                            Spec::Dsml(s, _) => Spec::Dsml(s, more),
+                            other => other,
+                        },
+                    ),
                     (false, false) => After::Free,
                 })
                 .collect(),
@@ -1373,7 +1389,7 @@ impl<'t, M: Model> Engine<'t, M> {
                 let b = g.token_bytes(kv.first_token, bytes, &self.special_bytes);
                 !b.is_empty() && g.clone().feed_all(b)
             } else {
-                Lead::new(&req.json_lead, req.dsml, &self.special_bytes).allows(
+                Lead::new(&req.json_lead, dsml_mode(&req), &self.special_bytes).allows(
                     lead_bytes(kv.first_token, bytes, &self.special_bytes),
                     self.special_bytes.contains_key(&kv.first_token),
                 )
@@ -1580,6 +1596,7 @@ impl<'t, M: Model> Engine<'t, M> {
     fn insert_live(&mut self, id: u64, req: Request, sampler: Sampler) {
         // (Compiled in `check_request` already: it cannot fail here.)
         let schema = self.compile_spec(&req).unwrap_or(Spec::Object);
+        let dsml = dsml_mode(&req);
         let stream = self
             .tokenizer
             .map(|t| TextStream::new(t, &req.stop.stop_strings, &req.special_text));
@@ -1614,7 +1631,7 @@ impl<'t, M: Model> Engine<'t, M> {
                     .then(|| Grammar::new(&schema)),
                 schema,
                 lead: (req.json_object && req.json_after.is_none() && !req.json_lead.is_empty())
-                    .then(|| Lead::new(&req.json_lead, req.dsml, &self.special_bytes)),
+                    .then(|| Lead::new(&req.json_lead, dsml, &self.special_bytes)),
                 json_more: if req.json_object
                     && req.json_after.is_none()
                     && !req.json_lead.is_empty()
@@ -2272,7 +2289,8 @@ impl<'t, M: Model> Engine<'t, M> {
         // token wrote after the object starts it, where it begins one of its texts; else it
         // stays the object's trailing whitespace).
         if let Some((next, rest)) = more {
-            let mut lead = Lead::new(&next, live.dsml, &self.special_bytes);
+            let more = live.dsml && !live.json_more.is_empty();
+            let mut lead = Lead::new(&next, (live.dsml, more), &self.special_bytes);
             lead.stop_ok = true;
             if !rest.is_empty() && lead.options.iter().any(|o| o.starts_with(&rest)) {
                 lead.written = rest;
@@ -2682,7 +2700,7 @@ mod tests {
                 },
             ]
         };
-        let mut more = Lead::new(&more_leads(), false, &HashMap::new());
+        let mut more = Lead::new(&more_leads(), (false, false), &HashMap::new());
         assert!(
             more.allows(b"]", false)
                 && more.allows(b"]]", false)
@@ -2693,7 +2711,7 @@ mod tests {
         assert!(matches!(more.push(b"]"), Some(LeadDone::End)));
         // A token that ends a lead and closes its object too (`{}`): the grammar complete, the
         // bytes after the object handed back (for the next lead), not fed.
-        let mut both = Lead::new(&more_leads()[..1], false, &HashMap::new());
+        let mut both = Lead::new(&more_leads()[..1], (false, false), &HashMap::new());
         let Some(LeadDone::Json(json, Some(rest))) = both.push(b"]\n[get\n{} ") else {
             panic!("the lead and its object are complete");
         };
@@ -2713,7 +2731,7 @@ mod tests {
             then_json: true,
             ends: false,
         };
-        let mut lead = Lead::new(&[lead_of("a<|arg|>")], false, &specials);
+        let mut lead = Lead::new(&[lead_of("a<|arg|>")], (false, false), &specials);
         assert_eq!(lead.spans, vec![vec![(1, 8)]]);
         lead.written = b"a".to_vec();
         lead.stop_ok = true;
@@ -2722,9 +2740,11 @@ mod tests {
         assert!(masked[7].is_finite());
         assert!(masked[..7].iter().all(|x| x.is_infinite()));
         // Without the span (a tokenizer that does not mark it special) the spelling is taken.
-        let plain = Lead::new(&[lead_of("a<|arg|>")], false, &HashMap::new());
+        let plain = Lead::new(&[lead_of("a<|arg|>")], (false, false), &HashMap::new());
         assert!(plain.allows(b"a<|", false) && lead.allows(b"<|arg|>", true));
-        assert!(!Lead::new(&[lead_of("a<|arg|>")], false, &specials).allows(b"a<|", false));
+        assert!(
+            !Lead::new(&[lead_of("a<|arg|>")], (false, false), &specials).allows(b"a<|", false)
+        );
         assert!(lead_mask(&row, &lead, &bytes, &specials, &[7])[7].is_infinite());
         // A stop token where it may end the answer instead: only before the lead is begun.
         assert!(lead_mask(&row, &lead, &bytes, &specials, &[3])[3].is_infinite());
@@ -2742,7 +2762,7 @@ mod tests {
             (2, "<\u{ff5c}DSML\u{ff5c}".as_bytes().to_vec()),
         ]
         .into();
-        let dsml = Grammar::new(&Spec::Dsml(DsmlSpec::any()));
+        let dsml = Grammar::new(&Spec::Dsml(DsmlSpec::any(), false));
         assert_eq!(dsml.token_bytes(0, &bytes, &specials), b"a");
         assert!(dsml.token_bytes(1, &bytes, &specials).is_empty());
         assert_eq!(dsml.token_bytes(2, &bytes, &specials), &specials[&2][..]);

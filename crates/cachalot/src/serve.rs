@@ -4177,7 +4177,9 @@ fn forced_call(
             return None;
         }
         let suffix = if v4 {
-            String::new()
+            // (Where more calls may follow the first; a single call's grammar closes the
+            // block itself.)
+            format!("\n</{}tool_calls>", cachalot_model::tokenizer::dsv4::DSML)
         } else {
             let after = &full[args_at + FORCED_ARGUMENTS.len()..];
             let (end_at, end) = format
@@ -4314,9 +4316,35 @@ fn forced_call(
             });
             Some(e)
         };
-        let more = match (name.is_none() && !v4 && !suffix.is_empty())
-            .then(|| (next_call(1), next_call(2)))
-        {
+        // DeepSeek-V4's DSML: after a call's `</｜DSML｜invoke>`, another invoke of any tool
+        // or the block's close (the encoder's markup between a turn's calls).
+        let dsml = cachalot_model::tokenizer::dsv4::DSML;
+        let v4_next = || -> Vec<JsonLead> {
+            tool_list
+                .iter()
+                .filter_map(|t| t["function"]["name"].as_str())
+                .map(|n| JsonLead {
+                    text: format!("\n<{dsml}invoke name=\"{n}\">\n"),
+                    schema: parameters(n),
+                    then_json: true,
+                    ends: false,
+                })
+                .chain([JsonLead {
+                    text: suffix.clone(),
+                    schema: None,
+                    then_json: false,
+                    ends: true,
+                }])
+                .collect()
+        };
+        let more = match (name.is_none() && !suffix.is_empty()).then(|| {
+            if v4 {
+                (Some(v4_next()), None)
+            } else {
+                (next_call(1), next_call(2))
+            }
+        }) {
+            Some((Some(a), None)) if v4 => vec![a],
             Some((Some(a), Some(b))) if a == b => vec![a],
             // The markup numbers the calls: each call's own, up to a bound, then the end.
             Some((Some(a), Some(b))) => [a, b]
@@ -5930,6 +5958,16 @@ fn stream(
 mod tests {
     use super::*;
 
+    /// The names of the calls an answer parses to.
+    fn call_names(format: ToolCallFormat, answer: &str) -> Vec<String> {
+        let parsed = format.parse(answer).unwrap();
+        parsed
+            .tool_calls
+            .into_iter()
+            .map(|c| c.function.name)
+            .collect()
+    }
+
     /// A loop over a variable set from a message's content walks its parts (Kimi-K2-Thinking's
     /// macro); a containment test on one (R1's `'</think>' in content`) does not.
     #[test]
@@ -5993,13 +6031,10 @@ mod tests {
             "{}{}{{\"city\": \"Paris\"}}{}{{}}{suffix}",
             any.prefix, leads[0].text, more[0][1].text
         );
-        let parsed = ToolCallFormat::KimiK2.parse(&two).unwrap();
-        let names: Vec<&str> = parsed
-            .tool_calls
-            .iter()
-            .map(|c| c.function.name.as_str())
-            .collect();
-        assert_eq!(names, ["get_weather", "get_time"]);
+        assert_eq!(
+            call_names(ToolCallFormat::KimiK2, &two),
+            ["get_weather", "get_time"]
+        );
         let calls: Vec<String> = leads
             .iter()
             .map(|l| format!("{}{}", any.prefix, l.text))
@@ -6199,7 +6234,8 @@ mod tests {
         let kwargs = Map::new();
         let any = forced_call(format, &template, &messages, Some(&tools), &kwargs, &None).unwrap();
         let j = any.json.expect("the name is held");
-        assert!(j.dsml && j.suffix.is_empty());
+        let d = cachalot_model::tokenizer::dsv4::DSML;
+        assert!(j.dsml && j.suffix == format!("\n</{d}tool_calls>"));
         assert!(j.leads.iter().all(|l| l.then_json));
         assert_eq!(
             j.leads[0].schema,
@@ -6214,10 +6250,25 @@ mod tests {
         );
         let parsed = ToolCallFormat::DeepseekV4.parse(&answer).unwrap();
         assert_eq!(parsed.tool_calls[0].function.name, "get_weather");
+        // "required" may go on with more calls, each an invoke of one of the tools, or close
+        // the block: the answer then parses as every call.
+        assert_eq!(j.more.len(), 1);
+        let next = &j.more[0];
+        assert_eq!(next.len(), 3);
+        assert_eq!(next[1].text, format!("\n<{d}invoke name=\"get_time\">\n"));
+        assert!(next[1].then_json && next[2].ends && next[2].text == j.suffix);
+        let two = format!(
+            "{}{}<{d}parameter name=\"city\" string=\"true\">Paris</{d}parameter>\n</{d}invoke>{}</{d}invoke>{}",
+            any.prefix, j.leads[0].text, next[1].text, next[2].text
+        );
+        assert_eq!(
+            call_names(ToolCallFormat::DeepseekV4, &two),
+            ["get_weather", "get_time"]
+        );
         let named = Some("get_time".to_string());
         let one = forced_call(format, &template, &messages, Some(&tools), &kwargs, &named).unwrap();
         let j = one.json.expect("the parameters are held");
-        assert!(j.dsml && j.leads.is_empty());
+        assert!(j.dsml && j.leads.is_empty() && j.more.is_empty());
         assert_eq!(j.schema, Some(json!({"type": "object"})));
         assert!(
             one.prefix.ends_with("name=\"get_time\">\n"),

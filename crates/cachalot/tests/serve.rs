@@ -2471,6 +2471,28 @@ fn serve_forces_tool_calls_in_dsml() {
         let t = tools.as_array().unwrap().iter();
         t.clone().find(|t| t["function"]["name"] == name).unwrap()["function"]["parameters"].clone()
     };
+    // A call is one of `names`, its arguments held to its tool's schema.
+    let check_call = |call: &Value, names: &[&str]| {
+        let name = call["name"].as_str().unwrap();
+        assert!(names.contains(&name), "{name}: {call}");
+        let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        let props = schema(name)["properties"].clone();
+        let o = args.as_object().unwrap();
+        for req in schema(name)["required"].as_array().unwrap() {
+            assert!(o.contains_key(req.as_str().unwrap()), "{args}");
+        }
+        for (k, v) in o {
+            let p = &props[k];
+            assert!(p.is_object(), "{k} is not a parameter of {name}: {args}");
+            match p["type"].as_str() {
+                Some("string") => assert!(
+                    v.as_str().unwrap().chars().count() as u64 <= p["maxLength"].as_u64().unwrap()
+                ),
+                Some("integer") => assert!((1..=3).contains(&v.as_i64().unwrap())),
+                _ => assert!(p["enum"].as_array().unwrap().contains(v)),
+            }
+        }
+    };
     let mut calls = 0;
     let mut call_ids: Vec<String> = Vec::new();
     for (choice, names) in [
@@ -2500,42 +2522,57 @@ fn serve_forces_tool_calls_in_dsml() {
             // Unique over the answers (clients match results to calls by id).
             assert!(id.starts_with("call_") && !call_ids.contains(&id), "{id}");
             call_ids.push(id);
-            let call = &m["tool_calls"].as_array().expect("one call")[0]["function"];
-            let name = call["name"].as_str().unwrap();
-            assert!(names.contains(&name), "{name}: {v}");
-            let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
-            let props = schema(name)["properties"].clone();
-            let o = args.as_object().unwrap();
-            for req in schema(name)["required"].as_array().unwrap() {
-                assert!(o.contains_key(req.as_str().unwrap()), "{args}");
-            }
-            for (k, v) in o {
-                let p = &props[k];
-                assert!(p.is_object(), "{k} is not a parameter of {name}: {args}");
-                match p["type"].as_str() {
-                    Some("string") => assert!(
-                        v.as_str().unwrap().chars().count() as u64
-                            <= p["maxLength"].as_u64().unwrap()
-                    ),
-                    Some("integer") => assert!((1..=3).contains(&v.as_i64().unwrap())),
-                    _ => assert!(p["enum"].as_array().unwrap().contains(v)),
-                }
+            // ("required" may write several calls, each held to its tool's schema; a named
+            // call is one.)
+            let all = m["tool_calls"].as_array().expect("calls");
+            assert!(all.len() == 1 || names.len() > 1, "{v}");
+            for c in all {
+                check_call(&c["function"], &names);
             }
             calls += 1;
-            // Streamed, the same call comes as it is written: its name first, then its
+            // Streamed, the same calls come as they are written: each name first, then its
             // parameters as pieces of the same JSON text.
             let mut body = body.clone();
             body["stream"] = true.into();
             let (streamed, finish, pieces) =
                 accumulate(&events(&server.addr, "/v1/chat/completions", &body));
             assert_eq!(finish, "tool_calls");
-            assert_eq!(streamed["tool_calls"][0]["function"], *call, "{streamed}");
-            if !o.is_empty() {
+            let functions = |calls: &Value| -> Vec<Value> {
+                calls
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|c| c["function"].clone())
+                    .collect()
+            };
+            assert_eq!(
+                functions(&streamed["tool_calls"]),
+                functions(&m["tool_calls"]),
+                "{streamed}"
+            );
+            if all[0]["function"]["arguments"] != "{}" {
                 assert!(pieces > 2, "{pieces} pieces: {streamed}");
             }
         }
     }
     assert!(calls >= 6, "{calls} of 9 answers were whole calls");
+    // "required" lets the model write several calls, as vLLM's: an invoke of any tool after
+    // each, each held to its tool's schema, until it closes the block.
+    let body = json!({"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}],
+                      "tools": tools, "tool_choice": "required", "max_tokens": 400,
+                      "temperature": 1.5, "seed": 3, "n": 8});
+    let (status, v) = post(&server.addr, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let mut most = 0;
+    for c in v["choices"].as_array().unwrap() {
+        assert_eq!(c["finish_reason"], "tool_calls", "{c}");
+        let all = c["message"]["tool_calls"].as_array().unwrap();
+        for call in all {
+            check_call(&call["function"], &["get_weather", "get_time"]);
+        }
+        most = most.max(all.len());
+    }
+    assert!(most >= 2, "no answer made two calls: {v}");
     // /tokenize counts a forced call's start as the answer's prompt does.
     let q = json!([{"role": "user", "content": "u"}]);
     let shown = tokenize(json!({"messages": q, "tools": tools})).len();
