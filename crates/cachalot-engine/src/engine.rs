@@ -1329,6 +1329,14 @@ impl<'t, M: Model> Engine<'t, M> {
             req.params.seed = kv.params.seed;
         }
         if kv.prompt != req.prompt || kv.params != req.params {
+            // Sampling alone differing may be the servers' defaults for what the request left
+            // out.
+            let defaults = if kv.prompt == req.prompt {
+                ", or the two servers' defaults for sampling fields the request leaves out \
+                 differ (serve --generation-config, the model's generation_config.json)"
+            } else {
+                ""
+            };
             let what = if kv.prompt != req.prompt {
                 let at = kv.prompt.iter().zip(&req.prompt).position(|(a, b)| a != b);
                 let how = match at {
@@ -1349,7 +1357,7 @@ impl<'t, M: Model> Engine<'t, M> {
             return refuse(format!(
                 "the transferred KV is of {what}: it belongs to another request (give each \
                  request its own bootstrap_room), or the two sides render and tokenize requests \
-                 differently (run the same model, tokenizer and chat template on both)"
+                 differently (run the same model, tokenizer and chat template on both){defaults}"
             ));
         }
         if let (true, Some(m)) = (self.next_n > 0, &kv.mtp) {
@@ -2590,7 +2598,11 @@ fn params_differences(there: &SamplingParams, here: &SamplingParams) -> String {
     let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
     keys.sort();
     keys.dedup();
-    let show = |v: Option<&serde_json::Value>| v.map_or("none".to_string(), |v| v.to_string());
+    // (f32 fields as the request gave them: 0.6, not 0.6000000238418579.)
+    let show = |v: Option<&serde_json::Value>| match v.and_then(serde_json::Value::as_f64) {
+        Some(x) if v.is_some_and(|v| v.is_f64()) => format!("{}", x as f32),
+        _ => v.map_or("none".to_string(), |v| v.to_string()),
+    };
     let d: Vec<String> = keys
         .into_iter()
         .filter(|k| a.get(*k) != b.get(*k))
@@ -2606,7 +2618,8 @@ fn params_differences(there: &SamplingParams, here: &SamplingParams) -> String {
 #[cfg(test)]
 mod tests {
     use super::{
-        lead_mask, next_leads, After, Grammar, JsonLead, Lead, LeadDone, Spec, TokenLogprob,
+        lead_mask, next_leads, params_differences, After, Grammar, JsonLead, Lead, LeadDone, Spec,
+        TokenLogprob,
     };
     use crate::dsml_args::DsmlSpec;
     use std::collections::HashMap;
@@ -2750,6 +2763,24 @@ mod tests {
         assert!(lead_mask(&row, &lead, &bytes, &specials, &[3])[3].is_infinite());
         lead.written.clear();
         assert!(lead_mask(&row, &lead, &bytes, &specials, &[3])[3].is_finite());
+    }
+
+    /// Differing sampling is said field by field, f32 values as written.
+    #[test]
+    fn sampling_differences_are_named_as_written() {
+        let here = crate::SamplingParams {
+            temperature: 0.6,
+            top_p: 0.95,
+            ..crate::SamplingParams::greedy()
+        };
+        let there = crate::SamplingParams {
+            temperature: 1.0,
+            ..crate::SamplingParams::greedy()
+        };
+        assert_eq!(
+            params_differences(&there, &here),
+            "temperature 1 there, 0.6 here, top_p 1 there, 0.95 here"
+        );
     }
 
     /// DSML takes the special tokens that hold its marker by their text, and no other special

@@ -700,11 +700,13 @@ fn route(mut request: tiny_http::Request, router: &Router) {
             body["bootstrap_host"] = p.host.clone().into();
             body["bootstrap_port"] = kv_port.into();
             let payload = body.to_string().into_bytes();
-            // The room's KV is dropped on the prefill server once both its prefill has
-            // answered and the decode side has not taken the request (refused, unreachable,
-            // failed, or its client left): whichever of the two comes second sends the drop.
+            // The room's KV is dropped on the prefill server once the decode side has not taken
+            // the request (refused, unreachable, failed, or its client left): at once (which
+            // aborts a prefill queued or under way there: its KV would go nowhere, as the seed
+            // prefills only what a decode server asked for), and again once the prefill has
+            // answered (a drop that came before the prefill server opened the room).
             let release = std::sync::Arc::new(Release {
-                state: std::sync::Mutex::new((false, false)),
+                state: std::sync::Mutex::new((false, false, None)),
                 at: format!("{}:{kv_port}", bracket(&p.host)),
                 room,
                 held: held.clone(),
@@ -832,10 +834,11 @@ fn bracket(host: &str) -> String {
 
 /// A routed request's prefilled KV, dropped on its prefill server ([`crate::serve::KV_DROP`])
 /// when the decode side will not fetch it, rather than held for the prefill server's
-/// `--kv-timeout-s` (and its drain).
+/// `--kv-timeout-s` (and its drain); a prefill still under way is aborted.
 struct Release {
-    /// (the prefill answered, the decode side did not take the request)
-    state: std::sync::Mutex<(bool, bool)>,
+    /// (the prefill answered, the decode side did not take the request, the drop sent before
+    /// the prefill answered: true once it found the room)
+    state: std::sync::Mutex<(bool, bool, Option<std::thread::JoinHandle<bool>>)>,
     /// The prefill server's KV port, HOST:PORT.
     at: String,
     room: u64,
@@ -844,36 +847,56 @@ struct Release {
 }
 
 impl Release {
+    /// The prefill answered: a request the decode side did not take has its KV dropped now,
+    /// unless the drop sent before found the room (and aborted its prefill there).
     fn prefilled(&self) {
-        self.mark(|s| s.0 = true);
-    }
-
-    fn not_taken(&self) {
-        self.mark(|s| s.1 = true);
-    }
-
-    fn mark(&self, f: impl FnOnce(&mut (bool, bool))) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let before = *s == (true, true);
-        f(&mut s);
-        if *s == (true, true) && !before {
-            let (at, room, _held) = (self.at.clone(), self.room, self.held.clone());
-            std::thread::spawn(move || {
-                let _held = _held;
-                let _flight = crate::term::InFlight::enter();
-                if let Err(e) = drop_kv(&at, room) {
-                    say!(
-                        "cachalot router: room {room}: could not tell the prefill server's KV \
-                         port {at} to drop the KV its decode server did not take: {e}"
-                    );
-                }
-            });
+        let early = {
+            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            s.0 = true;
+            if !s.1 {
+                return;
+            }
+            s.2.take()
+        };
+        if !early.is_some_and(|h| h.join().unwrap_or(false)) {
+            self.send_drop();
         }
+    }
+
+    /// The decode side did not take the request: its KV, or the prefill under way, is dropped
+    /// at once.
+    fn not_taken(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.1 {
+            return;
+        }
+        s.1 = true;
+        let h = self.send_drop();
+        if !s.0 {
+            s.2 = Some(h);
+        }
+    }
+
+    /// Sends the drop in the background; its thread answers whether it found the room.
+    fn send_drop(&self) -> std::thread::JoinHandle<bool> {
+        let (at, room, _held) = (self.at.clone(), self.room, self.held.clone());
+        std::thread::spawn(move || {
+            let _held = _held;
+            let _flight = crate::term::InFlight::enter();
+            drop_kv(&at, room).unwrap_or_else(|e| {
+                say!(
+                    "cachalot router: room {room}: could not tell the prefill server's KV \
+                     port {at} to drop the KV its decode server did not take: {e}"
+                );
+                false
+            })
+        })
     }
 }
 
-/// Tells the prefill server's KV port `at` to drop `room`'s KV.
-fn drop_kv(at: &str, room: u64) -> std::io::Result<()> {
+/// Tells the prefill server's KV port `at` to drop `room`'s KV; whether it held the room (its
+/// KV, or a prefill under way, which it aborts).
+fn drop_kv(at: &str, room: u64) -> std::io::Result<bool> {
     let mut conn = crate::serve::connect_within(at, Duration::from_secs(5))?;
     let mut hello = [0u8; 8];
     conn.read_exact(&mut hello)?;
@@ -888,6 +911,9 @@ fn drop_kv(at: &str, room: u64) -> std::io::Result<()> {
     conn.write_all(&ask)?;
     let mut ack = [0u8; 1];
     conn.read_exact(&mut ack)?;
+    if ack[0] == crate::serve::KV_DROP_NONE {
+        return Ok(false);
+    }
     if ack[0] != 0 {
         let mut why = String::new();
         let _ = conn.take(1 << 16).read_to_string(&mut why);
@@ -896,7 +922,7 @@ fn drop_kv(at: &str, room: u64) -> std::io::Result<()> {
             why.get(4..).unwrap_or("").trim()
         )));
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Sends a backend's answer on to the client as it arrives: chunked to HTTP/1.1 clients (one

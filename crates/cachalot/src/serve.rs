@@ -255,8 +255,9 @@ struct Rooms {
 }
 
 enum RoomState {
-    /// The choices' KVs so far (`None`: still prefilling).
-    Prefilling(Vec<Option<Box<KvSnapshot>>>),
+    /// The choices' KVs so far (`None`: still prefilling), and the request's flag that aborts
+    /// its prefills ([`Job::gone`]) when the room is dropped before they are done.
+    Prefilling(Vec<Option<Box<KvSnapshot>>>, Option<Arc<AtomicBool>>),
     /// Every choice's KV, in choice order.
     Ready(Vec<KvSnapshot>),
     Failed(String),
@@ -294,8 +295,9 @@ impl Rooms {
         map.retain(|_, (t, _)| t.elapsed() < timeout);
     }
 
-    /// The prefills of a request's `choices` start for `room`; refused if the room is in use.
-    fn open(&self, room: u64, choices: usize) -> Result<(), String> {
+    /// The prefills of a request's `choices` start for `room` (`gone` aborts them); refused if
+    /// the room is in use.
+    fn open(&self, room: u64, choices: usize, gone: Option<Arc<AtomicBool>>) -> Result<(), String> {
         let mut map = self.lock();
         self.purge(&mut map);
         if let Some((_, state)) = map.get(&room) {
@@ -304,7 +306,7 @@ impl Rooms {
             }
         }
         let slots = (0..choices.max(1)).map(|_| None).collect();
-        map.insert(room, (Instant::now(), RoomState::Prefilling(slots)));
+        map.insert(room, (Instant::now(), RoomState::Prefilling(slots, gone)));
         Ok(())
     }
 
@@ -316,7 +318,7 @@ impl Rooms {
         let Some((t, state)) = map.get_mut(&room) else {
             return;
         };
-        let RoomState::Prefilling(slots) = state else {
+        let RoomState::Prefilling(slots, _) = state else {
             return;
         };
         match slots.get_mut(choice) {
@@ -353,8 +355,12 @@ impl Rooms {
         let Some((t, state)) = map.get_mut(&room) else {
             return false;
         };
-        if !matches!(state, RoomState::Prefilling(_) | RoomState::Ready(_)) {
+        if !matches!(state, RoomState::Prefilling(..) | RoomState::Ready(_)) {
             return false;
+        }
+        // Prefills still under way (queued or running) are aborted: their KV would go nowhere.
+        if let RoomState::Prefilling(_, Some(gone)) = state {
+            gone.store(true, Ordering::Relaxed);
         }
         *state = RoomState::Gone(format!(
             "bootstrap_room {room}'s KV was dropped: the router found its decode server had \
@@ -2170,7 +2176,7 @@ fn handle(mut request: tiny_http::Request, shared: &Shared) {
                         }
                         // The decode server waiting on this room learns why at once.
                         if let (Some(rooms), Some(room)) = (&shared.rooms, room) {
-                            if rooms.open(room, 1).is_ok() {
+                            if rooms.open(room, 1, None).is_ok() {
                                 rooms.set(
                                     room,
                                     RoomState::Failed(format!(
@@ -2597,9 +2603,13 @@ fn prompts_fingerprint<'a>(prompts: impl Iterator<Item = &'a [u32]>) -> u64 {
 
 /// What a router sends on a prefill server's KV port when the decode server of a room refused
 /// its request, could not be reached or failed: this, then the room (u64 LE). The prefill
-/// server drops the room's KV (or the prefill under way) at once rather than hold it for
-/// `--kv-timeout-s`, and answers one byte (0).
+/// server drops the room's KV (or aborts the prefill under way) at once rather than hold it
+/// for `--kv-timeout-s`, and answers one byte: 0, or [`KV_DROP_NONE`] where the room held
+/// nothing (the router then drops it again once the prefill has answered).
 pub(crate) const KV_DROP: &[u8; 8] = b"CKV-DROP";
+
+/// The answer to [`KV_DROP`] where the room held nothing to drop (not yet opened, or gone).
+pub(crate) const KV_DROP_NONE: u8 = 2;
 
 /// What a prefill server's KV port writes first on every connection, so that a decode server
 /// pointed at another port (an HTTP port, say) learns it at once rather than after its wait.
@@ -2628,13 +2638,14 @@ fn serve_kv(listener: TcpListener, rooms: Arc<Rooms>) {
             let read = conn.read_exact(&mut ask);
             if read.is_ok() && &ask[..8] == KV_DROP {
                 let room = u64::from_le_bytes(ask[8..].try_into().expect("8 bytes"));
-                if rooms.release(room) {
+                let released = rooms.release(room);
+                if released {
                     say!(
                         "cachalot serve: bootstrap_room {room}: its decode server did not take \
                          the request or its client left (the router says); its KV is dropped"
                     );
                 }
-                let _ = conn.write_all(&[0]);
+                let _ = conn.write_all(&[if released { 0 } else { KV_DROP_NONE }]);
                 return;
             }
             let checked = read.is_ok() && &ask[..8] == KV_GET_CHECKED;
@@ -5175,7 +5186,7 @@ fn run_call(request: tiny_http::Request, shared: &Shared, mut call: Call, boot: 
     let kinds: Vec<JobKind> = match (shared.role, boot) {
         (Role::Prefill, Some(b)) => {
             let rooms = shared.rooms.as_ref().expect("the prefill role has rooms");
-            if let Err(m) = rooms.open(b.room, call.choices()) {
+            if let Err(m) = rooms.open(b.room, call.choices(), Some(left.0.clone())) {
                 let e = ApiError::bad("bootstrap_room", m);
                 return respond_json(request, 400, &e.body());
             }
@@ -5957,6 +5968,30 @@ fn stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A fetch under way when its room is dropped learns it at once, and the drop aborts the
+    /// prefill still under way.
+    #[test]
+    fn a_dropped_room_aborts_its_prefill() {
+        let rooms = Arc::new(Rooms {
+            map: Mutex::new(HashMap::new()),
+            changed: Condvar::new(),
+            timeout: Duration::from_secs(20),
+        });
+        let gone = Arc::new(AtomicBool::new(false));
+        rooms.open(7, 1, Some(gone.clone())).unwrap();
+        let early = {
+            let r = rooms.clone();
+            std::thread::spawn(move || r.take(7, None))
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(rooms.release(7));
+        assert!(gone.load(Ordering::Relaxed), "the prefill is aborted");
+        let e = early.join().unwrap().unwrap_err();
+        assert!(e.contains("was dropped"), "{e}");
+        // Nothing left to drop: said so (the router then drops it again after the prefill).
+        assert!(!rooms.release(7) && !rooms.release(8));
+    }
 
     /// The names of the calls an answer parses to.
     fn call_names(format: ToolCallFormat, answer: &str) -> Vec<String> {
