@@ -801,8 +801,10 @@ fn lead_mask(
             let t = t as u32;
             let stop_ok = lead.stop_ok && lead.written.is_empty();
             if (stop_ok && stop.contains(&t))
-                || (!stop.contains(&t)
-                    && lead.allows(lead_bytes(t, bytes, specials), specials.contains_key(&t)))
+                || (!stop.contains(&t) && {
+                    let (b, special) = lead_bytes(t, bytes, specials);
+                    lead.allows(b, special)
+                })
             {
                 x
             } else {
@@ -812,12 +814,17 @@ fn lead_mask(
         .collect()
 }
 
-/// Token `t`'s bytes for a lead: a special token's text, any other token's bytes.
-fn lead_bytes<'a>(t: u32, bytes: &'a [Vec<u8>], specials: &'a HashMap<u32, Vec<u8>>) -> &'a [u8] {
-    specials
-        .get(&t)
-        .or_else(|| bytes.get(t as usize))
-        .map_or(&[][..], Vec::as_slice)
+/// Token `t`'s bytes for a lead: a special token's text, any other token's bytes; and whether
+/// it is a special token.
+fn lead_bytes<'a>(
+    t: u32,
+    bytes: &'a [Vec<u8>],
+    specials: &'a HashMap<u32, Vec<u8>>,
+) -> (&'a [u8], bool) {
+    match specials.get(&t) {
+        Some(text) => (text, true),
+        None => (bytes.get(t as usize).map_or(&[][..], Vec::as_slice), false),
+    }
 }
 
 /// A generated token's log-probability under the model (the log-softmax of its raw logits,
@@ -1397,10 +1404,8 @@ impl<'t, M: Model> Engine<'t, M> {
                 let b = g.token_bytes(kv.first_token, bytes, &self.special_bytes);
                 !b.is_empty() && g.clone().feed_all(b)
             } else {
-                Lead::new(&req.json_lead, dsml_mode(&req), &self.special_bytes).allows(
-                    lead_bytes(kv.first_token, bytes, &self.special_bytes),
-                    self.special_bytes.contains_key(&kv.first_token),
-                )
+                let (b, special) = lead_bytes(kv.first_token, bytes, &self.special_bytes);
+                Lead::new(&req.json_lead, dsml_mode(&req), &self.special_bytes).allows(b, special)
             };
             if !fits {
                 return refuse(format!(
@@ -2268,7 +2273,7 @@ impl<'t, M: Model> Engine<'t, M> {
         // JSON mode after a lead: it starts within the token that completes the lead.
         if let Some(lead) = live.lead.as_mut() {
             let bytes = self.token_bytes.as_deref().unwrap_or_default();
-            match lead.push(lead_bytes(token, bytes, &self.special_bytes)) {
+            match lead.push(lead_bytes(token, bytes, &self.special_bytes).0) {
                 None => {}
                 Some(LeadDone::Free) => live.lead = None,
                 Some(LeadDone::Json(mut g, rest)) => {
