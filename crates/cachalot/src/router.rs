@@ -824,7 +824,7 @@ fn misrouted(who: &str, answer: &[u8]) -> Option<String> {
 }
 
 /// `host` as the host part of HOST:PORT (an IPv6 address in brackets).
-fn bracket(host: &str) -> String {
+pub(crate) fn bracket(host: &str) -> String {
     if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]")
     } else {

@@ -977,6 +977,11 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
     let (jobs, job_rx) = mpsc::channel();
     let kv_timeout = Duration::from_secs(args.kv_timeout_s);
     // The prefill role's KV port, bound before the model loads so a taken port fails fast.
+    if args.role == Role::Prefill && port != 0 && args.kv_port == port {
+        anyhow::bail!(
+            "--kv-port {port} is the server's own --port: give the KV transfers another port"
+        );
+    }
     let kv_listener = match args.role {
         Role::Prefill if rank == 0 => Some(
             TcpListener::bind((args.host.as_str(), args.kv_port)).map_err(|e| {
@@ -1043,7 +1048,7 @@ fn serve_rank(args: &ServeArgs, mut set: Settings, comm: Arc<dyn Communicator>) 
             if let (Some(l), Some(r), Some(p)) = (kv_listener, rooms.clone(), kv_port) {
                 say!(
                     "cachalot serve: prefill role, decode servers fetch KV from {}:{p}",
-                    args.host
+                    crate::router::bracket(&args.host)
                 );
                 std::thread::spawn(move || serve_kv(l, r));
             }
@@ -1201,7 +1206,11 @@ fn engine_loop<M: Model>(
         args.batch_size,
         args.max_prefill_tokens,
         if args.mtp > 0 {
-            format!(", MTP with {} drafts", args.mtp)
+            format!(
+                ", MTP with {} draft{}",
+                args.mtp,
+                if args.mtp == 1 { "" } else { "s" }
+            )
         } else {
             String::new()
         }

@@ -1312,6 +1312,18 @@ fn out_of_range_arguments_are_named_not_panicked_on() {
         ),
         (
             vec![
+                "serve",
+                "--role",
+                "prefill",
+                "--port",
+                "32555",
+                "--kv-port",
+                "32555",
+            ],
+            "--kv-port 32555 is the server's own --port",
+        ),
+        (
+            vec![
                 "bench",
                 "--model",
                 "assets/cachalot-tiny-r1",
