@@ -4357,22 +4357,21 @@ fn forced_call(
                 }])
                 .collect()
         };
-        let more = match (name.is_none() && !suffix.is_empty()).then(|| {
-            if v4 {
-                (Some(v4_next()), None)
-            } else {
-                (next_call(1), next_call(2))
+        let more = if name.is_some() || suffix.is_empty() {
+            Vec::new()
+        } else if v4 {
+            vec![v4_next()]
+        } else {
+            match (next_call(1), next_call(2)) {
+                (Some(a), Some(b)) if a == b => vec![a],
+                // The markup numbers the calls: each call's own, up to a bound, then the end.
+                (Some(a), Some(b)) => [a, b]
+                    .into_iter()
+                    .chain((3..MAX_NUMBERED_CALLS).map_while(next_call))
+                    .chain([Vec::new()])
+                    .collect(),
+                _ => Vec::new(),
             }
-        }) {
-            Some((Some(a), None)) if v4 => vec![a],
-            Some((Some(a), Some(b))) if a == b => vec![a],
-            // The markup numbers the calls: each call's own, up to a bound, then the end.
-            Some((Some(a), Some(b))) => [a, b]
-                .into_iter()
-                .chain((3..MAX_NUMBERED_CALLS).map_while(next_call))
-                .chain([Vec::new()])
-                .collect(),
-            _ => Vec::new(),
         };
         Some(ForcedJson {
             leads,
