@@ -1282,11 +1282,17 @@ fn write_through_temp(
             None => e,
         });
     }
+    // (An interrupt waits for the files to be in place: [`placed_output`].)
+    let placing = PLACING.lock().unwrap_or_else(|e| e.into_inner());
     let placed = if inside {
         move_up(&tmp, out, force)
     } else {
         rename_over(&tmp, out, force)
     };
+    if placed.is_ok() {
+        *PLACED.lock().unwrap_or_else(|e| e.into_inner()) = Some(out.to_path_buf());
+    }
+    drop(placing);
     // A finished conversion that cannot be put in place is kept, not lost.
     let done = placed.map_err(|e| match e {
         ConvertError::Io { .. } if tmp.exists() => keep_finished(&tmp, out, &e),
@@ -1652,6 +1658,21 @@ fn move_up(tmp: &Path, out: &Path, force: bool) -> Result<()> {
     drop_bookkeeping(tmp);
     fs::remove_dir(tmp).map_err(|e| ConvertError::io(tmp, e))?;
     sync_path(out)
+}
+
+/// Held while a finished output's files are put in place ([`placed_output`]).
+static PLACING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The output a conversion has put in place.
+static PLACED: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+
+/// For a Ctrl-C or SIGTERM handler with no partial output to remove
+/// ([`remove_partial_output`]): waits until a finished output's files are in place (a move
+/// stopped halfway would leave half a model in an existing directory) and returns it, if one
+/// was put in place.
+pub fn placed_output() -> Option<PathBuf> {
+    let _placing = PLACING.lock().unwrap_or_else(|e| e.into_inner());
+    PLACED.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
 /// The partial output directory being written now (for [`remove_partial_output`]).

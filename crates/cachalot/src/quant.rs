@@ -100,7 +100,16 @@ pub fn run_convert(args: &ConvertArgs) -> Result<()> {
             cachalot_convert::shards_word(n),
             p.display()
         ),
-        None => {}
+        // Stopped while the finished output was put in place: it is, whole.
+        None => {
+            if let Some(out) = cachalot_convert::placed_output() {
+                eprintln!(
+                    "convert: interrupted as the converted model was put in place; it is \
+                     complete in {}",
+                    out.display()
+                )
+            }
+        }
     })?;
     let r = convert(&opts).map_err(|e| match &mtp_note {
         // What the loader said about the MTP layers is likely the same damage.
