@@ -5832,6 +5832,16 @@ fn stream(
         if call.tools {
             let mut message = json!({});
             set_answer(&mut message, shared, call, &ch.held.text, &mut finish);
+            // A call that went out as it was written and that the whole answer does not hold
+            // (the length limit cut it after the calls before it closed): the error says so.
+            let whole = message["tool_calls"].as_array().map_or(0, Vec::len);
+            if whole > 0 && ch.held.calls.len() > whole {
+                message["tool_call_error"] = format!(
+                    "tool call {whole} was cut off at the answer's length limit (max_tokens or \
+                     the model's context: give it more room); the calls before it are whole"
+                )
+                .into();
+            }
             // The content that went out already is not sent again.
             let sent = &ch.held.text[..ch.held.streamed];
             // (The parsed content begins with the text before any markup.)

@@ -2263,6 +2263,32 @@ fn serve_forces_tool_calls() {
     assert!(most >= 2, "no answer made two calls: {v}");
     // (With this seed some answers go on calling until max_tokens cuts a call.)
     assert!(cut > 0, "no answer was cut after a closed call: {v}");
+    // Streamed, such an answer has sent the cut call's pieces too: its end says the call is
+    // not one (tool_call_error), where the whole answer leaves it out.
+    let mut streamed = body.clone();
+    streamed["stream"] = true.into();
+    let mut sent_calls = [0usize; 8];
+    let mut errors = [false; 8];
+    for e in events(addr, "/v1/chat/completions", &streamed)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+    {
+        let e: Value = serde_json::from_str(e).unwrap();
+        for c in e["choices"].as_array().into_iter().flatten() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            for t in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
+                sent_calls[i] = sent_calls[i].max(t["index"].as_u64().unwrap() as usize + 1);
+            }
+            errors[i] |= c["delta"]["tool_call_error"].is_string();
+        }
+    }
+    for (i, c) in v["choices"].as_array().unwrap().iter().enumerate() {
+        let whole = c["message"]["tool_calls"].as_array().map_or(0, Vec::len);
+        if whole > 0 {
+            assert!(sent_calls[i] >= whole, "{i}: {c}");
+            assert_eq!(errors[i], sent_calls[i] > whole, "choice {i}: {c}");
+        }
+    }
     // `parallel_tool_calls: false` holds it to one; it is a boolean.
     let (status, v) = post(
         addr,
