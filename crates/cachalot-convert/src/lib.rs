@@ -1979,7 +1979,7 @@ fn temp_dir_for(out: &Path, adopt: Option<Adopt>) -> Result<(PathBuf, bool)> {
     // An existing directory is written into, as the seed's converter does (a shell or process
     // in it stays in the output, which keeps its owner and mode), and a mount point cannot be
     // renamed: build inside it.
-    let mounted = out.is_dir() || is_mount_point(out, &parent);
+    let build_inside = out.is_dir() || is_mount_point(out, &parent);
     // A directory of this name whose lock is held is another conversion's (a process of
     // another PID namespace with this id): it is left alone, and this one stops.
     for tmp in [&beside, &within] {
@@ -2000,7 +2000,7 @@ fn temp_dir_for(out: &Path, adopt: Option<Adopt>) -> Result<(PathBuf, bool)> {
         }
         fs::create_dir(tmp)
     };
-    let (tmp, inside) = if mounted {
+    let (tmp, inside) = if build_inside {
         make(&within).map_err(|e| unusable(&within, e))?;
         (within, true)
     } else {
